@@ -1,0 +1,1 @@
+"""Routing and token dispatchers (import as ``moe_fold.dispatch``)."""

@@ -1,0 +1,3 @@
+"""Compute kernels behind one interface each (import as ``moe_fold.kernels``).
+
+Nothing here knows about process groups."""

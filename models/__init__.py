@@ -1,0 +1,1 @@
+"""The transformer stack, presets and Hugging Face interop (import as ``moe_fold.models``)."""

@@ -1,0 +1,46 @@
+"""The ``moe-fold`` command: one subcommand per job, each defined in its own module.
+
+A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``; it is
+imported only when its subcommand runs, so ``moe-fold layout`` never imports the
+training stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Modules are imported lazily.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "layout": ("moe_fold.layout_command", "print the attention and expert layouts of a world"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moe-fold",
+        description="Pretrain Mixture-of-Experts language models with MoE parallel folding.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(_module=mod)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args._module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Run a function on N local ranks, one process each, joined by a gloo process group.
+
+Used by the tests (every multi-rank test), the benchmarks and ``moe-fold train --nproc``.
+Processes come from a forkserver that imported torch once, so a rank starts in a
+fraction of a second and never inherits a parent's OpenMP threads or process groups.
+The parent owns the TCP store (port chosen by the OS, so no port race): ranks connect
+to it as clients.
+
+Failure handling: a rank that raises sends its traceback to the parent, which kills
+the other ranks (they would otherwise wait forever in a collective) and raises
+:class:`RankError` with the first failing rank's traceback. A rank that dies without
+a word (signal, ``os._exit``) and a run that exceeds ``timeout`` are reported the
+same way. No process outlives :func:`run_ranks`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+__all__ = ["RankError", "run_ranks"]
+
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
+
+
+class RankError(RuntimeError):
+    """A rank of :func:`run_ranks` failed; the message carries its traceback."""
+
+    def __init__(self, rank: Optional[int], message: str):
+        self.rank = rank
+        super().__init__(message)
+
+
+def _context() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    return ctx
+
+
+def _rank_main(fn, rank, world_size, store_port, threads, env, args, kwargs, results):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+    try:
+        store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=float(env.get("MOE_FOLD_PG_TIMEOUT", "120"))))
+        try:
+            out = fn(rank, world_size, *args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:  # report everything, including KeyboardInterrupt and SystemExit
+        results.put((rank, False, traceback.format_exc()))
+
+
+# Words in a traceback that mark a rank which failed only because a peer went away.
+_PEER_FAILURE_MARKS = ("Connection closed by peer", "Connection reset by peer", "DistBackendError",
+                       "Broken pipe", "timed out")
+
+
+def _first_failure(procs, outputs, failures, world_size) -> RankError:
+    died = [r for r, p in enumerate(procs)
+            if r not in outputs and r not in failures and p.exitcode not in (None, 0)]
+    if died:
+        r = died[0]
+        others = "".join(f"\n--- rank {o} then failed:\n{tb}" for o, tb in sorted(failures.items()))
+        return RankError(r, f"rank {r} of {world_size} died with exit code {procs[r].exitcode} "
+                            f"before returning a result{others}")
+    root = [r for r, tb in sorted(failures.items()) if not any(m in tb for m in _PEER_FAILURE_MARKS)]
+    r = root[0] if root else min(failures)
+    return RankError(r, f"rank {r} of {world_size} failed:\n{failures[r]}")
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    threads: int = 1,
+    env: Optional[dict[str, str]] = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes.
+
+    ``fn`` must be importable by name (a module-level function) and its return value
+    picklable. Returns the per-rank results, index = rank. Raises :class:`RankError`
+    naming the first rank that failed, died or timed out.
+    """
+    import torch.distributed as dist
+
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                          timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    ctx = _context()
+    results = ctx.Queue()
+    child_env = {"MOE_FOLD_PG_TIMEOUT": str(int(timeout)), **(env or {})}
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, store.port, threads, child_env, args, kwargs, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+
+    def receive(wait: float) -> bool:
+        try:
+            rank, ok, payload = results.get(timeout=wait)
+        except queue.Empty:
+            return False
+        (outputs if ok else failures)[rank] = payload
+        return True
+
+    try:
+        while len(outputs) < world_size:
+            if failures or any(p.exitcode not in (None, 0) for p in procs):
+                # When one rank fails its peers soon fail too, inside a collective; wait
+                # a moment so the report can name the rank that failed first.
+                settle = time.monotonic() + 2.0
+                while time.monotonic() < settle and len(outputs) + len(failures) < world_size:
+                    receive(0.1)
+                raise _first_failure(procs, outputs, failures, world_size)
+            if receive(0.2):
+                continue
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(outputs))
+                raise RankError(missing[0], f"timed out after {timeout:.0f}s waiting for ranks {missing}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        results.close()
+        del store
+    return [outputs[r] for r in range(world_size)]
