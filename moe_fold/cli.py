@@ -1,8 +1,8 @@
 """The ``moe-fold`` command: one subcommand per job, each defined in its own module.
 
-A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``; it is
-imported only when its subcommand runs, so ``moe-fold layout`` never imports the
-training stack.
+A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``. Those
+modules are imported to build the parser, so they keep heavy imports (the model, the
+training loop) inside ``run``: ``moe-fold layout`` never imports the training stack.
 """
 
 from __future__ import annotations
