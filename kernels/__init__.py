@@ -1,3 +1,5 @@
 """Compute kernels behind one interface each (import as ``moe_fold.kernels``).
 
 Nothing here knows about process groups."""
+
+from .permute import chunk_order, permute, permute_padded, sort_chunks, unpermute

@@ -1,0 +1,268 @@
+"""Token permutation for the MoE dispatcher: tokens to expert-major rows and back.
+
+One interface, two backends (``backend="torch" | "triton"``; config key
+``moe.permute_backend``). The torch backend here is also the reference the Triton
+kernels in ``permute_triton.py`` are tested against.
+
+Layout conventions shared by every function in this file:
+
+- ``routing_map[T, E]`` (bool) says which experts each token goes to;
+  ``probs[T, E]`` holds the routing weight of each (token, expert) pair.
+- Permuted rows are **expert-major**: every row of expert 0 (tokens in ascending
+  order), then expert 1, ... ``sorted_indices[i]`` is the source token of row i.
+- Padded layout (static shapes, no host sync): every expert owns exactly
+  ``capacity`` consecutive rows, ``[E * capacity, H]``. Unused slots carry the
+  sentinel index ``T`` (= ``num_tokens``) in ``sorted_indices``: they are zero rows
+  after ``permute_padded``, have prob 0, and add nothing in ``unpermute``.
+  ``unpermute`` accepts the sentinel everywhere, so there is no ``unpermute_padded``.
+"""
+from typing import Optional, Sequence, Union
+
+import torch
+
+BACKENDS = ("torch", "triton")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+
+
+def _check_routing(tokens: torch.Tensor, routing_map: torch.Tensor,
+                   probs: Optional[torch.Tensor]) -> None:
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [T, H], got shape {tuple(tokens.shape)}")
+    if routing_map.dim() != 2 or routing_map.dtype != torch.bool:
+        raise ValueError(f"routing_map must be a bool [T, E] tensor, got "
+                         f"{routing_map.dtype} {tuple(routing_map.shape)}")
+    if routing_map.shape[0] != tokens.shape[0]:
+        raise ValueError(f"routing_map has {routing_map.shape[0]} rows but tokens has "
+                         f"{tokens.shape[0]}; they must match")
+    if probs is not None and probs.shape != routing_map.shape:
+        raise ValueError(f"probs shape {tuple(probs.shape)} must equal routing_map "
+                         f"shape {tuple(routing_map.shape)}")
+
+
+def routing_indices(routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert-major row order of a routing map.
+
+    Returns ``(sorted_indices[N], flat_index[N])``: the source token of each permuted
+    row and the index of its (token, expert) pair in ``probs.reshape(-1)``.
+    N is data dependent, so this reads one number back to the host.
+    """
+    num_experts = routing_map.shape[1]
+    # nonzero of the [E, T] map walks experts first, tokens ascending within one.
+    nz = routing_map.t().nonzero()  # [N, 2] = (expert, token)
+    sorted_indices = nz[:, 1].contiguous()
+    flat_index = sorted_indices * num_experts + nz[:, 0]
+    return sorted_indices, flat_index
+
+
+def padded_slots(routing_map: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Row of each (token, expert) pair in the padded layout, ``[T, E]`` int64.
+
+    Routed pairs get ``e * capacity + (rank of the token within expert e)``; pairs
+    that are not routed get ``E * capacity`` (one past the end). Raises (on the
+    device, without a host sync) if an expert has more than ``capacity`` tokens.
+    """
+    num_tokens, num_experts = routing_map.shape
+    if capacity < 1:
+        raise ValueError(f"capacity={capacity} must be >= 1")
+    pos = torch.cumsum(routing_map, dim=0) - 1  # [T, E]: rank within the expert
+    torch._assert_async(pos[-1].max() < capacity if num_tokens else torch.tensor(True),
+                        f"routing_map sends more than capacity={capacity} tokens to "
+                        f"one expert; drop tokens before permute_padded")
+    base = torch.arange(num_experts, device=routing_map.device) * capacity
+    return torch.where(routing_map, base + pos, num_experts * capacity)
+
+
+def padded_indices(routing_map: torch.Tensor, capacity: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sorted_indices[E*C], flat_index[E*C])`` of the padded layout.
+
+    Empty slots hold the sentinel token ``T`` and flat index ``T * E`` (one past the
+    end of ``probs.reshape(-1)``).
+    """
+    num_tokens, num_experts = routing_map.shape
+    slots = padded_slots(routing_map, capacity).reshape(-1)  # [T*E]
+    n = num_experts * capacity
+    tok = torch.arange(num_tokens, device=routing_map.device)
+    flat = torch.arange(num_tokens * num_experts, device=routing_map.device)
+    # One spare slot at the end absorbs every unrouted pair and is cut off.
+    sorted_indices = torch.full((n + 1,), num_tokens, dtype=torch.long,
+                                device=routing_map.device)
+    sorted_indices.scatter_(0, slots, tok.repeat_interleave(num_experts))
+    flat_index = torch.full((n + 1,), num_tokens * num_experts, dtype=torch.long,
+                            device=routing_map.device)
+    flat_index.scatter_(0, slots, flat)
+    return sorted_indices[:n], flat_index[:n]
+
+
+def _gather_probs(probs: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor:
+    """``probs.reshape(-1)[flat_index]`` where an index one past the end gives 0."""
+    flat = probs.reshape(-1)
+    # [T*E] -> [T*E + 1]: the extra zero is what padding slots read.
+    flat = torch.cat([flat, flat.new_zeros(1)])
+    return flat.index_select(0, flat_index)
+
+
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor,
+            probs: Optional[torch.Tensor] = None, *, backend: str = "torch"
+            ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Gather tokens into expert-major rows.
+
+    ``tokens[T, H]``, ``routing_map[T, E]`` bool, ``probs[T, E]`` or None ->
+    ``(permuted[N, H], permuted_probs[N] or None, sorted_indices[N] int64)`` with
+    ``N = routing_map.sum()``. Differentiable w.r.t. tokens and probs.
+    """
+    _check_backend(backend)
+    _check_routing(tokens, routing_map, probs)
+    sorted_indices, flat_index = routing_indices(routing_map)
+    permuted_probs = None if probs is None else _gather_probs(probs, flat_index)
+    if backend == "triton":
+        from .permute_triton import gather_rows
+        permuted = gather_rows(tokens, sorted_indices, routing_map)
+    else:
+        permuted = tokens.index_select(0, sorted_indices)  # [T, H] -> [N, H]
+    return permuted, permuted_probs, sorted_indices
+
+
+def permute_padded(tokens: torch.Tensor, routing_map: torch.Tensor,
+                   probs: Optional[torch.Tensor], capacity: int, *,
+                   backend: str = "torch"
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Like ``permute`` but every expert gets exactly ``capacity`` rows.
+
+    Returns ``(permuted[E*C, H], permuted_probs[E*C] or None, sorted_indices[E*C])``.
+    Empty slots are zero rows with prob 0 and ``sorted_indices == T`` (sentinel).
+    ``routing_map`` must already respect the capacity (the router drops the rest);
+    an overflow raises. No host synchronisation.
+    """
+    _check_backend(backend)
+    _check_routing(tokens, routing_map, probs)
+    sorted_indices, flat_index = padded_indices(routing_map, capacity)
+    permuted_probs = None if probs is None else _gather_probs(probs, flat_index)
+    if backend == "triton":
+        from .permute_triton import gather_rows
+        permuted = gather_rows(tokens, sorted_indices, routing_map, capacity=capacity)
+    else:
+        num_tokens = tokens.shape[0]
+        valid = (sorted_indices < num_tokens).unsqueeze(1)  # [E*C, 1]
+        rows = tokens.index_select(0, sorted_indices.clamp(max=max(num_tokens - 1, 0)))
+        permuted = rows * valid if num_tokens else rows.new_zeros(rows.shape)
+    return permuted, permuted_probs, sorted_indices
+
+
+def unpermute(permuted: torch.Tensor, sorted_indices: torch.Tensor, num_tokens: int, *,
+              probs: Optional[torch.Tensor] = None, backend: str = "torch"
+              ) -> torch.Tensor:
+    """Scatter-add rows back to their tokens, each weighted by its prob if given.
+
+    ``permuted[N, H]``, ``sorted_indices[N]`` (values in ``[0, num_tokens]``; the
+    value ``num_tokens`` marks a padding row that contributes nothing),
+    ``probs[N]`` or None -> ``[num_tokens, H]`` in the dtype of ``permuted``.
+    Tokens routed nowhere get zero rows. bf16/fp16 inputs are weighted and summed
+    in float32. Differentiable w.r.t. permuted and probs.
+    """
+    _check_backend(backend)
+    if permuted.dim() != 2:
+        raise ValueError(f"permuted must be [N, H], got shape {tuple(permuted.shape)}")
+    if sorted_indices.shape != (permuted.shape[0],):
+        raise ValueError(f"sorted_indices shape {tuple(sorted_indices.shape)} must be "
+                         f"[{permuted.shape[0]}] (one per permuted row)")
+    if probs is not None and probs.shape != (permuted.shape[0],):
+        raise ValueError(f"probs shape {tuple(probs.shape)} must be "
+                         f"[{permuted.shape[0]}] (one per permuted row)")
+    if backend == "triton":
+        from .permute_triton import unpermute_rows
+        return unpermute_rows(permuted, sorted_indices, num_tokens, probs)
+    acc_dtype = torch.float32 if permuted.dtype in (torch.bfloat16, torch.float16) \
+        else permuted.dtype
+    rows = permuted.to(acc_dtype)
+    if probs is not None:
+        rows = rows * probs.to(acc_dtype).unsqueeze(1)
+    # One spare row receives the padding rows and is cut off.
+    out = rows.new_zeros(num_tokens + 1, permuted.shape[1])
+    out = out.index_add(0, sorted_indices, rows)  # [N, H] -> [T + 1, H]
+    return out[:num_tokens].to(permuted.dtype)
+
+
+def chunk_order(num_ranks: int, num_local_experts: int, inverse: bool = False
+                ) -> list[int]:
+    """Chunk permutation for ``sort_chunks`` between the two all-to-all layouts.
+
+    Forward: chunks arrive as ``[source rank][local expert]`` and must become
+    ``[local expert][source rank]``. ``inverse=True`` gives the way back (its input
+    chunks, and so its ``split_sizes``, are in ``[local expert][source rank]`` order).
+    """
+    if num_ranks < 1 or num_local_experts < 1:
+        raise ValueError(f"num_ranks={num_ranks} and num_local_experts="
+                         f"{num_local_experts} must both be >= 1")
+    if inverse:
+        return [e * num_ranks + r for r in range(num_ranks)
+                for e in range(num_local_experts)]
+    return [r * num_local_experts + e for e in range(num_local_experts)
+            for r in range(num_ranks)]
+
+
+def chunk_gather_index(split_sizes: torch.Tensor, order: torch.Tensor,
+                       num_rows: int) -> torch.Tensor:
+    """Source row of every output row of ``sort_chunks``, ``[num_rows]`` int64.
+
+    Pure tensor arithmetic (no host sync), so it works with sizes on the device.
+    """
+    in_start = torch.cumsum(split_sizes, 0) - split_sizes  # [C]
+    out_sizes = split_sizes.index_select(0, order)
+    out_end = torch.cumsum(out_sizes, 0)
+    rows = torch.arange(num_rows, device=split_sizes.device)
+    chunk = torch.searchsorted(out_end, rows, right=True)  # output chunk of each row
+    return in_start.index_select(0, order).index_select(0, chunk) + \
+        rows - (out_end - out_sizes).index_select(0, chunk)
+
+
+class _RowPermutation(torch.autograd.Function):
+    """``x[index]`` for a permutation ``index``; backward gathers with the inverse
+    (cheaper than the scatter-add autograd would use for index_select)."""
+
+    @staticmethod
+    def forward(ctx, x, index, use_triton):
+        ctx.save_for_backward(index)
+        ctx.use_triton = use_triton
+        return _take_rows(x, index, use_triton)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        inverse = torch.empty_like(index)
+        inverse[index] = torch.arange(index.numel(), device=index.device)
+        return _take_rows(grad.contiguous(), inverse, ctx.use_triton), None, None
+
+
+def _take_rows(x: torch.Tensor, index: torch.Tensor, use_triton: bool) -> torch.Tensor:
+    if use_triton:
+        from .permute_triton import take_rows
+        return take_rows(x, index)
+    return x.index_select(0, index)
+
+
+def sort_chunks(x: torch.Tensor, split_sizes: Union[Sequence[int], torch.Tensor],
+                order: Union[Sequence[int], torch.Tensor], *, backend: str = "torch"
+                ) -> torch.Tensor:
+    """Reorder contiguous chunks of rows: chunk i has ``split_sizes[i]`` rows; the
+    output holds the chunks in ``order``. ``x`` is ``[N, ...]`` (1-D works, for
+    probs). Differentiable w.r.t. x.
+    """
+    _check_backend(backend)
+    sizes = torch.as_tensor(split_sizes, dtype=torch.long, device=x.device)
+    order_t = torch.as_tensor(order, dtype=torch.long, device=x.device)
+    if sizes.dim() != 1 or order_t.shape != sizes.shape:
+        raise ValueError(f"split_sizes (shape {tuple(sizes.shape)}) and order (shape "
+                         f"{tuple(order_t.shape)}) must be 1-D of the same length")
+    if not isinstance(split_sizes, torch.Tensor) and sum(split_sizes) != x.shape[0]:
+        raise ValueError(f"split_sizes sum to {sum(split_sizes)} but x has "
+                         f"{x.shape[0]} rows")
+    if not isinstance(order, torch.Tensor) and sorted(order) != list(range(len(order))):
+        raise ValueError(f"order={list(order)} is not a permutation of "
+                         f"0..{len(order) - 1}")
+    index = chunk_gather_index(sizes, order_t, x.shape[0])
+    return _RowPermutation.apply(x, index, backend == "triton")
