@@ -1,0 +1,151 @@
+"""Grouped GEMM: the one interface every expert layer uses, with a switch between backends.
+
+``gmm(x, w, tokens_per_expert)`` multiplies the rows of ``x`` that belong to expert ``e``
+(rows are grouped expert-major) by ``w[e]``. Backends:
+
+- ``grouped_gemm``: the grouped-gemm package (CUDA, bfloat16; ``pip install 'moe-fold[gpu]'``);
+- ``torch``: ``torch.nn.functional.grouped_mm`` (CPU and CUDA; see gmm_torch.py);
+- ``triton``: our Triton kernels (CUDA, or the CPU interpreter with TRITON_INTERPRET=1);
+- ``loop``: one matmul per expert, the reference;
+- ``auto``: the fastest one available for the device and dtype (see ``_auto``).
+
+The choice is the ``backend`` argument, else the environment variable
+MOE_FOLD_GEMM_BACKEND, else ``auto`` (config key ``moe.gemm_backend`` passes the argument).
+"""
+
+import importlib.util
+import os
+from typing import Sequence
+
+import torch
+
+ENV_VAR = "MOE_FOLD_GEMM_BACKEND"
+BACKENDS = ("auto", "grouped_gemm", "torch", "triton", "loop")
+
+
+def _has_grouped_gemm() -> bool:
+    return importlib.util.find_spec("grouped_gemm") is not None and torch.cuda.is_available()
+
+
+def _triton_runs_here() -> bool:
+    has_triton = importlib.util.find_spec("triton") is not None
+    return has_triton and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def available_backends() -> list[str]:
+    """Backend names that can run in this environment (``auto`` always can)."""
+    names = ["auto"]
+    if _has_grouped_gemm():
+        names.append("grouped_gemm")
+    names.append("torch")
+    if _triton_runs_here():
+        names.append("triton")
+    names.append("loop")
+    return names
+
+
+def _auto(x: torch.Tensor) -> str:
+    from .gmm_torch import SUPPORTED_DTYPES
+
+    if x.is_cuda:
+        if x.dtype == torch.bfloat16 and _has_grouped_gemm():
+            return "grouped_gemm"
+        # grouped_mm's CUDA kernels are written for bfloat16 (SM >= 80); elsewhere the
+        # per-expert loop of cuBLAS calls is the safe fast choice.
+        if x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8:
+            return "torch"
+        return "loop"
+    if x.dtype in SUPPORTED_DTYPES:
+        return "torch"
+    return "loop"
+
+
+def resolve_backend(backend: str | None, x: torch.Tensor) -> str:
+    """The concrete backend name for ``x``: argument > MOE_FOLD_GEMM_BACKEND > ``auto``."""
+    source = "backend"
+    name = backend
+    if name is None:
+        name, source = os.environ.get(ENV_VAR, "auto"), ENV_VAR
+    if name not in BACKENDS:
+        raise ValueError(f"gmm: {source}={name!r} is not a grouped GEMM backend; allowed: {', '.join(BACKENDS)}")
+    return _auto(x) if name == "auto" else name
+
+
+def _check_counts(counts: Sequence[int], n: int, e: int) -> None:
+    if len(counts) != e:
+        raise ValueError(f"gmm: tokens_per_expert has {len(counts)} entries, must be one per expert (w.shape[0]={e})")
+    if any(c < 0 for c in counts):
+        raise ValueError(f"gmm: tokens_per_expert={list(counts)} has a negative count")
+    if sum(counts) != n:
+        raise ValueError(f"gmm: tokens_per_expert sums to {sum(counts)}, must equal the rows of x (x.shape[0]={n})")
+
+
+def _check_operands(x: torch.Tensor, w: torch.Tensor, trans_b: bool) -> None:
+    if x.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"gmm: x must be 2-D [N, K] and w 3-D [E, K, M]; got x{tuple(x.shape)}, w{tuple(w.shape)}")
+    if w.shape[0] == 0:
+        raise ValueError(f"gmm: w{tuple(w.shape)} has no experts; w.shape[0] must be >= 1")
+    k_w = w.shape[2] if trans_b else w.shape[1]
+    if x.shape[1] != k_w:
+        layout = "[E, M, K] (trans_b=True)" if trans_b else "[E, K, M]"
+        raise ValueError(f"gmm: x{tuple(x.shape)} and w{tuple(w.shape)} as {layout} disagree on K: {x.shape[1]} != {k_w}")
+    if x.dtype != w.dtype or x.device != w.device:
+        raise ValueError(f"gmm: x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) must share dtype and device")
+
+
+def gmm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    tokens_per_expert: torch.Tensor | Sequence[int],
+    *,
+    trans_b: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Grouped GEMM: ``x[N, K]`` times ``w[E, K, M]`` (``w[E, M, K]`` with ``trans_b``) -> ``[N, M]``.
+
+    Rows of ``x`` are grouped expert-major: the first ``tokens_per_expert[0]`` rows go to
+    expert 0, and so on; any group may be empty. ``tokens_per_expert`` is a list of ints or
+    an int tensor on the host or on ``x``'s device. The ``loop`` and ``grouped_gemm``
+    backends need the counts on the host (a device tensor costs one synchronisation); the
+    ``torch`` and ``triton`` backends use device counts as they are and do not check them,
+    so that no synchronisation happens. Gradients flow to ``x`` and ``w``.
+    """
+    _check_operands(x, w, trans_b)
+    name = resolve_backend(backend, x)
+    n, e = x.shape[0], w.shape[0]
+    if isinstance(tokens_per_expert, torch.Tensor):
+        if tokens_per_expert.dim() != 1 or tokens_per_expert.is_floating_point():
+            raise ValueError(
+                f"gmm: tokens_per_expert must be a 1-D int tensor, got shape {tuple(tokens_per_expert.shape)} "
+                f"dtype {tokens_per_expert.dtype}"
+            )
+        if tokens_per_expert.numel() != e:
+            raise ValueError(
+                f"gmm: tokens_per_expert has {tokens_per_expert.numel()} entries, must be one per expert (w.shape[0]={e})"
+            )
+        on_host = tokens_per_expert.device.type == "cpu" or name in ("loop", "grouped_gemm")
+        host = tokens_per_expert.tolist() if on_host else None
+        counts_t = tokens_per_expert
+    else:
+        host = [int(c) for c in tokens_per_expert]
+        counts_t = None
+    if host is not None:
+        _check_counts(host, n, e)
+
+    if name == "loop":
+        from .gmm_loop import gmm_loop
+
+        return gmm_loop(x, w, host, trans_b)
+    if name == "grouped_gemm":
+        from .gmm_grouped_gemm import gmm_grouped_gemm
+
+        return gmm_grouped_gemm(x, w, torch.tensor(host, dtype=torch.int64), trans_b)
+    if counts_t is None:
+        counts_t = torch.tensor(host, dtype=torch.int64, device=x.device)
+    if name == "torch":
+        from .gmm_torch import gmm_torch
+
+        return gmm_torch(x, w, counts_t, trans_b)
+    from .gmm_triton import gmm_triton
+
+    return gmm_triton(x, w, counts_t, trans_b)

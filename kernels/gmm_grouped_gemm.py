@@ -1,0 +1,21 @@
+"""Grouped GEMM on the grouped-gemm package (CUTLASS/cuBLAS kernels; CUDA and bfloat16 only).
+
+The package builds CUDA code and cannot be installed without CUDA, so it is imported only
+when this backend is asked for."""
+
+import torch
+
+_INSTALL = "pip install 'moe-fold[gpu]' (the grouped_gemm package; needs CUDA to build)"
+
+
+def gmm_grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, trans_b: bool) -> torch.Tensor:
+    """``counts``: int64 tensor [E] on the host, which is what the package reads."""
+    try:
+        from grouped_gemm import ops
+    except ImportError as err:
+        raise ImportError(f"gmm backend 'grouped_gemm' needs the grouped_gemm package: {_INSTALL}") from err
+    if not x.is_cuda:
+        raise RuntimeError(f"gmm backend 'grouped_gemm' runs on CUDA only, got x on {x.device}; {_INSTALL}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"gmm backend 'grouped_gemm' takes bfloat16, got x.dtype={x.dtype}")
+    return ops.gmm(x.contiguous(), w.contiguous(), counts, trans_b)

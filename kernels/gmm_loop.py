@@ -1,0 +1,16 @@
+"""Grouped GEMM as one matmul per expert: the reference every other backend is tested against.
+
+Plain torch ops, so autograd, every dtype and every device come for free."""
+
+import torch
+
+
+def gmm_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int], trans_b: bool) -> torch.Tensor:
+    """``x[N, K]`` grouped expert-major by ``counts`` times ``w[E, K, M]`` (``w[E, M, K]``
+    with ``trans_b``) -> ``[N, M]``."""
+    # Empty groups still multiply a [0, K] block, so w.grad has zeros there rather than None.
+    outs = []
+    for e, rows in enumerate(torch.split(x, counts)):
+        we = w[e].t() if trans_b else w[e]  # [K, M]
+        outs.append(rows @ we)  # [n_e, K] -> [n_e, M]
+    return torch.cat(outs)

@@ -1,0 +1,166 @@
+"""Grouped GEMM: every backend against the per-expert loop written here (forward, dx, dw)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_fold.kernels.gmm import available_backends, gmm, resolve_backend
+
+HAS_GROUPED_GEMM = importlib.util.find_spec("grouped_gemm") is not None and torch.cuda.is_available()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (counts, K, M): empty experts, one expert with every token, N = 0, odd sizes.
+CASES = [
+    ([5, 0, 9, 3], 16, 32),
+    ([0, 37, 0], 24, 40),
+    ([0, 0, 0], 8, 16),
+    ([13, 1, 0, 7, 16], 5, 7),
+    ([64], 32, 24),
+]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _reference(x, w, counts, trans_b):
+    """Forward and grads of (y * g).sum() in float64, one expert at a time."""
+    x = x.double().detach().requires_grad_()
+    w = w.double().detach().requires_grad_()
+    ys, start = [], 0
+    for e, n in enumerate(counts):
+        we = w[e].t() if trans_b else w[e]
+        ys.append(x[start : start + n] @ we)
+        start += n
+    return torch.cat(ys), x, w
+
+
+def _check(backend, counts, k, m, trans_b, dtype, grad_kind="random"):
+    torch.manual_seed(0)
+    n, e = sum(counts), len(counts)
+    x = torch.randn(n, k, device=DEVICE).to(dtype).requires_grad_()
+    w_shape = (e, m, k) if trans_b else (e, k, m)
+    w = (torch.randn(w_shape, device=DEVICE) / k**0.5).to(dtype).requires_grad_()
+    y = gmm(x, w, torch.tensor(counts), trans_b=trans_b, backend=backend)
+    y_ref, x_ref, w_ref = _reference(x, w, counts, trans_b)
+    assert y.shape == (n, m) and y.dtype == dtype
+    if grad_kind == "sum":
+        y.sum().backward()
+        y_ref.sum().backward()
+    else:
+        g = torch.randn(n, m, device=DEVICE).to(dtype)
+        (y * g).sum().backward()
+        (y_ref * g.double()).sum().backward()
+    tol = TOL[dtype]
+    # Scale the tolerance with the length of the contraction each result sums over.
+    torch.testing.assert_close(y.double(), y_ref, atol=tol * k**0.5, rtol=tol)
+    torch.testing.assert_close(x.grad.double(), x_ref.grad, atol=tol * m**0.5, rtol=tol)
+    torch.testing.assert_close(w.grad.double(), w_ref.grad, atol=tol * max(n, 1) ** 0.5 * 2, rtol=tol)
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("counts,k,m", CASES)
+@pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
+def test_float32(backend, counts, k, m, trans_b):
+    _check(backend, counts, k, m, trans_b, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
+def test_half_dtypes(backend, trans_b, dtype):
+    _check(backend, [6, 0, 19, 2], 24, 40, trans_b, dtype)
+
+
+@pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
+def test_grad_of_sum(backend):
+    # The gradient of .sum() is an expanded tensor with zero strides.
+    _check(backend, [3, 0, 9], 16, 32, False, torch.float32, grad_kind="sum")
+    _check(backend, [3, 0, 9], 24, 40, True, torch.float32, grad_kind="sum")
+
+
+@pytest.mark.skipif(not HAS_GROUPED_GEMM, reason="grouped_gemm package not installed or no CUDA (pip install 'moe-fold[gpu]')")
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("counts,k,m", CASES[:2] + CASES[3:])
+def test_grouped_gemm(counts, k, m, trans_b):
+    _check("grouped_gemm", counts, k, m, trans_b, torch.bfloat16)
+
+
+def test_counts_as_list_and_non_contiguous_operands():
+    torch.manual_seed(1)
+    counts = [4, 0, 7]
+    x = torch.randn(32, 11)[::2, :9]  # [16, 9] with a row stride of 22
+    w = torch.randn(3, 40, 9).transpose(1, 2)[:, :, ::3]  # [3, 9, 14], no unit stride
+    x = x[:11]
+    for backend in ["torch", "triton", "loop"]:
+        y = gmm(x, w, counts, backend=backend)
+        ref = torch.cat([x[:4] @ w[0], x[4:4] @ w[1], x[4:] @ w[2]])
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_float64_torch_backend_raises_and_auto_picks_loop():
+    x, w = torch.randn(4, 16, dtype=torch.float64), torch.randn(2, 16, 16, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16, got x.dtype=torch.float64"):
+        gmm(x, w, [1, 3], backend="torch")
+    assert resolve_backend("auto", x) == "loop"
+    y = gmm(x, w, [1, 3])
+    torch.testing.assert_close(y, torch.cat([x[:1] @ w[0], x[1:] @ w[1]]))
+
+
+def test_env_var_switch(monkeypatch):
+    x = torch.randn(4, 16)
+    monkeypatch.setenv("MOE_FOLD_GEMM_BACKEND", "loop")
+    assert resolve_backend(None, x) == "loop"
+    assert resolve_backend("torch", x) == "torch"  # the argument wins over the environment
+    monkeypatch.setenv("MOE_FOLD_GEMM_BACKEND", "cutlass")
+    with pytest.raises(ValueError, match=r"MOE_FOLD_GEMM_BACKEND='cutlass' is not a grouped GEMM backend; allowed: auto, grouped_gemm, torch, triton, loop"):
+        gmm(x, torch.randn(2, 16, 8), [2, 2])
+    monkeypatch.delenv("MOE_FOLD_GEMM_BACKEND")
+    assert resolve_backend(None, x) == resolve_backend("auto", x)
+
+
+def test_unknown_backend_and_bad_counts():
+    x, w = torch.randn(5, 16), torch.randn(2, 16, 8)
+    with pytest.raises(ValueError, match=r"backend='fast' is not a grouped GEMM backend; allowed: auto, grouped_gemm"):
+        gmm(x, w, [2, 3], backend="fast")
+    with pytest.raises(ValueError, match="sums to 4, must equal the rows of x"):
+        gmm(x, w, [2, 2])
+    with pytest.raises(ValueError, match="has 3 entries, must be one per expert"):
+        gmm(x, w, torch.tensor([2, 2, 1]))
+    with pytest.raises(ValueError, match="negative count"):
+        gmm(x, w, [6, -1])
+    with pytest.raises(ValueError, match="disagree on K"):
+        gmm(x, w, [2, 3], trans_b=True)
+    with pytest.raises(ValueError, match="1-D int tensor"):
+        gmm(x, w, torch.tensor([2.0, 3.0]))
+
+
+def test_available_backends():
+    names = available_backends()
+    assert names[0] == "auto" and "torch" in names and "loop" in names
+    assert ("grouped_gemm" in names) == HAS_GROUPED_GEMM
+    assert "triton" in names  # conftest sets TRITON_INTERPRET=1
+
+
+def test_grouped_gemm_missing_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "grouped_gemm", None)  # makes the import fail, installed or not
+    with pytest.raises(ImportError, match=r"pip install 'moe-fold\[gpu\]'"):
+        gmm(torch.randn(4, 16), torch.randn(2, 16, 8), [1, 3], backend="grouped_gemm")
+
+
+@pytest.mark.skipif(not HAS_GROUPED_GEMM, reason="grouped_gemm package not installed or no CUDA (pip install 'moe-fold[gpu]')")
+def test_grouped_gemm_rejects_cpu_tensors():
+    with pytest.raises(RuntimeError, match="runs on CUDA only"):
+        gmm(torch.randn(4, 16), torch.randn(2, 16, 8), [1, 3], backend="grouped_gemm")
+
+
+def test_triton_without_interpreter_on_cpu_raises():
+    code = (
+        "import torch; from moe_fold.kernels.gmm import gmm\n"
+        "try:\n    gmm(torch.randn(4, 16), torch.randn(2, 16, 8), [1, 3], backend='triton')\n"
+        "except RuntimeError as err:\n    print(err)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "needs CUDA tensors" in out.stdout, out.stdout + out.stderr
