@@ -1,0 +1,514 @@
+"""Autograd-aware collectives: the one all-to-all, all-gather and reduce-scatter wrappers,
+the tensor/sequence-parallel mappings, pipeline point-to-point, and a byte counter.
+
+Every function takes ``group``, a torch ``ProcessGroup`` or ``None``. ``None`` and any
+group of size 1 mean *no communication*: the input comes back unchanged (the same
+tensor, which is the identity for autograd) and nothing is counted. This differs from
+torch.distributed, where ``None`` means the world group; here a caller that wants the
+world passes ``dist.group.WORLD``. Point-to-point is the exception: ``send``/``recv``
+always communicate, ``group=None`` picks the default group, and peers are GLOBAL ranks.
+
+Backward passes follow the usual rule "the loss is the sum of every rank's loss":
+the backward of all-gather is reduce-scatter, of reduce-scatter all-gather, of
+all-to-all the all-to-all with the splits swapped, of all-reduce (sum) all-reduce.
+The four Megatron TP/SP mappings (``copy_to_tp_region`` ...) instead assume that the
+tensors downstream are replicated over TP and use identity where Megatron does.
+
+Byte counter
+------------
+Each process keeps a count of the bytes it SENDS to other ranks, keyed by the kind of
+the group (``group.group_desc``: ``tp cp dp pp dp_cp tp_cp tp_dp_cp ep etp etp_ep edp``;
+the default group is named ``world``). Forward and backward calls both count: the
+backward communication is real. The numbers are the logical volume of the operation,
+independent of how the backend moves it (padding for uneven sizes is not counted).
+With ``n`` the group size, ``B`` bytes of the named tensor and ``row`` the bytes of one
+row (slice along the split dim):
+
+- ``all_to_all``: ``sum(input_split_sizes[j] for j != own rank) * row``;
+- ``all_gather``: ``B(own shard) * (n - 1)``;
+- ``reduce_scatter``: ``B(input) - B(own output slice)``;
+- ``all_reduce`` / ``all_reduce_``: ``2 * (n - 1) * B // n`` (ring volume, floored);
+- ``send`` and the sends of ``batch_send_recv``: ``B``; receiving counts nothing;
+- ``copy_to_tp_region`` (backward), ``reduce_from_tp_region`` (forward): all-reduce;
+  ``gather_from_sequence_region`` / ``gather_from_tp_region`` (forward): all-gather;
+  ``reduce_scatter_to_sequence_region`` (forward): reduce-scatter; their backward
+  counterparts count by the rule of the collective they run, and pure slicing counts 0;
+- groups of size 1 and ``None`` count 0.
+
+The counter is process-wide state on purpose: it is instrumentation read by benchmarks
+and the planner, never an input to any computation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "group_kind", "group_size", "group_rank",
+    "all_to_all", "all_gather", "reduce_scatter", "all_reduce", "all_reduce_",
+    "copy_to_tp_region", "reduce_from_tp_region", "gather_from_sequence_region",
+    "reduce_scatter_to_sequence_region", "scatter_to_sequence_region", "gather_from_tp_region",
+    "send", "recv", "batch_send_recv",
+    "bytes_sent", "reset_bytes", "count_bytes",
+]
+
+Group = Optional[dist.ProcessGroup]
+
+_BYTES_SENT: dict[str, int] = {}
+
+# Names torch gives the default group's description across versions.
+_WORLD_DESCS = ("default_pg", "default", "world", "undefined", "")
+
+
+# --------------------------------------------------------------------------- groups
+
+def group_size(group: Group) -> int:
+    """Number of ranks in ``group``; 1 for ``None``."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    """This rank's index inside ``group``; 0 for ``None``."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def group_kind(group: Group) -> str:
+    """The kind of ``group`` (its ``group_desc``), ``world`` for the default group."""
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    desc = getattr(group, "group_desc", "") or ""
+    return "world" if desc in _WORLD_DESCS else desc
+
+
+def _count(group: Group, nbytes: int) -> None:
+    if nbytes:
+        kind = group_kind(group)
+        _BYTES_SENT[kind] = _BYTES_SENT.get(kind, 0) + int(nbytes)
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def _ring_bytes(nbytes: int, n: int) -> int:
+    return 2 * (n - 1) * nbytes // n
+
+
+def bytes_sent() -> dict[str, int]:
+    """A copy of the bytes this process has sent, per group kind, since the last reset."""
+    return dict(_BYTES_SENT)
+
+
+def reset_bytes() -> None:
+    """Zero the byte counter."""
+    _BYTES_SENT.clear()
+
+
+@contextlib.contextmanager
+def count_bytes() -> Iterator[dict[str, int]]:
+    """Yield a dict that, on exit, holds the bytes sent inside the block, per kind.
+
+    Does not reset the process counter, so blocks may nest.
+    """
+    before = bytes_sent()
+    result: dict[str, int] = {}
+    try:
+        yield result
+    finally:
+        after = bytes_sent()
+        for kind, total in after.items():
+            delta = total - before.get(kind, 0)
+            if delta:
+                result[kind] = delta
+
+
+# --------------------------------------------------------------------------- raw ops
+# The _raw_* helpers communicate and count; they know nothing of autograd. Each takes
+# a group of size >= 2.
+
+def _check_sizes(name: str, sizes: Sequence[int], n: int) -> list[int]:
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != n:
+        raise ValueError(f"{name} has {len(sizes)} entries but the group has {n} ranks")
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"{name}={sizes} must be non-negative")
+    return sizes
+
+
+def _raw_all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
+                    input_split_sizes: Optional[list[int]], group: dist.ProcessGroup) -> torch.Tensor:
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    x = x.contiguous()
+    if x.dim() == 0:
+        raise ValueError("all_to_all: the input must have at least one dim (rows along dim 0)")
+    row = x.element_size() * math.prod(x.shape[1:])
+    if input_split_sizes is None:
+        if x.shape[0] % n:
+            raise ValueError(f"all_to_all: input rows {x.shape[0]} not divisible by group size {n} "
+                             "and input_split_sizes is None")
+        input_split_sizes = [x.shape[0] // n] * n
+    else:
+        input_split_sizes = _check_sizes("input_split_sizes", input_split_sizes, n)
+        if sum(input_split_sizes) != x.shape[0]:
+            raise ValueError(f"all_to_all: input_split_sizes={input_split_sizes} sum to "
+                             f"{sum(input_split_sizes)} but the input has {x.shape[0]} rows")
+    if output_split_sizes is None:
+        out_rows = x.shape[0]
+    else:
+        output_split_sizes = _check_sizes("output_split_sizes", output_split_sizes, n)
+        out_rows = sum(output_split_sizes)
+    out = x.new_empty((out_rows,) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=group)
+    _count(group, (x.shape[0] - input_split_sizes[me]) * row)
+    return out
+
+
+def _raw_all_gather(x: torch.Tensor, sizes: Optional[list[int]], dim: int,
+                    group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    x0 = x.movedim(dim, 0).contiguous()  # [s, ...rest]
+    if sizes is None:
+        out = x0.new_empty((n * x0.shape[0],) + tuple(x0.shape[1:]))  # [n*s, ...rest]
+        dist.all_gather_single(out, x0, group=group)
+    else:
+        sizes = _check_sizes("sizes", sizes, n)
+        if sizes[me] != x0.shape[0]:
+            raise ValueError(f"all_gather: sizes[{me}]={sizes[me]} but this rank's tensor has "
+                             f"{x0.shape[0]} along dim {dim}")
+        # all_gather_single needs equal shapes on every rank: pad to the largest shard.
+        pad = max(sizes)
+        padded = x0.new_zeros((pad,) + tuple(x0.shape[1:]))
+        padded[: x0.shape[0]] = x0
+        gathered = x0.new_empty((n * pad,) + tuple(x0.shape[1:]))  # [n*max, ...rest]
+        dist.all_gather_single(gathered, padded, group=group)
+        gathered = gathered.view((n, pad) + tuple(x0.shape[1:]))  # [n, max, ...rest]
+        out = torch.cat([gathered[r, : sizes[r]] for r in range(n)])  # [sum(sizes), ...rest]
+    _count(group, _nbytes(x0) * (n - 1))
+    return out.movedim(0, dim)
+
+
+def _raw_reduce_scatter(x: torch.Tensor, sizes: Optional[list[int]], dim: int,
+                        group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's slice along ``dim``."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    x0 = x.movedim(dim, 0).contiguous()  # [total, ...rest]
+    rest = tuple(x0.shape[1:])
+    if sizes is None:
+        if x0.shape[0] % n:
+            raise ValueError(f"reduce_scatter: size {x0.shape[0]} along dim {dim} is not divisible by "
+                             f"group size {n}; pass sizes= for uneven slices")
+        out = x0.new_empty((x0.shape[0] // n,) + rest)  # [total/n, ...rest]
+        dist.reduce_scatter_single(out, x0, group=group)
+    else:
+        sizes = _check_sizes("sizes", sizes, n)
+        if sum(sizes) != x0.shape[0]:
+            raise ValueError(f"reduce_scatter: sizes={sizes} sum to {sum(sizes)} but the input has "
+                             f"{x0.shape[0]} along dim {dim}")
+        # reduce_scatter_single needs equal slices: pad every rank's slice to the largest.
+        pad = max(sizes)
+        padded = x0.new_zeros((n, pad) + rest)  # [n, max, ...rest]
+        for r, chunk in enumerate(torch.split(x0, sizes)):
+            padded[r, : sizes[r]] = chunk
+        out = x0.new_empty((pad,) + rest)
+        dist.reduce_scatter_single(out, padded.view((n * pad,) + rest), group=group)
+        out = out[: sizes[me]]  # [sizes[me], ...rest]
+    _count(group, _nbytes(x0) - _nbytes(out))
+    return out.movedim(0, dim)
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _reduce_op(op: str) -> dist.ReduceOp:
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"op={op!r} must be one of {sorted(_REDUCE_OPS)}")
+    return _REDUCE_OPS[op]
+
+
+def _raw_all_reduce_(x: torch.Tensor, group: dist.ProcessGroup, op: str = "sum") -> torch.Tensor:
+    dist.all_reduce(x, op=_reduce_op(op), group=group)
+    _count(group, _ring_bytes(_nbytes(x), dist.get_world_size(group)))
+    return x
+
+
+def _own_slice(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's equal slice of ``x`` along ``dim`` (a copy, so it owns its storage)."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"size {x.shape[dim]} along dim {dim} is not divisible by group size {n}")
+    step = x.shape[dim] // n
+    return x.narrow(dim, me * step, step).contiguous()
+
+
+def _active(group: Group) -> bool:
+    return group is not None and dist.get_world_size(group) > 1
+
+
+def _norm_dim(dim: int, x: torch.Tensor) -> int:
+    if not -x.dim() <= dim < max(1, x.dim()):
+        raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+# --------------------------------------------------------------------------- autograd ops
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_split_sizes, input_split_sizes, group):
+        ctx.group = group
+        ctx.splits = (output_split_sizes, input_split_sizes)
+        return _raw_all_to_all(x, output_split_sizes, input_split_sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_split_sizes, input_split_sizes = ctx.splits
+        return _raw_all_to_all(grad, input_split_sizes, output_split_sizes, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
+               input_split_sizes: Optional[list[int]], group: Group) -> torch.Tensor:
+    """All-to-all along dim 0: rows ``input_split_sizes[j]`` go to rank j of ``group``,
+    and ``output_split_sizes[j]`` rows arrive from rank j, in rank order.
+
+    ``None`` splits mean equal splits. Uneven and zero splits are allowed; any trailing
+    shape and dtype (integers carry no grad). Backward: the same with the splits swapped.
+    ``[sum(input_split_sizes), ...] -> [sum(output_split_sizes), ...]``.
+    """
+    if not _active(group):
+        return x
+    return _AllToAll.apply(x, output_split_sizes, input_split_sizes, group)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes, dim):
+        ctx.group, ctx.sizes, ctx.dim = group, sizes, dim
+        return _raw_all_gather(x, sizes, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _raw_reduce_scatter(grad, ctx.sizes, ctx.dim, ctx.group), None, None, None
+
+
+def all_gather(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = None, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order).
+
+    ``sizes[r]`` is rank r's size along ``dim`` when they differ (``None``: all equal).
+    Backward: reduce-scatter, each rank gets the sum over ranks of its slice of the grad.
+    """
+    if not _active(group):
+        return x
+    return _AllGather.apply(x, group, sizes, _norm_dim(dim, x))
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes, dim):
+        ctx.group, ctx.sizes, ctx.dim = group, sizes, dim
+        return _raw_reduce_scatter(x, sizes, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _raw_all_gather(grad, ctx.sizes, ctx.dim, ctx.group), None, None, None
+
+
+def reduce_scatter(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = None, dim: int = 0) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's slice along ``dim``.
+
+    Slices are ``sizes`` (one per rank, summing to ``x.shape[dim]``) or equal when
+    ``None``. Backward: all-gather.
+    """
+    if not _active(group):
+        return x
+    return _ReduceScatter.apply(x, group, sizes, _norm_dim(dim, x))
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _raw_all_reduce_(x.clone(memory_format=torch.contiguous_format), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _raw_all_reduce_(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+
+
+def all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+    """All-reduce returning a new tensor. ``op="sum"`` has a backward (all-reduce sum);
+    ``"max"``/``"min"`` are for tensors without grad."""
+    if not _active(group):
+        return x
+    if op == "sum":
+        return _AllReduceSum.apply(x, group)
+    if x.requires_grad:
+        raise ValueError(f"all_reduce(op={op!r}) has no backward; only op='sum' accepts a tensor "
+                         "that requires grad")
+    return _raw_all_reduce_(x.clone(memory_format=torch.contiguous_format), group, op)
+
+
+def all_reduce_(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce of a contiguous tensor, outside autograd (grads, statistics)."""
+    _reduce_op(op)
+    if not tensor.is_contiguous():
+        raise ValueError(f"all_reduce_: tensor of shape {tuple(tensor.shape)} must be contiguous")
+    if _active(group):
+        with torch.no_grad():
+            _raw_all_reduce_(tensor, group, op)
+    return tensor
+
+
+# --------------------------------------------------------------------------- TP / SP mappings
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _raw_all_reduce_(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _raw_all_reduce_(x.clone(memory_format=torch.contiguous_format), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _own_slice(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _raw_all_gather(grad, None, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _raw_all_gather(x, None, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_slice(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Enter a TP region with a replicated input: forward identity, backward all-reduce."""
+    if not _active(group):
+        return x
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Leave a TP region by summing partial outputs: forward all-reduce, backward identity."""
+    if not _active(group):
+        return x
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """SP -> TP: forward all-gather along the sequence dim, backward reduce-scatter."""
+    return all_gather(x, group, dim=dim)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """TP -> SP: forward reduce-scatter along the sequence dim, backward all-gather."""
+    return reduce_scatter(x, group, dim=dim)
+
+
+def scatter_to_sequence_region(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Replicated -> SP: forward keep this rank's equal slice along ``dim``, backward all-gather."""
+    if not _active(group):
+        return x
+    return _ScatterToSP.apply(x, group, _norm_dim(dim, x))
+
+
+def gather_from_tp_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """Column-parallel output -> replicated: forward all-gather along ``dim`` (the last by
+    default), backward keep this rank's slice (the grad is replicated over TP)."""
+    if not _active(group):
+        return x
+    return _GatherFromTP.apply(x, group, _norm_dim(dim, x))
+
+
+# --------------------------------------------------------------------------- point-to-point
+
+def _default_device(group: Group) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def send(x: torch.Tensor, dst: int, group: Group = None) -> None:
+    """Blocking send of ``x`` to GLOBAL rank ``dst``; ``group=None`` is the default group."""
+    x = x.detach().contiguous()
+    dist.send(x, dst, group=group)
+    _count(group, _nbytes(x))
+
+
+def recv(shape: Sequence[int], dtype: torch.dtype, src: int, group: Group = None,
+         device: Optional[torch.device] = None) -> torch.Tensor:
+    """Blocking receive of a ``shape``/``dtype`` tensor from GLOBAL rank ``src``.
+
+    ``device`` defaults to the current CUDA device under NCCL and to the CPU otherwise.
+    """
+    out = torch.empty(tuple(shape), dtype=dtype, device=device or _default_device(group))
+    dist.recv(out, src, group=group)
+    return out
+
+
+RecvSpec = Union[torch.Tensor, tuple]
+
+
+def batch_send_recv(ops: Sequence[tuple[str, RecvSpec, int]], group: Group = None,
+                    device: Optional[torch.device] = None) -> list[torch.Tensor]:
+    """Post several sends and receives together, then wait for all of them.
+
+    ``ops`` holds ``("send", tensor, dst)`` and ``("recv", buffer_or_spec, src)`` with
+    GLOBAL peer ranks; a receive takes a buffer to fill or a ``(shape, dtype)`` spec.
+    Posting both directions before waiting is what lets two pipeline stages exchange
+    activations and grads without deadlock. Returns the received tensors, in order.
+    """
+    p2p, received, sent = [], [], 0
+    for i, op in enumerate(ops):
+        if len(op) != 3:
+            raise ValueError(f"batch_send_recv: ops[{i}]={op!r} must be (kind, tensor_or_spec, peer)")
+        kind, obj, peer = op
+        if kind == "send":
+            t = obj.detach().contiguous()
+            p2p.append(dist.P2POp(dist.isend, t, peer, group))
+            sent += _nbytes(t)
+        elif kind == "recv":
+            if isinstance(obj, torch.Tensor):
+                if not obj.is_contiguous():
+                    raise ValueError(f"batch_send_recv: ops[{i}] receive buffer must be contiguous")
+                t = obj
+            else:
+                shape, dtype = obj
+                t = torch.empty(tuple(shape), dtype=dtype, device=device or _default_device(group))
+            p2p.append(dist.P2POp(dist.irecv, t, peer, group))
+            received.append(t)
+        else:
+            raise ValueError(f"batch_send_recv: ops[{i}] kind={kind!r} must be 'send' or 'recv'")
+    if p2p:
+        for work in dist.batch_isend_irecv(p2p):
+            work.wait()
+    _count(group, sent)
+    return received
