@@ -348,3 +348,71 @@ def test_create_process_groups_on_real_ranks(world, layouts):
             f"layout.world_size={2 * world} does not match the torch.distributed world size {world}",
             f"rank={(rank + 1) % world} is not this process's torch.distributed rank {rank}",
         ]
+
+
+# ---------------------------------------------------------------------------
+# moe-fold layout
+
+
+def table_rows(text):
+    """Rows of every rich table in ``text``, by the heading line printed before the table."""
+    sections, heading = {}, None
+    for line in text.splitlines():
+        if line.startswith("│"):
+            sections[heading].append([cell.strip() for cell in line.strip("│").split("│")])
+        elif line and line[0] not in "┏┃┡└":
+            heading = line.split(":")[0]
+            sections[heading] = []
+    return sections
+
+
+def test_cli_prints_both_layouts(capsys, monkeypatch):
+    from moe_fold.cli import main
+
+    monkeypatch.setenv("COLUMNS", "120")  # rich wraps at the terminal width; keep each row on one line
+
+    assert main(["layout", "--world", "8", "--tp", "2", "--ep", "4", "--etp", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert "attention layout: tp 2 x cp 1 x dp 4 x pp 1 = 8" in out
+    assert "expert layout: etp 1 x ep 4 x edp 2 x pp 1 = 8" in out
+    rows = table_rows(out)
+    # rank, tp, cp, dp, pp: rank = tp + 2*dp
+    assert rows["attention layout"] == [[str(r), str(r % 2), "0", str(r // 2), "0"] for r in range(8)]
+    # rank, etp, ep, edp, pp: rank = ep + 4*edp
+    assert rows["expert layout"] == [[str(r), "0", str(r % 4), str(r // 4), "0"] for r in range(8)]
+    singles = "{0} {1} {2} {3} {4} {5} {6} {7}"
+    assert rows["attention groups"] == [
+        ["tp", "2", "{0,1} {2,3} {4,5} {6,7}"], ["cp", "1", singles], ["dp", "4", "{0,2,4,6} {1,3,5,7}"],
+        ["pp", "1", singles], ["dp_cp", "4", "{0,2,4,6} {1,3,5,7}"], ["tp_cp", "2", "{0,1} {2,3} {4,5} {6,7}"],
+        ["tp_dp_cp", "8", "{0,1,2,3,4,5,6,7}"]]
+    assert rows["expert groups"] == [
+        ["etp", "1", singles], ["ep", "4", "{0,1,2,3} {4,5,6,7}"], ["edp", "2", "{0,4} {1,5} {2,6} {3,7}"],
+        ["pp", "1", singles], ["etp_ep", "4", "{0,1,2,3} {4,5,6,7}"]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world", "8", "--tp", "3"], "world_size=8 is not divisible by tp*cp*pp=3"),
+    (["--world", "8", "--tp", "2", "--ep", "8"], "world_size=8 is not divisible by etp*ep*pp=16"),
+    (["--world", "8", "--tp", "2", "--pp", "2", "--ep", "2", "--etp", "1", "--order", "tp-pp-cp-ep-dp"],
+     "order='tp-pp-cp-ep-dp' gives different pp groups in the attention layout (first [0, 2]) and the "
+     "expert layout (first [0, 1]); they must be the same: put pp last in the order"),
+])
+def test_cli_refuses_impossible_layouts(capsys, argv, message):
+    from moe_fold.cli import main
+
+    assert main(["layout", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"moe-fold layout: error: {message}\n"
+
+
+def test_cli_help_has_examples(capsys):
+    from moe_fold.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["layout", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "Print the attention and expert layouts of a world" in out
+    assert "examples:\n  moe-fold layout --world 8 --tp 2 --ep 4" in out
