@@ -3,3 +3,4 @@
 Nothing here knows about process groups."""
 
 from .permute import chunk_order, permute, permute_padded, sort_chunks, unpermute
+from .swiglu import swiglu

@@ -1,0 +1,86 @@
+"""Weighted SwiGLU of the experts: ``silu(gate) * up * prob``.
+
+Layout: the experts' fc1 output is ``x[..., 2F] = [gate | up]``, two contiguous
+halves (``gate = x[..., :F]``, ``up = x[..., F:]``), not interleaved. Multiplying by
+the routing prob here (rather than in unpermute) keeps it inside a kernel that
+already reads every element.
+
+The autograd Function saves only ``x`` and ``probs`` and recomputes ``silu`` in the
+backward: the activations of the widest layer of the model are not kept twice.
+bf16/fp16 inputs are computed in float32 and rounded once.
+"""
+from typing import Optional
+
+import torch
+
+BACKENDS = ("torch", "triton")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def swiglu_forward_torch(x: torch.Tensor, probs: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[N, 2F] -> [N, F]`` without autograd bookkeeping."""
+    cd = _compute_dtype(x.dtype)
+    gate, up = x.to(cd).chunk(2, dim=-1)
+    out = torch.nn.functional.silu(gate) * up
+    if probs is not None:
+        out = out * probs.to(cd).unsqueeze(-1)
+    return out.to(x.dtype)
+
+
+def swiglu_backward_torch(grad: torch.Tensor, x: torch.Tensor,
+                          probs: Optional[torch.Tensor]
+                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Grads of ``x`` ([N, 2F]) and ``probs`` ([N]) from ``grad`` ([N, F])."""
+    cd = _compute_dtype(x.dtype)
+    gate, up = x.to(cd).chunk(2, dim=-1)
+    g = grad.to(cd)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    grad_probs = None
+    if probs is not None:
+        grad_probs = (g * silu * up).sum(-1).to(probs.dtype)
+        g = g * probs.to(cd).unsqueeze(-1)
+    grad_gate = g * up * sig * (1 + gate * (1 - sig))
+    grad_up = g * silu
+    return torch.cat([grad_gate, grad_up], dim=-1).to(x.dtype), grad_probs
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, probs, use_triton):
+        ctx.save_for_backward(x, probs)
+        ctx.use_triton = use_triton
+        if use_triton:
+            from .swiglu_triton import swiglu_forward_triton
+            return swiglu_forward_triton(x, probs)
+        return swiglu_forward_torch(x, probs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, probs = ctx.saved_tensors
+        if ctx.use_triton:
+            from .swiglu_triton import swiglu_backward_triton
+            grad_x, grad_probs = swiglu_backward_triton(grad, x, probs)
+        else:
+            grad_x, grad_probs = swiglu_backward_torch(grad, x, probs)
+        if not ctx.needs_input_grad[1]:
+            grad_probs = None
+        return grad_x, grad_probs, None
+
+
+def swiglu(x: torch.Tensor, probs: Optional[torch.Tensor] = None, *,
+           backend: str = "torch") -> torch.Tensor:
+    """``x[..., 2F] = [gate | up]``, ``probs[...]`` or None -> ``[..., F]`` =
+    ``silu(gate) * up * probs``. Differentiable w.r.t. x and probs."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"x must be [..., 2F] with an even last dim ([gate | up]), "
+                         f"got shape {tuple(x.shape)}")
+    if probs is not None and probs.shape != x.shape[:-1]:
+        raise ValueError(f"probs shape {tuple(probs.shape)} must be {tuple(x.shape[:-1])} "
+                         f"(one prob per row of x)")
+    return _SwiGLU.apply(x, probs, backend == "triton")
