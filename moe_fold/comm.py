@@ -61,8 +61,6 @@ Group = Optional[dist.ProcessGroup]
 
 _BYTES_SENT: dict[str, int] = {}
 
-# Names torch gives the default group's description across versions.
-_WORLD_DESCS = ("default_pg", "default", "world", "undefined", "")
 
 
 # --------------------------------------------------------------------------- groups
@@ -81,8 +79,8 @@ def group_kind(group: Group) -> str:
     """The kind of ``group`` (its ``group_desc``), ``world`` for the default group."""
     if group is None or group is dist.group.WORLD:
         return "world"
-    desc = getattr(group, "group_desc", "") or ""
-    return "world" if desc in _WORLD_DESCS else desc
+    desc = group.group_desc
+    return "world" if desc == "default_pg" else desc
 
 
 def _count(group: Group, nbytes: int) -> None:
@@ -281,6 +279,11 @@ def all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
     ``[sum(input_split_sizes), ...] -> [sum(output_split_sizes), ...]``.
     """
     if not _active(group):
+        # One rank keeps its rows: the splits, when given, must say exactly that.
+        for name, sizes in (("input_split_sizes", input_split_sizes), ("output_split_sizes", output_split_sizes)):
+            if sizes is not None and _check_sizes(name, sizes, 1) != [x.shape[0]]:
+                raise ValueError(f"all_to_all: {name}={list(sizes)} on a group of one rank must be "
+                                 f"[{x.shape[0]}], the input's rows")
         return x
     return _AllToAll.apply(x, output_split_sizes, input_split_sizes, group)
 

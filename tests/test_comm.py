@@ -320,6 +320,11 @@ def test_no_group_is_identity_without_a_process_group():
     x = torch.randn(4, 3, requires_grad=True)
     comm.reset_bytes()
     assert comm.all_to_all(x, None, None, None) is x
+    assert comm.all_to_all(x, [4], [4], None) is x
+    with pytest.raises(ValueError, match="input_split_sizes"):
+        comm.all_to_all(x, [4], [3], None)
+    with pytest.raises(ValueError, match="output_split_sizes"):
+        comm.all_to_all(x, [2, 2], [4], None)
     assert comm.all_gather(x, None, sizes=[4]) is x
     assert comm.reduce_scatter(x, None) is x
     assert comm.copy_to_tp_region(x, None) is x
