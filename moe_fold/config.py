@@ -4,12 +4,26 @@ from the command line, validated before any process group exists.
 Sections: ``model``, ``moe``, ``parallel``, ``data``, ``optimizer``, ``train``,
 ``wandb``, ``init``. Field names are the keys of the YAML file and of ``--set``
 (``--set moe.topk=4``).
+
+``load_config(file_or_preset, overrides)`` builds a type-checked Config;
+``validate(config, world_size)`` checks the rules between fields and raises one
+``ConfigError`` listing every violation. Derived sizes (``dp_size``, ``edp_size``,
+``etp_size``, ``vpp_size``, ``moe_layer_flags``, ``pp_layer_counts``) live here so every
+module uses one definition.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import importlib.util
+import os
+import typing
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
 
 
 @dataclass
@@ -171,3 +185,613 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     init: InitConfig = field(default_factory=InitConfig)
+
+
+class ConfigError(ValueError):
+    """One or more problems with a config; ``problems`` holds one line per problem."""
+
+    def __init__(self, problems: str | list[str]):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        n = len(self.problems)
+        head = f"invalid config: {n} problem{'s' if n != 1 else ''}"
+        super().__init__("\n".join([head] + [f"  - {p}" for p in self.problems]))
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+
+
+# ---------------------------------------------------------------------------
+# Loading: YAML file or preset, then --set overrides, each value type-checked.
+
+
+def presets_dir() -> Path:
+    """The folder of preset YAML files installed with ``moe_fold.models``."""
+    # find_spec locates the package without running its __init__ (which imports torch).
+    spec = importlib.util.find_spec("moe_fold.models")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("cannot locate the moe_fold.models package to read presets; is moe-fold installed?")
+    return Path(next(iter(spec.submodule_search_locations))) / "presets"
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in presets_dir().glob("*.yaml"))
+
+
+def resolve_source(source: str) -> Path:
+    """A YAML path as given, or the file of the preset named ``source``."""
+    path = Path(source)
+    if path.is_file():
+        return path
+    if path.suffix in (".yaml", ".yml") or os.sep in source or "/" in source:
+        raise ConfigError(f"config file not found: {source}")
+    preset = presets_dir() / f"{source}.yaml"
+    if preset.is_file():
+        return preset
+    names = list_presets()
+    close = difflib.get_close_matches(source, names, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    available = ", ".join(names) if names else "none"
+    raise ConfigError(f"unknown preset '{source}'; {hint}available presets: {available} (in {presets_dir()})")
+
+
+def load_config(source: str | None = None, overrides: list[str] = ()) -> Config:
+    """Build a Config from a YAML file or preset name (None: defaults), then apply
+    ``section.field=value`` overrides in order. Types are checked here; cross-field
+    rules are checked by ``validate``, which needs the world size."""
+    data: dict = {}
+    if source is not None:
+        path = resolve_source(source)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"cannot parse {path} as YAML: {e}") from e
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must map section names to sections, got {type(data).__name__}")
+    config = config_from_dict(data)
+    problems = [p for text in overrides for p in _apply_override(config, text)]
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def config_from_dict(data: dict) -> Config:
+    """A Config from ``{section: {field: value}}``; missing keys keep their defaults."""
+    problems: list[str] = []
+    sections = {}
+    for name, section in data.items():
+        if name not in SECTIONS:
+            problems.append(_unknown(f"{name}", list(SECTIONS), "section"))
+        elif section is not None and not isinstance(section, dict):
+            problems.append(f"section '{name}' must be a mapping of field: value, got {section!r}")
+    for name, cls in SECTIONS.items():
+        given = data.get(name) or {}
+        if not isinstance(given, dict):
+            continue
+        hints = _field_types(cls)
+        values = {}
+        for key, value in given.items():
+            dotted = f"{name}.{key}"
+            if key not in hints:
+                problems.append(_unknown(dotted, [f"{name}.{k}" for k in hints], "key"))
+                continue
+            converted = _coerce(value, hints[key])
+            if converted is _MISMATCH:
+                problems.append(_type_problem(dotted, value, hints[key]))
+            else:
+                values[key] = converted
+        sections[name] = cls(**values)
+    if problems:
+        raise ConfigError(problems)
+    return Config(**sections)
+
+
+def _apply_override(config: Config, text: str) -> list[str]:
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    section, dot, name = key.partition(".")
+    if not sep or not dot or not section or not name:
+        return [f"override '{text}' must look like section.field=value"]
+    known = [f"{s}.{f}" for s, cls in SECTIONS.items() for f in _field_types(cls)]
+    if key not in known:
+        return [_unknown(key, known, "key")]
+    tp = _field_types(SECTIONS[section])[name]
+    try:
+        parsed = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        return [f"cannot parse the value of override '{text}' as YAML: {e}"]
+    value = _coerce(parsed, tp)
+    # A string field given a bare 123 or true on the command line means that text.
+    if value is _MISMATCH and isinstance(parsed, (bool, int, float)):
+        value = _coerce(raw, tp)
+    if value is _MISMATCH:
+        return [_type_problem(key, parsed, tp)]
+    setattr(getattr(config, section), name, value)
+    return []
+
+
+def _unknown(dotted: str, candidates: list[str], what: str) -> str:
+    close = difflib.get_close_matches(dotted, candidates, n=1)
+    if close:
+        return f"unknown config {what} '{dotted}'; did you mean '{close[0]}'?"
+    section = dotted.partition(".")[0]
+    if what == "key" and section in SECTIONS:
+        return f"unknown config key '{dotted}'; {section} has: {', '.join(_field_types(SECTIONS[section]))}"
+    return f"unknown config {what} '{dotted}'; sections are: {', '.join(SECTIONS)}"
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+_MISMATCH = object()
+
+
+def _coerce(value: Any, tp: Any, parse_floats: bool = True) -> Any:
+    """``value`` converted to the annotated type ``tp``, or ``_MISMATCH``.
+
+    With ``parse_floats``, floats also accept strings because YAML 1.1 reads ``1e-3``
+    (no dot) as a string. bool is never taken for int or float, nor int for bool."""
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        for arm in typing.get_args(tp):
+            out = _coerce(value, arm, parse_floats)
+            if out is not _MISMATCH:
+                return out
+        return _MISMATCH
+    if tp is type(None):
+        return None if value is None else _MISMATCH
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            return _MISMATCH
+        (item,) = typing.get_args(tp)
+        out = [_coerce(v, item, parse_floats) for v in value]
+        return _MISMATCH if any(o is _MISMATCH for o in out) else out
+    if isinstance(value, bool):
+        return value if tp is bool else _MISMATCH
+    if tp is int:
+        return value if isinstance(value, int) else _MISMATCH
+    if tp is float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str) and parse_floats:
+            try:
+                return float(value)
+            except ValueError:
+                return _MISMATCH
+        return _MISMATCH
+    if tp in (str, bool):
+        return value if isinstance(value, tp) else _MISMATCH
+    raise TypeError(f"config field type {tp} is not supported by the loader")
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return "null" if tp is type(None) else tp.__name__
+
+
+def _type_problem(dotted: str, value: Any, tp: Any) -> str:
+    if value is None:
+        return f"{dotted}=null is not allowed: expected {_type_name(tp)}"
+    return f"{dotted}={value!r} has type {type(value).__name__}: expected {_type_name(tp)}"
+
+
+# ---------------------------------------------------------------------------
+# Writing.
+
+
+def config_to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def dump_config(config: Config, path: str | os.PathLike) -> None:
+    """Write the config as YAML that ``load_config(path)`` reads back to an equal Config."""
+    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+
+
+# ---------------------------------------------------------------------------
+# Derived quantities: one definition each, used by every module.
+
+
+def etp_size(config: Config) -> int:
+    p = config.parallel
+    return p.tp if p.etp is None else p.etp
+
+
+def vpp_size(config: Config) -> int:
+    return 1 if config.parallel.vpp is None else config.parallel.vpp
+
+
+def dp_size(config: Config, world_size: int) -> int:
+    """Data-parallel size of the attention layout: world / (tp*cp*pp)."""
+    p = config.parallel
+    return _exact_div(world_size, p.tp * p.cp * p.pp, "world_size", "parallel.tp*cp*pp")
+
+
+def edp_size(config: Config, world_size: int) -> int:
+    """Expert data-parallel size of the expert layout: world / (etp*ep*pp)."""
+    p = config.parallel
+    return _exact_div(world_size, etp_size(config) * p.ep * p.pp, "world_size", "parallel.etp*ep*pp")
+
+
+def head_dim(config: Config) -> int:
+    m = config.model
+    return m.hidden_size // m.num_heads if m.head_dim is None else m.head_dim
+
+
+def moe_layer_flags(config: Config) -> list[bool]:
+    """One flag per layer, True where the layer's MLP is an MoE layer: every
+    ``moe_layer_freq``-th layer from layer 0 (or the given 0/1 list), then the first
+    ``first_k_dense`` layers forced dense."""
+    m, moe = config.model, config.moe
+    freq = moe.moe_layer_freq
+    if isinstance(freq, list):
+        if len(freq) != m.num_layers or any(f not in (0, 1) for f in freq):
+            raise ConfigError(f"moe.moe_layer_freq={_fmt(freq)} must be {m.num_layers} flags of 0 or 1 "
+                              f"(one per layer of model.num_layers={m.num_layers})")
+        flags = [f == 1 for f in freq]
+    else:
+        if freq < 0:
+            raise ConfigError(f"moe.moe_layer_freq={freq} must be >= 0")
+        flags = [freq > 0 and i % freq == 0 for i in range(m.num_layers)]
+    return [flag and i >= moe.first_k_dense for i, flag in enumerate(flags)]
+
+
+def pp_layer_counts(config: Config) -> list[int]:
+    """Layers in each of the pp*vpp model chunks, in chunk order."""
+    p = config.parallel
+    if p.pp_layers is not None:
+        return list(p.pp_layers)
+    chunks = p.pp * vpp_size(config)
+    return [_exact_div(config.model.num_layers, chunks, "model.num_layers", "parallel.pp*vpp")] * chunks
+
+
+def data_paths(config: Config) -> list[str]:
+    """``data.path`` as a list (empty when None: the demo corpus)."""
+    path = config.data.path
+    return [] if path is None else [path] if isinstance(path, str) else list(path)
+
+
+def _exact_div(a: int, b: int, a_name: str, b_name: str) -> int:
+    if b < 1 or a % b:
+        raise ConfigError(f"{a_name}={a} is not divisible by {b_name}={b}")
+    return a // b
+
+
+# ---------------------------------------------------------------------------
+# Validation of cross-field rules, before any process group exists.
+
+
+def validate(config: Config, world_size: int) -> None:
+    """Check every rule that relates fields to each other and to ``world_size``.
+
+    Raises one ConfigError listing every violated rule. Rules about experts (counts,
+    routing groups, expert widths, sequence parallel with tp) apply only when some
+    layer is MoE; the dense MLP width is checked only when some layer is dense."""
+    problems = _type_problems(config)
+    if problems:
+        # The rules below do arithmetic on the fields; wrong types would only add noise.
+        raise ConfigError(problems)
+    out: list[str] = []
+    parallel_ok = _check_parallel(config, world_size, out)
+    flags = _check_layer_pattern(config, out)
+    any_moe = flags is None or any(flags)
+    any_dense = flags is None or not all(flags)
+    _check_model(config, any_dense, out)
+    _check_moe(config, any_moe, out)
+    _check_pipeline(config, out)
+    _check_train(config, world_size, parallel_ok, out)
+    _check_optimizer(config, out)
+    _check_data_and_wandb(config, out)
+    if out:
+        raise ConfigError(out)
+
+
+def _type_problems(config: Config) -> list[str]:
+    problems = []
+    for name, cls in SECTIONS.items():
+        section = getattr(config, name)
+        if not isinstance(section, cls):
+            problems.append(f"config.{name} must be a {cls.__name__}, got {type(section).__name__}")
+            continue
+        for key, tp in _field_types(cls).items():
+            value = getattr(section, key)
+            if _coerce(value, tp, parse_floats=False) is _MISMATCH:
+                problems.append(_type_problem(f"{name}.{key}", value, tp))
+    return problems
+
+
+def _fmt(value: Any) -> str:
+    """A value as the user would write it in YAML."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    if isinstance(value, str) and (not value or value.strip() != value):
+        return repr(value)
+    return str(value)
+
+
+def _one_of(out: list[str], dotted: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        out.append(f"{dotted}={_fmt(value)} must be one of {', '.join(allowed)}")
+
+
+def _at_least(out: list[str], dotted: str, value: float, low: float) -> bool:
+    if value < low:
+        out.append(f"{dotted}={_fmt(value)} must be >= {low}")
+        return False
+    return True
+
+
+def _positive(out: list[str], dotted: str, value: float) -> bool:
+    if not value > 0:
+        out.append(f"{dotted}={_fmt(value)} must be > 0")
+        return False
+    return True
+
+
+def _divisible(out: list[str], a_name: str, a: int, b_name: str, b: int, why: str = "") -> None:
+    if b >= 1 and a % b:
+        out.append(f"{a_name}={a} is not divisible by {b_name}={b}{why}")
+
+
+def _etp_name(config: Config) -> str:
+    p = config.parallel
+    return "parallel.tp" if p.etp is None else "parallel.etp"
+
+
+def _check_parallel(config: Config, world_size: int, out: list[str]) -> bool:
+    """Sizes and world divisibility; returns whether dp and edp are well defined."""
+    p = config.parallel
+    ok = _at_least(out, "world_size", world_size, 1)
+    for name in ("tp", "cp", "pp", "ep"):
+        ok &= _at_least(out, f"parallel.{name}", getattr(p, name), 1)
+    for name in ("etp", "vpp"):
+        if getattr(p, name) is not None:
+            ok &= _at_least(out, f"parallel.{name}", getattr(p, name), 1)
+    if ok:
+        attn = p.tp * p.cp * p.pp
+        if world_size % attn:
+            out.append(f"world_size={world_size} is not divisible by parallel.tp*cp*pp={attn} "
+                       f"(tp={p.tp}, cp={p.cp}, pp={p.pp})")
+            ok = False
+        etp = etp_size(config)
+        expert = etp * p.ep * p.pp
+        if world_size % expert:
+            etp_text = f"etp={etp}" if p.etp is not None else f"etp=null -> tp={etp}"
+            out.append(f"world_size={world_size} is not divisible by parallel.etp*ep*pp={expert} "
+                       f"({etp_text}, ep={p.ep}, pp={p.pp})")
+            ok = False
+    dims = p.order.split("-")
+    if sorted(dims) != sorted(["tp", "cp", "ep", "dp", "pp"]):
+        out.append(f"parallel.order={_fmt(p.order)} must be a permutation of tp, cp, ep, dp, pp joined by '-'")
+    _one_of(out, "parallel.cp_kind", p.cp_kind, ("ring", "a2a"))
+    _one_of(out, "parallel.pp_schedule", p.pp_schedule, ("1f1b", "interleaved"))
+    _one_of(out, "parallel.backend", p.backend, ("auto", "gloo", "nccl"))
+    _positive(out, "parallel.timeout_s", p.timeout_s)
+    return ok
+
+
+def _check_layer_pattern(config: Config, out: list[str]) -> list[bool] | None:
+    """Checks moe_layer_freq and first_k_dense; returns the MoE flags when defined."""
+    m, moe = config.model, config.moe
+    ok = True
+    freq = moe.moe_layer_freq
+    if isinstance(freq, list):
+        if len(freq) != m.num_layers:
+            out.append(f"moe.moe_layer_freq has {len(freq)} entries, expected one per layer "
+                       f"(model.num_layers={m.num_layers})")
+            ok = False
+        for i, f in enumerate(freq):
+            if f not in (0, 1):
+                out.append(f"moe.moe_layer_freq[{i}]={f} must be 0 or 1")
+                ok = False
+    else:
+        ok = _at_least(out, "moe.moe_layer_freq", freq, 0)
+    if not 0 <= moe.first_k_dense <= m.num_layers:
+        out.append(f"moe.first_k_dense={moe.first_k_dense} must be in [0, model.num_layers={m.num_layers}]")
+    return moe_layer_flags(config) if ok else None
+
+
+def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
+    m, p = config.model, config.parallel
+    sizes_ok = True
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "seq_length"):
+        sizes_ok &= _at_least(out, f"model.{name}", getattr(m, name), 1)
+    if m.head_dim is not None:
+        _at_least(out, "model.head_dim", m.head_dim, 1)
+    if any_dense:
+        _at_least(out, "model.ffn_hidden_size", m.ffn_hidden_size, 1)
+    for name in ("rope_theta", "norm_eps", "init_std"):
+        _positive(out, f"model.{name}", getattr(m, name))
+    if not sizes_ok:
+        return
+    if m.num_heads % m.num_kv_heads:
+        out.append(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
+    if m.head_dim is None and m.hidden_size % m.num_heads:
+        out.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads} "
+                   f"(required when model.head_dim is null)")
+    if p.tp < 1 or p.cp < 1:
+        return
+    _divisible(out, "model.num_heads", m.num_heads, "parallel.tp", p.tp)
+    _divisible(out, "model.num_kv_heads", m.num_kv_heads, "parallel.tp", p.tp)
+    _divisible(out, "model.vocab_size", m.vocab_size, "parallel.tp", p.tp)
+    if any_dense:
+        _divisible(out, "model.ffn_hidden_size", m.ffn_hidden_size, "parallel.tp", p.tp)
+    if p.sequence_parallel and p.tp > 1:
+        _divisible(out, "model.seq_length", m.seq_length, "parallel.tp*cp", p.tp * p.cp,
+                   " (parallel.sequence_parallel=true splits each cp shard of the sequence over tp)")
+    if p.cp > 1:
+        _divisible(out, "model.seq_length", m.seq_length, "2*parallel.cp", 2 * p.cp,
+                   " (context parallel splits the sequence into 2*cp chunks)")
+        if p.cp_kind == "a2a":
+            why = " (parallel.cp_kind=a2a splits each tp rank's heads over cp)"
+            _divisible(out, "model.num_heads", m.num_heads, "parallel.tp*cp", p.tp * p.cp, why)
+            _divisible(out, "model.num_kv_heads", m.num_kv_heads, "parallel.tp*cp", p.tp * p.cp, why)
+
+
+def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
+    moe, p = config.moe, config.parallel
+    _one_of(out, "moe.score_function", moe.score_function, ("softmax", "sigmoid"))
+    _one_of(out, "moe.router_dtype", moe.router_dtype, ("float32", "float64"))
+    _one_of(out, "moe.drop_policy", moe.drop_policy, ("probs", "position"))
+    _one_of(out, "moe.dispatcher", moe.dispatcher, ("alltoall", "allgather"))
+    _one_of(out, "moe.gemm_backend", moe.gemm_backend, ("auto", "grouped_gemm", "torch", "triton", "loop"))
+    _one_of(out, "moe.permute_backend", moe.permute_backend, ("torch", "triton"))
+    if moe.expert_bias and moe.score_function != "sigmoid":
+        out.append(f"moe.expert_bias=true requires moe.score_function=sigmoid, got {_fmt(moe.score_function)}")
+    if moe.pre_softmax and moe.score_function != "softmax":
+        out.append(f"moe.pre_softmax=true requires moe.score_function=softmax, got {_fmt(moe.score_function)}")
+    if moe.scaling_factor is not None and not moe.scaling_factor > 0:
+        out.append(f"moe.scaling_factor={_fmt(moe.scaling_factor)} must be > 0 when set")
+    for name in ("input_jitter", "bias_update_rate", "aux_loss_coeff", "seq_aux_loss_coeff",
+                 "global_aux_loss_coeff", "z_loss_coeff"):
+        _at_least(out, f"moe.{name}", getattr(moe, name), 0)
+    if moe.capacity_factor is not None and not moe.capacity_factor > 0:
+        out.append(f"moe.capacity_factor={_fmt(moe.capacity_factor)} must be > 0, or null for dropless")
+    if moe.pad_to_capacity and moe.capacity_factor is None:
+        out.append("moe.pad_to_capacity=true requires moe.capacity_factor to be set, got null")
+    if moe.dedup and moe.dispatcher != "alltoall":
+        out.append(f"moe.dedup=true requires moe.dispatcher=alltoall, got {_fmt(moe.dispatcher)}")
+    _at_least(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size, 0)
+    if not any_moe:
+        return
+    if p.tp > 1 and not p.sequence_parallel:
+        out.append(f"parallel.tp={p.tp} with MoE layers requires parallel.sequence_parallel=true")
+    if _at_least(out, "moe.ffn_hidden_size", moe.ffn_hidden_size, 1):
+        _divisible(out, "moe.ffn_hidden_size", moe.ffn_hidden_size, _etp_name(config), etp_size(config))
+    if moe.shared_expert_ffn_hidden_size > 0:
+        _divisible(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size,
+                   "parallel.tp", p.tp)
+    if moe.num_experts < 1:
+        out.append(f"moe.num_experts={moe.num_experts} must be >= 1 when any layer is MoE "
+                   f"(moe.moe_layer_freq={_fmt(moe.moe_layer_freq)}, moe.first_k_dense={moe.first_k_dense})")
+        return
+    _divisible(out, "moe.num_experts", moe.num_experts, "parallel.ep", p.ep)
+    if not 1 <= moe.topk <= moe.num_experts:
+        out.append(f"moe.topk={moe.topk} must be in [1, moe.num_experts={moe.num_experts}]")
+    _check_groups(config, out)
+
+
+def _check_groups(config: Config, out: list[str]) -> None:
+    """Group-limited routing: pick group_topk groups, then topk experts inside them."""
+    moe = config.moe
+    groups, group_topk = moe.num_groups, moe.group_topk
+    if (groups is None) != (group_topk is None):
+        out.append(f"moe.num_groups={_fmt(groups)} and moe.group_topk={_fmt(group_topk)} "
+                   f"must be both set or both null")
+        return
+    if groups is None:
+        return
+    ok = _at_least(out, "moe.num_groups", groups, 1)
+    ok &= _at_least(out, "moe.group_topk", group_topk, 1)
+    if not ok:
+        return
+    if moe.num_experts % groups:
+        out.append(f"moe.num_experts={moe.num_experts} is not divisible by moe.num_groups={groups}")
+        return
+    if group_topk > groups:
+        out.append(f"moe.group_topk={group_topk} must be <= moe.num_groups={groups}")
+        return
+    # Groups are ranked by the sum of their best topk/group_topk scores.
+    _divisible(out, "moe.topk", moe.topk, "moe.group_topk", group_topk,
+               " (each selected group is scored by its best topk/group_topk experts)")
+    reachable = group_topk * (moe.num_experts // groups)
+    if moe.topk > reachable:
+        out.append(f"moe.topk={moe.topk} exceeds the {reachable} experts in the selected groups "
+                   f"(moe.group_topk={group_topk} * moe.num_experts/moe.num_groups="
+                   f"{moe.num_experts // groups})")
+
+
+def _check_pipeline(config: Config, out: list[str]) -> None:
+    p, m = config.parallel, config.model
+    if p.pp < 1 or (p.vpp is not None and p.vpp < 1) or m.num_layers < 1:
+        return
+    vpp = vpp_size(config)
+    chunks = p.pp * vpp
+    if p.pp_layers is None:
+        if m.num_layers % chunks:
+            out.append(f"model.num_layers={m.num_layers} is not divisible by parallel.pp*vpp={chunks} "
+                       f"(set parallel.pp_layers to split the layers unevenly)")
+    else:
+        if len(p.pp_layers) != chunks:
+            out.append(f"parallel.pp_layers has {len(p.pp_layers)} entries, expected one per model chunk "
+                       f"(parallel.pp*vpp={chunks})")
+        for i, n in enumerate(p.pp_layers):
+            if n < 1:
+                out.append(f"parallel.pp_layers[{i}]={n} must be >= 1")
+        if sum(p.pp_layers) != m.num_layers:
+            out.append(f"parallel.pp_layers={_fmt(p.pp_layers)} sums to {sum(p.pp_layers)}, "
+                       f"expected model.num_layers={m.num_layers}")
+    if vpp > 1 and p.pp == 1:
+        out.append(f"parallel.vpp={vpp} requires parallel.pp > 1, got 1")
+    if vpp > 1 and p.pp_schedule != "interleaved":
+        out.append(f"parallel.vpp={vpp} requires parallel.pp_schedule=interleaved, got {_fmt(p.pp_schedule)}")
+    if p.pp_schedule == "interleaved" and vpp == 1:
+        out.append(f"parallel.pp_schedule=interleaved requires parallel.vpp > 1, got {_fmt(p.vpp)}")
+
+
+def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[str]) -> None:
+    t, p = config.train, config.parallel
+    for name in ("steps", "save_every", "keep_last", "log_every"):
+        _at_least(out, f"train.{name}", getattr(t, name), 1)
+    batch_ok = _at_least(out, "train.micro_batch_size", t.micro_batch_size, 1)
+    batch_ok &= _at_least(out, "train.global_batch_size", t.global_batch_size, 1)
+    if batch_ok and parallel_ok:
+        dp = world_size // (p.tp * p.cp * p.pp)
+        if t.global_batch_size % (t.micro_batch_size * dp):
+            out.append(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                       f"train.micro_batch_size*dp={t.micro_batch_size * dp} "
+                       f"(micro_batch_size={t.micro_batch_size}, dp=world_size/(tp*cp*pp)={dp})")
+    _one_of(out, "train.precision", t.precision, ("fp32", "bf16-autocast", "bf16"))
+    _one_of(out, "train.recompute", t.recompute, ("none", "full", "moe", "expert_act"))
+    _one_of(out, "train.on_nonfinite", t.on_nonfinite, ("skip", "stop"))
+
+
+def _check_optimizer(config: Config, out: list[str]) -> None:
+    o, t = config.optimizer, config.train
+    if _positive(out, "optimizer.lr", o.lr) and not 0 <= o.min_lr <= o.lr:
+        out.append(f"optimizer.min_lr={_fmt(o.min_lr)} must be in [0, optimizer.lr={_fmt(o.lr)}]")
+    for name in ("beta1", "beta2"):
+        value = getattr(o, name)
+        if not 0 <= value < 1:
+            out.append(f"optimizer.{name}={_fmt(value)} must be in [0, 1)")
+    _positive(out, "optimizer.eps", o.eps)
+    _at_least(out, "optimizer.clip_grad", o.clip_grad, 0)
+    _at_least(out, "optimizer.weight_decay", o.weight_decay, 0)
+    if _at_least(out, "optimizer.warmup_steps", o.warmup_steps, 0) and o.warmup_steps > t.steps:
+        out.append(f"optimizer.warmup_steps={o.warmup_steps} must be <= train.steps={t.steps}")
+    _one_of(out, "optimizer.schedule", o.schedule, ("cosine", "wsd", "constant"))
+    if not 0 < o.decay_fraction <= 1:
+        out.append(f"optimizer.decay_fraction={_fmt(o.decay_fraction)} must be in (0, 1]")
+
+
+def _check_data_and_wandb(config: Config, out: list[str]) -> None:
+    d, w = config.data, config.wandb
+    paths = data_paths(config)
+    if isinstance(d.path, list) and not paths:
+        out.append("data.path=[] must name at least one dataset, or be null for the demo corpus")
+    for i, path in enumerate(paths if isinstance(d.path, list) else []):
+        if not path:
+            out.append(f"data.path[{i}]='' must be a dataset path")
+    if d.path == "":
+        out.append("data.path='' must be a dataset path, or null for the demo corpus")
+    if d.weights is not None:
+        if d.path is None:
+            out.append(f"data.weights={_fmt(d.weights)} is set but data.path is null")
+        elif len(d.weights) != len(paths):
+            out.append(f"data.weights has {len(d.weights)} entries, expected one per data.path entry ({len(paths)})")
+        for i, weight in enumerate(d.weights):
+            if not weight > 0:
+                out.append(f"data.weights[{i}]={_fmt(weight)} must be > 0")
+    if not d.tokenizer:
+        out.append("data.tokenizer='' must be byte or a path to a tokenizer.json")
+    _one_of(out, "wandb.mode", w.mode, ("offline", "online", "disabled"))
+    _at_least(out, "wandb.heatmap_every", w.heatmap_every, 1)
