@@ -7,10 +7,12 @@ from moe_fold.config import (
     Config,
     ConfigError,
     config_to_dict,
+    data_paths,
     dp_size,
     dump_config,
     edp_size,
     etp_size,
+    head_dim,
     list_presets,
     load_config,
     moe_layer_flags,
@@ -220,6 +222,14 @@ def test_parallel_sizes():
     assert dp_size(config, 8) == 2 and edp_size(config, 8) == 1
     with pytest.raises(ConfigError, match=r"world_size=6 is not divisible by parallel.tp\*cp\*pp=4"):
         dp_size(config, 6)
+
+
+def test_head_dim_and_data_paths():
+    assert head_dim(load_config()) == 32
+    assert head_dim(load_config(None, ["model.head_dim=48"])) == 48
+    assert data_paths(load_config()) == []
+    assert data_paths(load_config(None, ["data.path=corpus"])) == ["corpus"]
+    assert data_paths(load_config(None, ["data.path=[a,b]"])) == ["a", "b"]
 
 
 def test_pp_layer_counts():
