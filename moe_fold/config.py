@@ -217,8 +217,9 @@ def list_presets() -> list[str]:
     return sorted(p.stem for p in presets_dir().glob("*.yaml"))
 
 
-def resolve_source(source: str) -> Path:
+def resolve_source(source: str | os.PathLike) -> Path:
     """A YAML path as given, or the file of the preset named ``source``."""
+    source = os.fspath(source)
     path = Path(source)
     if path.is_file():
         return path
@@ -234,10 +235,12 @@ def resolve_source(source: str) -> Path:
     raise ConfigError(f"unknown preset '{source}'; {hint}available presets: {available} (in {presets_dir()})")
 
 
-def load_config(source: str | None = None, overrides: list[str] = ()) -> Config:
+def load_config(source: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
     """Build a Config from a YAML file or preset name (None: defaults), then apply
     ``section.field=value`` overrides in order. Types are checked here; cross-field
     rules are checked by ``validate``, which needs the world size."""
+    if isinstance(overrides, str):
+        raise ConfigError(f"overrides must be a list of section.field=value strings, got the string {overrides!r}")
     data: dict = {}
     if source is not None:
         path = resolve_source(source)
@@ -524,7 +527,7 @@ def _one_of(out: list[str], dotted: str, value: str, allowed: tuple[str, ...]) -
 
 
 def _at_least(out: list[str], dotted: str, value: float, low: float) -> bool:
-    if value < low:
+    if not value >= low:  # also catches nan
         out.append(f"{dotted}={_fmt(value)} must be >= {low}")
         return False
     return True
@@ -540,11 +543,6 @@ def _positive(out: list[str], dotted: str, value: float) -> bool:
 def _divisible(out: list[str], a_name: str, a: int, b_name: str, b: int, why: str = "") -> None:
     if b >= 1 and a % b:
         out.append(f"{a_name}={a} is not divisible by {b_name}={b}{why}")
-
-
-def _etp_name(config: Config) -> str:
-    p = config.parallel
-    return "parallel.tp" if p.etp is None else "parallel.etp"
 
 
 def _check_parallel(config: Config, world_size: int, out: list[str]) -> bool:
@@ -666,7 +664,11 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
     if p.tp > 1 and not p.sequence_parallel:
         out.append(f"parallel.tp={p.tp} with MoE layers requires parallel.sequence_parallel=true")
     if _at_least(out, "moe.ffn_hidden_size", moe.ffn_hidden_size, 1):
-        _divisible(out, "moe.ffn_hidden_size", moe.ffn_hidden_size, _etp_name(config), etp_size(config))
+        if p.etp is None:
+            _divisible(out, "moe.ffn_hidden_size", moe.ffn_hidden_size, "parallel.tp", p.tp,
+                       " (parallel.etp is null, so experts are split over tp)")
+        else:
+            _divisible(out, "moe.ffn_hidden_size", moe.ffn_hidden_size, "parallel.etp", p.etp)
     if moe.shared_expert_ffn_hidden_size > 0:
         _divisible(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size,
                    "parallel.tp", p.tp)

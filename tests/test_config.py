@@ -31,7 +31,7 @@ def problems_of(overrides: list[str], world_size: int) -> list[str]:
 
 def load_problems(source=None, overrides=()) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        load_config(source, list(overrides))
+        load_config(source, overrides)
     return info.value.problems
 
 
@@ -164,6 +164,12 @@ def test_override_errors(override, message):
     assert load_problems(None, [override]) == [message]
 
 
+def test_overrides_must_be_a_list():
+    assert load_problems(None, "moe.topk=4") == [
+        "overrides must be a list of section.field=value strings, got the string 'moe.topk=4'"
+    ]
+
+
 def test_override_yaml_syntax_error():
     (problem,) = load_problems(None, ["moe.moe_layer_freq=[1,0"])
     assert problem.startswith("cannot parse the value of override 'moe.moe_layer_freq=[1,0' as YAML")
@@ -190,7 +196,7 @@ def test_round_trip(tmp_path):
     assert load_config(str(path)) == config
     assert config_to_dict(load_config(str(path))) == config_to_dict(config)
     dump_config(Config(), path)
-    assert load_config(str(path)) == Config()
+    assert load_config(path) == Config()  # a Path works as well as a str
     assert set(config_to_dict(config)) == {"model", "moe", "parallel", "data", "optimizer", "train", "wandb", "init"}
 
 
@@ -288,7 +294,7 @@ RULES = [
      ["model.ffn_hidden_size=255 is not divisible by parallel.tp=2"]),
     (SP2 + ["moe.shared_expert_ffn_hidden_size=255"], 2,
      ["moe.shared_expert_ffn_hidden_size=255 is not divisible by parallel.tp=2"]),
-    (SP2 + ["moe.ffn_hidden_size=255"], 2, ["moe.ffn_hidden_size=255 is not divisible by parallel.tp=2"]),
+    (SP2 + ["moe.ffn_hidden_size=255"], 2, ["moe.ffn_hidden_size=255 is not divisible by parallel.tp=2 (parallel.etp is null, so experts are split over tp)"]),
     (["parallel.etp=2", "moe.ffn_hidden_size=255"], 2, ["moe.ffn_hidden_size=255 is not divisible by parallel.etp=2"]),
     (SP2 + ["model.vocab_size=511"], 2, ["model.vocab_size=511 is not divisible by parallel.tp=2"]),
     # group-limited routing
@@ -310,6 +316,7 @@ RULES = [
      ["moe.pre_softmax=true requires moe.score_function=softmax, got sigmoid"]),
     (["moe.scaling_factor=0"], 1, ["moe.scaling_factor=0.0 must be > 0 when set"]),
     (["moe.input_jitter=-0.1"], 1, ["moe.input_jitter=-0.1 must be >= 0"]),
+    (["moe.input_jitter=.nan"], 1, ["moe.input_jitter=nan must be >= 0"]),
     (["moe.bias_update_rate=-1"], 1, ["moe.bias_update_rate=-1.0 must be >= 0"]),
     (["moe.aux_loss_coeff=-1"], 1, ["moe.aux_loss_coeff=-1.0 must be >= 0"]),
     (["moe.seq_aux_loss_coeff=-1"], 1, ["moe.seq_aux_loss_coeff=-1.0 must be >= 0"]),
