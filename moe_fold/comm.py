@@ -62,7 +62,6 @@ Group = Optional[dist.ProcessGroup]
 _BYTES_SENT: dict[str, int] = {}
 
 
-
 # --------------------------------------------------------------------------- groups
 
 def group_size(group: Group) -> int:
@@ -244,6 +243,10 @@ def _own_slice(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Ten
     return x.narrow(dim, me * step, step).contiguous()
 
 
+def _copy(sizes: Optional[Sequence[int]]) -> Optional[list[int]]:
+    return None if sizes is None else [int(s) for s in sizes]
+
+
 def _active(group: Group) -> bool:
     return group is not None and dist.get_world_size(group) > 1
 
@@ -260,7 +263,8 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, output_split_sizes, input_split_sizes, group):
         ctx.group = group
-        ctx.splits = (output_split_sizes, input_split_sizes)
+        # Copies: the caller may reuse its lists before backward runs.
+        ctx.splits = (_copy(output_split_sizes), _copy(input_split_sizes))
         return _raw_all_to_all(x, output_split_sizes, input_split_sizes, group)
 
     @staticmethod
@@ -291,7 +295,7 @@ def all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, sizes, dim):
-        ctx.group, ctx.sizes, ctx.dim = group, sizes, dim
+        ctx.group, ctx.sizes, ctx.dim = group, _copy(sizes), dim
         return _raw_all_gather(x, sizes, dim, group)
 
     @staticmethod
@@ -313,7 +317,7 @@ def all_gather(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = None,
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, sizes, dim):
-        ctx.group, ctx.sizes, ctx.dim = group, sizes, dim
+        ctx.group, ctx.sizes, ctx.dim = group, _copy(sizes), dim
         return _raw_reduce_scatter(x, sizes, dim, group)
 
     @staticmethod

@@ -33,7 +33,7 @@ def _kinds(nbytes, kind):
 
 # ----------------------------------------------------------------- all_to_all
 
-def _check_all_to_all(rank, n, group, kind, splits, dtype, trailing, seed):
+def _check_all_to_all(n, group, kind, splits, dtype, trailing, seed):
     """``splits[s][d]`` rows go from group rank s to group rank d (None: 2 rows each, even)."""
     me = dist.get_rank(group)
     even = splits is None
@@ -67,7 +67,7 @@ def _check_all_to_all(rank, n, group, kind, splits, dtype, trailing, seed):
 
 # ----------------------------------------------------------------- all_gather / reduce_scatter
 
-def _check_all_gather(rank, n, group, kind, sizes, dim, seed):
+def _check_all_gather(n, group, kind, sizes, dim, seed):
     me = dist.get_rank(group)
     gen = torch.Generator().manual_seed(seed)
     own = sizes or [3] * n
@@ -87,7 +87,7 @@ def _check_all_gather(rank, n, group, kind, sizes, dim, seed):
     assert bwd == _kinds(out.nbytes - x.nbytes, kind)
 
 
-def _check_reduce_scatter(rank, n, group, kind, sizes, dim, seed):
+def _check_reduce_scatter(n, group, kind, sizes, dim, seed):
     me = dist.get_rank(group)
     gen = torch.Generator().manual_seed(seed)
     own = sizes or [2] * n
@@ -107,7 +107,7 @@ def _check_reduce_scatter(rank, n, group, kind, sizes, dim, seed):
     assert bwd == _kinds(out.nbytes * (n - 1), kind)
 
 
-def _check_all_reduce(rank, n, group, kind, seed):
+def _check_all_reduce(n, group, kind, seed):
     me = dist.get_rank(group)
     gen = torch.Generator().manual_seed(seed)
     xs = [_rand(gen, (3, 5)) for _ in range(n)]
@@ -134,7 +134,7 @@ def _check_all_reduce(rank, n, group, kind, seed):
 
 # ----------------------------------------------------------------- TP / SP mappings
 
-def _check_tp_mlp(rank, tp, group, seed):
+def _check_tp_mlp(tp, group, seed):
     """Column- then row-parallel MLP, with and without SP, against the full MLP."""
     me = dist.get_rank(group)
     gen = torch.Generator().manual_seed(seed)
@@ -180,7 +180,7 @@ def _check_tp_mlp(rank, tp, group, seed):
     torch.testing.assert_close(b.grad, rB[cols])
 
 
-def _check_tp_bytes(rank, tp, group, kind):
+def _check_tp_bytes(tp, group, kind):
     x = torch.ones(4 * tp, 3, requires_grad=True)
     nb, n = x.nbytes, tp
     ring = 2 * (n - 1) * nb // n
@@ -200,7 +200,7 @@ def _check_tp_bytes(rank, tp, group, kind):
 
 # ----------------------------------------------------------------- point-to-point
 
-def _check_p2p(rank, n, ring_ranks, group, kind):
+def _check_p2p(rank, ring_ranks, group, kind):
     """Ring over ``ring_ranks`` (global ranks); blocking send/recv then batch_send_recv."""
     i = ring_ranks.index(rank)
     nxt, prv = ring_ranks[(i + 1) % len(ring_ranks)], ring_ranks[i - 1]
@@ -266,31 +266,32 @@ def _program(rank, world_size, splits_cases):
     assert comm.group_kind(ep) == "ep" and comm.group_kind(dist.group.WORLD) == "world"
 
     for case, splits in enumerate(splits_cases):
-        _check_all_to_all(rank, n, ep, "ep", splits, torch.float32, (3, 2), seed=10 + case)
-        _check_all_to_all(rank, n, ep, "ep", splits, torch.bfloat16, (5,), seed=20 + case)
-        _check_all_to_all(rank, n, dist.group.WORLD, "world", splits, torch.int64, (), seed=30 + case)
+        _check_all_to_all(n, ep, "ep", splits, torch.float32, (3, 2), seed=10 + case)
+        _check_all_to_all(n, ep, "ep", splits, torch.bfloat16, (5,), seed=20 + case)
+        _check_all_to_all(n, dist.group.WORLD, "world", splits, torch.int64, (), seed=30 + case)
 
     uneven = [3, 0, 1, 2][:n] if n > 2 else [0, 3]
     for sizes in (None, uneven):
         for dim in (0, 1):
-            _check_all_gather(rank, n, ep, "ep", sizes, dim, seed=40 + dim)
-            _check_reduce_scatter(rank, n, ep, "ep", sizes, dim, seed=50 + dim)
-    _check_all_reduce(rank, n, ep, "ep", seed=60)
+            _check_all_gather(n, ep, "ep", sizes, dim, seed=40 + dim)
+            _check_reduce_scatter(n, ep, "ep", sizes, dim, seed=50 + dim)
+    _check_all_reduce(n, ep, "ep", seed=60)
 
     # TP over pairs of neighbours, PP over ranks with the same TP index (4 ranks), or
     # everything in one group (2 ranks): group ranks differ from global ranks.
     tp_size = 2
     tp_groups = [list(range(s, s + tp_size)) for s in range(0, n, tp_size)]
     tp = [dist.new_group(g, group_desc="tp") for g in tp_groups][rank // tp_size]
-    _check_tp_mlp(rank, tp_size, tp, seed=70 + rank // tp_size)
-    _check_tp_bytes(rank, tp_size, tp, "tp")
+    _check_tp_mlp(tp_size, tp, seed=70 + rank // tp_size)
+    _check_tp_bytes(tp_size, tp, "tp")
     pp_groups = [list(range(i, n, tp_size)) for i in range(tp_size)]
     pp = [dist.new_group(g, group_desc="pp") for g in pp_groups][rank % tp_size]
-    _check_p2p(rank, n, list(range(n)), None, "world")
+    _check_p2p(rank, list(range(n)), None, "world")
     if n > tp_size:
-        _check_p2p(rank, n, pp_groups[rank % tp_size], pp, "pp")
-        _check_all_gather(rank, tp_size, pp, "pp", [1, 2], 0, seed=80)
-        _check_all_to_all(rank, tp_size, pp, "pp", [[1, 2], [0, 3]], torch.float32, (2,), seed=81)
+        pp_size = len(pp_groups[0])
+        _check_p2p(rank, pp_groups[rank % tp_size], pp, "pp")
+        _check_all_gather(pp_size, pp, "pp", [1, 2], 0, seed=80)
+        _check_all_to_all(pp_size, pp, "pp", [[1, 2], [0, 3]], torch.float32, (2,), seed=81)
 
     _no_comm(rank, torch.ones(3, 2))
     _errors(ep, n)
