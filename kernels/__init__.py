@@ -4,3 +4,4 @@ Nothing here knows about process groups."""
 
 from .permute import chunk_order, permute, permute_padded, sort_chunks, unpermute
 from .swiglu import swiglu
+from .topk_triton import topk_softmax_triton
