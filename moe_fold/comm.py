@@ -18,7 +18,8 @@ Byte counter
 ------------
 Each process keeps a count of the bytes it SENDS to other ranks, keyed by the kind of
 the group (``group.group_desc``: ``tp cp dp pp dp_cp tp_cp tp_dp_cp ep etp etp_ep edp``;
-the default group is named ``world``). Forward and backward calls both count: the
+the default group is named ``world``, a group made without ``group_desc`` counts under
+torch's ``undefined``). Forward and backward calls both count: the
 backward communication is real. The numbers are the logical volume of the operation,
 independent of how the backend moves it (padding for uneven sizes is not counted).
 With ``n`` the group size, ``B`` bytes of the named tensor and ``row`` the bytes of one
