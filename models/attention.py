@@ -1,0 +1,59 @@
+"""Causal self-attention with grouped-query heads, optional QK-norm and rotary embeddings.
+
+Under tp each rank owns ``num_heads/tp`` query heads together with the
+``num_kv_heads/tp`` key/value heads they read, so attention itself needs no
+communication: the fused q|k|v projection is column-parallel and the output projection
+row-parallel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_fold.comm import Group, group_size
+from moe_fold.config import ModelConfig
+from moe_fold.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_seed
+
+from .norm import RMSNorm
+from .rotary import apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, head_dim: int, tp_group: Group, sequence_parallel: bool,
+                 *, seed: int, name: str):
+        super().__init__()
+        tp = group_size(tp_group)
+        for field in ("num_heads", "num_kv_heads"):
+            if getattr(config, field) % tp:
+                raise ValueError(f"model.{field}={getattr(config, field)} is not divisible by tp={tp}")
+        self.head_dim = head_dim
+        self.num_heads = config.num_heads // tp  # local query heads
+        self.num_kv_heads = config.num_kv_heads // tp  # local key/value heads
+        q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
+        std = config.init_std
+        self.qkv = ColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size], tp_group,
+                                        sequence_parallel, std=std, seed=init_seed(seed, f"{name}.qkv"))
+        self.proj = RowParallelLinear(q_size, config.hidden_size, tp_group, sequence_parallel,
+                                      std=std, seed=init_seed(seed, f"{name}.proj"))
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            # Every tp rank holds different heads, so these grads are partial over tp.
+            self.q_norm = RMSNorm(head_dim, config.norm_eps, "tp_sum")
+            self.k_norm = RMSNorm(head_dim, config.norm_eps, "tp_sum")
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x [S_local, B, H]`` -> ``[S_local, B, H]``; cos/sin ``[S, head_dim]`` or ``[B, S, head_dim]``."""
+        qkv = self.qkv(x)  # [S, B, (heads + 2*kv_heads) * head_dim]
+        S, B = qkv.shape[:2]
+        q, k, v = qkv.view(S, B, -1, self.head_dim).split(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)  # [S, B, heads, head_dim]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, heads, S, head_dim]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # Query head h reads key/value head h // (heads / kv_heads), as in Hugging Face.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, heads, S, hd]
+        out = out.permute(2, 0, 1, 3).reshape(S, B, self.num_heads * self.head_dim)  # [S, B, heads*hd]
+        return self.proj(out)

@@ -1,0 +1,31 @@
+"""The dense SwiGLU MLP (Shazeer 2020): ``fc2(silu(gate(x)) * up(x))``.
+
+gate|up is one column-parallel linear whose two halves are split over tp separately, so
+each rank holds matching slices of gate and up; fc2 is row-parallel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_fold.comm import Group, group_size
+from moe_fold.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_seed
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, tp_group: Group, sequence_parallel: bool,
+                 *, std: float, seed: int, name: str):
+        super().__init__()
+        if ffn_hidden_size % group_size(tp_group):
+            raise ValueError(f"ffn_hidden_size={ffn_hidden_size} is not divisible by tp={group_size(tp_group)}")
+        self.fc1 = ColumnParallelLinear(hidden_size, [ffn_hidden_size, ffn_hidden_size], tp_group,
+                                        sequence_parallel, std=std, seed=init_seed(seed, f"{name}.fc1"))
+        self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, tp_group, sequence_parallel,
+                                     std=std, seed=init_seed(seed, f"{name}.fc2"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens ``[T_local, H]`` -> ``[T_local, H]``."""
+        gate, up = self.fc1(x).chunk(2, dim=-1)  # [T, ffn/tp] each
+        return self.fc2(F.silu(gate) * up)

@@ -1,0 +1,128 @@
+"""Data-parallel gradient sync and the global gradient norm (DESIGN.md section 2).
+
+Each parameter says how it is laid out in ``param.parallel`` (set where it is created,
+see :mod:`moe_fold.tensor_parallel`): ``"tp"``, ``"replicated"``, ``"tp_sum"`` or
+``"expert"``. The model's loss on a rank is scaled so that the mean over dp x cp of the
+per-rank losses is the global-batch loss (``Transformer.forward``); :func:`sync_grads`
+turns every grad into the gradient of that global loss, equal to one process's:
+
+- ``"tp"`` and ``"replicated"``: averaged over ``dp_cp``. Under tp the autograd
+  collectives already give each rank the full gradient of its (replicated) loss with
+  respect to its shard or copy.
+- ``"tp_sum"``: summed over ``tp_dp_cp`` and divided by the dp x cp size: the sum over tp
+  adds up the partial grads of the rank's sequence shards (SP) or heads (QK-norm), the
+  sum over dp x cp is the data-parallel sum; one all-reduce does both.
+- ``"expert"``: summed over ``edp`` and divided by the dp x cp size. An expert shard
+  receives the tokens of every rank of its ``etp_ep`` group (sequence parallel: each
+  token lives on exactly one rank), so the sum over its edp replicas has seen every
+  token of the global batch exactly once, each weighted by its rank's loss scale; the
+  data-parallel mean divides that sum by dp x cp, not by edp.
+
+With gradient accumulation, let the grads of all micro-batches add up and call
+:func:`sync_grads` once per global batch.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from moe_fold.comm import all_reduce_
+from moe_fold.layout import ProcessGroups
+from moe_fold.tensor_parallel import PARALLEL_KINDS
+
+__all__ = ["sync_grads", "grad_norm", "clip_grad_norm_"]
+
+# parallel kind -> the group whose all-reduce (sum) completes the gradient
+_SYNC_GROUP = {"tp": "dp_cp", "replicated": "dp_cp", "tp_sum": "tp_dp_cp", "expert": "edp"}
+
+DEFAULT_BUCKET_NUMEL = 1 << 24
+
+
+def _kind(param: nn.Parameter) -> str:
+    kind = getattr(param, "parallel", None)
+    if kind not in PARALLEL_KINDS:
+        raise ValueError(f"parameter of shape {tuple(param.shape)} has parallel={kind!r}; every parameter "
+                         f"must be marked with one of {', '.join(PARALLEL_KINDS)} "
+                         f"(moe_fold.tensor_parallel.mark)")
+    return kind
+
+
+def _buckets(params: list[nn.Parameter], max_numel: int) -> list[list[nn.Parameter]]:
+    """Consecutive runs of ``params`` of one dtype, each at most ``max_numel`` elements
+    (a single larger parameter gets a bucket of its own)."""
+    buckets: list[list[nn.Parameter]] = []
+    numel = 0
+    for p in params:
+        if not buckets or numel + p.numel() > max_numel or p.dtype != buckets[-1][0].dtype:
+            buckets.append([])
+            numel = 0
+        buckets[-1].append(p)
+        numel += p.numel()
+    return buckets
+
+
+@torch.no_grad()
+def sync_grads(params: Iterable[nn.Parameter], groups: ProcessGroups,
+               bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
+    """Make every ``param.grad`` the gradient of the global-batch loss (see module doc).
+
+    Grads of one group kind are flattened into buckets of at most ``bucket_numel``
+    elements, one all-reduce each. A parameter without a grad (unused on this rank, e.g.
+    an expert that got no tokens) gets zeros, so all ranks reduce the same buckets.
+    Every rank must pass its parameters in the same order (as ``model.parameters()`` does).
+    """
+    if bucket_numel < 1:
+        raise ValueError(f"bucket_numel={bucket_numel} must be >= 1")
+    by_group: dict[str, list[nn.Parameter]] = {name: [] for name in dict.fromkeys(_SYNC_GROUP.values())}
+    for p in params:
+        if p.requires_grad:
+            by_group[_SYNC_GROUP[_kind(p)]].append(p)
+    scale = 1.0 / groups.size("dp_cp")
+    for name, members in by_group.items():
+        group = groups.group(name)
+        if groups.size(name) == 1 and scale == 1.0:
+            continue
+        for p in members:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for bucket in _buckets(members, bucket_numel):
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # [sum numel]
+            all_reduce_(flat, group)
+            flat.mul_(scale)
+            for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
+                p.grad.copy_(g.view_as(p.grad))
+
+
+@torch.no_grad()
+def grad_norm(params: Iterable[nn.Parameter], groups: ProcessGroups) -> torch.Tensor:
+    """The L2 norm of all grads of the whole model, after :func:`sync_grads`: the norm one
+    process would compute. Squares of ``"tp"`` shards are summed over tp, of expert shards
+    over ``etp_ep``; replicated grads (``"replicated"``, ``"tp_sum"``) count once; every
+    kind is summed over pp stages. A float32 scalar, the same on every rank."""
+    params = [p for p in params if p.grad is not None]
+    # On the grads' device: NCCL reduces only GPU tensors.
+    device = params[0].grad.device if params else torch.device("cpu")
+    sums = {key: torch.zeros((), dtype=torch.float32, device=device) for key in ("tp", "replicated", "expert")}
+    for p in params:
+        kind = _kind(p)
+        g = p.grad.float()
+        sums["replicated" if kind == "tp_sum" else kind] += (g * g).sum()
+    all_reduce_(sums["tp"], groups.tp)
+    all_reduce_(sums["expert"], groups.etp_ep)
+    total = sums["tp"] + sums["replicated"] + sums["expert"]
+    return all_reduce_(total.clone(), groups.pp).sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, groups: ProcessGroups) -> torch.Tensor:
+    """Scale all grads by ``min(1, max_norm / (norm + 1e-6))`` (torch's rule) where norm is
+    :func:`grad_norm`; returns the norm before clipping."""
+    params = [p for p in params if p.grad is not None]
+    norm = grad_norm(params, groups)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+    return norm
