@@ -6,7 +6,12 @@ Pure functions (plain tensors in, tensors out):
   top-k (DeepSeek-V3), scaling factor, aux-loss-free expert bias;
 - :func:`expert_capacity` / :func:`apply_capacity`: token dropping with the ``probs`` or
   ``position`` policy, optionally padding every expert to exactly its capacity;
-- :func:`updated_expert_bias`: one aux-loss-free bias step.
+- :func:`updated_expert_bias`: one aux-loss-free bias step;
+- the loss functions of :mod:`moe_fold.dispatch.aux_losses` and the statistics of
+  :mod:`moe_fold.dispatch.routing_stats`, re-exported here.
+
+:class:`Router` is the module: the gate weight, the config's choices, the losses attached
+through autograd, and the counts that cross ranks.
 
 Ties are broken towards the lower index everywhere (expert index in top-k, group index in
 group selection, token index in capacity dropping), so a kernel and a loop reference agree
@@ -16,13 +21,23 @@ on equal scores. ``torch.topk`` leaves that order unspecified, hence the stable 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from torch import nn
+
+from moe_fold.comm import all_reduce_
+from moe_fold.config import MoEConfig
+from moe_fold.dispatch.aux_losses import attach_loss, aux_loss_scores, load_balancing_loss, z_loss
+from moe_fold.dispatch.routing_stats import RoutingStats, routing_stats
+from moe_fold.layout import ProcessGroups
 
 __all__ = [
     "SCORE_FUNCTIONS", "DROP_POLICIES",
     "check_routing_args", "topk_routing", "expert_capacity", "apply_capacity", "updated_expert_bias",
+    "aux_loss_scores", "load_balancing_loss", "z_loss", "attach_loss", "RoutingStats", "routing_stats",
+    "Router", "RouterOutput",
 ]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -219,3 +234,251 @@ def updated_expert_bias(expert_bias: torch.Tensor, tokens_per_expert: torch.Tens
     counts = tokens_per_expert.to(torch.float64)
     offset = counts.mean() - counts
     return expert_bias + (rate * torch.sign(offset)).to(expert_bias.dtype)
+
+
+# --------------------------------------------------------------------------- the module
+
+@dataclass
+class RouterOutput:
+    # [T, E] routing weights, zero off the kept experts; the load-balancing losses ride on
+    # it (see attach_loss), so it must feed the expert outputs.
+    probs: torch.Tensor
+    # [T, E] bool, after capacity dropping (with pad_to_capacity: exactly capacity per expert).
+    routing_map: torch.Tensor
+    # [T, E] in the router dtype, z-loss attached.
+    logits: torch.Tensor
+    # [E] int64: this rank's assignments per expert, what the dispatcher moves.
+    tokens_per_expert: torch.Tensor
+    # Detached micro-batch values without coefficients, for logging: "aux", "seq_aux",
+    # "z" (whole micro-batch over tp x cp) and "global_aux" (over tp x dp x cp, with the
+    # step's running counts, i.e. the value the gradient follows); only the enabled ones.
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    stats: Optional[RoutingStats] = None
+
+
+_ROUTER_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+class Router(nn.Module):
+    """Gate ``[E, H]`` -> logits -> :func:`topk_routing` -> optional capacity, with the
+    load-balancing losses and the aux-loss-free expert bias of ``MoEConfig``.
+
+    Parallelism: the router weight is replicated; ranks of one tp x cp group hold
+    different tokens of the same micro-batch (sequence parallel, context parallel), dp
+    ranks different micro-batches. Counts are summed over tp x cp (``aux``, ``seq_aux``,
+    ``z``) or tp x dp x cp (``global_aux``, expert bias) with a plain all-reduce; each rank
+    back-propagates its own share of a loss. The gradient each rank attaches assumes the
+    project's rule (DESIGN §2): router grads are summed over tp and averaged over dp x cp,
+    and the training loop multiplies each micro-batch's main loss by :attr:`grad_scale`
+    (1/num_microbatches) before backward. So a share is scaled by cp (by dp x cp for
+    ``global_aux``, whose loss spans dp), and the gradients equal those of one process
+    running the same global batch.
+
+    Per optimizer step the training loop calls :meth:`finish_step` once, after the last
+    backward: it updates the expert bias and closes the ``global_aux`` accumulation.
+    """
+
+    def __init__(self, config: MoEConfig, hidden_size: int, groups: ProcessGroups, *, init_std: float = 0.02):
+        super().__init__()
+        check_routing_args(config.num_experts, config.topk, score=config.score_function,
+                           pre_softmax=config.pre_softmax, num_groups=config.num_groups,
+                           group_topk=config.group_topk, scaling_factor=config.scaling_factor,
+                           expert_bias=config.expert_bias)
+        if config.router_dtype not in _ROUTER_DTYPES:
+            raise ValueError(f"moe.router_dtype={config.router_dtype!r} must be one of {tuple(_ROUTER_DTYPES)}")
+        for name in ("aux_loss_coeff", "seq_aux_loss_coeff", "global_aux_loss_coeff", "z_loss_coeff",
+                     "input_jitter", "bias_update_rate"):
+            value = getattr(config, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"moe.{name}={value!r} must be a finite number >= 0")
+        if config.capacity_factor is not None:
+            expert_capacity(1, 1, 1, config.capacity_factor)
+            if config.drop_policy not in DROP_POLICIES:
+                raise ValueError(f"moe.drop_policy={config.drop_policy!r} must be one of {DROP_POLICIES}")
+        self.config = config
+        self.groups = groups
+        self.hidden_size = hidden_size
+        self.dtype = _ROUTER_DTYPES[config.router_dtype]
+        self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
+        nn.init.normal_(self.weight, std=init_std)
+        # Set by the training loop: the factor its main loss gets per micro-batch.
+        self.grad_scale = 1.0
+        self.collect_stats = True
+        E = config.num_experts
+        if config.expert_bias:
+            # float32 whatever the model's precision: bias steps of 1e-3 vanish in bf16.
+            self.register_buffer("expert_bias", torch.zeros(E))
+            self.register_buffer("_bias_counts", torch.zeros(E, dtype=torch.float64), persistent=False)
+        else:
+            self.expert_bias = None
+        # global_aux accumulators over the micro-batches of the current step.
+        self.register_buffer("_ga_counts", torch.zeros(E, dtype=torch.float64), persistent=False)
+        self.register_buffer("_ga_prob_sums", torch.zeros(E, dtype=torch.float64), persistent=False)
+        self.register_buffer("_ga_tokens", torch.zeros((), dtype=torch.float64), persistent=False)
+        self._ga_microbatches = 0
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        *,
+        loss_mask: Optional[torch.Tensor] = None,
+        seq_ids: Optional[torch.Tensor] = None,
+        num_seqs: Optional[int] = None,
+    ) -> RouterOutput:
+        """Route this rank's tokens.
+
+        Args:
+            hidden: ``[T, H]`` this rank's tokens.
+            loss_mask: ``[T]`` bool, True for real tokens; padding is left out of the
+                losses and the expert-bias counts (it is still routed).
+            seq_ids: ``[T]`` int64, each token's sequence in ``[0, num_seqs)`` within the
+                micro-batch; needed when ``seq_aux_loss_coeff > 0``. Under SP/CP every rank
+                of a tp x cp group holds a slice of each of the same ``num_seqs`` sequences.
+            num_seqs: number of sequences in the micro-batch (the same on the tp x cp group).
+        """
+        cfg = self.config
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden must be [tokens, {self.hidden_size}], got {tuple(hidden.shape)}")
+        num_tokens = hidden.shape[0]
+        if loss_mask is not None and (loss_mask.dtype != torch.bool or tuple(loss_mask.shape) != (num_tokens,)):
+            raise ValueError(f"loss_mask must be a bool [{num_tokens}] tensor, got {loss_mask.dtype} "
+                             f"{tuple(loss_mask.shape)}")
+        if self.training and cfg.input_jitter > 0:
+            eps = cfg.input_jitter
+            hidden = hidden * torch.empty_like(hidden).uniform_(1.0 - eps, 1.0 + eps)
+        # [T, H] x [E, H]^T -> [T, E]
+        logits = hidden.to(self.dtype) @ self.weight.to(self.dtype).t()
+
+        with_losses = self.training and torch.is_grad_enabled()
+        losses: dict[str, torch.Tensor] = {}
+        routed_logits = logits
+        if with_losses and cfg.z_loss_coeff > 0:
+            routed_logits = self._attach_z_loss(logits, loss_mask, losses)
+
+        probs, routing_map = topk_routing(
+            routed_logits, cfg.topk, score=cfg.score_function, pre_softmax=cfg.pre_softmax,
+            num_groups=cfg.num_groups, group_topk=cfg.group_topk, scaling_factor=cfg.scaling_factor,
+            expert_bias=self.expert_bias)
+        kept_probs, kept_map = probs, routing_map
+        if cfg.capacity_factor is not None:
+            kept_probs, kept_map = apply_capacity(probs, routing_map, cfg.capacity_factor, policy=cfg.drop_policy,
+                                                  pad_to_capacity=cfg.pad_to_capacity, topk=cfg.topk)
+        if with_losses and (cfg.aux_loss_coeff > 0 or cfg.seq_aux_loss_coeff > 0 or cfg.global_aux_loss_coeff > 0):
+            kept_probs = self._attach_balancing_losses(kept_probs, logits, routing_map, loss_mask,
+                                                       seq_ids, num_seqs, losses)
+
+        routed_and_kept = kept_map & routing_map if cfg.capacity_factor is not None else routing_map
+        if with_losses and self.expert_bias is not None:
+            with torch.no_grad():
+                counted = routed_and_kept if loss_mask is None else routed_and_kept & loss_mask.unsqueeze(1)
+                self._bias_counts += counted.sum(dim=0)
+        stats = None
+        if self.collect_stats:
+            stats = routing_stats(routing_map.sum(dim=0), routed_and_kept.sum(dim=0), self.groups.size("ep"))
+        return RouterOutput(kept_probs, kept_map, routed_logits, kept_map.sum(dim=0), losses, stats)
+
+    def _attach_z_loss(self, logits, loss_mask, losses):
+        cfg = self.config
+        with torch.no_grad():
+            valid = loss_mask.sum() if loss_mask is not None else torch.tensor(logits.shape[0], device=logits.device)
+            # [valid tokens, sum of logsumexp^2] summed over tp x cp
+            packed = torch.stack([valid.to(torch.float64), z_loss(logits, loss_mask, 1).detach().to(torch.float64)])
+            all_reduce_(packed, self.groups.tp_cp)
+        share = z_loss(logits, loss_mask, packed[0])
+        losses["z"] = (packed[1] / packed[0].clamp(min=1)).to(logits.dtype)
+        scale = cfg.z_loss_coeff * self.grad_scale * self.groups.size("cp")
+        return attach_loss(logits, share, scale)
+
+    def _attach_balancing_losses(self, probs, logits, routing_map, loss_mask, seq_ids, num_seqs, losses):
+        cfg = self.config
+        E, k = cfg.num_experts, cfg.topk
+        scores = aux_loss_scores(logits, cfg.score_function)
+        if cfg.group_topk is not None or self.expert_bias is not None:
+            # Megatron counts f_i from the plain top-k of these scores, without groups or bias.
+            counted = torch.zeros_like(routing_map).scatter_(1, _stable_topk(scores.detach(), k)[1], True)
+        else:
+            counted = routing_map
+        if loss_mask is not None:
+            scores = scores * loss_mask.unsqueeze(1).to(scores.dtype)
+            counted = counted & loss_mask.unsqueeze(1)
+        with torch.no_grad():
+            counts = counted.sum(dim=0).to(torch.float64)
+            valid = counted.sum().to(torch.float64) / k
+            prob_sums = scores.detach().sum(dim=0).to(torch.float64)
+
+        total = torch.zeros((), dtype=scores.dtype, device=scores.device)
+        cp = self.groups.size("cp")
+        if cfg.aux_loss_coeff > 0 or cfg.seq_aux_loss_coeff > 0:
+            parts = []
+            if cfg.aux_loss_coeff > 0:
+                parts += [counts, valid.view(1), prob_sums]
+            if cfg.seq_aux_loss_coeff > 0:
+                if seq_ids is None or num_seqs is None:
+                    raise ValueError("moe.seq_aux_loss_coeff > 0 needs seq_ids and num_seqs in Router.forward")
+                if tuple(seq_ids.shape) != (logits.shape[0],):
+                    raise ValueError(f"seq_ids must have shape ({logits.shape[0]},), got {tuple(seq_ids.shape)}")
+                with torch.no_grad():
+                    # [T, E] -> [S, E]
+                    seq_counts = torch.zeros(num_seqs, E, dtype=torch.float64, device=scores.device)
+                    seq_counts.index_add_(0, seq_ids, counted.to(torch.float64))
+                    seq_prob_sums = torch.zeros_like(seq_counts).index_add_(0, seq_ids, scores.detach().double())
+                parts += [seq_counts.flatten(), seq_counts.sum(dim=1) / k, seq_prob_sums.flatten()]
+            packed = torch.cat(parts)
+            all_reduce_(packed, self.groups.tp_cp)
+            if cfg.aux_loss_coeff > 0:
+                c, n, p = packed[:E], packed[E], packed[E + 1:2 * E + 1]
+                packed = packed[2 * E + 1:]
+                total = total + cfg.aux_loss_coeff * cp * load_balancing_loss(scores, c, n, k)
+                # The whole micro-batch's value: the summed scores as one row.
+                losses["aux"] = load_balancing_loss(p.view(1, E), c, n, k).to(scores.dtype)
+            if cfg.seq_aux_loss_coeff > 0:
+                S = num_seqs
+                c, n, p = packed[:S * E].view(S, E), packed[S * E:S * E + S], packed[S * E + S:].view(S, E)
+                total = total + cfg.seq_aux_loss_coeff * cp * load_balancing_loss(scores, c, n, k, seq_ids=seq_ids)
+                own = torch.arange(S, device=scores.device)
+                losses["seq_aux"] = load_balancing_loss(p, c, n, k, seq_ids=own).to(scores.dtype)
+        if cfg.global_aux_loss_coeff > 0:
+            packed = torch.cat([counts, valid.view(1), prob_sums])
+            all_reduce_(packed, self.groups.tp_dp_cp)
+            c, n, p = packed[:E], packed[E], packed[E + 1:]
+            with torch.no_grad():
+                self._ga_counts += c
+                self._ga_tokens += n
+                self._ga_prob_sums += p
+            self._ga_microbatches += 1
+            # Counts of the micro-batches seen so far this step, per micro-batch (Megatron's
+            # running estimate: a backward cannot wait for the step's later micro-batches).
+            running = self._ga_counts / self._ga_microbatches
+            dp = self.groups.size("dp")
+            total = total + cfg.global_aux_loss_coeff * cp * dp * load_balancing_loss(scores, running, n, k)
+            losses["global_aux"] = load_balancing_loss(p.view(1, E), running, n, k).to(scores.dtype)
+        return attach_loss(probs, total, self.grad_scale)
+
+    def finish_step(self) -> dict[str, torch.Tensor]:
+        """Close one optimizer step: update the expert bias, return the step's exact
+        ``global_aux`` value (counts and scores of every micro-batch on every tp x dp x cp
+        rank, so it does not depend on how the global batch was split), reset the counts."""
+        out = {}
+        if self._ga_microbatches:
+            E, k = self.config.num_experts, self.config.topk
+            out["global_aux"] = load_balancing_loss(self._ga_prob_sums.view(1, E), self._ga_counts,
+                                                    self._ga_tokens, k)
+        self._ga_counts.zero_()
+        self._ga_prob_sums.zero_()
+        self._ga_tokens.zero_()
+        self._ga_microbatches = 0
+        if self.expert_bias is not None:
+            self.update_expert_bias()
+        return out
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """``b += rate * sign(mean_count - count_i)`` from the counts of every forward since
+        the last update, summed over tp x dp x cp; then clear them. :meth:`finish_step`
+        calls it; a second call in the same step sees no counts and changes nothing."""
+        if self.expert_bias is None:
+            raise ValueError("update_expert_bias needs moe.expert_bias=True")
+        counts = self._bias_counts.clone()
+        all_reduce_(counts, self.groups.tp_dp_cp)
+        self.expert_bias.copy_(updated_expert_bias(self.expert_bias, counts, self.config.bias_update_rate))
+        self._bias_counts.zero_()

@@ -6,7 +6,12 @@ import math
 import pytest
 import torch
 
-from moe_fold.dispatch.router import apply_capacity, expert_capacity, topk_routing, updated_expert_bias
+from moe_fold.config import MoEConfig
+from moe_fold.dispatch.router import (
+    Router, apply_capacity, attach_loss, aux_loss_scores, expert_capacity, load_balancing_loss, routing_stats,
+    topk_routing, updated_expert_bias, z_loss,
+)
+from moe_fold.layout import ProcessGroups
 
 
 # --------------------------------------------------------------------------- references
@@ -250,3 +255,321 @@ def test_updated_expert_bias_by_hand():
     want = [b + 0.1 * (1 if 5 > c else -1 if 5 < c else 0) for b, c in zip(bias.tolist(), counts.tolist())]
     torch.testing.assert_close(got, torch.tensor(want))
     assert torch.equal(updated_expert_bias(bias, torch.full((4,), 3), 0.1), bias)
+
+
+# --------------------------------------------------------------------------- losses
+
+def ref_scores(logits, score):
+    out = []
+    for row in logits.tolist():
+        if score == "softmax":
+            m = max(row)
+            ex = [math.exp(x - m) for x in row]
+            out.append([e / sum(ex) for e in ex])
+        else:
+            s = [1 / (1 + math.exp(-x)) for x in row]
+            out.append([x / sum(s) for x in s])
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def ref_switch(scores, rmap, k, mask=None):
+    """E * sum_i f_i P_i over the tokens where mask is True, one token at a time."""
+    T, E = scores.shape
+    tokens = [t for t in range(T) if mask is None or mask[t]]
+    n = len(tokens)
+    f = [sum(float(rmap[t, i]) for t in tokens) / (k * n) for i in range(E)]
+    P = [sum(float(scores[t, i]) for t in tokens) / n for i in range(E)]
+    return E * sum(fi * pi for fi, pi in zip(f, P))
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_aux_loss_scores_match_loop(score):
+    logits = torch.randn(6, 5)
+    torch.testing.assert_close(aux_loss_scores(logits, score).double(), ref_scores(logits, score))
+
+
+def test_load_balancing_loss_matches_loop():
+    g = torch.Generator().manual_seed(11)
+    T, E, k = 20, 6, 2
+    logits = torch.randn(T, E, generator=g)
+    scores = aux_loss_scores(logits)
+    _, rmap = topk_routing(logits, k)
+    mask = torch.rand(T, generator=g) > 0.3
+    got = load_balancing_loss(scores, rmap.sum(0), T, k)
+    assert abs(float(got) - ref_switch(scores, rmap, k)) < 1e-6
+    got = load_balancing_loss(scores, (rmap & mask[:, None]).sum(0), int(mask.sum()), k, loss_mask=mask)
+    assert abs(float(got) - ref_switch(scores, rmap, k, mask)) < 1e-6
+    # Per sequence: 3 interleaved sequences, mean of each sequence's Switch loss.
+    seq_ids = torch.arange(T) % 3
+    counts = torch.stack([(rmap & (seq_ids == s)[:, None]).sum(0) for s in range(3)])
+    lengths = torch.bincount(seq_ids, minlength=3)
+    got = load_balancing_loss(scores, counts, lengths, k, seq_ids=seq_ids)
+    want = sum(ref_switch(scores, rmap, k, (seq_ids == s).tolist()) for s in range(3)) / 3
+    assert abs(float(got) - want) < 1e-6
+
+
+def test_perfect_balance_gives_one():
+    # Uniform scores and equal counts: E * sum_i (1/E)(1/E) = 1 whatever E, k.
+    T, E, k = 16, 8, 2
+    rmap = torch.zeros(T, E, dtype=torch.bool)
+    for t in range(T):
+        rmap[t, [t % E, (t + 1) % E]] = True
+    assert abs(float(load_balancing_loss(torch.full((T, E), 1 / E), rmap.sum(0), T, k)) - 1.0) < 1e-6
+
+
+def test_z_loss_matches_loop():
+    logits = torch.randn(7, 5)
+    mask = torch.tensor([True, False, True, True, False, True, True])
+    lse2 = [math.log(sum(math.exp(x) for x in row)) ** 2 for row in logits.tolist()]
+    assert abs(float(z_loss(logits)) - sum(lse2) / 7) < 1e-5
+    assert abs(float(z_loss(logits, mask)) - sum(v for v, m in zip(lse2, mask) if m) / 5) < 1e-5
+    assert abs(float(z_loss(logits, mask, 10)) - sum(v for v, m in zip(lse2, mask) if m) / 10) < 1e-5
+
+
+def test_attach_loss_adds_scaled_gradient():
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(4, 3)
+    attach_loss(x * 2, (x ** 2).sum(), 0.25).mul(w).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * w + 0.25 * 2 * x.detach())
+
+
+def test_loss_functions_bad_arguments():
+    with pytest.raises(ValueError, match="score='tanh'"):
+        aux_loss_scores(torch.randn(2, 3), "tanh")
+    with pytest.raises(ValueError, match=r"tokens_per_expert must have shape \(3,\)"):
+        load_balancing_loss(torch.rand(2, 3), torch.ones(4), 2, 1)
+    with pytest.raises(ValueError, match="topk=4"):
+        load_balancing_loss(torch.rand(2, 3), torch.ones(3), 2, 4)
+    with pytest.raises(ValueError, match="must be a scalar"):
+        attach_loss(torch.ones(2), torch.ones(2), 1.0)
+
+
+def test_routing_stats_by_hand():
+    routed = torch.tensor([6, 2, 0, 4])
+    kept = torch.tensor([4, 2, 0, 4])
+    s = routing_stats(routed, kept, ep=2)
+    assert float(s.dropped_fraction) == pytest.approx(2 / 12)
+    assert float(s.expert_load_ratio) == pytest.approx(4 / 2.5)
+    assert float(s.ep_load_ratio) == pytest.approx(6 / 5)
+    with pytest.raises(ValueError, match="ep=3"):
+        routing_stats(routed, kept, ep=3)
+
+
+# --------------------------------------------------------------------------- Router module
+
+SINGLE = ProcessGroups.single_process()
+
+
+def make_router(H=16, **moe):
+    moe.setdefault("num_experts", 8)
+    moe.setdefault("aux_loss_coeff", 0.0)
+    torch.manual_seed(0)
+    return Router(MoEConfig(**moe), H, SINGLE)
+
+
+def reference_losses(W, h, cfg, mask=None, seq_ids=None, num_seqs=None):
+    """Autograd reference from the formulas, token loops for counts and totals."""
+    logits = h @ W.t()
+    scores = torch.softmax(logits, -1) if cfg.score_function == "softmax" else \
+        torch.sigmoid(logits) / torch.sigmoid(logits).sum(-1, keepdim=True)
+    rmap = ref_topk(logits.detach(), cfg.topk, score=cfg.score_function)[1]
+    E, k, T = cfg.num_experts, cfg.topk, h.shape[0]
+    tokens = [t for t in range(T) if mask is None or mask[t]]
+
+    def switch(toks):
+        if not toks:
+            return torch.zeros(())
+        counts = [sum(int(rmap[t, i]) for t in toks) for i in range(E)]
+        return sum(scores[toks, i].sum() * counts[i] for i in range(E)) * E / (k * len(toks) ** 2)
+
+    out = {"aux": switch(tokens)}
+    if seq_ids is not None:
+        out["seq_aux"] = sum(switch([t for t in tokens if seq_ids[t] == s]) for s in range(num_seqs)) / num_seqs
+    out["z"] = sum(torch.logsumexp(logits[t], -1) ** 2 for t in tokens) / len(tokens)
+    return logits, out
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_router_losses_and_gradient_match_reference(score):
+    cfg = dict(topk=2, score_function=score, aux_loss_coeff=0.1, seq_aux_loss_coeff=0.2, z_loss_coeff=0.05)
+    router = make_router(**cfg)
+    T = 12
+    h = torch.randn(T, 16)
+    mask = torch.ones(T, dtype=torch.bool)
+    mask[[3, 7, 8]] = False
+    seq_ids = torch.arange(T) % 3
+    g = torch.randn(T, 8)
+    hx = h.clone().requires_grad_(True)
+    out = router(hx, loss_mask=mask, seq_ids=seq_ids, num_seqs=3)
+    (out.probs * g).sum().backward()
+
+    W = router.weight.detach().clone().requires_grad_(True)
+    hr = h.clone().requires_grad_(True)
+    logits, ref = reference_losses(W, hr, router.config, mask, seq_ids.tolist(), 3)
+    probs, rmap = topk_routing(logits, 2, score=score)
+    total = (probs * g).sum() + 0.1 * ref["aux"] + 0.2 * ref["seq_aux"] + 0.05 * ref["z"]
+    total.backward()
+    assert torch.equal(out.routing_map, rmap)
+    for name in ("aux", "seq_aux", "z"):
+        assert float(out.losses[name]) == pytest.approx(float(ref[name].detach()), rel=1e-5), name
+    torch.testing.assert_close(router.weight.grad, W.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hx.grad, hr.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_padding_is_the_same_as_absent_tokens():
+    cfg = dict(topk=2, aux_loss_coeff=0.3, z_loss_coeff=0.1, global_aux_loss_coeff=0.2)
+    h = torch.randn(10, 16)
+    mask = torch.tensor([True, True, False, True, True, False, False, True, True, True])
+    g = torch.randn(10, 8)
+    a = make_router(**cfg)
+    out_a = a(h, loss_mask=mask)
+    (out_a.probs * g * mask[:, None]).sum().backward()
+    b = make_router(**cfg)
+    out_b = b(h[mask])
+    (out_b.probs * g[mask]).sum().backward()
+    for name in ("aux", "z", "global_aux"):
+        assert float(out_a.losses[name]) == pytest.approx(float(out_b.losses[name]), rel=1e-6), name
+    assert float(a.finish_step()["global_aux"]) == pytest.approx(float(b.finish_step()["global_aux"]), rel=1e-6)
+    torch.testing.assert_close(a.weight.grad, b.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_router_forward_is_topk_routing_then_capacity():
+    cfg = dict(topk=2, score_function="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.0,
+               capacity_factor=0.75, drop_policy="position", pad_to_capacity=True, router_dtype="float64")
+    router = make_router(**cfg).eval()
+    h = torch.randn(16, 16)
+    out = router(h)
+    logits = h.double() @ router.weight.double().t()
+    probs, rmap = topk_routing(logits, 2, score="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.0)
+    want_probs, want_map = apply_capacity(probs, rmap, 0.75, policy="position", pad_to_capacity=True)
+    assert out.logits.dtype == torch.float64 and out.probs.dtype == torch.float64
+    assert torch.equal(out.routing_map, want_map)
+    torch.testing.assert_close(out.probs, want_probs)
+    assert out.tokens_per_expert.tolist() == want_map.sum(0).tolist()
+    assert out.losses == {}
+    assert float(out.stats.dropped_fraction) == pytest.approx(1 - float((want_map & rmap).sum()) / 32)
+
+
+def test_input_jitter_multiplies_hidden_in_training_only():
+    router = make_router(topk=2, input_jitter=0.1)
+    h = torch.randn(6, 16)
+    torch.manual_seed(5)
+    out = router(h)
+    torch.manual_seed(5)
+    noise = torch.empty_like(h).uniform_(0.9, 1.1)
+    torch.testing.assert_close(out.logits, (h * noise) @ router.weight.t())
+    torch.testing.assert_close(router.eval()(h).logits, h @ router.weight.t())
+
+
+def test_global_aux_value_does_not_depend_on_microbatch_count():
+    cfg = dict(topk=2, global_aux_loss_coeff=0.5, aux_loss_coeff=0.0)
+    h = torch.randn(16, 16)
+    values = []
+    for m in (1, 2, 4):
+        router = make_router(**cfg)
+        for chunk in h.chunk(m):
+            router(chunk)
+        values.append(float(router.finish_step()["global_aux"]))
+    whole = make_router(topk=2, aux_loss_coeff=1.0)(h).losses["aux"]
+    assert values == pytest.approx([float(whole)] * 3, rel=1e-6)
+    # The accumulation was reset: the next step starts from nothing.
+    router(h[:4])
+    assert float(router.finish_step()["global_aux"]) == pytest.approx(
+        float(make_router(topk=2, aux_loss_coeff=1.0)(h[:4]).losses["aux"]), rel=1e-6)
+
+
+def test_global_aux_gradient_uses_running_counts():
+    cfg = dict(topk=2, global_aux_loss_coeff=0.5)
+    h = torch.randn(12, 16)
+    router = make_router(**cfg)
+    router.grad_scale = 0.5
+    for chunk in h.chunk(2):
+        router(chunk).probs.sum().backward()
+    W = router.weight.detach().clone().requires_grad_(True)
+    seen = []
+    for chunk in h.chunk(2):
+        logits = chunk @ W.t()
+        scores = torch.softmax(logits, -1)
+        rmap = ref_topk(logits.detach(), 2)[1]
+        seen.append(rmap.sum(0).double())
+        running = sum(seen) / len(seen)
+        loss = 8 * (scores.sum(0) * running).sum() / (2 * 6 ** 2)
+        (0.5 * (topk_routing(logits, 2)[0].sum() + 0.5 * loss)).backward()
+    torch.testing.assert_close(router.weight.grad, W.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_grad_scale_averages_microbatches_like_one_batch():
+    # aux on two micro-batches with grad_scale 1/2 = the mean of their two gradients.
+    h = torch.randn(12, 16)
+    router = make_router(topk=2, aux_loss_coeff=0.3)
+    router.grad_scale = 0.5
+    for chunk in h.chunk(2):
+        (0.5 * router(chunk).probs.sum()).backward()
+    grads = []
+    for chunk in h.chunk(2):
+        r = make_router(topk=2, aux_loss_coeff=0.3)
+        r(chunk).probs.sum().backward()
+        grads.append(r.weight.grad)
+    torch.testing.assert_close(router.weight.grad, (grads[0] + grads[1]) / 2)
+
+
+def test_expert_bias_update_and_padding_excluded():
+    router = make_router(topk=2, score_function="sigmoid", expert_bias=True, bias_update_rate=0.01,
+                         aux_loss_coeff=0.0)
+    h = torch.randn(20, 16)
+    mask = torch.arange(20) < 15
+    out1 = router(h[:10], loss_mask=mask[:10])
+    out2 = router(h[10:], loss_mask=mask[10:])
+    counts = out1.routing_map[mask[:10]].sum(0) + out2.routing_map[mask[10:]].sum(0)
+    mean = float(counts.sum()) / 8
+    want = [0.01 * (1 if mean > c else -1 if mean < c else 0) for c in counts.tolist()]
+    assert router.finish_step() == {}
+    torch.testing.assert_close(router.expert_bias, torch.tensor(want))
+    # Counts were cleared: an update with no forward in between changes nothing.
+    router.update_expert_bias()
+    torch.testing.assert_close(router.expert_bias, torch.tensor(want))
+    # The bias now steers selection: a huge bias on expert 5 puts it in every token's top-k.
+    router.expert_bias.fill_(0)[5] = 100.0
+    out = router(h)
+    assert out.routing_map[:, 5].all()
+    logits = h @ router.weight.t()
+    torch.testing.assert_close(out.probs.detach(), topk_routing(logits, 2, score="sigmoid",
+                                                                expert_bias=router.expert_bias)[0])
+    assert "expert_bias" in router.state_dict() and "_bias_counts" not in router.state_dict()
+
+
+def test_no_losses_or_counts_outside_training_or_grad():
+    router = make_router(topk=2, aux_loss_coeff=0.1, global_aux_loss_coeff=0.1, z_loss_coeff=0.1)
+    h = torch.randn(8, 16)
+    with torch.no_grad():
+        assert router(h).losses == {}
+    assert router.eval()(h).losses == {}
+    assert router.finish_step() == {}
+
+
+@pytest.mark.parametrize("moe, match", [
+    (dict(topk=9), "topk=9"),
+    (dict(score_function="relu"), "score='relu'"),
+    (dict(num_groups=3, group_topk=1), "num_groups=3"),
+    (dict(expert_bias=True), "expert_bias needs score='sigmoid'"),
+    (dict(capacity_factor=0.0), "capacity_factor=0.0"),
+    (dict(capacity_factor=1.0, drop_policy="random"), "moe.drop_policy='random'"),
+    (dict(router_dtype="bfloat16"), "moe.router_dtype='bfloat16'"),
+    (dict(aux_loss_coeff=-1.0), "moe.aux_loss_coeff=-1.0"),
+    (dict(input_jitter=float("nan")), "moe.input_jitter=nan"),
+])
+def test_router_bad_config(moe, match):
+    with pytest.raises(ValueError, match=match):
+        make_router(**moe)
+
+
+def test_router_bad_inputs():
+    router = make_router(topk=2, seq_aux_loss_coeff=0.1)
+    with pytest.raises(ValueError, match=r"hidden must be \[tokens, 16\]"):
+        router(torch.randn(4, 15))
+    with pytest.raises(ValueError, match="loss_mask must be a bool"):
+        router(torch.randn(4, 16), loss_mask=torch.ones(4))
+    with pytest.raises(ValueError, match="needs seq_ids and num_seqs"):
+        router(torch.randn(4, 16))
+    with pytest.raises(ValueError, match="needs moe.expert_bias=True"):
+        router.update_expert_bias()
