@@ -1,0 +1,85 @@
+"""All-gather token dispatcher: the simple baseline.
+
+Dispatch all-gathers every rank's tokens, probs and routing map over the etp x ep
+group, keeps the (token, expert) pairs of this rank's local experts and permutes them
+to local-expert-major order. Combine unpermutes (scatter-add, so rows of the same token
+are summed here) and reduce-scatters over etp x ep: each rank gets the sum over ranks
+of its own tokens' rows, which also sums the etp shards' partial outputs.
+
+Every token crosses the wire to every rank of the group whatever its routing, so this
+sends more than the all-to-all when the group is large; it needs no per-expert count
+exchange, only the token count of each rank. Modes ``dropless`` and ``capacity`` (the
+router already dropped tokens); the padded mode belongs to the all-to-all dispatcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from moe_fold import comm
+from moe_fold.dispatch.dispatcher import Handle, TokenDispatcher, counted
+from moe_fold.kernels.permute import permute, unpermute
+
+if TYPE_CHECKING:
+    from moe_fold.layout import ProcessGroups
+
+__all__ = ["AllGatherDispatcher", "AllGatherHandle"]
+
+
+@dataclass
+class AllGatherHandle(Handle):
+    # Tokens held by each rank of the etp x ep group.
+    sizes: Optional[list[int]] = None
+    # The gathered token of each row handed to the experts.
+    sorted_indices: Optional[torch.Tensor] = None
+
+
+class AllGatherDispatcher(TokenDispatcher):
+    """All-gather dispatcher over the etp x ep group; see the module docstring."""
+
+    def __init__(self, num_experts: int, topk: int, groups: "ProcessGroups", *,
+                 mode: str = "dropless", permute_backend: str = "torch"):
+        super().__init__(num_experts, topk, groups, permute_backend=permute_backend)
+        if mode not in ("dropless", "capacity"):
+            raise ValueError(f"mode={mode!r}: the all-gather dispatcher supports 'dropless' and "
+                             f"'capacity'; padding to capacity needs the all-to-all dispatcher")
+        self.mode = mode
+
+    def dispatch_preprocess(self, tokens, probs, routing_map):
+        handle = AllGatherHandle(num_tokens=tokens.shape[0])
+        num_tokens = torch.tensor([tokens.shape[0]], dtype=torch.int64)
+        handle.sizes = [row[0] for etp_rows in self._gather_counts(num_tokens, handle.wire) for row in etp_rows]
+        # The map travels with the probs as 0/1 in their dtype: one collective for both.
+        meta = torch.cat([probs, routing_map.to(probs.dtype)], dim=1)  # [T, 2E]
+        return handle, tokens, meta
+
+    def dispatch_communicate(self, x, meta, handle):
+        group, wire = self.groups.etp_ep, handle.wire
+        x, sent = counted(comm.all_gather, x, group, handle.sizes)  # [T, H] -> [sum(T), H]
+        wire.dispatch += sent
+        meta, sent = counted(comm.all_gather, meta, group, handle.sizes)  # [T, 2E] -> [sum(T), 2E]
+        wire.meta += sent
+        return x, meta
+
+    def dispatch_postprocess(self, x, meta, handle):
+        e, mine = self.num_experts, slice(self.local_expert_start, self.local_expert_start + self.num_local_experts)
+        local_probs = meta[:, :e][:, mine]  # [sum(T), E_local]
+        local_map = meta[:, e:][:, mine] > 0.5
+        x, probs, handle.sorted_indices = permute(x, local_map, local_probs,
+                                                  backend=self.permute_backend)  # [sum(T), H] -> [N, H]
+        return x, probs, local_map.sum(dim=0).to(device="cpu", dtype=torch.int64)
+
+    def combine_preprocess(self, x, handle):
+        return unpermute(x, handle.sorted_indices, sum(handle.sizes),
+                         backend=self.permute_backend)  # [N, H] -> [sum(T), H]
+
+    def combine_communicate(self, x, handle):
+        x, sent = counted(comm.reduce_scatter, x, self.groups.etp_ep, handle.sizes)  # -> [T, H]
+        handle.wire.combine += sent
+        return x
+
+    def combine_postprocess(self, x, handle):
+        return x

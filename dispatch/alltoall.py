@@ -1,0 +1,222 @@
+"""All-to-all token dispatcher over the ep group, with expert-tensor parallelism (etp).
+
+Dispatch, on every rank of an etp x ep group (each rank holds its own tokens):
+
+1. count the routed tokens per expert and all-gather the counts over etp x ep (the one
+   host synchronisation; the padded mode skips it), permute the tokens to expert-major
+   order, which is also destination-rank-major;
+2. all-to-all over ep: each rank receives, from the ep ranks with its own etp rank, the
+   rows for its local experts; then all-gather over etp, so the etp ranks of one ep
+   rank (which hold shards of the same experts) all see the rows of all their sources;
+3. sort the received chunks ``[etp source][ep source][local expert]`` to
+   ``[local expert][ep source][etp source]``.
+
+Combine is the exact reverse: sort back, reduce-scatter over etp (which also sums the
+etp shards' partial outputs), all-to-all back over ep, unpermute (scatter-add).
+
+Modes:
+
+- ``dropless``: any number of tokens per expert, zero included;
+- ``capacity``: the router already dropped tokens over capacity; moved like dropless;
+- ``pad``: every expert gets exactly C rows from every source rank (empty slots are zero
+  rows with prob 0), so every split is known from the config: no count exchange and no
+  host synchronisation. Every rank must hold the same number of tokens.
+
+``dedup=True`` (rank-deduplicated all-to-all): a token routed to several experts on one
+destination rank is sent there once, with its probs and routing map over that rank's
+experts; the destination expands it to one row per expert, and on combine sums the
+token's expert outputs (already prob-weighted) before sending one row back. Same
+results as the plain mode, fewer bytes when topk > 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from moe_fold import comm
+from moe_fold.dispatch.dispatcher import MODES, Handle, TokenDispatcher, counted, expert_major_order
+from moe_fold.dispatch.router import expert_capacity
+from moe_fold.kernels.permute import permute, permute_padded, sort_chunks, unpermute
+
+if TYPE_CHECKING:
+    from moe_fold.layout import ProcessGroups
+
+__all__ = ["AllToAllDispatcher", "AllToAllHandle"]
+
+
+@dataclass
+class AllToAllHandle(Handle):
+    # Source side: the token of each sent row (permute's sorted_indices).
+    sorted_indices: Optional[torch.Tensor] = None
+    # Rows sent to / received from each ep rank, rows received from each etp rank.
+    input_splits: Optional[list[int]] = None
+    output_splits: Optional[list[int]] = None
+    etp_splits: Optional[list[int]] = None
+    # Chunk sizes after the all-gather over etp, in [etp][ep][local expert] order
+    # (dedup: [etp][ep]), and the same in the expert order for the way back (plain modes).
+    chunk_sizes: Optional[list[int]] = None
+    sorted_chunk_sizes: Optional[list[int]] = None
+    tokens_per_local_expert: Optional[list[int]] = None
+    # Dedup only: the received row of each expanded row, and the number of received rows.
+    local_indices: Optional[torch.Tensor] = None
+    num_received: int = 0
+
+
+class AllToAllDispatcher(TokenDispatcher):
+    """All-to-all dispatcher; see the module docstring.
+
+    ``mode`` is ``dropless``, ``capacity`` or ``pad``; ``capacity_factor`` is required
+    by ``capacity`` and ``pad`` (``pad`` uses it for the capacity
+    ``expert_capacity(T, E, topk, capacity_factor)`` from the router). ``dedup`` works with
+    ``dropless`` and ``capacity``.
+    """
+
+    def __init__(self, num_experts: int, topk: int, groups: "ProcessGroups", *,
+                 mode: str = "dropless", capacity_factor: Optional[float] = None,
+                 dedup: bool = False, permute_backend: str = "torch"):
+        super().__init__(num_experts, topk, groups, permute_backend=permute_backend)
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} must be one of {MODES}")
+        if mode != "dropless" and (capacity_factor is None or capacity_factor <= 0):
+            raise ValueError(f"mode={mode!r} needs capacity_factor > 0, got {capacity_factor!r}")
+        if dedup and mode == "pad":
+            raise ValueError("dedup=True does not work with mode='pad': the padded mode sends a "
+                             "fixed C rows per expert, a deduplicated exchange has data-dependent sizes")
+        self.mode = mode
+        self.capacity_factor = capacity_factor
+        self.dedup = dedup
+        # [etp][ep][local expert] -> [local expert][ep][etp], and dedup's [etp][ep] -> [ep][etp].
+        self._order = expert_major_order(self.etp, self.ep, self.num_local_experts)
+        self._inverse_order = expert_major_order(self.etp, self.ep, self.num_local_experts, inverse=True)
+        self._rank_order = expert_major_order(self.etp, self.ep, 1)
+        self._rank_inverse_order = expert_major_order(self.etp, self.ep, 1, inverse=True)
+
+    def capacity(self, num_tokens: int) -> int:
+        """Rows per expert and source rank in the padded mode."""
+        return expert_capacity(num_tokens, self.num_experts, self.topk, self.capacity_factor)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def dispatch_preprocess(self, tokens, probs, routing_map):
+        handle = AllToAllHandle(num_tokens=tokens.shape[0])
+        if self.dedup:
+            return self._dedup_preprocess(tokens, probs, routing_map, handle)
+        if self.mode == "pad":
+            c = self.capacity(tokens.shape[0])
+            x, p, handle.sorted_indices = permute_padded(tokens, routing_map, probs, c,
+                                                         backend=self.permute_backend)  # [E*C, H]
+            rows = self.num_local_experts * c
+            handle.input_splits = handle.output_splits = [rows] * self.ep
+            handle.etp_splits = [rows * self.ep] * self.etp
+            handle.chunk_sizes = handle.sorted_chunk_sizes = [c] * (self.etp * self.ep * self.num_local_experts)
+            handle.tokens_per_local_expert = [c * self.etp * self.ep] * self.num_local_experts
+            return handle, x, p
+
+        el = self.num_local_experts
+        counts = routing_map.sum(dim=0)  # [E] routed tokens per expert
+        g = self._gather_counts(counts, handle.wire)  # [ep][etp][E] host ints
+        mine = slice(self.local_expert_start, self.local_expert_start + el)
+        handle.input_splits = [sum(g[self.ep_rank][self.etp_rank][j * el:(j + 1) * el]) for j in range(self.ep)]
+        handle.output_splits = [sum(g[j][self.etp_rank][mine]) for j in range(self.ep)]
+        handle.etp_splits = [sum(sum(g[j][t][mine]) for j in range(self.ep)) for t in range(self.etp)]
+        handle.chunk_sizes = [g[j][t][self.local_expert_start + le]
+                              for t in range(self.etp) for j in range(self.ep) for le in range(el)]
+        handle.sorted_chunk_sizes = [handle.chunk_sizes[i] for i in self._order]
+        n = self.etp * self.ep
+        handle.tokens_per_local_expert = [sum(handle.sorted_chunk_sizes[le * n:(le + 1) * n]) for le in range(el)]
+        x, p, handle.sorted_indices = permute(tokens, routing_map, probs,
+                                              backend=self.permute_backend)  # [T, H] -> [N, H]
+        return handle, x, p
+
+    def dispatch_communicate(self, x, probs, handle):
+        groups, wire = self.groups, handle.wire
+        x, sent = counted(comm.all_to_all, x, handle.output_splits, handle.input_splits, groups.ep)
+        wire.dispatch += sent
+        probs, sent = counted(comm.all_to_all, probs, handle.output_splits, handle.input_splits, groups.ep)
+        wire.meta += sent
+        x, sent = counted(comm.all_gather, x, groups.etp, handle.etp_splits)
+        wire.dispatch += sent
+        wire.dispatch_etp += sent
+        probs, sent = counted(comm.all_gather, probs, groups.etp, handle.etp_splits)
+        wire.meta += sent
+        return x, probs
+
+    def dispatch_postprocess(self, x, probs, handle):
+        if self.dedup:
+            x, probs = self._dedup_postprocess(x, probs, handle)
+        elif self.etp * self.num_local_experts > 1:
+            x = sort_chunks(x, handle.chunk_sizes, self._order, backend=self.permute_backend)
+            probs = sort_chunks(probs, handle.chunk_sizes, self._order, backend=self.permute_backend)
+        return x, probs, torch.tensor(handle.tokens_per_local_expert, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ combine
+
+    def combine_preprocess(self, x, handle):
+        if self.dedup:
+            # Sum each received token's expert outputs here, so one row goes back.
+            x = unpermute(x, handle.local_indices, handle.num_received,
+                          backend=self.permute_backend)  # [N, H] -> [R, H]
+            if self.etp > 1:
+                x = sort_chunks(x, [handle.chunk_sizes[i] for i in self._rank_order],
+                                self._rank_inverse_order, backend=self.permute_backend)
+            return x
+        if self.etp * self.num_local_experts > 1:
+            x = sort_chunks(x, handle.sorted_chunk_sizes, self._inverse_order, backend=self.permute_backend)
+        return x
+
+    def combine_communicate(self, x, handle):
+        groups, wire = self.groups, handle.wire
+        x, sent = counted(comm.reduce_scatter, x, groups.etp, handle.etp_splits)
+        wire.combine += sent
+        wire.combine_etp += sent
+        x, sent = counted(comm.all_to_all, x, handle.input_splits, handle.output_splits, groups.ep)
+        wire.combine += sent
+        return x
+
+    def combine_postprocess(self, x, handle):
+        return unpermute(x, handle.sorted_indices, handle.num_tokens,
+                         backend=self.permute_backend)  # [N, H] -> [T, H]
+
+    # ------------------------------------------------------------------ dedup
+
+    def _dedup_preprocess(self, tokens, probs, routing_map, handle):
+        num_tokens, el, ep = tokens.shape[0], self.num_local_experts, self.ep
+        local_map = routing_map.reshape(num_tokens, ep, el)  # [T, E] -> [T, ep, E_local]
+        rank_map = local_map.any(dim=2)  # [T, ep]: does the token go to ep rank j at all
+        # One count exchange carries both the per-expert counts (for the experts) and
+        # the per-rank row counts (for the splits).
+        counts = torch.cat([routing_map.sum(dim=0), rank_map.sum(dim=0)])  # [E + ep]
+        g = self._gather_counts(counts, handle.wire)  # [ep][etp][E + ep]
+        rows = [[g[j][t][self.num_experts + self.ep_rank] for t in range(self.etp)] for j in range(ep)]
+        handle.input_splits = g[self.ep_rank][self.etp_rank][self.num_experts:]
+        handle.output_splits = [rows[j][self.etp_rank] for j in range(ep)]
+        handle.etp_splits = [sum(rows[j][t] for j in range(ep)) for t in range(self.etp)]
+        handle.chunk_sizes = [rows[j][t] for t in range(self.etp) for j in range(ep)]  # [etp][ep]
+        handle.num_received = sum(handle.etp_splits)
+        handle.tokens_per_local_expert = [
+            sum(g[j][t][self.local_expert_start + le] for j in range(ep) for t in range(self.etp))
+            for le in range(el)]
+
+        # [T, H] -> [R, H]: one row per (token, destination rank), destination-major.
+        x, _, handle.sorted_indices = permute(tokens, rank_map, None, backend=self.permute_backend)
+        dest = torch.repeat_interleave(torch.arange(ep, device=tokens.device),
+                                       torch.tensor(handle.input_splits, device=tokens.device))
+        # What the destination needs to expand a row: probs and map over its experts.
+        row_probs = probs.reshape(num_tokens, ep, el)[handle.sorted_indices, dest]  # [R, E_local]
+        row_map = local_map[handle.sorted_indices, dest].to(probs.dtype)  # [R, E_local]
+        meta = torch.cat([row_probs, row_map], dim=1)  # [R, 2 * E_local]
+        return handle, x, meta
+
+    def _dedup_postprocess(self, x, meta, handle):
+        el = self.num_local_experts
+        if self.etp > 1:
+            # [etp][ep] -> [ep][etp], so the expanded rows come out in the plain mode's order.
+            x = sort_chunks(x, handle.chunk_sizes, self._rank_order, backend=self.permute_backend)
+            meta = sort_chunks(meta, handle.chunk_sizes, self._rank_order, backend=self.permute_backend)
+        row_probs, row_map = meta[:, :el], meta[:, el:] > 0.5
+        # [R, H] -> [N, H]: one row per (token, local expert), local-expert-major.
+        x, probs, handle.local_indices = permute(x, row_map, row_probs, backend=self.permute_backend)
+        return x, probs
