@@ -14,6 +14,7 @@ import sys
 # name -> (module, one-line help). Modules are imported lazily.
 COMMANDS: dict[str, tuple[str, str]] = {
     "layout": ("moe_fold.layout_command", "print the attention and expert layouts of a world"),
+    "data": ("moe_fold.data_command", "turn text into a tokenized, memory-mapped dataset"),
 }
 
 

@@ -1,0 +1,70 @@
+"""Finding input files and reading documents out of them.
+
+A plain text file is one document. A JSONL file holds one document per line, the text
+under a key (``text`` by default). Files are read as UTF-8; bytes that are not valid
+UTF-8 become U+FFFD so one bad byte cannot stop a long preprocessing run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+# Extensions picked up when a folder is given; a file named explicitly is always read.
+DEFAULT_EXTENSIONS = (".txt", ".md", ".rst", ".py", ".jsonl")
+
+
+def find_input_files(inputs: Iterable[str | os.PathLike], extensions: Iterable[str] = DEFAULT_EXTENSIONS) -> list[Path]:
+    """Files named in ``inputs`` plus, for each folder, its files (recursively) whose
+    extension is in ``extensions``. Each folder's files are sorted so the result, and so
+    the dataset built from it, is the same on every machine."""
+    exts = tuple(e if e.startswith(".") else f".{e}" for e in extensions)
+    files: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(exts))
+            if not found:
+                raise ValueError(f"input folder {path} holds no files ending in {', '.join(exts)}")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"input {path} is neither a file nor a folder")
+    if not files:
+        raise ValueError("no input files given")
+    return files
+
+
+def is_jsonl(path: Path) -> bool:
+    return path.suffix == ".jsonl"
+
+
+def iter_file_documents(path: Path, text_key: str = "text") -> Iterator[str]:
+    """The documents of one file: the whole text, or one per non-empty JSONL line."""
+    if not is_jsonl(path):
+        yield path.read_text(encoding="utf-8", errors="replace")
+        return
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from e
+            if not isinstance(record, dict) or text_key not in record:
+                raise ValueError(f"{path}:{line_no}: JSONL record has no '{text_key}' field "
+                                 f"(set the key with --text-key)")
+            text = record[text_key]
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{line_no}: field '{text_key}' must be a string, "
+                                 f"got {type(text).__name__}")
+            yield text
+
+
+def iter_documents(files: Iterable[Path], text_key: str = "text") -> Iterator[str]:
+    for path in files:
+        yield from iter_file_documents(Path(path), text_key)

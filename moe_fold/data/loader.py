@@ -1,0 +1,308 @@
+"""Training samples from indexed datasets: fixed-length or packed samples, a seeded
+shuffle, blending by weight, sharding over dp, a resumable position, cp zigzag slices.
+
+A sample is ``seq_length + 1`` tokens: inputs ``tokens[:-1]``, labels ``tokens[1:]``.
+Its ``cu_seqlens`` are the starts of the segments attention is confined to (then
+``seq_length``), and ``positions`` restart at 0 at each segment:
+
+- fixed-length (``packing=False``): samples tile the concatenated token stream (every
+  document ends with eod); a sample is one segment, attention runs across documents,
+  every label counts (GPT-2/Megatron default).
+- packed (``packing=True``): whole documents are packed in order into samples, a
+  document longer than a sample is cut into sample-sized pieces, the tail is padded.
+  Each piece is a segment; the label after a piece's last token (the next document's
+  first token, or padding) has loss_mask 0.
+
+Samples are indexed by a global sample number ``i >= 0``: epoch ``i // len(ds)`` uses
+its own permutation of the epoch's samples, drawn from ``(seed, epoch)``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from moe_fold.data.indexed_dataset import IndexedDataset
+
+
+@dataclass
+class Sample:
+    tokens: np.ndarray  # int64 [S+1]
+    loss_mask: np.ndarray  # float32 [S], weight of the label tokens[t+1]
+    positions: np.ndarray  # int64 [S]
+    cu_seqlens: np.ndarray  # int32 [segments+1], 0 ... S
+
+
+class GPTDataset:
+    """Shuffled fixed-length or packed samples of one indexed dataset; see the module docstring."""
+
+    def __init__(self, source: str | os.PathLike | IndexedDataset, seq_length: int, seed: int,
+                 packing: bool = False, pad_id: int | None = None):
+        if seq_length < 1:
+            raise ValueError(f"seq_length={seq_length} must be >= 1")
+        self.indexed = source if isinstance(source, IndexedDataset) else IndexedDataset(source)
+        self.seq_length, self.seed, self.packing = seq_length, seed, packing
+        self.vocab_size = self.indexed.vocab_size
+        # Padding is always loss-masked, so eod is a safe default filler.
+        self.pad_id = self.indexed.eod_id if pad_id is None else pad_id
+        n_tokens = self.indexed.num_tokens
+        if packing:
+            self._pack()
+            self.num_samples = len(self._bin_piece) - 1
+        else:
+            self.num_samples = (n_tokens - 1) // seq_length
+        if self.num_samples < 1:
+            raise ValueError(f"dataset {self.indexed.prefix} has {n_tokens} tokens, too few for one sample "
+                             f"of seq_length+1={seq_length + 1} tokens")
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _pack(self) -> None:
+        """Cut documents into pieces of at most S+1 tokens and fill samples next-fit, in
+        order: a sample is then one contiguous slice of the token stream."""
+        cap = self.seq_length + 1
+        lengths = self.indexed.lengths
+        pieces_per_doc = np.maximum(1, -(-lengths // cap))
+        doc_of_piece = np.repeat(np.arange(len(lengths)), pieces_per_doc)
+        first_piece = np.cumsum(pieces_per_doc) - pieces_per_doc
+        k = np.arange(len(doc_of_piece)) - first_piece[doc_of_piece]  # piece number in its document
+        piece_len = np.minimum(cap, lengths[doc_of_piece] - k * cap)
+        piece_len = piece_len[piece_len > 0]
+        self._piece_start = np.concatenate([[0], np.cumsum(piece_len)])  # token offsets, [pieces+1]
+        bins = [0]
+        fill = 0
+        for i, n in enumerate(piece_len.tolist()):
+            if fill + n > cap:
+                bins.append(i)
+                fill = 0
+            fill += n
+        bins.append(len(piece_len))
+        self._bin_piece = np.asarray(bins, dtype=np.int64)  # bin b holds pieces [bins[b], bins[b+1])
+
+    def __len__(self) -> int:
+        """Samples in one epoch."""
+        return self.num_samples
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:
+                self._perms.pop(next(iter(self._perms)))
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        return self._perms[epoch]
+
+    def sample_order(self, epoch: int) -> np.ndarray:
+        """Which unshuffled sample comes at each place of ``epoch``."""
+        return self._perm(epoch).copy()
+
+    def __getitem__(self, i: int) -> Sample:
+        if i < 0:
+            raise IndexError(f"sample index {i} must be >= 0")
+        j = int(self._perm(i // self.num_samples)[i % self.num_samples])
+        return self.raw_sample(j)
+
+    def raw_sample(self, j: int) -> Sample:
+        """Sample ``j`` before shuffling."""
+        S = self.seq_length
+        if not self.packing:
+            tokens = np.asarray(self.indexed.tokens[j * S:j * S + S + 1], dtype=np.int64)
+            return Sample(tokens, np.ones(S, np.float32), np.arange(S, dtype=np.int64),
+                          np.asarray([0, S], np.int32))
+        p0, p1 = self._bin_piece[j], self._bin_piece[j + 1]
+        starts = self._piece_start[p0:p1 + 1] - self._piece_start[p0]  # piece bounds in the sample
+        used = int(starts[-1])
+        tokens = np.full(S + 1, self.pad_id, dtype=np.int64)
+        tokens[:used] = self.indexed.tokens[self._piece_start[p0]:self._piece_start[p1]]
+        loss_mask = np.ones(S, np.float32)
+        ends = starts[1:]
+        loss_mask[ends[ends <= S] - 1] = 0  # the label after a piece's last token is another piece
+        loss_mask[used:] = 0  # labels that are padding
+        cu = np.concatenate([starts[starts < S], [S]]).astype(np.int32)
+        seg = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
+        positions = np.arange(S, dtype=np.int64) - cu[seg]
+        return Sample(tokens, loss_mask, positions, cu)
+
+
+class BlendedDataset:
+    """Samples drawn from several datasets in proportion to ``weights``, with
+    Megatron-LM's greedy rule: sample n comes from the dataset furthest behind its share,
+    the one with the largest ``w_d * max(n, 1) - taken_d`` (the first such on a tie). So
+    the datasets' counts track ``n * w_d`` at every n, not only on average. The order
+    is fixed by the weights; the seeds of the datasets shuffle what each contributes.
+
+    ``size`` samples make a period; later periods repeat the pattern with the datasets'
+    following samples, so the blend never ends."""
+
+    def __init__(self, datasets: Sequence[GPTDataset], weights: Sequence[float], size: int):
+        if len(datasets) != len(weights) or not datasets:
+            raise ValueError(f"blending needs one weight per dataset, got {len(datasets)} datasets "
+                             f"and {len(weights)} weights")
+        if any(not w > 0 for w in weights):
+            raise ValueError(f"blend weights {list(weights)} must all be > 0")
+        if size < 1:
+            raise ValueError(f"blend size={size} must be >= 1")
+        self.datasets, self.size = list(datasets), size
+        w = [float(x) / sum(weights) for x in weights]
+        self.weights = np.asarray(w)
+        taken = [0] * len(w)
+        dataset_index = np.empty(size, dtype=np.int64)
+        sample_index = np.empty(size, dtype=np.int64)
+        for n in range(size):
+            behind = [wd * max(n, 1) - t for wd, t in zip(w, taken)]
+            d = behind.index(max(behind))
+            dataset_index[n], sample_index[n] = d, taken[d]
+            taken[d] += 1
+        self.dataset_index, self.sample_index = dataset_index, sample_index
+        self.per_period = np.bincount(self.dataset_index, minlength=len(datasets))
+        self.seq_length = datasets[0].seq_length
+        self.vocab_size = max(ds.vocab_size for ds in datasets)
+        if any(ds.seq_length != self.seq_length for ds in datasets):
+            raise ValueError(f"blended datasets must share seq_length, got {[ds.seq_length for ds in datasets]}")
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> Sample:
+        if i < 0:
+            raise IndexError(f"sample index {i} must be >= 0")
+        period, k = divmod(i, self.size)
+        d = int(self.dataset_index[k])
+        return self.datasets[d][period * int(self.per_period[d]) + int(self.sample_index[k])]
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # int64 [B, S] inputs
+    labels: torch.Tensor  # int64 [B, S]
+    loss_mask: torch.Tensor  # float32 [B, S]
+    positions: torch.Tensor  # int64 [B, S]
+    # int32 [segments+1]: segment starts over the B*S flattened positions (varlen attention).
+    cu_seqlens: torch.Tensor
+
+    def cp_slice(self, cp_rank: int, cp_size: int) -> "Batch":
+        """This cp rank's zigzag share of every [B, S] field (see ``cp_zigzag_slice``).
+        ``cu_seqlens`` keeps describing the whole sequence; packed samples (more than one
+        segment) cannot be split over cp yet."""
+        B, S = self.tokens.shape
+        if cp_size > 1 and len(self.cu_seqlens) != B + 1:
+            raise ValueError(f"packed samples ({len(self.cu_seqlens) - 1} segments in {B} samples) "
+                             f"cannot be split over cp={cp_size}; use data.packing=false with cp > 1")
+        index = zigzag_positions(S, cp_rank, cp_size)
+        return Batch(self.tokens[:, index], self.labels[:, index], self.loss_mask[:, index],
+                     self.positions[:, index], self.cu_seqlens)
+
+
+def collate(samples: Sequence[Sample]) -> Batch:
+    tokens = torch.from_numpy(np.stack([s.tokens for s in samples]))  # [B, S+1]
+    S = tokens.shape[1] - 1
+    cu = np.concatenate([s.cu_seqlens[:-1] + b * S for b, s in enumerate(samples)] + [[len(samples) * S]])
+    return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(),
+                 torch.from_numpy(np.stack([s.loss_mask for s in samples])),
+                 torch.from_numpy(np.stack([s.positions for s in samples])),
+                 torch.from_numpy(cu.astype(np.int32)))
+
+
+def _check_sharding(global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                    start_sample: int) -> None:
+    if micro_batch_size < 1 or dp_size < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size} and dp_size={dp_size} must be >= 1")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+    step = micro_batch_size * dp_size
+    if global_batch_size < 1 or global_batch_size % step:
+        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by "
+                         f"micro_batch_size*dp={step} (micro_batch_size={micro_batch_size}, dp={dp_size})")
+    if start_sample < 0 or start_sample % step:
+        raise ValueError(f"start_sample={start_sample} must be a multiple of micro_batch_size*dp={step} "
+                         f"(a resume point between micro-batch steps)")
+
+
+def batches(dataset: GPTDataset | BlendedDataset, global_batch_size: int, micro_batch_size: int,
+            dp_rank: int, dp_size: int, start_sample: int = 0) -> Iterator[Batch]:
+    """This dp rank's micro-batches, without end. Micro-step k takes the
+    ``micro_batch_size * dp`` samples after ``start_sample + k * micro_batch_size * dp``
+    and rank r the r-th block of ``micro_batch_size`` of them (Megatron's order), so the dp
+    ranks together cover every global batch exactly once."""
+    _check_sharding(global_batch_size, micro_batch_size, dp_rank, dp_size, start_sample)
+    step = micro_batch_size * dp_size
+    first = start_sample + dp_rank * micro_batch_size
+    while True:
+        yield collate([dataset[first + m] for m in range(micro_batch_size)])
+        first += step
+
+
+class DataLoader:
+    """``batches`` with a position that checkpoints: ``state_dict()`` is
+    ``{"consumed_samples": n}``, the samples all dp ranks have taken so far (the same
+    number on every rank); ``load_state_dict`` resumes at exactly that sample."""
+
+    def __init__(self, dataset: GPTDataset | BlendedDataset, global_batch_size: int, micro_batch_size: int,
+                 dp_rank: int = 0, dp_size: int = 1, consumed_samples: int = 0):
+        _check_sharding(global_batch_size, micro_batch_size, dp_rank, dp_size, consumed_samples)
+        self.dataset = dataset
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.consumed_samples = consumed_samples
+        self.num_micro_batches = global_batch_size // (micro_batch_size * dp_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        it = batches(self.dataset, self.global_batch_size, self.micro_batch_size, self.dp_rank, self.dp_size,
+                     self.consumed_samples)
+        for batch in it:
+            self.consumed_samples += self.micro_batch_size * self.dp_size
+            yield batch
+
+    def global_batch(self) -> list[Batch]:
+        """The next ``num_micro_batches`` micro-batches: this rank's share of one step."""
+        it = iter(self)
+        return [next(it) for _ in range(self.num_micro_batches)]
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        n = int(state["consumed_samples"])
+        _check_sharding(self.global_batch_size, self.micro_batch_size, self.dp_rank, self.dp_size, n)
+        self.consumed_samples = n
+
+
+def zigzag_positions(seq_length: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Positions a cp rank holds: the sequence is cut into 2*cp chunks and rank r takes
+    chunks r and 2*cp-1-r, so every rank gets the same share of causal-attention work."""
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} must be in [0, cp_size={cp_size})")
+    if seq_length % (2 * cp_size):
+        raise ValueError(f"seq_length={seq_length} is not divisible by 2*cp={2 * cp_size} "
+                         f"(context parallel splits the sequence into 2*cp chunks)")
+    c = seq_length // (2 * cp_size)
+    return torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c),
+                      torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c)])
+
+
+def cp_zigzag_slice(tokens: torch.Tensor, cp_rank: int, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens[B, S]`` -> (``tokens_local[B, S/cp]``, ``positions_local[S/cp]``): this cp
+    rank's two zigzag chunks and their positions in the full sequence."""
+    index = zigzag_positions(tokens.shape[1], cp_rank, cp_size)
+    return tokens[:, index], index
+
+
+def open_training_dataset(prefixes: Sequence[str | os.PathLike], weights: Sequence[float] | None,
+                          seq_length: int, seed: int, packing: bool = False, blend_size: int = 10_000,
+                          max_vocab_size: int | None = None) -> GPTDataset | BlendedDataset:
+    """One dataset, or a blend of several (equal weights when ``weights`` is None), each
+    shuffled with its own seed. ``max_vocab_size`` (the model's) rejects a dataset whose
+    token ids could fall outside the embedding."""
+    if not prefixes:
+        raise ValueError("no dataset prefixes given")
+    datasets = [GPTDataset(Path(p), seq_length, seed + i, packing) for i, p in enumerate(prefixes)]
+    if max_vocab_size is not None:
+        for ds in datasets:
+            if ds.vocab_size > max_vocab_size:
+                raise ValueError(f"dataset {ds.indexed.prefix} was tokenized with vocab_size={ds.vocab_size}, "
+                                 f"larger than model.vocab_size={max_vocab_size}")
+    if len(datasets) == 1 and weights is None:
+        return datasets[0]
+    return BlendedDataset(datasets, weights if weights is not None else [1.0] * len(datasets), blend_size)
