@@ -1,0 +1,229 @@
+"""The loader: fixed-length and packed samples against loops over the token stream, the
+seeded shuffle, dp sharding, exact resume, blending proportions, cp zigzag slices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moe_fold.data import (BlendedDataset, DataLoader, GPTDataset, Sample, batches, cp_zigzag_slice,
+                           open_training_dataset, write_indexed_dataset, zigzag_positions)
+
+EOD = 256
+
+
+def _docs(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=n - 1).tolist() + [EOD] for n in lengths]
+
+
+@pytest.fixture
+def stream_dataset(tmp_path):
+    docs = _docs([7, 30, 12, 3, 50, 9, 21, 1, 40, 15] * 3)
+    prefix = write_indexed_dataset(tmp_path / "ds", docs, 258, EOD)
+    return prefix, docs
+
+
+def test_fixed_samples_tile_the_stream(stream_dataset):
+    prefix, docs = stream_dataset
+    stream = [t for d in docs for t in d]
+    S = 16
+    ds = GPTDataset(prefix, S, seed=3)
+    assert len(ds) == (len(stream) - 1) // S
+    for j in range(len(ds)):
+        s = ds.raw_sample(j)
+        assert s.tokens.tolist() == stream[j * S:j * S + S + 1]
+        assert s.loss_mask.tolist() == [1.0] * S
+        assert s.positions.tolist() == list(range(S))
+        assert s.cu_seqlens.tolist() == [0, S]
+    order = ds.sample_order(0)
+    assert sorted(order.tolist()) == list(range(len(ds)))
+    for i in range(2 * len(ds)):  # two epochs
+        expected = ds.raw_sample(int(ds.sample_order(i // len(ds))[i % len(ds)]))
+        assert ds[i].tokens.tolist() == expected.tokens.tolist()
+
+
+def test_shuffle_depends_only_on_seed(stream_dataset):
+    prefix, _ = stream_dataset
+    a, b, c = (GPTDataset(prefix, 8, seed=s) for s in (11, 11, 12))
+    assert np.array_equal(a.sample_order(0), b.sample_order(0))
+    assert not np.array_equal(a.sample_order(0), c.sample_order(0))
+    assert not np.array_equal(a.sample_order(0), a.sample_order(1))  # each epoch reshuffles
+    assert sorted(a.sample_order(1).tolist()) == list(range(len(a)))
+    assert [a[i].tokens.tolist() for i in range(40)] == [b[i].tokens.tolist() for i in range(40)]
+
+
+def _packed_reference(docs, S, pad):
+    """Next-fit packing written as a plain loop over documents and their pieces."""
+    pieces = []
+    for d in docs:
+        for k in range(0, len(d), S + 1):
+            pieces.append(d[k:k + S + 1])
+    samples, current = [], []
+    for p in pieces:
+        if sum(len(q) for q in current) + len(p) > S + 1:
+            samples.append(current)
+            current = []
+        current.append(p)
+    samples.append(current)
+    out = []
+    for group in samples:
+        tokens = [t for p in group for t in p]
+        used = len(tokens)
+        tokens += [pad] * (S + 1 - used)
+        mask, positions, cu = [], [], []
+        start = 0
+        for p in group:
+            if start < S:
+                cu.append(start)
+            for k in range(len(p)):
+                if start + k < S:
+                    positions.append(k)
+                    # the label of the last token of a piece belongs to something else
+                    mask.append(1.0 if k < len(p) - 1 else 0.0)
+            start += len(p)
+        if used < S:
+            cu.append(used)
+            positions += list(range(S - used))
+            mask += [0.0] * (S - used)
+        out.append((tokens, mask, positions, cu + [S]))
+    return out
+
+
+def test_packing_matches_reference_loop(stream_dataset):
+    prefix, docs = stream_dataset
+    S = 24  # docs of 40 and 50 tokens are cut into pieces
+    ds = GPTDataset(prefix, S, seed=0, packing=True, pad_id=257)
+    ref = _packed_reference(docs, S, 257)
+    assert len(ds) == len(ref)
+    for j, (tokens, mask, positions, cu) in enumerate(ref):
+        s = ds.raw_sample(j)
+        assert s.tokens.tolist() == tokens
+        assert s.loss_mask.tolist() == mask
+        assert s.positions.tolist() == positions
+        assert s.cu_seqlens.tolist() == cu
+    # Every short document sits whole inside one sample.
+    packed = [ds.raw_sample(j).tokens.tolist() for j in range(len(ds))]
+    for d in docs:
+        if len(d) <= S + 1:
+            assert any(d == p[i:i + len(d)] for p in packed for i in range(S + 2 - len(d)))
+
+
+class _Numbered:
+    """Sample i is the token i: which samples a rank got is read off the batch."""
+
+    seq_length = 1
+
+    def __getitem__(self, i):
+        return Sample(np.asarray([i, i], np.int64), np.ones(1, np.float32), np.zeros(1, np.int64),
+                      np.asarray([0, 1], np.int32))
+
+
+@pytest.mark.parametrize("dp,mbs,gbs", [(1, 2, 6), (2, 2, 8), (4, 1, 8), (3, 2, 12)])
+def test_dp_shards_cover_each_global_batch_once(dp, mbs, gbs):
+    steps = 3
+    per_rank = []
+    for rank in range(dp):
+        loader = DataLoader(_Numbered(), gbs, mbs, dp_rank=rank, dp_size=dp)
+        got = [[b.tokens[:, 0].tolist() for b in loader.global_batch()] for _ in range(steps)]
+        per_rank.append(got)
+        assert loader.state_dict() == {"consumed_samples": steps * gbs}
+    for step in range(steps):
+        seen = sorted(i for rank in range(dp) for mb in per_rank[rank][step] for i in mb)
+        assert seen == list(range(step * gbs, (step + 1) * gbs))  # no overlap, no gap
+
+
+def test_resume_equals_straight_iteration(stream_dataset):
+    prefix, _ = stream_dataset
+    ds = GPTDataset(prefix, 8, seed=5)
+    gbs, mbs, dp = 8, 2, 2
+    for rank in range(dp):
+        straight = DataLoader(ds, gbs, mbs, rank, dp)
+        it = iter(straight)
+        full = [next(it) for _ in range(40)]  # past one epoch
+        first = DataLoader(ds, gbs, mbs, rank, dp)
+        it = iter(first)
+        for _ in range(13):
+            next(it)
+        state = first.state_dict()
+        assert state == {"consumed_samples": 13 * mbs * dp}
+        resumed = DataLoader(GPTDataset(prefix, 8, seed=5), gbs, mbs, rank, dp)
+        resumed.load_state_dict(state)
+        rest = iter(resumed)
+        for k in range(13, 40):
+            b = next(rest)
+            for field in ("tokens", "labels", "loss_mask", "positions", "cu_seqlens"):
+                assert torch.equal(getattr(b, field), getattr(full[k], field))
+    with pytest.raises(ValueError, match=r"start_sample=3 must be a multiple of micro_batch_size\*dp=4"):
+        next(batches(ds, gbs, mbs, 0, dp, start_sample=3))
+    with pytest.raises(ValueError, match=r"global_batch_size=6 is not divisible by micro_batch_size\*dp=4"):
+        DataLoader(ds, 6, mbs, 0, dp)
+
+
+def test_batch_fields_and_cu_seqlens(stream_dataset):
+    prefix, _ = stream_dataset
+    ds = GPTDataset(prefix, 12, seed=1, packing=True)
+    batch = next(batches(ds, 3, 3, 0, 1))
+    samples = [ds[i] for i in range(3)]
+    full = torch.tensor(np.stack([s.tokens for s in samples]))
+    assert torch.equal(batch.tokens, full[:, :-1]) and torch.equal(batch.labels, full[:, 1:])
+    expected_cu = [int(c) + b * 12 for b, s in enumerate(samples) for c in s.cu_seqlens[:-1]] + [36]
+    assert batch.cu_seqlens.tolist() == expected_cu
+    assert batch.cu_seqlens.dtype == torch.int32 and batch.loss_mask.dtype == torch.float32
+    with pytest.raises(ValueError, match="cannot be split over cp=2"):
+        batch.cp_slice(0, 2)
+
+
+def test_blend_proportions_exact(tmp_path):
+    weights = [5.0, 3.0, 2.0]
+    datasets = [GPTDataset(write_indexed_dataset(tmp_path / f"d{k}", _docs([60] * 4, seed=k), 258, EOD),
+                           4, seed=k) for k in range(3)]
+    blend = BlendedDataset(datasets, weights, size=1000)
+    counts = np.zeros(3)
+    w = np.asarray(weights) / sum(weights)
+    for n, d in enumerate(blend.dataset_index, 1):
+        counts[d] += 1
+        assert np.all(np.abs(counts - n * w) <= 1.0 + 1e-9), (n, counts)
+    assert counts.tolist() == [500, 300, 200]
+    for d in range(3):  # each dataset's samples are taken in order, none skipped
+        assert blend.sample_index[blend.dataset_index == d].tolist() == list(range(int(counts[d])))
+    # Sample i of the blend is the matching sample of its dataset, in the next period too.
+    for i in (0, 1, 2, 7, 999, 1000, 1003, 2500):
+        period, k = divmod(i, 1000)
+        d = blend.dataset_index[k]
+        j = period * int(counts[d]) + int(blend.sample_index[k])
+        assert blend[i].tokens.tolist() == datasets[d][j].tokens.tolist()
+    again = open_training_dataset([tmp_path / f"d{k}" for k in range(3)], weights, 4, seed=0, blend_size=1000)
+    assert np.array_equal(again.dataset_index, blend.dataset_index)
+    with pytest.raises(ValueError, match=r"vocab_size=258, larger than model.vocab_size=200"):
+        open_training_dataset([tmp_path / "d0"], None, 4, seed=0, max_vocab_size=200)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_zigzag_slices_reassemble(cp):
+    B, S = 2, 24
+    tokens = torch.arange(B * S).reshape(B, S) * 10
+    out = torch.full_like(tokens, -1)
+    c = S // (2 * cp)
+    for r in range(cp):
+        local, pos = cp_zigzag_slice(tokens, r, cp)
+        assert local.shape == (B, S // cp)
+        expected = list(range(r * c, (r + 1) * c)) + list(range((2 * cp - 1 - r) * c, (2 * cp - r) * c))
+        assert pos.tolist() == expected
+        assert torch.equal(local, tokens[:, pos])
+        assert (out[:, pos] == -1).all()  # no position is given to two ranks
+        out[:, pos] = local
+    assert torch.equal(out, tokens)
+    with pytest.raises(ValueError, match=r"seq_length=25 is not divisible by 2\*cp=" + str(2 * cp)):
+        zigzag_positions(25, 0, cp)
+
+
+def test_batch_cp_slice_matches_function(stream_dataset):
+    prefix, _ = stream_dataset
+    batch = next(batches(GPTDataset(prefix, 16, seed=2), 2, 2, 0, 1))
+    local = batch.cp_slice(1, 2)
+    tokens, pos = cp_zigzag_slice(batch.tokens, 1, 2)
+    assert torch.equal(local.tokens, tokens)
+    assert torch.equal(local.labels, batch.labels[:, pos])
+    assert torch.equal(local.positions, pos.expand(2, -1))
