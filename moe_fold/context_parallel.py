@@ -1,0 +1,177 @@
+"""Context parallelism (cp) for attention: the zigzag sequence layout and the two ways to
+attend over a sequence split across the cp ranks (``parallel.cp_kind``).
+
+Layout. A sequence of ``S`` tokens is cut into ``2*cp`` equal chunks; cp rank ``r`` holds
+chunks ``r`` and ``2cp-1-r``, in that order (``S_local = S/cp``). Pairing an early chunk
+with a late one gives every rank the same causal work. Data loading slices tokens and
+rotary positions with :func:`zigzag_split` / :func:`zigzag_positions`; both kinds below
+take this layout.
+
+Kinds:
+
+- ``ring`` (p2p, :mod:`moe_fold.ring_attention`): queries stay, K/V blocks travel the cp
+  ring, partial outputs merge by log-sum-exp. Any head counts.
+- ``a2a`` (Ulysses): all-to-all from sequence-sharded to head-sharded, full causal
+  attention over the whole sequence for ``H/cp`` heads, all-to-all back. Needs ``Hq``
+  divisible by cp. GQA: when ``Hkv`` is divisible by cp the kv heads are split like the
+  query heads; otherwise each kv head is repeated ``cp / gcd(Hkv, cp)`` times (the fewest
+  copies that split evenly; ``Hq`` divisible by cp guarantees the repeated count divides
+  ``Hq``), e.g. Hq=6, Hkv=3 on cp 2, or Hq=4, Hkv=2 on cp 4. The repeats cost all-to-all
+  bytes, not math; their grads sum back through autograd.
+
+Packed documents (per-document causal masks, issue 12) will add an argument here; the
+ring's block schedule and the a2a natural-order view are where it plugs in.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from moe_fold.comm import Group, all_to_all, group_rank, group_size
+from moe_fold.ring_attention import ring_attention
+
+__all__ = ["CP_KINDS", "zigzag_split", "zigzag_gather", "zigzag_positions",
+           "a2a_kv_repeats", "context_parallel_attention"]
+
+CP_KINDS = ("ring", "a2a")
+
+
+# --------------------------------------------------------------------------- zigzag layout
+
+def _check_cp(cp_rank: int, cp_size: int) -> None:
+    if cp_size < 1:
+        raise ValueError(f"cp_size={cp_size} must be >= 1")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} must be in [0, cp_size={cp_size})")
+
+
+def zigzag_split(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
+    """cp rank ``cp_rank``'s zigzag shard of ``x`` along ``dim`` (the sequence dim):
+    chunks ``cp_rank`` and ``2*cp_size-1-cp_rank`` of ``2*cp_size``.
+    ``[..., S, ...] -> [..., S/cp_size, ...]``; cp_size 1 returns ``x``.
+    """
+    _check_cp(cp_rank, cp_size)
+    if cp_size == 1:
+        return x
+    n = 2 * cp_size
+    if x.shape[dim] % n:
+        raise ValueError(f"zigzag_split: sequence length {x.shape[dim]} (dim {dim}) must be "
+                         f"divisible by 2*cp_size={n}")
+    chunks = x.chunk(n, dim)
+    return torch.cat([chunks[cp_rank], chunks[n - 1 - cp_rank]], dim)
+
+
+def zigzag_gather(shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`zigzag_split`: every cp rank's shard, in cp-rank order, back to the
+    sequence in natural order. ``cp x [..., S/cp, ...] -> [..., S, ...]``.
+    """
+    if not shards:
+        raise ValueError("zigzag_gather: shards is empty; pass one shard per cp rank")
+    if len(shards) == 1:
+        return shards[0]
+    halves = []
+    for r, shard in enumerate(shards):
+        if shard.shape[dim] % 2:
+            raise ValueError(f"zigzag_gather: shards[{r}] has odd length {shard.shape[dim]} along "
+                             f"dim {dim}; a zigzag shard is two equal chunks")
+        halves.append(shard.chunk(2, dim))
+    # Rank r's first chunk is chunk r, its second chunk 2cp-1-r: late chunks come in reverse.
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
+
+
+def zigzag_positions(seq_len: int, cp_rank: int, cp_size: int,
+                     device: Optional[torch.device] = None) -> torch.Tensor:
+    """Positions (int64 ``[seq_len/cp_size]``) of the tokens cp rank ``cp_rank`` holds, for
+    rotary embeddings."""
+    return zigzag_split(torch.arange(seq_len, device=device), cp_rank, cp_size, dim=0)
+
+
+# --------------------------------------------------------------------------- a2a (Ulysses)
+
+def a2a_kv_repeats(num_heads: int, num_kv_heads: int, cp: int) -> int:
+    """How many times a2a repeats each kv head on a cp group of size ``cp`` (1: none).
+
+    ``num_kv_heads * repeats = lcm(num_kv_heads, cp)``, which divides ``num_heads`` whenever
+    ``num_heads`` is divisible by both cp and ``num_kv_heads``: then every rank's query
+    heads map onto its own kv heads. Raises ValueError naming the rule otherwise.
+    """
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_heads} must be a multiple of kv heads {num_kv_heads} (GQA)")
+    if num_heads % cp:
+        raise ValueError(f"cp_kind='a2a': query heads {num_heads} must be divisible by cp={cp}")
+    return cp // math.gcd(num_kv_heads, cp)
+
+
+def _seq_to_heads(x: torch.Tensor, group: Group, cp: int) -> torch.Tensor:
+    """Sequence-sharded (zigzag) -> head-sharded, natural order:
+    ``[B, H, S/cp, D] -> [B, H/cp, S, D]``."""
+    # Head block j goes to cp rank j; block j that comes back holds cp rank j's tokens
+    # for this rank's heads.
+    x = all_to_all(x.transpose(0, 1), None, None, group)  # [H, B, S/cp, D] -> [cp*H/cp, B, S/cp, D]
+    return zigzag_gather(x.chunk(cp, 0), dim=2).transpose(0, 1)  # [H/cp, B, S, D] -> [B, H/cp, S, D]
+
+
+def _heads_to_seq(y: torch.Tensor, group: Group, cp: int) -> torch.Tensor:
+    """Inverse of :func:`_seq_to_heads`: ``[B, H/cp, S, D] -> [B, H, S/cp, D]``."""
+    y = y.transpose(0, 1)  # [H/cp, B, S, D]
+    # Block r: cp rank r's tokens of this rank's heads.
+    y = torch.cat([zigzag_split(y, r, cp, dim=2) for r in range(cp)])  # [cp*H/cp, B, S/cp, D]
+    # Block j back from cp rank j: the tokens of this rank for head block j, i.e. heads in order.
+    return all_to_all(y, None, None, group).transpose(0, 1)  # [H, B, S/cp, D] -> [B, H, S/cp, D]
+
+
+def _a2a_attention(q, k, v, group, causal, scale):
+    cp = group_size(group)
+    repeats = a2a_kv_repeats(q.shape[1], k.shape[1], cp)
+    if repeats > 1:
+        k, v = k.repeat_interleave(repeats, 1), v.repeat_interleave(repeats, 1)
+    q, k, v = (_seq_to_heads(t, group, cp) for t in (q, k, v))  # [B, H/cp, S, D]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return _heads_to_seq(out, group, cp)
+
+
+# --------------------------------------------------------------------------- entry point
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [B, heads, S_local, head_dim]")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    b, hq, s, d = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (b, s, d):
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, "
+                         "sequence and head_dim")
+    if hq % k.shape[1]:
+        raise ValueError(f"query heads {hq} must be a multiple of kv heads {k.shape[1]} (GQA)")
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, *,
+                               kind: str = "ring", causal: bool = True,
+                               scale: Optional[float] = None) -> torch.Tensor:
+    """Attention over a sequence sharded across the cp ``group`` in the zigzag layout.
+
+    q ``[B, Hq, S_local, D]``, k/v ``[B, Hkv, S_local, D]`` (Hq a multiple of Hkv; query
+    head h uses kv head ``h // (Hq/Hkv)``), each rank's zigzag shard; returns this rank's
+    output ``[B, Hq, S_local, D]``, equal to its shard of full attention over the gathered
+    sequence. ``kind``: ``"ring"`` or ``"a2a"`` (see the module doc). ``scale`` defaults to
+    ``1/sqrt(D)``. ``group`` None or of size 1: plain SDPA on the local (whole) sequence.
+    """
+    if kind not in CP_KINDS:
+        raise ValueError(f"kind={kind!r} must be one of {', '.join(CP_KINDS)} (parallel.cp_kind)")
+    _check_qkv(q, k, v)
+    cp = group_size(group)
+    if cp == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    if q.shape[2] % 2:
+        raise ValueError(f"local sequence length {q.shape[2]} on cp rank {group_rank(group)} must be "
+                         "even: a zigzag shard is two equal chunks (sequence divisible by 2*cp)")
+    if kind == "ring":
+        return ring_attention(q, k, v, group, causal=causal, scale=scale)
+    return _a2a_attention(q, k, v, group, causal, scale)

@@ -1,0 +1,214 @@
+"""Ring attention: attention over a sequence split across the cp ranks in the zigzag layout.
+
+The sequence is cut into ``2*cp`` chunks of ``c`` tokens; cp rank ``r`` holds chunks ``r``
+and ``2cp-1-r`` (see :func:`moe_fold.context_parallel.zigzag_split`). Each rank keeps its
+queries and passes its K/V block around the cp ring: at step ``i`` rank ``r`` holds the K/V
+of rank ``src = (r - i) mod cp``. Under a causal mask every step costs the same ``2c*c``
+query-key pairs on every rank, which is why the zigzag layout is used:
+
+- step 0 (``src == r``): the local block, causal (local order is increasing position);
+- ``src < r``: both local query chunks see only the first K/V chunk (``src``), unmasked;
+- ``src > r``: only the second query chunk (``2cp-1-r``) sees anything, all of it, unmasked.
+
+Partial results are merged with their log-sum-exp. The backward runs the ring again: K/V
+travel with float32 dK/dV accumulators; after the last step one more hop brings each
+accumulator home. Each block's backward uses the FINAL output and log-sum-exp, which
+makes the block grads add up to the full attention's grads.
+
+Bytes sent per rank and call (``comm`` counter, under the group's kind), with
+``kv = bytes(k) + bytes(v)`` of the local shard and ``kv_acc`` the same in the
+accumulation dtype (float32; float64 for float64 inputs): forward ``(cp-1) * kv``;
+backward ``(cp-1) * kv + cp * kv_acc``.
+
+Block kernels: on CPU, aten's fused flash attention for CPU (returns the log-sum-exp and
+takes it back in its backward; handles GQA natively); on any other device a matmul-softmax
+block in float32 (correct everywhere, not fused; a fused CUDA block is future work).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from moe_fold.comm import Group, batch_send_recv, group_rank, group_size
+
+__all__ = ["ring_attention", "block_attention_forward", "block_attention_backward"]
+
+_ALL = slice(None)
+
+
+# --------------------------------------------------------------------------- block kernels
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float32, or float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _math_forward(q, k, v, causal, scale):
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    # GQA without copying K/V: the g query heads of one kv head become one batch row.
+    acc = _acc_dtype(q.dtype)
+    qg = q.reshape(b, hkv, hq // hkv, sq, d).to(acc)  # [B, Hkv, g, Sq, D]
+    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale  # [B, Hkv, g, Sq, Sk]
+    if causal:
+        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(), -math.inf)
+    lse = s.logsumexp(-1)  # [B, Hkv, g, Sq]
+    p = (s - lse.unsqueeze(-1)).exp()
+    out = torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(acc))  # [B, Hkv, g, Sq, D]
+    return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq)
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, scale):
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    g, acc = hq // hkv, _acc_dtype(q.dtype)
+    qg = q.reshape(b, hkv, g, sq, d).to(acc)  # [B, Hkv, g, Sq, D]
+    dog = dout.reshape(b, hkv, g, sq, d).to(acc)
+    og = out.reshape(b, hkv, g, sq, d).to(acc)
+    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale  # [B, Hkv, g, Sq, Sk]
+    if causal:
+        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(), -math.inf)
+    p = (s - lse.reshape(b, hkv, g, sq, 1)).exp()
+    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dog)  # [B, Hkv, Sk, D]
+    dp = torch.einsum("bhgqd,bhkd->bhgqk", dog, v.to(acc))
+    # rowsum(dO * O) of the final output: the softmax Jacobian term of the whole row.
+    ds = p * (dp - (dog * og).sum(-1, keepdim=True))
+    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k.to(acc)) * scale
+    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, qg) * scale
+    return dq.reshape(b, hq, sq, d), dk, dv
+
+
+def block_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one block with its log-sum-exp.
+
+    q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, Sk, D]`` (Hq a multiple of Hkv, query head h uses
+    kv head ``h // (Hq/Hkv)``). ``causal`` masks key j > query i (top-left aligned; the ring
+    uses it only on square blocks). Returns out ``[B, Hq, Sq, D]`` (q's dtype) and lse
+    ``[B, Hq, Sq]`` (float32, float64 for float64 inputs: the natural log of the softmax
+    denominator of the scaled scores).
+    """
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale)
+        return out, lse.to(_acc_dtype(q.dtype))
+    return _math_forward(q, k, v, causal, scale)
+
+
+def block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of one block given the row's FINAL ``out`` and ``lse`` (over all blocks).
+
+    With the final statistics the block grads are exact shares of the full grads: summing
+    dq over blocks and concatenating dk/dv gives the grads of attention over all keys.
+    """
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return _math_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+# --------------------------------------------------------------------------- the ring
+
+def _step_blocks(i: int, src: int, rank: int, c: int, causal: bool) -> tuple[slice, slice, bool]:
+    """(local query rows, rows of the visiting K/V, causal mask?) for ring step ``i``."""
+    if not causal:
+        return _ALL, _ALL, False
+    if i == 0:
+        return _ALL, _ALL, True
+    if src < rank:
+        return _ALL, slice(0, c), False
+    return slice(c, None), _ALL, False
+
+
+def _merge_(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
+    """Fold a block's (out, lse) into the running float32 (out, lse), in place."""
+    new = torch.logaddexp(lse, blk_lse)
+    out.mul_((lse - new).exp().unsqueeze(-1)).add_(blk_out.to(out.dtype) * (blk_lse - new).exp().unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
+    return x[:, :, rows]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale):
+        cp, rank = group_size(group), group_rank(group)
+        nxt = dist.get_global_rank(group, (rank + 1) % cp)
+        prv = dist.get_global_rank(group, (rank - 1) % cp)
+        c = q.shape[2] // 2
+        out = lse = None
+        kb, vb = k, v
+        for i in range(cp):
+            rows, kv_rows, masked = _step_blocks(i, (rank - i) % cp, rank, c, causal)
+            blk_out, blk_lse = block_attention_forward(
+                _rows(q, rows), _rows(kb, kv_rows), _rows(vb, kv_rows), masked, scale)
+            if i == 0:  # step 0 covers every local row
+                out, lse = blk_out.to(blk_lse.dtype), blk_lse.clone()
+            else:
+                _merge_(_rows(out, rows), _rows(lse, rows), blk_out, blk_lse)
+            if i < cp - 1:
+                kb, vb = batch_send_recv(
+                    [("send", kb, nxt), ("send", vb, nxt),
+                     ("recv", (kb.shape, kb.dtype), prv), ("recv", (vb.shape, vb.dtype), prv)],
+                    group, device=q.device)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, scale = ctx.group, ctx.causal, ctx.scale
+        cp, rank = group_size(group), group_rank(group)
+        nxt = dist.get_global_rank(group, (rank + 1) % cp)
+        prv = dist.get_global_rank(group, (rank - 1) % cp)
+        c = q.shape[2] // 2
+        dout = dout.contiguous()
+        acc = _acc_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        # Accumulators in acc dtype (float32 at least): a block's dK/dV sums over all cp ranks' queries.
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        kb, vb = k, v
+        for i in range(cp):
+            rows, kv_rows, masked = _step_blocks(i, (rank - i) % cp, rank, c, causal)
+            bq, bk, bv = block_attention_backward(
+                _rows(dout, rows), _rows(q, rows), _rows(kb, kv_rows), _rows(vb, kv_rows),
+                _rows(out, rows), _rows(lse, rows), masked, scale)
+            _rows(dq, rows).add_(bq)
+            _rows(dk, kv_rows).add_(bk)
+            _rows(dv, kv_rows).add_(bv)
+            if i < cp - 1:
+                kb, vb, dk, dv = batch_send_recv(
+                    [("send", kb, nxt), ("send", vb, nxt), ("send", dk, nxt), ("send", dv, nxt),
+                     ("recv", (kb.shape, kb.dtype), prv), ("recv", (vb.shape, vb.dtype), prv),
+                     ("recv", (dk.shape, dk.dtype), prv), ("recv", (dv.shape, dv.dtype), prv)],
+                    group, device=q.device)
+        # After cp steps a rank holds the finished accumulator of the next rank's block.
+        dk, dv = batch_send_recv(
+            [("send", dk, nxt), ("send", dv, nxt),
+             ("recv", (dk.shape, dk.dtype), prv), ("recv", (dv.shape, dv.dtype), prv)],
+            group, device=q.device)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
+                   causal: bool = True, scale: Optional[float] = None) -> torch.Tensor:
+    """Ring attention over ``group`` (size >= 2) for zigzag-sharded q ``[B, Hq, S_local, D]``
+    and k/v ``[B, Hkv, S_local, D]``; returns this rank's output ``[B, Hq, S_local, D]``.
+
+    Callers normally go through :func:`moe_fold.context_parallel.context_parallel_attention`,
+    which validates the shapes.
+    """
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return _RingAttention.apply(q, k, v, group, causal, float(scale))
