@@ -8,9 +8,10 @@ import torch
 def gmm_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int], trans_b: bool) -> torch.Tensor:
     """``x[N, K]`` grouped expert-major by ``counts`` times ``w[E, K, M]`` (``w[E, M, K]``
     with ``trans_b``) -> ``[N, M]``."""
+    # unbind, not w[e]: the backward of one unbind stacks the E gradients once, where E
+    # selects would each scatter into a zero tensor the size of w.
     # Empty groups still multiply a [0, K] block, so w.grad has zeros there rather than None.
     outs = []
-    for e, rows in enumerate(torch.split(x, counts)):
-        we = w[e].t() if trans_b else w[e]  # [K, M]
-        outs.append(rows @ we)  # [n_e, K] -> [n_e, M]
+    for rows, we in zip(torch.split(x, counts), w.unbind(0)):
+        outs.append(rows @ (we.t() if trans_b else we))  # [n_e, K] -> [n_e, M]
     return torch.cat(outs)
