@@ -55,6 +55,10 @@ def _auto(x: torch.Tensor) -> str:
         if x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8:
             return "torch"
         return "loop"
+    # CPU: grouped_mm beats the loop for every dtype it takes (bench/gemm.py, 2 threads,
+    # 4096 rows, 8 experts, H = F = 256; ratio_to_dense torch vs loop: float32 0.91 vs 0.79
+    # balanced and 0.89 vs 0.74 skewed; 1 thread: bfloat16 0.74 vs 0.56, float16 0.85 vs
+    # 0.77): it loops over groups in C++ and its backward here needs no split/cat/stack.
     if x.dtype in SUPPORTED_DTYPES:
         return "torch"
     return "loop"
