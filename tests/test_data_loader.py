@@ -227,3 +227,21 @@ def test_batch_cp_slice_matches_function(stream_dataset):
     assert torch.equal(local.tokens, tokens)
     assert torch.equal(local.labels, batch.labels[:, pos])
     assert torch.equal(local.positions, pos.expand(2, -1))
+
+
+def test_dataset_from_config(tmp_path):
+    from moe_fold.config import load_config
+    from moe_fold.data import dataset_from_config
+
+    for k in range(2):
+        (tmp_path / f"src{k}").mkdir()
+        (tmp_path / f"src{k}" / "a.txt").write_text(f"corpus {k} " * 200)
+    config = load_config(None, [f"data.path=['{tmp_path / 'src0'}', '{tmp_path / 'src1'}']",
+                                "data.weights=[3, 1]", f"data.cache_dir={tmp_path / 'cache'}",
+                                "model.seq_length=16", "data.packing=true"])
+    ds = dataset_from_config(config)
+    assert isinstance(ds, BlendedDataset) and ds.seq_length == 16
+    assert np.bincount(ds.dataset_index).tolist() == [7500, 2500]
+    assert all(d.packing and d.indexed.prefix.parent == tmp_path / "cache" for d in ds.datasets)
+    text = bytes(t for t in ds.datasets[1].raw_sample(0).tokens.tolist() if t < 256).decode()
+    assert text == ("corpus 1 " * 200)[:17]

@@ -306,3 +306,16 @@ def open_training_dataset(prefixes: Sequence[str | os.PathLike], weights: Sequen
     if len(datasets) == 1 and weights is None:
         return datasets[0]
     return BlendedDataset(datasets, weights if weights is not None else [1.0] * len(datasets), blend_size)
+
+
+def dataset_from_config(config) -> GPTDataset | BlendedDataset:
+    """The training dataset a ``Config`` asks for: ``data.path`` (None: the demo corpus)
+    tokenized into ``data.cache_dir`` when needed, blended by ``data.weights``, samples of
+    ``model.seq_length`` shuffled by ``train.seed``, packed when ``data.packing``. In a
+    multi-rank run call it on one rank, barrier, then on the others (they find the cache)."""
+    from moe_fold.data.corpus import prepare_data_paths
+
+    d = config.data
+    prefixes = prepare_data_paths(d.path, d.tokenizer, d.cache_dir)
+    return open_training_dataset(prefixes, d.weights, config.model.seq_length, config.train.seed,
+                                 packing=d.packing, max_vocab_size=config.model.vocab_size)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
+
 from moe_fold.data.documents import DEFAULT_EXTENSIONS, find_input_files, iter_file_documents
 from moe_fold.data.indexed_dataset import IndexedDatasetWriter
 from moe_fold.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -55,8 +57,7 @@ def _write(files: list[Path], sizes: list[int], tokenizer: ByteTokenizer | HFTok
 
         def flush() -> None:
             for ids in tokenizer.encode_batch(pending):
-                ids.append(eod)
-                writer.add_document(ids)
+                writer.add_document(np.concatenate([ids, [eod]]))
             pending.clear()
 
         for path, size in zip(files, sizes):

@@ -1,6 +1,7 @@
 """Tokenizers: a byte-level one that needs no file, and Hugging Face ``tokenizers`` files.
 
-Every tokenizer exposes ``encode(text) -> list[int]``, ``encode_batch(texts)``,
+Every tokenizer exposes ``encode(text) -> list[int]``, ``encode_batch(texts)`` (int64
+arrays: preprocessing writes them without building Python lists),
 ``decode(ids) -> str``, ``vocab_size``, ``eod_id`` (ends every document), ``pad_id``
 (fills the tail of a packed sample) and ``spec`` (the string ``load_tokenizer`` takes).
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Iterable, Protocol
+
+import numpy as np
 
 from moe_fold.data.documents import DEFAULT_EXTENSIONS, find_input_files, iter_documents
 
@@ -26,7 +29,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
@@ -46,8 +49,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int64) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
@@ -89,8 +92,8 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
