@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 
 from moe_fold.cli import main as cli_main
-from moe_fold.data import (ByteTokenizer, DatasetFormatError, HFTokenizer, IndexedDataset,
-                           IndexedDatasetWriter, build_dataset, demo_corpus_files, ensure_demo_dataset,
-                           load_tokenizer, prepare_data_paths, train_bpe, write_indexed_dataset)
+from moe_fold.data.corpus import demo_corpus_files, ensure_demo_dataset, prepare_data_paths
 from moe_fold.data.documents import find_input_files
+from moe_fold.data.indexed_dataset import (DatasetFormatError, IndexedDataset, IndexedDatasetWriter,
+                                           write_indexed_dataset)
+from moe_fold.data.preprocess import build_dataset
+from moe_fold.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
 
 TRICKY = "naïve café 日本語 😀\r\n\ttabs  and\x00nul € \u200b end"
 

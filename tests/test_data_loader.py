@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from moe_fold.data import (BlendedDataset, DataLoader, GPTDataset, Sample, batches, cp_zigzag_slice,
-                           open_training_dataset, write_indexed_dataset, zigzag_positions)
+from moe_fold.data.indexed_dataset import write_indexed_dataset
+from moe_fold.data.loader import (BlendedDataset, DataLoader, GPTDataset, Sample, batches, cp_zigzag_slice,
+                                  dataset_from_config, open_training_dataset, zigzag_positions)
 
 EOD = 256
 
@@ -231,7 +232,6 @@ def test_batch_cp_slice_matches_function(stream_dataset):
 
 def test_dataset_from_config(tmp_path):
     from moe_fold.config import load_config
-    from moe_fold.data import dataset_from_config
 
     for k in range(2):
         (tmp_path / f"src{k}").mkdir()

@@ -201,6 +201,9 @@ class IndexedDataset:
         self.block_crcs = np.frombuffer(raw, dtype="<u4", count=num_blocks,
                                         offset=_HEADER.size + 8 * (self.num_docs + 1))
         self.lengths = np.diff(self.offsets)
+        if self.offsets[0] != 0 or self.offsets[-1] != self.num_tokens or (self.lengths < 0).any():
+            raise self._fail(f, f"document offsets are inconsistent: they must rise from 0 to "
+                                f"num_tokens={self.num_tokens}")
 
     def _check_bin(self, verify: str, check_blocks: int) -> None:
         f = self.bin_file

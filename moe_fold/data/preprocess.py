@@ -12,7 +12,7 @@ import numpy as np
 
 from moe_fold.data.documents import DEFAULT_EXTENSIONS, find_input_files, iter_file_documents
 from moe_fold.data.indexed_dataset import IndexedDatasetWriter
-from moe_fold.data.tokenizer import ByteTokenizer, HFTokenizer
+from moe_fold.data.tokenizer import Tokenizer
 
 # Documents are tokenized in groups so a Hugging Face tokenizer can use its threads.
 _BATCH_DOCS = 256
@@ -29,7 +29,7 @@ class BuildSummary:
     skipped_empty: int
 
 
-def build_dataset(inputs: Iterable[str | os.PathLike], tokenizer: ByteTokenizer | HFTokenizer,
+def build_dataset(inputs: Iterable[str | os.PathLike], tokenizer: Tokenizer,
                   output_prefix: str | os.PathLike, text_key: str = "text",
                   extensions: Iterable[str] = DEFAULT_EXTENSIONS, progress: bool = False) -> BuildSummary:
     """Tokenize every document of ``inputs`` (files, folders, JSONL) into
@@ -48,7 +48,7 @@ def build_dataset(inputs: Iterable[str | os.PathLike], tokenizer: ByteTokenizer 
                         time.perf_counter() - start, skipped)
 
 
-def _write(files: list[Path], sizes: list[int], tokenizer: ByteTokenizer | HFTokenizer,
+def _write(files: list[Path], sizes: list[int], tokenizer: Tokenizer,
            output_prefix: str | os.PathLike, text_key: str, bar) -> tuple[int, int, int]:
     eod = tokenizer.eod_id
     skipped = 0

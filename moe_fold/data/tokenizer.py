@@ -128,7 +128,7 @@ def train_bpe(files: Iterable[str | os.PathLike], vocab_size: int, out_path: str
     return HFTokenizer(out)
 
 
-def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(spec: str) -> Tokenizer:
     """``"byte"`` for the byte tokenizer, else the path of a tokenizer.json."""
     if spec == "byte":
         return ByteTokenizer()
