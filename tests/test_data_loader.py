@@ -245,3 +245,18 @@ def test_dataset_from_config(tmp_path):
     assert all(d.packing and d.indexed.prefix.parent == tmp_path / "cache" for d in ds.datasets)
     text = bytes(t for t in ds.datasets[1].raw_sample(0).tokens.tolist() if t < 256).decode()
     assert text == ("corpus 1 " * 200)[:17]
+
+
+def test_loader_cp_ranks_share_each_batch(stream_dataset):
+    prefix, _ = stream_dataset
+    ds = GPTDataset(prefix, 16, seed=4)
+    full = DataLoader(ds, 4, 2, dp_rank=1, dp_size=2).global_batch()
+    parts = [DataLoader(ds, 4, 2, dp_rank=1, dp_size=2, cp_rank=r, cp_size=2).global_batch() for r in range(2)]
+    for k, batch in enumerate(full):
+        for field in ("tokens", "labels", "loss_mask", "positions"):
+            whole = torch.full_like(getattr(batch, field), -1)
+            for r in range(2):
+                whole[:, zigzag_positions(16, r, 2)] = getattr(parts[r][k], field)
+            assert torch.equal(whole, getattr(batch, field))
+    with pytest.raises(ValueError, match=r"seq_length=16 is not divisible by 2\*cp=6"):
+        DataLoader(ds, 4, 2, cp_rank=0, cp_size=3)

@@ -237,14 +237,18 @@ def batches(dataset: GPTDataset | BlendedDataset, global_batch_size: int, micro_
 class DataLoader:
     """``batches`` with a position that checkpoints: ``state_dict()`` is
     ``{"consumed_samples": n}``, the samples all dp ranks have taken so far (the same
-    number on every rank); ``load_state_dict`` resumes at exactly that sample."""
+    number on every rank); ``load_state_dict`` resumes at exactly that sample. With
+    ``cp_size > 1`` each batch is this cp rank's zigzag share (``Batch.cp_slice``)."""
 
     def __init__(self, dataset: GPTDataset | BlendedDataset, global_batch_size: int, micro_batch_size: int,
-                 dp_rank: int = 0, dp_size: int = 1, consumed_samples: int = 0):
+                 dp_rank: int = 0, dp_size: int = 1, consumed_samples: int = 0, cp_rank: int = 0,
+                 cp_size: int = 1):
         _check_sharding(global_batch_size, micro_batch_size, dp_rank, dp_size, consumed_samples)
+        zigzag_positions(dataset.seq_length, cp_rank, cp_size)  # rejects a bad cp split before any batch
         self.dataset = dataset
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.consumed_samples = consumed_samples
         self.num_micro_batches = global_batch_size // (micro_batch_size * dp_size)
 
@@ -253,7 +257,7 @@ class DataLoader:
                      self.consumed_samples)
         for batch in it:
             self.consumed_samples += self.micro_batch_size * self.dp_size
-            yield batch
+            yield batch.cp_slice(self.cp_rank, self.cp_size) if self.cp_size > 1 else batch
 
     def global_batch(self) -> list[Batch]:
         """The next ``num_micro_batches`` micro-batches: this rank's share of one step."""
