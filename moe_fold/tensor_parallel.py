@@ -197,7 +197,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
     global ids; returns ``[...]`` float32, the same on every tp rank. Only two ``[...]``
     tensors and the max cross the tp group: the max and the sum of exponentials are
     reduced over tp and the target logit is taken on the rank that owns it. A target
-    outside ``[0, V)`` (e.g. -100 on padding) gives ``log(sum exp)``; mask such tokens.
+    outside ``[0, V)`` (e.g. -100 on padding) owns no logit and gives a finite value
+    without meaning: mask such tokens out of the loss.
 
     Backward: ``reduce_from_tp_region`` is the identity backward, so each rank gets
     ``softmax - onehot`` on its own shard, the gradient of the one loss all ranks share.

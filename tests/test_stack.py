@@ -215,40 +215,48 @@ def _train(model, groups, ids, labels, mask):
     return {"losses": losses, "norms": norms, "grads": grads}
 
 
-def _layout_rank(rank, world_size, tp, sp, qk_norm, tie):
-    groups = create_process_groups(ParallelLayout(world_size, tp=tp))
-    model = build_model(_config(qk_norm=qk_norm, tie=tie, sp=sp), groups)
-    ids, labels, mask = _batch()
-    dp, me = groups.size("dp_cp"), groups.rank_in("dp_cp")
-    rows = slice(me * BATCH // dp, (me + 1) * BATCH // dp)
-    out = _train(model, groups, ids[rows], labels[rows], mask[rows])
-    # numpy, not tensors: the harness's queue would share tensor storage by file
-    # descriptor, which dies with the rank process.
-    out["grads"] = {k: g.numpy() for k, g in out["grads"].items()}
-    return out
+def _layouts_rank(rank, world_size, specs):
+    """Train every layout of ``specs`` in turn (one process start for several layouts)."""
+    results = []
+    for spec in specs:
+        groups = create_process_groups(ParallelLayout(world_size, tp=spec["tp"]))
+        model = build_model(_config(qk_norm=spec["qk_norm"], tie=spec["tie"], sp=spec["sp"]), groups)
+        ids, labels, mask = _batch()
+        dp, me = groups.size("dp_cp"), groups.rank_in("dp_cp")
+        rows = slice(me * BATCH // dp, (me + 1) * BATCH // dp)
+        out = _train(model, groups, ids[rows], labels[rows], mask[rows])
+        # numpy, not tensors: the harness's queue would share tensor storage by file
+        # descriptor, which dies with the rank process.
+        out["grads"] = {k: g.numpy() for k, g in out["grads"].items()}
+        results.append(out)
+    return results
 
 
 LAYOUTS = {
-    "tp2-sp": dict(world=2, tp=2, sp=True, qk_norm=True, tie=True),
-    "tp2": dict(world=2, tp=2, sp=False, qk_norm=True, tie=False),
-    "dp2": dict(world=2, tp=1, sp=False, qk_norm=False, tie=False),
-    "tp2-dp2-sp": dict(world=4, tp=2, sp=True, qk_norm=True, tie=True),
+    2: {"tp2-sp": dict(tp=2, sp=True, qk_norm=True, tie=True),
+        "tp2": dict(tp=2, sp=False, qk_norm=True, tie=False),
+        "dp2": dict(tp=1, sp=False, qk_norm=False, tie=False)},
+    4: {"tp2-dp2-sp": dict(tp=2, sp=True, qk_norm=True, tie=True)},
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name):
-    spec = LAYOUTS[name]
-    ref_model = build_model(_config(qk_norm=spec["qk_norm"], tie=spec["tie"]), ProcessGroups.single_process())
-    ref = _train(ref_model, ProcessGroups.single_process(), *_batch())
-    assert ref["norms"][0] > MAX_NORM  # clipping is exercised
-    results = run_ranks(_layout_rank, spec["world"], spec["tp"], spec["sp"], spec["qk_norm"], spec["tie"],
-                        timeout=120)
-    for rank, got in enumerate(results):
-        assert got["grads"].keys() == ref["grads"].keys()
-        for pname, g in ref["grads"].items():
-            torch.testing.assert_close(torch.from_numpy(got["grads"][pname]), g, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"rank {rank} grad {pname}: {m}")
-        torch.testing.assert_close(got["norms"], ref["norms"], rtol=1e-5, atol=0)
-        torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0)
-    assert ref["losses"][-1] < ref["losses"][0]
+@pytest.mark.parametrize("world", list(LAYOUTS))
+def test_layouts_match_single_process(world):
+    specs = LAYOUTS[world]
+    results = run_ranks(_layouts_rank, world, list(specs.values()), timeout=150)
+    for i, (name, spec) in enumerate(specs.items()):
+        ref_model = build_model(_config(qk_norm=spec["qk_norm"], tie=spec["tie"]), ProcessGroups.single_process())
+        ref = _train(ref_model, ProcessGroups.single_process(), *_batch())
+        assert ref["norms"][0] > MAX_NORM  # clipping is exercised
+        assert ref["losses"][-1] < ref["losses"][0]
+        for rank, per_rank in enumerate(results):
+            got = per_rank[i]
+            where = f"layout {name} rank {rank}"
+            assert got["grads"].keys() == ref["grads"].keys()
+            for pname, g in ref["grads"].items():
+                torch.testing.assert_close(torch.from_numpy(got["grads"][pname]), g, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"{where} grad {pname}: {m}")
+            torch.testing.assert_close(got["norms"], ref["norms"], rtol=1e-5, atol=0,
+                                       msg=lambda m: f"{where} grad norms: {m}")
+            torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0,
+                                       msg=lambda m: f"{where} losses: {m}")
