@@ -51,7 +51,8 @@ __all__ = ["AllToAllDispatcher", "AllToAllHandle"]
 class AllToAllHandle(Handle):
     # Source side: the token of each sent row (permute's sorted_indices).
     sorted_indices: Optional[torch.Tensor] = None
-    # Rows sent to / received from each ep rank, rows received from each etp rank.
+    # Rows sent to / received from each ep rank, rows received from each etp rank
+    # (None in the padded mode: equal splits).
     input_splits: Optional[list[int]] = None
     output_splits: Optional[list[int]] = None
     etp_splits: Optional[list[int]] = None
@@ -108,9 +109,7 @@ class AllToAllDispatcher(TokenDispatcher):
             c = self.capacity(tokens.shape[0])
             x, p, handle.sorted_indices = permute_padded(tokens, routing_map, probs, c,
                                                          backend=self.permute_backend)  # [E*C, H]
-            rows = self.num_local_experts * c
-            handle.input_splits = handle.output_splits = [rows] * self.ep
-            handle.etp_splits = [rows * self.ep] * self.etp
+            # Splits stay None: equal for every rank, the collectives need no sizes.
             handle.chunk_sizes = handle.sorted_chunk_sizes = [c] * (self.etp * self.ep * self.num_local_experts)
             handle.tokens_per_local_expert = [c * self.etp * self.ep] * self.num_local_experts
             return handle, x, p
@@ -203,7 +202,8 @@ class AllToAllDispatcher(TokenDispatcher):
         # [T, H] -> [R, H]: one row per (token, destination rank), destination-major.
         x, _, handle.sorted_indices = permute(tokens, rank_map, None, backend=self.permute_backend)
         dest = torch.repeat_interleave(torch.arange(ep, device=tokens.device),
-                                       torch.tensor(handle.input_splits, device=tokens.device))
+                                       torch.tensor(handle.input_splits, device=tokens.device),
+                                       output_size=x.shape[0])  # [R]: destination of each row
         # What the destination needs to expand a row: probs and map over its experts.
         row_probs = probs.reshape(num_tokens, ep, el)[handle.sorted_indices, dest]  # [R, E_local]
         row_map = local_map[handle.sorted_indices, dest].to(probs.dtype)  # [R, E_local]

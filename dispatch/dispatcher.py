@@ -257,6 +257,8 @@ def build_dispatcher(moe: "MoEConfig", groups: "ProcessGroups") -> TokenDispatch
         if moe.dedup:
             raise ValueError("moe.dedup=True needs moe.dispatcher='alltoall' (got 'allgather'): "
                              "an all-gather sends every token to every rank once already")
+        if mode == "pad":
+            raise ValueError("moe.pad_to_capacity=True needs moe.dispatcher='alltoall' (got 'allgather')")
         return AllGatherDispatcher(moe.num_experts, moe.topk, groups, mode=mode,
                                    permute_backend=moe.permute_backend)
     raise ValueError(f"moe.dispatcher={moe.dispatcher!r} must be 'alltoall' or 'allgather'")
