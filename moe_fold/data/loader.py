@@ -278,6 +278,8 @@ def zigzag_positions(seq_length: int, cp_rank: int, cp_size: int) -> torch.Tenso
     chunks r and 2*cp-1-r, so every rank gets the same share of causal-attention work."""
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank={cp_rank} must be in [0, cp_size={cp_size})")
+    if cp_size == 1:
+        return torch.arange(seq_length)
     if seq_length % (2 * cp_size):
         raise ValueError(f"seq_length={seq_length} is not divisible by 2*cp={2 * cp_size} "
                          f"(context parallel splits the sequence into 2*cp chunks)")
