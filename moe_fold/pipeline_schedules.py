@@ -1,0 +1,202 @@
+"""Pipeline schedules as static plans: the order of forward and backward steps on every pp
+rank, and the points where activations and grads cross between ranks. Pure arithmetic;
+:mod:`moe_fold.pipeline` runs a plan with torch.distributed.
+
+Terms. ``pp`` ranks ``r = 0..pp-1`` each hold ``vpp`` model chunks; chunk ``c`` of rank
+``r`` is virtual stage ``s = c*pp + r`` (Megatron's placement), so a micro-batch visits
+the ranks ``vpp`` times round the ring. ``S = pp*vpp`` stages, ``m`` micro-batches.
+``F(i, s)`` / ``B(i, s)`` are the forward / backward of micro-batch ``i`` on stage ``s``.
+
+Orders (per rank, after Narayanan et al. 2021):
+
+- ``1f1b`` (vpp = 1): ``min(pp - r - 1, m)`` warm-up forwards, then one forward and one
+  backward in turn, then the remaining backwards. A rank holds at most ``pp - r``
+  micro-batches' activations.
+- ``interleaved`` (vpp >= 2): forwards take the micro-batches in groups of ``pp``: chunk 0
+  for each micro-batch of the group, then chunk 1, ...; backwards the same with the
+  chunks reversed. ``min(2*(pp - r - 1) + (vpp - 1)*pp, m*vpp)`` warm-up forwards, then
+  forward/backward in turn, then the remaining backwards. A rank holds at most
+  ``warm-up + 1`` chunk-micro-batches' activations. Needs ``m % pp == 0``
+  (:func:`check_schedule`): with a short last group this order loses the textbook
+  bubble and, for some ``(pp, vpp, m)`` (e.g. 4, 3, 5), deadlocks.
+
+Timing and communication. The plan times every step by list scheduling: each rank runs
+its order, a step starts when the rank is free and its input exists, forwards take
+``FORWARD_UNITS`` and backwards ``BACKWARD_UNITS`` (the usual backward = 2 x forward).
+A message (the activation after ``F(i, s)``, the grad after ``B(i, s)``) is exchanged at
+the time its producer ends: at each such time the two ranks of every message post their
+sides together (one :func:`moe_fold.comm.batch_send_recv` each), and receivers keep what
+they get until the step that needs it. All ranks go through these exchanges in the same
+time order and a rank ends at most one step at a time, so each exchange holds at most one
+message per direction between two ranks and the plan cannot deadlock, whatever the real
+step times are (they only change who waits). With real times in the 1:2 ratio the plan
+has no waits beyond the schedule's own bubble.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+__all__ = ["SCHEDULES", "FORWARD_UNITS", "BACKWARD_UNITS", "Step", "Message", "Exchange", "Plan",
+           "check_schedule", "rank_stages", "rank_order", "make_plan"]
+
+SCHEDULES = ("1f1b", "interleaved")
+FORWARD_UNITS = 1
+BACKWARD_UNITS = 2
+
+
+@dataclass(frozen=True)
+class Step:
+    """``kind`` "F" or "B" of micro-batch ``microbatch`` on virtual stage ``stage``."""
+    kind: str
+    microbatch: int
+    stage: int
+
+
+@dataclass(frozen=True)
+class Message:
+    """An activation (``kind="act"``, from stage ``stage - 1`` to ``stage``) or a grad
+    (``kind="grad"``, from stage ``stage + 1`` to ``stage``); ``src``/``dst`` are pp ranks."""
+    kind: str
+    microbatch: int
+    stage: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """The messages one rank sends or receives at plan time ``time``, posted together."""
+    time: int
+    messages: tuple[Message, ...]
+
+
+@dataclass
+class Plan:
+    """``programs[r]``: what pp rank ``r`` does, in order (steps and exchanges);
+    ``times[step] = (start, end)`` in plan units; ``makespan``: the end of the last step."""
+    pp: int
+    vpp: int
+    num_microbatches: int
+    forward_only: bool
+    programs: list[list[Union[Step, Exchange]]]
+    times: dict[Step, tuple[int, int]]
+    makespan: int
+
+    def busy(self, rank: int) -> int:
+        """Plan units rank ``rank`` spends in steps."""
+        return sum(end - start for step, (start, end) in self.times.items() if step.stage % self.pp == rank)
+
+
+def check_schedule(schedule: str, pp: int, vpp: int, num_microbatches: int) -> None:
+    """Raise ValueError naming the argument, its value and the rule it breaks."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} must be one of {', '.join(SCHEDULES)}")
+    for name, value in (("pp", pp), ("vpp", vpp), ("num_microbatches", num_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if schedule == "1f1b" and vpp != 1:
+        raise ValueError(f"vpp={vpp} requires schedule='interleaved'; 1f1b runs one model chunk per rank")
+    if schedule == "interleaved":
+        if vpp < 2:
+            raise ValueError(f"schedule='interleaved' requires vpp >= 2 model chunks per rank, got vpp={vpp}")
+        if num_microbatches % pp:
+            raise ValueError(f"schedule='interleaved' requires num_microbatches divisible by pp: "
+                             f"num_microbatches={num_microbatches}, pp={pp} (micro-batches go round the "
+                             f"pipeline in groups of pp)")
+
+
+def rank_stages(pp: int, vpp: int, rank: int) -> list[int]:
+    """The virtual stages of pp rank ``rank``, one per model chunk: ``c*pp + rank``."""
+    return [c * pp + rank for c in range(vpp)]
+
+
+def _interleaved_steps(kind: str, pp: int, vpp: int, m: int, rank: int) -> list[Step]:
+    """The forwards (or backwards) of ``rank`` in the interleaved order: micro-batches in
+    groups of ``pp`` (the last may be short), each group through every chunk in turn."""
+    chunks = range(vpp) if kind == "F" else range(vpp - 1, -1, -1)
+    return [Step(kind, i, c * pp + rank)
+            for first in range(0, m, pp) for c in chunks for i in range(first, min(first + pp, m))]
+
+
+def rank_order(schedule: str, pp: int, vpp: int, num_microbatches: int, rank: int,
+               forward_only: bool = False) -> list[Step]:
+    """The steps of pp rank ``rank`` in the order it runs them (see the module doc)."""
+    check_schedule(schedule, pp, vpp, num_microbatches)
+    m = num_microbatches
+    if schedule == "1f1b":
+        forwards = [Step("F", i, rank) for i in range(m)]
+        backwards = [Step("B", i, rank) for i in range(m)]
+        warmup = min(pp - rank - 1, m)
+    else:
+        forwards = _interleaved_steps("F", pp, vpp, m, rank)
+        backwards = _interleaved_steps("B", pp, vpp, m, rank)
+        warmup = min(2 * (pp - rank - 1) + (vpp - 1) * pp, m * vpp)
+    if forward_only:
+        return forwards
+    order = forwards[:warmup]
+    for f, b in zip(forwards[warmup:], backwards):
+        order += [f, b]
+    return order + backwards[len(forwards) - warmup:]
+
+
+def _producer(step: Step, stages: int) -> Union[Step, None]:
+    """The step whose output ``step`` consumes from another stage (None: its own input)."""
+    if step.kind == "F":
+        return Step("F", step.microbatch, step.stage - 1) if step.stage > 0 else None
+    if step.stage < stages - 1:
+        return Step("B", step.microbatch, step.stage + 1)
+    return None
+
+
+def make_plan(schedule: str, pp: int, vpp: int, num_microbatches: int, forward_only: bool = False) -> Plan:
+    """Time every rank's order and place the exchanges (see the module doc)."""
+    orders = [rank_order(schedule, pp, vpp, num_microbatches, r, forward_only) for r in range(pp)]
+    stages = pp * vpp
+    times: dict[Step, tuple[int, int]] = {}
+    free = [0] * pp
+    nxt = [0] * pp
+    while any(nxt[r] < len(orders[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while nxt[r] < len(orders[r]):
+                step = orders[r][nxt[r]]
+                dep = _producer(step, stages)
+                if dep is not None and dep not in times:
+                    break
+                start = max(free[r], times[dep][1] if dep is not None else 0)
+                end = start + (FORWARD_UNITS if step.kind == "F" else BACKWARD_UNITS)
+                times[step] = (start, end)
+                free[r] = end
+                nxt[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: orders[r][nxt[r]] for r in range(pp) if nxt[r] < len(orders[r])}
+            raise RuntimeError(f"{schedule} order with pp={pp}, vpp={vpp}, num_microbatches={num_microbatches} "
+                               f"deadlocks at {stuck}")
+    # Messages, by the time their producer ends.
+    sent: dict[int, list[Message]] = {}
+    for step, (_, end) in times.items():
+        if step.kind == "F" and step.stage < stages - 1:
+            msg = Message("act", step.microbatch, step.stage + 1, step.stage % pp, (step.stage + 1) % pp)
+        elif step.kind == "B" and step.stage > 0:
+            msg = Message("grad", step.microbatch, step.stage - 1, step.stage % pp, (step.stage - 1) % pp)
+        else:
+            continue
+        if msg.src != msg.dst:  # chunks on one rank (pp=1) hand over locally
+            sent.setdefault(end, []).append(msg)
+    programs: list[list[Union[Step, Exchange]]] = []
+    for r in range(pp):
+        # An exchange at time t comes after the steps that end by t and before those that
+        # start at t or later; a step running across t delays the exchange to its end.
+        events: list[tuple[int, int, Union[Step, Exchange]]] = []
+        for step in orders[r]:
+            events.append((times[step][0], 1, step))
+        for t in sorted(sent):
+            mine = tuple(msg for msg in sent[t] if r in (msg.src, msg.dst))
+            if mine:
+                events.append((t, 0, Exchange(t, mine)))
+        events.sort(key=lambda e: (e[0], e[1]))
+        programs.append([item for _, _, item in events])
+    return Plan(pp, vpp, num_microbatches, forward_only, programs, times, max(free))
