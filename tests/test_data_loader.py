@@ -263,3 +263,26 @@ def test_loader_cp_ranks_share_each_batch(stream_dataset):
             assert torch.equal(whole, getattr(batch, field))
     with pytest.raises(ValueError, match=r"seq_length=16 is not divisible by 2\*cp=6"):
         DataLoader(ds, 4, 2, cp_rank=0, cp_size=3)
+
+
+def test_fixed_samples_reset_at_documents(stream_dataset):
+    prefix, docs = stream_dataset
+    S = 16
+    starts = set(np.cumsum([0] + [len(d) for d in docs]).tolist())
+    ds = GPTDataset(prefix, S, seed=0, reset_at_documents=True)
+    plain = GPTDataset(prefix, S, seed=0)
+    for j in range(len(ds)):
+        s = ds.raw_sample(j)
+        assert s.tokens.tolist() == plain.raw_sample(j).tokens.tolist()
+        cu, positions, mask, pos = [0], [], [], 0
+        for t in range(S):
+            g = j * S + t  # position in the token stream
+            if t > 0 and g in starts:
+                cu.append(t)
+                pos = 0
+            positions.append(pos)
+            pos += 1
+            mask.append(0.0 if g + 1 in starts else 1.0)  # label opens the next document
+        assert s.cu_seqlens.tolist() == cu + [S]
+        assert s.positions.tolist() == positions
+        assert s.loss_mask.tolist() == mask

@@ -7,7 +7,10 @@ Its ``cu_seqlens`` are the starts of the segments attention is confined to (then
 
 - fixed-length (``packing=False``): samples tile the concatenated token stream (every
   document ends with eod); a sample is one segment, attention runs across documents,
-  every label counts (GPT-2/Megatron default).
+  every label counts (GPT-2/Megatron default). With ``reset_at_documents`` each
+  document (part) inside the sample is its own segment instead, and the label that is
+  the next document's first token has loss_mask 0 (Megatron's reset_attention_mask,
+  reset_position_ids).
 - packed (``packing=True``): whole documents are packed in order into samples, a
   document longer than a sample is cut into sample-sized pieces, the tail is padded.
   Each piece is a segment; the label after a piece's last token (the next document's
@@ -42,11 +45,12 @@ class GPTDataset:
     """Shuffled fixed-length or packed samples of one indexed dataset; see the module docstring."""
 
     def __init__(self, source: str | os.PathLike | IndexedDataset, seq_length: int, seed: int,
-                 packing: bool = False, pad_id: int | None = None):
+                 packing: bool = False, pad_id: int | None = None, reset_at_documents: bool = False):
         if seq_length < 1:
             raise ValueError(f"seq_length={seq_length} must be >= 1")
         self.indexed = source if isinstance(source, IndexedDataset) else IndexedDataset(source)
         self.seq_length, self.seed, self.packing = seq_length, seed, packing
+        self.reset_at_documents = reset_at_documents
         self.vocab_size = self.indexed.vocab_size
         # Padding is always loss-masked, so eod is a safe default filler.
         self.pad_id = self.indexed.eod_id if pad_id is None else pad_id
@@ -108,17 +112,26 @@ class GPTDataset:
         """Sample ``j`` before shuffling."""
         S = self.seq_length
         if not self.packing:
-            tokens = np.asarray(self.indexed.tokens[j * S:j * S + S + 1], dtype=np.int64)
-            return Sample(tokens, np.ones(S, np.float32), np.arange(S, dtype=np.int64),
-                          np.asarray([0, S], np.int32))
-        p0, p1 = self._bin_piece[j], self._bin_piece[j + 1]
-        starts = self._piece_start[p0:p1 + 1] - self._piece_start[p0]  # piece bounds in the sample
-        used = int(starts[-1])
-        tokens = np.full(S + 1, self.pad_id, dtype=np.int64)
-        tokens[:used] = self.indexed.tokens[self._piece_start[p0]:self._piece_start[p1]]
+            first = j * S
+            tokens = np.asarray(self.indexed.tokens[first:first + S + 1], dtype=np.int64)
+            if not self.reset_at_documents:
+                return Sample(tokens, np.ones(S, np.float32), np.arange(S, dtype=np.int64),
+                              np.asarray([0, S], np.int32))
+            offsets = self.indexed.offsets
+            inside = offsets[np.searchsorted(offsets, first, side="right"):
+                             np.searchsorted(offsets, first + S + 1, side="left")]
+            # Bounds of the document parts in the sample: 0, each document start, S+1.
+            starts = np.concatenate([[0], inside - first, [S + 1]])
+            used = S + 1
+        else:
+            p0, p1 = self._bin_piece[j], self._bin_piece[j + 1]
+            starts = self._piece_start[p0:p1 + 1] - self._piece_start[p0]  # piece bounds in the sample
+            used = int(starts[-1])
+            tokens = np.full(S + 1, self.pad_id, dtype=np.int64)
+            tokens[:used] = self.indexed.tokens[self._piece_start[p0]:self._piece_start[p1]]
         loss_mask = np.ones(S, np.float32)
         ends = starts[1:]
-        loss_mask[ends[ends <= S] - 1] = 0  # the label after a piece's last token is another piece
+        loss_mask[ends[ends <= S] - 1] = 0  # the label after a part's last token is another part
         loss_mask[used:] = 0  # labels that are padding
         cu = np.concatenate([starts[starts < S], [S]]).astype(np.int32)
         seg = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
