@@ -30,6 +30,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from moe_fold.config import Config
 from moe_fold.data.indexed_dataset import IndexedDataset
 
 
@@ -201,8 +202,9 @@ class Batch:
         segment) cannot be split over cp yet."""
         B, S = self.tokens.shape
         if cp_size > 1 and len(self.cu_seqlens) != B + 1:
-            raise ValueError(f"packed samples ({len(self.cu_seqlens) - 1} segments in {B} samples) "
-                             f"cannot be split over cp={cp_size}; use data.packing=false with cp > 1")
+            raise ValueError(f"samples of several segments ({len(self.cu_seqlens) - 1} in {B} samples: "
+                             f"packing or reset_at_documents) cannot be split over cp={cp_size} yet; "
+                             f"use data.packing=false with cp > 1")
         index = zigzag_positions(S, cp_rank, cp_size)
         return Batch(self.tokens[:, index], self.labels[:, index], self.loss_mask[:, index],
                      self.positions[:, index], self.cu_seqlens)
@@ -327,7 +329,7 @@ def open_training_dataset(prefixes: Sequence[str | os.PathLike], weights: Sequen
     return BlendedDataset(datasets, weights if weights is not None else [1.0] * len(datasets), blend_size)
 
 
-def dataset_from_config(config) -> GPTDataset | BlendedDataset:
+def dataset_from_config(config: Config) -> GPTDataset | BlendedDataset:
     """The training dataset a ``Config`` asks for: ``data.path`` (None: the demo corpus)
     tokenized into ``data.cache_dir`` when needed, blended by ``data.weights``, samples of
     ``model.seq_length`` shuffled by ``train.seed``, packed when ``data.packing``. In a
