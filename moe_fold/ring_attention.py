@@ -133,6 +133,12 @@ def _merge_(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse
     lse.copy_(new)
 
 
+def _ring_peers(group: Group) -> tuple[int, int, int, int]:
+    """(cp size, this rank's cp index, GLOBAL rank of the next and of the previous rank)."""
+    cp, rank = group_size(group), group_rank(group)
+    return cp, rank, dist.get_global_rank(group, (rank + 1) % cp), dist.get_global_rank(group, (rank - 1) % cp)
+
+
 def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
     return x[:, :, rows]
 
@@ -140,9 +146,7 @@ def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale):
-        cp, rank = group_size(group), group_rank(group)
-        nxt = dist.get_global_rank(group, (rank + 1) % cp)
-        prv = dist.get_global_rank(group, (rank - 1) % cp)
+        cp, rank, nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
         out = lse = None
         kb, vb = k, v
@@ -168,9 +172,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, causal, scale = ctx.group, ctx.causal, ctx.scale
-        cp, rank = group_size(group), group_rank(group)
-        nxt = dist.get_global_rank(group, (rank + 1) % cp)
-        prv = dist.get_global_rank(group, (rank - 1) % cp)
+        cp, rank, nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
         dout = dout.contiguous()
         acc = _acc_dtype(q.dtype)
@@ -207,8 +209,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     and k/v ``[B, Hkv, S_local, D]``; returns this rank's output ``[B, Hq, S_local, D]``.
 
     Callers normally go through :func:`moe_fold.context_parallel.context_parallel_attention`,
-    which validates the shapes.
+    which validates the shapes and sends a group of one rank to plain attention.
     """
+    if group_size(group) < 2:
+        raise ValueError(f"ring_attention needs a cp group of at least 2 ranks, got {group_size(group)}")
+    if q.shape[2] % 2:
+        raise ValueError(f"ring_attention: local sequence length {q.shape[2]} must be even "
+                         "(a zigzag shard is two equal chunks)")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return _RingAttention.apply(q, k, v, group, causal, float(scale))

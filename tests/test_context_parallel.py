@@ -151,6 +151,8 @@ def test_argument_errors():
         context_parallel_attention(q[0], q[0], q[0], None)
     with pytest.raises(ValueError, match="same shape"):
         context_parallel_attention(q, q, q[:, :2], None)
+    with pytest.raises(ValueError, match="at least 2 ranks, got 1"):
+        ra.ring_attention(q, q, q, None)
 
 
 def test_a2a_kv_repeats():
