@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from moe_fold.data.indexed_dataset import write_indexed_dataset
+from moe_fold.context_parallel import zigzag_positions
 from moe_fold.data.loader import (BlendedDataset, DataLoader, GPTDataset, Sample, batches, cp_zigzag_slice,
-                                  dataset_from_config, open_training_dataset, zigzag_positions)
+                                  dataset_from_config, open_training_dataset)
 
 EOD = 256
 
@@ -217,10 +218,11 @@ def test_zigzag_slices_reassemble(cp):
         out[:, pos] = local
     assert torch.equal(out, tokens)
     if cp > 1:
-        with pytest.raises(ValueError, match=r"seq_length=25 is not divisible by 2\*cp=" + str(2 * cp)):
-            zigzag_positions(25, 0, cp)
+        with pytest.raises(ValueError, match=r"sequence length 25 \(dim 1\) must be divisible by 2\*cp_size="
+                           + str(2 * cp)):
+            cp_zigzag_slice(torch.zeros(1, 25), 0, cp)
     else:
-        assert zigzag_positions(25, 0, 1).tolist() == list(range(25))
+        assert cp_zigzag_slice(torch.zeros(1, 25), 0, 1)[1].tolist() == list(range(25))
 
 
 def test_batch_cp_slice_matches_function(stream_dataset):
@@ -261,7 +263,7 @@ def test_loader_cp_ranks_share_each_batch(stream_dataset):
             for r in range(2):
                 whole[:, zigzag_positions(16, r, 2)] = getattr(parts[r][k], field)
             assert torch.equal(whole, getattr(batch, field))
-    with pytest.raises(ValueError, match=r"seq_length=16 is not divisible by 2\*cp=6"):
+    with pytest.raises(ValueError, match=r"sequence length 16 \(dim 0\) must be divisible by 2\*cp_size=6"):
         DataLoader(ds, 4, 2, cp_rank=0, cp_size=3)
 
 

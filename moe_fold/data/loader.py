@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from moe_fold.config import Config
+from moe_fold.context_parallel import zigzag_positions, zigzag_split
 from moe_fold.data.indexed_dataset import IndexedDataset
 
 
@@ -197,17 +198,16 @@ class Batch:
     cu_seqlens: torch.Tensor
 
     def cp_slice(self, cp_rank: int, cp_size: int) -> "Batch":
-        """This cp rank's zigzag share of every [B, S] field (see ``cp_zigzag_slice``).
+        """This cp rank's zigzag share of every [B, S] field: [B, S] -> [B, S/cp].
         ``cu_seqlens`` keeps describing the whole sequence; packed samples (more than one
         segment) cannot be split over cp yet."""
-        B, S = self.tokens.shape
+        B = self.tokens.shape[0]
         if cp_size > 1 and len(self.cu_seqlens) != B + 1:
             raise ValueError(f"samples of several segments ({len(self.cu_seqlens) - 1} in {B} samples: "
                              f"packing or reset_at_documents) cannot be split over cp={cp_size} yet; "
                              f"use data.packing=false with cp > 1")
-        index = zigzag_positions(S, cp_rank, cp_size)
-        return Batch(self.tokens[:, index], self.labels[:, index], self.loss_mask[:, index],
-                     self.positions[:, index], self.cu_seqlens)
+        return Batch(*(zigzag_split(x, cp_rank, cp_size, dim=1)
+                       for x in (self.tokens, self.labels, self.loss_mask, self.positions)), self.cu_seqlens)
 
 
 def collate(samples: Sequence[Sample]) -> Batch:
@@ -288,26 +288,11 @@ class DataLoader:
         self.consumed_samples = n
 
 
-def zigzag_positions(seq_length: int, cp_rank: int, cp_size: int) -> torch.Tensor:
-    """Positions a cp rank holds: the sequence is cut into 2*cp chunks and rank r takes
-    chunks r and 2*cp-1-r, so every rank gets the same share of causal-attention work."""
-    if cp_size < 1 or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank={cp_rank} must be in [0, cp_size={cp_size})")
-    if cp_size == 1:
-        return torch.arange(seq_length)
-    if seq_length % (2 * cp_size):
-        raise ValueError(f"seq_length={seq_length} is not divisible by 2*cp={2 * cp_size} "
-                         f"(context parallel splits the sequence into 2*cp chunks)")
-    c = seq_length // (2 * cp_size)
-    return torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c),
-                      torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c)])
-
-
 def cp_zigzag_slice(tokens: torch.Tensor, cp_rank: int, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``tokens[B, S]`` -> (``tokens_local[B, S/cp]``, ``positions_local[S/cp]``): this cp
-    rank's two zigzag chunks and their positions in the full sequence."""
-    index = zigzag_positions(tokens.shape[1], cp_rank, cp_size)
-    return tokens[:, index], index
+    rank's two zigzag chunks (``moe_fold.context_parallel``'s layout) and their positions
+    in the full sequence."""
+    return zigzag_split(tokens, cp_rank, cp_size, dim=1), zigzag_positions(tokens.shape[1], cp_rank, cp_size)
 
 
 def open_training_dataset(prefixes: Sequence[str | os.PathLike], weights: Sequence[float] | None,
