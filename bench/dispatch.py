@@ -15,8 +15,8 @@ Prints one JSON line per (dispatcher, mode, routing) with, per rank:
 - ``permute_ratio_to_copy``: time of the local permute + unpermute of this rank's tokens
   over a plain copy of the same rows (the permuted ``[N, H]`` tensor) in each direction.
 
-Routing: ``random`` (top-k of Gaussian scores), ``balanced`` (token t goes to experts
-``t*k .. t*k+k-1 mod E``: every expert gets the same count), ``zipf`` (k distinct experts
+Routing: ``random`` (top-k of Gaussian scores), ``balanced`` (every expert gets the same
+count, each token a uniform random set of k experts), ``zipf`` (k distinct experts
 drawn with probability proportional to ``1 / (e + 1) ** s``: the low experts, all on the
 first ep rank, are hot). Capacity modes drop with the router's ``apply_capacity``
 (``probs`` policy, padded for ``pad``) at ``--capacity-factor``.
@@ -62,7 +62,13 @@ def make_routing(kind: str, num_tokens: int, num_experts: int, topk: int, seed: 
     if kind == "random":
         top = scores.topk(topk, dim=1).indices
     elif kind == "balanced":
-        top = (torch.arange(num_tokens)[:, None] * topk + torch.arange(topk)) % num_experts
+        # Each block of E // k tokens shares one random permutation of the experts, k
+        # each: every expert gets the same count (when k divides E), and a token's
+        # experts are a uniform random k-subset.
+        per_block = num_experts // topk
+        blocks = -(-num_tokens // per_block)
+        perms = [torch.randperm(num_experts, generator=gen)[: per_block * topk] for _ in range(blocks)]
+        top = torch.cat(perms or [torch.empty(0, dtype=torch.long)]).view(-1, topk)[:num_tokens]  # [T, k]
     else:
         weights = 1.0 / (torch.arange(num_experts, dtype=torch.float64) + 1) ** zipf_s
         top = torch.multinomial(weights.expand(num_tokens, -1), topk, replacement=False, generator=gen)

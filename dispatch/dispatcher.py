@@ -96,6 +96,8 @@ class Handle:
 
     num_tokens: int
     wire: WireBytes = field(default_factory=WireBytes)
+    # Rows handed to the experts; combine expects as many.
+    num_rows: int = 0
 
 
 def expert_major_order(etp: int, ep: int, num_local_experts: int, inverse: bool = False) -> list[int]:
@@ -168,13 +170,15 @@ class TokenDispatcher(ABC):
         handle, x, p = self.dispatch_preprocess(tokens, probs, routing_map)
         x, p = self.dispatch_communicate(x, p, handle)
         x, p, counts = self.dispatch_postprocess(x, p, handle)
+        handle.num_rows = x.shape[0]
         return DispatchOutput(tokens=x, tokens_per_local_expert=counts, probs=p, handle=handle)
 
     def combine(self, expert_output: torch.Tensor, handle: Handle) -> torch.Tensor:
         """Return ``[T, H]``: each token's expert output rows summed, on the rank the
         token came from. ``expert_output[N, H]`` is in the order of the dispatched rows."""
-        if expert_output.dim() != 2:
-            raise ValueError(f"expert_output must be [N, H], got shape {tuple(expert_output.shape)}")
+        if expert_output.dim() != 2 or expert_output.shape[0] != handle.num_rows:
+            raise ValueError(f"expert_output must be [N={handle.num_rows}, H] (one row per dispatched row), "
+                             f"got shape {tuple(expert_output.shape)}")
         x = self.combine_preprocess(expert_output, handle)
         x = self.combine_communicate(x, handle)
         return self.combine_postprocess(x, handle)

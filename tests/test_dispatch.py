@@ -379,6 +379,10 @@ def test_bad_inputs_name_the_argument():
         d.dispatch(x, p[:, :3], m)
     with pytest.raises(ValueError, match="tokens must be"):
         d.dispatch(x[0], p, m)
+    m[0, 1] = True
+    out = d.dispatch(x, p, m)
+    with pytest.raises(ValueError, match=r"expert_output must be \[N=1, H\]"):
+        d.combine(torch.randn(2, H), out.handle)
     with pytest.raises(RankError, match="num_experts=3 is not divisible by ep=2"):
         run_ranks(_three_experts_on_two_ranks, 2, timeout=60)
 
