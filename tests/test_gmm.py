@@ -1,6 +1,7 @@
 """Grouped GEMM: every backend against the per-expert loop written here (forward, dx, dw)."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -155,12 +156,29 @@ def test_grouped_gemm_rejects_cpu_tensors():
         gmm(torch.randn(4, 16), torch.randn(2, 16, 8), [1, 3], backend="grouped_gemm")
 
 
-def test_triton_without_interpreter_on_cpu_raises():
-    code = (
-        "import torch; from moe_fold.kernels.gmm import gmm\n"
-        "try:\n    gmm(torch.randn(4, 16), torch.randn(2, 16, 8), [1, 3], backend='triton')\n"
-        "except RuntimeError as err:\n    print(err)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert "needs CUDA tensors" in out.stdout, out.stdout + out.stderr
+def test_triton_without_interpreter_on_cpu_raises(monkeypatch):
+    from moe_fold.kernels import gmm_triton
+
+    monkeypatch.setattr(gmm_triton, "_INTERPRET", False)  # as if TRITON_INTERPRET were unset at import
+    with pytest.raises(RuntimeError, match="'triton' needs CUDA tensors .* or TRITON_INTERPRET=1"):
+        gmm(torch.randn(4, 16), torch.randn(2, 16, 8), [1, 3], backend="triton")
+
+
+def test_bench_gemm_prints_its_fields():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "bench", "gemm.py"), "--tokens", "24", "--topk", "2", "--hidden", "16",
+           "--ffn", "8", "--experts", "4", "--repeats", "1", "--backends", "loop,torch", "--threads", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(r["backend"], r["routing"]) for r in rows] == [
+        ("loop", "balanced"), ("torch", "balanced"), ("loop", "skewed"), ("torch", "skewed")
+    ]
+    flops = 3 * 2 * 48 * (16 * 16 + 8 * 16)
+    for r in rows:
+        assert r["bench"] == "gemm" and r["tokens_per_expert_mean"] == 12.0
+        assert r["ratio_to_dense"] == pytest.approx(r["ms_dense"] / r["ms"], rel=0.02, abs=1e-3)
+        assert r["gflops"] == pytest.approx(flops / r["ms"] / 1e6, rel=0.02, abs=0.006)
+    skewed = rows[2]
+    # Zipf shares 1, 1/2, 1/3, 1/4 of 48 rows floor to 23, 11, 7, 5; the remaining 2 go to expert 0.
+    assert (skewed["tokens_per_expert_min"], skewed["tokens_per_expert_max"]) == (5, 25)
