@@ -74,6 +74,8 @@ def mark(param: nn.Parameter, parallel: str, tp_dim: Optional[int] = None,
     """Set ``param.parallel`` (one of :data:`PARALLEL_KINDS`) and, for ``"tp"``, the split."""
     if parallel not in PARALLEL_KINDS:
         raise ValueError(f"parallel={parallel!r} must be one of {', '.join(PARALLEL_KINDS)}")
+    if parallel == "tp" and (tp_dim is None or tp_parts is None):
+        raise ValueError(f"parallel='tp' needs tp_dim and tp_parts (got tp_dim={tp_dim}, tp_parts={tp_parts})")
     param.parallel = parallel
     if parallel == "tp":
         param.tp_dim = tp_dim

@@ -43,6 +43,8 @@ def test_init_is_seeded_per_parameter():
 def test_mark_rejects_unknown_kind():
     with pytest.raises(ValueError, match="parallel='dense' must be one of tp, replicated, tp_sum, expert"):
         mark(torch.nn.Parameter(torch.zeros(1)), "dense")
+    with pytest.raises(ValueError, match="parallel='tp' needs tp_dim and tp_parts"):
+        mark(torch.nn.Parameter(torch.zeros(1)), "tp")
 
 
 def test_cross_entropy_one_process_matches_torch():

@@ -1,0 +1,154 @@
+"""Gradient sync and the global grad norm.
+
+The multi-rank test runs a toy MoE-shaped model on 4 ranks (tp2 with sequence parallel,
+dp2; experts over ep with an all-gather dispatcher written here) through two
+micro-batches of gradient accumulation, and checks every synced grad and the norm
+against one process holding the same global weights and data."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moe_fold.comm import all_gather, reduce_from_tp_region, reduce_scatter
+from moe_fold.grads import clip_grad_norm_, grad_norm, sync_grads
+from moe_fold.launch import run_ranks
+from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
+from moe_fold.models.mlp import MLP
+from moe_fold.models.norm import RMSNorm
+from moe_fold.tensor_parallel import global_normal, mark, unshard_tp
+
+H, FFN, E, T, DP, MICRO = 8, 16, 4, 8, 2, 2
+
+
+def _marked(shape, kind, value, **split):
+    return mark(torch.nn.Parameter(torch.full(shape, value)), kind, **split)
+
+
+def test_clip_grad_norm_matches_torch_one_process():
+    for max_norm in (0.1, 100.0):  # clipping and not
+        gen = torch.Generator().manual_seed(0)
+        params = [_marked((3, 4), "tp", 0.0, tp_dim=0, tp_parts=[3])]
+        params += [_marked((5,), kind, 0.0) for kind in ("replicated", "tp_sum", "expert")]
+        ref = [torch.nn.Parameter(torch.zeros_like(p)) for p in params]
+        for p, r in zip(params, ref):
+            p.grad = torch.randn(p.shape, generator=gen)
+            r.grad = p.grad.clone()
+        expected = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+        got = clip_grad_norm_(params, max_norm, ProcessGroups.single_process())
+        torch.testing.assert_close(got, expected)
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p.grad, r.grad)
+
+
+def test_sync_is_identity_on_one_process():
+    p = _marked((4,), "tp_sum", 1.0)
+    p.grad = torch.arange(4.0)
+    sync_grads([p], ProcessGroups.single_process())
+    torch.testing.assert_close(p.grad, torch.arange(4.0))
+
+
+def test_unmarked_parameter_is_rejected():
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    p.grad = torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"shape \(2, 3\) has parallel=None"):
+        sync_grads([p], ProcessGroups.single_process())
+    with pytest.raises(ValueError, match=r"shape \(2, 3\) has parallel=None"):
+        grad_norm([p], ProcessGroups.single_process())
+
+
+def _data():
+    """Global tokens of MICRO micro-batches x DP slots: x, targets, mask [MICRO, DP, T, ...]
+    and each token's expert (never expert E-1: its owner gets no grad at all)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(MICRO, DP, T, H, generator=gen)
+    target = torch.randn(MICRO, DP, T, H, generator=gen)
+    mask = (torch.rand(MICRO, DP, T, generator=gen) > 0.3).float()
+    expert = torch.randint(0, E - 1, (MICRO, DP, T), generator=gen)
+    return x, target, mask, expert
+
+
+class Toy(torch.nn.Module):
+    """norm -> dense TP MLP (residual) -> routed experts (residual); ``ep_rank`` owns the
+    experts ``[ep_rank*E/ep, (ep_rank+1)*E/ep)``."""
+
+    def __init__(self, groups, sp):
+        super().__init__()
+        ep, ep_rank = groups.size("ep"), groups.rank_in("ep")
+        self.groups = groups
+        self.norm = RMSNorm(H, 1e-6, "tp_sum" if sp else "replicated")
+        self.mlp = MLP(H, FFN, groups.tp, sp, std=0.3, seed=21, name="mlp")
+        local = E // ep
+        self.first_expert = ep_rank * local
+        self.experts = mark(torch.nn.Parameter(global_normal((E, H, H), 0.3, 22)[self.first_expert:][:local]),
+                            "expert")
+        # Scales the loss after the tp reduction: every tp rank computes the same grad.
+        self.gain = mark(torch.nn.Parameter(torch.tensor(1.5)), "replicated")
+
+    def forward(self, x, target, mask, expert, num_tokens):
+        """This rank's tokens ``[T_local, H]``; the loss scaled as Transformer.forward does."""
+        h = x + self.mlp(self.norm(x))  # [T_local, H]
+        # An all-gather dispatcher: every ep rank sees the ep group's tokens, applies its
+        # experts, and the reduce-scatter returns each token's output to its owner.
+        tokens = all_gather(h, self.groups.ep)  # [T_local*ep, H]
+        owner = all_gather(expert, self.groups.ep)
+        # Not zeros_like: the graph must reach the dispatcher on every rank, or a rank
+        # without routed tokens would skip the collectives of its backward.
+        out = tokens * 0
+        for i, w in enumerate(self.experts):
+            routed = owner == self.first_expert + i
+            if routed.any():  # an expert without tokens is never used (its grad stays None)
+                out = out + (tokens @ w.T) * routed.unsqueeze(-1)
+        y = h + reduce_scatter(out, self.groups.ep)  # [T_local, H]
+        local = (((y - target) ** 2).sum(-1) * mask).sum()
+        dp_cp = self.groups.size("dp_cp")
+        return self.gain * reduce_from_tp_region(local, self.groups.tp) * (dp_cp / num_tokens)
+
+
+def _toy_run(toy, groups, shard):
+    """Backward of MICRO micro-batches, grads accumulating; ``shard`` picks this rank's tokens."""
+    x, target, mask, expert = _data()
+    num_tokens = mask.sum()
+    for m in range(MICRO):
+        toy(*(shard(a[m]) for a in (x, target, mask, expert)), num_tokens).backward()
+
+
+def _toy_rank(rank, world_size, ep, bucket_numel):
+    groups = create_process_groups(ParallelLayout(world_size, tp=2, ep=ep, etp=1))
+    toy = Toy(groups, sp=True)
+    tp, me_tp, me_dp = groups.size("tp"), groups.rank_in("tp"), groups.rank_in("dp_cp")
+    # Slot me_dp, sequence shard me_tp of it.
+    _toy_run(toy, groups, lambda a: a[me_dp].chunk(tp, 0)[me_tp])
+    if ep == E and groups.rank_in("ep") == E - 1:
+        assert toy.experts.grad is None  # the expert no token chose: sync must still take part
+    sync_grads(toy.parameters(), groups, bucket_numel=bucket_numel)
+    out = {}
+    for name, p in toy.named_parameters():
+        g = p.grad.contiguous()
+        if p.parallel == "tp":
+            shards = [torch.empty_like(g) for _ in range(tp)]
+            dist.all_gather(shards, g, group=groups.tp)
+            g = unshard_tp(shards, p.tp_dim, p.tp_parts)
+        elif p.parallel == "expert":
+            g = all_gather(g, groups.ep)  # [E, H, H]
+        out[name] = g.numpy()
+    out["norm"] = grad_norm(toy.parameters(), groups).item()
+    return out
+
+
+@pytest.mark.parametrize("ep,bucket_numel", [(2, 50), (4, 1 << 20)])
+def test_sync_and_norm_match_one_process(ep, bucket_numel):
+    groups = ProcessGroups.single_process()
+    ref = Toy(groups, sp=False)
+    # One process: all DP slots' tokens together.
+    _toy_run(ref, groups, lambda a: a.flatten(0, 1))
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    ref_norm = torch.sqrt(sum((g * g).sum() for g in ref_grads.values()))
+    assert ref_grads["experts"][E - 1].abs().max() == 0 and ref_grads["experts"][0].abs().max() > 0
+
+    results = run_ranks(_toy_rank, 4, ep, bucket_numel, timeout=120)
+    for rank, got in enumerate(results):
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(torch.from_numpy(got[name]), g, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} grad {name}: {m}")
+        assert got["norm"] == pytest.approx(ref_norm.item(), rel=1e-5)
