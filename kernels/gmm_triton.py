@@ -95,11 +95,12 @@ def _outer_kernel(
 
 
 def _launch_args(x: torch.Tensor) -> dict:
-    # float32 follows torch's own TF32 switch, so 'triton' matches 'loop' on the same GPU.
-    tf32 = x.dtype == torch.float32 and x.is_cuda and torch.backends.cuda.matmul.allow_tf32
+    # float32 follows torch's own TF32 switch, so 'triton' matches 'loop' on the same GPU;
+    # 16-bit inputs keep Triton's default ("tf32" names the tensor-core path for them).
+    exact_fp32 = x.dtype == torch.float32 and not (x.is_cuda and torch.backends.cuda.matmul.allow_tf32)
     return {
         "UPCAST": _INTERPRET and x.dtype == torch.bfloat16,
-        "PRECISION": "tf32" if tf32 else "ieee",
+        "PRECISION": "ieee" if exact_fp32 else "tf32",
     }
 
 
