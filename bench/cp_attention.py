@@ -85,7 +85,8 @@ def main(argv=None) -> None:
     p.add_argument("--cps", default="2,4", help="comma list of cp sizes")
     p.add_argument("--kinds", default="ring,a2a", help="comma list of ring, a2a")
     p.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds (median reported)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (and for the single process)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per rank (and for the single process)")
     args = p.parse_args(argv)
     args.kinds = [k for k in args.kinds.split(",") if k]
     for cp in (int(c) for c in args.cps.split(",")):

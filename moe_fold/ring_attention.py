@@ -129,14 +129,16 @@ def _step_blocks(i: int, src: int, rank: int, c: int, causal: bool) -> tuple[sli
 def _merge_(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
     """Fold a block's (out, lse) into the running float32 (out, lse), in place."""
     new = torch.logaddexp(lse, blk_lse)
-    out.mul_((lse - new).exp().unsqueeze(-1)).add_(blk_out.to(out.dtype) * (blk_lse - new).exp().unsqueeze(-1))
+    out.mul_((lse - new).exp().unsqueeze(-1))
+    out.add_(blk_out.to(out.dtype) * (blk_lse - new).exp().unsqueeze(-1))
     lse.copy_(new)
 
 
 def _ring_peers(group: Group) -> tuple[int, int, int, int]:
     """(cp size, this rank's cp index, GLOBAL rank of the next and of the previous rank)."""
     cp, rank = group_size(group), group_rank(group)
-    return cp, rank, dist.get_global_rank(group, (rank + 1) % cp), dist.get_global_rank(group, (rank - 1) % cp)
+    nxt, prv = (dist.get_global_rank(group, (rank + step) % cp) for step in (1, -1))
+    return cp, rank, nxt, prv
 
 
 def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:

@@ -59,7 +59,7 @@ def test_zigzag_split_takes_chunks_r_and_mirror():
         c = 24 // (2 * cp)
         shards = [zigzag_split(x, r, cp, dim=1) for r in range(cp)]
         for r, shard in enumerate(shards):
-            want = [p for j in (r, 2 * cp - 1 - r) for p in range(j * c, (j + 1) * c)] if cp > 1 else list(range(24))
+            want = [p for j in (r, 2 * cp - 1 - r) for p in range(j * c, (j + 1) * c)]
             assert shard[0].tolist() == want and shard[1].tolist() == [24 + p for p in want]
             assert zigzag_positions(24, r, cp).tolist() == want
         assert torch.equal(zigzag_gather(shards, dim=1), x)
