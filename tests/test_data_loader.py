@@ -288,3 +288,39 @@ def test_fixed_samples_reset_at_documents(stream_dataset):
         assert s.cu_seqlens.tolist() == cu + [S]
         assert s.positions.tolist() == positions
         assert s.loss_mask.tolist() == mask
+
+
+def _dp_rank_batches(rank, world_size, config_overrides, steps):
+    import torch.distributed as dist
+
+    from moe_fold.config import load_config
+
+    config = load_config(None, config_overrides)
+    # Rank 0 tokenizes into the cache first; the others then find it built.
+    if rank == 0:
+        dataset_from_config(config)
+    dist.barrier()
+    ds = dataset_from_config(config)
+    loader = DataLoader(ds, config.train.global_batch_size, config.train.micro_batch_size, rank, world_size)
+    out = [b.tokens.tolist() for _ in range(steps) for b in loader.global_batch()]
+    return out, loader.state_dict()
+
+
+@pytest.mark.slow
+def test_dp_ranks_match_single_process(tmp_path):
+    from moe_fold.config import load_config
+    from moe_fold.launch import run_ranks
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for k in range(6):
+        (src / f"{k}.txt").write_text(f"document number {k} " * (10 + 7 * k))
+    overrides = [f"data.path={src}", f"data.cache_dir={tmp_path / 'cache'}", "model.seq_length=12",
+                 "train.micro_batch_size=2", "train.global_batch_size=8", "train.seed=9"]
+    results = run_ranks(_dp_rank_batches, 2, overrides, 2, timeout=120)
+    # One process with dp=1 and micro-batches of micro_batch_size*dp samples.
+    single = DataLoader(dataset_from_config(load_config(None, overrides)), 8, 4)
+    for k in range(4):
+        whole = next(iter(single)).tokens
+        assert results[0][0][k] + results[1][0][k] == whole.tolist()
+    assert results[0][1] == results[1][1] == {"consumed_samples": 16}
