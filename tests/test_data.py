@@ -59,6 +59,9 @@ def test_trained_bpe_round_trips_and_compresses(tmp_path):
     assert n_tokens < n_bytes / 2
     again = load_tokenizer(str(tmp_path / "tok.json"))
     assert again.encode(texts[0]) == tok.encode(texts[0])
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "tokenizer.json").write_bytes((tmp_path / "tok.json").read_bytes())
+    assert load_tokenizer(str(tmp_path / "model")).encode(texts[1]) == tok.encode(texts[1])
     with pytest.raises(ValueError, match=r"BPE vocab_size=100 must be >= 258"):
         train_bpe([tmp_path / "src"], 100, tmp_path / "small.json")
 
@@ -276,5 +279,8 @@ def test_prepare_data_paths(tmp_path):
     assert prefixes[2].parent == cache
     assert [ByteTokenizer().decode(d) for d in _docs_of(prefixes[2])] == texts
     assert prepare_data_paths(str(src), "byte", cache) == [prefixes[2]]
+    tok = train_bpe([src], 300, tmp_path / "tok" / "tokenizer.json")
+    (bpe,) = prepare_data_paths(str(src), str(tmp_path / "tok"), cache)  # a folder holding tokenizer.json
+    assert bpe != prefixes[2] and [tok.decode(d) for d in _docs_of(bpe)] == texts
     with pytest.raises(FileNotFoundError, match="data.path entry 'nowhere' is neither a dataset prefix"):
         prepare_data_paths(["nowhere"], "byte", cache)

@@ -17,7 +17,7 @@ from typing import Iterable
 from moe_fold.data.documents import DEFAULT_EXTENSIONS, find_input_files
 from moe_fold.data.indexed_dataset import dataset_exists, idx_path
 from moe_fold.data.preprocess import build_dataset
-from moe_fold.data.tokenizer import load_tokenizer
+from moe_fold.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
 DEMO_MAX_BYTES = 8 << 20
 # Third-party packages installed into the interpreter are not the standard library.
@@ -46,13 +46,10 @@ def demo_corpus_files(max_bytes: int = DEMO_MAX_BYTES) -> list[Path]:
     return files
 
 
-def _cache_key(kind: str, files: list[Path], tokenizer: str, text_key: str) -> str:
+def _cache_key(kind: str, files: list[Path], tokenizer: Tokenizer, text_key: str) -> str:
     h = hashlib.blake2b(digest_size=8)
     h.update(f"{kind}\0{text_key}\0".encode())
-    if tokenizer == "byte":
-        h.update(b"byte")
-    else:
-        h.update(Path(tokenizer).read_bytes())
+    h.update(tokenizer.path.read_bytes() if isinstance(tokenizer, HFTokenizer) else tokenizer.spec.encode())
     for f in files:
         st = f.stat()
         h.update(f"\0{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
@@ -61,11 +58,12 @@ def _cache_key(kind: str, files: list[Path], tokenizer: str, text_key: str) -> s
 
 def _ensure(kind: str, files: list[Path], cache_dir: str | os.PathLike, tokenizer: str,
             text_key: str = "text", progress: bool = False) -> Path:
-    prefix = Path(cache_dir) / f"{kind}-{_cache_key(kind, files, tokenizer, text_key)}"
+    tok = load_tokenizer(tokenizer)
+    prefix = Path(cache_dir) / f"{kind}-{_cache_key(kind, files, tok, text_key)}"
     if not dataset_exists(prefix):
         # Concurrent builders (several ranks) each write their own temporary files and
         # rename complete ones into place, so the result is whole whoever finishes last.
-        build_dataset(files, load_tokenizer(tokenizer), prefix, text_key=text_key, progress=progress)
+        build_dataset(files, tok, prefix, text_key=text_key, progress=progress)
     return prefix
 
 

@@ -57,13 +57,15 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json``; the end-of-document token is ``eod_token`` or
-    the first of the usual names (``<|endoftext|>``, ``</s>``, ...) the file defines."""
+    """A Hugging Face ``tokenizer.json`` (or a model folder holding one); the
+    end-of-document token is ``eod_token`` or the first of the usual names
+    (``<|endoftext|>``, ``</s>``, ...) the file defines."""
 
     def __init__(self, path: str | os.PathLike, eod_token: str | None = None):
         from tokenizers import Tokenizer as _HF
 
-        self.path = Path(path)
+        # A Hugging Face model folder holds its tokenizer as tokenizer.json.
+        self.path = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"tokenizer file {self.path} not found (expected a Hugging Face "
                                     f"tokenizer.json, or 'byte' for the byte tokenizer)")
@@ -129,7 +131,7 @@ def train_bpe(files: Iterable[str | os.PathLike], vocab_size: int, out_path: str
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """``"byte"`` for the byte tokenizer, else the path of a tokenizer.json."""
+    """``"byte"`` for the byte tokenizer, else the path of a tokenizer.json or of a folder holding one."""
     if spec == "byte":
         return ByteTokenizer()
     return HFTokenizer(spec)
