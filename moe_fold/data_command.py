@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"moe-fold data: error: {message}", file=sys.stderr)
         return 2
 
+    if Path(args.output).is_dir() or args.output.endswith(("/", "\\")):
+        return fail(f"--output {args.output} is a folder; give a prefix such as {Path(args.output) / 'data'} "
+                    f"(writes PREFIX.bin and PREFIX.idx)")
     if args.train_bpe is not None and args.tokenizer != "byte":
         return fail("--train-bpe and --tokenizer are exclusive: --train-bpe makes the tokenizer")
     inputs = list(args.inputs)

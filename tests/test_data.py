@@ -244,6 +244,10 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert "moe-fold data: error: input" in capsys.readouterr().err
     assert cli_main(["data", "--output", str(out)]) == 2
     assert "no inputs" in capsys.readouterr().err
+    assert cli_main(["data", str(src), "--output", str(tmp_path)]) == 2
+    assert f"--output {tmp_path} is a folder; give a prefix" in capsys.readouterr().err
+    assert cli_main(["data", str(src), "--train-bpe", "300", "--tokenizer", "t.json", "--output", str(out)]) == 2
+    assert "--train-bpe and --tokenizer are exclusive" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["data", "--help"])
     assert "examples:" in capsys.readouterr().out
