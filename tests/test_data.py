@@ -96,6 +96,9 @@ def test_jsonl_and_folder_preprocess_exact_tokens(tmp_path):
     assert summary.tokens == sum(len(t.encode()) + 1 for t in expected_texts)
     ds = IndexedDataset(tmp_path / "out" / "ds")
     assert ds.dtype == np.uint16 and ds.vocab_size == 258 and ds.eod_id == 256
+    build_dataset([src], tok, tmp_path / "out" / "again", text_key="body", progress=True)
+    for ext in ("bin", "idx"):  # the progress bar changes nothing in the output
+        assert (tmp_path / "out" / f"again.{ext}").read_bytes() == (tmp_path / "out" / f"ds.{ext}").read_bytes()
     assert ByteTokenizer().decode(ds[3]) == "jsonl two 日本"
 
 
