@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -57,7 +58,9 @@ def _rank_main(fn, rank, world_size, store_port, threads, env, args, kwargs, res
             out = fn(rank, world_size, *args, **kwargs)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        # Plain pickle copies tensor data into the message; the queue's own pickler would
+        # pass shared-memory handles that die with this process before the parent reads.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # report everything, including KeyboardInterrupt and SystemExit
         results.put((rank, False, traceback.format_exc()))
 
@@ -92,7 +95,7 @@ def run_ranks(
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes.
 
     ``fn`` must be importable by name (a module-level function) and its return value
-    picklable. Returns the per-rank results, index = rank. Raises :class:`RankError`
+    picklable (tensors included: their data is copied). Returns the per-rank results, index = rank. Raises :class:`RankError`
     naming the first rank that failed, died or timed out.
     """
     import torch.distributed as dist
@@ -123,7 +126,10 @@ def run_ranks(
             rank, ok, payload = results.get(timeout=wait)
         except queue.Empty:
             return False
-        (outputs if ok else failures)[rank] = payload
+        if ok:
+            outputs[rank] = pickle.loads(payload)
+        else:
+            failures[rank] = payload
         return True
 
     try:

@@ -71,3 +71,13 @@ def test_no_process_left_behind():
     for pid in pids:
         with pytest.raises(OSError):
             os.kill(pid, 0)
+
+
+def _tensor_result(rank, world_size):
+    return {"rank": rank, "values": torch.arange(4.0) * rank}
+
+
+def test_tensor_results_survive_the_rank_process():
+    out = run_ranks(_tensor_result, 2)
+    assert [o["rank"] for o in out] == [0, 1]
+    torch.testing.assert_close(out[1]["values"], torch.tensor([0.0, 1.0, 2.0, 3.0]))
