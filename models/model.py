@@ -59,7 +59,14 @@ class Block(nn.Module):
 
 
 def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
-    """The MLP of ``layer``: an MoE layer where ``moe_layer_flags`` says so, else dense."""
+    """The MLP of ``layer``: an MoE layer where ``moe_layer_flags`` says so, else dense.
+
+    The MoE layer is built as ``MoELayer(config, groups, layer)`` and called as
+    ``mlp(hidden [T_local, H]) -> [T_local, H]``. It marks its parameters for gradient
+    sync (``moe_fold.tensor_parallel.mark``): experts ``"expert"``; router weights and a
+    shared-expert gate ``"tp_sum"`` under SP (each tp rank routes its own tokens); a
+    shared expert built as :class:`MLP` is already marked.
+    """
     if moe_layer_flags(config)[layer]:
         try:
             from .moe_layer import MoELayer
@@ -142,4 +149,10 @@ class Transformer(nn.Module):
 def build_model(config: Config, groups: ProcessGroups) -> Transformer:
     """This rank's part of the model of ``config`` in the layout of ``groups``
     (``ProcessGroups.single_process()`` for the one-process model)."""
+    # Causal attention over a contiguous sequence and one stage holding every layer are
+    # what this model computes; a layout that needs otherwise must not run silently.
+    for name, what in (("cp", "context-parallel attention"), ("pp", "pipeline stages")):
+        if groups.size(name) > 1:
+            raise NotImplementedError(f"parallel.{name}={groups.size(name)}: {what} are not built by "
+                                      f"build_model yet; use parallel.{name}=1")
     return Transformer(config, groups)

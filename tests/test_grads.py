@@ -113,31 +113,39 @@ def _toy_run(toy, groups, shard):
         toy(*(shard(a[m]) for a in (x, target, mask, expert)), num_tokens).backward()
 
 
-def _toy_rank(rank, world_size, ep, bucket_numel):
-    groups = create_process_groups(ParallelLayout(world_size, tp=2, ep=ep, etp=1))
-    toy = Toy(groups, sp=True)
-    tp, me_tp, me_dp = groups.size("tp"), groups.rank_in("tp"), groups.rank_in("dp_cp")
-    # Slot me_dp, sequence shard me_tp of it.
-    _toy_run(toy, groups, lambda a: a[me_dp].chunk(tp, 0)[me_tp])
-    if ep == E and groups.rank_in("ep") == E - 1:
-        assert toy.experts.grad is None  # the expert no token chose: sync must still take part
-    sync_grads(toy.parameters(), groups, bucket_numel=bucket_numel)
-    out = {}
-    for name, p in toy.named_parameters():
-        g = p.grad.contiguous()
-        if p.parallel == "tp":
-            shards = [torch.empty_like(g) for _ in range(tp)]
-            dist.all_gather(shards, g, group=groups.tp)
-            g = unshard_tp(shards, p.tp_dim, p.tp_parts)
-        elif p.parallel == "expert":
-            g = all_gather(g, groups.ep)  # [E, H, H]
-        out[name] = g.numpy()
-    out["norm"] = grad_norm(toy.parameters(), groups).item()
-    return out
+def _toy_rank(rank, world_size, runs):
+    """Each (ep, bucket_numel) of ``runs`` in turn (one process start for all)."""
+    results = []
+    for ep, bucket_numel in runs:
+        groups = create_process_groups(ParallelLayout(world_size, tp=2, ep=ep, etp=1))
+        toy = Toy(groups, sp=True)
+        tp, me_tp, me_dp = groups.size("tp"), groups.rank_in("tp"), groups.rank_in("dp_cp")
+        # Slot me_dp, sequence shard me_tp of it.
+        _toy_run(toy, groups, lambda a: a[me_dp].chunk(tp, 0)[me_tp])
+        if ep == E and groups.rank_in("ep") == E - 1:
+            assert toy.experts.grad is None  # the expert no token chose: sync must still take part
+        sync_grads(toy.parameters(), groups, bucket_numel=bucket_numel)
+        out = {}
+        for name, p in toy.named_parameters():
+            g = p.grad.contiguous()
+            if p.parallel == "tp":
+                shards = [torch.empty_like(g) for _ in range(tp)]
+                dist.all_gather(shards, g, group=groups.tp)
+                g = unshard_tp(shards, p.tp_dim, p.tp_parts)
+            elif p.parallel == "expert":
+                g = all_gather(g, groups.ep)  # [E, H, H]
+            out[name] = g.numpy()
+        out["norm"] = grad_norm(toy.parameters(), groups).item()
+        results.append(out)
+    return results
 
 
-@pytest.mark.parametrize("ep,bucket_numel", [(2, 50), (4, 1 << 20)])
-def test_sync_and_norm_match_one_process(ep, bucket_numel):
+# ep=2: edp=2 equals dp_cp, and the ep group is the tp group; ep=4: edp=1, so the expert
+# grads must be divided by dp_cp, not averaged over edp. Small buckets split the grads.
+RUNS = [(2, 50), (4, 1 << 20)]
+
+
+def test_sync_and_norm_match_one_process():
     groups = ProcessGroups.single_process()
     ref = Toy(groups, sp=False)
     # One process: all DP slots' tokens together.
@@ -146,9 +154,11 @@ def test_sync_and_norm_match_one_process(ep, bucket_numel):
     ref_norm = torch.sqrt(sum((g * g).sum() for g in ref_grads.values()))
     assert ref_grads["experts"][E - 1].abs().max() == 0 and ref_grads["experts"][0].abs().max() > 0
 
-    results = run_ranks(_toy_rank, 4, ep, bucket_numel, timeout=120)
-    for rank, got in enumerate(results):
-        for name, g in ref_grads.items():
-            torch.testing.assert_close(torch.from_numpy(got[name]), g, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank} grad {name}: {m}")
-        assert got["norm"] == pytest.approx(ref_norm.item(), rel=1e-5)
+    results = run_ranks(_toy_rank, 4, RUNS, timeout=150)
+    for rank, per_rank in enumerate(results):
+        for (ep, bucket_numel), got in zip(RUNS, per_rank):
+            where = f"ep={ep} bucket_numel={bucket_numel} rank {rank}"
+            for name, g in ref_grads.items():
+                torch.testing.assert_close(torch.from_numpy(got[name]), g, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{where} grad {name}: {m}")
+            assert got["norm"] == pytest.approx(ref_norm.item(), rel=1e-5), where
