@@ -276,6 +276,8 @@ class Router(nn.Module):
 
     Per optimizer step the training loop calls :meth:`finish_step` once, after the last
     backward: it updates the expert bias and closes the ``global_aux`` accumulation.
+    A training forward adds to those step counts, so activation recompute must leave the
+    router outside the recomputed region (a second forward would count twice).
     """
 
     def __init__(self, config: MoEConfig, hidden_size: int, groups: ProcessGroups, *, init_std: float = 0.02):
@@ -306,7 +308,6 @@ class Router(nn.Module):
         self.collect_stats = True
         E = config.num_experts
         if config.expert_bias:
-            # float32 whatever the model's precision: bias steps of 1e-3 vanish in bf16.
             self.register_buffer("expert_bias", torch.zeros(E))
             self.register_buffer("_bias_counts", torch.zeros(E, dtype=torch.float64), persistent=False)
         else:
@@ -316,6 +317,17 @@ class Router(nn.Module):
         self.register_buffer("_ga_prob_sums", torch.zeros(E, dtype=torch.float64), persistent=False)
         self.register_buffer("_ga_tokens", torch.zeros((), dtype=torch.float64), persistent=False)
         self._ga_microbatches = 0
+
+    def _apply(self, fn, recurse=True):
+        # model.to(bfloat16) must not cast the bias or the counts: bias steps of 1e-3 vanish
+        # in bf16 and counts above 256 stop being exact. They follow the device only.
+        dtypes = {name: b.dtype for name, b in self.named_buffers(recurse=False)}
+        super()._apply(fn, recurse)
+        for name, dtype in dtypes.items():
+            buffer = getattr(self, name)
+            if buffer.dtype != dtype:
+                setattr(self, name, buffer.to(dtype))
+        return self
 
     def forward(
         self,
@@ -367,24 +379,30 @@ class Router(nn.Module):
             kept_probs = self._attach_balancing_losses(kept_probs, logits, routing_map, loss_mask,
                                                        seq_ids, num_seqs, losses)
 
-        routed_and_kept = kept_map & routing_map if cfg.capacity_factor is not None else routing_map
+        routed_counts = routing_map.sum(dim=0)
+        if cfg.capacity_factor is None:
+            routed_and_kept, kept_counts, tokens_per_expert = routing_map, routed_counts, routed_counts
+        else:
+            routed_and_kept = kept_map & routing_map
+            kept_counts, tokens_per_expert = routed_and_kept.sum(dim=0), kept_map.sum(dim=0)
         if with_losses and self.expert_bias is not None:
             with torch.no_grad():
-                counted = routed_and_kept if loss_mask is None else routed_and_kept & loss_mask.unsqueeze(1)
-                self._bias_counts += counted.sum(dim=0)
-        stats = None
-        if self.collect_stats:
-            stats = routing_stats(routing_map.sum(dim=0), routed_and_kept.sum(dim=0), self.groups.size("ep"))
-        return RouterOutput(kept_probs, kept_map, routed_logits, kept_map.sum(dim=0), losses, stats)
+                if loss_mask is None:
+                    self._bias_counts += kept_counts
+                else:
+                    self._bias_counts += (routed_and_kept & loss_mask.unsqueeze(1)).sum(dim=0)
+        stats = routing_stats(routed_counts, kept_counts, self.groups.size("ep")) if self.collect_stats else None
+        return RouterOutput(kept_probs, kept_map, routed_logits, tokens_per_expert, losses, stats)
 
     def _attach_z_loss(self, logits, loss_mask, losses):
         cfg = self.config
+        local_sum = z_loss(logits, loss_mask, 1)
         with torch.no_grad():
             valid = loss_mask.sum() if loss_mask is not None else torch.tensor(logits.shape[0], device=logits.device)
-            # [valid tokens, sum of logsumexp^2] summed over tp x cp
-            packed = torch.stack([valid.to(torch.float64), z_loss(logits, loss_mask, 1).detach().to(torch.float64)])
+            # [real tokens, sum of logsumexp^2] summed over tp x cp
+            packed = torch.stack([valid.to(torch.float64), local_sum.detach().to(torch.float64)])
             all_reduce_(packed, self.groups.tp_cp)
-        share = z_loss(logits, loss_mask, packed[0])
+        share = local_sum / packed[0].clamp(min=1).to(local_sum.dtype)
         losses["z"] = (packed[1] / packed[0].clamp(min=1)).to(logits.dtype)
         scale = cfg.z_loss_coeff * self.grad_scale * self.groups.size("cp")
         return attach_loss(logits, share, scale)
@@ -403,7 +421,8 @@ class Router(nn.Module):
             counted = counted & loss_mask.unsqueeze(1)
         with torch.no_grad():
             counts = counted.sum(dim=0).to(torch.float64)
-            valid = counted.sum().to(torch.float64) / k
+            valid = (loss_mask.sum() if loss_mask is not None else torch.tensor(logits.shape[0])).to(
+                device=scores.device, dtype=torch.float64)
             prob_sums = scores.detach().sum(dim=0).to(torch.float64)
 
         total = torch.zeros((), dtype=scores.dtype, device=scores.device)

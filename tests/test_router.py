@@ -389,10 +389,20 @@ def reference_losses(W, h, cfg, mask=None, seq_ids=None, num_seqs=None):
     return logits, out
 
 
-@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
-def test_router_losses_and_gradient_match_reference(score):
-    cfg = dict(topk=2, score_function=score, aux_loss_coeff=0.1, seq_aux_loss_coeff=0.2, z_loss_coeff=0.05)
+@pytest.mark.parametrize("score, extra", [
+    ("softmax", {}), ("sigmoid", {}), ("softmax", dict(num_groups=4, group_topk=1, pre_softmax=True)),
+    ("sigmoid", dict(num_groups=2, group_topk=2, expert_bias=True, scaling_factor=2.0)),
+])
+def test_router_losses_and_gradient_match_reference(score, extra):
+    # With groups or bias the loss counts come from the plain top-k of the loss scores
+    # (Megatron's choice), which the reference computes.
+    cfg = dict(topk=2, score_function=score, aux_loss_coeff=0.1, seq_aux_loss_coeff=0.2, z_loss_coeff=0.05, **extra)
     router = make_router(**cfg)
+    bias = None
+    if extra.get("expert_bias"):
+        bias = torch.linspace(-1, 1, 8)
+        router.expert_bias.copy_(bias)
+    routing = {k: v for k, v in extra.items() if k != "expert_bias"}
     T = 12
     h = torch.randn(T, 16)
     mask = torch.ones(T, dtype=torch.bool)
@@ -406,7 +416,7 @@ def test_router_losses_and_gradient_match_reference(score):
     W = router.weight.detach().clone().requires_grad_(True)
     hr = h.clone().requires_grad_(True)
     logits, ref = reference_losses(W, hr, router.config, mask, seq_ids.tolist(), 3)
-    probs, rmap = topk_routing(logits, 2, score=score)
+    probs, rmap = topk_routing(logits, 2, score=score, expert_bias=bias, **routing)
     total = (probs * g).sum() + 0.1 * ref["aux"] + 0.2 * ref["seq_aux"] + 0.05 * ref["z"]
     total.backward()
     assert torch.equal(out.routing_map, rmap)
@@ -573,3 +583,16 @@ def test_router_bad_inputs():
         router(torch.randn(4, 16))
     with pytest.raises(ValueError, match="needs moe.expert_bias=True"):
         router.update_expert_bias()
+
+
+def test_bf16_model_keeps_router_state_exact():
+    router = make_router(topk=2, score_function="sigmoid", expert_bias=True, global_aux_loss_coeff=0.1)
+    router.to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16
+    assert router.expert_bias.dtype == torch.float32 and router._bias_counts.dtype == torch.float64
+    assert router._ga_counts.dtype == torch.float64
+    h = torch.randn(8, 16, dtype=torch.bfloat16, requires_grad=True)
+    out = router(h)
+    assert out.logits.dtype == torch.float32 and out.probs.dtype == torch.float32
+    out.probs.sum().backward()
+    assert h.grad.dtype == torch.bfloat16 and router.weight.grad.dtype == torch.bfloat16
