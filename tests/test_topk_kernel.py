@@ -111,3 +111,26 @@ def test_bad_arguments():
         topk_softmax_triton(torch.randn(2, 4), 2, score="relu")
     with pytest.raises(ValueError, match="pre_softmax=True needs"):
         topk_softmax_triton(torch.randn(2, 4), 2, score="sigmoid", pre_softmax=True)
+
+
+@pytest.mark.parametrize("score,pre_softmax", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_same_as_router_torch_path(score, pre_softmax, dtype):
+    """The issue's requirement: the kernel gives what dispatch/router.py's torch
+    topk_routing gives, probs, map and logit gradients."""
+    from moe_fold.dispatch.router import topk_routing
+
+    g = torch.Generator().manual_seed(7)
+    logits0 = torch.randn(16, 8, generator=g, dtype=dtype)
+    upstream = torch.randn(16, 8, generator=g, dtype=dtype)
+    for topk in (1, 2, 8):
+        a = logits0.clone().requires_grad_()
+        probs, rmap = topk_softmax_triton(a, topk, score=score, pre_softmax=pre_softmax)
+        (probs * upstream).sum().backward()
+        b = logits0.clone().requires_grad_()
+        ref_probs, ref_map = topk_routing(b, topk, score=score, pre_softmax=pre_softmax)
+        (ref_probs * upstream).sum().backward()
+        assert probs.dtype == ref_probs.dtype
+        assert torch.equal(rmap, ref_map)
+        torch.testing.assert_close(probs, ref_probs)
+        torch.testing.assert_close(a.grad, b.grad)
