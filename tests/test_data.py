@@ -102,6 +102,14 @@ def test_jsonl_and_folder_preprocess_exact_tokens(tmp_path):
     assert ByteTokenizer().decode(ds[3]) == "jsonl two 日本"
 
 
+def test_jsonl_bom_and_escaped_surrogates(tmp_path):
+    f = tmp_path / "odd.jsonl"
+    # A byte-order mark, an escaped surrogate pair (one emoji) and a lone surrogate.
+    f.write_bytes(b"\xef\xbb\xbf" + b'{"text": "pair \\ud83d\\ude00 lone \\ud800 end"}\n')
+    build_dataset([f], ByteTokenizer(), tmp_path / "ds")
+    assert ByteTokenizer().decode(_docs_of(tmp_path / "ds")[0]) == "pair \U0001F600 lone \ufffd end"
+
+
 def test_jsonl_errors_name_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": oops}\n')

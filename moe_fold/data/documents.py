@@ -2,7 +2,8 @@
 
 A plain text file is one document. A JSONL file holds one document per line, the text
 under a key (``text`` by default). Files are read as UTF-8; bytes that are not valid
-UTF-8 become U+FFFD so one bad byte cannot stop a long preprocessing run.
+UTF-8 become U+FFFD so one bad byte cannot stop a long preprocessing run, and so do
+lone surrogates that JSON escapes (``"\\ud800"``) can produce, which no tokenizer encodes.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def iter_file_documents(path: Path, text_key: str = "text") -> Iterator[str]:
     if not is_jsonl(path):
         yield path.read_text(encoding="utf-8", errors="replace")
         return
-    with open(path, encoding="utf-8", errors="replace") as f:
+    # utf-8-sig: a byte-order mark before the first record is not JSON.
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -62,7 +64,16 @@ def iter_file_documents(path: Path, text_key: str = "text") -> Iterator[str]:
             if not isinstance(text, str):
                 raise ValueError(f"{path}:{line_no}: field '{text_key}' must be a string, "
                                  f"got {type(text).__name__}")
-            yield text
+            yield _without_lone_surrogates(text)
+
+
+def _without_lone_surrogates(text: str) -> str:
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        # Through UTF-16 and back: each lone surrogate half becomes U+FFFD, the rest is unchanged.
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
 def iter_documents(files: Iterable[Path], text_key: str = "text") -> Iterator[str]:
