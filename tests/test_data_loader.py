@@ -173,6 +173,8 @@ def test_batch_fields_and_cu_seqlens(stream_dataset):
     expected_cu = [int(c) + b * 12 for b, s in enumerate(samples) for c in s.cu_seqlens[:-1]] + [36]
     assert batch.cu_seqlens.tolist() == expected_cu
     assert batch.cu_seqlens.dtype == torch.int32 and batch.loss_mask.dtype == torch.float32
+    moved = batch.to("cpu")
+    assert torch.equal(moved.tokens, batch.tokens) and torch.equal(moved.cu_seqlens, batch.cu_seqlens)
     with pytest.raises(ValueError, match="cannot be split over cp=2 yet"):
         batch.cp_slice(0, 2)
 

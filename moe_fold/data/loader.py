@@ -23,7 +23,7 @@ its own permutation of the epoch's samples, drawn from ``(seed, epoch)``.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -196,6 +196,9 @@ class Batch:
     positions: torch.Tensor  # int64 [B, S]
     # int32 [segments+1]: segment starts over the B*S flattened positions (varlen attention).
     cu_seqlens: torch.Tensor
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch(*(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)))
 
     def cp_slice(self, cp_rank: int, cp_size: int) -> "Batch":
         """This cp rank's zigzag share of every [B, S] field: [B, S] -> [B, S/cp].
