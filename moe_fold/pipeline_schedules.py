@@ -21,16 +21,22 @@ Orders (per rank, after Narayanan et al. 2021):
   bubble and, for some ``(pp, vpp, m)`` (e.g. 4, 3, 5), deadlocks.
 
 Timing and communication. The plan times every step by list scheduling: each rank runs
-its order, a step starts when the rank is free and its input exists, forwards take
-``FORWARD_UNITS`` and backwards ``BACKWARD_UNITS`` (the usual backward = 2 x forward).
-A message (the activation after ``F(i, s)``, the grad after ``B(i, s)``) is exchanged at
-the time its producer ends: at each such time the two ranks of every message post their
-sides together (one :func:`moe_fold.comm.batch_send_recv` each), and receivers keep what
-they get until the step that needs it. All ranks go through these exchanges in the same
-time order and a rank ends at most one step at a time, so each exchange holds at most one
-message per direction between two ranks and the plan cannot deadlock, whatever the real
-step times are (they only change who waits). With real times in the 1:2 ratio the plan
-has no waits beyond the schedule's own bubble.
+its order, forwards take ``FORWARD_UNITS`` and backwards ``BACKWARD_UNITS`` (the usual
+backward = 2 x forward). Messages (the activation after ``F(i, s)``, the grad after
+``B(i, s)``) leave at the end of their step's *unit*: every step is a unit of its own,
+except interleaved's steady-state forward/backward pairs, which are one unit as in
+Megatron-LM (there neighbouring ranks run steps of different lengths, so per-step
+exchanges would often find the receiver in the middle of a step; with units a plan has at
+most two such messages, see :meth:`Plan.misaligned`). A unit starts when the rank is free
+and the inputs of its steps have arrived.
+
+At each time some unit ends, the two ranks of every message sent then post their sides
+together (one :func:`moe_fold.comm.batch_send_recv` each), and receivers keep what they
+get until the step that needs it. Every rank goes through these exchanges in the same
+global time order, and both ends list an exchange's messages in one order, so the plan
+cannot deadlock even where a send waits for its receive to be posted (gloo, NCCL),
+whatever the real step times are: they only change who waits. With real times in the
+1:2 ratio, the idle fraction of every rank is the schedule's textbook bubble.
 """
 
 from __future__ import annotations
@@ -88,6 +94,17 @@ class Plan:
         """Plan units rank ``rank`` spends in steps."""
         return sum(end - start for step, (start, end) in self.times.items() if step.stage % self.pp == rank)
 
+    def misaligned(self) -> int:
+        """Messages whose receiver is inside a step at the exchange: where a send waits
+        for its receive to be posted, the sender waits for that step to end."""
+        count = 0
+        for r, program in enumerate(self.programs):
+            inside = [(a, b) for step, (a, b) in self.times.items() if step.stage % self.pp == r]
+            for item in program:
+                if isinstance(item, Exchange) and any(a < item.time < b for a, b in inside):
+                    count += sum(1 for msg in item.messages if msg.dst == r)
+        return count
+
 
 def check_schedule(schedule: str, pp: int, vpp: int, num_microbatches: int) -> None:
     """Raise ValueError naming the argument, its value and the rule it breaks."""
@@ -120,11 +137,10 @@ def _interleaved_steps(kind: str, pp: int, vpp: int, m: int, rank: int) -> list[
             for first in range(0, m, pp) for c in chunks for i in range(first, min(first + pp, m))]
 
 
-def rank_order(schedule: str, pp: int, vpp: int, num_microbatches: int, rank: int,
-               forward_only: bool = False) -> list[Step]:
-    """The steps of pp rank ``rank`` in the order it runs them (see the module doc)."""
-    check_schedule(schedule, pp, vpp, num_microbatches)
-    m = num_microbatches
+def _rank_units(schedule: str, pp: int, vpp: int, m: int, rank: int, forward_only: bool) -> list[list[Step]]:
+    """The order of ``rank`` cut into units, the steps between two exchanges: every step
+    alone, except the forward/backward pairs of interleaved's steady state."""
+    check_schedule(schedule, pp, vpp, m)
     if schedule == "1f1b":
         forwards = [Step("F", i, rank) for i in range(m)]
         backwards = [Step("B", i, rank) for i in range(m)]
@@ -134,11 +150,18 @@ def rank_order(schedule: str, pp: int, vpp: int, num_microbatches: int, rank: in
         backwards = _interleaved_steps("B", pp, vpp, m, rank)
         warmup = min(2 * (pp - rank - 1) + (vpp - 1) * pp, m * vpp)
     if forward_only:
-        return forwards
-    order = forwards[:warmup]
-    for f, b in zip(forwards[warmup:], backwards):
-        order += [f, b]
-    return order + backwards[len(forwards) - warmup:]
+        return [[f] for f in forwards]
+    steady = list(zip(forwards[warmup:], backwards))
+    units = [[f] for f in forwards[:warmup]]
+    units += [[f, b] for f, b in steady] if schedule == "interleaved" else [[x] for pair in steady for x in pair]
+    return units + [[b] for b in backwards[len(steady):]]
+
+
+def rank_order(schedule: str, pp: int, vpp: int, num_microbatches: int, rank: int,
+               forward_only: bool = False) -> list[Step]:
+    """The steps of pp rank ``rank`` in the order it runs them (see the module doc)."""
+    return [step for unit in _rank_units(schedule, pp, vpp, num_microbatches, rank, forward_only)
+            for step in unit]
 
 
 def _producer(step: Step, stages: int) -> Union[Step, None]:
@@ -150,53 +173,67 @@ def _producer(step: Step, stages: int) -> Union[Step, None]:
     return None
 
 
+def _message(step: Step, stages: int, pp: int) -> Union[Message, None]:
+    """What ``step`` sends to another rank (None: nothing, or a hand-over on one rank)."""
+    if step.kind == "F" and step.stage < stages - 1:
+        msg = Message("act", step.microbatch, step.stage + 1, step.stage % pp, (step.stage + 1) % pp)
+    elif step.kind == "B" and step.stage > 0:
+        msg = Message("grad", step.microbatch, step.stage - 1, step.stage % pp, (step.stage - 1) % pp)
+    else:
+        return None
+    return msg if msg.src != msg.dst else None
+
+
 def make_plan(schedule: str, pp: int, vpp: int, num_microbatches: int, forward_only: bool = False) -> Plan:
-    """Time every rank's order and place the exchanges (see the module doc)."""
-    orders = [rank_order(schedule, pp, vpp, num_microbatches, r, forward_only) for r in range(pp)]
+    """Time every rank's units and place the exchanges (see the module doc)."""
+    units = [_rank_units(schedule, pp, vpp, num_microbatches, r, forward_only) for r in range(pp)]
     stages = pp * vpp
     times: dict[Step, tuple[int, int]] = {}
-    free = [0] * pp
-    nxt = [0] * pp
-    while any(nxt[r] < len(orders[r]) for r in range(pp)):
+    delivered: dict[Step, int] = {}  # step -> when its output reaches the other rank
+    free, nxt = [0] * pp, [0] * pp
+    while any(nxt[r] < len(units[r]) for r in range(pp)):
         progressed = False
         for r in range(pp):
-            while nxt[r] < len(orders[r]):
-                step = orders[r][nxt[r]]
-                dep = _producer(step, stages)
-                if dep is not None and dep not in times:
+            while nxt[r] < len(units[r]):
+                unit = units[r][nxt[r]]
+                deps = [d for d in (_producer(step, stages) for step in unit) if d is not None and d.stage % pp != r]
+                if any(d not in delivered for d in deps):
                     break
-                start = max(free[r], times[dep][1] if dep is not None else 0)
-                end = start + (FORWARD_UNITS if step.kind == "F" else BACKWARD_UNITS)
-                times[step] = (start, end)
-                free[r] = end
+                t = max([free[r]] + [delivered[d] for d in deps])
+                for step in unit:
+                    times[step] = (t, t + (FORWARD_UNITS if step.kind == "F" else BACKWARD_UNITS))
+                    t = times[step][1]
+                for step in unit:
+                    delivered[step] = t
+                free[r] = t
                 nxt[r] += 1
                 progressed = True
         if not progressed:
-            stuck = {r: orders[r][nxt[r]] for r in range(pp) if nxt[r] < len(orders[r])}
+            stuck = {r: units[r][nxt[r]] for r in range(pp) if nxt[r] < len(units[r])}
             raise RuntimeError(f"{schedule} order with pp={pp}, vpp={vpp}, num_microbatches={num_microbatches} "
                                f"deadlocks at {stuck}")
-    # Messages, by the time their producer ends.
-    sent: dict[int, list[Message]] = {}
-    for step, (_, end) in times.items():
-        if step.kind == "F" and step.stage < stages - 1:
-            msg = Message("act", step.microbatch, step.stage + 1, step.stage % pp, (step.stage + 1) % pp)
-        elif step.kind == "B" and step.stage > 0:
-            msg = Message("grad", step.microbatch, step.stage - 1, step.stage % pp, (step.stage - 1) % pp)
-        else:
-            continue
-        if msg.src != msg.dst:  # chunks on one rank (pp=1) hand over locally
-            sent.setdefault(end, []).append(msg)
+    sent: dict[int, list[Message]] = {}  # exchange time -> messages, at the end of their unit
+    for step, t in delivered.items():
+        msg = _message(step, stages, pp)
+        if msg is not None:
+            sent.setdefault(t, []).append(msg)
     programs: list[list[Union[Step, Exchange]]] = []
     for r in range(pp):
         # An exchange at time t comes after the steps that end by t and before those that
         # start at t or later; a step running across t delays the exchange to its end.
+        # Both ends list an exchange's messages in one sorted order, which is the order
+        # that matches two messages between the same two ranks (pp=2, a unit sends both ways).
         events: list[tuple[int, int, Union[Step, Exchange]]] = []
-        for step in orders[r]:
-            events.append((times[step][0], 1, step))
+        for unit in units[r]:
+            events += [(times[step][0], 1, step) for step in unit]
         for t in sorted(sent):
-            mine = tuple(msg for msg in sent[t] if r in (msg.src, msg.dst))
+            mine = tuple(sorted((msg for msg in sent[t] if r in (msg.src, msg.dst)), key=_message_key))
             if mine:
                 events.append((t, 0, Exchange(t, mine)))
         events.sort(key=lambda e: (e[0], e[1]))
         programs.append([item for _, _, item in events])
     return Plan(pp, vpp, num_microbatches, forward_only, programs, times, max(free))
+
+
+def _message_key(msg: Message) -> tuple:
+    return (msg.src, msg.dst, msg.kind, msg.microbatch, msg.stage)
