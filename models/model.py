@@ -16,7 +16,7 @@ same model.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -115,7 +115,7 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None,
-                num_loss_tokens: Optional[float] = None) -> torch.Tensor:
+                num_loss_tokens: Optional[Union[float, torch.Tensor]] = None) -> torch.Tensor:
         """This rank's loss for ``input_ids``/``labels`` ``[B, S_local]`` (labels already shifted).
 
         ``positions``: ``[S_local]`` or ``[B, S_local]`` (default ``arange(S_local)``);

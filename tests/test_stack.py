@@ -67,6 +67,17 @@ def test_loss_with_num_loss_tokens_is_sum_over_that_count():
     torch.testing.assert_close(model(ids, labels, loss_mask=mask, num_loss_tokens=100.0), expected)
 
 
+def test_micro_batches_with_global_token_count_accumulate_to_full_batch_grads():
+    ids, labels, mask = _batch()
+    full = build_model(_config(), ProcessGroups.single_process())
+    full(ids, labels, loss_mask=mask).backward()
+    acc = build_model(_config(), ProcessGroups.single_process())
+    for rows in (slice(0, 1), slice(1, BATCH)):  # uneven micro-batches, uneven token counts
+        acc(ids[rows], labels[rows], loss_mask=mask[rows], num_loss_tokens=mask.sum()).backward()
+    for (name, p), q in zip(full.named_parameters(), acc.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
 def test_causal_future_tokens_do_not_change_earlier_logits():
     model = build_model(_config(qk_norm=True), ProcessGroups.single_process())
     ids, _, _ = _batch()
