@@ -82,6 +82,16 @@ def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
 
 
 class Transformer(nn.Module):
+    """This rank's model: ``forward`` returns the loss, ``logits`` the full logits.
+
+    Parameter names (what checkpoint and Hugging Face conversion map): ``embed.weight``;
+    ``layers.{i}.attn_norm.weight``, ``.attn.qkv.weight`` (rows q|k|v), ``.attn.proj.weight``,
+    ``.attn.q_norm.weight``/``.attn.k_norm.weight`` (QK-norm), ``.mlp_norm.weight``,
+    ``.mlp.fc1.weight`` (rows gate|up), ``.mlp.fc2.weight``; ``norm.weight``;
+    ``lm_head.weight`` (tied: the same parameter as ``embed.weight``). A ``"tp"`` parameter holds this rank's shard
+    (``tp_dim``, ``tp_parts``; :func:`moe_fold.tensor_parallel.shard_tp`).
+    """
+
     def __init__(self, config: Config, groups: ProcessGroups):
         super().__init__()
         m, sp, seed = config.model, config.parallel.sequence_parallel, config.train.seed
