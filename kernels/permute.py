@@ -126,7 +126,7 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor,
     permuted_probs = None if probs is None else _gather_probs(probs, flat_index)
     if backend == "triton":
         from .permute_triton import gather_rows
-        permuted = gather_rows(tokens, sorted_indices, routing_map)
+        permuted = gather_rows(tokens, sorted_indices)
     else:
         permuted = _GatherTokens.apply(tokens, sorted_indices, False)
     return permuted, permuted_probs, sorted_indices
@@ -149,7 +149,7 @@ def permute_padded(tokens: torch.Tensor, routing_map: torch.Tensor,
     permuted_probs = None if probs is None else _gather_probs(probs, flat_index)
     if backend == "triton":
         from .permute_triton import gather_rows
-        permuted = gather_rows(tokens, sorted_indices, routing_map, capacity=capacity)
+        permuted = gather_rows(tokens, sorted_indices)
     else:
         permuted = _GatherTokens.apply(tokens, sorted_indices, True)
     return permuted, permuted_probs, sorted_indices
@@ -198,10 +198,7 @@ def _sum_rows_per_token(rows: torch.Tensor, sorted_indices: torch.Tensor,
     """
     acc = _acc_dtype(rows.dtype)
     n = sorted_indices.numel()
-    order = torch.argsort(sorted_indices, stable=True)  # rows grouped by token
-    counts = torch.bincount(sorted_indices, minlength=num_tokens + 1)
-    crow = torch.zeros(num_tokens + 2, dtype=torch.long, device=rows.device)
-    torch.cumsum(counts, 0, out=crow[1:])
+    order, crow = rows_by_token(sorted_indices, num_tokens)
     values = torch.ones(n, dtype=acc, device=rows.device) if weights is None \
         else weights.to(acc).index_select(0, order)
     with warnings.catch_warnings():  # "sparse CSR is in beta": it is used for one matmul
@@ -209,6 +206,23 @@ def _sum_rows_per_token(rows: torch.Tensor, sorted_indices: torch.Tensor,
         matrix = torch.sparse_csr_tensor(crow, order, values, size=(num_tokens + 1, n),
                                          check_invariants=False)
     return (matrix @ rows.to(acc))[:num_tokens]  # [T + 1, N] @ [N, H] -> [T, H]
+
+
+def rows_by_token(sorted_indices: torch.Tensor, num_tokens: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of each token in CSR form: ``rows[N]`` (row ids grouped by token,
+    expert order kept) and ``row_ptr[T + 2]`` (token t owns
+    ``rows[row_ptr[t]:row_ptr[t + 1]]``; the padding rows, index T, come last).
+
+    No host sync (counts by scatter_add_, not bincount, whose output size is data
+    dependent); an index outside ``[0, num_tokens]`` raises in scatter_add_.
+    """
+    rows = torch.argsort(sorted_indices, stable=True)
+    counts = torch.zeros(num_tokens + 1, dtype=torch.long, device=sorted_indices.device)
+    counts.scatter_add_(0, sorted_indices, torch.ones_like(sorted_indices))
+    row_ptr = torch.zeros(num_tokens + 2, dtype=torch.long, device=sorted_indices.device)
+    torch.cumsum(counts, 0, out=row_ptr[1:])
+    return rows, row_ptr
 
 
 def _take_with_sentinel(src: torch.Tensor, index: torch.Tensor, padded: bool

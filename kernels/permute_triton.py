@@ -8,7 +8,7 @@ Two kernels do all the work:
   rows and of their probs in one pass).
 - ``_sum_rows_kernel``: ``out[t] = sum over the rows r of token t of
   src[r] * scale[r]``, with the rows of each token listed in CSR form
-  (``row_ptr[T + 1]``, ``rows[...]``), so every output row is written by one
+  (``rows_by_token`` in permute.py), so every output row is written by one
   program and needs no atomics. Unpermute forward and permute backward.
 
 Index bookkeeping (which row goes where) is small integer work done with torch ops;
@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from .permute import rows_by_token
 
 
 @triton.jit
@@ -106,10 +108,11 @@ def _torch_acc(dtype: torch.dtype) -> torch.dtype:
 
 
 def _sum_rows(src: torch.Tensor, rows: torch.Tensor, row_ptr: torch.Tensor,
-              scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """``[N, H]`` rows -> ``[T, H]`` per-token (weighted) sums, ``T = len(row_ptr) - 1``."""
+              num_tokens: int, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[N, H]`` rows -> ``[T, H]`` per-token (weighted) sums; ``row_ptr[t]`` to
+    ``row_ptr[t + 1]`` index the rows of token t in ``rows``."""
     src = src.contiguous()
-    num_tokens, h = row_ptr.numel() - 1, src.shape[1]
+    h = src.shape[1]
     out = src.new_empty(num_tokens, h)
     if num_tokens and h:
         block = _block(h)
@@ -121,63 +124,32 @@ def _sum_rows(src: torch.Tensor, rows: torch.Tensor, row_ptr: torch.Tensor,
     return out
 
 
-def _csr_from_indices(sorted_indices: torch.Tensor, num_tokens: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of each token from a row -> token map: ``(rows[N], row_ptr[T + 1])``.
-    Sentinel rows (index ``num_tokens``) sort last and fall outside every token."""
-    rows = torch.argsort(sorted_indices, stable=True)
-    counts = torch.bincount(sorted_indices, minlength=num_tokens + 1)[:num_tokens]
-    row_ptr = torch.zeros(num_tokens + 1, dtype=torch.long, device=sorted_indices.device)
-    torch.cumsum(counts, 0, out=row_ptr[1:])
-    return rows, row_ptr
-
-
-def _csr_from_map(routing_map: torch.Tensor, capacity: Optional[int]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same CSR straight from the routing map (no sort): the row_id_map
-    ``[T, E]`` holds the permuted row of every routed (token, expert) pair."""
-    from .permute import padded_slots
-    if capacity is None:
-        counts = routing_map.sum(0)  # [E]
-        pos = torch.cumsum(routing_map, dim=0) - 1
-        row_id_map = (torch.cumsum(counts, 0) - counts) + pos  # [T, E]
-    else:
-        row_id_map = padded_slots(routing_map, capacity)
-    rows = row_id_map.masked_select(routing_map)  # token-major, experts ascending
-    row_ptr = torch.zeros(routing_map.shape[0] + 1, dtype=torch.long,
-                          device=routing_map.device)
-    torch.cumsum(routing_map.sum(1), 0, out=row_ptr[1:])
-    return rows, row_ptr
-
-
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, index, rows, row_ptr):
-        ctx.save_for_backward(rows, row_ptr)
-        return _gather(tokens, index)[0]
+    def forward(ctx, tokens, sorted_indices):
+        ctx.save_for_backward(sorted_indices)
+        ctx.num_tokens = tokens.shape[0]
+        return _gather(tokens, sorted_indices)[0]
 
     @staticmethod
     def backward(ctx, grad):
-        rows, row_ptr = ctx.saved_tensors
-        return _sum_rows(grad, rows, row_ptr, None), None, None, None
+        (sorted_indices,) = ctx.saved_tensors
+        rows, row_ptr = rows_by_token(sorted_indices, ctx.num_tokens)
+        return _sum_rows(grad, rows, row_ptr, ctx.num_tokens, None), None
 
 
-def gather_rows(tokens: torch.Tensor, sorted_indices: torch.Tensor,
-                routing_map: torch.Tensor, capacity: Optional[int] = None
-                ) -> torch.Tensor:
+def gather_rows(tokens: torch.Tensor, sorted_indices: torch.Tensor) -> torch.Tensor:
     """Permute forward: ``tokens[sorted_indices]`` with zero rows at the sentinel;
     ``[T, H] -> [N, H]``. The backward sums each token's rows without atomics."""
-    rows, row_ptr = _csr_from_map(routing_map, capacity)
-    return _GatherRows.apply(tokens, sorted_indices, rows, row_ptr)
+    return _GatherRows.apply(tokens, sorted_indices)
 
 
 class _UnpermuteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, permuted, sorted_indices, num_tokens, probs):
-        rows, row_ptr = _csr_from_indices(sorted_indices, num_tokens)
+        rows, row_ptr = rows_by_token(sorted_indices, num_tokens)
         ctx.save_for_backward(permuted, sorted_indices, probs)
-        ctx.num_tokens = num_tokens
-        return _sum_rows(permuted, rows, row_ptr, probs)
+        return _sum_rows(permuted, rows, row_ptr, num_tokens, probs)
 
     @staticmethod
     def backward(ctx, grad):

@@ -181,6 +181,9 @@ def test_bad_arguments():
         permute(tokens, torch.ones(4, 2, dtype=torch.bool), None, backend="cuda")
     with pytest.raises(ValueError, match="sorted_indices shape"):
         unpermute(tokens, torch.zeros(3, dtype=torch.long), 4)
+    for backend in BACKENDS:  # 4 is the padding sentinel for 4 tokens; 5 is out of range
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            unpermute(tokens, torch.tensor([0, 5, 1, 4]), 4, backend=backend)
     with pytest.raises(ValueError, match="split_sizes sum to 5"):
         sort_chunks(tokens, [2, 3], [1, 0])
     with pytest.raises(ValueError, match="not a permutation"):
