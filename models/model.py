@@ -55,7 +55,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)  # [S_local, B, H]
         h = self.mlp(self.mlp_norm(x).flatten(0, 1))  # [S_local*B, H]
-        return x + h.view_as(x)
+        return x + h.reshape(x.shape)
 
 
 def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
@@ -88,8 +88,9 @@ class Transformer(nn.Module):
     ``layers.{i}.attn_norm.weight``, ``.attn.qkv.weight`` (rows q|k|v), ``.attn.proj.weight``,
     ``.attn.q_norm.weight``/``.attn.k_norm.weight`` (QK-norm), ``.mlp_norm.weight``,
     ``.mlp.fc1.weight`` (rows gate|up), ``.mlp.fc2.weight``; ``norm.weight``;
-    ``lm_head.weight`` (tied: the same parameter as ``embed.weight``). A ``"tp"`` parameter holds this rank's shard
-    (``tp_dim``, ``tp_parts``; :func:`moe_fold.tensor_parallel.shard_tp`).
+    ``lm_head.weight`` (tied: the same parameter as ``embed.weight``). A ``"tp"``
+    parameter holds this rank's shard (``tp_dim``, ``tp_parts``;
+    :func:`moe_fold.tensor_parallel.shard_tp`).
     """
 
     def __init__(self, config: Config, groups: ProcessGroups):
