@@ -247,7 +247,8 @@ LAYOUTS = {
     2: {"tp2-sp": dict(tp=2, sp=True, qk_norm=True, tie=True),
         "tp2": dict(tp=2, sp=False, qk_norm=True, tie=False),
         "dp2": dict(tp=1, sp=False, qk_norm=False, tie=False)},
-    4: {"tp2-dp2-sp": dict(tp=2, sp=True, qk_norm=True, tie=True)},
+    4: {"tp2-dp2-sp": dict(tp=2, sp=True, qk_norm=True, tie=True),
+        "tp2-dp2": dict(tp=2, sp=False, qk_norm=False, tie=True)},
 }
 
 
