@@ -254,8 +254,9 @@ class _GatherTokens(torch.autograd.Function):
 class _UnpermuteTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, permuted, sorted_indices, num_tokens, probs):
-        ctx.save_for_backward(permuted, sorted_indices, probs)
-        ctx.num_tokens = num_tokens
+        # The rows themselves are needed only for the grad of the probs.
+        ctx.save_for_backward(permuted if probs is not None else None, sorted_indices,
+                              probs)
         out = _sum_rows_per_token(permuted, sorted_indices, num_tokens, probs)
         return out.to(permuted.dtype)
 

@@ -15,6 +15,7 @@ Index bookkeeping (which row goes where) is small integer work done with torch o
 the hot paths that move ``[N, H]`` data are the kernels. Accumulation is float32
 (float64 for float64 inputs).
 """
+import math
 from typing import Optional
 
 import torch
@@ -171,5 +172,5 @@ def unpermute_rows(permuted: torch.Tensor, sorted_indices: torch.Tensor,
 
 def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[index]`` for any ``[N, ...]`` tensor (no autograd; sort_chunks wraps it)."""
-    flat = x.reshape(x.shape[0], -1)  # [N, ...] -> [N, prod(...)]
+    flat = x.reshape(x.shape[0], math.prod(x.shape[1:]))  # [N, ...] -> [N, prod(...)]
     return _gather(flat, index)[0].reshape((index.numel(),) + tuple(x.shape[1:]))

@@ -218,6 +218,8 @@ def test_sort_chunks(backend):
                        _loop_sort_chunks(p, sizes, order))
     assert torch.autograd.gradcheck(lambda v: sort_chunks(v, sizes, order, backend=backend),
                                     (p,))
+    empty = torch.zeros(0, 3)
+    assert sort_chunks(empty, [0, 0], [1, 0], backend=backend).shape == (0, 3)
 
 
 def test_chunk_order_inverse():
