@@ -115,17 +115,19 @@ def unshard_tp(shards: Sequence[torch.Tensor], dim: int, parts: Sequence[int]) -
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y = x W^T`` (no bias) with W's output features split over tp.
+    """``y = x W^T (+ b)`` with W's output features (and b) split over tp.
 
     ``out_features`` is an int or the sizes of fused parts (see :func:`shard_tp`); the
     local output is this rank's chunk of each part, concatenated. ``weight`` reuses an
     existing parameter of the same split (tied LM head = the vocab-parallel embedding).
+    ``bias`` (zeros at init) is for Qwen2's q|k|v projection.
     Input ``[S_local, ..., in]`` (``S_local = S/tp`` under SP, else S);
     output ``[S, ..., sum(parts)/tp]``.
     """
 
     def __init__(self, in_features: int, out_features: Union[int, Sequence[int]], tp_group: Group,
-                 sequence_parallel: bool, *, std: float, seed: int, weight: Optional[nn.Parameter] = None):
+                 sequence_parallel: bool, *, std: float, seed: int, weight: Optional[nn.Parameter] = None,
+                 bias: bool = False):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
@@ -138,13 +140,14 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"shared weight has shape {tuple(weight.shape)}, expected "
                              f"{(sum(parts) // tp, in_features)} (out_features={parts} over tp={tp})")
         self.weight = weight  # [out/tp, in]
+        self.bias = mark(nn.Parameter(torch.zeros(sum(parts) // tp)), "tp", 0, parts) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = gather_from_sequence_region(x, self.tp_group, dim=0)  # [S/tp, ...] -> [S, ...]
         else:
             x = copy_to_tp_region(x, self.tp_group)
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):

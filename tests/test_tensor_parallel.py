@@ -69,19 +69,21 @@ def _full_references():
     z = torch.randn(S, B, sum(PARTS), generator=gen)  # input of the row-parallel linear
     rc = torch.randn(S, B, sum(PARTS), generator=gen)  # weights of the column output's loss
     w_col = global_normal((sum(PARTS), H), 0.3, 11)  # what ColumnParallelLinear(seed=11) draws
+    col_bias = torch.randn(sum(PARTS), generator=gen)
     w_row = global_normal((H, sum(PARTS)), 0.3, 12)
     emb = global_normal((V, H), 0.3, 13)
     r = torch.randn(S, B, H, generator=gen)  # weights of the scalar loss
     ids = torch.randint(0, V, (S, B), generator=gen)
     logits = torch.randn(S, B, V, generator=gen) * 3
     target = torch.randint(0, V, (S, B), generator=gen)
-    tensors = dict(x=x, z=z, rc=rc, r=r, ids=ids, logits=logits, target=target)
+    tensors = dict(x=x, col_bias=col_bias, z=z, rc=rc, r=r, ids=ids, logits=logits, target=target)
 
     ref = {}
     xr, wc = x.clone().requires_grad_(), w_col.clone().requires_grad_()
-    y = xr @ wc.T  # [S, B, sum(PARTS)]
+    bc = col_bias.clone().requires_grad_()
+    y = xr @ wc.T + bc  # [S, B, sum(PARTS)]
     (y * rc).sum().backward()
-    ref.update(col_out=y.detach(), x_grad=xr.grad, col_grad=wc.grad)
+    ref.update(col_out=y.detach(), x_grad=xr.grad, col_grad=wc.grad, bias_grad=bc.grad)
     zr, wr = z.clone().requires_grad_(), w_row.clone().requires_grad_()
     y = zr @ wr.T  # [S, B, H]
     (y * r).sum().backward()
@@ -106,11 +108,14 @@ def _tp_rank(rank, world_size):
     for sp in (False, True):
         # Column: each rank's loss is its own output slice's part of the total; the
         # backward of the entry collective adds the parts up.
-        col = ColumnParallelLinear(H, PARTS, tp, sp, std=0.3, seed=11)
+        col = ColumnParallelLinear(H, PARTS, tp, sp, std=0.3, seed=11, bias=True)
+        with torch.no_grad():
+            col.bias.copy_(shard_tp(t["col_bias"], 0, PARTS, me, world_size))
         x = (chunk(t["x"]) if sp else t["x"]).clone().requires_grad_()
         y = col(x)  # [S, B, sum(PARTS)/tp], the full sequence either way
         (y * shard_tp(t["rc"], 2, PARTS, me, world_size)).sum().backward()
-        res = dict(col_out=y.detach().numpy(), x_grad=x.grad.numpy(), col_grad=col.weight.grad.numpy())
+        res = dict(col_out=y.detach().numpy(), x_grad=x.grad.numpy(), col_grad=col.weight.grad.numpy(),
+                   bias_grad=col.bias.grad.numpy())
         # Row: under SP a rank holds its sequence shard of the output and of the loss;
         # without SP every rank holds the whole (replicated) output and loss.
         row = RowParallelLinear(sum(PARTS), H, tp, sp, std=0.3, seed=12)
@@ -144,6 +149,7 @@ def test_tp_layers_match_full_computation():
             close(g["col_out"], shard_tp(ref["col_out"], 2, PARTS, me, tp), f"rank {me} sp={sp} column output")
             close(g["x_grad"], seq(ref["x_grad"]), f"rank {me} sp={sp} column input grad")
             close(g["col_grad"], shard_tp(ref["col_grad"], 0, PARTS, me, tp), f"rank {me} sp={sp} column grad")
+            close(g["bias_grad"], shard_tp(ref["bias_grad"], 0, PARTS, me, tp), f"rank {me} sp={sp} bias grad")
             close(g["row_out"], seq(ref["row_out"]), f"rank {me} sp={sp} row output")
             close(g["z_grad"], shard_tp(ref["z_grad"], 2, [sum(PARTS)], me, tp), f"rank {me} sp={sp} row input grad")
             close(g["row_grad"], shard_tp(ref["row_grad"], 1, [sum(PARTS)], me, tp), f"rank {me} sp={sp} row grad")
