@@ -19,7 +19,10 @@ the mean and max idle fraction over ranks, next to
   ``(p-1)/m`` and ``(p-1)/(v*m)``, the form of Narayanan et al. 2021, section 2.2;
 - ``idle_fraction_plan``: what the schedule's plan predicts (:mod:`moe_fold.pipeline_schedules`).
 
-The measured number is compared with ``idle_fraction_theory`` (both idle / total).
+The measured number is compared with ``idle_fraction_theory`` (both idle / total). What
+the sleeps cannot hide shows up as extra idle time: every exchange a rank goes through
+costs about ``exchange_ms`` (the median one-way time of a tiny exchange between ranks 0
+and 1, measured first), and ``exchanges_per_rank`` says how many the plan has.
 Interleaved needs micro-batch counts divisible by pp; other counts are left out.
 """
 
@@ -32,10 +35,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_fold.comm import batch_send_recv
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, create_process_groups
 from moe_fold.pipeline import run_schedule
-from moe_fold.pipeline_schedules import make_plan
+from moe_fold.pipeline_schedules import Exchange, make_plan
 
 WIDTH = 4
 
@@ -72,10 +76,26 @@ class SleepChunk(nn.Module):
         return y.sum() if self.last else y
 
 
+def _exchange_ms(rank, rounds=20):
+    """Median one-way time of a tiny exchange between ranks 0 and 1 (half a round trip)."""
+    times = []
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            batch_send_recv([("send", torch.ones(WIDTH), 1)])
+            batch_send_recv([("recv", ((WIDTH,), torch.float32), 1)])
+        elif rank == 1:
+            batch_send_recv([("recv", ((WIDTH,), torch.float32), 0)])
+            batch_send_recv([("send", torch.ones(WIDTH), 0)])
+        times.append((time.perf_counter() - start) / 2 * 1000)
+    return statistics.median(times)
+
+
 def _worker(rank, world_size, schedule, vpp, counts, forward_ms, repeats):
     groups = create_process_groups(ParallelLayout(world_size, pp=world_size))
     pp, r = world_size, rank
-    out = {}
+    out = {"exchange_ms": _exchange_ms(rank)}
     # The first backward of a process starts autograd's machinery: keep it out of the timings.
     run_schedule([SleepChunk(0, 0, c * pp + r == pp * vpp - 1) for c in range(vpp)], [torch.ones(WIDTH)] * pp,
                  groups, tensor_shape=(WIDTH,), schedule=schedule)
@@ -119,6 +139,8 @@ def main():
                     "idle_fraction_plan": round(1 - statistics.mean(plan.busy(r) for r in range(pp)) / plan.makespan, 4),
                     "idle_fraction_theory": round((pp - 1) / (vpp * m + pp - 1), 4),
                     "bubble_over_ideal_theory": round((pp - 1) / (vpp * m), 4),
+                    "exchanges_per_rank": max(sum(isinstance(x, Exchange) for x in p) for p in plan.programs),
+                    "exchange_ms": round(ranks[0]["exchange_ms"], 3),
                 }), flush=True)
 
 

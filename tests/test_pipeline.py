@@ -16,7 +16,7 @@ from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.pipeline import (all_reduce_embedding_grads, copy_embedding_from_first, create_embedding_group,
                                run_schedule, stage_layers)
-from moe_fold.pipeline_schedules import Exchange, Step, check_schedule, make_plan, rank_order
+from moe_fold.pipeline_schedules import Exchange, Step, check_schedule, make_plan, rank_order, rank_stages
 
 HIDDEN, VOCAB, EXPERTS, BATCH, SEQ = 8, 11, 4, 2, 3
 AUX_COEF = 0.3
@@ -313,6 +313,11 @@ def test_stage_layers_errors(args, message):
 def test_check_schedule_errors(args, message):
     with pytest.raises(ValueError, match=message):
         check_schedule(*args)
+
+
+def test_rank_stages_megatron_placement():
+    assert rank_stages(4, 2, 1) == [1, 5]
+    assert rank_stages(2, 3, 0) == [0, 2, 4]
 
 
 def test_1f1b_order_pp4_rank1():
