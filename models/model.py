@@ -30,6 +30,7 @@ from moe_fold.tensor_parallel import (
 
 from .attention import Attention
 from .mlp import MLP
+from .moe_layer import MoELayer
 from .norm import RMSNorm
 from .rotary import rotary_cos_sin
 
@@ -68,13 +69,6 @@ def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
     shared expert built as :class:`MLP` is already marked.
     """
     if moe_layer_flags(config)[layer]:
-        try:
-            from .moe_layer import MoELayer
-        except ModuleNotFoundError as err:
-            raise NotImplementedError(
-                f"layer {layer} is an MoE layer (moe.moe_layer_freq={config.moe.moe_layer_freq}, "
-                f"moe.first_k_dense={config.moe.first_k_dense}) but moe_fold.models.moe_layer is not "
-                f"available ({err}); set moe.moe_layer_freq=0 for a dense model") from err
         return MoELayer(config, groups, layer)
     m = config.model
     return MLP(m.hidden_size, m.ffn_hidden_size, groups.tp, config.parallel.sequence_parallel,

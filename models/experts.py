@@ -1,0 +1,81 @@
+"""The routed experts: E_local SwiGLU MLPs run as two grouped GEMMs.
+
+``fc2(silu(x fc1_gate) * (x fc1_up) * prob)`` for every row, each row with its own
+expert's weights. Rows arrive from the dispatcher grouped by local expert; the routing
+prob of each row is applied inside the SwiGLU (the dispatcher's combine only sums rows).
+
+Weights (``[in, out]`` per expert, the layout the grouped GEMM multiplies as is):
+
+- ``fc1 [E_local, H, 2F/etp]``: this etp rank's slice of the gate columns followed by the
+  matching slice of the up columns, ``[gate_shard | up_shard]``, so the SwiGLU's
+  contiguous halves line up;
+- ``fc2 [E_local, F/etp, H]``: the matching rows of fc2. Its output is this etp rank's
+  partial sum; the dispatcher's combine adds the etp shards (reduce-scatter), so no
+  communication happens here.
+
+Every global expert ``g`` draws its global weights from its own seed (the run seed and
+``<name>.<g>.fc1`` / ``.fc2``) before the ep rank keeps its experts and the etp rank its
+slice: every layout of one config holds the same global weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_fold.kernels.gmm import BACKENDS as GEMM_BACKENDS
+from moe_fold.kernels.gmm import gmm
+from moe_fold.kernels.swiglu import swiglu
+from moe_fold.layout import ProcessGroups
+from moe_fold.tensor_parallel import global_normal, init_seed, mark, shard_tp
+
+__all__ = ["Experts"]
+
+
+class Experts(nn.Module):
+    """This rank's share of ``num_experts`` SwiGLU experts of width ``ffn_hidden_size``.
+
+    The ep rank ``j`` holds global experts ``[j*E_local, (j+1)*E_local)`` (the dispatcher's
+    split); the etp rank ``t`` holds slice ``t`` of each one's ffn dim. Both parameters are
+    marked ``"expert"`` (grads summed over edp, see :mod:`moe_fold.grads`) and carry
+    ``etp_dim`` / ``etp_parts``: the dim split over etp and the global sizes of its fused
+    parts, for :func:`moe_fold.tensor_parallel.unshard_tp` (experts stack along dim 0 over ep).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, groups: ProcessGroups,
+                 *, std: float, seed: int, name: str, gemm_backend: str = "auto"):
+        super().__init__()
+        ep, etp = groups.size("ep"), groups.size("etp")
+        if num_experts % ep:
+            raise ValueError(f"moe.num_experts={num_experts} is not divisible by parallel.ep={ep}")
+        if ffn_hidden_size % etp:
+            raise ValueError(f"moe.ffn_hidden_size={ffn_hidden_size} is not divisible by parallel.etp={etp}")
+        if gemm_backend not in GEMM_BACKENDS:
+            raise ValueError(f"moe.gemm_backend={gemm_backend!r} must be one of {GEMM_BACKENDS}")
+        self.num_local_experts = num_experts // ep
+        self.gemm_backend = gemm_backend
+        first = groups.rank_in("ep") * self.num_local_experts
+        etp_rank = groups.rank_in("etp")
+        F = ffn_hidden_size
+        fc1, fc2 = [], []
+        for g in range(first, first + self.num_local_experts):
+            full1 = global_normal((hidden_size, 2 * F), std, init_seed(seed, f"{name}.{g}.fc1"))  # [H, gate|up]
+            full2 = global_normal((F, hidden_size), std, init_seed(seed, f"{name}.{g}.fc2"))  # [F, H]
+            fc1.append(shard_tp(full1, 1, [F, F], etp_rank, etp))  # [H, 2F/etp]
+            fc2.append(shard_tp(full2, 0, [F], etp_rank, etp))  # [F/etp, H]
+        self.fc1 = self._expert_param(torch.stack(fc1), 2, [F, F])  # [E_local, H, 2F/etp]
+        self.fc2 = self._expert_param(torch.stack(fc2), 1, [F])  # [E_local, F/etp, H]
+
+    @staticmethod
+    def _expert_param(value: torch.Tensor, etp_dim: int, etp_parts: list[int]) -> nn.Parameter:
+        param = mark(nn.Parameter(value), "expert")
+        param.etp_dim = etp_dim
+        param.etp_parts = etp_parts
+        return param
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """``tokens [N, H]`` grouped by local expert (``tokens_per_expert [E_local]`` rows
+        each), ``probs [N]`` -> ``[N, H]``, prob-weighted (an etp partial sum when etp > 1)."""
+        h = gmm(tokens, self.fc1, tokens_per_expert, backend=self.gemm_backend)  # [N, H] -> [N, 2F/etp]
+        h = swiglu(h, probs)  # [N, F/etp]
+        return gmm(h, self.fc2, tokens_per_expert, backend=self.gemm_backend)  # [N, H]

@@ -1,0 +1,94 @@
+"""The MoE layer: router -> dispatcher -> experts -> combine, plus an optional shared expert.
+
+``MoELayer(config, groups, layer)(hidden [T_local, H]) -> [T_local, H]``, the MLP contract
+of :class:`moe_fold.models.model.Block`. Each rank routes only its own tokens (its
+sequence shard under SP, its cp chunk, its dp micro-batch); the dispatcher moves them to
+the ep ranks that own their experts and back (DESIGN.md section 3). The load-balancing
+and z losses ride on the router's probs through autograd, so nothing is returned besides
+the hidden states.
+
+The shared expert (Qwen2-MoE, DeepSeek) is a dense SwiGLU :class:`~moe_fold.models.mlp.MLP`
+of width ``moe.shared_expert_ffn_hidden_size`` that every token goes through; it is
+tensor-parallel like the dense MLP (column/row-parallel, the sequence gathered over tp
+under SP). ``moe.shared_expert_gate`` scales its output by ``sigmoid(x . w)`` per token.
+
+Gradient sync kinds (:mod:`moe_fold.grads`): experts ``"expert"``; the router weight and
+the shared-expert gate are replicated over tp but see only this rank's tokens under SP,
+so ``"tp_sum"``; the shared expert's linears are ``"tp"`` shards.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from moe_fold.config import Config
+from moe_fold.dispatch.dispatcher import build_dispatcher
+from moe_fold.dispatch.router import Router, RoutingStats
+from moe_fold.layout import ProcessGroups
+from moe_fold.tensor_parallel import global_normal, init_seed, mark
+
+from .experts import Experts
+from .mlp import MLP
+
+__all__ = ["MoELayer"]
+
+
+class MoELayer(nn.Module):
+    """Layer ``layer``'s MoE MLP in the layout of ``groups``; see the module docstring.
+
+    After each forward, :attr:`last_losses` and :attr:`last_stats` hold that forward's
+    router loss values and load statistics (detached, for logging).
+    """
+
+    def __init__(self, config: Config, groups: ProcessGroups, layer: int):
+        super().__init__()
+        m, moe, sp = config.model, config.moe, config.parallel.sequence_parallel
+        tp = groups.size("tp")
+        if tp > 1 and not sp:
+            raise ValueError(f"parallel.tp={tp} with MoE layers requires parallel.sequence_parallel=true "
+                             f"(every token must live on exactly one rank of the tp group)")
+        seed, std, name = config.train.seed, m.init_std, f"layers.{layer}"
+        # Replicated over tp; under SP each tp rank's grad covers only its own tokens.
+        replicated = "tp_sum" if sp else "replicated"
+        self.router = Router(moe, m.hidden_size, groups, init_std=std)
+        with torch.no_grad():
+            # The router draws from torch's global generator; redraw from a layout-free seed.
+            self.router.weight.copy_(global_normal(self.router.weight.shape, std, init_seed(seed, f"{name}.router")))
+        mark(self.router.weight, replicated)
+        self.dispatcher = build_dispatcher(moe, groups)
+        self.experts = Experts(moe.num_experts, m.hidden_size, moe.ffn_hidden_size, groups, std=std, seed=seed,
+                               name=f"{name}.experts", gemm_backend=moe.gemm_backend)
+        self.shared_expert: Optional[MLP] = None
+        self.shared_expert_gate: Optional[nn.Parameter] = None
+        if moe.shared_expert_ffn_hidden_size > 0:
+            self.shared_expert = MLP(m.hidden_size, moe.shared_expert_ffn_hidden_size, groups.tp, sp,
+                                     std=std, seed=seed, name=f"{name}.shared_expert")
+            if moe.shared_expert_gate:
+                gate = global_normal((1, m.hidden_size), std, init_seed(seed, f"{name}.shared_expert_gate"))
+                self.shared_expert_gate = mark(nn.Parameter(gate), replicated)  # [1, H]
+        elif moe.shared_expert_gate:
+            raise ValueError("moe.shared_expert_gate=true needs a shared expert "
+                             "(moe.shared_expert_ffn_hidden_size > 0, got 0)")
+        self.last_losses: dict[str, torch.Tensor] = {}
+        self.last_stats: Optional[RoutingStats] = None
+
+    def forward(self, hidden: torch.Tensor, *, loss_mask: Optional[torch.Tensor] = None,
+                seq_ids: Optional[torch.Tensor] = None, num_seqs: Optional[int] = None) -> torch.Tensor:
+        """This rank's tokens ``hidden [T_local, H]`` -> ``[T_local, H]``.
+
+        ``loss_mask``, ``seq_ids`` and ``num_seqs`` go to :meth:`Router.forward` (padding
+        left out of the losses; per-sequence aux loss)."""
+        routing = self.router(hidden, loss_mask=loss_mask, seq_ids=seq_ids, num_seqs=num_seqs)
+        self.last_losses, self.last_stats = routing.losses, routing.stats
+        sent = self.dispatcher.dispatch(hidden, routing.probs, routing.routing_map)  # [N, H] by local expert
+        rows = self.experts(sent.tokens, sent.tokens_per_local_expert, sent.probs)  # [N, H], prob-weighted
+        out = self.dispatcher.combine(rows, sent.handle)  # [T_local, H]
+        if self.shared_expert is not None:
+            shared = self.shared_expert(hidden)  # [T_local, H]
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(hidden @ self.shared_expert_gate.t()) * shared  # [T_local, 1] * [T_local, H]
+            out = out + shared
+        return out
