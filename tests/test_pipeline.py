@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_fold.comm import count_bytes
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.pipeline import (all_reduce_embedding_grads, copy_embedding_from_first, create_embedding_group,
@@ -134,9 +135,17 @@ def _run_case(groups, emb_group, case):
         if tied_weight is not None:
             copy_embedding_from_first(tied_weight, groups, emb_group)
     seed = case.get("seed", 0) + 100 * groups.rank_in("dp")
-    losses = run_schedule(chunks, _microbatches(m, seed), groups, tensor_shape=(BATCH, SEQ, HIDDEN),
-                          schedule=schedule, loss_fn=_loss_fn(m), forward_only=case.get("forward_only", False))
-    if case.get("forward_only", False):
+    forward_only = case.get("forward_only", False)
+    with count_bytes() as sent:
+        losses = run_schedule(chunks, _microbatches(m, seed), groups, tensor_shape=(BATCH, SEQ, HIDDEN),
+                              schedule=schedule, loss_fn=_loss_fn(m), forward_only=forward_only)
+    if pp > 1:
+        # The pp traffic is the plan's messages from this rank plus the loss all-reduce.
+        plan = make_plan(schedule, pp, vpp, m, forward_only)
+        messages = sum(msg.src == r for item in plan.programs[r] if isinstance(item, Exchange)
+                       for msg in item.messages)
+        assert sent == {"pp": messages * BATCH * SEQ * HIDDEN * 4 + 2 * (pp - 1) * m * 8 // pp}, sent
+    if forward_only:
         assert all(p.grad is None for c in chunks for p in c.parameters())
         return {"losses": losses, "grads": {}, "seed": seed}
     if tied and tied_weight is not None:
@@ -366,6 +375,9 @@ def test_plan_is_complete_consistent_and_has_the_textbook_bubble(schedule, pp, v
                 assert [x for x in msgs if {x.src, x.dst} == pair] == \
                     [x for x in by_rank[peer] if {x.src, x.dst} == pair], (t, msg)
     assert plan.misaligned() <= (0 if schedule == "1f1b" else 2)
+    # Every stage boundary is crossed once forward and once backward per micro-batch.
+    sends = [msg for by_rank in exchanges.values() for r, msgs in by_rank.items() for msg in msgs if msg.src == r]
+    assert len(sends) == len(set(sends)) == 2 * m * (stages - 1)
     # Forward 1 unit, backward 2, no waits beyond the bubble: every rank is idle for
     # (pp-1)/(vpp*m + pp-1) of the makespan (Narayanan 2021's (p-1)/(v*m) of the ideal time).
     for r in range(pp):
