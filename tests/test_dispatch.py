@@ -206,6 +206,20 @@ def expected_wire(case, layout, rank, kind, mode, dedup):
             "dispatch_etp": dispatch_etp, "combine_etp": combine_etp}
 
 
+def expected_meta(case, layout, rank, kind, mode, dedup, wire):
+    """Bytes of everything but token rows: the count exchange (int64, all-gathered over
+    etp x ep; none in the padded mode) and what travels with each row: its prob (plain
+    and padded), its probs and map over the destination's experts (dedup), or its probs
+    and map over all experts (all-gather)."""
+    n = len(layout.group_of("etp_ep", rank))
+    e, e_local = case.num_experts, case.num_experts // layout.ep
+    if kind == "allgather":
+        return 8 * (n - 1) + case.sizes[rank] * (n - 1) * 2 * e * ELEM
+    counts = 0 if mode == "pad" else (e + (layout.ep if dedup else 0)) * 8 * (n - 1)
+    rows = wire["dispatch"] // (H * ELEM)
+    return counts + rows * (2 * e_local if dedup else 1) * ELEM
+
+
 def remote_pairs(case, layout, dedup):
     """The issue's count, a loop over every token of every rank: (token, expert) pairs
     whose expert lives on another ep rank, or with ``dedup`` distinct (token,
@@ -257,6 +271,7 @@ def check_plan(world_size, plans, results):
                     assert res["counts"] == want, (what, r)
                     wire = {key: res["wire"][key] for key in ("dispatch", "combine", "dispatch_etp", "combine_etp")}
                     assert wire == expected_wire(case, layout, r, *cfg), (what, r, res["wire"])
+                    assert res["wire"]["meta"] == expected_meta(case, layout, r, *cfg, wire), (what, r, res["wire"])
                 if cfg[0] == "alltoall" and cfg[1] != "pad" and layout.etp == 1:
                     want = remote_pairs(case, layout, dedup=cfg[2]) * H * ELEM
                     assert sum(res["wire"]["dispatch"] for res in per_rank) == want, what
