@@ -26,7 +26,9 @@ from typing import Any, Callable, Optional
 
 __all__ = ["RankError", "run_ranks"]
 
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
+# torch.optim imports torch._dynamo on its first step (seconds); importing it once in the
+# forkserver saves that in every rank.
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
 class RankError(RuntimeError):
