@@ -14,9 +14,10 @@ returns one output:
 The schedule back-propagates each micro-batch's loss with gradient 1, so the loss must
 already carry its share of the average (e.g. divided by the number of micro-batches).
 Anything else that must reach the gradients, such as MoE aux and z-losses, attaches to
-the graph through autograd (an identity op whose backward adds the loss gradient): the
-backward of a chunk is ``torch.autograd.backward(output, output_grad)``, which runs those
-ops on whichever rank and in whichever schedule slot the chunk runs.
+the graph through autograd (an identity op whose backward adds the loss gradient, with
+the same 1/m share in its scale): the backward of a chunk is
+``torch.autograd.backward(output, output_grad)``, which runs those ops on whichever rank
+and in whichever schedule slot the chunk runs. Nothing is collected in module globals.
 
 Parameter grads accumulate over the micro-batches of one call (zero them before).
 Virtual stage ``s = c*pp + r`` is chunk ``c`` of pp rank ``r``
@@ -94,9 +95,9 @@ def run_schedule(chunks: Sequence[nn.Module], microbatches: Sequence[Any], group
 
     ``chunks``: this pp rank's model chunks, ``chunks[c]`` is virtual stage
     ``c*pp + rank_in("pp")``; one chunk for ``"1f1b"``, ``vpp >= 2`` for
-    ``"interleaved"``. ``microbatches``: one entry per micro-batch, the same count on every
-    pp rank; only the ranks of the first and last stage read the entries (others may pass
-    ``[None] * m``). ``tensor_shape``/``dtype``: the hidden states between chunks.
+    ``"interleaved"`` (the schedule's vpp is ``len(chunks)``). ``microbatches``: one entry
+    per micro-batch, the same count on every pp rank; only the ranks of the first and last
+    stage read the entries (others may pass ``[None] * m``). ``tensor_shape``/``dtype``: the hidden states between chunks.
     ``forward_only``: no backward, no graph (evaluation). ``device``: where received
     tensors go (default: the chunks' parameters' device).
 
@@ -106,6 +107,8 @@ def run_schedule(chunks: Sequence[nn.Module], microbatches: Sequence[Any], group
     """
     pp, me, peers = groups.size("pp"), groups.rank_in("pp"), groups.ranks("pp")
     vpp, m = len(chunks), len(microbatches)
+    if vpp < 1:
+        raise ValueError("chunks is empty; pass this rank's model chunks (one for 1f1b, vpp for interleaved)")
     if m < 1:
         raise ValueError("microbatches is empty; pass at least one micro-batch")
     check_schedule(schedule, pp, vpp, m)

@@ -282,6 +282,15 @@ def test_wrong_tensor_shape_names_the_stage():
                      schedule="interleaved", loss_fn=_loss_fn(2))
 
 
+def test_chunk_count_must_fit_the_schedule():
+    groups = ProcessGroups.single_process()
+    with pytest.raises(ValueError, match="chunks is empty"):
+        run_schedule([], _microbatches(1, 0), groups, tensor_shape=(BATCH, SEQ, HIDDEN))
+    two = [ToyChunk([0], True, False, 0.5), ToyChunk([1], False, True, 0.5)]
+    with pytest.raises(ValueError, match=r"vpp=2 requires schedule='interleaved'"):
+        run_schedule(two, _microbatches(1, 0), groups, tensor_shape=(BATCH, SEQ, HIDDEN), loss_fn=_loss_fn(1))
+
+
 def test_last_stage_must_give_a_scalar():
     groups = ProcessGroups.single_process()
     chunks = [ToyChunk([0, 1], True, True, 0.5)]
