@@ -1,0 +1,335 @@
+"""AdamW with decoupled weight decay, its parameter groups, learning-rate schedules, and the
+distributed (ZeRO-1) optimizer.
+
+One step of training, after the backward passes of every micro-batch of the global batch
+(their grads add up: that is gradient accumulation, with the loss scaled as
+``Transformer.forward`` documents), is :func:`apply_gradients`: ``sync_grads`` makes every
+grad the global-batch gradient, ``clip_grad_norm_`` clips by the norm of the whole model,
+then :meth:`AdamW.step` updates. The scheduler's ``step()`` follows.
+
+:class:`AdamW` computes exactly what ``torch.optim.AdamW(foreach=False)`` computes (the
+same operations in the same order, :func:`adamw_update_`). With ``distributed=True``
+(``optimizer.distributed``) it keeps the moments of only a slice of the parameters
+(ZeRO-1): the parameters of one sharding group are flattened, in order, into buckets; each
+bucket is cut into ``n`` equal ranges and rank ``r`` of the group owns range ``r``. A step
+updates the owned range (with the owned moments) and all-gathers the bucket, so every
+rank ends with the same parameters as without sharding, and the moments of each element
+live on one rank of the group. Dense parameters (``"tp"``, ``"replicated"``, ``"tp_sum"``)
+shard over ``dp_cp`` (the ranks holding the same local tensor; a ``"tp_sum"`` or
+``"replicated"`` parameter is also the same on every tp rank, and each tp rank updates its
+own copy the same way); expert parameters over ``edp``.
+
+A parameter whose grad is None (an expert that got no token, on one process) steps with a
+zero grad, as :func:`moe_fold.grads.sync_grads` makes it on more than one rank: every
+layout takes the same step (torch would skip the parameter).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from moe_fold.comm import all_gather
+from moe_fold.config import Config, OptimizerConfig
+from moe_fold.grads import DEFAULT_BUCKET_NUMEL, clip_grad_norm_, grad_norm, sync_grads
+from moe_fold.layout import ProcessGroups
+from moe_fold.tensor_parallel import PARALLEL_KINDS
+
+__all__ = [
+    "SHARD_GROUP", "decays", "param_groups", "adamw_update_", "AdamW", "lr_at", "LRScheduler",
+    "build_optimizer", "build_scheduler", "apply_gradients",
+]
+
+# parallel kind -> the group over which the local tensor is replicated (and ZeRO shards it)
+SHARD_GROUP = {"tp": "dp_cp", "replicated": "dp_cp", "tp_sum": "dp_cp", "expert": "edp"}
+
+
+def decays(name: str, param: nn.Parameter) -> bool:
+    """Whether weight decay applies: matrices yes; norms' gains and biases (1-D) no.
+
+    The router's ``expert_bias`` is a buffer (updated by the router, not by gradients), so
+    it never reaches the optimizer.
+    """
+    return param.dim() >= 2 and not name.endswith(".bias")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW parameter groups of ``model``'s trainable parameters, in
+    ``named_parameters`` order (a tied weight once): ``weight_decay`` for :func:`decays`
+    parameters, 0 for the rest. Each group also carries the parameters' ``names``."""
+    decay = {"params": [], "names": [], "weight_decay": weight_decay}
+    no_decay = {"params": [], "names": [], "weight_decay": 0.0}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            group = decay if decays(name, p) else no_decay
+            group["params"].append(p)
+            group["names"].append(name)
+    return [g for g in (decay, no_decay) if g["params"]]
+
+
+@torch.no_grad()
+def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """One AdamW update (Loshchilov & Hutter 2019) in place, of any slice of a parameter:
+    the operations of torch's single-tensor AdamW, in its order, so the numbers match it.
+    ``step`` counts updates including this one (1 on the first)."""
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = lr / (1 - beta1 ** step)
+    bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+@dataclass
+class _Slice:
+    """A parameter's owned elements ``[start, stop)`` of its flattened local tensor and
+    where they sit in its bucket."""
+
+    param: nn.Parameter
+    group: dict
+    offset: int  # of the parameter in the bucket
+    start: int
+    stop: int
+
+
+@dataclass
+class _Bucket:
+    """Parameters of one sharding group and dtype, flattened one after another; rank r of
+    the group owns ``[r*chunk, (r+1)*chunk)`` of the flat buffer (padded to ``n*chunk``)."""
+
+    group_name: str
+    slices: list[_Slice]
+    numel: int
+    chunk: int
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW with decoupled weight decay; ``distributed=True`` shards its state (ZeRO-1).
+
+    ``params``: parameters or parameter groups (:func:`param_groups`); every parameter
+    must carry ``param.parallel`` when ``distributed``. ``groups`` is needed when
+    ``distributed`` (``None`` otherwise means one process). State is created at
+    construction (zeros), so a checkpoint can be loaded before the first step.
+
+    State per parameter (``self.state[p]``): ``exp_avg`` and ``exp_avg_sq``, the moments
+    of the elements ``[start, stop)`` of ``p`` flattened (:meth:`state_slice`): all of them
+    without sharding, this rank's range with. ``step_count`` counts the steps taken.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, groups: Optional[ProcessGroups] = None,
+                 distributed: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+        if not lr >= 0:
+            raise ValueError(f"lr={lr!r} must be >= 0")
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"betas={betas!r} must both be in [0, 1)")
+        if not eps > 0:
+            raise ValueError(f"eps={eps!r} must be > 0")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
+        if distributed and groups is None:
+            raise ValueError("distributed=True needs groups (the ProcessGroups to shard over)")
+        if bucket_numel < 1:
+            raise ValueError(f"bucket_numel={bucket_numel} must be >= 1")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.groups = groups if groups is not None else ProcessGroups.single_process()
+        self.distributed = distributed
+        self.step_count = 0
+        self._buckets: list[_Bucket] = self._make_buckets(bucket_numel) if distributed else []
+        self._slices: dict[nn.Parameter, tuple[int, int]] = {}
+        for bucket in self._buckets:
+            for s in bucket.slices:
+                self._slices[s.param] = (s.start, s.stop)
+        for group in self.param_groups:
+            for p in group["params"]:
+                start, stop = self._slices.get(p, (0, p.numel()))
+                shape = p.shape if not distributed else (stop - start,)
+                self.state[p] = {"exp_avg": torch.zeros(shape, dtype=p.dtype, device=p.device),
+                                 "exp_avg_sq": torch.zeros(shape, dtype=p.dtype, device=p.device)}
+
+    def _make_buckets(self, bucket_numel: int) -> list[_Bucket]:
+        by_key: dict[tuple[str, torch.dtype], list[tuple[nn.Parameter, dict]]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                kind = getattr(p, "parallel", None)
+                if kind not in PARALLEL_KINDS:
+                    raise ValueError(f"parameter of shape {tuple(p.shape)} has parallel={kind!r}; the "
+                                     f"distributed optimizer needs one of {', '.join(PARALLEL_KINDS)}")
+                if not p.is_contiguous():
+                    raise ValueError(f"parameter of shape {tuple(p.shape)} must be contiguous: the "
+                                     f"distributed optimizer updates slices of its flat view")
+                by_key.setdefault((SHARD_GROUP[kind], p.dtype), []).append((p, group))
+        buckets = []
+        for (group_name, _), members in by_key.items():
+            n, me = self.groups.size(group_name), self.groups.rank_in(group_name)
+            run: list[tuple[nn.Parameter, dict]] = []
+            numel = 0
+            for p, group in members + [(None, None)]:
+                if run and (p is None or numel + p.numel() > bucket_numel):
+                    buckets.append(_shard_bucket(group_name, run, n, me))
+                    run, numel = [], 0
+                if p is not None:
+                    run.append((p, group))
+                    numel += p.numel()
+        return buckets
+
+    def state_slice(self, param: nn.Parameter) -> tuple[int, int]:
+        """``(start, stop)``: the elements of ``param`` flattened whose moments this rank holds."""
+        return self._slices.get(param, (0, param.numel()))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("AdamW.step takes no closure: compute the loss and grads before stepping")
+        self.step_count += 1
+        if not self.distributed:
+            for group in self.param_groups:
+                beta1, beta2 = group["betas"]
+                for p in group["params"]:
+                    grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                    state = self.state[p]
+                    adamw_update_(p, grad, state["exp_avg"], state["exp_avg_sq"], self.step_count,
+                                  group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            return None
+        for bucket in self._buckets:
+            owned = []
+            for s in bucket.slices:
+                flat = s.param.view(-1)[s.start:s.stop]
+                if s.stop > s.start:
+                    grad = (s.param.grad.view(-1)[s.start:s.stop] if s.param.grad is not None
+                            else torch.zeros_like(flat))
+                    state = self.state[s.param]
+                    beta1, beta2 = s.group["betas"]
+                    adamw_update_(flat, grad, state["exp_avg"], state["exp_avg_sq"], self.step_count,
+                                  s.group["lr"], beta1, beta2, s.group["eps"], s.group["weight_decay"])
+                owned.append(flat)
+            first = bucket.slices[0].param
+            pad = bucket.chunk - sum(f.numel() for f in owned)
+            owned.append(first.new_zeros(pad))
+            full = all_gather(torch.cat(owned), self.groups.group(bucket.group_name))  # [n*chunk]
+            for s in bucket.slices:
+                s.param.view(-1).copy_(full[s.offset:s.offset + s.param.numel()])
+        return None
+
+
+def _shard_bucket(group_name: str, members: list[tuple[nn.Parameter, dict]], n: int, me: int) -> _Bucket:
+    numel = sum(p.numel() for p, _ in members)
+    chunk = -(-numel // n)
+    lo, hi = me * chunk, min((me + 1) * chunk, numel)
+    slices, offset = [], 0
+    for p, group in members:
+        start = min(max(lo - offset, 0), p.numel())
+        stop = max(min(hi - offset, p.numel()), start)
+        slices.append(_Slice(p, group, offset, start, stop))
+        offset += p.numel()
+    return _Bucket(group_name, slices, numel, chunk)
+
+
+def lr_at(step: int, config: OptimizerConfig, total_steps: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) of ``total_steps``.
+
+    Warmup (every schedule): ``lr * (step + 1) / warmup_steps`` for ``step < warmup_steps``,
+    so the first step already moves and step ``warmup_steps - 1`` uses ``lr``. Then, with
+    ``w = warmup_steps`` and ``T = total_steps``:
+
+    - ``constant``: ``lr``;
+    - ``cosine``: ``min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2`` with
+      ``p = (step - w) / (T - w)``, from ``lr`` down towards ``min_lr`` (reached at ``T``);
+    - ``wsd`` (warmup-stable-decay): ``lr`` until ``d = max(w, T - round(decay_fraction * T))``,
+      then linear ``lr - (lr - min_lr) * (step - d) / (T - d)``, towards ``min_lr`` at ``T``.
+
+    Steps at or past ``T`` get ``min_lr`` (``lr`` for ``constant``).
+    """
+    if step < 0:
+        raise ValueError(f"step={step} must be >= 0")
+    if total_steps < 1:
+        raise ValueError(f"total_steps={total_steps} must be >= 1")
+    lr, min_lr, w = config.lr, config.min_lr, config.warmup_steps
+    if step < w:
+        return lr * (step + 1) / w
+    if config.schedule == "constant":
+        return lr
+    if step >= total_steps:
+        return min_lr
+    if config.schedule == "cosine":
+        progress = (step - w) / (total_steps - w)
+        return min_lr + (lr - min_lr) * (1 + math.cos(math.pi * progress)) / 2
+    if config.schedule == "wsd":
+        decay_start = max(w, total_steps - round(config.decay_fraction * total_steps))
+        if step < decay_start:
+            return lr
+        return lr - (lr - min_lr) * (step - decay_start) / (total_steps - decay_start)
+    raise ValueError(f"optimizer.schedule={config.schedule!r} must be one of cosine, wsd, constant")
+
+
+class LRScheduler:
+    """Sets every parameter group's ``lr`` to :func:`lr_at` of the next step.
+
+    Construction sets the rate of step 0; call :meth:`step` after each optimizer step.
+    ``state_dict()`` is ``{"step": n}``, the optimizer steps taken so far."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, total_steps: int):
+        lr_at(0, config, total_steps)  # rejects a bad schedule or total before any step
+        self.optimizer = optimizer
+        self.config = config
+        self.total_steps = total_steps
+        self.last_step = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        lr = lr_at(self.last_step, self.config, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> None:
+        self.last_step += 1
+        self._apply()
+
+    def get_last_lr(self) -> float:
+        """The rate the next optimizer step will use."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def state_dict(self) -> dict:
+        return {"step": self.last_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        step = state.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"scheduler state step={step!r} must be an integer >= 0")
+        self.last_step = step
+        self._apply()
+
+
+def build_optimizer(model: nn.Module, config: OptimizerConfig, groups: ProcessGroups) -> AdamW:
+    """AdamW over ``model``'s :func:`param_groups` with the hyper-parameters of ``config``,
+    sharded when ``config.distributed``."""
+    return AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(config.beta1, config.beta2),
+                 eps=config.eps, weight_decay=config.weight_decay, groups=groups, distributed=config.distributed)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: Config) -> LRScheduler:
+    """The schedule of ``config.optimizer`` over ``config.train.steps`` steps."""
+    return LRScheduler(optimizer, config.optimizer, config.train.steps)
+
+
+def apply_gradients(params: Iterable[nn.Parameter], optimizer: AdamW, groups: ProcessGroups,
+                    clip_grad: float, skip_nonfinite: bool = True) -> torch.Tensor:
+    """Sync the accumulated grads, clip them by the global norm (``clip_grad > 0``; 0 turns
+    clipping off), and step. Returns the global grad norm before clipping. A non-finite
+    norm skips the update when ``skip_nonfinite`` (the same decision on every rank, as the
+    norm is global); the grads are left as they are for the caller to zero."""
+    if not clip_grad >= 0:
+        raise ValueError(f"clip_grad={clip_grad!r} must be >= 0 (0 turns clipping off)")
+    params = [p for p in params if p.requires_grad]
+    sync_grads(params, groups)
+    norm = clip_grad_norm_(params, clip_grad, groups) if clip_grad > 0 else grad_norm(params, groups)
+    if torch.isfinite(norm) or not skip_nonfinite:
+        optimizer.step()
+    return norm

@@ -1,0 +1,275 @@
+"""AdamW, its parameter groups, learning-rate schedules and the distributed (ZeRO-1)
+optimizer: schedules against hand-computed values, updates against torch.optim.AdamW, and
+the sharded optimizer against the unsharded one (and one process) on real models over
+gloo ranks."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from moe_fold.comm import all_reduce_
+from moe_fold.config import Config, ModelConfig, OptimizerConfig
+from moe_fold.dispatch.router import Router
+from moe_fold.launch import run_ranks
+from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
+from moe_fold.models.model import build_model
+from moe_fold.optim import (
+    AdamW, LRScheduler, apply_gradients, build_optimizer, build_scheduler, lr_at, param_groups,
+)
+from moe_fold.sharding import full_tensor, shard_info
+
+VOCAB, SEQ, BATCH, STEPS = 64, 8, 4, 3
+
+
+# --------------------------------------------------------------------------- schedules
+
+def _opt(**kw):
+    base = dict(lr=1.0, min_lr=0.1, warmup_steps=2, schedule="cosine", decay_fraction=0.3)
+    base.update(kw)
+    return OptimizerConfig(**base)
+
+
+def test_cosine_schedule_hand_computed():
+    c = _opt()
+    got = [lr_at(s, c, 10) for s in range(11)]
+    # warmup (s+1)/2, then 0.1 + 0.9 * (1 + cos(pi * (s-2)/8)) / 2
+    expected = [0.5, 1.0, 1.0, 0.1 + 0.45 * (1 + math.cos(math.pi / 8)), 0.1 + 0.45 * (1 + math.cos(math.pi / 4)),
+                0.1 + 0.45 * (1 + math.cos(3 * math.pi / 8)), 0.55, 0.1 + 0.45 * (1 + math.cos(5 * math.pi / 8)),
+                0.1 + 0.45 * (1 + math.cos(6 * math.pi / 8)), 0.1 + 0.45 * (1 + math.cos(7 * math.pi / 8)), 0.1]
+    assert got == pytest.approx(expected, abs=1e-15)
+    assert lr_at(25, c, 10) == 0.1
+
+
+def test_wsd_schedule_hand_computed():
+    c = _opt(schedule="wsd")
+    # warmup 2 steps; decay over round(0.3*10)=3 steps from step 7, linear to 0.1 at step 10
+    got = [lr_at(s, c, 10) for s in range(11)]
+    assert got == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7, 0.4, 0.1], abs=1e-15)
+    # a decay longer than the steps after warmup starts right after warmup
+    c = _opt(schedule="wsd", decay_fraction=1.0, warmup_steps=1)
+    assert [lr_at(s, c, 4) for s in range(4)] == pytest.approx([1.0, 1.0, 0.7, 0.4], abs=1e-15)
+
+
+def test_constant_schedule_and_no_warmup():
+    c = _opt(schedule="constant", warmup_steps=4)
+    assert [lr_at(s, c, 6) for s in range(8)] == pytest.approx([0.25, 0.5, 0.75, 1, 1, 1, 1, 1])
+    assert lr_at(0, _opt(warmup_steps=0), 4) == 1.0
+    with pytest.raises(ValueError, match="optimizer.schedule='linear'"):
+        lr_at(3, _opt(schedule="linear"), 10)
+    with pytest.raises(ValueError, match="step=-1"):
+        lr_at(-1, _opt(), 10)
+
+
+def test_scheduler_sets_group_lr_and_resumes():
+    model = nn.Linear(3, 2)
+    opt = AdamW(model.parameters(), lr=123.0)
+    sched = LRScheduler(opt, _opt(), 10)
+    seen = []
+    for _ in range(5):
+        seen.append(opt.param_groups[0]["lr"])
+        sched.step()
+    assert seen == [lr_at(s, _opt(), 10) for s in range(5)]
+    again = LRScheduler(AdamW(model.parameters()), _opt(), 10)
+    again.load_state_dict(sched.state_dict())
+    assert again.get_last_lr() == lr_at(5, _opt(), 10) == sched.get_last_lr()
+    with pytest.raises(ValueError, match="step=-2"):
+        again.load_state_dict({"step": -2})
+
+
+# --------------------------------------------------------------------------- param groups
+
+def _dense_config(tp=1, sp=False, distributed=False, qk_norm=True):
+    config = Config()
+    config.model = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                               ffn_hidden_size=32, seq_length=SEQ, qk_norm=qk_norm, init_std=0.1)
+    config.moe.moe_layer_freq = 0
+    config.parallel.tp = tp
+    config.parallel.sequence_parallel = sp
+    config.optimizer = OptimizerConfig(lr=2e-2, min_lr=2e-3, weight_decay=0.1, warmup_steps=1, clip_grad=0.5,
+                                       distributed=distributed)
+    config.train.steps = STEPS
+    return config
+
+
+def test_no_decay_on_norms_and_biases():
+    model = build_model(_dense_config(), ProcessGroups.single_process())
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(n.endswith("norm.weight") for n in no_decay["names"])
+    assert len(no_decay["names"]) == 2 * 4 + 1  # per layer: attn, mlp, q and k norms; the final norm
+    assert set(decay["names"]) == {n for n, p in model.named_parameters() if p.dim() == 2}
+    lin = nn.Linear(4, 3)
+    decay, no_decay = param_groups(lin, 0.5)
+    assert decay["names"] == ["weight"] and no_decay["names"] == ["bias"]
+
+
+def test_router_expert_bias_is_a_buffer_not_a_param():
+    config = Config().moe
+    config.score_function, config.expert_bias = "sigmoid", True
+    router = Router(config, 16, ProcessGroups.single_process())
+    names = [n for g in param_groups(router, 0.1) for n in g["names"]]
+    assert names == ["weight"]
+    assert "expert_bias" in dict(router.named_buffers()) and "expert_bias" in router.state_dict()
+
+
+# --------------------------------------------------------------------------- AdamW vs torch
+
+def _toy():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))
+
+
+def _toy_steps(model, opt, lrs, on_step=None):
+    gen = torch.Generator().manual_seed(1)
+    for lr in lrs:
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x = torch.randn(7, 6, generator=gen)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def test_adamw_equals_torch_adamw_bit_for_bit():
+    ours, ref = _toy(), _toy()
+    groups = param_groups(ours, 0.1)
+    ref_groups = [{"params": list(g["params"]), "weight_decay": g["weight_decay"]} for g in param_groups(ref, 0.1)]
+    for g, r in zip(groups, ref_groups):
+        r["params"] = [dict(ref.named_parameters())[n] for n in g["names"]]
+    opt = AdamW(groups, lr=0.0, betas=(0.9, 0.95), eps=1e-8)
+    torch_opt = torch.optim.AdamW(ref_groups, lr=0.0, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    lrs = [3e-2, 1e-2, 5e-3, 5e-3, 1e-3]
+    _toy_steps(ours, opt, lrs)
+    _toy_steps(ref, torch_opt, lrs)
+    assert opt.step_count == 5
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+        assert torch.equal(opt.state[p]["exp_avg"], torch_opt.state[q]["exp_avg"]), name
+        assert torch.equal(opt.state[p]["exp_avg_sq"], torch_opt.state[q]["exp_avg_sq"]), name
+    # torch's default on CPU is the same single-tensor path
+    default = _toy()
+    _toy_steps(default, torch.optim.AdamW(default.parameters(), lr=0.0, betas=(0.9, 0.95), weight_decay=0.1), lrs)
+    plain = _toy()
+    _toy_steps(plain, AdamW(plain.parameters(), lr=0.0, betas=(0.9, 0.95), weight_decay=0.1), lrs)
+    for p, q in zip(plain.parameters(), default.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_missing_grad_steps_as_zero_grad():
+    p = nn.Parameter(torch.tensor([1.0, -2.0]))
+    q = nn.Parameter(p.detach().clone())
+    ours = AdamW([p], lr=0.1, weight_decay=0.5)
+    ref = torch.optim.AdamW([q], lr=0.1, weight_decay=0.5, foreach=False)
+    q.grad = torch.zeros(2)
+    ours.step()
+    ref.step()
+    assert torch.equal(p, q) and not torch.equal(p, torch.tensor([1.0, -2.0]))
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="betas=.*must both be in"):
+        AdamW([nn.Parameter(torch.ones(1))], betas=(1.0, 0.9))
+    with pytest.raises(ValueError, match="distributed=True needs groups"):
+        AdamW([nn.Parameter(torch.ones(1))], distributed=True)
+    with pytest.raises(ValueError, match="parallel=None"):
+        AdamW([nn.Parameter(torch.ones(1))], distributed=True, groups=ProcessGroups.single_process())
+    with pytest.raises(ValueError, match="clip_grad=-1"):
+        apply_gradients([], AdamW([nn.Parameter(torch.ones(1))]), ProcessGroups.single_process(), -1)
+
+
+# --------------------------------------------------------------------------- training steps
+
+def _batch(step):
+    gen = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    mask = (torch.rand(BATCH, SEQ, generator=gen) > 0.2).float()
+    return ids, labels, mask
+
+
+def _train(config, groups, optimizer_factory=None, micro=2):
+    """STEPS steps of ``config`` in ``groups``: each dp rank takes its rows, in ``micro``
+    accumulated micro-batches. Returns the model, optimizer and the losses."""
+    model = build_model(config, groups)
+    opt = optimizer_factory(model) if optimizer_factory else build_optimizer(model, config.optimizer, groups)
+    sched = build_scheduler(opt, config)
+    dp, me = groups.size("dp_cp"), groups.rank_in("dp_cp")
+    losses = []
+    for step in range(STEPS):
+        ids, labels, mask = (t.chunk(dp)[me] for t in _batch(step))
+        total = _batch(step)[2].sum()
+        loss = 0.0
+        for rows in torch.arange(ids.shape[0]).chunk(micro):
+            part = model(ids[rows], labels[rows], loss_mask=mask[rows], num_loss_tokens=total)
+            part.backward()
+            loss += part.item()
+        # the global-batch loss: the mean of the dp x cp ranks' scaled losses
+        losses.append(all_reduce_(torch.tensor([loss], dtype=torch.float64), groups.dp_cp).item() / dp)
+        apply_gradients(model.parameters(), opt, groups, config.optimizer.clip_grad)
+        opt.zero_grad()
+        sched.step()
+    return model, opt, losses
+
+
+def _global_params(model, groups):
+    return {name: full_tensor(p.detach(), shard_info(p, groups, name), groups)
+            for name, p in model.named_parameters()}
+
+
+def test_accumulated_micro_batches_step_like_the_full_batch():
+    config = _dense_config()
+    one, _, _ = _train(config, ProcessGroups.single_process(), micro=1)
+    acc, _, _ = _train(config, ProcessGroups.single_process(), micro=2)
+    start = build_model(config, ProcessGroups.single_process())
+    for (name, p), q, s in zip(one.named_parameters(), acc.parameters(), start.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert not torch.equal(p, s), name  # every parameter moved
+
+
+def _zero_rank(rank, world_size, cases):
+    out = []
+    for tp, sp in cases:
+        groups = create_process_groups(ParallelLayout(world_size, tp=tp))
+        result = {}
+        for variant in ("plain", "zero", "zero_small_buckets"):
+            config = _dense_config(tp=tp, sp=sp, distributed=variant != "plain")
+            factory = None
+            if variant == "zero_small_buckets":
+                o = config.optimizer
+                # buckets of 700 elements cut parameters mid-tensor and leave uneven last chunks
+                factory = lambda m, o=o: AdamW(param_groups(m, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
+                                               eps=o.eps, groups=groups, distributed=True, bucket_numel=700)
+            model, opt, losses = _train(config, groups, factory)
+            if variant != "plain":
+                held = sum(opt.state[p]["exp_avg"].numel() for p in model.parameters())
+                local = sum(p.numel() for p in model.parameters())
+                # each rank holds about 1/dp of the moments
+                assert held <= local // groups.size("dp_cp") + 2 * len(list(model.parameters())) * 700
+                assert held < local
+            result[variant] = ({k: v.numpy() for k, v in _global_params(model, groups).items()}, losses)
+        out.append(result)
+    return out
+
+
+@pytest.mark.parametrize("world_size,cases", [(2, [(1, False)]), (4, [(2, True), (2, False)])])
+def test_distributed_optimizer_equals_plain_adamw(world_size, cases):
+    results = run_ranks(_zero_rank, world_size, cases, timeout=240)
+    for (tp, sp), case_result in zip(cases, results[0]):
+        ref_model, _, ref_losses = _train(_dense_config(), ProcessGroups.single_process())
+        ref = {n: p.detach() for n, p in ref_model.named_parameters()}
+        plain, plain_losses = case_result["plain"]
+        for variant in ("zero", "zero_small_buckets"):
+            params, losses = case_result[variant]
+            assert losses == plain_losses, (tp, sp, variant)
+            for name, value in params.items():
+                assert (value == plain[name]).all(), (tp, sp, variant, name)
+        for name, value in plain.items():
+            torch.testing.assert_close(torch.from_numpy(value), ref[name], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"tp={tp} sp={sp} {name}: {m}")
+        assert plain_losses == pytest.approx(ref_losses, rel=1e-5)
+    for r in results[1:]:  # every rank ends with the same global model
+        for a, b in zip(r, results[0]):
+            for name in a["zero"][0]:
+                assert (a["zero"][0][name] == b["zero"][0][name]).all()
