@@ -330,6 +330,11 @@ def test_triton_permute_backend():
     check_plan(1, [({}, cases)], [results])
 
 
+def test_one_gloo_rank():
+    # Real process groups of size 1: the collectives must be skipped, not run.
+    run_matrix(1, [(dict(ep=1), 4)])
+
+
 def test_two_ranks():
     # ep 2; etp 2 (ep 1); ep 1 with edp 2 (each rank on its own).
     run_matrix(2, [(dict(ep=2), 4), (dict(ep=1, tp=2, etp=2), 2), (dict(ep=1), 2)])
