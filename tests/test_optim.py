@@ -80,12 +80,21 @@ def test_scheduler_sets_group_lr_and_resumes():
 
 # --------------------------------------------------------------------------- param groups
 
-def _dense_config(tp=1, sp=False, distributed=False, qk_norm=True):
+def _config(tp=1, sp=False, distributed=False, ep=1, etp=None, moe=False):
+    """A tiny model: dense, or (``moe``) a dense first layer then an MoE layer with a gated
+    shared expert and 4 experts. No aux losses: the loss is then the same in every layout."""
     config = Config()
     config.model = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                               ffn_hidden_size=32, seq_length=SEQ, qk_norm=qk_norm, init_std=0.1)
-    config.moe.moe_layer_freq = 0
-    config.parallel.tp = tp
+                               ffn_hidden_size=32, seq_length=SEQ, qk_norm=True, init_std=0.1)
+    if moe:
+        config.moe.num_experts, config.moe.topk, config.moe.ffn_hidden_size = 4, 2, 16
+        config.moe.first_k_dense = 1
+        config.moe.shared_expert_ffn_hidden_size, config.moe.shared_expert_gate = 16, True
+        config.moe.score_function, config.moe.expert_bias = "sigmoid", True
+        config.moe.aux_loss_coeff = 0.0
+    else:
+        config.moe.moe_layer_freq = 0
+    config.parallel.tp, config.parallel.ep, config.parallel.etp = tp, ep, etp
     config.parallel.sequence_parallel = sp
     config.optimizer = OptimizerConfig(lr=2e-2, min_lr=2e-3, weight_decay=0.1, warmup_steps=1, clip_grad=0.5,
                                        distributed=distributed)
@@ -94,7 +103,7 @@ def _dense_config(tp=1, sp=False, distributed=False, qk_norm=True):
 
 
 def test_no_decay_on_norms_and_biases():
-    model = build_model(_dense_config(), ProcessGroups.single_process())
+    model = build_model(_config(), ProcessGroups.single_process())
     decay, no_decay = param_groups(model, 0.1)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(n.endswith("norm.weight") for n in no_decay["names"])
@@ -219,7 +228,7 @@ def _global_params(model, groups):
 
 
 def test_accumulated_micro_batches_step_like_the_full_batch():
-    config = _dense_config()
+    config = _config()
     one, _, _ = _train(config, ProcessGroups.single_process(), micro=1)
     acc, _, _ = _train(config, ProcessGroups.single_process(), micro=2)
     start = build_model(config, ProcessGroups.single_process())
@@ -230,11 +239,13 @@ def test_accumulated_micro_batches_step_like_the_full_batch():
 
 def _zero_rank(rank, world_size, cases):
     out = []
-    for tp, sp in cases:
-        groups = create_process_groups(ParallelLayout(world_size, tp=tp))
+    for case in cases:
+        config = _config(**case)
+        p = config.parallel
+        groups = create_process_groups(ParallelLayout(world_size, tp=p.tp, ep=p.ep, etp=p.etp))
         result = {}
         for variant in ("plain", "zero", "zero_small_buckets"):
-            config = _dense_config(tp=tp, sp=sp, distributed=variant != "plain")
+            config = _config(**case, distributed=variant != "plain")
             factory = None
             if variant == "zero_small_buckets":
                 o = config.optimizer
@@ -245,29 +256,36 @@ def _zero_rank(rank, world_size, cases):
             if variant != "plain":
                 held = sum(opt.state[p]["exp_avg"].numel() for p in model.parameters())
                 local = sum(p.numel() for p in model.parameters())
-                # each rank holds about 1/dp of the moments
-                assert held <= local // groups.size("dp_cp") + 2 * len(list(model.parameters())) * 700
-                assert held < local
+                # each rank holds its share of the moments: 1/dp_cp of the dense, 1/edp of the experts
+                share = sum(p.numel() / groups.size("edp" if p.parallel == "expert" else "dp_cp")
+                            for p in model.parameters())
+                assert abs(held - share) <= 700 * 3, (held, share, local)
             result[variant] = ({k: v.numpy() for k, v in _global_params(model, groups).items()}, losses)
         out.append(result)
     return out
 
 
-@pytest.mark.parametrize("world_size,cases", [(2, [(1, False)]), (4, [(2, True), (2, False)])])
+@pytest.mark.parametrize("world_size,cases", [
+    (2, [dict(tp=1)]),
+    (4, [dict(tp=2, sp=True), dict(tp=2), dict(ep=2, moe=True), dict(tp=2, sp=True, ep=2, etp=1, moe=True)]),
+])
 def test_distributed_optimizer_equals_plain_adamw(world_size, cases):
     results = run_ranks(_zero_rank, world_size, cases, timeout=240)
-    for (tp, sp), case_result in zip(cases, results[0]):
-        ref_model, _, ref_losses = _train(_dense_config(), ProcessGroups.single_process())
+    for case, case_result in zip(cases, results[0]):
+        ref_model, _, ref_losses = _train(_config(moe=case.get("moe", False)), ProcessGroups.single_process())
         ref = {n: p.detach() for n, p in ref_model.named_parameters()}
         plain, plain_losses = case_result["plain"]
         for variant in ("zero", "zero_small_buckets"):
             params, losses = case_result[variant]
-            assert losses == plain_losses, (tp, sp, variant)
+            assert losses == plain_losses, (case, variant)
             for name, value in params.items():
-                assert (value == plain[name]).all(), (tp, sp, variant, name)
+                assert (value == plain[name]).all(), (case, variant, name)
+        # Against one process the grads differ in rounding; Adam's early steps are about
+        # lr * sign(grad), so an element whose grad is near zero may move differently:
+        # allow 1% of lr there.
         for name, value in plain.items():
-            torch.testing.assert_close(torch.from_numpy(value), ref[name], rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"tp={tp} sp={sp} {name}: {m}")
+            torch.testing.assert_close(torch.from_numpy(value), ref[name], rtol=1e-4, atol=2e-4,
+                                       msg=lambda m: f"{case} {name}: {m}")
         assert plain_losses == pytest.approx(ref_losses, rel=1e-5)
     for r in results[1:]:  # every rank ends with the same global model
         for a, b in zip(r, results[0]):
