@@ -21,19 +21,24 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def swiglu_forward_torch(x: torch.Tensor, probs: Optional[torch.Tensor]) -> torch.Tensor:
-    """``[N, 2F] -> [N, F]`` without autograd bookkeeping."""
+    """``[N, 2F] -> [N, F]`` without autograd bookkeeping (one [N, F] allocation for float32)."""
     cd = _compute_dtype(x.dtype)
     gate, up = x.to(cd).chunk(2, dim=-1)
-    out = torch.nn.functional.silu(gate) * up
+    out = torch.nn.functional.silu(gate)
+    out.mul_(up)
     if probs is not None:
-        out = out * probs.to(cd).unsqueeze(-1)
+        out.mul_(probs.to(cd).unsqueeze(-1))
     return out.to(x.dtype)
 
 
 def swiglu_backward_torch(grad: torch.Tensor, x: torch.Tensor,
                           probs: Optional[torch.Tensor]
                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Grads of ``x`` ([N, 2F]) and ``probs`` ([N]) from ``grad`` ([N, F])."""
+    """Grads of ``x`` ([N, 2F]) and ``probs`` ([N]) from ``grad`` ([N, F]).
+
+    With ``s = sigmoid(gate)``: ``d silu / d gate = s + silu * (1 - s)``. In-place
+    steps keep the [N, F] temporaries few.
+    """
     cd = _compute_dtype(x.dtype)
     gate, up = x.to(cd).chunk(2, dim=-1)
     g = grad.to(cd)
@@ -41,11 +46,14 @@ def swiglu_backward_torch(grad: torch.Tensor, x: torch.Tensor,
     silu = gate * sig
     grad_probs = None
     if probs is not None:
-        grad_probs = (g * silu * up).sum(-1).to(probs.dtype)
+        grad_probs = (g * silu).mul_(up).sum(-1).to(probs.dtype)
         g = g * probs.to(cd).unsqueeze(-1)
-    grad_gate = g * up * sig * (1 + gate * (1 - sig))
-    grad_up = g * silu
-    return torch.cat([grad_gate, grad_up], dim=-1).to(x.dtype), grad_probs
+    grad_x = torch.empty(x.shape, dtype=cd, device=x.device)
+    grad_gate, grad_up = grad_x.chunk(2, dim=-1)
+    torch.mul(g, silu, out=grad_up)
+    dsilu = silu.mul_(1 - sig).add_(sig)  # reuses silu's buffer
+    torch.mul(g, up, out=grad_gate).mul_(dsilu)
+    return grad_x.to(x.dtype), grad_probs
 
 
 class _SwiGLU(torch.autograd.Function):

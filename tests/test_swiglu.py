@@ -95,3 +95,12 @@ def test_bad_arguments():
         swiglu(torch.randn(3, 4), torch.rand(4))
     with pytest.raises(ValueError, match="backend='cuda'"):
         swiglu(torch.randn(3, 4), backend="cuda")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leading_dims(backend):
+    x = torch.randn(2, 3, 8)
+    p = torch.rand(2, 3)
+    out = swiglu(x, p, backend=backend)
+    assert out.shape == (2, 3, 4)
+    torch.testing.assert_close(out, swiglu(x.reshape(6, 8), p.reshape(6)).reshape(2, 3, 4))
