@@ -9,7 +9,10 @@ returns one output:
 - middle chunks map hidden states ``tensor_shape``/``dtype`` to hidden states of the
   same shape (every micro-batch and every stage boundary has that one shape);
 - the chunk of the last virtual stage returns the micro-batch's loss, a scalar, or
-  something ``loss_fn(output, microbatches[i])`` turns into that scalar.
+  something ``loss_fn(output, microbatches[i])`` turns into that scalar;
+- with ``side_inputs``, every chunk also gets the keyword arguments
+  ``side_inputs(microbatches[i])``: per-micro-batch data that middle stages need too
+  (positions, sequence boundaries for varlen attention, masks).
 
 The schedule back-propagates each micro-batch's loss with gradient 1, so the loss must
 already carry its share of the average (e.g. divided by the number of micro-batches).
@@ -89,7 +92,8 @@ def _device(chunks: Sequence[nn.Module]) -> torch.device:
 
 def run_schedule(chunks: Sequence[nn.Module], microbatches: Sequence[Any], groups: ProcessGroups, *,
                  tensor_shape: Sequence[int], dtype: torch.dtype = torch.float32, schedule: str = "1f1b",
-                 loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, forward_only: bool = False,
+                 loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+                 side_inputs: Optional[Callable[[Any], dict[str, Any]]] = None, forward_only: bool = False,
                  device: Optional[torch.device] = None) -> torch.Tensor:
     """Run forward and backward of every micro-batch through the pipeline.
 
@@ -97,7 +101,8 @@ def run_schedule(chunks: Sequence[nn.Module], microbatches: Sequence[Any], group
     ``c*pp + rank_in("pp")``; one chunk for ``"1f1b"``, ``vpp >= 2`` for
     ``"interleaved"`` (the schedule's vpp is ``len(chunks)``). ``microbatches``: one entry
     per micro-batch, the same count on every pp rank; only the ranks of the first and last
-    stage read the entries (others may pass ``[None] * m``). ``tensor_shape``/``dtype``: the hidden states between chunks.
+    stage read the entries (others may pass ``[None] * m``), or every rank with
+    ``side_inputs``. ``tensor_shape``/``dtype``: the hidden states between chunks.
     ``forward_only``: no backward, no graph (evaluation). ``device``: where received
     tensors go (default: the chunks' parameters' device).
 
@@ -138,7 +143,8 @@ def run_schedule(chunks: Sequence[nn.Module], microbatches: Sequence[Any], group
             if not forward_only:
                 x.requires_grad_(True)
         with torch.set_grad_enabled(not forward_only):
-            y = chunks[stage // pp](x)
+            kwargs = side_inputs(microbatches[mb]) if side_inputs is not None else {}
+            y = chunks[stage // pp](x, **kwargs)
             if stage == stages - 1:
                 y = loss_fn(y, microbatches[mb]) if loss_fn is not None else y
                 if not isinstance(y, torch.Tensor) or y.numel() != 1:

@@ -23,6 +23,16 @@ HIDDEN, VOCAB, EXPERTS, BATCH, SEQ = 8, 11, 4, 2, 3
 AUX_COEF = 0.3
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The tiny single-process references run many small ops: on a busy machine, threads
+    that wait for each other cost far more than they save (x40 measured here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class _AttachAux(torch.autograd.Function):
     """Identity on ``x``; its backward also sends gradient ``scale`` into ``aux``."""
 
@@ -75,11 +85,13 @@ class ToyChunk(nn.Module):
             else:
                 self.head = nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(2)))
 
-    def forward(self, x):
+    def forward(self, x, gain=None):
         if self.embed is not None:
             x = self.embed[x["ids"]]  # [b, s] -> [b, s, h]
         for layer in self.layers:
             x = layer(x)
+            if gain is not None:  # a per-micro-batch side input every stage needs
+                x = x * gain
         if self.head is not None:
             x = x @ self.head.t()  # [b, s, h] -> [b, s, vocab]
         return x
@@ -99,20 +111,25 @@ class ToyChunk(nn.Module):
 def _microbatches(m, seed):
     gen = torch.Generator().manual_seed(seed)
     return [{"ids": torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
-             "labels": torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)} for _ in range(m)]
+             "labels": torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
+             "gain": 0.5 + torch.rand((), generator=gen)} for _ in range(m)]
+
+
+def _gain(mb):
+    return {"gain": mb["gain"]}
 
 
 def _loss_fn(m):
     return lambda logits, mb: F.cross_entropy(logits.reshape(-1, VOCAB), mb["labels"].reshape(-1)) / m
 
 
-def _reference(m, seed, tied, num_layers):
+def _reference(m, seed, tied, num_layers, side=False):
     """The single-process model: micro-batches one after another, losses and grads."""
     model = ToyChunk(range(num_layers), True, True, AUX_COEF / m, tied)
     loss_fn = _loss_fn(m)
     losses = []
     for mb in _microbatches(m, seed):
-        loss = loss_fn(model(mb), mb)
+        loss = loss_fn(model(mb, **(_gain(mb) if side else {})), mb)
         loss.backward()
         losses.append(loss.detach().double())
     grads = model.named_grads()
@@ -138,7 +155,8 @@ def _run_case(groups, emb_group, case):
     forward_only = case.get("forward_only", False)
     with count_bytes() as sent:
         losses = run_schedule(chunks, _microbatches(m, seed), groups, tensor_shape=(BATCH, SEQ, HIDDEN),
-                              schedule=schedule, loss_fn=_loss_fn(m), forward_only=forward_only)
+                              schedule=schedule, loss_fn=_loss_fn(m), forward_only=forward_only,
+                              side_inputs=_gain if case.get("side", False) else None)
     if pp > 1:
         # The pp traffic is the plan's messages from this rank plus the loss all-reduce.
         plan = make_plan(schedule, pp, vpp, m, forward_only)
@@ -188,7 +206,7 @@ def _check(outputs, cases):
         for k, case in enumerate(cases):
             results = [_from_portable(outputs[r]["results"][k]) for r in ranks]
             ref_losses, ref_grads = _reference(case["m"], results[0]["seed"], case.get("tied", False),
-                                               case["num_layers"])
+                                               case["num_layers"], case.get("side", False))
             for res in results:
                 torch.testing.assert_close(res["losses"], ref_losses, msg=lambda s: f"{case}: losses {s}")
             if case.get("forward_only", False):
@@ -206,14 +224,16 @@ def _check(outputs, cases):
 
 
 def _cases(pp):
-    """Both schedules over several micro-batch counts, tied embeddings, forward only and
-    uneven layer splits; ``2 * pp`` layers unless a case says otherwise."""
+    """Both schedules over several micro-batch counts, tied embeddings, forward only, side
+    inputs and uneven layer splits; ``2 * pp`` layers unless a case says otherwise."""
     cases = [{"schedule": "1f1b", "vpp": 1, "m": m} for m in (1, 3, 4, 8)]
     cases += [{"schedule": "interleaved", "vpp": 2, "m": m} for m in (pp, 2 * pp if pp > 2 else 3 * pp)]
     cases += [
         {"schedule": "1f1b", "vpp": 1, "m": 3, "tied": True},
         {"schedule": "interleaved", "vpp": 2, "m": pp, "tied": True},
         {"schedule": "1f1b", "vpp": 1, "m": 3, "forward_only": True},
+        {"schedule": "1f1b", "vpp": 1, "m": 3, "side": True},
+        {"schedule": "interleaved", "vpp": 2, "m": 2 * pp, "side": True},
         {"schedule": "interleaved", "vpp": 2, "m": pp, "forward_only": True},
         {"schedule": "1f1b", "vpp": 1, "m": 4, "pp_layers": [1, 3] if pp == 2 else [3, 1, 2, 2]},
         {"schedule": "interleaved", "vpp": 2, "m": pp, "num_layers": 2 * pp + 1,
