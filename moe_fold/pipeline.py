@@ -38,6 +38,7 @@ shared weight and stay equal step after step.
 from __future__ import annotations
 
 import datetime
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -83,6 +84,10 @@ def stage_layers(num_layers: int, pp: int, vpp: int = 1,
     return out
 
 
+# A training loop asks for the same plan every step; plans are never modified.
+_plan = functools.lru_cache(maxsize=16)(make_plan)
+
+
 def _device(chunks: Sequence[nn.Module]) -> torch.device:
     for chunk in chunks:
         for p in chunk.parameters():
@@ -120,7 +125,7 @@ def run_schedule(chunks: Sequence[nn.Module], microbatches: Sequence[Any], group
     stages = pp * vpp
     shape = tuple(int(d) for d in tensor_shape)
     device = device if device is not None else _device(chunks)
-    plan = make_plan(schedule, pp, vpp, m, forward_only)
+    plan = _plan(schedule, pp, vpp, m, forward_only)
 
     inputs: dict[tuple[int, int], torch.Tensor] = {}  # (micro-batch, stage) -> its input
     out_grads: dict[tuple[int, int], torch.Tensor] = {}  # (micro-batch, stage) -> grad of its output

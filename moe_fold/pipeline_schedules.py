@@ -212,11 +212,13 @@ def make_plan(schedule: str, pp: int, vpp: int, num_microbatches: int, forward_o
             stuck = {r: units[r][nxt[r]] for r in range(pp) if nxt[r] < len(units[r])}
             raise RuntimeError(f"{schedule} order with pp={pp}, vpp={vpp}, num_microbatches={num_microbatches} "
                                f"deadlocks at {stuck}")
-    sent: dict[int, list[Message]] = {}  # exchange time -> messages, at the end of their unit
+    # Per rank: exchange time -> the messages it sends or receives then (the end of their unit).
+    exchanges: list[dict[int, list[Message]]] = [{} for _ in range(pp)]
     for step, t in delivered.items():
         msg = _message(step, stages, pp)
         if msg is not None:
-            sent.setdefault(t, []).append(msg)
+            exchanges[msg.src].setdefault(t, []).append(msg)
+            exchanges[msg.dst].setdefault(t, []).append(msg)
     programs: list[list[Union[Step, Exchange]]] = []
     for r in range(pp):
         # An exchange at time t comes after the steps that end by t and before those that
@@ -226,10 +228,7 @@ def make_plan(schedule: str, pp: int, vpp: int, num_microbatches: int, forward_o
         events: list[tuple[int, int, Union[Step, Exchange]]] = []
         for unit in units[r]:
             events += [(times[step][0], 1, step) for step in unit]
-        for t in sorted(sent):
-            mine = tuple(sorted((msg for msg in sent[t] if r in (msg.src, msg.dst)), key=_message_key))
-            if mine:
-                events.append((t, 0, Exchange(t, mine)))
+        events += [(t, 0, Exchange(t, tuple(sorted(msgs, key=_message_key)))) for t, msgs in exchanges[r].items()]
         events.sort(key=lambda e: (e[0], e[1]))
         programs.append([item for _, _, item in events])
     return Plan(pp, vpp, num_microbatches, forward_only, programs, times, max(free))
