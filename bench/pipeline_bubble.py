@@ -136,7 +136,7 @@ def main():
                     "total_ms": round(1000 * max(ranks[r][m]["total"] for r in range(pp)), 1),
                     "idle_fraction": round(statistics.mean(idle), 4),
                     "idle_fraction_max": round(max(idle), 4),
-                    "idle_fraction_plan": round(1 - statistics.mean(plan.busy(r) for r in range(pp)) / plan.makespan, 4),
+                    "idle_fraction_plan": round(1 - statistics.mean(map(plan.busy, range(pp))) / plan.makespan, 4),
                     "idle_fraction_theory": round((pp - 1) / (vpp * m + pp - 1), 4),
                     "bubble_over_ideal_theory": round((pp - 1) / (vpp * m), 4),
                     "exchanges_per_rank": max(sum(isinstance(x, Exchange) for x in p) for p in plan.programs),
