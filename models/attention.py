@@ -34,7 +34,8 @@ class Attention(nn.Module):
         q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
         std = config.init_std
         self.qkv = ColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size], tp_group,
-                                        sequence_parallel, std=std, seed=init_seed(seed, f"{name}.qkv"))
+                                        sequence_parallel, std=std, seed=init_seed(seed, f"{name}.qkv"),
+                                        bias=config.qkv_bias)
         self.proj = RowParallelLinear(q_size, config.hidden_size, tp_group, sequence_parallel,
                                       std=std, seed=init_seed(seed, f"{name}.proj"))
         self.qk_norm = config.qk_norm

@@ -42,6 +42,8 @@ class ModelConfig:
     norm_eps: float = 1e-6
     # Qwen3-style RMSNorm on each query and key head.
     qk_norm: bool = False
+    # Biases on the q, k and v projections (Qwen2-MoE).
+    qkv_bias: bool = False
     tie_embeddings: bool = False
     init_std: float = 0.02
 
