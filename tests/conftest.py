@@ -1,7 +1,16 @@
 import os
 import sys
 
-# Tests import helpers from this folder (``from multirank import ...``) and keep the
-# Triton kernels on the CPU interpreter: the suite runs where there is no GPU.
+# Tests import helpers from this folder and keep the Triton kernels on the CPU
+# interpreter: the suite runs where there is no GPU.
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Idle OpenMP workers that spin while they wait starve the busy thread on a small shared
+# CPU; must be set before torch starts its thread pool.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+# One thread in the test process: multi-rank tests run their ranks beside it (one thread
+# each), and tiny single-process references gain nothing from a second thread.
+torch.set_num_threads(1)
