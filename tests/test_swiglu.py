@@ -104,3 +104,19 @@ def test_leading_dims(backend):
     out = swiglu(x, p, backend=backend)
     assert out.shape == (2, 3, 4)
     torch.testing.assert_close(out, swiglu(x.reshape(6, 8), p.reshape(6)).reshape(2, 3, 4))
+
+
+def test_kernels_compile_for_gpu():
+    from test_permute import compile_for_sm90
+
+    specs = []
+    for has_probs in (True, False):
+        consts = {"HAS_PROBS": has_probs, "ACC": "float32", "BLOCK_F": 1024}
+        specs.append(["_swiglu_fwd_kernel",
+                      {"x_ptr": "*bf16", "probs_ptr": "*fp32", "out_ptr": "*bf16", "F": "i32",
+                       "stride_x": "i32", "stride_out": "i32"}, consts])
+        specs.append(["_swiglu_bwd_kernel",
+                      {"grad_ptr": "*bf16", "x_ptr": "*bf16", "probs_ptr": "*fp32",
+                       "grad_x_ptr": "*bf16", "grad_probs_ptr": "*fp32", "F": "i32",
+                       "stride_grad": "i32", "stride_x": "i32", "stride_grad_x": "i32"}, consts])
+    compile_for_sm90("moe_fold.kernels.swiglu_triton", specs)

@@ -134,3 +134,23 @@ def test_same_as_router_torch_path(score, pre_softmax, dtype):
         assert torch.equal(rmap, ref_map)
         torch.testing.assert_close(probs, ref_probs)
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_kernels_compile_for_gpu():
+    from test_permute import compile_for_sm90
+
+    specs = []
+    for score, pre_softmax in MODES:
+        for k in (1, 2):
+            consts = {"K": k, "SIGMOID": score == "sigmoid", "PRE_SOFTMAX": pre_softmax,
+                      "ACC": "float32", "BLOCK_E": 64}
+            specs.append(["_topk_fwd_kernel",
+                          {"logits_ptr": "*bf16", "probs_ptr": "*fp32", "map_ptr": "*i8",
+                           "E": "i32", "stride_l": "i32", "stride_p": "i32", "stride_m": "i32"},
+                          consts])
+            specs.append(["_topk_bwd_kernel",
+                          {"grad_ptr": "*fp32", "logits_ptr": "*bf16", "probs_ptr": "*fp32",
+                           "map_ptr": "*i8", "grad_logits_ptr": "*bf16", "E": "i32",
+                           "stride_g": "i32", "stride_l": "i32", "stride_p": "i32",
+                           "stride_m": "i32", "stride_gl": "i32"}, consts])
+    compile_for_sm90("moe_fold.kernels.topk_triton", specs)
