@@ -198,27 +198,29 @@ def _batch(step):
     return ids, labels, mask
 
 
+def _step(model, opt, sched, groups, step, clip, micro=2):
+    """One training step on ``_batch(step)``: this dp rank's rows in ``micro`` accumulated
+    micro-batches. Returns the global-batch loss (the mean of the dp x cp ranks' scaled losses)."""
+    dp, me = groups.size("dp_cp"), groups.rank_in("dp_cp")
+    ids, labels, mask = (t.chunk(dp)[me] for t in _batch(step))
+    total = _batch(step)[2].sum()
+    loss = 0.0
+    for rows in torch.arange(ids.shape[0]).chunk(micro):
+        part = model(ids[rows], labels[rows], loss_mask=mask[rows], num_loss_tokens=total)
+        part.backward()
+        loss += part.item()
+    apply_gradients(model.parameters(), opt, groups, clip)
+    opt.zero_grad()
+    sched.step()
+    return all_reduce_(torch.tensor([loss], dtype=torch.float64), groups.dp_cp).item() / dp
+
+
 def _train(config, groups, optimizer_factory=None, micro=2):
-    """STEPS steps of ``config`` in ``groups``: each dp rank takes its rows, in ``micro``
-    accumulated micro-batches. Returns the model, optimizer and the losses."""
+    """STEPS steps of ``config`` in ``groups``. Returns the model, optimizer and the losses."""
     model = build_model(config, groups)
     opt = optimizer_factory(model) if optimizer_factory else build_optimizer(model, config.optimizer, groups)
     sched = build_scheduler(opt, config)
-    dp, me = groups.size("dp_cp"), groups.rank_in("dp_cp")
-    losses = []
-    for step in range(STEPS):
-        ids, labels, mask = (t.chunk(dp)[me] for t in _batch(step))
-        total = _batch(step)[2].sum()
-        loss = 0.0
-        for rows in torch.arange(ids.shape[0]).chunk(micro):
-            part = model(ids[rows], labels[rows], loss_mask=mask[rows], num_loss_tokens=total)
-            part.backward()
-            loss += part.item()
-        # the global-batch loss: the mean of the dp x cp ranks' scaled losses
-        losses.append(all_reduce_(torch.tensor([loss], dtype=torch.float64), groups.dp_cp).item() / dp)
-        apply_gradients(model.parameters(), opt, groups, config.optimizer.clip_grad)
-        opt.zero_grad()
-        sched.step()
+    losses = [_step(model, opt, sched, groups, step, config.optimizer.clip_grad, micro) for step in range(STEPS)]
     return model, opt, losses
 
 
