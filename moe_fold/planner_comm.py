@@ -1,0 +1,249 @@
+"""Bytes one rank sends per training step, per group kind, by the counting rules of
+:mod:`moe_fold.comm` (its module docstring): all-gather ``B(shard) (n-1)``, reduce-scatter
+``B(input) - B(own slice)``, all-reduce ``floor(2 (n-1) B / n)``, all-to-all the rows sent
+to other ranks, point-to-point ``B``; forward and backward both count.
+
+A training step is what :func:`moe_fold.train.train` runs per global batch: forward and
+backward of ``m = global_batch / (micro_batch * dp)`` micro-batches, then
+:func:`moe_fold.optim.apply_gradients` (gradient all-reduce in float32 buckets, the global
+norm, the optimizer step, whose distributed variant all-gathers the float32 parameters).
+The loop's logging reductions (loss, token counts, routing statistics) are left out.
+
+Per micro-batch and layer (``X`` the bytes of one ``[s/cp, b, H]`` activation):
+
+- tp, sequence parallel: each column-parallel linear all-gathers its input forward and
+  reduce-scatters its input's grad backward; each row-parallel linear reduce-scatters
+  forward and all-gathers backward: ``X (tp-1)/tp`` each, 4 per column/row pair
+  (attention; dense MLP; shared expert), 2 for the embedding and 2 for the head; plus the
+  vocab-parallel cross entropy's three float32 ``[s/cp, b]`` all-reduces. Without SP: one
+  all-reduce of ``X`` per linear (backward for column, forward for row). Recompute reruns
+  the forward collectives of what it recomputes. moe-fold keeps the gathered input for
+  the weight gradient, so unlike Megatron the backward does not all-gather it again.
+- ep (all-to-all dispatcher): dispatch sends ``sent`` rows and combine sends back the
+  ``received`` ones, both again in the backward: ``2 (sent + received) H a`` bytes, plus
+  the routing probs (router dtype) forward (``sent``) and their grads backward
+  (``received``). Balanced routing: ``sent = received = T topk (ep-1)/ep`` with ``T =
+  s b/(cp tp)`` tokens per rank (the dispatcher's wire accounting,
+  :class:`moe_fold.dispatch.dispatcher.WireBytes`, counts the forward half).
+- etp: all-gather of the ``held`` rows (and probs) after the all-to-all, reduce-scatter of
+  the outputs before it, and their backward counterparts.
+- etp_ep: the per-expert int64 count exchange (forward only; none when padded).
+- tp_cp / tp_dp_cp: the router's loss statistics (float64), per MoE layer.
+- pp: one activation ``[s/(cp g), b, H]`` per virtual-stage boundary forward, its grad
+  backward.
+
+Per step: gradient all-reduce over dp_cp (tp-split and replicated parameters), tp_dp_cp
+(``tp_sum`` ones: norms and router under SP) and edp (experts), in buckets of
+:data:`moe_fold.grads.DEFAULT_BUCKET_NUMEL` float32 elements; the norm's float32 scalars
+over tp, etp_ep and pp; with the distributed optimizer, the float32 parameter all-gather
+(each bucket padded to a multiple of the group size); with tied embeddings over pp, the
+embedding-grad all-reduce between the first and last stage.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from moe_fold.config import Config, dp_size, edp_size, etp_size, vpp_size
+from moe_fold.planner_model import act_bytes, dims, param_manifest, router_bytes, stage_layers
+
+__all__ = ["GRAD_BUCKET_NUMEL", "Routing", "uniform_routing", "moe_layer_bytes", "microbatch_bytes",
+           "step_bytes"]
+
+# moe_fold.grads.DEFAULT_BUCKET_NUMEL, restated so the planner imports no torch.
+GRAD_BUCKET_NUMEL = 1 << 24
+GRAD_BYTES = 4  # gradients are synced (and masters kept) in float32
+
+# gradient-sync kind -> the group whose all-reduce completes it (moe_fold.grads);
+# and the group the distributed optimizer shards it over (moe_fold.optim.SHARD_GROUP).
+_SYNC_GROUP = {"tp": "dp_cp", "replicated": "dp_cp", "tp_sum": "tp_dp_cp", "expert": "edp"}
+_SHARD_GROUP = {"tp": "dp_cp", "replicated": "dp_cp", "tp_sum": "dp_cp", "expert": "edp"}
+
+
+def _all_reduce(nbytes: float, n: int) -> float:
+    if n <= 1:
+        return 0
+    if isinstance(nbytes, int):
+        return 2 * (n - 1) * nbytes // n
+    return 2 * (n - 1) * nbytes / n
+
+
+def _share(nbytes: float, n: int) -> float:
+    """``B (n-1)/n``: an all-gather of ``B/n`` shards, or a reduce-scatter of ``B``."""
+    if isinstance(nbytes, int) and nbytes % n == 0:
+        return nbytes // n * (n - 1)
+    return nbytes * (n - 1) / n
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Rows one rank moves in one MoE layer and micro-batch: ``sent`` to and ``received``
+    from other ep ranks in the all-to-all, ``held`` after it (its own included; the input
+    of the etp all-gather), ``held_etp`` summed over its etp group; ``meta`` bytes of
+    probs (and dedup's routing map) per row."""
+    sent: float
+    received: float
+    held: float
+    held_etp: float
+    meta: int
+
+
+def uniform_routing(config: Config) -> Routing:
+    """The rows of :class:`Routing` when every expert gets the same share of every rank's
+    tokens (the planner's assumption). Dropless: ``topk`` rows per token. Padded: ``C``
+    rows per expert from every rank (``C = ceil(T topk/E * capacity_factor)``). Dedup:
+    one row per token and destination rank, taken by a token with probability ``1 -
+    C(E - E/ep, topk)/C(E, topk)`` (uniform random expert sets)."""
+    d, p, moe = dims(config), config.parallel, config.moe
+    ep, etp = p.ep, etp_size(config)
+    tokens = config.train.micro_batch_size * d.seq // (p.cp * p.tp)
+    rb = router_bytes(config)
+    local = d.experts // ep
+    if moe.pad_to_capacity and moe.capacity_factor is not None:
+        cap = math.ceil((tokens * d.topk / d.experts) * moe.capacity_factor)
+        rows, meta = cap * d.experts, rb
+    elif moe.dedup:
+        rows = tokens * ep * (1 - math.comb(d.experts - local, d.topk) / math.comb(d.experts, d.topk))
+        meta = 2 * local * rb
+    else:
+        rows, meta = tokens * d.topk, rb
+    off = rows * (ep - 1) / ep
+    return Routing(sent=off, received=off, held=rows, held_etp=rows * etp, meta=meta)
+
+
+def moe_layer_bytes(config: Config, routing: Routing) -> dict[str, float]:
+    """Bytes of one MoE layer's dispatch and combine, forward and backward, for one
+    micro-batch on one rank: ``ep``, ``etp`` and ``etp_ep`` (count exchange)."""
+    d, p, moe = dims(config), config.parallel, config.moe
+    ep, etp = p.ep, etp_size(config)
+    row = d.hidden * act_bytes(config)
+    out: dict[str, float] = {}
+    if ep > 1:
+        moved = routing.sent + routing.received
+        out["ep"] = 2 * moved * row + moved * routing.meta
+    if etp > 1:
+        gathered = routing.held * (etp - 1)  # all-gather forward, and its backward (combine's)
+        scattered = routing.held_etp - routing.held  # reduce-scatter forward, and its backward
+        out["etp"] = 2 * (gathered + scattered) * row + (gathered + scattered) * routing.meta
+    if ep * etp > 1 and not moe.pad_to_capacity:
+        counts = d.experts + (ep if moe.dedup else 0)
+        out["etp_ep"] = 8 * counts * (ep * etp - 1)
+    return out
+
+
+def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: str,
+                     routing: Optional[Sequence[Routing]] = None) -> dict[str, float]:
+    """Bytes one rank of stage ``pp_rank`` sends for one micro-batch, forward and backward,
+    per group kind. ``routing``: one :class:`Routing` per MoE layer of the stage, in layer
+    order (default :func:`uniform_routing` for each)."""
+    d, p, moe = dims(config), config.parallel, config.moe
+    tp, cp = p.tp, p.cp
+    sp = p.sequence_parallel and tp > 1
+    a = act_bytes(config)
+    b, s = config.train.micro_batch_size, d.seq // cp
+    x = b * s * d.hidden * a  # one [s/cp, b, H] activation
+    out: dict[str, float] = defaultdict(float)
+
+    def pair(forward_only: bool = False) -> float:
+        """A column-parallel linear followed by a row-parallel one."""
+        if sp:
+            return (2 if forward_only else 4) * _share(x, tp)
+        return _all_reduce(x, tp) * (1 if forward_only else 2)
+
+    layers = stage_layers(config, pp_rank)
+    moe_layers = [i for i in layers if d.moe_flags[i]]
+    if routing is None:
+        routing = [uniform_routing(config)] * len(moe_layers)
+    elif len(routing) != len(moe_layers):
+        raise ValueError(f"routing has {len(routing)} entries, expected one per MoE layer of stage "
+                         f"{pp_rank} ({len(moe_layers)})")
+    if tp > 1:
+        for i in layers:
+            is_moe = d.moe_flags[i]
+            out["tp"] += pair()  # attention
+            if not is_moe or d.shared_ffn > 0:
+                out["tp"] += pair()  # dense MLP or shared expert
+            if recompute == "full":
+                out["tp"] += pair(forward_only=True)
+            if (recompute == "full" or (recompute == "moe" and is_moe)) and (not is_moe or d.shared_ffn > 0):
+                out["tp"] += pair(forward_only=True)
+        if pp_rank == 0:
+            out["tp"] += 2 * _share(x, tp) if sp else _all_reduce(x, tp)
+        if pp_rank == p.pp - 1:
+            out["tp"] += 2 * _share(x, tp) if sp else _all_reduce(x, tp)
+            out["tp"] += 3 * _all_reduce(b * s * 4, tp)  # cross entropy: max, target logit, sum of exp
+    dp = dp_size(config, world_size)
+    for r in routing:
+        for kind, nbytes in moe_layer_bytes(config, r).items():
+            out[kind] += nbytes
+        stats = 8 * (2 * d.experts + 1)  # counts, tokens, prob sums (float64)
+        if moe.aux_loss_coeff > 0:
+            out["tp_cp"] += _all_reduce(stats, tp * cp)
+        if moe.z_loss_coeff > 0:
+            out["tp_cp"] += _all_reduce(16, tp * cp)
+        if moe.global_aux_loss_coeff > 0:
+            out["tp_dp_cp"] += _all_reduce(stats, tp * dp * cp)
+    if p.pp > 1:
+        v = vpp_size(config)
+        g = tp if sp else 1
+        message = b * s // g * d.hidden * a
+        sends = (v - (pp_rank == p.pp - 1)) + (v - (pp_rank == 0))
+        out["pp"] += sends * message
+    return {k: v for k, v in out.items() if v}
+
+
+def _buckets(numels: list[int], limit: int) -> list[int]:
+    """Element counts of consecutive runs of at most ``limit`` (a larger one alone)."""
+    out: list[int] = []
+    for n in numels:
+        if not out or out[-1] + n > limit:
+            out.append(0)
+        out[-1] += n
+    return out
+
+
+def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Optional[str] = None,
+               distributed: Optional[bool] = None,
+               routing: Optional[Sequence[Sequence[Routing]]] = None) -> dict[str, float]:
+    """Bytes one rank of stage ``pp_rank`` sends in one training step, per group kind.
+
+    ``recompute`` and ``distributed`` default to ``train.recompute`` and
+    ``optimizer.distributed``. ``routing``: per micro-batch, one :class:`Routing` per MoE
+    layer of the stage (default balanced)."""
+    p = config.parallel
+    recompute = config.train.recompute if recompute is None else recompute
+    distributed = config.optimizer.distributed if distributed is None else distributed
+    dp, edp, etp = dp_size(config, world_size), edp_size(config, world_size), etp_size(config)
+    t = config.train
+    micro = t.global_batch_size // (t.micro_batch_size * dp)
+    if routing is not None and len(routing) != micro:
+        raise ValueError(f"routing has {len(routing)} micro-batches, the step has {micro}")
+    out: dict[str, float] = defaultdict(float)
+    for i in range(micro):
+        for kind, nbytes in microbatch_bytes(config, world_size, pp_rank, recompute,
+                                             None if routing is None else routing[i]).items():
+            out[kind] += nbytes
+
+    sizes = {"dp_cp": dp * p.cp, "tp_dp_cp": p.tp * dp * p.cp, "edp": edp}
+    manifest = param_manifest(config, pp_rank)
+    for group in ("dp_cp", "tp_dp_cp", "edp"):
+        numels = [e.numel for e in manifest if _SYNC_GROUP[e.kind] == group]
+        for bucket in _buckets(numels, GRAD_BUCKET_NUMEL):
+            out[group] += _all_reduce(GRAD_BYTES * bucket, sizes[group])
+    out["tp"] += _all_reduce(4, p.tp)  # grad norm: squares of tp shards
+    out["etp_ep"] += _all_reduce(4, etp * p.ep)  # ... of expert shards
+    out["pp"] += _all_reduce(4, p.pp)  # ... of every stage
+    if distributed:
+        for group in ("dp_cp", "edp"):
+            n = sizes[group]
+            numels = [e.numel for e in manifest if _SHARD_GROUP[e.kind] == group]
+            for bucket in _buckets(numels, GRAD_BUCKET_NUMEL):
+                if n > 1:
+                    out[group] += GRAD_BYTES * -(-bucket // n) * (n - 1)
+    d = dims(config)
+    if d.tied and p.pp > 1 and pp_rank in (0, p.pp - 1):
+        out["embedding"] += _all_reduce(GRAD_BYTES * d.vocab * d.hidden // p.tp, 2)
+    return {k: v for k, v in out.items() if v}

@@ -1,0 +1,61 @@
+"""The GPUs the layout planner knows: peak dense BF16 FLOP/s, memory, and link bandwidths.
+
+Every figure is per GPU, from the vendor's published specification, and is what
+:mod:`moe_fold.planner` divides by: FLOP/s without 2:4 structured sparsity (NVIDIA's
+headline tensor numbers assume sparsity; dense is half), bandwidths in bytes per second
+in ONE direction (NVIDIA quotes NVLink bidirectional: 900 GB/s bidirectional is 450 GB/s
+each way).
+
+- H100 SXM5: 989 TFLOP/s dense BF16 (datasheet: 1,979 with sparsity), 80 GB HBM3 at
+  3.35 TB/s, NVLink 4 900 GB/s bidirectional. NVIDIA H100 Tensor Core GPU datasheet.
+- H200 SXM: the same GH100 compute (989 TFLOP/s dense BF16), 141 GB HBM3e at 4.8 TB/s,
+  NVLink 4 900 GB/s bidirectional. NVIDIA H200 Tensor Core GPU datasheet.
+- B200 (HGX, 1,000 W): 2,250 TFLOP/s dense BF16 (4,500 with sparsity), HBM3e at 8 TB/s,
+  NVLink 5 1.8 TB/s bidirectional. NVIDIA HGX B200 / DGX B200 datasheets (tabulated per
+  data type at https://glennklockwood.com/garden/processors/B200). Memory: the B200 die
+  carries 192 GB; DGX B200 exposes 1,440 GB for 8 GPUs, 180 GB each, which we use.
+
+Inter-node network, an assumption stated here once: one 400 Gb/s InfiniBand NIC per GPU
+(ConnectX-7, as in DGX H100, DGX H200 and DGX B200), 50 GB/s each way. An 800 Gb/s
+(ConnectX-8) B200 system is ``replace(GPUS["b200"], inter_node_bw=100e9)``. Eight GPUs
+per node share one NVLink domain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GPU", "GPUS", "get_gpu"]
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    # Dense BF16 tensor-core peak, FLOP/s: the MFU denominator.
+    peak_flops: float
+    # Memory a run may use, bytes.
+    memory: float
+    # HBM bandwidth, bytes/s (the optimizer step is bound by it).
+    hbm_bw: float
+    # NVLink bandwidth per GPU, bytes/s, one direction.
+    nvlink_bw: float
+    # Network bandwidth per GPU between nodes, bytes/s, one direction.
+    inter_node_bw: float
+    gpus_per_node: int = 8
+
+
+GB = 1e9
+
+GPUS: dict[str, GPU] = {
+    "h100": GPU("H100 SXM 80GB", 989e12, 80 * GB, 3.35e12, 450 * GB, 50 * GB),
+    "h200": GPU("H200 SXM 141GB", 989e12, 141 * GB, 4.8e12, 450 * GB, 50 * GB),
+    "b200": GPU("B200 (HGX) 180GB", 2250e12, 180 * GB, 8.0e12, 900 * GB, 50 * GB),
+}
+
+
+def get_gpu(name: str) -> GPU:
+    """The GPU named ``name`` (``h100``, ``h200``, ``b200``; case-insensitive)."""
+    key = name.lower()
+    if key not in GPUS:
+        raise ValueError(f"gpu={name!r} is unknown; known GPUs: {', '.join(GPUS)}")
+    return GPUS[key]

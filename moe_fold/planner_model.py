@@ -1,0 +1,318 @@
+"""What one rank of a layout holds and computes: parameters, FLOPs and activation memory of
+the model :mod:`moe_fold.models.model` builds, as arithmetic on the config (no torch).
+
+Parameters. :func:`param_manifest` lists one rank's parameters in ``model.parameters()``
+order with their element counts and gradient-sync kinds (``tp``, ``replicated``,
+``tp_sum``, ``expert``; :mod:`moe_fold.grads`), for the pp stage it sits on. Sharding:
+attention, dense MLP, shared-expert linears, embedding and head are split over tp; norms,
+the router and the shared-expert gate are replicated; each ep rank holds
+``num_experts / ep`` experts, each split over etp along its ffn dim. With tied embeddings
+and pp > 1 the last stage holds a copy of the embedding as its head (Megatron's scheme,
+:mod:`moe_fold.pipeline`).
+
+FLOPs. Matmul FLOPs per token, 2 per multiply-add, as in Narayanan et al. 2021 ("Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 5.1):
+their ``72 B s l h^2 (1 + s/6h + V/12lh)`` is ``3 x`` (forward + backward = 3 forwards)
+the per-layer forward ``24 B s h^2 + 4 B s^2 h`` plus the logits ``2 B s h V``. Here each
+term is written from the model's shapes, which generalises it to grouped-query attention
+(q|k|v projection ``H (q + 2 kv)``), SwiGLU (three ``H x F`` matrices) and MoE layers (the
+router ``H x E``, ``topk`` routed experts, the shared expert and its gate; only activated
+experts count). The attention core counts the full ``s x s`` score and context products
+(``4 s q`` per token), the convention of Narayanan 2021 and of Megatron's
+``num_floating_point_operations``, so MFU is comparable with published numbers (a causal
+kernel does about half of that work). Norms, rotary, softmax and SwiGLU elementwise work
+are not counted.
+
+Activations. Bytes kept for the backward per token and layer, in the style of Korthikanti
+et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4):
+each tensor a fused implementation keeps is listed in :func:`layer_activation_bytes`,
+with flash attention (q, k, v, output and the fp32 log-sum-exp; no ``s x s`` scores) and
+no dropout. Where moe-fold differs from Megatron it is modelled as moe-fold does it: a
+column-parallel linear under sequence parallelism keeps its GATHERED input (autograd
+saves it) instead of re-gathering it in the backward, so that input costs ``tp`` times
+Korthikanti's ``2sbh/t``. Recompute (``train.recompute``, :func:`moe_fold.train.apply_recompute`)
+keeps only the inputs of the recomputed parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_fold.config import Config, etp_size, head_dim, moe_layer_flags, pp_layer_counts, vpp_size
+
+__all__ = ["Dims", "dims", "ParamEntry", "param_manifest", "stage_layers", "layer_forward_flops",
+           "head_forward_flops", "model_flops_per_step", "rank_flops_per_microbatch", "act_bytes",
+           "router_bytes", "expert_rows_per_token", "layer_activation_bytes", "head_activation_bytes",
+           "microbatches_in_flight", "RECOMPUTE_MODES"]
+
+RECOMPUTE_MODES = ("none", "full", "moe", "expert_act")
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes of one model, from its config."""
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    ffn: int
+    layers: int
+    seq: int
+    experts: int
+    topk: int
+    expert_ffn: int
+    shared_ffn: int
+    shared_gate: bool
+    qk_norm: bool
+    tied: bool
+    moe_flags: tuple[bool, ...]
+
+    @property
+    def q_size(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def dims(config: Config) -> Dims:
+    m, moe = config.model, config.moe
+    return Dims(hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads, head_dim=head_dim(config),
+                vocab=m.vocab_size, ffn=m.ffn_hidden_size, layers=m.num_layers, seq=m.seq_length,
+                experts=moe.num_experts, topk=moe.topk, expert_ffn=moe.ffn_hidden_size,
+                shared_ffn=moe.shared_expert_ffn_hidden_size, shared_gate=moe.shared_expert_gate,
+                qk_norm=m.qk_norm, tied=m.tie_embeddings, moe_flags=tuple(moe_layer_flags(config)))
+
+
+# --------------------------------------------------------------------------- parameters
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One parameter on one rank: its name in ``model.named_parameters()``, its local
+    element count and its gradient-sync kind."""
+    name: str
+    numel: int
+    kind: str
+
+
+def stage_layers(config: Config, pp_rank: int) -> list[int]:
+    """Global layer indices held by pipeline rank ``pp_rank``: its chunks ``pp_rank,
+    pp + pp_rank, ...`` of the ``pp * vpp`` chunks of ``pp_layer_counts``."""
+    pp = config.parallel.pp
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank={pp_rank} must be in [0, parallel.pp={pp})")
+    counts = pp_layer_counts(config)
+    starts = [sum(counts[:c]) for c in range(len(counts))]
+    return [starts[c] + i for c in range(pp_rank, len(counts), pp) for i in range(counts[c])]
+
+
+def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
+    """The parameters of one rank on pipeline stage ``pp_rank``, in ``model.parameters()``
+    order, under ``config.parallel`` (tp, ep, etp, pp, vpp, sequence_parallel)."""
+    d, p = dims(config), config.parallel
+    tp, ep, etp, pp = p.tp, p.ep, etp_size(config), p.pp
+    replicated = "tp_sum" if p.sequence_parallel else "replicated"
+    out: list[ParamEntry] = []
+
+    def add(name: str, numel: int, kind: str) -> None:
+        out.append(ParamEntry(name, numel, kind))
+
+    if pp_rank == 0:
+        add("embed.weight", d.vocab * d.hidden // tp, "tp")
+    for i in stage_layers(config, pp_rank):
+        pre = f"layers.{i}"
+        add(f"{pre}.attn_norm.weight", d.hidden, replicated)
+        add(f"{pre}.attn.qkv.weight", (d.q_size + 2 * d.kv_size) * d.hidden // tp, "tp")
+        add(f"{pre}.attn.proj.weight", d.hidden * d.q_size // tp, "tp")
+        if d.qk_norm:
+            # Each tp rank normalises its own heads, so the grads are partial over tp.
+            add(f"{pre}.attn.q_norm.weight", d.head_dim, "tp_sum")
+            add(f"{pre}.attn.k_norm.weight", d.head_dim, "tp_sum")
+        add(f"{pre}.mlp_norm.weight", d.hidden, replicated)
+        if d.moe_flags[i]:
+            local = d.experts // ep
+            # A module's own parameters come before its submodules' (the gate first).
+            if d.shared_ffn > 0 and d.shared_gate:
+                add(f"{pre}.mlp.shared_expert_gate", d.hidden, replicated)
+            add(f"{pre}.mlp.router.weight", d.experts * d.hidden, replicated)
+            add(f"{pre}.mlp.experts.fc1", local * d.hidden * 2 * d.expert_ffn // etp, "expert")
+            add(f"{pre}.mlp.experts.fc2", local * d.expert_ffn * d.hidden // etp, "expert")
+            if d.shared_ffn > 0:
+                add(f"{pre}.mlp.shared_expert.fc1.weight", 2 * d.shared_ffn * d.hidden // tp, "tp")
+                add(f"{pre}.mlp.shared_expert.fc2.weight", d.hidden * d.shared_ffn // tp, "tp")
+        else:
+            add(f"{pre}.mlp.fc1.weight", 2 * d.ffn * d.hidden // tp, "tp")
+            add(f"{pre}.mlp.fc2.weight", d.hidden * d.ffn // tp, "tp")
+    if pp_rank == pp - 1:
+        add("norm.weight", d.hidden, replicated)
+        # Tied with one stage: the head IS the embedding (one parameter); with pp > 1 the
+        # last stage holds its own copy.
+        if not d.tied or pp > 1:
+            add("lm_head.weight", d.vocab * d.hidden // tp, "tp")
+    return out
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+def expert_rows_per_token(config: Config) -> float:
+    """Rows the experts compute per routed token: ``topk`` (dropless; the planner assumes
+    balanced routing, so a capacity drops nothing), ``topk * capacity_factor`` when every
+    expert is padded to its capacity."""
+    moe = config.moe
+    if moe.pad_to_capacity and moe.capacity_factor is not None:
+        return moe.topk * moe.capacity_factor
+    return float(moe.topk)
+
+
+def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None = None) -> dict[str, float]:
+    """Forward matmul FLOPs per token of ``layer``, by part: ``attention`` (projections),
+    ``core`` (scores and context over the full sequence), ``mlp`` (dense), ``router``,
+    ``experts`` (``rows_per_token`` rows, default :func:`expert_rows_per_token`),
+    ``shared`` (shared expert and its gate)."""
+    d = dims(config)
+    h = d.hidden
+    out = {"attention": 2 * h * (d.q_size + 2 * d.kv_size) + 2 * d.q_size * h,
+           "core": 4 * d.seq * d.q_size, "mlp": 0.0, "router": 0.0, "experts": 0.0, "shared": 0.0}
+    if d.moe_flags[layer]:
+        rows = expert_rows_per_token(config) if rows_per_token is None else rows_per_token
+        out["router"] = 2 * h * d.experts
+        out["experts"] = rows * 6 * h * d.expert_ffn
+        out["shared"] = 6 * h * d.shared_ffn + (2 * h if d.shared_ffn and d.shared_gate else 0)
+    else:
+        out["mlp"] = 6 * h * d.ffn
+    return out
+
+
+def head_forward_flops(config: Config) -> float:
+    """Forward FLOPs per token of the LM head (the logits)."""
+    d = dims(config)
+    return 2 * d.hidden * d.vocab
+
+
+def model_flops_per_step(config: Config) -> float:
+    """Model FLOPs of one optimizer step (the MFU numerator): 3 x forward (the backward is
+    twice the forward) for ``global_batch_size * seq_length`` tokens, activated experts
+    only (``topk`` per token), no recompute."""
+    d = dims(config)
+    per_token = sum(sum(layer_forward_flops(config, i, float(d.topk)).values()) for i in range(d.layers))
+    per_token += head_forward_flops(config)
+    return 3.0 * config.train.global_batch_size * d.seq * per_token
+
+
+def _recomputed_forward(parts: dict[str, float], is_moe: bool, recompute: str) -> float:
+    """Forward FLOPs run again in the backward under ``recompute`` (what
+    :func:`moe_fold.train.apply_recompute` wraps; the router never reruns)."""
+    if recompute == "none":
+        return 0.0
+    if recompute == "full":
+        if not is_moe:
+            return parts["attention"] + parts["core"] + parts["mlp"]
+        return parts["attention"] + parts["core"] + parts["experts"] + parts["shared"]
+    if recompute == "moe":
+        return parts["experts"] + parts["shared"] if is_moe else 0.0
+    if recompute == "expert_act":
+        return parts["experts"] / 3  # fc2 is one of the expert's three H x F matmuls
+    raise ValueError(f"train.recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}")
+
+
+def rank_flops_per_microbatch(config: Config, pp_rank: int, recompute: str) -> float:
+    """FLOPs one rank of stage ``pp_rank`` runs for one micro-batch, forward, backward and
+    recompute. Each rank of a ``tp x cp`` group computes ``1/(tp*cp)`` of every dense
+    matmul; with balanced routing each rank's experts get as many rows as its own tokens
+    route (an ``etp x ep`` group holds the tokens of its ranks), so the experts split the
+    same way."""
+    d, p = dims(config), config.parallel
+    tokens = config.train.micro_batch_size * d.seq / (p.tp * p.cp)
+    total = 0.0
+    for i in stage_layers(config, pp_rank):
+        parts = layer_forward_flops(config, i)
+        total += 3 * sum(parts.values()) + _recomputed_forward(parts, d.moe_flags[i], recompute)
+    if pp_rank == p.pp - 1:
+        total += 3 * head_forward_flops(config)
+    return tokens * total
+
+
+# --------------------------------------------------------------------------- activations
+
+def act_bytes(config: Config) -> int:
+    """Bytes of one activation element: 4 under ``fp32``, 2 under ``bf16`` (and
+    ``bf16-autocast``, whose matmul outputs are bf16)."""
+    return 4 if config.train.precision == "fp32" else 2
+
+
+def router_bytes(config: Config) -> int:
+    """Bytes of one routing prob (``moe.router_dtype``)."""
+    return 8 if config.moe.router_dtype == "float64" else 4
+
+
+def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
+    """Bytes one rank keeps for the backward, per token it holds (``s*b/(cp*tp)`` tokens
+    under sequence parallelism, ``s*b/cp`` without), for ``layer``.
+
+    ``g`` is the gather factor: a column-parallel input gathered over tp holds ``g = tp``
+    tokens per local token under SP (1 without). Kept tensors (``a`` bytes per element):
+    norm inputs ``aH``; the gathered q|k|v input ``aHg``; q, k, v and the attention output
+    ``a(2q + 2kv)g/tp`` and the fp32 log-sum-exp ``4 heads g/tp``; the projection input
+    ``a q g/tp``. Dense MLP: gathered input ``aHg``, fc1 output ``2aFg/tp``, fc2 input
+    ``aFg/tp``. MoE: the norm output ``aH`` (router, gate and dispatcher read it), the
+    router's input copy and its logits, scores and probs (router dtype); per expert row
+    (``topk`` per token, the etp group's rows on every etp rank): the gathered rows ``aH``
+    each, fc1 output ``2aF_e/etp``, SwiGLU output ``aF_e/etp``; the shared expert like a
+    dense MLP, and its output ``aH`` when gated.
+    Recompute keeps only the inputs of what reruns: ``full`` a dense block's input ``aH``,
+    an MoE block's attention input and the experts' and shared expert's inputs;
+    ``moe`` the experts' and shared expert's inputs; ``expert_act`` drops the SwiGLU output.
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"train.recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}")
+    d, p = dims(config), config.parallel
+    a, h, tp, etp = act_bytes(config), d.hidden, p.tp, etp_size(config)
+    g = tp if p.sequence_parallel else 1
+    attention = (a * h + a * h * g + a * (2 * d.q_size + 2 * d.kv_size) * g / tp
+                 + 4 * d.heads * g / tp + a * d.q_size * g / tp)
+    if not d.moe_flags[layer]:
+        mlp = a * h + a * h * g + 3 * a * d.ffn * g / tp
+        return a * h if recompute == "full" else attention + mlp
+    if recompute == "full":
+        attention = a * h
+    rb = router_bytes(config)
+    routed = rb * h + 3 * rb * d.experts
+    rows = expert_rows_per_token(config) * etp
+    expert_in = rows * a * h
+    expert_mid = rows * 3 * a * d.expert_ffn / etp
+    if recompute in ("full", "moe"):
+        expert_mid = 0.0
+    elif recompute == "expert_act":
+        expert_mid = rows * 2 * a * d.expert_ffn / etp
+    shared = 0.0
+    if d.shared_ffn > 0:
+        if recompute not in ("full", "moe"):
+            shared = a * h * g + 3 * a * d.shared_ffn * g / tp
+        if d.shared_gate:
+            shared += a * h
+    return attention + a * h + a * h + routed + expert_in + expert_mid + shared
+
+
+def head_activation_bytes(config: Config) -> float:
+    """Bytes the last stage keeps per local token for the head and loss: the final norm's
+    input, the gathered head input, and the logits ``[.., V/tp]`` (bf16 while the fp32
+    exp the cross entropy saves is made)."""
+    d, p = dims(config), config.parallel
+    a = act_bytes(config)
+    g = p.tp if p.sequence_parallel else 1
+    return a * d.hidden + a * d.hidden * g + (a + 4) * d.vocab * g / p.tp
+
+
+def microbatches_in_flight(config: Config, pp_rank: int, num_microbatches: int) -> float:
+    """How many micro-batches' worth of stage ``pp_rank``'s activations are alive at its
+    peak. 1F1B (Narayanan 2021): stage r runs ``pp - r`` forwards before its first
+    backward. Interleaved (Megatron's schedule): ``2(pp - r - 1) + (vpp - 1) pp + 1``
+    chunk-forwards, each ``1/vpp`` of the stage's layers, which on stage 0 is
+    Korthikanti's ``1 + (pp - 1)/(pp vpp)`` factor. Never more than the micro-batches."""
+    pp, v = config.parallel.pp, vpp_size(config)
+    if v == 1:
+        return float(min(num_microbatches, pp - pp_rank))
+    chunks = min(num_microbatches * v, 2 * (pp - pp_rank - 1) + (v - 1) * pp + 1)
+    return chunks / v
