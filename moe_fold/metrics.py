@@ -1,0 +1,387 @@
+"""What a training run reports: ``<run_dir>/metrics.jsonl``, wandb, the console.
+
+:class:`RoutingCollector` watches every :class:`~moe_fold.dispatch.router.Router` of a
+model through a forward hook (the router's output carries its loss values and load
+statistics), adds them up over a step's micro-batches and reduces them over the ranks:
+
+- ``expert_load``: per MoE layer, the assignments each expert kept in the global batch
+  (all tokens of all micro-batches on all ranks), ``[layers][experts]``;
+- ``dropped_fraction``: assignments dropped by capacity / assignments routed, all layers;
+- ``aux_loss``: per layer, the load-balancing losses that are enabled (``aux`` +
+  ``seq_aux`` + ``global_aux``, without coefficients), mean over micro-batches and dp
+  ranks, then mean over layers (``global_aux`` is the step's exact value from
+  ``Router.finish_step``); ``z_loss`` the same for the z-loss. null when no layer has
+  that loss enabled.
+- the step's ``loss`` is ``lm_loss`` plus these losses times their coefficients, summed
+  over layers: the objective the gradient follows.
+
+:class:`MetricsLogger` (rank 0 does the writing) appends one JSON object per step to
+``metrics.jsonl``, logs the same scalars plus per-layer MoE metrics (max/mean load,
+dropped fraction, aux and z losses, expert-bias norm, tokens per expert) to wandb, and
+every ``wandb.heatmap_every`` steps writes an expert-load heatmap PNG (layers x experts)
+to ``<run_dir>/heatmaps/`` and to the wandb run. ``wandb.mode=offline`` writes the run
+under ``<run_dir>/wandb`` without network (``wandb sync`` uploads it later).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from moe_fold.comm import all_reduce_
+from moe_fold.config import Config, config_to_dict, dp_size, edp_size, etp_size
+from moe_fold.layout import ProcessGroups
+
+__all__ = ["RoutingCollector", "MetricsLogger", "heatmap_png", "read_wandb_history"]
+
+_BALANCING = ("aux", "seq_aux", "global_aux")
+_COEFF = {"aux": "aux_loss_coeff", "seq_aux": "seq_aux_loss_coeff", "global_aux": "global_aux_loss_coeff",
+          "z": "z_loss_coeff"}
+_KINDS = ("aux", "seq_aux", "z")  # per micro-batch values; global_aux comes from finish_step
+
+
+def _layer_of(name: str) -> int:
+    parts = name.split(".")
+    return int(parts[parts.index("layers") + 1])
+
+
+class RoutingCollector:
+    """Per-step routing numbers of every router in ``model``; see the module docstring."""
+
+    def __init__(self, model: nn.Module, config: Config):
+        from moe_fold.dispatch.router import Router
+
+        self.config = config
+        self.routers = [(_layer_of(n), m) for n, m in model.named_modules() if isinstance(m, Router)]
+        self.layers = [layer for layer, _ in self.routers]
+        self._recording = False
+        self._hooks = [m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(self.routers)]
+        self.layer_metrics: dict[str, float] = {}
+        self.expert_load: list[list[int]] = []
+        self.start_step()
+
+    def set_grad_scale(self, scale: float) -> None:
+        for _, router in self.routers:
+            router.grad_scale = scale
+
+    def start_step(self) -> None:
+        E = self.config.moe.num_experts
+        L = len(self.routers)
+        self._kept = torch.zeros(L, E, dtype=torch.float64)  # [L, E]
+        self._routed = torch.zeros(L, dtype=torch.float64)
+        self._loss_sums = torch.zeros(L, len(_KINDS), dtype=torch.float64)
+        self._loss_seen = [set() for _ in range(L)]
+        self._calls = torch.zeros(L, dtype=torch.float64)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Count the router calls of the forward inside (not a recompute's second call)."""
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            if not self._recording:
+                return
+            num_tokens = args[0].shape[0]
+            if output.stats is not None:
+                self._kept[index] += output.stats.tokens_per_expert.detach().double().cpu()
+            else:
+                self._kept[index] += output.routing_map.sum(dim=0).double().cpu()
+            self._routed[index] += num_tokens * module.config.topk
+            self._calls[index] += 1
+            for k, kind in enumerate(_KINDS):
+                if kind in output.losses:
+                    self._loss_sums[index, k] += float(output.losses[kind])
+                    self._loss_seen[index].add(kind)
+        return hook
+
+    def finish_step(self, groups: ProcessGroups) -> dict[str, Any]:
+        """Close the routers' step (expert bias update, global aux) and reduce this step's
+        numbers over the ranks. Every rank must call it; returns the record fields."""
+        L, E = self._kept.shape
+        if L == 0:
+            self.layer_metrics, self.expert_load = {}, []
+            return {"aux_loss": None, "z_loss": None, "dropped_fraction": 0.0, "expert_load": []}
+        global_aux = torch.zeros(L, dtype=torch.float64)
+        has_global = False
+        for i, (_, router) in enumerate(self.routers):
+            out = router.finish_step()
+            if "global_aux" in out:
+                global_aux[i] = float(out["global_aux"])
+                has_global = True
+        calls = self._calls.clamp(min=1).unsqueeze(1)
+        # Counts sum over every rank that routes distinct tokens (tp x dp x cp); the loss
+        # values are already over tp x cp, so their dp mean is the sum over tp x dp x cp / (tp*dp*cp).
+        packed = torch.cat([self._kept.flatten(), self._routed, (self._loss_sums / calls).flatten()])
+        device = next(iter(self.routers[0][1].buffers()), self.routers[0][1].weight).device
+        packed = packed.to(device)
+        all_reduce_(packed, groups.tp_dp_cp)
+        packed = packed.cpu()
+        kept = packed[:L * E].view(L, E)
+        routed = packed[L * E:L * E + L]
+        losses = packed[L * E + L:].view(L, len(_KINDS)) / groups.size("tp_dp_cp")
+
+        moe = self.config.moe
+        values: dict[str, torch.Tensor] = {kind: losses[:, k] for k, kind in enumerate(_KINDS)
+                                           if any(kind in seen for seen in self._loss_seen)}
+        if has_global:
+            values["global_aux"] = global_aux
+        balancing = [values[k] for k in _BALANCING if k in values]
+        weighted = sum(float(getattr(moe, _COEFF[k])) * float(v.sum()) for k, v in values.items())
+        dropped = 1.0 - float(kept.sum()) / max(float(routed.sum()), 1.0)
+        self.expert_load = [[int(round(x)) for x in row] for row in kept.tolist()]
+
+        metrics: dict[str, float] = {}
+        for i, (layer, router) in enumerate(self.routers):
+            row = kept[i]
+            prefix = f"moe/layer{layer}"
+            metrics[f"{prefix}/max_load"] = float(row.max())
+            metrics[f"{prefix}/mean_load"] = float(row.mean())
+            metrics[f"{prefix}/max_over_mean_load"] = float(row.max() / row.mean()) if row.mean() > 0 else 1.0
+            metrics[f"{prefix}/dropped_fraction"] = 1.0 - float(row.sum()) / max(float(routed[i]), 1.0)
+            for kind, v in values.items():
+                metrics[f"{prefix}/{kind}_loss"] = float(v[i])
+            if router.expert_bias is not None:
+                metrics[f"{prefix}/expert_bias_norm"] = float(router.expert_bias.float().norm())
+            if E <= 64:
+                for e in range(E):
+                    metrics[f"{prefix}/tokens_expert{e}"] = float(row[e])
+        self.layer_metrics = metrics
+        return {
+            "aux_loss": float(sum(balancing).mean()) if balancing else None,
+            "z_loss": float(values["z"].mean()) if "z" in values else None,
+            "dropped_fraction": dropped,
+            "expert_load": self.expert_load,
+            "weighted_loss": weighted,
+        }
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+# --------------------------------------------------------------------------- heatmap PNG
+
+def heatmap_png(matrix: list[list[float]], cell: int = 12) -> bytes:
+    """An RGB PNG (standard library only) of ``matrix`` [rows x cols], each value a
+    ``cell`` x ``cell`` square coloured from dark blue (the matrix's lowest value) to
+    yellow (its highest)."""
+    rows, cols = len(matrix), len(matrix[0]) if matrix else 0
+    if rows == 0 or cols == 0:
+        raise ValueError("heatmap_png needs a non-empty matrix")
+    lo = min(min(r) for r in matrix)
+    hi = max(max(r) for r in matrix)
+    span = hi - lo if hi > lo else 1.0
+
+    def colour(v: float) -> bytes:
+        t = (v - lo) / span
+        # dark blue (20, 30, 110) -> teal -> yellow (250, 230, 40)
+        return bytes((int(20 + 230 * t), int(30 + 200 * t), int(110 - 70 * t)))
+
+    lines = []
+    for r in range(rows):
+        line = b"".join(colour(v) * cell for v in matrix[r])
+        lines.extend([b"\x00" + line] * cell)  # filter type 0 per scanline
+    raw = b"".join(lines)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", cols * cell, rows * cell, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
+
+
+# --------------------------------------------------------------------------- the logger
+
+class MetricsLogger:
+    """Rank 0's metrics.jsonl, wandb run, progress bar and start/end messages; other
+    ranks' logger does nothing. ``start_step`` > 0 (a resume) keeps the records up to that
+    step and drops any later ones (written after the checkpoint by the run that stopped)."""
+
+    def __init__(self, config: Config, groups: ProcessGroups, console: Any = None, progress: bool = True,
+                 start_step: int = 0):
+        self.config = config
+        self.groups = groups
+        self.console = console
+        self.active = groups.rank == 0
+        self.run_dir = Path(config.train.run_dir)
+        self.wandb_dir: Optional[str] = None
+        self._run = None
+        self._progress = None
+        self._file = None
+        self.last_heatmap: Optional[Path] = None
+        if not self.active:
+            return
+        path = self.run_dir / "metrics.jsonl"
+        kept = []
+        if start_step > 0 and path.exists():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= start_step]
+        path.write_text("".join(line + "\n" for line in kept))
+        self._file = path.open("a")
+        if config.wandb.mode != "disabled":
+            self._start_wandb(resume=start_step > 0)
+        if console is not None and progress:
+            self._start_progress(start_step)
+
+    def _start_wandb(self, resume: bool) -> None:
+        import wandb
+        from wandb.sdk.lib import runid
+
+        w = self.config.wandb
+        id_file = self.run_dir / "wandb_id.txt"
+        run_id = id_file.read_text().strip() if resume and id_file.exists() else runid.generate_id()
+        id_file.write_text(run_id)
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self._run = wandb.init(project=w.project, name=w.name or self.run_dir.name, mode=w.mode,
+                               dir=str(self.run_dir), id=run_id, resume="allow", config=config_to_dict(self.config),
+                               settings=wandb.Settings(console="off", x_disable_stats=True))
+        self.wandb_dir = str(Path(self._run.dir).parent)
+
+    def _start_progress(self, start_step: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=False)
+        self._task = self._progress.add_task("train", total=self.config.train.steps, completed=start_step,
+                                             loss="-", tps="-")
+        self._progress.start()
+
+    def print_start(self, world_size: int, resumed_from: Optional[str]) -> None:
+        """The resolved config and both layouts of the world."""
+        import yaml
+
+        c = self.console
+        c.print("[bold]config[/bold]")
+        c.print(yaml.safe_dump(config_to_dict(self.config), sort_keys=False).rstrip(), markup=False, highlight=False)
+        p = self.config.parallel
+        dp = dp_size(self.config, world_size)
+        edp = edp_size(self.config, world_size)
+        c.print(f"[bold]attention layout[/bold] tp={p.tp} x cp={p.cp} x dp={dp} x pp={p.pp} = {world_size} ranks"
+                f"  groups dp: {self.groups.layout.groups('dp')}")
+        layout = self.groups.layout
+        c.print(f"[bold]expert layout[/bold]    etp={etp_size(self.config)} x ep={p.ep} x edp={edp} x pp={p.pp} = "
+                f"{world_size} ranks  groups ep: {layout.groups('ep')} edp: {layout.groups('edp')}")
+        c.print(f"run dir: {self.run_dir}" + (f"  (resumed from {resumed_from})" if resumed_from else ""))
+
+    def log(self, record: dict, collector: RoutingCollector) -> None:
+        if not self.active:
+            return
+        step = record["step"]
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._run is not None:
+            scalars = {k: v for k, v in record.items()
+                       if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            self._run.log({**scalars, **collector.layer_metrics}, step=step)
+        last = step == self.config.train.steps
+        if collector.expert_load and (step % self.config.wandb.heatmap_every == 0 or last):
+            self._heatmap(step, collector.expert_load)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, loss=f"{record['loss']:.4f}",
+                                  tps=f"{record['tokens_per_s']:.0f}")
+        elif self.console is not None and (step % self.config.train.log_every == 0 or last):
+            self.console.print(f"step {step}/{self.config.train.steps} loss {record['loss']:.4f} "
+                               f"lr {record['lr']:.2e} grad_norm {record['grad_norm']:.3f} "
+                               f"tokens/s {record['tokens_per_s']:.0f}")
+
+    def _heatmap(self, step: int, load: list[list[int]]) -> None:
+        folder = self.run_dir / "heatmaps"
+        folder.mkdir(exist_ok=True)
+        path = folder / f"expert_load_step{step:07d}.png"
+        path.write_bytes(heatmap_png(load))
+        self.last_heatmap = path
+        if self._run is not None:
+            import wandb
+
+            # wandb.Image needs Pillow; without it the PNG goes into the run's files.
+            try:
+                import PIL  # noqa: F401
+            except ModuleNotFoundError:
+                self._run.save(str(path), base_path=str(self.run_dir), policy="now")
+            else:
+                self._run.log({"moe/expert_load_heatmap": wandb.Image(str(path))}, step=step)
+
+    def print_summary(self, result: Any) -> None:
+        c = self.console
+        c.print("[bold]done[/bold]")
+        c.print(f"  final loss   {result.final_loss:.4f}" + (
+            f" (first step {result.losses[0]:.4f})" if result.losses else ""))
+        c.print(f"  tokens/s     {result.tokens_per_s:.0f}")
+        c.print(f"  time         {result.seconds:.1f} s")
+        c.print(f"  run dir      {self.run_dir}")
+        c.print(f"  metrics      {self.run_dir / 'metrics.jsonl'}")
+        c.print(f"  checkpoint   {result.checkpoint}")
+        if self.last_heatmap is not None:
+            c.print(f"  heatmap      {self.last_heatmap}")
+        c.print(f"  wandb        {result.wandb_dir or 'disabled'}" + (
+            "  (offline: `wandb sync` it to upload)" if self.config.wandb.mode == "offline" else ""))
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
+def read_wandb_history(run_folder: str | os.PathLike) -> list[dict]:
+    """The logged rows of an offline wandb run folder (``.../wandb/offline-run-*``), read
+    back from its ``.wandb`` file: one dict per ``log`` call, keys as logged.
+
+    The file is a LevelDB-style log (what wandb's own reader parses): a 7-byte header
+    (``:W&B``, magic, version), then 32 KiB blocks of records, each a 7-byte header
+    (crc32, length, type: 1 full, 2 first, 3 middle, 4 last piece) and a piece of one
+    serialized ``Record`` protobuf; a block's tail shorter than a header is padding."""
+    from wandb.proto import wandb_internal_pb2
+
+    files = list(Path(run_folder).glob("*.wandb"))
+    if len(files) != 1:
+        raise FileNotFoundError(f"expected one .wandb file in {run_folder}, found {len(files)}")
+    data = files[0].read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{files[0]} is not a wandb run file (header {data[:7]!r})")
+    block, pos, pieces, payloads = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        space = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if space < 7 or kind == 0:
+            pos += space
+            continue
+        piece = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 1:
+            payloads.append(piece)
+        elif kind == 2:
+            pieces = piece
+        elif kind == 3:
+            pieces += piece
+        elif kind == 4:
+            payloads.append(pieces + piece)
+    rows = []
+    for payload in payloads:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+    return rows

@@ -1,0 +1,340 @@
+"""The training loop: one optimizer step per global batch, on any layout of ranks.
+
+Per step, every rank takes its ``num_microbatches`` micro-batches of the global batch
+(``DataLoader.global_batch``), runs forward and backward on each letting the grads add
+up, then syncs the grads once (:func:`moe_fold.grads.sync_grads`), clips the global
+norm, steps the optimizer and the LR schedule, and closes the routers' step
+(``Router.finish_step``: expert-bias update, ``global_aux`` reset).
+
+Loss scaling: each micro-batch's loss is ``sum(token losses) * dp*cp / N`` where ``N``
+counts the unmasked tokens of the whole global batch (every dp x cp rank, every
+micro-batch), so the grads summed over micro-batches and averaged over dp x cp are the
+exact gradient of the global-batch mean loss. The routers attach their losses per
+micro-batch with ``grad_scale = 1/num_microbatches``, so those too are the mean over the
+step's micro-batches.
+
+Determinism: with ``train.deterministic`` torch uses deterministic algorithms, and the
+random state is re-seeded from ``(train.seed, step, rank)`` at the start of every step,
+so a resumed run draws the same numbers as an uninterrupted one without saving RNG state.
+
+Entry points: :func:`train` (one rank; torch.distributed already initialised, or a single
+process) and :func:`check_trainable` (rules of the loop on top of
+:func:`moe_fold.config.validate`, checked before any rank starts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from moe_fold.comm import all_reduce_
+from moe_fold.config import Config, ConfigError, dump_config, validate
+from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
+from moe_fold.precision import MasterWeights, autocast, param_dtype
+
+__all__ = ["TrainResult", "check_trainable", "train", "apply_recompute", "build_groups", "read_metrics"]
+
+
+@dataclass
+class TrainResult:
+    """What a run did, returned by every rank (the same values on every rank)."""
+    losses: list[float] = field(default_factory=list)  # loss of each step run now, in order
+    first_step: int = 1  # the step number of losses[0]
+    final_loss: float = float("nan")
+    tokens_per_s: float = 0.0
+    seconds: float = 0.0
+    run_dir: str = ""
+    checkpoint: Optional[str] = None
+    wandb_dir: Optional[str] = None
+
+
+def check_trainable(config: Config, world_size: int) -> None:
+    """``validate`` plus what the loop itself cannot do yet; raises ConfigError."""
+    validate(config, world_size)
+    problems = []
+    p = config.parallel
+    if p.pp > 1:
+        problems.append(f"parallel.pp={p.pp}: the training loop does not run pipeline schedules yet; use parallel.pp=1")
+    if p.cp > 1:
+        problems.append(f"parallel.cp={p.cp}: the model has no context-parallel attention yet; use parallel.cp=1")
+    if config.data.packing:
+        problems.append("data.packing=true needs attention confined to each document, which the model does not "
+                        "have yet; use data.packing=false")
+    if config.init.from_hf is not None:
+        problems.append(f"init.from_hf={config.init.from_hf!r}: starting from a Hugging Face checkpoint is not "
+                        f"wired into training yet; leave init.from_hf null")
+    if problems:
+        raise ConfigError(problems)
+
+
+def build_groups(config: Config) -> ProcessGroups:
+    """This rank's process groups (a single process when torch.distributed is not running)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ProcessGroups.single_process()
+    p = config.parallel
+    layout = ParallelLayout(dist.get_world_size(), tp=p.tp, cp=p.cp, pp=p.pp, ep=p.ep, etp=p.etp, order=p.order)
+    return create_process_groups(layout)
+
+
+# --------------------------------------------------------------------------- recompute
+
+def apply_recompute(model: nn.Module, mode: str) -> None:
+    """Activation recompute (``train.recompute``), by wrapping forwards in
+    ``torch.utils.checkpoint`` (non-reentrant):
+
+    - ``full``: every block; an MoE block recomputes its attention half and the MoE
+      layer's expert computation (routed experts and shared expert). The router and the
+      dispatcher stay outside: the router counts tokens for the expert bias and the
+      global aux loss as a side effect of its forward, which a second forward would count
+      twice (and recomputing the dispatcher would redo its all-to-alls).
+    - ``moe``: the MoE layers' expert computation only (routed and shared experts).
+    - ``expert_act``: inside the routed experts, the SwiGLU activation and the fc2 GEMM
+      that consumes it, so the activation output ``[rows, F]`` is not kept (fc1's output
+      is); the backward recomputes the activation and fc2's forward.
+    """
+    if mode == "none":
+        return
+    from moe_fold.models.experts import Experts
+    from moe_fold.models.model import Block
+
+    for module in model.modules():
+        if isinstance(module, Block):
+            moe = _moe_layer(module.mlp)
+            if mode == "full" and moe is None:
+                _wrap(module, module.forward)
+            elif mode == "full":
+                module.forward = _attention_recomputed(module)
+        if mode in ("full", "moe") and isinstance(module, Experts):
+            _wrap(module, module.forward)
+        if mode in ("full", "moe") and _moe_layer(module) is not None and module.shared_expert is not None:
+            _wrap(module.shared_expert, module.shared_expert.forward)
+        if mode == "expert_act" and isinstance(module, Experts):
+            module.forward = _experts_act_recomputed(module)
+
+
+def _moe_layer(module: nn.Module) -> Optional[nn.Module]:
+    try:
+        from moe_fold.models.moe_layer import MoELayer
+    except ModuleNotFoundError:
+        return None
+    return module if isinstance(module, MoELayer) else None
+
+
+def _wrap(module: nn.Module, forward: Callable) -> None:
+    module.forward = lambda *args: checkpoint(forward, *args, use_reentrant=False)
+
+
+def _attention_recomputed(block: nn.Module) -> Callable:
+    def attention(x, cos, sin):
+        return x + block.attn(block.attn_norm(x), cos, sin)
+
+    def forward(x, cos, sin):
+        x = checkpoint(attention, x, cos, sin, use_reentrant=False)  # [S_local, B, H]
+        h = block.mlp(block.mlp_norm(x).flatten(0, 1))  # [S_local*B, H]
+        return x + h.reshape(x.shape)
+    return forward
+
+
+def _experts_act_recomputed(experts: nn.Module) -> Callable:
+    from moe_fold.kernels.gmm import gmm
+    from moe_fold.kernels.swiglu import swiglu
+
+    def act_fc2(h, tokens_per_expert, probs):
+        return gmm(swiglu(h, probs), experts.fc2, tokens_per_expert, backend=experts.gemm_backend)
+
+    def forward(tokens, tokens_per_expert, probs):
+        h = gmm(tokens, experts.fc1, tokens_per_expert, backend=experts.gemm_backend)  # [N, 2F/etp]
+        return checkpoint(act_fc2, h, tokens_per_expert, probs, use_reentrant=False)  # [N, H]
+    return forward
+
+
+# --------------------------------------------------------------------------- optimizer
+
+# --------------------------------------------------------------------------- the loop
+
+def _device(config: Config) -> torch.device:
+    """CUDA under NCCL (one GPU per rank, LOCAL_RANK), and in a single process when a GPU
+    is there and parallel.backend is not gloo; CPU otherwise (gloo ranks)."""
+    if dist.is_available() and dist.is_initialized():
+        cuda = dist.get_backend() == "nccl"
+    else:
+        cuda = torch.cuda.is_available() and config.parallel.backend != "gloo"
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+
+
+def _set_determinism(config: Config, device: torch.device) -> None:
+    if config.train.deterministic:
+        if device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def _seed_step(config: Config, step: int, rank: int) -> None:
+    torch.manual_seed((config.train.seed * 1_000_003 + step) * 4099 + rank)
+
+
+def _barrier(groups: ProcessGroups) -> None:
+    if groups.layout.world_size > 1:
+        dist.barrier()
+
+
+def _dataset(config: Config, groups: ProcessGroups):
+    """Rank 0 tokenizes the corpus into the cache (when needed) first; the others then
+    find it built."""
+    from moe_fold.data.loader import dataset_from_config
+
+    if groups.rank == 0:
+        dataset = dataset_from_config(config)
+    _barrier(groups)
+    if groups.rank != 0:
+        dataset = dataset_from_config(config)
+    return dataset
+
+
+def train(config: Config, resume: bool = False, console: Any = None, progress: bool = True,
+          stop_at: Optional[int] = None) -> TrainResult:
+    """Run ``config`` on this rank; see the module docstring.
+
+    ``resume`` continues from the latest checkpoint in ``train.run_dir`` (a fresh start
+    when there is none). ``stop_at`` ends this run after that step (with a checkpoint),
+    leaving the schedule of ``train.steps`` intact for a later ``resume``. Rank 0 prints
+    to ``console`` (a rich Console; None: no output)
+    and writes ``metrics.jsonl`` and the wandb run. Returns the same :class:`TrainResult`
+    on every rank."""
+    from moe_fold.data.loader import DataLoader
+    from moe_fold.metrics import MetricsLogger, RoutingCollector
+    from moe_fold.models.model import build_model
+    from moe_fold.optim import apply_gradients, build_optimizer, build_scheduler
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    check_trainable(config, world)
+    t = config.train
+    device = _device(config)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _set_determinism(config, device)
+    groups = build_groups(config)
+    rank = groups.rank
+    run_dir = Path(t.run_dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(config, run_dir / "config.yaml")
+
+    dataset = _dataset(config, groups)
+    loader = DataLoader(dataset, t.global_batch_size, t.micro_batch_size, dp_rank=groups.rank_in("dp"),
+                        dp_size=groups.size("dp"), cp_rank=groups.rank_in("cp"), cp_size=groups.size("cp"))
+    torch.manual_seed(t.seed)
+    model = build_model(config, groups).to(device)
+    master = None
+    if t.precision == "bf16":
+        master = MasterWeights(model.to(param_dtype(t.precision)), build_model(config, groups).to(device))
+    # What the optimizer updates and checkpoints hold: the float32 masters under bf16.
+    state_model = master.master if master else model
+    apply_recompute(model, t.recompute)
+    optimizer = build_optimizer(state_model, config.optimizer, groups)
+    scheduler = build_scheduler(optimizer, config)
+    num_micro = loader.num_micro_batches
+    collector = RoutingCollector(model, config)
+    collector.set_grad_scale(1.0 / num_micro)
+
+    start_step = 0
+    checkpoint_path: Optional[str] = None
+    if resume:
+        from moe_fold.checkpoint import latest_checkpoint, load_checkpoint
+
+        found = latest_checkpoint(run_dir)
+        if found is not None:
+            extra = load_checkpoint(found, state_model, optimizer, scheduler, groups)
+            if master is not None:
+                master.master_to_model()
+            start_step = int(extra["step"])
+            loader.load_state_dict(extra["data"])
+            checkpoint_path = str(found)
+    logger = MetricsLogger(config, groups, console=console if rank == 0 else None, progress=progress,
+                           start_step=start_step)
+    if rank == 0 and console is not None:
+        logger.print_start(world, resumed_from=checkpoint_path)
+
+    result = TrainResult(first_step=start_step + 1, run_dir=str(run_dir), checkpoint=checkpoint_path)
+    tokens_per_step = t.global_batch_size * config.model.seq_length
+    model.train()
+    begin = time.perf_counter()
+    train_params = list(state_model.parameters())
+    last_step = t.steps if stop_at is None else min(stop_at, t.steps)
+    try:
+        for step in range(start_step + 1, last_step + 1):
+            step_begin = time.perf_counter()
+            _seed_step(config, step, rank)
+            micro_batches = [b.to(device) for b in loader.global_batch()]
+            num_loss_tokens = torch.stack([b.loss_mask.sum() for b in micro_batches]).sum()
+            all_reduce_(num_loss_tokens, groups.dp_cp)
+            num_loss_tokens = num_loss_tokens.clamp(min=1)
+            lm_loss = torch.zeros((), dtype=torch.float64, device=device)
+            collector.start_step()
+            for batch in micro_batches:
+                with autocast(t.precision, device), collector.recording():
+                    loss = model(batch.tokens, batch.labels, positions=batch.positions, loss_mask=batch.loss_mask,
+                                 num_loss_tokens=num_loss_tokens)
+                loss.backward()
+                lm_loss += loss.detach().double()
+            if master is not None:
+                master.grads_to_master()
+            lr = scheduler.get_last_lr()
+            grad_norm = apply_gradients(train_params, optimizer, groups, config.optimizer.clip_grad)
+            finite = bool(torch.isfinite(grad_norm))
+            if finite and master is not None:
+                master.master_to_model()
+            if not finite and t.on_nonfinite == "stop":
+                raise FloatingPointError(f"step {step}: gradient norm is {grad_norm.item()}; stopping "
+                                         f"(train.on_nonfinite=stop)")
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            routing = collector.finish_step(groups)
+            all_reduce_(lm_loss, groups.dp_cp)
+            lm = (lm_loss / groups.size("dp_cp")).item()
+            seconds = time.perf_counter() - step_begin
+            record = {"step": step, "loss": lm + routing.pop("weighted_loss", 0.0), "lm_loss": lm,
+                      "grad_norm": grad_norm.item(), "lr": lr, "tokens_per_s": tokens_per_step / seconds,
+                      "skipped": not finite, **routing}
+            logger.log(record, collector)
+            result.losses.append(record["loss"])
+            if step % t.save_every == 0 or step == last_step:
+                checkpoint_path = _save(run_dir, step, state_model, optimizer, scheduler, loader, groups, config)
+                result.checkpoint = checkpoint_path
+    finally:
+        logger.close()
+        collector.close()
+    result.seconds = time.perf_counter() - begin
+    steps_run = len(result.losses)
+    result.tokens_per_s = steps_run * tokens_per_step / result.seconds if steps_run else 0.0
+    result.final_loss = result.losses[-1] if result.losses else float("nan")
+    result.wandb_dir = logger.wandb_dir
+    if rank == 0 and console is not None:
+        logger.print_summary(result)
+    return result
+
+
+def _save(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, loader, groups: ProcessGroups,
+          config: Config) -> str:
+    from moe_fold.checkpoint import save_checkpoint
+
+    extra = {"step": step, "data": loader.state_dict()}
+    path = save_checkpoint(run_dir, step, model, optimizer, scheduler, extra, groups, config.train.keep_last,
+                           config=config)
+    return str(path)
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """The records of ``<run_dir>/metrics.jsonl``, in order."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]

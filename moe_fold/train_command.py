@@ -1,0 +1,126 @@
+"""Train a model: a preset name or a YAML config, overridden with --set.
+
+Three ways to run:
+  - one process:                         moe-fold train --config mixtral-tiny
+  - N local CPU ranks (gloo), spawned:   moe-fold train --config mixtral-tiny --nproc 4
+  - torchrun (GPUs with NCCL, or CPU):   torchrun --nproc-per-node 8 -m moe_fold.cli train --config ...
+    (the ranks read RANK, WORLD_SIZE, MASTER_ADDR, ... from the environment)
+
+The config is validated for the world size before any rank starts; a bad config prints
+every problem and exits with code 2. Rank 0 prints the config and both layouts, a
+progress bar, and a summary; the run folder (train.run_dir) gets config.yaml,
+metrics.jsonl, checkpoints, heatmaps and (wandb.mode offline/online) the wandb run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+EPILOG = """examples:
+  moe-fold train --config mixtral-tiny --nproc 4
+      tiny Mixtral on 4 CPU ranks (ep 2 x dp 2), the demo corpus, ~3 minutes
+  moe-fold train --config mixtral-tiny --nproc 4 --set train.steps=300 --set parallel.ep=4
+  moe-fold train --config mixtral-tiny --nproc 4 --resume      # continue train.run_dir
+  moe-fold train --config my.yaml --set wandb.mode=disabled --set train.run_dir=runs/exp1
+  torchrun --nproc-per-node 8 -m moe_fold.cli train --config qwen3-moe-tiny --set parallel.ep=8
+
+presets: mixtral-8x7b mixtral-8x22b qwen2-57b-a14b qwen3-30b-a3b deepseek-v3-style
+         mixtral-tiny qwen2-moe-tiny qwen3-moe-tiny deepseek-tiny
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.add_argument("--config", required=True, metavar="FILE_OR_PRESET",
+                        help="a YAML config file or a preset name")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="override one config key, e.g. --set train.steps=50 (repeatable)")
+    parser.add_argument("--nproc", type=int, default=None, metavar="N",
+                        help="spawn N local ranks on CPU with gloo (default: 1, or torchrun's world)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in train.run_dir")
+    parser.add_argument("--no-progress", action="store_true", help="print one line per step instead of a bar")
+
+
+def _torchrun_world() -> int | None:
+    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+
+
+def _rank_main(rank: int, world_size: int, config, resume: bool, progress: bool):
+    """One spawned rank (module level so the forkserver can import it)."""
+    from rich.console import Console
+
+    from moe_fold.train import train
+
+    console = Console(stderr=False) if rank == 0 else None
+    return train(config, resume=resume, console=console, progress=progress)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from moe_fold.config import ConfigError, load_config
+    from moe_fold.train import check_trainable
+
+    err = Console(stderr=True)
+    torchrun = _torchrun_world()
+    if args.nproc is not None and torchrun is not None:
+        err.print(f"error: --nproc={args.nproc} cannot be used under torchrun (WORLD_SIZE={torchrun}); "
+                  f"torchrun already started the ranks")
+        return 2
+    if args.nproc is not None and args.nproc < 1:
+        err.print(f"error: --nproc={args.nproc} must be >= 1")
+        return 2
+    world = torchrun or args.nproc or 1
+    try:
+        config = load_config(args.config, args.overrides)
+        check_trainable(config, world)
+    except ConfigError as e:
+        err.print(f"error: {e}", markup=False, highlight=False)
+        return 2
+    progress = not args.no_progress
+    if torchrun is not None:
+        return _run_torchrun(config, args.resume, progress)
+    if world == 1:
+        from moe_fold.train import train
+
+        train(config, resume=args.resume, console=Console(), progress=progress)
+        return 0
+    from moe_fold.launch import RankError, run_ranks
+
+    # Idle OpenMP threads spin on the cores the other ranks compute on; libgomp reads this
+    # when it loads, so it must be in the environment before the rank processes start.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    threads = max(1, (os.cpu_count() or 1) // world)
+    try:
+        run_ranks(_rank_main, world, config, args.resume, progress, timeout=7 * 24 * 3600.0,
+                  threads=threads, env={"MOE_FOLD_PG_TIMEOUT": str(int(config.parallel.timeout_s))})
+    except RankError as e:
+        err.print(f"error: training failed: {e}", markup=False, highlight=False)
+        return 1
+    return 0
+
+
+def _run_torchrun(config, resume: bool, progress: bool) -> int:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from rich.console import Console
+
+    from moe_fold.train import train
+
+    backend = config.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.parallel.timeout_s))
+    try:
+        console = Console() if dist.get_rank() == 0 else None
+        train(config, resume=resume, console=console, progress=progress and sys.stdout.isatty())
+    finally:
+        dist.destroy_process_group()
+    return 0

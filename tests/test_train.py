@@ -1,0 +1,255 @@
+"""The training loop and `moe-fold train`: layouts agree with one process, the loss
+falls, metrics.jsonl and the offline wandb run hold the scalars, recompute and precision
+modes, bad configs refused before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_fold import cli
+from moe_fold.config import load_config
+from moe_fold.launch import run_ranks
+from moe_fold.metrics import heatmap_png, read_wandb_history
+from moe_fold.optim import lr_at
+from moe_fold.train import read_metrics, train
+
+# A small Mixtral-style model: 2 MoE layers of 8 experts, top-2, aux and z losses on.
+SMALL = [
+    "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+    "model.ffn_hidden_size=128", "model.seq_length=32", "moe.ffn_hidden_size=64",
+    "train.micro_batch_size=2", "train.global_batch_size=8", "train.save_every=1000",
+    "optimizer.warmup_steps=1", "wandb.mode=disabled", "parallel.ep=1",
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("data_cache"))
+
+
+def small_config(run_dir, cache_dir, *extra):
+    return load_config("mixtral-tiny", SMALL + [f"train.run_dir={run_dir}", f"data.cache_dir={cache_dir}", *extra])
+
+
+def _train_rank(rank, world_size, config, **kwargs):
+    return train(config, **kwargs)
+
+
+# --------------------------------------------------------------------------- layouts
+
+@pytest.mark.parametrize("layout", [["parallel.ep=2"], ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                                          "parallel.ep=2", "parallel.etp=1"]],
+                         ids=["ep2xdp2", "tp2xep2"])
+def test_four_ranks_match_one_process(tmp_path, cache_dir, layout):
+    """Three steps on 4 ranks (grad accumulation over 2 micro-batches per dp rank) give the
+    losses, grad norms, expert loads and aux/z values of one process running the same
+    global batches in 4 micro-batches."""
+    steps = ["train.steps=3"]
+    one = train(small_config(tmp_path / "one", cache_dir, *steps))
+    four = run_ranks(_train_rank, 4, small_config(tmp_path / "four", cache_dir, *steps, *layout), timeout=300)
+    ref, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "four")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for a, b in zip(ref, got):
+        for key in ("loss", "lm_loss", "grad_norm", "aux_loss", "z_loss"):
+            assert b[key] == pytest.approx(a[key], rel=2e-5, abs=1e-6), key
+        assert b["lr"] == a["lr"]
+        assert b["expert_load"] == a["expert_load"]
+    assert all(r.losses == pytest.approx(one.losses, rel=2e-5) for r in four)
+
+
+def test_metrics_fields_and_counts(tmp_path, cache_dir):
+    steps = 4
+    cfg = small_config(tmp_path, cache_dir, f"train.steps={steps}", "moe.capacity_factor=1.0")
+    result = train(cfg)
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    for r in records:
+        for key in ("step", "loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "lr", "tokens_per_s",
+                    "expert_load", "dropped_fraction"):
+            assert key in r, key
+        assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, cfg.optimizer, steps))
+        # Capacity 1.0 keeps at most ceil(T*k/E) per expert per micro-batch; the kept
+        # assignments plus the dropped share are every token's top-k.
+        kept = [sum(row) for row in r["expert_load"]]
+        assert len(kept) == cfg.model.num_layers
+        total_kept = sum(kept)
+        assert total_kept == pytest.approx((1 - r["dropped_fraction"]) * tokens * 2 * len(kept), abs=0.5)
+        assert 0 < r["dropped_fraction"] < 1
+        capacity = -(-cfg.train.micro_batch_size * cfg.model.seq_length * 2 // 8)
+        micro_batches = cfg.train.global_batch_size // cfg.train.micro_batch_size
+        assert max(max(row) for row in r["expert_load"]) <= capacity * micro_batches
+        # loss = lm_loss + aux_coeff * (sum over layers) + z_coeff * (sum over layers)
+        layers = cfg.model.num_layers
+        expected = r["lm_loss"] + layers * (cfg.moe.aux_loss_coeff * r["aux_loss"] + cfg.moe.z_loss_coeff * r["z_loss"])
+        assert r["loss"] == pytest.approx(expected, rel=1e-9)
+    assert result.losses == [r["loss"] for r in records]
+
+
+# --------------------------------------------------------------------------- resume
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_is_exact(tmp_path, cache_dir, precision):
+    """6 steps straight equal 3 steps, a resume from the checkpoint, and 3 more, bit for
+    bit (deterministic mode; the cosine schedule spans the 6 steps in both)."""
+    opts = ["train.steps=6", "train.deterministic=true", "optimizer.warmup_steps=2", f"train.precision={precision}",
+            "moe.z_loss_coeff=0.001"]
+    straight = train(small_config(tmp_path / "straight", cache_dir, *opts))
+    first = train(small_config(tmp_path / "split", cache_dir, *opts), stop_at=3)
+    assert first.checkpoint is not None and Path(first.checkpoint).name == "step_000003"
+    second = train(small_config(tmp_path / "split", cache_dir, *opts), resume=True)
+    assert second.first_step == 4
+    assert first.losses + second.losses == straight.losses
+    split, whole = read_metrics(tmp_path / "split"), read_metrics(tmp_path / "straight")
+    assert [r["step"] for r in split] == list(range(1, 7))
+    for a, b in zip(split, whole):
+        assert (a["grad_norm"], a["expert_load"], a["lr"]) == (b["grad_norm"], b["expert_load"], b["lr"])
+
+
+@pytest.mark.slow
+def test_resume_under_other_layouts(tmp_path, cache_dir):
+    """Save under ep2 x dp2 at step 2, resume under ep4 (dp4) and under tp2 x ep2 (SP,
+    etp1): step 3 has the loss of the run that went on under ep2 x dp2."""
+    import shutil
+
+    opts = ["train.steps=3", "optimizer.warmup_steps=1"]
+    ep2 = ["parallel.ep=2"]
+    straight = run_ranks(_train_rank, 4, small_config(tmp_path / "straight", cache_dir, *opts, *ep2), timeout=300)[0]
+    run_ranks(_train_rank, 4, small_config(tmp_path / "saved", cache_dir, *opts, *ep2), stop_at=2, timeout=300)
+    for name, layout in [("ep4", ["parallel.ep=4"]),
+                         ("tp2ep2", ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2",
+                                     "parallel.etp=1"])]:
+        shutil.copytree(tmp_path / "saved", tmp_path / name)
+        resumed = run_ranks(_train_rank, 4, small_config(tmp_path / name, cache_dir, *opts, *layout), resume=True,
+                            timeout=300)[0]
+        assert resumed.first_step == 3
+        assert resumed.losses == pytest.approx(straight.losses[2:], rel=1e-5), name
+
+
+@pytest.mark.slow
+def test_quick_start_loss_falls_with_offline_wandb(tmp_path, cache_dir):
+    """The quick start, short: mixtral-tiny on 4 ranks (ep2 x dp2), 30 steps. The loss
+    falls; metrics.jsonl, the offline wandb run (its .wandb file read back), the expert-load
+    heatmap and the final checkpoint are written."""
+    steps = 30
+    cfg = load_config("mixtral-tiny", [f"train.steps={steps}", f"train.run_dir={tmp_path}",
+                                       f"data.cache_dir={cache_dir}", "model.seq_length=64", "wandb.mode=offline",
+                                       "wandb.heatmap_every=10", "train.save_every=1000"])
+    result = run_ranks(_train_rank, 4, cfg, timeout=600)[0]
+    records = read_metrics(tmp_path)
+    assert len(records) == steps
+    losses = [r["loss"] for r in records]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0, losses
+    assert Path(result.checkpoint).name == f"step_{steps:06d}" and (Path(result.checkpoint) / "index.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "heatmaps").iterdir()) == [
+        f"expert_load_step{s:07d}.png" for s in (10, 20, 30)]
+    rows = read_wandb_history(result.wandb_dir)
+    assert [row["_step"] for row in rows if "loss" in row] == list(range(1, steps + 1))
+    by_step = {row["_step"]: row for row in rows if "loss" in row}
+    for r in records:
+        row = by_step[r["step"]]
+        for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "lr", "dropped_fraction"):
+            assert row[key] == pytest.approx(r[key], rel=1e-12), key
+        for layer, load in enumerate(r["expert_load"]):
+            assert row[f"moe/layer{layer}/max_load"] == max(load)
+            assert [row[f"moe/layer{layer}/tokens_expert{e}"] for e in range(8)] == load
+    assert Path(result.wandb_dir, "files", "heatmaps", "expert_load_step0000030.png").is_file()
+
+
+# --------------------------------------------------------------------------- recompute, precision
+
+def test_recompute_modes_give_the_same_steps(tmp_path, cache_dir):
+    runs = {}
+    for mode in ("none", "full", "moe", "expert_act"):
+        runs[mode] = train(small_config(tmp_path / mode, cache_dir, "train.steps=2", f"train.recompute={mode}",
+                                        "moe.shared_expert_ffn_hidden_size=32"))
+        grad_norms = [r["grad_norm"] for r in read_metrics(tmp_path / mode)]
+        runs[mode] = (runs[mode].losses, grad_norms)
+    for mode in ("full", "moe", "expert_act"):
+        assert runs[mode][0] == pytest.approx(runs["none"][0], rel=1e-6), mode
+        assert runs[mode][1] == pytest.approx(runs["none"][1], rel=1e-5), mode
+
+
+@pytest.mark.parametrize("precision", ["bf16-autocast", "bf16"])
+def test_bf16_precisions_track_fp32(tmp_path, cache_dir, precision):
+    # bf16-autocast runs the dense model: under autocast the MoE combine's sparse CSR
+    # matmul (kernels/permute.py) is cast to bfloat16, which torch's CPU kernel lacks.
+    dense = ["moe.moe_layer_freq=0"] if precision == "bf16-autocast" else []
+    steps = ["train.steps=4", "optimizer.lr=3e-3", *dense]
+    ref = train(small_config(tmp_path / "fp32", cache_dir, *steps))
+    got = train(small_config(tmp_path / precision, cache_dir, *steps, f"train.precision={precision}"))
+    assert got.losses[0] == pytest.approx(ref.losses[0], abs=0.05)
+    assert got.losses[-1] < got.losses[0] - 0.3
+    assert all(abs(a - b) < 0.15 for a, b in zip(got.losses, ref.losses))
+
+
+# --------------------------------------------------------------------------- the CLI
+
+def _refused(capsys, monkeypatch, argv: list[str]) -> str:
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("ranks were spawned for a bad config")
+    monkeypatch.setattr("moe_fold.launch.run_ranks", no_spawn)
+    assert cli.main(["train", *argv]) == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "mixtral-tiny", "--nproc", "4", "--set", "parallel.ep=3"],
+     "moe.num_experts=8 is not divisible by parallel.ep=3"),
+    (["--config", "mixtral-tiny", "--nproc", "3"], "world_size=3 is not divisible by parallel.etp*ep*pp=2"),
+    (["--config", "mixtral-tiny", "--set", "moe.topk=9", "--nproc", "2"],
+     "moe.topk=9 must be in [1, moe.num_experts=8]"),
+    (["--config", "mixtral-tiny", "--set", "train.stepz=3"],
+     "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
+    (["--config", "mixtral-tinyy"], "unknown preset 'mixtral-tinyy'; did you mean 'mixtral-tiny'?"),
+    (["--config", "mixtral-tiny", "--nproc", "4", "--set", "parallel.pp=2"], "parallel.pp=2"),
+    (["--config", "mixtral-tiny", "--nproc", "0"], "--nproc=0 must be >= 1"),
+])
+def test_cli_refuses_bad_configs_before_spawning(capsys, monkeypatch, argv, message):
+    err = _refused(capsys, monkeypatch, argv)
+    assert message in " ".join(err.split()), err
+
+
+def test_cli_help_has_examples(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "moe-fold train --config mixtral-tiny --nproc 4" in out and "--resume" in out and "torchrun" in out
+
+
+# --------------------------------------------------------------------------- heatmap
+
+def _decode_png(data: bytes) -> tuple[int, int, bytes]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        assert struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0] == zlib.crc32(kind + body)
+        chunks[kind] = body
+        pos += 12 + length
+    width, height, depth, colour = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, colour) == (8, 2)
+    return width, height, zlib.decompress(chunks[b"IDAT"])
+
+
+def test_heatmap_png_cells():
+    load = [[0, 5, 10], [10, 10, 0]]
+    width, height, raw = _decode_png(heatmap_png(load, cell=4))
+    assert (width, height) == (12, 8)
+    stride = 1 + 3 * width
+
+    def pixel(row, col):
+        i = row * stride + 1 + 3 * col
+        return tuple(raw[i:i + 3])
+    low, high = pixel(0, 0), pixel(0, 8)
+    assert low != high and pixel(3, 3) == low and pixel(4, 0) == high and pixel(7, 11) == low
+    middle = pixel(0, 4)
+    assert all(min(a, b) <= m <= max(a, b) for a, b, m in zip(low, high, middle))
