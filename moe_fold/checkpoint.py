@@ -228,7 +228,11 @@ def _set_rng_state(state: dict) -> None:
 
     torch.set_rng_state(tensor(state["torch"]))
     if state["cuda"]:
-        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
+        else:
+            warnings.warn("the checkpoint holds CUDA random states but CUDA is not available: not restored",
+                          stacklevel=3)
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     version, internal, gauss = state["python"]

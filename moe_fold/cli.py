@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "layout": ("moe_fold.layout_command", "print the attention and expert layouts of a world"),
     "data": ("moe_fold.data_command", "turn text into a tokenized, memory-mapped dataset"),
+    "plan": ("moe_fold.plan_command", "estimate memory, FLOPs, communication, step time and MFU of a layout"),
 }
 
 

@@ -106,7 +106,6 @@ class _Bucket:
 
     group_name: str
     slices: list[_Slice]
-    numel: int
     chunk: int
 
 
@@ -171,13 +170,13 @@ class AdamW(torch.optim.Optimizer):
             n, me = self.groups.size(group_name), self.groups.rank_in(group_name)
             run: list[tuple[nn.Parameter, dict]] = []
             numel = 0
-            for p, group in members + [(None, None)]:
-                if run and (p is None or numel + p.numel() > bucket_numel):
+            for p, group in members:
+                if run and numel + p.numel() > bucket_numel:
                     buckets.append(_shard_bucket(group_name, run, n, me))
                     run, numel = [], 0
-                if p is not None:
-                    run.append((p, group))
-                    numel += p.numel()
+                run.append((p, group))
+                numel += p.numel()
+            buckets.append(_shard_bucket(group_name, run, n, me))
         return buckets
 
     def state_slice(self, param: nn.Parameter) -> tuple[int, int]:
@@ -203,13 +202,15 @@ class AdamW(torch.optim.Optimizer):
             for s in bucket.slices:
                 flat = s.param.view(-1)[s.start:s.stop]
                 if s.stop > s.start:
-                    grad = (s.param.grad.view(-1)[s.start:s.stop] if s.param.grad is not None
+                    grad = (s.param.grad.reshape(-1)[s.start:s.stop] if s.param.grad is not None
                             else torch.zeros_like(flat))
                     state = self.state[s.param]
                     beta1, beta2 = s.group["betas"]
                     adamw_update_(flat, grad, state["exp_avg"], state["exp_avg_sq"], self.step_count,
                                   s.group["lr"], beta1, beta2, s.group["eps"], s.group["weight_decay"])
                 owned.append(flat)
+            if self.groups.size(bucket.group_name) == 1:
+                continue  # this rank owns the whole bucket and updated it in place
             first = bucket.slices[0].param
             pad = bucket.chunk - sum(f.numel() for f in owned)
             owned.append(first.new_zeros(pad))
@@ -229,7 +230,7 @@ def _shard_bucket(group_name: str, members: list[tuple[nn.Parameter, dict]], n: 
         stop = max(min(hi - offset, p.numel()), start)
         slices.append(_Slice(p, group, offset, start, stop))
         offset += p.numel()
-    return _Bucket(group_name, slices, numel, chunk)
+    return _Bucket(group_name, slices, chunk)
 
 
 def lr_at(step: int, config: OptimizerConfig, total_steps: int) -> float:
