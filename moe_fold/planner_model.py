@@ -65,6 +65,7 @@ class Dims:
     shared_ffn: int
     shared_gate: bool
     qk_norm: bool
+    qkv_bias: bool
     tied: bool
     moe_flags: tuple[bool, ...]
 
@@ -83,7 +84,7 @@ def dims(config: Config) -> Dims:
                 vocab=m.vocab_size, ffn=m.ffn_hidden_size, layers=m.num_layers, seq=m.seq_length,
                 experts=moe.num_experts, topk=moe.topk, expert_ffn=moe.ffn_hidden_size,
                 shared_ffn=moe.shared_expert_ffn_hidden_size, shared_gate=moe.shared_expert_gate,
-                qk_norm=m.qk_norm, tied=m.tie_embeddings, moe_flags=tuple(moe_layer_flags(config)))
+                qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, tied=m.tie_embeddings, moe_flags=tuple(moe_layer_flags(config)))
 
 
 # --------------------------------------------------------------------------- parameters
@@ -125,6 +126,8 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
         pre = f"layers.{i}"
         add(f"{pre}.attn_norm.weight", d.hidden, replicated)
         add(f"{pre}.attn.qkv.weight", (d.q_size + 2 * d.kv_size) * d.hidden // tp, "tp")
+        if d.qkv_bias:
+            add(f"{pre}.attn.qkv.bias", (d.q_size + 2 * d.kv_size) // tp, "tp")
         add(f"{pre}.attn.proj.weight", d.hidden * d.q_size // tp, "tp")
         if d.qk_norm:
             # Each tp rank normalises its own heads, so the grads are partial over tp.

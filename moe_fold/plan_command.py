@@ -1,0 +1,153 @@
+"""Estimate memory, FLOPs, communication, step time and MFU of a model on a layout and a GPU,
+or rank every layout of a world size by estimated MFU (--search).
+
+Per rank: parameter, gradient, optimizer-state and activation memory of the busiest
+pipeline stage; FLOPs per step; bytes sent per step over each group (tp, cp, pp, dp, ep,
+etp, edp, ...); the step time (compute at --efficiency of the GPU's dense BF16 peak, tensor
+and expert parallel traffic on the critical path, pipeline bubble, exposed data-parallel
+traffic, optimizer update) and MFU. Formulas and their sources: moe_fold/planner*.py.
+Sizes not given on the command line come from the config (a preset name or a YAML path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EPILOG = """examples:
+  moe-fold plan --config mixtral-8x22b --world 128 --gpu h100 --tp 2 --pp 8 --ep 8 --etp 1 --vpp 1
+  moe-fold plan --config qwen2-57b-a14b --world 64 --gpu h100 --recompute none --distributed-optimizer
+  moe-fold plan --config mixtral-8x7b --world 64 --gpu h200 --search --top 10
+  moe-fold plan --config qwen3-30b-a3b --world 16 --gpu b200 --json
+
+An impossible layout prints the rules it breaks and exits with code 2.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.add_argument("--config", required=True, help="preset name or YAML path")
+    parser.add_argument("--world", type=int, required=True, help="number of GPUs")
+    parser.add_argument("--gpu", default="h100", help="h100 | h200 | b200 (default h100)")
+    for name, what in (("tp", "tensor parallel"), ("cp", "context parallel"), ("pp", "pipeline parallel"),
+                       ("ep", "expert parallel"), ("etp", "expert tensor parallel"),
+                       ("vpp", "virtual pipeline stages per pp rank")):
+        parser.add_argument(f"--{name}", type=int, default=None, help=f"{what} size (default: the config's)")
+    parser.add_argument("--mbs", type=int, default=None, help="micro-batch size (default: train.micro_batch_size)")
+    parser.add_argument("--gbs", type=int, default=None, help="global batch size (default: train.global_batch_size)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: model.seq_length)")
+    parser.add_argument("--recompute", choices=("none", "full", "moe", "expert_act"), default=None,
+                        help="activation recompute (default: train.recompute)")
+    parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
+                        help="shard the optimizer state over dp (default: optimizer.distributed)")
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                        help="training precision to plan for (default bf16)")
+    parser.add_argument("--efficiency", type=float, default=0.7,
+                        help="achieved / peak FLOP/s of the matmuls (default 0.7)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="data-parallel gradient traffic fully exposed (default: hidden but the last bucket)")
+    parser.add_argument("--search", action="store_true", help="rank every valid layout of --world by MFU")
+    parser.add_argument("--top", type=int, default=15, help="layouts shown by --search (default 15)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.2f}"
+
+
+def _print_plan(console, plan) -> None:
+    from rich.table import Table
+
+    lay = plan.layout
+    console.print(f"[bold]{plan.gpu} x {plan.world}[/bold]: attention tp {lay['tp']} x cp {lay['cp']} x "
+                  f"dp {lay['dp']} x pp {lay['pp']} (vpp {lay['vpp']}); experts etp {lay['etp']} x ep {lay['ep']} "
+                  f"x edp {lay['edp']} x pp {lay['pp']}")
+    console.print(f"seq {lay['seq']}, micro-batch {lay['mbs']}, global batch {lay['gbs']} "
+                  f"({plan.microbatches} micro-batches per rank), recompute {plan.recompute}, "
+                  f"distributed optimizer {'on' if plan.distributed_optimizer else 'off'}")
+    pr = plan.params
+    console.print(f"parameters: {pr['total'] / 1e9:,.2f} B total, {pr['activated'] / 1e9:,.2f} B activated per "
+                  f"token, {pr['rank_max'] / 1e9:,.3f} B on the busiest rank")
+
+    mem = Table(title=None)
+    mem.add_column("memory per rank (stage %d)" % plan.memory["stage"])
+    mem.add_column("GB", justify="right")
+    for key in ("weights", "grads", "optimizer", "activations", "overhead", "total", "limit"):
+        mem.add_row(key, _gb(plan.memory[key]))
+    console.print(mem)
+
+    comm = Table()
+    comm.add_column("group")
+    comm.add_column("GB sent / rank / step", justify="right")
+    comm.add_column("link")
+    for kind, nbytes in sorted(plan.comm_bytes.items(), key=lambda kv: -kv[1]):
+        comm.add_row(kind, _gb(nbytes), plan.comm_links[kind])
+    console.print(comm)
+
+    time = Table()
+    time.add_column("step time")
+    time.add_column("s", justify="right")
+    time.add_column("share", justify="right")
+    for key, seconds in plan.time.items():
+        time.add_row(key, f"{seconds:.4f}", f"{100 * seconds / plan.time['total']:.1f}%")
+    console.print(time)
+    fl = plan.flops
+    console.print(f"model FLOPs / step {fl['model_per_step']:.3e}; per GPU {fl['model_per_rank_per_s'] / 1e12:,.0f} "
+                  f"TFLOP/s achieved (model FLOPs); [bold]MFU {100 * plan.mfu:.1f}%[/bold]"
+                  f"{'' if plan.fits else '  [red]does not fit in memory[/red]'}")
+    for note in plan.notes:
+        console.print(f"note: {note}")
+
+
+def _print_search(console, plans, top: int) -> None:
+    from rich.table import Table
+
+    table = Table(title=None)
+    for name in ("tp", "cp", "pp", "vpp", "ep", "etp", "dp", "edp"):
+        table.add_column(name, justify="right")
+    for name in ("memory GB", "step s", "bubble s", "tp+ep s", "MFU"):
+        table.add_column(name, justify="right")
+    for plan in plans[:top]:
+        lay, t = plan.layout, plan.time
+        table.add_row(*(str(lay[k]) for k in ("tp", "cp", "pp", "vpp", "ep", "etp", "dp", "edp")),
+                      _gb(plan.memory["total"]), f"{t['total']:.3f}", f"{t['bubble']:.3f}",
+                      f"{t.get('tp', 0) + t.get('ep', 0) + t.get('etp', 0):.3f}", f"{100 * plan.mfu:.1f}%")
+    console.print(table)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from moe_fold.config import ConfigError, load_config
+    from moe_fold.planner import Assumptions, estimate, search, with_layout
+    from moe_fold.planner_hardware import get_gpu
+
+    try:
+        gpu = get_gpu(args.gpu)
+        assumptions = Assumptions(matmul_efficiency=args.efficiency, overlap_grad_reduce=not args.no_overlap)
+        config = load_config(args.config, [f"train.precision={args.precision}"])
+        config = with_layout(config, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp,
+                             mbs=args.mbs, gbs=args.gbs, seq=args.seq, recompute=args.recompute,
+                             distributed=args.distributed_optimizer)
+        if args.search:
+            plans = search(config, args.world, gpu, assumptions)
+        else:
+            plans = [estimate(config, args.world, gpu, assumptions)]
+    except (ConfigError, ValueError) as e:
+        print(f"moe-fold plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = [p.to_dict() for p in plans[:args.top]] if args.search else plans[0].to_dict()
+        print(json.dumps(out, indent=1))
+        return 0
+    console = Console(file=sys.stdout, highlight=False)
+    if args.search:
+        if not plans:
+            console.print(f"no layout of world {args.world} fits in {gpu.name}")
+            return 1
+        console.print(f"{len(plans)} layouts of world {args.world} fit in {gpu.name}; best first:")
+        _print_search(console, plans, args.top)
+        console.print("\nbest layout:")
+    _print_plan(console, plans[0])
+    return 0

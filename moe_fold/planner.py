@@ -1,0 +1,294 @@
+"""The layout planner: memory per rank, FLOPs, communication and an estimated step time and
+MFU for a model, a world size, a layout and a GPU; and a search over layouts.
+
+:func:`estimate` returns a :class:`Plan`; :func:`search` ranks the valid layouts of a world
+by estimated MFU among those that fit in memory. The arithmetic lives in
+:mod:`moe_fold.planner_model` (parameters, FLOPs, activations), :mod:`moe_fold.planner_comm`
+(bytes per group kind, the rules of :mod:`moe_fold.comm`) and
+:mod:`moe_fold.planner_hardware` (GPU figures and their sources).
+
+Memory per rank, mixed-precision Adam (ZeRO, Rajbhandari et al. 2020, section 3; the
+figures of Megatron-LM's distributed optimizer): bf16 weights (2 bytes/parameter),
+float32 main gradients (4; Megatron accumulates and reduces gradients in float32), and
+float32 master weight, first and second moment (12). The distributed optimizer (ZeRO-1)
+shards the 12 bytes over the ranks holding the same parameter shard, dp x cp for dense
+parameters and edp for experts (:data:`moe_fold.optim.SHARD_GROUP`); weights and main
+gradients stay whole: ``6 + 12/d`` bytes per parameter. Under ``fp32`` training the weights
+are the masters: 4 + 4 + 8. (moe-fold itself today keeps bf16 model gradients next to the
+float32 master gradients and does not shard the masters: 20 and ``12 + 8/d`` bytes; the
+planner describes the Megatron scheme.) Activations: :mod:`moe_fold.planner_model`, times the
+micro-batches a pipeline stage holds at its peak. Plus :attr:`Assumptions.memory_overhead`.
+
+Step time, per micro-batch on the slowest pipeline stage: its FLOPs at
+``peak * Assumptions.matmul_efficiency`` plus its tp, cp, ep, etp and pp traffic, all on the
+critical path (no overlap of tensor- or expert-parallel communication with compute). A
+step is ``(m + (pp-1)/vpp)`` such micro-batch times (1F1B and interleaved schedules; the
+bubble ``(pp-1)/(vpp m)`` of Narayanan et al. 2021, section 2.2), plus the data-parallel
+traffic (gradient all-reduce over dp_cp, tp_dp_cp and edp, parameter all-gather of the
+distributed optimizer) of which only the last bucket is exposed when
+``Assumptions.overlap_grad_reduce`` (Megatron's ``--overlap-grad-reduce`` and
+``--overlap-param-gather``; all of it otherwise, as moe-fold's loop does today), plus the
+optimizer update, bound by HBM bandwidth.
+
+Link model: a group whose ranks sit in one node (``gpus_per_node`` consecutive ranks) uses
+NVLink, else the per-GPU network bandwidth, for the whole ring; an all-to-all sends each
+peer's share over NVLink or the network and takes the longer of the two.
+
+MFU = model FLOPs per step (activated parameters only, no recompute; Narayanan 2021's
+formula generalised, :func:`moe_fold.planner_model.model_flops_per_step`) / (world x peak
+dense BF16 FLOP/s x step time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from moe_fold.config import Config, ConfigError, ParallelConfig, dp_size, edp_size, etp_size, validate, vpp_size
+from moe_fold.layout import ParallelLayout
+from moe_fold.planner_comm import GRAD_BUCKET_NUMEL, GRAD_BYTES, microbatch_bytes, step_bytes
+from moe_fold.planner_hardware import GPU
+from moe_fold.planner_model import (
+    act_bytes, dims, head_activation_bytes, layer_activation_bytes, microbatches_in_flight,
+    model_flops_per_step, param_manifest, rank_flops_per_microbatch, stage_layers,
+)
+
+__all__ = ["Assumptions", "Plan", "estimate", "search", "model_params", "with_layout"]
+
+# Kinds whose traffic happens per micro-batch, on the critical path.
+_CRITICAL = ("tp", "cp", "ep", "etp", "etp_ep", "tp_cp", "tp_dp_cp", "pp")
+# Kinds of the step-level gradient and parameter traffic.
+_DATA_PARALLEL = ("dp_cp", "tp_dp_cp", "edp", "embedding")
+# Which layout group a kind's bytes travel over.
+_GROUP_OF = {"tp": "tp", "cp": "cp", "ep": "ep", "etp": "etp", "etp_ep": "etp_ep", "tp_cp": "tp_cp",
+             "tp_dp_cp": "tp_dp_cp", "pp": "pp", "dp_cp": "dp_cp", "edp": "edp", "embedding": "pp"}
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    # Achieved / peak FLOP/s of the GEMMs and attention kernels (0.7: well-tuned large
+    # bf16 GEMMs on H100 reach 70-80% of peak; grouped GEMMs and attention somewhat less).
+    matmul_efficiency: float = 0.7
+    # Data-parallel gradient reduce and parameter gather hidden behind compute except their
+    # last bucket (Megatron's overlap options); False: all of it exposed.
+    overlap_grad_reduce: bool = True
+    # HBM bytes the Adam update moves per parameter it owns: reads of the float32 master,
+    # grad, m and v (16), writes of master, m and v (12) and of the bf16 weight (2).
+    optimizer_bytes_per_param: float = 30.0
+    # CUDA context, NCCL buffers, workspace and allocator fragmentation, bytes.
+    memory_overhead: float = 4e9
+
+    def __post_init__(self):
+        if not 0 < self.matmul_efficiency <= 1:
+            raise ValueError(f"matmul_efficiency={self.matmul_efficiency} must be in (0, 1]")
+        if self.memory_overhead < 0 or self.optimizer_bytes_per_param < 0:
+            raise ValueError("memory_overhead and optimizer_bytes_per_param must be >= 0")
+
+
+@dataclass
+class Plan:
+    """One layout's estimate. Bytes, FLOPs and seconds; per rank where it says so."""
+    gpu: str
+    world: int
+    layout: dict[str, int]
+    recompute: str
+    distributed_optimizer: bool
+    microbatches: int
+    params: dict[str, float]  # model totals and the busiest rank's count
+    memory: dict[str, float]  # the busiest stage's bytes by part, total, limit
+    fits: bool
+    flops: dict[str, float]  # model FLOPs per step, per rank per step (with recompute)
+    comm_bytes: dict[str, float]  # per rank per step, per group kind (busiest stage)
+    comm_links: dict[str, str]  # per kind: nvlink | network
+    time: dict[str, float]  # seconds per step by part, and the total
+    mfu: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def with_layout(config: Config, *, tp: Optional[int] = None, cp: Optional[int] = None, pp: Optional[int] = None,
+                ep: Optional[int] = None, etp: Optional[int] = None, vpp: Optional[int] = None,
+                mbs: Optional[int] = None, gbs: Optional[int] = None, seq: Optional[int] = None,
+                recompute: Optional[str] = None, distributed: Optional[bool] = None) -> Config:
+    """A copy of ``config`` with the given sizes; sequence parallel on whenever tp > 1 and
+    the interleaved schedule whenever vpp > 1 (what such a layout needs to run)."""
+    p = config.parallel
+    par = dataclasses.replace(p, tp=p.tp if tp is None else tp, cp=p.cp if cp is None else cp,
+                              pp=p.pp if pp is None else pp, ep=p.ep if ep is None else ep,
+                              etp=p.etp if etp is None else etp, vpp=p.vpp if vpp is None else vpp)
+    par.vpp = None if par.vpp in (None, 1) else par.vpp
+    par.sequence_parallel = par.tp > 1 or p.sequence_parallel
+    par.pp_schedule = "interleaved" if par.vpp else "1f1b"
+    if par.pp_layers is not None and len(par.pp_layers) != par.pp * (par.vpp or 1):
+        par.pp_layers = None
+    model = dataclasses.replace(config.model, seq_length=config.model.seq_length if seq is None else seq)
+    train = dataclasses.replace(config.train,
+                                micro_batch_size=config.train.micro_batch_size if mbs is None else mbs,
+                                global_batch_size=config.train.global_batch_size if gbs is None else gbs,
+                                recompute=config.train.recompute if recompute is None else recompute)
+    optimizer = dataclasses.replace(config.optimizer, distributed=config.optimizer.distributed
+                                    if distributed is None else distributed)
+    return dataclasses.replace(config, model=model, parallel=par, train=train, optimizer=optimizer)
+
+
+def model_params(config: Config) -> dict[str, float]:
+    """Parameters of the whole model: ``total``, ``experts`` (routed), and ``activated``
+    per token (everything but the routed experts, plus ``topk`` experts' worth)."""
+    one = dataclasses.replace(config, parallel=ParallelConfig())
+    manifest = param_manifest(one)
+    total = sum(e.numel for e in manifest)
+    experts = sum(e.numel for e in manifest if e.kind == "expert")
+    moe = config.moe
+    activated = total - experts + (experts * moe.topk / moe.num_experts if moe.num_experts else 0)
+    return {"total": total, "experts": experts, "activated": activated}
+
+
+def _links(layout: ParallelLayout, gpu: GPU) -> dict[str, tuple[float, float, str]]:
+    """Per layout group: (bandwidth inside a node share, across nodes share, link name).
+    For ring collectives the whole group runs at the slowest link; the all-to-all's
+    per-peer split is in the fractions: (fraction of peers inside the node, outside)."""
+    out = {}
+    for kind in set(_GROUP_OF.values()):
+        groups = layout.groups(kind)
+        spans = any(len({r // gpu.gpus_per_node for r in g}) > 1 for g in groups)
+        g = groups[0]
+        n = len(g)
+        node = g[0] // gpu.gpus_per_node
+        inside = sum(1 for r in g[1:] if r // gpu.gpus_per_node == node)
+        out[kind] = (inside / max(n - 1, 1), (n - 1 - inside) / max(n - 1, 1), "network" if spans else "nvlink")
+    return out
+
+
+def _seconds(kind: str, nbytes: float, links: dict, gpu: GPU) -> float:
+    inside, outside, link = links[_GROUP_OF[kind]]
+    if kind == "ep":
+        return max(nbytes * inside / gpu.nvlink_bw, nbytes * outside / gpu.inter_node_bw)
+    return nbytes / (gpu.inter_node_bw if link == "network" else gpu.nvlink_bw)
+
+
+def _memory(config: Config, world: int, pp_rank: int, micro: int, assumptions: Assumptions) -> dict[str, float]:
+    d, p = dims(config), config.parallel
+    manifest = param_manifest(config, pp_rank)
+    local = sum(e.numel for e in manifest)
+    experts = sum(e.numel for e in manifest if e.kind == "expert")
+    bf16 = config.train.precision != "fp32"
+    weights = local * (2 if bf16 else 4)
+    grads = local * GRAD_BYTES
+    state = 12 if bf16 else 8
+    if config.optimizer.distributed:
+        optimizer = state * ((local - experts) / (dp_size(config, world) * p.cp) + experts / edp_size(config, world))
+    else:
+        optimizer = state * local
+    g = p.tp if p.sequence_parallel else 1
+    tokens = config.train.micro_batch_size * d.seq / (p.cp * g)
+    per_micro = sum(layer_activation_bytes(config, i, config.train.recompute) for i in stage_layers(config, pp_rank))
+    if pp_rank == p.pp - 1:
+        per_micro += head_activation_bytes(config)
+    activations = tokens * per_micro * microbatches_in_flight(config, pp_rank, micro)
+    total = weights + grads + optimizer + activations + assumptions.memory_overhead
+    return {"weights": weights, "grads": grads, "optimizer": optimizer, "activations": activations,
+            "overhead": assumptions.memory_overhead, "total": total}
+
+
+def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = Assumptions()) -> Plan:
+    """The :class:`Plan` of ``config``'s layout on ``world`` GPUs of kind ``gpu``.
+    Raises :class:`moe_fold.config.ConfigError` for a layout ``validate`` rejects."""
+    validate(config, world)
+    p, t = config.parallel, config.train
+    dp, edp, etp, v = dp_size(config, world), edp_size(config, world), etp_size(config), vpp_size(config)
+    micro = t.global_batch_size // (t.micro_batch_size * dp)
+    layout = ParallelLayout(world, tp=p.tp, cp=p.cp, pp=p.pp, ep=p.ep, etp=p.etp, order=p.order)
+    links = _links(layout, gpu)
+    rate = gpu.peak_flops * assumptions.matmul_efficiency
+
+    stages = []
+    for r in range(p.pp):
+        flops = rank_flops_per_microbatch(config, r, t.recompute)
+        sent = microbatch_bytes(config, world, r, t.recompute)
+        comm = {k: _seconds(k, sent[k], links, gpu) for k in sent if k in _CRITICAL}
+        stages.append((flops / rate + sum(comm.values()), flops, comm, r))
+    slowest = max(stages)
+    per_micro, flops_micro, comm_micro, r_slow = slowest
+
+    step = step_bytes(config, world, r_slow)
+    exposed = {}
+    for kind in _DATA_PARALLEL:
+        if kind not in step:
+            continue
+        nbytes = step[kind] - (micro * microbatch_bytes(config, world, r_slow, t.recompute).get(kind, 0))
+        if assumptions.overlap_grad_reduce:
+            n = len(layout.groups(_GROUP_OF[kind])[0])
+            # One bucket's all-reduce, and with the distributed optimizer its all-gather.
+            share = (2 + (1 if config.optimizer.distributed else 0)) * (n - 1) / n
+            nbytes = min(nbytes, GRAD_BYTES * GRAD_BUCKET_NUMEL * share)
+        exposed[kind] = _seconds(kind, nbytes, links, gpu)
+
+    manifest = param_manifest(config, r_slow)
+    local = sum(e.numel for e in manifest)
+    experts = sum(e.numel for e in manifest if e.kind == "expert")
+    owned = local
+    if config.optimizer.distributed:
+        owned = (local - experts) / (dp * p.cp) + experts / edp
+    optimizer_s = owned * assumptions.optimizer_bytes_per_param / gpu.hbm_bw
+
+    bubble = (p.pp - 1) / v * per_micro
+    time = {"compute": micro * flops_micro / rate}
+    for kind, s in comm_micro.items():
+        time[kind] = micro * s
+    time["bubble"] = bubble
+    for kind, s in exposed.items():
+        time[f"{kind} (exposed)"] = s
+    time["optimizer"] = optimizer_s
+    time["total"] = micro * per_micro + bubble + sum(exposed.values()) + optimizer_s
+
+    memories = [_memory(config, world, r, micro, assumptions) for r in range(p.pp)]
+    memory = max(memories, key=lambda m: m["total"])
+    memory = dict(memory, limit=gpu.memory, stage=memories.index(memory))
+    model_flops = model_flops_per_step(config)
+    counts = model_params(config)
+    counts["rank_max"] = max(sum(e.numel for e in param_manifest(config, r)) for r in range(p.pp))
+    notes = []
+    if act_bytes(config) == 4:
+        notes.append("train.precision=fp32: activations counted at 4 bytes, step time still at the bf16 peak")
+    return Plan(
+        gpu=gpu.name, world=world,
+        layout={"tp": p.tp, "cp": p.cp, "pp": p.pp, "vpp": v, "ep": p.ep, "etp": etp, "dp": dp, "edp": edp,
+                "mbs": t.micro_batch_size, "gbs": t.global_batch_size, "seq": config.model.seq_length},
+        recompute=t.recompute, distributed_optimizer=config.optimizer.distributed, microbatches=micro,
+        params=counts, memory=memory, fits=memory["total"] <= gpu.memory,
+        flops={"model_per_step": model_flops, "rank_per_step": micro * flops_micro,
+               "model_per_rank_per_s": model_flops / world / time["total"]},
+        comm_bytes=step, comm_links={k: links[_GROUP_OF[k]][2] for k in step},
+        time=time, mfu=model_flops / (world * gpu.peak_flops * time["total"]), notes=notes)
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [k for k in range(1, min(n, limit) + 1) if n % k == 0]
+
+
+def search(config: Config, world: int, gpu: GPU, assumptions: Assumptions = Assumptions(),
+           max_tp: int = 8, max_cp: int = 8, max_vpp: int = 8) -> list[Plan]:
+    """Every layout of ``world`` that ``validate`` accepts (tp, cp, pp, vpp, ep, etp in
+    {1, tp}; micro and global batch, sequence, recompute and optimizer from ``config``),
+    that fits in ``gpu.memory``, best estimated MFU first."""
+    d = dims(config)
+    plans = []
+    for tp in _divisors(world, max_tp):
+        for cp in _divisors(world // tp, max_cp):
+            for pp in _divisors(world // (tp * cp), d.layers):
+                for vpp in ([1] if pp == 1 else _divisors(d.layers // pp if d.layers % pp == 0 else 1, max_vpp)):
+                    for ep in _divisors(max(d.experts, 1), world):
+                        for etp in sorted({1, tp}):
+                            candidate = with_layout(config, tp=tp, cp=cp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+                            candidate.parallel.pp_layers = None
+                            try:
+                                plan = estimate(candidate, world, gpu, assumptions)
+                            except (ConfigError, ValueError):
+                                continue
+                            if plan.fits:
+                                plans.append(plan)
+    plans.sort(key=lambda plan: -plan.mfu)
+    return plans
