@@ -70,6 +70,9 @@ def check_trainable(config: Config, world_size: int) -> None:
     if config.data.packing:
         problems.append("data.packing=true needs attention confined to each document, which the model does not "
                         "have yet; use data.packing=false")
+    if config.moe.seq_aux_loss_coeff > 0:
+        problems.append(f"moe.seq_aux_loss_coeff={config.moe.seq_aux_loss_coeff}: the model does not pass sequence "
+                        f"ids to the router yet; use moe.aux_loss_coeff (batch-level) instead")
     if config.init.from_hf is not None:
         problems.append(f"init.from_hf={config.init.from_hf!r}: starting from a Hugging Face checkpoint is not "
                         f"wired into training yet; leave init.from_hf null")

@@ -1,0 +1,75 @@
+"""Presets: each validates for the world its comment names, the large ones have the
+published parameter counts (total and active, from the config by formula), and the tiny
+ones train."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_fold.config import head_dim, list_presets, load_config, moe_layer_flags, validate
+from moe_fold.train import train
+
+WORLDS = {"mixtral-8x7b": 64, "mixtral-8x22b": 128, "qwen2-57b-a14b": 64, "qwen3-30b-a3b": 8,
+          "deepseek-v3-style": 1024, "mixtral-tiny": 4, "qwen2-moe-tiny": 1, "qwen3-moe-tiny": 1,
+          "deepseek-tiny": 1}
+
+# Published sizes in billions (total, active per token): model cards / reports.
+PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141.0, 39.0), "qwen2-57b-a14b": (57.4, 14.2),
+             "qwen3-30b-a3b": (30.5, 3.3)}
+
+
+def test_every_preset_is_listed_and_validates():
+    assert sorted(WORLDS) == list_presets()
+    for name, world in WORLDS.items():
+        validate(load_config(name), world)
+
+
+def _counts(name: str) -> tuple[float, float, float]:
+    """(total, active, total without attention) parameters in billions, by formula."""
+    c = load_config(name)
+    m, moe = c.model, c.moe
+    H, hd = m.hidden_size, head_dim(c)
+    attn = H * m.num_heads * hd * 2 + 2 * H * m.num_kv_heads * hd + 2 * H  # q, o, k, v, two norms
+    if m.qk_norm:
+        attn += 2 * hd
+    embed = m.vocab_size * H * (1 if m.tie_embeddings else 2) + H
+    total = active = embed + m.num_layers * attn
+    no_attn = embed
+    for is_moe in moe_layer_flags(c):
+        if is_moe:
+            shared = 3 * H * moe.shared_expert_ffn_hidden_size + (H if moe.shared_expert_gate else 0)
+            router = moe.num_experts * H
+            expert = 3 * H * moe.ffn_hidden_size
+            total += moe.num_experts * expert + shared + router
+            active += moe.topk * expert + shared + router
+            no_attn += moe.num_experts * expert + shared + router
+        else:
+            dense = 3 * H * m.ffn_hidden_size
+            total, active, no_attn = total + dense, active + dense, no_attn + dense
+    return total / 1e9, active / 1e9, no_attn / 1e9
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_counts_match_published(name):
+    total, active, _ = _counts(name)
+    want_total, want_active = PUBLISHED[name]
+    assert total == pytest.approx(want_total, rel=0.015)
+    assert active == pytest.approx(want_active, rel=0.03)
+
+
+def test_deepseek_v3_style_sizes_without_attention():
+    # DeepSeek-V3: 671B parameters, of which MLA attention is 61 x 187M = 11.4B; our
+    # standard attention differs, the rest (embeddings, 3 dense layers, 58 MoE layers of
+    # 256 routed + 1 shared expert) must match: 659.6B.
+    _, _, no_attn = _counts("deepseek-v3-style")
+    assert no_attn == pytest.approx(671.0 - 61 * 0.187, rel=0.005)
+
+
+@pytest.mark.parametrize("name", ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-tiny"])
+def test_tiny_presets_train(tmp_path, name):
+    config = load_config(name, [f"train.run_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
+                                "parallel.ep=1", "model.seq_length=32", "train.steps=4", "optimizer.warmup_steps=1",
+                                "wandb.mode=disabled"])
+    result = train(config)
+    assert len(result.losses) == 4
+    assert result.losses[-1] < result.losses[0] - 0.3
