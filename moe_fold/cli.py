@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "layout": ("moe_fold.layout_command", "print the attention and expert layouts of a world"),
     "data": ("moe_fold.data_command", "turn text into a tokenized, memory-mapped dataset"),
     "plan": ("moe_fold.plan_command", "estimate memory, FLOPs, communication, step time and MFU of a layout"),
+    "train": ("moe_fold.train_command", "train a model from a preset or YAML config (local ranks or torchrun)"),
 }
 
 
