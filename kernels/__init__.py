@@ -1,8 +1,12 @@
 """Compute kernels behind one interface each (import as ``moe_fold.kernels``).
 
-Nothing here knows about process groups."""
+Nothing here knows about process groups. Import from the interface modules:
 
-from .gmm import gmm
-from .permute import chunk_order, permute, permute_padded, sort_chunks, unpermute
-from .swiglu import swiglu
-from .topk_triton import topk_softmax_triton
+- :mod:`moe_fold.kernels.gmm`: ``gmm`` grouped GEMM (backends grouped_gemm, torch, triton, loop);
+- :mod:`moe_fold.kernels.permute`: ``permute``/``unpermute`` (and padded variants), ``sort_chunks``;
+- :mod:`moe_fold.kernels.swiglu`: ``swiglu``, the prob-weighted SwiGLU of the experts;
+- :mod:`moe_fold.kernels.topk_triton`: the fused router top-k.
+
+The package itself re-exports nothing, so ``moe_fold.kernels.gmm`` stays the module and
+importing a torch kernel never imports Triton.
+"""
