@@ -1,0 +1,289 @@
+"""Hugging Face ``config.json`` <-> our :class:`~moe_fold.config.Config`, for
+``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` and ``Qwen3MoeForCausalLM``.
+
+Import is strict: every key of ``config.json`` is either mapped to a field of ours,
+checked to hold a value we compute the same way (``hidden_act: silu``, no rope scaling,
+a sliding window no shorter than ``model.seq_length``...), or on the short list of keys
+that do not change the forward math (:data:`METADATA_KEYS`). Anything else is an error
+naming the key, so a model never loads into a network that computes something else.
+
+Routing (Hugging Face takes top-k of the softmax over all experts, then renormalises
+the k probabilities when asked to):
+
+- Mixtral always renormalises, and Qwen ``norm_topk_prob: true`` does: the
+  renormalised top-k of the full softmax equals the softmax over the k chosen logits,
+  our ``moe.pre_softmax: false``;
+- Qwen ``norm_topk_prob: false`` keeps the top-k of the full softmax as they are, our
+  ``moe.pre_softmax: true``.
+
+Layer pattern: Qwen's layer ``i`` is MoE when ``(i + 1) % decoder_sparse_step == 0``
+and ``i`` is not in ``mlp_only_layers``; that becomes a 0/1 ``moe.moe_layer_freq`` list.
+Training-only settings map too: ``router_aux_loss_coef`` -> ``moe.aux_loss_coeff``,
+``router_jitter_noise`` -> ``moe.input_jitter`` (ours jitters the router's input only;
+Mixtral's also scales the experts' input, which changes nothing at evaluation).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+from moe_fold.config import Config, head_dim, moe_layer_flags
+
+__all__ = ["FAMILIES", "METADATA_KEYS", "HFConfigError", "hf_family", "config_from_hf", "config_to_hf",
+           "export_family"]
+
+# model_type -> the causal-LM class that reads it
+FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+# Keys that do not change what the network computes from token ids.
+METADATA_KEYS = frozenset({
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache",
+    "output_router_logits", "bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings",
+    "initializer_range", "id2label", "label2id", "return_dict", "output_hidden_states", "output_attentions",
+    "tokenizer_class", "chunk_size_feed_forward",
+})
+
+_REQUIRED = object()
+
+
+class HFConfigError(ValueError):
+    """A Hugging Face config we cannot represent (import) or cannot write (export);
+    ``problems`` holds one line per problem, each naming the key or field."""
+
+    def __init__(self, problems: list[str], where: str):
+        self.problems = list(problems)
+        n = len(self.problems)
+        head = f"{where}: {n} problem{'s' if n != 1 else ''}"
+        super().__init__("\n".join([head] + [f"  - {p}" for p in self.problems]))
+
+
+def hf_family(hf: dict) -> str:
+    """The family (``mixtral``, ``qwen2_moe``, ``qwen3_moe``) of a parsed ``config.json``."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise HFConfigError([f"model_type={model_type!r} is not one of {', '.join(FAMILIES)}"],
+                            "unsupported Hugging Face model")
+    archs = hf.get("architectures")
+    if archs is not None and list(archs) != [FAMILIES[model_type]]:
+        raise HFConfigError([f"architectures={archs!r}: only [{FAMILIES[model_type]!r}] is supported for "
+                             f"model_type={model_type!r}"], "unsupported Hugging Face model")
+    return model_type
+
+
+class _Keys:
+    """Reads keys of ``config.json``, remembering which were looked at."""
+
+    def __init__(self, hf: dict, family: str, problems: list[str]):
+        self.hf, self.family, self.problems = hf, family, problems
+        self.used = set(METADATA_KEYS)
+
+    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+        self.used.add(key)
+        value = self.hf.get(key)
+        if value is not None:
+            return value
+        if default is _REQUIRED:
+            self.problems.append(f"{key} is missing (required for {self.family})")
+        return default
+
+    def must_be(self, key: str, allowed: tuple, why: str) -> None:
+        value = self.get(key, allowed[0])
+        if value not in allowed:
+            self.problems.append(f"{key}={value!r} is not supported: {why}")
+
+    def unknown(self) -> list[str]:
+        # A key set to null is not set.
+        return sorted(k for k, v in self.hf.items() if k not in self.used and not k.startswith("_") and v is not None)
+
+
+def _rope_theta(keys: _Keys, default: float) -> float:
+    """rope theta from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
+    params = keys.get("rope_parameters", {})
+    scaling = keys.get("rope_scaling", None)
+    theta = keys.get("rope_theta", None)
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
+        if kind != "default":
+            keys.problems.append(f"rope_scaling={scaling!r} is not supported: rotary embeddings are unscaled here")
+    if not isinstance(params, dict):
+        keys.problems.append(f"rope_parameters={params!r} must be a mapping")
+        params = {}
+    kind = params.get("rope_type", "default")
+    if kind != "default":
+        keys.problems.append(f"rope_parameters.rope_type={kind!r} is not supported: only 'default' rotary "
+                             f"embeddings are implemented")
+    extra = sorted(set(params) - {"rope_type", "rope_theta", "partial_rotary_factor"})
+    if extra and kind == "default":
+        keys.problems.append(f"rope_parameters sets {', '.join(extra)}, which default rotary embeddings do not have")
+    for where, factor in (("rope_parameters.partial_rotary_factor", params.get("partial_rotary_factor")),
+                          ("partial_rotary_factor", keys.get("partial_rotary_factor", None))):
+        if factor is not None and factor != 1.0:
+            keys.problems.append(f"{where}={factor!r} is not supported: rotary embeddings cover the whole head")
+    return float(params.get("rope_theta", theta if theta is not None else default))
+
+
+def _check_window(keys: _Keys, seq_length: int, sliding_layers: bool) -> None:
+    window = keys.get("sliding_window", None)
+    if sliding_layers and window is not None and window < seq_length:
+        keys.problems.append(f"sliding_window={window} is smaller than model.seq_length={seq_length}: sliding-window "
+                             f"attention is not implemented (a window >= the sequence is plain causal attention)")
+
+
+def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
+    """Our Config for the Hugging Face config ``hf`` (a parsed ``config.json``).
+
+    The architecture (``model`` fields but ``seq_length``; the ``moe`` fields that change
+    the forward) comes from ``hf``; everything else (parallel layout, dispatcher,
+    training, data) from ``base`` (default: ``Config()`` with ``model.seq_length`` set
+    to ``max_position_embeddings``). Raises :class:`HFConfigError` listing every key we
+    cannot represent."""
+    family = hf_family(hf)
+    problems: list[str] = []
+    keys = _Keys(hf, family, problems)
+    config = copy.deepcopy(base) if base is not None else Config()
+    m, moe = config.model, config.moe
+    if base is None:
+        m.seq_length = int(keys.get("max_position_embeddings", m.seq_length))
+
+    m.vocab_size = keys.get("vocab_size")
+    m.hidden_size = keys.get("hidden_size")
+    m.num_layers = keys.get("num_hidden_layers")
+    m.num_heads = keys.get("num_attention_heads")
+    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
+    m.norm_eps = float(keys.get("rms_norm_eps", 1e-5 if family == "mixtral" else 1e-6))
+    m.tie_embeddings = bool(keys.get("tie_word_embeddings", False))
+    m.init_std = float(keys.get("initializer_range", 0.02))
+    m.rope_theta = _rope_theta(keys, 1e6 if family == "mixtral" else 1e4)
+    m.ffn_hidden_size = keys.get("intermediate_size")
+    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
+        raise HFConfigError(problems, f"cannot import {family} config")
+    explicit_head_dim = keys.get("head_dim", None)
+    m.head_dim = int(explicit_head_dim) if explicit_head_dim is not None else m.hidden_size // m.num_heads
+    keys.must_be("hidden_act", ("silu",), "the MLPs and experts are SwiGLU (silu)")
+    keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
+    keys.must_be("mlp_bias", (False,), "the MLPs have no biases here")
+    keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
+
+    moe.score_function, moe.num_groups, moe.group_topk = "softmax", None, None
+    moe.scaling_factor, moe.expert_bias, moe.first_k_dense = None, False, 0
+    moe.topk = keys.get("num_experts_per_tok")
+    moe.aux_loss_coeff = float(keys.get("router_aux_loss_coef", 0.001))
+    moe.input_jitter = 0.0
+    m.qk_norm, m.qkv_bias = family == "qwen3_moe", False
+    moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate = 0, False
+
+    if family == "mixtral":
+        moe.num_experts = keys.get("num_local_experts", None) or keys.get("num_experts")
+        keys.used.add("num_experts")
+        moe.ffn_hidden_size = m.ffn_hidden_size
+        moe.moe_layer_freq = 1
+        moe.pre_softmax = False
+        moe.input_jitter = float(keys.get("router_jitter_noise", 0.0))
+        _check_window(keys, m.seq_length, sliding_layers=True)
+    else:
+        moe.num_experts = keys.get("num_experts", None) or keys.get("num_local_experts")
+        keys.used.add("num_local_experts")
+        moe.ffn_hidden_size = keys.get("moe_intermediate_size")
+        moe.pre_softmax = not keys.get("norm_topk_prob", False)
+        step = keys.get("decoder_sparse_step", 1)
+        dense = set(keys.get("mlp_only_layers", []))
+        if isinstance(m.num_layers, int) and isinstance(step, int) and step >= 1:
+            flags = [int(i not in dense and (moe.num_experts or 0) > 0 and (i + 1) % step == 0)
+                     for i in range(m.num_layers)]
+            moe.moe_layer_freq = 1 if all(flags) else flags
+        else:
+            problems.append(f"decoder_sparse_step={step!r} must be an integer >= 1")
+        sliding = bool(keys.get("use_sliding_window", False))
+        keys.get("max_window_layers", None)
+        layer_types = keys.get("layer_types", None)
+        if layer_types is not None:
+            odd = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+            if odd:
+                problems.append(f"layer_types has {odd}: only full_attention and sliding_attention are known")
+            sliding = sliding and "sliding_attention" in layer_types
+        _check_window(keys, m.seq_length, sliding_layers=sliding)
+        if family == "qwen2_moe":
+            m.qkv_bias = bool(keys.get("qkv_bias", True))
+            shared = keys.get("shared_expert_intermediate_size")
+            if shared:
+                moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate = int(shared), True
+        else:
+            keys.must_be("attention_bias", (False,), "attention projections have no biases here (q|k|v bias is "
+                                                     "Qwen2-MoE's qkv_bias; the output projection has none)")
+    unknown = keys.unknown()
+    if unknown:
+        problems.append(f"{', '.join(unknown)}: not understood by moe-fold's {family} importer "
+                        f"(a setting it cannot represent is refused rather than ignored)")
+    if problems:
+        raise HFConfigError(problems, f"cannot import {family} config")
+    return config
+
+
+def export_family(config: Config) -> str:
+    """The family a model of ``config`` exports to: Qwen3-MoE with QK-norm, Qwen2-MoE
+    with a shared expert or q|k|v biases, else Mixtral."""
+    m, moe = config.model, config.moe
+    if m.qk_norm:
+        return "qwen3_moe"
+    if moe.shared_expert_ffn_hidden_size > 0 or m.qkv_bias:
+        return "qwen2_moe"
+    return "mixtral"
+
+
+def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "float32") -> dict:
+    """The ``config.json`` of ``family`` (default :func:`export_family`) for a model of
+    ``config``; raises :class:`HFConfigError` naming each field that family cannot hold."""
+    family = family or export_family(config)
+    if family not in FAMILIES:
+        raise HFConfigError([f"family={family!r} is not one of {', '.join(FAMILIES)}"], "cannot export")
+    m, moe = config.model, config.moe
+    flags = moe_layer_flags(config)
+    problems = []
+
+    def refuse(condition: bool, text: str) -> None:
+        if condition:
+            problems.append(text)
+
+    refuse(moe.score_function != "softmax", f"moe.score_function={moe.score_function}: Hugging Face {family} routes "
+                                            f"with softmax")
+    refuse(moe.num_groups is not None, f"moe.num_groups={moe.num_groups}: {family} has no group-limited routing")
+    refuse(moe.scaling_factor is not None, f"moe.scaling_factor={moe.scaling_factor}: {family} does not scale probs")
+    refuse(moe.expert_bias, f"moe.expert_bias=true: {family} has no expert bias")
+    refuse(moe.shared_expert_ffn_hidden_size > 0 and not moe.shared_expert_gate,
+           "moe.shared_expert_gate=false with a shared expert: Hugging Face's shared expert is always gated")
+    refuse(family != "qwen3_moe" and m.qk_norm, f"model.qk_norm=true: {family} has no QK-norm (Qwen3-MoE has)")
+    refuse(family == "qwen3_moe" and not m.qk_norm, "model.qk_norm=false: Qwen3-MoE always normalises q and k")
+    refuse(family != "qwen2_moe" and m.qkv_bias, f"model.qkv_bias=true: {family} has no q|k|v biases (Qwen2-MoE has)")
+    refuse(family != "qwen2_moe" and moe.shared_expert_ffn_hidden_size > 0,
+           f"moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size}: {family} has no shared expert")
+    refuse(family == "qwen2_moe" and moe.shared_expert_ffn_hidden_size == 0,
+           "moe.shared_expert_ffn_hidden_size=0: Qwen2-MoE always has a (gated) shared expert")
+    if family == "mixtral":
+        refuse(not all(flags), f"moe layer pattern {[int(f) for f in flags]}: every Mixtral layer is MoE")
+        refuse(moe.pre_softmax, "moe.pre_softmax=true: Mixtral renormalises the top-k probabilities")
+    if problems:
+        raise HFConfigError(problems, f"cannot export to {family}")
+
+    hf: dict[str, Any] = {
+        "architectures": [FAMILIES[family]], "model_type": family, "dtype": dtype,
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": head_dim(config),
+        "intermediate_size": m.ffn_hidden_size if family != "mixtral" else moe.ffn_hidden_size,
+        "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
+        "initializer_range": m.init_std, "max_position_embeddings": m.seq_length, "attention_dropout": 0.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "num_experts_per_tok": moe.topk, "router_aux_loss_coef": moe.aux_loss_coeff,
+    }
+    if family == "mixtral":
+        hf.update(num_local_experts=moe.num_experts, router_jitter_noise=moe.input_jitter, sliding_window=None)
+        return hf
+    hf.update(num_experts=moe.num_experts, moe_intermediate_size=moe.ffn_hidden_size,
+              norm_topk_prob=not moe.pre_softmax, decoder_sparse_step=1,
+              mlp_only_layers=[i for i, f in enumerate(flags) if not f], use_sliding_window=False)
+    if family == "qwen2_moe":
+        hf.update(qkv_bias=m.qkv_bias, shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size)
+    else:
+        hf.update(attention_bias=False)
+    return hf

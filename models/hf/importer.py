@@ -1,0 +1,161 @@
+"""Load a Hugging Face model folder into this rank's shard of our model, any layout.
+
+Every rank opens the safetensors files itself and reads, for each piece of each local
+parameter (:func:`moe_fold.sharding.shard_info`: a box of the global tensor), only the
+slices that box covers: a tp rank reads its heads' rows of q, k and v, an ep rank its
+experts, an etp rank its columns of them. No rank ever holds a global tensor it does not
+own, and no communication happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from moe_fold.config import Config, head_dim, moe_layer_flags, validate
+from moe_fold.layout import ProcessGroups
+from moe_fold.sharding import box, shard_info
+
+from .config_map import HFConfigError, config_from_hf, hf_family
+from .weights import HFWeightError, SafetensorsFolder, ignorable_hf_names, weight_sources
+
+__all__ = ["read_hf_config", "hf_config", "hf_tokenizer", "load_hf_into", "from_hf"]
+
+PathLike = Union[str, os.PathLike]
+
+
+def read_hf_config(path: PathLike) -> dict:
+    """The parsed ``config.json`` of the Hugging Face folder ``path``."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model folder: {file} does not exist")
+    return json.loads(file.read_text())
+
+
+def hf_config(path: PathLike, base: Optional[Config] = None) -> Config:
+    """``base`` (default ``Config()``) with the architecture of the Hugging Face model at
+    ``path`` (see :func:`~moe_fold.models.hf.config_map.config_from_hf`); and, when the
+    folder has a ``tokenizer.json`` and ``base`` keeps the byte tokenizer, the folder
+    as ``data.tokenizer`` so the data is tokenized with the model's own vocabulary."""
+    config = config_from_hf(read_hf_config(path), base)
+    if config.data.tokenizer == "byte" and hf_tokenizer(path) is not None:
+        config.data.tokenizer = str(path)
+    return config
+
+
+def hf_tokenizer(path: PathLike) -> Optional[Path]:
+    """The folder's ``tokenizer.json``, or None."""
+    file = Path(path) / "tokenizer.json"
+    return file if file.is_file() else None
+
+
+_ARCHITECTURE = {
+    "model": ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
+              "rope_theta", "norm_eps", "qk_norm", "qkv_bias", "tie_embeddings"),
+    "moe": ("num_experts", "topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate",
+            "score_function", "pre_softmax", "num_groups", "group_topk", "scaling_factor", "expert_bias"),
+}
+
+
+def _architecture_mismatch(ours: Config, theirs: Config) -> list[str]:
+    out = []
+    for section, names in _ARCHITECTURE.items():
+        for name in names:
+            a, b = getattr(getattr(ours, section), name), getattr(getattr(theirs, section), name)
+            if a != b and not (name == "head_dim" and a is None):
+                out.append(f"{section}.{name}: the model has {a!r}, the checkpoint {b!r}")
+    if head_dim(ours) != head_dim(theirs):
+        out.append(f"head_dim: the model has {head_dim(ours)}, the checkpoint {head_dim(theirs)}")
+    if ours.model.num_layers == theirs.model.num_layers and moe_layer_flags(ours) != moe_layer_flags(theirs):
+        out.append(f"MoE layers: the model has {moe_layer_flags(ours)}, the checkpoint {moe_layer_flags(theirs)}")
+    return out
+
+
+@torch.no_grad()
+def load_hf_into(model: nn.Module, path: PathLike, groups: Optional[ProcessGroups] = None,
+                 on_tensor: Optional[Callable[[str, int], None]] = None) -> None:
+    """Overwrite this rank's shard of ``model`` (built from ``hf_config(path, ...)``, in the
+    layout of ``groups``, default ``model.groups``) with the weights of the Hugging Face
+    folder ``path``. Each rank calls it on its own; no collective. ``on_tensor(name,
+    numel)`` is called after each parameter (for a progress bar).
+
+    Raises ValueError naming the field or tensor when the checkpoint's architecture,
+    tensor names or shapes differ from the model's."""
+    groups = groups if groups is not None else model.groups
+    config: Config = model.config
+    hf = read_hf_config(path)
+    family = hf_family(hf)
+    mismatch = _architecture_mismatch(config, config_from_hf(hf, config))
+    if mismatch:
+        raise HFConfigError(mismatch, f"{path} does not hold the architecture of the model")
+    with SafetensorsFolder(path) as files:
+        sources = weight_sources(config, family, files.names)
+        params = dict(model.named_parameters())
+        persistent = [n for n in model.state_dict() if n not in params and n not in
+                      {a for a, _ in model.named_parameters(remove_duplicate=False)}]
+        missing = sorted(set(params) - set(sources)) + persistent
+        if missing:
+            raise HFWeightError(f"the {family} format has no place for the model's {', '.join(missing)}")
+        wanted = {n for name in params for n in sources[name].names()}
+        absent = sorted(wanted - files.names)
+        if absent:
+            raise HFWeightError(f"{path} lacks {len(absent)} tensors the model needs: {', '.join(absent[:6])}"
+                                f"{' ...' if len(absent) > 6 else ''}")
+        unused = sorted(files.names - wanted - ignorable_hf_names(config, files.names))
+        if unused:
+            raise HFWeightError(f"{path} holds tensors the model has no place for (a feature moe-fold does not "
+                                f"implement?): {', '.join(unused[:6])}{' ...' if len(unused) > 6 else ''}")
+        for name, param in params.items():
+            source = sources[name]
+            info = shard_info(param, groups, name)
+            shape = source.shape(files)
+            if shape != info.global_shape:
+                raise HFWeightError(f"{name}: {', '.join(source.names()[:3])} give global shape {list(shape)}, "
+                                    f"the model's is {list(info.global_shape)}")
+            for piece in info.pieces:
+                value = source.read(files, piece.global_, piece.sizes)
+                param[box(piece.local, piece.sizes)].copy_(value)
+            if on_tensor is not None:
+                on_tensor(name, param.numel())
+
+
+def from_hf(path: PathLike, groups: Optional[ProcessGroups] = None, config: Optional[Config] = None,
+            on_tensor: Optional[Callable[[str, int], None]] = None) -> nn.Module:
+    """This rank's model with the weights of the Hugging Face folder ``path``
+    (``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``).
+
+    Returns the model; its ``.config`` is our :class:`~moe_fold.config.Config` for it.
+    ``groups`` (default: one process) is the layout to shard into. ``config`` gives the
+    settings that are not the architecture (dispatcher, seq_length, training...); its
+    ``parallel`` sizes must match ``groups``. Without it the parallel sizes come from
+    ``groups`` (sequence parallel on when tp > 1) and ``model.seq_length`` is the
+    checkpoint's ``max_position_embeddings``. Raises
+    :class:`~moe_fold.models.hf.config_map.HFConfigError` naming every setting of the
+    checkpoint we cannot represent."""
+    from moe_fold.models.model import build_model
+
+    groups = groups if groups is not None else ProcessGroups.single_process()
+    layout = groups.layout
+    config = hf_config(path, config) if config is not None else _with_layout(hf_config(path), layout)
+    p = config.parallel
+    given = {"tp": p.tp, "cp": p.cp, "pp": p.pp, "ep": p.ep, "etp": p.tp if p.etp is None else p.etp}
+    differ = [f"parallel.{k}={v} but the process groups have {k}={layout.sizes[k]}"
+              for k, v in given.items() if v != layout.sizes[k]]
+    if differ:
+        raise ValueError("; ".join(differ))
+    validate(config, layout.world_size)
+    model = build_model(config, groups)
+    load_hf_into(model, path, groups, on_tensor)
+    return model
+
+
+def _with_layout(config: Config, layout) -> Config:
+    p = config.parallel
+    p.tp, p.cp, p.pp, p.ep, p.etp, p.order = layout.tp, layout.cp, layout.pp, layout.ep, layout.etp, layout.order
+    p.sequence_parallel = layout.tp > 1
+    return config

@@ -1,0 +1,250 @@
+"""Where each of our parameters lives in a Hugging Face checkpoint, both ways.
+
+Each global parameter of ours is described as a :class:`Source` tree over Hugging Face
+tensors: :class:`Take` (one tensor, its dims possibly permuted), :class:`Cat` (parts
+concatenated along a dim: q|k|v, gate|up) and :class:`Stack` (one tensor per expert).
+Import reads any box of our global tensor from that tree, so a rank reads only the
+slices of the safetensors files its shard needs (``get_slice``); export splits a
+gathered global tensor back into the Hugging Face tensors with the same tree.
+
+Hugging Face names (what ``save_pretrained`` writes and the Hub holds), per layer
+``model.layers.{i}.``: ``self_attn.{q,k,v,o}_proj.weight`` (``.bias`` on q, k, v for
+Qwen2-MoE), ``self_attn.{q,k}_norm.weight`` (Qwen3-MoE), ``input_layernorm`` and
+``post_attention_layernorm``; the MoE block ``block_sparse_moe.`` (Mixtral) or ``mlp.``
+(Qwen) with ``gate.weight`` (router ``[E, H]``) and per-expert ``experts.{e}.`` weights
+``w1``/``w3``/``w2`` (Mixtral) or ``gate_proj``/``up_proj``/``down_proj`` (Qwen), each
+``[out, in]``; Qwen's ``mlp.shared_expert.*`` and ``mlp.shared_expert_gate.weight``;
+dense layers' ``mlp.{gate,up,down}_proj.weight``. Transformers 5 holds experts fused in
+memory (``mlp.experts.gate_up_proj [E, 2F, H]``, ``mlp.experts.down_proj [E, H, F]``);
+checkpoints in that form are read too. Export writes the per-expert form.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from safetensors import safe_open
+
+from moe_fold.config import Config, head_dim, moe_layer_flags
+
+__all__ = ["HFWeightError", "SafetensorsFolder", "Source", "Take", "Cat", "Stack", "weight_sources",
+           "ignorable_hf_names"]
+
+
+class HFWeightError(ValueError):
+    """A Hugging Face checkpoint whose tensors do not fit the model; names the tensor."""
+
+
+class SafetensorsFolder:
+    """The tensors of a Hugging Face folder: ``model.safetensors``, or the files listed by
+    ``model.safetensors.index.json``. Files open on first use and are read lazily."""
+
+    def __init__(self, path: Union[str, os.PathLike]):
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[str, object] = {}
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: self.path / file for name, file in weight_map.items()}
+        elif single.is_file():
+            with safe_open(str(single), framework="pt") as f:
+                self.files = {name: single for name in f.keys()}
+        else:
+            raise FileNotFoundError(f"{self.path} holds neither model.safetensors nor model.safetensors.index.json")
+        self.names = frozenset(self.files)
+
+    def __enter__(self) -> "SafetensorsFolder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _slice(self, name: str):
+        if name not in self.files:
+            raise HFWeightError(f"{self.path}: the checkpoint has no tensor {name!r}")
+        file = str(self.files[name])
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt"))
+        return self._handles[file].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The box ``offsets``/``sizes`` of tensor ``name``; only that box is read."""
+        return self._slice(name)[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+
+
+@dataclass(frozen=True)
+class Take:
+    """Our tensor is the Hugging Face tensor ``name`` with dims ``perm``
+    (``ours = theirs.permute(perm)``; None: as stored)."""
+
+    name: str
+    perm: Optional[tuple[int, ...]] = None
+
+    def names(self) -> list[str]:
+        return [self.name]
+
+    def shape(self, hf: SafetensorsFolder) -> tuple[int, ...]:
+        shape = hf.shape(self.name)
+        return shape if self.perm is None else tuple(shape[p] for p in self.perm)
+
+    def read(self, hf: SafetensorsFolder, offsets, sizes) -> torch.Tensor:
+        if self.perm is None:
+            return hf.read(self.name, offsets, sizes)
+        theirs_off, theirs_size = [0] * len(offsets), [0] * len(sizes)
+        for ours, theirs in enumerate(self.perm):
+            theirs_off[theirs], theirs_size[theirs] = offsets[ours], sizes[ours]
+        return hf.read(self.name, tuple(theirs_off), tuple(theirs_size)).permute(self.perm)
+
+    def split(self, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if self.perm is not None:
+            inverse = sorted(range(len(self.perm)), key=self.perm.__getitem__)
+            value = value.permute(inverse)
+        return [(self.name, value)]
+
+
+@dataclass(frozen=True)
+class Cat:
+    """Our tensor is ``parts`` concatenated along ``dim``, of sizes ``sizes`` there."""
+
+    dim: int
+    parts: tuple
+    sizes: tuple[int, ...]
+
+    def names(self) -> list[str]:
+        return [n for p in self.parts for n in p.names()]
+
+    def shape(self, hf: SafetensorsFolder) -> tuple[int, ...]:
+        shapes = [p.shape(hf) for p in self.parts]
+        for part, shape, size in zip(self.parts, shapes, self.sizes):
+            rest = [s for d, s in enumerate(shapes[0]) if d != self.dim]
+            if shape[self.dim] != size or [s for d, s in enumerate(shape) if d != self.dim] != rest:
+                raise HFWeightError(f"{', '.join(part.names())} has shape {list(shape)}; expected {size} along "
+                                    f"dim {self.dim} and the other dims of {', '.join(self.parts[0].names())} "
+                                    f"{list(shapes[0])}")
+        out = list(shapes[0])
+        out[self.dim] = sum(self.sizes)
+        return tuple(out)
+
+    def read(self, hf: SafetensorsFolder, offsets, sizes) -> torch.Tensor:
+        lo, hi = offsets[self.dim], offsets[self.dim] + sizes[self.dim]
+        pieces, start = [], 0
+        for part, size in zip(self.parts, self.sizes):
+            a, b = max(lo, start), min(hi, start + size)
+            if a < b:
+                off, n = list(offsets), list(sizes)
+                off[self.dim], n[self.dim] = a - start, b - a
+                pieces.append(part.read(hf, tuple(off), tuple(n)))
+            start += size
+        return torch.cat(pieces, self.dim)
+
+    def split(self, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [item for part, piece in zip(self.parts, value.split(list(self.sizes), self.dim))
+                for item in part.split(piece)]
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Our tensor is ``parts`` stacked along a new dim 0 (one part per expert)."""
+
+    parts: tuple
+
+    def names(self) -> list[str]:
+        return [n for p in self.parts for n in p.names()]
+
+    def shape(self, hf: SafetensorsFolder) -> tuple[int, ...]:
+        shapes = {p.shape(hf) for p in self.parts}
+        if len(shapes) != 1:
+            raise HFWeightError(f"the experts {', '.join(self.names())} have different shapes {sorted(shapes)}")
+        return (len(self.parts),) + shapes.pop()
+
+    def read(self, hf: SafetensorsFolder, offsets, sizes) -> torch.Tensor:
+        return torch.stack([self.parts[e].read(hf, offsets[1:], sizes[1:])
+                            for e in range(offsets[0], offsets[0] + sizes[0])])
+
+    def split(self, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [item for part, piece in zip(self.parts, value.unbind(0)) for item in part.split(piece)]
+
+
+Source = Union[Take, Cat, Stack]
+
+_T = (1, 0)  # Hugging Face [out, in] <-> our expert layout [in, out]
+
+
+def _swiglu(prefix: str, gate: str, up: str, down: str, ffn: int) -> tuple[Source, Source]:
+    """fc1 [gate|up, H] and fc2 of a dense SwiGLU MLP stored as three linears."""
+    fc1 = Cat(0, (Take(f"{prefix}{gate}.weight"), Take(f"{prefix}{up}.weight")), (ffn, ffn))
+    return fc1, Take(f"{prefix}{down}.weight")
+
+
+def _experts(prefix: str, family: str, num_experts: int, ffn: int, fused: bool) -> tuple[Source, Source]:
+    """fc1 ``[E, H, gate|up]`` and fc2 ``[E, F, H]`` of the routed experts."""
+    if fused:
+        return Take(f"{prefix}experts.gate_up_proj", (0, 2, 1)), Take(f"{prefix}experts.down_proj", (0, 2, 1))
+    gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    fc1 = Stack(tuple(Cat(1, (Take(f"{prefix}experts.{e}.{gate}.weight", _T),
+                              Take(f"{prefix}experts.{e}.{up}.weight", _T)), (ffn, ffn))
+                      for e in range(num_experts)))
+    fc2 = Stack(tuple(Take(f"{prefix}experts.{e}.{down}.weight", _T) for e in range(num_experts)))
+    return fc1, fc2
+
+
+def weight_sources(config: Config, family: str, hf_names: frozenset = frozenset()) -> dict[str, Source]:
+    """Our parameter name -> its :class:`Source`, for a model of ``config`` in the
+    Hugging Face ``family``. ``hf_names`` (the checkpoint's tensor names) tells which
+    expert form a checkpoint uses; export passes none and gets the per-expert form."""
+    m, moe = config.model, config.moe
+    hd = head_dim(config)
+    q, kv = m.num_heads * hd, m.num_kv_heads * hd
+    out: dict[str, Source] = {"embed.weight": Take("model.embed_tokens.weight"), "norm.weight": Take("model.norm.weight")}
+    if not m.tie_embeddings:
+        out["lm_head.weight"] = Take("lm_head.weight")
+    for i, is_moe in enumerate(moe_layer_flags(config)):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        attn = f"{hf}self_attn."
+        out[f"{ours}attn_norm.weight"] = Take(f"{hf}input_layernorm.weight")
+        out[f"{ours}mlp_norm.weight"] = Take(f"{hf}post_attention_layernorm.weight")
+        out[f"{ours}attn.qkv.weight"] = Cat(0, tuple(Take(f"{attn}{p}_proj.weight") for p in "qkv"), (q, kv, kv))
+        if m.qkv_bias:
+            out[f"{ours}attn.qkv.bias"] = Cat(0, tuple(Take(f"{attn}{p}_proj.bias") for p in "qkv"), (q, kv, kv))
+        out[f"{ours}attn.proj.weight"] = Take(f"{attn}o_proj.weight")
+        if m.qk_norm:
+            out[f"{ours}attn.q_norm.weight"] = Take(f"{attn}q_norm.weight")
+            out[f"{ours}attn.k_norm.weight"] = Take(f"{attn}k_norm.weight")
+        if not is_moe:
+            fc1, fc2 = _swiglu(f"{hf}mlp.", "gate_proj", "up_proj", "down_proj", m.ffn_hidden_size)
+            out[f"{ours}mlp.fc1.weight"], out[f"{ours}mlp.fc2.weight"] = fc1, fc2
+            continue
+        fused = f"{hf}mlp.experts.gate_up_proj" in hf_names
+        block = f"{hf}block_sparse_moe." if family == "mixtral" and not fused else f"{hf}mlp."
+        out[f"{ours}mlp.router.weight"] = Take(f"{block}gate.weight")
+        out[f"{ours}mlp.experts.fc1"], out[f"{ours}mlp.experts.fc2"] = _experts(
+            block, family, moe.num_experts, moe.ffn_hidden_size, fused)
+        if moe.shared_expert_ffn_hidden_size > 0:
+            fc1, fc2 = _swiglu(f"{hf}mlp.shared_expert.", "gate_proj", "up_proj", "down_proj",
+                               moe.shared_expert_ffn_hidden_size)
+            out[f"{ours}mlp.shared_expert.fc1.weight"], out[f"{ours}mlp.shared_expert.fc2.weight"] = fc1, fc2
+            out[f"{ours}mlp.shared_expert_gate"] = Take(f"{hf}mlp.shared_expert_gate.weight")
+    return out
+
+
+def ignorable_hf_names(config: Config, hf_names: frozenset) -> set[str]:
+    """Checkpoint tensors that hold nothing our model computes with: rotary frequency
+    buffers some old checkpoints stored, a tied LM head saved beside the embedding, and
+    a Qwen2-MoE shared expert of width 0 (its output is exactly zero)."""
+    out = {n for n in hf_names if n.endswith("rotary_emb.inv_freq")}
+    if config.model.tie_embeddings and "lm_head.weight" in hf_names:
+        out.add("lm_head.weight")
+    if config.moe.shared_expert_ffn_hidden_size == 0:
+        out |= {n for n in hf_names if ".mlp.shared_expert" in n}
+    return out
