@@ -161,3 +161,188 @@ def test_params_equal_single_process_model(preset):
     real = [(n, q.numel(), q.parallel) for n, q in model.named_parameters()]
     assert [(e.name, e.numel, e.kind) for e in param_manifest(config)] == real
     assert sum(e.numel for e in param_manifest(config)) == sum(q.numel() for q in model.parameters())
+
+
+# --------------------------------------------------------------------------- by hand
+
+def _hand_config(**parallel):
+    """V 16, H 8, 2 heads of 4 with 1 kv head, layer 0 dense (F 12), layer 1 MoE (4
+    experts of width 6, top-2, a gated shared expert of width 4), seq 4, untied, bf16."""
+    return config_from_dict({
+        "model": {"vocab_size": 16, "hidden_size": 8, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
+                  "ffn_hidden_size": 12, "seq_length": 4},
+        "moe": {"num_experts": 4, "topk": 2, "ffn_hidden_size": 6, "moe_layer_freq": [0, 1],
+                "shared_expert_ffn_hidden_size": 4, "shared_expert_gate": True},
+        "parallel": parallel,
+        "train": {"micro_batch_size": 1, "global_batch_size": 2, "precision": "bf16"},
+    })
+
+
+def test_params_by_hand():
+    from moe_fold.planner import model_params
+
+    # embed 16*8 = 128
+    # layer 0: norms 2*8 + qkv (8 + 2*4)*8 = 128 + proj 8*8 = 64 + fc1 2*12*8 = 192 + fc2 8*12 = 96 -> 496
+    # layer 1: norms 16 + qkv 128 + proj 64 + gate 8 + router 4*8 = 32 + experts fc1 4*8*12 = 384,
+    #          fc2 4*6*8 = 192 + shared fc1 2*4*8 = 64, fc2 8*4 = 32 -> 920
+    # final norm 8, head 128: total 128 + 496 + 920 + 8 + 128 = 1680
+    # activated: 1680 - 576 experts + 2/4 of them = 1392
+    assert model_params(_hand_config()) == {"total": 1680, "experts": 576, "activated": 1392}
+    # tp 2, ep 2, etp 1: embed 64; layer 0: 8 + 64 + 32 + 8 + 96 + 48 = 256;
+    # layer 1: 8 + 64 + 32 + 8 + gate 8 + router 32 + 2 experts 2*8*12 + 2*6*8 = 288 + shared 32 + 16
+    # = 488; norm 8, head 64 -> 880
+    config = _hand_config(tp=2, ep=2, etp=1, sequence_parallel=True)
+    assert sum(e.numel for e in param_manifest(config)) == 880
+
+
+def test_flops_by_hand():
+    from moe_fold.planner_model import head_forward_flops, layer_forward_flops, model_flops_per_step
+
+    config = _hand_config()
+    # layer 0: projections 2*8*16 + 2*8*8 = 384, core 4*seq 4*q 8 = 128, MLP 6*8*12 = 576
+    assert layer_forward_flops(config, 0) == {"attention": 384, "core": 128, "mlp": 576, "router": 0.0,
+                                              "experts": 0.0, "shared": 0.0}
+    # layer 1: router 2*8*4 = 64, 2 experts 2*6*8*6 = 576, shared 6*8*4 + gate 2*8 = 208
+    assert layer_forward_flops(config, 1) == {"attention": 384, "core": 128, "mlp": 0.0, "router": 64,
+                                              "experts": 576, "shared": 208}
+    assert head_forward_flops(config) == 2 * 8 * 16
+    # 3 x (1088 + 1360 + 256) per token x 2 sequences x 4 tokens
+    assert model_flops_per_step(config) == 3 * 2704 * 8
+
+
+def test_memory_by_hand():
+    from moe_fold.planner import Assumptions, _memory
+    from moe_fold.planner_model import head_activation_bytes, layer_activation_bytes
+
+    config = _hand_config()
+    # bf16 activations, a = 2. Attention per token: norm in 2*8 + qkv in 2*8 + q,k,v,out
+    # 2*(2*8 + 2*4) + lse 4*2 heads + proj in 2*8 = 104; dense MLP: 16 + 16 + 3*2*12 = 104
+    assert layer_activation_bytes(config, 0, "none") == 208
+    # MoE: attention 104, norm in and out 32, router fp32 input 4*8 + logits/scores/probs 3*4*4 = 80,
+    # 2 rows: inputs 2*2*8 = 32, fc1 out + SwiGLU out 2*3*2*6 = 72, shared 16 + 3*2*4 = 40, gated 16
+    assert layer_activation_bytes(config, 1, "none") == 376
+    # full recompute keeps the block input of a dense layer; of an MoE layer its attention
+    # input, the norm, router and expert inputs and the gated shared output: 16+32+80+32+16
+    assert layer_activation_bytes(config, 0, "full") == 16
+    assert layer_activation_bytes(config, 1, "full") == 176
+    # head: norm in 16 + head in 16 + logits (2 + 4) * 16
+    assert head_activation_bytes(config) == 128
+
+    # world 2: dp 2, edp 2, one micro-batch of 4 tokens each
+    memory = _memory(config, 2, 0, 1, Assumptions(memory_overhead=0))
+    assert memory == {"weights": 2 * 1680, "grads": 4 * 1680, "optimizer": 12 * 1680,
+                      "activations": 4 * (208 + 376 + 128), "overhead": 0, "total": 18 * 1680 + 4 * 712}
+    # the distributed optimizer shards the 12 bytes over dp (1104 dense) and edp (576 experts)
+    config.optimizer.distributed = True
+    assert _memory(config, 2, 0, 1, Assumptions(memory_overhead=0))["optimizer"] == 12 * (1104 / 2 + 576 / 2)
+
+
+def test_comm_by_hand():
+    # world 4: tp 2 with SP, ep 2, etp 1 -> dp 2, edp 2; one micro-batch per rank.
+    config = _hand_config(tp=2, ep=2, etp=1, sequence_parallel=True)
+    got = step_bytes(config, 4)
+    # One [s 4, b 1, H 8] bf16 activation X = 64 bytes; each gather or scatter over tp 2
+    # moves X/2 = 32. Per column/row pair 4 * 32 = 128: attention and MLP of layer 0,
+    # attention and shared expert of layer 1 -> 512; embedding 2*32, head 2*32; cross
+    # entropy 3 all-reduces of 4*4 bytes over 2 ranks, 16 each -> 48; the grad norm's
+    # float32 all-reduce 2*1*4//2 = 4.
+    assert got["tp"] == 512 + 64 + 64 + 48 + 4
+    # 2 tokens per rank route 4 rows, 2 of them to the other ep rank and 2 back in:
+    # 2 (sent + received) * H*a = 2*4*16 = 128, probs 4 bytes each way: 16
+    assert got["ep"] == 144
+    # count exchange: 4 int64 counts to 1 peer; grad norm 4
+    assert got["etp_ep"] == 8 * 4 + 4
+    # aux-loss statistics: 2*4 + 1 float64 over tp x cp = 2 ranks
+    assert got["tp_cp"] == 72
+    # grads (float32) over dp_cp = 2 ranks: the tp shards, 64 + 240 + 144 + 64 = 512 elements
+    assert got["dp_cp"] == 4 * 512
+    # tp_sum (norms, router, gate): 16 + 16 + 8 + 32 + 8 = 80 elements over tp*dp = 4 ranks
+    assert got["tp_dp_cp"] == 2 * 3 * 4 * 80 // 4
+    # experts: 288 elements over edp = 2 ranks
+    assert got["edp"] == 4 * 288
+    assert set(got) == {"tp", "ep", "etp_ep", "tp_cp", "dp_cp", "tp_dp_cp", "edp"}
+
+
+def test_step_time_and_mfu_by_hand():
+    from moe_fold.planner import Assumptions, estimate
+    from moe_fold.planner_hardware import GPU
+
+    # world 2 in one node, dp 2 and edp 2: the only traffic is the gradient all-reduce.
+    config = _hand_config()
+    gpu = GPU("toy", peak_flops=1e6, memory=1e9, hbm_bw=1e6, nvlink_bw=1e3, inter_node_bw=1e2)
+    plan = estimate(config, 2, gpu, Assumptions(matmul_efficiency=0.5, overlap_grad_reduce=False,
+                                                memory_overhead=0))
+    # each rank: one micro-batch of 4 tokens, 3 * 2704 FLOPs each, at 0.5 * 1e6 FLOP/s
+    compute = 4 * 3 * 2704 / 0.5e6
+    # float32 grads all-reduced over 2 ranks send B each: the dense ones over dp_cp, the
+    # experts over edp, 4 * 1680 bytes in all, at NVLink's 1e3 B/s (one node)
+    grads = 4 * 1680 / 1e3
+    optimizer = 1680 * 30 / 1e6
+    assert plan.time["compute"] == pytest.approx(compute)
+    assert plan.time["dp_cp (exposed)"] + plan.time["edp (exposed)"] == pytest.approx(grads)
+    assert plan.time["total"] == pytest.approx(compute + grads + optimizer)
+    assert plan.mfu == pytest.approx(3 * 2704 * 8 / (2 * 1e6 * plan.time["total"]))
+    # with overlap a bucket of 2^24 elements would cover all of it: nothing changes
+    overlapped = estimate(config, 2, gpu, Assumptions(matmul_efficiency=0.5, memory_overhead=0))
+    assert overlapped.time["total"] == pytest.approx(plan.time["total"])
+
+
+def test_bubble_and_in_flight():
+    from moe_fold.planner import Assumptions, estimate
+    from moe_fold.planner_hardware import GPU
+    from moe_fold.planner_model import microbatches_in_flight
+
+    config = load_config("mixtral-tiny", ["parallel.pp=2", "parallel.ep=1", "train.global_batch_size=16",
+                                          "train.micro_batch_size=4", "train.precision=bf16"])
+    # 1F1B: stage r holds pp - r micro-batches; interleaved stage 0 with pp 2, vpp 2:
+    # 2*(2-1) + (2-1)*2 + 1 = 5 chunk-forwards of half the stage = 2.5 micro-batches
+    assert microbatches_in_flight(config, 0, 8) == 2
+    assert microbatches_in_flight(config, 1, 8) == 1
+    assert microbatches_in_flight(config, 0, 1) == 1
+    config.parallel.vpp, config.parallel.pp_schedule = 2, "interleaved"
+    assert microbatches_in_flight(config, 0, 8) == 2.5
+    gpu = GPU("toy", peak_flops=1e9, memory=1e12, hbm_bw=1e12, nvlink_bw=1e15, inter_node_bw=1e15)
+    plan = estimate(config, 2, gpu, Assumptions(matmul_efficiency=1.0))
+    # 4 micro-batches (16 / (4 * dp 1)); bubble (pp - 1)/vpp = 1/2 of the slowest stage's micro-batch
+    per_micro = plan.time["compute"] / 4 + plan.time.get("pp", 0) / 4
+    assert plan.time["bubble"] == pytest.approx(per_micro / 2)
+
+
+# --------------------------------------------------------------------------- search and CLI
+
+def test_search_ranks_valid_fitting_layouts():
+    from moe_fold.planner import estimate, search
+    from moe_fold.planner_hardware import get_gpu
+
+    config = load_config("mixtral-tiny", ["train.precision=bf16"])
+    plans = search(config, 8, get_gpu("h100"))
+    layouts = [tuple(p.layout[k] for k in ("tp", "cp", "pp", "vpp", "ep", "etp")) for p in plans]
+    assert len(layouts) == len(set(layouts)) > 10
+    assert all(p.fits for p in plans)
+    assert [p.mfu for p in plans] == sorted((p.mfu for p in plans), reverse=True)
+    # every candidate's numbers are what estimate gives for that layout
+    best = plans[0]
+    from moe_fold.planner import with_layout
+    lay = best.layout
+    again = estimate(with_layout(config, tp=lay["tp"], cp=lay["cp"], pp=lay["pp"], vpp=lay["vpp"], ep=lay["ep"],
+                                 etp=lay["etp"]), 8, get_gpu("h100"))
+    assert again.mfu == best.mfu
+
+
+def test_plan_command(capsys):
+    import json
+
+    from moe_fold.cli import main
+
+    assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--tp", "2", "--ep", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"]["tp"] == 2 and out["layout"]["dp"] == 2 and out["layout"]["edp"] == 1
+    assert 0 < out["mfu"] < 1 and out["time"]["total"] > 0 and out["comm_bytes"]["ep"] > 0
+    assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--tp", "2", "--ep", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "MFU" in text and "activations" in text and "ep" in text
+    # 8 experts do not split over ep 3
+    assert main(["plan", "--config", "mixtral-tiny", "--world", "6", "--ep", "3"]) == 2
+    assert "moe.num_experts=8 is not divisible by parallel.ep=3" in capsys.readouterr().err
+    assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--gpu", "a100"]) == 2
+    assert "gpu='a100' is unknown" in capsys.readouterr().err
