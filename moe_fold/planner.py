@@ -210,7 +210,7 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
         sent = microbatch_bytes(config, world, r, t.recompute)
         comm = {k: _seconds(k, sent[k], links, gpu) for k in sent if k in _CRITICAL}
         stages.append((flops / rate + sum(comm.values()), flops, comm, r))
-    slowest = max(stages)
+    slowest = max(stages, key=lambda stage: stage[0])
     per_micro, flops_micro, comm_micro, r_slow = slowest
 
     step = step_bytes(config, world, r_slow)

@@ -29,6 +29,8 @@ Per micro-batch and layer (``X`` the bytes of one ``[s/cp, b, H]`` activation):
   the outputs before it, and their backward counterparts.
 - etp_ep: the per-expert int64 count exchange (forward only; none when padded).
 - tp_cp / tp_dp_cp: the router's loss statistics (float64), per MoE layer.
+- cp: the K/V ring of ring attention (or the all-to-alls of a2a attention), forward and
+  backward (:func:`_cp_attention_bytes`).
 - pp: one activation ``[s/(cp g), b, H]`` per virtual-stage boundary forward, its grad
   backward.
 
@@ -175,6 +177,10 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
         if pp_rank == p.pp - 1:
             out["tp"] += 2 * _share(x, tp) if sp else _all_reduce(x, tp)
             out["tp"] += 3 * _all_reduce(b * s * 4, tp)  # cross entropy: max, target logit, sum of exp
+    if cp > 1:
+        for i in layers:
+            forward, backward = _cp_attention_bytes(config)
+            out["cp"] += forward + backward + (forward if recompute == "full" else 0)
     dp = dp_size(config, world_size)
     for r in routing:
         for kind, nbytes in moe_layer_bytes(config, r).items():
@@ -193,6 +199,25 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
         sends = (v - (pp_rank == p.pp - 1)) + (v - (pp_rank == 0))
         out["pp"] += sends * message
     return {k: v for k, v in out.items() if v}
+
+
+def _cp_attention_bytes(config: Config) -> tuple[float, float]:
+    """Forward and backward bytes of one layer's context-parallel attention for one
+    micro-batch. Ring (:mod:`moe_fold.ring_attention`): the local K/V pass ``cp-1`` hops
+    forward; backward they go round again with float32 dK/dV accumulators, which take one
+    more hop home. A2a (:mod:`moe_fold.context_parallel`): q, k, v (kv heads repeated to
+    ``lcm(kv_heads, cp)``) and the output each all-to-all'd, ``(cp-1)/cp`` of them leaving;
+    the backward the same."""
+    d, p = dims(config), config.parallel
+    cp, a = p.cp, act_bytes(config)
+    tokens = config.train.micro_batch_size * d.seq // cp
+    heads, kv_heads = d.heads // p.tp, d.kv_heads // p.tp
+    if p.cp_kind == "ring":
+        kv = 2 * tokens * kv_heads * d.head_dim
+        return (cp - 1) * kv * a, (cp - 1) * kv * a + cp * kv * 4
+    kv_heads = kv_heads * (cp // math.gcd(kv_heads, cp))
+    moved = (2 * heads + 2 * kv_heads) * tokens * d.head_dim * a * (cp - 1) / cp
+    return moved, moved
 
 
 def _buckets(numels: list[int], limit: int) -> list[int]:

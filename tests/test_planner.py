@@ -346,3 +346,18 @@ def test_plan_command(capsys):
     assert "moe.num_experts=8 is not divisible by parallel.ep=3" in capsys.readouterr().err
     assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--gpu", "a100"]) == 2
     assert "gpu='a100' is unknown" in capsys.readouterr().err
+
+
+def test_cp_bytes_by_hand():
+    from moe_fold.planner_comm import microbatch_bytes
+
+    # seq 8 over cp 2 (4 tokens per rank), tp 1: local K and V 4 tokens x 1 kv head x 4
+    # dims, 2 bytes each = 2*32 = 64 bytes. Ring: forward 1 hop (64), backward 1 hop (64)
+    # plus 2 hops of float32 dK/dV (2 * 128); two layers.
+    config = _hand_config(cp=2)
+    config.model.seq_length = 8
+    assert microbatch_bytes(config, 2, 0, "none")["cp"] == 2 * (64 + 64 + 256)
+    # a2a: q (2 heads) 64 bytes, k and v repeated to lcm(1, 2) = 2 heads 64 each, output 64:
+    # half of 256 leaves forward, as much backward
+    config.parallel.cp_kind = "a2a"
+    assert microbatch_bytes(config, 2, 0, "none")["cp"] == 2 * (128 + 128)
