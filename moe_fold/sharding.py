@@ -136,7 +136,8 @@ def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[int,
         start = stop_in
     whole_stop = stop // row * row
     if start < whole_stop:
-        boxes.append((start, (start // row,) + (0,) * (len(shape) - 1), (whole_stop // row - start // row,) + shape[1:]))
+        rows = whole_stop // row - start // row
+        boxes.append((start, (start // row,) + (0,) * (len(shape) - 1), (rows,) + tuple(shape[1:])))
         start = whole_stop
     if start < stop:
         row_i = start // row

@@ -4,9 +4,11 @@ files; then resharding on 4 gloo ranks: saved under one layout, loaded under ano
 gathered global tensors equal the saved ones exactly and the next step's loss agrees."""
 
 import json
+import math
 import logging
 import os
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -15,11 +17,12 @@ import torch
 from moe_fold.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from moe_fold.config import load_config
 from moe_fold.launch import run_ranks
-from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
+from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
+from moe_fold.models.experts import Experts
 from moe_fold.models.model import build_model
 from moe_fold.optim import AdamW, build_optimizer, build_scheduler
-from moe_fold.sharding import full_tensor, shard_info
-from moe_fold.tensor_parallel import mark
+from moe_fold.sharding import box, flat_boxes, full_tensor, shard_info
+from moe_fold.tensor_parallel import mark, shard_tp
 from test_optim import _config, _step
 
 ONE = ProcessGroups.single_process()
@@ -49,6 +52,56 @@ def _trained(config, groups, steps=2):
 
 def _draws():
     return torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)]
+
+
+# --------------------------------------------------------------------------- sharding
+
+def test_flat_boxes_cover_a_flat_range_with_contiguous_boxes():
+    for shape in [(5,), (3, 4), (2, 3, 4), (1, 5, 1, 3), ()]:
+        numbers = torch.arange(math.prod(shape)).reshape(shape)
+        n = numbers.numel()
+        for start in range(n + 1):
+            for stop in range(start, n + 1):
+                seen = []
+                for offset, offsets, sizes in flat_boxes(shape, start, stop):
+                    values = numbers[box(offsets, sizes)].reshape(-1).tolist()
+                    assert values == list(range(offset, offset + len(values)))  # contiguous, where it says
+                    seen += values
+                assert seen == list(range(start, stop))
+
+
+def _fake_groups(layout, rank):
+    """Sizes and coordinates of ``rank`` without torch.distributed (enough to build and describe)."""
+    return ProcessGroups(layout, rank, {name: None for name in GROUP_NAMES})
+
+
+def test_pieces_place_every_rank_shard_in_the_global_tensor():
+    """Experts (ep x etp, fused gate|up) as models/experts.py builds them, and fused tp
+    weights as tensor_parallel.shard_tp cuts them, on each rank of tp2 x ep2 x etp2 (world 8)."""
+    layout = ParallelLayout(8, tp=2, ep=2)  # etp 2, edp 2, dp 4
+    gen = torch.Generator().manual_seed(0)
+    dense = {"qkv": (torch.randn(16, 6, generator=gen), 0, [8, 4, 4]),  # q|k|v rows
+             "proj": (torch.randn(6, 8, generator=gen), 1, [8])}
+    full = {n: p.detach() for n, p in Experts(4, 6, 8, ONE, std=1.0, seed=3, name="e").named_parameters()}
+    full.update({n: value for n, (value, _, _) in dense.items()})
+    written = {n: torch.zeros(v.shape, dtype=torch.int64) for n, v in full.items()}
+    for rank in range(8):
+        groups = _fake_groups(layout, rank)
+        local = dict(Experts(4, 6, 8, groups, std=1.0, seed=3, name="e").named_parameters())
+        for n, (value, dim, parts) in dense.items():
+            shard = shard_tp(value, dim, parts, groups.rank_in("tp"), 2)
+            local[n] = mark(torch.nn.Parameter(shard), "tp", tp_dim=dim, tp_parts=parts)
+        for name, p in local.items():
+            info = shard_info(p, groups, name)
+            assert info.global_shape == tuple(full[name].shape), name
+            assert sum(math.prod(piece.sizes) for piece in info.pieces) == p.numel()
+            for piece in info.pieces:
+                assert torch.equal(p.detach()[box(piece.local, piece.sizes)],
+                                   full[name][box(piece.global_, piece.sizes)]), (rank, name)
+                if info.writer:
+                    written[name][box(piece.global_, piece.sizes)] += 1
+    for name, count in written.items():
+        assert (count == 1).all(), name  # each global element has exactly one writer
 
 
 # --------------------------------------------------------------------------- one process
@@ -183,6 +236,7 @@ RESHARD = [
     (dict(tp=1), dict(tp=2, sp=True, distributed=True)),  # dense dp4 -> tp2 x dp2 (ZeRO)
     (dict(moe=True, ep=2, distributed=True), dict(moe=True, ep=4)),  # ep2 x dp2 (ZeRO) -> ep4
     (dict(moe=True, ep=2), dict(moe=True, tp=2, sp=True, ep=2, distributed=True)),  # -> tp2 x etp2 x ep2
+    (dict(moe=True, ep=2, distributed=True), dict(moe=True, ep=2, distributed=True)),  # resume: same layout
 ]
 
 
@@ -205,18 +259,27 @@ def _reshard_rank(rank, world_size, root, pairs):
         save_checkpoint(f"{root}/saved{i}", 2, model, opt, sched, {"consumed_samples": 8}, groups, keep_last=1)
         before = _global(model, groups)
         next_loss = _step(model, opt, sched, groups, 2, config.optimizer.clip_grad)
+        next_params = _global(model, groups)
+        draws = _draws()
 
         groups = _groups(world_size, loaded)
         config = _config(**loaded)
         model, opt, sched = _setup(config, groups)
-        with pytest.warns(UserWarning, match="random states are not restored"):
-            extra = load_checkpoint(f"{root}/saved{i}", model, opt, sched, groups)
+        if saved == loaded:
+            torch.manual_seed(1000 + rank)  # to be undone by the restored random states
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                extra = load_checkpoint(f"{root}/saved{i}", model, opt, sched, groups)
+        else:
+            with pytest.warns(UserWarning, match="random states are not restored"):
+                extra = load_checkpoint(f"{root}/saved{i}", model, opt, sched, groups)
         loaded_params = _global(model, groups)
         # saved again from the new layout: a one-process load compares the moments
         save_checkpoint(f"{root}/resaved{i}", 2, model, opt, sched, extra, groups, keep_last=1)
         loaded_loss = _step(model, opt, sched, groups, 2, config.optimizer.clip_grad)
+        same_next_params = all((v == next_params[n]).all() for n, v in _global(model, groups).items())
         out.append(dict(before=before, loaded=loaded_params, extra=extra, next_loss=next_loss,
-                        loaded_loss=loaded_loss))
+                        loaded_loss=loaded_loss, same_draws=_draws() == draws, same_next_params=same_next_params))
     return out
 
 
@@ -242,6 +305,8 @@ def test_checkpoint_saved_under_one_layout_loads_under_another(tmp_path):
         for name, value in got["before"].items():
             assert (got["loaded"][name] == value).all(), (saved, loaded, name)
         assert got["loaded_loss"] == pytest.approx(got["next_loss"], abs=1e-5), (saved, loaded)
+        if saved == loaded:  # a resumed run continues exactly, random states included
+            assert got["loaded_loss"] == got["next_loss"] and got["same_draws"] and got["same_next_params"]
         state, extra, step_count, sched_state = _one_process_state(tmp_path / f"saved{i}", moe)
         again, _, again_count, again_sched = _one_process_state(tmp_path / f"resaved{i}", moe)
         assert (step_count, sched_state) == (again_count, again_sched) == (2, {"step": 2})
