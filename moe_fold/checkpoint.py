@@ -255,7 +255,9 @@ def _complete_steps(ckpt_dir: Path) -> list[tuple[int, Path]]:
         match = _STEP_DIR.fullmatch(path.name)
         if match and (path / "index.json").is_file():
             found.append((int(match.group(1)), path))
-        elif _LEFTOVER.match(path.name) or match:
+        elif match:
+            log.warning("ignoring checkpoint directory %s: it has no index.json", path)
+        elif _LEFTOVER.match(path.name):
             log.warning("ignoring incomplete checkpoint directory %s (a save that did not finish; the next "
                         "save removes it)", path)
     return sorted(found)
