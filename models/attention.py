@@ -1,19 +1,21 @@
 """Causal self-attention with grouped-query heads, optional QK-norm and rotary embeddings.
 
 Under tp each rank owns ``num_heads/tp`` query heads together with the
-``num_kv_heads/tp`` key/value heads they read, so attention itself needs no
+``num_kv_heads/tp`` key/value heads they read, so attention itself needs no tp
 communication: the fused q|k|v projection is column-parallel and the output projection
-row-parallel.
+row-parallel. Under cp each rank holds its zigzag shard of every sequence
+(:mod:`moe_fold.context_parallel`); the projections and rotary work token by token, and
+only the attention proper crosses the cp group (``parallel.cp_kind``: ring or a2a).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_fold.comm import Group, group_size
 from moe_fold.config import ModelConfig
+from moe_fold.context_parallel import CP_KINDS, context_parallel_attention
 from moe_fold.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_seed
 
 from .norm import RMSNorm
@@ -22,12 +24,15 @@ from .rotary import apply_rotary
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, head_dim: int, tp_group: Group, sequence_parallel: bool,
-                 *, seed: int, name: str):
+                 *, seed: int, name: str, cp_group: Group = None, cp_kind: str = "ring"):
         super().__init__()
         tp = group_size(tp_group)
         for field in ("num_heads", "num_kv_heads"):
             if getattr(config, field) % tp:
                 raise ValueError(f"model.{field}={getattr(config, field)} is not divisible by tp={tp}")
+        if cp_kind not in CP_KINDS:
+            raise ValueError(f"parallel.cp_kind={cp_kind!r} must be one of {', '.join(CP_KINDS)}")
+        self.cp_group, self.cp_kind = cp_group, cp_kind
         self.head_dim = head_dim
         self.num_heads = config.num_heads // tp  # local query heads
         self.num_kv_heads = config.num_kv_heads // tp  # local key/value heads
@@ -45,7 +50,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, config.norm_eps, "tp_sum")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x [S_local, B, H]`` -> ``[S_local, B, H]``; cos/sin ``[S, head_dim]`` or ``[B, S, head_dim]``."""
+        """``x [S_local, B, H]`` -> ``[S_local, B, H]``; cos/sin ``[S, head_dim]`` or ``[B, S, head_dim]``
+        for this rank's tokens (``S = S_global/cp``, the zigzag shard's positions under cp)."""
         qkv = self.qkv(x)  # [S, B, (heads + 2*kv_heads) * head_dim]
         S, B = qkv.shape[:2]
         q, k, v = qkv.view(S, B, -1, self.head_dim).split(
@@ -55,6 +61,7 @@ class Attention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, heads, S, head_dim]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Query head h reads key/value head h // (heads / kv_heads), as in Hugging Face.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, heads, S, hd]
+        # A cp group of one rank (or None) is plain causal attention over the local sequence.
+        out = context_parallel_attention(q, k, v, self.cp_group, kind=self.cp_kind)  # [B, heads, S, hd]
         out = out.permute(2, 0, 1, 3).reshape(S, B, self.num_heads * self.head_dim)  # [S, B, heads*hd]
         return self.proj(out)

@@ -12,6 +12,14 @@ autograd graph, not on a return value).
 Weights are slices of global tensors drawn from per-parameter seeds
 (:mod:`moe_fold.tensor_parallel`), so every layout of the same config and seed holds the
 same model.
+
+Context parallel (cp): a rank holds its zigzag shard of every sequence
+(:func:`moe_fold.context_parallel.zigzag_split`), its tokens, labels and rotary
+positions; only attention crosses the cp group. Pipeline parallel (pp): a rank builds
+the layers of its virtual stages (:func:`moe_fold.pipeline.stage_layers`), the
+embedding with stage 0, the final norm, head and loss with the last stage, and runs
+them with :meth:`Transformer.chunk_forward` under :func:`moe_fold.step.forward_backward`.
+Layers keep their global index in parameter names (``layers.{i}``) under every split.
 """
 
 from __future__ import annotations
@@ -22,8 +30,11 @@ import torch
 from torch import nn
 
 from moe_fold.comm import all_reduce_, gather_from_tp_region
-from moe_fold.config import Config, head_dim, moe_layer_flags
+from moe_fold.config import Config, head_dim, moe_layer_flags, vpp_size
+from moe_fold.context_parallel import zigzag_positions
 from moe_fold.layout import ProcessGroups
+from moe_fold.pipeline import create_embedding_group, stage_layers
+from moe_fold.pipeline_schedules import rank_stages
 from moe_fold.tensor_parallel import (
     ColumnParallelLinear, VocabParallelEmbedding, init_seed, vocab_parallel_cross_entropy,
 )
@@ -49,7 +60,7 @@ class Block(nn.Module):
         norm_kind = "tp_sum" if sp else "replicated"
         self.attn_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind)
         self.attn = Attention(m, head_dim(config), groups.tp, sp, seed=config.train.seed,
-                              name=f"layers.{layer}.attn")
+                              name=f"layers.{layer}.attn", cp_group=groups.cp, cp_kind=config.parallel.cp_kind)
         self.mlp_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind)
         self.mlp = mlp
 
@@ -75,8 +86,31 @@ def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
                std=m.init_std, seed=config.train.seed, name=f"layers.{layer}.mlp")
 
 
+class Layers(nn.Module):
+    """This rank's blocks, named and indexed by their global layer index: ``layers[i]``
+    is layer ``i`` whichever pipeline stage holds it; iterating yields the blocks in
+    layer order."""
+
+    def __init__(self, blocks: dict[int, Block]):
+        super().__init__()
+        for i, block in blocks.items():
+            self.add_module(str(i), block)
+
+    def __getitem__(self, layer: int) -> Block:
+        return self._modules[str(layer)]
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
 class Transformer(nn.Module):
-    """This rank's model: ``forward`` returns the loss, ``logits`` the full logits.
+    """This rank's model: its pipeline stages' layers, the embedding on the first stage,
+    final norm and LM head on the last. ``forward`` returns the loss and ``logits`` the
+    full logits of a whole model (pp = 1); under pp, :meth:`chunk_forward` runs one
+    virtual stage.
 
     Parameter names (what checkpoint and Hugging Face conversion map): ``embed.weight``;
     ``layers.{i}.attn_norm.weight``, ``.attn.qkv.weight`` (rows q|k|v), ``.attn.proj.weight``,
@@ -85,6 +119,12 @@ class Transformer(nn.Module):
     ``lm_head.weight`` (tied: the same parameter as ``embed.weight``). A ``"tp"``
     parameter holds this rank's shard (``tp_dim``, ``tp_parts``;
     :func:`moe_fold.tensor_parallel.shard_tp`).
+
+    Tied embeddings under pp: the last stage holds its own copy of the embedding, also
+    named ``embed.weight`` (drawn from the same seed, so equal to the first stage's) and
+    marked ``tied_copy = True`` (the grad norm counts it once). After each backward
+    ``forward_backward`` sums the two copies' grads over :attr:`embedding_group`, so
+    both take the same optimizer steps (:mod:`moe_fold.pipeline`).
     """
 
     def __init__(self, config: Config, groups: ProcessGroups):
@@ -92,49 +132,51 @@ class Transformer(nn.Module):
         m, sp, seed = config.model, config.parallel.sequence_parallel, config.train.seed
         self.config = config
         self.groups = groups
-        self.embed = VocabParallelEmbedding(m.vocab_size, m.hidden_size, groups.tp, sp,
-                                            std=m.init_std, seed=init_seed(seed, "embed"))
-        self.layers = nn.ModuleList(Block(config, groups, i, make_mlp(config, groups, i))
-                                    for i in range(m.num_layers))
-        self.norm = RMSNorm(m.hidden_size, m.norm_eps, "tp_sum" if sp else "replicated")
-        # Tied: the head is the embedding's own parameter (same vocab split over tp).
-        tied = self.embed.weight if m.tie_embeddings else None
-        self.lm_head = ColumnParallelLinear(m.hidden_size, m.vocab_size, groups.tp, sp, std=m.init_std,
-                                            seed=init_seed(seed, "lm_head"), weight=tied)
+        pp = groups.size("pp")
+        vpp = vpp_size(config) if pp > 1 else 1
+        layers_of = stage_layers(m.num_layers, pp, vpp, config.parallel.pp_layers if pp > 1 else None)
+        # Chunk c of this rank is virtual stage stages[c]; stage 0 embeds, the last one ends in the loss.
+        self.stages = rank_stages(pp, vpp, groups.rank_in("pp"))
+        self.num_stages = pp * vpp
+        self.stage_layer_ids = [layers_of[s] for s in self.stages]
+        first, last = 0 in self.stages, self.num_stages - 1 in self.stages
 
-    def _vocab_logits(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:
-        """``input_ids [B, S]`` -> this rank's vocab shard of the logits ``[S, B, V/tp]``."""
-        m = self.config.model
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        cos, sin = rotary_cos_sin(positions, head_dim(self.config), m.rope_theta, self.embed.weight.dtype)
-        x = self.embed(input_ids.t())  # [S_local, B, H]
-        for block in self.layers:
-            x = block(x, cos, sin)
-        return self.lm_head(self.norm(x))  # [S, B, V/tp]
+        self.embed: Optional[VocabParallelEmbedding] = None
+        if first or (last and m.tie_embeddings):
+            self.embed = VocabParallelEmbedding(m.vocab_size, m.hidden_size, groups.tp, sp,
+                                                std=m.init_std, seed=init_seed(seed, "embed"))
+            if not first:
+                self.embed.weight.tied_copy = True
+        self.layers = Layers({i: Block(config, groups, i, make_mlp(config, groups, i))
+                              for ids in self.stage_layer_ids for i in ids})
+        self.norm: Optional[RMSNorm] = None
+        self.lm_head: Optional[ColumnParallelLinear] = None
+        if last:
+            self.norm = RMSNorm(m.hidden_size, m.norm_eps, "tp_sum" if sp else "replicated")
+            # Tied: the head is the embedding's own parameter (same vocab split over tp).
+            tied = self.embed.weight if m.tie_embeddings else None
+            self.lm_head = ColumnParallelLinear(m.hidden_size, m.vocab_size, groups.tp, sp, std=m.init_std,
+                                                seed=init_seed(seed, "lm_head"), weight=tied)
+        # Collective over the world (every rank builds its model): the {first, last} stage pair.
+        self.embedding_group = create_embedding_group(groups) if pp > 1 and m.tie_embeddings else None
 
-    def logits(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Full logits ``[B, S, V]`` (gathered over tp): for evaluation and tests, not training."""
-        local = self._vocab_logits(input_ids, positions)
-        return gather_from_tp_region(local, self.groups.tp, dim=-1).transpose(0, 1)
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = next(self.parameters()).dtype
+        return rotary_cos_sin(positions, head_dim(self.config), self.config.model.rope_theta, dtype)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                loss_mask: Optional[torch.Tensor] = None,
-                num_loss_tokens: Optional[Union[float, torch.Tensor]] = None) -> torch.Tensor:
-        """This rank's loss for ``input_ids``/``labels`` ``[B, S_local]`` (labels already shifted).
+    def _default_positions(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[S_local]``: this rank's zigzag shard of ``0..S-1`` (``arange`` without cp)."""
+        cp = self.groups.size("cp")
+        return zigzag_positions(input_ids.shape[1] * cp, self.groups.rank_in("cp"), cp, device=input_ids.device)
 
-        ``positions``: ``[S_local]`` or ``[B, S_local]`` (default ``arange(S_local)``);
-        ``loss_mask``: ``[B, S_local]``, 0 where a token does not count (padding).
-        ``num_loss_tokens``: the unmasked tokens of the whole global batch (every dp x cp
-        rank, every micro-batch); None counts this micro-batch over dp x cp.
+    def _layers(self, x: torch.Tensor, layer_ids: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        for i in layer_ids:
+            x = self.layers[i](x, cos, sin)  # [S_local, B, H]
+        return x
 
-        The result is ``sum(token losses * mask) * (dp*cp) / num_loss_tokens``: averaging
-        it, and its grads, over dp x cp (what ``moe_fold.grads.sync_grads`` does) gives the
-        mean loss over the global batch and its exact gradient, whatever the number of
-        unmasked tokens on each rank; summing grads over micro-batches before the sync
-        keeps it exact when ``num_loss_tokens`` covers them all.
-        """
-        logits = self._vocab_logits(input_ids, positions)  # [S, B, V/tp]
+    def _loss(self, x: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
+              num_loss_tokens: Optional[Union[float, torch.Tensor]]) -> torch.Tensor:
+        logits = self.lm_head(self.norm(x))  # [S, B, V/tp]
         losses = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp)  # [S, B]
         dp_cp = self.groups.size("dp_cp")
         if loss_mask is not None:
@@ -150,14 +192,72 @@ class Transformer(nn.Module):
                 num_loss_tokens = all_reduce_(count, self.groups.dp_cp).clamp(min=1)
         return losses.sum() * (dp_cp / num_loss_tokens)
 
+    def _check_whole(self, what: str) -> None:
+        if self.num_stages > 1:
+            raise RuntimeError(f"Transformer.{what} runs a whole model, but this rank holds pipeline stages "
+                               f"{self.stages} of {self.num_stages}; use moe_fold.step.forward_backward")
+
+    def _vocab_logits(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:
+        """``input_ids [B, S_local]`` -> this rank's vocab shard of the logits ``[S, B, V/tp]``."""
+        if positions is None:
+            positions = self._default_positions(input_ids)
+        cos, sin = self._rotary(positions)
+        x = self._layers(self.embed(input_ids.t()), self.stage_layer_ids[0], cos, sin)  # [S_local, B, H]
+        return self.lm_head(self.norm(x))  # [S, B, V/tp]
+
+    def logits(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Full-vocab logits ``[B, S_local, V]`` (gathered over tp) of this rank's tokens:
+        for evaluation and tests, not training."""
+        self._check_whole("logits")
+        local = self._vocab_logits(input_ids, positions)
+        return gather_from_tp_region(local, self.groups.tp, dim=-1).transpose(0, 1)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                loss_mask: Optional[torch.Tensor] = None,
+                num_loss_tokens: Optional[Union[float, torch.Tensor]] = None) -> torch.Tensor:
+        """This rank's loss for ``input_ids``/``labels`` ``[B, S_local]`` (labels already shifted;
+        under cp this rank's zigzag shard of each sequence).
+
+        ``positions``: ``[S_local]`` or ``[B, S_local]`` (default: this rank's zigzag shard
+        of ``arange(S)``, ``arange(S_local)`` without cp);
+        ``loss_mask``: ``[B, S_local]``, 0 where a token does not count (padding).
+        ``num_loss_tokens``: the unmasked tokens of the whole global batch (every dp x cp
+        rank, every micro-batch); None counts this micro-batch over dp x cp.
+
+        The result is ``sum(token losses * mask) * (dp*cp) / num_loss_tokens``: averaging
+        it, and its grads, over dp x cp (what ``moe_fold.grads.sync_grads`` does) gives the
+        mean loss over the global batch and its exact gradient, whatever the number of
+        unmasked tokens on each rank; summing grads over micro-batches before the sync
+        keeps it exact when ``num_loss_tokens`` covers them all.
+        """
+        self._check_whole("forward")
+        if positions is None:
+            positions = self._default_positions(input_ids)
+        cos, sin = self._rotary(positions)
+        x = self._layers(self.embed(input_ids.t()), self.stage_layer_ids[0], cos, sin)  # [S_local, B, H]
+        return self._loss(x, labels, loss_mask, num_loss_tokens)
+
+    def chunk_forward(self, chunk: int, x: Optional[torch.Tensor], input_ids: torch.Tensor, labels: torch.Tensor,
+                      positions: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
+                      num_loss_tokens: Optional[Union[float, torch.Tensor]] = None) -> torch.Tensor:
+        """Virtual stage ``stages[chunk]`` of one micro-batch (fields as in :meth:`forward`).
+
+        The first stage embeds ``input_ids`` (``x`` is ignored); the others take the hidden
+        states ``x [S_local, B, H]`` (``S_local/tp`` under SP) of the stage before. Returns
+        the hidden states for the next stage, or on the last stage the loss of
+        :meth:`forward`."""
+        stage = self.stages[chunk]
+        cos, sin = self._rotary(positions)
+        if stage == 0:
+            x = self.embed(input_ids.t())  # [S_local, B, H]
+        x = self._layers(x, self.stage_layer_ids[chunk], cos, sin)
+        if stage == self.num_stages - 1:
+            return self._loss(x, labels, loss_mask, num_loss_tokens)
+        return x
+
 
 def build_model(config: Config, groups: ProcessGroups) -> Transformer:
     """This rank's part of the model of ``config`` in the layout of ``groups``
-    (``ProcessGroups.single_process()`` for the one-process model)."""
-    # Causal attention over a contiguous sequence and one stage holding every layer are
-    # what this model computes; a layout that needs otherwise must not run silently.
-    for name, what in (("cp", "context-parallel attention"), ("pp", "pipeline stages")):
-        if groups.size(name) > 1:
-            raise NotImplementedError(f"parallel.{name}={groups.size(name)}: {what} are not built by "
-                                      f"build_model yet; use parallel.{name}=1")
+    (``ProcessGroups.single_process()`` for the one-process model). Under pp with tied
+    embeddings every rank must call it (it creates the embedding group)."""
     return Transformer(config, groups)

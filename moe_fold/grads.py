@@ -101,8 +101,10 @@ def grad_norm(params: Iterable[nn.Parameter], groups: ProcessGroups) -> torch.Te
     """The L2 norm of all grads of the whole model, after :func:`sync_grads`: the norm one
     process would compute. Squares of ``"tp"`` shards are summed over tp, of expert shards
     over ``etp_ep``; replicated grads (``"replicated"``, ``"tp_sum"``) count once; every
-    kind is summed over pp stages. A float32 scalar, the same on every rank."""
-    params = [p for p in params if p.grad is not None]
+    kind is summed over pp stages, where the last stage's copy of a tied embedding
+    (``param.tied_copy``, the same grad as the first stage's) is left out. A float32
+    scalar, the same on every rank."""
+    params = [p for p in params if p.grad is not None and not getattr(p, "tied_copy", False)]
     # On the grads' device: NCCL reduces only GPU tensors.
     device = params[0].grad.device if params else torch.device("cpu")
     sums = {key: torch.zeros((), dtype=torch.float32, device=device) for key in ("tp", "replicated", "expert")}

@@ -13,7 +13,7 @@ from moe_fold.comm import all_reduce
 from moe_fold.config import Config, ModelConfig
 from moe_fold.grads import clip_grad_norm_, sync_grads
 from moe_fold.launch import run_ranks
-from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
+from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.attention import Attention
 from moe_fold.models.model import build_model
 from moe_fold.models.norm import RMSNorm
@@ -273,10 +273,3 @@ def test_layouts_match_single_process(world):
             torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0,
                                        msg=lambda m: f"{where} losses: {m}")
 
-
-@pytest.mark.parametrize("name", ["cp", "pp"])
-def test_context_and_pipeline_parallel_are_refused_not_computed_wrongly(name):
-    # Sizes come from the layout; no group is needed to refuse.
-    groups = ProcessGroups(ParallelLayout(2, **{name: 2}), 0, {kind: None for kind in GROUP_NAMES})
-    with pytest.raises(NotImplementedError, match=f"parallel.{name}=2: "):
-        build_model(_config(), groups)

@@ -1,0 +1,105 @@
+"""One global batch's forward and backward on any layout: what the training loop calls
+once per optimizer step, before :func:`moe_fold.optim.apply_gradients`.
+
+Every rank passes its micro-batches of the step (``DataLoader.global_batch``: its dp
+shard, its cp zigzag slice; the ranks of one pipeline pass the same ones, since every
+stage reads the positions and the last one the labels). Then:
+
+- Loss scaling: each micro-batch's loss is ``sum(token losses) * dp*cp / N`` where ``N``
+  counts the unmasked tokens of the whole global batch (every dp x cp rank, every
+  micro-batch; one all-reduce over dp x cp), so the grads summed over micro-batches and
+  averaged over dp x cp (:func:`moe_fold.grads.sync_grads`) are the exact gradient of the
+  global-batch mean loss (:meth:`Transformer.forward`).
+- Routers: ``grad_scale = 1/num_microbatches``, so the aux and z losses, attached per
+  micro-batch through autograd, are the mean over the step's micro-batches.
+- pp = 1: the micro-batches one after another, grads accumulating. pp > 1: the
+  pipeline schedule ``parallel.pp_schedule`` over this rank's model chunks
+  (:func:`moe_fold.pipeline.run_schedule`; ``interleaved`` with ``parallel.vpp`` chunks).
+- Tied embeddings under pp: the grads of the first and last stages' copies are summed,
+  so both copies take the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Sequence
+
+import torch
+from torch import nn
+
+from moe_fold.comm import all_reduce_
+from moe_fold.config import Config
+from moe_fold.data.loader import Batch
+from moe_fold.dispatch.router import Router
+from moe_fold.layout import ProcessGroups
+from moe_fold.models.model import Transformer
+from moe_fold.pipeline import all_reduce_embedding_grads, run_schedule
+
+__all__ = ["forward_backward"]
+
+
+class _Chunk(nn.Module):
+    """Virtual stage ``model.stages[chunk]`` in :func:`run_schedule`'s stage interface:
+    the first stage gets the :class:`Batch` itself, every stage gets it as ``batch``."""
+
+    def __init__(self, model: Transformer, chunk: int, num_loss_tokens: torch.Tensor,
+                 forward_context: Callable[[], ContextManager]):
+        super().__init__()
+        self.model, self.chunk = model, chunk
+        self.num_loss_tokens, self.forward_context = num_loss_tokens, forward_context
+
+    def forward(self, x, batch: Batch) -> torch.Tensor:
+        hidden = None if isinstance(x, Batch) else x  # [S_local, B, H] from the stage before
+        with self.forward_context():
+            return self.model.chunk_forward(self.chunk, hidden, batch.tokens, batch.labels, batch.positions,
+                                            batch.loss_mask, self.num_loss_tokens)
+
+
+def _num_loss_tokens(microbatches: Sequence[Batch], groups: ProcessGroups) -> torch.Tensor:
+    """Unmasked label tokens of the global batch, at least 1 (a fully masked batch has loss 0)."""
+    # float64: float32 counts stop being exact above 2**24 tokens.
+    count = torch.stack([b.loss_mask.sum(dtype=torch.float64) for b in microbatches]).sum()
+    return all_reduce_(count, groups.dp_cp).clamp(min=1).float()
+
+
+def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: ProcessGroups, config: Config, *,
+                     forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
+                     forward_only: bool = False) -> torch.Tensor:
+    """Forward and backward of this rank's ``microbatches`` of one global batch (see the
+    module doc); parameter grads accumulate (zero them before).
+
+    ``forward_context()`` is entered around every forward (a micro-batch, or one chunk
+    of it under pp), e.g. autocast or routing-statistics recording; backwards run
+    outside it. ``forward_only``: losses only, no graph (evaluation).
+
+    Returns the ``[m]`` float64 micro-batch losses of this rank, the same on every rank
+    of its pipeline: their sum averaged over dp x cp is the global batch's mean LM loss.
+    """
+    if not microbatches:
+        raise ValueError("microbatches is empty; pass this rank's micro-batches of the global batch")
+    m = len(microbatches)
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.grad_scale = 1.0 / m
+    num_loss_tokens = _num_loss_tokens(microbatches, groups)
+    if model.num_stages == 1:
+        losses = []
+        for b in microbatches:
+            with torch.set_grad_enabled(not forward_only), forward_context():
+                loss = model(b.tokens, b.labels, positions=b.positions, loss_mask=b.loss_mask,
+                             num_loss_tokens=num_loss_tokens)
+            if not forward_only:
+                loss.backward()
+            losses.append(loss.detach().double())
+        return torch.stack(losses)
+
+    batch, seq = microbatches[0].tokens.shape
+    if config.parallel.sequence_parallel:
+        seq //= groups.size("tp")
+    chunks = [_Chunk(model, c, num_loss_tokens, forward_context) for c in range(len(model.stages))]
+    losses = run_schedule(chunks, microbatches, groups, tensor_shape=(seq, batch, config.model.hidden_size),
+                          dtype=next(model.parameters()).dtype, schedule=config.parallel.pp_schedule,
+                          side_inputs=lambda b: {"batch": b}, forward_only=forward_only)
+    if not forward_only and model.embedding_group is not None:
+        all_reduce_embedding_grads(model.embed.weight, model.embedding_group)
+    return losses

@@ -1,0 +1,313 @@
+"""Everything composes: context parallel (ring and a2a) and pipeline parallel (1f1b and
+interleaved, tied embeddings) folded with tp, dp, ep and etp train the same model as one
+process.
+
+A tiny Mixtral-like model (4 MoE layers, 8 experts top-2, GQA, aux and z losses, the
+all-to-all dispatcher, dropless) trains three steps of plain torch AdamW after
+``sync_grads`` and global-norm clipping, every layout through
+:func:`moe_fold.step.forward_backward` (its micro-batches: its dp rank's rows of the
+global batch, cut into micro-batches, each sliced to its cp zigzag shard). It must give
+one process's losses, first-step gradients (gathered to global tensors over tp, ep, etp
+and pp) and gradient norms.
+
+The reference runs the same global batch on one process as the layout's ``dp x m``
+micro-batches (the router's losses are per micro-batch and per dp rank, see
+tests/test_layout_invariance.py), accumulating grads by hand with the router's
+``grad_scale = 1/(dp*m)`` and the main loss normalised by the global count of unmasked
+tokens. The loss mask leaves out a different number of tokens in every row, so cp and dp
+ranks hold unequal counts and the normalisation is tested for exactness.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_fold.comm import all_reduce_
+from moe_fold.config import Config, ModelConfig, ParallelConfig
+from moe_fold.data.loader import Batch
+from moe_fold.dispatch.router import Router
+from moe_fold.grads import clip_grad_norm_, sync_grads
+from moe_fold.launch import run_ranks
+from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
+from moe_fold.models.model import build_model
+from moe_fold.step import forward_backward
+from test_layout_invariance import _global_grads
+
+VOCAB, HIDDEN, LAYERS, SEQ, BATCH, STEPS, LR, MAX_NORM = 64, 32, 4, 16, 4, 3, 1e-2, 0.5
+
+# name -> (world, layout sizes, micro-batches per rank, parallel config, model overrides).
+# tp > 1 implies SP; etp defaults to tp.
+CASES = {
+    # 2 ranks
+    "cp2-ring": (2, dict(cp=2), 2, dict(cp_kind="ring"), {}),
+    "cp2-a2a-ep2": (2, dict(cp=2, ep=2), 2, dict(cp_kind="a2a"), {}),
+    "pp2-tied": (2, dict(pp=2), 4, dict(), dict(tie_embeddings=True)),
+    # 4 ranks
+    "pp2-ep2-dp2": (4, dict(pp=2, ep=2), 2, dict(), {}),
+    "pp2-vpp2-ep2-dp2-tied": (4, dict(pp=2, ep=2), 2, dict(vpp=2, pp_schedule="interleaved"),
+                              dict(tie_embeddings=True)),
+    "pp2-cp2-ring-ep2": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), {}),
+    # 8 ranks
+    "pp2-tp2-ep2-dp2-edp2": (8, dict(pp=2, tp=2, ep=2, etp=1), 2, dict(), {}),
+    "cp2-a2a-tp2-ep4-dp2-edp2": (8, dict(cp=2, tp=2, ep=4, etp=1), 2, dict(cp_kind="a2a"), {}),
+}
+
+
+def _config(model=None, **parallel):
+    config = Config()
+    config.model = ModelConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4, num_kv_heads=2,
+                               ffn_hidden_size=48, seq_length=SEQ, init_std=0.1, **(model or {}))
+    c = config.moe
+    c.num_experts, c.topk, c.ffn_hidden_size = 8, 2, 32
+    c.aux_loss_coeff, c.z_loss_coeff = 0.1, 0.01
+    c.dispatcher, c.capacity_factor = "alltoall", None
+    for key, value in parallel.items():
+        setattr(config.parallel, key, value)
+    config.train.seed = 11
+    return config
+
+
+def _case_config(name):
+    _, sizes, _, parallel, model = CASES[name]
+    return _config(model, tp=sizes.get("tp", 1), cp=sizes.get("cp", 1), pp=sizes.get("pp", 1),
+                   ep=sizes.get("ep", 1), etp=sizes.get("etp"), sequence_parallel=sizes.get("tp", 1) > 1,
+                   **parallel)
+
+
+def _global_batch():
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    # Row r leaves out its first 3r labels: every row, and every zigzag chunk, counts differently.
+    mask = (torch.arange(SEQ)[None, :] >= 3 * torch.arange(BATCH)[:, None]).float()
+    return tokens, tokens.roll(-1, dims=1), mask
+
+
+def _rows(first, count):
+    """Rows ``[first, first+count)`` of the global batch as a :class:`Batch`."""
+    tokens, labels, mask = (t[first:first + count] for t in _global_batch())
+    positions = torch.arange(SEQ).expand(count, SEQ).contiguous()
+    return Batch(tokens, labels, mask, positions, torch.arange(0, count * SEQ + 1, SEQ, dtype=torch.int32))
+
+
+def _micro_batches(dp_rank, dp, m):
+    """Micro-batches of dp rank ``dp_rank``: its ``BATCH/dp`` rows in ``m`` consecutive blocks."""
+    size = BATCH // (dp * m)
+    return [_rows((dp_rank * m + i) * size, size) for i in range(m)]
+
+
+def _pp_gathered(model, groups):
+    """Global grads of the whole model on every rank: :func:`_global_grads` of each stage,
+    united over pp (the two copies of a tied embedding must agree)."""
+    mine = _global_grads(model, groups)
+    if groups.size("pp") == 1:
+        return mine
+    parts = [None] * groups.size("pp")
+    dist.all_gather_object(parts, mine, group=groups.pp)
+    out = {}
+    for part in parts:
+        for name, g in part.items():
+            if name in out:
+                np.testing.assert_array_equal(g, out[name], err_msg=f"tied copies of {name}")
+            out[name] = g
+    return out
+
+
+def _tied_copies_differ(model, groups):
+    """Largest difference between the first and last stages' embedding shards (0.0 when
+    not tied over pp)."""
+    if groups.size("pp") == 1 or not model.config.model.tie_embeddings:
+        return 0.0
+    parts = [None] * groups.size("pp")
+    mine = model.embed.weight.detach().clone() if model.embed is not None else None
+    dist.all_gather_object(parts, mine, group=groups.pp)
+    return (parts[0] - parts[-1]).abs().max().item()
+
+
+def _train_layout(model, groups, config, micro_batches):
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    out = {"losses": [], "norms": []}
+    for step in range(STEPS):
+        opt.zero_grad()
+        losses = forward_backward(model, micro_batches, groups, config)
+        sync_grads(model.parameters(), groups)
+        if step == 0:
+            out["grads"] = _pp_gathered(model, groups)
+        out["norms"].append(clip_grad_norm_(model.parameters(), MAX_NORM, groups).item())
+        loss = all_reduce_(losses.sum(), groups.dp_cp) / groups.size("dp_cp")
+        out["losses"].append(loss.item())
+        opt.step()
+    out["tied_diff"] = _tied_copies_differ(model, groups)
+    out["stages"] = model.stages
+    return out
+
+
+def _rank(rank, world_size, names):
+    """Train every case of ``names`` in turn: starting ranks costs more than a case."""
+    groups_of, results = {}, []
+    for name in names:
+        sizes = CASES[name][1]
+        key = tuple(sorted(sizes.items()))
+        if key not in groups_of:
+            groups_of[key] = create_process_groups(ParallelLayout(world_size, **sizes))
+        groups = groups_of[key]
+        config = _case_config(name)
+        model = build_model(config, groups)
+        m, cp = CASES[name][2], groups.size("cp")
+        micro = [b.cp_slice(groups.rank_in("cp"), cp)
+                 for b in _micro_batches(groups.rank_in("dp"), groups.size("dp"), m)]
+        results.append(_train_layout(model, groups, config, micro))
+    return results
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(name):
+    """One process: the layout's dp x m micro-batches, accumulated by hand."""
+    world, sizes, m, _, model_overrides = CASES[name]
+    num_micro = world // (sizes.get("tp", 1) * sizes.get("cp", 1) * sizes.get("pp", 1)) * m
+    config = _case_config(name)
+    config.parallel = ParallelConfig()
+    key = (repr(config), num_micro)
+    if key in _REFERENCES:
+        return _REFERENCES[key]
+    groups = ProcessGroups.single_process()
+    model = build_model(config, groups)
+    micro = _micro_batches(0, 1, num_micro)
+    num_loss_tokens = sum(b.loss_mask.sum() for b in micro)
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.grad_scale = 1.0 / num_micro
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    out = {"losses": [], "norms": []}
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = 0.0
+        for b in micro:
+            mb_loss = model(b.tokens, b.labels, loss_mask=b.loss_mask, num_loss_tokens=num_loss_tokens)
+            mb_loss.backward()
+            loss += mb_loss.item()
+        if step == 0:
+            out["grads"] = _global_grads(model, groups)
+        out["norms"].append(clip_grad_norm_(model.parameters(), MAX_NORM, groups).item())
+        out["losses"].append(loss)
+        opt.step()
+    _REFERENCES[key] = out
+    return out
+
+
+def _check(names, results):
+    for i, name in enumerate(names):
+        ref = _reference(name)
+        assert ref["norms"][0] > MAX_NORM, f"{name}: clipping is not exercised"
+        assert ref["losses"][-1] < ref["losses"][0], name
+        for rank, per_rank in enumerate(results):
+            got, where = per_rank[i], f"{name} rank {rank}"
+            assert got["grads"].keys() == ref["grads"].keys(), where
+            for pname, g in ref["grads"].items():
+                assert np.abs(g).max() > 0, f"{where}: reference grad {pname} is zero"
+                torch.testing.assert_close(torch.from_numpy(got["grads"][pname]), torch.from_numpy(g),
+                                           rtol=1e-4, atol=2e-6, msg=lambda m: f"{where} grad {pname}: {m}")
+            torch.testing.assert_close(got["norms"], ref["norms"], rtol=1e-5, atol=0,
+                                       msg=lambda m: f"{where} grad norms: {m}")
+            torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0,
+                                       msg=lambda m: f"{where} losses: {m}")
+            assert got["tied_diff"] == 0.0, f"{where}: tied embedding copies drifted apart"
+
+
+def _names(world):
+    return [name for name, case in CASES.items() if case[0] == world]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_and_pp_layouts_match_single_process(world):
+    names = _names(world)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
+@pytest.mark.slow
+def test_eight_rank_cp_and_pp_layouts_match_single_process():
+    names = _names(8)
+    _check(names, run_ranks(_rank, 8, names, timeout=400))
+
+
+# --------------------------------------------------------------------------- one process
+
+def _stage_groups(world, rank, **sizes):
+    """A rank's groups of a layout, sizes only: building a model needs no communication
+    (without tied embeddings)."""
+    return ProcessGroups(ParallelLayout(world, **sizes), rank, {kind: None for kind in GROUP_NAMES})
+
+
+@pytest.mark.parametrize("vpp, pp_layers, expected", [
+    (1, None, [[[0, 1]], [[2, 3]]]),
+    (2, None, [[[0], [2]], [[1], [3]]]),
+    (1, [1, 3], [[[0]], [[1, 2, 3]]]),
+])
+def test_pipeline_stages_hold_their_layers_under_global_names(vpp, pp_layers, expected):
+    config = _config(vpp=vpp, pp_layers=pp_layers)
+    whole = dict(build_model(config, ProcessGroups.single_process()).named_parameters())
+    seen = {}
+    for r in range(2):
+        model = build_model(config, _stage_groups(2, r, pp=2))
+        assert model.stage_layer_ids == expected[r]
+        assert [i for ids in expected[r] for i in ids] == [int(n) for n in model.layers._modules]
+        assert (model.embed is not None) == (r == 0)
+        assert (model.lm_head is not None) == (r == 1)
+        for name, p in model.named_parameters():
+            assert name not in seen, f"{name} on two stages"
+            seen[name] = p
+    assert seen.keys() == whole.keys()
+    for name, p in whole.items():  # the same global weights, whatever the split
+        torch.testing.assert_close(seen[name], p, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_pipeline_stage_refuses_whole_model_calls():
+    model = build_model(_config(), _stage_groups(2, 0, pp=2))
+    b = _rows(0, 2)
+    with pytest.raises(RuntimeError, match=r"Transformer.forward runs a whole model.*stages \[0\] of 2"):
+        model(b.tokens, b.labels)
+    with pytest.raises(RuntimeError, match=r"Transformer.logits runs a whole model"):
+        model.logits(b.tokens)
+
+
+def test_forward_backward_one_process_is_the_hand_loop():
+    """pp = 1: forward_backward's losses and grads equal the loop with the global token
+    count and the router's 1/m written out here."""
+    config = _config()
+    micro = _micro_batches(0, 1, 2)
+    a = build_model(config, ProcessGroups.single_process())
+    losses = forward_backward(a, micro, ProcessGroups.single_process(), config)
+    b = build_model(config, ProcessGroups.single_process())
+    for module in b.modules():
+        if isinstance(module, Router):
+            module.grad_scale = 0.5
+    n = sum(mb.loss_mask.sum() for mb in micro)
+    expected = []
+    for mb in micro:
+        loss = b(mb.tokens, mb.labels, loss_mask=mb.loss_mask, num_loss_tokens=n)
+        loss.backward()
+        expected.append(loss.item())
+    assert losses.dtype == torch.float64 and losses.shape == (2,)
+    torch.testing.assert_close(losses.tolist(), expected, rtol=1e-6, atol=0)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-8, msg=lambda m: f"{name}: {m}")
+    # forward_only: the same losses, no grads.
+    c = build_model(config, ProcessGroups.single_process())
+    again = forward_backward(c, micro, ProcessGroups.single_process(), config, forward_only=True)
+    torch.testing.assert_close(again, losses, rtol=1e-6, atol=0)
+    assert all(p.grad is None for p in c.parameters())
+
+
+def test_forward_backward_rejects_no_micro_batches():
+    config = _config()
+    model = build_model(config, ProcessGroups.single_process())
+    with pytest.raises(ValueError, match="microbatches is empty"):
+        forward_backward(model, [], ProcessGroups.single_process(), config)
+
+
+def test_cp_kind_is_checked():
+    config = _config(cp_kind="ulysses")
+    with pytest.raises(ValueError, match=r"parallel.cp_kind='ulysses' must be one of ring, a2a"):
+        build_model(config, ProcessGroups.single_process())
