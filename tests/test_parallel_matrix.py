@@ -3,8 +3,9 @@ interleaved, tied embeddings) folded with tp, dp, ep and etp train the same mode
 process.
 
 A tiny Mixtral-like model (4 MoE layers, 8 experts top-2, GQA, aux and z losses, the
-all-to-all dispatcher, dropless) trains three steps of plain torch AdamW after
-``sync_grads`` and global-norm clipping, every layout through
+all-to-all dispatcher, dropless) trains three steps of :class:`moe_fold.optim.AdamW`
+after ``sync_grads`` and global-norm clipping (every layout with its state sharded over
+dp x cp and edp, ZeRO-1; the reference unsharded), every layout through
 :func:`moe_fold.step.forward_backward` (its micro-batches: its dp rank's rows of the
 global batch, cut into micro-batches, each sliced to its cp zigzag shard). It must give
 one process's losses, first-step gradients (gathered to global tensors over tp, ep, etp
@@ -31,6 +32,7 @@ from moe_fold.grads import clip_grad_norm_, sync_grads
 from moe_fold.launch import run_ranks
 from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
+from moe_fold.optim import AdamW, param_groups
 from moe_fold.step import forward_backward
 from test_layout_invariance import _global_grads
 
@@ -125,7 +127,7 @@ def _tied_copies_differ(model, groups):
 
 
 def _train_layout(model, groups, config, micro_batches):
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    opt = AdamW(param_groups(model, 0.1), lr=LR, groups=groups, distributed=True)
     out = {"losses": [], "norms": []}
     for step in range(STEPS):
         opt.zero_grad()
@@ -179,7 +181,7 @@ def _reference(name):
     for module in model.modules():
         if isinstance(module, Router):
             module.grad_scale = 1.0 / num_micro
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    opt = AdamW(param_groups(model, 0.1), lr=LR)
     out = {"losses": [], "norms": []}
     for step in range(STEPS):
         opt.zero_grad()
