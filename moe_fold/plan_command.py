@@ -142,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
         return 0
     console = Console(file=sys.stdout, highlight=False)
+    # Piped output defaults to 80 columns, which truncates the search table's cells.
+    console.width = max(console.width, 120)
     if args.search:
         if not plans:
             console.print(f"no layout of world {args.world} fits in {gpu.name}")

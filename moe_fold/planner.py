@@ -42,6 +42,7 @@ dense BF16 FLOP/s x step time).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -51,7 +52,7 @@ from moe_fold.planner_comm import GRAD_BUCKET_NUMEL, GRAD_BYTES, microbatch_byte
 from moe_fold.planner_hardware import GPU
 from moe_fold.planner_model import (
     act_bytes, dims, head_activation_bytes, layer_activation_bytes, microbatches_in_flight,
-    model_flops_per_step, param_manifest, rank_flops_per_microbatch, stage_layers,
+    ParamEntry, model_flops_per_step, param_manifest, rank_flops_per_microbatch, stage_layers,
 )
 
 __all__ = ["Assumptions", "Plan", "estimate", "search", "model_params", "with_layout"]
@@ -146,6 +147,12 @@ def model_params(config: Config) -> dict[str, float]:
     return {"total": total, "experts": experts, "activated": activated}
 
 
+@functools.lru_cache(maxsize=64)
+def _layout(world: int, tp: int, cp: int, pp: int, ep: int, etp: int, order: str) -> ParallelLayout:
+    """Layouts memoised: a search estimates many configs on few layouts."""
+    return ParallelLayout(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
+
+
 def _links(layout: ParallelLayout, gpu: GPU) -> dict[str, tuple[float, float, str]]:
     """Per layout group: (bandwidth inside a node share, across nodes share, link name).
     For ring collectives the whole group runs at the slowest link; the all-to-all's
@@ -169,9 +176,10 @@ def _seconds(kind: str, nbytes: float, links: dict, gpu: GPU) -> float:
     return nbytes / (gpu.inter_node_bw if link == "network" else gpu.nvlink_bw)
 
 
-def _memory(config: Config, world: int, pp_rank: int, micro: int, assumptions: Assumptions) -> dict[str, float]:
+def _memory(config: Config, world: int, pp_rank: int, micro: int, assumptions: Assumptions,
+            manifest: list[ParamEntry]) -> dict[str, float]:
+    """Bytes per rank of stage ``pp_rank`` (whose parameters are ``manifest``) by part."""
     d, p = dims(config), config.parallel
-    manifest = param_manifest(config, pp_rank)
     local = sum(e.numel for e in manifest)
     experts = sum(e.numel for e in manifest if e.kind == "expert")
     bf16 = config.train.precision != "fp32"
@@ -200,7 +208,7 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
     p, t = config.parallel, config.train
     dp, edp, etp, v = dp_size(config, world), edp_size(config, world), etp_size(config), vpp_size(config)
     micro = t.global_batch_size // (t.micro_batch_size * dp)
-    layout = ParallelLayout(world, tp=p.tp, cp=p.cp, pp=p.pp, ep=p.ep, etp=p.etp, order=p.order)
+    layout = _layout(world, p.tp, p.cp, p.pp, p.ep, etp, p.order)
     links = _links(layout, gpu)
     rate = gpu.peak_flops * assumptions.matmul_efficiency
 
@@ -226,7 +234,8 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
             nbytes = min(nbytes, GRAD_BYTES * GRAD_BUCKET_NUMEL * share)
         exposed[kind] = _seconds(kind, nbytes, links, gpu)
 
-    manifest = param_manifest(config, r_slow)
+    manifests = [param_manifest(config, r) for r in range(p.pp)]
+    manifest = manifests[r_slow]
     local = sum(e.numel for e in manifest)
     experts = sum(e.numel for e in manifest if e.kind == "expert")
     owned = local
@@ -244,12 +253,12 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
     time["optimizer"] = optimizer_s
     time["total"] = micro * per_micro + bubble + sum(exposed.values()) + optimizer_s
 
-    memories = [_memory(config, world, r, micro, assumptions) for r in range(p.pp)]
+    memories = [_memory(config, world, r, micro, assumptions, manifests[r]) for r in range(p.pp)]
     memory = max(memories, key=lambda m: m["total"])
     memory = dict(memory, limit=gpu.memory, stage=memories.index(memory))
     model_flops = model_flops_per_step(config)
     counts = model_params(config)
-    counts["rank_max"] = max(sum(e.numel for e in param_manifest(config, r)) for r in range(p.pp))
+    counts["rank_max"] = max(sum(e.numel for e in m) for m in manifests)
     notes = []
     if act_bytes(config) == 4:
         notes.append("train.precision=fp32: activations counted at 4 bytes, step time still at the bf16 peak")
@@ -280,8 +289,10 @@ def search(config: Config, world: int, gpu: GPU, assumptions: Assumptions = Assu
         for cp in _divisors(world // tp, max_cp):
             for pp in _divisors(world // (tp * cp), d.layers):
                 for vpp in ([1] if pp == 1 else _divisors(d.layers // pp if d.layers % pp == 0 else 1, max_vpp)):
-                    for ep in _divisors(max(d.experts, 1), world):
+                    for ep in _divisors(max(d.experts, 1), world // pp):
                         for etp in sorted({1, tp}):
+                            if world % (etp * ep * pp):
+                                continue
                             candidate = with_layout(config, tp=tp, cp=cp, pp=pp, vpp=vpp, ep=ep, etp=etp)
                             candidate.parallel.pp_layers = None
                             try:

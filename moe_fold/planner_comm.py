@@ -182,8 +182,11 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
             forward, backward = _cp_attention_bytes(config)
             out["cp"] += forward + backward + (forward if recompute == "full" else 0)
     dp = dp_size(config, world_size)
+    layer_bytes: dict[Routing, dict[str, float]] = {}  # every layer of balanced routing is the same
     for r in routing:
-        for kind, nbytes in moe_layer_bytes(config, r).items():
+        if r not in layer_bytes:
+            layer_bytes[r] = moe_layer_bytes(config, r)
+        for kind, nbytes in layer_bytes[r].items():
             out[kind] += nbytes
         stats = 8 * (2 * d.experts + 1)  # counts, tokens, prob sums (float64)
         if moe.aux_loss_coeff > 0:

@@ -36,9 +36,10 @@ keeps only the inputs of the recomputed parts.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from moe_fold.config import Config, etp_size, head_dim, moe_layer_flags, pp_layer_counts, vpp_size
+from moe_fold.config import Config, ModelConfig, MoEConfig, etp_size, head_dim, moe_layer_flags, pp_layer_counts, vpp_size
 
 __all__ = ["Dims", "dims", "ParamEntry", "param_manifest", "stage_layers", "layer_forward_flops",
            "head_forward_flops", "model_flops_per_step", "rank_flops_per_microbatch", "act_bytes",
@@ -78,13 +79,24 @@ class Dims:
         return self.kv_heads * self.head_dim
 
 
+@functools.lru_cache(maxsize=256)
+def _moe_flags(num_layers: int, freq: int | tuple[int, ...], first_k_dense: int) -> tuple[bool, ...]:
+    """``moe_layer_flags`` memoised: the planner asks for it per layer of every layout."""
+    config = Config(model=ModelConfig(num_layers=num_layers),
+                    moe=MoEConfig(moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq,
+                                  first_k_dense=first_k_dense))
+    return tuple(moe_layer_flags(config))
+
+
 def dims(config: Config) -> Dims:
     m, moe = config.model, config.moe
+    freq = tuple(moe.moe_layer_freq) if isinstance(moe.moe_layer_freq, list) else moe.moe_layer_freq
     return Dims(hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads, head_dim=head_dim(config),
                 vocab=m.vocab_size, ffn=m.ffn_hidden_size, layers=m.num_layers, seq=m.seq_length,
                 experts=moe.num_experts, topk=moe.topk, expert_ffn=moe.ffn_hidden_size,
                 shared_ffn=moe.shared_expert_ffn_hidden_size, shared_gate=moe.shared_expert_gate,
-                qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, tied=m.tie_embeddings, moe_flags=tuple(moe_layer_flags(config)))
+                qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, tied=m.tie_embeddings,
+                moe_flags=_moe_flags(m.num_layers, freq, moe.first_k_dense))
 
 
 # --------------------------------------------------------------------------- parameters

@@ -229,12 +229,12 @@ def test_memory_by_hand():
     assert head_activation_bytes(config) == 128
 
     # world 2: dp 2, edp 2, one micro-batch of 4 tokens each
-    memory = _memory(config, 2, 0, 1, Assumptions(memory_overhead=0))
+    memory = _memory(config, 2, 0, 1, Assumptions(memory_overhead=0), param_manifest(config))
     assert memory == {"weights": 2 * 1680, "grads": 4 * 1680, "optimizer": 12 * 1680,
                       "activations": 4 * (208 + 376 + 128), "overhead": 0, "total": 18 * 1680 + 4 * 712}
     # the distributed optimizer shards the 12 bytes over dp (1104 dense) and edp (576 experts)
     config.optimizer.distributed = True
-    assert _memory(config, 2, 0, 1, Assumptions(memory_overhead=0))["optimizer"] == 12 * (1104 / 2 + 576 / 2)
+    assert _memory(config, 2, 0, 1, Assumptions(memory_overhead=0), param_manifest(config))["optimizer"] == 12 * (1104 / 2 + 576 / 2)
 
 
 def test_comm_by_hand():
