@@ -169,10 +169,25 @@ class Transformer(nn.Module):
         cp = self.groups.size("cp")
         return zigzag_positions(input_ids.shape[1] * cp, self.groups.rank_in("cp"), cp, device=input_ids.device)
 
-    def _layers(self, x: torch.Tensor, layer_ids: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        for i in layer_ids:
-            x = self.layers[i](x, cos, sin)  # [S_local, B, H]
+    def _chunk_hidden(self, chunk: int, x: Optional[torch.Tensor], input_ids: torch.Tensor,
+                      positions: torch.Tensor) -> torch.Tensor:
+        """The hidden states ``[S_local, B, H]`` after chunk ``chunk``'s layers; stage 0
+        embeds ``input_ids`` ``[B, S_local]``, the others start from ``x``."""
+        cos, sin = self._rotary(positions)
+        if self.stages[chunk] == 0:
+            x = self.embed(input_ids.t())  # [S_local, B, H]
+        for i in self.stage_layer_ids[chunk]:
+            x = self.layers[i](x, cos, sin)
         return x
+
+    def _whole_model_hidden(self, what: str, input_ids: torch.Tensor,
+                            positions: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.num_stages > 1:
+            raise RuntimeError(f"Transformer.{what} runs a whole model, but this rank holds pipeline stages "
+                               f"{self.stages} of {self.num_stages}; use moe_fold.step.forward_backward")
+        if positions is None:
+            positions = self._default_positions(input_ids)
+        return self._chunk_hidden(0, None, input_ids, positions)
 
     def _loss(self, x: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
               num_loss_tokens: Optional[Union[float, torch.Tensor]]) -> torch.Tensor:
@@ -192,24 +207,11 @@ class Transformer(nn.Module):
                 num_loss_tokens = all_reduce_(count, self.groups.dp_cp).clamp(min=1)
         return losses.sum() * (dp_cp / num_loss_tokens)
 
-    def _check_whole(self, what: str) -> None:
-        if self.num_stages > 1:
-            raise RuntimeError(f"Transformer.{what} runs a whole model, but this rank holds pipeline stages "
-                               f"{self.stages} of {self.num_stages}; use moe_fold.step.forward_backward")
-
-    def _vocab_logits(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:
-        """``input_ids [B, S_local]`` -> this rank's vocab shard of the logits ``[S, B, V/tp]``."""
-        if positions is None:
-            positions = self._default_positions(input_ids)
-        cos, sin = self._rotary(positions)
-        x = self._layers(self.embed(input_ids.t()), self.stage_layer_ids[0], cos, sin)  # [S_local, B, H]
-        return self.lm_head(self.norm(x))  # [S, B, V/tp]
-
     def logits(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Full-vocab logits ``[B, S_local, V]`` (gathered over tp) of this rank's tokens:
         for evaluation and tests, not training."""
-        self._check_whole("logits")
-        local = self._vocab_logits(input_ids, positions)
+        x = self._whole_model_hidden("logits", input_ids, positions)
+        local = self.lm_head(self.norm(x))  # [S, B, V/tp]
         return gather_from_tp_region(local, self.groups.tp, dim=-1).transpose(0, 1)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: Optional[torch.Tensor] = None,
@@ -230,11 +232,7 @@ class Transformer(nn.Module):
         unmasked tokens on each rank; summing grads over micro-batches before the sync
         keeps it exact when ``num_loss_tokens`` covers them all.
         """
-        self._check_whole("forward")
-        if positions is None:
-            positions = self._default_positions(input_ids)
-        cos, sin = self._rotary(positions)
-        x = self._layers(self.embed(input_ids.t()), self.stage_layer_ids[0], cos, sin)  # [S_local, B, H]
+        x = self._whole_model_hidden("forward", input_ids, positions)
         return self._loss(x, labels, loss_mask, num_loss_tokens)
 
     def chunk_forward(self, chunk: int, x: Optional[torch.Tensor], input_ids: torch.Tensor, labels: torch.Tensor,
@@ -246,12 +244,8 @@ class Transformer(nn.Module):
         states ``x [S_local, B, H]`` (``S_local/tp`` under SP) of the stage before. Returns
         the hidden states for the next stage, or on the last stage the loss of
         :meth:`forward`."""
-        stage = self.stages[chunk]
-        cos, sin = self._rotary(positions)
-        if stage == 0:
-            x = self.embed(input_ids.t())  # [S_local, B, H]
-        x = self._layers(x, self.stage_layer_ids[chunk], cos, sin)
-        if stage == self.num_stages - 1:
+        x = self._chunk_hidden(chunk, x, input_ids, positions)
+        if self.stages[chunk] == self.num_stages - 1:
             return self._loss(x, labels, loss_mask, num_loss_tokens)
         return x
 
