@@ -4,7 +4,7 @@
 model through a forward hook (the router's output carries its loss values and load
 statistics), adds them up over a step's micro-batches and reduces them over the ranks:
 
-- ``expert_load``: per MoE layer, the assignments each expert kept in the global batch
+- ``expert_load``: per MoE layer (in layer order), the assignments each expert kept in the global batch
   (all tokens of all micro-batches on all ranks), ``[layers][experts]``;
 - ``dropped_fraction``: assignments dropped by capacity / assignments routed, all layers;
 - ``aux_loss``: per layer, the load-balancing losses that are enabled (``aux`` +
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from moe_fold.comm import all_reduce_
-from moe_fold.config import Config, config_to_dict, dp_size, edp_size, etp_size
+from moe_fold.config import Config, config_to_dict, dp_size, edp_size, etp_size, moe_layer_flags
 from moe_fold.layout import ProcessGroups
 
 __all__ = ["RoutingCollector", "MetricsLogger", "heatmap_png", "read_wandb_history"]
@@ -54,31 +54,34 @@ def _layer_of(name: str) -> int:
 
 
 class RoutingCollector:
-    """Per-step routing numbers of every router in ``model``; see the module docstring."""
+    """Per-step routing numbers of every router in ``model``; see the module docstring.
+
+    Rows are indexed by the model's MoE layers in order (all of them, also those on other
+    pipeline stages: a stage fills its own rows and the reduction over pp fills the rest).
+    """
 
     def __init__(self, model: nn.Module, config: Config):
         from moe_fold.dispatch.router import Router
 
         self.config = config
-        self.routers = [(_layer_of(n), m) for n, m in model.named_modules() if isinstance(m, Router)]
-        self.layers = [layer for layer, _ in self.routers]
+        self.moe_layers = [i for i, flag in enumerate(moe_layer_flags(config)) if flag]
+        slot = {layer: k for k, layer in enumerate(self.moe_layers)}
+        self.routers = [(slot[_layer_of(n)], m) for n, m in model.named_modules() if isinstance(m, Router)]
+        self.device = next(model.parameters()).device
+        moe = config.moe
+        # Which losses the routers compute: each kind is on when its coefficient is > 0.
+        self.kinds = [k for k in _KINDS if getattr(moe, _COEFF[k]) > 0]
         self._recording = False
-        self._hooks = [m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(self.routers)]
+        self._hooks = [m.register_forward_hook(self._hook(row)) for row, m in self.routers]
         self.layer_metrics: dict[str, float] = {}
         self.expert_load: list[list[int]] = []
         self.start_step()
 
-    def set_grad_scale(self, scale: float) -> None:
-        for _, router in self.routers:
-            router.grad_scale = scale
-
     def start_step(self) -> None:
-        E = self.config.moe.num_experts
-        L = len(self.routers)
+        L, E = len(self.moe_layers), self.config.moe.num_experts
         self._kept = torch.zeros(L, E, dtype=torch.float64)  # [L, E]
         self._routed = torch.zeros(L, dtype=torch.float64)
         self._loss_sums = torch.zeros(L, len(_KINDS), dtype=torch.float64)
-        self._loss_seen = [set() for _ in range(L)]
         self._calls = torch.zeros(L, dtype=torch.float64)
 
     @contextlib.contextmanager
@@ -90,21 +93,20 @@ class RoutingCollector:
         finally:
             self._recording = False
 
-    def _hook(self, index: int):
+    def _hook(self, row: int):
         def hook(module, args, output):
             if not self._recording:
                 return
             num_tokens = args[0].shape[0]
             if output.stats is not None:
-                self._kept[index] += output.stats.tokens_per_expert.detach().double().cpu()
+                self._kept[row] += output.stats.tokens_per_expert.detach().double().cpu()
             else:
-                self._kept[index] += output.routing_map.sum(dim=0).double().cpu()
-            self._routed[index] += num_tokens * module.config.topk
-            self._calls[index] += 1
+                self._kept[row] += output.routing_map.sum(dim=0).double().cpu()
+            self._routed[row] += num_tokens * module.config.topk
+            self._calls[row] += 1
             for k, kind in enumerate(_KINDS):
                 if kind in output.losses:
-                    self._loss_sums[index, k] += float(output.losses[kind])
-                    self._loss_seen[index].add(kind)
+                    self._loss_sums[row, k] += float(output.losses[kind])
         return hook
 
     def finish_step(self, groups: ProcessGroups) -> dict[str, Any]:
@@ -114,29 +116,32 @@ class RoutingCollector:
         if L == 0:
             self.layer_metrics, self.expert_load = {}, []
             return {"aux_loss": None, "z_loss": None, "dropped_fraction": 0.0, "expert_load": []}
+        # Values that are the same on every rank of tp x dp x cp enter divided by its size,
+        # so that one sum over it (and over pp, which holds other layers) gives them back.
+        same = 1.0 / groups.size("tp_dp_cp")
         global_aux = torch.zeros(L, dtype=torch.float64)
-        has_global = False
-        for i, (_, router) in enumerate(self.routers):
+        bias_norm = torch.zeros(L, dtype=torch.float64)
+        for row, router in self.routers:
             out = router.finish_step()
             if "global_aux" in out:
-                global_aux[i] = float(out["global_aux"])
-                has_global = True
-        calls = self._calls.clamp(min=1).unsqueeze(1)
-        # Counts sum over every rank that routes distinct tokens (tp x dp x cp); the loss
-        # values are already over tp x cp, so their dp mean is the sum over tp x dp x cp / (tp*dp*cp).
-        packed = torch.cat([self._kept.flatten(), self._routed, (self._loss_sums / calls).flatten()])
-        device = next(iter(self.routers[0][1].buffers()), self.routers[0][1].weight).device
-        packed = packed.to(device)
+                global_aux[row] = float(out["global_aux"]) * same
+            if router.expert_bias is not None:
+                bias_norm[row] = float(router.expert_bias.double().norm()) * same
+        # Counts add up over the ranks that route distinct tokens (tp x dp x cp); a loss
+        # value is already over tp x cp, so its mean over dp is its sum over tp x dp x cp
+        # times ``same``.
+        means = self._loss_sums / self._calls.clamp(min=1).unsqueeze(1) * same
+        packed = torch.cat([self._kept.flatten(), self._routed, means.flatten(), global_aux, bias_norm])
+        packed = packed.to(self.device)
         all_reduce_(packed, groups.tp_dp_cp)
-        packed = packed.cpu()
-        kept = packed[:L * E].view(L, E)
-        routed = packed[L * E:L * E + L]
-        losses = packed[L * E + L:].view(L, len(_KINDS)) / groups.size("tp_dp_cp")
+        all_reduce_(packed, groups.pp)
+        kept, routed, means, global_aux, bias_norm = packed.cpu().split([L * E, L, L * len(_KINDS), L, L])
+        kept = kept.view(L, E)
+        means = means.view(L, len(_KINDS))
 
         moe = self.config.moe
-        values: dict[str, torch.Tensor] = {kind: losses[:, k] for k, kind in enumerate(_KINDS)
-                                           if any(kind in seen for seen in self._loss_seen)}
-        if has_global:
+        values = {kind: means[:, _KINDS.index(kind)] for kind in self.kinds}
+        if moe.global_aux_loss_coeff > 0:
             values["global_aux"] = global_aux
         balancing = [values[k] for k in _BALANCING if k in values]
         weighted = sum(float(getattr(moe, _COEFF[k])) * float(v.sum()) for k, v in values.items())
@@ -144,7 +149,7 @@ class RoutingCollector:
         self.expert_load = [[int(round(x)) for x in row] for row in kept.tolist()]
 
         metrics: dict[str, float] = {}
-        for i, (layer, router) in enumerate(self.routers):
+        for i, layer in enumerate(self.moe_layers):
             row = kept[i]
             prefix = f"moe/layer{layer}"
             metrics[f"{prefix}/max_load"] = float(row.max())
@@ -153,8 +158,8 @@ class RoutingCollector:
             metrics[f"{prefix}/dropped_fraction"] = 1.0 - float(row.sum()) / max(float(routed[i]), 1.0)
             for kind, v in values.items():
                 metrics[f"{prefix}/{kind}_loss"] = float(v[i])
-            if router.expert_bias is not None:
-                metrics[f"{prefix}/expert_bias_norm"] = float(router.expert_bias.float().norm())
+            if moe.expert_bias:
+                metrics[f"{prefix}/expert_bias_norm"] = float(bias_norm[i])
             if E <= 64:
                 for e in range(E):
                     metrics[f"{prefix}/tokens_expert{e}"] = float(row[e])

@@ -248,7 +248,8 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
     scheduler = build_scheduler(optimizer, config)
     num_micro = loader.num_micro_batches
     collector = RoutingCollector(model, config)
-    collector.set_grad_scale(1.0 / num_micro)
+    for _, router in collector.routers:
+        router.grad_scale = 1.0 / num_micro
 
     start_step = 0
     checkpoint_path: Optional[str] = None
