@@ -30,10 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="preset name or YAML path")
     parser.add_argument("--world", type=int, required=True, help="number of GPUs")
     parser.add_argument("--gpu", default="h100", help="h100 | h200 | b200 (default h100)")
-    for name, what in (("tp", "tensor parallel"), ("cp", "context parallel"), ("pp", "pipeline parallel"),
-                       ("ep", "expert parallel"), ("etp", "expert tensor parallel"),
-                       ("vpp", "virtual pipeline stages per pp rank")):
-        parser.add_argument(f"--{name}", type=int, default=None, help=f"{what} size (default: the config's)")
+    for name, what in (("tp", "tensor parallel size"), ("cp", "context parallel size"),
+                       ("pp", "pipeline parallel size"), ("ep", "expert parallel size"),
+                       ("etp", "expert tensor parallel size"), ("vpp", "model chunks per pp rank")):
+        parser.add_argument(f"--{name}", type=int, default=None, help=f"{what} (default: the config's)")
     parser.add_argument("--mbs", type=int, default=None, help="micro-batch size (default: train.micro_batch_size)")
     parser.add_argument("--gbs", type=int, default=None, help="global batch size (default: train.global_batch_size)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: model.seq_length)")

@@ -228,7 +228,8 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
             continue
         nbytes = step[kind] - (micro * microbatch_bytes(config, world, r_slow, t.recompute).get(kind, 0))
         if assumptions.overlap_grad_reduce:
-            n = len(layout.groups(_GROUP_OF[kind])[0])
+            # The embedding group is the first and last stage of a pp group: 2 ranks.
+            n = 2 if kind == "embedding" else len(layout.groups(_GROUP_OF[kind])[0])
             # One bucket's all-reduce, and with the distributed optimizer its all-gather.
             share = (2 + (1 if config.optimizer.distributed else 0)) * (n - 1) / n
             nbytes = min(nbytes, GRAD_BYTES * GRAD_BUCKET_NUMEL * share)

@@ -361,3 +361,24 @@ def test_cp_bytes_by_hand():
     # half of 256 leaves forward, as much backward
     config.parallel.cp_kind = "a2a"
     assert microbatch_bytes(config, 2, 0, "none")["cp"] == 2 * (128 + 128)
+
+
+@pytest.mark.parametrize("pp, vpp, pp_layers", [(2, None, None), (4, 2, None), (2, 2, [1, 2, 3, 2])])
+def test_stage_layers_match_pipeline(pp, vpp, pp_layers):
+    from moe_fold.pipeline import stage_layers as pipeline_stages
+    from moe_fold.planner_model import stage_layers
+
+    config = load_config("mixtral-tiny", [f"model.num_layers={8}", f"parallel.pp={pp}", "parallel.ep=1"])
+    config.parallel.vpp, config.parallel.pp_layers = vpp, pp_layers
+    chunks = pipeline_stages(8, pp, vpp or 1, pp_layers)
+    for rank in range(pp):
+        expected = [layer for chunk in chunks[rank::pp] for layer in chunk]
+        assert stage_layers(config, rank) == expected
+        manifest = param_manifest(config, rank)
+        # embedding on the first stage, final norm and head on the last
+        assert ("embed.weight" in [e.name for e in manifest]) == (rank == 0)
+        assert ("lm_head.weight" in [e.name for e in manifest]) == (rank == pp - 1)
+    # the stages' parameters add up to the whole model's
+    one = load_config("mixtral-tiny", ["model.num_layers=8", "parallel.ep=1"])
+    assert sum(e.numel for r in range(pp) for e in param_manifest(config, r)) == \
+        sum(e.numel for e in param_manifest(one))
