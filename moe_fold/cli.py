@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("moe_fold.data_command", "turn text into a tokenized, memory-mapped dataset"),
     "plan": ("moe_fold.plan_command", "estimate memory, FLOPs, communication, step time and MFU of a layout"),
     "train": ("moe_fold.train_command", "train a model from a preset or YAML config (local ranks or torchrun)"),
+    "convert": ("moe_fold.convert_command", "convert between Hugging Face model folders and moe-fold checkpoints"),
 }
 
 

@@ -1,0 +1,201 @@
+"""Convert between Hugging Face model folders and moe-fold checkpoints.
+
+The direction follows INPUT:
+  - a Hugging Face folder (config.json + safetensors; Mixtral, Qwen2-MoE, Qwen3-MoE)
+    becomes a moe-fold checkpoint at OUTPUT/checkpoints/step_000000 (OUTPUT is a run
+    folder; the checkpoint has config.yaml and no optimizer state);
+  - a moe-fold checkpoint (a step_* folder with index.json, or a run folder: its newest
+    checkpoint) becomes a Hugging Face folder at OUTPUT that transformers'
+    from_pretrained loads.
+
+Weights stream one tensor at a time: a Hugging Face tensor is read slice by slice into
+the model, and the export writes safetensors shards as they fill, so the model is never
+held twice. With --nproc N the work is split over N local ranks in the layout of --set
+parallel.* (e.g. parallel.ep=N: each rank holds 1/N of the experts), which divides each
+process's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+EPILOG = """examples:
+  moe-fold convert hf/Qwen3-30B-A3B runs/qwen3          # -> runs/qwen3/checkpoints/step_000000
+  moe-fold convert hf/Mixtral-8x7B runs/mixtral --nproc 8 --set parallel.ep=8
+  moe-fold convert runs/qwen3 exported/qwen3            # newest checkpoint -> Hugging Face folder
+  moe-fold convert runs/tiny/checkpoints/step_000150 out/tiny --family qwen2_moe --max-shard-gb 2
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.add_argument("input", help="a Hugging Face model folder, or a moe-fold checkpoint or run folder")
+    parser.add_argument("output", help="the run folder to write the checkpoint into, or the Hugging Face folder")
+    parser.add_argument("--config", default=None, metavar="FILE_OR_PRESET",
+                        help="Hugging Face -> moe-fold: settings besides the architecture (default: defaults)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="override one config key, e.g. --set parallel.ep=4 (repeatable)")
+    parser.add_argument("--nproc", type=int, default=1, metavar="N", help="local CPU ranks (gloo) to use (default 1)")
+    parser.add_argument("--family", choices=("mixtral", "qwen2_moe", "qwen3_moe"), default=None,
+                        help="moe-fold -> Hugging Face: the model class to write (default: inferred)")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0,
+                        help="moe-fold -> Hugging Face: largest safetensors file in GiB (default 5)")
+    parser.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
+
+
+def _direction(path: Path) -> str:
+    if (path / "config.json").is_file():
+        return "from_hf"
+    if (path / "index.json").is_file() or (path / "checkpoints").is_dir():
+        return "to_hf"
+    raise ValueError(f"{path} is neither a Hugging Face folder (config.json) nor a moe-fold checkpoint "
+                     f"(index.json) or run folder (checkpoints/)")
+
+
+class _Bar:
+    """A rich progress bar over parameter elements, or nothing."""
+
+    def __init__(self, total: int, label: str, enabled: bool):
+        self.progress = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                     transient=True)
+            self.task = self.progress.add_task(label, total=total)
+            self.progress.start()
+
+    def __call__(self, name: str, numel: int) -> None:
+        if self.progress is not None:
+            self.progress.advance(self.task, numel)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def _groups(config):
+    import torch.distributed as dist
+
+    from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return ProcessGroups.single_process()
+    p = config.parallel
+    layout = ParallelLayout(dist.get_world_size(), tp=p.tp, cp=p.cp, pp=p.pp, ep=p.ep, etp=p.etp, order=p.order)
+    return create_process_groups(layout)
+
+
+def convert_from_hf(rank: int, world_size: int, source: str, run_dir: str, config, progress: bool) -> str:
+    """One rank of Hugging Face -> checkpoint; returns the checkpoint path."""
+    from moe_fold.checkpoint import save_checkpoint
+    from moe_fold.models.hf import load_hf_into
+    from moe_fold.models.model import build_model
+
+    groups = _groups(config)
+    model = build_model(config, groups)
+    bar = _Bar(sum(p.numel() for p in model.parameters()), "reading", progress and rank == 0)
+    try:
+        load_hf_into(model, source, groups, on_tensor=bar)
+    finally:
+        bar.close()
+    # keep_last: never remove checkpoints the run folder already had.
+    path = save_checkpoint(run_dir, 0, model, None, None, {"converted_from": os.path.abspath(source)}, groups,
+                           keep_last=sys.maxsize, config=config)
+    return str(path)
+
+
+def convert_to_hf(rank: int, world_size: int, source: str, output: str, config, family, max_shard_bytes: int,
+                  progress: bool) -> str:
+    """One rank of checkpoint -> Hugging Face folder; returns the folder."""
+    from moe_fold.checkpoint import load_checkpoint
+    from moe_fold.models.hf import to_hf
+    from moe_fold.models.model import build_model
+
+    groups = _groups(config)
+    model = build_model(config, groups)
+    load_checkpoint(source, model, None, None, groups)
+    bar = _Bar(sum(p.numel() for p in model.parameters()), "writing", progress and rank == 0)
+    try:
+        to_hf(model, output, family=family, groups=groups, max_shard_bytes=max_shard_bytes, on_tensor=bar)
+    finally:
+        bar.close()
+    return output
+
+
+def _checkpoint(path: Path) -> Path:
+    from moe_fold.checkpoint import CheckpointError, latest_checkpoint
+
+    if (path / "index.json").is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(f"{path} holds no finished checkpoint (checkpoints/step_*/index.json)")
+    return latest
+
+
+def _check_layout(config, nproc: int) -> None:
+    """``validate`` for the conversion's layout: one process ignores ``parallel.*``, and
+    the batch sizes (nothing is trained) must not refuse a world they do not fit."""
+    import copy
+
+    from moe_fold.config import ParallelConfig, validate
+
+    check = copy.deepcopy(config)
+    if nproc == 1:
+        check.parallel = ParallelConfig()
+    check.train.micro_batch_size, check.train.global_batch_size = 1, nproc
+    validate(check, nproc)
+
+
+def run(args: argparse.Namespace) -> int:
+    import warnings
+
+    from moe_fold.checkpoint import CheckpointError
+    from moe_fold.config import ConfigError, load_config
+    from moe_fold.models.hf import HFConfigError, HFWeightError, hf_config
+
+    def fail(message: str) -> int:
+        print(f"moe-fold convert: error: {message}", file=sys.stderr)
+        return 2
+
+    source = Path(args.input)
+    if args.nproc < 1:
+        return fail(f"--nproc={args.nproc} must be >= 1")
+    if not args.max_shard_gb > 0:
+        return fail(f"--max-shard-gb={args.max_shard_gb} must be > 0")
+    progress = not args.no_progress and sys.stderr.isatty()
+    try:
+        direction = _direction(source)
+        if direction == "from_hf":
+            base = load_config(args.config, args.overrides)
+            config = hf_config(source, base)
+            _check_layout(config, args.nproc)
+            work, work_args = convert_from_hf, (str(source), args.output, config, progress)
+        else:
+            if args.config is not None:
+                return fail("--config applies to Hugging Face -> moe-fold only; the checkpoint has its config.yaml")
+            checkpoint = _checkpoint(source)
+            config = load_config(checkpoint / "config.yaml", args.overrides)
+            _check_layout(config, args.nproc)
+            work = convert_to_hf
+            work_args = (str(checkpoint), args.output, config, args.family, int(args.max_shard_gb * 2**30), progress)
+        if args.nproc == 1:
+            with warnings.catch_warnings():
+                # A checkpoint saved under another layout restores no random states: irrelevant here.
+                warnings.simplefilter("ignore")
+                out = work(0, 1, *work_args)
+        else:
+            from moe_fold.launch import RankError, run_ranks
+
+            try:
+                out = run_ranks(work, args.nproc, *work_args, timeout=7 * 24 * 3600.0)[0]
+            except RankError as e:
+                return fail(f"conversion failed: {e}")
+    except (ConfigError, HFConfigError, HFWeightError, CheckpointError, OSError, ValueError) as e:
+        return fail(str(e))
+    print(f"wrote {out}")
+    return 0
