@@ -75,6 +75,8 @@ def _print_plan(console, plan) -> None:
     mem.add_column("GB", justify="right")
     for key in ("weights", "grads", "optimizer", "activations", "overhead", "total", "limit"):
         mem.add_row(key, _gb(plan.memory[key]))
+    other = "optimizer_not_distributed" if plan.distributed_optimizer else "optimizer_distributed"
+    mem.add_row(f"({other.replace('_', ' ')})", _gb(plan.memory[other]))
     console.print(mem)
 
     comm = Table()

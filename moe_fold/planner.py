@@ -178,7 +178,8 @@ def _seconds(kind: str, nbytes: float, links: dict, gpu: GPU) -> float:
 
 def _memory(config: Config, world: int, pp_rank: int, micro: int, assumptions: Assumptions,
             manifest: list[ParamEntry]) -> dict[str, float]:
-    """Bytes per rank of stage ``pp_rank`` (whose parameters are ``manifest``) by part."""
+    """Bytes per rank of stage ``pp_rank`` (whose parameters are ``manifest``) by part;
+    ``optimizer`` is the one ``optimizer.distributed`` picks, and both are given."""
     d, p = dims(config), config.parallel
     local = sum(e.numel for e in manifest)
     experts = sum(e.numel for e in manifest if e.kind == "expert")
@@ -186,10 +187,9 @@ def _memory(config: Config, world: int, pp_rank: int, micro: int, assumptions: A
     weights = local * (2 if bf16 else 4)
     grads = local * GRAD_BYTES
     state = 12 if bf16 else 8
-    if config.optimizer.distributed:
-        optimizer = state * ((local - experts) / (dp_size(config, world) * p.cp) + experts / edp_size(config, world))
-    else:
-        optimizer = state * local
+    full = state * local
+    sharded = state * ((local - experts) / (dp_size(config, world) * p.cp) + experts / edp_size(config, world))
+    optimizer = sharded if config.optimizer.distributed else full
     g = p.tp if p.sequence_parallel else 1
     tokens = config.train.micro_batch_size * d.seq / (p.cp * g)
     per_micro = sum(layer_activation_bytes(config, i, config.train.recompute) for i in stage_layers(config, pp_rank))
@@ -197,8 +197,10 @@ def _memory(config: Config, world: int, pp_rank: int, micro: int, assumptions: A
         per_micro += head_activation_bytes(config)
     activations = tokens * per_micro * microbatches_in_flight(config, pp_rank, micro)
     total = weights + grads + optimizer + activations + assumptions.memory_overhead
+    # Both optimizer footprints, whichever the total uses (optimizer.distributed).
     return {"weights": weights, "grads": grads, "optimizer": optimizer, "activations": activations,
-            "overhead": assumptions.memory_overhead, "total": total}
+            "overhead": assumptions.memory_overhead, "total": total,
+            "optimizer_not_distributed": full, "optimizer_distributed": sharded}
 
 
 def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = Assumptions()) -> Plan:

@@ -230,11 +230,14 @@ def test_memory_by_hand():
 
     # world 2: dp 2, edp 2, one micro-batch of 4 tokens each
     memory = _memory(config, 2, 0, 1, Assumptions(memory_overhead=0), param_manifest(config))
-    assert memory == {"weights": 2 * 1680, "grads": 4 * 1680, "optimizer": 12 * 1680,
-                      "activations": 4 * (208 + 376 + 128), "overhead": 0, "total": 18 * 1680 + 4 * 712}
     # the distributed optimizer shards the 12 bytes over dp (1104 dense) and edp (576 experts)
+    assert memory == {"weights": 2 * 1680, "grads": 4 * 1680, "optimizer": 12 * 1680,
+                      "activations": 4 * (208 + 376 + 128), "overhead": 0, "total": 18 * 1680 + 4 * 712,
+                      "optimizer_not_distributed": 12 * 1680, "optimizer_distributed": 12 * (1104 / 2 + 576 / 2)}
     config.optimizer.distributed = True
-    assert _memory(config, 2, 0, 1, Assumptions(memory_overhead=0), param_manifest(config))["optimizer"] == 12 * (1104 / 2 + 576 / 2)
+    memory = _memory(config, 2, 0, 1, Assumptions(memory_overhead=0), param_manifest(config))
+    assert memory["optimizer"] == 12 * (1104 / 2 + 576 / 2)
+    assert memory["total"] == 6 * 1680 + 12 * (1104 / 2 + 576 / 2) + 4 * 712
 
 
 def test_comm_by_hand():
