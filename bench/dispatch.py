@@ -212,6 +212,7 @@ def main(argv=None) -> list[dict]:
             "tokens": args.tokens, "hidden": args.hidden, "experts": args.experts, "topk": args.topk,
             "ep": args.ep, "etp": args.etp, "world": world, "dtype": args.dtype,
             "capacity_factor": args.capacity_factor if mode in ("capacity", "pad") else None,
+            "zipf_s": args.zipf_s if routing == "zipf" else None,
             "ms": round(ms, 3),
             "dispatch_ms": round(max(r["times"]["dispatch"] for r in res), 3),
             "combine_ms": round(max(r["times"]["combine"] for r in res), 3),

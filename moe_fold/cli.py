@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("moe_fold.plan_command", "estimate memory, FLOPs, communication, step time and MFU of a layout"),
     "train": ("moe_fold.train_command", "train a model from a preset or YAML config (local ranks or torchrun)"),
     "convert": ("moe_fold.convert_command", "convert between Hugging Face model folders and moe-fold checkpoints"),
+    "bench": ("moe_fold.bench_command", "run the benchmark suite of a checkout (bench/), print a table, write JSON lines"),
 }
 
 

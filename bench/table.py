@@ -1,0 +1,131 @@
+"""The suite's table: one row per benchmark record with its case, its time, and each ratio
+against the baseline measured in the same run, with what the ratio means."""
+
+from __future__ import annotations
+
+COLUMNS = ("bench", "case", "ms", "ratio", "meaning")
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1024:.1f} KiB" if n < 2 ** 20 else f"{n / 2 ** 20:.2f} MiB"
+
+
+def _dispatch(r: dict):
+    skew = f" s={r['zipf_s']:g}" if r.get("zipf_s") is not None else ""
+    etp = f" etp{r['etp']}" if r.get("etp", 1) > 1 else ""
+    case = (f"{r['dispatcher']} {r['mode']} {r['routing']}{skew} ep{r['ep']}{etp} "
+            f"T{r['tokens']} H{r['hidden']} E{r['experts']} k{r['topk']}")
+    sent, least = r["bytes_sent"], r["bytes_min"]
+    over = f"{sent / least:.3g}" if least else "-"
+    return case, r["ms"], [
+        ("bytes_sent/bytes_min", f"{over} ({_bytes(sent)} / {_bytes(least)})",
+         "bytes a rank sends in dispatch + combine over the least possible (1 = optimal)"),
+        ("permute_ratio_to_copy", _num(r["permute_ratio_to_copy"]),
+         "local permute + unpermute time / copying the same rows (1 = limit)"),
+    ]
+
+
+def _gemm(r: dict):
+    backend = r["backend"] if r["resolved"] == r["backend"] else f"{r['backend']}->{r['resolved']}"
+    case = (f"{backend} {r['routing']} {r['tokens_per_expert_mean']:g} tok/expert "
+            f"H{r['hidden']} F{r['ffn']} E{r['experts']} {r['dtype']}")
+    return case, r["ms"], [("ratio_to_dense", _num(r["ratio_to_dense"]),
+                            "dense matmuls of the same FLOPs time / grouped (1 = limit)")]
+
+
+def _permute(r: dict):
+    case = f"{r['backend']} {r['pass']} T{r['tokens']} H{r['hidden']} E{r['experts']} k{r['topk']}"
+    return case, r["ms"], [("ratio_to_copy", _num(r["ratio_to_copy"]),
+                            "permute + unpermute time / copying the same rows (1 = limit)")]
+
+
+def _moe_layer(r: dict):
+    case = f"{r['tokens']}x{r['hidden']}x{r['ffn']}x{r['experts']}x{r['topk']}"
+    if "skipped" in r:
+        return f"{case} {r['candidate']}", None, [("skipped", "", r["skipped"])]
+    ms = r["ms"]
+    if "overhead_vs_dense" not in r:  # a transformers implementation timed alone on fewer tokens
+        (hf,) = (name for name in ms if name.startswith("hf:"))
+        return f"{case} vs {hf}", ms["ours"], [("ratio_vs_hf", _num(r["ratio_vs_hf"]),
+                                                f"{hf} time / ours (>1: ours faster); {r['note']}")]
+    return case, ms["ours"], [
+        ("ratio_vs_hf", _num(r["ratio_vs_hf"]),
+         f"fastest transformers block (hf:{r['best_hf']}) time / ours (>1: ours faster)"),
+        ("overhead_vs_dense", _num(r["overhead_vs_dense"]),
+         "ours / one dense SwiGLU MLP of the same FLOPs (1 = limit)"),
+    ]
+
+
+def _pipeline_bubble(r: dict):
+    case = f"{r['schedule']} pp{r['pp']} vpp{r['vpp']} m{r['microbatches']} fwd {r['forward_ms']:g} ms"
+    return case, r["total_ms"], [
+        ("idle vs theory", f"{r['idle_fraction']:.3f} vs {r['idle_fraction_theory']:.3f}",
+         "measured idle / total time of a stage vs the textbook schedule's"),
+    ]
+
+
+def _cp_attention(r: dict):
+    case = f"{r['kind']} cp{r['cp']} seq{r['seq']} heads {r['heads']}/{r['kv_heads']}x{r['head_dim']}"
+    return case, r["ms"], [("ratio_to_single", _num(r["ratio_to_single"]),
+                            f"one process time / cp ranks (ideal {r['cp']} with equal threads)")]
+
+
+def _train(r: dict):
+    if "skipped" in r:
+        return r["candidate"], None, [("skipped", "", r["skipped"])]
+    if "candidate" in r:  # one candidate's step; the summary record holds the ratios
+        speed = (f"{r['tokens_per_s']:.4g} tokens/s" if "tokens_per_s" in r
+                 else f"{r['flops_per_s'] / 1e9:.3g} GFLOP/s")
+        return f"step of {r['candidate']}", r["ms"], [("", speed, "")]
+    case = f"{r['preset']} mb{r['micro_batch']} seq{r['seq_length']}: ours"
+    return case, r["tokens_per_step"] / r["tokens_per_s"] * 1e3, [
+        ("ratio_vs_hf", _num(r["ratio_vs_hf"]),
+         "fastest transformers MixtralForCausalLM step time / ours (>1: ours faster)"),
+        ("flops_fraction_of_matmul", _num(r["flops_fraction_of_matmul"]),
+         "our model FLOP/s / a dense matmul's FLOP/s"),
+    ]
+
+
+def _other(r: dict):
+    """A record of a benchmark this table has no layout for: its ratio-like fields."""
+    ratios = [(k, _num(v), "") for k, v in r.items()
+              if k.startswith(("ratio", "overhead")) and isinstance(v, (int, float))]
+    ms = r.get("ms")
+    return r.get("suite_case", ""), ms if isinstance(ms, (int, float)) else None, ratios
+
+
+ROWS = {"dispatch": _dispatch, "gemm": _gemm, "permute": _permute, "moe_layer": _moe_layer,
+        "pipeline_bubble": _pipeline_bubble, "cp_attention": _cp_attention, "train": _train}
+
+
+def rows(records: list[dict]) -> list[tuple[str, str, str, str, str]]:
+    """One row (``COLUMNS``) per benchmark record, suite records left out; several ratios of
+    a record share its row, one per line."""
+    out = []
+    for r in records:
+        if r["bench"] == "suite":
+            continue
+        if "error" in r:
+            out.append((r["bench"], r.get("suite_case", ""), "-", "error", r["error"]))
+            continue
+        case, ms, ratios = ROWS.get(r["bench"], _other)(r)
+        out.append((r["bench"], case, _num(ms) if ms is None else f"{ms:.2f}",
+                    "\n".join(f"{name} {value}".strip() for name, value, _ in ratios),
+                    "\n".join(meaning for _, _, meaning in ratios)))
+    return out
+
+
+def render(records: list[dict]):
+    """A rich Table of :func:`rows`."""
+    from rich.table import Table
+
+    t = Table(title="moe-fold bench: each ratio is against a baseline measured in the same run")
+    for name in COLUMNS:
+        t.add_column(name, justify="right" if name == "ms" else "left", overflow="fold")
+    for row in rows(records):
+        t.add_row(*row)
+    return t
