@@ -1,17 +1,14 @@
 """The training loop: one optimizer step per global batch, on any layout of ranks.
 
-Per step, every rank takes its ``num_microbatches`` micro-batches of the global batch
-(``DataLoader.global_batch``), runs forward and backward on each letting the grads add
-up, then syncs the grads once (:func:`moe_fold.grads.sync_grads`), clips the global
-norm, steps the optimizer and the LR schedule, and closes the routers' step
+Per step, every rank takes its micro-batches of the global batch
+(``DataLoader.global_batch``: its dp shard, its cp slice; the ranks of one pipeline the
+same ones) and runs their forward and backward with :func:`moe_fold.step.forward_backward`
+(one after another letting the grads add up, or the pipeline schedule under pp; the loss
+scaling that makes the summed grads the exact gradient of the global-batch mean loss,
+and the routers' ``grad_scale = 1/num_microbatches``, are documented there). Then
+:func:`moe_fold.optim.apply_gradients` syncs the grads once, clips the global norm and
+steps AdamW; the LR schedule steps, and the routers close their step
 (``Router.finish_step``: expert-bias update, ``global_aux`` reset).
-
-Loss scaling: each micro-batch's loss is ``sum(token losses) * dp*cp / N`` where ``N``
-counts the unmasked tokens of the whole global batch (every dp x cp rank, every
-micro-batch), so the grads summed over micro-batches and averaged over dp x cp are the
-exact gradient of the global-batch mean loss. The routers attach their losses per
-micro-batch with ``grad_scale = 1/num_microbatches``, so those too are the mean over the
-step's micro-batches.
 
 Determinism: with ``train.deterministic`` torch uses deterministic algorithms, and the
 random state is re-seeded from ``(train.seed, step, rank)`` at the start of every step,
@@ -24,13 +21,13 @@ process) and :func:`check_trainable` (rules of the loop on top of
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -62,11 +59,6 @@ def check_trainable(config: Config, world_size: int) -> None:
     """``validate`` plus what the loop itself cannot do yet; raises ConfigError."""
     validate(config, world_size)
     problems = []
-    p = config.parallel
-    if p.pp > 1:
-        problems.append(f"parallel.pp={p.pp}: the training loop does not run pipeline schedules yet; use parallel.pp=1")
-    if p.cp > 1:
-        problems.append(f"parallel.cp={p.cp}: the model has no context-parallel attention yet; use parallel.cp=1")
     if config.data.packing:
         problems.append("data.packing=true needs attention confined to each document, which the model does not "
                         "have yet; use data.packing=false")
@@ -218,6 +210,7 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
     from moe_fold.metrics import MetricsLogger, RoutingCollector
     from moe_fold.models.model import build_model
     from moe_fold.optim import apply_gradients, build_optimizer, build_scheduler
+    from moe_fold.step import forward_backward
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     check_trainable(config, world)
@@ -246,10 +239,12 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
     apply_recompute(model, t.recompute)
     optimizer = build_optimizer(state_model, config.optimizer, groups)
     scheduler = build_scheduler(optimizer, config)
-    num_micro = loader.num_micro_batches
     collector = RoutingCollector(model, config)
-    for _, router in collector.routers:
-        router.grad_scale = 1.0 / num_micro
+
+    @contextlib.contextmanager
+    def forward_context() -> Iterator[None]:
+        with autocast(t.precision, device), collector.recording():
+            yield
 
     start_step = 0
     checkpoint_path: Optional[str] = None
@@ -280,17 +275,9 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
             step_begin = time.perf_counter()
             _seed_step(config, step, rank)
             micro_batches = [b.to(device) for b in loader.global_batch()]
-            num_loss_tokens = torch.stack([b.loss_mask.sum() for b in micro_batches]).sum()
-            all_reduce_(num_loss_tokens, groups.dp_cp)
-            num_loss_tokens = num_loss_tokens.clamp(min=1)
-            lm_loss = torch.zeros((), dtype=torch.float64, device=device)
             collector.start_step()
-            for batch in micro_batches:
-                with autocast(t.precision, device), collector.recording():
-                    loss = model(batch.tokens, batch.labels, positions=batch.positions, loss_mask=batch.loss_mask,
-                                 num_loss_tokens=num_loss_tokens)
-                loss.backward()
-                lm_loss += loss.detach().double()
+            losses = forward_backward(model, micro_batches, groups, config, forward_context=forward_context)
+            lm_loss = losses.sum()
             if master is not None:
                 master.grads_to_master()
             lr = scheduler.get_last_lr()

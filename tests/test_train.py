@@ -43,13 +43,16 @@ def _train_rank(rank, world_size, config, **kwargs):
 
 # --------------------------------------------------------------------------- layouts
 
-@pytest.mark.parametrize("layout", [["parallel.ep=2"], ["parallel.tp=2", "parallel.sequence_parallel=true",
-                                                          "parallel.ep=2", "parallel.etp=1"]],
-                         ids=["ep2xdp2", "tp2xep2"])
+@pytest.mark.parametrize("layout", [
+    ["parallel.ep=2"],
+    ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.etp=1"],
+    pytest.param(["parallel.pp=2", "parallel.ep=2"], marks=pytest.mark.slow),
+    pytest.param(["parallel.cp=2", "parallel.ep=2"], marks=pytest.mark.slow),
+], ids=["ep2xdp2", "tp2xep2", "pp2xep2", "cp2xep2"])
 def test_four_ranks_match_one_process(tmp_path, cache_dir, layout):
-    """Three steps on 4 ranks (grad accumulation over 2 micro-batches per dp rank) give the
-    losses, grad norms, expert loads and aux/z values of one process running the same
-    global batches in 4 micro-batches."""
+    """Three steps on 4 ranks (grad accumulation over the micro-batches of each dp rank,
+    or the 1f1b pipeline schedule) give the losses, grad norms, expert loads and aux/z
+    values of one process running the same global batches in 4 micro-batches."""
     steps = ["train.steps=3"]
     one = train(small_config(tmp_path / "one", cache_dir, *steps))
     four = run_ranks(_train_rank, 4, small_config(tmp_path / "four", cache_dir, *steps, *layout), timeout=300)
@@ -218,7 +221,7 @@ def _refused(capsys, monkeypatch, argv: list[str]) -> str:
     (["--config", "mixtral-tiny", "--set", "train.stepz=3"],
      "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
     (["--config", "mixtral-tinyy"], "unknown preset 'mixtral-tinyy'; did you mean 'mixtral-tiny'?"),
-    (["--config", "mixtral-tiny", "--nproc", "4", "--set", "parallel.pp=2"], "parallel.pp=2"),
+    (["--config", "mixtral-tiny", "--nproc", "4", "--set", "data.packing=true"], "data.packing=true"),
     (["--config", "mixtral-tiny", "--nproc", "0"], "--nproc=0 must be >= 1"),
 ])
 def test_cli_refuses_bad_configs_before_spawning(capsys, monkeypatch, argv, message):
