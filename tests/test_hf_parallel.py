@@ -13,7 +13,9 @@ from test_hf import TOL, hf_logits, max_diff, save_hf, token_ids
 
 transformers = pytest.importorskip("transformers")
 
-FAMILY_CASES = ("mixtral_gqa", "qwen2_shared_dense", "qwen3_norm_topk")
+# Qwen3 both ways: renormalised top-k; top-k of the full softmax with tied embeddings
+# and a dense first layer.
+FAMILY_CASES = ("mixtral_gqa", "qwen2_shared_dense", "qwen3_norm_topk", "qwen3_no_norm_tied")
 
 
 def _import_export(rank, world_size, tp, ep, paths, out_dir):
@@ -35,7 +37,7 @@ def _import_export(rank, world_size, tp, ep, paths, out_dir):
         counted[0] = 0
         model = from_hf(path, groups)
         local = sum(p.numel() for p in model.parameters())
-        experts = tuple(model.layers[0].mlp.experts.fc1.shape)
+        experts = next(tuple(b.mlp.experts.fc1.shape) for b in model.layers if hasattr(b.mlp, "experts"))
         results[case] = {"logits": model.eval().logits(token_ids()).detach(), "read": counted[0],
                          "local": local, "experts_fc1": experts}
         to_hf(model, f"{out_dir}/{case}")
