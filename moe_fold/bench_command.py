@@ -33,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_const", const="quick", dest="size",
                       help="fewer cases and smaller sizes (same as --size quick)")
-    size.add_argument("--size", choices=SIZES, default="full",
+    size.add_argument("--size", choices=SIZES,
                       help="smoke (seconds per benchmark, to check the plumbing), quick, or full (default)")
+    parser.set_defaults(size="full")  # once for both flags: each would set its own default
     parser.add_argument("--out", default=None, metavar="FILE",
                         help="JSON lines file to write (default: bench/results/<UTC date and time>.jsonl)")
     parser.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots")

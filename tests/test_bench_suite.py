@@ -235,5 +235,7 @@ def test_cli_finds_the_checkout(tmp_path, monkeypatch, capsys):
     assert cli.main(["bench", "--list"]) == 2
     assert "needs a moe-fold checkout" in capsys.readouterr().err
     monkeypatch.chdir(REPO / "tests")
-    assert cli.main(["bench", "--quick", "--list", "--only", "train"]) == 0
-    assert "python bench/train.py --preset mixtral-tiny" in capsys.readouterr().out
+    for flags, size in (([], "full"), (["--quick"], "quick"), (["--size", "smoke"], "smoke")):
+        assert cli.main(["bench", "--list", "--only", "gemm", *flags]) == 0
+        listed = [line.split(None, 2)[2] for line in capsys.readouterr().out.splitlines()]
+        assert listed == [f"python bench/gemm.py {' '.join(c.flags)}" for c in suite.cases(size) if c.bench == "gemm"]
