@@ -77,25 +77,14 @@ class _Bar:
             self.progress.stop()
 
 
-def _groups(config):
-    import torch.distributed as dist
-
-    from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return ProcessGroups.single_process()
-    p = config.parallel
-    layout = ParallelLayout(dist.get_world_size(), tp=p.tp, cp=p.cp, pp=p.pp, ep=p.ep, etp=p.etp, order=p.order)
-    return create_process_groups(layout)
-
-
 def convert_from_hf(rank: int, world_size: int, source: str, run_dir: str, config, progress: bool) -> str:
     """One rank of Hugging Face -> checkpoint; returns the checkpoint path."""
     from moe_fold.checkpoint import save_checkpoint
     from moe_fold.models.hf import load_hf_into
     from moe_fold.models.model import build_model
+    from moe_fold.train import build_groups
 
-    groups = _groups(config)
+    groups = build_groups(config)
     model = build_model(config, groups)
     bar = _Bar(sum(p.numel() for p in model.parameters()), "reading", progress and rank == 0)
     try:
@@ -114,8 +103,9 @@ def convert_to_hf(rank: int, world_size: int, source: str, output: str, config, 
     from moe_fold.checkpoint import load_checkpoint
     from moe_fold.models.hf import to_hf
     from moe_fold.models.model import build_model
+    from moe_fold.train import build_groups
 
-    groups = _groups(config)
+    groups = build_groups(config)
     model = build_model(config, groups)
     load_checkpoint(source, model, None, None, groups)
     bar = _Bar(sum(p.numel() for p in model.parameters()), "writing", progress and rank == 0)

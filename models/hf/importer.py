@@ -96,9 +96,9 @@ def load_hf_into(model: nn.Module, path: PathLike, groups: Optional[ProcessGroup
     with SafetensorsFolder(path) as files:
         sources = weight_sources(config, family, files.names)
         params = dict(model.named_parameters())
-        persistent = [n for n in model.state_dict() if n not in params and n not in
-                      {a for a, _ in model.named_parameters(remove_duplicate=False)}]
-        missing = sorted(set(params) - set(sources)) + persistent
+        aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        buffers = [n for n in model.state_dict() if n not in aliases]  # persistent: the expert bias
+        missing = sorted(set(params) - set(sources)) + buffers
         if missing:
             raise HFWeightError(f"the {family} format has no place for the model's {', '.join(missing)}")
         wanted = {n for name in params for n in sources[name].names()}
