@@ -65,9 +65,6 @@ def check_trainable(config: Config, world_size: int) -> None:
     if config.moe.seq_aux_loss_coeff > 0:
         problems.append(f"moe.seq_aux_loss_coeff={config.moe.seq_aux_loss_coeff}: the model does not pass sequence "
                         f"ids to the router yet; use moe.aux_loss_coeff (batch-level) instead")
-    if config.init.from_hf is not None:
-        problems.append(f"init.from_hf={config.init.from_hf!r}: starting from a Hugging Face checkpoint is not "
-                        f"wired into training yet; leave init.from_hf null")
     if problems:
         raise ConfigError(problems)
 
@@ -153,8 +150,6 @@ def _experts_act_recomputed(experts: nn.Module) -> Callable:
     return forward
 
 
-# --------------------------------------------------------------------------- optimizer
-
 # --------------------------------------------------------------------------- the loop
 
 def _device(config: Config) -> torch.device:
@@ -202,10 +197,10 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
 
     ``resume`` continues from the latest checkpoint in ``train.run_dir`` (a fresh start
     when there is none). ``stop_at`` ends this run after that step (with a checkpoint),
-    leaving the schedule of ``train.steps`` intact for a later ``resume``. Rank 0 prints
-    to ``console`` (a rich Console; None: no output)
-    and writes ``metrics.jsonl`` and the wandb run. Returns the same :class:`TrainResult`
-    on every rank."""
+    leaving the schedule of ``train.steps`` intact for a later ``resume``. A fresh run
+    with ``init.from_hf`` starts from that Hugging Face folder's weights. Rank 0 prints to
+    ``console`` (a rich Console; None: no output) and writes ``metrics.jsonl`` and the
+    wandb run. Returns the same :class:`TrainResult` on every rank."""
     from moe_fold.data.loader import DataLoader
     from moe_fold.metrics import MetricsLogger, RoutingCollector
     from moe_fold.models.model import build_model
@@ -259,6 +254,13 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
             start_step = int(extra["step"])
             loader.load_state_dict(extra["data"])
             checkpoint_path = str(found)
+    if start_step == 0 and config.init.from_hf is not None:
+        from moe_fold.models.hf.importer import load_hf_into
+
+        with torch.no_grad():
+            load_hf_into(state_model, config.init.from_hf, groups)
+        if master is not None:
+            master.master_to_model()
     logger = MetricsLogger(config, groups, console=console if rank == 0 else None, progress=progress,
                            start_step=start_step)
     if rank == 0 and console is not None:

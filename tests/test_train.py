@@ -175,6 +175,33 @@ def test_quick_start_loss_falls_with_offline_wandb(tmp_path, cache_dir):
         assert images[-1].read_bytes() == (tmp_path / "heatmaps" / "expert_load_step0000030.png").read_bytes()
 
 
+def test_init_from_hf_starts_from_those_weights(tmp_path, cache_dir):
+    """init.from_hf: step 1's loss is the loss of the exported model (another seed) on the
+    first global batch, computed here in one forward."""
+    import dataclasses
+
+    from moe_fold.data.loader import DataLoader, dataset_from_config
+    from moe_fold.layout import ProcessGroups
+    from moe_fold.models import to_hf
+    from moe_fold.models.model import build_model
+
+    # Mixtral's config has one MLP width, the experts'; the (unused) dense width must match it.
+    cfg = small_config(tmp_path / "run", cache_dir, "train.steps=1", "moe.z_loss_coeff=0", "moe.aux_loss_coeff=0",
+                       "model.ffn_hidden_size=64", f"init.from_hf={tmp_path / 'hf'}")
+    other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=7))
+    exported = build_model(other, ProcessGroups.single_process())
+    to_hf(exported, tmp_path / "hf")
+    gbs = cfg.train.global_batch_size
+    batch = next(iter(DataLoader(dataset_from_config(cfg), gbs, gbs)))
+    with torch.no_grad():
+        want = float(exported(batch.tokens, batch.labels, positions=batch.positions))
+        fresh = float(build_model(cfg, ProcessGroups.single_process())(batch.tokens, batch.labels,
+                                                                        positions=batch.positions))
+    result = train(cfg)
+    assert result.losses[0] == pytest.approx(want, rel=1e-5)
+    assert abs(want - fresh) > 1e-3
+
+
 # --------------------------------------------------------------------------- recompute, precision
 
 def test_recompute_modes_give_the_same_steps(tmp_path, cache_dir):
