@@ -212,13 +212,16 @@ def _refused_config(tmp_path, case, edit, base=None):
 
 
 def test_sliding_window_shorter_than_the_sequence_is_refused(tmp_path):
-    message = _refused_config(tmp_path, "mixtral_gqa", lambda hf: hf.update(sliding_window=16))
-    assert "sliding_window=16" in message and "model.seq_length=64" in message
+    ref_model = save_hf("mixtral_gqa", tmp_path / "hf", model_kwargs=dict(sliding_window=16))
+    with pytest.raises(HFConfigError) as err:
+        from_hf(tmp_path / "hf")  # model.seq_length = max_position_embeddings = 64
+    assert "sliding_window=16" in str(err.value) and "model.seq_length=64" in str(err.value)
     # A window covering the whole sequence is plain causal attention.
     base = Config()
     base.model.seq_length = 16
     model = from_hf(tmp_path / "hf", config=base)
-    assert model.config.model.seq_length == 16
+    ids = token_ids()
+    assert max_diff(our_logits(model, ids), hf_logits(ref_model, ids)) <= TOL
 
 
 def test_qwen_sliding_window_is_refused_only_when_used(tmp_path):

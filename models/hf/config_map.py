@@ -131,6 +131,13 @@ def _check_window(keys: _Keys, seq_length: int, sliding_layers: bool) -> None:
                              f"attention is not implemented (a window >= the sequence is plain causal attention)")
 
 
+def _num_experts(keys: _Keys, name: str, alias: str) -> Optional[int]:
+    """The expert count under its family's name or the other one (transformers 5 writes
+    Qwen3-MoE's as ``num_local_experts`` through its attribute map)."""
+    value = keys.get(alias, None)
+    return keys.get(name) if value is None else keys.get(name, value)
+
+
 def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     """Our Config for the Hugging Face config ``hf`` (a parsed ``config.json``).
 
@@ -175,16 +182,14 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate = 0, False
 
     if family == "mixtral":
-        moe.num_experts = keys.get("num_local_experts", None) or keys.get("num_experts")
-        keys.used.add("num_experts")
+        moe.num_experts = _num_experts(keys, "num_local_experts", "num_experts")
         moe.ffn_hidden_size = m.ffn_hidden_size
         moe.moe_layer_freq = 1
         moe.pre_softmax = False
         moe.input_jitter = float(keys.get("router_jitter_noise", 0.0))
         _check_window(keys, m.seq_length, sliding_layers=True)
     else:
-        moe.num_experts = keys.get("num_experts", None) or keys.get("num_local_experts")
-        keys.used.add("num_local_experts")
+        moe.num_experts = _num_experts(keys, "num_experts", "num_local_experts")
         moe.ffn_hidden_size = keys.get("moe_intermediate_size")
         moe.pre_softmax = not keys.get("norm_topk_prob", False)
         step = keys.get("decoder_sparse_step", 1)
@@ -196,7 +201,7 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
         else:
             problems.append(f"decoder_sparse_step={step!r} must be an integer >= 1")
         sliding = bool(keys.get("use_sliding_window", False))
-        keys.get("max_window_layers", None)
+        keys.get("max_window_layers", None)  # which layers slide: moot, any window is checked below
         layer_types = keys.get("layer_types", None)
         if layer_types is not None:
             odd = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
