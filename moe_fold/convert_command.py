@@ -8,11 +8,13 @@ The direction follows INPUT:
     checkpoint) becomes a Hugging Face folder at OUTPUT that transformers'
     from_pretrained loads.
 
-Weights stream one tensor at a time: a Hugging Face tensor is read slice by slice into
-the model, and the export writes safetensors shards as they fill, so the model is never
-held twice. With --nproc N the work is split over N local ranks in the layout of --set
-parallel.* (e.g. parallel.ep=N: each rank holds 1/N of the experts), which divides each
-process's memory.
+Weights stream one tensor at a time: Hugging Face tensors are read slice by slice
+straight into the model (never all loaded first), and the export gathers one parameter
+at a time and writes safetensors shards as they fill. Peak memory: exporting, the model
+plus one shard; importing, the model plus the host copy of it that the checkpoint
+writer (moe_fold.checkpoint.save_checkpoint) makes before writing. With --nproc N the
+work is split over N local ranks in the layout of --set parallel.* (e.g.
+parallel.ep=N: each rank holds 1/N of the experts), which divides each process's memory.
 """
 
 from __future__ import annotations
