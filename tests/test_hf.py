@@ -329,3 +329,22 @@ def test_qwen2_moe_without_shared_expert(tmp_path):
     model = from_hf(tmp_path / "hf")
     assert model.layers[0].mlp.shared_expert is None
     assert max_diff(our_logits(model, ids), hf_logits(ref_model, ids)) <= TOL
+
+
+def test_bfloat16_checkpoints_both_ways(tmp_path):
+    """bf16 weights import exactly (widened to our float32 parameters); a bf16 model
+    exports bf16 tensors and says so in config.json."""
+    ids = token_ids()
+    save_hf("qwen3_norm_topk", tmp_path / "hf_fp32")
+    half = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf_fp32", dtype=torch.bfloat16)
+    half.save_pretrained(tmp_path / "hf")
+    wide = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    model = from_hf(tmp_path / "hf")
+    assert max_diff(our_logits(model, ids), hf_logits(wide, ids)) <= TOL
+    to_hf(model.to(torch.bfloat16), tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as a, \
+            safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        for key in a.keys():
+            assert b.get_tensor(key).dtype == torch.bfloat16 and torch.equal(a.get_tensor(key), b.get_tensor(key))
