@@ -101,8 +101,8 @@ def write_plots(records: list[dict], prefix: Path) -> tuple[list[Path], dict[str
     else:
         missing["gemm_efficiency"] = "no gemm records"
 
-    skew = skew_series(records)
-    if any(len(v) > 1 for v in skew.values()):
+    skew = {k: v for k, v in skew_series(records).items() if len(v) > 1}
+    if skew:
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, points in skew.items():
             ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=name)
