@@ -8,17 +8,21 @@
   float32 copies of the grads, so the all-reduce sums in float32.
 
 The router computes its logits in ``moe.router_dtype`` (float32 by default) whatever the
-precision: it casts its input and weight itself, and its buffers (expert bias, counts)
-keep their dtype under ``model.to(bfloat16)``.
+precision: it casts its input and weight itself, its buffers (expert bias, counts) keep
+their dtype under ``model.to(bfloat16)``, and :func:`exclude_from_autocast` runs it with
+autocast off (autocast would otherwise compute its matmul in bfloat16 whatever the
+operands' dtype). The MoE combine (a sum of expert rows per token) runs outside autocast
+too: it accumulates in float32, and torch's CPU sparse matmul it uses has no bfloat16 kernel.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import torch
 from torch import nn
 
-__all__ = ["PRECISIONS", "param_dtype", "autocast", "MasterWeights"]
+__all__ = ["PRECISIONS", "param_dtype", "autocast", "exclude_from_autocast", "MasterWeights"]
 
 PRECISIONS = ("fp32", "bf16-autocast", "bf16")
 
@@ -35,6 +39,25 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     if precision == "bf16-autocast":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def exclude_from_autocast(model: nn.Module, device: torch.device) -> None:
+    """Run every router's forward and every MoE layer's combine with autocast off."""
+    from moe_fold.dispatch.router import Router
+
+    def outside(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with torch.autocast(device_type=device.type, enabled=False):
+                return fn(*args, **kwargs)
+        return wrapped
+
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.forward = outside(module.forward)
+        dispatcher = getattr(module, "dispatcher", None)
+        if dispatcher is not None:
+            dispatcher.combine = outside(dispatcher.combine)
 
 
 class MasterWeights:

@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, ConfigError, dump_config, validate
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
-from moe_fold.precision import MasterWeights, autocast, param_dtype
+from moe_fold.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
 
 __all__ = ["TrainResult", "check_trainable", "train", "apply_recompute", "build_groups", "read_metrics"]
 
@@ -84,11 +84,12 @@ def apply_recompute(model: nn.Module, mode: str) -> None:
     """Activation recompute (``train.recompute``), by wrapping forwards in
     ``torch.utils.checkpoint`` (non-reentrant):
 
-    - ``full``: every block; an MoE block recomputes its attention half and the MoE
-      layer's expert computation (routed experts and shared expert). The router and the
-      dispatcher stay outside: the router counts tokens for the expert bias and the
-      global aux loss as a side effect of its forward, which a second forward would count
-      twice (and recomputing the dispatcher would redo its all-to-alls).
+    - ``full``: every dense block whole; in an MoE block the attention (after its norm)
+      and the MoE layer's expert computation (routed experts and shared expert). The
+      router and the dispatcher stay outside: the router counts tokens for the expert
+      bias and the global aux loss as a side effect of its forward, which a second
+      forward would count twice (and recomputing the dispatcher would redo its
+      all-to-alls).
     - ``moe``: the MoE layers' expert computation only (routed and shared experts).
     - ``expert_act``: inside the routed experts, the SwiGLU activation and the fc2 GEMM
       that consumes it, so the activation output ``[rows, F]`` is not kept (fc1's output
@@ -98,43 +99,22 @@ def apply_recompute(model: nn.Module, mode: str) -> None:
         return
     from moe_fold.models.experts import Experts
     from moe_fold.models.model import Block
+    from moe_fold.models.moe_layer import MoELayer
 
     for module in model.modules():
-        if isinstance(module, Block):
-            moe = _moe_layer(module.mlp)
-            if mode == "full" and moe is None:
-                _wrap(module, module.forward)
-            elif mode == "full":
-                module.forward = _attention_recomputed(module)
+        if mode == "full" and isinstance(module, Block):
+            _wrap(module.attn if isinstance(module.mlp, MoELayer) else module)
         if mode in ("full", "moe") and isinstance(module, Experts):
-            _wrap(module, module.forward)
-        if mode in ("full", "moe") and _moe_layer(module) is not None and module.shared_expert is not None:
-            _wrap(module.shared_expert, module.shared_expert.forward)
+            _wrap(module)
+        if mode in ("full", "moe") and isinstance(module, MoELayer) and module.shared_expert is not None:
+            _wrap(module.shared_expert)
         if mode == "expert_act" and isinstance(module, Experts):
             module.forward = _experts_act_recomputed(module)
 
 
-def _moe_layer(module: nn.Module) -> Optional[nn.Module]:
-    try:
-        from moe_fold.models.moe_layer import MoELayer
-    except ModuleNotFoundError:
-        return None
-    return module if isinstance(module, MoELayer) else None
-
-
-def _wrap(module: nn.Module, forward: Callable) -> None:
-    module.forward = lambda *args: checkpoint(forward, *args, use_reentrant=False)
-
-
-def _attention_recomputed(block: nn.Module) -> Callable:
-    def attention(x, cos, sin):
-        return x + block.attn(block.attn_norm(x), cos, sin)
-
-    def forward(x, cos, sin):
-        x = checkpoint(attention, x, cos, sin, use_reentrant=False)  # [S_local, B, H]
-        h = block.mlp(block.mlp_norm(x).flatten(0, 1))  # [S_local*B, H]
-        return x + h.reshape(x.shape)
-    return forward
+def _wrap(module: nn.Module) -> None:
+    forward = module.forward
+    module.forward = lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def _experts_act_recomputed(experts: nn.Module) -> Callable:
@@ -231,6 +211,8 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
         master = MasterWeights(model.to(param_dtype(t.precision)), build_model(config, groups).to(device))
     # What the optimizer updates and checkpoints hold: the float32 masters under bf16.
     state_model = master.master if master else model
+    if t.precision == "bf16-autocast":
+        exclude_from_autocast(model, device)
     apply_recompute(model, t.recompute)
     optimizer = build_optimizer(state_model, config.optimizer, groups)
     scheduler = build_scheduler(optimizer, config)

@@ -217,13 +217,22 @@ def test_recompute_modes_give_the_same_steps(tmp_path, cache_dir):
 
 
 @pytest.mark.parametrize("precision", ["bf16-autocast", "bf16"])
-def test_bf16_precisions_track_fp32(tmp_path, cache_dir, precision):
-    # bf16-autocast runs the dense model: under autocast the MoE combine's sparse CSR
-    # matmul (kernels/permute.py) is cast to bfloat16, which torch's CPU kernel lacks.
-    dense = ["moe.moe_layer_freq=0"] if precision == "bf16-autocast" else []
-    steps = ["train.steps=4", "optimizer.lr=3e-3", *dense]
+def test_bf16_precisions_track_fp32(tmp_path, cache_dir, precision, monkeypatch):
+    """bf16 runs follow the fp32 run closely and learn; the router's logits stay float32."""
+    from moe_fold.dispatch.router import Router
+
+    logit_dtypes = set()
+    forward = Router.forward
+
+    def recording_forward(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        logit_dtypes.add(out.logits.dtype)
+        return out
+    monkeypatch.setattr(Router, "forward", recording_forward)
+    steps = ["train.steps=4", "optimizer.lr=3e-3"]
     ref = train(small_config(tmp_path / "fp32", cache_dir, *steps))
     got = train(small_config(tmp_path / precision, cache_dir, *steps, f"train.precision={precision}"))
+    assert logit_dtypes == {torch.float32}
     assert got.losses[0] == pytest.approx(ref.losses[0], abs=0.05)
     assert got.losses[-1] < got.losses[0] - 0.3
     assert all(abs(a - b) < 0.15 for a, b in zip(got.losses, ref.losses))
@@ -248,7 +257,8 @@ def _refused(capsys, monkeypatch, argv: list[str]) -> str:
     (["--config", "mixtral-tiny", "--set", "train.stepz=3"],
      "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
     (["--config", "mixtral-tinyy"], "unknown preset 'mixtral-tinyy'; did you mean 'mixtral-tiny'?"),
-    (["--config", "mixtral-tiny", "--nproc", "4", "--set", "data.packing=true"], "data.packing=true"),
+    (["--config", "mixtral-tiny", "--nproc", "4", "--set", "optimizer.warmup_steps=1000"],
+     "optimizer.warmup_steps=1000 must be <= train.steps=300"),
     (["--config", "mixtral-tiny", "--nproc", "0"], "--nproc=0 must be >= 1"),
 ])
 def test_cli_refuses_bad_configs_before_spawning(capsys, monkeypatch, argv, message):
