@@ -342,7 +342,7 @@ class Router(nn.Module):
         Args:
             hidden: ``[T, H]`` this rank's tokens.
             loss_mask: ``[T]`` bool, True for real tokens; padding is left out of the
-                losses and the expert-bias counts (it is still routed).
+                losses, the expert-bias counts and the statistics (it is still routed).
             seq_ids: ``[T]`` int64, each token's sequence in ``[0, num_seqs)`` within the
                 micro-batch; needed when ``seq_aux_loss_coeff > 0``. Under SP/CP every rank
                 of a tp x cp group holds a slice of each of the same ``num_seqs`` sequences.
@@ -391,7 +391,13 @@ class Router(nn.Module):
                     self._bias_counts += kept_counts
                 else:
                     self._bias_counts += (routed_and_kept & loss_mask.unsqueeze(1)).sum(dim=0)
-        stats = routing_stats(routed_counts, kept_counts, self.groups.size("ep")) if self.collect_stats else None
+        stats = None
+        if self.collect_stats:
+            if loss_mask is not None:
+                # Statistics describe real tokens; padding is routed but not counted.
+                real = loss_mask.unsqueeze(1)
+                routed_counts, kept_counts = (routing_map & real).sum(dim=0), (routed_and_kept & real).sum(dim=0)
+            stats = routing_stats(routed_counts, kept_counts, self.groups.size("ep"))
         return RouterOutput(kept_probs, kept_map, routed_logits, tokens_per_expert, losses, stats)
 
     def _attach_z_loss(self, logits, loss_mask, losses):

@@ -6,9 +6,14 @@ communication: the fused q|k|v projection is column-parallel and the output proj
 row-parallel. Under cp each rank holds its zigzag shard of every sequence
 (:mod:`moe_fold.context_parallel`); the projections and rotary work token by token, and
 only the attention proper crosses the cp group (``parallel.cp_kind``: ring or a2a).
+Packed documents (:class:`moe_fold.varlen.Documents`): attention stays inside each
+document, over the group the micro-batch names (a dynamic-cp sub-group may replace the
+layout's cp group).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
@@ -17,6 +22,7 @@ from moe_fold.comm import Group, group_size
 from moe_fold.config import ModelConfig
 from moe_fold.context_parallel import CP_KINDS, context_parallel_attention
 from moe_fold.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_seed
+from moe_fold.varlen import Documents
 
 from .norm import RMSNorm
 from .rotary import apply_rotary
@@ -49,9 +55,12 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, config.norm_eps, "tp_sum")
             self.k_norm = RMSNorm(head_dim, config.norm_eps, "tp_sum")
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: Optional[Documents] = None) -> torch.Tensor:
         """``x [S_local, B, H]`` -> ``[S_local, B, H]``; cos/sin ``[S, head_dim]`` or ``[B, S, head_dim]``
-        for this rank's tokens (``S = S_global/cp``, the zigzag shard's positions under cp)."""
+        for this rank's tokens (``S = S_global/cp``, the zigzag shard's positions under cp).
+        ``docs``: packed documents and the group to attend over (None: the layout's cp group,
+        one causal sequence per row)."""
         qkv = self.qkv(x)  # [S, B, (heads + 2*kv_heads) * head_dim]
         S, B = qkv.shape[:2]
         q, k, v = qkv.view(S, B, -1, self.head_dim).split(
@@ -62,6 +71,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Query head h reads key/value head h // (heads / kv_heads), as in Hugging Face.
         # A cp group of one rank (or None) is plain causal attention over the local sequence.
-        out = context_parallel_attention(q, k, v, self.cp_group, kind=self.cp_kind)  # [B, heads, S, hd]
+        group, doc_ids = (self.cp_group, None) if docs is None else (docs.cp_group, docs.doc_ids)
+        out = context_parallel_attention(q, k, v, group, kind=self.cp_kind, doc_ids=doc_ids)  # [B, heads, S, hd]
         out = out.permute(2, 0, 1, 3).reshape(S, B, self.num_heads * self.head_dim)  # [S, B, heads*hd]
         return self.proj(out)

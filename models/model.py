@@ -20,6 +20,11 @@ the layers of its virtual stages (:func:`moe_fold.pipeline.stage_layers`), the
 embedding with stage 0, the final norm, head and loss with the last stage, and runs
 them with :meth:`Transformer.chunk_forward` under :func:`moe_fold.step.forward_backward`.
 Layers keep their global index in parameter names (``layers.{i}``) under every split.
+
+Packed documents: a micro-batch may carry :class:`moe_fold.varlen.Documents`
+(:meth:`Transformer.documents` builds it from the loader's ``cu_seqlens`` and real-token
+mask): attention stays inside each document, and MoE routers leave padding out of their
+losses and counts.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from moe_fold.pipeline_schedules import rank_stages
 from moe_fold.tensor_parallel import (
     ColumnParallelLinear, VocabParallelEmbedding, init_seed, vocab_parallel_cross_entropy,
 )
+from moe_fold.varlen import Documents, doc_ids_from_cu_seqlens, router_token_mask
 
 from .attention import Attention
 from .mlp import MLP
@@ -64,9 +70,14 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)  # [S_local, B, H]
-        h = self.mlp(self.mlp_norm(x).flatten(0, 1))  # [S_local*B, H]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: Optional[Documents] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, docs)  # [S_local, B, H]
+        h = self.mlp_norm(x).flatten(0, 1)  # [S_local*B, H]
+        if docs is not None and docs.token_mask is not None and isinstance(self.mlp, MoELayer):
+            h = self.mlp(h, loss_mask=docs.token_mask)
+        else:
+            h = self.mlp(h)
         return x + h.reshape(x.shape)
 
 
@@ -169,25 +180,41 @@ class Transformer(nn.Module):
         cp = self.groups.size("cp")
         return zigzag_positions(input_ids.shape[1] * cp, self.groups.rank_in("cp"), cp, device=input_ids.device)
 
+    def documents(self, cu_seqlens: torch.Tensor, token_mask: Optional[torch.Tensor],
+                  local_shape: tuple[int, int]) -> Optional[Documents]:
+        """A micro-batch's packed documents in this layout (None when each row is one
+        sequence of real tokens): ``cu_seqlens`` over the whole (unsharded) ``B*S``
+        positions, ``token_mask`` bool ``[B, S_local]`` (None: all real), ``local_shape``
+        ``(B, S_local)`` of this rank's inputs."""
+        B, s_local = local_shape
+        cp, tp = self.groups.size("cp"), self.groups.size("tp")
+        doc_ids = doc_ids_from_cu_seqlens(cu_seqlens, B, s_local * cp)
+        if token_mask is not None and bool(token_mask.all()):
+            token_mask = None
+        mask = router_token_mask(token_mask, self.groups.rank_in("tp"), tp, self.config.parallel.sequence_parallel)
+        if doc_ids is None and mask is None:
+            return None
+        return Documents(doc_ids, self.groups.cp, mask)
+
     def _chunk_hidden(self, chunk: int, x: Optional[torch.Tensor], input_ids: torch.Tensor,
-                      positions: torch.Tensor) -> torch.Tensor:
+                      positions: torch.Tensor, docs: Optional[Documents] = None) -> torch.Tensor:
         """The hidden states ``[S_local, B, H]`` after chunk ``chunk``'s layers; stage 0
         embeds ``input_ids`` ``[B, S_local]``, the others start from ``x``."""
         cos, sin = self._rotary(positions)
         if self.stages[chunk] == 0:
             x = self.embed(input_ids.t())  # [S_local, B, H]
         for i in self.stage_layer_ids[chunk]:
-            x = self.layers[i](x, cos, sin)
+            x = self.layers[i](x, cos, sin, docs)
         return x
 
-    def _whole_model_hidden(self, what: str, input_ids: torch.Tensor,
-                            positions: Optional[torch.Tensor]) -> torch.Tensor:
+    def _whole_model_hidden(self, what: str, input_ids: torch.Tensor, positions: Optional[torch.Tensor],
+                            docs: Optional[Documents]) -> torch.Tensor:
         if self.num_stages > 1:
             raise RuntimeError(f"Transformer.{what} runs a whole model, but this rank holds pipeline stages "
                                f"{self.stages} of {self.num_stages}; use moe_fold.step.forward_backward")
         if positions is None:
             positions = self._default_positions(input_ids)
-        return self._chunk_hidden(0, None, input_ids, positions)
+        return self._chunk_hidden(0, None, input_ids, positions, docs)
 
     def _loss(self, x: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
               num_loss_tokens: Optional[Union[float, torch.Tensor]]) -> torch.Tensor:
@@ -207,16 +234,18 @@ class Transformer(nn.Module):
                 num_loss_tokens = all_reduce_(count, self.groups.dp_cp).clamp(min=1)
         return losses.sum() * (dp_cp / num_loss_tokens)
 
-    def logits(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
+               docs: Optional[Documents] = None) -> torch.Tensor:
         """Full-vocab logits ``[B, S_local, V]`` (gathered over tp) of this rank's tokens:
         for evaluation and tests, not training."""
-        x = self._whole_model_hidden("logits", input_ids, positions)
+        x = self._whole_model_hidden("logits", input_ids, positions, docs)
         local = self.lm_head(self.norm(x))  # [S, B, V/tp]
         return gather_from_tp_region(local, self.groups.tp, dim=-1).transpose(0, 1)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None,
-                num_loss_tokens: Optional[Union[float, torch.Tensor]] = None) -> torch.Tensor:
+                num_loss_tokens: Optional[Union[float, torch.Tensor]] = None,
+                docs: Optional[Documents] = None) -> torch.Tensor:
         """This rank's loss for ``input_ids``/``labels`` ``[B, S_local]`` (labels already shifted;
         under cp this rank's zigzag shard of each sequence).
 
@@ -225,6 +254,7 @@ class Transformer(nn.Module):
         ``loss_mask``: ``[B, S_local]``, 0 where a token does not count (padding).
         ``num_loss_tokens``: the unmasked tokens of the whole global batch (every dp x cp
         rank, every micro-batch); None counts this micro-batch over dp x cp.
+        ``docs``: packed documents (:meth:`documents`); None: one sequence per row.
 
         The result is ``sum(token losses * mask) * (dp*cp) / num_loss_tokens``: averaging
         it, and its grads, over dp x cp (what ``moe_fold.grads.sync_grads`` does) gives the
@@ -232,19 +262,20 @@ class Transformer(nn.Module):
         unmasked tokens on each rank; summing grads over micro-batches before the sync
         keeps it exact when ``num_loss_tokens`` covers them all.
         """
-        x = self._whole_model_hidden("forward", input_ids, positions)
+        x = self._whole_model_hidden("forward", input_ids, positions, docs)
         return self._loss(x, labels, loss_mask, num_loss_tokens)
 
     def chunk_forward(self, chunk: int, x: Optional[torch.Tensor], input_ids: torch.Tensor, labels: torch.Tensor,
                       positions: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
-                      num_loss_tokens: Optional[Union[float, torch.Tensor]] = None) -> torch.Tensor:
+                      num_loss_tokens: Optional[Union[float, torch.Tensor]] = None,
+                      docs: Optional[Documents] = None) -> torch.Tensor:
         """Virtual stage ``stages[chunk]`` of one micro-batch (fields as in :meth:`forward`).
 
         The first stage embeds ``input_ids`` (``x`` is ignored); the others take the hidden
         states ``x [S_local, B, H]`` (``S_local/tp`` under SP) of the stage before. Returns
         the hidden states for the next stage, or on the last stage the loss of
         :meth:`forward`."""
-        x = self._chunk_hidden(chunk, x, input_ids, positions)
+        x = self._chunk_hidden(chunk, x, input_ids, positions, docs)
         if self.stages[chunk] == self.num_stages - 1:
             return self._loss(x, labels, loss_mask, num_loss_tokens)
         return x

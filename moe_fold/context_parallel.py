@@ -19,8 +19,10 @@ Kinds:
   ``Hq``), e.g. Hq=6, Hkv=3 on cp 2, or Hq=4, Hkv=2 on cp 4. The repeats cost all-to-all
   bytes, not math; their grads sum back through autograd.
 
-Packed documents (per-document causal masks, issue 12) will add an argument here; the
-ring's block schedule and the a2a natural-order view are where it plugs in.
+Packed documents (``doc_ids``, :mod:`moe_fold.varlen`): attention stays inside each
+document. Every rank holds the ids of the whole sequence in natural order: the ring
+derives each rank's shard of them locally and masks its blocks; a2a runs varlen attention
+on the natural-order sequence it gathers; a group of one rank runs varlen attention.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 
 from moe_fold.comm import Group, all_to_all, group_rank, group_size
 from moe_fold.ring_attention import ring_attention
+from moe_fold.varlen import varlen_attention
 
 __all__ = ["CP_KINDS", "zigzag_split", "zigzag_gather", "zigzag_positions",
            "a2a_kv_repeats", "context_parallel_attention"]
@@ -124,14 +127,17 @@ def _heads_to_seq(y: torch.Tensor, group: Group, cp: int) -> torch.Tensor:
     return all_to_all(y, None, None, group).transpose(0, 1)  # [H, B, S/cp, D] -> [B, H, S/cp, D]
 
 
-def _a2a_attention(q, k, v, group, causal, scale):
+def _a2a_attention(q, k, v, group, causal, scale, doc_ids):
     cp = group_size(group)
     repeats = a2a_kv_repeats(q.shape[1], k.shape[1], cp)
     if repeats > 1:
         k, v = k.repeat_interleave(repeats, 1), v.repeat_interleave(repeats, 1)
     q, k, v = (_seq_to_heads(t, group, cp) for t in (q, k, v))  # [B, H/cp, S, D]
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    if doc_ids is not None:
+        out = varlen_attention(q, k, v, doc_ids, scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
     return _heads_to_seq(out, group, cp)
 
 
@@ -153,7 +159,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, *,
                                kind: str = "ring", causal: bool = True,
-                               scale: Optional[float] = None) -> torch.Tensor:
+                               scale: Optional[float] = None,
+                               doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention over a sequence sharded across the cp ``group`` in the zigzag layout.
 
     q ``[B, Hq, S_local, D]``, k/v ``[B, Hkv, S_local, D]`` (Hq a multiple of Hkv; query
@@ -161,17 +168,30 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     output ``[B, Hq, S_local, D]``, equal to its shard of full attention over the gathered
     sequence. ``kind``: ``"ring"`` or ``"a2a"`` (see the module doc). ``scale`` defaults to
     ``1/sqrt(D)``. ``group`` None or of size 1: plain SDPA on the local (whole) sequence.
+    ``doc_ids`` int64 ``[B, S]`` (the whole sequence, natural order, the same on every cp
+    rank): packed documents, attention causal inside each document only (needs causal).
     """
     if kind not in CP_KINDS:
         raise ValueError(f"kind={kind!r} must be one of {', '.join(CP_KINDS)} (parallel.cp_kind)")
     _check_qkv(q, k, v)
     cp = group_size(group)
+    if doc_ids is not None:
+        if not causal:
+            raise ValueError("doc_ids (packed documents) needs causal=True")
+        if tuple(doc_ids.shape) != (q.shape[0], q.shape[2] * cp):
+            raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)}; expected [B, S_local*cp] = "
+                             f"{(q.shape[0], q.shape[2] * cp)}")
     if cp == 1:
+        if doc_ids is not None:
+            return varlen_attention(q, k, v, doc_ids, scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
     if q.shape[2] % 2:
         raise ValueError(f"local sequence length {q.shape[2]} on cp rank {group_rank(group)} must be "
                          "even: a zigzag shard is two equal chunks (sequence divisible by 2*cp)")
     if kind == "ring":
-        return ring_attention(q, k, v, group, causal=causal, scale=scale)
-    return _a2a_attention(q, k, v, group, causal, scale)
+        shards = None
+        if doc_ids is not None:
+            shards = torch.stack([zigzag_split(doc_ids, r, cp, dim=1) for r in range(cp)])  # [cp, B, S_local]
+        return ring_attention(q, k, v, group, causal=causal, scale=scale, doc_shards=shards)
+    return _a2a_attention(q, k, v, group, causal, scale, doc_ids)

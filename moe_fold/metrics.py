@@ -72,7 +72,7 @@ class RoutingCollector:
         # Which losses the routers compute: each kind is on when its coefficient is > 0.
         self.kinds = [k for k in _KINDS if getattr(moe, _COEFF[k]) > 0]
         self._recording = False
-        self._hooks = [m.register_forward_hook(self._hook(row)) for row, m in self.routers]
+        self._hooks = [m.register_forward_hook(self._hook(row), with_kwargs=True) for row, m in self.routers]
         self.layer_metrics: dict[str, float] = {}
         self.expert_load: list[list[int]] = []
         self.start_step()
@@ -94,10 +94,12 @@ class RoutingCollector:
             self._recording = False
 
     def _hook(self, row: int):
-        def hook(module, args, output):
+        def hook(module, args, kwargs, output):
             if not self._recording:
                 return
-            num_tokens = args[0].shape[0]
+            # Padding of packed samples (loss_mask False) is routed but not counted.
+            mask = kwargs.get("loss_mask")
+            num_tokens = args[0].shape[0] if mask is None else int(mask.sum())
             if output.stats is not None:
                 self._kept[row] += output.stats.tokens_per_expert.detach().double().cpu()
             else:

@@ -23,6 +23,12 @@ backward ``(cp-1) * kv + cp * kv_acc``.
 Block kernels: on CPU, aten's fused flash attention for CPU (returns the log-sum-exp and
 takes it back in its backward; handles GQA natively); on any other device a matmul-softmax
 block in float32 (correct everywhere, not fused; a fused CUDA block is future work).
+
+Packed documents: with ``doc_shards`` (every cp rank's document ids of its shard) each
+block is further restricted to query/key pairs of the same document. A block no pair of
+which may meet is skipped; one whose mask is all-visible or exactly causal keeps the
+fused kernel; any other runs the matmul-softmax block with the mask. A query row that
+sees nothing in a block has lse ``-inf`` there and adds nothing in the merge.
 """
 
 from __future__ import annotations
@@ -47,31 +53,40 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _math_forward(q, k, v, causal, scale):
+def _masked_scores(s, causal, mask):
+    """Scores ``[B, Hkv, g, Sq, Sk]`` with hidden pairs at -inf (``mask [B, Sq, Sk]``: visible)."""
+    sq, sk = s.shape[-2:]
+    if causal:
+        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(), -math.inf)
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None, None], -math.inf)
+    return s
+
+
+def _math_forward(q, k, v, causal, scale, mask=None):
     b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     # GQA without copying K/V: the g query heads of one kv head become one batch row.
     acc = _acc_dtype(q.dtype)
     qg = q.reshape(b, hkv, hq // hkv, sq, d).to(acc)  # [B, Hkv, g, Sq, D]
     s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale  # [B, Hkv, g, Sq, Sk]
-    if causal:
-        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(), -math.inf)
-    lse = s.logsumexp(-1)  # [B, Hkv, g, Sq]
-    p = (s - lse.unsqueeze(-1)).exp()
+    s = _masked_scores(s, causal, mask)
+    lse = s.logsumexp(-1)  # [B, Hkv, g, Sq]; -inf for a row that sees no key
+    # A row without keys gets p = exp(-inf - 0) = 0 and out 0, not NaN.
+    p = (s - lse.masked_fill(lse == -math.inf, 0).unsqueeze(-1)).exp()
     out = torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(acc))  # [B, Hkv, g, Sq, D]
     return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq)
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale):
+def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     g, acc = hq // hkv, _acc_dtype(q.dtype)
     qg = q.reshape(b, hkv, g, sq, d).to(acc)  # [B, Hkv, g, Sq, D]
     dog = dout.reshape(b, hkv, g, sq, d).to(acc)
     og = out.reshape(b, hkv, g, sq, d).to(acc)
     s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale  # [B, Hkv, g, Sq, Sk]
-    if causal:
-        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(), -math.inf)
+    s = _masked_scores(s, causal, mask)
     p = (s - lse.reshape(b, hkv, g, sq, 1)).exp()
     dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dog)  # [B, Hkv, Sk, D]
     dp = torch.einsum("bhgqd,bhkd->bhgqk", dog, v.to(acc))
@@ -83,15 +98,18 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
 
 
 def block_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                            scale: float, mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block with its log-sum-exp.
 
     q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, Sk, D]`` (Hq a multiple of Hkv, query head h uses
     kv head ``h // (Hq/Hkv)``). ``causal`` masks key j > query i (top-left aligned; the ring
     uses it only on square blocks). Returns out ``[B, Hq, Sq, D]`` (q's dtype) and lse
     ``[B, Hq, Sq]`` (float32, float64 for float64 inputs: the natural log of the softmax
-    denominator of the scaled scores).
+    denominator of the scaled scores). ``mask`` bool ``[B, Sq, Sk]`` (True: visible) hides
+    more pairs; a row that sees no key gets out 0 and lse ``-inf``.
     """
+    if mask is not None:
+        return _math_forward(q, k, v, causal, scale, mask)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
@@ -100,13 +118,15 @@ def block_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 def block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                             mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of one block given the row's FINAL ``out`` and ``lse`` (over all blocks).
 
     With the final statistics the block grads are exact shares of the full grads: summing
     dq over blocks and concatenating dk/dv gives the grads of attention over all keys.
     """
+    if mask is not None:
+        return _math_backward(dout, q, k, v, out, lse, causal, scale, mask)
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
@@ -127,11 +147,31 @@ def _step_blocks(i: int, src: int, rank: int, c: int, causal: bool) -> tuple[sli
 
 
 def _merge_(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
-    """Fold a block's (out, lse) into the running float32 (out, lse), in place."""
+    """Fold a block's (out, lse) into the running float32 (out, lse), in place. Rows that
+    have seen no key yet (lse -inf on both sides) stay at out 0, lse -inf."""
     new = torch.logaddexp(lse, blk_lse)
-    out.mul_((lse - new).exp().unsqueeze(-1))
-    out.add_(blk_out.to(out.dtype) * (blk_lse - new).exp().unsqueeze(-1))
+    ref = new.masked_fill(new == -math.inf, 0)
+    out.mul_((lse - ref).exp().unsqueeze(-1))
+    out.add_(blk_out.to(out.dtype) * (blk_lse - ref).exp().unsqueeze(-1))
     lse.copy_(new)
+
+
+def _block_mask(doc_shards: Optional[torch.Tensor], rank: int, src: int, rows: slice, kv_rows: slice,
+                causal: bool) -> tuple[bool, bool, Optional[torch.Tensor]]:
+    """(run this block?, causal kernel?, extra mask or None) for one ring block, given every
+    cp rank's document ids ``doc_shards [cp, B, S_local]`` (None: one document)."""
+    if doc_shards is None:
+        return True, causal, None
+    mask = doc_shards[rank][:, rows].unsqueeze(2) == doc_shards[src][:, kv_rows].unsqueeze(1)  # [B, Sq, Sk]
+    if causal:
+        mask = mask & torch.ones(mask.shape[1:], dtype=torch.bool, device=mask.device).tril()
+        if bool(mask.all(dim=0).equal(torch.ones_like(mask[0]).tril())):
+            return True, True, None
+    if not bool(mask.any()):
+        return False, False, None
+    if bool(mask.all()):
+        return True, False, None
+    return True, False, mask
 
 
 def _ring_peers(group: Group) -> tuple[int, int, int, int]:
@@ -147,19 +187,23 @@ def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale):
+    def forward(ctx, q, k, v, group, causal, scale, doc_shards):
         cp, rank, nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
         out = lse = None
         kb, vb = k, v
         for i in range(cp):
-            rows, kv_rows, masked = _step_blocks(i, (rank - i) % cp, rank, c, causal)
-            blk_out, blk_lse = block_attention_forward(
-                _rows(q, rows), _rows(kb, kv_rows), _rows(vb, kv_rows), masked, scale)
-            if i == 0:  # step 0 covers every local row
-                out, lse = blk_out.to(blk_lse.dtype), blk_lse.clone()
-            else:
-                _merge_(_rows(out, rows), _rows(lse, rows), blk_out, blk_lse)
+            src = (rank - i) % cp
+            rows, kv_rows, masked = _step_blocks(i, src, rank, c, causal)
+            run, masked, mask = _block_mask(doc_shards, rank, src, rows, kv_rows, masked)
+            # Step 0 always runs: every token sees itself.
+            if run:
+                blk_out, blk_lse = block_attention_forward(
+                    _rows(q, rows), _rows(kb, kv_rows), _rows(vb, kv_rows), masked, scale, mask)
+                if i == 0:  # step 0 covers every local row
+                    out, lse = blk_out.to(blk_lse.dtype), blk_lse.clone()
+                else:
+                    _merge_(_rows(out, rows), _rows(lse, rows), blk_out, blk_lse)
             if i < cp - 1:
                 kb, vb = batch_send_recv(
                     [("send", kb, nxt), ("send", vb, nxt),
@@ -167,7 +211,7 @@ class _RingAttention(torch.autograd.Function):
                     group, device=q.device)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.group, ctx.causal, ctx.scale, ctx.doc_shards = group, causal, scale, doc_shards
         return out
 
     @staticmethod
@@ -184,13 +228,16 @@ class _RingAttention(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         kb, vb = k, v
         for i in range(cp):
-            rows, kv_rows, masked = _step_blocks(i, (rank - i) % cp, rank, c, causal)
-            bq, bk, bv = block_attention_backward(
-                _rows(dout, rows), _rows(q, rows), _rows(kb, kv_rows), _rows(vb, kv_rows),
-                _rows(out, rows), _rows(lse, rows), masked, scale)
-            _rows(dq, rows).add_(bq)
-            _rows(dk, kv_rows).add_(bk)
-            _rows(dv, kv_rows).add_(bv)
+            src = (rank - i) % cp
+            rows, kv_rows, masked = _step_blocks(i, src, rank, c, causal)
+            run, masked, mask = _block_mask(ctx.doc_shards, rank, src, rows, kv_rows, masked)
+            if run:
+                bq, bk, bv = block_attention_backward(
+                    _rows(dout, rows), _rows(q, rows), _rows(kb, kv_rows), _rows(vb, kv_rows),
+                    _rows(out, rows), _rows(lse, rows), masked, scale, mask)
+                _rows(dq, rows).add_(bq)
+                _rows(dk, kv_rows).add_(bk)
+                _rows(dv, kv_rows).add_(bv)
             if i < cp - 1:
                 kb, vb, dk, dv = batch_send_recv(
                     [("send", kb, nxt), ("send", vb, nxt), ("send", dk, nxt), ("send", dv, nxt),
@@ -202,13 +249,16 @@ class _RingAttention(torch.autograd.Function):
             [("send", dk, nxt), ("send", dv, nxt),
              ("recv", (dk.shape, dk.dtype), prv), ("recv", (dv.shape, dv.dtype), prv)],
             group, device=q.device)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
-                   causal: bool = True, scale: Optional[float] = None) -> torch.Tensor:
+                   causal: bool = True, scale: Optional[float] = None,
+                   doc_shards: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Ring attention over ``group`` (size >= 2) for zigzag-sharded q ``[B, Hq, S_local, D]``
     and k/v ``[B, Hkv, S_local, D]``; returns this rank's output ``[B, Hq, S_local, D]``.
+    ``doc_shards`` ``[cp, B, S_local]``: the document ids of every cp rank's shard (packed
+    sequences); attention stays inside each document.
 
     Callers normally go through :func:`moe_fold.context_parallel.context_parallel_attention`,
     which validates the shapes and sends a group of one rank to plain attention.
@@ -220,4 +270,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
                          "(a zigzag shard is two equal chunks)")
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return _RingAttention.apply(q, k, v, group, causal, float(scale))
+    if doc_shards is not None and tuple(doc_shards.shape) != (group_size(group), q.shape[0], q.shape[2]):
+        raise ValueError(f"doc_shards has shape {tuple(doc_shards.shape)}; expected [cp, B, S_local] = "
+                         f"{(group_size(group), q.shape[0], q.shape[2])}")
+    return _RingAttention.apply(q, k, v, group, causal, float(scale), doc_shards)

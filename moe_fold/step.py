@@ -17,6 +17,9 @@ stage reads the positions and the last one the labels). Then:
   (:func:`moe_fold.pipeline.run_schedule`; ``interleaved`` with ``parallel.vpp`` chunks).
 - Tied embeddings under pp: the grads of the first and last stages' copies are summed,
   so both copies take the same step.
+- Packed samples: each micro-batch's ``cu_seqlens`` and real-token mask become the
+  model's :class:`moe_fold.varlen.Documents` (attention inside documents, padding out of
+  the router losses).
 """
 
 from __future__ import annotations
@@ -52,7 +55,12 @@ class _Chunk(nn.Module):
         hidden = None if isinstance(x, Batch) else x  # [S_local, B, H] from the stage before
         with self.forward_context():
             return self.model.chunk_forward(self.chunk, hidden, batch.tokens, batch.labels, batch.positions,
-                                            batch.loss_mask, self.num_loss_tokens)
+                                            batch.loss_mask, self.num_loss_tokens, docs=_documents(self.model, batch))
+
+
+def _documents(model: Transformer, batch: Batch):
+    """The micro-batch's packed documents (``cu_seqlens``, padding), None for plain rows."""
+    return model.documents(batch.cu_seqlens, batch.token_mask, tuple(batch.tokens.shape))
 
 
 def _num_loss_tokens(microbatches: Sequence[Batch], groups: ProcessGroups) -> torch.Tensor:
@@ -87,7 +95,7 @@ def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: 
         for b in microbatches:
             with torch.set_grad_enabled(not forward_only), forward_context():
                 loss = model(b.tokens, b.labels, positions=b.positions, loss_mask=b.loss_mask,
-                             num_loss_tokens=num_loss_tokens)
+                             num_loss_tokens=num_loss_tokens, docs=_documents(model, b))
             if not forward_only:
                 loss.backward()
             losses.append(loss.detach().double())

@@ -175,8 +175,12 @@ def test_batch_fields_and_cu_seqlens(stream_dataset):
     assert batch.cu_seqlens.dtype == torch.int32 and batch.loss_mask.dtype == torch.float32
     moved = batch.to("cpu")
     assert torch.equal(moved.tokens, batch.tokens) and torch.equal(moved.cu_seqlens, batch.cu_seqlens)
-    with pytest.raises(ValueError, match="cannot be split over cp=2 yet"):
-        batch.cp_slice(0, 2)
+    # Packed samples split over cp: every per-token field zigzag-sliced, cu_seqlens whole.
+    shard = batch.cp_slice(1, 2)
+    for name in ("tokens", "labels", "loss_mask", "positions", "token_mask"):
+        whole = getattr(batch, name)
+        assert torch.equal(getattr(shard, name), torch.cat([whole[:, 3:6], whole[:, 6:9]], dim=1)), name
+    assert torch.equal(shard.cu_seqlens, batch.cu_seqlens)
 
 
 def test_blend_proportions_exact(tmp_path):

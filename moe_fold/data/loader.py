@@ -14,7 +14,11 @@ Its ``cu_seqlens`` are the starts of the segments attention is confined to (then
 - packed (``packing=True``): whole documents are packed in order into samples, a
   document longer than a sample is cut into sample-sized pieces, the tail is padded.
   Each piece is a segment; the label after a piece's last token (the next document's
-  first token, or padding) has loss_mask 0.
+  first token, or padding) has loss_mask 0. The padding is a segment of its own and
+  ``token_mask`` marks it (False), so MoE routers leave it out of their losses and counts.
+
+Under cp each rank takes its zigzag slice of every per-token field; ``cu_seqlens`` keeps
+describing the whole sequence (the model derives every rank's document ids from it).
 
 Samples are indexed by a global sample number ``i >= 0``: epoch ``i // len(ds)`` uses
 its own permutation of the epoch's samples, drawn from ``(seed, epoch)``.
@@ -25,7 +29,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +45,7 @@ class Sample:
     loss_mask: np.ndarray  # float32 [S], weight of the label tokens[t+1]
     positions: np.ndarray  # int64 [S]
     cu_seqlens: np.ndarray  # int32 [segments+1], 0 ... S
+    token_mask: Optional[np.ndarray] = None  # bool [S], True for real input tokens (False: padding); None: all
 
 
 class GPTDataset:
@@ -118,7 +123,7 @@ class GPTDataset:
             tokens = np.asarray(self.indexed.tokens[first:first + S + 1], dtype=np.int64)
             if not self.reset_at_documents:
                 return Sample(tokens, np.ones(S, np.float32), np.arange(S, dtype=np.int64),
-                              np.asarray([0, S], np.int32))
+                              np.asarray([0, S], np.int32), np.ones(S, bool))
             offsets = self.indexed.offsets
             inside = offsets[np.searchsorted(offsets, first, side="right"):
                              np.searchsorted(offsets, first + S + 1, side="left")]
@@ -138,7 +143,7 @@ class GPTDataset:
         cu = np.concatenate([starts[starts < S], [S]]).astype(np.int32)
         seg = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
         positions = np.arange(S, dtype=np.int64) - cu[seg]
-        return Sample(tokens, loss_mask, positions, cu)
+        return Sample(tokens, loss_mask, positions, cu, np.arange(S) < used)
 
 
 class BlendedDataset:
@@ -196,21 +201,19 @@ class Batch:
     positions: torch.Tensor  # int64 [B, S]
     # int32 [segments+1]: segment starts over the B*S flattened positions (varlen attention).
     cu_seqlens: torch.Tensor
+    # bool [B, S]: real input tokens (False: padding); None: every token is real.
+    token_mask: Optional[torch.Tensor] = None
 
     def to(self, device: torch.device | str) -> "Batch":
-        return Batch(*(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)))
+        return Batch(*(None if getattr(self, f.name) is None else getattr(self, f.name).to(device, non_blocking=True)
+                       for f in fields(self)))
 
     def cp_slice(self, cp_rank: int, cp_size: int) -> "Batch":
         """This cp rank's zigzag share of every [B, S] field: [B, S] -> [B, S/cp].
-        ``cu_seqlens`` keeps describing the whole sequence; packed samples (more than one
-        segment) cannot be split over cp yet."""
-        B = self.tokens.shape[0]
-        if cp_size > 1 and len(self.cu_seqlens) != B + 1:
-            raise ValueError(f"samples of several segments ({len(self.cu_seqlens) - 1} in {B} samples: "
-                             f"packing or reset_at_documents) cannot be split over cp={cp_size} yet; "
-                             f"use data.packing=false with cp > 1")
+        ``cu_seqlens`` keeps describing the whole sequence."""
+        mask = None if self.token_mask is None else zigzag_split(self.token_mask, cp_rank, cp_size, dim=1)
         return Batch(*(zigzag_split(x, cp_rank, cp_size, dim=1)
-                       for x in (self.tokens, self.labels, self.loss_mask, self.positions)), self.cu_seqlens)
+                       for x in (self.tokens, self.labels, self.loss_mask, self.positions)), self.cu_seqlens, mask)
 
 
 def collate(samples: Sequence[Sample]) -> Batch:
@@ -220,7 +223,9 @@ def collate(samples: Sequence[Sample]) -> Batch:
     return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(),
                  torch.from_numpy(np.stack([s.loss_mask for s in samples])),
                  torch.from_numpy(np.stack([s.positions for s in samples])),
-                 torch.from_numpy(cu.astype(np.int32)))
+                 torch.from_numpy(cu.astype(np.int32)),
+                 torch.from_numpy(np.stack([np.ones(S, bool) if s.token_mask is None else s.token_mask
+                                            for s in samples])))
 
 
 def _check_sharding(global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,

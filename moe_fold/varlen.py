@@ -1,0 +1,126 @@
+"""Packed sequences: attention confined to each document (varlen attention) and the
+per-micro-batch description the model needs to do it.
+
+A packed sample holds several documents back to back; its ``cu_seqlens`` (the data
+loader's segment starts over the ``B*S`` flattened positions) say where each starts.
+Attention must never cross a document boundary. Two representations are used:
+
+- ``doc_ids`` ``[B, S]`` (int64): the document of every token of the whole sequence the
+  attention group sees, in natural (unsharded) order, numbered over the flattened batch,
+  so equal ids mean "same document" across the batch too. Under context parallelism every
+  rank of the group holds the same ``doc_ids``; a rank derives the ids of any rank's
+  zigzag shard from it without communication (ring attention, block by block).
+- segments: runs of equal ids; :func:`varlen_attention` runs causal attention on each
+  run separately (what a varlen flash kernel does on GPU; here one SDPA call per
+  document, so the work is ``sum(len^2)``, not ``S^2``).
+
+:class:`Documents` carries one micro-batch's ids, the group attention runs over (the
+layout's cp group, or a dynamic-cp sub-group, :mod:`moe_fold.dynamic_cp`) and the mask of
+real (non-padding) tokens the router uses for its losses and counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from moe_fold.comm import Group
+
+__all__ = ["Documents", "doc_ids_from_cu_seqlens", "segment_bounds", "document_mask", "varlen_attention",
+           "router_token_mask"]
+
+
+@dataclass
+class Documents:
+    """Where attention may look, for one micro-batch on this rank.
+
+    ``doc_ids``: int64 ``[B, S_seq]``, natural order, over the whole sequence the attention
+    group attends across (``S_seq = S_local * group size``); None: each row is one causal
+    sequence. ``cp_group``: the group attention runs over (None or size 1: local).
+    ``token_mask``: bool ``[T_local]`` in the MLP's token order (``[S_local(/tp), B]``
+    flattened), True for real tokens; None: every token is real.
+    """
+
+    doc_ids: Optional[torch.Tensor]
+    cp_group: Group
+    token_mask: Optional[torch.Tensor] = None
+
+
+def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> Optional[torch.Tensor]:
+    """``cu_seqlens`` (segment starts over ``batch*seq_len`` flattened positions, then
+    ``batch*seq_len``) -> ``doc_ids [batch, seq_len]``; None when every row is exactly one
+    segment (plain causal attention needs no ids)."""
+    cu = cu_seqlens.to(torch.int64)
+    total = batch * seq_len
+    if cu.dim() != 1 or len(cu) < 2 or int(cu[0]) != 0 or int(cu[-1]) != total:
+        raise ValueError(f"cu_seqlens {cu_seqlens.tolist()} must start at 0 and end at batch*seq_len={total}")
+    if bool((cu[1:] <= cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens {cu_seqlens.tolist()} must be strictly increasing")
+    rows = torch.arange(0, total + 1, seq_len, dtype=torch.int64, device=cu.device)
+    if len(cu) == batch + 1 and torch.equal(cu, rows):
+        return None
+    # A segment crossing a row boundary would let attention run across samples.
+    if not bool(torch.isin(rows, cu).all()):
+        raise ValueError(f"cu_seqlens {cu_seqlens.tolist()} must contain every row start (multiples of "
+                         f"seq_len={seq_len}): a document may not span two samples")
+    lengths = cu[1:] - cu[:-1]
+    ids = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)  # [B*S]
+    return ids.view(batch, seq_len)
+
+
+def segment_bounds(doc_ids: torch.Tensor) -> list[int]:
+    """Starts of the runs of equal ids in ``doc_ids [B, S]`` flattened, then ``B*S``; a new
+    row always starts a run."""
+    B, S = doc_ids.shape
+    flat = doc_ids.reshape(-1)
+    change = torch.ones(B * S, dtype=torch.bool, device=doc_ids.device)
+    change[1:] = flat[1:] != flat[:-1]
+    change[::S] = True
+    return torch.nonzero(change).flatten().tolist() + [B * S]
+
+
+def document_mask(doc_q: torch.Tensor, doc_k: torch.Tensor, pos_q: Optional[torch.Tensor] = None,
+                  pos_k: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Bool ``[B, Sq, Sk]``: query i may see key j (same document and, when positions are
+    given, ``pos_k[j] <= pos_q[i]``). ``doc_q [B, Sq]``, ``doc_k [B, Sk]``, positions
+    ``[Sq]``/``[Sk]`` (the tokens' indices in the natural-order sequence)."""
+    mask = doc_q.unsqueeze(2) == doc_k.unsqueeze(1)
+    if pos_q is not None:
+        mask = mask & (pos_k.unsqueeze(0) <= pos_q.unsqueeze(1))
+    return mask
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: Optional[torch.Tensor],
+                     scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention inside each document: q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]``
+    (GQA as in SDPA's ``enable_gqa``), ``doc_ids [B, S]`` natural order (None: one
+    causal sequence per row). Returns ``[B, Hq, S, D]``."""
+    gqa = q.shape[1] != k.shape[1]
+    if doc_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    B, _, S, _ = q.shape
+    if tuple(doc_ids.shape) != (B, S):
+        raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)}; expected [B, S] = {(B, S)} of q {tuple(q.shape)}")
+    bounds = segment_bounds(doc_ids)
+    # [B, H, S, D] -> [H, B*S, D]: a document is then a contiguous slice of one row.
+    qf, kf, vf = (t.transpose(0, 1).flatten(1, 2) for t in (q, k, v))
+    outs = [F.scaled_dot_product_attention(qf[:, a:b], kf[:, a:b], vf[:, a:b], is_causal=True, scale=scale,
+                                           enable_gqa=gqa)
+            for a, b in zip(bounds[:-1], bounds[1:])]
+    out = torch.cat(outs, dim=1)  # [Hq, B*S, D]
+    return out.view(q.shape[1], B, S, q.shape[3]).transpose(0, 1)
+
+
+def router_token_mask(token_mask: Optional[torch.Tensor], tp_rank: int, tp: int,
+                      sequence_parallel: bool) -> Optional[torch.Tensor]:
+    """Real-token mask ``[B, S_local]`` -> ``[T_local]`` in the order the MLP sees this rank's
+    tokens: ``[S_local, B]`` flattened, this tp rank's sequence slice under SP."""
+    if token_mask is None:
+        return None
+    m = token_mask.t()  # [S_local, B]
+    if sequence_parallel and tp > 1:
+        m = m.chunk(tp, dim=0)[tp_rank]  # [S_local/tp, B]
+    return m.reshape(-1).to(torch.bool)
