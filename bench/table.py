@@ -112,7 +112,11 @@ def rows(records: list[dict]) -> list[tuple[str, str, str, str, str]]:
         if "error" in r:
             out.append((r["bench"], r.get("suite_case", ""), "-", "error", r["error"]))
             continue
-        case, ms, ratios = ROWS.get(r["bench"], _other)(r)
+        try:
+            case, ms, ratios = ROWS.get(r["bench"], _other)(r)
+        except KeyError as err:  # the benchmark's output changed: show the record, say what is missing
+            case, ms, ratios = _other(r)
+            ratios.append(("", "", f"(no {r['bench']} layout for this record: it has no field {err})"))
         out.append((r["bench"], case, _num(ms) if ms is None else f"{ms:.2f}",
                     "\n".join(f"{name} {value}".strip() for name, value, _ in ratios),
                     "\n".join(meaning for _, _, meaning in ratios)))

@@ -140,10 +140,13 @@ def test_table_rows_name_each_ratio():
         {"bench": "train", "preset": "p", "micro_batch": 2, "seq_length": 32, "tokens_per_step": 64,
          "tokens_per_s": 6400.0, "ratio_vs_hf": 1.25, "flops_fraction_of_matmul": 0.1},
         {"bench": "newbench", "suite_case": "c", "ms": 1.0, "ratio_to_x": 2.0, "other": 3},
+        {"bench": "permute", "suite_case": "t9", "ms": 2.0, "ratio_to_copy": 3.0},
     ]
     rows = table.rows(records)
-    assert [r[0] for r in rows] == ["dispatch", "dispatch", "gemm", "moe_layer", "train", "newbench"]
-    zipf, ep1, gemm, skipped, train, other = rows
+    assert [r[0] for r in rows] == ["dispatch", "dispatch", "gemm", "moe_layer", "train", "newbench", "permute"]
+    zipf, ep1, gemm, skipped, train, other, changed = rows
+    assert changed[1:4] == ("t9", "2.00", "ratio_to_copy 3\n")  # line i of ratio and meaning go together
+    assert changed[4].splitlines() == ["", "(no permute layout for this record: it has no field 'backend')"]
     assert zipf[1] == "alltoall dropless zipf s=1.2 ep4 T100 H8 E8 k2" and zipf[2] == "3.00"
     assert zipf[3].splitlines() == ["bytes_sent/bytes_min 1.5 (3.0 KiB / 2.0 KiB)", "permute_ratio_to_copy 4"]
     assert ep1[3].splitlines()[0] == "bytes_sent/bytes_min - (0.0 KiB / 0.0 KiB)"
