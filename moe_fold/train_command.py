@@ -54,7 +54,7 @@ def _rank_main(rank: int, world_size: int, config, resume: bool, progress: bool)
 
     from moe_fold.train import train
 
-    console = Console(stderr=False) if rank == 0 else None
+    console = Console(soft_wrap=True) if rank == 0 else None
     return train(config, resume=resume, console=console, progress=progress)
 
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_fold.config import ConfigError, load_config
     from moe_fold.train import check_trainable
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     torchrun = _torchrun_world()
     if args.nproc is not None and torchrun is not None:
         err.print(f"error: --nproc={args.nproc} cannot be used under torchrun (WORLD_SIZE={torchrun}); "
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if world == 1:
         from moe_fold.train import train
 
-        train(config, resume=args.resume, console=Console(), progress=progress)
+        train(config, resume=args.resume, console=Console(soft_wrap=True), progress=progress)
         return 0
     from moe_fold.launch import RankError, run_ranks
 
@@ -119,7 +119,7 @@ def _run_torchrun(config, resume: bool, progress: bool) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.parallel.timeout_s))
     try:
-        console = Console() if dist.get_rank() == 0 else None
+        console = Console(soft_wrap=True) if dist.get_rank() == 0 else None
         train(config, resume=resume, console=console, progress=progress and sys.stdout.isatty())
     finally:
         dist.destroy_process_group()

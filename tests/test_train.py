@@ -266,6 +266,24 @@ def test_cli_refuses_bad_configs_before_spawning(capsys, monkeypatch, argv, mess
     assert message in " ".join(err.split()), err
 
 
+def test_cli_trains_and_resumes(tmp_path, cache_dir, capsys):
+    """`moe-fold train` in one process: config and layouts printed, a summary, then
+    `--resume` continues the run folder from its checkpoint."""
+    argv = ["train", "--config", "mixtral-tiny", "--no-progress", "--set", "parallel.ep=1", "--set", "model.seq_length=32",
+            "--set", f"train.run_dir={tmp_path}", "--set", f"data.cache_dir={cache_dir}", "--set", "wandb.mode=disabled",
+            "--set", "optimizer.warmup_steps=1"]
+    assert cli.main(argv + ["--set", "train.steps=2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for text in ("num_experts: 8", "attention layout tp=1 x cp=1 x dp=1 x pp=1 = 1 ranks",
+                 "expert layout etp=1 x ep=1 x edp=1 x pp=1 = 1 ranks", "step 2/2 loss", "final loss",
+                 f"checkpoint {tmp_path}/checkpoints/step_000002", "wandb disabled"):
+        assert text in out, text
+    assert cli.main(argv + ["--set", "train.steps=3", "--resume"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"resumed from {tmp_path}/checkpoints/step_000002" in out and "step 3/3 loss" in out
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
 def test_cli_help_has_examples(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", "--help"])
