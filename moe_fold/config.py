@@ -632,9 +632,10 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
         _divisible(out, "model.seq_length", m.seq_length, "2*parallel.cp", 2 * p.cp,
                    " (context parallel splits the sequence into 2*cp chunks)")
         if p.cp_kind == "a2a":
+            # Kv heads need only divide by tp: a2a repeats each tp rank's kv heads up to a
+            # multiple of cp (context_parallel.a2a_kv_repeats), which divides the query heads.
             why = " (parallel.cp_kind=a2a splits each tp rank's heads over cp)"
             _divisible(out, "model.num_heads", m.num_heads, "parallel.tp*cp", p.tp * p.cp, why)
-            _divisible(out, "model.num_kv_heads", m.num_kv_heads, "parallel.tp*cp", p.tp * p.cp, why)
 
 
 def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:

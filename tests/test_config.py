@@ -283,11 +283,10 @@ RULES = [
       "(parallel.sequence_parallel=true splits each cp shard of the sequence over tp)"]),
     (["parallel.cp=2", "model.seq_length=130"], 2,
      ["model.seq_length=130 is not divisible by 2*parallel.cp=4 (context parallel splits the sequence into 2*cp chunks)"]),
-    (["parallel.cp=2", "parallel.cp_kind=a2a", "model.num_kv_heads=1"], 2,
-     ["model.num_kv_heads=1 is not divisible by parallel.tp*cp=2 (parallel.cp_kind=a2a splits each tp rank's heads over cp)"]),
     (["parallel.cp=2", "parallel.cp_kind=a2a", "model.num_heads=3", "model.num_kv_heads=1", "model.head_dim=32"], 2,
-     ["model.num_heads=3 is not divisible by parallel.tp*cp=2 (parallel.cp_kind=a2a splits each tp rank's heads over cp)",
-      "model.num_kv_heads=1 is not divisible by parallel.tp*cp=2 (parallel.cp_kind=a2a splits each tp rank's heads over cp)"]),
+     ["model.num_heads=3 is not divisible by parallel.tp*cp=2 (parallel.cp_kind=a2a splits each tp rank's heads over cp)"]),
+    (SP2 + ["parallel.cp=2", "parallel.cp_kind=a2a", "model.num_heads=6", "model.head_dim=32"], 4,
+     ["model.num_heads=6 is not divisible by parallel.tp*cp=4 (parallel.cp_kind=a2a splits each tp rank's heads over cp)"]),
     # MoE with tp, widths
     (["parallel.tp=2"], 2, ["parallel.tp=2 with MoE layers requires parallel.sequence_parallel=true"]),
     (SP2 + ["model.ffn_hidden_size=255", "moe.first_k_dense=1"], 2,
@@ -437,6 +436,10 @@ def test_rule(overrides, world_size, expected):
     (["moe.capacity_factor=1.0", "moe.pad_to_capacity=true", "moe.drop_policy=position",
       "moe.dispatcher=allgather"], 1),
     (["parallel.cp=2", "parallel.cp_kind=a2a", "model.num_kv_heads=2"], 2),
+    # a2a repeats kv heads up to a multiple of cp: kv heads need only divide by tp
+    (["parallel.cp=2", "parallel.cp_kind=a2a", "model.num_kv_heads=1"], 2),
+    (SP2 + ["parallel.cp=2", "parallel.cp_kind=a2a", "model.num_kv_heads=2"], 8),
+    (["parallel.cp=4", "parallel.cp_kind=a2a", "model.num_heads=8", "model.num_kv_heads=2", "model.head_dim=32"], 4),
     (["data.path=[a,b]", "data.weights=[1,3]", "data.tokenizer=tok/tokenizer.json"], 1),
     (["parallel.order=pp-dp-ep-cp-tp", "optimizer.min_lr=0", "optimizer.warmup_steps=100"], 1),
 ])
