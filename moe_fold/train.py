@@ -59,9 +59,6 @@ def check_trainable(config: Config, world_size: int) -> None:
     """``validate`` plus what the loop itself cannot do yet; raises ConfigError."""
     validate(config, world_size)
     problems = []
-    if config.data.packing:
-        problems.append("data.packing=true needs attention confined to each document, which the model does not "
-                        "have yet; use data.packing=false")
     if config.moe.seq_aux_loss_coeff > 0:
         problems.append(f"moe.seq_aux_loss_coeff={config.moe.seq_aux_loss_coeff}: the model does not pass sequence "
                         f"ids to the router yet; use moe.aux_loss_coeff (batch-level) instead")

@@ -43,17 +43,18 @@ def _train_rank(rank, world_size, config, **kwargs):
 
 # --------------------------------------------------------------------------- layouts
 
-@pytest.mark.parametrize("layout", [
-    ["parallel.ep=2"],
-    ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.etp=1"],
-    pytest.param(["parallel.pp=2", "parallel.ep=2"], marks=pytest.mark.slow),
-    pytest.param(["parallel.cp=2", "parallel.ep=2"], marks=pytest.mark.slow),
-], ids=["ep2xdp2", "tp2xep2", "pp2xep2", "cp2xep2"])
-def test_four_ranks_match_one_process(tmp_path, cache_dir, layout):
+@pytest.mark.parametrize("layout, data", [
+    (["parallel.ep=2"], []),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.etp=1"], []),
+    pytest.param(["parallel.pp=2", "parallel.ep=2"], [], marks=pytest.mark.slow),
+    pytest.param(["parallel.cp=2", "parallel.ep=2"], [], marks=pytest.mark.slow),
+    pytest.param(["parallel.ep=2"], ["data.packing=true"], marks=pytest.mark.slow),
+], ids=["ep2xdp2", "tp2xep2", "pp2xep2", "cp2xep2", "ep2xdp2-packed"])
+def test_four_ranks_match_one_process(tmp_path, cache_dir, layout, data):
     """Three steps on 4 ranks (grad accumulation over the micro-batches of each dp rank,
-    or the 1f1b pipeline schedule) give the losses, grad norms, expert loads and aux/z
+    or the 1f1b pipeline schedule; fixed-length or packed samples) give the losses, grad norms, expert loads and aux/z
     values of one process running the same global batches in 4 micro-batches."""
-    steps = ["train.steps=3"]
+    steps = ["train.steps=3", *data]
     one = train(small_config(tmp_path / "one", cache_dir, *steps))
     four = run_ranks(_train_rank, 4, small_config(tmp_path / "four", cache_dir, *steps, *layout), timeout=300)
     ref, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "four")
