@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -152,16 +153,23 @@ def run_case(case: Case, bench_dir: Path, env: dict, timeout: float) -> list[dic
     script = bench_dir / f"{case.bench}.py"
     if not script.is_file():
         raise BenchError(f"{script} does not exist")
-    try:
-        proc = subprocess.run([sys.executable, str(script), *case.flags], cwd=bench_dir.parent, env=env,
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"still running after --timeout {timeout:g} s; stopped") from None
+    # Its own session, so that stopping it also stops the rank processes it spawned.
+    with subprocess.Popen([sys.executable, str(script), *case.flags], cwd=bench_dir.parent, env=env,
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except BaseException as err:  # the timeout, or Ctrl-C (which the new session does not get)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            if isinstance(err, subprocess.TimeoutExpired):
+                raise BenchError(f"still running after --timeout {timeout:g} s; stopped") from None
+            raise
     if proc.returncode:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        tail = " | ".join(stderr.strip().splitlines()[-3:])
         raise BenchError(f"exit code {proc.returncode}: {tail}")
     records = []
-    for line in proc.stdout.splitlines():
+    for line in stdout.splitlines():
         if not line.strip():
             continue
         try:
@@ -211,16 +219,17 @@ def run(args: argparse.Namespace, root: Path) -> int:
     from bench import plots, table
 
     # Not a terminal (a log, a pipe): wide enough for the table not to fold every cell.
-    console = Console(width=None if sys.stdout.isatty() else 180)
+    # Messages carry paths and benchmarks' errors: plain text, no markup or colouring.
+    console = Console(width=None if sys.stdout.isatty() else 180, markup=False, highlight=False)
     try:
         selected = select(cases(args.size), args.only)
     except ValueError as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"error: {err}")
         return 2
     if args.list:
         for case in selected:
-            console.print(f"{case.bench:16} {case.name:16} python bench/{case.bench}.py {' '.join(case.flags)}",
-                          highlight=False, soft_wrap=True)
+            command = f"python bench/{case.bench}.py {' '.join(case.flags)}"
+            console.print(f"{case.bench:16} {case.name:16} {command}", soft_wrap=True)
         return 0
 
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -236,14 +245,13 @@ def run(args: argparse.Namespace, root: Path) -> int:
     load = " ".join(f"{x:g}" for x in start["load_avg"])
     console.print(f"moe-fold bench, size {args.size}: {len(selected)} cases, {now:%Y-%m-%d %H:%M:%S} UTC, "
                   f"commit {(start['commit'] or 'unknown')[:10]}{' + local changes' if start['local_changes'] else ''}, "
-                  f"{start['cpus']} CPUs, load average {load} (1/5/15 min), torch {start['torch']}",
-                  highlight=False)
+                  f"{start['cpus']} CPUs, load average {load} (1/5/15 min), torch {start['torch']}")
 
     records, outcomes, t_suite = [], [], time.perf_counter()
     with out.open("w") as f:
         f.write(json.dumps(start) + "\n")
         for i, case in enumerate(selected, 1):
-            console.print(f"[{i}/{len(selected)}] {case.bench} {case.name} ...", highlight=False, end=" ")
+            console.print(f"[{i}/{len(selected)}] {case.bench} {case.name} ...", end=" ")
             t0 = time.perf_counter()
             try:
                 got = run_case(case, root / "bench", env, args.timeout)
@@ -251,8 +259,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
             except BenchError as err:
                 got, error = [{"bench": case.bench, "error": str(err)}], str(err)
             seconds = round(time.perf_counter() - t0, 1)
-            console.print(f"{seconds} s" + (f", [red]error[/red]: {error}" if error else f", {len(got)} records"),
-                          highlight=False)
+            console.print(f"{seconds} s" + (f", error: {error}" if error else f", {len(got)} records"))
             for record in got:
                 record.update(suite_case=case.name, suite_flags=list(case.flags))
                 f.write(json.dumps(record) + "\n")
@@ -267,16 +274,15 @@ def run(args: argparse.Namespace, root: Path) -> int:
     console.print(table.render(records))
     failed = [o for o in outcomes if o["error"]]
     console.print(f"{len(records)} records in {out} ({total} s; load average now "
-                  f"{' '.join(f'{x:g}' for x in _load())}){f', {len(failed)} cases failed' if failed else ''}",
-                  highlight=False)
+                  f"{' '.join(f'{x:g}' for x in _load())}){f', {len(failed)} cases failed' if failed else ''}")
     if not args.no_plots:
         try:
             written, missing = plots.write_plots(records, out.with_suffix(""))
         except ImportError as err:
-            console.print(f"no plots: {err}", highlight=False)
+            console.print(f"no plots: {err}")
         else:
             for path in written:
-                console.print(f"plot: {path}", highlight=False)
+                console.print(f"plot: {path}")
             for name, why in missing.items():
-                console.print(f"no {name} plot: {why}", highlight=False)
+                console.print(f"no {name} plot: {why}")
     return 1 if failed else 0

@@ -126,10 +126,11 @@ def rows(records: list[dict]) -> list[tuple[str, str, str, str, str]]:
 def render(records: list[dict]):
     """A rich Table of :func:`rows`."""
     from rich.table import Table
+    from rich.text import Text
 
     t = Table(title="moe-fold bench: each ratio is against a baseline measured in the same run")
     for name in COLUMNS:
         t.add_column(name, justify="right" if name == "ms" else "left", overflow="fold")
     for row in rows(records):
-        t.add_row(*row)
+        t.add_row(*map(Text, row))  # plain text: a reason in brackets is not markup
     return t

@@ -9,10 +9,12 @@ checkout from the command line.
 import json
 import subprocess
 import sys
+import time
 from argparse import Namespace
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # bench/ is a folder of the checkout, not an installed package
@@ -85,6 +87,22 @@ def test_run_case_failures_say_why(tmp_path, body, message):
         suite.run_case(case, tmp_path, {}, timeout=0.5 if "sleep" in body else 60)
 
 
+def test_timeout_stops_the_processes_the_benchmark_spawned(tmp_path):
+    pid_file = tmp_path / "pid"
+    case = _fake_case(tmp_path, "import subprocess, sys, time\n"
+                                "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                                f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+                                "time.sleep(60)\n")
+    with pytest.raises(suite.BenchError, match="still running after --timeout 5 s"):
+        suite.run_case(case, tmp_path, {}, timeout=5)
+    stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    for _ in range(100):  # killed at once; its new parent may take a moment to reap it
+        if not stat.exists() or stat.read_text().split(") ")[1].startswith("Z"):
+            break
+        time.sleep(0.05)
+    assert not stat.exists() or stat.read_text().split(") ")[1].startswith("Z")
+
+
 def test_missing_script_is_an_error(tmp_path):
     with pytest.raises(suite.BenchError, match="nothere.py does not exist"):
         suite.run_case(suite.Case("nothere", "x", ()), tmp_path, {}, timeout=5)
@@ -155,6 +173,9 @@ def test_table_rows_name_each_ratio():
     assert train[2] == "10.00" and train[3].splitlines() == ["ratio_vs_hf 1.25", "flops_fraction_of_matmul 0.1"]
     assert other[1:4] == ("c", "1.00", "ratio_to_x 2")
     assert all(len(r) == len(table.COLUMNS) for r in rows)
+    console = Console(width=200, record=True)
+    console.print(table.render(records + [{"bench": "gemm", "suite_case": "t1", "error": "exit code 1: [/red] [b]"}]))
+    assert "exit code 1: [/red] [b]" in console.export_text()  # a benchmark's text is not markup
 
 
 def test_plot_series_pick_their_points():
