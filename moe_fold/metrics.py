@@ -182,13 +182,15 @@ class RoutingCollector:
 
 # --------------------------------------------------------------------------- heatmap PNG
 
-def heatmap_png(matrix: list[list[float]], cell: int = 12) -> bytes:
+def heatmap_png(matrix: list[list[float]], cell: Optional[int] = None) -> bytes:
     """An RGB PNG (standard library only) of ``matrix`` [rows x cols], each value a
-    ``cell`` x ``cell`` square coloured from dark blue (the matrix's lowest value) to
-    yellow (its highest)."""
+    ``cell`` x ``cell`` square (default: 4 to 32 pixels, about 768 pixels across)
+    coloured from dark blue (the matrix's lowest value) to yellow (its highest)."""
     rows, cols = len(matrix), len(matrix[0]) if matrix else 0
     if rows == 0 or cols == 0:
         raise ValueError("heatmap_png needs a non-empty matrix")
+    if cell is None:
+        cell = max(4, min(32, 768 // cols))
     lo = min(min(r) for r in matrix)
     hi = max(max(r) for r in matrix)
     span = hi - lo if hi > lo else 1.0
@@ -241,7 +243,8 @@ class MetricsLogger:
         self._file = path.open("a")
         if config.wandb.mode != "disabled":
             self._start_wandb(resume=start_step > 0)
-        if console is not None and progress:
+        # A progress bar only where it can redraw; a log file gets one line per log_every steps.
+        if console is not None and progress and console.is_terminal:
             self._start_progress(start_step)
 
     def _start_wandb(self, resume: bool) -> None:
