@@ -188,6 +188,15 @@ class ParallelLayout:
         _check_name(name)
         return list(self._groups[name][self._group_index[name][rank]])
 
+    def cp_subgroups(self, size: int) -> list[list[int]]:
+        """Every sub-group of ``size`` consecutive cp ranks of every cp group (dynamic cp,
+        :mod:`moe_fold.dynamic_cp`): cp group ``g`` gives ``g[0:size], g[size:2*size], ...``.
+        ``size`` must divide cp."""
+        _positive_int("size", size)
+        if self.cp % size:
+            raise ValueError(f"cp sub-group size={size} must divide cp={self.cp}")
+        return [g[i:i + size] for g in self._groups["cp"] for i in range(0, self.cp, size)]
+
     def coords(self, rank: int) -> dict[str, int]:
         """``rank``'s coordinates: tp cp dp pp in the attention layout, etp ep edp in the expert layout."""
         self._check_rank(rank)

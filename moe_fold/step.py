@@ -25,7 +25,7 @@ stage reads the positions and the last one the labels). Then:
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Sequence
+from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from moe_fold.comm import all_reduce_
 from moe_fold.config import Config
 from moe_fold.data.loader import Batch
 from moe_fold.dispatch.router import Router
+from moe_fold.dynamic_cp import DynamicCP
 from moe_fold.layout import ProcessGroups
 from moe_fold.models.model import Transformer
 from moe_fold.pipeline import all_reduce_embedding_grads, run_schedule
@@ -72,7 +73,7 @@ def _num_loss_tokens(microbatches: Sequence[Batch], groups: ProcessGroups) -> to
 
 def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: ProcessGroups, config: Config, *,
                      forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
-                     forward_only: bool = False) -> torch.Tensor:
+                     forward_only: bool = False, dynamic_cp: Optional[DynamicCP] = None) -> torch.Tensor:
     """Forward and backward of this rank's ``microbatches`` of one global batch (see the
     module doc); parameter grads accumulate (zero them before).
 
@@ -89,13 +90,20 @@ def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: 
     for module in model.modules():
         if isinstance(module, Router):
             module.grad_scale = 1.0 / m
+    if dynamic_cp is not None:
+        if model.num_stages > 1:
+            raise ValueError(f"dynamic cp runs without pipeline stages; this model has {model.num_stages}")
+        placed = [dynamic_cp.shard(b) for b in microbatches]
+        microbatches, docs = [p[0] for p in placed], [p[1] for p in placed]
+    elif model.num_stages == 1:
+        docs = [_documents(model, b) for b in microbatches]
     num_loss_tokens = _num_loss_tokens(microbatches, groups)
     if model.num_stages == 1:
         losses = []
-        for b in microbatches:
+        for b, d in zip(microbatches, docs):
             with torch.set_grad_enabled(not forward_only), forward_context():
                 loss = model(b.tokens, b.labels, positions=b.positions, loss_mask=b.loss_mask,
-                             num_loss_tokens=num_loss_tokens, docs=_documents(model, b))
+                             num_loss_tokens=num_loss_tokens, docs=d)
             if not forward_only:
                 loss.backward()
             losses.append(loss.detach().double())
