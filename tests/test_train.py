@@ -217,6 +217,33 @@ def test_recompute_modes_give_the_same_steps(tmp_path, cache_dir):
         assert runs[mode][1] == pytest.approx(runs["none"][1], rel=1e-5), mode
 
 
+def test_recompute_modes_keep_fewer_activations(cache_dir):
+    """Bytes of the tensors autograd keeps for backward over one forward (a recomputed
+    region keeps only its inputs): full < moe < none and expert_act < none."""
+    from moe_fold.data.loader import DataLoader, dataset_from_config
+    from moe_fold.layout import ProcessGroups
+    from moe_fold.models.model import build_model
+    from moe_fold.train import apply_recompute
+
+    cfg = small_config("unused", cache_dir, "moe.shared_expert_ffn_hidden_size=32")
+    batch = next(iter(DataLoader(dataset_from_config(cfg), 2, 2)))
+    kept = {}
+    for mode in ("none", "full", "moe", "expert_act"):
+        model = build_model(cfg, ProcessGroups.single_process())
+        apply_recompute(model, mode)
+        seen = {}
+
+        def pack(t):
+            seen[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(batch.tokens, batch.labels, positions=batch.positions)
+        loss.backward()
+        kept[mode] = sum(seen.values())
+    assert kept["full"] < kept["moe"] < kept["none"], kept
+    assert kept["expert_act"] < kept["none"], kept
+
+
 @pytest.mark.parametrize("precision", ["bf16-autocast", "bf16"])
 def test_bf16_precisions_track_fp32(tmp_path, cache_dir, precision, monkeypatch):
     """bf16 runs follow the fp32 run closely and learn; the router's logits stay float32."""
