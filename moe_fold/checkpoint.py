@@ -18,6 +18,10 @@ reads, for each piece of each local tensor, only the stored pieces that overlap 
 (safetensors ``get_slice``). Parameters are named by ``model.named_parameters()``, so the
 names must be global (pipeline stages must name layers by their global index).
 
+Tied embeddings under pp: the last stage's copy of the embedding (``param.tied_copy``,
+equal to the first stage's) and its moments are not written, only loaded from the one
+stored ``model/embed.weight``.
+
 Atomicity: every rank writes into ``step_000100.tmp-<nonce>``; after all ranks have
 written, rank 0 writes ``index.json`` and renames the directory to ``step_000100``. A
 crash before the rename leaves the previous checkpoints untouched; a directory without
@@ -121,6 +125,12 @@ def _sub(a, b) -> tuple[int, ...]:
     return tuple(x - y for x, y in zip(a, b))
 
 
+def _tied_copy(param: nn.Parameter) -> bool:
+    """The last pipeline stage's copy of a tied embedding (models.model.Transformer): the
+    first stage writes the weight and its moments; the copy only loads them."""
+    return getattr(param, "tied_copy", False)
+
+
 def _entries(model: nn.Module, optimizer: Optional[AdamW], groups: ProcessGroups) -> list[_Entry]:
     if optimizer is not None and not isinstance(optimizer, AdamW):
         raise TypeError(f"optimizer must be moe_fold.optim.AdamW (its moments are saved per element), "
@@ -129,7 +139,8 @@ def _entries(model: nn.Module, optimizer: Optional[AdamW], groups: ProcessGroups
     params = dict(model.named_parameters())
     for name, p in params.items():
         info = shard_info(p, groups, name)
-        entries.append(_Entry(f"model/{name}", p.detach(), tuple(p.shape), info, 0, p.numel(), info.writer))
+        entries.append(_Entry(f"model/{name}", p.detach(), tuple(p.shape), info, 0, p.numel(),
+                              info.writer and not _tied_copy(p)))
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     for name, b in model.state_dict(keep_vars=True).items():
         if name not in aliases:  # a persistent buffer
@@ -148,6 +159,7 @@ def _entries(model: nn.Module, optimizer: Optional[AdamW], groups: ProcessGroups
             writer = p.parallel not in ("replicated", "tp_sum") or groups.rank_in("tp") == 0
         else:
             writer = info.writer
+        writer = writer and not _tied_copy(p)
         for moment in _MOMENTS:
             entries.append(_Entry(f"optim/{moment}/{name}", optimizer.state[p][moment], tuple(p.shape), info,
                                   start, stop, writer))

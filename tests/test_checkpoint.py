@@ -320,3 +320,22 @@ def test_checkpoint_saved_under_one_layout_loads_under_another(tmp_path):
     for r in results[1:]:
         for a, b in zip(r, results[0]):
             assert a["loaded_loss"] == b["loaded_loss"]
+
+
+# --------------------------------------------------------------------------- pipeline parallel
+
+def _tied_pp_save_rank(rank, world_size, root):
+    config = _config()
+    config.model.tie_embeddings, config.parallel.pp = True, 2
+    groups = create_process_groups(ParallelLayout(world_size, pp=2))
+    model, opt, sched = _setup(config, groups)
+    save_checkpoint(root, 1, model, opt, sched, {}, groups, keep_last=1)
+
+
+def test_pipeline_checkpoint_writes_a_tied_embedding_once(tmp_path):
+    run_ranks(_tied_pp_save_rank, 2, str(tmp_path), timeout=120)
+    index = json.loads((tmp_path / "checkpoints" / "step_000001" / "index.json").read_text())
+    for name in ("model/embed.weight", "optim/exp_avg/embed.weight", "optim/exp_avg_sq/embed.weight"):
+        files = {piece["file"] for piece in index["tensors"][name]["pieces"]}
+        assert files == {"rank_00000.safetensors"}, name  # the first stage only
+    assert "model/lm_head.weight" not in index["tensors"]
