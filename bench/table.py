@@ -23,24 +23,25 @@ def _dispatch(r: dict):
     over = f"{sent / least:.3g}" if least else "-"
     return case, r["ms"], [
         ("bytes_sent/bytes_min", f"{over} ({_bytes(sent)} / {_bytes(least)})",
-         "bytes a rank sends in dispatch + combine over the least possible (1 = optimal)"),
+         "bytes per rank / least possible (1 = optimal)"),
         ("permute_ratio_to_copy", _num(r["permute_ratio_to_copy"]),
-         "local permute + unpermute time / copying the same rows (1 = limit)"),
+         "local permute+unpermute / row copy (1 = limit)"),
     ]
 
 
 def _gemm(r: dict):
     backend = r["backend"] if r["resolved"] == r["backend"] else f"{r['backend']}->{r['resolved']}"
+    dtype = "" if r["dtype"] == "float32" else f" {r['dtype']}"
     case = (f"{backend} {r['routing']} {r['tokens_per_expert_mean']:g} tok/expert "
-            f"H{r['hidden']} F{r['ffn']} E{r['experts']} {r['dtype']}")
+            f"H{r['hidden']} F{r['ffn']} E{r['experts']}{dtype}")
     return case, r["ms"], [("ratio_to_dense", _num(r["ratio_to_dense"]),
-                            "dense matmuls of the same FLOPs time / grouped (1 = limit)")]
+                            "dense GEMM time / grouped time (1 = limit)")]
 
 
 def _permute(r: dict):
     case = f"{r['backend']} {r['pass']} T{r['tokens']} H{r['hidden']} E{r['experts']} k{r['topk']}"
     return case, r["ms"], [("ratio_to_copy", _num(r["ratio_to_copy"]),
-                            "permute + unpermute time / copying the same rows (1 = limit)")]
+                            "permute+unpermute / row copy (1 = limit)")]
 
 
 def _moe_layer(r: dict):
@@ -54,9 +55,9 @@ def _moe_layer(r: dict):
                                                 f"{hf} time / ours (>1: ours faster); {r['note']}")]
     return case, ms["ours"], [
         ("ratio_vs_hf", _num(r["ratio_vs_hf"]),
-         f"fastest transformers block (hf:{r['best_hf']}) time / ours (>1: ours faster)"),
+         f"hf:{r['best_hf']} (fastest HF) / ours (>1: ours faster)"),
         ("overhead_vs_dense", _num(r["overhead_vs_dense"]),
-         "ours / one dense SwiGLU MLP of the same FLOPs (1 = limit)"),
+         "ours / dense SwiGLU of equal FLOPs (1 = limit)"),
     ]
 
 
@@ -64,14 +65,14 @@ def _pipeline_bubble(r: dict):
     case = f"{r['schedule']} pp{r['pp']} vpp{r['vpp']} m{r['microbatches']} fwd {r['forward_ms']:g} ms"
     return case, r["total_ms"], [
         ("idle vs theory", f"{r['idle_fraction']:.3f} vs {r['idle_fraction_theory']:.3f}",
-         "measured idle / total time of a stage vs the textbook schedule's"),
+         "idle / total time: measured vs textbook"),
     ]
 
 
 def _cp_attention(r: dict):
     case = f"{r['kind']} cp{r['cp']} seq{r['seq']} heads {r['heads']}/{r['kv_heads']}x{r['head_dim']}"
     return case, r["ms"], [("ratio_to_single", _num(r["ratio_to_single"]),
-                            f"one process time / cp ranks (ideal {r['cp']} with equal threads)")]
+                            f"1 process / {r['cp']} ranks, time (ideal {r['cp']})")]
 
 
 def _train(r: dict):
@@ -84,9 +85,9 @@ def _train(r: dict):
     case = f"{r['preset']} mb{r['micro_batch']} seq{r['seq_length']}: ours"
     return case, r["tokens_per_step"] / r["tokens_per_s"] * 1e3, [
         ("ratio_vs_hf", _num(r["ratio_vs_hf"]),
-         "fastest transformers MixtralForCausalLM step time / ours (>1: ours faster)"),
+         "fastest HF Mixtral step / ours (>1: ours faster)"),
         ("flops_fraction_of_matmul", _num(r["flops_fraction_of_matmul"]),
-         "our model FLOP/s / a dense matmul's FLOP/s"),
+         "our model FLOP/s / dense matmul FLOP/s"),
     ]
 
 
