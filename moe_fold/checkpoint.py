@@ -16,7 +16,8 @@ On disk, ``<run_dir>/checkpoints/step_000100/`` holds:
 Loading under any layout (tp, ep, etp, dp, cp, with or without the distributed optimizer)
 reads, for each piece of each local tensor, only the stored pieces that overlap it
 (safetensors ``get_slice``). Parameters are named by ``model.named_parameters()``, so the
-names must be global (pipeline stages must name layers by their global index).
+names must be global (pipeline stages must name layers by their global index); a stage
+reads its layers only, and pp may differ between save and load (vpp too).
 
 Tied embeddings under pp: the last stage's copy of the embedding (``param.tied_copy``,
 equal to the first stage's) and its moments are not written, only loaded from the one
@@ -448,6 +449,17 @@ class _Reader:
         return out
 
 
+def _whole_model_names(names: set[str], groups: ProcessGroups) -> set[str]:
+    """The tensor names of the whole model: this rank's ``names`` united over its pp group
+    (a stage holds only its layers; the tp/dp/cp ranks of a stage hold the same names)."""
+    pp = groups.size("pp")
+    if pp == 1:
+        return names
+    parts: list = [None] * pp
+    dist.all_gather_object(parts, sorted(names), group=groups.pp)
+    return set().union(*parts)
+
+
 def _resolve(path_or_run_dir: Union[str, os.PathLike]) -> Path:
     path = Path(path_or_run_dir)
     if (path / "index.json").is_file():
@@ -464,9 +476,11 @@ def load_checkpoint(path_or_run_dir: Union[str, os.PathLike], model: nn.Module, 
                     scheduler: Optional[LRScheduler], groups: ProcessGroups) -> dict:
     """Load a checkpoint (a ``step_*`` directory, or the newest of a run directory) into
     this rank's ``model``, ``optimizer`` and ``scheduler`` (either may be None) in the
-    layout of ``groups``, whatever layout it was saved under. Restores this rank's random
-    states when the layout is the same. Returns the ``extra`` dict given to
-    :func:`save_checkpoint`."""
+    layout of ``groups``, whatever layout it was saved under (pp included). Restores this
+    rank's random states when the layout is the same. Returns the ``extra`` dict given to
+    :func:`save_checkpoint`. Under pp it is a collective over the pp group: the checkpoint
+    must hold every tensor of the whole model (the union of the stages' names) and no
+    other (CheckpointError naming them); each stage then reads only its own tensors."""
     path = _resolve(path_or_run_dir)
     index_path = path / "index.json"
     try:
@@ -480,7 +494,8 @@ def load_checkpoint(path_or_run_dir: Union[str, os.PathLike], model: nn.Module, 
         raise CheckpointError(f"{path} was saved without optimizer state; pass optimizer=None to load the model only")
     entries = _entries(model, optimizer, groups)
     stored = index["tensors"]
-    wanted = {e.name for e in entries}
+    # Judged on the whole model, so every rank of a pipeline takes the same decision.
+    wanted = _whole_model_names({e.name for e in entries}, groups)
     missing = sorted(wanted - set(stored))
     unexpected = sorted(n for n in set(stored) - wanted
                         if n.startswith("model/") or (optimizer is not None and n.startswith("optim/")))

@@ -1,7 +1,9 @@
 """Checkpoints: a bit-exact round trip on one process (model, buffers, AdamW moments,
 schedule, extra, random states), the atomic save and its leftovers, keep_last, corrupted
 files; then resharding on 4 gloo ranks: saved under one layout, loaded under another, the
-gathered global tensors equal the saved ones exactly and the next step's loss agrees."""
+gathered global tensors equal the saved ones exactly and the next step's loss agrees; the
+same across pipeline layouts (pp, interleaved vpp, tied embeddings) on 2 and 4 ranks,
+where a same-layout resume continues bit for bit."""
 
 import json
 import math
@@ -13,17 +15,21 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from moe_fold.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from moe_fold.comm import all_reduce_
 from moe_fold.config import load_config
+from moe_fold.data.loader import Batch
 from moe_fold.launch import run_ranks
 from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.experts import Experts
 from moe_fold.models.model import build_model
-from moe_fold.optim import AdamW, build_optimizer, build_scheduler
+from moe_fold.optim import AdamW, apply_gradients, build_optimizer, build_scheduler
 from moe_fold.sharding import box, flat_boxes, full_tensor, shard_info
+from moe_fold.step import forward_backward
 from moe_fold.tensor_parallel import mark, shard_tp
-from test_optim import _config, _step
+from test_optim import SEQ, VOCAB, _config, _step
 
 ONE = ProcessGroups.single_process()
 
@@ -283,8 +289,8 @@ def _reshard_rank(rank, world_size, root, pairs):
     return out
 
 
-def _one_process_state(path, moe):
-    model, opt, sched = _setup(_config(moe=moe), ONE)
+def _one_process_state(path, moe=False, config=None):
+    model, opt, sched = _setup(config or _config(moe=moe), ONE)
     with pytest.warns(UserWarning, match="random states are not restored"):
         extra = load_checkpoint(path, model, opt, sched, ONE)
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -324,18 +330,188 @@ def test_checkpoint_saved_under_one_layout_loads_under_another(tmp_path):
 
 # --------------------------------------------------------------------------- pipeline parallel
 
-def _tied_pp_save_rank(rank, world_size, root):
-    config = _config()
-    config.model.tie_embeddings, config.parallel.pp = True, 2
-    groups = create_process_groups(ParallelLayout(world_size, pp=2))
+PP_ROWS = 8  # global batch rows: 2 micro-batches on each of up to 4 dp ranks
+
+
+def _pp_config(pp=1, vpp=1, tp=1, ep=1, moe=False, distributed=False, tied=True, num_layers=4):
+    """test_optim's tiny model with 4 layers (1 dense then MoE with ``moe``), split over
+    ``pp`` stages (``vpp`` chunks each: the interleaved schedule)."""
+    config = _config(tp=tp, sp=tp > 1, distributed=distributed, ep=ep, moe=moe)
+    config.model.num_layers, config.model.tie_embeddings = num_layers, tied
+    config.parallel.pp, config.parallel.vpp = pp, vpp
+    config.parallel.pp_schedule = "interleaved" if vpp > 1 else "1f1b"
+    return config
+
+
+def _pp_groups(world_size, config):
+    p = config.parallel
+    return create_process_groups(ParallelLayout(world_size, tp=p.tp, ep=p.ep, pp=p.pp))
+
+
+def _pp_micro_batches(step, groups):
+    """This dp rank's two micro-batches of the global batch of ``step`` (every stage of a
+    pipeline passes the same ones)."""
+    gen = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (PP_ROWS, SEQ + 1), generator=gen)
+    mask = (torch.rand(PP_ROWS, SEQ, generator=gen) > 0.2).float()
+    size = PP_ROWS // groups.size("dp") // 2
+    out = []
+    for i in range(2):
+        lo = (groups.rank_in("dp") * 2 + i) * size
+        rows = tokens[lo:lo + size]
+        out.append(Batch(rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), mask[lo:lo + size],
+                         torch.arange(SEQ).expand(size, SEQ).contiguous(),
+                         torch.arange(0, size * SEQ + 1, SEQ, dtype=torch.int32)))
+    return out
+
+
+def _pp_step(model, opt, sched, groups, config, step):
+    """One training step as moe_fold.train runs it; returns the global-batch loss."""
+    losses = forward_backward(model, _pp_micro_batches(step, groups), groups, config)
+    apply_gradients(model.parameters(), opt, groups, config.optimizer.clip_grad)
+    opt.zero_grad()
+    sched.step()
+    return all_reduce_(losses.sum(), groups.dp_cp).item() / groups.size("dp_cp")
+
+
+def _pp_global(model, groups):
+    """The whole model's global parameters on every rank: each stage's, united over pp
+    (the two copies of a tied embedding must be equal)."""
+    mine = {n: full_tensor(p.detach(), shard_info(p, groups, n), groups) for n, p in model.named_parameters()}
+    if groups.size("pp") == 1:
+        return mine
+    parts = [None] * groups.size("pp")
+    dist.all_gather_object(parts, mine, group=groups.pp)
+    out = {}
+    for part in parts:
+        for name, value in part.items():
+            assert name not in out or torch.equal(out[name], value), f"tied copies of {name} differ"
+            out[name] = value
+    return out
+
+
+def _pp_rank(rank, world_size, root, pairs):
+    """For each (saved, loaded) pair of configs: train 2 steps under ``saved``, save, take
+    one more step; then build ``loaded``, load, take the same step."""
+    out = []
+    for i, (saved, loaded) in enumerate(pairs):
+        path = f"{root}/saved{i}"
+        groups = _pp_groups(world_size, saved)
+        model, opt, sched = _setup(saved, groups)
+        losses = [_pp_step(model, opt, sched, groups, saved, step) for step in range(2)]
+        save_checkpoint(path, 2, model, opt, sched, {"consumed_samples": 16}, groups, keep_last=1)
+        before = _pp_global(model, groups)
+        next_loss = _pp_step(model, opt, sched, groups, saved, 2)
+        next_params = _pp_global(model, groups)
+        draws = _draws()
+
+        groups = _pp_groups(world_size, loaded)
+        model, opt, sched = _setup(loaded, groups)
+        same = saved == loaded
+        torch.manual_seed(1000 + rank)  # undone by the restored random states when the layout is the same
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            extra = load_checkpoint(path, model, opt, sched, groups)
+        restored = not any("random states are not restored" in str(w.message) for w in caught)
+        loaded_params = _pp_global(model, groups)
+        save_checkpoint(f"{root}/resaved{i}", 2, model, opt, sched, extra, groups, keep_last=1)
+        loaded_loss = _pp_step(model, opt, sched, groups, loaded, 2)
+        same_next = same and all(torch.equal(v, next_params[n]) for n, v in _pp_global(model, groups).items())
+        result = dict(losses=losses, next_loss=next_loss, loaded_loss=loaded_loss, extra=extra,
+                      restored=restored, same_draws=_draws() == draws, same_next_params=same_next)
+        if rank == 0:
+            result.update(before=before, loaded=loaded_params)
+        out.append(result)
+    return out
+
+
+def _check_pp_results(root, pairs, results):
+    for i, ((saved, loaded), got) in enumerate(zip(pairs, results[0])):
+        what = (i, saved.parallel, loaded.parallel)
+        assert got["extra"] == {"consumed_samples": 16}
+        assert got["before"].keys() == got["loaded"].keys(), what
+        for name, value in got["before"].items():
+            assert torch.equal(got["loaded"][name], value), (what, name)
+        assert got["loaded_loss"] == pytest.approx(got["next_loss"], abs=1e-5), what
+        if saved == loaded:  # a resumed run continues exactly, random states included
+            assert got["restored"] and got["same_draws"] and got["same_next_params"], what
+            assert got["loaded_loss"] == got["next_loss"], what
+        else:
+            assert not got["restored"], what
+        # Both checkpoints, read by the one-process model: the same parameters, moments and
+        # buffers, and the parameters are the ones the saving layout held.
+        one = _pp_config(moe=saved.moe.moe_layer_freq != 0, tied=saved.model.tie_embeddings)
+        state, extra, step_count, sched_state = _one_process_state(f"{root}/saved{i}", config=one)
+        again, _, again_count, again_sched = _one_process_state(f"{root}/resaved{i}", config=one)
+        assert (step_count, sched_state) == (again_count, again_sched) == (2, {"step": 2})
+        for name, value in got["before"].items():
+            assert torch.equal(state[name], value), (what, name)
+        assert state.keys() == again.keys()
+        for name, value in state.items():
+            assert torch.equal(value, again[name]), (what, name)
+        for r in results[1:]:
+            assert r[i]["loaded_loss"] == got["loaded_loss"] and r[i]["losses"] == got["losses"], what
+
+
+def _stage_files(pp_rank, layout):
+    """The checkpoint files of the ranks of pipeline stage ``pp_rank``."""
+    return {f"rank_{r:05d}.safetensors" for r in range(layout.world_size)
+            if layout.coords(r)["pp"] == pp_rank}
+
+
+def _refuse_other_models_rank(rank, world_size, root):
+    """A pp2 checkpoint of a tied model: the copy is written once, and loading refuses a
+    model with other tensors, or more layers, on every rank."""
+    config = _pp_config(pp=2, num_layers=2)
+    groups = _pp_groups(world_size, config)
     model, opt, sched = _setup(config, groups)
-    save_checkpoint(root, 1, model, opt, sched, {}, groups, keep_last=1)
+    path = save_checkpoint(root, 1, model, opt, sched, {}, groups, keep_last=1)
+    errors = []
+    for change in ("model.qk_norm=false", "model.num_layers=4"):
+        other = _pp_config(pp=2, num_layers=4 if "num_layers" in change else 2)
+        other.model.qk_norm = "qk_norm" not in change
+        with pytest.raises(CheckpointError) as info:
+            load_checkpoint(path, build_model(other, groups), None, None, groups)
+        errors.append(str(info.value))
+    return errors
 
 
-def test_pipeline_checkpoint_writes_a_tied_embedding_once(tmp_path):
-    run_ranks(_tied_pp_save_rank, 2, str(tmp_path), timeout=120)
+def test_pipeline_checkpoint_writes_a_tied_embedding_once_and_refuses_other_models(tmp_path):
+    errors = run_ranks(_refuse_other_models_rank, 2, str(tmp_path), timeout=120)
     index = json.loads((tmp_path / "checkpoints" / "step_000001" / "index.json").read_text())
+    layout = ParallelLayout(2, pp=2)
     for name in ("model/embed.weight", "optim/exp_avg/embed.weight", "optim/exp_avg_sq/embed.weight"):
         files = {piece["file"] for piece in index["tensors"][name]["pieces"]}
-        assert files == {"rank_00000.safetensors"}, name  # the first stage only
+        assert files == _stage_files(0, layout), name  # the first stage only
     assert "model/lm_head.weight" not in index["tensors"]
+    assert errors[0] == errors[1]  # both stages take the same decision
+    fewer, more = errors[0]
+    assert "missing [], unexpected ['model/layers.0.attn.k_norm.weight', 'model/layers.0.attn.q_norm" in fewer
+    assert "missing ['model/layers.2.attn.k_norm.weight'" in more and more.endswith("unexpected []")
+
+
+# (saved, loaded) on 2 ranks: tied embeddings, interleaved vpp2, to pp1 x dp2 and back
+PP2_PAIRS = [
+    (_pp_config(pp=2, vpp=2), _pp_config(pp=2, vpp=2)),  # resume: same layout
+    (_pp_config(pp=2, vpp=2), _pp_config()),
+    (_pp_config(distributed=True), _pp_config(pp=2)),
+]
+
+# (saved, loaded) on 4 ranks: MoE stages with another tp / ep, ZeRO, to and from pp1
+PP4_PAIRS = [
+    (_pp_config(pp=2, ep=2, moe=True, distributed=True), _pp_config(pp=2, ep=2, moe=True, distributed=True)),
+    (_pp_config(pp=2, tp=2, moe=True), _pp_config(pp=2, ep=2, moe=True, distributed=True)),
+    (_pp_config(pp=2, ep=2, moe=True, distributed=True), _pp_config(tp=2, ep=2, moe=True)),
+    (_pp_config(ep=4, moe=True), _pp_config(pp=2, vpp=2, tp=2, moe=True, distributed=True)),
+]
+
+
+def test_pipeline_checkpoints_reshard_and_resume_on_2_ranks(tmp_path):
+    results = run_ranks(_pp_rank, 2, str(tmp_path), PP2_PAIRS, timeout=240)
+    _check_pp_results(tmp_path, PP2_PAIRS, results)
+
+
+@pytest.mark.slow
+def test_pipeline_checkpoints_reshard_and_resume_on_4_ranks(tmp_path):
+    results = run_ranks(_pp_rank, 4, str(tmp_path), PP4_PAIRS, timeout=400)
+    _check_pp_results(tmp_path, PP4_PAIRS, results)
