@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from moe_fold.comm import Group
@@ -45,7 +46,8 @@ from moe_fold.data.loader import Batch
 from moe_fold.layout import ParallelLayout, ProcessGroups
 from moe_fold.varlen import Documents
 
-__all__ = ["CostModel", "SubGroup", "Plan", "partitions", "schedule", "static_plan", "zigzag_pair_counts",
+__all__ = ["CostModel", "SubGroup", "Plan", "partitions", "schedule", "static_plan", "group_pair_counts",
+           "zigzag_pair_counts",
            "check_dynamic_cp", "documents_of", "DynamicCP"]
 
 # Partitions of 2^k ranks number 1, 2, 5, 26, 677, 458330 for k = 0..5: search all up to 16.
@@ -58,8 +60,11 @@ class CostModel:
 
     A sub-group of ``c`` ranks holding documents of lengths ``L_d`` (``T = sum L_d``):
 
-    - attention: ``pair_flops * sum_d L_d (L_d + 1) / 2 / c`` (causal query-key pairs
-      inside each document, shared by the group's ranks);
+    - attention: ``pair_flops`` per causal query-key pair inside a document, charged to the
+      rank holding the query; spread evenly that is ``pair_flops * sum_d L_d (L_d+1)/2 / c``
+      (:meth:`rank_cost`, what the assignment search uses), exactly it is the pairs of the
+      rank's zigzag chunks of the group's padded sequence (:meth:`group_costs`, what plans
+      are compared and reported by);
     - the rest of the layer: ``token_flops * T / c`` (projections, MLP/MoE: per token);
     - ring traffic: ``kv_token_cost * (c - 1) * T / c`` (each rank receives every other
       rank's K/V shard once per forward).
@@ -80,6 +85,29 @@ class CostModel:
         tokens = sum(lengths)
         return (self.attention_flops(lengths) + self.token_flops * tokens
                 + self.kv_token_cost * (c - 1) * tokens) / c
+
+    def group_costs(self, lengths: Sequence[int], c: int) -> list[float]:
+        """Exact cost of each of the ``c`` ranks when documents ``lengths`` (in this order)
+        are concatenated, padded to a multiple of ``2c`` and zigzag-split."""
+        pairs = group_pair_counts(lengths, c)
+        tokens = _padded(sum(lengths), c)
+        rest = (self.token_flops * tokens + self.kv_token_cost * (c - 1) * tokens) / c
+        return [self.pair_flops * p + rest for p in pairs]
+
+
+def group_pair_counts(lengths: Sequence[int], c: int) -> list[int]:
+    """Causal same-document query-key pairs of each rank when documents ``lengths`` are
+    concatenated, padded to a multiple of ``2c`` (the padding one more document) and
+    zigzag-split over ``c`` ranks."""
+    total = sum(lengths)
+    pad = _padded(total, c) - total
+    runs = list(lengths) + ([pad] if pad else [])
+    # Query t of a document sees the t+1 tokens of the document up to itself.
+    pairs = np.concatenate([np.arange(1, n + 1) for n in runs])
+    if c == 1:
+        return [int(pairs.sum())]
+    chunks = pairs.reshape(2 * c, -1).sum(axis=1)
+    return [int(chunks[r] + chunks[2 * c - 1 - r]) for r in range(c)]
 
 
 @dataclass(frozen=True)
@@ -159,16 +187,16 @@ def _plan(lengths: Sequence[int], blocks: Sequence[tuple[int, int]], docs: Seque
     subgroups = tuple(SubGroup(s, c, tuple(ds)) for (s, c), ds in zip(blocks, docs))
     rank_cost, rank_tokens = [], []
     for g in subgroups:
-        group_lengths = [lengths[d] for d in g.docs]
-        rank_cost += [cost.rank_cost(group_lengths, g.size)] * g.size
+        rank_cost += cost.group_costs([lengths[d] for d in g.docs], g.size)
         rank_tokens += [g.padded_tokens(lengths) // g.size] * g.size
     return Plan(subgroups, tuple(rank_cost), tuple(rank_tokens))
 
 
 def schedule(lengths: Sequence[int], cp: int, capacity: int, cost: CostModel) -> Plan:
-    """The plan of least maximum per-rank cost (then least per-rank tokens, then fewest
-    ranks in multi-rank sub-groups) over every partition of the cp group, documents
-    assigned by :func:`_assign`. ``capacity``: tokens per rank, padding included."""
+    """The plan of least maximum exact per-rank cost (:meth:`CostModel.group_costs`; then
+    least per-rank tokens, then fewest ranks in multi-rank sub-groups) over every
+    partition of the cp group, documents assigned by :func:`_assign`. ``capacity``:
+    tokens per rank, padding included."""
     _check_cp(cp)
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
         raise ValueError(f"document lengths {list(lengths)} must be a non-empty list of integers >= 1")

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from moe_fold.dynamic_cp import (
-    CostModel, DynamicCP, check_dynamic_cp, partitions, schedule, static_plan, zigzag_pair_counts,
+    CostModel, DynamicCP, check_dynamic_cp, group_pair_counts, partitions, schedule, static_plan,
+    zigzag_pair_counts,
 )
 from moe_fold.context_parallel import zigzag_split
 from moe_fold.grads import sync_grads
@@ -36,25 +37,39 @@ def test_partitions_are_aligned_power_of_two_blocks():
 
 
 def test_schedule_by_hand():
-    # One document of 16 and four of 4 on cp 4, 8 tokens per rank. Cost per rank:
-    # pairs(L) = L(L+1)/2, kv_token_cost w = 4: the whole group costs
-    # (136 + 4*10 + 4*3*32)/4 = 140 per rank; {0,1} with the 16 costs (136 + 4*16)/2 = 100
-    # and two single ranks with two 4s each cost 20. {2,3} as one pair costs (40+64)/2 = 52,
-    # the same maximum, but more ranks in multi-rank groups: singles win.
+    # One document of 16 and four of 4 on cp 4, 8 tokens per rank, pair_flops 1 and
+    # kv_token_cost w = 4. Pairs per query: 1..16 in the long document, 1..4 in a short one.
+    # - Whole group: 32 tokens in 8 chunks of 4 with pair sums 10, 26, 42, 58, 10, 10, 10, 10;
+    #   rank r holds chunks r and 7-r: 20, 36, 52, 68 pairs, plus w*3*32/4 = 96 of traffic.
+    # - {0,1} with the 16: 136/2 = 68 pairs each + w*1*16/2 = 32 -> 100; ranks 2 and 3 alone
+    #   with two 4s each: 20. {2,3} as one pair costs 20 + 32 = 52: the same maximum and
+    #   per-rank tokens, but more ranks in multi-rank groups, so the single ranks win.
     cost = CostModel(pair_flops=1.0, kv_token_cost=4.0)
     plan = schedule([16, 4, 4, 4, 4], cp=4, capacity=8, cost=cost)
     assert [(g.start, g.size, g.docs) for g in plan.subgroups] == [(0, 2, (0,)), (2, 1, (1, 3)), (3, 1, (2, 4))]
     assert plan.rank_cost == (100.0, 100.0, 20.0, 20.0)
     assert plan.rank_tokens == (8, 8, 8, 8)
-    # Free communication: the whole group is the best balance.
-    free = schedule([16, 4, 4, 4, 4], cp=4, capacity=8, cost=CostModel(pair_flops=1.0))
-    assert [(g.start, g.size) for g in free.subgroups] == [(0, 4)]
-    assert free.rank_cost == static_plan([16, 4, 4, 4, 4], 4, CostModel(pair_flops=1.0)).rank_cost == (44.0,) * 4
-    # Memory: with 4 tokens per rank the 16 needs all four ranks.
+    assert static_plan([16, 4, 4, 4, 4], 4, cost).rank_cost == (116.0, 132.0, 148.0, 164.0)
+    assert plan.subgroup_of(3).docs == (2, 4)
+    # One document of 32 needs the whole group (8 tokens per rank); the zigzag split gives
+    # every rank chunks k and 7-k, 16*7 + 2*10 = 132 pairs.
+    free = CostModel(pair_flops=1.0)
+    whole = schedule([32], cp=4, capacity=8, cost=free)
+    assert [(g.start, g.size) for g in whole.subgroups] == [(0, 4)] and whole.rank_cost == (132.0,) * 4
+    # Memory: with 3 tokens per rank nothing fits.
     with pytest.raises(ValueError, match="capacity=3"):
         schedule([16, 4, 4, 4, 4], cp=4, capacity=3, cost=cost)
     with pytest.raises(ValueError, match="lengths"):
         schedule([16, 0], cp=4, capacity=8, cost=cost)
+
+
+def test_group_pair_counts_match_zigzag_of_the_padded_sequence():
+    for lengths, c in (([5, 9, 2], 2), ([3], 4), ([7, 1, 6], 4), ([4, 4], 1)):
+        total = sum(lengths)
+        padded = total if c == 1 else -(-total // (2 * c)) * 2 * c
+        runs = lengths + ([padded - total] if padded > total else [])
+        ids = torch.repeat_interleave(torch.arange(len(runs)), torch.tensor(runs)).unsqueeze(0)
+        assert group_pair_counts(lengths, c) == zigzag_pair_counts(ids, c)
 
 
 def test_zigzag_pair_counts_by_loop():
@@ -78,13 +93,13 @@ def test_dynamic_cp_refuses_tp_and_pp():
         check_dynamic_cp(ParallelLayout(3, cp=3))
 
 
-# Three micro-batches of mixed lengths (2 rows of 16, padding included). With this cost
-# and the memory of static cp (16 tokens per rank on cp 2, 8 on cp 4) the plans are:
-# cp 2: two single ranks, two single ranks, the whole group; cp 4: two pairs, a pair and
-# two single ranks, the whole group.
-MICRO_BATCHES = [[[11, 2, 3], [1, 6, 4, 5]], [[5, 4], [3, 3, 7]], [[14], [3, 3, 7]]]
+# Four micro-batches of mixed lengths (2 rows of 16, padding included). With this cost
+# and the memory of static cp (16 tokens per rank on cp 2, 8 on cp 4) the plans are, by
+# sub-group sizes: cp 2: ranks alone, alone, the whole group, alone; cp 4: a pair for the
+# longest document and two single ranks three times, then two pairs.
+MICRO_BATCHES = [[[11, 2, 3], [1, 6, 4, 5]], [[5, 4], [3, 3, 7]], [[14], [3, 3, 7]], [[16], [16]]]
 COST = CostModel(pair_flops=1.0, kv_token_cost=1.0)
-PLAN_SIZES = {2: [[1, 1], [1, 1], [2]], 4: [[2, 2], [2, 1, 1], [4]]}
+PLAN_SIZES = {2: [[1, 1], [1, 1], [2], [1, 1]], 4: [[2, 1, 1]] * 3 + [[2, 2]]}
 
 
 def _reference():
