@@ -49,7 +49,9 @@ def _train_rank(rank, world_size, config, **kwargs):
     pytest.param(["parallel.pp=2", "parallel.ep=2"], [], marks=pytest.mark.slow),
     pytest.param(["parallel.cp=2", "parallel.ep=2"], [], marks=pytest.mark.slow),
     pytest.param(["parallel.ep=2"], ["data.packing=true"], marks=pytest.mark.slow),
-], ids=["ep2xdp2", "tp2xep2", "pp2xep2", "cp2xep2", "ep2xdp2-packed"])
+    pytest.param(["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved", "parallel.ep=2"],
+                 ["model.num_layers=4"], marks=pytest.mark.slow),
+], ids=["ep2xdp2", "tp2xep2", "pp2xep2", "cp2xep2", "ep2xdp2-packed", "pp2vpp2xep2"])
 def test_four_ranks_match_one_process(tmp_path, cache_dir, layout, data):
     """Three steps on 4 ranks (grad accumulation over the micro-batches of each dp rank,
     or the 1f1b pipeline schedule; fixed-length or packed samples) give the losses, grad norms, expert loads and aux/z
