@@ -51,7 +51,8 @@ def _train_rank(rank, world_size, config, **kwargs):
     pytest.param(["parallel.ep=2"], ["data.packing=true"], marks=pytest.mark.slow),
     pytest.param(["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved", "parallel.ep=2"],
                  ["model.num_layers=4"], marks=pytest.mark.slow),
-], ids=["ep2xdp2", "tp2xep2", "pp2xep2", "cp2xep2", "ep2xdp2-packed", "pp2vpp2xep2"])
+    pytest.param(["parallel.ep=2"], ["optimizer.distributed=true"], marks=pytest.mark.slow),
+], ids=["ep2xdp2", "tp2xep2", "pp2xep2", "cp2xep2", "ep2xdp2-packed", "pp2vpp2xep2", "ep2xdp2-zero1"])
 def test_four_ranks_match_one_process(tmp_path, cache_dir, layout, data):
     """Three steps on 4 ranks (grad accumulation over the micro-batches of each dp rank,
     or the 1f1b pipeline schedule; fixed-length or packed samples) give the losses, grad norms, expert loads and aux/z
