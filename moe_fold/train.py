@@ -178,6 +178,15 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
     with ``init.from_hf`` starts from that Hugging Face folder's weights. Rank 0 prints to
     ``console`` (a rich Console; None: no output) and writes ``metrics.jsonl`` and the
     wandb run. Returns the same :class:`TrainResult` on every rank."""
+    # train.deterministic switches torch's process-wide setting for the run only.
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        return _train(config, resume, console, progress, stop_at)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: Optional[int]) -> TrainResult:
     from moe_fold.data.loader import DataLoader
     from moe_fold.metrics import MetricsLogger, RoutingCollector
     from moe_fold.models.model import build_model
