@@ -109,6 +109,11 @@ class ParallelConfig:
     sequence_parallel: bool = False
     order: str = "tp-cp-ep-dp-pp"
     cp_kind: str = "ring"  # ring | a2a
+    # Dynamic cp: parallel.cp is the largest cp group; each micro-batch's documents run on
+    # sub-groups sized for them (moe_fold.dynamic_cp). Needs tp=1, pp=1, cp a power of 2.
+    dynamic_cp: bool = False
+    # Compute FLOPs per byte of cp link bandwidth: how dynamic cp's cost model charges ring traffic.
+    dynamic_cp_flops_per_byte: float = 10.0
     pp_schedule: str = "1f1b"  # 1f1b | interleaved
     # Explicit number of layers on each pipeline stage; None splits evenly.
     pp_layers: Optional[list[int]] = None
@@ -573,6 +578,14 @@ def _check_parallel(config: Config, world_size: int, out: list[str]) -> bool:
     if sorted(dims) != sorted(["tp", "cp", "ep", "dp", "pp"]):
         out.append(f"parallel.order={_fmt(p.order)} must be a permutation of tp, cp, ep, dp, pp joined by '-'")
     _one_of(out, "parallel.cp_kind", p.cp_kind, ("ring", "a2a"))
+    if p.dynamic_cp:
+        if p.cp < 1 or p.cp & (p.cp - 1) or p.cp > 16:
+            out.append(f"parallel.dynamic_cp=true needs parallel.cp a power of two up to 16, got cp={p.cp}")
+        for name in ("tp", "pp"):
+            if getattr(p, name) != 1:
+                out.append(f"parallel.dynamic_cp=true needs parallel.{name}=1, got {getattr(p, name)} (ranks "
+                           f"hold unequal token counts under dynamic cp)")
+        _at_least(out, "parallel.dynamic_cp_flops_per_byte", p.dynamic_cp_flops_per_byte, 0)
     _one_of(out, "parallel.pp_schedule", p.pp_schedule, ("1f1b", "interleaved"))
     _one_of(out, "parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _positive(out, "parallel.timeout_s", p.timeout_s)

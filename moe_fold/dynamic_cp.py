@@ -41,12 +41,13 @@ import numpy as np
 import torch
 
 from moe_fold.comm import Group
+from moe_fold.config import Config, head_dim, moe_layer_flags
 from moe_fold.context_parallel import zigzag_split
 from moe_fold.data.loader import Batch
 from moe_fold.layout import ParallelLayout, ProcessGroups
 from moe_fold.varlen import Documents
 
-__all__ = ["CostModel", "SubGroup", "Plan", "partitions", "schedule", "static_plan", "group_pair_counts",
+__all__ = ["CostModel", "cost_model", "SubGroup", "Plan", "partitions", "schedule", "static_plan", "group_pair_counts",
            "zigzag_pair_counts",
            "check_dynamic_cp", "documents_of", "DynamicCP"]
 
@@ -93,6 +94,22 @@ class CostModel:
         tokens = _padded(sum(lengths), c)
         rest = (self.token_flops * tokens + self.kv_token_cost * (c - 1) * tokens) / c
         return [self.pair_flops * p + rest for p in pairs]
+
+
+def cost_model(config: Config) -> CostModel:
+    """The cost model of ``config``'s layers, averaged over layers: attention pairs, the
+    projections and the (routed + shared, or dense) MLP per token, and ring K/V bytes at
+    ``parallel.dynamic_cp_flops_per_byte``."""
+    m, moe = config.model, config.moe
+    hd = head_dim(config)
+    q, kv = m.num_heads * hd, m.num_kv_heads * hd
+    projections = 2 * m.hidden_size * (q + 2 * kv) + 2 * q * m.hidden_size
+    flags = moe_layer_flags(config)
+    moe_width = moe.topk * moe.ffn_hidden_size + moe.shared_expert_ffn_hidden_size
+    mlp = sum(6 * m.hidden_size * (moe_width if f else m.ffn_hidden_size) for f in flags) / len(flags)
+    element = 4 if config.train.precision == "fp32" else 2
+    return CostModel(pair_flops=4.0 * q, token_flops=float(projections + mlp),
+                     kv_token_cost=2 * kv * element * config.parallel.dynamic_cp_flops_per_byte)
 
 
 def group_pair_counts(lengths: Sequence[int], c: int) -> list[int]:

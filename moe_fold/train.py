@@ -208,8 +208,17 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
         dump_config(config, run_dir / "config.yaml")
 
     dataset = _dataset(config, groups)
+    dynamic_cp = None
+    if config.parallel.dynamic_cp and groups.size("cp") > 1:
+        from moe_fold.dynamic_cp import DynamicCP, cost_model
+
+        # Static cp's memory: a micro-batch's tokens over the cp group.
+        dynamic_cp = DynamicCP(groups, cost_model(config),
+                               capacity=t.micro_batch_size * config.model.seq_length // groups.size("cp"))
+    # Under dynamic cp every cp rank takes its group's whole micro-batches and keeps its share.
+    cp_rank, cp_size = (0, 1) if dynamic_cp is not None else (groups.rank_in("cp"), groups.size("cp"))
     loader = DataLoader(dataset, t.global_batch_size, t.micro_batch_size, dp_rank=groups.rank_in("dp"),
-                        dp_size=groups.size("dp"), cp_rank=groups.rank_in("cp"), cp_size=groups.size("cp"))
+                        dp_size=groups.size("dp"), cp_rank=cp_rank, cp_size=cp_size)
     torch.manual_seed(t.seed)
     model = build_model(config, groups).to(device)
     master = None
@@ -266,7 +275,8 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             _seed_step(config, step, rank)
             micro_batches = [b.to(device) for b in loader.global_batch()]
             collector.start_step()
-            losses = forward_backward(model, micro_batches, groups, config, forward_context=forward_context)
+            losses = forward_backward(model, micro_batches, groups, config, forward_context=forward_context,
+                                      dynamic_cp=dynamic_cp)
             lm_loss = losses.sum()
             if master is not None:
                 master.grads_to_master()

@@ -136,3 +136,67 @@ def test_dynamic_cp_equals_one_process(world, ep):
         for name, g in grads.items():
             torch.testing.assert_close(torch.from_numpy(r["grads"][name]), torch.from_numpy(g),
                                        rtol=1e-4, atol=1e-6, msg=name)
+
+
+# --------------------------------------------------------------------------- the training loop
+
+def _train_rank(rank, world, config):
+    """The losses, and the sub-group sizes of every plan this rank ran (recorded by
+    wrapping DynamicCP.shard in this rank's process)."""
+    from moe_fold import dynamic_cp
+    from moe_fold.train import train
+
+    plans, shard = [], dynamic_cp.DynamicCP.shard
+
+    def recording_shard(self, batch):
+        out = shard(self, batch)
+        plans.append([g.size for g in out[2].subgroups])
+        return out
+
+    dynamic_cp.DynamicCP.shard = recording_shard
+    return train(config).losses, plans
+
+
+def _train_config(tmp_path, name, *extra):
+    import json as _json
+
+    from moe_fold.config import load_config
+
+    docs = tmp_path / "docs.jsonl"
+    if not docs.exists():
+        gen = torch.Generator().manual_seed(3)
+        lengths = torch.randint(3, 60, (60,), generator=gen).tolist()
+        docs.write_text("".join(_json.dumps({"text": "".join(chr(97 + (i * 7 + j) % 26) for j in range(n))}) + "\n"
+                                for i, n in enumerate(lengths)))
+    return load_config("mixtral-tiny", [
+        "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+        "model.ffn_hidden_size=64", "model.seq_length=32", "moe.ffn_hidden_size=32",
+        "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=2", "train.save_every=1000",
+        "optimizer.warmup_steps=1", "wandb.mode=disabled", "parallel.ep=1", "data.packing=true",
+        f"data.path={docs}",
+        f"data.cache_dir={tmp_path / 'cache'}", f"train.run_dir={tmp_path / name}", *extra])
+
+
+def test_training_with_dynamic_cp_matches_one_process(tmp_path):
+    """Two steps of `train` with data.packing on dynamic cp 4 (ep 2) take the losses of one
+    process on the same global batches."""
+    from moe_fold.train import train
+    one = train(_train_config(tmp_path, "one"))
+    four = run_ranks(_train_rank, 4, _train_config(tmp_path, "four", "parallel.cp=4", "parallel.ep=2",
+                                                   "parallel.dynamic_cp=true"), timeout=300)
+    for losses, plans in four:
+        assert losses == pytest.approx(one.losses, rel=2e-5)
+        # 2 steps x 2 micro-batches, and dynamic cp did split the group somewhere.
+        assert len(plans) == 4 and any(sizes != [4] for sizes in plans), plans
+
+
+def test_config_refuses_dynamic_cp_with_tp():
+    from moe_fold.config import ConfigError, load_config, validate
+
+    config = load_config("mixtral-tiny", ["parallel.dynamic_cp=true", "parallel.cp=2", "parallel.tp=2",
+                                          "parallel.sequence_parallel=true"])
+    with pytest.raises(ConfigError, match="parallel.dynamic_cp=true needs parallel.tp=1"):
+        validate(config, 4)
+    config = load_config("mixtral-tiny", ["parallel.dynamic_cp=true", "parallel.cp=3"])
+    with pytest.raises(ConfigError, match="power of two"):
+        validate(config, 3)
