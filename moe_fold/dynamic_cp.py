@@ -131,7 +131,7 @@ def group_pair_counts(lengths: Sequence[int], c: int) -> list[int]:
 class SubGroup:
     start: int  # first cp rank of the block
     size: int  # ranks in the block, a power of two
-    docs: tuple[int, ...]  # indices of its documents, in micro-batch order
+    docs: tuple[int, ...]  # indices of its documents, in the order they are concatenated
 
     def padded_tokens(self, lengths: Sequence[int]) -> int:
         """The group's sequence length: its documents, padded to a multiple of ``2*size`` for
@@ -199,9 +199,23 @@ def _assign(lengths: Sequence[int], blocks: Sequence[tuple[int, int]], capacity:
     return [sorted(ds) for ds in docs]
 
 
+def _zigzag_order(lengths: Sequence[int], docs: Sequence[int], c: int) -> tuple[int, ...]:
+    """An order of a sub-group's documents that evens out its ranks' zigzag attention
+    pairs: the best of the given order, increasing length, and increasing length with the
+    longest document moved to each place (concatenated documents are not one causal ramp,
+    so where the long one sits decides which ranks get its late, expensive queries)."""
+    if c == 1 or len(docs) < 2:
+        return tuple(docs)
+    rising = sorted(docs, key=lambda d: (lengths[d], d))
+    rest, longest = rising[:-1], rising[-1]
+    candidates = [list(docs), rising] + [rest[:i] + [longest] + rest[i:] for i in range(len(rest))]
+    return tuple(min(candidates, key=lambda order: max(group_pair_counts([lengths[d] for d in order], c))))
+
+
 def _plan(lengths: Sequence[int], blocks: Sequence[tuple[int, int]], docs: Sequence[Sequence[int]],
-          cost: CostModel) -> Plan:
-    subgroups = tuple(SubGroup(s, c, tuple(ds)) for (s, c), ds in zip(blocks, docs))
+          cost: CostModel, reorder: bool = True) -> Plan:
+    subgroups = tuple(SubGroup(s, c, _zigzag_order(lengths, ds, c) if reorder else tuple(ds))
+                      for (s, c), ds in zip(blocks, docs))
     rank_cost, rank_tokens = [], []
     for g in subgroups:
         rank_cost += cost.group_costs([lengths[d] for d in g.docs], g.size)
@@ -235,7 +249,7 @@ def schedule(lengths: Sequence[int], cp: int, capacity: int, cost: CostModel) ->
 
 def static_plan(lengths: Sequence[int], cp: int, cost: CostModel) -> Plan:
     """Every document on the whole cp group: static cp in the same terms."""
-    return _plan(lengths, [(0, cp)], [list(range(len(lengths)))], cost)
+    return _plan(lengths, [(0, cp)], [list(range(len(lengths)))], cost, reorder=False)
 
 
 def zigzag_pair_counts(doc_ids: torch.Tensor, cp: int) -> list[int]:

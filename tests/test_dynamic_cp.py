@@ -63,6 +63,21 @@ def test_schedule_by_hand():
         schedule([16, 0], cp=4, capacity=8, cost=cost)
 
 
+def test_documents_are_ordered_for_the_zigzag_split():
+    # 924, 162, 72 in this order on 4 ranks: the long document's late queries land on ranks
+    # 2 and 3. Each candidate order is scored by its largest rank; the plan keeps the best.
+    lengths = [924, 162, 72]
+    plan = schedule(lengths, cp=4, capacity=512, cost=CostModel(pair_flops=1.0))
+    (group,) = plan.subgroups
+    assert sorted(group.docs) == [0, 1, 2]
+    given = max(group_pair_counts(lengths, 4))
+    chosen = max(group_pair_counts([lengths[d] for d in group.docs], 4))
+    assert chosen == max(plan.rank_cost) and chosen < 0.8 * given
+    rising = [72, 162, 924]
+    others = [rising, [924, 72, 162], [72, 924, 162], lengths]
+    assert chosen <= min(max(group_pair_counts(o, 4)) for o in others)
+
+
 def test_group_pair_counts_match_zigzag_of_the_padded_sequence():
     for lengths, c in (([5, 9, 2], 2), ([3], 4), ([7, 1, 6], 4), ([4, 4], 1)):
         total = sum(lengths)
@@ -95,11 +110,12 @@ def test_dynamic_cp_refuses_tp_and_pp():
 
 # Four micro-batches of mixed lengths (2 rows of 16, padding included). With this cost
 # and the memory of static cp (16 tokens per rank on cp 2, 8 on cp 4) the plans are, by
-# sub-group sizes: cp 2: ranks alone, alone, the whole group, alone; cp 4: a pair for the
-# longest document and two single ranks three times, then two pairs.
+# sub-group sizes: cp 2: ranks alone, alone, the whole group, alone; cp 4: two pairs (the
+# documents of one reordered for the zigzag split), a pair for the longest document and two
+# single ranks twice, two pairs.
 MICRO_BATCHES = [[[11, 2, 3], [1, 6, 4, 5]], [[5, 4], [3, 3, 7]], [[14], [3, 3, 7]], [[16], [16]]]
 COST = CostModel(pair_flops=1.0, kv_token_cost=1.0)
-PLAN_SIZES = {2: [[1, 1], [1, 1], [2], [1, 1]], 4: [[2, 1, 1]] * 3 + [[2, 2]]}
+PLAN_SIZES = {2: [[1, 1], [1, 1], [2], [1, 1]], 4: [[2, 2], [2, 1, 1], [2, 1, 1], [2, 2]]}
 
 
 def _reference():
