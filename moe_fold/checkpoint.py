@@ -4,7 +4,9 @@ On disk, ``<run_dir>/checkpoints/step_000100/`` holds:
 
 - ``rank_00003.safetensors``: the pieces rank 3 writes. Every element of every global
   tensor is written once: by the first replica of a parameter (:mod:`moe_fold.sharding`),
-  and, for optimizer moments under ZeRO-1, by the rank that holds them;
+  and, for optimizer moments under ZeRO-1, by the rank that holds them. The file is
+  streamed from the live tensors, piece by piece: saving needs no second copy of the
+  model in memory (a piece that is not contiguous host memory is copied alone);
 - ``rng_00003.json``: rank 3's random states (torch, CUDA, numpy, python ``random``);
 - ``config.yaml``: the run's config;
 - ``index.json``: for each tensor (``model/<name>`` for parameters and persistent buffers,
@@ -47,6 +49,8 @@ import random
 import re
 import secrets
 import shutil
+import struct
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +60,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from moe_fold.config import Config, dump_config
@@ -74,6 +77,9 @@ _STEP_DIR = re.compile(r"step_(\d+)")
 _LEFTOVER = re.compile(r"step_\d+\.(tmp|old)-")
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _CHUNK = 1 << 20
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 class CheckpointError(RuntimeError):
@@ -221,6 +227,46 @@ def _file_record(path: Path) -> dict:
     return {"sha256": _sha256(path), "bytes": path.stat().st_size}
 
 
+def _write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> dict:
+    """Write ``(key, tensor)`` pairs, views of the live tensors, as one safetensors file and
+    return its file record (sha256, bytes).
+
+    The file is streamed: the header from the shapes, then each tensor's bytes straight
+    from its memory (a contiguous host tensor is not copied; another one is copied alone:
+    at most one piece at a time), so saving costs no second copy of the model. The
+    format (what ``safe_open`` reads): an 8-byte little-endian header length, the JSON
+    header (dtype, shape, data offsets per key), padded with spaces to 8 bytes, the data."""
+    if sys.byteorder != "little":
+        raise CheckpointError(f"cannot write {path}: safetensors stores little-endian data and this host is "
+                              f"{sys.byteorder}-endian")
+    header, offset = {}, 0
+    for key, t in tensors:
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{key}: dtype {t.dtype} cannot be stored (supported: "
+                                  f"{', '.join(str(d) for d in _SAFETENSORS_DTYPES)})")
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        def write(data: memoryview) -> None:
+            f.write(data)
+            digest.update(data)
+
+        write(memoryview(struct.pack("<Q", len(text)) + text))
+        for _, t in tensors:
+            if t.numel():
+                host = t.detach().to("cpu").contiguous()  # the tensor itself when already so
+                write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))  # [numel * element_size]
+                del host  # a copy goes before the next one is made
+        f.flush()
+        os.fsync(f.fileno())
+    return {"sha256": digest.hexdigest(), "bytes": path.stat().st_size}
+
+
 def _rng_state() -> dict:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     version, state, gauss = random.getstate()
@@ -320,21 +366,20 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], step: int, model: nn.Modul
     tmp = ckpt_dir / f"{final.name}.tmp-{nonce}"
     tmp.mkdir(parents=True, exist_ok=True)
 
-    tensors, records = {}, []
+    pieces, records = [], []
     shard_name = f"rank_{rank:05d}.safetensors"
     for entry in entries:
         if not entry.writer:
             continue
         for k, (view, offsets, sizes) in enumerate(entry.pieces()):
             key = f"{entry.name}#{k}"
-            # A copy on the CPU: safetensors writes host memory and refuses shared storage.
-            tensors[key] = torch.empty(sizes, dtype=view.dtype).copy_(view)
+            pieces.append((key, view))
             records.append({"name": entry.name, "key": key, "file": shard_name, "offsets": list(offsets),
                             "sizes": list(sizes)})
-    save_file(tensors, str(tmp / shard_name))
+    files = {shard_name: _write_safetensors(tmp / shard_name, pieces)}
     rng_name = f"rng_{rank:05d}.json"
     (tmp / rng_name).write_text(json.dumps(_rng_state()))
-    files = {name: _file_record(tmp / name) for name in (shard_name, rng_name)}
+    files[rng_name] = _file_record(tmp / rng_name)
     meta = {e.name: {"shape": list(e.info.global_shape), "dtype": str(e.data.dtype).removeprefix("torch.")}
             for e in entries}
     gathered = _gather((records, files, meta), world, rank)

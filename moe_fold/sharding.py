@@ -62,6 +62,8 @@ def _segments(parts: list[int], size: int, rank: int, local: int, what: str) -> 
     """(local start, global start, length) of rank ``rank``'s chunk of each part."""
     if any(p % size for p in parts) or sum(parts) // size != local:
         raise ValueError(f"{what}: parts {parts} over {size} ranks do not give the local size {local}")
+    if size == 1:  # whole parts, adjacent in both tensors: one piece (contiguous, written without a copy)
+        return [(0, 0, local)]
     out, local_start, global_start = [], 0, 0
     for p in parts:
         n = p // size

@@ -3,23 +3,29 @@ schedule, extra, random states), the atomic save and its leftovers, keep_last, c
 files; then resharding on 4 gloo ranks: saved under one layout, loaded under another, the
 gathered global tensors equal the saved ones exactly and the next step's loss agrees; the
 same across pipeline layouts (pp, interleaved vpp, tied embeddings) on 2 and 4 ranks,
-where a same-layout resume continues bit for bit."""
+where a same-layout resume continues bit for bit; the streamed file reads back with the
+safetensors library, and saving adds no copy of the state to the peak memory."""
 
+import hashlib
 import json
 import math
 import logging
 import os
 import random
+import resource
 import warnings
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
-from moe_fold.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from moe_fold.checkpoint import (
+    CheckpointError, _write_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint,
+)
 from moe_fold.comm import all_reduce_
-from moe_fold.config import load_config
+from moe_fold.config import Config, ModelConfig, load_config
 from moe_fold.data.loader import Batch
 from moe_fold.launch import run_ranks
 from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
@@ -515,3 +521,40 @@ def test_pipeline_checkpoints_reshard_and_resume_on_2_ranks(tmp_path):
 def test_pipeline_checkpoints_reshard_and_resume_on_4_ranks(tmp_path):
     results = run_ranks(_pp_rank, 4, str(tmp_path), PP4_PAIRS, timeout=400)
     _check_pp_results(tmp_path, PP4_PAIRS, results)
+
+
+# --------------------------------------------------------------------------- writing without a copy
+
+def test_streamed_safetensors_file_reads_back_with_the_safetensors_library(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(4, 6, generator=gen)
+    tensors = [("f32#0", base), ("rows#0", base[1:3]), ("cols#0", base[:, 2:5]),  # a view, and a strided one
+               ("bf16#0", base.to(torch.bfloat16)), ("f64#0", base.double()[0]), ("scalar#0", torch.tensor(2.5)),
+               ("i64#0", torch.arange(5)), ("mask#0", base > 0), ("empty#0", torch.zeros(0, 3))]
+    record = _write_safetensors(tmp_path / "x.safetensors", tensors)
+    data = (tmp_path / "x.safetensors").read_bytes()
+    assert record == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    back = load_file(tmp_path / "x.safetensors")
+    assert back.keys() == dict(tensors).keys()
+    for key, t in tensors:
+        assert back[key].dtype == t.dtype and torch.equal(back[key], t), key
+    with pytest.raises(CheckpointError, match=r"c#0: dtype torch.complex64 cannot be stored"):
+        _write_safetensors(tmp_path / "y.safetensors", [("c#0", torch.zeros(2, dtype=torch.complex64))])
+
+
+def test_save_adds_no_copy_of_the_model_to_peak_memory(tmp_path):
+    """Saving streams the live tensors to the file: the peak RSS grows by far less than the
+    state saved (copying the state before writing it would double it)."""
+    config = Config()
+    config.model = ModelConfig(vocab_size=4096, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                               ffn_hidden_size=512, seq_length=16)
+    config.moe.num_experts, config.moe.topk, config.moe.ffn_hidden_size = 8, 2, 512
+    model, opt, _ = _setup(config, ONE)
+    state = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # weights and two moments
+    assert state > 100 * 2**20
+    with open("/proc/self/clear_refs", "w") as f:  # the peak RSS starts again from the current RSS
+        f.write("5")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    save_checkpoint(tmp_path, 0, model, opt, None, {}, ONE, keep_last=1)
+    extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    assert extra < 0.1 * state, (extra, state)
