@@ -166,6 +166,10 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16-autocast | bf16
     recompute: str = "none"  # none | full | moe | expert_act
     on_nonfinite: str = "skip"  # skip | stop
+    # A loss above loss_spike_factor x the median of the previous loss_spike_window
+    # losses is logged as a spike (metrics.jsonl loss_spike, a warning); 0: off.
+    loss_spike_factor: float = 3.0
+    loss_spike_window: int = 20
 
 
 @dataclass
@@ -771,6 +775,8 @@ def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[s
     _one_of(out, "train.precision", t.precision, ("fp32", "bf16-autocast", "bf16"))
     _one_of(out, "train.recompute", t.recompute, ("none", "full", "moe", "expert_act"))
     _one_of(out, "train.on_nonfinite", t.on_nonfinite, ("skip", "stop"))
+    _at_least(out, "train.loss_spike_factor", t.loss_spike_factor, 0)
+    _at_least(out, "train.loss_spike_window", t.loss_spike_window, 1)
 
 
 def _check_optimizer(config: Config, out: list[str]) -> None:

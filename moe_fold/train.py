@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -37,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, ConfigError, dump_config, validate
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
+from moe_fold.numerics import LossSpikes, first_nonfinite_module
 from moe_fold.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
 
 __all__ = ["TrainResult", "check_trainable", "train", "apply_recompute", "build_groups", "read_metrics"]
@@ -269,6 +272,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     begin = time.perf_counter()
     train_params = list(state_model.parameters())
     last_step = t.steps if stop_at is None else min(stop_at, t.steps)
+    spikes = LossSpikes(t.loss_spike_factor, t.loss_spike_window)
     try:
         for step in range(start_step + 1, last_step + 1):
             step_begin = time.perf_counter()
@@ -278,25 +282,42 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             losses = forward_backward(model, micro_batches, groups, config, forward_context=forward_context,
                                       dynamic_cp=dynamic_cp)
             lm_loss = losses.sum()
+            all_reduce_(lm_loss, groups.dp_cp)
+            lm = (lm_loss / groups.size("dp_cp")).item()
             if master is not None:
                 master.grads_to_master()
             lr = scheduler.get_last_lr()
-            grad_norm = apply_gradients(train_params, optimizer, groups, config.optimizer.clip_grad)
-            finite = bool(torch.isfinite(grad_norm))
+            if math.isfinite(lm):
+                grad_norm = apply_gradients(train_params, optimizer, groups, config.optimizer.clip_grad)
+            else:
+                # No step; the loss is global, so every rank leaves the grads unsynced alike.
+                grad_norm = torch.tensor(float("nan"))
+            finite = math.isfinite(lm) and bool(torch.isfinite(grad_norm))
             if finite and master is not None:
                 master.master_to_model()
-            if not finite and t.on_nonfinite == "stop":
-                raise FloatingPointError(f"step {step}: gradient norm is {grad_norm.item()}; stopping "
-                                         f"(train.on_nonfinite=stop)")
+            nonfinite = {}
+            if not finite:
+                where = _first_nonfinite(model, micro_batches, groups, config, device, dynamic_cp)
+                problem = (f"step {step}: loss {lm}, gradient norm {grad_norm.item()}; first non-finite output: "
+                           f"{where or 'none (the forward ran again is finite)'}")
+                if t.on_nonfinite == "stop":
+                    raise FloatingPointError(f"{problem}; stopping (train.on_nonfinite=stop)")
+                if rank == 0:
+                    warnings.warn(f"{problem}; step skipped (train.on_nonfinite=skip)", stacklevel=2)
+                nonfinite = {"nonfinite_module": where}
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             routing = collector.finish_step(groups)
-            all_reduce_(lm_loss, groups.dp_cp)
-            lm = (lm_loss / groups.size("dp_cp")).item()
             seconds = time.perf_counter() - step_begin
-            record = {"step": step, "loss": lm + routing.pop("weighted_loss", 0.0), "lm_loss": lm,
-                      "grad_norm": grad_norm.item(), "lr": lr, "tokens_per_s": tokens_per_step / seconds,
-                      "skipped": not finite, **routing}
+            loss = lm + routing.pop("weighted_loss", 0.0)
+            median = spikes.median()
+            spike = spikes.check(loss)
+            if spike and rank == 0:
+                warnings.warn(f"step {step}: loss spike: {loss:.6g} > train.loss_spike_factor={t.loss_spike_factor} "
+                              f"x {median:.6g}, the median of the previous {t.loss_spike_window} losses", stacklevel=2)
+            record = {"step": step, "loss": loss, "lm_loss": lm, "grad_norm": grad_norm.item(), "lr": lr,
+                      "tokens_per_s": tokens_per_step / seconds, "skipped": not finite, "loss_spike": spike,
+                      **nonfinite, **routing}
             logger.log(record, collector)
             result.losses.append(record["loss"])
             if step % t.save_every == 0 or step == last_step:
@@ -313,6 +334,30 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     if rank == 0 and console is not None:
         logger.print_summary(result)
     return result
+
+
+def _first_nonfinite(model: nn.Module, micro_batches: list, groups: ProcessGroups, config: Config,
+                     device: torch.device, dynamic_cp) -> Optional[str]:
+    """The first module whose output is non-finite when the step's forwards run again
+    (:func:`moe_fold.numerics.first_nonfinite_module`; a collective: every rank runs its
+    part, pipeline stages included), named with its rank when there are several; None
+    when every output is finite (the non-finite values arose in the backward)."""
+    from moe_fold.step import forward_backward
+
+    def run():
+        forward_backward(model, micro_batches, groups, config, forward_only=True, dynamic_cp=dynamic_cp,
+                         forward_context=lambda: autocast(config.train.precision, device))
+
+    found = first_nonfinite_module(model, run)
+    world = groups.layout.world_size
+    if world == 1:
+        return found[0] if found else None
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, None if found is None else (groups.rank_in("pp"), found[1], groups.rank, found[0]))
+    # The earliest stage, then the earliest output: a non-finite value spreads from where it
+    # started (to other ep ranks through the combine, to later stages) and only later.
+    first = min((f for f in everyone if f is not None), default=None)
+    return None if first is None else f"{first[3]} (rank {first[2]})"
 
 
 def _save(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, loader, groups: ProcessGroups,
