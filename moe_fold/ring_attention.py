@@ -25,10 +25,10 @@ takes it back in its backward; handles GQA natively); on any other device a matm
 block in float32 (correct everywhere, not fused; a fused CUDA block is future work).
 
 Packed documents: with ``doc_shards`` (every cp rank's document ids of its shard) each
-block is further restricted to query/key pairs of the same document. A block no pair of
-which may meet is skipped; one whose mask is all-visible or exactly causal keeps the
-fused kernel; any other runs the matmul-softmax block with the mask. A query row that
-sees nothing in a block has lse ``-inf`` there and adds nothing in the merge.
+block runs varlen: for every document on both sides, its queries against its keys with
+the same block kernel (causal on the diagonal block), so the work is the documents'
+pairs, not the block's; a block without a shared document is skipped. A query row whose
+document has no keys in a block has lse ``-inf`` there and adds nothing in the merge.
 """
 
 from __future__ import annotations
@@ -53,32 +53,29 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _masked_scores(s, causal, mask):
-    """Scores ``[B, Hkv, g, Sq, Sk]`` with hidden pairs at -inf (``mask [B, Sq, Sk]``: visible)."""
-    sq, sk = s.shape[-2:]
+def _causal_scores(s, causal):
+    """Scores ``[B, Hkv, g, Sq, Sk]`` with key j > query i at -inf when ``causal``."""
     if causal:
+        sq, sk = s.shape[-2:]
         s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(), -math.inf)
-    if mask is not None:
-        s = s.masked_fill(~mask[:, None, None], -math.inf)
     return s
 
 
-def _math_forward(q, k, v, causal, scale, mask=None):
+def _math_forward(q, k, v, causal, scale):
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
     # GQA without copying K/V: the g query heads of one kv head become one batch row.
     acc = _acc_dtype(q.dtype)
     qg = q.reshape(b, hkv, hq // hkv, sq, d).to(acc)  # [B, Hkv, g, Sq, D]
     s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale  # [B, Hkv, g, Sq, Sk]
-    s = _masked_scores(s, causal, mask)
-    lse = s.logsumexp(-1)  # [B, Hkv, g, Sq]; -inf for a row that sees no key
-    # A row without keys gets p = exp(-inf - 0) = 0 and out 0, not NaN.
-    p = (s - lse.masked_fill(lse == -math.inf, 0).unsqueeze(-1)).exp()
+    s = _causal_scores(s, causal)
+    lse = s.logsumexp(-1)  # [B, Hkv, g, Sq]
+    p = (s - lse.unsqueeze(-1)).exp()
     out = torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(acc))  # [B, Hkv, g, Sq, D]
     return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq)
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
+def _math_backward(dout, q, k, v, out, lse, causal, scale):
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
     g, acc = hq // hkv, _acc_dtype(q.dtype)
@@ -86,7 +83,7 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     dog = dout.reshape(b, hkv, g, sq, d).to(acc)
     og = out.reshape(b, hkv, g, sq, d).to(acc)
     s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale  # [B, Hkv, g, Sq, Sk]
-    s = _masked_scores(s, causal, mask)
+    s = _causal_scores(s, causal)
     p = (s - lse.reshape(b, hkv, g, sq, 1)).exp()
     dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dog)  # [B, Hkv, Sk, D]
     dp = torch.einsum("bhgqd,bhkd->bhgqk", dog, v.to(acc))
@@ -98,18 +95,15 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
 
 
 def block_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                            scale: float, mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block with its log-sum-exp.
 
     q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, Sk, D]`` (Hq a multiple of Hkv, query head h uses
     kv head ``h // (Hq/Hkv)``). ``causal`` masks key j > query i (top-left aligned; the ring
     uses it only on square blocks). Returns out ``[B, Hq, Sq, D]`` (q's dtype) and lse
     ``[B, Hq, Sq]`` (float32, float64 for float64 inputs: the natural log of the softmax
-    denominator of the scaled scores). ``mask`` bool ``[B, Sq, Sk]`` (True: visible) hides
-    more pairs; a row that sees no key gets out 0 and lse ``-inf``.
+    denominator of the scaled scores).
     """
-    if mask is not None:
-        return _math_forward(q, k, v, causal, scale, mask)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
@@ -118,15 +112,13 @@ def block_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 def block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                             mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of one block given the row's FINAL ``out`` and ``lse`` (over all blocks).
 
     With the final statistics the block grads are exact shares of the full grads: summing
     dq over blocks and concatenating dk/dv gives the grads of attention over all keys.
     """
-    if mask is not None:
-        return _math_backward(dout, q, k, v, out, lse, causal, scale, mask)
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
@@ -156,22 +148,40 @@ def _merge_(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse
     lse.copy_(new)
 
 
-def _block_mask(doc_shards: Optional[torch.Tensor], rank: int, src: int, rows: slice, kv_rows: slice,
-                causal: bool) -> tuple[bool, bool, Optional[torch.Tensor]]:
-    """(run this block?, causal kernel?, extra mask or None) for one ring block, given every
-    cp rank's document ids ``doc_shards [cp, B, S_local]`` (None: one document)."""
-    if doc_shards is None:
-        return True, causal, None
-    mask = doc_shards[rank][:, rows].unsqueeze(2) == doc_shards[src][:, kv_rows].unsqueeze(1)  # [B, Sq, Sk]
-    if causal:
-        mask = mask & torch.ones(mask.shape[1:], dtype=torch.bool, device=mask.device).tril()
-        if bool(mask.all(dim=0).equal(torch.ones_like(mask[0]).tril())):
-            return True, True, None
-    if not bool(mask.any()):
-        return False, False, None
-    if bool(mask.all()):
-        return True, False, None
-    return True, False, mask
+def _doc_pieces(doc_q: torch.Tensor, doc_k: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """``(batch row, query indices, key indices)`` of every document present on both sides
+    of a block (``doc_q [B, Sq]``, ``doc_k [B, Sk]``): the only query/key pairs that may
+    meet. Empty when the block has nothing to compute."""
+    pieces = []
+    for b in range(doc_q.shape[0]):
+        for d in torch.unique(doc_q[b]).tolist():
+            keys = torch.nonzero(doc_k[b] == d).flatten()
+            if len(keys):
+                pieces.append((b, torch.nonzero(doc_q[b] == d).flatten(), keys))
+    return pieces
+
+
+def _pieces_forward(q, k, v, pieces, causal, scale):
+    """Block attention restricted to ``pieces`` (:func:`_doc_pieces`): each document's
+    queries against its keys (causal on the diagonal block, where both sides are the same
+    tokens in position order). Rows of documents without keys here get out 0, lse -inf."""
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:3], -math.inf, dtype=_acc_dtype(q.dtype), device=q.device)
+    for b, qi, ki in pieces:
+        o, l = block_attention_forward(q[b:b + 1, :, qi], k[b:b + 1, :, ki], v[b:b + 1, :, ki], causal, scale)
+        out[b, :, qi], lse[b, :, qi] = o[0], l[0].to(lse.dtype)
+    return out, lse
+
+
+def _pieces_backward_(dq, dk, dv, dout, q, k, v, out, lse, pieces, causal, scale):
+    """Add the block's grads over ``pieces`` into the accumulators, in place."""
+    for b, qi, ki in pieces:
+        bq, bk, bv = block_attention_backward(dout[b:b + 1, :, qi], q[b:b + 1, :, qi], k[b:b + 1, :, ki],
+                                              v[b:b + 1, :, ki], out[b:b + 1, :, qi], lse[b:b + 1, :, qi],
+                                              causal, scale)
+        dq[b].index_add_(1, qi, bq[0].to(dq.dtype))
+        dk[b].index_add_(1, ki, bk[0].to(dk.dtype))
+        dv[b].index_add_(1, ki, bv[0].to(dv.dtype))
 
 
 def _ring_peers(group: Group) -> tuple[int, int, int, int]:
@@ -195,15 +205,16 @@ class _RingAttention(torch.autograd.Function):
         for i in range(cp):
             src = (rank - i) % cp
             rows, kv_rows, masked = _step_blocks(i, src, rank, c, causal)
-            run, masked, mask = _block_mask(doc_shards, rank, src, rows, kv_rows, masked)
-            # Step 0 always runs: every token sees itself.
-            if run:
-                blk_out, blk_lse = block_attention_forward(
-                    _rows(q, rows), _rows(kb, kv_rows), _rows(vb, kv_rows), masked, scale, mask)
-                if i == 0:  # step 0 covers every local row
-                    out, lse = blk_out.to(blk_lse.dtype), blk_lse.clone()
-                else:
-                    _merge_(_rows(out, rows), _rows(lse, rows), blk_out, blk_lse)
+            bq, bk, bv = _rows(q, rows), _rows(kb, kv_rows), _rows(vb, kv_rows)
+            if doc_shards is None:
+                blk_out, blk_lse = block_attention_forward(bq, bk, bv, masked, scale)
+            else:
+                pieces = _doc_pieces(doc_shards[rank][:, rows], doc_shards[src][:, kv_rows])
+                blk_out, blk_lse = _pieces_forward(bq, bk, bv, pieces, masked, scale)
+            if i == 0:  # step 0 covers every local row (every token sees itself)
+                out, lse = blk_out.to(blk_lse.dtype), blk_lse.clone()
+            elif doc_shards is None or pieces:
+                _merge_(_rows(out, rows), _rows(lse, rows), blk_out, blk_lse)
             if i < cp - 1:
                 kb, vb = batch_send_recv(
                     [("send", kb, nxt), ("send", vb, nxt),
@@ -230,14 +241,17 @@ class _RingAttention(torch.autograd.Function):
         for i in range(cp):
             src = (rank - i) % cp
             rows, kv_rows, masked = _step_blocks(i, src, rank, c, causal)
-            run, masked, mask = _block_mask(ctx.doc_shards, rank, src, rows, kv_rows, masked)
-            if run:
-                bq, bk, bv = block_attention_backward(
-                    _rows(dout, rows), _rows(q, rows), _rows(kb, kv_rows), _rows(vb, kv_rows),
-                    _rows(out, rows), _rows(lse, rows), masked, scale, mask)
+            args = (_rows(dout, rows), _rows(q, rows), _rows(kb, kv_rows), _rows(vb, kv_rows),
+                    _rows(out, rows), _rows(lse, rows))
+            if ctx.doc_shards is None:
+                bq, bk, bv = block_attention_backward(*args, masked, scale)
                 _rows(dq, rows).add_(bq)
                 _rows(dk, kv_rows).add_(bk)
                 _rows(dv, kv_rows).add_(bv)
+            else:
+                pieces = _doc_pieces(ctx.doc_shards[rank][:, rows], ctx.doc_shards[src][:, kv_rows])
+                _pieces_backward_(_rows(dq, rows), _rows(dk, kv_rows), _rows(dv, kv_rows), *args, pieces,
+                                  masked, scale)
             if i < cp - 1:
                 kb, vb, dk, dv = batch_send_recv(
                     [("send", kb, nxt), ("send", vb, nxt), ("send", dk, nxt), ("send", dv, nxt),
