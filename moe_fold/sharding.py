@@ -3,7 +3,8 @@
 A parameter's local tensor is made of *pieces*: boxes (an offset and a size per dim) of
 the local tensor, each equal to a box of the global tensor. A ``"tp"`` parameter with
 fused parts (q|k|v, gate|up) has one piece per part, since a rank holds a chunk of each
-part (:func:`moe_fold.tensor_parallel.shard_tp`); an expert parameter is also cut along
+part (:func:`moe_fold.tensor_parallel.shard_tp`); on a dim split over one rank the whole
+parts are adjacent in both tensors, one piece. An expert parameter is also cut along
 dim 0 over ep (rank ``e`` holds experts ``[e*E_local, (e+1)*E_local)``) and along its etp
 dim over etp; a replicated parameter is one piece, the whole tensor.
 
