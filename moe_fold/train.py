@@ -208,7 +208,6 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     run_dir = Path(t.run_dir)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(config, run_dir / "config.yaml")
 
     dataset = _dataset(config, groups)
     dynamic_cp = None
@@ -261,6 +260,9 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             load_hf_into(state_model, config.init.from_hf, groups)
         if master is not None:
             master.master_to_model()
+    if rank == 0:
+        # Only now: a resume that fails on its checkpoint leaves the run folder as it was.
+        dump_config(config, run_dir / "config.yaml")
     logger = MetricsLogger(config, groups, console=console if rank == 0 else None, progress=progress,
                            start_step=start_step)
     if rank == 0 and console is not None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from moe_fold.config import Config, head_dim, moe_layer_flags
 
@@ -52,10 +52,16 @@ class SafetensorsFolder:
         self._stack = contextlib.ExitStack()
         self._handles: dict[str, object] = {}
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise HFWeightError(f"{index}: not a safetensors index (JSON with a weight_map): {err!r}") from err
             self.files = {name: self.path / file for name, file in weight_map.items()}
+            missing = sorted({f.name for f in self.files.values() if not f.is_file()})
+            if missing:
+                raise FileNotFoundError(f"{index} lists {', '.join(missing)}, missing from {self.path}")
         elif single.is_file():
-            with safe_open(str(single), framework="pt") as f:
+            with _open_safetensors(single) as f:
                 self.files = {name: single for name in f.keys()}
         else:
             raise FileNotFoundError(f"{self.path} holds neither model.safetensors nor model.safetensors.index.json")
@@ -72,7 +78,7 @@ class SafetensorsFolder:
             raise HFWeightError(f"{self.path}: the checkpoint has no tensor {name!r}")
         file = str(self.files[name])
         if file not in self._handles:
-            self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt"))
+            self._handles[file] = self._stack.enter_context(_open_safetensors(Path(file)))
         return self._handles[file].get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -81,6 +87,13 @@ class SafetensorsFolder:
     def read(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The box ``offsets``/``sizes`` of tensor ``name``; only that box is read."""
         return self._slice(name)[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+
+
+def _open_safetensors(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as err:
+        raise HFWeightError(f"{path}: not a readable safetensors file (truncated or damaged?): {err}") from err
 
 
 @dataclass(frozen=True)
