@@ -76,8 +76,14 @@ def run(args: argparse.Namespace) -> int:
     world = torchrun or args.nproc or 1
     try:
         config = load_config(args.config, args.overrides)
+        if config.init.from_hf is not None:
+            from moe_fold.models.hf import hf_config
+
+            # The architecture (and tokenizer) come from the Hugging Face folder; the
+            # preset or file keeps the rest (layout, data, optimizer, training).
+            config = hf_config(config.init.from_hf, config)
         check_trainable(config, world)
-    except ConfigError as e:
+    except (ValueError, OSError) as e:  # ConfigError, HFConfigError, unreadable files
         err.print(f"error: {e}", markup=False, highlight=False)
         return 2
     progress = not args.no_progress
