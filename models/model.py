@@ -24,7 +24,8 @@ Layers keep their global index in parameter names (``layers.{i}``) under every s
 Packed documents: a micro-batch may carry :class:`moe_fold.varlen.Documents`
 (:meth:`Transformer.documents` builds it from the loader's ``cu_seqlens`` and real-token
 mask): attention stays inside each document, and MoE routers leave padding out of their
-losses and counts.
+losses and counts. The per-sequence aux loss (``moe.seq_aux_loss_coeff``) balances each
+sample (loader row) of a micro-batch, not each packed document.
 """
 
 from __future__ import annotations
@@ -74,8 +75,15 @@ class Block(nn.Module):
                 docs: Optional[Documents] = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, docs)  # [S_local, B, H]
         h = self.mlp_norm(x).flatten(0, 1)  # [S_local*B, H]
-        if docs is not None and docs.token_mask is not None and isinstance(self.mlp, MoELayer):
-            h = self.mlp(h, loss_mask=docs.token_mask)
+        if isinstance(self.mlp, MoELayer):
+            s_local, batch = x.shape[0], x.shape[1]
+            # Sequence-first flattening: row t is sample t % B. SP (tp) and cp shards hold
+            # slices of the same B samples, so the router's tp x cp sums meet per sample. A
+            # sample is the loader's row even when it packs several documents (Megatron's
+            # seq_aux_loss counts per sample too).
+            seq_ids = torch.arange(batch, device=h.device).repeat(s_local)  # [S_local*B]
+            loss_mask = docs.token_mask if docs is not None else None
+            h = self.mlp(h, loss_mask=loss_mask, seq_ids=seq_ids, num_seqs=batch)
         else:
             h = self.mlp(h)
         return x + h.reshape(x.shape)
@@ -85,7 +93,8 @@ def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
     """The MLP of ``layer``: an MoE layer where ``moe_layer_flags`` says so, else dense.
 
     The MoE layer is built as ``MoELayer(config, groups, layer)`` and called as
-    ``mlp(hidden [T_local, H]) -> [T_local, H]``. It marks its parameters for gradient
+    ``mlp(hidden [T_local, H], loss_mask=, seq_ids=, num_seqs=) -> [T_local, H]`` (real
+    tokens; each token's sample in the micro-batch, for the per-sequence aux loss). It marks its parameters for gradient
     sync (``moe_fold.tensor_parallel.mark``): experts ``"expert"``; router weights and a
     shared-expert gate ``"tp_sum"`` under SP (each tp rank routes its own tokens); a
     shared expert built as :class:`MLP` is already marked.

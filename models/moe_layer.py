@@ -80,7 +80,9 @@ class MoELayer(nn.Module):
         """This rank's tokens ``hidden [T_local, H]`` -> ``[T_local, H]``.
 
         ``loss_mask``, ``seq_ids`` and ``num_seqs`` go to :meth:`Router.forward` (padding
-        left out of the losses; per-sequence aux loss)."""
+        left out of the losses; per-sequence aux loss). :class:`~moe_fold.models.model.Block`
+        passes ``seq_ids[t] = t % B``, the sample of token ``t`` in the ``[S_local, B]`` order,
+        and ``num_seqs = B``."""
         routing = self.router(hidden, loss_mask=loss_mask, seq_ids=seq_ids, num_seqs=num_seqs)
         self.last_losses, self.last_stats = routing.losses, routing.stats
         sent = self.dispatcher.dispatch(hidden, routing.probs, routing.routing_map)  # [N, H] by local expert
