@@ -62,9 +62,11 @@ def check_trainable(config: Config, world_size: int) -> None:
     """``validate`` plus what the loop itself cannot do yet; raises ConfigError."""
     validate(config, world_size)
     problems = []
-    if config.moe.seq_aux_loss_coeff > 0:
-        problems.append(f"moe.seq_aux_loss_coeff={config.moe.seq_aux_loss_coeff}: the model does not pass sequence "
-                        f"ids to the router yet; use moe.aux_loss_coeff (batch-level) instead")
+    if config.moe.seq_aux_loss_coeff > 0 and config.parallel.dynamic_cp:
+        # Dynamic cp concatenates documents of different samples on one row, so the
+        # router can no longer tell which sample a token came from.
+        problems.append(f"moe.seq_aux_loss_coeff={config.moe.seq_aux_loss_coeff} needs the micro-batch's samples, "
+                        f"which parallel.dynamic_cp=true regroups; use moe.aux_loss_coeff (batch-level) instead")
     if problems:
         raise ConfigError(problems)
 
