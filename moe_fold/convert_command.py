@@ -11,8 +11,9 @@ The direction follows INPUT:
 Weights stream one tensor at a time: Hugging Face tensors are read slice by slice
 straight into the model (never all loaded first), and the export gathers one parameter
 at a time and writes safetensors shards as they fill. Peak memory: exporting, the model
-plus one shard; importing, the model plus the host copy of it that the checkpoint
-writer (moe_fold.checkpoint.save_checkpoint) makes before writing. With --nproc N the
+plus one shard; importing, the model (the checkpoint writer streams from the live
+tensors; pages of the memory-mapped Hugging Face files count in RSS while they are read
+but are the system's to reclaim). With --nproc N the
 work is split over N local ranks in the layout of --set parallel.* (e.g.
 parallel.ep=N: each rank holds 1/N of the experts), which divides each process's memory.
 """
