@@ -29,8 +29,7 @@ import torch.nn.functional as F
 
 from moe_fold.comm import Group
 
-__all__ = ["Documents", "doc_ids_from_cu_seqlens", "segment_bounds", "document_mask", "varlen_attention",
-           "router_token_mask"]
+__all__ = ["Documents", "doc_ids_from_cu_seqlens", "segment_bounds", "varlen_attention", "router_token_mask"]
 
 
 @dataclass
@@ -80,17 +79,6 @@ def segment_bounds(doc_ids: torch.Tensor) -> list[int]:
     change[1:] = flat[1:] != flat[:-1]
     change[::S] = True
     return torch.nonzero(change).flatten().tolist() + [B * S]
-
-
-def document_mask(doc_q: torch.Tensor, doc_k: torch.Tensor, pos_q: Optional[torch.Tensor] = None,
-                  pos_k: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Bool ``[B, Sq, Sk]``: query i may see key j (same document and, when positions are
-    given, ``pos_k[j] <= pos_q[i]``). ``doc_q [B, Sq]``, ``doc_k [B, Sk]``, positions
-    ``[Sq]``/``[Sk]`` (the tokens' indices in the natural-order sequence)."""
-    mask = doc_q.unsqueeze(2) == doc_k.unsqueeze(1)
-    if pos_q is not None:
-        mask = mask & (pos_k.unsqueeze(0) <= pos_q.unsqueeze(1))
-    return mask
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: Optional[torch.Tensor],
