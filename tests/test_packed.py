@@ -279,3 +279,37 @@ def test_loader_token_mask_marks_padding(tmp_path):
         assert (s.loss_mask[~s.token_mask] == 0).all()
     batch = collate([ds.raw_sample(j) for j in range(len(ds))])
     assert batch.token_mask.shape == batch.tokens.shape and batch.token_mask.dtype == torch.bool
+
+
+# --------------------------------------------------------------------------- training steps
+
+def _packed_steps_rank(rank, world, parallel):
+    from moe_fold.grads import sync_grads
+
+    config = _config(**parallel)
+    groups = create_process_groups(ParallelLayout(world, cp=parallel.get("cp", 1), pp=parallel.get("pp", 1)))
+    model = build_model(config, groups)
+    cp, cp_rank = groups.size("cp"), groups.rank_in("cp")
+    batches = [_packed_batch(row_docs=docs).cp_slice(cp_rank, cp) for docs in (ROW_DOCS, [[3, 13], [16]])]
+    losses = forward_backward(model, batches, groups, config)
+    sync_grads(model.parameters(), groups)
+    loss = losses.sum().clone()
+    torch.distributed.all_reduce(loss, group=groups.dp_cp)
+    return loss.item() / groups.size("dp_cp"), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("parallel", [dict(cp=2, cp_kind="ring"), dict(pp=2)], ids=["cp2-ring", "pp2"])
+def test_packed_training_step_equals_one_process(parallel):
+    """Two packed micro-batches through forward_backward: ring cp 2 (grads too) and a
+    2-stage pipeline, whose middle stage gets the documents as side input, give one
+    process's loss."""
+    config = _config()
+    model = build_model(config, ProcessGroups.single_process())
+    batches = [_packed_batch(row_docs=docs) for docs in (ROW_DOCS, [[3, 13], [16]])]
+    loss = forward_backward(model, batches, ProcessGroups.single_process(), config).sum().item()
+    results = run_ranks(_packed_steps_rank, 2, parallel, timeout=180)
+    for got, grads in results:
+        assert got == pytest.approx(loss, rel=1e-5)
+        if "cp" in parallel:
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
