@@ -4,7 +4,8 @@
 (rows are grouped expert-major) by ``w[e]``. Backends:
 
 - ``grouped_gemm``: the grouped-gemm package (CUDA, bfloat16; ``pip install 'moe-fold[gpu]'``);
-- ``torch``: ``torch.nn.functional.grouped_mm`` (CPU and CUDA; see gmm_torch.py);
+- ``torch``: ``torch.nn.functional.grouped_mm`` (CPU and CUDA), or ``torch.bmm`` on CPU
+  when every group has the same size (see gmm_torch.py);
 - ``triton``: our Triton kernels (CUDA, or the CPU interpreter with TRITON_INTERPRET=1);
 - ``loop``: one matmul per expert, the reference;
 - ``auto``: the fastest one available for the device and dtype (see ``_auto``).
@@ -149,7 +150,7 @@ def gmm(
     if name == "torch":
         from .gmm_torch import gmm_torch
 
-        return gmm_torch(x, w, counts_t, trans_b)
+        return gmm_torch(x, w, counts_t, trans_b, host)
     from .gmm_triton import gmm_triton
 
     return gmm_triton(x, w, counts_t, trans_b)

@@ -10,17 +10,21 @@ import pytest
 import torch
 
 from moe_fold.kernels.gmm import available_backends, gmm, resolve_backend
+from moe_fold.kernels.gmm_torch import torch_path
 
 HAS_GROUPED_GEMM = importlib.util.find_spec("grouped_gemm") is not None and torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# (counts, K, M): empty experts, one expert with every token, N = 0, odd sizes.
+# (counts, K, M): empty experts, one expert with every token, N = 0, odd sizes; equal
+# counts (the torch backend's bmm path on CPU: N = 0, one expert, odd and even sizes).
 CASES = [
     ([5, 0, 9, 3], 16, 32),
     ([0, 37, 0], 24, 40),
     ([0, 0, 0], 8, 16),
     ([13, 1, 0, 7, 16], 5, 7),
     ([64], 32, 24),
+    ([7, 7, 7], 5, 9),
+    ([16, 16, 16, 16], 24, 40),
 ]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -67,18 +71,63 @@ def test_float32(backend, counts, k, m, trans_b):
     _check(backend, counts, k, m, trans_b, torch.float32)
 
 
+@pytest.mark.parametrize("counts", [[6, 0, 19, 2], [9, 9]])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
-def test_half_dtypes(backend, trans_b, dtype):
-    _check(backend, [6, 0, 19, 2], 24, 40, trans_b, dtype)
+def test_half_dtypes(backend, trans_b, dtype, counts):
+    _check(backend, counts, 24, 40, trans_b, dtype)
 
 
+@pytest.mark.parametrize("counts", [[3, 0, 9], [6, 6]])
 @pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
-def test_grad_of_sum(backend):
+def test_grad_of_sum(backend, counts):
     # The gradient of .sum() is an expanded tensor with zero strides.
-    _check(backend, [3, 0, 9], 16, 32, False, torch.float32, grad_kind="sum")
-    _check(backend, [3, 0, 9], 24, 40, True, torch.float32, grad_kind="sum")
+    _check(backend, counts, 16, 32, False, torch.float32, grad_kind="sum")
+    _check(backend, counts, 24, 40, True, torch.float32, grad_kind="sum")
+
+
+def test_torch_backend_path_choice():
+    # bmm only where the counts are known on the host, all equal, and the tensors on CPU;
+    # the tests above check both paths against the float64 loop.
+    x = torch.randn(4, 8)
+    assert torch_path(x, [2, 2]) == "bmm"
+    assert torch_path(x, [0, 0, 0]) == "bmm"
+    assert torch_path(x, [4]) == "bmm"
+    assert torch_path(x, [3, 1]) == "grouped_mm"
+    assert torch_path(x, [0, 4]) == "grouped_mm"
+    assert torch_path(x, None) == "grouped_mm"
+    assert torch_path(x.to("meta"), [2, 2]) == "grouped_mm"
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_torch_paths_agree_with_each_other(trans_b):
+    # The same equal-count problem through bmm (counts on the host) and through grouped_mm
+    # (the grouped_mm Function called directly): one answer within float32 rounding.
+    from moe_fold.kernels.gmm_torch import _GroupedMM
+
+    torch.manual_seed(2)
+    x = torch.randn(30, 12, requires_grad=True)
+    w = torch.randn(3, 20, 12) if trans_b else torch.randn(3, 12, 20)
+    w.requires_grad_()
+    g = torch.randn(30, 20)
+    y_bmm = gmm(x, w, [10, 10, 10], trans_b=trans_b, backend="torch")
+    grads_bmm = torch.autograd.grad(y_bmm, [x, w], g)
+    y_gmm = _GroupedMM.apply(x, w, torch.tensor([10, 20, 30], dtype=torch.int32), trans_b)
+    grads_gmm = torch.autograd.grad(y_gmm, [x, w], g)
+    torch.testing.assert_close(y_bmm, y_gmm, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads_bmm, grads_gmm):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_bmm_path_grads_to_one_operand_only():
+    torch.manual_seed(3)
+    x, w = torch.randn(8, 6), torch.randn(2, 6, 5)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(gmm(xg, w, [4, 4], backend="torch").sum(), [xg])
+    (dw,) = torch.autograd.grad(gmm(x, wg, [4, 4], backend="torch").sum(), [wg])
+    torch.testing.assert_close(dx, torch.cat([w[0].sum(1).expand(4, 6), w[1].sum(1).expand(4, 6)]))
+    torch.testing.assert_close(dw, torch.stack([x[:4].sum(0)[:, None].expand(6, 5), x[4:].sum(0)[:, None].expand(6, 5)]))
 
 
 @pytest.mark.skipif(not HAS_GROUPED_GEMM, reason="grouped_gemm package not installed or no CUDA (pip install 'moe-fold[gpu]')")
@@ -88,15 +137,16 @@ def test_grouped_gemm(counts, k, m, trans_b):
     _check("grouped_gemm", counts, k, m, trans_b, torch.bfloat16)
 
 
-def test_counts_as_list_and_non_contiguous_operands():
+@pytest.mark.parametrize("counts", [[4, 0, 7], [5, 5, 5]])
+def test_counts_as_list_and_non_contiguous_operands(counts):
     torch.manual_seed(1)
-    counts = [4, 0, 7]
     x = torch.randn(32, 11)[::2, :9]  # [16, 9] with a row stride of 22
     w = torch.randn(3, 40, 9).transpose(1, 2)[:, :, ::3]  # [3, 9, 14], no unit stride
-    x = x[:11]
+    x = x[: sum(counts)]
+    a, b = counts[0], counts[0] + counts[1]
+    ref = torch.cat([x[:a] @ w[0], x[a:b] @ w[1], x[b:] @ w[2]])
     for backend in ["torch", "triton", "loop"]:
         y = gmm(x, w, counts, backend=backend)
-        ref = torch.cat([x[:4] @ w[0], x[4:4] @ w[1], x[4:] @ w[2]])
         torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
 
 
