@@ -8,7 +8,10 @@ expert MLP over ``tokens * topk`` routed rows: fc1 ``[E, H, 2F]`` and fc2 ``[E, 
 each forward, dx and dw. ``ratio_to_dense`` is the time of the same GEMMs done as plain
 dense matmuls of the same total FLOPs (all rows against one weight), measured in the same
 run, divided by the backend's time: 1.0 is the physical limit. Candidates are timed
-interleaved, round after round, and medians are reported because the machine is noisy.
+interleaved, round after round, and medians are reported because the machine is noisy;
+``ms_cpu`` / ``ratio_to_dense_cpu`` are the same from process CPU time, which a loaded
+machine disturbs less. ``path`` names the op the ``torch`` backend ran (``bmm`` for equal
+groups on CPU, else ``grouped_mm``; see kernels/gmm_torch.py), null for other backends.
 """
 
 import argparse
@@ -28,6 +31,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from moe_fold.kernels.gmm import available_backends, gmm, resolve_backend  # noqa: E402
+from moe_fold.kernels.gmm_torch import torch_path  # noqa: E402
 
 
 def routing_counts(rows: int, experts: int, routing: str) -> list[int]:
@@ -108,22 +112,28 @@ def main(argv=None) -> None:
         steps = {"dense": make_step(None, counts, x, h, w1, w2, g1, g2)}
         steps.update({b: make_step(b, counts, x, h, w1, w2, g1, g2) for b in backends})
         times = {name: [] for name in steps}
+        cpu_times = {name: [] for name in steps}
         for name, step in steps.items():  # warm-up: caches, allocator, Triton compilation
             step()
         for _ in range(args.repeats):
             for name, step in steps.items():
                 _sync(device)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step()
                 _sync(device)
                 times[name].append(time.perf_counter() - t0)
+                cpu_times[name].append(time.process_time() - c0)
         ms_dense = statistics.median(times["dense"]) * 1e3
+        cpu_ms_dense = statistics.median(cpu_times["dense"]) * 1e3
         for b in backends:
             ms = statistics.median(times[b]) * 1e3
+            cpu_ms = statistics.median(cpu_times[b]) * 1e3
+            resolved = resolve_backend(b, x)
             print(json.dumps({
                 "bench": "gemm",
                 "backend": b,
-                "resolved": resolve_backend(b, x),
+                "resolved": resolved,
+                "path": torch_path(x, counts) if resolved == "torch" else None,
                 "routing": routing,
                 "device": str(device),
                 "dtype": args.dtype,
@@ -142,6 +152,9 @@ def main(argv=None) -> None:
                 "ms_dense": round(ms_dense, 3),
                 "gflops_dense": round(flops / ms_dense / 1e6, 2),
                 "ratio_to_dense": round(ms_dense / ms, 3),
+                "ms_cpu": round(cpu_ms, 3),
+                "ms_dense_cpu": round(cpu_ms_dense, 3),
+                "ratio_to_dense_cpu": round(cpu_ms_dense / cpu_ms, 3),
                 "rounds": args.repeats,
             }), flush=True)
 

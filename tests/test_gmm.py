@@ -228,7 +228,10 @@ def test_bench_gemm_prints_its_fields():
     for r in rows:
         assert r["bench"] == "gemm" and r["tokens_per_expert_mean"] == 12.0
         assert r["ratio_to_dense"] == pytest.approx(r["ms_dense"] / r["ms"], rel=0.02, abs=1e-3)
+        assert r["ratio_to_dense_cpu"] == pytest.approx(r["ms_dense_cpu"] / r["ms_cpu"], rel=0.02, abs=1e-3)
         assert r["gflops"] == pytest.approx(flops / r["ms"] / 1e6, rel=0.02, abs=0.006)
+    # 12 rows for each of the 4 experts are a batch for the torch backend; skewed ones are not.
+    assert [r["path"] for r in rows] == [None, "bmm", None, "grouped_mm"]
     skewed = rows[2]
     # Zipf shares 1, 1/2, 1/3, 1/4 of 48 rows floor to 23, 11, 7, 5; the remaining 2 go to expert 0.
     assert (skewed["tokens_per_expert_min"], skewed["tokens_per_expert_max"]) == (5, 25)
