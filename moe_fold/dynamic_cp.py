@@ -338,18 +338,18 @@ class DynamicCP:
         lengths = [b - a for a, b in (spans[d] for d in group.docs)]
         total = sum(lengths)
         pad = _padded(total, group.size) - total
+        runs = lengths + ([pad] if pad else [])
+        device = flat["tokens"].device
         if pad:
             # Padding: its own document, no loss, not counted by the router.
-            parts["tokens"].append(torch.zeros(pad, dtype=flat["tokens"].dtype))
-            parts["labels"].append(torch.zeros(pad, dtype=flat["labels"].dtype))
-            parts["loss_mask"].append(torch.zeros(pad, dtype=flat["loss_mask"].dtype))
-            parts["positions"].append(torch.arange(pad, dtype=flat["positions"].dtype))
+            for name in ("tokens", "labels", "loss_mask"):
+                parts[name].append(torch.zeros(pad, dtype=flat[name].dtype, device=device))
+            parts["positions"].append(torch.arange(pad, dtype=flat["positions"].dtype, device=device))
         seq = {name: torch.cat(p).unsqueeze(0) for name, p in parts.items()}  # [1, L]
-        doc_ids = torch.repeat_interleave(torch.arange(len(lengths) + (pad > 0)),
-                                          torch.tensor(lengths + ([pad] if pad else []))).unsqueeze(0)  # [1, L]
-        real = torch.arange(total + pad) < total
-        cu = torch.tensor([0] + list(torch.tensor(lengths + ([pad] if pad else [])).cumsum(0).tolist()),
-                          dtype=torch.int32)
+        doc_ids = torch.repeat_interleave(torch.arange(len(runs), device=device),
+                                          torch.tensor(runs, device=device)).unsqueeze(0)  # [1, L]
+        real = torch.arange(total + pad, device=device) < total
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(runs)]), dtype=torch.int32, device=device)
         i = self.cp_rank - group.start
         local = {name: zigzag_split(x, i, group.size, dim=1) for name, x in seq.items()}  # [1, L/c]
         token_mask = zigzag_split(real.unsqueeze(0), i, group.size, dim=1)
