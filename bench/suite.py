@@ -9,7 +9,7 @@ prints JSON lines on stdout; every line becomes one record, with ``suite_case`` 
 "start"}`` record (date, commit, load average, versions) and ends with an ``"end"`` one
 (seconds and outcome per case).
 
-Sizes: ``full`` finishes in a few minutes on a loaded 2-core CPU machine (12 cases, 200 s
+Sizes: ``full`` finishes in a few minutes on a loaded 2-core CPU machine (13 cases, about 210 s
 measured at load average 7-19), ``quick`` runs 9 cases at smaller shapes (170 s there: each
 case's start, importing torch and spawning ranks, takes 5-20 s of it), ``smoke`` only checks
 the plumbing (tiny shapes, one round). The dispatch
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-BENCHES = ("dispatch", "gemm", "permute", "moe_layer", "pipeline_bubble", "cp_attention", "train")
+BENCHES = ("dispatch", "gemm", "permute", "moe_layer", "pipeline_bubble", "cp_attention", "dynamic_cp", "train")
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,16 @@ def _cp_cases(size: str) -> list[Case]:
                                                "--head-dim", head_dim, "--cps", cps, "--repeats", repeats))]
 
 
+def _dynamic_cp_cases(size: str) -> list[Case]:
+    cp, seq, micro_batches, repeats = {
+        "smoke": ("2", "128", "1", "1"),
+        "quick": ("2", "512", "2", "2"),
+        "full": ("4", "1024", "4", "3"),
+    }[size]
+    return [Case("dynamic_cp", f"cp{cp}-seq{seq}", ("--cp", cp, "--seq", seq, "--micro-batches", micro_batches,
+                                                    "--repeats", repeats))]
+
+
 def _train_cases(size: str) -> list[Case]:
     micro_batch, seq, rounds, mm, impls = {
         "smoke": ("1", "32", "1", "256", "eager"),
@@ -135,7 +145,7 @@ def cases(size: str) -> list[Case]:
     if size not in ("smoke", "quick", "full"):
         raise ValueError(f"size={size!r} is not one of smoke, quick, full")
     return [*_dispatch_cases(size), *_gemm_cases(size), *_permute_cases(size), *_moe_layer_cases(size),
-            *_pipeline_cases(size), *_cp_cases(size), *_train_cases(size)]
+            *_pipeline_cases(size), *_cp_cases(size), *_dynamic_cp_cases(size), *_train_cases(size)]
 
 
 def select(all_cases: list[Case], only: str | None) -> list[Case]:

@@ -75,6 +75,15 @@ def _cp_attention(r: dict):
                             f"1 process / {r['cp']} ranks, time (ideal {r['cp']})")]
 
 
+def _dynamic_cp(r: dict):
+    case = f"{r['dist']} cp{r['cp']} seq{r['seq']} ({r['documents']} docs, max {r['max_doc']})"
+    return case, r["dynamic_ms"], [
+        ("time_ratio", _num(r["time_ratio"]), "static cp step / dynamic cp step (>1: dynamic faster)"),
+        ("balance", f"{r['static_balance']:.3f} -> {r['dynamic_balance']:.3f}",
+         "max / mean attention FLOPs per rank, static -> dynamic (1 = even)"),
+    ]
+
+
 def _train(r: dict):
     if "skipped" in r:
         return r["candidate"], None, [("skipped", "", r["skipped"])]
@@ -100,7 +109,8 @@ def _other(r: dict):
 
 
 ROWS = {"dispatch": _dispatch, "gemm": _gemm, "permute": _permute, "moe_layer": _moe_layer,
-        "pipeline_bubble": _pipeline_bubble, "cp_attention": _cp_attention, "train": _train}
+        "pipeline_bubble": _pipeline_bubble, "cp_attention": _cp_attention, "dynamic_cp": _dynamic_cp,
+        "train": _train}
 
 
 def rows(records: list[dict]) -> list[tuple[str, str, str, str, str]]:
