@@ -14,7 +14,8 @@ in float32, on one micro-batch of ``--micro-batch`` sequences of the preset's
 - ``hf:<impl>``: the same weights exported with :func:`moe_fold.models.to_hf` and loaded as
   ``MixtralForCausalLM`` (SDPA attention), once per experts implementation transformers
   registers (``eager`` and ``ALL_EXPERTS_FUNCTIONS``; one that cannot run here gets a
-  ``skipped`` line), ``torch.optim.AdamW``, loss = cross entropy + its router aux loss;
+  ``skipped`` line), ``torch.optim.AdamW(fused=True)`` (the kernel ours runs, so both
+  optimizer steps cost the same), loss = cross entropy + its router aux loss;
 - ``matmul``: an ``--mm`` x ``--mm`` float32 matmul, the machine's dense FLOP/s.
 
 Before timing, the first forward's LM loss of every transformers model is checked
@@ -221,7 +222,7 @@ def main() -> None:
 def _hf_step(hf, batch, clip: float, config):
     o = config.optimizer
     optimizer = torch.optim.AdamW(hf.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                  weight_decay=o.weight_decay)
+                                  weight_decay=o.weight_decay, fused=True)
 
     def step():
         loss = hf_loss(hf, batch, with_aux=True)

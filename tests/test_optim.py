@@ -16,7 +16,7 @@ from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
 from moe_fold.optim import (
-    AdamW, LRScheduler, apply_gradients, build_optimizer, build_scheduler, lr_at, param_groups,
+    ALIGN, AdamW, LRScheduler, adamw_update_, apply_gradients, build_optimizer, build_scheduler, lr_at, param_groups,
 )
 from moe_fold.sharding import full_tensor, shard_info
 
@@ -148,7 +148,7 @@ def test_adamw_equals_torch_adamw_bit_for_bit():
     for g, r in zip(groups, ref_groups):
         r["params"] = [dict(ref.named_parameters())[n] for n in g["names"]]
     opt = AdamW(groups, lr=0.0, betas=(0.9, 0.95), eps=1e-8)
-    torch_opt = torch.optim.AdamW(ref_groups, lr=0.0, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    torch_opt = torch.optim.AdamW(ref_groups, lr=0.0, betas=(0.9, 0.95), eps=1e-8, fused=True)
     lrs = [3e-2, 1e-2, 5e-3, 5e-3, 1e-3]
     _toy_steps(ours, opt, lrs)
     _toy_steps(ref, torch_opt, lrs)
@@ -157,20 +157,41 @@ def test_adamw_equals_torch_adamw_bit_for_bit():
         assert torch.equal(p, q), name
         assert torch.equal(opt.state[p]["exp_avg"], torch_opt.state[q]["exp_avg"]), name
         assert torch.equal(opt.state[p]["exp_avg_sq"], torch_opt.state[q]["exp_avg_sq"]), name
-    # torch's default on CPU is the same single-tensor path
-    default = _toy()
-    _toy_steps(default, torch.optim.AdamW(default.parameters(), lr=0.0, betas=(0.9, 0.95), weight_decay=0.1), lrs)
+    # torch's single-tensor path (its CPU default) does the same math, rounded differently
+    single = _toy()
+    _toy_steps(single, torch.optim.AdamW(single.parameters(), lr=0.0, betas=(0.9, 0.95), weight_decay=0.1,
+                                         foreach=False), lrs)
     plain = _toy()
     _toy_steps(plain, AdamW(plain.parameters(), lr=0.0, betas=(0.9, 0.95), weight_decay=0.1), lrs)
-    for p, q in zip(plain.parameters(), default.parameters()):
-        assert torch.equal(p, q)
+    for p, q in zip(plain.parameters(), single.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_sliced_update_equals_whole_parameter_bit_for_bit():
+    """ZeRO updates slices cut at multiples of ALIGN from a parameter's start: every element,
+    moments included, must come out as when the whole parameter is updated (an unaligned
+    cut rounds the kernel's block tails differently)."""
+    gen = torch.Generator().manual_seed(3)
+    n = 5 * ALIGN + 37
+    param, m, v = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen)
+    whole = [t.clone() for t in (param, m, v)]
+    parts = [t.clone() for t in (param, m, v)]
+    for step in range(1, 4):
+        grad = torch.randn(n, generator=gen) * 10.0 ** (step - 2)
+        adamw_update_([whole[0]], [grad], [whole[1]], [whole[2]], step, 3e-3, 0.9, 0.95, 1e-8, 0.1)
+        cuts = [0, ALIGN, 3 * ALIGN, 4 * ALIGN, n]
+        pieces = [slice(a, b) for a, b in zip(cuts, cuts[1:])]
+        adamw_update_([parts[0][s] for s in pieces], [grad[s] for s in pieces], [parts[1][s] for s in pieces],
+                      [parts[2][s] for s in pieces], step, 3e-3, 0.9, 0.95, 1e-8, 0.1)
+    for a, b in zip(whole, parts):
+        assert torch.equal(a, b)
 
 
 def test_missing_grad_steps_as_zero_grad():
     p = nn.Parameter(torch.tensor([1.0, -2.0]))
     q = nn.Parameter(p.detach().clone())
     ours = AdamW([p], lr=0.1, weight_decay=0.5)
-    ref = torch.optim.AdamW([q], lr=0.1, weight_decay=0.5, foreach=False)
+    ref = torch.optim.AdamW([q], lr=0.1, weight_decay=0.5, fused=True)
     q.grad = torch.zeros(2)
     ours.step()
     ref.step()
