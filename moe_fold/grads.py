@@ -107,15 +107,29 @@ def grad_norm(params: Iterable[nn.Parameter], groups: ProcessGroups) -> torch.Te
     params = [p for p in params if p.grad is not None and not getattr(p, "tied_copy", False)]
     # On the grads' device: NCCL reduces only GPU tensors.
     device = params[0].grad.device if params else torch.device("cpu")
-    sums = {key: torch.zeros((), dtype=torch.float32, device=device) for key in ("tp", "replicated", "expert")}
+    by_kind: dict[str, list[torch.Tensor]] = {key: [] for key in ("tp", "replicated", "expert")}
     for p in params:
         kind = _kind(p)
-        g = p.grad.float()
-        sums["replicated" if kind == "tp_sum" else kind] += (g * g).sum()
+        by_kind["replicated" if kind == "tp_sum" else kind].append(p.grad)
+    sums = {}
+    for key, grads in by_kind.items():
+        # One multi-tensor call per device and dtype, not a few ops per parameter: the sum
+        # of squares of the per-tensor norms, as torch.nn.utils.clip_grad_norm_ does.
+        sums[key] = torch.zeros((), dtype=torch.float32, device=device)
+        for same in _by_device_and_dtype(grads).values():
+            norms = torch._foreach_norm(same, 2, dtype=torch.float32)
+            sums[key] += torch.stack(norms).to(device).square().sum()
     all_reduce_(sums["tp"], groups.tp)
     all_reduce_(sums["expert"], groups.etp_ep)
     total = sums["tp"] + sums["replicated"] + sums["expert"]
     return all_reduce_(total.clone(), groups.pp).sqrt()
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    out: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out
 
 
 @torch.no_grad()
@@ -125,6 +139,6 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, groups: Pro
     params = [p for p in params if p.grad is not None]
     norm = grad_norm(params, groups)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in params:
-        p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+    for (device, dtype), grads in _by_device_and_dtype([p.grad for p in params]).items():
+        torch._foreach_mul_(grads, coef.to(device, dtype))
     return norm
