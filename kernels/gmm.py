@@ -60,6 +60,7 @@ def _auto(x: torch.Tensor) -> str:
     # 4096 rows, 8 experts, H = F = 256; ratio_to_dense torch vs loop: float32 0.91 vs 0.79
     # balanced and 0.89 vs 0.74 skewed; 1 thread: bfloat16 0.74 vs 0.56, float16 0.85 vs
     # 0.77): it loops over groups in C++ and its backward here needs no split/cat/stack.
+    # With equal groups and host counts the torch backend runs bmm instead (gmm_torch.py).
     if x.dtype in SUPPORTED_DTYPES:
         return "torch"
     return "loop"

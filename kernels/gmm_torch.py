@@ -5,14 +5,19 @@ Equal groups (pad-to-capacity routing, or balanced dropless routing) are a batch
 are ``[E, n, K]`` as a view, and bmm runs forward, dx and dw with no copy. On CPU it is the
 faster choice because grouped_mm loops over the groups in C++, one multi-threaded matmul
 (one OpenMP region) each, and a small matmul split over the threads wastes them; bmm
-hands whole groups to threads in one region (bench/gemm.py, 2 threads, float32, 16 experts
-of 256 rows, H 256, F 512, fwd + dx + dw of fc1 and fc2: ratio_to_dense bmm 1.2 wall /
-1.04 CPU time vs grouped_mm 0.76 / 0.78; 1 thread: both about 0.86). Unequal groups padded
-to the largest one and run as bmm were measured too and lose or tie once the padding rows
-and the two copies (pad the input, gather the output) are paid (16 experts, 256 rows on
-average, largest group 1.1x / 1.25x the mean: fc1 [256 -> 1024] CPU-time ratio 0.76 / 0.68
-vs grouped_mm 0.68 / 0.67, fc2 [512 -> 256] 0.65 / 0.60 vs 0.85 / 0.86), so they keep
-grouped_mm. Results equal grouped_mm's within float rounding (tests/test_gmm.py).
+hands whole groups to threads in one region. bench/gemm.py, 2 threads, float32, 16
+experts, H 256, F 512, equal groups, ratio_to_dense wall / CPU time, bmm vs grouped_mm:
+16 rows a group 0.32 / 0.35 vs 0.22 / 0.21; 64: 0.77 / 0.82 vs 0.36 / 0.38; 256: 1.04 /
+0.92 vs 0.69 / 0.70; 512: 0.73 / 0.95 vs 0.71 / 0.83 (1 thread: both about 0.86 at 256).
+
+Unequal groups keep grouped_mm: padded to a batch they were measured to lose or tie once
+the padding rows and the copies (pad the input, gather the output, pad dy) are paid. 16
+experts of 256 rows on average, CPU-time ratio_to_dense of fc1 [256 -> 1024] / fc2
+[512 -> 256] fwd + dx + dw: largest group 1.1x the mean, one padded bmm 0.76 / 0.65 vs
+grouped_mm 0.68 / 0.85; 1.25x, 0.68 / 0.60 vs 0.67 / 0.86; the MoE layer benchmark's own
+counts (largest 1.25x) in two padded levels (every group to 260 rows, the overflow of 4
+groups to 59; 7% padding) 0.64 / 0.66 vs 0.62 / 0.82. Results equal grouped_mm's within
+float rounding (tests/test_gmm.py).
 
 grouped_mm has layout rules that the other backends do not:
 
