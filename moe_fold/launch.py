@@ -10,7 +10,8 @@ Failure handling: a rank that raises sends its traceback to the parent, which ki
 the other ranks (they would otherwise wait forever in a collective) and raises
 :class:`RankError` with the first failing rank's traceback. A rank that dies without
 a word (signal, ``os._exit``) and a run that exceeds ``timeout`` are reported the
-same way. No process outlives :func:`run_ranks`.
+same way; so is a rank that hangs (alive, silent) while its peers give up waiting for it
+in a collective (the process group's timeout, ``MOE_FOLD_PG_TIMEOUT``). No process outlives :func:`run_ranks`.
 """
 
 from __future__ import annotations
@@ -80,7 +81,16 @@ def _first_failure(procs, outputs, failures, world_size) -> RankError:
         others = "".join(f"\n--- rank {o} then failed:\n{tb}" for o, tb in sorted(failures.items()))
         return RankError(r, f"rank {r} of {world_size} died with exit code {procs[r].exitcode} "
                             f"before returning a result{others}")
-    root = [r for r, tb in sorted(failures.items()) if not any(m in tb for m in _PEER_FAILURE_MARKS)]
+    root = [r for r, tb in sorted(failures.items()) if not any(m.lower() in tb.lower() for m in _PEER_FAILURE_MARKS)]
+    silent = [r for r, p in enumerate(procs) if r not in outputs and r not in failures and p.exitcode is None]
+    if not root and silent:
+        # Every failure is a peer's (a collective timed out or lost its connection) and
+        # these ranks are alive but said nothing: hung, or stopped.
+        r = silent[0]
+        others = "".join(f"\n--- rank {o} failed:\n{tb}" for o, tb in sorted(failures.items()))
+        return RankError(r, f"rank {r} of {world_size} stopped responding (alive, no result, no error) while "
+                            f"rank{'s' if len(failures) > 1 else ''} {', '.join(map(str, sorted(failures)))} "
+                            f"gave up waiting for it{others}")
     r = root[0] if root else min(failures)
     return RankError(r, f"rank {r} of {world_size} failed:\n{failures[r]}")
 

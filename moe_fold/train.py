@@ -22,6 +22,7 @@ process) and :func:`check_trainable` (rules of the loop on top of
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import math
 import os
@@ -77,7 +78,9 @@ def build_groups(config: Config) -> ProcessGroups:
         return ProcessGroups.single_process()
     p = config.parallel
     layout = ParallelLayout(dist.get_world_size(), tp=p.tp, cp=p.cp, pp=p.pp, ep=p.ep, etp=p.etp, order=p.order)
-    return create_process_groups(layout)
+    # torch gives new groups its 30-minute default, not the world's: a rank that hangs
+    # would hold its peers in an all-to-all that long.
+    return create_process_groups(layout, timeout=datetime.timedelta(seconds=p.timeout_s))
 
 
 # --------------------------------------------------------------------------- recompute

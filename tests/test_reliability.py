@@ -165,6 +165,69 @@ def test_killed_rank_stops_the_run_with_its_name_and_resume_is_exact(tmp_path, c
     assert [s for s, _ in _losses(run_dir)] == list(range(1, steps + 1))
 
 
+def _hang_on_rank_1(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(600)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_hung_rank_is_named_after_the_process_group_timeout():
+    """Rank 1 sleeps; rank 0 waits in an all-reduce until the process group's timeout
+    (5 s here), and the report names rank 1 as the one that stopped responding."""
+    from moe_fold.launch import RankError, run_ranks
+
+    begin = time.monotonic()
+    with pytest.raises(RankError) as err:
+        run_ranks(_hang_on_rank_1, 2, timeout=120, env={"MOE_FOLD_PG_TIMEOUT": "5"})
+    assert err.value.rank == 1
+    assert str(err.value).startswith("rank 1 of 2 stopped responding (alive, no result, no error) while rank 0 "
+                                     "gave up waiting for it")
+    assert time.monotonic() - begin < 60
+
+
+@pytest.mark.slow
+def test_stopped_rank_ends_the_run_within_parallel_timeout_s(tmp_path, cache_dir):
+    """SIGSTOP to rank 1 of `moe-fold train --nproc 2`: rank 0 gives up after
+    parallel.timeout_s, the run exits with code 1 naming rank 1, no process is left."""
+    from moe_fold.data.loader import dataset_from_config
+
+    timeout_s = 20
+    run_dir = tmp_path / "run"
+    metrics = run_dir / "metrics.jsonl"
+    dataset_from_config(small_config(run_dir, cache_dir))  # the corpus cached: no rank waits on it
+    proc = subprocess.Popen(_cli("--nproc", "2", *_set(overrides(run_dir, cache_dir, "parallel.ep=2",
+                                                                 f"parallel.timeout_s={timeout_s}",
+                                                                 "train.steps=1000"))),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    _wait_for(lambda: latest_checkpoint(run_dir) is not None and metrics.exists(), 240, "the first checkpoint", proc)
+    rank0, rank1 = _rank_pids(proc.pid, metrics)
+    os.kill(rank1, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=timeout_s + 60)
+    except subprocess.TimeoutExpired:
+        for pid in (rank0, rank1, proc.pid):  # the ranks hold the output pipes open
+            os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"still running {timeout_s + 60} s after the stop:\n{out[-2000:]}\n{err[-4000:]}")
+    waited = time.monotonic() - stopped_at
+    assert proc.returncode == 1, (out, err)
+    assert timeout_s - 1 < waited < timeout_s + 60
+    message = " ".join(err.split())
+    assert ("error: training failed: rank 1 of 2 stopped responding (alive, no result, no error) while rank 0 "
+            "gave up waiting for it") in message, err
+    assert f"Timed out waiting {timeout_s * 1000}ms" in message, err
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{p}").exists() and "Z" != Path(f"/proc/{p}/stat").read_text().split()[2]
+              for p in (rank0, rank1)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"
+                   for p in (rank0, rank1))
+
+
 # --------------------------------------------------------------------------- killed inside a save
 
 # Runs training in one process, stopping inside the save of step 3 (at the given call of
