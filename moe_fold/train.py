@@ -14,6 +14,14 @@ Determinism: with ``train.deterministic`` torch uses deterministic algorithms, a
 random state is re-seeded from ``(train.seed, step, rank)`` at the start of every step,
 so a resumed run draws the same numbers as an uninterrupted one without saving RNG state.
 
+Non-finite steps: a non-finite global loss or grad norm takes no optimizer step; the
+step's forwards run again under hooks to name the first module whose output went
+non-finite (:mod:`moe_fold.numerics`); then the run goes on (``train.on_nonfinite=skip``:
+a warning, ``skipped``/``nonfinite_module`` in metrics.jsonl) or raises before that step
+is saved (``stop``). A loss above ``train.loss_spike_factor`` x the median of the previous
+``train.loss_spike_window`` losses is logged as ``loss_spike`` with a warning.
+docs/reliability.md lists every fault and what happens.
+
 Entry points: :func:`train` (one rank; torch.distributed already initialised, or a single
 process) and :func:`check_trainable` (rules of the loop on top of
 :func:`moe_fold.config.validate`, checked before any rank starts).

@@ -3,6 +3,8 @@
 - A rank of ``moe-fold train --nproc 2`` killed with SIGKILL from outside: the run stops
   with an error naming the dead rank, well within ``parallel.timeout_s``; ``--resume``
   then reaches the losses of an uninterrupted run bit for bit (deterministic mode).
+- A rank that hangs (asleep, or SIGSTOP from outside): its peers give up after the
+  process group's timeout (``parallel.timeout_s``) and the report names the silent rank.
 - A training process killed with SIGKILL inside ``save_checkpoint`` (stopped there by a
   wrapper script, not by a flag of the code): the previous checkpoint stays the latest
   and loads; the partial directory is ignored with a message and removed by the next save.
