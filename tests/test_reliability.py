@@ -130,7 +130,7 @@ def test_killed_rank_stops_the_run_with_its_name_and_resume_is_exact(tmp_path, c
     """SIGKILL to rank 1 of a 2-rank run (ep2): the parent exits with code 1 within
     parallel.timeout_s, naming rank 1 and its signal; --resume from the last checkpoint
     gives, step for step, the losses of an uninterrupted 2-rank run, bit for bit."""
-    steps, timeout_s = 8, 30
+    steps, timeout_s = 10, 30
     layout = ["parallel.ep=2", f"parallel.timeout_s={timeout_s}"]
     straight = subprocess.run(_cli("--nproc", "2", *_set(overrides(tmp_path / "straight", cache_dir, *layout,
                                                                    f"train.steps={steps}"))),
