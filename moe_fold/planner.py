@@ -7,17 +7,20 @@ by estimated MFU among those that fit in memory. The arithmetic lives in
 (bytes per group kind, the rules of :mod:`moe_fold.comm`) and
 :mod:`moe_fold.planner_hardware` (GPU figures and their sources).
 
-Memory per rank, mixed-precision Adam (ZeRO, Rajbhandari et al. 2020, section 3; the
-figures of Megatron-LM's distributed optimizer): bf16 weights (2 bytes/parameter),
+Memory per rank: ``Assumptions.implementation`` picks whose footprint. ``"moe-fold"`` (the
+default): what moe-fold's own training path keeps, every term derived from its code in
+:mod:`moe_fold.planner_memory` (bf16 with float32 masters is 20 bytes per parameter,
+``12 + 8/d`` with the distributed optimizer, which shards only the moments; activations as
+autograd saves them in our layers). ``"megatron"``: the reference figures below, for
+comparison with the papers. Megatron, mixed-precision Adam (ZeRO, Rajbhandari et al. 2020,
+section 3; the figures of Megatron-LM's distributed optimizer): bf16 weights (2 bytes/parameter),
 float32 main gradients (4; Megatron accumulates and reduces gradients in float32), and
 float32 master weight, first and second moment (12). The distributed optimizer (ZeRO-1)
 shards the 12 bytes over the ranks holding the same parameter shard, dp x cp for dense
 parameters and edp for experts (:data:`moe_fold.optim.SHARD_GROUP`); weights and main
 gradients stay whole: ``6 + 12/d`` bytes per parameter. Under ``fp32`` training the weights
-are the masters: 4 + 4 + 8. (moe-fold itself today keeps bf16 model gradients next to the
-float32 master gradients and does not shard the masters: 20 and ``12 + 8/d`` bytes; the
-planner describes the Megatron scheme.) Activations: :mod:`moe_fold.planner_model`, times the
-micro-batches a pipeline stage holds at its peak. Plus :attr:`Assumptions.memory_overhead`.
+are the masters: 4 + 4 + 8. Activations: :mod:`moe_fold.planner_model` (Korthikanti 2022's
+fused kernels), times the micro-batches a pipeline stage holds at its peak. Plus :attr:`Assumptions.memory_overhead`.
 
 Step time, per micro-batch on the slowest pipeline stage: its FLOPs at
 ``peak * Assumptions.matmul_efficiency`` plus its tp, cp, ep, etp and pp traffic, all on the
@@ -50,12 +53,14 @@ from moe_fold.config import Config, ConfigError, ParallelConfig, dp_size, edp_si
 from moe_fold.layout import ParallelLayout
 from moe_fold.planner_comm import GRAD_BUCKET_NUMEL, GRAD_BYTES, microbatch_bytes, step_bytes
 from moe_fold.planner_hardware import GPU
+from moe_fold import planner_memory
 from moe_fold.planner_model import (
     act_bytes, dims, head_activation_bytes, layer_activation_bytes, microbatches_in_flight,
     ParamEntry, model_flops_per_step, param_manifest, rank_flops_per_microbatch, stage_layers,
 )
 
-__all__ = ["Assumptions", "Plan", "estimate", "search", "model_params", "with_layout"]
+__all__ = ["Assumptions", "Plan", "estimate", "search", "model_params", "with_layout", "activation_bytes",
+           "busiest_owned_numel"]
 
 # Kinds whose traffic happens per micro-batch, on the critical path.
 _CRITICAL = ("tp", "cp", "ep", "etp", "etp_ep", "tp_cp", "tp_dp_cp", "pp")
@@ -79,12 +84,18 @@ class Assumptions:
     optimizer_bytes_per_param: float = 30.0
     # CUDA context, NCCL buffers, workspace and allocator fragmentation, bytes.
     memory_overhead: float = 4e9
+    # Whose memory footprint: "moe-fold" (this code's, moe_fold.planner_memory) or
+    # "megatron" (Megatron-LM's fused kernels and 18-byte mixed-precision Adam).
+    implementation: str = "moe-fold"
 
     def __post_init__(self):
         if not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"matmul_efficiency={self.matmul_efficiency} must be in (0, 1]")
         if self.memory_overhead < 0 or self.optimizer_bytes_per_param < 0:
             raise ValueError("memory_overhead and optimizer_bytes_per_param must be >= 0")
+        if self.implementation not in planner_memory.IMPLEMENTATIONS:
+            raise ValueError(f"implementation={self.implementation!r} must be one of "
+                             f"{', '.join(planner_memory.IMPLEMENTATIONS)}")
 
 
 @dataclass
@@ -105,6 +116,7 @@ class Plan:
     time: dict[str, float]  # seconds per step by part, and the total
     mfu: float
     notes: list[str] = field(default_factory=list)
+    implementation: str = "moe-fold"  # whose memory footprint ``memory`` describes
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -180,6 +192,8 @@ def _memory(config: Config, world: int, pp_rank: int, micro: int, assumptions: A
             manifest: list[ParamEntry]) -> dict[str, float]:
     """Bytes per rank of stage ``pp_rank`` (whose parameters are ``manifest``) by part;
     ``optimizer`` is the one ``optimizer.distributed`` picks, and both are given."""
+    if assumptions.implementation == "moe-fold":
+        return _memory_moe_fold(config, world, pp_rank, micro, assumptions, manifest)
     d, p = dims(config), config.parallel
     local = sum(e.numel for e in manifest)
     experts = sum(e.numel for e in manifest if e.kind == "expert")
@@ -201,6 +215,57 @@ def _memory(config: Config, world: int, pp_rank: int, micro: int, assumptions: A
     return {"weights": weights, "grads": grads, "optimizer": optimizer, "activations": activations,
             "overhead": assumptions.memory_overhead, "total": total,
             "optimizer_not_distributed": full, "optimizer_distributed": sharded}
+
+
+def busiest_owned_numel(config: Config, world: int, manifest: list[ParamEntry]) -> int:
+    """The most parameter elements any rank of ``manifest``'s stage holds moments for under
+    moe-fold's distributed optimizer (the ranks of a sharding group own slightly different
+    counts: cuts fall on multiples of ALIGN elements)."""
+    sizes = planner_memory.zero_sizes(config, world)
+    owned = 0
+    for group, kinds in (("dp_cp", ("tp", "replicated", "tp_sum")), ("edp", ("expert",))):
+        part = [e for e in manifest if e.kind in kinds]
+        owned += max(planner_memory.owned_numel(part, sizes, {"dp_cp": r, "edp": r})
+                     for r in range(sizes[group]))
+    return owned
+
+
+def activation_bytes(config: Config, pp_rank: int, implementation: str = "moe-fold") -> float:
+    """Bytes of activations one micro-batch leaves on a rank of stage ``pp_rank`` for its
+    backward (one micro-batch in flight)."""
+    d, p = dims(config), config.parallel
+    g = p.tp if p.sequence_parallel else 1
+    tokens = config.train.micro_batch_size * d.seq / (p.cp * g)
+    layers = stage_layers(config, pp_rank)
+    recompute = config.train.recompute
+    if implementation == "megatron":
+        per_token = sum(layer_activation_bytes(config, i, recompute) for i in layers)
+        if pp_rank == p.pp - 1:
+            per_token += head_activation_bytes(config)
+        return tokens * per_token
+    per_token = sum(planner_memory.layer_activation_bytes(config, i, recompute) for i in layers)
+    if pp_rank == 0:
+        per_token += planner_memory.embedding_activation_bytes(config)
+    if pp_rank == p.pp - 1:
+        per_token += planner_memory.head_activation_bytes(config)
+    return tokens * per_token + planner_memory.microbatch_constant_bytes(config, layers, vpp_size(config))
+
+
+def _memory_moe_fold(config: Config, world: int, pp_rank: int, micro: int, assumptions: Assumptions,
+                     manifest: list[ParamEntry]) -> dict[str, float]:
+    """:func:`_memory` for moe-fold's own footprint (:mod:`moe_fold.planner_memory`)."""
+    local = sum(e.numel for e in manifest)
+    full = planner_memory.state_bytes(config, manifest, local)
+    sharded = planner_memory.state_bytes(config, manifest, busiest_owned_numel(config, world, manifest))
+    state = sharded if config.optimizer.distributed else full
+    activations = activation_bytes(config, pp_rank) * microbatches_in_flight(config, pp_rank, micro)
+    weights = state["weights"] + state["master_weights"]
+    grads = state["grads"] + state["main_grads"]
+    total = weights + grads + state["optimizer"] + activations + assumptions.memory_overhead
+    return {"weights": weights, "grads": grads, "optimizer": state["optimizer"], "activations": activations,
+            "overhead": assumptions.memory_overhead, "total": total,
+            "optimizer_not_distributed": full["optimizer"], "optimizer_distributed": sharded["optimizer"],
+            "master_weights": state["master_weights"], "main_grads": state["main_grads"]}
 
 
 def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = Assumptions()) -> Plan:
@@ -265,6 +330,10 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
     notes = []
     if act_bytes(config) == 4:
         notes.append("train.precision=fp32: activations counted at 4 bytes, step time still at the bf16 peak")
+    if assumptions.implementation == "moe-fold" and (p.cp > 1 or config.moe.capacity_factor is not None
+                                                     or config.moe.dedup or config.moe.dispatcher != "alltoall"):
+        notes.append("memory: cp > 1, capacity, dedup and the all-gather dispatcher are estimated with the "
+                     "one-cp-rank, dropless all-to-all terms (moe_fold.planner_memory)")
     return Plan(
         gpu=gpu.name, world=world,
         layout={"tp": p.tp, "cp": p.cp, "pp": p.pp, "vpp": v, "ep": p.ep, "etp": etp, "dp": dp, "edp": edp,
@@ -274,7 +343,8 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
         flops={"model_per_step": model_flops, "rank_per_step": micro * flops_micro,
                "model_per_rank_per_s": model_flops / world / time["total"]},
         comm_bytes=step, comm_links={k: links[_GROUP_OF[k]][2] for k in step},
-        time=time, mfu=model_flops / (world * gpu.peak_flops * time["total"]), notes=notes)
+        time=time, mfu=model_flops / (world * gpu.peak_flops * time["total"]), notes=notes,
+        implementation=assumptions.implementation)
 
 
 def _divisors(n: int, limit: int) -> list[int]:

@@ -38,7 +38,8 @@ Per step: gradient all-reduce over dp_cp (tp-split and replicated parameters), t
 (``tp_sum`` ones: norms and router under SP) and edp (experts), in buckets of
 :data:`moe_fold.grads.DEFAULT_BUCKET_NUMEL` float32 elements; the norm's float32 scalars
 over tp, etp_ep and pp; with the distributed optimizer, the float32 parameter all-gather
-(each bucket padded to a multiple of the group size); with tied embeddings over pp, the
+(each rank sends the elements it owns, :func:`moe_fold.planner_memory.owned_numel`, to the
+others of its group); with tied embeddings over pp, the
 embedding-grad all-reduce between the first and last stage.
 """
 
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from moe_fold.config import Config, dp_size, edp_size, etp_size, vpp_size
+from moe_fold.planner_memory import owned_numel
 from moe_fold.planner_model import act_bytes, dims, param_manifest, router_bytes, stage_layers
 
 __all__ = ["GRAD_BUCKET_NUMEL", "Routing", "uniform_routing", "moe_layer_bytes", "microbatch_bytes",
@@ -235,12 +237,15 @@ def _buckets(numels: list[int], limit: int) -> list[int]:
 
 def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Optional[str] = None,
                distributed: Optional[bool] = None,
-               routing: Optional[Sequence[Sequence[Routing]]] = None) -> dict[str, float]:
+               routing: Optional[Sequence[Sequence[Routing]]] = None,
+               shard_ranks: Optional[dict[str, int]] = None) -> dict[str, float]:
     """Bytes one rank of stage ``pp_rank`` sends in one training step, per group kind.
 
     ``recompute`` and ``distributed`` default to ``train.recompute`` and
     ``optimizer.distributed``. ``routing``: per micro-batch, one :class:`Routing` per MoE
-    layer of the stage (default balanced)."""
+    layer of the stage (default balanced). ``shard_ranks``: the rank's place in its
+    ``dp_cp`` and ``edp`` groups (default 0 in both), which sets how many elements it owns
+    and all-gathers under the distributed optimizer."""
     p = config.parallel
     recompute = config.train.recompute if recompute is None else recompute
     distributed = config.optimizer.distributed if distributed is None else distributed
@@ -265,12 +270,12 @@ def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Opt
     out["etp_ep"] += _all_reduce(4, etp * p.ep)  # ... of expert shards
     out["pp"] += _all_reduce(4, p.pp)  # ... of every stage
     if distributed:
+        ranks = {"dp_cp": 0, "edp": 0} if shard_ranks is None else shard_ranks
         for group in ("dp_cp", "edp"):
             n = sizes[group]
-            numels = [e.numel for e in manifest if _SHARD_GROUP[e.kind] == group]
-            for bucket in _buckets(numels, GRAD_BUCKET_NUMEL):
-                if n > 1:
-                    out[group] += GRAD_BYTES * -(-bucket // n) * (n - 1)
+            if n > 1:
+                part = [e for e in manifest if _SHARD_GROUP[e.kind] == group]
+                out[group] += GRAD_BYTES * owned_numel(part, sizes, ranks) * (n - 1)
     d = dims(config)
     if d.tied and p.pp > 1 and pp_rank in (0, p.pp - 1):
         out["embedding"] += _all_reduce(GRAD_BYTES * d.vocab * d.hidden // p.tp, 2)

@@ -115,7 +115,8 @@ def test_step_bytes_equal_counters_with_measured_routing(gloo_step):
     layout = ParallelLayout(4, tp=2, ep=2)
     counts = [r["etp2"]["counts"] for r in gloo_step]
     for rank in range(4):
-        planned = step_bytes(config, 4, routing=_measured_routing(layout, counts, rank, 4))
+        shard_ranks = {g: layout.group_of(g, rank).index(rank) for g in ("dp_cp", "edp")}
+        planned = step_bytes(config, 4, routing=_measured_routing(layout, counts, rank, 4), shard_ranks=shard_ranks)
         measured = gloo_step[rank]["etp2"]["sent"]
         assert set(planned) == set(measured), rank
         for kind, nbytes in measured.items():
@@ -228,14 +229,16 @@ def test_memory_by_hand():
     # head: norm in 16 + head in 16 + logits (2 + 4) * 16
     assert head_activation_bytes(config) == 128
 
-    # world 2: dp 2, edp 2, one micro-batch of 4 tokens each
-    memory = _memory(config, 2, 0, 1, Assumptions(memory_overhead=0), param_manifest(config))
+    # world 2: dp 2, edp 2, one micro-batch of 4 tokens each; Megatron's footprint
+    memory = _memory(config, 2, 0, 1, Assumptions(memory_overhead=0, implementation="megatron"),
+                     param_manifest(config))
     # the distributed optimizer shards the 12 bytes over dp (1104 dense) and edp (576 experts)
     assert memory == {"weights": 2 * 1680, "grads": 4 * 1680, "optimizer": 12 * 1680,
                       "activations": 4 * (208 + 376 + 128), "overhead": 0, "total": 18 * 1680 + 4 * 712,
                       "optimizer_not_distributed": 12 * 1680, "optimizer_distributed": 12 * (1104 / 2 + 576 / 2)}
     config.optimizer.distributed = True
-    memory = _memory(config, 2, 0, 1, Assumptions(memory_overhead=0), param_manifest(config))
+    memory = _memory(config, 2, 0, 1, Assumptions(memory_overhead=0, implementation="megatron"),
+                     param_manifest(config))
     assert memory["optimizer"] == 12 * (1104 / 2 + 576 / 2)
     assert memory["total"] == 6 * 1680 + 12 * (1104 / 2 + 576 / 2) + 4 * 712
 

@@ -1,0 +1,249 @@
+"""Memory per rank as moe-fold itself keeps it (``Assumptions.implementation="moe-fold"``),
+derived from the code of the training path, next to the Megatron-LM reference figures of
+:mod:`moe_fold.planner_model` (``"megatron"``, kept for comparison with the papers).
+
+Parameters, gradients and optimizer state, per local parameter (:func:`state_bytes`):
+
+- ``fp32`` and ``bf16-autocast``: float32 weights (4), float32 grads (4), AdamW moments
+  ``exp_avg`` and ``exp_avg_sq`` (8): 16 bytes.
+- ``bf16`` (:class:`moe_fold.precision.MasterWeights`): bf16 model weights (2) and a float32
+  master copy (4); the backward writes bf16 grads (2), ``grads_to_master`` makes float32
+  master grads (4) that the sync, clipping and optimizer use; moments 8: 20 bytes.
+- ``optimizer.distributed`` (:class:`moe_fold.optim.AdamW`, ZeRO-1) shards only the moments:
+  each sharding group's parameters are flattened in optimizer order (the decayed
+  parameter group, then the others) into buckets of ``GRAD_BUCKET_NUMEL`` elements, each
+  cut into nearly equal ranges with cuts inside a parameter moved up to a multiple of
+  ``moe_fold.optim.ALIGN`` elements (:func:`owned_numel` redoes that arithmetic), so the
+  moments are ``12 + 8/d``-ish bytes per parameter under bf16, exactly what the optimizer
+  allocates. Masters are not sharded.
+
+Activations, bytes one rank keeps for the backward per local token (what autograd saves,
+one count per storage: views of one tensor count once; parameters not at all). ``a`` is
+the activation element size (2 under bf16, 4 under fp32), ``rb`` the router's (4, 8 for
+float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
+
+- RMSNorm (:mod:`moe_fold.models.norm`): its input ``aH`` and the float32 ``rsqrt`` per
+  token (4).
+- Attention (:class:`moe_fold.models.attention.Attention`, SDPA on one cp rank): the
+  gathered qkv input ``aHg``; the qkv output ``a(q+2kv)g/tp`` (SDPA keeps ``v``, a view of
+  it); rotated ``q`` and ``k`` ``a(q+kv)g/tp`` (rotary multiplies by constant cos/sin and
+  keeps nothing else); SDPA's output ``a q g/tp`` (the projection's input is a view of it)
+  and its float32 log-sum-exp ``4 heads g/tp``; QK-norm adds its per-head ``rsqrt``
+  ``4 (heads + kv_heads) g/tp`` (its inputs are views of the qkv output).
+- Dense MLP (:class:`moe_fold.models.mlp.MLP`): gathered input ``aHg``, fc1 output
+  ``2aFg/tp`` (silu and the product keep views of it), silu output ``aFg/tp``, fc2 input
+  ``aFg/tp``.
+- MoE layer, router (:class:`moe_fold.dispatch.router.Router`): its input in the router
+  dtype ``rb H`` (the norm output itself when ``a == rb``); the stable sort's indices
+  ``8E`` (int64); the top-k softmax output ``rb k`` (post-softmax) or the softmax over all
+  experts ``rb E`` (pre-softmax), or the sigmoid ``rb E`` and, with top-k > 1, the sort
+  values and the sum it normalises by ``rb (E + 1)``; the aux losses' softmax
+  ``rb E`` (any of aux / seq_aux / global_aux on), ``seq_ids`` ``8`` (seq_aux); the z-loss's
+  logits ``rb E`` and log-sum-exp ``rb``. Per micro-batch, under bf16, the float32 copy of
+  the router weight ``4 E H``.
+- Dispatcher (:class:`moe_fold.dispatch.alltoall.AllToAllDispatcher`, dropless): per routed
+  row on the source rank ``24`` (the int64 ``nonzero`` pairs whose token column is the row
+  order, and the index of each row's prob); per held row, when chunks are sorted
+  (``ep > 1`` with ``etp > 1`` or several local experts), ``24`` (the int64 gather index of
+  the rows and of the probs, and of the rows on the way back).
+- Experts (:class:`moe_fold.models.experts.Experts`), per held row (``k etp`` per local
+  token with balanced routing: the etp group's rows reach every etp rank): fc1 input
+  ``aH``, fc1 output ``2aF/etp``, the row's prob ``rb``, fc2 input ``aF/etp``.
+- Shared expert: a dense MLP of width ``F_s``; with its gate, the gate's input ``aH``
+  (the norm output), the sigmoid ``a`` and the shared output ``aH``. The local norm
+  output is kept once, by whichever of the router (``a == rb``), the gate or the
+  ungathered shared MLP (``g == 1``) reads it.
+- Embedding (first stage): the local ids and the out-of-shard mask, ``9g``.
+- Head and loss (last stage): final norm ``aH + 4``, gathered head input ``aHg``, the
+  float32 shifted logits and their ``exp`` ``8 V g/tp``, the target index, mask, sum of
+  exps and the loss mask ``8 + 1 + 4 + 4`` times ``g``.
+- Per micro-batch and model chunk: rotary cos and sin, ``2 (s/cp) head_dim a``.
+
+Recompute (:func:`moe_fold.train.apply_recompute`, non-reentrant checkpoints keep their
+inputs): ``full`` keeps a dense block's input ``aH`` (plus its norm-free residual: nothing
+else); an MoE block keeps its attention input (the attention norm's output ``aH``) with
+the attention norm itself, and the MoE layer as with ``moe``. ``moe`` keeps the experts'
+inputs (held rows ``aH`` and their probs ``rb``) and the shared expert's input, not their
+insides. ``expert_act`` drops the silu-and-fc2 part of the experts: their fc1 output and
+prob stay (the checkpoint's inputs), the fc2 input goes.
+
+Not modelled: cp > 1 (ring / a2a attention keep other tensors; the SDPA terms are used),
+capacity dropping and padding (balanced dropless rows are used), ``dedup``, the
+all-gather dispatcher, ``bf16-autocast``'s cast copies (counted as bf16).
+"""
+
+from __future__ import annotations
+
+from moe_fold.config import Config, dp_size, edp_size, etp_size
+from moe_fold.planner_model import ParamEntry, dims, expert_rows_per_token, router_bytes
+
+__all__ = ["IMPLEMENTATIONS", "state_bytes", "owned_numel", "layer_activation_bytes", "head_activation_bytes",
+           "embedding_activation_bytes", "microbatch_constant_bytes"]
+
+IMPLEMENTATIONS = ("moe-fold", "megatron")
+
+# moe_fold.optim.ALIGN and moe_fold.grads.DEFAULT_BUCKET_NUMEL, restated so the planner
+# imports no torch (tests check they agree).
+ALIGN = 64
+BUCKET_NUMEL = 1 << 24
+# moe_fold.optim.SHARD_GROUP
+_SHARD_GROUP = {"tp": "dp_cp", "replicated": "dp_cp", "tp_sum": "dp_cp", "expert": "edp"}
+
+
+def _decays(name: str) -> bool:
+    """moe_fold.optim.decays by name: 1-D parameters (norm gains, biases) do not decay."""
+    return not (name.endswith("norm.weight") or name.endswith(".bias"))
+
+
+def _shard(numels: list[int], n: int, me: int) -> int:
+    """Elements rank ``me`` of ``n`` owns of one bucket (moe_fold.optim._shard_bucket)."""
+    offsets, total = [], 0
+    for k in numels:
+        offsets.append(total)
+        total += k
+    chunk = -(-total // n)
+
+    def aligned(cut: int) -> int:
+        for k, offset in zip(numels, offsets):
+            if offset < cut < offset + k:
+                return offset + min(-(-(cut - offset) // ALIGN) * ALIGN, k)
+        return cut
+
+    cuts = [aligned(min(r * chunk, total)) for r in range(n)] + [total]
+    return cuts[me + 1] - cuts[me]
+
+
+def owned_numel(manifest: list[ParamEntry], sizes: dict[str, int], ranks: dict[str, int]) -> int:
+    """Parameter elements whose AdamW moments this rank holds under the distributed
+    optimizer; ``sizes`` and ``ranks``: the rank's ``dp_cp`` and ``edp`` group sizes and
+    its rank in each."""
+    ordered = [e for e in manifest if _decays(e.name)] + [e for e in manifest if not _decays(e.name)]
+    owned = 0
+    for group in ("dp_cp", "edp"):
+        members = [e.numel for e in ordered if _SHARD_GROUP[e.kind] == group]
+        run: list[int] = []
+        for k in members:
+            if run and sum(run) + k > BUCKET_NUMEL:
+                owned += _shard(run, sizes[group], ranks[group])
+                run = []
+            run.append(k)
+        if run:
+            owned += _shard(run, sizes[group], ranks[group])
+    return owned
+
+
+def state_bytes(config: Config, manifest: list[ParamEntry], owned: float) -> dict[str, float]:
+    """Bytes of weights, grads and optimizer state of one rank holding ``manifest`` whose
+    moments cover ``owned`` elements (all of them without the distributed optimizer), by
+    tensor kind: ``weights`` and ``grads`` in the model's dtype, ``master_weights`` and
+    ``main_grads`` (float32, bf16 only), ``optimizer`` (the moments)."""
+    local = sum(e.numel for e in manifest)
+    bf16 = config.train.precision == "bf16"
+    return {"weights": local * (2 if bf16 else 4), "master_weights": 4 * local if bf16 else 0,
+            "grads": local * (2 if bf16 else 4), "main_grads": 4 * local if bf16 else 0,
+            "optimizer": 8 * owned}
+
+
+def _act(config: Config) -> int:
+    return 4 if config.train.precision == "fp32" else 2
+
+
+def _attention(config: Config, g: int) -> float:
+    d, tp, a = dims(config), config.parallel.tp, _act(config)
+    inside = a * (d.q_size + 2 * d.kv_size) + a * (d.q_size + d.kv_size) + a * d.q_size + 4 * d.heads
+    if d.qk_norm:
+        inside += 4 * (d.heads + d.kv_heads)
+    return a * d.hidden * g + inside * g / tp
+
+
+def _mlp(config: Config, ffn: int, g: int) -> float:
+    a, h, tp = _act(config), dims(config).hidden, config.parallel.tp
+    return a * h * g + 4 * a * ffn * g / tp
+
+
+def _router(config: Config) -> float:
+    d, moe, rb = dims(config), config.moe, router_bytes(config)
+    e, k = d.experts, d.topk
+    out = rb * d.hidden + 8 * e
+    if moe.score_function == "softmax":
+        out += rb * (e if moe.pre_softmax else k)
+    else:
+        out += rb * e + (rb * (e + 1) if k > 1 else 0)
+    if moe.aux_loss_coeff > 0 or moe.seq_aux_loss_coeff > 0 or moe.global_aux_loss_coeff > 0:
+        out += rb * e
+    if moe.seq_aux_loss_coeff > 0:
+        out += 8
+    if moe.z_loss_coeff > 0:
+        out += rb * e + rb
+    return out
+
+
+def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
+    """Bytes one rank keeps per local token for ``layer`` (see the module doc)."""
+    from moe_fold.planner_model import RECOMPUTE_MODES
+
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"train.recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}")
+    d, p = dims(config), config.parallel
+    a, h, rb, etp = _act(config), d.hidden, router_bytes(config), etp_size(config)
+    g = p.tp if p.sequence_parallel else 1
+    norm = a * h + 4
+    if not d.moe_flags[layer]:
+        if recompute == "full":
+            return a * h
+        return norm + _attention(config, g) + norm + _mlp(config, d.ffn, g)
+    attention = norm + (a * h if recompute == "full" else _attention(config, g))
+    k = expert_rows_per_token(config)
+    held = k * etp
+    ep_sorts = p.ep > 1 and (etp > 1 or d.experts // p.ep > 1)
+    dispatch = 24 * k + (24 * held if ep_sorts else 0)
+    if recompute in ("full", "moe"):
+        experts = held * (a * h + rb)
+    elif recompute == "expert_act":
+        experts = held * (a * h + 2 * a * d.expert_ffn / etp + rb)
+    else:
+        experts = held * (a * h + 3 * a * d.expert_ffn / etp + rb)
+    shared = 0.0
+    norm_out_kept = a == rb
+    if d.shared_ffn > 0:
+        if recompute in ("full", "moe"):
+            # The checkpoint keeps the shared expert's input: the local norm output.
+            norm_out_kept = True
+        else:
+            norm_out_kept = norm_out_kept or g == 1 or d.shared_gate
+            shared = _mlp(config, d.shared_ffn, g)
+            if g == 1:
+                shared -= a * h  # its input is the norm output, counted below
+        if d.shared_gate:
+            norm_out_kept = True
+            shared += a + a * h
+    return attention + norm + _router(config) + (a * h if norm_out_kept and a != rb else 0) + dispatch \
+        + experts + shared
+
+
+def head_activation_bytes(config: Config) -> float:
+    """Bytes the last stage keeps per local token for the final norm, head and loss."""
+    d, p, a = dims(config), config.parallel, _act(config)
+    g = p.tp if p.sequence_parallel else 1
+    return a * d.hidden + 4 + a * d.hidden * g + (8 * d.vocab / p.tp + 8 + 1 + 4 + 4) * g
+
+
+def embedding_activation_bytes(config: Config) -> float:
+    """Bytes the first stage keeps per local token for the embedding (ids and mask)."""
+    p = config.parallel
+    return 9 * (p.tp if p.sequence_parallel else 1)
+
+
+def microbatch_constant_bytes(config: Config, layers: list[int], chunks: int) -> float:
+    """Bytes per micro-batch that do not scale with tokens: rotary cos/sin per model chunk,
+    the float32 router weight copy per MoE layer under bf16."""
+    d, a = dims(config), _act(config)
+    out = chunks * 2 * (d.seq // config.parallel.cp) * d.head_dim * a
+    if config.train.precision == "bf16":
+        out += sum(4 * d.experts * d.hidden for i in layers if d.moe_flags[i])
+    return out
+
+
+def zero_sizes(config: Config, world: int) -> dict[str, int]:
+    """The sizes of the groups the distributed optimizer shards over."""
+    return {"dp_cp": dp_size(config, world) * config.parallel.cp, "edp": edp_size(config, world)}

@@ -1,0 +1,149 @@
+"""The planner's memory (implementation="moe-fold") against what real training steps on gloo
+ranks hold: parameter, gradient and optimizer-state bytes exactly (summed tensor nbytes
+after one step), activation bytes within 15% (the storages autograd saves during one
+micro-batch's forward, counted once each, parameters excluded)."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+from moe_fold.config import load_config
+from moe_fold.launch import run_ranks
+from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
+from moe_fold.planner import activation_bytes
+from moe_fold.planner_memory import owned_numel, state_bytes, zero_sizes
+from moe_fold.planner_model import param_manifest
+
+# name -> (world, overrides). Every layout runs mixtral-tiny and qwen2-moe-tiny (a gated
+# shared expert, pre-softmax top-4 of 16 experts) in fp32 and bf16.
+LAYOUTS = {
+    "one": (1, ["parallel.ep=1"]),
+    "dp2": (2, ["parallel.ep=1", "optimizer.distributed=true"]),
+    "ep2": (2, ["parallel.ep=2"]),
+    "tp2_sp": (2, ["parallel.ep=1", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "tp2_ep2": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                    "optimizer.distributed=true"]),
+}
+PRESETS = ("mixtral-tiny", "qwen2-moe-tiny")
+PRECISIONS = ("fp32", "bf16")
+
+
+def _config(preset: str, layout: str, precision: str, recompute: str = "none"):
+    return load_config(preset, LAYOUTS[layout][1] + [f"train.precision={precision}", f"train.recompute={recompute}",
+                                                      "train.micro_batch_size=4", "train.global_batch_size=8"])
+
+
+class _Box:
+    """What the pack hook hands autograd: alive exactly as long as the graph keeps it."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+def saved_activation_bytes(model: torch.nn.Module, forward) -> tuple[int, torch.Tensor]:
+    """Bytes of the storages autograd keeps for the backward after ``forward()`` (its
+    result is returned too): every storage once, parameters' storages left out, tensors
+    saved by graph parts already freed left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    boxes = []
+
+    def pack(t):
+        box = _Box(t)
+        boxes.append(weakref.ref(box))
+        return box
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
+        out = forward()
+    storages = {}
+    for ref in boxes:
+        box = ref()
+        if box is None:
+            continue
+        s = box.tensor.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values()), out
+
+
+def _step(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict:
+    """One training step per case on this rank: activation bytes of its forward, then the
+    bytes of weights, grads and optimizer state."""
+    from moe_fold.models.model import build_model
+    from moe_fold.optim import apply_gradients, build_optimizer
+    from moe_fold.precision import MasterWeights
+    from moe_fold.train import apply_recompute
+
+    out = {}
+    for preset, layout, precision in cases:
+        config = _config(preset, layout, precision)
+        p = config.parallel
+        groups = create_process_groups(ParallelLayout(world, tp=p.tp, ep=p.ep)) if world > 1 \
+            else ProcessGroups.single_process()
+        torch.manual_seed(0)
+        model = build_model(config, groups)
+        master = None
+        if precision == "bf16":
+            master = MasterWeights(model.to(torch.bfloat16), build_model(config, groups))
+        apply_recompute(model, config.train.recompute)
+        state_model = master.master if master else model
+        optimizer = build_optimizer(state_model, config.optimizer, groups)
+        gen = torch.Generator().manual_seed(7 + groups.rank_in("dp"))
+        m = config.model
+        ids = torch.randint(0, m.vocab_size, (config.train.micro_batch_size, m.seq_length), generator=gen)
+        mask = torch.ones(ids.shape)
+        saved, loss = saved_activation_bytes(model, lambda: model(ids, ids, loss_mask=mask))
+        loss.backward()
+        grads = sum(q.grad.nbytes for q in model.parameters())
+        main_grads = 0
+        if master is not None:
+            master.grads_to_master()
+            main_grads = sum(q.grad.nbytes for q in master.params)
+        apply_gradients(list(state_model.parameters()), optimizer, groups, config.optimizer.clip_grad)
+        moments = sum(t.nbytes for s in optimizer.state.values() for t in s.values())
+        out[(preset, layout, precision)] = {
+            "activations": saved, "weights": sum(q.nbytes for q in model.parameters()),
+            "master_weights": sum(q.nbytes for q in master.params) if master else 0,
+            "grads": grads, "main_grads": main_grads, "optimizer": moments,
+            "dp_cp": groups.rank_in("dp_cp"), "edp": groups.rank_in("edp")}
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    results = {}
+    for world in sorted({w for w, _ in LAYOUTS.values()}):
+        cases = [(preset, name, precision) for name, (w, _) in LAYOUTS.items() if w == world
+                 for preset in PRESETS for precision in PRECISIONS]
+        ranks = run_ranks(_step, world, cases, timeout=600) if world > 1 else [_step(0, 1, cases)]
+        for case in cases:
+            results[case] = [r[case] for r in ranks]
+    return results
+
+
+CASES = [(preset, layout, precision) for layout in LAYOUTS for preset in PRESETS for precision in PRECISIONS]
+
+
+@pytest.mark.parametrize("preset, layout, precision", CASES)
+def test_state_bytes_exact(measured, preset, layout, precision):
+    config = _config(preset, layout, precision)
+    world = LAYOUTS[layout][0]
+    manifest = param_manifest(config)
+    for rank in measured[(preset, layout, precision)]:
+        owned = sum(e.numel for e in manifest)
+        if config.optimizer.distributed:
+            owned = owned_numel(manifest, zero_sizes(config, world), {"dp_cp": rank["dp_cp"], "edp": rank["edp"]})
+        planned = state_bytes(config, manifest, owned)
+        assert planned == {k: rank[k] for k in planned}, (planned, rank)
+
+
+@pytest.mark.parametrize("preset, layout, precision", CASES)
+def test_activation_bytes_within_15_percent(measured, preset, layout, precision):
+    planned = activation_bytes(_config(preset, layout, precision), 0)
+    ranks = measured[(preset, layout, precision)]
+    mean = sum(r["activations"] for r in ranks) / len(ranks)
+    assert abs(mean / planned - 1) < 0.15, (mean, planned)
+    for r in ranks:
+        assert abs(r["activations"] / planned - 1) < 0.15, (r["activations"], planned)
