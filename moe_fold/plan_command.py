@@ -2,7 +2,8 @@
 or rank every layout of a world size by estimated MFU (--search).
 
 Per rank: parameter, gradient, optimizer-state and activation memory of the busiest
-pipeline stage; FLOPs per step; bytes sent per step over each group (tp, cp, pp, dp, ep,
+pipeline stage, as moe-fold keeps them (--implementation megatron: Megatron-LM's figures,
+for comparison with the papers); FLOPs per step; bytes sent per step over each group (tp, cp, pp, dp, ep,
 etp, edp, ...); the step time (compute at --efficiency of the GPU's dense BF16 peak, tensor
 and expert parallel traffic on the critical path, pipeline bubble, exposed data-parallel
 traffic, optimizer update) and MFU. Formulas and their sources: moe_fold/planner*.py.
@@ -20,6 +21,7 @@ EPILOG = """examples:
   moe-fold plan --config qwen2-57b-a14b --world 64 --gpu h100 --recompute none --distributed-optimizer
   moe-fold plan --config mixtral-8x7b --world 64 --gpu h200 --search --top 10
   moe-fold plan --config qwen3-30b-a3b --world 16 --gpu b200 --json
+  moe-fold plan --config mixtral-8x7b --world 64 --tp 2 --pp 4 --ep 8 --implementation megatron
 
 An impossible layout prints the rules it breaks and exits with code 2.
 """
@@ -45,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="training precision to plan for (default bf16)")
     parser.add_argument("--efficiency", type=float, default=0.7,
                         help="achieved / peak FLOP/s of the matmuls (default 0.7)")
+    parser.add_argument("--implementation", choices=("moe-fold", "megatron"), default="moe-fold",
+                        help="whose memory footprint: moe-fold's own (default) or Megatron-LM's "
+                             "(fused kernels, 18 bytes/parameter mixed-precision Adam)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="data-parallel gradient traffic fully exposed (default: hidden but the last bucket)")
     parser.add_argument("--search", action="store_true", help="rank every valid layout of --world by MFU")
@@ -71,10 +76,13 @@ def _print_plan(console, plan) -> None:
                   f"token, {pr['rank_max'] / 1e9:,.3f} B on the busiest rank")
 
     mem = Table(title=None)
-    mem.add_column("memory per rank (stage %d)" % plan.memory["stage"])
+    mem.add_column(f"memory per rank (stage {plan.memory['stage']}), {plan.implementation}'s footprint")
     mem.add_column("GB", justify="right")
     for key in ("weights", "grads", "optimizer", "activations", "overhead", "total", "limit"):
         mem.add_row(key, _gb(plan.memory[key]))
+    for key in ("master_weights", "main_grads"):
+        if plan.memory.get(key):
+            mem.add_row(f"(of which {key.replace('_', ' ')}, float32)", _gb(plan.memory[key]))
     other = "optimizer_not_distributed" if plan.distributed_optimizer else "optimizer_distributed"
     mem.add_row(f"({other.replace('_', ' ')})", _gb(plan.memory[other]))
     console.print(mem)
@@ -127,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         gpu = get_gpu(args.gpu)
-        assumptions = Assumptions(matmul_efficiency=args.efficiency, overlap_grad_reduce=not args.no_overlap)
+        assumptions = Assumptions(matmul_efficiency=args.efficiency, overlap_grad_reduce=not args.no_overlap,
+                                  implementation=args.implementation)
         config = load_config(args.config, [f"train.precision={args.precision}"])
         config = with_layout(config, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp,
                              mbs=args.mbs, gbs=args.gbs, seq=args.seq, recompute=args.recompute,

@@ -147,3 +147,70 @@ def test_activation_bytes_within_15_percent(measured, preset, layout, precision)
     assert abs(mean / planned - 1) < 0.15, (mean, planned)
     for r in ranks:
         assert abs(r["activations"] / planned - 1) < 0.15, (r["activations"], planned)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("recompute", ["full", "moe", "expert_act"])
+def test_recompute_activation_bytes_within_15_percent(monkeypatch, preset, recompute):
+    """One process, fp32: what the checkpoints keep (their tensor inputs) plus what
+    autograd saves outside them."""
+    from moe_fold import train
+    from moe_fold.models.model import build_model
+
+    config = _config(preset, "one", "fp32", recompute)
+    kept = {}
+    real = train.checkpoint
+
+    def recorded(fn, *args, **kwargs):
+        for t in args:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                kept[t.untyped_storage().data_ptr()] = t
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(train, "checkpoint", recorded)
+    torch.manual_seed(0)
+    model = build_model(config, ProcessGroups.single_process())
+    train.apply_recompute(model, recompute)
+    m = config.model
+    ids = torch.randint(0, m.vocab_size, (config.train.micro_batch_size, m.seq_length),
+                        generator=torch.Generator().manual_seed(7))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+    boxes = []
+
+    def pack(t):
+        box = _Box(t)
+        boxes.append(weakref.ref(box))
+        return box
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
+        loss = model(ids, ids, loss_mask=torch.ones(ids.shape))
+    for t in [ref().tensor for ref in boxes if ref() is not None] + list(kept.values()):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            saved[s.data_ptr()] = s.nbytes()
+    measured = sum(saved.values())
+    planned = activation_bytes(config, 0)
+    assert abs(measured / planned - 1) < 0.15, (measured, planned)
+    # and recompute saves memory: less than without it
+    assert planned < activation_bytes(_config(preset, "one", "fp32"), 0)
+    loss.backward()
+
+
+def test_plan_command_names_the_implementation(capsys):
+    import json
+
+    from moe_fold.cli import main
+
+    args = ["plan", "--config", "mixtral-tiny", "--world", "4", "--tp", "2", "--ep", "2"]
+    assert main(args) == 0
+    assert "moe-fold's footprint" in capsys.readouterr().out
+    assert main(args + ["--implementation", "megatron"]) == 0
+    assert "megatron's footprint" in capsys.readouterr().out
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # bf16 with masters: 2 + 4 bytes of weights, 2 + 4 of grads per local parameter
+    local = out["params"]["rank_max"]
+    assert out["implementation"] == "moe-fold"
+    assert out["memory"]["weights"] == 6 * local and out["memory"]["grads"] == 6 * local
+    assert out["memory"]["master_weights"] == 4 * local
