@@ -7,14 +7,13 @@ import json
 
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_fold.config import Config
 from moe_fold.models import from_hf, to_hf
 from moe_fold.models.hf import HFConfigError, HFWeightError, config_from_hf, hf_config, read_hf_config
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ, BATCH, TOL = 64, 12, 2, 1e-4
 

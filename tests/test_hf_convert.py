@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from moe_fold import cli
 from moe_fold.checkpoint import latest_checkpoint, load_checkpoint
@@ -15,8 +16,6 @@ from moe_fold.layout import ProcessGroups
 from moe_fold.models.model import build_model
 
 from test_hf import TOL, hf_logits, max_diff, our_logits, save_hf, token_ids
-
-transformers = pytest.importorskip("transformers")
 
 
 def _load(run_dir):

@@ -5,13 +5,12 @@ shards loads in transformers with the same logits."""
 
 import pytest
 import torch
+import transformers
 
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, create_process_groups
 
 from test_hf import TOL, hf_logits, max_diff, save_hf, token_ids
-
-transformers = pytest.importorskip("transformers")
 
 # Qwen3 both ways: renormalised top-k; top-k of the full softmax with tied embeddings
 # and a dense first layer.
