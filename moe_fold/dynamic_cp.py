@@ -33,6 +33,7 @@ planning needs no communication.
 
 from __future__ import annotations
 
+import datetime
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -309,15 +310,16 @@ class DynamicCP:
             self._groups[(c, 1)] = None
         size = self.cp // 2
         while size > 1:
-            self._groups.update(self._create(layout, groups.rank, size))
+            self._groups.update(self._create(layout, groups.rank, size, groups.timeout))
             size //= 2
 
-    def _create(self, layout: ParallelLayout, rank: int, size: int) -> dict[tuple[int, int], Group]:
+    def _create(self, layout: ParallelLayout, rank: int, size: int,
+                timeout: Optional[datetime.timedelta]) -> dict[tuple[int, int], Group]:
         import torch.distributed as dist
 
         mine = {}
         for ranks in layout.cp_subgroups(size):
-            pg = dist.new_group(ranks, group_desc="cp")  # every rank takes part in every group
+            pg = dist.new_group(ranks, timeout=timeout, group_desc="cp")  # every rank takes part in every group
             if rank in ranks:
                 mine[(layout.group_of("cp", rank).index(ranks[0]), size)] = pg
         return mine

@@ -208,10 +208,13 @@ class ProcessGroups:
     """One rank's torch process groups of every kind in :data:`GROUP_NAMES`.
 
     ``group(name)`` is None in :meth:`single_process`, which collectives treat as
-    "no communication".
+    "no communication". ``timeout`` is the one the groups were created with; groups made
+    later from these (pipeline embedding group, dynamic-cp sub-groups) take it too, so a
+    hung peer fails them as fast as the rest.
     """
 
-    def __init__(self, layout: ParallelLayout, rank: int, groups: dict[str, Optional["ProcessGroup"]]):
+    def __init__(self, layout: ParallelLayout, rank: int, groups: dict[str, Optional["ProcessGroup"]],
+                 timeout: Optional[datetime.timedelta] = None):
         layout._check_rank(rank)
         if set(groups) != set(GROUP_NAMES):
             raise ValueError(f"groups must have exactly the kinds {' '.join(GROUP_NAMES)}, "
@@ -219,6 +222,7 @@ class ProcessGroups:
         self.layout = layout
         self.rank = rank
         self._groups = dict(groups)
+        self.timeout = timeout
 
     @classmethod
     def single_process(cls) -> "ProcessGroups":
@@ -285,4 +289,4 @@ def create_process_groups(layout: ParallelLayout, rank: Optional[int] = None,
             pg = dist.new_group(ranks, timeout=timeout, group_desc=name)
             if rank in ranks:
                 mine[name] = pg
-    return ProcessGroups(layout, rank, mine)
+    return ProcessGroups(layout, rank, mine, timeout)

@@ -202,7 +202,9 @@ def create_embedding_group(groups: ProcessGroups,
 
     Collective over the world: every rank must call it, in the same order relative to
     other group creations (torch requires every rank to take part in every new group).
+    ``timeout=None`` takes the one ``groups`` were created with.
     """
+    timeout = timeout if timeout is not None else groups.timeout
     mine = None
     for ranks in groups.layout.groups("pp"):
         if len(ranks) < 2:
