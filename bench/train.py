@@ -18,6 +18,11 @@ in float32, on one micro-batch of ``--micro-batch`` sequences of the preset's
   optimizer steps cost the same), loss = cross entropy + its router aux loss;
 - ``matmul``: an ``--mm`` x ``--mm`` float32 matmul, the machine's dense FLOP/s.
 
+Both sides time the same step: train mode, no router jitter, the aux loss in the loss,
+clipping, the same AdamW kernel, ``zero_grad(set_to_none=True)``; ours also computes the
+routing statistics its training loop logs. On a shared machine wall time swings with the
+other processes; ``--threads 1`` and the ``cpu_ms`` columns are the steadier comparison.
+
 Before timing, the first forward's LM loss of every transformers model is checked
 against ours (same weights, same batch). Candidates run interleaved, round after round,
 each round the mean of ``--iters`` steps; medians over rounds are reported, from wall

@@ -79,10 +79,13 @@ class RoutingCollector:
 
     def start_step(self) -> None:
         L, E = len(self.moe_layers), self.config.moe.num_experts
-        self._kept = torch.zeros(L, E, dtype=torch.float64)  # [L, E]
-        self._routed = torch.zeros(L, dtype=torch.float64)
-        self._loss_sums = torch.zeros(L, len(_KINDS), dtype=torch.float64)
-        self._calls = torch.zeros(L, dtype=torch.float64)
+        # On the model's device: the hooks add to them without a host sync per layer
+        # (on a GPU each would stall the kernel queue); finish_step reads them once.
+        zeros = dict(dtype=torch.float64, device=self.device)
+        self._kept = torch.zeros(L, E, **zeros)  # [L, E]
+        self._routed = torch.zeros(L, **zeros)
+        self._loss_sums = torch.zeros(L, len(_KINDS), **zeros)
+        self._calls = torch.zeros(L, **zeros)
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -99,16 +102,16 @@ class RoutingCollector:
                 return
             # Padding of packed samples (loss_mask False) is routed but not counted.
             mask = kwargs.get("loss_mask")
-            num_tokens = args[0].shape[0] if mask is None else int(mask.sum())
+            num_tokens = args[0].shape[0] if mask is None else mask.sum()
             if output.stats is not None:
-                self._kept[row] += output.stats.tokens_per_expert.detach().double().cpu()
+                self._kept[row] += output.stats.tokens_per_expert.detach().double()
             else:
-                self._kept[row] += output.routing_map.sum(dim=0).double().cpu()
+                self._kept[row] += output.routing_map.sum(dim=0).double()
             self._routed[row] += num_tokens * module.config.topk
             self._calls[row] += 1
             for k, kind in enumerate(_KINDS):
                 if kind in output.losses:
-                    self._loss_sums[row, k] += float(output.losses[kind])
+                    self._loss_sums[row, k] += output.losses[kind].detach().double()
         return hook
 
     def finish_step(self, groups: ProcessGroups) -> dict[str, Any]:
@@ -121,20 +124,19 @@ class RoutingCollector:
         # Values that are the same on every rank of tp x dp x cp enter divided by its size,
         # so that one sum over it (and over pp, which holds other layers) gives them back.
         same = 1.0 / groups.size("tp_dp_cp")
-        global_aux = torch.zeros(L, dtype=torch.float64)
-        bias_norm = torch.zeros(L, dtype=torch.float64)
+        global_aux = torch.zeros(L, dtype=torch.float64, device=self.device)
+        bias_norm = torch.zeros(L, dtype=torch.float64, device=self.device)
         for row, router in self.routers:
             out = router.finish_step()
             if "global_aux" in out:
-                global_aux[row] = float(out["global_aux"]) * same
+                global_aux[row] = out["global_aux"].double() * same
             if router.expert_bias is not None:
-                bias_norm[row] = float(router.expert_bias.double().norm()) * same
+                bias_norm[row] = router.expert_bias.double().norm() * same
         # Counts add up over the ranks that route distinct tokens (tp x dp x cp); a loss
         # value is already over tp x cp, so its mean over dp is its sum over tp x dp x cp
         # times ``same``.
         means = self._loss_sums / self._calls.clamp(min=1).unsqueeze(1) * same
         packed = torch.cat([self._kept.flatten(), self._routed, means.flatten(), global_aux, bias_norm])
-        packed = packed.to(self.device)
         all_reduce_(packed, groups.tp_dp_cp)
         all_reduce_(packed, groups.pp)
         kept, routed, means, global_aux, bias_norm = packed.cpu().split([L * E, L, L * len(_KINDS), L, L])
