@@ -43,9 +43,9 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   the router weight ``4 E H``.
 - Dispatcher (:class:`moe_fold.dispatch.alltoall.AllToAllDispatcher`, dropless): per routed
   row on the source rank ``24`` (the int64 ``nonzero`` pairs whose token column is the row
-  order, and the index of each row's prob); per held row, when chunks are sorted
-  (``ep > 1`` with ``etp > 1`` or several local experts), ``24`` (the int64 gather index of
-  the rows and of the probs, and of the rows on the way back).
+  order, and the index of each row's prob); per held row, when chunks are sorted (two or
+  more of etp, ep and the local experts above 1), ``24`` (the int64 gather index of the
+  rows and of the probs, and of the rows on the way back).
 - Experts (:class:`moe_fold.models.experts.Experts`), per held row (``k etp`` per local
   token with balanced routing: the etp group's rows reach every etp rank): fc1 input
   ``aH``, fc1 output ``2aF/etp``, the row's prob ``rb``, fc2 input ``aF/etp``.
@@ -195,8 +195,10 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     attention = norm + (a * h if recompute == "full" else _attention(config, g))
     k = expert_rows_per_token(config)
     held = k * etp
-    ep_sorts = p.ep > 1 and (etp > 1 or d.experts // p.ep > 1)
-    dispatch = 24 * k + (24 * held if ep_sorts else 0)
+    # The dispatcher sorts received chunks unless at most one of etp, ep and the local
+    # experts is above 1 (then they already are in expert order).
+    sorts = sum(n > 1 for n in (etp, p.ep, d.experts // p.ep)) >= 2
+    dispatch = 24 * k + (24 * held if sorts else 0)
     if recompute in ("full", "moe"):
         experts = held * (a * h + rb)
     elif recompute == "expert_act":

@@ -1,7 +1,8 @@
 """The planner's memory (implementation="moe-fold") against what real training steps on gloo
 ranks hold: parameter, gradient and optimizer-state bytes exactly (summed tensor nbytes
-after one step), activation bytes within 15% (the storages autograd saves during one
-micro-batch's forward, counted once each, parameters excluded)."""
+after one step), activation bytes (the storages autograd saves during one micro-batch's
+forward, counted once each, parameters excluded; with recompute also the checkpoints'
+inputs) within 15% on every rank and 1% on the mean of the ranks."""
 
 from __future__ import annotations
 
@@ -143,15 +144,18 @@ def test_state_bytes_exact(measured, preset, layout, precision):
 def test_activation_bytes_within_15_percent(measured, preset, layout, precision):
     planned = activation_bytes(_config(preset, layout, precision), 0)
     ranks = measured[(preset, layout, precision)]
+    # The planner assumes balanced routing: an ep rank whose experts got more rows keeps
+    # more, but the ep group's mean is the planned figure (within the scalars autograd
+    # also saves: the losses' parts, a few hundred bytes).
     mean = sum(r["activations"] for r in ranks) / len(ranks)
-    assert abs(mean / planned - 1) < 0.15, (mean, planned)
+    assert abs(mean / planned - 1) < 0.01, (mean, planned)
     for r in ranks:
         assert abs(r["activations"] / planned - 1) < 0.15, (r["activations"], planned)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("recompute", ["full", "moe", "expert_act"])
-def test_recompute_activation_bytes_within_15_percent(monkeypatch, preset, recompute):
+def test_recompute_activation_bytes(monkeypatch, preset, recompute):
     """One process, fp32: what the checkpoints keep (their tensor inputs) plus what
     autograd saves outside them."""
     from moe_fold import train
@@ -191,7 +195,9 @@ def test_recompute_activation_bytes_within_15_percent(monkeypatch, preset, recom
             saved[s.data_ptr()] = s.nbytes()
     measured = sum(saved.values())
     planned = activation_bytes(config, 0)
-    assert abs(measured / planned - 1) < 0.15, (measured, planned)
+    # One process: no routing imbalance between ranks, the figure is the code's (1%: the
+    # losses' scalars).
+    assert abs(measured / planned - 1) < 0.01, (measured, planned)
     # and recompute saves memory: less than without it
     assert planned < activation_bytes(_config(preset, "one", "fp32"), 0)
     loss.backward()
