@@ -222,12 +222,7 @@ def busiest_owned_numel(config: Config, world: int, manifest: list[ParamEntry]) 
     moe-fold's distributed optimizer (the ranks of a sharding group own slightly different
     counts: cuts fall on multiples of ALIGN elements)."""
     sizes = planner_memory.zero_sizes(config, world)
-    owned = 0
-    for group, kinds in (("dp_cp", ("tp", "replicated", "tp_sum")), ("edp", ("expert",))):
-        part = [e for e in manifest if e.kind in kinds]
-        owned += max(planner_memory.owned_numel(part, sizes, {"dp_cp": r, "edp": r})
-                     for r in range(sizes[group]))
-    return owned
+    return sum(max(planner_memory.owned_by_rank(manifest, group, sizes[group])) for group in ("dp_cp", "edp"))
 
 
 def activation_bytes(config: Config, pp_rank: int, implementation: str = "moe-fold") -> float:

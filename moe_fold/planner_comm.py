@@ -38,7 +38,7 @@ Per step: gradient all-reduce over dp_cp (tp-split and replicated parameters), t
 (``tp_sum`` ones: norms and router under SP) and edp (experts), in buckets of
 :data:`moe_fold.grads.DEFAULT_BUCKET_NUMEL` float32 elements; the norm's float32 scalars
 over tp, etp_ep and pp; with the distributed optimizer, the float32 parameter all-gather
-(each rank sends the elements it owns, :func:`moe_fold.planner_memory.owned_numel`, to the
+(each rank sends the elements it owns, :func:`moe_fold.planner_memory.owned_by_rank`, to the
 others of its group); with tied embeddings over pp, the
 embedding-grad all-reduce between the first and last stage.
 """
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from moe_fold.config import Config, dp_size, edp_size, etp_size, vpp_size
-from moe_fold.planner_memory import owned_numel
+from moe_fold.planner_memory import owned_by_rank
 from moe_fold.planner_model import act_bytes, dims, param_manifest, router_bytes, stage_layers
 
 __all__ = ["GRAD_BUCKET_NUMEL", "Routing", "uniform_routing", "moe_layer_bytes", "microbatch_bytes",
@@ -61,10 +61,8 @@ __all__ = ["GRAD_BUCKET_NUMEL", "Routing", "uniform_routing", "moe_layer_bytes",
 GRAD_BUCKET_NUMEL = 1 << 24
 GRAD_BYTES = 4  # gradients are synced (and masters kept) in float32
 
-# gradient-sync kind -> the group whose all-reduce completes it (moe_fold.grads);
-# and the group the distributed optimizer shards it over (moe_fold.optim.SHARD_GROUP).
+# gradient-sync kind -> the group whose all-reduce completes it (moe_fold.grads).
 _SYNC_GROUP = {"tp": "dp_cp", "replicated": "dp_cp", "tp_sum": "tp_dp_cp", "expert": "edp"}
-_SHARD_GROUP = {"tp": "dp_cp", "replicated": "dp_cp", "tp_sum": "dp_cp", "expert": "edp"}
 
 
 def _all_reduce(nbytes: float, n: int) -> float:
@@ -274,8 +272,7 @@ def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Opt
         for group in ("dp_cp", "edp"):
             n = sizes[group]
             if n > 1:
-                part = [e for e in manifest if _SHARD_GROUP[e.kind] == group]
-                out[group] += GRAD_BYTES * owned_numel(part, sizes, ranks) * (n - 1)
+                out[group] += GRAD_BYTES * owned_by_rank(manifest, group, n)[ranks[group]] * (n - 1)
     d = dims(config)
     if d.tied and p.pp > 1 and pp_rank in (0, p.pp - 1):
         out["embedding"] += _all_reduce(GRAD_BYTES * d.vocab * d.hidden // p.tp, 2)

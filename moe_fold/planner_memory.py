@@ -74,10 +74,12 @@ all-gather dispatcher, ``bf16-autocast``'s cast copies (counted as bf16).
 
 from __future__ import annotations
 
+import bisect
+
 from moe_fold.config import Config, dp_size, edp_size, etp_size
 from moe_fold.planner_model import ParamEntry, dims, expert_rows_per_token, router_bytes
 
-__all__ = ["IMPLEMENTATIONS", "state_bytes", "owned_numel", "layer_activation_bytes", "head_activation_bytes",
+__all__ = ["IMPLEMENTATIONS", "state_bytes", "owned_by_rank", "owned_numel", "zero_sizes", "layer_activation_bytes", "head_activation_bytes",
            "embedding_activation_bytes", "microbatch_constant_bytes"]
 
 IMPLEMENTATIONS = ("moe-fold", "megatron")
@@ -95,41 +97,51 @@ def _decays(name: str) -> bool:
     return not (name.endswith("norm.weight") or name.endswith(".bias"))
 
 
-def _shard(numels: list[int], n: int, me: int) -> int:
-    """Elements rank ``me`` of ``n`` owns of one bucket (moe_fold.optim._shard_bucket)."""
-    offsets, total = [], 0
+def _shares(numels: list[int], n: int) -> list[int]:
+    """Elements each of ``n`` ranks owns of one bucket of parameters of ``numels``
+    elements (moe_fold.optim._shard_bucket): cuts at ``r * ceil(total/n)``, a cut inside a
+    parameter moved up to a multiple of ALIGN elements from its start."""
+    offsets, total = [0], 0
     for k in numels:
-        offsets.append(total)
         total += k
+        offsets.append(total)
     chunk = -(-total // n)
+    cuts = []
+    for r in range(n):
+        cut = min(r * chunk, total)
+        i = bisect.bisect_right(offsets, cut) - 1  # the parameter the cut falls in
+        if i < len(numels) and offsets[i] < cut:
+            cut = offsets[i] + min(-(-(cut - offsets[i]) // ALIGN) * ALIGN, numels[i])
+        cuts.append(cut)
+    cuts.append(total)
+    return [cuts[r + 1] - cuts[r] for r in range(n)]
 
-    def aligned(cut: int) -> int:
-        for k, offset in zip(numels, offsets):
-            if offset < cut < offset + k:
-                return offset + min(-(-(cut - offset) // ALIGN) * ALIGN, k)
-        return cut
 
-    cuts = [aligned(min(r * chunk, total)) for r in range(n)] + [total]
-    return cuts[me + 1] - cuts[me]
+def owned_by_rank(manifest: list[ParamEntry], group: str, n: int) -> list[int]:
+    """Elements of ``manifest``'s parameters sharded over ``group`` (``dp_cp`` or ``edp``,
+    ``n`` ranks) whose AdamW moments each rank of the group holds under the distributed
+    optimizer: the parameters in optimizer order (the decayed parameter group first),
+    flattened into buckets of ``BUCKET_NUMEL`` elements, each bucket cut by :func:`_shares`."""
+    ordered = [e for e in manifest if _decays(e.name)] + [e for e in manifest if not _decays(e.name)]
+    members = [e.numel for e in ordered if _SHARD_GROUP[e.kind] == group]
+    owned = [0] * n
+    run: list[int] = []
+    numel = 0
+    for k in members + [None]:
+        if run and (k is None or numel + k > BUCKET_NUMEL):
+            owned = [a + b for a, b in zip(owned, _shares(run, n))]
+            run, numel = [], 0
+        if k is not None:
+            run.append(k)
+            numel += k
+    return owned
 
 
 def owned_numel(manifest: list[ParamEntry], sizes: dict[str, int], ranks: dict[str, int]) -> int:
     """Parameter elements whose AdamW moments this rank holds under the distributed
     optimizer; ``sizes`` and ``ranks``: the rank's ``dp_cp`` and ``edp`` group sizes and
     its rank in each."""
-    ordered = [e for e in manifest if _decays(e.name)] + [e for e in manifest if not _decays(e.name)]
-    owned = 0
-    for group in ("dp_cp", "edp"):
-        members = [e.numel for e in ordered if _SHARD_GROUP[e.kind] == group]
-        run: list[int] = []
-        for k in members:
-            if run and sum(run) + k > BUCKET_NUMEL:
-                owned += _shard(run, sizes[group], ranks[group])
-                run = []
-            run.append(k)
-        if run:
-            owned += _shard(run, sizes[group], ranks[group])
-    return owned
+    return sum(owned_by_rank(manifest, group, sizes[group])[ranks[group]] for group in ("dp_cp", "edp"))
 
 
 def state_bytes(config: Config, manifest: list[ParamEntry], owned: float) -> dict[str, float]:

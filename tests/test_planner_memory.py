@@ -239,3 +239,12 @@ def test_plan_command_names_the_implementation(capsys):
     assert out["implementation"] == "moe-fold"
     assert out["memory"]["weights"] == 6 * local and out["memory"]["grads"] == 6 * local
     assert out["memory"]["master_weights"] == 4 * local
+
+
+def test_restated_constants_match_the_code():
+    from moe_fold import optim, planner_memory
+    from moe_fold.grads import DEFAULT_BUCKET_NUMEL
+
+    assert planner_memory.ALIGN == optim.ALIGN
+    assert planner_memory.BUCKET_NUMEL == DEFAULT_BUCKET_NUMEL
+    assert planner_memory._SHARD_GROUP == optim.SHARD_GROUP
