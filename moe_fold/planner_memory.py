@@ -13,8 +13,8 @@ Parameters, gradients and optimizer state, per local parameter (:func:`state_byt
   each sharding group's parameters are flattened in optimizer order (the decayed
   parameter group, then the others) into buckets of ``GRAD_BUCKET_NUMEL`` elements, each
   cut into nearly equal ranges with cuts inside a parameter moved up to a multiple of
-  ``moe_fold.optim.ALIGN`` elements (:func:`owned_numel` redoes that arithmetic), so the
-  moments are ``12 + 8/d``-ish bytes per parameter under bf16, exactly what the optimizer
+  ``moe_fold.optim.ALIGN`` elements (:func:`owned_by_rank` redoes that arithmetic): about
+  ``12 + 8/d`` bytes per parameter under bf16, to the element what the optimizer
   allocates. Masters are not sharded.
 
 Activations, bytes one rank keeps for the backward per local token (what autograd saves,
@@ -60,9 +60,9 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
 - Per micro-batch and model chunk: rotary cos and sin, ``2 (s/cp) head_dim a``.
 
 Recompute (:func:`moe_fold.train.apply_recompute`, non-reentrant checkpoints keep their
-inputs): ``full`` keeps a dense block's input ``aH`` (plus its norm-free residual: nothing
-else); an MoE block keeps its attention input (the attention norm's output ``aH``) with
-the attention norm itself, and the MoE layer as with ``moe``. ``moe`` keeps the experts'
+inputs): ``full`` keeps only a dense block's input ``aH``; an MoE block keeps its attention
+input (the attention norm's output ``aH``) with the attention norm itself, and the MoE
+layer as with ``moe``. ``moe`` keeps the experts'
 inputs (held rows ``aH`` and their probs ``rb``) and the shared expert's input, not their
 insides. ``expert_act`` drops the silu-and-fc2 part of the experts: their fc1 output and
 prob stay (the checkpoint's inputs), the fc2 input goes.

@@ -32,6 +32,8 @@ column-parallel linear under sequence parallelism keeps its GATHERED input (auto
 saves it) instead of re-gathering it in the backward, so that input costs ``tp`` times
 Korthikanti's ``2sbh/t``. Recompute (``train.recompute``, :func:`moe_fold.train.apply_recompute`)
 keeps only the inputs of the recomputed parts.
+These are the Megatron reference figures (``Assumptions.implementation="megatron"``);
+what moe-fold's own layers keep is :mod:`moe_fold.planner_memory`.
 """
 
 from __future__ import annotations
