@@ -18,7 +18,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 from moe_fold.checkpoint import (
@@ -35,6 +34,7 @@ from moe_fold.optim import AdamW, apply_gradients, build_optimizer, build_schedu
 from moe_fold.sharding import box, flat_boxes, full_tensor, shard_info
 from moe_fold.step import forward_backward
 from moe_fold.tensor_parallel import mark, shard_tp
+from pipeline_union import unite_over_pp
 from test_optim import SEQ, VOCAB, _config, _step
 
 ONE = ProcessGroups.single_process()
@@ -383,17 +383,8 @@ def _pp_step(model, opt, sched, groups, config, step):
 def _pp_global(model, groups):
     """The whole model's global parameters on every rank: each stage's, united over pp
     (the two copies of a tied embedding must be equal)."""
-    mine = {n: full_tensor(p.detach(), shard_info(p, groups, n), groups) for n, p in model.named_parameters()}
-    if groups.size("pp") == 1:
-        return mine
-    parts = [None] * groups.size("pp")
-    dist.all_gather_object(parts, mine, group=groups.pp)
-    out = {}
-    for part in parts:
-        for name, value in part.items():
-            assert name not in out or torch.equal(out[name], value), f"tied copies of {name} differ"
-            out[name] = value
-    return out
+    return unite_over_pp({n: full_tensor(p.detach(), shard_info(p, groups, n), groups)
+                          for n, p in model.named_parameters()}, groups)
 
 
 def _pp_rank(rank, world_size, root, pairs):

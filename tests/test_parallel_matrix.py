@@ -34,6 +34,7 @@ from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_p
 from moe_fold.models.model import build_model
 from moe_fold.optim import AdamW, param_groups
 from moe_fold.step import forward_backward
+from pipeline_union import unite_over_pp
 from test_layout_invariance import _global_grads
 
 VOCAB, HIDDEN, LAYERS, SEQ, BATCH, STEPS, LR, MAX_NORM = 64, 32, 4, 16, 4, 3, 1e-2, 0.5
@@ -101,18 +102,7 @@ def _micro_batches(dp_rank, dp, m):
 def _pp_gathered(model, groups):
     """Global grads of the whole model on every rank: :func:`_global_grads` of each stage,
     united over pp (the two copies of a tied embedding must agree)."""
-    mine = _global_grads(model, groups)
-    if groups.size("pp") == 1:
-        return mine
-    parts = [None] * groups.size("pp")
-    dist.all_gather_object(parts, mine, group=groups.pp)
-    out = {}
-    for part in parts:
-        for name, g in part.items():
-            if name in out:
-                np.testing.assert_array_equal(g, out[name], err_msg=f"tied copies of {name}")
-            out[name] = g
-    return out
+    return unite_over_pp(_global_grads(model, groups), groups)
 
 
 def _tied_copies_differ(model, groups):
