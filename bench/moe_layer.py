@@ -17,7 +17,12 @@ same weights and routing (the outputs are checked equal before timing):
   gradient; where that exceeds ``--hf-memory-gib`` it is timed, with ``ours``, at the
   largest power-of-two token count that fits (its own JSON line says which);
 - ``dense``: one SwiGLU MLP (``[H, 2F]``, ``[F, H]``) over ``tokens*topk`` rows: the same
-  GEMM FLOPs with no routing, permutation or grouping, the practical limit.
+  GEMM FLOPs with no routing, permutation or grouping, the practical limit;
+- ``gemm:ours`` / ``gemm:dense``: only the six GEMMs of each (fc1 and fc2: forward, dx,
+  dw), ours grouped with the per-expert row counts its router gives the benchmark's
+  input. ``gemm_overhead_vs_dense`` is what grouping alone costs;
+  ``overhead_vs_dense_gemm_floor`` is the ``overhead_vs_dense`` ours would have if every
+  other part (routing, permutation, SwiGLU) cost exactly what the dense MLP's SwiGLU does.
 
 Timing: every step is forward + ``autograd.grad`` of the output w.r.t. the input and all
 weights (no ``.grad`` accumulation); candidates are timed interleaved, round after round,
@@ -135,6 +140,37 @@ def make_dense_step(shape: dict):
     return dense_step
 
 
+def make_gemm_steps(shape: dict, ours: MoELayer) -> dict:
+    """The six GEMMs alone (fc1 and fc2: forward, dx, dw), grouped as ours runs them (its
+    own per-expert row counts for the benchmark's input) and dense as the dense equivalent
+    runs them: ``gemm:ours`` / ``gemm:dense`` is the part of ``overhead_vs_dense`` that the
+    grouped GEMM costs by itself, before routing, permutation or the activation."""
+    from moe_fold.kernels.gmm import gmm
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(shape["tokens"], shape["hidden"], generator=gen)
+    with torch.no_grad():
+        routing = ours.router(x)
+        counts = ours.dispatcher.dispatch(x, routing.probs, routing.routing_map).tokens_per_local_expert
+    rows, hidden, ffn = int(counts.sum()), shape["hidden"], shape["ffn"]
+    a = torch.randn(rows, hidden, generator=gen).requires_grad_()
+    b = torch.randn(rows, ffn, generator=gen).requires_grad_()
+    g1, g2 = torch.randn(rows, 2 * ffn, generator=gen), torch.randn(rows, hidden, generator=gen)
+    fc1, fc2 = ours.experts.fc1.detach().requires_grad_(), ours.experts.fc2.detach().requires_grad_()
+    w1, w2 = fc1[0].detach().clone().requires_grad_(), fc2[0].detach().clone().requires_grad_()
+    backend = ours.experts.gemm_backend
+
+    def grouped():
+        torch.autograd.grad(gmm(a, fc1, counts, backend=backend), [a, fc1], g1)
+        return torch.autograd.grad(gmm(b, fc2, counts, backend=backend), [b, fc2], g2)
+
+    def dense():
+        torch.autograd.grad(a @ w1, [a, w1], g1)
+        return torch.autograd.grad(b @ w2, [b, w2], g2)
+
+    return {"gemm:ours": grouped, "gemm:dense": dense}
+
+
 def time_interleaved(steps: dict, rounds: int, iters: int) -> tuple[dict, dict]:
     """Median wall-clock and process-CPU milliseconds per step of each candidate."""
     for step in steps.values():  # warm-up: allocator, caches
@@ -180,7 +216,11 @@ def bench_shape(shape: dict, args) -> None:
 
     steps, diffs = make_steps(shape, shape["tokens"], ours, fits)
     steps["dense"] = make_dense_step(shape)
+    steps.update(make_gemm_steps(shape, ours))
     ms, cpu_ms = time_interleaved(steps, args.rounds, args.iters)
+    # If everything but the GEMMs cost ours exactly what it costs the dense equivalent,
+    # overhead_vs_dense would be this: the GEMMs' own share of the budget.
+    gemm_floor = (ms["dense"] - ms["gemm:dense"] + ms["gemm:ours"]) / ms["dense"]
     each = {name[3:]: ms[name] / ms["ours"] for name in ms if name.startswith("hf:")}
     each_cpu = {name[3:]: cpu_ms[name] / cpu_ms["ours"] for name in ms if name.startswith("hf:")}
     print(json.dumps({
@@ -192,6 +232,10 @@ def bench_shape(shape: dict, args) -> None:
         "overhead_vs_dense": round(ms["ours"] / ms["dense"], 3),
         "ratio_vs_hf_cpu": round(min(each_cpu.values()), 3) if each_cpu else None,
         "overhead_vs_dense_cpu": round(cpu_ms["ours"] / cpu_ms["dense"], 3),
+        "gemm_overhead_vs_dense": round(ms["gemm:ours"] / ms["gemm:dense"], 3),
+        "gemm_overhead_vs_dense_cpu": round(cpu_ms["gemm:ours"] / cpu_ms["gemm:dense"], 3),
+        "gemm_share_of_dense": round(ms["gemm:dense"] / ms["dense"], 3),
+        "overhead_vs_dense_gemm_floor": round(gemm_floor, 3),
         "max_abs_diff_vs_hf": diffs,
     }))
 

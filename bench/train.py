@@ -30,7 +30,10 @@ time and from process CPU time (on a shared machine wall time also counts waitin
 core). Output: one JSON line per candidate, then a summary line with ``tokens_per_s``,
 ``hf_tokens_per_s``, ``ratio_vs_hf`` (the fastest transformers implementation's step
 time / ours), ``ratio_vs_hf_each``, our achieved model FLOP/s and
-``flops_fraction_of_matmul`` (ours / the matmul's FLOP/s).
+``flops_fraction_of_matmul`` (ours / the matmul's FLOP/s). Then where our step's time
+goes, from one profiled run: ``kernel_ms_profiled`` (matrix multiplies, attention
+kernels, everything else) and ``flops_fraction_ceiling``, the fraction the step would
+reach if everything but its matrix-multiply and attention kernels were free.
 
 Model FLOPs per step (PaLM's convention): ``6 * N * T + 12 * L * heads * head_dim * S * T``
 with ``N`` the parameters a token passes through (experts counted top-k times, the
@@ -198,6 +201,7 @@ def main() -> None:
 
     flops = model_flops(config, model, tokens)
     mm_flops = 2.0 * args.mm ** 3
+    kernel_ms = kernel_breakdown(ours_step, max(args.iters, 5))
     for name in steps:
         line = {"bench": "train", "candidate": name, "ms": med[name] * 1e3, "cpu_ms": med_cpu[name] * 1e3,
                 **info.get(name, {})}
@@ -220,8 +224,36 @@ def main() -> None:
         "matmul_flops_per_s": mm_flops / med["matmul"],
         "flops_fraction_of_matmul": ours_flops_per_s / (mm_flops / med["matmul"]),
         "flops_fraction_of_matmul_cpu": (flops / med_cpu["ours"]) / (mm_flops / med_cpu["matmul"]),
+        "kernel_ms_profiled": kernel_ms,
+        # The fraction a step would reach if only its matrix-multiply and attention kernels
+        # took time (everything else free): what these kernels at these shapes allow.
+        "flops_fraction_ceiling": (flops / (mm_flops / med["matmul"]))
+        / ((kernel_ms["matmul"] + kernel_ms["attention"]) / 1e3),
     }
     print(json.dumps(summary))
+
+
+# Profiler op names of the step's matrix multiplies (their self time: the grouped GEMM's
+# own loop over experts calls aten::mm, counted there) and of its attention kernels.
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm")
+ATTENTION_PREFIX = "aten::_scaled_dot_product"
+
+
+def kernel_breakdown(step, iters: int) -> dict:
+    """Milliseconds per step of ours in matrix multiplies, attention kernels and
+    everything else, from ``torch.profiler`` self CPU times over ``iters`` steps (the
+    profiler adds a little to every op, so the sum is above the timed step)."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        for _ in range(iters):
+            step()
+    out = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for event in prof.key_averages():
+        kind = ("matmul" if event.key in MATMUL_OPS
+                else "attention" if event.key.startswith(ATTENTION_PREFIX) else "other")
+        out[kind] += event.self_cpu_time_total / 1e3 / iters
+    return {k: round(v, 2) for k, v in out.items()}
 
 
 def _hf_step(hf, batch, clip: float, config):
