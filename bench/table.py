@@ -102,7 +102,7 @@ def _train(r: dict):
         ("flops_fraction_of_matmul", _num(r["flops_fraction_of_matmul"]),
          "our model FLOP/s / dense matmul FLOP/s"),
     ] + ([("flops_fraction_ceiling", _num(r["flops_fraction_ceiling"]),
-           "the same if only matmul and attention kernels took time")]
+           "the same if only its matmul and attention kernels took time")]
          if "flops_fraction_ceiling" in r else [])
 
 

@@ -30,10 +30,16 @@ time and from process CPU time (on a shared machine wall time also counts waitin
 core). Output: one JSON line per candidate, then a summary line with ``tokens_per_s``,
 ``hf_tokens_per_s``, ``ratio_vs_hf`` (the fastest transformers implementation's step
 time / ours), ``ratio_vs_hf_each``, our achieved model FLOP/s and
-``flops_fraction_of_matmul`` (ours / the matmul's FLOP/s). Then where our step's time
-goes, from one profiled run: ``kernel_ms_profiled`` (matrix multiplies, attention
-kernels, everything else) and ``flops_fraction_ceiling``, the fraction the step would
-reach if everything but its matrix-multiply and attention kernels were free.
+``flops_fraction_of_matmul`` (ours / the matmul's FLOP/s).
+
+What the kernels allow: one extra step of ours runs under a dispatch mode that records
+every matrix multiply (``mm``, ``addmm``, ``bmm``, ``_grouped_mm``) and attention kernel
+(SDPA forward and backward) with copies of its inputs; the candidate ``kernels`` replays
+exactly those calls, timed interleaved with the others. ``flops_fraction_ceiling`` is the
+fraction a step would reach if everything else (norms, activations, routing, permutation,
+the optimizer, Python) took no time, and ``kernels_share_of_step`` the part of our step
+those calls take. (The copies keep their strides where the originals are dense; a view
+into a larger tensor is replayed from a compact copy.)
 
 Model FLOPs per step (PaLM's convention): ``6 * N * T + 12 * L * heads * head_dim * S * T``
 with ``N`` the parameters a token passes through (experts counted top-k times, the
@@ -183,6 +189,7 @@ def main() -> None:
     a = torch.randn(args.mm, args.mm)
     b = torch.randn(args.mm, args.mm)
     steps["matmul"] = lambda: torch.mm(a, b)
+    steps["kernels"] = record_kernels(ours_step)
 
     for step in steps.values():
         for _ in range(args.warmup):
@@ -201,14 +208,15 @@ def main() -> None:
 
     flops = model_flops(config, model, tokens)
     mm_flops = 2.0 * args.mm ** 3
-    kernel_ms = kernel_breakdown(ours_step, max(args.iters, 5))
     for name in steps:
         line = {"bench": "train", "candidate": name, "ms": med[name] * 1e3, "cpu_ms": med_cpu[name] * 1e3,
                 **info.get(name, {})}
-        if name != "matmul":
-            line["tokens_per_s"] = tokens / med[name]
-        else:
+        if name == "matmul":
             line["flops_per_s"] = mm_flops / med[name]
+        elif name == "kernels":  # the model's FLOPs over the time of its kernels alone
+            line["flops_per_s"] = flops / med[name]
+        else:
+            line["tokens_per_s"] = tokens / med[name]
         print(json.dumps(line))
     hf_names = [n for n in steps if n.startswith("hf:")]
     ours_flops_per_s = flops / med["ours"]
@@ -224,36 +232,48 @@ def main() -> None:
         "matmul_flops_per_s": mm_flops / med["matmul"],
         "flops_fraction_of_matmul": ours_flops_per_s / (mm_flops / med["matmul"]),
         "flops_fraction_of_matmul_cpu": (flops / med_cpu["ours"]) / (mm_flops / med_cpu["matmul"]),
-        "kernel_ms_profiled": kernel_ms,
-        # The fraction a step would reach if only its matrix-multiply and attention kernels
-        # took time (everything else free): what these kernels at these shapes allow.
-        "flops_fraction_ceiling": (flops / (mm_flops / med["matmul"]))
-        / ((kernel_ms["matmul"] + kernel_ms["attention"]) / 1e3),
+        "kernels_ms": med["kernels"] * 1e3, "kernels_share_of_step": med["kernels"] / med["ours"],
+        "flops_fraction_ceiling": (flops / (mm_flops / med["matmul"])) / med["kernels"],
     }
     print(json.dumps(summary))
 
 
-# Profiler op names of the step's matrix multiplies (their self time: the grouped GEMM's
-# own loop over experts calls aten::mm, counted there) and of its attention kernels.
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm")
-ATTENTION_PREFIX = "aten::_scaled_dot_product"
+# The calls ``kernels`` replays: matrix multiplies and attention (flash SDPA on CPU).
+KERNEL_OPS = ("mm", "addmm", "bmm", "_grouped_mm", "_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
-def kernel_breakdown(step, iters: int) -> dict:
-    """Milliseconds per step of ours in matrix multiplies, attention kernels and
-    everything else, from ``torch.profiler`` self CPU times over ``iters`` steps (the
-    profiler adds a little to every op, so the sum is above the timed step)."""
-    from torch.profiler import profile
+def record_kernels(step):
+    """Run ``step`` once, recording each :data:`KERNEL_OPS` call with copies of its inputs;
+    return a function that makes exactly those calls again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map
 
-    with profile() as prof:
-        for _ in range(iters):
-            step()
-    out = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
-    for event in prof.key_averages():
-        kind = ("matmul" if event.key in MATMUL_OPS
-                else "attention" if event.key.startswith(ATTENTION_PREFIX) else "other")
-        out[kind] += event.self_cpu_time_total / 1e3 / iters
-    return {k: round(v, 2) for k, v in out.items()}
+    def copy(v):
+        return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.overloadpacket.__name__ in KERNEL_OPS:  # calls nested in func are not seen
+                self.calls.append((func, tree_map(copy, args), tree_map(copy, kwargs)))
+            return func(*args, **kwargs)
+
+    with Recorder() as recorder:
+        step()
+    calls = recorder.calls
+    if not any(func.overloadpacket.__name__ == "_grouped_mm" for func, _, _ in calls):
+        raise SystemExit("bench/train.py: no grouped GEMM recorded in our step; the kernel list is out of date")
+
+    def replay():
+        with torch.no_grad():
+            for func, args, kwargs in calls:
+                func(*args, **kwargs)
+    return replay
 
 
 def _hf_step(hf, batch, clip: float, config):
