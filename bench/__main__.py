@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from bench import suite
-from moe_fold import bench_command
+from moe_fold.cli import bench as bench_command
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe_fold.comm import count_bytes
-from moe_fold.context_parallel import context_parallel_attention, zigzag_split
+from moe_fold.parallel.context_parallel import context_parallel_attention, zigzag_split
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, create_process_groups
 

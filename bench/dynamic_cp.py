@@ -14,7 +14,7 @@ Document-length distributions:
 Both are packed the way training packs them (:class:`moe_fold.data.loader.GPTDataset`,
 ``packing=True``) into ``micro_batches`` micro-batches of ``batch`` rows of ``seq`` tokens
 for one cp group of ``cp`` gloo ranks. Static cp gives every rank its zigzag slice of
-every row; dynamic cp (:class:`moe_fold.dynamic_cp.DynamicCP`) places the documents on
+every row; dynamic cp (:class:`moe_fold.training.dynamic_cp.DynamicCP`) places the documents on
 sub-groups with the same memory (``batch*seq/cp`` tokens per rank).
 
 One JSON line per distribution: ``{"bench": "dynamic_cp", "dist", "cp", "seq", ...}`` with
@@ -51,12 +51,12 @@ from moe_fold.config import Config, ModelConfig
 from moe_fold.data.corpus import prepare_data_paths
 from moe_fold.data.indexed_dataset import IndexedDataset, write_indexed_dataset
 from moe_fold.data.loader import GPTDataset, collate
-from moe_fold.dynamic_cp import CostModel, DynamicCP, documents_of, group_pair_counts, schedule, zigzag_pair_counts
+from moe_fold.training.dynamic_cp import CostModel, DynamicCP, documents_of, group_pair_counts, schedule, zigzag_pair_counts
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, create_process_groups
 from moe_fold.models.model import build_model
-from moe_fold.step import forward_backward
-from moe_fold.varlen import doc_ids_from_cu_seqlens
+from moe_fold.training.step import forward_backward
+from moe_fold.parallel.varlen import doc_ids_from_cu_seqlens
 
 
 def _config(args) -> Config:

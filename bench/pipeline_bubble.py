@@ -7,7 +7,7 @@ sleeps ``forward_ms / vpp`` and its backward ``2 * forward_ms / vpp`` (the usual
 backward = 2 x forward), so a rank has the same work per micro-batch under both schedules
 and the tensors between stages are tiny. A chunk records the time it spends working;
 ``idle_fraction = 1 - work / total`` per rank, where ``total`` runs from a barrier before
-:func:`moe_fold.pipeline.run_schedule` to its return (it ends with a collective over the
+:func:`moe_fold.parallel.pipeline.run_schedule` to its return (it ends with a collective over the
 pp group, so every rank's total spans the whole pipeline).
 
 Prints one JSON line per (schedule, pp, micro-batches), with the median over repeats of
@@ -17,7 +17,7 @@ the mean and max idle fraction over ranks, next to
   ``(p-1)/(m+p-1)`` for 1f1b and ``(p-1)/(v*m+p-1)`` for interleaved;
 - ``bubble_over_ideal_theory``: the same bubble relative to the ideal (bubble-free) time,
   ``(p-1)/m`` and ``(p-1)/(v*m)``, the form of Narayanan et al. 2021, section 2.2;
-- ``idle_fraction_plan``: what the schedule's plan predicts (:mod:`moe_fold.pipeline_schedules`).
+- ``idle_fraction_plan``: what the schedule's plan predicts (:mod:`moe_fold.parallel.pipeline_schedules`).
 
 The measured number is compared with ``idle_fraction_theory`` (both idle / total). What
 the sleeps cannot hide shows up as extra idle time: every exchange a rank goes through
@@ -38,8 +38,8 @@ from torch import nn
 from moe_fold.comm import batch_send_recv
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, create_process_groups
-from moe_fold.pipeline import run_schedule
-from moe_fold.pipeline_schedules import Exchange, make_plan
+from moe_fold.parallel.pipeline import run_schedule
+from moe_fold.parallel.pipeline_schedules import Exchange, make_plan
 
 WIDTH = 4
 

@@ -224,7 +224,7 @@ def start_record(root: Path, size: str, selected: list[Case], now: datetime.date
 
 
 def run(args: argparse.Namespace, root: Path) -> int:
-    """Run the suite as ``args`` (see :func:`moe_fold.bench_command.add_arguments`) ask; 0 when
+    """Run the suite as ``args`` (see :func:`moe_fold.cli.bench.add_arguments`) ask; 0 when
     every case produced records, 1 when one failed, 2 for bad arguments."""
     from rich.console import Console
 

@@ -9,7 +9,7 @@ in float32, on one micro-batch of ``--micro-batch`` sequences of the preset's
 ``model.seq_length`` from the demo corpus. Candidates:
 
 - ``ours``: :func:`moe_fold.models.model.build_model` (single process, the preset with
-  ep=1) with :mod:`moe_fold.optim`'s AdamW, loss = LM loss + aux loss (z-loss off: the
+  ep=1) with :mod:`moe_fold.training.optim`'s AdamW, loss = LM loss + aux loss (z-loss off: the
   transformers model has none);
 - ``hf:<impl>``: the same weights exported with :func:`moe_fold.models.to_hf` and loaded as
   ``MixtralForCausalLM`` (SDPA attention), once per experts implementation transformers
@@ -106,7 +106,7 @@ def model_flops(config, model, tokens: int) -> float:
 def build(args):
     from moe_fold.data.loader import DataLoader, dataset_from_config
     from moe_fold.models.model import build_model
-    from moe_fold.optim import build_optimizer
+    from moe_fold.training.optim import build_optimizer
 
     config = load_config(args.preset, ["parallel.ep=1", "parallel.tp=1", "moe.z_loss_coeff=0", "wandb.mode=disabled",
                                        *args.overrides])
@@ -147,7 +147,7 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     from moe_fold.models import to_hf
-    from moe_fold.optim import apply_gradients
+    from moe_fold.training.optim import apply_gradients
 
     config, groups, model, optimizer, batch = build(args)
     tokens = batch.tokens.numel()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from moe_fold import comm
-from moe_fold.dispatch.dispatcher import Handle, TokenDispatcher, counted
+from moe_fold.dispatch.interface import Handle, TokenDispatcher, counted
 from moe_fold.kernels.permute import permute, unpermute
 
 if TYPE_CHECKING:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from moe_fold import comm
-from moe_fold.dispatch.dispatcher import MODES, Handle, TokenDispatcher, counted, expert_major_order
+from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, counted, expert_major_order
 from moe_fold.dispatch.router import expert_capacity
 from moe_fold.kernels.permute import permute, permute_padded, sort_chunks, unpermute
 

@@ -1,237 +1,24 @@
-"""The token dispatcher interface: move routed tokens to the ranks that own their experts
-and bring the expert outputs back.
+"""Choosing a token dispatcher from the ``moe`` config section: :func:`build_dispatcher`.
 
-A dispatcher is used in two calls per MoE layer and micro-batch::
-
-    out = dispatcher.dispatch(tokens, probs, routing_map)
-    # out.tokens[N, H] are grouped by local expert: out.tokens_per_local_expert[i] rows
-    # for local expert i, in order; out.probs[N] is the routing weight of each row.
-    y = dispatcher.combine(expert_output, out.handle)  # [N, H] -> [T, H]
-
-Everything ``combine`` needs is on ``out.handle``, never on the dispatcher, so two
-micro-batches can be in flight at once (pipeline schedules do that).
-
-The experts apply the probs themselves (inside their activation), so ``combine`` only
-sums rows: a token's output is the plain sum of the rows that came from it. That is
-what lets the rank-deduplicated all-to-all add a token's partial outputs on the
-destination rank before sending a single row back.
-
-Each call is split in three steps that keep local work apart from communication, so
-communication can later overlap other work:
-
-- dispatch: ``dispatch_preprocess`` (counts, splits, permute to expert-major order)
-  -> ``dispatch_communicate`` -> ``dispatch_postprocess`` (sort to local-expert-major);
-- combine: ``combine_preprocess`` (the reverse sort) -> ``combine_communicate``
-  -> ``combine_postprocess`` (unpermute, scatter-add to tokens).
-
-Wire accounting: every handle carries a :class:`WireBytes` with the bytes this rank
-sent in that dispatch and combine, measured with :func:`moe_fold.comm.count_bytes`
-around each collective.
-
-Implementations: :class:`~moe_fold.dispatch.alltoall.AllToAllDispatcher` and
-:class:`~moe_fold.dispatch.allgather.AllGatherDispatcher`; :func:`build_dispatcher`
-picks one from the ``moe`` config section.
+The interface every dispatcher implements (``dispatch`` / ``combine`` and their
+preprocess, communicate and postprocess steps, the handle, the wire byte counts) is in
+:mod:`moe_fold.dispatch.interface`; the implementations are
+:mod:`moe_fold.dispatch.alltoall` and :mod:`moe_fold.dispatch.allgather`.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
-
-from moe_fold import comm
-from moe_fold.kernels.permute import BACKENDS as PERMUTE_BACKENDS
+from moe_fold.dispatch.allgather import AllGatherDispatcher
+from moe_fold.dispatch.alltoall import AllToAllDispatcher
+from moe_fold.dispatch.interface import TokenDispatcher
 
 if TYPE_CHECKING:
     from moe_fold.config import MoEConfig
     from moe_fold.layout import ProcessGroups
 
-__all__ = ["WireBytes", "DispatchOutput", "Handle", "TokenDispatcher", "MODES", "dispatch_mode",
-           "build_dispatcher", "expert_major_order", "counted"]
-
-
-@dataclass
-class WireBytes:
-    """Bytes one rank sent to other ranks during one dispatch and its combine.
-
-    ``dispatch`` and ``combine`` count the token rows (hidden states) over every
-    collective of that direction; ``dispatch_etp`` and ``combine_etp`` are the part of
-    them sent over the etp group (all-gather after, reduce-scatter before the
-    all-to-all). ``meta`` is everything else: the routing probs and maps that travel
-    with the rows and the exchange of counts. Backward passes are not included.
-    """
-
-    dispatch: int = 0
-    combine: int = 0
-    dispatch_etp: int = 0
-    combine_etp: int = 0
-    meta: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.dispatch + self.combine + self.meta
-
-
-@dataclass
-class DispatchOutput:
-    """What the experts receive from :meth:`TokenDispatcher.dispatch`.
-
-    ``tokens[N, H]`` grouped by local expert, ``tokens_per_local_expert`` an int64 CPU
-    tensor ``[num_local_experts]`` summing to N (a host value, as grouped GEMMs want),
-    ``probs[N]`` the routing weight of each row (0 on padding rows), ``handle`` the
-    state :meth:`TokenDispatcher.combine` needs.
-    """
-
-    tokens: torch.Tensor
-    tokens_per_local_expert: torch.Tensor
-    probs: torch.Tensor
-    handle: Any
-
-
-@dataclass
-class Handle:
-    """State of one dispatch, read by its combine. Subclasses add their own fields."""
-
-    num_tokens: int
-    wire: WireBytes = field(default_factory=WireBytes)
-    # Rows handed to the experts; combine expects as many.
-    num_rows: int = 0
-
-
-def expert_major_order(etp: int, ep: int, num_local_experts: int, inverse: bool = False) -> list[int]:
-    """Chunk order (for ``sort_chunks``) between the received and the expert layout.
-
-    Rows arrive (after the all-to-all over ep and the all-gather over etp) in chunks
-    ``[etp source][ep source][local expert]``; the experts want ``[local expert][ep
-    source][etp source]``, which is also the order of the etp x ep group's ranks (etp
-    varies fastest), so every dispatcher hands the experts the same rows in the same
-    order. ``inverse=True`` maps the expert layout back (its input chunks are in the
-    expert order).
-    """
-    if inverse:
-        return [(le * ep + j) * etp + t
-                for t in range(etp) for j in range(ep) for le in range(num_local_experts)]
-    return [(t * ep + j) * num_local_experts + le
-            for le in range(num_local_experts) for j in range(ep) for t in range(etp)]
-
-
-def counted(fn, *args, **kwargs) -> tuple[Any, int]:
-    """Run one collective ``fn(*args, **kwargs)``; return its result and the bytes it sent."""
-    with comm.count_bytes() as sent:
-        out = fn(*args, **kwargs)
-    return out, sum(sent.values())
-
-
-class TokenDispatcher(ABC):
-    """Base class: input checks, the three-step dispatch and combine, wire accounting.
-
-    ``num_experts`` experts are split evenly over the ep group: ep rank j owns global
-    experts ``[j * E_local, (j + 1) * E_local)``; the etp ranks of one ep rank each hold
-    a shard of the same experts and receive the same rows. ``topk`` is the number of
-    experts per token (used for the capacity of the padded mode).
-    """
-
-    def __init__(self, num_experts: int, topk: int, groups: "ProcessGroups", *,
-                 permute_backend: str = "torch"):
-        if num_experts < 1:
-            raise ValueError(f"num_experts={num_experts} must be >= 1")
-        if not 1 <= topk <= num_experts:
-            raise ValueError(f"topk={topk} must be in [1, num_experts={num_experts}]")
-        if permute_backend not in PERMUTE_BACKENDS:
-            raise ValueError(f"permute_backend={permute_backend!r} is not one of {PERMUTE_BACKENDS}")
-        self.ep = groups.size("ep")
-        self.etp = groups.size("etp")
-        if num_experts % self.ep:
-            raise ValueError(f"num_experts={num_experts} is not divisible by ep={self.ep}")
-        self.num_experts = num_experts
-        self.topk = topk
-        self.groups = groups
-        self.permute_backend = permute_backend
-        self.ep_rank = groups.rank_in("ep")
-        self.etp_rank = groups.rank_in("etp")
-        # The count exchange reads the etp x ep group as [ep][etp]: check that is its order.
-        if groups.rank_in("etp_ep") != self.ep_rank * self.etp + self.etp_rank:
-            raise ValueError(f"the etp_ep group does not list ranks etp-fastest (rank "
-                             f"{groups.rank_in('etp_ep')} in it, ep rank {self.ep_rank}, etp rank "
-                             f"{self.etp_rank}); the layout order must put tp before ep")
-        self.num_local_experts = num_experts // self.ep
-        self.local_expert_start = self.ep_rank * self.num_local_experts
-
-    # ------------------------------------------------------------------ public calls
-
-    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor,
-                 routing_map: torch.Tensor) -> DispatchOutput:
-        """Send ``tokens[T, H]`` to the experts chosen by ``routing_map[T, E]`` (bool),
-        with ``probs[T, E]`` (the weight of each routed pair). Differentiable w.r.t.
-        tokens and probs."""
-        self._check_inputs(tokens, probs, routing_map)
-        handle, x, p = self.dispatch_preprocess(tokens, probs, routing_map)
-        x, p = self.dispatch_communicate(x, p, handle)
-        x, p, counts = self.dispatch_postprocess(x, p, handle)
-        handle.num_rows = x.shape[0]
-        return DispatchOutput(tokens=x, tokens_per_local_expert=counts, probs=p, handle=handle)
-
-    def combine(self, expert_output: torch.Tensor, handle: Handle) -> torch.Tensor:
-        """Return ``[T, H]``: each token's expert output rows summed, on the rank the
-        token came from. ``expert_output[N, H]`` is in the order of the dispatched rows."""
-        if expert_output.dim() != 2 or expert_output.shape[0] != handle.num_rows:
-            raise ValueError(f"expert_output must be [N={handle.num_rows}, H] (one row per dispatched row), "
-                             f"got shape {tuple(expert_output.shape)}")
-        x = self.combine_preprocess(expert_output, handle)
-        x = self.combine_communicate(x, handle)
-        return self.combine_postprocess(x, handle)
-
-    # ------------------------------------------------------------------ steps
-
-    @abstractmethod
-    def dispatch_preprocess(self, tokens, probs, routing_map) -> tuple[Handle, torch.Tensor, torch.Tensor]:
-        """Local work before communication; returns the handle and what to send."""
-
-    @abstractmethod
-    def dispatch_communicate(self, x, probs, handle) -> tuple[torch.Tensor, torch.Tensor]:
-        """The collectives of the dispatch; records their bytes on ``handle.wire``."""
-
-    @abstractmethod
-    def dispatch_postprocess(self, x, probs, handle) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Local work after communication: rows, probs and counts for the experts."""
-
-    @abstractmethod
-    def combine_preprocess(self, x, handle) -> torch.Tensor:
-        """Local work before the combine's communication."""
-
-    @abstractmethod
-    def combine_communicate(self, x, handle) -> torch.Tensor:
-        """The collectives of the combine; records their bytes on ``handle.wire``."""
-
-    @abstractmethod
-    def combine_postprocess(self, x, handle) -> torch.Tensor:
-        """Local work after communication: rows back to ``[T, H]``."""
-
-    # ------------------------------------------------------------------ helpers
-
-    def _check_inputs(self, tokens, probs, routing_map) -> None:
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [T, H], got shape {tuple(tokens.shape)}")
-        shape = (tokens.shape[0], self.num_experts)
-        if routing_map.dtype != torch.bool or tuple(routing_map.shape) != shape:
-            raise ValueError(f"routing_map must be a bool tensor of shape {shape} [tokens, num_experts], "
-                             f"got {routing_map.dtype} {tuple(routing_map.shape)}")
-        if tuple(probs.shape) != shape or not probs.is_floating_point():
-            raise ValueError(f"probs must be a float tensor of shape {shape} [tokens, num_experts], "
-                             f"got {probs.dtype} {tuple(probs.shape)}")
-
-    def _gather_counts(self, counts: torch.Tensor, wire: WireBytes) -> list[list[list[int]]]:
-        """All-gather ``counts[C]`` (int64) over the etp x ep group; returns a host list
-        ``[ep][etp][C]``. This is the dispatcher's host synchronisation."""
-        gathered, sent = counted(comm.all_gather, counts.unsqueeze(0), self.groups.etp_ep)  # [1, C] -> [etp*ep, C]
-        wire.meta += sent
-        flat = gathered.tolist()
-        return [[flat[j * self.etp + t] for t in range(self.etp)] for j in range(self.ep)]
-
-
-MODES = ("dropless", "capacity", "pad")
+__all__ = ["dispatch_mode", "build_dispatcher"]
 
 
 def dispatch_mode(moe: "MoEConfig") -> str:
@@ -248,10 +35,6 @@ def dispatch_mode(moe: "MoEConfig") -> str:
 def build_dispatcher(moe: "MoEConfig", groups: "ProcessGroups") -> TokenDispatcher:
     """The dispatcher the ``moe`` config section asks for (``moe.dispatcher``,
     ``capacity_factor``, ``pad_to_capacity``, ``dedup``, ``permute_backend``)."""
-    # Imported here because both modules import this one for the base class.
-    from moe_fold.dispatch.allgather import AllGatherDispatcher
-    from moe_fold.dispatch.alltoall import AllToAllDispatcher
-
     mode = dispatch_mode(moe)
     if moe.dispatcher == "alltoall":
         return AllToAllDispatcher(moe.num_experts, moe.topk, groups, mode=mode,

@@ -21,6 +21,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from .token_rows import rows_by_token
+
 BACKENDS = ("torch", "triton")
 # Row chunk of the unpermute backward: small enough to stay in L2 between its three
 # steps, large enough that the per-op overhead (and, under load, the wait for the
@@ -206,23 +208,6 @@ def _sum_rows_per_token(rows: torch.Tensor, sorted_indices: torch.Tensor,
         matrix = torch.sparse_csr_tensor(crow, order, values, size=(num_tokens + 1, n),
                                          check_invariants=False)
     return (matrix @ rows.to(acc))[:num_tokens]  # [T + 1, N] @ [N, H] -> [T, H]
-
-
-def rows_by_token(sorted_indices: torch.Tensor, num_tokens: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows of each token in CSR form: ``rows[N]`` (row ids grouped by token,
-    expert order kept) and ``row_ptr[T + 2]`` (token t owns
-    ``rows[row_ptr[t]:row_ptr[t + 1]]``; the padding rows, index T, come last).
-
-    No host sync (counts by scatter_add_, not bincount, whose output size is data
-    dependent); an index outside ``[0, num_tokens]`` raises in scatter_add_.
-    """
-    rows = torch.argsort(sorted_indices, stable=True)
-    counts = torch.zeros(num_tokens + 1, dtype=torch.long, device=sorted_indices.device)
-    counts.scatter_add_(0, sorted_indices, torch.ones_like(sorted_indices))
-    row_ptr = torch.zeros(num_tokens + 2, dtype=torch.long, device=sorted_indices.device)
-    torch.cumsum(counts, 0, out=row_ptr[1:])
-    return rows, row_ptr
 
 
 def _take_with_sentinel(src: torch.Tensor, index: torch.Tensor, padded: bool

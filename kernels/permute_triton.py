@@ -8,7 +8,7 @@ Two kernels do all the work:
   rows and of their probs in one pass).
 - ``_sum_rows_kernel``: ``out[t] = sum over the rows r of token t of
   src[r] * scale[r]``, with the rows of each token listed in CSR form
-  (``rows_by_token`` in permute.py), so every output row is written by one
+  (``rows_by_token`` in token_rows.py), so every output row is written by one
   program and needs no atomics. Unpermute forward and permute backward.
 
 Index bookkeeping (which row goes where) is small integer work done with torch ops;
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .permute import rows_by_token
+from .token_rows import rows_by_token
 
 
 @triton.jit

@@ -4,9 +4,9 @@ Under tp each rank owns ``num_heads/tp`` query heads together with the
 ``num_kv_heads/tp`` key/value heads they read, so attention itself needs no tp
 communication: the fused q|k|v projection is column-parallel and the output projection
 row-parallel. Under cp each rank holds its zigzag shard of every sequence
-(:mod:`moe_fold.context_parallel`); the projections and rotary work token by token, and
+(:mod:`moe_fold.parallel.context_parallel`); the projections and rotary work token by token, and
 only the attention proper crosses the cp group (``parallel.cp_kind``: ring or a2a).
-Packed documents (:class:`moe_fold.varlen.Documents`): attention stays inside each
+Packed documents (:class:`moe_fold.parallel.varlen.Documents`): attention stays inside each
 document, over the group the micro-batch names (a dynamic-cp sub-group may replace the
 layout's cp group).
 """
@@ -20,9 +20,9 @@ from torch import nn
 
 from moe_fold.comm import Group, group_size
 from moe_fold.config import ModelConfig
-from moe_fold.context_parallel import CP_KINDS, context_parallel_attention
-from moe_fold.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_seed
-from moe_fold.varlen import Documents
+from moe_fold.parallel.context_parallel import CP_KINDS, context_parallel_attention
+from moe_fold.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_seed
+from moe_fold.parallel.varlen import Documents
 
 from .norm import RMSNorm
 from .rotary import apply_rotary

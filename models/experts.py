@@ -27,7 +27,7 @@ from moe_fold.kernels.gmm import BACKENDS as GEMM_BACKENDS
 from moe_fold.kernels.gmm import gmm
 from moe_fold.kernels.swiglu import swiglu
 from moe_fold.layout import ProcessGroups
-from moe_fold.tensor_parallel import global_normal, init_seed, mark, shard_tp
+from moe_fold.parallel.tensor_parallel import global_normal, init_seed, mark, shard_tp
 
 __all__ = ["Experts"]
 
@@ -37,9 +37,9 @@ class Experts(nn.Module):
 
     The ep rank ``j`` holds global experts ``[j*E_local, (j+1)*E_local)`` (the dispatcher's
     split); the etp rank ``t`` holds slice ``t`` of each one's ffn dim. Both parameters are
-    marked ``"expert"`` (grads summed over edp, see :mod:`moe_fold.grads`) and carry
+    marked ``"expert"`` (grads summed over edp, see :mod:`moe_fold.training.grads`) and carry
     ``etp_dim`` / ``etp_parts``: the dim split over etp and the global sizes of its fused
-    parts, for :func:`moe_fold.tensor_parallel.unshard_tp` (experts stack along dim 0 over ep).
+    parts, for :func:`moe_fold.parallel.tensor_parallel.unshard_tp` (experts stack along dim 0 over ep).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, groups: ProcessGroups,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_fold.comm import Group, group_size
-from moe_fold.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_seed
+from moe_fold.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_seed
 
 
 class MLP(nn.Module):

@@ -10,18 +10,18 @@ layer implements: ``mlp(hidden [T_local, H]) -> [T_local, H]`` (its aux losses r
 autograd graph, not on a return value).
 
 Weights are slices of global tensors drawn from per-parameter seeds
-(:mod:`moe_fold.tensor_parallel`), so every layout of the same config and seed holds the
+(:mod:`moe_fold.parallel.tensor_parallel`), so every layout of the same config and seed holds the
 same model.
 
 Context parallel (cp): a rank holds its zigzag shard of every sequence
-(:func:`moe_fold.context_parallel.zigzag_split`), its tokens, labels and rotary
+(:func:`moe_fold.parallel.context_parallel.zigzag_split`), its tokens, labels and rotary
 positions; only attention crosses the cp group. Pipeline parallel (pp): a rank builds
-the layers of its virtual stages (:func:`moe_fold.pipeline.stage_layers`), the
+the layers of its virtual stages (:func:`moe_fold.parallel.pipeline.stage_layers`), the
 embedding with stage 0, the final norm, head and loss with the last stage, and runs
-them with :meth:`Transformer.chunk_forward` under :func:`moe_fold.step.forward_backward`.
+them with :meth:`Transformer.chunk_forward` under :func:`moe_fold.training.step.forward_backward`.
 Layers keep their global index in parameter names (``layers.{i}``) under every split.
 
-Packed documents: a micro-batch may carry :class:`moe_fold.varlen.Documents`
+Packed documents: a micro-batch may carry :class:`moe_fold.parallel.varlen.Documents`
 (:meth:`Transformer.documents` builds it from the loader's ``cu_seqlens`` and real-token
 mask): attention stays inside each document, and MoE routers leave padding out of their
 losses and counts. The per-sequence aux loss (``moe.seq_aux_loss_coeff``) balances each
@@ -37,14 +37,14 @@ from torch import nn
 
 from moe_fold.comm import all_reduce_, gather_from_tp_region
 from moe_fold.config import Config, head_dim, moe_layer_flags, vpp_size
-from moe_fold.context_parallel import zigzag_positions
+from moe_fold.parallel.context_parallel import zigzag_positions
 from moe_fold.layout import ProcessGroups
-from moe_fold.pipeline import create_embedding_group, stage_layers
-from moe_fold.pipeline_schedules import rank_stages
-from moe_fold.tensor_parallel import (
+from moe_fold.parallel.pipeline import create_embedding_group, stage_layers
+from moe_fold.parallel.pipeline_schedules import rank_stages
+from moe_fold.parallel.tensor_parallel import (
     ColumnParallelLinear, VocabParallelEmbedding, init_seed, vocab_parallel_cross_entropy,
 )
-from moe_fold.varlen import Documents, doc_ids_from_cu_seqlens, router_token_mask
+from moe_fold.parallel.varlen import Documents, doc_ids_from_cu_seqlens, router_token_mask
 
 from .attention import Attention
 from .mlp import MLP
@@ -95,7 +95,7 @@ def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
     The MoE layer is built as ``MoELayer(config, groups, layer)`` and called as
     ``mlp(hidden [T_local, H], loss_mask=, seq_ids=, num_seqs=) -> [T_local, H]`` (real
     tokens; each token's sample in the micro-batch, for the per-sequence aux loss). It marks its parameters for gradient
-    sync (``moe_fold.tensor_parallel.mark``): experts ``"expert"``; router weights and a
+    sync (``moe_fold.parallel.tensor_parallel.mark``): experts ``"expert"``; router weights and a
     shared-expert gate ``"tp_sum"`` under SP (each tp rank routes its own tokens); a
     shared expert built as :class:`MLP` is already marked.
     """
@@ -138,13 +138,13 @@ class Transformer(nn.Module):
     ``.mlp.fc1.weight`` (rows gate|up), ``.mlp.fc2.weight``; ``norm.weight``;
     ``lm_head.weight`` (tied: the same parameter as ``embed.weight``). A ``"tp"``
     parameter holds this rank's shard (``tp_dim``, ``tp_parts``;
-    :func:`moe_fold.tensor_parallel.shard_tp`).
+    :func:`moe_fold.parallel.tensor_parallel.shard_tp`).
 
     Tied embeddings under pp: the last stage holds its own copy of the embedding, also
     named ``embed.weight`` (drawn from the same seed, so equal to the first stage's) and
     marked ``tied_copy = True`` (the grad norm counts it once). After each backward
     ``forward_backward`` sums the two copies' grads over :attr:`embedding_group`, so
-    both take the same optimizer steps (:mod:`moe_fold.pipeline`).
+    both take the same optimizer steps (:mod:`moe_fold.parallel.pipeline`).
     """
 
     def __init__(self, config: Config, groups: ProcessGroups):
@@ -220,7 +220,7 @@ class Transformer(nn.Module):
                             docs: Optional[Documents]) -> torch.Tensor:
         if self.num_stages > 1:
             raise RuntimeError(f"Transformer.{what} runs a whole model, but this rank holds pipeline stages "
-                               f"{self.stages} of {self.num_stages}; use moe_fold.step.forward_backward")
+                               f"{self.stages} of {self.num_stages}; use moe_fold.training.step.forward_backward")
         if positions is None:
             positions = self._default_positions(input_ids)
         return self._chunk_hidden(0, None, input_ids, positions, docs)
@@ -266,7 +266,7 @@ class Transformer(nn.Module):
         ``docs``: packed documents (:meth:`documents`); None: one sequence per row.
 
         The result is ``sum(token losses * mask) * (dp*cp) / num_loss_tokens``: averaging
-        it, and its grads, over dp x cp (what ``moe_fold.grads.sync_grads`` does) gives the
+        it, and its grads, over dp x cp (what ``moe_fold.training.grads.sync_grads`` does) gives the
         mean loss over the global batch and its exact gradient, whatever the number of
         unmasked tokens on each rank; summing grads over micro-batches before the sync
         keeps it exact when ``num_loss_tokens`` covers them all.

@@ -12,7 +12,7 @@ of width ``moe.shared_expert_ffn_hidden_size`` that every token goes through; it
 tensor-parallel like the dense MLP (column/row-parallel, the sequence gathered over tp
 under SP). ``moe.shared_expert_gate`` scales its output by ``sigmoid(x . w)`` per token.
 
-Gradient sync kinds (:mod:`moe_fold.grads`): experts ``"expert"``; the router weight and
+Gradient sync kinds (:mod:`moe_fold.training.grads`): experts ``"expert"``; the router weight and
 the shared-expert gate are replicated over tp but see only this rank's tokens under SP,
 so ``"tp_sum"``; the shared expert's linears are ``"tp"`` shards.
 """
@@ -28,7 +28,7 @@ from moe_fold.config import Config
 from moe_fold.dispatch.dispatcher import build_dispatcher
 from moe_fold.dispatch.router import Router, RoutingStats
 from moe_fold.layout import ProcessGroups
-from moe_fold.tensor_parallel import global_normal, init_seed, mark
+from moe_fold.parallel.tensor_parallel import global_normal, init_seed, mark
 
 from .experts import Experts
 from .mlp import MLP

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_fold.tensor_parallel import mark
+from moe_fold.parallel.tensor_parallel import mark
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim.
 
     ``parallel`` tells gradient sync how this replicated weight's grad relates across tp
-    (see :mod:`moe_fold.tensor_parallel`): ``"replicated"`` when every tp rank normalises
+    (see :mod:`moe_fold.parallel.tensor_parallel`): ``"replicated"`` when every tp rank normalises
     the same rows, ``"tp_sum"`` when each rank normalises different rows (its sequence
     shard under SP, or its own heads for QK-norm).
     """

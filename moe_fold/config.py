@@ -110,7 +110,7 @@ class ParallelConfig:
     order: str = "tp-cp-ep-dp-pp"
     cp_kind: str = "ring"  # ring | a2a
     # Dynamic cp: parallel.cp is the largest cp group; each micro-batch's documents run on
-    # sub-groups sized for them (moe_fold.dynamic_cp). Needs tp=1, pp=1, cp a power of 2.
+    # sub-groups sized for them (moe_fold.training.dynamic_cp). Needs tp=1, pp=1, cp a power of 2.
     dynamic_cp: bool = False
     # Compute FLOPs per byte of cp link bandwidth: how dynamic cp's cost model charges ring traffic.
     dynamic_cp_flops_per_byte: float = 10.0

@@ -190,7 +190,7 @@ class ParallelLayout:
 
     def cp_subgroups(self, size: int) -> list[list[int]]:
         """Every sub-group of ``size`` consecutive cp ranks of every cp group (dynamic cp,
-        :mod:`moe_fold.dynamic_cp`): cp group ``g`` gives ``g[0:size], g[size:2*size], ...``.
+        :mod:`moe_fold.training.dynamic_cp`): cp group ``g`` gives ``g[0:size], g[size:2*size], ...``.
         ``size`` must divide cp."""
         _positive_int("size", size)
         if self.cp % size:

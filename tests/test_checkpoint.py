@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moe_fold.checkpoint import (
+from moe_fold.training.checkpoint import (
     CheckpointError, _write_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint,
 )
 from moe_fold.comm import all_reduce_
@@ -30,10 +30,10 @@ from moe_fold.launch import run_ranks
 from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.experts import Experts
 from moe_fold.models.model import build_model
-from moe_fold.optim import AdamW, apply_gradients, build_optimizer, build_scheduler
-from moe_fold.sharding import box, flat_boxes, full_tensor, shard_info
-from moe_fold.step import forward_backward
-from moe_fold.tensor_parallel import mark, shard_tp
+from moe_fold.training.optim import AdamW, apply_gradients, build_optimizer, build_scheduler
+from moe_fold.parallel.sharding import box, flat_boxes, full_tensor, shard_info
+from moe_fold.training.step import forward_backward
+from moe_fold.parallel.tensor_parallel import mark, shard_tp
 from pipeline_union import unite_over_pp
 from test_optim import SEQ, VOCAB, _config, _step
 
@@ -181,7 +181,7 @@ def test_crash_mid_save_leaves_previous_checkpoint_and_leftovers_are_ignored_the
     leftover = [p for p in os.listdir(tmp_path / "checkpoints") if ".tmp-" in p]
     assert len(leftover) == 1 and leftover[0].startswith("step_000002.tmp-")
     (tmp_path / "checkpoints" / "step_000009").mkdir()  # a step directory without index.json
-    with caplog.at_level(logging.WARNING, logger="moe_fold.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="moe_fold.training.checkpoint"):
         assert latest_checkpoint(tmp_path) == good
     assert leftover[0] in caplog.text and "step_000009" in caplog.text
     assert load_checkpoint(tmp_path, model, opt, sched, ONE) == {"good": 1}
@@ -372,7 +372,7 @@ def _pp_micro_batches(step, groups):
 
 
 def _pp_step(model, opt, sched, groups, config, step):
-    """One training step as moe_fold.train runs it; returns the global-batch loss."""
+    """One training step as moe_fold.training.train runs it; returns the global-batch loss."""
     losses = forward_backward(model, _pp_micro_batches(step, groups), groups, config)
     apply_gradients(model.parameters(), opt, groups, config.optimizer.clip_grad)
     opt.zero_grad()

@@ -4,7 +4,7 @@ Every rank builds the global q, k, v and output grad from one seed, keeps its zi
 shard, and runs ring or a2a attention forward and backward; the parent gathers the
 shards and compares them with a float64 reference written here (explicit scores, mask
 and softmax over the whole sequence). Byte counts are checked against the formulas in
-``moe_fold.ring_attention`` and of the a2a all-to-alls.
+``moe_fold.parallel.ring_attention`` and of the a2a all-to-alls.
 """
 
 import math
@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_fold import ring_attention as ra
+from moe_fold.parallel import ring_attention as ra
 from moe_fold.comm import count_bytes
-from moe_fold.context_parallel import (a2a_kv_repeats, context_parallel_attention, zigzag_gather,
+from moe_fold.parallel.context_parallel import (a2a_kv_repeats, context_parallel_attention, zigzag_gather,
                                        zigzag_positions, zigzag_split)
 from moe_fold.launch import run_ranks
 

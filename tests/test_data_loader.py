@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_fold.data.indexed_dataset import write_indexed_dataset
-from moe_fold.context_parallel import zigzag_positions
+from moe_fold.parallel.context_parallel import zigzag_positions
 from moe_fold.data.loader import (BlendedDataset, DataLoader, GPTDataset, Sample, batches, cp_zigzag_slice,
                                   dataset_from_config, open_training_dataset)
 

@@ -21,7 +21,8 @@ import torch
 from moe_fold.config import MoEConfig
 from moe_fold.dispatch.allgather import AllGatherDispatcher
 from moe_fold.dispatch.alltoall import AllToAllDispatcher
-from moe_fold.dispatch.dispatcher import build_dispatcher, expert_major_order
+from moe_fold.dispatch.dispatcher import build_dispatcher
+from moe_fold.dispatch.interface import expert_major_order
 from moe_fold.dispatch.router import apply_capacity
 from moe_fold.launch import RankError, run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups

@@ -5,16 +5,16 @@ dynamic cp 2 and 4 giving one process's losses and gradients."""
 import pytest
 import torch
 
-from moe_fold.dynamic_cp import (
+from moe_fold.training.dynamic_cp import (
     CostModel, DynamicCP, check_dynamic_cp, group_pair_counts, partitions, schedule, static_plan,
     zigzag_pair_counts,
 )
-from moe_fold.context_parallel import zigzag_split
-from moe_fold.grads import sync_grads
+from moe_fold.parallel.context_parallel import zigzag_split
+from moe_fold.training.grads import sync_grads
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
-from moe_fold.step import forward_backward
+from moe_fold.training.step import forward_backward
 
 from test_layout_invariance import _global_grads
 from test_packed import _config, _packed_batch
@@ -159,8 +159,8 @@ def test_dynamic_cp_equals_one_process(world, ep):
 def _train_rank(rank, world, config):
     """The losses, and the sub-group sizes of every plan this rank ran (recorded by
     wrapping DynamicCP.shard in this rank's process)."""
-    from moe_fold import dynamic_cp
-    from moe_fold.train import train
+    from moe_fold.training import dynamic_cp
+    from moe_fold.training.train import train
 
     plans, shard = [], dynamic_cp.DynamicCP.shard
 
@@ -196,7 +196,7 @@ def _train_config(tmp_path, name, *extra):
 def test_training_with_dynamic_cp_matches_one_process(tmp_path):
     """Two steps of `train` with data.packing on dynamic cp 4 (ep 2) take the losses of one
     process on the same global batches."""
-    from moe_fold.train import train
+    from moe_fold.training.train import train
     one = train(_train_config(tmp_path, "one"))
     four = run_ranks(_train_rank, 4, _train_config(tmp_path, "four", "parallel.cp=4", "parallel.ep=2",
                                                    "parallel.dynamic_cp=true"), timeout=300)

@@ -11,12 +11,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe_fold.comm import all_gather, reduce_from_tp_region, reduce_scatter
-from moe_fold.grads import clip_grad_norm_, grad_norm, sync_grads
+from moe_fold.training.grads import clip_grad_norm_, grad_norm, sync_grads
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.mlp import MLP
 from moe_fold.models.norm import RMSNorm
-from moe_fold.tensor_parallel import global_normal, mark, unshard_tp
+from moe_fold.parallel.tensor_parallel import global_normal, mark, unshard_tp
 
 H, FFN, E, T, DP, MICRO = 8, 16, 4, 8, 2, 2
 

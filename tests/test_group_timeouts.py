@@ -8,10 +8,10 @@ import datetime
 
 import torch
 
-from moe_fold.dynamic_cp import CostModel, DynamicCP
+from moe_fold.training.dynamic_cp import CostModel, DynamicCP
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, create_process_groups
-from moe_fold.pipeline import create_embedding_group
+from moe_fold.parallel.pipeline import create_embedding_group
 
 
 def _timeout_s(group) -> float:

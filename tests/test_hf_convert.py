@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from moe_fold import cli
-from moe_fold.checkpoint import latest_checkpoint, load_checkpoint
+from moe_fold.training.checkpoint import latest_checkpoint, load_checkpoint
 from moe_fold.config import load_config
 from moe_fold.layout import ProcessGroups
 from moe_fold.models.model import build_model
@@ -48,7 +48,7 @@ def test_trained_checkpoint_exports_with_our_logits(tmp_path):
     transformers gives our logits and re-import gives the same parameters."""
     from moe_fold.models import from_hf
     from moe_fold.models.hf import hf_config
-    from moe_fold.train import train
+    from moe_fold.training.train import train
 
     save_hf("mixtral_gqa", tmp_path / "hf")
     text = tmp_path / "text.txt"

@@ -34,12 +34,12 @@ import torch.distributed as dist
 
 from moe_fold.comm import all_reduce
 from moe_fold.config import Config, ModelConfig
-from moe_fold.grads import grad_norm, sync_grads
+from moe_fold.training.grads import grad_norm, sync_grads
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
 from moe_fold.models.moe_layer import MoELayer
-from moe_fold.tensor_parallel import unshard_tp
+from moe_fold.parallel.tensor_parallel import unshard_tp
 
 VOCAB, HIDDEN, SEQ, BATCH, STEPS, LR = 64, 32, 16, 4, 3, 1e-2
 

@@ -15,7 +15,7 @@ from moe_fold.models.experts import Experts
 from moe_fold.models.model import Block, build_model
 from moe_fold.models.mlp import MLP
 from moe_fold.models.moe_layer import MoELayer
-from moe_fold.tensor_parallel import unshard_tp
+from moe_fold.parallel.tensor_parallel import unshard_tp
 
 H, FFN, SHARED, E, K, T = 16, 12, 20, 8, 2, 24
 

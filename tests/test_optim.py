@@ -15,10 +15,10 @@ from moe_fold.dispatch.router import Router
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
-from moe_fold.optim import (
+from moe_fold.training.optim import (
     ALIGN, AdamW, LRScheduler, adamw_update_, apply_gradients, build_optimizer, build_scheduler, lr_at, param_groups,
 )
-from moe_fold.sharding import full_tensor, shard_info
+from moe_fold.parallel.sharding import full_tensor, shard_info
 
 VOCAB, SEQ, BATCH, STEPS = 64, 8, 4, 3
 

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from moe_fold.config import Config, ModelConfig
-from moe_fold.context_parallel import context_parallel_attention, zigzag_gather, zigzag_split
+from moe_fold.parallel.context_parallel import context_parallel_attention, zigzag_gather, zigzag_split
 from moe_fold.data.loader import Batch, GPTDataset, collate
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
 from moe_fold.models.moe_layer import MoELayer
-from moe_fold.step import forward_backward
-from moe_fold.varlen import doc_ids_from_cu_seqlens, segment_bounds, varlen_attention
+from moe_fold.training.step import forward_backward
+from moe_fold.parallel.varlen import doc_ids_from_cu_seqlens, segment_bounds, varlen_attention
 
 from test_data import write_indexed_dataset
 
@@ -125,7 +125,7 @@ def test_cp_packed_attention_equals_per_document(kind, docs, cp):
 def test_ring_block_with_an_empty_row_merges_without_nan():
     """A document wholly in the second chunk of rank 0 sees nothing of rank 1's first chunk:
     those rows have lse -inf in that block; the single-rank path must agree."""
-    from moe_fold.ring_attention import _merge_
+    from moe_fold.parallel.ring_attention import _merge_
     out = torch.zeros(1, 1, 2, 3)
     lse = torch.full((1, 1, 2), -math.inf)
     _merge_(out, lse, torch.ones(1, 1, 2, 3), torch.tensor([[[-math.inf, 0.5]]]))
@@ -284,7 +284,7 @@ def test_loader_token_mask_marks_padding(tmp_path):
 # --------------------------------------------------------------------------- training steps
 
 def _packed_steps_rank(rank, world, parallel):
-    from moe_fold.grads import sync_grads
+    from moe_fold.training.grads import sync_grads
 
     config = _config(**parallel)
     groups = create_process_groups(ParallelLayout(world, cp=parallel.get("cp", 1), pp=parallel.get("pp", 1)))

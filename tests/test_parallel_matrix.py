@@ -3,10 +3,10 @@ interleaved, tied embeddings) folded with tp, dp, ep and etp train the same mode
 process.
 
 A tiny Mixtral-like model (4 MoE layers, 8 experts top-2, GQA, aux and z losses, the
-all-to-all dispatcher, dropless) trains three steps of :class:`moe_fold.optim.AdamW`
+all-to-all dispatcher, dropless) trains three steps of :class:`moe_fold.training.optim.AdamW`
 after ``sync_grads`` and global-norm clipping (every layout with its state sharded over
 dp x cp and edp, ZeRO-1; the reference unsharded), every layout through
-:func:`moe_fold.step.forward_backward` (its micro-batches: its dp rank's rows of the
+:func:`moe_fold.training.step.forward_backward` (its micro-batches: its dp rank's rows of the
 global batch, cut into micro-batches, each sliced to its cp zigzag shard). It must give
 one process's losses, first-step gradients (gathered to global tensors over tp, ep, etp
 and pp) and gradient norms.
@@ -28,12 +28,12 @@ from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, ModelConfig, ParallelConfig
 from moe_fold.data.loader import Batch
 from moe_fold.dispatch.router import Router
-from moe_fold.grads import clip_grad_norm_, sync_grads
+from moe_fold.training.grads import clip_grad_norm_, sync_grads
 from moe_fold.launch import run_ranks
 from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
-from moe_fold.optim import AdamW, param_groups
-from moe_fold.step import forward_backward
+from moe_fold.training.optim import AdamW, param_groups
+from moe_fold.training.step import forward_backward
 from pipeline_union import unite_over_pp
 from test_layout_invariance import _global_grads
 

@@ -15,9 +15,9 @@ from torch import nn
 from moe_fold.comm import count_bytes
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
-from moe_fold.pipeline import (all_reduce_embedding_grads, copy_embedding_from_first, create_embedding_group,
+from moe_fold.parallel.pipeline import (all_reduce_embedding_grads, copy_embedding_from_first, create_embedding_group,
                                run_schedule, stage_layers)
-from moe_fold.pipeline_schedules import Exchange, Step, check_schedule, make_plan, rank_order, rank_stages
+from moe_fold.parallel.pipeline_schedules import Exchange, Step, check_schedule, make_plan, rank_order, rank_stages
 
 HIDDEN, VOCAB, EXPERTS, BATCH, SEQ = 8, 11, 4, 2, 3
 AUX_COEF = 0.3

@@ -10,8 +10,8 @@ from moe_fold import comm
 from moe_fold.config import config_from_dict, list_presets, load_config
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
-from moe_fold.planner_comm import Routing, step_bytes, uniform_routing
-from moe_fold.planner_model import param_manifest
+from moe_fold.planner.comm import Routing, step_bytes, uniform_routing
+from moe_fold.planner.model import param_manifest
 
 # Two layouts of world 4 with every group kind the MoE step uses:
 # "etp2": tp 2 (SP), ep 2, etp 2 -> dp 2, edp 1; distributed optimizer; qk-norm, a gated
@@ -51,7 +51,7 @@ def _train_step(rank: int, world: int, names: list[str]) -> dict:
     and the per-expert token counts of every MoE layer and micro-batch."""
     from moe_fold.models.model import build_model
     from moe_fold.models.moe_layer import MoELayer
-    from moe_fold.optim import apply_gradients, build_optimizer
+    from moe_fold.training.optim import apply_gradients, build_optimizer
 
     out = {}
     for name in names:
@@ -180,7 +180,7 @@ def _hand_config(**parallel):
 
 
 def test_params_by_hand():
-    from moe_fold.planner import model_params
+    from moe_fold.planner.estimate import model_params
 
     # embed 16*8 = 128
     # layer 0: norms 2*8 + qkv (8 + 2*4)*8 = 128 + proj 8*8 = 64 + fc1 2*12*8 = 192 + fc2 8*12 = 96 -> 496
@@ -197,7 +197,7 @@ def test_params_by_hand():
 
 
 def test_flops_by_hand():
-    from moe_fold.planner_model import head_forward_flops, layer_forward_flops, model_flops_per_step
+    from moe_fold.planner.model import head_forward_flops, layer_forward_flops, model_flops_per_step
 
     config = _hand_config()
     # layer 0: projections 2*8*16 + 2*8*8 = 384, core 4*seq 4*q 8 = 128, MLP 6*8*12 = 576
@@ -212,8 +212,8 @@ def test_flops_by_hand():
 
 
 def test_memory_by_hand():
-    from moe_fold.planner import Assumptions, _memory
-    from moe_fold.planner_model import head_activation_bytes, layer_activation_bytes
+    from moe_fold.planner.estimate import Assumptions, _memory
+    from moe_fold.planner.model import head_activation_bytes, layer_activation_bytes
 
     config = _hand_config()
     # bf16 activations, a = 2. Attention per token: norm in 2*8 + qkv in 2*8 + q,k,v,out
@@ -270,8 +270,8 @@ def test_comm_by_hand():
 
 
 def test_step_time_and_mfu_by_hand():
-    from moe_fold.planner import Assumptions, estimate
-    from moe_fold.planner_hardware import GPU
+    from moe_fold.planner.estimate import Assumptions, estimate
+    from moe_fold.planner.hardware import GPU
 
     # world 2 in one node, dp 2 and edp 2: the only traffic is the gradient all-reduce.
     config = _hand_config()
@@ -294,9 +294,9 @@ def test_step_time_and_mfu_by_hand():
 
 
 def test_bubble_and_in_flight():
-    from moe_fold.planner import Assumptions, estimate
-    from moe_fold.planner_hardware import GPU
-    from moe_fold.planner_model import microbatches_in_flight
+    from moe_fold.planner.estimate import Assumptions, estimate
+    from moe_fold.planner.hardware import GPU
+    from moe_fold.planner.model import microbatches_in_flight
 
     config = load_config("mixtral-tiny", ["parallel.pp=2", "parallel.ep=1", "train.global_batch_size=16",
                                           "train.micro_batch_size=4", "train.precision=bf16"])
@@ -317,8 +317,8 @@ def test_bubble_and_in_flight():
 # --------------------------------------------------------------------------- search and CLI
 
 def test_search_ranks_valid_fitting_layouts():
-    from moe_fold.planner import estimate, search
-    from moe_fold.planner_hardware import get_gpu
+    from moe_fold.planner.estimate import estimate, search
+    from moe_fold.planner.hardware import get_gpu
 
     config = load_config("mixtral-tiny", ["train.precision=bf16"])
     plans = search(config, 8, get_gpu("h100"))
@@ -328,7 +328,7 @@ def test_search_ranks_valid_fitting_layouts():
     assert [p.mfu for p in plans] == sorted((p.mfu for p in plans), reverse=True)
     # every candidate's numbers are what estimate gives for that layout
     best = plans[0]
-    from moe_fold.planner import with_layout
+    from moe_fold.planner.estimate import with_layout
     lay = best.layout
     again = estimate(with_layout(config, tp=lay["tp"], cp=lay["cp"], pp=lay["pp"], vpp=lay["vpp"], ep=lay["ep"],
                                  etp=lay["etp"]), 8, get_gpu("h100"))
@@ -355,7 +355,7 @@ def test_plan_command(capsys):
 
 
 def test_cp_bytes_by_hand():
-    from moe_fold.planner_comm import microbatch_bytes
+    from moe_fold.planner.comm import microbatch_bytes
 
     # seq 8 over cp 2 (4 tokens per rank), tp 1: local K and V 4 tokens x 1 kv head x 4
     # dims, 2 bytes each = 2*32 = 64 bytes. Ring: forward 1 hop (64), backward 1 hop (64)
@@ -371,8 +371,8 @@ def test_cp_bytes_by_hand():
 
 @pytest.mark.parametrize("pp, vpp, pp_layers", [(2, None, None), (4, 2, None), (2, 2, [1, 2, 3, 2])])
 def test_stage_layers_match_pipeline(pp, vpp, pp_layers):
-    from moe_fold.pipeline import stage_layers as pipeline_stages
-    from moe_fold.planner_model import stage_layers
+    from moe_fold.parallel.pipeline import stage_layers as pipeline_stages
+    from moe_fold.planner.model import stage_layers
 
     config = load_config("mixtral-tiny", [f"model.num_layers={8}", f"parallel.pp={pp}", "parallel.ep=1"])
     config.parallel.vpp, config.parallel.pp_layers = vpp, pp_layers

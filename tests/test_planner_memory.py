@@ -14,9 +14,9 @@ import torch
 from moe_fold.config import load_config
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
-from moe_fold.planner import activation_bytes
-from moe_fold.planner_memory import owned_numel, state_bytes, zero_sizes
-from moe_fold.planner_model import param_manifest
+from moe_fold.planner.estimate import activation_bytes
+from moe_fold.planner.memory import owned_numel, state_bytes, zero_sizes
+from moe_fold.planner.model import param_manifest
 
 # name -> (world, overrides). Every layout runs mixtral-tiny and qwen2-moe-tiny (a gated
 # shared expert, pre-softmax top-4 of 16 experts) in fp32 and bf16.
@@ -76,9 +76,9 @@ def _step(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict:
     """One training step per case on this rank: activation bytes of its forward, then the
     bytes of weights, grads and optimizer state."""
     from moe_fold.models.model import build_model
-    from moe_fold.optim import apply_gradients, build_optimizer
-    from moe_fold.precision import MasterWeights
-    from moe_fold.train import apply_recompute
+    from moe_fold.training.optim import apply_gradients, build_optimizer
+    from moe_fold.training.precision import MasterWeights
+    from moe_fold.training.train import apply_recompute
 
     out = {}
     for preset, layout, precision in cases:
@@ -177,7 +177,7 @@ def test_activation_bytes_within_15_percent(measured, preset, layout, precision)
 def test_recompute_activation_bytes(monkeypatch, preset, recompute):
     """One process, fp32: what the checkpoints keep (their tensor inputs) plus what
     autograd saves outside them."""
-    from moe_fold import train
+    from moe_fold.training import train
     from moe_fold.models.model import build_model
 
     config = _config(preset, "one", "fp32", recompute)
@@ -242,8 +242,9 @@ def test_plan_command_names_the_implementation(capsys):
 
 
 def test_restated_constants_match_the_code():
-    from moe_fold import optim, planner_memory
-    from moe_fold.grads import DEFAULT_BUCKET_NUMEL
+    from moe_fold.training import optim
+    from moe_fold.planner import memory as planner_memory
+    from moe_fold.training.grads import DEFAULT_BUCKET_NUMEL
 
     assert planner_memory.ALIGN == optim.ALIGN
     assert planner_memory.BUCKET_NUMEL == DEFAULT_BUCKET_NUMEL

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from moe_fold.config import head_dim, list_presets, load_config, moe_layer_flags, validate
-from moe_fold.train import train
+from moe_fold.training.train import train
 
 WORLDS = {"mixtral-8x7b": 64, "mixtral-8x22b": 128, "qwen2-57b-a14b": 64, "qwen3-30b-a3b": 8,
           "deepseek-v3-style": 1024, "mixtral-tiny": 4, "qwen2-moe-tiny": 1, "qwen3-moe-tiny": 1,

@@ -29,12 +29,12 @@ from pathlib import Path
 
 import pytest
 
-from moe_fold.checkpoint import latest_checkpoint, load_checkpoint
+from moe_fold.training.checkpoint import latest_checkpoint, load_checkpoint
 from moe_fold.config import load_config
 from moe_fold.layout import ProcessGroups
 from moe_fold.models.model import build_model
-from moe_fold.optim import build_optimizer, build_scheduler
-from moe_fold.train import read_metrics, train
+from moe_fold.training.optim import build_optimizer, build_scheduler
+from moe_fold.training.train import read_metrics, train
 
 # A small Mixtral-style model (2 MoE layers of 8 experts, top-2), a constant learning rate
 # so that train.steps changes nothing but where a run ends.
@@ -233,13 +233,13 @@ def test_stopped_rank_ends_the_run_within_parallel_timeout_s(tmp_path, cache_dir
 # --------------------------------------------------------------------------- killed inside a save
 
 # Runs training in one process, stopping inside the save of step 3 (at the given call of
-# a function of moe_fold.checkpoint) until it is killed; the code under test is not
+# a function of moe_fold.training.checkpoint) until it is killed; the code under test is not
 # changed, only wrapped.
 _STOP_IN_SAVE = textwrap.dedent("""
     import sys, time
-    import moe_fold.checkpoint as ckpt
+    import moe_fold.training.checkpoint as ckpt
     from moe_fold.config import load_config
-    from moe_fold.train import train
+    from moe_fold.training.train import train
 
     point, call, marker, *overrides = sys.argv[1:]
     original = getattr(ckpt, point)
@@ -279,7 +279,7 @@ def test_kill_inside_a_save_keeps_the_previous_checkpoint(tmp_path, cache_dir, c
     assert names[:2] == ["step_000001", "step_000002"] and len(names) == 3, names
     leftover = ckpts / names[2]
     assert leftover.name.startswith("step_000003.tmp-") and (leftover / partial).is_file()
-    with caplog.at_level(logging.WARNING, logger="moe_fold.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="moe_fold.training.checkpoint"):
         assert latest_checkpoint(run_dir) == ckpts / "step_000002"
     assert f"ignoring incomplete checkpoint directory {leftover}" in caplog.text
     config = small_config(run_dir, cache_dir, "train.steps=4")

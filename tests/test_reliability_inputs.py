@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from moe_fold import cli
-from moe_fold.checkpoint import CheckpointError
+from moe_fold.training.checkpoint import CheckpointError
 from moe_fold.config import ConfigError, load_config
 from moe_fold.data.indexed_dataset import DatasetFormatError, IndexedDataset
 from moe_fold.models import from_hf
 from moe_fold.models.hf import HFWeightError
-from moe_fold.train import train
+from moe_fold.training.train import train
 from test_data import _make
 from test_hf import save_hf
 

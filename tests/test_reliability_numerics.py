@@ -18,11 +18,11 @@ import torch
 from safetensors import safe_open
 
 import moe_fold.models.model as model_module
-import moe_fold.train as train_module
+import moe_fold.training.train as train_module
 from moe_fold.config import load_config
 from moe_fold.launch import RankError, run_ranks
-from moe_fold.numerics import LossSpikes, first_nonfinite_module
-from moe_fold.train import read_metrics, train
+from moe_fold.training.numerics import LossSpikes, first_nonfinite_module
+from moe_fold.training.train import read_metrics, train
 
 SMALL = [
     "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",

@@ -23,7 +23,7 @@ import moe_fold.models.model as model_module
 from moe_fold.config import load_config
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ProcessGroups
-from moe_fold.train import read_metrics, train
+from moe_fold.training.train import read_metrics, train
 from test_dispatch import Case, check_plan, configs_for, rank_main, run_one
 
 E = 8

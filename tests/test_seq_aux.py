@@ -12,7 +12,7 @@ sample's counts over tp x cp.
 - dp2, tp2 (SP), cp2 and tp2 x ep2 give one process's loss, per-layer seq_aux values and
   gathered gradients (reference: the same global batch as the layout's dp micro-batches,
   tests/test_layout_invariance.py);
-- a short ``moe_fold.train`` run with seq_aux on (packed samples) trains and reports it.
+- a short ``moe_fold.training.train`` run with seq_aux on (packed samples) trains and reports it.
 """
 
 import numpy as np
@@ -21,13 +21,13 @@ import torch
 
 from moe_fold.config import Config, ConfigError, ModelConfig, ParallelConfig, load_config
 from moe_fold.data.loader import Batch
-from moe_fold.grads import sync_grads
+from moe_fold.training.grads import sync_grads
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
 from moe_fold.models.moe_layer import MoELayer
-from moe_fold.step import forward_backward
-from moe_fold.train import check_trainable, read_metrics, train
+from moe_fold.training.step import forward_backward
+from moe_fold.training.train import check_trainable, read_metrics, train
 from test_layout_invariance import _global_grads
 
 VOCAB, HIDDEN, SEQ, E, K, COEFF = 64, 32, 16, 8, 2, 0.5

@@ -11,13 +11,13 @@ import torch.nn.functional as F
 
 from moe_fold.comm import all_reduce
 from moe_fold.config import Config, ModelConfig
-from moe_fold.grads import clip_grad_norm_, sync_grads
+from moe_fold.training.grads import clip_grad_norm_, sync_grads
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.attention import Attention
 from moe_fold.models.model import build_model
 from moe_fold.models.norm import RMSNorm
-from moe_fold.tensor_parallel import unshard_tp
+from moe_fold.parallel.tensor_parallel import unshard_tp
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, SEQ, BATCH = 128, 64, 4, 2, 16, 16, 4
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, create_process_groups
-from moe_fold.tensor_parallel import (
+from moe_fold.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, global_normal, init_seed, mark,
     shard_tp, unshard_tp, vocab_parallel_cross_entropy,
 )

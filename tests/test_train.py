@@ -15,9 +15,9 @@ import torch
 from moe_fold import cli
 from moe_fold.config import load_config
 from moe_fold.launch import run_ranks
-from moe_fold.metrics import heatmap_png, read_wandb_history
-from moe_fold.optim import lr_at
-from moe_fold.train import read_metrics, train
+from moe_fold.training.metrics import heatmap_png, read_wandb_history
+from moe_fold.training.optim import lr_at
+from moe_fold.training.train import read_metrics, train
 
 # A small Mixtral-style model: 2 MoE layers of 8 experts, top-2, aux and z losses on.
 SMALL = [
@@ -226,7 +226,7 @@ def test_recompute_modes_keep_fewer_activations(cache_dir):
     from moe_fold.data.loader import DataLoader, dataset_from_config
     from moe_fold.layout import ProcessGroups
     from moe_fold.models.model import build_model
-    from moe_fold.train import apply_recompute
+    from moe_fold.training.train import apply_recompute
 
     cfg = small_config("unused", cache_dir, "moe.shared_expert_ffn_hidden_size=32")
     batch = next(iter(DataLoader(dataset_from_config(cfg), 2, 2)))

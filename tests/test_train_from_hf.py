@@ -10,7 +10,7 @@ from moe_fold.config import load_config
 from moe_fold.layout import ProcessGroups
 from moe_fold.models import to_hf
 from moe_fold.models.model import build_model
-from moe_fold.train import read_metrics
+from moe_fold.training.train import read_metrics
 
 
 def test_cli_trains_from_an_hf_folder_of_another_shape(tmp_path):

@@ -1,7 +1,7 @@
 """Write our model as a Hugging Face folder that ``from_pretrained`` loads.
 
 A collective: every rank calls :func:`to_hf`. Parameters are gathered one at a time
-(:func:`moe_fold.sharding.full_tensor`), split into the Hugging Face tensors
+(:func:`moe_fold.parallel.sharding.full_tensor`), split into the Hugging Face tensors
 (:mod:`.weights`) and handed to rank 0, which writes them into safetensors shards of at
 most ``max_shard_bytes`` as they fill, so no rank holds more than one global parameter
 and one shard besides its own model. One shard is ``model.safetensors``; more are
@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from moe_fold.layout import ProcessGroups
-from moe_fold.sharding import full_tensor, shard_info
+from moe_fold.parallel.sharding import full_tensor, shard_info
 
 from .config_map import config_to_hf, export_family
 from .weights import HFWeightError, weight_sources

@@ -1,7 +1,7 @@
 """Load a Hugging Face model folder into this rank's shard of our model, any layout.
 
 Every rank opens the safetensors files itself and reads, for each piece of each local
-parameter (:func:`moe_fold.sharding.shard_info`: a box of the global tensor), only the
+parameter (:func:`moe_fold.parallel.sharding.shard_info`: a box of the global tensor), only the
 slices that box covers: a tp rank reads its heads' rows of q, k and v, an ep rank its
 experts, an etp rank its columns of them. No rank ever holds a global tensor it does not
 own, and no communication happens.
@@ -19,7 +19,7 @@ from torch import nn
 
 from moe_fold.config import Config, head_dim, moe_layer_flags, validate
 from moe_fold.layout import ProcessGroups
-from moe_fold.sharding import box, shard_info
+from moe_fold.parallel.sharding import box, shard_info
 
 from .config_map import HFConfigError, config_from_hf, hf_family
 from .weights import HFWeightError, SafetensorsFolder, ignorable_hf_names, weight_sources

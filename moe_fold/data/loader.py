@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from moe_fold.config import Config
-from moe_fold.context_parallel import zigzag_positions, zigzag_split
+from moe_fold.parallel.context_parallel import zigzag_positions, zigzag_split
 from moe_fold.data.indexed_dataset import IndexedDataset
 
 
@@ -298,7 +298,7 @@ class DataLoader:
 
 def cp_zigzag_slice(tokens: torch.Tensor, cp_rank: int, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``tokens[B, S]`` -> (``tokens_local[B, S/cp]``, ``positions_local[S/cp]``): this cp
-    rank's two zigzag chunks (``moe_fold.context_parallel``'s layout) and their positions
+    rank's two zigzag chunks (``moe_fold.parallel.context_parallel``'s layout) and their positions
     in the full sequence."""
     return zigzag_split(tokens, cp_rank, cp_size, dim=1), zigzag_positions(tokens.shape[1], cp_rank, cp_size)
 

@@ -1,6 +1,6 @@
 """Pipeline schedules as static plans: the order of forward and backward steps on every pp
 rank, and the points where activations and grads cross between ranks. Pure arithmetic;
-:mod:`moe_fold.pipeline` runs a plan with torch.distributed.
+:mod:`moe_fold.parallel.pipeline` runs a plan with torch.distributed.
 
 Terms. ``pp`` ranks ``r = 0..pp-1`` each hold ``vpp`` model chunks; chunk ``c`` of rank
 ``r`` is virtual stage ``s = c*pp + r`` (Megatron's placement), so a micro-batch visits

@@ -1,7 +1,7 @@
 """The GPUs the layout planner knows: peak dense BF16 FLOP/s, memory, and link bandwidths.
 
 Every figure is per GPU, from the vendor's published specification, and is what
-:mod:`moe_fold.planner` divides by: FLOP/s without 2:4 structured sparsity (NVIDIA's
+:mod:`moe_fold.planner.estimate` divides by: FLOP/s without 2:4 structured sparsity (NVIDIA's
 headline tensor numbers assume sparsity; dense is half), bandwidths in bytes per second
 in ONE direction (NVIDIA quotes NVLink bidirectional: 900 GB/s bidirectional is 450 GB/s
 each way).

@@ -24,7 +24,7 @@ and in whichever schedule slot the chunk runs. Nothing is collected in module gl
 
 Parameter grads accumulate over the micro-batches of one call (zero them before).
 Virtual stage ``s = c*pp + r`` is chunk ``c`` of pp rank ``r``
-(:mod:`moe_fold.pipeline_schedules` has the schedules and how they communicate).
+(:mod:`moe_fold.parallel.pipeline_schedules` has the schedules and how they communicate).
 
 Tied embeddings. With pp > 1 the input embedding lives on the first stage and the output
 head on the last. :func:`create_embedding_group` makes, for every pp group, a group of its
@@ -47,7 +47,7 @@ from torch import nn
 
 from moe_fold.comm import all_reduce_, batch_send_recv
 from moe_fold.layout import ProcessGroups
-from moe_fold.pipeline_schedules import Exchange, check_schedule, make_plan
+from moe_fold.parallel.pipeline_schedules import Exchange, check_schedule, make_plan
 
 __all__ = ["stage_layers", "run_schedule", "create_embedding_group", "copy_embedding_from_first",
            "all_reduce_embedding_grads"]

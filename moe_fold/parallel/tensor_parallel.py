@@ -23,7 +23,7 @@ number for number with one process. Materialising the global tensor on every ran
 memory only at init and only one parameter at a time; loading real checkpoints slices the
 same way (:func:`shard_tp`).
 
-Every parameter carries ``param.parallel`` (what :mod:`moe_fold.grads` reads):
+Every parameter carries ``param.parallel`` (what :mod:`moe_fold.training.grads` reads):
 ``"tp"`` sharded over tp; ``"replicated"`` the same on every tp rank with the same grad;
 ``"tp_sum"`` the same on every tp rank but each rank's grad is a partial sum to be added
 over tp (under SP each rank saw a different sequence shard; a per-head norm saw

@@ -15,14 +15,14 @@ picks:
 minimising the largest per-rank cost of :class:`CostModel` subject to a memory capacity
 in tokens per rank. A sub-group of size ``c`` concatenates its documents, pads to a
 multiple of ``2c`` and runs ring (or a2a) attention with document masks over its zigzag
-shards (:mod:`moe_fold.varlen`); a sub-group of one rank runs varlen attention locally.
+shards (:mod:`moe_fold.parallel.varlen`); a sub-group of one rank runs varlen attention locally.
 Everything else in a layer is token-wise, so each rank runs it on whatever tokens it
 holds; the MoE dispatcher handles unequal token counts, and the router's counts are
 summed over the whole cp group, which holds exactly the micro-batch's tokens as under
 static cp.
 
 Gradients: the loss of each rank is ``sum(token losses) * dp*cp / N`` with ``N`` the
-global count of loss tokens (:func:`moe_fold.step.forward_backward`), so the grads
+global count of loss tokens (:func:`moe_fold.training.step.forward_backward`), so the grads
 averaged over dp x cp equal one process's. TP (sequence parallel needs equal shards per
 tp group) and pp (one activation shape per stage boundary) are not combined with
 dynamic cp; :func:`check_dynamic_cp` says so.
@@ -43,10 +43,10 @@ import torch
 
 from moe_fold.comm import Group
 from moe_fold.config import Config, head_dim, moe_layer_flags
-from moe_fold.context_parallel import zigzag_split
+from moe_fold.parallel.context_parallel import zigzag_split
 from moe_fold.data.loader import Batch
 from moe_fold.layout import ParallelLayout, ProcessGroups
-from moe_fold.varlen import Documents
+from moe_fold.parallel.varlen import Documents
 
 __all__ = ["CostModel", "cost_model", "SubGroup", "Plan", "partitions", "schedule", "static_plan", "group_pair_counts",
            "zigzag_pair_counts",

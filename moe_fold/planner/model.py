@@ -3,12 +3,12 @@ the model :mod:`moe_fold.models.model` builds, as arithmetic on the config (no t
 
 Parameters. :func:`param_manifest` lists one rank's parameters in ``model.parameters()``
 order with their element counts and gradient-sync kinds (``tp``, ``replicated``,
-``tp_sum``, ``expert``; :mod:`moe_fold.grads`), for the pp stage it sits on. Sharding:
+``tp_sum``, ``expert``; :mod:`moe_fold.training.grads`), for the pp stage it sits on. Sharding:
 attention, dense MLP, shared-expert linears, embedding and head are split over tp; norms,
 the router and the shared-expert gate are replicated; each ep rank holds
 ``num_experts / ep`` experts, each split over etp along its ffn dim. With tied embeddings
 and pp > 1 the last stage holds a copy of the embedding as its head (Megatron's scheme,
-:mod:`moe_fold.pipeline`).
+:mod:`moe_fold.parallel.pipeline`).
 
 FLOPs. Matmul FLOPs per token, 2 per multiply-add, as in Narayanan et al. 2021 ("Efficient
 Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 5.1):
@@ -30,10 +30,10 @@ with flash attention (q, k, v, output and the fp32 log-sum-exp; no ``s x s`` sco
 no dropout. Where moe-fold differs from Megatron it is modelled as moe-fold does it: a
 column-parallel linear under sequence parallelism keeps its GATHERED input (autograd
 saves it) instead of re-gathering it in the backward, so that input costs ``tp`` times
-Korthikanti's ``2sbh/t``. Recompute (``train.recompute``, :func:`moe_fold.train.apply_recompute`)
+Korthikanti's ``2sbh/t``. Recompute (``train.recompute``, :func:`moe_fold.training.train.apply_recompute`)
 keeps only the inputs of the recomputed parts.
 These are the Megatron reference figures (``Assumptions.implementation="megatron"``);
-what moe-fold's own layers keep is :mod:`moe_fold.planner_memory`.
+what moe-fold's own layers keep is :mod:`moe_fold.planner.memory`.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def model_flops_per_step(config: Config) -> float:
 
 def _recomputed_forward(parts: dict[str, float], is_moe: bool, recompute: str) -> float:
     """Forward FLOPs run again in the backward under ``recompute`` (what
-    :func:`moe_fold.train.apply_recompute` wraps; the router never reruns)."""
+    :func:`moe_fold.training.train.apply_recompute` wraps; the router never reruns)."""
     if recompute == "none":
         return 0.0
     if recompute == "full":

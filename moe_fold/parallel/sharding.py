@@ -3,7 +3,7 @@
 A parameter's local tensor is made of *pieces*: boxes (an offset and a size per dim) of
 the local tensor, each equal to a box of the global tensor. A ``"tp"`` parameter with
 fused parts (q|k|v, gate|up) has one piece per part, since a rank holds a chunk of each
-part (:func:`moe_fold.tensor_parallel.shard_tp`); on a dim split over one rank the whole
+part (:func:`moe_fold.parallel.tensor_parallel.shard_tp`); on a dim split over one rank the whole
 parts are adjacent in both tensors, one piece. An expert parameter is also cut along
 dim 0 over ep (rank ``e`` holds experts ``[e*E_local, (e+1)*E_local)``) and along its etp
 dim over etp; a replicated parameter is one piece, the whole tensor.
@@ -30,7 +30,7 @@ import torch
 
 from moe_fold.comm import all_reduce_
 from moe_fold.layout import ProcessGroups
-from moe_fold.tensor_parallel import PARALLEL_KINDS
+from moe_fold.parallel.tensor_parallel import PARALLEL_KINDS
 
 __all__ = ["Piece", "ShardInfo", "REPLICA_GROUP", "shard_info", "buffer_info", "flat_boxes", "intersect", "box",
            "full_tensor"]
@@ -79,7 +79,7 @@ def _splits(param: torch.Tensor, groups: ProcessGroups) -> list[tuple[int, list[
     kind = getattr(param, "parallel", None)
     if kind not in PARALLEL_KINDS:
         raise ValueError(f"parameter of shape {tuple(param.shape)} has parallel={kind!r}; it must be marked "
-                         f"with one of {', '.join(PARALLEL_KINDS)} (moe_fold.tensor_parallel.mark)")
+                         f"with one of {', '.join(PARALLEL_KINDS)} (moe_fold.parallel.tensor_parallel.mark)")
     if kind == "tp":
         return [(param.tp_dim, list(param.tp_parts), groups.size("tp"), groups.rank_in("tp"))]
     if kind == "expert":
@@ -91,7 +91,7 @@ def _splits(param: torch.Tensor, groups: ProcessGroups) -> list[tuple[int, list[
             splits.append((etp_dim, list(param.etp_parts), groups.size("etp"), groups.rank_in("etp")))
         elif groups.size("etp") > 1:
             raise ValueError(f"expert parameter of shape {tuple(param.shape)} has no etp_dim but etp="
-                             f"{groups.size('etp')}; mark it with moe_fold.tensor_parallel.mark_expert")
+                             f"{groups.size('etp')}; mark it with moe_fold.parallel.tensor_parallel.mark_expert")
         return splits
     return []
 

@@ -15,7 +15,7 @@ Attention must never cross a document boundary. Two representations are used:
   document, so the work is ``sum(len^2)``, not ``S^2``).
 
 :class:`Documents` carries one micro-batch's ids, the group attention runs over (the
-layout's cp group, or a dynamic-cp sub-group, :mod:`moe_fold.dynamic_cp`) and the mask of
+layout's cp group, or a dynamic-cp sub-group, :mod:`moe_fold.training.dynamic_cp`) and the mask of
 real (non-padding) tokens the router uses for its losses and counts.
 """
 

@@ -52,7 +52,7 @@ def _rank_main(rank: int, world_size: int, config, resume: bool, progress: bool)
     """One spawned rank (module level so the forkserver can import it)."""
     from rich.console import Console
 
-    from moe_fold.train import train
+    from moe_fold.training.train import train
 
     console = Console(soft_wrap=True) if rank == 0 else None
     return train(config, resume=resume, console=console, progress=progress)
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from moe_fold.config import ConfigError, load_config
-    from moe_fold.train import check_trainable
+    from moe_fold.training.train import check_trainable
 
     err = Console(stderr=True, soft_wrap=True)
     torchrun = _torchrun_world()
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if torchrun is not None:
         return _run_torchrun(config, args.resume, progress)
     if world == 1:
-        from moe_fold.train import train
+        from moe_fold.training.train import train
 
         train(config, resume=args.resume, console=Console(soft_wrap=True), progress=progress)
         return 0
@@ -116,7 +116,7 @@ def _run_torchrun(config, resume: bool, progress: bool) -> int:
     import torch.distributed as dist
     from rich.console import Console
 
-    from moe_fold.train import train
+    from moe_fold.training.train import train
 
     backend = config.parallel.backend
     if backend == "auto":

@@ -9,7 +9,7 @@ take this layout.
 
 Kinds:
 
-- ``ring`` (p2p, :mod:`moe_fold.ring_attention`): queries stay, K/V blocks travel the cp
+- ``ring`` (p2p, :mod:`moe_fold.parallel.ring_attention`): queries stay, K/V blocks travel the cp
   ring, partial outputs merge by log-sum-exp. Any head counts.
 - ``a2a`` (Ulysses): all-to-all from sequence-sharded to head-sharded, full causal
   attention over the whole sequence for ``H/cp`` heads, all-to-all back. Needs ``Hq``
@@ -19,7 +19,7 @@ Kinds:
   ``Hq``), e.g. Hq=6, Hkv=3 on cp 2, or Hq=4, Hkv=2 on cp 4. The repeats cost all-to-all
   bytes, not math; their grads sum back through autograd.
 
-Packed documents (``doc_ids``, :mod:`moe_fold.varlen`): attention stays inside each
+Packed documents (``doc_ids``, :mod:`moe_fold.parallel.varlen`): attention stays inside each
 document. Every rank holds the ids of the whole sequence in natural order: the ring
 derives each rank's shard of them locally and masks its blocks; a2a runs varlen attention
 on the natural-order sequence it gathers; a group of one rank runs varlen attention.
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from moe_fold.comm import Group, all_to_all, group_rank, group_size
-from moe_fold.ring_attention import ring_attention
-from moe_fold.varlen import varlen_attention
+from moe_fold.parallel.ring_attention import ring_attention
+from moe_fold.parallel.varlen import varlen_attention
 
 __all__ = ["CP_KINDS", "zigzag_split", "zigzag_gather", "zigzag_positions",
            "a2a_kv_repeats", "context_parallel_attention"]

@@ -1,4 +1,5 @@
-"""The ``moe-fold`` command: one subcommand per job, each defined in its own module.
+"""The ``moe-fold`` command: one subcommand per job, each defined in its own module of
+this package (``moe_fold.cli.train``, ``moe_fold.cli.data``, ...).
 
 A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``. Those
 modules are imported to build the parser, so they keep heavy imports (the model, the
@@ -9,16 +10,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 
 # name -> (module, one-line help). Modules are imported lazily.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "layout": ("moe_fold.layout_command", "print the attention and expert layouts of a world"),
-    "data": ("moe_fold.data_command", "turn text into a tokenized, memory-mapped dataset"),
-    "plan": ("moe_fold.plan_command", "estimate memory, FLOPs, communication, step time and MFU of a layout"),
-    "train": ("moe_fold.train_command", "train a model from a preset or YAML config (local ranks or torchrun)"),
-    "convert": ("moe_fold.convert_command", "convert between Hugging Face model folders and moe-fold checkpoints"),
-    "bench": ("moe_fold.bench_command", "run the benchmark suite of a checkout (bench/), print a table, write JSON lines"),
+    "layout": ("moe_fold.cli.layout", "print the attention and expert layouts of a world"),
+    "data": ("moe_fold.cli.data", "turn text into a tokenized, memory-mapped dataset"),
+    "plan": ("moe_fold.cli.plan", "estimate memory, FLOPs, communication, step time and MFU of a layout"),
+    "train": ("moe_fold.cli.train", "train a model from a preset or YAML config (local ranks or torchrun)"),
+    "convert": ("moe_fold.cli.convert", "convert between Hugging Face model folders and moe-fold checkpoints"),
+    "bench": ("moe_fold.cli.bench", "run the benchmark suite of a checkout (bench/), print a table, write JSON lines"),
 }
 
 
@@ -45,7 +45,3 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     return int(args._module.run(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

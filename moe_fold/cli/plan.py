@@ -130,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from moe_fold.config import ConfigError, load_config
-    from moe_fold.planner import Assumptions, estimate, search, with_layout
-    from moe_fold.planner_hardware import get_gpu
+    from moe_fold.planner.estimate import Assumptions, estimate, search, with_layout
+    from moe_fold.planner.hardware import get_gpu
 
     try:
         gpu = get_gpu(args.gpu)

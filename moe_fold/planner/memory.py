@@ -1,19 +1,19 @@
 """Memory per rank as moe-fold itself keeps it (``Assumptions.implementation="moe-fold"``),
 derived from the code of the training path, next to the Megatron-LM reference figures of
-:mod:`moe_fold.planner_model` (``"megatron"``, kept for comparison with the papers).
+:mod:`moe_fold.planner.model` (``"megatron"``, kept for comparison with the papers).
 
 Parameters, gradients and optimizer state, per local parameter (:func:`state_bytes`):
 
 - ``fp32`` and ``bf16-autocast``: float32 weights (4), float32 grads (4), AdamW moments
   ``exp_avg`` and ``exp_avg_sq`` (8): 16 bytes.
-- ``bf16`` (:class:`moe_fold.precision.MasterWeights`): bf16 model weights (2) and a float32
+- ``bf16`` (:class:`moe_fold.training.precision.MasterWeights`): bf16 model weights (2) and a float32
   master copy (4); the backward writes bf16 grads (2), ``grads_to_master`` makes float32
   master grads (4) that the sync, clipping and optimizer use; moments 8: 20 bytes.
-- ``optimizer.distributed`` (:class:`moe_fold.optim.AdamW`, ZeRO-1) shards only the moments:
+- ``optimizer.distributed`` (:class:`moe_fold.training.optim.AdamW`, ZeRO-1) shards only the moments:
   each sharding group's parameters are flattened in optimizer order (the decayed
   parameter group, then the others) into buckets of ``GRAD_BUCKET_NUMEL`` elements, each
   cut into nearly equal ranges with cuts inside a parameter moved up to a multiple of
-  ``moe_fold.optim.ALIGN`` elements (:func:`owned_by_rank` redoes that arithmetic): about
+  ``moe_fold.training.optim.ALIGN`` elements (:func:`owned_by_rank` redoes that arithmetic): about
   ``12 + 8/d`` bytes per parameter under bf16, to the element what the optimizer
   allocates. Masters are not sharded.
 
@@ -59,7 +59,7 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   exps and the loss mask ``8 + 1 + 4 + 4`` times ``g``.
 - Per micro-batch and model chunk: rotary cos and sin, ``2 (s/cp) head_dim a``.
 
-Recompute (:func:`moe_fold.train.apply_recompute`, non-reentrant checkpoints keep their
+Recompute (:func:`moe_fold.training.train.apply_recompute`, non-reentrant checkpoints keep their
 inputs): ``full`` keeps only a dense block's input ``aH``; an MoE block keeps its attention
 input (the attention norm's output ``aH``) with the attention norm itself, and the MoE
 layer as with ``moe``. ``moe`` keeps the experts'
@@ -77,29 +77,29 @@ from __future__ import annotations
 import bisect
 
 from moe_fold.config import Config, dp_size, edp_size, etp_size
-from moe_fold.planner_model import ParamEntry, dims, expert_rows_per_token, router_bytes
+from moe_fold.planner.model import ParamEntry, dims, expert_rows_per_token, router_bytes
 
 __all__ = ["IMPLEMENTATIONS", "state_bytes", "owned_by_rank", "owned_numel", "zero_sizes", "layer_activation_bytes", "head_activation_bytes",
            "embedding_activation_bytes", "microbatch_constant_bytes"]
 
 IMPLEMENTATIONS = ("moe-fold", "megatron")
 
-# moe_fold.optim.ALIGN and moe_fold.grads.DEFAULT_BUCKET_NUMEL, restated so the planner
+# moe_fold.training.optim.ALIGN and moe_fold.training.grads.DEFAULT_BUCKET_NUMEL, restated so the planner
 # imports no torch (tests check they agree).
 ALIGN = 64
 BUCKET_NUMEL = 1 << 24
-# moe_fold.optim.SHARD_GROUP
+# moe_fold.training.optim.SHARD_GROUP
 _SHARD_GROUP = {"tp": "dp_cp", "replicated": "dp_cp", "tp_sum": "dp_cp", "expert": "edp"}
 
 
 def _decays(name: str) -> bool:
-    """moe_fold.optim.decays by name: 1-D parameters (norm gains, biases) do not decay."""
+    """moe_fold.training.optim.decays by name: 1-D parameters (norm gains, biases) do not decay."""
     return not (name.endswith("norm.weight") or name.endswith(".bias"))
 
 
 def _shares(numels: list[int], n: int) -> list[int]:
     """Elements each of ``n`` ranks owns of one bucket of parameters of ``numels``
-    elements (moe_fold.optim._shard_bucket): cuts at ``r * ceil(total/n)``, a cut inside a
+    elements (moe_fold.training.optim._shard_bucket): cuts at ``r * ceil(total/n)``, a cut inside a
     parameter moved up to a multiple of ALIGN elements from its start."""
     offsets, total = [0], 0
     for k in numels:
@@ -192,7 +192,7 @@ def _router(config: Config) -> float:
 
 def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     """Bytes one rank keeps per local token for ``layer`` (see the module doc)."""
-    from moe_fold.planner_model import RECOMPUTE_MODES
+    from moe_fold.planner.model import RECOMPUTE_MODES
 
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"train.recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}")

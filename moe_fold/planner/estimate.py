@@ -3,13 +3,13 @@ MFU for a model, a world size, a layout and a GPU; and a search over layouts.
 
 :func:`estimate` returns a :class:`Plan`; :func:`search` ranks the valid layouts of a world
 by estimated MFU among those that fit in memory. The arithmetic lives in
-:mod:`moe_fold.planner_model` (parameters, FLOPs, activations), :mod:`moe_fold.planner_comm`
+:mod:`moe_fold.planner.model` (parameters, FLOPs, activations), :mod:`moe_fold.planner.comm`
 (bytes per group kind, the rules of :mod:`moe_fold.comm`) and
-:mod:`moe_fold.planner_hardware` (GPU figures and their sources).
+:mod:`moe_fold.planner.hardware` (GPU figures and their sources).
 
 Memory per rank: ``Assumptions.implementation`` picks whose footprint. ``"moe-fold"`` (the
 default): what moe-fold's own training path keeps, every term derived from its code in
-:mod:`moe_fold.planner_memory` (bf16 with float32 masters is 20 bytes per parameter,
+:mod:`moe_fold.planner.memory` (bf16 with float32 masters is 20 bytes per parameter,
 ``12 + 8/d`` with the distributed optimizer, which shards only the moments; activations as
 autograd saves them in our layers). ``"megatron"``: the reference figures below, for
 comparison with the papers. Megatron, mixed-precision Adam (ZeRO, Rajbhandari et al. 2020,
@@ -17,9 +17,9 @@ section 3; the figures of Megatron-LM's distributed optimizer): bf16 weights (2 
 float32 main gradients (4; Megatron accumulates and reduces gradients in float32), and
 float32 master weight, first and second moment (12). The distributed optimizer (ZeRO-1)
 shards the 12 bytes over the ranks holding the same parameter shard, dp x cp for dense
-parameters and edp for experts (:data:`moe_fold.optim.SHARD_GROUP`); weights and main
+parameters and edp for experts (:data:`moe_fold.training.optim.SHARD_GROUP`); weights and main
 gradients stay whole: ``6 + 12/d`` bytes per parameter. Under ``fp32`` training the weights
-are the masters: 4 + 4 + 8. Activations: :mod:`moe_fold.planner_model` (Korthikanti 2022's
+are the masters: 4 + 4 + 8. Activations: :mod:`moe_fold.planner.model` (Korthikanti 2022's
 fused kernels), times the micro-batches a pipeline stage holds at its peak. Plus :attr:`Assumptions.memory_overhead`.
 
 Step time, per micro-batch on the slowest pipeline stage: its FLOPs at
@@ -38,7 +38,7 @@ NVLink, else the per-GPU network bandwidth, for the whole ring; an all-to-all se
 peer's share over NVLink or the network and takes the longer of the two.
 
 MFU = model FLOPs per step (activated parameters only, no recompute; Narayanan 2021's
-formula generalised, :func:`moe_fold.planner_model.model_flops_per_step`) / (world x peak
+formula generalised, :func:`moe_fold.planner.model.model_flops_per_step`) / (world x peak
 dense BF16 FLOP/s x step time).
 """
 
@@ -51,10 +51,10 @@ from typing import Optional
 
 from moe_fold.config import Config, ConfigError, ParallelConfig, dp_size, edp_size, etp_size, validate, vpp_size
 from moe_fold.layout import ParallelLayout
-from moe_fold.planner_comm import GRAD_BUCKET_NUMEL, GRAD_BYTES, microbatch_bytes, step_bytes
-from moe_fold.planner_hardware import GPU
-from moe_fold import planner_memory
-from moe_fold.planner_model import (
+from moe_fold.planner.comm import GRAD_BUCKET_NUMEL, GRAD_BYTES, microbatch_bytes, step_bytes
+from moe_fold.planner.hardware import GPU
+from moe_fold.planner import memory as planner_memory
+from moe_fold.planner.model import (
     act_bytes, dims, head_activation_bytes, layer_activation_bytes, microbatches_in_flight,
     ParamEntry, model_flops_per_step, param_manifest, rank_flops_per_microbatch, stage_layers,
 )
@@ -84,7 +84,7 @@ class Assumptions:
     optimizer_bytes_per_param: float = 30.0
     # CUDA context, NCCL buffers, workspace and allocator fragmentation, bytes.
     memory_overhead: float = 4e9
-    # Whose memory footprint: "moe-fold" (this code's, moe_fold.planner_memory) or
+    # Whose memory footprint: "moe-fold" (this code's, moe_fold.planner.memory) or
     # "megatron" (Megatron-LM's fused kernels and 18-byte mixed-precision Adam).
     implementation: str = "moe-fold"
 
@@ -248,7 +248,7 @@ def activation_bytes(config: Config, pp_rank: int, implementation: str = "moe-fo
 
 def _memory_moe_fold(config: Config, world: int, pp_rank: int, micro: int, assumptions: Assumptions,
                      manifest: list[ParamEntry]) -> dict[str, float]:
-    """:func:`_memory` for moe-fold's own footprint (:mod:`moe_fold.planner_memory`)."""
+    """:func:`_memory` for moe-fold's own footprint (:mod:`moe_fold.planner.memory`)."""
     local = sum(e.numel for e in manifest)
     full = planner_memory.state_bytes(config, manifest, local)
     sharded = planner_memory.state_bytes(config, manifest, busiest_owned_numel(config, world, manifest))
@@ -328,7 +328,7 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
     if assumptions.implementation == "moe-fold" and (p.cp > 1 or config.moe.capacity_factor is not None
                                                      or config.moe.dedup or config.moe.dispatcher != "alltoall"):
         notes.append("memory: cp > 1, capacity, dedup and the all-gather dispatcher are estimated with the "
-                     "one-cp-rank, dropless all-to-all terms (moe_fold.planner_memory)")
+                     "one-cp-rank, dropless all-to-all terms (moe_fold.planner.memory)")
     return Plan(
         gpu=gpu.name, world=world,
         layout={"tp": p.tp, "cp": p.cp, "pp": p.pp, "vpp": v, "ep": p.ep, "etp": etp, "dp": dp, "edp": edp,

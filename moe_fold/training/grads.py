@@ -1,7 +1,7 @@
 """Data-parallel gradient sync and the global gradient norm (DESIGN.md section 2).
 
 Each parameter says how it is laid out in ``param.parallel`` (set where it is created,
-see :mod:`moe_fold.tensor_parallel`): ``"tp"``, ``"replicated"``, ``"tp_sum"`` or
+see :mod:`moe_fold.parallel.tensor_parallel`): ``"tp"``, ``"replicated"``, ``"tp_sum"`` or
 ``"expert"``. The model's loss on a rank is scaled so that the mean over dp x cp of the
 per-rank losses is the global-batch loss (``Transformer.forward``); :func:`sync_grads`
 turns every grad into the gradient of that global loss, equal to one process's:
@@ -31,7 +31,7 @@ from torch import nn
 
 from moe_fold.comm import all_reduce_
 from moe_fold.layout import ProcessGroups
-from moe_fold.tensor_parallel import PARALLEL_KINDS
+from moe_fold.parallel.tensor_parallel import PARALLEL_KINDS
 
 __all__ = ["sync_grads", "grad_norm", "clip_grad_norm_"]
 
@@ -46,7 +46,7 @@ def _kind(param: nn.Parameter) -> str:
     if kind not in PARALLEL_KINDS:
         raise ValueError(f"parameter of shape {tuple(param.shape)} has parallel={kind!r}; every parameter "
                          f"must be marked with one of {', '.join(PARALLEL_KINDS)} "
-                         f"(moe_fold.tensor_parallel.mark)")
+                         f"(moe_fold.parallel.tensor_parallel.mark)")
     return kind
 
 

@@ -26,7 +26,7 @@ local tensor; a ``"tp_sum"`` or ``"replicated"`` parameter is also the same on e
 rank, and each tp rank updates its own copy the same way); expert parameters over ``edp``.
 
 A parameter whose grad is None (an expert that got no token, on one process) steps with a
-zero grad, as :func:`moe_fold.grads.sync_grads` makes it on more than one rank: every
+zero grad, as :func:`moe_fold.training.grads.sync_grads` makes it on more than one rank: every
 layout takes the same step (torch would skip the parameter).
 """
 
@@ -41,9 +41,9 @@ from torch import nn
 
 from moe_fold.comm import all_gather
 from moe_fold.config import Config, OptimizerConfig
-from moe_fold.grads import DEFAULT_BUCKET_NUMEL, clip_grad_norm_, grad_norm, sync_grads
+from moe_fold.training.grads import DEFAULT_BUCKET_NUMEL, clip_grad_norm_, grad_norm, sync_grads
 from moe_fold.layout import ProcessGroups
-from moe_fold.tensor_parallel import PARALLEL_KINDS
+from moe_fold.parallel.tensor_parallel import PARALLEL_KINDS
 
 __all__ = [
     "SHARD_GROUP", "ALIGN", "decays", "param_groups", "adamw_update_", "AdamW", "lr_at", "LRScheduler",

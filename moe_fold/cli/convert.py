@@ -82,10 +82,10 @@ class _Bar:
 
 def convert_from_hf(rank: int, world_size: int, source: str, run_dir: str, config, progress: bool) -> str:
     """One rank of Hugging Face -> checkpoint; returns the checkpoint path."""
-    from moe_fold.checkpoint import save_checkpoint
+    from moe_fold.training.checkpoint import save_checkpoint
     from moe_fold.models.hf import load_hf_into
     from moe_fold.models.model import build_model
-    from moe_fold.train import build_groups
+    from moe_fold.training.train import build_groups
 
     groups = build_groups(config)
     model = build_model(config, groups)
@@ -103,10 +103,10 @@ def convert_from_hf(rank: int, world_size: int, source: str, run_dir: str, confi
 def convert_to_hf(rank: int, world_size: int, source: str, output: str, config, family, max_shard_bytes: int,
                   progress: bool) -> str:
     """One rank of checkpoint -> Hugging Face folder; returns the folder."""
-    from moe_fold.checkpoint import load_checkpoint
+    from moe_fold.training.checkpoint import load_checkpoint
     from moe_fold.models.hf import to_hf
     from moe_fold.models.model import build_model
-    from moe_fold.train import build_groups
+    from moe_fold.training.train import build_groups
 
     groups = build_groups(config)
     model = build_model(config, groups)
@@ -120,7 +120,7 @@ def convert_to_hf(rank: int, world_size: int, source: str, output: str, config, 
 
 
 def _checkpoint(path: Path) -> Path:
-    from moe_fold.checkpoint import CheckpointError, latest_checkpoint
+    from moe_fold.training.checkpoint import CheckpointError, latest_checkpoint
 
     if (path / "index.json").is_file():
         return path
@@ -147,7 +147,7 @@ def _check_layout(config, nproc: int) -> None:
 def run(args: argparse.Namespace) -> int:
     import warnings
 
-    from moe_fold.checkpoint import CheckpointError
+    from moe_fold.training.checkpoint import CheckpointError
     from moe_fold.config import ConfigError, load_config
     from moe_fold.models.hf import HFConfigError, HFWeightError, hf_config
 

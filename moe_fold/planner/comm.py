@@ -3,9 +3,9 @@
 ``B(input) - B(own slice)``, all-reduce ``floor(2 (n-1) B / n)``, all-to-all the rows sent
 to other ranks, point-to-point ``B``; forward and backward both count.
 
-A training step is what :func:`moe_fold.train.train` runs per global batch: forward and
+A training step is what :func:`moe_fold.training.train.train` runs per global batch: forward and
 backward of ``m = global_batch / (micro_batch * dp)`` micro-batches, then
-:func:`moe_fold.optim.apply_gradients` (gradient all-reduce in float32 buckets, the global
+:func:`moe_fold.training.optim.apply_gradients` (gradient all-reduce in float32 buckets, the global
 norm, the optimizer step, whose distributed variant all-gathers the float32 parameters).
 The loop's logging reductions (loss, token counts, routing statistics) are left out.
 
@@ -24,7 +24,7 @@ Per micro-batch and layer (``X`` the bytes of one ``[s/cp, b, H]`` activation):
   the routing probs (router dtype) forward (``sent``) and their grads backward
   (``received``). Balanced routing: ``sent = received = T topk (ep-1)/ep`` with ``T =
   s b/(cp tp)`` tokens per rank (the dispatcher's wire accounting,
-  :class:`moe_fold.dispatch.dispatcher.WireBytes`, counts the forward half).
+  :class:`moe_fold.dispatch.interface.WireBytes`, counts the forward half).
 - etp: all-gather of the ``held`` rows (and probs) after the all-to-all, reduce-scatter of
   the outputs before it, and their backward counterparts.
 - etp_ep: the per-expert int64 count exchange (forward only; none when padded).
@@ -36,9 +36,9 @@ Per micro-batch and layer (``X`` the bytes of one ``[s/cp, b, H]`` activation):
 
 Per step: gradient all-reduce over dp_cp (tp-split and replicated parameters), tp_dp_cp
 (``tp_sum`` ones: norms and router under SP) and edp (experts), in buckets of
-:data:`moe_fold.grads.DEFAULT_BUCKET_NUMEL` float32 elements; the norm's float32 scalars
+:data:`moe_fold.training.grads.DEFAULT_BUCKET_NUMEL` float32 elements; the norm's float32 scalars
 over tp, etp_ep and pp; with the distributed optimizer, the float32 parameter all-gather
-(each rank sends the elements it owns, :func:`moe_fold.planner_memory.owned_by_rank`, to the
+(each rank sends the elements it owns, :func:`moe_fold.planner.memory.owned_by_rank`, to the
 others of its group); with tied embeddings over pp, the
 embedding-grad all-reduce between the first and last stage.
 """
@@ -51,17 +51,17 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from moe_fold.config import Config, dp_size, edp_size, etp_size, vpp_size
-from moe_fold.planner_memory import owned_by_rank
-from moe_fold.planner_model import act_bytes, dims, param_manifest, router_bytes, stage_layers
+from moe_fold.planner.memory import owned_by_rank
+from moe_fold.planner.model import act_bytes, dims, param_manifest, router_bytes, stage_layers
 
 __all__ = ["GRAD_BUCKET_NUMEL", "Routing", "uniform_routing", "moe_layer_bytes", "microbatch_bytes",
            "step_bytes"]
 
-# moe_fold.grads.DEFAULT_BUCKET_NUMEL, restated so the planner imports no torch.
+# moe_fold.training.grads.DEFAULT_BUCKET_NUMEL, restated so the planner imports no torch.
 GRAD_BUCKET_NUMEL = 1 << 24
 GRAD_BYTES = 4  # gradients are synced (and masters kept) in float32
 
-# gradient-sync kind -> the group whose all-reduce completes it (moe_fold.grads).
+# gradient-sync kind -> the group whose all-reduce completes it (moe_fold.training.grads).
 _SYNC_GROUP = {"tp": "dp_cp", "replicated": "dp_cp", "tp_sum": "tp_dp_cp", "expert": "edp"}
 
 
@@ -206,9 +206,9 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
 
 def _cp_attention_bytes(config: Config) -> tuple[float, float]:
     """Forward and backward bytes of one layer's context-parallel attention for one
-    micro-batch. Ring (:mod:`moe_fold.ring_attention`): the local K/V pass ``cp-1`` hops
+    micro-batch. Ring (:mod:`moe_fold.parallel.ring_attention`): the local K/V pass ``cp-1`` hops
     forward; backward they go round again with float32 dK/dV accumulators, which take one
-    more hop home. A2a (:mod:`moe_fold.context_parallel`): q, k, v (kv heads repeated to
+    more hop home. A2a (:mod:`moe_fold.parallel.context_parallel`): q, k, v (kv heads repeated to
     ``lcm(kv_heads, cp)``) and the output each all-to-all'd, ``(cp-1)/cp`` of them leaving;
     the backward the same."""
     d, p = dims(config), config.parallel

@@ -2,11 +2,11 @@
 
 Per step, every rank takes its micro-batches of the global batch
 (``DataLoader.global_batch``: its dp shard, its cp slice; the ranks of one pipeline the
-same ones) and runs their forward and backward with :func:`moe_fold.step.forward_backward`
+same ones) and runs their forward and backward with :func:`moe_fold.training.step.forward_backward`
 (one after another letting the grads add up, or the pipeline schedule under pp; the loss
 scaling that makes the summed grads the exact gradient of the global-batch mean loss,
 and the routers' ``grad_scale = 1/num_microbatches``, are documented there). Then
-:func:`moe_fold.optim.apply_gradients` syncs the grads once, clips the global norm and
+:func:`moe_fold.training.optim.apply_gradients` syncs the grads once, clips the global norm and
 steps AdamW; the LR schedule steps, and the routers close their step
 (``Router.finish_step``: expert-bias update, ``global_aux`` reset).
 
@@ -16,7 +16,7 @@ so a resumed run draws the same numbers as an uninterrupted one without saving R
 
 Non-finite steps: a non-finite global loss or grad norm takes no optimizer step; the
 step's forwards run again under hooks to name the first module whose output went
-non-finite (:mod:`moe_fold.numerics`); then the run goes on (``train.on_nonfinite=skip``:
+non-finite (:mod:`moe_fold.training.numerics`); then the run goes on (``train.on_nonfinite=skip``:
 a warning, ``skipped``/``nonfinite_module`` in metrics.jsonl) or raises before that step
 is saved (``stop``). A loss above ``train.loss_spike_factor`` x the median of the previous
 ``train.loss_spike_window`` losses is logged as ``loss_spike`` with a warning.
@@ -48,8 +48,8 @@ from torch.utils.checkpoint import checkpoint
 from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, ConfigError, dump_config, validate
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
-from moe_fold.numerics import LossSpikes, first_nonfinite_module
-from moe_fold.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
+from moe_fold.training.numerics import LossSpikes, first_nonfinite_module
+from moe_fold.training.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
 
 __all__ = ["TrainResult", "check_trainable", "train", "apply_recompute", "build_groups", "read_metrics"]
 
@@ -204,10 +204,10 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
 
 def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: Optional[int]) -> TrainResult:
     from moe_fold.data.loader import DataLoader
-    from moe_fold.metrics import MetricsLogger, RoutingCollector
+    from moe_fold.training.metrics import MetricsLogger, RoutingCollector
     from moe_fold.models.model import build_model
-    from moe_fold.optim import apply_gradients, build_optimizer, build_scheduler
-    from moe_fold.step import forward_backward
+    from moe_fold.training.optim import apply_gradients, build_optimizer, build_scheduler
+    from moe_fold.training.step import forward_backward
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     check_trainable(config, world)
@@ -225,7 +225,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     dataset = _dataset(config, groups)
     dynamic_cp = None
     if config.parallel.dynamic_cp and groups.size("cp") > 1:
-        from moe_fold.dynamic_cp import DynamicCP, cost_model
+        from moe_fold.training.dynamic_cp import DynamicCP, cost_model
 
         # Static cp's memory: a micro-batch's tokens over the cp group.
         dynamic_cp = DynamicCP(groups, cost_model(config),
@@ -256,7 +256,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     start_step = 0
     checkpoint_path: Optional[str] = None
     if resume:
-        from moe_fold.checkpoint import latest_checkpoint, load_checkpoint
+        from moe_fold.training.checkpoint import latest_checkpoint, load_checkpoint
 
         found = latest_checkpoint(run_dir)
         if found is not None:
@@ -354,10 +354,10 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
 def _first_nonfinite(model: nn.Module, micro_batches: list, groups: ProcessGroups, config: Config,
                      device: torch.device, dynamic_cp) -> Optional[str]:
     """The first module whose output is non-finite when the step's forwards run again
-    (:func:`moe_fold.numerics.first_nonfinite_module`; a collective: every rank runs its
+    (:func:`moe_fold.training.numerics.first_nonfinite_module`; a collective: every rank runs its
     part, pipeline stages included), named with its rank when there are several; None
     when every output is finite (the non-finite values arose in the backward)."""
-    from moe_fold.step import forward_backward
+    from moe_fold.training.step import forward_backward
 
     def run():
         forward_backward(model, micro_batches, groups, config, forward_only=True, dynamic_cp=dynamic_cp,
@@ -377,7 +377,7 @@ def _first_nonfinite(model: nn.Module, micro_batches: list, groups: ProcessGroup
 
 def _save(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, loader, groups: ProcessGroups,
           config: Config) -> str:
-    from moe_fold.checkpoint import save_checkpoint
+    from moe_fold.training.checkpoint import save_checkpoint
 
     extra = {"step": step, "data": loader.state_dict()}
     path = save_checkpoint(run_dir, step, model, optimizer, scheduler, extra, groups, config.train.keep_last,

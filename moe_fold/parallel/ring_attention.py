@@ -1,7 +1,7 @@
 """Ring attention: attention over a sequence split across the cp ranks in the zigzag layout.
 
 The sequence is cut into ``2*cp`` chunks of ``c`` tokens; cp rank ``r`` holds chunks ``r``
-and ``2cp-1-r`` (see :func:`moe_fold.context_parallel.zigzag_split`). Each rank keeps its
+and ``2cp-1-r`` (see :func:`moe_fold.parallel.context_parallel.zigzag_split`). Each rank keeps its
 queries and passes its K/V block around the cp ring: at step ``i`` rank ``r`` holds the K/V
 of rank ``src = (r - i) mod cp``. Under a causal mask every step costs the same ``2c*c``
 query-key pairs on every rank, which is why the zigzag layout is used:
@@ -274,7 +274,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     ``doc_shards`` ``[cp, B, S_local]``: the document ids of every cp rank's shard (packed
     sequences); attention stays inside each document.
 
-    Callers normally go through :func:`moe_fold.context_parallel.context_parallel_attention`,
+    Callers normally go through :func:`moe_fold.parallel.context_parallel.context_parallel_attention`,
     which validates the shapes and sends a group of one rank to plain attention.
     """
     if group_size(group) < 2:

@@ -3,7 +3,7 @@
 On disk, ``<run_dir>/checkpoints/step_000100/`` holds:
 
 - ``rank_00003.safetensors``: the pieces rank 3 writes. Every element of every global
-  tensor is written once: by the first replica of a parameter (:mod:`moe_fold.sharding`),
+  tensor is written once: by the first replica of a parameter (:mod:`moe_fold.parallel.sharding`),
   and, for optimizer moments under ZeRO-1, by the rank that holds them. The file is
   streamed from the live tensors, piece by piece: saving needs no second copy of the
   model in memory (a piece that is not contiguous host memory is copied alone);
@@ -64,8 +64,8 @@ from torch import nn
 
 from moe_fold.config import Config, dump_config
 from moe_fold.layout import ProcessGroups
-from moe_fold.optim import AdamW, LRScheduler
-from moe_fold.sharding import ShardInfo, box, buffer_info, flat_boxes, intersect, shard_info
+from moe_fold.training.optim import AdamW, LRScheduler
+from moe_fold.parallel.sharding import ShardInfo, box, buffer_info, flat_boxes, intersect, shard_info
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path"]
 
@@ -140,7 +140,7 @@ def _tied_copy(param: nn.Parameter) -> bool:
 
 def _entries(model: nn.Module, optimizer: Optional[AdamW], groups: ProcessGroups) -> list[_Entry]:
     if optimizer is not None and not isinstance(optimizer, AdamW):
-        raise TypeError(f"optimizer must be moe_fold.optim.AdamW (its moments are saved per element), "
+        raise TypeError(f"optimizer must be moe_fold.training.optim.AdamW (its moments are saved per element), "
                         f"got {type(optimizer).__name__}")
     entries = []
     params = dict(model.named_parameters())

@@ -1,5 +1,5 @@
 """One global batch's forward and backward on any layout: what the training loop calls
-once per optimizer step, before :func:`moe_fold.optim.apply_gradients`.
+once per optimizer step, before :func:`moe_fold.training.optim.apply_gradients`.
 
 Every rank passes its micro-batches of the step (``DataLoader.global_batch``: its dp
 shard, its cp zigzag slice; the ranks of one pipeline pass the same ones, since every
@@ -8,17 +8,17 @@ stage reads the positions and the last one the labels). Then:
 - Loss scaling: each micro-batch's loss is ``sum(token losses) * dp*cp / N`` where ``N``
   counts the unmasked tokens of the whole global batch (every dp x cp rank, every
   micro-batch; one all-reduce over dp x cp), so the grads summed over micro-batches and
-  averaged over dp x cp (:func:`moe_fold.grads.sync_grads`) are the exact gradient of the
+  averaged over dp x cp (:func:`moe_fold.training.grads.sync_grads`) are the exact gradient of the
   global-batch mean loss (:meth:`Transformer.forward`).
 - Routers: ``grad_scale = 1/num_microbatches``, so the aux and z losses, attached per
   micro-batch through autograd, are the mean over the step's micro-batches.
 - pp = 1: the micro-batches one after another, grads accumulating. pp > 1: the
   pipeline schedule ``parallel.pp_schedule`` over this rank's model chunks
-  (:func:`moe_fold.pipeline.run_schedule`; ``interleaved`` with ``parallel.vpp`` chunks).
+  (:func:`moe_fold.parallel.pipeline.run_schedule`; ``interleaved`` with ``parallel.vpp`` chunks).
 - Tied embeddings under pp: the grads of the first and last stages' copies are summed,
   so both copies take the same step.
 - Packed samples: each micro-batch's ``cu_seqlens`` and real-token mask become the
-  model's :class:`moe_fold.varlen.Documents` (attention inside documents, padding out of
+  model's :class:`moe_fold.parallel.varlen.Documents` (attention inside documents, padding out of
   the router losses).
 """
 
@@ -34,10 +34,10 @@ from moe_fold.comm import all_reduce_
 from moe_fold.config import Config
 from moe_fold.data.loader import Batch
 from moe_fold.dispatch.router import Router
-from moe_fold.dynamic_cp import DynamicCP
+from moe_fold.training.dynamic_cp import DynamicCP
 from moe_fold.layout import ProcessGroups
 from moe_fold.models.model import Transformer
-from moe_fold.pipeline import all_reduce_embedding_grads, run_schedule
+from moe_fold.parallel.pipeline import all_reduce_embedding_grads, run_schedule
 
 __all__ = ["forward_backward"]
 

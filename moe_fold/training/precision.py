@@ -66,7 +66,7 @@ class MasterWeights:
     ``master`` is a second instance of the same model (same config, groups and seed) in
     float32; ``model`` is the bf16 instance that computes. They share their buffers (the
     routers' expert bias and counts, which the bf16 model updates and checkpoints must
-    hold), so the optimizer and :mod:`moe_fold.checkpoint` work on ``master`` as on any
+    hold), so the optimizer and :mod:`moe_fold.training.checkpoint` work on ``master`` as on any
     model and a resumed bf16 run continues from the exact float32 weights. Per step:
     backward into the bf16 params, :meth:`grads_to_master`, sync/clip/step on
     ``master``'s parameters, then :meth:`master_to_model`.
