@@ -37,6 +37,7 @@ from torch import nn
 
 from moe_fold.comm import all_reduce_, gather_from_tp_region
 from moe_fold.config import Config, head_dim, moe_layer_flags, vpp_size
+from moe_fold.dispatch.aux_losses import attach_loss
 from moe_fold.parallel.context_parallel import zigzag_positions
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.pipeline import create_embedding_group, stage_layers
@@ -49,6 +50,7 @@ from moe_fold.parallel.varlen import Documents, doc_ids_from_cu_seqlens, router_
 from .attention import Attention
 from .mlp import MLP
 from .moe_layer import MoELayer
+from .mtp import MTP, MTPTargets, mtp_targets
 from .norm import RMSNorm
 from .rotary import rotary_cos_sin
 
@@ -97,9 +99,11 @@ def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
     tokens; each token's sample in the micro-batch, for the per-sequence aux loss). It marks its parameters for gradient
     sync (``moe_fold.parallel.tensor_parallel.mark``): experts ``"expert"``; router weights and a
     shared-expert gate ``"tp_sum"`` under SP (each tp rank routes its own tokens); a
-    shared expert built as :class:`MLP` is already marked.
+    shared expert built as :class:`MLP` is already marked. Layers past ``model.num_layers``
+    are the MTP depths' blocks, of the kind of the last layer.
     """
-    if moe_layer_flags(config)[layer]:
+    flags = moe_layer_flags(config)
+    if flags[min(layer, len(flags) - 1)]:
         return MoELayer(config, groups, layer)
     m = config.model
     return MLP(m.hidden_size, m.ffn_hidden_size, groups.tp, config.parallel.sequence_parallel,
@@ -144,7 +148,11 @@ class Transformer(nn.Module):
     named ``embed.weight`` (drawn from the same seed, so equal to the first stage's) and
     marked ``tied_copy = True`` (the grad norm counts it once). After each backward
     ``forward_backward`` sums the two copies' grads over :attr:`embedding_group`, so
-    both take the same optimizer steps (:mod:`moe_fold.parallel.pipeline`).
+    both take the same optimizer steps (:mod:`moe_fold.parallel.pipeline`). Multi-token
+    prediction (``model.mtp_num_layers``, :mod:`moe_fold.models.mtp`) runs on the last stage
+    as ``mtp.{k}.*`` (depth k+1: ``enorm``, ``hnorm``, ``eh_proj``, ``block``, ``norm``)
+    and reads the embedding there: under pp the last stage then holds an embedding copy
+    as for tied embeddings.
     """
 
     def __init__(self, config: Config, groups: ProcessGroups):
@@ -161,8 +169,10 @@ class Transformer(nn.Module):
         self.stage_layer_ids = [layers_of[s] for s in self.stages]
         first, last = 0 in self.stages, self.num_stages - 1 in self.stages
 
+        # The last stage reads the embedding for a tied head or for the MTP depths' inputs.
+        shares_embedding = m.tie_embeddings or m.mtp_num_layers > 0
         self.embed: Optional[VocabParallelEmbedding] = None
-        if first or (last and m.tie_embeddings):
+        if first or (last and shares_embedding):
             self.embed = VocabParallelEmbedding(m.vocab_size, m.hidden_size, groups.tp, sp,
                                                 std=m.init_std, seed=init_seed(seed, "embed"))
             if not first:
@@ -177,8 +187,12 @@ class Transformer(nn.Module):
             tied = self.embed.weight if m.tie_embeddings else None
             self.lm_head = ColumnParallelLinear(m.hidden_size, m.vocab_size, groups.tp, sp, std=m.init_std,
                                                 seed=init_seed(seed, "lm_head"), weight=tied)
+        self.mtp: Optional[MTP] = None
+        if last and m.mtp_num_layers > 0:
+            self.mtp = MTP(config, [Block(config, groups, m.num_layers + k, make_mlp(config, groups, m.num_layers + k))
+                                    for k in range(m.mtp_num_layers)])
         # Collective over the world (every rank builds its model): the {first, last} stage pair.
-        self.embedding_group = create_embedding_group(groups) if pp > 1 and m.tie_embeddings else None
+        self.embedding_group = create_embedding_group(groups) if pp > 1 and shares_embedding else None
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = next(self.parameters()).dtype
@@ -225,9 +239,32 @@ class Transformer(nn.Module):
             positions = self._default_positions(input_ids)
         return self._chunk_hidden(0, None, input_ids, positions, docs)
 
+    def mtp_targets(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
+                    docs: Optional[Documents]) -> MTPTargets:
+        """The MTP depths' shifted inputs, labels and masks of this rank's micro-batch
+        (:func:`moe_fold.models.mtp.mtp_targets`); a collective over cp."""
+        doc_ids = docs.doc_ids if docs is not None else None
+        return mtp_targets(input_ids, labels, loss_mask, doc_ids, self.config.model.mtp_num_layers, self.groups.cp)
+
     def _loss(self, x: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
-              num_loss_tokens: Optional[Union[float, torch.Tensor]]) -> torch.Tensor:
-        logits = self.lm_head(self.norm(x))  # [S, B, V/tp]
+              num_loss_tokens: Optional[Union[float, torch.Tensor]], input_ids: torch.Tensor,
+              positions: torch.Tensor, docs: Optional[Documents], mtp: Optional[MTPTargets]) -> torch.Tensor:
+        """The LM loss of the last hidden states ``x``; with MTP, the depths' weighted loss
+        rides on it through autograd (:func:`~moe_fold.dispatch.aux_losses.attach_loss`), so
+        the value returned stays the LM loss."""
+        loss = self._token_loss(self.norm(x), labels, loss_mask, num_loss_tokens)
+        if self.mtp is None:
+            return loss
+        if mtp is None:
+            mtp = self.mtp_targets(input_ids, labels, loss_mask, docs)
+        cos, sin = self._rotary(positions)
+        depth_losses = self.mtp(x, self.embed, mtp, cos, sin, docs, self._token_loss)  # [D]
+        m = self.config.model
+        return attach_loss(loss, depth_losses.sum(), m.mtp_loss_weight / m.mtp_num_layers)
+
+    def _token_loss(self, normed: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
+                    num_loss_tokens: Optional[Union[float, torch.Tensor]]) -> torch.Tensor:
+        logits = self.lm_head(normed)  # [S, B, V/tp]
         losses = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp)  # [S, B]
         dp_cp = self.groups.size("dp_cp")
         if loss_mask is not None:
@@ -254,7 +291,7 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None,
                 num_loss_tokens: Optional[Union[float, torch.Tensor]] = None,
-                docs: Optional[Documents] = None) -> torch.Tensor:
+                docs: Optional[Documents] = None, mtp: Optional[MTPTargets] = None) -> torch.Tensor:
         """This rank's loss for ``input_ids``/``labels`` ``[B, S_local]`` (labels already shifted;
         under cp this rank's zigzag shard of each sequence).
 
@@ -264,6 +301,8 @@ class Transformer(nn.Module):
         ``num_loss_tokens``: the unmasked tokens of the whole global batch (every dp x cp
         rank, every micro-batch); None counts this micro-batch over dp x cp.
         ``docs``: packed documents (:meth:`documents`); None: one sequence per row.
+        ``mtp``: the MTP depths' targets (:meth:`mtp_targets`, with the global batch's
+        counts); None: built here, counted over this micro-batch.
 
         The result is ``sum(token losses * mask) * (dp*cp) / num_loss_tokens``: averaging
         it, and its grads, over dp x cp (what ``moe_fold.training.grads.sync_grads`` does) gives the
@@ -271,13 +310,15 @@ class Transformer(nn.Module):
         unmasked tokens on each rank; summing grads over micro-batches before the sync
         keeps it exact when ``num_loss_tokens`` covers them all.
         """
+        if positions is None:
+            positions = self._default_positions(input_ids)
         x = self._whole_model_hidden("forward", input_ids, positions, docs)
-        return self._loss(x, labels, loss_mask, num_loss_tokens)
+        return self._loss(x, labels, loss_mask, num_loss_tokens, input_ids, positions, docs, mtp)
 
     def chunk_forward(self, chunk: int, x: Optional[torch.Tensor], input_ids: torch.Tensor, labels: torch.Tensor,
                       positions: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
                       num_loss_tokens: Optional[Union[float, torch.Tensor]] = None,
-                      docs: Optional[Documents] = None) -> torch.Tensor:
+                      docs: Optional[Documents] = None, mtp: Optional[MTPTargets] = None) -> torch.Tensor:
         """Virtual stage ``stages[chunk]`` of one micro-batch (fields as in :meth:`forward`).
 
         The first stage embeds ``input_ids`` (``x`` is ignored); the others take the hidden
@@ -286,7 +327,7 @@ class Transformer(nn.Module):
         :meth:`forward`."""
         x = self._chunk_hidden(chunk, x, input_ids, positions, docs)
         if self.stages[chunk] == self.num_stages - 1:
-            return self._loss(x, labels, loss_mask, num_loss_tokens)
+            return self._loss(x, labels, loss_mask, num_loss_tokens, input_ids, positions, docs, mtp)
         return x
 
 

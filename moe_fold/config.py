@@ -46,6 +46,10 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Multi-token prediction (DeepSeek-V3): depth k predicts token t+1+k; 0 disables it.
+    mtp_num_layers: int = 0
+    # The MTP loss (mean over depths) is added to the objective times this weight.
+    mtp_loss_weight: float = 0.1
 
 
 @dataclass
@@ -628,6 +632,7 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
         _at_least(out, "model.ffn_hidden_size", m.ffn_hidden_size, 1)
     for name in ("rope_theta", "norm_eps", "init_std"):
         _positive(out, f"model.{name}", getattr(m, name))
+    _check_mtp(config, out)
     if not sizes_ok:
         return
     if m.num_heads % m.num_kv_heads:
@@ -653,6 +658,21 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
             # multiple of cp (context_parallel.a2a_kv_repeats), which divides the query heads.
             why = " (parallel.cp_kind=a2a splits each tp rank's heads over cp)"
             _divisible(out, "model.num_heads", m.num_heads, "parallel.tp*cp", p.tp * p.cp, why)
+
+
+def _check_mtp(config: Config, out: list[str]) -> None:
+    m, p = config.model, config.parallel
+    if not _at_least(out, "model.mtp_num_layers", m.mtp_num_layers, 0):
+        return
+    _at_least(out, "model.mtp_loss_weight", m.mtp_loss_weight, 0)
+    if m.mtp_num_layers == 0:
+        return
+    if m.seq_length >= 1 and m.mtp_num_layers >= m.seq_length:
+        out.append(f"model.mtp_num_layers={m.mtp_num_layers} must be < model.seq_length={m.seq_length} "
+                   f"(depth k predicts token t+1+k inside the sequence)")
+    if p.dynamic_cp:
+        out.append(f"model.mtp_num_layers={m.mtp_num_layers} is not supported with parallel.dynamic_cp=true "
+                   f"(the MTP targets are shifted along the layout's cp shards)")
 
 
 def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
