@@ -249,6 +249,14 @@ def test_pp_layer_counts():
 SP2 = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 
 RULES = [
+    # multi-token prediction
+    (["model.mtp_num_layers=-1"], 1, ["model.mtp_num_layers=-1 must be >= 0"]),
+    (["model.mtp_loss_weight=-0.5"], 1, ["model.mtp_loss_weight=-0.5 must be >= 0"]),
+    (["model.mtp_num_layers=128"], 1,
+     ["model.mtp_num_layers=128 must be < model.seq_length=128 (depth k predicts token t+1+k inside the sequence)"]),
+    (["model.mtp_num_layers=1", "parallel.cp=2", "parallel.dynamic_cp=true"], 2,
+     ["model.mtp_num_layers=1 is not supported with parallel.dynamic_cp=true (the MTP targets are shifted "
+      "along the layout's cp shards)"]),
     # sizes and world divisibility
     (["parallel.tp=0"], 1, ["parallel.tp=0 must be >= 1"]),
     (["parallel.cp=0"], 1, ["parallel.cp=0 must be >= 1"]),

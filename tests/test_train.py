@@ -99,6 +99,30 @@ def test_metrics_fields_and_counts(tmp_path, cache_dir):
     assert result.losses == [r["loss"] for r in records]
 
 
+def test_mtp_loss_per_depth_in_metrics_and_under_pp(tmp_path, cache_dir):
+    """With two MTP depths metrics.jsonl has ``mtp_loss`` per depth; the step's loss adds
+    ``mtp_loss_weight`` times their mean; the MTP depths' MoE blocks report routing as
+    layers 2 and 3; pp2 (the depths and an embedding copy on the last stage) logs the
+    same numbers as one process."""
+    extra = ["train.steps=2", "model.mtp_num_layers=2", "model.mtp_loss_weight=0.5"]
+    one = train(small_config(tmp_path / "one", cache_dir, *extra))
+    run_ranks(_train_rank, 2, small_config(tmp_path / "pp2", cache_dir, *extra, "parallel.pp=2"), timeout=300)
+    ref, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "pp2")
+    cfg = small_config(tmp_path, cache_dir)
+    layers = cfg.model.num_layers + 2
+    for a, b in zip(ref, got):
+        assert len(a["mtp_loss"]) == 2 and all(v > 0 for v in a["mtp_loss"])
+        assert len(a["expert_load"]) == layers
+        expected = (a["lm_loss"] + layers * (cfg.moe.aux_loss_coeff * a["aux_loss"] + cfg.moe.z_loss_coeff * a["z_loss"])
+                    + 0.5 * sum(a["mtp_loss"]) / 2)
+        assert a["loss"] == pytest.approx(expected, rel=1e-9)
+        for key in ("loss", "lm_loss", "grad_norm", "aux_loss", "z_loss"):
+            assert b[key] == pytest.approx(a[key], rel=2e-5, abs=1e-6), key
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=2e-5)
+        assert b["expert_load"] == a["expert_load"]
+    assert one.losses == [r["loss"] for r in ref]
+
+
 # --------------------------------------------------------------------------- resume
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

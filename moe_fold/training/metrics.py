@@ -12,8 +12,13 @@ statistics), adds them up over a step's micro-batches and reduces them over the 
   ranks, then mean over layers (``global_aux`` is the step's exact value from
   ``Router.finish_step``); ``z_loss`` the same for the z-loss. null when no layer has
   that loss enabled.
+- ``mtp_loss``: with multi-token prediction (``model.mtp_num_layers`` = D), one value per
+  depth, each depth's mean cross-entropy over the global batch (:class:`MTPCollector`);
+  null without MTP. The MTP depths' MoE blocks report their routing as layers
+  ``num_layers + k`` (the index DeepSeek-V3 checkpoints give them).
 - the step's ``loss`` is ``lm_loss`` plus these losses times their coefficients, summed
-  over layers: the objective the gradient follows.
+  over layers, plus ``model.mtp_loss_weight`` times the mean of ``mtp_loss``: the
+  objective the gradient follows.
 
 :class:`MetricsLogger` (rank 0 does the writing) appends one JSON object per step to
 ``metrics.jsonl``, logs the same scalars plus per-layer MoE metrics (max/mean load,
@@ -40,7 +45,7 @@ from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, config_to_dict, dp_size, edp_size, etp_size, moe_layer_flags
 from moe_fold.layout import ProcessGroups
 
-__all__ = ["RoutingCollector", "MetricsLogger", "heatmap_png", "read_wandb_history"]
+__all__ = ["RoutingCollector", "MTPCollector", "MetricsLogger", "heatmap_png", "read_wandb_history"]
 
 _BALANCING = ("aux", "seq_aux", "global_aux")
 _COEFF = {"aux": "aux_loss_coeff", "seq_aux": "seq_aux_loss_coeff", "global_aux": "global_aux_loss_coeff",
@@ -48,9 +53,21 @@ _COEFF = {"aux": "aux_loss_coeff", "seq_aux": "seq_aux_loss_coeff", "global_aux"
 _KINDS = ("aux", "seq_aux", "z")  # per micro-batch values; global_aux comes from finish_step
 
 
-def _layer_of(name: str) -> int:
+def _layer_of(name: str, num_layers: int) -> int:
+    """The layer index of a module's name: ``layers.{i}.*`` is i, MTP depth ``mtp.{k}.*`` is
+    ``num_layers + k``."""
     parts = name.split(".")
+    if parts[0] == "mtp":
+        return num_layers + int(parts[1])
     return int(parts[parts.index("layers") + 1])
+
+
+def moe_layer_indices(config: Config) -> list[int]:
+    """The MoE layers' indices, the MTP depths' blocks (``num_layers + k``) after the
+    model's layers when they are MoE (they are of the last layer's kind)."""
+    flags = moe_layer_flags(config)
+    mtp = config.model.mtp_num_layers if flags and flags[-1] else 0
+    return [i for i, flag in enumerate(flags) if flag] + [len(flags) + k for k in range(mtp)]
 
 
 class RoutingCollector:
@@ -64,9 +81,10 @@ class RoutingCollector:
         from moe_fold.dispatch.router import Router
 
         self.config = config
-        self.moe_layers = [i for i, flag in enumerate(moe_layer_flags(config)) if flag]
+        self.moe_layers = moe_layer_indices(config)
         slot = {layer: k for k, layer in enumerate(self.moe_layers)}
-        self.routers = [(slot[_layer_of(n)], m) for n, m in model.named_modules() if isinstance(m, Router)]
+        L = config.model.num_layers
+        self.routers = [(slot[_layer_of(n, L)], m) for n, m in model.named_modules() if isinstance(m, Router)]
         self.device = next(model.parameters()).device
         moe = config.moe
         # Which losses the routers compute: each kind is on when its coefficient is > 0.
@@ -175,6 +193,54 @@ class RoutingCollector:
             "expert_load": self.expert_load,
             "weighted_loss": weighted,
         }
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+class MTPCollector:
+    """Each MTP depth's loss over a step: a forward hook on the model's
+    :class:`~moe_fold.models.mtp.MTP` (on the last pipeline stage) adds up the ``[D]``
+    depth losses it returns per micro-batch (each scaled so that the sum over
+    micro-batches, averaged over dp x cp, is the depth's global-batch mean)."""
+
+    def __init__(self, model: nn.Module, config: Config):
+        self.depths = config.model.mtp_num_layers
+        self.weight = config.model.mtp_loss_weight
+        self.device = next(model.parameters()).device
+        self._recording = False
+        mtp = getattr(model, "mtp", None)
+        self._hooks = [mtp.register_forward_hook(self._hook)] if mtp is not None else []
+        self.start_step()
+
+    def start_step(self) -> None:
+        self._sums = torch.zeros(self.depths, dtype=torch.float64, device=self.device)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Add up the MTP forwards inside (not a recompute's second call)."""
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    def _hook(self, module, args, output) -> None:
+        if self._recording:
+            self._sums += output.detach().double()
+
+    def finish_step(self, groups: ProcessGroups) -> dict[str, Any]:
+        """``mtp_loss`` (one value per depth, or None without MTP) and ``weighted_loss``,
+        its contribution to the step's loss. Every rank must call it."""
+        if self.depths == 0:
+            return {"mtp_loss": None, "weighted_loss": 0.0}
+        sums = self._sums.clone()
+        all_reduce_(sums, groups.dp_cp)
+        all_reduce_(sums, groups.pp)  # only the last stage holds the depths
+        values = (sums / groups.size("dp_cp")).tolist()
+        return {"mtp_loss": values, "weighted_loss": self.weight * sum(values) / self.depths}
 
     def close(self) -> None:
         for h in self._hooks:
@@ -300,6 +366,7 @@ class MetricsLogger:
         if self._run is not None:
             scalars = {k: v for k, v in record.items()
                        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            scalars.update({f"mtp/depth{k + 1}_loss": v for k, v in enumerate(record.get("mtp_loss") or [])})
             self._run.log({**scalars, **collector.layer_metrics}, step=step)
         last = step == self.config.train.steps
         if collector.expert_load and (step % self.config.wandb.heatmap_every == 0 or last):

@@ -204,7 +204,7 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
 
 def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: Optional[int]) -> TrainResult:
     from moe_fold.data.loader import DataLoader
-    from moe_fold.training.metrics import MetricsLogger, RoutingCollector
+    from moe_fold.training.metrics import MetricsLogger, MTPCollector, RoutingCollector
     from moe_fold.models.model import build_model
     from moe_fold.training.optim import apply_gradients, build_optimizer, build_scheduler
     from moe_fold.training.step import forward_backward
@@ -247,10 +247,11 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     optimizer = build_optimizer(state_model, config.optimizer, groups)
     scheduler = build_scheduler(optimizer, config)
     collector = RoutingCollector(model, config)
+    mtp_collector = MTPCollector(model, config)
 
     @contextlib.contextmanager
     def forward_context() -> Iterator[None]:
-        with autocast(t.precision, device), collector.recording():
+        with autocast(t.precision, device), collector.recording(), mtp_collector.recording():
             yield
 
     start_step = 0
@@ -294,6 +295,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             _seed_step(config, step, rank)
             micro_batches = [b.to(device) for b in loader.global_batch()]
             collector.start_step()
+            mtp_collector.start_step()
             losses = forward_backward(model, micro_batches, groups, config, forward_context=forward_context,
                                       dynamic_cp=dynamic_cp)
             lm_loss = losses.sum()
@@ -323,8 +325,9 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             routing = collector.finish_step(groups)
+            mtp = mtp_collector.finish_step(groups)
             seconds = time.perf_counter() - step_begin
-            loss = lm + routing.pop("weighted_loss", 0.0)
+            loss = lm + routing.pop("weighted_loss", 0.0) + mtp.pop("weighted_loss")
             median = spikes.median()
             spike = spikes.check(loss)
             if spike and rank == 0:
@@ -332,7 +335,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                               f"x {median:.6g}, the median of the previous {t.loss_spike_window} losses", stacklevel=2)
             record = {"step": step, "loss": loss, "lm_loss": lm, "grad_norm": grad_norm.item(), "lr": lr,
                       "tokens_per_s": tokens_per_step / seconds, "skipped": not finite, "loss_spike": spike,
-                      **nonfinite, **routing}
+                      **nonfinite, **routing, **mtp}
             logger.log(record, collector)
             result.losses.append(record["loss"])
             if step % t.save_every == 0 or step == last_step:
@@ -341,6 +344,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     finally:
         logger.close()
         collector.close()
+        mtp_collector.close()
     result.seconds = time.perf_counter() - begin
     steps_run = len(result.losses)
     result.tokens_per_s = steps_run * tokens_per_step / result.seconds if steps_run else 0.0
