@@ -220,18 +220,19 @@ class Transformer(nn.Module):
         return Documents(doc_ids, self.groups.cp, mask)
 
     def _chunk_hidden(self, chunk: int, x: Optional[torch.Tensor], input_ids: torch.Tensor,
-                      positions: torch.Tensor, docs: Optional[Documents] = None) -> torch.Tensor:
-        """The hidden states ``[S_local, B, H]`` after chunk ``chunk``'s layers; stage 0
-        embeds ``input_ids`` ``[B, S_local]``, the others start from ``x``."""
+                      positions: torch.Tensor, docs: Optional[Documents] = None) -> tuple[torch.Tensor, tuple]:
+        """The hidden states ``[S_local, B, H]`` after chunk ``chunk``'s layers, and the
+        rotary ``(cos, sin)`` they used (the MTP depths reuse them); stage 0 embeds
+        ``input_ids`` ``[B, S_local]``, the others start from ``x``."""
         cos, sin = self._rotary(positions)
         if self.stages[chunk] == 0:
             x = self.embed(input_ids.t())  # [S_local, B, H]
         for i in self.stage_layer_ids[chunk]:
             x = self.layers[i](x, cos, sin, docs)
-        return x
+        return x, (cos, sin)
 
     def _whole_model_hidden(self, what: str, input_ids: torch.Tensor, positions: Optional[torch.Tensor],
-                            docs: Optional[Documents]) -> torch.Tensor:
+                            docs: Optional[Documents]) -> tuple[torch.Tensor, tuple]:
         if self.num_stages > 1:
             raise RuntimeError(f"Transformer.{what} runs a whole model, but this rank holds pipeline stages "
                                f"{self.stages} of {self.num_stages}; use moe_fold.training.step.forward_backward")
@@ -248,7 +249,7 @@ class Transformer(nn.Module):
 
     def _loss(self, x: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
               num_loss_tokens: Optional[Union[float, torch.Tensor]], input_ids: torch.Tensor,
-              positions: torch.Tensor, docs: Optional[Documents], mtp: Optional[MTPTargets]) -> torch.Tensor:
+              rotary: tuple, docs: Optional[Documents], mtp: Optional[MTPTargets]) -> torch.Tensor:
         """The LM loss of the last hidden states ``x``; with MTP, the depths' weighted loss
         rides on it through autograd (:func:`~moe_fold.dispatch.aux_losses.attach_loss`), so
         the value returned stays the LM loss."""
@@ -257,8 +258,7 @@ class Transformer(nn.Module):
             return loss
         if mtp is None:
             mtp = self.mtp_targets(input_ids, labels, loss_mask, docs)
-        cos, sin = self._rotary(positions)
-        depth_losses = self.mtp(x, self.embed, mtp, cos, sin, docs, self._token_loss)  # [D]
+        depth_losses = self.mtp(x, self.embed, mtp, *rotary, docs, self._token_loss)  # [D]
         m = self.config.model
         return attach_loss(loss, depth_losses.sum(), m.mtp_loss_weight / m.mtp_num_layers)
 
@@ -284,7 +284,7 @@ class Transformer(nn.Module):
                docs: Optional[Documents] = None) -> torch.Tensor:
         """Full-vocab logits ``[B, S_local, V]`` (gathered over tp) of this rank's tokens:
         for evaluation and tests, not training."""
-        x = self._whole_model_hidden("logits", input_ids, positions, docs)
+        x, _ = self._whole_model_hidden("logits", input_ids, positions, docs)
         local = self.lm_head(self.norm(x))  # [S, B, V/tp]
         return gather_from_tp_region(local, self.groups.tp, dim=-1).transpose(0, 1)
 
@@ -310,10 +310,8 @@ class Transformer(nn.Module):
         unmasked tokens on each rank; summing grads over micro-batches before the sync
         keeps it exact when ``num_loss_tokens`` covers them all.
         """
-        if positions is None:
-            positions = self._default_positions(input_ids)
-        x = self._whole_model_hidden("forward", input_ids, positions, docs)
-        return self._loss(x, labels, loss_mask, num_loss_tokens, input_ids, positions, docs, mtp)
+        x, rotary = self._whole_model_hidden("forward", input_ids, positions, docs)
+        return self._loss(x, labels, loss_mask, num_loss_tokens, input_ids, rotary, docs, mtp)
 
     def chunk_forward(self, chunk: int, x: Optional[torch.Tensor], input_ids: torch.Tensor, labels: torch.Tensor,
                       positions: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
@@ -325,9 +323,9 @@ class Transformer(nn.Module):
         states ``x [S_local, B, H]`` (``S_local/tp`` under SP) of the stage before. Returns
         the hidden states for the next stage, or on the last stage the loss of
         :meth:`forward`."""
-        x = self._chunk_hidden(chunk, x, input_ids, positions, docs)
+        x, rotary = self._chunk_hidden(chunk, x, input_ids, positions, docs)
         if self.stages[chunk] == self.num_stages - 1:
-            return self._loss(x, labels, loss_mask, num_loss_tokens, input_ids, positions, docs, mtp)
+            return self._loss(x, labels, loss_mask, num_loss_tokens, input_ids, rotary, docs, mtp)
         return x
 
 

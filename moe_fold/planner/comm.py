@@ -39,8 +39,13 @@ Per step: gradient all-reduce over dp_cp (tp-split and replicated parameters), t
 :data:`moe_fold.training.grads.DEFAULT_BUCKET_NUMEL` float32 elements; the norm's float32 scalars
 over tp, etp_ep and pp; with the distributed optimizer, the float32 parameter all-gather
 (each rank sends the elements it owns, :func:`moe_fold.planner.memory.owned_by_rank`, to the
-others of its group); with tied embeddings over pp, the
+others of its group); with tied embeddings or MTP over pp, the
 embedding-grad all-reduce between the first and last stage.
+
+Multi-token prediction (``model.mtp_num_layers`` = D, on the last stage): each depth's
+block moves what a layer of its kind moves (tp, cp, ep, etp), and its embedding and head
+what the first stage's embedding and the head do over tp; the shifted targets are
+all-gathered over cp once per micro-batch (ids, labels and mask as float64).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from typing import Optional, Sequence
 
 from moe_fold.config import Config, dp_size, edp_size, etp_size, vpp_size
 from moe_fold.planner.memory import owned_by_rank
-from moe_fold.planner.model import act_bytes, dims, param_manifest, router_bytes, stage_layers
+from moe_fold.planner.model import act_bytes, dims, param_manifest, router_bytes, stage_blocks
 
 __all__ = ["GRAD_BUCKET_NUMEL", "Routing", "uniform_routing", "moe_layer_bytes", "microbatch_bytes",
            "step_bytes"]
@@ -155,8 +160,9 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
             return (2 if forward_only else 4) * _share(x, tp)
         return _all_reduce(x, tp) * (1 if forward_only else 2)
 
-    layers = stage_layers(config, pp_rank)
+    layers = stage_blocks(config, pp_rank)  # the MTP depths' blocks too, on the last stage
     moe_layers = [i for i in layers if d.moe_flags[i]]
+    last = pp_rank == p.pp - 1
     if routing is None:
         routing = [uniform_routing(config)] * len(moe_layers)
     elif len(routing) != len(moe_layers):
@@ -172,11 +178,13 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
                 out["tp"] += pair(forward_only=True)
             if (recompute == "full" or (recompute == "moe" and is_moe)) and (not is_moe or d.shared_ffn > 0):
                 out["tp"] += pair(forward_only=True)
-        if pp_rank == 0:
-            out["tp"] += 2 * _share(x, tp) if sp else _all_reduce(x, tp)
-        if pp_rank == p.pp - 1:
-            out["tp"] += 2 * _share(x, tp) if sp else _all_reduce(x, tp)
-            out["tp"] += 3 * _all_reduce(b * s * 4, tp)  # cross entropy: max, target logit, sum of exp
+        embeddings = (pp_rank == 0) + (d.mtp if last else 0)
+        heads = (1 + d.mtp) if last else 0
+        out["tp"] += embeddings * (2 * _share(x, tp) if sp else _all_reduce(x, tp))
+        out["tp"] += heads * (2 * _share(x, tp) if sp else _all_reduce(x, tp))
+        out["tp"] += heads * 3 * _all_reduce(b * s * 4, tp)  # cross entropy: max, target logit, sum of exp
+    if cp > 1 and last and d.mtp > 0:
+        out["cp"] += _share(3 * 8 * b * d.seq, cp)  # the MTP targets' all-gather
     if cp > 1:
         for i in layers:
             forward, backward = _cp_attention_bytes(config)
@@ -274,6 +282,6 @@ def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Opt
             if n > 1:
                 out[group] += GRAD_BYTES * owned_by_rank(manifest, group, n)[ranks[group]] * (n - 1)
     d = dims(config)
-    if d.tied and p.pp > 1 and pp_rank in (0, p.pp - 1):
+    if (d.tied or d.mtp > 0) and p.pp > 1 and pp_rank in (0, p.pp - 1):
         out["embedding"] += _all_reduce(GRAD_BYTES * d.vocab * d.hidden // p.tp, 2)
     return {k: v for k, v in out.items() if v}
