@@ -327,7 +327,18 @@ def _deepseek_v3_from_hf(keys: _Keys, config: Config) -> None:
     keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
     keys.must_be("attention_bias", (False,), "the MLA projections have no biases here")
     keys.must_be("pretraining_tp", (1,), "pretraining_tp splits the linears' math differently")
+    keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
     keys.get("num_nextn_predict_layers", None)  # MTP: its tensors, if any, are refused by the weight loader
+    # Keys of the original (remote-code) DeepSeek-V3 config.json.
+    keys.get("auto_map", None)
+    keys.get("ep_size", None)  # the inference expert-parallel size: no effect on the math
+    keys.must_be("scoring_func", ("sigmoid",), "DeepSeek-V3 routes with sigmoid scores")
+    keys.must_be("topk_method", ("noaux_tc",), "routing is group-limited top-k with the score correction bias")
+    keys.must_be("moe_layer_freq", (1,), "every layer after first_k_dense_replace is MoE")
+    alpha = keys.get("aux_loss_alpha", None)
+    if alpha is not None:
+        per_sequence = bool(keys.get("seq_aux", True))
+        moe.seq_aux_loss_coeff, moe.aux_loss_coeff = (float(alpha), 0.0) if per_sequence else (0.0, float(alpha))
 
     moe.num_experts = keys.get("n_routed_experts")
     moe.ffn_hidden_size = keys.get("moe_intermediate_size")

@@ -110,7 +110,9 @@ def load_hf_into(model: nn.Module, path: PathLike, groups: Optional[ProcessGroup
         if absent:
             raise HFWeightError(f"{path} lacks {len(absent)} tensors the model needs: {', '.join(absent[:6])}"
                                 f"{' ...' if len(absent) > 6 else ''}")
-        unused = sorted(files.names - wanted - ignorable_hf_names(config, files.names))
+        # Under pp a stage reads only its layers; the other stages' tensors have a place too.
+        placed = {n for source in sources.values() for n in source.names()}
+        unused = sorted(files.names - placed - ignorable_hf_names(config, files.names))
         if unused:
             raise HFWeightError(f"{path} holds tensors the model has no place for (a feature moe-fold does not "
                                 f"implement?): {', '.join(unused[:6])}{' ...' if len(unused) > 6 else ''}")
