@@ -1,6 +1,7 @@
 """The decoder-only transformer: embedding, blocks (attention + MLP or MoE), final norm,
 LM head and loss. Mixtral / Qwen2-MoE / Qwen3-MoE layout (pre-norm, RMSNorm, rotary,
-grouped-query attention, SwiGLU).
+grouped-query attention, SwiGLU), or DeepSeek-V3's with multi-head latent attention
+(``model.attention: mla``, :mod:`moe_fold.models.mla`).
 
 Activations are sequence-first, ``[S, B, H]``. With tensor parallel and sequence parallel
 (SP) every tp rank holds its own slice of the sequence, ``[S/tp, B, H]``, between the
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 
 from moe_fold.comm import all_reduce_, gather_from_tp_region
-from moe_fold.config import Config, head_dim, moe_layer_flags, vpp_size
+from moe_fold.config import Config, head_dim, moe_layer_flags, rotary_dim, vpp_size
 from moe_fold.dispatch.aux_losses import attach_loss
 from moe_fold.parallel.context_parallel import zigzag_positions
 from moe_fold.layout import ProcessGroups
@@ -48,11 +49,12 @@ from moe_fold.parallel.tensor_parallel import (
 from moe_fold.parallel.varlen import Documents, doc_ids_from_cu_seqlens, router_token_mask
 
 from .attention import Attention
+from .mla import MLAttention
 from .mlp import MLP
 from .moe_layer import MoELayer
 from .mtp import MTP, MTPTargets, mtp_targets
 from .norm import RMSNorm
-from .rotary import rotary_cos_sin
+from .rotary import rotary_cos_sin, yarn_of
 
 
 class Block(nn.Module):
@@ -68,8 +70,12 @@ class Block(nn.Module):
         # Under SP each tp rank normalises a different slice of the sequence.
         norm_kind = "tp_sum" if sp else "replicated"
         self.attn_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind)
-        self.attn = Attention(m, head_dim(config), groups.tp, sp, seed=config.train.seed,
-                              name=f"layers.{layer}.attn", cp_group=groups.cp, cp_kind=config.parallel.cp_kind)
+        where = dict(seed=config.train.seed, name=f"layers.{layer}.attn", cp_group=groups.cp,
+                     cp_kind=config.parallel.cp_kind)
+        if m.attention == "mla":
+            self.attn = MLAttention(m, groups.tp, sp, **where)
+        else:
+            self.attn = Attention(m, head_dim(config), groups.tp, sp, **where)
         self.mlp_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind)
         self.mlp = mlp
 
@@ -139,7 +145,9 @@ class Transformer(nn.Module):
     Parameter names (what checkpoint and Hugging Face conversion map): ``embed.weight``;
     ``layers.{i}.attn_norm.weight``, ``.attn.qkv.weight`` (rows q|k|v), ``.attn.proj.weight``,
     ``.attn.q_norm.weight``/``.attn.k_norm.weight`` (QK-norm), ``.mlp_norm.weight``,
-    ``.mlp.fc1.weight`` (rows gate|up), ``.mlp.fc2.weight``; ``norm.weight``;
+    ``.mlp.fc1.weight`` (rows gate|up), ``.mlp.fc2.weight``; MLA layers have
+    ``.attn.{q,q_down,q_norm,q_up,kv_down,kv_norm,kv_up,proj}.weight`` instead
+    (:class:`~moe_fold.models.mla.MLAttention`); ``norm.weight``;
     ``lm_head.weight`` (tied: the same parameter as ``embed.weight``). A ``"tp"``
     parameter holds this rank's shard (``tp_dim``, ``tp_parts``;
     :func:`moe_fold.parallel.tensor_parallel.shard_tp`).
@@ -196,7 +204,8 @@ class Transformer(nn.Module):
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = next(self.parameters()).dtype
-        return rotary_cos_sin(positions, head_dim(self.config), self.config.model.rope_theta, dtype)
+        m = self.config.model
+        return rotary_cos_sin(positions, rotary_dim(self.config), m.rope_theta, dtype, yarn_of(m))
 
     def _default_positions(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[S_local]``: this rank's zigzag shard of ``0..S-1`` (``arange`` without cp)."""
@@ -220,25 +229,25 @@ class Transformer(nn.Module):
         return Documents(doc_ids, self.groups.cp, mask)
 
     def _chunk_hidden(self, chunk: int, x: Optional[torch.Tensor], input_ids: torch.Tensor,
-                      positions: torch.Tensor, docs: Optional[Documents] = None) -> tuple[torch.Tensor, tuple]:
-        """The hidden states ``[S_local, B, H]`` after chunk ``chunk``'s layers, and the
-        rotary ``(cos, sin)`` they used (the MTP depths reuse them); stage 0 embeds
-        ``input_ids`` ``[B, S_local]``, the others start from ``x``."""
-        cos, sin = self._rotary(positions)
+                      positions: torch.Tensor, docs: Optional[Documents] = None,
+                      rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """The hidden states ``[S_local, B, H]`` after chunk ``chunk``'s layers; stage 0
+        embeds ``input_ids`` ``[B, S_local]``, the others start from ``x``. ``rotary``:
+        the ``(cos, sin)`` of ``positions`` when the caller made them (the MTP depths
+        reuse them)."""
+        cos, sin = rotary if rotary is not None else self._rotary(positions)
         if self.stages[chunk] == 0:
             x = self.embed(input_ids.t())  # [S_local, B, H]
         for i in self.stage_layer_ids[chunk]:
             x = self.layers[i](x, cos, sin, docs)
-        return x, (cos, sin)
+        return x
 
-    def _whole_model_hidden(self, what: str, input_ids: torch.Tensor, positions: Optional[torch.Tensor],
-                            docs: Optional[Documents]) -> tuple[torch.Tensor, tuple]:
+    def _whole_model_positions(self, what: str, input_ids: torch.Tensor,
+                               positions: Optional[torch.Tensor]) -> torch.Tensor:
         if self.num_stages > 1:
             raise RuntimeError(f"Transformer.{what} runs a whole model, but this rank holds pipeline stages "
                                f"{self.stages} of {self.num_stages}; use moe_fold.training.step.forward_backward")
-        if positions is None:
-            positions = self._default_positions(input_ids)
-        return self._chunk_hidden(0, None, input_ids, positions, docs)
+        return self._default_positions(input_ids) if positions is None else positions
 
     def mtp_targets(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
                     docs: Optional[Documents]) -> MTPTargets:
@@ -284,7 +293,8 @@ class Transformer(nn.Module):
                docs: Optional[Documents] = None) -> torch.Tensor:
         """Full-vocab logits ``[B, S_local, V]`` (gathered over tp) of this rank's tokens:
         for evaluation and tests, not training."""
-        x, _ = self._whole_model_hidden("logits", input_ids, positions, docs)
+        positions = self._whole_model_positions("logits", input_ids, positions)
+        x = self._chunk_hidden(0, None, input_ids, positions, docs)
         local = self.lm_head(self.norm(x))  # [S, B, V/tp]
         return gather_from_tp_region(local, self.groups.tp, dim=-1).transpose(0, 1)
 
@@ -310,7 +320,9 @@ class Transformer(nn.Module):
         unmasked tokens on each rank; summing grads over micro-batches before the sync
         keeps it exact when ``num_loss_tokens`` covers them all.
         """
-        x, rotary = self._whole_model_hidden("forward", input_ids, positions, docs)
+        positions = self._whole_model_positions("forward", input_ids, positions)
+        rotary = self._rotary(positions)
+        x = self._chunk_hidden(0, None, input_ids, positions, docs, rotary)
         return self._loss(x, labels, loss_mask, num_loss_tokens, input_ids, rotary, docs, mtp)
 
     def chunk_forward(self, chunk: int, x: Optional[torch.Tensor], input_ids: torch.Tensor, labels: torch.Tensor,
@@ -323,7 +335,8 @@ class Transformer(nn.Module):
         states ``x [S_local, B, H]`` (``S_local/tp`` under SP) of the stage before. Returns
         the hidden states for the next stage, or on the last stage the loss of
         :meth:`forward`."""
-        x, rotary = self._chunk_hidden(chunk, x, input_ids, positions, docs)
+        rotary = self._rotary(positions)
+        x = self._chunk_hidden(chunk, x, input_ids, positions, docs, rotary)
         if self.stages[chunk] == self.num_stages - 1:
             return self._loss(x, labels, loss_mask, num_loss_tokens, input_ids, rotary, docs, mtp)
         return x

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from moe_fold.layout import ProcessGroups
-from moe_fold.parallel.sharding import full_tensor, shard_info
+from moe_fold.parallel.sharding import buffer_info, full_tensor, shard_info
 
 from .config_map import config_to_hf, export_family
 from .weights import HFWeightError, weight_sources
@@ -108,7 +108,9 @@ def to_hf(model: nn.Module, path: Union[str, os.PathLike], *, family: Optional[s
     hf_config = config_to_hf(config, family, dtype=str(dtype).removeprefix("torch."))
     sources = weight_sources(config, family)
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    extra = sorted(set(params) - set(sources)) + [n for n in model.state_dict() if n not in aliases]
+    state = model.state_dict(keep_vars=True)
+    buffers = {n: state[n] for n in state if n not in aliases}  # persistent: the expert bias
+    extra = sorted((set(params) | set(buffers)) - set(sources))
     if extra:
         raise HFWeightError(f"the {family} format has no place for the model's {', '.join(extra)}")
     path = Path(path)
@@ -116,8 +118,10 @@ def to_hf(model: nn.Module, path: Union[str, os.PathLike], *, family: Optional[s
     if groups.rank == 0:
         path.mkdir(parents=True, exist_ok=True)
         writer = _ShardWriter(path, max_shard_bytes)
-    for name, param in params.items():
-        full = full_tensor(param.detach(), shard_info(param, groups, name), groups)
+    # A buffer keeps its own dtype (DeepSeek-V3's score correction bias stays float32).
+    for name, param in list(params.items()) + list(buffers.items()):
+        info = shard_info(param, groups, name) if name in params else buffer_info(param, groups)
+        full = full_tensor(param.detach(), info, groups)
         if writer is not None:
             for hf_name, tensor in sources[name].split(full.cpu()):
                 writer.add(hf_name, tensor)

@@ -147,8 +147,9 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [B, heads, S_local, head_dim]")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch, heads and sequence "
+                         "(v's head_dim may differ: MLA)")
     b, hq, s, d = q.shape
     if (k.shape[0], k.shape[2], k.shape[3]) != (b, s, d):
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, "
@@ -163,9 +164,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention over a sequence sharded across the cp ``group`` in the zigzag layout.
 
-    q ``[B, Hq, S_local, D]``, k/v ``[B, Hkv, S_local, D]`` (Hq a multiple of Hkv; query
-    head h uses kv head ``h // (Hq/Hkv)``), each rank's zigzag shard; returns this rank's
-    output ``[B, Hq, S_local, D]``, equal to its shard of full attention over the gathered
+    q/k ``[B, Hq|Hkv, S_local, D]``, v ``[B, Hkv, S_local, Dv]`` (Hq a multiple of Hkv; query
+    head h uses kv head ``h // (Hq/Hkv)``; ``Dv`` may differ from ``D``, as in MLA), each
+    rank's zigzag shard; returns this rank's output ``[B, Hq, S_local, Dv]``, equal to its shard of full attention over the gathered
     sequence. ``kind``: ``"ring"`` or ``"a2a"`` (see the module doc). ``scale`` defaults to
     ``1/sqrt(D)``. ``group`` None or of size 1: plain SDPA on the local (whole) sequence.
     ``doc_ids`` int64 ``[B, S]`` (the whole sequence, natural order, the same on every cp

@@ -83,9 +83,9 @@ def segment_bounds(doc_ids: torch.Tensor) -> list[int]:
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: Optional[torch.Tensor],
                      scale: Optional[float] = None) -> torch.Tensor:
-    """Causal attention inside each document: q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]``
+    """Causal attention inside each document: q/k ``[B, Hq|Hkv, S, D]``, v ``[B, Hkv, S, Dv]``
     (GQA as in SDPA's ``enable_gqa``), ``doc_ids [B, S]`` natural order (None: one
-    causal sequence per row). Returns ``[B, Hq, S, D]``."""
+    causal sequence per row). Returns ``[B, Hq, S, Dv]``."""
     gqa = q.shape[1] != k.shape[1]
     if doc_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -99,7 +99,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids:
                                            enable_gqa=gqa)
             for a, b in zip(bounds[:-1], bounds[1:])]
     out = torch.cat(outs, dim=1)  # [Hq, B*S, D]
-    return out.view(q.shape[1], B, S, q.shape[3]).transpose(0, 1)
+    return out.view(q.shape[1], B, S, v.shape[3]).transpose(0, 1)
 
 
 def router_token_mask(token_mask: Optional[torch.Tensor], tp_rank: int, tp: int,
