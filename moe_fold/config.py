@@ -42,6 +42,11 @@ class ModelConfig:
     norm_eps: float = 1e-6
     # Qwen3-style RMSNorm on each query and key head.
     qk_norm: bool = False
+    # What the QK-norm normalises: head (each head, Qwen3, GLM-4.5) | projection (the whole
+    # q and k projections, OLMoE; under tp the sum of squares is reduced over tp).
+    qk_norm_scope: str = "head"
+    # Fraction of each head's dims that rotary embeddings rotate (the first ones; GLM-4.5: 0.5).
+    partial_rotary_factor: float = 1.0
     # Biases on the q, k and v projections (Qwen2-MoE).
     qkv_bias: bool = False
     tie_embeddings: bool = False
@@ -471,10 +476,10 @@ def head_dim(config: Config) -> int:
 
 
 def rotary_dim(config: Config) -> int:
-    """Width of the rotary part of a query/key head: the whole head under mha,
-    ``qk_rope_head_dim`` under mla."""
+    """Width of the rotary part of a query/key head: its first ``partial_rotary_factor``
+    (default: the whole head) under mha, ``qk_rope_head_dim`` under mla."""
     m = config.model
-    return m.qk_rope_head_dim if m.attention == "mla" else head_dim(config)
+    return m.qk_rope_head_dim if m.attention == "mla" else int(head_dim(config) * m.partial_rotary_factor)
 
 
 MLA_SIZES = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -672,6 +677,17 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
     for name in ("rope_theta", "norm_eps", "init_std"):
         _positive(out, f"model.{name}", getattr(m, name))
     _check_mtp(config, out)
+    _one_of(out, "model.qk_norm_scope", m.qk_norm_scope, ("head", "projection"))
+    if not 0 < m.partial_rotary_factor <= 1:
+        out.append(f"model.partial_rotary_factor={_fmt(m.partial_rotary_factor)} must be in (0, 1]")
+    elif m.partial_rotary_factor != 1 and m.attention == "mla":
+        out.append(f"model.partial_rotary_factor={_fmt(m.partial_rotary_factor)} must be 1 when model.attention=mla "
+                   f"(MLA's rotary part is model.qk_rope_head_dim)")
+    elif m.attention != "mla" and m.num_heads >= 1 and (m.head_dim is not None or m.hidden_size % m.num_heads == 0):
+        width = head_dim(config) * m.partial_rotary_factor
+        if width != int(width) or int(width) % 2 or int(width) < 2:
+            out.append(f"model.partial_rotary_factor={_fmt(m.partial_rotary_factor)} of head_dim={head_dim(config)} "
+                       f"gives {width:g} rotary dims: it must be a positive even integer")
     if not sizes_ok:
         return
     if m.num_heads % m.num_kv_heads:

@@ -151,7 +151,10 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
         if d.qkv_bias:
             add(f"{pre}.attn.qkv.bias", (d.q_size + 2 * d.kv_size) // tp, "tp")
         add(f"{pre}.attn.proj.weight", d.hidden * d.q_size // tp, "tp")
-        if d.qk_norm:
+        if d.qk_norm and config.model.qk_norm_scope == "projection":
+            add(f"{pre}.attn.q_norm.weight", d.q_size // tp, "tp")
+            add(f"{pre}.attn.k_norm.weight", d.kv_size // tp, "tp")
+        elif d.qk_norm:
             # Each tp rank normalises its own heads, so the grads are partial over tp.
             add(f"{pre}.attn.q_norm.weight", d.head_dim, "tp_sum")
             add(f"{pre}.attn.k_norm.weight", d.head_dim, "tp_sum")
