@@ -683,7 +683,8 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
     elif m.partial_rotary_factor != 1 and m.attention == "mla":
         out.append(f"model.partial_rotary_factor={_fmt(m.partial_rotary_factor)} must be 1 when model.attention=mla "
                    f"(MLA's rotary part is model.qk_rope_head_dim)")
-    elif m.attention != "mla" and m.num_heads >= 1 and (m.head_dim is not None or m.hidden_size % m.num_heads == 0):
+    elif (m.partial_rotary_factor != 1 and m.attention != "mla" and m.num_heads >= 1
+          and (m.head_dim is not None or m.hidden_size % m.num_heads == 0)):
         width = head_dim(config) * m.partial_rotary_factor
         if width != int(width) or int(width) % 2 or int(width) < 2:
             out.append(f"model.partial_rotary_factor={_fmt(m.partial_rotary_factor)} of head_dim={head_dim(config)} "

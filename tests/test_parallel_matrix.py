@@ -61,6 +61,13 @@ CASES = {
     "mtp-pp2-vpp2-ep2-dp2": (4, dict(pp=2, ep=2), 2, dict(vpp=2, pp_schedule="interleaved"),
                              dict(mtp_num_layers=2)),
     "mtp-pp2-tp2-ep2-etp1-packed": (4, dict(pp=2, tp=2, ep=2, etp=1), 2, dict(), dict(mtp_num_layers=2)),
+    # MTP on a DeepSeek-V3-shaped model (MLA with a low-rank query, interleaved rotary pairs).
+    "mtp-mla-cp2-a2a-ep2-packed": (2, dict(cp=2, ep=2), 2, dict(cp_kind="a2a"), dict(
+        mtp_num_layers=1, attention="mla", num_kv_heads=4, q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6,
+        qk_rope_head_dim=4, v_head_dim=5, rope_interleave=True)),
+    # OLMoE's QK-norm over the whole (tp-split) projections, GLM-4.5's partial rotary.
+    "tp2-qknorm-projection-partial-rotary": (2, dict(tp=2), 2, dict(), dict(
+        qk_norm=True, qk_norm_scope="projection", partial_rotary_factor=0.5)),
 }
 
 # Documents (lengths) of each row of the packed global batch; a row's documents fill it.
@@ -69,8 +76,9 @@ ROW_DOCS = [[5, 11], [16], [3, 6, 7], [9, 7]]
 
 def _config(model=None, **parallel):
     config = Config()
-    config.model = ModelConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4, num_kv_heads=2,
-                               ffn_hidden_size=48, seq_length=SEQ, init_std=0.1, **(model or {}))
+    sizes = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4, num_kv_heads=2,
+                 ffn_hidden_size=48, seq_length=SEQ, init_std=0.1)
+    config.model = ModelConfig(**{**sizes, **(model or {})})
     c = config.moe
     c.num_experts, c.topk, c.ffn_hidden_size = 8, 2, 32
     c.aux_loss_coeff, c.z_loss_coeff = 0.1, 0.01
