@@ -18,7 +18,8 @@ from moe_fold.planner.model import param_manifest
 #         shared expert, z-loss and the global aux loss; one dense and one MoE layer; one
 #         MTP depth (an MoE block, like the last layer).
 # "etp1": tp 2 (SP), ep 2, etp 1 -> dp 2, edp 2; experts padded to capacity, so every
-#         split is known from the config: the planner's uniform rows are exact.
+#         split is known from the config: the planner's uniform rows are exact; OLMoE's
+#         QK-norm over the whole (tp-split) q and k projections.
 LAYOUTS = {
     "etp2": {
         "model": {"qk_norm": True, "mtp_num_layers": 1},
@@ -28,6 +29,7 @@ LAYOUTS = {
         "optimizer": {"distributed": True},
     },
     "etp1": {
+        "model": {"qk_norm": True, "qk_norm_scope": "projection"},
         "moe": {"moe_layer_freq": 1, "capacity_factor": 1.5, "pad_to_capacity": True},
         "parallel": {"tp": 2, "ep": 2, "etp": 1, "sequence_parallel": True},
     },

@@ -120,8 +120,10 @@ class _Keys:
         return sorted(k for k, v in self.hf.items() if k not in self.used and not k.startswith("_") and v is not None)
 
 
-def _rope_theta(keys: _Keys, default: float) -> float:
-    """rope theta from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
+def _rope_theta(keys: _Keys, default: float, partial_rotary: bool = False) -> float:
+    """rope theta from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``
+    (4.x). ``partial_rotary``: the family reads ``partial_rotary_factor`` itself (GLM-4.5);
+    elsewhere a factor other than 1 is refused."""
     params = keys.get("rope_parameters", {})
     scaling = keys.get("rope_scaling", None)
     theta = keys.get("rope_theta", None)
@@ -141,7 +143,7 @@ def _rope_theta(keys: _Keys, default: float) -> float:
         keys.problems.append(f"rope_parameters sets {', '.join(extra)}, which default rotary embeddings do not have")
     for where, factor in (("rope_parameters.partial_rotary_factor", params.get("partial_rotary_factor")),
                           ("partial_rotary_factor", keys.get("partial_rotary_factor", None))):
-        if factor is not None and factor != 1.0:
+        if factor is not None and factor != 1.0 and not partial_rotary:
             keys.problems.append(f"{where}={factor!r} is not supported: rotary embeddings cover the whole head")
     return float(params.get("rope_theta", theta if theta is not None else default))
 
@@ -410,11 +412,11 @@ def _glm4_moe_from_hf(keys: _Keys, config: Config) -> None:
     m.ffn_hidden_size = keys.get("intermediate_size")
     m.qkv_bias = bool(keys.get("attention_bias", False))
     m.qk_norm = bool(keys.get("use_qk_norm", False))
-    params = dict(keys.get("rope_parameters", {}) or {})
-    factor = params.pop("partial_rotary_factor", keys.get("partial_rotary_factor", 0.5))
-    m.partial_rotary_factor = float(factor)
-    keys.hf = {**keys.hf, "rope_parameters": params, "partial_rotary_factor": None}
-    m.rope_theta = _rope_theta(keys, 1e4)
+    params = keys.get("rope_parameters", {})
+    inner = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    # transformers' Glm4MoeConfig defaults the factor to 0.5 when neither place sets it.
+    m.partial_rotary_factor = float(inner if inner is not None else keys.get("partial_rotary_factor", 0.5))
+    m.rope_theta = _rope_theta(keys, 1e4, partial_rotary=True)
     keys.must_be("hidden_act", ("silu",), "the MLPs and experts are SwiGLU (silu)")
     keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
     keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
@@ -426,14 +428,14 @@ def _glm4_moe_from_hf(keys: _Keys, config: Config) -> None:
 
 def export_family(config: Config) -> str:
     """The family a model of ``config`` exports to: DeepSeek-V3 with MLA, OLMoE with a
-    QK-norm over the projections, GLM-4.5 with sigmoid routing, partial rotary or MTP,
+    QK-norm over the projections, GLM-4.5 with an expert bias, partial rotary or MTP,
     Qwen3-MoE with QK-norm, Qwen2-MoE with a shared expert or q|k|v biases, else Mixtral."""
     m, moe = config.model, config.moe
     if m.attention == "mla":
         return "deepseek_v3"
     if m.qk_norm and m.qk_norm_scope == "projection":
         return "olmoe"
-    if moe.score_function == "sigmoid" or m.partial_rotary_factor != 1.0 or m.mtp_num_layers > 0:
+    if moe.expert_bias or m.partial_rotary_factor != 1.0 or m.mtp_num_layers > 0:
         return "glm4_moe"
     if m.qk_norm:
         return "qwen3_moe"

@@ -160,6 +160,7 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
             return (2 if forward_only else 4) * _share(x, tp)
         return _all_reduce(x, tp) * (1 if forward_only else 2)
 
+    norm_projection = d.qk_norm and config.model.qk_norm_scope == "projection"
     layers = stage_blocks(config, pp_rank)  # the MTP depths' blocks too, on the last stage
     moe_layers = [i for i in layers if d.moe_flags[i]]
     last = pp_rank == p.pp - 1
@@ -172,6 +173,8 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
         for i in layers:
             is_moe = d.moe_flags[i]
             out["tp"] += pair()  # attention
+            if norm_projection:  # OLMoE's q and k norms: their sums of squares, forward and backward
+                out["tp"] += (4 + 2 * (recompute == "full")) * _all_reduce(b * s * 4, tp)
             if not is_moe or d.shared_ffn > 0:
                 out["tp"] += pair()  # dense MLP or shared expert
             if recompute == "full":
