@@ -15,7 +15,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from moe_fold.config import Config, ConfigError, ModelConfig, validate
 from moe_fold.layout import ProcessGroups
-from moe_fold.models.mla import MLAttention, mla_weight_shapes
+from moe_fold.config import mla_weight_shapes
+from moe_fold.models.mla import MLAttention
 from moe_fold.models.rotary import YaRN, rotary_cos_sin, yarn_of
 from moe_fold.parallel.ring_attention import (
     _math_backward, _math_forward, block_attention_backward, block_attention_forward,

@@ -42,8 +42,7 @@ import numpy as np
 import torch
 
 from moe_fold.comm import Group
-from moe_fold.config import Config, head_dim, moe_layer_flags
-from moe_fold.models.mla import mla_weight_shapes
+from moe_fold.config import Config, head_dim, mla_weight_shapes, moe_layer_flags
 from moe_fold.parallel.context_parallel import zigzag_split
 from moe_fold.data.loader import Batch
 from moe_fold.layout import ParallelLayout, ProcessGroups
