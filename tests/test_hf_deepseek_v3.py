@@ -53,7 +53,10 @@ def hf_model(case: str, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 if p.dim() > 1 else torch.rand(p.shape, generator=gen) + 0.5)
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+            else:
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.1)

@@ -166,8 +166,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     q/k ``[B, Hq|Hkv, S_local, D]``, v ``[B, Hkv, S_local, Dv]`` (Hq a multiple of Hkv; query
     head h uses kv head ``h // (Hq/Hkv)``; ``Dv`` may differ from ``D``, as in MLA), each
-    rank's zigzag shard; returns this rank's output ``[B, Hq, S_local, Dv]``, equal to its shard of full attention over the gathered
-    sequence. ``kind``: ``"ring"`` or ``"a2a"`` (see the module doc). ``scale`` defaults to
+    rank's zigzag shard; returns this rank's output ``[B, Hq, S_local, Dv]``, equal to its
+    shard of full attention over the gathered sequence. ``kind``: ``"ring"`` or ``"a2a"`` (see the module doc). ``scale`` defaults to
     ``1/sqrt(D)``. ``group`` None or of size 1: plain SDPA on the local (whole) sequence.
     ``doc_ids`` int64 ``[B, S]`` (the whole sequence, natural order, the same on every cp
     rank): packed documents, attention causal inside each document only (needs causal).
