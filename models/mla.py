@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from moe_fold.comm import Group, copy_to_tp_region, gather_from_sequence_region, group_size
-from moe_fold.config import ModelConfig
+from moe_fold.config import ModelConfig, mla_weight_shapes
 from moe_fold.parallel.context_parallel import CP_KINDS, context_parallel_attention
 from moe_fold.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, global_normal, init_seed, mark,
@@ -48,23 +48,7 @@ from moe_fold.parallel.varlen import Documents
 from .norm import RMSNorm
 from .rotary import apply_rotary, yarn_of
 
-__all__ = ["MLAttention", "mla_weight_shapes"]
-
-
-def mla_weight_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
-    """Global ``[out, in]`` shapes of an MLA layer's linears, by our parameter name under
-    ``attn.`` (norms aside): what the planner and the dynamic-cp cost model count."""
-    heads, qk = m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
-    shapes = {}
-    if m.q_lora_rank is None:
-        shapes["q"] = (heads * qk, m.hidden_size)
-    else:
-        shapes["q_down"] = (m.q_lora_rank, m.hidden_size)
-        shapes["q_up"] = (heads * qk, m.q_lora_rank)
-    shapes["kv_down"] = (m.kv_lora_rank + m.qk_rope_head_dim, m.hidden_size)
-    shapes["kv_up"] = (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
-    shapes["proj"] = (m.hidden_size, heads * m.v_head_dim)
-    return shapes
+__all__ = ["MLAttention"]
 
 
 class _ReplicatedLinear(nn.Module):

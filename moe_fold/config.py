@@ -482,6 +482,23 @@ def rotary_dim(config: Config) -> int:
     return m.qk_rope_head_dim if m.attention == "mla" else int(head_dim(config) * m.partial_rotary_factor)
 
 
+def mla_weight_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Global ``[out, in]`` shapes of an MLA layer's linears, by our parameter name under
+    ``attn.`` (norms aside): what the model builds and the planner and dynamic-cp cost
+    model count."""
+    heads, qk = m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
+    shapes = {}
+    if m.q_lora_rank is None:
+        shapes["q"] = (heads * qk, m.hidden_size)
+    else:
+        shapes["q_down"] = (m.q_lora_rank, m.hidden_size)
+        shapes["q_up"] = (heads * qk, m.q_lora_rank)
+    shapes["kv_down"] = (m.kv_lora_rank + m.qk_rope_head_dim, m.hidden_size)
+    shapes["kv_up"] = (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+    shapes["proj"] = (m.hidden_size, heads * m.v_head_dim)
+    return shapes
+
+
 MLA_SIZES = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 

@@ -15,8 +15,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from moe_fold.config import Config, ConfigError, ModelConfig, validate
 from moe_fold.layout import ProcessGroups
-from moe_fold.models.mla import MLAttention, mla_weight_shapes
+from moe_fold.config import mla_weight_shapes
+from moe_fold.models.mla import MLAttention
 from moe_fold.models.rotary import YaRN, rotary_cos_sin, yarn_of
+from moe_fold.parallel.varlen import sdpa, varlen_attention
 from moe_fold.parallel.ring_attention import (
     _math_backward, _math_forward, block_attention_backward, block_attention_forward,
 )
@@ -175,3 +177,32 @@ def test_block_kernel_takes_another_value_width(d, dv, causal):
     for got, ref in zip(block_attention_backward(dout, q, k, v, out, lse, causal, 0.3),
                         _math_backward(dout, q, k, v, out, lse, causal, 0.3)):
         torch.testing.assert_close(got, ref.to(got.dtype))
+
+
+@pytest.mark.parametrize("d,dv", [(10, 5), (6, 11)])
+def test_sdpa_and_varlen_take_another_value_width(d, dv):
+    """One-rank attention pads to one width for the fused kernel and cuts back: equal to
+    an explicit softmax (and the default scale stays 1/sqrt(d) when v is the wider)."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 9, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 9, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 9, dv, generator=gen, dtype=torch.float64, requires_grad=True)
+    doc_ids = torch.tensor([[0] * 4 + [1] * 5, [2] * 9])
+
+    def reference(with_docs):
+        kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        allowed = torch.ones(9, 9, dtype=torch.bool).tril()
+        if with_docs:
+            allowed = allowed & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
+        scores = (q @ kk.transpose(-1, -2) / math.sqrt(d)).masked_fill(~allowed, -math.inf)
+        return scores.softmax(-1) @ vv
+
+    for with_docs in (False, True):
+        got = varlen_attention(q, k, v, doc_ids if with_docs else None)
+        ref = reference(with_docs)
+        assert got.shape == (2, 4, 9, dv)
+        torch.testing.assert_close(got, ref)
+        dout = torch.randn(got.shape, generator=gen, dtype=torch.float64)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+            torch.testing.assert_close(a, b)
+    torch.testing.assert_close(sdpa(q, k, v, is_causal=True, enable_gqa=True), reference(False))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from moe_fold.config import head_dim, list_presets, load_config, moe_layer_flags, validate
-from moe_fold.models.mla import mla_weight_shapes
+from moe_fold.config import mla_weight_shapes
 from moe_fold.training.train import train
 
 WORLDS = {"mixtral-8x7b": 64, "mixtral-8x22b": 128, "qwen2-57b-a14b": 64, "qwen3-30b-a3b": 8,

@@ -122,16 +122,18 @@ def read_sources_into(model: nn.Module, files: SafetensorsFolder, sources: dict,
                       groups: Optional[ProcessGroups] = None,
                       on_tensor: Optional[Callable[[str, int], None]] = None, ignorable: frozenset = frozenset(),
                       keep_buffers: bool = False) -> None:
-    """Fill this rank's shard of every parameter and persistent buffer (the expert bias) of
-    ``model`` from ``sources`` (our name -> a Source tree over the tensors of ``files``),
-    reading only the boxes the shard covers. Every parameter and buffer needs a source
-    (``keep_buffers`` keeps the buffers' initial values instead), every tensor a source
-    names must exist, and every tensor of the folder must have a place in ``sources`` (or
-    be ``ignorable``): raises HFWeightError naming them."""
+    """Fill this rank's shard of every parameter of ``model`` from ``sources`` (our name ->
+    a Source tree over the tensors of ``files``), reading only the boxes the shard covers.
+    Every parameter needs a source, every tensor a source names must exist, and every
+    tensor of the folder must be used (or ``ignorable``): raises HFWeightError naming them.
+    Persistent buffers (the expert bias) must have a source too, unless ``keep_buffers``
+    keeps their initial values. Tensors of pipeline stages other than this rank's are
+    named by ``sources`` too (it covers the whole model), so they count as used."""
     groups = groups if groups is not None else model.groups
     params = dict(model.named_parameters())
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     state = model.state_dict(keep_vars=True)
+    # Persistent buffers: the expert bias (DeepSeek-V3's score correction bias has a source).
     buffers = {} if keep_buffers else {n: state[n] for n in state if n not in aliases}
     missing = sorted(set(params) - set(sources)) + sorted(set(buffers) - set(sources))
     if missing:

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from moe_fold.comm import Group, batch_send_recv, group_rank, group_size
+from moe_fold.parallel.varlen import pad_head
 
 __all__ = ["ring_attention", "block_attention_forward", "block_attention_backward"]
 
@@ -112,16 +113,12 @@ def block_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if q.device.type == "cpu":
         d, dv = q.shape[-1], v.shape[-1]
         width = max(d, dv)
-        q, k, v = _pad(q, width), _pad(k, width), _pad(v, width)
+        q, k, v = pad_head(q, width), pad_head(k, width), pad_head(v, width)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
         return out[..., :dv], lse.to(_acc_dtype(q.dtype))
     return _math_forward(q, k, v, causal, scale)
 
-
-def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
-    """``x [..., D]`` with zero columns up to ``[..., width]`` (itself when ``D == width``)."""
-    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
 def block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -136,7 +133,8 @@ def block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         d, dv = q.shape[-1], v.shape[-1]
         width = max(d, dv)
         dq, dk, dv_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _pad(dout, width), _pad(q, width), _pad(k, width), _pad(v, width), _pad(out, width), lse, 0.0,
+            pad_head(dout, width), pad_head(q, width), pad_head(k, width), pad_head(v, width), pad_head(out, width),
+            lse, 0.0,
             causal, scale=scale)
         return dq[..., :d], dk[..., :d], dv_[..., :dv]
     return _math_backward(dout, q, k, v, out, lse, causal, scale)
