@@ -59,16 +59,15 @@ def shift_for_depths(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torc
     ``loss_mask[t+k]`` where ``t+k`` is in the row and in ``t``'s document, else 0."""
     B, S = tokens.shape
     docs = doc_ids if doc_ids is not None else torch.zeros(B, S, dtype=torch.int64, device=tokens.device)
-    out_t, out_l, out_m = [], [], []
+    shifted_tokens, shifted_labels, masks = [], [], []
     for k in range(1, depths + 1):
-        keep = S - k  # positions t whose t+k is still in the row
-        pad = (B, k)
-        t = torch.cat([tokens[:, k:], tokens.new_zeros(pad)], dim=1)  # [B, S]
-        lab = torch.cat([labels[:, k:], labels.new_zeros(pad)], dim=1)
-        same_doc = docs[:, k:] == docs[:, :keep]  # [B, S-k]
-        m = torch.cat([loss_mask[:, k:] * same_doc.to(loss_mask.dtype), loss_mask.new_zeros(pad)], dim=1)
-        out_t.append(t), out_l.append(lab), out_m.append(m)
-    return torch.stack(out_t), torch.stack(out_l), torch.stack(out_m)
+        # Position t reads t+k; the last k positions of a row have no t+k (zeros, masked).
+        tail = (B, k)
+        shifted_tokens.append(torch.cat([tokens[:, k:], tokens.new_zeros(tail)], dim=1))  # [B, S]
+        shifted_labels.append(torch.cat([labels[:, k:], labels.new_zeros(tail)], dim=1))
+        same_doc = docs[:, k:] == docs[:, :S - k]  # [B, S-k]
+        masks.append(torch.cat([loss_mask[:, k:] * same_doc.to(loss_mask.dtype), loss_mask.new_zeros(tail)], dim=1))
+    return torch.stack(shifted_tokens), torch.stack(shifted_labels), torch.stack(masks)  # [D, B, S] each
 
 
 def mtp_targets(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
