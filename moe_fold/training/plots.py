@@ -46,8 +46,9 @@ def heatmap_figure(load: Sequence[Sequence[float]], step: int, layer_ids: Option
     means = counts.mean(axis=1, keepdims=True)
     share = np.divide(counts, means, out=np.ones_like(counts), where=means > 0)  # [layers, experts]
     layer_ids = list(range(layers)) if layer_ids is None else list(layer_ids)
-    fig, ax = plt.subplots(figsize=(min(16.0, 2.5 + 0.55 * experts), min(12.0, 1.8 + 0.45 * layers)),
-                           dpi=100, layout="constrained")
+    # About half an inch per cell, at least room for the title and at most a screen.
+    size = (min(16.0, max(6.4, 2.5 + 0.55 * experts)), min(12.0, max(3.5, 1.8 + 0.45 * layers)))
+    fig, ax = plt.subplots(figsize=size, dpi=100, layout="constrained")
     # Centred on 1 (balanced): white, blue down to an idle expert (0), red up to the busiest.
     from matplotlib.colors import TwoSlopeNorm
 
