@@ -150,17 +150,18 @@ def _check_layout(config, nproc: int) -> None:
     validate(check, nproc)
 
 
-def _check_tokenizer(spec: str, config, field: str) -> None:
-    """Before any work: the tokenizer loads and fits the model's vocabulary."""
+def _tokenizer_problem(spec: str, config, field: str) -> str | None:
+    """Why the tokenizer ``spec`` cannot go with the model (it does not load, or has more
+    ids than the model's vocabulary), or None."""
     from moe_fold.data.tokenizer import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(spec)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{field}={spec}: {e} (name the run's tokenizer with --tokenizer)") from e
+        return f"{field}={spec}: {e}"
     if tokenizer.vocab_size > config.model.vocab_size:
-        raise ValueError(f"{field}={spec} has {tokenizer.vocab_size} ids, more than model.vocab_size="
-                         f"{config.model.vocab_size}")
+        return f"{field}={spec} has {tokenizer.vocab_size} ids, more than model.vocab_size={config.model.vocab_size}"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -197,7 +198,15 @@ def run(args: argparse.Namespace) -> int:
             config = load_config(checkpoint / "config.yaml", args.overrides)
             _check_layout(config, args.nproc)
             tokenizer = args.tokenizer or config.data.tokenizer
-            _check_tokenizer(tokenizer, config, "--tokenizer" if args.tokenizer else "data.tokenizer")
+            problem = _tokenizer_problem(tokenizer, config, "--tokenizer" if args.tokenizer else "data.tokenizer")
+            if problem is not None and args.tokenizer:
+                return fail(problem)
+            if problem is not None:
+                # A model imported without a tokenizer keeps the default data.tokenizer=byte,
+                # which need not be its own: export the model and say why no tokenizer came.
+                print(f"moe-fold convert: warning: no tokenizer written ({problem}); name the model's tokenizer "
+                      f"with --tokenizer", file=sys.stderr)
+                tokenizer = None
             work = convert_to_hf
             work_args = (str(checkpoint), args.output, config, args.family, int(args.max_shard_gb * 2**30), progress)
         if args.nproc == 1:
@@ -212,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
                 out = run_ranks(work, args.nproc, *work_args, timeout=7 * 24 * 3600.0)[0]
             except RankError as e:
                 return fail(f"conversion failed: {e}")
-        if direction == "to_hf":
+        if direction == "to_hf" and tokenizer is not None:
             from moe_fold.data.hf_tokenizer import write_hf_tokenizer
             from moe_fold.models.hf import write_generation_config
 
