@@ -78,8 +78,8 @@ def sampling_problems(args: argparse.Namespace, config) -> list[str]:
 
 
 def sample_config(config, nproc: int):
-    """The config the sampling model is built from: one process ignores ``parallel.*``;
-    the experts run dropless."""
+    """The config the sampling model is built from: one process ignores ``parallel.*``
+    (the layout the checkpoint was trained in); the experts run dropless."""
     from moe_fold.config import ParallelConfig
 
     config = copy.deepcopy(config)
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         checkpoint = find_checkpoint(Path(args.checkpoint))
-        config = load_config(checkpoint / "config.yaml", args.overrides)
+        config = sample_config(load_config(checkpoint / "config.yaml", args.overrides), args.nproc)
         problems = sampling_problems(args, config)
         if problems:
             return fail("\n  - ".join(["cannot sample:"] + problems))
@@ -173,7 +173,6 @@ def run(args: argparse.Namespace) -> int:
     prompt = prompt_ids(tokenizer, args.prompt)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed)
-    config = sample_config(config, args.nproc)
     work_args = (str(checkpoint), config, prompt, options, spec, True)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
