@@ -59,12 +59,12 @@ def heatmap_figure(load: Sequence[Sequence[float]], step: int, layer_ids: Option
     bar.set_label("tokens / layer mean (1 = balanced)")
     ax.set_xlabel("expert")
     ax.set_ylabel("MoE layer")
-    ax.set_xticks(range(experts), [str(e) for e in range(experts)] if experts <= 64 else None)
-    if experts > 64:
-        ax.set_xticks(range(0, experts, max(1, experts // 16)))
+    ax.set_xticks(range(0, experts, 1 if experts <= 64 else experts // 16))
     ax.set_yticks(range(layers), [str(i) for i in layer_ids])
-    total = int(counts[0].sum())
-    ax.set_title(f"expert load at step {step} ({total:,} token-expert assignments per layer)")
+    totals = counts.sum(axis=1)
+    # Layers differ in total only when capacity dropped assignments; then the counts say it.
+    each = f" ({int(totals[0]):,} token-expert assignments per layer)" if (totals == totals[0]).all() else ""
+    ax.set_title(f"expert load at step {step}{each}")
     if layers * experts <= _ANNOTATE_MAX_CELLS:
         for r in range(layers):
             for e in range(experts):
