@@ -8,6 +8,9 @@ raise on a config value gets a row here."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from moe_fold.cli import main
@@ -36,12 +39,12 @@ RANK_RULES = [
      "moe.gemm_backend=cutlass must be one of auto, grouped_gemm, torch, triton, loop"),
     ("models/mlp.py: dense ffn % tp", SP2 + ["moe.moe_layer_freq=0", "model.ffn_hidden_size=255"], 2,
      "model.ffn_hidden_size=255 is not divisible by parallel.tp=2"),
-    ("parallel/tensor_parallel.py: vocab % tp", SP2 + ["model.vocab_size=263"], 2,
+    ("moe_fold/parallel/tensor_parallel.py: vocab % tp", SP2 + ["model.vocab_size=263"], 2,
      "model.vocab_size=263 is not divisible by parallel.tp=2"),
-    ("moe_fold/comm.py reduce_scatter: sequence % tp under SP", SP2 + ["model.seq_length=127"], 2,
+    ("moe_fold/comm.py: reduce_scatter, sequence % tp under SP", SP2 + ["model.seq_length=127"], 2,
      "model.seq_length=127 is not divisible by parallel.tp*cp=2 "
      "(parallel.sequence_parallel=true splits each cp shard of the sequence over tp)"),
-    ("parallel/context_parallel.py: sequence % 2cp", ["parallel.cp=2", "model.seq_length=126"], 2,
+    ("moe_fold/parallel/context_parallel.py: sequence % 2cp", ["parallel.cp=2", "model.seq_length=126"], 2,
      "model.seq_length=126 is not divisible by 2*parallel.cp=4 (context parallel splits the sequence into 2*cp chunks)"),
     ("dispatch/dispatcher.py: pad needs a capacity", ["moe.pad_to_capacity=true"], 1,
      "moe.pad_to_capacity=true requires moe.capacity_factor to be set, got null"),
@@ -68,46 +71,49 @@ RANK_RULES = [
     ("dispatch/router.py: capacity factor", ["moe.capacity_factor=0"], 1,
      "moe.capacity_factor=0.0 must be > 0, or null for dropless"),
     ("dispatch/router.py: scaling factor", ["moe.scaling_factor=-1.0"], 1, "moe.scaling_factor=-1.0 must be > 0 when set"),
-    ("parallel/pipeline.py: layers % pp*vpp", ["parallel.pp=3"], 3,
+    ("moe_fold/parallel/pipeline.py: layers % pp*vpp", ["parallel.pp=3"], 3,
      "model.num_layers=4 is not divisible by parallel.pp*vpp=3 (set parallel.pp_layers to split the layers unevenly)"),
-    ("parallel/pipeline.py: pp_layers sum", ["parallel.pp=2", "parallel.pp_layers=[2,3]"], 2,
+    ("moe_fold/parallel/pipeline.py: pp_layers sum", ["parallel.pp=2", "parallel.pp_layers=[2,3]"], 2,
      "parallel.pp_layers=[2, 3] sums to 5, expected model.num_layers=4"),
-    ("parallel/pipeline_schedules.py: vpp needs interleaved",
+    ("moe_fold/parallel/pipeline_schedules.py: vpp needs interleaved",
      ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=1f1b"], 2,
      "parallel.vpp=2 requires parallel.pp_schedule=interleaved (or auto), got 1f1b"),
-    ("parallel/pipeline_schedules.py: interleaved needs vpp", ["parallel.pp=2", "parallel.pp_schedule=interleaved"], 2,
+    ("moe_fold/parallel/pipeline_schedules.py: interleaved needs vpp", ["parallel.pp=2", "parallel.pp_schedule=interleaved"], 2,
      "parallel.pp_schedule=interleaved requires parallel.vpp > 1, got null"),
-    ("parallel/pipeline_schedules.py: interleaved micro-batches % pp",
+    ("moe_fold/parallel/pipeline_schedules.py: interleaved micro-batches % pp",
      ["model.num_layers=8", "parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=1",
       "train.global_batch_size=3"], 2,
      "train.global_batch_size/(micro_batch_size*dp)=3 micro-batches is not divisible by parallel.pp=2 (the "
      "interleaved schedule sends the micro-batches round the pipeline in groups of pp; global_batch_size=3, "
      "micro_batch_size=1, dp=1)"),
-    ("parallel/pipeline_schedules.py: schedule name", ["parallel.pp_schedule=gpipe"], 1,
+    ("moe_fold/parallel/pipeline_schedules.py: schedule name", ["parallel.pp_schedule=gpipe"], 1,
      "parallel.pp_schedule=gpipe must be one of auto, 1f1b, interleaved"),
-    ("layout.py: world % tp*cp*pp", ["parallel.cp=3", "model.seq_length=126"], 4,
+    ("moe_fold/layout.py: world % tp*cp*pp", ["parallel.cp=3", "model.seq_length=126"], 4,
      "world_size=4 is not divisible by parallel.tp*cp*pp=3 (tp=1, cp=3, pp=1)"),
-    ("layout.py: order", ["parallel.order=tp-cp-dp-pp"], 1,
+    ("moe_fold/layout.py: order", ["parallel.order=tp-cp-dp-pp"], 1,
      "parallel.order=tp-cp-dp-pp must be a permutation of tp, cp, ep, dp, pp joined by '-'"),
-    ("training/dynamic_cp.py: cp a power of two", ["parallel.dynamic_cp=true", "parallel.cp=3",
+    ("moe_fold/training/dynamic_cp.py: cp a power of two", ["parallel.dynamic_cp=true", "parallel.cp=3",
                                                     "model.seq_length=126"], 3,
      "parallel.dynamic_cp=true needs parallel.cp a power of two up to 16, got cp=3"),
-    ("data/loader.py: global batch % micro*dp", ["train.global_batch_size=6"], 1,
+    ("moe_fold/training/step.py: dynamic cp without pipeline stages",
+     ["parallel.dynamic_cp=true", "parallel.cp=2", "parallel.pp=2"], 4,
+     "parallel.dynamic_cp=true needs parallel.pp=1, got 2 (ranks hold unequal token counts under dynamic cp)"),
+    ("moe_fold/data/loader.py: global batch % micro*dp", ["train.global_batch_size=6"], 1,
      "train.global_batch_size=6 is not divisible by train.micro_batch_size*dp=4 (micro_batch_size=4, "
      "dp=world_size/(tp*cp*pp)=1)"),
-    ("training/precision.py: precision", ["train.precision=fp8"], 1,
+    ("moe_fold/training/precision.py: precision", ["train.precision=fp8"], 1,
      "train.precision=fp8 must be one of fp32, bf16-autocast, bf16"),
-    ("training/optim.py: lr", ["optimizer.lr=0"], 1, "optimizer.lr=0.0 must be > 0"),
-    ("training/optim.py: betas", ["optimizer.beta2=1.0"], 1, "optimizer.beta2=1.0 must be in [0, 1)"),
-    ("training/optim.py: eps", ["optimizer.eps=0"], 1, "optimizer.eps=0.0 must be > 0"),
-    ("training/optim.py: weight decay", ["optimizer.weight_decay=-0.1"], 1, "optimizer.weight_decay=-0.1 must be >= 0"),
-    ("training/optim.py: clip", ["optimizer.clip_grad=-1.0"], 1, "optimizer.clip_grad=-1.0 must be >= 0"),
-    ("training/optim.py: schedule", ["optimizer.schedule=linear"], 1,
+    ("moe_fold/training/optim.py: lr", ["optimizer.lr=0"], 1, "optimizer.lr=0.0 must be > 0"),
+    ("moe_fold/training/optim.py: betas", ["optimizer.beta2=1.0"], 1, "optimizer.beta2=1.0 must be in [0, 1)"),
+    ("moe_fold/training/optim.py: eps", ["optimizer.eps=0"], 1, "optimizer.eps=0.0 must be > 0"),
+    ("moe_fold/training/optim.py: weight decay", ["optimizer.weight_decay=-0.1"], 1, "optimizer.weight_decay=-0.1 must be >= 0"),
+    ("moe_fold/training/optim.py: clip", ["optimizer.clip_grad=-1.0"], 1, "optimizer.clip_grad=-1.0 must be >= 0"),
+    ("moe_fold/training/optim.py: schedule", ["optimizer.schedule=linear"], 1,
      "optimizer.schedule=linear must be one of cosine, wsd, constant"),
-    ("training/checkpoint.py: keep_last", ["train.keep_last=0"], 1, "train.keep_last=0 must be >= 1"),
-    ("training/numerics.py: spike factor", ["train.loss_spike_factor=-1.0"], 1,
+    ("moe_fold/training/checkpoint.py: keep_last", ["train.keep_last=0"], 1, "train.keep_last=0 must be >= 1"),
+    ("moe_fold/training/numerics.py: spike factor", ["train.loss_spike_factor=-1.0"], 1,
      "train.loss_spike_factor=-1.0 must be >= 0"),
-    ("training/numerics.py: spike window", ["train.loss_spike_window=0"], 1, "train.loss_spike_window=0 must be >= 1"),
+    ("moe_fold/training/numerics.py: spike window", ["train.loss_spike_window=0"], 1, "train.loss_spike_window=0 must be >= 1"),
 ]
 
 
@@ -117,6 +123,22 @@ def test_rank_rule_fails_before_spawning(where, overrides, world, message):
     with pytest.raises(ConfigError) as info:
         check_trainable(config, world)
     assert message in info.value.problems, info.value.problems
+
+
+def test_every_file_raising_on_a_config_field_has_a_row():
+    """A rank-side raise whose message names a config field (``moe.x``, ``parallel.x``, ...)
+    must have a row above: its file is listed, so adding one without a pre-spawn rule fails here."""
+    repo = Path(__file__).resolve().parents[1]
+    field = re.compile(r'raise (ValueError|ConfigError)\(f?"[^"]*\b(moe|parallel|model|train|optimizer|data)\.[a-z_]+')
+    # Checked before spawning elsewhere: sampling's own command line (tests/test_sample.py).
+    elsewhere = {"models/sampling.py"}
+    raising = set()
+    for folder in ("models", "dispatch", "kernels", "moe_fold/parallel", "moe_fold/training", "moe_fold/data"):
+        for path in (repo / folder).rglob("*.py"):
+            if field.search(path.read_text()):
+                raising.add(str(path.relative_to(repo)))
+    covered = {where.split(":")[0] for where, *_ in RANK_RULES}
+    assert raising - elsewhere <= covered, sorted(raising - elsewhere - covered)
 
 
 def test_interleaved_micro_batches_fail_in_the_cli_before_any_rank(tmp_path, capsys):
