@@ -45,7 +45,8 @@ RANK_RULES = [
      "model.seq_length=127 is not divisible by parallel.tp*cp=2 "
      "(parallel.sequence_parallel=true splits each cp shard of the sequence over tp)"),
     ("moe_fold/parallel/context_parallel.py: sequence % 2cp", ["parallel.cp=2", "model.seq_length=126"], 2,
-     "model.seq_length=126 is not divisible by 2*parallel.cp=4 (context parallel splits the sequence into 2*cp chunks)"),
+     "model.seq_length=126 is not divisible by 2*parallel.cp=4 "
+     "(context parallel splits the sequence into 2*cp chunks)"),
     ("dispatch/dispatcher.py: pad needs a capacity", ["moe.pad_to_capacity=true"], 1,
      "moe.pad_to_capacity=true requires moe.capacity_factor to be set, got null"),
     ("dispatch/dispatcher.py: pad needs alltoall", ["moe.capacity_factor=1.0", "moe.pad_to_capacity=true",
@@ -70,7 +71,8 @@ RANK_RULES = [
      "moe.num_groups=4 and moe.group_topk=null must be both set or both null"),
     ("dispatch/router.py: capacity factor", ["moe.capacity_factor=0"], 1,
      "moe.capacity_factor=0.0 must be > 0, or null for dropless"),
-    ("dispatch/router.py: scaling factor", ["moe.scaling_factor=-1.0"], 1, "moe.scaling_factor=-1.0 must be > 0 when set"),
+    ("dispatch/router.py: scaling factor", ["moe.scaling_factor=-1.0"], 1,
+     "moe.scaling_factor=-1.0 must be > 0 when set"),
     ("moe_fold/parallel/pipeline.py: layers % pp*vpp", ["parallel.pp=3"], 3,
      "model.num_layers=4 is not divisible by parallel.pp*vpp=3 (set parallel.pp_layers to split the layers unevenly)"),
     ("moe_fold/parallel/pipeline.py: pp_layers sum", ["parallel.pp=2", "parallel.pp_layers=[2,3]"], 2,
@@ -78,7 +80,8 @@ RANK_RULES = [
     ("moe_fold/parallel/pipeline_schedules.py: vpp needs interleaved",
      ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=1f1b"], 2,
      "parallel.vpp=2 requires parallel.pp_schedule=interleaved (or auto), got 1f1b"),
-    ("moe_fold/parallel/pipeline_schedules.py: interleaved needs vpp", ["parallel.pp=2", "parallel.pp_schedule=interleaved"], 2,
+    ("moe_fold/parallel/pipeline_schedules.py: interleaved needs vpp",
+     ["parallel.pp=2", "parallel.pp_schedule=interleaved"], 2,
      "parallel.pp_schedule=interleaved requires parallel.vpp > 1, got null"),
     ("moe_fold/parallel/pipeline_schedules.py: interleaved micro-batches % pp",
      ["model.num_layers=8", "parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=1",
@@ -106,14 +109,16 @@ RANK_RULES = [
     ("moe_fold/training/optim.py: lr", ["optimizer.lr=0"], 1, "optimizer.lr=0.0 must be > 0"),
     ("moe_fold/training/optim.py: betas", ["optimizer.beta2=1.0"], 1, "optimizer.beta2=1.0 must be in [0, 1)"),
     ("moe_fold/training/optim.py: eps", ["optimizer.eps=0"], 1, "optimizer.eps=0.0 must be > 0"),
-    ("moe_fold/training/optim.py: weight decay", ["optimizer.weight_decay=-0.1"], 1, "optimizer.weight_decay=-0.1 must be >= 0"),
+    ("moe_fold/training/optim.py: weight decay", ["optimizer.weight_decay=-0.1"], 1,
+     "optimizer.weight_decay=-0.1 must be >= 0"),
     ("moe_fold/training/optim.py: clip", ["optimizer.clip_grad=-1.0"], 1, "optimizer.clip_grad=-1.0 must be >= 0"),
     ("moe_fold/training/optim.py: schedule", ["optimizer.schedule=linear"], 1,
      "optimizer.schedule=linear must be one of cosine, wsd, constant"),
     ("moe_fold/training/checkpoint.py: keep_last", ["train.keep_last=0"], 1, "train.keep_last=0 must be >= 1"),
     ("moe_fold/training/numerics.py: spike factor", ["train.loss_spike_factor=-1.0"], 1,
      "train.loss_spike_factor=-1.0 must be >= 0"),
-    ("moe_fold/training/numerics.py: spike window", ["train.loss_spike_window=0"], 1, "train.loss_spike_window=0 must be >= 1"),
+    ("moe_fold/training/numerics.py: spike window", ["train.loss_spike_window=0"], 1,
+     "train.loss_spike_window=0 must be >= 1"),
 ]
 
 

@@ -142,7 +142,8 @@ def test_byte_tokenizer_json_is_the_byte_tokenizer():
 
     tok = Tokenizer.from_str(hf_byte_tokenizer().to_str())  # through its JSON
     ours = ByteTokenizer()
-    for text in ["hello", "", "  tabs\tand\nnewlines\r\n", "héllo wörld → 世界 🎉", "\x00\x01\x7f\xad\xa0 \u2028"]:
+    texts = ["hello", "", "  tabs\tand\nnewlines\r\n", "héllo wörld → 世界 🎉", "\x00\x01\x7f\xad\xa0 \u2028"]
+    for text in texts:
         assert tok.encode(text).ids == prompt_ids(ours, text)
         assert tok.decode(tok.encode(text).ids) == text
     rng = random.Random(0)
@@ -219,8 +220,8 @@ def test_convert_tokenizer_choices(byte_run, tmp_path, capsys):
     assert not out.exists()
     moved = tmp_path / "moved"
     moved.mkdir()
-    (moved / "config.yaml").write_text((byte_run / "config.yaml").read_text().replace("tokenizer: byte",
-                                                                                     f"tokenizer: {tmp_path}/gone.json"))
+    config = (byte_run / "config.yaml").read_text()
+    (moved / "config.yaml").write_text(config.replace("tokenizer: byte", f"tokenizer: {tmp_path}/gone.json"))
     for f in byte_run.iterdir():
         if f.name != "config.yaml":
             (moved / f.name).symlink_to(f)

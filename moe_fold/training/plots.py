@@ -109,7 +109,8 @@ def moe_layer_ids(run_dir: str | os.PathLike) -> Optional[list[int]]:
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
+    points = [(r["step"], r[key]) for r in rows
+              if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
     return [s for s, _ in points], [float(v) for _, v in points]
 
 

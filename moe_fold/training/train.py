@@ -65,7 +65,7 @@ class TrainResult:
     run_dir: str = ""
     checkpoint: Optional[str] = None
     wandb_dir: Optional[str] = None
-    plots: list[str] = field(default_factory=list)  # <run_dir>/plots/*.png, written by rank 0 at the end
+    plots: list[str] = field(default_factory=list)  # <run_dir>/plots/*.png rank 0 wrote ([] elsewhere)
 
 
 def check_trainable(config: Config, world_size: int) -> None:
