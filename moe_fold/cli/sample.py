@@ -8,8 +8,8 @@ at --max-new-tokens or when the model ends the document. Tokens are printed as t
 Sampling keeps a KV cache: the prompt runs once, then each step runs one token (the MoE
 layers route the new token only). The experts run dropless (moe.capacity_factor is
 ignored, as in Hugging Face's models). --nproc N runs N local ranks in the layout of the
-checkpoint's config and --set parallel.* (tp, ep, etp, dp replicas, pp and vpp; not cp);
-every layout gives the same tokens for the same --seed.
+checkpoint's config and --set parallel.* (tp, ep, etp, dp replicas, pp and vpp; not cp;
+one process ignores parallel.*); every layout gives the same tokens for the same --seed.
 """
 
 from __future__ import annotations
