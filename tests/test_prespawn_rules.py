@@ -101,6 +101,8 @@ RANK_RULES = [
     ("moe_fold/training/step.py: dynamic cp without pipeline stages",
      ["parallel.dynamic_cp=true", "parallel.cp=2", "parallel.pp=2"], 4,
      "parallel.dynamic_cp=true needs parallel.pp=1, got 2 (ranks hold unequal token counts under dynamic cp)"),
+    ("models/hf/upcycle.py: granularity", ["init.upcycle_granularity=0"], 1,
+     "init.upcycle_granularity=0 must be >= 1"),
     ("moe_fold/data/loader.py: global batch % micro*dp", ["train.global_batch_size=6"], 1,
      "train.global_batch_size=6 is not divisible by train.micro_batch_size*dp=4 (micro_batch_size=4, "
      "dp=world_size/(tp*cp*pp)=1)"),
@@ -131,10 +133,10 @@ def test_rank_rule_fails_before_spawning(where, overrides, world, message):
 
 
 def test_every_file_raising_on_a_config_field_has_a_row():
-    """A rank-side raise whose message names a config field (``moe.x``, ``parallel.x``, ...)
+    """A rank-side raise whose message names a config field (``moe.x``, ``parallel.x``, ``init.x`` ...)
     must have a row above: its file is listed, so adding one without a pre-spawn rule fails here."""
     repo = Path(__file__).resolve().parents[1]
-    field = re.compile(r'raise (ValueError|ConfigError)\(f?"[^"]*\b(moe|parallel|model|train|optimizer|data)\.[a-z_]+')
+    field = re.compile(r'raise (ValueError|ConfigError)\(f?"[^"]*\b(moe|parallel|model|train|optimizer|data|init)\.[a-z_]+')
     # Checked before spawning elsewhere: sampling's own command line (tests/test_sample.py).
     elsewhere = {"models/sampling.py"}
     raising = set()
