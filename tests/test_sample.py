@@ -91,12 +91,15 @@ def test_cached_decode_equals_full_forward(preset):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-10, atol=1e-10)
 
 
-def test_generate_greedy_is_argmax_of_full_forward():
+def test_generate_greedy_is_argmax_of_full_forward_routing_new_tokens_only():
     torch.manual_seed(0)
     model = build_model(load_config("mixtral-tiny", ["parallel.ep=1", "model.num_layers=2"]),
                         ProcessGroups.single_process()).double()
     prompt = torch.randint(0, 256, (1, 5))
+    routed = []  # the tokens each MoE layer-0 call routes: the prompt once, then one per step
+    model.layers[0].mlp.router.register_forward_hook(lambda m, args, out: routed.append(args[0].shape[0]))
     out = generate(model, prompt, 8)
+    assert routed == [5] + [1] * 7
     seq = torch.cat([prompt, out], dim=1)
     with torch.no_grad():
         logits = model.logits(seq[:, :-1])
