@@ -483,7 +483,8 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
            "moe.shared_expert_gate=false with a shared expert: Hugging Face's shared expert is always gated")
     refuse(family not in ("qwen3_moe", "olmoe") and m.qk_norm,
            f"model.qk_norm=true: {family} has no QK-norm (Qwen3-MoE and OLMoE have)")
-    refuse(family in ("qwen3_moe", "olmoe") and not m.qk_norm, f"model.qk_norm=false: {family} always normalises q and k")
+    refuse(family in ("qwen3_moe", "olmoe") and not m.qk_norm,
+           f"model.qk_norm=false: {family} always normalises q and k")
     refuse(family == "olmoe" and m.qk_norm and m.qk_norm_scope != "projection",
            f"model.qk_norm_scope={m.qk_norm_scope}: OLMoE normalises the whole q and k projections")
     refuse(family != "qwen2_moe" and m.qkv_bias, f"model.qkv_bias=true: {family} has no q|k|v biases (Qwen2-MoE has)")
@@ -520,7 +521,8 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
     if family == "qwen2_moe":
         hf.update(qkv_bias=m.qkv_bias, shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size)
     elif family == "olmoe":
-        for key in ("head_dim", "decoder_sparse_step", "mlp_only_layers", "use_sliding_window", "moe_intermediate_size"):
+        for key in ("head_dim", "decoder_sparse_step", "mlp_only_layers", "use_sliding_window",
+                    "moe_intermediate_size"):
             del hf[key]
         hf.update(intermediate_size=moe.ffn_hidden_size, attention_bias=False, clip_qkv=None)
     else:

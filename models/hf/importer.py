@@ -56,7 +56,8 @@ def _checkpoint_config(path: PathLike, hf: dict, base: Optional[Config]) -> Conf
     m = config.model
     if m.mtp_num_layers > 0:
         with SafetensorsFolder(path) as files:
-            present = [k for k in range(m.mtp_num_layers) if f"model.layers.{m.num_layers + k}.eh_proj.weight" in files.names]
+            present = [k for k in range(m.mtp_num_layers)
+                       if f"model.layers.{m.num_layers + k}.eh_proj.weight" in files.names]
         if present != list(range(len(present))):
             raise HFWeightError(f"{path} holds MTP depths {present} of num_nextn_predict_layers={m.mtp_num_layers}; "
                                 f"the depths must be the first ones")
