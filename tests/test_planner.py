@@ -415,6 +415,10 @@ def test_cp_bytes_by_hand():
     # half of 256 leaves forward, as much backward
     config.parallel.cp_kind = "a2a"
     assert microbatch_bytes(config, 2, 0, "none")["cp"] == 2 * (128 + 128)
+    # One MTP depth: its block's attention (a third layer), and the all-gather of the shifted
+    # targets: ids, labels and mask as float64 for 1 x 8 tokens, half of them from the peer.
+    config.model.mtp_num_layers = 1
+    assert microbatch_bytes(config, 2, 0, "none")["cp"] == 3 * (128 + 128) + 3 * 8 * 8 // 2
 
 
 @pytest.mark.parametrize("pp, vpp, pp_layers", [(2, None, None), (4, 2, None), (2, 2, [1, 2, 3, 2])])
