@@ -247,6 +247,12 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     optimizer = build_optimizer(state_model, config.optimizer, groups)
     scheduler = build_scheduler(optimizer, config)
     collector = RoutingCollector(model, config)
+    replacer = None
+    if config.moe.replace_every > 0 or config.moe.replicas > 0:
+        from moe_fold.training.replace import ExpertReplacer
+
+        replacer = ExpertReplacer(config, [state_model] + ([model] if master else []), groups, optimizer,
+                                  collector.moe_layers)
 
     @contextlib.contextmanager
     def forward_context() -> Iterator[None]:
@@ -265,6 +271,8 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                 master.master_to_model()
             start_step = int(extra["step"])
             loader.load_state_dict(extra["data"])
+            if replacer is not None and "experts" in extra:
+                replacer.load_state_dict(extra["experts"])
             checkpoint_path = str(found)
     if start_step == 0 and config.init.from_hf is not None:
         from moe_fold.models.hf.importer import load_hf_into
@@ -323,6 +331,8 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             routing = collector.finish_step(groups)
+            if replacer is not None:
+                routing.update(replacer.after_step(step, routing["expert_load"]))
             seconds = time.perf_counter() - step_begin
             loss = lm + routing.pop("weighted_loss", 0.0)
             median = spikes.median()
@@ -336,7 +346,8 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             logger.log(record, collector)
             result.losses.append(record["loss"])
             if step % t.save_every == 0 or step == last_step:
-                checkpoint_path = _save(run_dir, step, state_model, optimizer, scheduler, loader, groups, config)
+                checkpoint_path = _save(run_dir, step, state_model, optimizer, scheduler, loader, groups, config,
+                                        replacer)
                 result.checkpoint = checkpoint_path
     finally:
         logger.close()
@@ -376,10 +387,12 @@ def _first_nonfinite(model: nn.Module, micro_batches: list, groups: ProcessGroup
 
 
 def _save(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, loader, groups: ProcessGroups,
-          config: Config) -> str:
+          config: Config, replacer=None) -> str:
     from moe_fold.training.checkpoint import save_checkpoint
 
     extra = {"step": step, "data": loader.state_dict()}
+    if replacer is not None:
+        extra["experts"] = replacer.state_dict()
     path = save_checkpoint(run_dir, step, model, optimizer, scheduler, extra, groups, config.train.keep_last,
                            config=config)
     return str(path)
