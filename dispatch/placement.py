@@ -19,7 +19,8 @@ step and stay identical.
 
 :func:`balanced_placement` is the policy used to re-place experts from measured load:
 give the hottest experts the spare slots (one more copy at a time to the expert with the
-largest load per copy), then longest-processing-time-first over the ranks.
+largest load per copy), then longest-processing-time-first over the ranks, then swaps
+between the busiest rank and the others while they lower it.
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ def balanced_placement(load: Sequence[float], ep: int, replicas: int = 0,
             j = _make_room(bins, x, s, load, copies, totals)
         bins[j].append(x)
         totals[j] += weight
+    _improve(bins, totals, [load[x] / copies[x] for x in range(e)])
     order = _rank_order(bins, previous) if previous is not None else list(range(ep))
     slots = []
     for j in range(ep):
@@ -201,6 +203,33 @@ def balanced_placement(load: Sequence[float], ep: int, replicas: int = 0,
         rest = iter(sorted(x for x in mine if x not in kept))
         slots += [x if x is not None else next(rest) for x in kept]
     return Placement(e, ep, tuple(slots))
+
+
+def _improve(bins: list[list[int]], totals: list[float], weight: list[float], rounds: int = 200) -> None:
+    """Local search after LPT (which the equal slot counts hamper): swap an expert of the
+    busiest rank with a lighter one of another rank while that lowers the pair's maximum."""
+    for _ in range(rounds):
+        b = max(range(len(bins)), key=lambda r: (totals[r], -r))
+        best = None  # (new pair maximum, rank, index in bins[b], index in bins[r])
+        for r in range(len(bins)):
+            if r == b:
+                continue
+            for i, x in enumerate(bins[b]):
+                for k, y in enumerate(bins[r]):
+                    delta = weight[x] - weight[y]
+                    if delta <= 0 or x in bins[r] or y in bins[b]:
+                        continue
+                    peak = max(totals[b] - delta, totals[r] + delta)
+                    if peak < totals[b] - 1e-12 * totals[b] and (best is None or peak < best[0]):
+                        best = (peak, r, i, k)
+        if best is None:
+            return
+        _, r, i, k = best
+        x, y = bins[b][i], bins[r][k]
+        bins[b][i], bins[r][k] = y, x
+        delta = weight[x] - weight[y]
+        totals[b] -= delta
+        totals[r] += delta
 
 
 def _make_room(bins: list[list[int]], x: int, s: int, load, copies, totals) -> int:
