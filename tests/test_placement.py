@@ -24,6 +24,7 @@ from moe_fold.comm import all_reduce, all_reduce_
 from moe_fold.dispatch.placement import Placement, balanced_placement, expert_order, rank_loads, slot_routing
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
+from moe_fold.models import to_hf
 from moe_fold.models.model import build_model
 from moe_fold.parallel.sharding import full_tensor, shard_info
 from moe_fold.parallel.tensor_parallel import unshard_tp
@@ -273,3 +274,36 @@ def test_any_placement_matches_single_process_under_pp():
     results = run_ranks(_pm_rank, 4, "pp2-ep2-dp2", 1, timeout=400)
     pm._check(["pp2-ep2-dp2"], results)
     assert all(r[0]["copies_equal"] for r in results)
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+def _hf_rank(rank, world_size, src, out):
+    """Import a Hugging Face Mixtral on ep2 with a spare slot per rank, move to a random
+    placement with copies, export."""
+    from moe_fold.models.hf.importer import hf_config, load_hf_into
+
+    groups = create_process_groups(ParallelLayout(world_size, ep=world_size))
+    config = hf_config(src)
+    config.parallel.ep, config.moe.replicas = world_size, 1
+    model = build_model(config, groups)
+    load_hf_into(model, src, groups)
+    _place_randomly(model, groups, 1, seed=5)
+    to_hf(model, out, groups=groups)
+    return [layer.placement.slots for layer in moe_layers(model).values()]
+
+
+def test_hf_import_and_export_under_a_placement_with_copies(tmp_path):
+    """The exported folder holds exactly the imported tensors, whatever slots the experts sat in."""
+    from safetensors import safe_open
+
+    from test_hf import save_hf
+
+    save_hf("mixtral_gqa", tmp_path / "hf")
+    placed = run_ranks(_hf_rank, 2, tmp_path / "hf", tmp_path / "out", timeout=300)[0]
+    assert all(slots != Placement.contiguous(4, 2, 1).slots for slots in placed)
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as a, \
+            safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        for key in a.keys():
+            assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key

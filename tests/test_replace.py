@@ -55,6 +55,16 @@ def test_replacing_keeps_the_losses_bit_for_bit(tmp_path, cache_dir):
     assert _moves(tmp_path / "copies")
 
 
+def test_replacing_under_bf16_keeps_the_losses_bit_for_bit(tmp_path, cache_dir):
+    """bf16 weights with float32 masters: both move, the losses do not change."""
+    opts = [*DET, "parallel.ep=2", "train.precision=bf16"]
+    static = run_ranks(_train_rank, 2, small_config(tmp_path / "static", cache_dir, *opts), timeout=300)[0]
+    moved = run_ranks(_train_rank, 2, small_config(tmp_path / "moved", cache_dir, *opts, "moe.replace_every=2"),
+                      timeout=300)[0]
+    assert moved.losses == static.losses
+    assert _moves(tmp_path / "moved")
+
+
 def test_replacing_under_zero1_keeps_the_losses(tmp_path, cache_dir):
     """ep2 x edp2 with the distributed optimizer: the moments move with their experts."""
     opts = [*DET, "parallel.ep=2", "optimizer.distributed=true"]

@@ -190,8 +190,9 @@ def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.device
 def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, groups: ProcessGroups) -> torch.Tensor:
     """Scale all grads by ``min(1, max_norm / (norm + 1e-6))`` (torch's rule) where norm is
     :func:`grad_norm`; returns the norm before clipping."""
-    params = [p for p in params if p.grad is not None]
+    params = list(params)
     norm = grad_norm(params, groups)
+    params = [p for p in params if p.grad is not None]
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for (device, dtype), grads in _by_device_and_dtype([p.grad for p in params]).items():
         torch._foreach_mul_(grads, coef.to(device, dtype))
