@@ -205,7 +205,9 @@ class TokenDispatcher(ABC):
 
     @abstractmethod
     def dispatch_preprocess(self, tokens, probs, routing_map) -> tuple[Handle, torch.Tensor, torch.Tensor]:
-        """Local work before communication; returns the handle and what to send."""
+        """Local work before communication; returns the handle and what to send.
+        ``probs`` and ``routing_map`` are over the ``num_slots`` slots (the experts
+        themselves under the default placement)."""
 
     @abstractmethod
     def dispatch_communicate(self, x, probs, handle) -> tuple[torch.Tensor, torch.Tensor]:
