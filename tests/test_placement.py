@@ -307,3 +307,17 @@ def test_hf_import_and_export_under_a_placement_with_copies(tmp_path):
         assert set(a.keys()) == set(b.keys())
         for key in a.keys():
             assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+
+
+def test_planner_counts_the_spare_slots():
+    """``moe-fold plan``'s parameter manifest (memory, optimizer state) holds the copies."""
+    from moe_fold.layout import GROUP_NAMES
+    from moe_fold.planner.model import param_manifest
+
+    config = li._config("mixtral")
+    config.parallel.ep, config.moe.replicas = 2, 2
+    groups = ProcessGroups(ParallelLayout(2, ep=2), 1, {kind: None for kind in GROUP_NAMES})
+    model = build_model(config, groups)
+    assert model.layers[0].mlp.experts.fc1.shape[0] == 6
+    real = [(n, q.numel(), q.parallel) for n, q in model.named_parameters()]
+    assert [(e.name, e.numel, e.kind) for e in param_manifest(config)] == real
