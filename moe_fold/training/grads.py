@@ -156,12 +156,14 @@ def grad_norm(params: Iterable[nn.Parameter], groups: ProcessGroups) -> torch.Te
             norms = torch._foreach_norm(same, 2, dtype=torch.float32)
             sums[key] += torch.stack(norms).to(device).square().sum()
     all_reduce_(sums["tp"], groups.tp)
-    all_reduce_(sums["expert"], groups.etp_ep)
     if per_expert:
-        squares = torch.stack(per_expert).to(device)  # [expert params, E]
-        # One rank of the ep group holds each entry (its etp ranks their shards' parts).
-        all_reduce_(squares, groups.etp_ep)
-        sums["expert"] = sums["expert"] + squares.sum()
+        # [1 + expert params * E]: one rank of the ep group holds each per-expert entry (its
+        # etp ranks their shards' parts), so the sum over ranks adds nothing but zeros.
+        packed = torch.cat([sums["expert"].view(1), torch.stack(per_expert).to(device).view(-1)])
+        all_reduce_(packed, groups.etp_ep)
+        sums["expert"] = packed[0] + packed[1:].sum()
+    else:
+        all_reduce_(sums["expert"], groups.etp_ep)
     total = sums["tp"] + sums["replicated"] + sums["expert"]
     return all_reduce_(total.clone(), groups.pp).sqrt()
 
