@@ -16,6 +16,7 @@ from moe_fold.models.model import build_model
 from moe_fold.parallel.sharding import full_tensor, shard_info
 from moe_fold.training.checkpoint import latest_checkpoint, load_checkpoint
 from moe_fold.training.optim import build_optimizer
+from moe_fold.training.metrics import read_wandb_history
 from moe_fold.training.replace import moe_layers
 from moe_fold.training.train import read_metrics, train
 from test_placement import _place_randomly
@@ -56,13 +57,18 @@ def test_replacing_keeps_the_losses_bit_for_bit(tmp_path, cache_dir):
 
 
 def test_replacing_under_bf16_keeps_the_losses_bit_for_bit(tmp_path, cache_dir):
-    """bf16 weights with float32 masters: both move, the losses do not change."""
+    """bf16 weights with float32 masters: both move, the losses do not change. The moves
+    reach the (offline) wandb run too."""
     opts = [*DET, "parallel.ep=2", "train.precision=bf16"]
     static = run_ranks(_train_rank, 2, small_config(tmp_path / "static", cache_dir, *opts), timeout=300)[0]
-    moved = run_ranks(_train_rank, 2, small_config(tmp_path / "moved", cache_dir, *opts, "moe.replace_every=2"),
-                      timeout=300)[0]
+    moved = run_ranks(_train_rank, 2, small_config(tmp_path / "moved", cache_dir, *opts, "moe.replace_every=2",
+                                                   "wandb.mode=offline"), timeout=300)[0]
     assert moved.losses == static.losses
-    assert _moves(tmp_path / "moved")
+    moves = _moves(tmp_path / "moved")
+    assert moves
+    logged = {row["_step"]: row for row in read_wandb_history(moved.wandb_dir) if "replace_moves" in row}
+    assert {step: (r["replace_moves"], r["replace_bytes"]) for step, r in moves.items()} == \
+        {step: (row["replace_moves"], row["replace_bytes"]) for step, row in logged.items() if row["replace_moves"]}
 
 
 def test_replacing_under_zero1_keeps_the_losses(tmp_path, cache_dir):
