@@ -81,6 +81,19 @@ def test_replacing_under_zero1_keeps_the_losses(tmp_path, cache_dir):
     assert _moves(tmp_path / "moved")
 
 
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_replacing_under_pp_keeps_the_losses_bit_for_bit(tmp_path, cache_dir, dispatcher):
+    """pp2 x ep2: each stage moves its own layers; the record lists every stage's. The
+    all-gather dispatcher sums a token's rows per rank first: with top-2 that is one order."""
+    opts = [*DET, "parallel.pp=2", "parallel.ep=2", f"moe.dispatcher={dispatcher}"]
+    static = run_ranks(_train_rank, 4, small_config(tmp_path / "static", cache_dir, *opts), timeout=300)[0]
+    moved = run_ranks(_train_rank, 4, small_config(tmp_path / "moved", cache_dir, *opts, "moe.replace_every=2"),
+                      timeout=300)[0]
+    assert moved.losses == static.losses
+    layers = {name for record in _moves(tmp_path / "moved").values() for name in record["placement"]}
+    assert layers == {"layer0", "layer1"}
+
+
 def _global_state(rank, world_size, config, path, replicas):
     """Load ``path`` into a model (a random placement with ``replicas`` copies per rank when
     ep > 1) and return every parameter and moment as a global tensor."""

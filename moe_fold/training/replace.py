@@ -28,6 +28,7 @@ import time
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moe_fold import comm
@@ -38,7 +39,7 @@ from moe_fold.layout import ProcessGroups
 from moe_fold.models.moe_layer import MoELayer
 from moe_fold.training.optim import AdamW
 
-__all__ = ["MIN_GAIN", "move_experts", "ExpertReplacer"]
+__all__ = ["MIN_GAIN", "moe_layers", "move_experts", "ExpertReplacer"]
 
 # A new placement is taken only when it lowers the window's busiest-rank load by this
 # fraction: a move costs an all-to-all of the experts' weights and moments.
@@ -193,8 +194,6 @@ class ExpertReplacer:
         all_reduce_(total, self.groups.tp_dp_cp)
         all_reduce_(total, self.groups.pp)
         if self.groups.size("pp") > 1:
-            import torch.distributed as dist
-
             parts: list = [None] * self.groups.size("pp")
             dist.all_gather_object(parts, layers, group=self.groups.pp)
             layers = {k: v for part in parts for k, v in part.items()}
@@ -205,8 +204,6 @@ class ExpertReplacer:
         """This stage's placements and the load window, for the checkpoint's ``extra``."""
         placements = {str(i): layers[0].placement.to_list() for i, layers in self.layers.items()}
         if self.groups.size("pp") > 1:
-            import torch.distributed as dist
-
             parts: list = [None] * self.groups.size("pp")
             dist.all_gather_object(parts, placements, group=self.groups.pp)
             placements = {k: v for part in parts for k, v in part.items()}
