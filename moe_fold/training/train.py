@@ -14,6 +14,11 @@ Determinism: with ``train.deterministic`` torch uses deterministic algorithms, a
 random state is re-seeded from ``(train.seed, step, rank)`` at the start of every step,
 so a resumed run draws the same numbers as an uninterrupted one without saving RNG state.
 
+Expert placement: with ``moe.replace_every`` (or ``moe.replicas``) an
+:class:`~moe_fold.training.replace.ExpertReplacer` re-places the experts after the step
+from the load of the last window (weights, grads and optimizer moments move; the record
+says what moved), and its state goes into checkpoints (docs/placement.md).
+
 Non-finite steps: a non-finite global loss or grad norm takes no optimizer step; the
 step's forwards run again under hooks to name the first module whose output went
 non-finite (:mod:`moe_fold.training.numerics`); then the run goes on (``train.on_nonfinite=skip``:
