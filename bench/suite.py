@@ -9,8 +9,9 @@ prints JSON lines on stdout; every line becomes one record, with ``suite_case`` 
 "start"}`` record (date, commit, load average, versions) and ends with an ``"end"`` one
 (seconds and outcome per case).
 
-Sizes: ``full`` finishes in a few minutes on a loaded 2-core CPU machine (13 cases, about 210 s
-measured at load average 7-19), ``quick`` runs 9 cases at smaller shapes (170 s there: each
+Sizes: ``full`` finishes in a few minutes on a loaded 2-core CPU machine (14 cases; the 13
+before bench/placement.py joined took about 210 s at load average 7-19), ``quick`` runs 10
+cases at smaller shapes (170 s there for the 9 before it: each
 case's start, importing torch and spawning ranks, takes 5-20 s of it), ``smoke`` only checks
 the plumbing (tiny shapes, one round). The dispatch
 cases sweep the EP size at a fixed number of tokens per rank and, at the largest EP, the
@@ -31,7 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-BENCHES = ("dispatch", "gemm", "permute", "moe_layer", "pipeline_bubble", "cp_attention", "dynamic_cp", "train")
+BENCHES = ("dispatch", "gemm", "permute", "moe_layer", "pipeline_bubble", "cp_attention", "dynamic_cp", "placement",
+           "train")
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,19 @@ def _dynamic_cp_cases(size: str) -> list[Case]:
                                                     "--repeats", repeats))]
 
 
+def _placement_cases(size: str) -> list[Case]:
+    tokens, hidden, ffn, steps, every = {
+        "smoke": ("128", "32", "64", "4", "2"),
+        "quick": ("512", "128", "256", "12", "4"),
+        "full": ("2048", "256", "512", "24", "4"),
+    }[size]
+    # The shape: 16 experts on ep4, zipf s=1.2, top-2.
+    return [Case("placement", f"ep4-e16-t{tokens}", ("--tokens", tokens, "--hidden", hidden, "--ffn", ffn,
+                                                     "--experts", "16", "--topk", "2", "--ep", "4",
+                                                     "--steps", steps, "--replace-every", every,
+                                                     "--routing", "zipf,drift"))]
+
+
 def _train_cases(size: str) -> list[Case]:
     micro_batch, seq, rounds, mm, impls = {
         "smoke": ("1", "32", "1", "256", "eager"),
@@ -145,7 +160,8 @@ def cases(size: str) -> list[Case]:
     if size not in ("smoke", "quick", "full"):
         raise ValueError(f"size={size!r} is not one of smoke, quick, full")
     return [*_dispatch_cases(size), *_gemm_cases(size), *_permute_cases(size), *_moe_layer_cases(size),
-            *_pipeline_cases(size), *_cp_cases(size), *_dynamic_cp_cases(size), *_train_cases(size)]
+            *_pipeline_cases(size), *_cp_cases(size), *_dynamic_cp_cases(size), *_placement_cases(size),
+            *_train_cases(size)]
 
 
 def select(all_cases: list[Case], only: str | None) -> list[Case]:

@@ -88,6 +88,15 @@ def _dynamic_cp(r: dict):
     ]
 
 
+def _placement(r: dict):
+    case = f"{r['policy']} {r['routing']} e{r['experts']} ep{r['ep']} top{r['topk']}"
+    return case, r["ms"], [
+        ("busiest_over_mean", f"{r['busiest_over_mean']:.3f}", "busiest ep rank's rows / mean (1 = even)"),
+        ("ratio_vs_static", _num(r["ratio_vs_static"]), "static step / this policy's step (>1: faster)"),
+        ("move", f"{r['move_bytes']} B {r['move_ms']:.1f} ms x{r['moves']}", "cost of one re-placement"),
+    ]
+
+
 def _train(r: dict):
     if "skipped" in r:
         return r["candidate"], None, [("skipped", "", r["skipped"])]
@@ -116,6 +125,7 @@ def _other(r: dict):
 
 ROWS = {"dispatch": _dispatch, "gemm": _gemm, "permute": _permute, "moe_layer": _moe_layer,
         "pipeline_bubble": _pipeline_bubble, "cp_attention": _cp_attention, "dynamic_cp": _dynamic_cp,
+        "placement": _placement,
         "train": _train}
 
 

@@ -91,6 +91,12 @@ class MoEConfig:
     # Rank-deduplicated all-to-all: a token goes once to each destination rank.
     dedup: bool = False
 
+    # Expert placement (docs/placement.md). Spare expert slots per ep rank, holding copies
+    # of the hottest experts; 0: none.
+    replicas: int = 0
+    # Re-place the experts from the last window's load every N steps; 0: never.
+    replace_every: int = 0
+
     # Kernel backends.
     gemm_backend: str = "auto"  # auto | grouped_gemm | torch | triton | loop
     permute_backend: str = "torch"  # torch | triton
@@ -701,6 +707,7 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
         out.append(f"moe.shared_expert_gate=true requires a shared expert (moe.shared_expert_ffn_hidden_size > 0), "
                    f"got {_fmt(moe.shared_expert_ffn_hidden_size)}")
     _at_least(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size, 0)
+    _check_placement(config, out)
     if not any_moe:
         return
     if p.tp > 1 and not p.sequence_parallel:
@@ -722,6 +729,24 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
     if not 1 <= moe.topk <= moe.num_experts:
         out.append(f"moe.topk={moe.topk} must be in [1, moe.num_experts={moe.num_experts}]")
     _check_groups(config, out)
+
+
+def _check_placement(config: Config, out: list[str]) -> None:
+    moe, ep = config.moe, config.parallel.ep
+    replicas_ok = _at_least(out, "moe.replicas", moe.replicas, 0)
+    every_ok = _at_least(out, "moe.replace_every", moe.replace_every, 0)
+    if ep < 1 or moe.num_experts < 1:
+        return
+    if replicas_ok and moe.replicas > 0:
+        if ep == 1:
+            out.append(f"moe.replicas={moe.replicas} needs parallel.ep > 1, got 1 (a copy of an expert lives "
+                       f"on another ep rank)")
+        elif moe.num_experts % ep == 0 and moe.replicas > moe.num_experts - moe.num_experts // ep:
+            out.append(f"moe.replicas={moe.replicas} must be <= moe.num_experts - moe.num_experts/parallel.ep="
+                       f"{moe.num_experts - moe.num_experts // ep} (a rank holds at most one copy of an expert)")
+    if every_ok and moe.replace_every > 0 and ep == 1:
+        out.append(f"moe.replace_every={moe.replace_every} needs parallel.ep > 1, got 1 (with one ep rank "
+                   f"there is nowhere to move an expert)")
 
 
 def _check_groups(config: Config, out: list[str]) -> None:

@@ -107,13 +107,16 @@ class _Entry:
     stop: int
     writer: bool  # this rank stores these elements (one rank per element)
 
-    def pieces(self) -> Iterator[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
-        """``(view of data, global offsets, sizes)`` covering ``data`` once."""
+    def pieces(self, stored: bool = False) -> Iterator[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+        """``(view of data, global offsets, sizes)`` covering ``data`` once; ``stored``:
+        leave out the expert copies that another slot writes (:mod:`moe_fold.parallel.sharding`)."""
         flat = self.data.view(-1)  # [stop - start]
         for offset, offsets, sizes in flat_boxes(self.shape, self.start, self.stop):
             n = _numel(sizes)
             block = flat[offset - self.start: offset - self.start + n].view(sizes)
             for piece in self.info.pieces:
+                if stored and piece.copy:
+                    continue
                 hit = intersect(offsets, sizes, piece.local, piece.sizes)
                 if hit is not None:
                     lo, size = hit
@@ -371,7 +374,7 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], step: int, model: nn.Modul
     for entry in entries:
         if not entry.writer:
             continue
-        for k, (view, offsets, sizes) in enumerate(entry.pieces()):
+        for k, (view, offsets, sizes) in enumerate(entry.pieces(stored=True)):
             key = f"{entry.name}#{k}"
             pieces.append((key, view))
             records.append({"name": entry.name, "key": key, "file": shard_name, "offsets": list(offsets),

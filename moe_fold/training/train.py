@@ -14,6 +14,11 @@ Determinism: with ``train.deterministic`` torch uses deterministic algorithms, a
 random state is re-seeded from ``(train.seed, step, rank)`` at the start of every step,
 so a resumed run draws the same numbers as an uninterrupted one without saving RNG state.
 
+Expert placement: with ``moe.replace_every`` (or ``moe.replicas``) an
+:class:`~moe_fold.training.replace.ExpertReplacer` re-places the experts after the step
+from the load of the last window (weights, grads and optimizer moments move; the record
+says what moved), and its state goes into checkpoints (docs/placement.md).
+
 Non-finite steps: a non-finite global loss or grad norm takes no optimizer step; the
 step's forwards run again under hooks to name the first module whose output went
 non-finite (:mod:`moe_fold.training.numerics`); then the run goes on (``train.on_nonfinite=skip``:
@@ -250,6 +255,12 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     optimizer = build_optimizer(state_model, config.optimizer, groups)
     scheduler = build_scheduler(optimizer, config)
     collector = RoutingCollector(model, config)
+    replacer = None
+    if config.moe.replace_every > 0 or config.moe.replicas > 0:
+        from moe_fold.training.replace import ExpertReplacer
+
+        replacer = ExpertReplacer(config, [state_model] + ([model] if master else []), groups, optimizer,
+                                  collector.moe_layers)
 
     @contextlib.contextmanager
     def forward_context() -> Iterator[None]:
@@ -268,6 +279,8 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                 master.master_to_model()
             start_step = int(extra["step"])
             loader.load_state_dict(extra["data"])
+            if replacer is not None and "experts" in extra:
+                replacer.load_state_dict(extra["experts"])
             checkpoint_path = str(found)
     if start_step == 0 and config.init.from_hf is not None:
         from moe_fold.models.hf.importer import load_hf_into
@@ -333,6 +346,8 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             routing = collector.finish_step(groups)
+            if replacer is not None:
+                routing.update(replacer.after_step(step, routing["expert_load"]))
             seconds = time.perf_counter() - step_begin
             loss = lm + routing.pop("weighted_loss", 0.0)
             median = spikes.median()
@@ -346,7 +361,8 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             logger.log(record, collector)
             result.losses.append(record["loss"])
             if step % t.save_every == 0 or step == last_step:
-                checkpoint_path = _save(run_dir, step, state_model, optimizer, scheduler, loader, groups, config)
+                checkpoint_path = _save(run_dir, step, state_model, optimizer, scheduler, loader, groups, config,
+                                        replacer)
                 result.checkpoint = checkpoint_path
     finally:
         logger.close()
@@ -390,10 +406,12 @@ def _first_nonfinite(model: nn.Module, micro_batches: list, groups: ProcessGroup
 
 
 def _save(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, loader, groups: ProcessGroups,
-          config: Config) -> str:
+          config: Config, replacer=None) -> str:
     from moe_fold.training.checkpoint import save_checkpoint
 
     extra = {"step": step, "data": loader.state_dict()}
+    if replacer is not None:
+        extra["experts"] = replacer.state_dict()
     path = save_checkpoint(run_dir, step, model, optimizer, scheduler, extra, groups, config.train.keep_last,
                            config=config)
     return str(path)
