@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("moe_fold.cli.plan", "estimate memory, FLOPs, communication, step time and MFU of a layout"),
     "train": ("moe_fold.cli.train", "train a model from a preset or YAML config (local ranks or torchrun)"),
     "convert": ("moe_fold.cli.convert", "convert between Hugging Face model folders and moe-fold checkpoints"),
+    "checkpoint": ("moe_fold.cli.checkpoint", "verify checkpoints: files against the manifest, every expert present"),
     "bench": ("moe_fold.cli.bench", "run the benchmark suite of a checkout (bench/), print a table, write JSON lines"),
 }
 

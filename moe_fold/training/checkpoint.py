@@ -69,7 +69,8 @@ from moe_fold.layout import ProcessGroups
 from moe_fold.training.optim import AdamW, LRScheduler
 from moe_fold.parallel.sharding import ShardInfo, box, buffer_info, flat_boxes, intersect, shard_info
 
-__all__ = ["CheckpointError", "CheckpointSaver", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path"]
+__all__ = ["CheckpointError", "CheckpointSaver", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+           "checkpoint_path", "file_problem", "read_index"]
 
 log = logging.getLogger(__name__)
 
@@ -615,6 +616,22 @@ def _index(gathered: list, step: int, optimizer: Optional[AdamW], scheduler: Opt
 
 # --------------------------------------------------------------------------- load
 
+def file_problem(path: Path, record: dict, checksum: bool = True) -> Optional[str]:
+    """What is wrong with checkpoint file ``path`` against its index record
+    (``{"sha256", "bytes"}``): ``"is missing"``, a size or (``checksum``) sha256
+    mismatch; None when it matches."""
+    if not path.is_file():
+        return "is missing"
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        return f"has {size} bytes, index.json says {record['bytes']} (truncated or replaced)"
+    if checksum:
+        digest = _sha256(path)
+        if digest != record["sha256"]:
+            return f"is corrupt: sha256 {digest} differs from {record['sha256']} in index.json"
+    return None
+
+
 class _Reader:
     """Opens checkpoint files on first use, after checking their size and sha256."""
 
@@ -627,16 +644,9 @@ class _Reader:
         record = self.files.get(name)
         if record is None:
             raise CheckpointError(f"checkpoint file {path} is not listed in {self.path / 'index.json'}")
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint file {path} is missing")
-        size = path.stat().st_size
-        if size != record["bytes"]:
-            raise CheckpointError(f"checkpoint file {path} has {size} bytes, index.json says {record['bytes']} "
-                                  f"(truncated or replaced)")
-        digest = _sha256(path)
-        if digest != record["sha256"]:
-            raise CheckpointError(f"checkpoint file {path} is corrupt: sha256 {digest} differs from "
-                                  f"{record['sha256']} in index.json")
+        problem = file_problem(path, record)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint file {path} {problem}")
         return path
 
     def _open(self, name: str):
@@ -690,6 +700,22 @@ def _resolve(path_or_run_dir: Union[str, os.PathLike]) -> Path:
     return latest
 
 
+def read_index(path: Path) -> dict:
+    """The ``index.json`` of checkpoint ``path`` (its manifest: tensors, pieces, and the
+    sha256 and size of every file), checked for format and version."""
+    index_path = Path(path) / "index.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"cannot read {index_path}: {err}") from err
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{index_path} is not a {FORMAT} index (a JSON object)")
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise CheckpointError(f"{index_path} is not a {FORMAT} version {VERSION} index "
+                              f"(format={index.get('format')!r}, version={index.get('version')!r})")
+    return index
+
+
 @torch.no_grad()
 def load_checkpoint(path_or_run_dir: Union[str, os.PathLike], model: nn.Module, optimizer: Optional[AdamW],
                     scheduler: Optional[LRScheduler], groups: ProcessGroups) -> dict:
@@ -701,14 +727,7 @@ def load_checkpoint(path_or_run_dir: Union[str, os.PathLike], model: nn.Module, 
     must hold every tensor of the whole model (the union of the stages' names) and no
     other (CheckpointError naming them); each stage then reads only its own tensors."""
     path = _resolve(path_or_run_dir)
-    index_path = path / "index.json"
-    try:
-        index = json.loads(index_path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"cannot read {index_path}: {err}") from err
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise CheckpointError(f"{index_path} is not a {FORMAT} version {VERSION} index "
-                              f"(format={index.get('format')!r}, version={index.get('version')!r})")
+    index = read_index(path)
     if optimizer is not None and index["optimizer"] is None:
         raise CheckpointError(f"{path} was saved without optimizer state; pass optimizer=None to load the model only")
     entries = _entries(model, optimizer, groups)
