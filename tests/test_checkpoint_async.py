@@ -174,3 +174,59 @@ def test_sigkill_during_a_background_write_leaves_the_previous_checkpoint_loadab
     assert load_checkpoint(run_dir, model, opt, sched, ONE) == {"step": 1}
     got = _state(model, opt)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def _two_rank_groups():
+    from moe_fold.layout import GROUP_NAMES, ParallelLayout
+
+    return ProcessGroups(ParallelLayout(2), 0, {name: None for name in GROUP_NAMES})
+
+
+def test_rank_0_names_a_rank_that_failed_or_went_silent(tmp_path):
+    """Rank 0 finishes a checkpoint from the ranks' done markers: a rank's error is
+    named at once; a rank whose shard stops growing for timeout_s is given up on."""
+    saver = CheckpointSaver(tmp_path, _two_rank_groups(), keep_last=1, timeout_s=1.0)
+    folder = tmp_path / "step_000001.tmp-0000"
+    folder.mkdir()
+    (folder / "done_00000.json").write_text(json.dumps({"files": {}}))
+    (folder / "done_00001.json").write_text(json.dumps({"error": "OSError: [Errno 28] No space left on device"}))
+    with pytest.raises(CheckpointError, match=r"rank 1 could not write its part of .*step_000001.tmp-0000: "
+                                              r"OSError: \[Errno 28\] No space left on device"):
+        saver._wait_for_ranks(folder)
+    (folder / "done_00001.json").unlink()
+    (folder / "rank_00001.safetensors").write_bytes(b"half")
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"ranks \[1\] wrote nothing into .* for 1 s \(parallel.timeout_s\): "
+                                              r"the checkpoint is left unfinished, the previous ones are kept"):
+        saver._wait_for_ranks(folder)
+    assert 1.0 <= time.monotonic() - start < 10
+
+
+def test_an_error_in_the_loop_still_waits_for_the_background_write(tmp_path, monkeypatch):
+    """A step that raises after a save: the run ends only once the checkpoint of the
+    save before it is complete (renamed, every file matching the manifest)."""
+    from moe_fold.training.metrics import MetricsLogger
+    from moe_fold.training.train import train
+    from test_train import small_config
+
+    write = ckpt._write_safetensors
+
+    def slow_write(path, tensors):
+        time.sleep(1.0)
+        return write(path, tensors)
+
+    log = MetricsLogger.log
+
+    def failing_log(self, record, collector):
+        if record["step"] == 3:
+            raise RuntimeError("step 3 failed")
+        return log(self, record, collector)
+
+    monkeypatch.setattr(ckpt, "_write_safetensors", slow_write)
+    monkeypatch.setattr(MetricsLogger, "log", failing_log)
+    config = small_config(tmp_path / "run", tmp_path / "cache", "train.steps=4", "train.save_every=2")
+    with pytest.raises(RuntimeError, match="step 3 failed"):
+        train(config)
+    folder = tmp_path / "run" / "checkpoints"
+    assert sorted(os.listdir(folder)) == ["step_000002"]
+    assert verify_checkpoint(folder / "step_000002").ok
