@@ -11,7 +11,7 @@ prints JSON lines on stdout; every line becomes one record, with ``suite_case`` 
 
 Sizes: ``full`` finishes in a few minutes on a loaded 2-core CPU machine (13 cases, about 210 s
 measured at load average 7-19, plus the checkpoint stall at 107M parameters, which writes
-about 10 GB: 2-4 minutes more), ``quick`` runs 10 cases at smaller shapes (170 s there: each
+about 10 GB: 2-3 minutes more), ``quick`` runs 10 cases at smaller shapes (170 s there: each
 case's start, importing torch and spawning ranks, takes 5-20 s of it), ``smoke`` only checks
 the plumbing (tiny shapes, one round). The dispatch
 cases sweep the EP size at a fixed number of tokens per rank and, at the largest EP, the
@@ -147,7 +147,7 @@ def _checkpoint_cases(size: str) -> list[Case]:
     scale, rounds, steps = {
         "smoke": (("--set", "model.hidden_size=64", "--set", "parallel.ep=1"), "1", "1"),
         "quick": (("--set", "model.hidden_size=256", "--set", "model.num_layers=4", "--set", "parallel.ep=1"), "2", "2"),
-        "full": ((), "3", "3"),
+        "full": ((), "3", "1"),
     }[size]
     return [Case("checkpoint", "stall", (*scale, "--rounds", rounds, "--train-steps", steps, "--threads", "2"))]
 
