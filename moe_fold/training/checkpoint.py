@@ -25,12 +25,18 @@ Tied embeddings under pp: the last stage's copy of the embedding (``param.tied_c
 equal to the first stage's) and its moments are not written, only loaded from the one
 stored ``model/embed.weight``.
 
-Atomicity: every rank writes into ``step_000100.tmp-<nonce>``; after all ranks have
-written, rank 0 writes ``index.json`` and renames the directory to ``step_000100``. A
-crash before the rename leaves the previous checkpoints untouched; a directory without
+Atomicity: every rank writes into ``step_000100.tmp-<nonce>``, then a ``done_<rank>.json``
+marker (its files' sha256 and sizes); once every rank's marker is there, rank 0 writes
+``index.json`` (the manifest) and renames the directory to ``step_000100``. A crash or a
+kill before the rename leaves the previous checkpoints untouched; a directory without
 the final name is ignored by :func:`latest_checkpoint` (with a message) and removed by the
-next :func:`save_checkpoint`. Only the newest ``keep_last`` checkpoints are kept. Every
-rank must see the same ``run_dir`` (a shared file system across nodes).
+next save. Only the newest ``keep_last`` checkpoints are kept. Every rank must see the
+same ``run_dir`` (a shared file system across nodes).
+
+Asynchronous saves (:class:`CheckpointSaver`, ``train.async_save``): the step pays for a
+host copy of the rank's pieces only; a background thread writes them (see the class).
+:func:`save_checkpoint` is the synchronous form. Integrity checks beyond loading (every
+expert present, ``moe-fold checkpoint verify``) are in :mod:`moe_fold.training.checkpoint_verify`.
 
 Random states are restored only when the layout (world size and every parallel size) is
 the one they were saved under: rank r's generators then continue exactly. Under another

@@ -22,6 +22,12 @@ is saved (``stop``). A loss above ``train.loss_spike_factor`` x the median of th
 ``train.loss_spike_window`` losses is logged as ``loss_spike`` with a warning.
 docs/reliability.md lists every fault and what happens.
 
+Checkpoints every ``train.save_every`` steps and at the last one go through a
+:class:`moe_fold.training.checkpoint.CheckpointSaver` (in the background with
+``train.async_save``); the run waits for the last write before it returns, and on an
+error before it leaves. Validation (``train.eval_every``, :mod:`moe_fold.training.evaluate`)
+writes its own rows to metrics.jsonl without changing the training data order or RNG.
+
 Entry points: :func:`train` (one rank; torch.distributed already initialised, or a single
 process) and :func:`check_trainable` (rules of the loop on top of
 :func:`moe_fold.config.validate`, checked before any rank starts).
