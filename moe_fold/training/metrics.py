@@ -268,12 +268,13 @@ class MetricsLogger:
     def _start_progress(self, start_step: int) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+        validation = [TextColumn("valid {task.fields[valid]}")] if self.config.train.eval_every > 0 else []
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("loss {task.fields[loss]}"), *validation, TextColumn("{task.fields[tps]} tok/s"),
             TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=False)
         self._task = self._progress.add_task("train", total=self.config.train.steps, completed=start_step,
-                                             loss="-", tps="-")
+                                             loss="-", valid="-", tps="-")
         self._progress.start()
 
     def print_start(self, world_size: int, resumed_from: Optional[str]) -> None:
@@ -324,6 +325,8 @@ class MetricsLogger:
         self._file.flush()
         if self._run is not None:
             self._run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if self._progress is not None:
+            self._progress.update(self._task, valid=f"{record['valid_loss']:.4f}")
         if self.console is not None:
             self.console.print(f"step {record['step']}/{self.config.train.steps} validation loss "
                                f"{record['valid_loss']:.4f} ppl {record['valid_ppl']:.2f} "
