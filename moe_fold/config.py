@@ -178,7 +178,8 @@ class TrainConfig:
     # eval_iters global batches of the validation data (data.valid_path/valid_fraction).
     eval_every: int = 0
     eval_iters: int = 10
-    # Write checkpoints in a background thread; the step only waits for a host copy.
+    # Write checkpoints in a background thread; the step only waits for a host copy
+    # (kept allocated between saves: one copy of the rank's weights and optimizer state).
     async_save: bool = True
 
 

@@ -586,7 +586,6 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], step: int, model: nn.Modul
     comes back from :func:`load_checkpoint`. ``config`` defaults to ``model.config``.
     Keeps the newest ``keep_last`` checkpoints. :class:`CheckpointSaver` saves in the
     background."""
-    _check_save_args(step, keep_last, extra)
     saver = CheckpointSaver(run_dir, groups, keep_last, async_save=False, config=config)
     return saver.save(step, model, optimizer, scheduler, extra)
 
