@@ -195,6 +195,11 @@ class WandbConfig:
 class InitConfig:
     # Start from a Hugging Face model folder (config.json + safetensors).
     from_hf: Optional[str] = None
+    # Start an MoE model from a dense Hugging Face Llama, Qwen2 or Qwen3 folder: experts
+    # made from the dense MLP so that step 0 computes the dense model's function
+    # (moe_fold.models.hf.upcycle); granularity G > 1 cuts the MLP into G expert slices.
+    upcycle_from: Optional[str] = None
+    upcycle_granularity: int = 1
 
 
 @dataclass
@@ -511,7 +516,7 @@ def validate(config: Config, world_size: int) -> None:
     _check_pipeline(config, out)
     _check_train(config, world_size, parallel_ok, out)
     _check_optimizer(config, out)
-    _check_data_and_wandb(config, out)
+    _check_data_wandb_and_init(config, out)
     if out:
         raise ConfigError(out)
 
@@ -821,7 +826,7 @@ def _check_optimizer(config: Config, out: list[str]) -> None:
         out.append(f"optimizer.decay_fraction={_fmt(o.decay_fraction)} must be in (0, 1]")
 
 
-def _check_data_and_wandb(config: Config, out: list[str]) -> None:
+def _check_data_wandb_and_init(config: Config, out: list[str]) -> None:
     d, w = config.data, config.wandb
     paths = data_paths(config)
     if isinstance(d.path, list) and not paths:
@@ -843,3 +848,10 @@ def _check_data_and_wandb(config: Config, out: list[str]) -> None:
         out.append("data.tokenizer='' must be byte or a path to a tokenizer.json")
     _one_of(out, "wandb.mode", w.mode, ("offline", "online", "disabled"))
     _at_least(out, "wandb.heatmap_every", w.heatmap_every, 1)
+    init = config.init
+    _at_least(out, "init.upcycle_granularity", init.upcycle_granularity, 1)
+    if init.from_hf is not None and init.upcycle_from is not None:
+        out.append(f"init.from_hf={init.from_hf!r} and init.upcycle_from={init.upcycle_from!r} are both set: a run "
+                   f"starts from an MoE checkpoint or upcycles a dense one, not both")
+    if init.upcycle_granularity != 1 and init.upcycle_from is None:
+        out.append(f"init.upcycle_granularity={init.upcycle_granularity} is set but init.upcycle_from is null")

@@ -147,7 +147,7 @@ def test_overrides_apply_in_order():
     ("moe.topkk=4", "unknown config key 'moe.topkk'; did you mean 'moe.topk'?"),
     ("moee.topk=4", "unknown config key 'moee.topk'; did you mean 'moe.topk'?"),
     ("zz.qq=1", "unknown config key 'zz.qq'; sections are: model, moe, parallel, data, optimizer, train, wandb, init"),
-    ("init.xyz=1", "unknown config key 'init.xyz'; init has: from_hf"),
+    ("init.xyz=1", "unknown config key 'init.xyz'; init has: from_hf, upcycle_from, upcycle_granularity"),
     ("topk=4", "override 'topk=4' must look like section.field=value"),
     ("moe.topk", "override 'moe.topk' must look like section.field=value"),
     ("train.steps=1.5", "train.steps=1.5 has type float: expected int"),
