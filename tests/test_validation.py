@@ -120,7 +120,8 @@ def reference(tmp_path_factory, cache_dir):  # noqa: F811
     ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.etp=1"],
     ["parallel.pp=2", "parallel.ep=2"],
     ["parallel.cp=2", "parallel.ep=2"],
-], ids=["ep2xdp2", "tp2xep2", "pp2xep2", "cp2xep2"])
+    pytest.param(["parallel.cp=2", "parallel.ep=2", "parallel.dynamic_cp=true"], marks=pytest.mark.slow),
+], ids=["ep2xdp2", "tp2xep2", "pp2xep2", "cp2xep2", "dynamic-cp2xep2"])
 def test_validation_loss_is_the_same_under_every_layout(tmp_path, cache_dir, reference, layout):  # noqa: F811
     """4 ranks give the one-process validation loss (after 2 training steps, so the
     weights being evaluated are also the layout-invariant ones) through the same path
