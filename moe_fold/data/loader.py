@@ -22,6 +22,10 @@ describing the whole sequence (the model derives every rank's document ids from 
 
 Samples are indexed by a global sample number ``i >= 0``: epoch ``i // len(ds)`` uses
 its own permutation of the epoch's samples, drawn from ``(seed, epoch)``.
+
+Validation: ``data.valid_fraction`` holds out the last documents of each dataset
+(:func:`split_documents`; a :class:`GPTDataset` can take a range of documents), or
+``data.valid_path`` names another dataset (:func:`validation_dataset_from_config`).
 """
 
 from __future__ import annotations
