@@ -114,3 +114,12 @@ def test_verify_reports_unfinished_saves_and_refuses_an_empty_folder(ep2_run, tm
     assert "step_000002.tmp-abcd: unfinished save (no index.json; resuming ignores it" in capsys.readouterr().out
     assert cli.main(["checkpoint", "verify", str(tmp_path / "nothing")]) == 2
     assert "no checkpoint in" in capsys.readouterr().err
+
+
+def test_help_shows_the_examples(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["checkpoint", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "moe-fold checkpoint verify runs/mixtral-tiny" in out and "Exit status 0" in out
+    assert "checkpoint" in cli._parser().format_help()
