@@ -123,3 +123,11 @@ def test_help_shows_the_examples(capsys):
     out = capsys.readouterr().out
     assert "moe-fold checkpoint verify runs/mixtral-tiny" in out and "Exit status 0" in out
     assert "checkpoint" in cli._parser().format_help()
+
+
+def test_an_unreadable_manifest_is_reported(ep2_run, tmp_path, capsys):
+    run, path = _copy(ep2_run, tmp_path)
+    (path / "index.json").write_text('{"format": "moe-fold-checkpoint", "vers')
+    assert cli.main(["checkpoint", "verify", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert f"{path}: DAMAGED" in out and f"cannot read {path / 'index.json'}" in out
