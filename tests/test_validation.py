@@ -10,15 +10,20 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from rich.console import Console
 
 from moe_fold.data.indexed_dataset import IndexedDataset, write_indexed_dataset
 from moe_fold.data.loader import GPTDataset, split_documents, validation_dataset_from_config
 from moe_fold.launch import run_ranks
+from moe_fold.layout import ProcessGroups
+from moe_fold.models.model import build_model
+from moe_fold.training.evaluate import evaluate
 from moe_fold.training.metrics import read_wandb_history
 from moe_fold.training.train import read_metrics, train
 from test_train import cache_dir, small_config  # noqa: F401 - the module-scoped data cache
 
+ONE = ProcessGroups.single_process()
 EVAL = ["train.eval_every=2", "train.eval_iters=2", "data.valid_fraction=0.02"]
 
 
@@ -69,6 +74,10 @@ def test_valid_fraction_splits_the_training_data(tmp_path, cache_dir):  # noqa: 
     write_indexed_dataset(tmp_path / "valid", [[7] * 100, [8] * 50], vocab_size=264, eod_id=257)
     other = validation_dataset_from_config(small_config(tmp_path, cache_dir, f"data.valid_path={tmp_path / 'valid'}"))
     assert other.indexed.prefix == tmp_path / "valid" and other.documents == (0, 2)
+    small = small_config(tmp_path, cache_dir, "train.eval_iters=1")
+    with pytest.warns(UserWarning, match=r"the validation data has 4 samples, fewer than train.eval_iters x "
+                                         r"train.global_batch_size = 8: some are evaluated more than once"):
+        evaluate(build_model(small, ONE), other, ONE, small, torch.device("cpu"))
     assert len(dataset_from_config(small_config(tmp_path, cache_dir, f"data.valid_path={tmp_path / 'valid'}"))) \
         == len(dataset_from_config(small_config(tmp_path, cache_dir)))  # the training data stays whole
 

@@ -20,6 +20,7 @@ the value is the single-process one under every layout.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -52,6 +53,10 @@ def evaluate(model: Transformer, dataset: GPTDataset | BlendedDataset, groups: P
     """``{"valid_loss", "valid_ppl", "valid_tokens"}`` over ``train.eval_iters`` global
     batches of ``dataset`` (see the module docstring); the same on every rank. A
     collective: every rank calls it at the same step."""
+    needed = config.train.eval_iters * config.train.global_batch_size
+    if len(dataset) < needed and groups.rank == 0:
+        warnings.warn(f"the validation data has {len(dataset)} samples, fewer than train.eval_iters x "
+                      f"train.global_batch_size = {needed}: some are evaluated more than once", stacklevel=2)
     loader = validation_loader(dataset, config, groups, dynamic_cp)
     # Under dynamic cp every cp rank holds the whole micro-batches: count them over dp only.
     count_group = groups.dp if dynamic_cp is not None else groups.dp_cp
