@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_fold.training.checkpoint import latest_checkpoint, load_checkpoint
 from moe_fold.config import load_config
