@@ -140,6 +140,10 @@ class DataConfig:
     # Pack whole documents into each sample and mask across document boundaries.
     packing: bool = False
     cache_dir: str = "data_cache"
+    # Validation data (train.eval_every): a dataset prefix or text like ``path``, or
+    # ``valid_fraction`` of each training dataset's documents (its last ones), held out.
+    valid_path: Optional[str] = None
+    valid_fraction: float = 0.0
 
 
 @dataclass
@@ -177,6 +181,13 @@ class TrainConfig:
     # losses is logged as a spike (metrics.jsonl loss_spike, a warning); 0: off.
     loss_spike_factor: float = 3.0
     loss_spike_window: int = 20
+    # Validation LM loss every eval_every steps and at the last one (0: never), over
+    # eval_iters global batches of the validation data (data.valid_path/valid_fraction).
+    eval_every: int = 0
+    eval_iters: int = 10
+    # Write checkpoints in a background thread; the step only waits for a host copy
+    # (kept allocated between saves: one copy of the rank's weights and optimizer state).
+    async_save: bool = True
 
 
 @dataclass
@@ -831,6 +842,19 @@ def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[s
     _one_of(out, "train.on_nonfinite", t.on_nonfinite, ("skip", "stop"))
     _at_least(out, "train.loss_spike_factor", t.loss_spike_factor, 0)
     _at_least(out, "train.loss_spike_window", t.loss_spike_window, 1)
+    _at_least(out, "train.eval_every", t.eval_every, 0)
+    _at_least(out, "train.eval_iters", t.eval_iters, 1)
+    d = config.data
+    if not 0 <= d.valid_fraction < 1:
+        out.append(f"data.valid_fraction={_fmt(d.valid_fraction)} must be in [0, 1)")
+    if d.valid_path is not None and d.valid_fraction > 0:
+        out.append(f"data.valid_path={_fmt(d.valid_path)} and data.valid_fraction={_fmt(d.valid_fraction)} are "
+                   f"exclusive: validate on another dataset or on a held-out fraction of the training data")
+    if d.valid_path == "":
+        out.append("data.valid_path='' must be a dataset path, or null")
+    if t.eval_every > 0 and d.valid_path is None and not d.valid_fraction > 0:
+        out.append(f"train.eval_every={t.eval_every} needs validation data: set data.valid_path or "
+                   f"data.valid_fraction > 0")
 
 
 def _check_optimizer(config: Config, out: list[str]) -> None:

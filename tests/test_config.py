@@ -397,6 +397,15 @@ RULES = [
     (["train.precision=fp16"], 1, ["train.precision=fp16 must be one of fp32, bf16-autocast, bf16"]),
     (["train.recompute=all"], 1, ["train.recompute=all must be one of none, full, moe, expert_act"]),
     (["train.on_nonfinite=ignore"], 1, ["train.on_nonfinite=ignore must be one of skip, stop"]),
+    (["train.eval_every=-1"], 1, ["train.eval_every=-1 must be >= 0"]),
+    (["train.eval_iters=0"], 1, ["train.eval_iters=0 must be >= 1"]),
+    (["data.valid_fraction=1"], 1, ["data.valid_fraction=1.0 must be in [0, 1)"]),
+    (["data.valid_fraction=0.1", "data.valid_path=data/valid"], 1,
+     ["data.valid_path=data/valid and data.valid_fraction=0.1 are exclusive: validate on another dataset or on "
+      "a held-out fraction of the training data"]),
+    (["data.valid_path=''"], 1, ["data.valid_path='' must be a dataset path, or null"]),
+    (["train.eval_every=10"], 1, ["train.eval_every=10 needs validation data: set data.valid_path or "
+                                  "data.valid_fraction > 0"]),
     # optimizer
     (["optimizer.lr=0"], 1, ["optimizer.lr=0.0 must be > 0"]),
     (["optimizer.min_lr=0.01"], 1, ["optimizer.min_lr=0.01 must be in [0, optimizer.lr=0.003]"]),
