@@ -119,6 +119,15 @@ def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
                std=m.init_std, seed=config.train.seed, name=f"layers.{layer}.mlp")
 
 
+def layer_index(name: str, num_layers: int) -> int:
+    """The global layer index of a module or parameter name: ``layers.{i}.*`` is i, MTP
+    depth ``mtp.{k}.*`` is ``num_layers + k`` (the index DeepSeek-V3 checkpoints give it)."""
+    parts = name.split(".")
+    if parts[0] == "mtp":
+        return num_layers + int(parts[1])
+    return int(parts[parts.index("layers") + 1])
+
+
 class Layers(nn.Module):
     """This rank's blocks, named and indexed by their global layer index: ``layers[i]``
     is layer ``i`` whichever pipeline stage holds it; iterating yields the blocks in

@@ -87,6 +87,8 @@ class Dims:
     qk_head: int = 0
     v_head: int = 0
     rope_dim: int = 0
+    # Spare expert slots per ep rank (moe.replicas): copies held besides the E/ep experts.
+    replicas: int = 0
 
     @property
     def q_size(self) -> int:
@@ -128,7 +130,7 @@ def dims(config: Config) -> Dims:
                 shared_ffn=moe.shared_expert_ffn_hidden_size, shared_gate=moe.shared_expert_gate,
                 qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, tied=m.tie_embeddings,
                 moe_flags=flags + flags[-1:] * m.mtp_num_layers, mtp=m.mtp_num_layers,
-                qk_norm_scope=m.qk_norm_scope, **_mla_dims(m))
+                qk_norm_scope=m.qk_norm_scope, replicas=moe.replicas, **_mla_dims(m))
 
 
 def _mla_dims(m: ModelConfig) -> dict:
@@ -212,7 +214,7 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
             add(*entry)
         add(f"{pre}.mlp_norm.weight", d.hidden, replicated)
         if d.moe_flags[i]:
-            local = d.experts // ep
+            local = d.experts // ep + d.replicas  # expert slots: the copies take memory too
             # A module's own parameters come before its submodules' (the gate first).
             if d.shared_ffn > 0 and d.shared_gate:
                 add(f"{pre}.mlp.shared_expert_gate", d.hidden, replicated)
