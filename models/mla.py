@@ -23,8 +23,8 @@ Tensor parallel: heads are split over tp, so ``W_uq``/``W_q`` and ``W_ukv`` are
 column-parallel and ``W_o`` row-parallel, as in :class:`~moe_fold.models.attention.Attention`.
 The down-projections ``W_dq``, ``W_dkv`` and their norms are replicated over tp and run
 on this rank's tokens (its sequence shard under SP, like the block norms): the narrow
-latents, not the hidden states, are what the up-projections gather over tp, and
-``k_rope`` is gathered beside them. Their grads are then ``"tp_sum"`` under SP and
+latents, not the hidden states, are what the up-projections gather over tp (a
+full-rank query gathers the hidden states), and ``k_rope`` is gathered beside them. Their grads are then ``"tp_sum"`` under SP and
 ``"replicated"`` without it, the same rule as the block norms. Context parallel and
 packed documents go through :func:`moe_fold.parallel.context_parallel.context_parallel_attention`
 like standard attention; v's head width differs from q/k's and the cp paths take that.
@@ -68,7 +68,7 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLAttention(nn.Module):
-    """MLA over this rank's heads; the constructor and forward of
+    """MLA over this rank's heads, with the same constructor and forward as
     :class:`~moe_fold.models.attention.Attention` (cos/sin cover ``qk_rope_head_dim``).
 
     Parameters: ``q.weight`` (no ``q_lora_rank``) or ``q_down.weight``, ``q_norm.weight``,
@@ -121,8 +121,9 @@ class MLAttention(nn.Module):
                                       seed=init_seed(seed, f"{name}.proj"))
 
     def _enter_tp(self, x: torch.Tensor) -> torch.Tensor:
-        """A replicated-input tensor as the column-parallel layers see it: the whole
-        sequence (gathered over tp under SP)."""
+        """The rotary key (computed on this rank's tokens) over the whole sequence, as the
+        column-parallel outputs it meets are: gathered over tp under SP; without SP, its
+        grad summed over tp in the backward (each rank's heads give a part)."""
         if self.sequence_parallel:
             return gather_from_sequence_region(x, self.tp_group, dim=0)  # [S/tp, ...] -> [S, ...]
         return copy_to_tp_region(x, self.tp_group)
