@@ -250,3 +250,15 @@ def test_import_under_layouts(tmp_path, sizes):
         # The export gathered from the shards (and, under pp, the stages) writes the same tensors.
         a, b = _tensors(tmp_path / case), _tensors(tmp_path / "out" / case)
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), case
+
+
+def test_other_families_reset_an_mla_base():
+    """A Mixtral config.json over the deepseek-v3 preset as base gives standard attention."""
+    from test_hf import hf_model as mixtral_like
+    from moe_fold.config import validate
+
+    config = config_from_hf(mixtral_like("mixtral_gqa").config.to_dict(), load_config("deepseek-v3-tiny"))
+    m = config.model
+    assert (m.attention, m.kv_lora_rank, m.rope_scaling, m.yarn_factor, m.rope_interleave) == ("mha", None, None,
+                                                                                                  None, False)
+    validate(config, 1)
