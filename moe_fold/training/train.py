@@ -65,6 +65,7 @@ class TrainResult:
     run_dir: str = ""
     checkpoint: Optional[str] = None
     wandb_dir: Optional[str] = None
+    plots: list[str] = field(default_factory=list)  # <run_dir>/plots/*.png rank 0 wrote ([] elsewhere)
 
 
 def check_trainable(config: Config, world_size: int) -> None:
@@ -355,6 +356,10 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     result.tokens_per_s = steps_run * tokens_per_step / result.seconds if steps_run else 0.0
     result.final_loss = result.losses[-1] if result.losses else float("nan")
     result.wandb_dir = logger.wandb_dir
+    if rank == 0:
+        from moe_fold.training.plots import write_run_plots
+
+        result.plots = [str(p) for p in write_run_plots(run_dir)]
     if rank == 0 and console is not None:
         logger.print_summary(result)
     return result
