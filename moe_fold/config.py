@@ -605,9 +605,6 @@ def _check_parallel(config: Config, world_size: int, out: list[str]) -> bool:
     if p.overlap_param_gather and not config.optimizer.distributed:
         out.append("parallel.overlap_param_gather=true needs optimizer.distributed=true (only the distributed "
                    "optimizer all-gathers parameters after its step)")
-    if p.overlap_param_gather and config.train.precision == "bf16":
-        out.append("parallel.overlap_param_gather=true needs train.precision fp32 or bf16-autocast, got bf16 (the "
-                   "bf16 model copies every float32 master weight after the whole step)")
     return ok
 
 

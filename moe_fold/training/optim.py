@@ -120,12 +120,16 @@ class AdamW(torch.optim.Optimizer):
     of the elements ``[start, stop)`` of ``p`` flattened (:meth:`state_slice`): all of them
     without sharding, this rank's range with. ``step_count`` counts the steps taken.
     ``gather_wait_s`` adds up the seconds spent waiting for parameter all-gathers.
+    ``targets`` (distributed only): parameters that mirror the optimizer's, the bf16
+    model's for the float32 masters; each is overwritten (cast) from its master as soon as
+    the master's bucket is current, and :meth:`register_gather_hooks` takes their modules.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, groups: Optional[ProcessGroups] = None,
                  distributed: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-                 buckets: Optional[list[Bucket]] = None, overlap_param_gather: bool = False):
+                 buckets: Optional[list[Bucket]] = None, overlap_param_gather: bool = False,
+                 targets: Optional[dict[nn.Parameter, nn.Parameter]] = None):
         if not lr >= 0:
             raise ValueError(f"lr={lr!r} must be >= 0")
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -145,6 +149,10 @@ class AdamW(torch.optim.Optimizer):
         self.groups = groups if groups is not None else ProcessGroups.single_process()
         self.distributed = distributed
         self.overlap_param_gather = overlap_param_gather
+        self.targets = targets or {}
+        if self.targets and not distributed:
+            raise ValueError("targets are for the distributed optimizer (without it, copy the parameters after "
+                             "the step: MasterWeights.master_to_model)")
         self.step_count = 0
         self.gather_wait_s = 0.0
         self._group_of = {id(p): group for group in self.param_groups for p in group["params"]}
@@ -159,7 +167,7 @@ class AdamW(torch.optim.Optimizer):
             for s in bucket.slices:
                 self._slices[s.param] = (s.start, s.stop)
         self._gathers: dict[int, Pending] = {}  # bucket index -> its all-gather in flight
-        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self._bucket_of = {id(self.targets.get(p, p)): i for i, b in enumerate(self.buckets) for p in b.params}
         for group in self.param_groups:
             for p in group["params"]:
                 start, stop = self._slices.get(p, (0, p.numel()))
@@ -191,7 +199,8 @@ class AdamW(torch.optim.Optimizer):
                          else torch.zeros_like(f) for s, f in zip(mine, params)]
                 self._update(group, params, grads, [s.param for s in mine])
             if self.groups.size(bucket.group_name) == 1:
-                continue  # this rank owns the whole bucket and updated it in place
+                self._to_targets(bucket)  # this rank owns the whole bucket and updated it in place
+                continue
             mine = torch.cat([s.param.view(-1)[s.start:s.stop] for s in bucket.slices])  # [sizes[me]]
             self._gathers[i] = all_gather_async(mine, self.groups.group(bucket.group_name), bucket.sizes)
             if not self.overlap_param_gather:
@@ -210,6 +219,13 @@ class AdamW(torch.optim.Optimizer):
         bucket = self.buckets[i]
         for p, offset in zip(bucket.params, bucket.offsets):
             p.view(-1).copy_(full[offset:offset + p.numel()])
+        self._to_targets(bucket)
+
+    @torch.no_grad()
+    def _to_targets(self, bucket: Bucket) -> None:
+        for p in bucket.params:
+            if p in self.targets:
+                self.targets[p].copy_(p)
 
     def wait_params(self) -> None:
         """Wait for every parameter all-gather in flight: the parameters are then current."""
@@ -325,17 +341,21 @@ class LRScheduler:
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig, groups: ProcessGroups, *,
-                    bucket_numel: int = DEFAULT_BUCKET_NUMEL, overlap_param_gather: bool = False) -> AdamW:
+                    bucket_numel: int = DEFAULT_BUCKET_NUMEL, overlap_param_gather: bool = False,
+                    compute_model: Optional[nn.Module] = None,
+                    targets: Optional[dict[nn.Parameter, nn.Parameter]] = None) -> AdamW:
     """AdamW over ``model``'s :func:`param_groups` with the hyper-parameters of ``config``,
     sharded when ``config.distributed`` over the model's gradient buckets
     (:func:`moe_fold.training.buckets.model_buckets`); with ``overlap_param_gather`` its
-    forward pre-hooks are registered on ``model``."""
+    forward pre-hooks are registered on ``compute_model`` (default ``model``: the bf16 model
+    of float32 masters, whose parameters are the ``targets`` of ``model``'s)."""
     buckets = model_buckets(model, groups, bucket_numel, shard=True) if config.distributed else None
     optimizer = AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(config.beta1, config.beta2),
                       eps=config.eps, weight_decay=config.weight_decay, groups=groups, distributed=config.distributed,
-                      buckets=buckets, overlap_param_gather=overlap_param_gather)
+                        buckets=buckets, overlap_param_gather=overlap_param_gather,
+                      targets=targets if config.distributed else None)
     if overlap_param_gather:
-        optimizer.register_gather_hooks(model)
+        optimizer.register_gather_hooks(compute_model if compute_model is not None else model)
     return optimizer
 
 

@@ -247,10 +247,11 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
         exclude_from_autocast(model, device)
     apply_recompute(model, t.recompute)
     p = config.parallel
-    optimizer = build_optimizer(state_model, config.optimizer, groups, bucket_numel=p.grad_bucket_numel,
-                                overlap_param_gather=p.overlap_param_gather)
-    # Under bf16 the model's grads feed the float32 masters' buckets (cast, then reduced).
+    # Under bf16 the model's grads feed the float32 masters' buckets (cast, then reduced),
+    # and the distributed optimizer copies each master bucket into the model once current.
     sources = {m: q for q, m in master.pairs} if master is not None else None
+    optimizer = build_optimizer(state_model, config.optimizer, groups, bucket_numel=p.grad_bucket_numel,
+                                overlap_param_gather=p.overlap_param_gather, compute_model=model, targets=sources)
     grad_sync = build_grad_sync(state_model, optimizer, groups, bucket_numel=p.grad_bucket_numel,
                                 overlap=p.overlap_grad_reduce, sources=sources)
     scheduler = build_scheduler(optimizer, config)
@@ -318,7 +319,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                 grad_sync.finish()
                 grad_norm = torch.tensor(float("nan"))
             finite = math.isfinite(lm) and bool(torch.isfinite(grad_norm))
-            if finite and master is not None:
+            if finite and master is not None and not optimizer.distributed:
                 master.master_to_model()
             nonfinite = {}
             if not finite:
