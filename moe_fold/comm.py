@@ -14,6 +14,11 @@ all-to-all the all-to-all with the splits swapped, of all-reduce (sum) all-reduc
 The four Megatron TP/SP mappings (``copy_to_tp_region`` ...) instead assume that the
 tensors downstream are replicated over TP and use identity where Megatron does.
 
+Asynchronous collectives (outside autograd, for gradients and parameters):
+``all_reduce_async_``, ``reduce_scatter_async`` and ``all_gather_async`` post the
+collective and return a :class:`Pending` whose ``wait()`` gives the result; work meant to
+overlap runs in between. They count their bytes when posted, by the rules below.
+
 Byte counter
 ------------
 Each process keeps a count of the bytes it SENDS to other ranks, keyed by the kind of

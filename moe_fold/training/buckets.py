@@ -130,26 +130,23 @@ def shard_sizes(numels: Sequence[int], n: int) -> list[int]:
 
 def model_chunks(model: nn.Module) -> list[list[nn.Parameter]]:
     """A model's trainable parameters per model chunk (virtual pipeline stage), in
-    ``model.parameters()`` order: chunk ``c`` holds the layers of ``model.stages[c]``, the
-    first stage's chunk the embedding, the last stage's the final norm and the head. A
-    model without ``stages`` is one chunk."""
+    ``model.parameters()`` order: chunk ``c`` holds the layers of ``model.stages[c]``; the
+    embedding is in the first chunk of the rank holding stage 0 (chunk ``c`` is stage
+    ``c*pp + rank``, so stage 0 is chunk 0), the final norm, the head (and a tied copy of the
+    embedding) in the last chunk of the rank holding the last stage. A model without
+    ``stage_layer_ids`` is one chunk."""
     params = [p for p in model.parameters() if p.requires_grad]
     stage_layers = getattr(model, "stage_layer_ids", None)
     if stage_layers is None or len(stage_layers) == 1:
         return [params]
-    chunk_of: dict[int, int] = {}
     last = len(stage_layers) - 1
-    for c, stage in enumerate(model.stages):
-        if stage == 0:
-            first_chunk = c
-        if stage == model.num_stages - 1:
-            last = c
+    chunk_of: dict[int, int] = {}
     for name, p in model.named_parameters():
         if name.startswith("layers."):
             layer = int(name.split(".")[1])
             chunk_of[id(p)] = next(c for c, ids in enumerate(stage_layers) if layer in ids)
         elif name.startswith("embed.") and 0 in model.stages:
-            chunk_of[id(p)] = first_chunk
+            chunk_of[id(p)] = 0
         else:
             chunk_of[id(p)] = last
     chunks: list[list[nn.Parameter]] = [[] for _ in stage_layers]
@@ -264,7 +261,7 @@ class GradSync:
         yield
         if last:
             self._armed.discard(chunk)
-            for i, bucket in enumerate(self.buckets):
+            for bucket in self.buckets:
                 if bucket.chunk == chunk:
                     for p in bucket.params:
                         self._mark(self._source(p))
