@@ -370,6 +370,14 @@ def test_plan_command(capsys):
     assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--tp", "2", "--ep", "2"]) == 0
     text = capsys.readouterr().out
     assert "MFU" in text and "activations" in text and "ep" in text
+    # the config's overlaps (none by default), the switches, or Megatron's
+    assert "overlaps assumed (moe-fold): none" in text
+    base = ["plan", "--config", "mixtral-tiny", "--world", "4", "--ep", "2", "--distributed-optimizer"]
+    assert main(base + ["--set", "parallel.overlap_grad_reduce=true", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["overlaps"] == ["grad_reduce"] and out["overlap_model"] == "moe-fold"
+    assert main(base + ["--overlap", "megatron"]) == 0
+    assert "overlaps assumed (megatron): grad_reduce, param_gather" in capsys.readouterr().out
     # 8 experts do not split over ep 3
     assert main(["plan", "--config", "mixtral-tiny", "--world", "6", "--ep", "3"]) == 2
     assert "moe.num_experts=8 is not divisible by parallel.ep=3" in capsys.readouterr().err
