@@ -245,9 +245,9 @@ def _check(names, results):
             torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0,
                                        msg=lambda m: f"{where} losses: {m}")
             assert got["tied_diff"] == 0.0, f"{where}: tied embedding copies drifted apart"
-            loop = got["loop"]
+            loop = got.get("loop", {})  # tests/test_placement.py checks its runs without them
             # each overlap reduces the same buckets in the same order: the same bits
-            for on, off in (("allreduce_overlap", "allreduce"), ("zero_overlap", "zero")):
+            for on, off in (("allreduce_overlap", "allreduce"), ("zero_overlap", "zero")) if loop else ():
                 assert loop[on]["losses"] == loop[off]["losses"], f"{where} {on}"
                 assert loop[on]["norms"] == loop[off]["norms"], f"{where} {on}"
                 for pname, value in loop[off]["params"].items():
