@@ -23,8 +23,8 @@ Tensor parallel: heads are split over tp, so ``W_uq``/``W_q`` and ``W_ukv`` are
 column-parallel and ``W_o`` row-parallel, as in :class:`~moe_fold.models.attention.Attention`.
 The down-projections ``W_dq``, ``W_dkv`` and their norms are replicated over tp and run
 on this rank's tokens (its sequence shard under SP, like the block norms): the narrow
-latents, not the hidden states, are what the up-projections gather over tp, and
-``k_rope`` is gathered beside them. Their grads are then ``"tp_sum"`` under SP and
+latents, not the hidden states, are what the up-projections gather over tp (a
+full-rank query gathers the hidden states), and ``k_rope`` is gathered beside them. Their grads are then ``"tp_sum"`` under SP and
 ``"replicated"`` without it, the same rule as the block norms. Context parallel and
 packed documents go through :func:`moe_fold.parallel.context_parallel.context_parallel_attention`
 like standard attention; v's head width differs from q/k's and the cp paths take that.
@@ -45,6 +45,7 @@ from moe_fold.parallel.tensor_parallel import (
 )
 from moe_fold.parallel.varlen import Documents
 
+from .kv_cache import LayerCache, cached_attention
 from .norm import RMSNorm
 from .rotary import apply_rotary, yarn_of
 
@@ -68,7 +69,7 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLAttention(nn.Module):
-    """MLA over this rank's heads; the constructor and forward of
+    """MLA over this rank's heads, with the same constructor and forward as
     :class:`~moe_fold.models.attention.Attention` (cos/sin cover ``qk_rope_head_dim``).
 
     Parameters: ``q.weight`` (no ``q_lora_rank``) or ``q_down.weight``, ``q_norm.weight``,
@@ -121,16 +122,18 @@ class MLAttention(nn.Module):
                                       seed=init_seed(seed, f"{name}.proj"))
 
     def _enter_tp(self, x: torch.Tensor) -> torch.Tensor:
-        """A replicated-input tensor as the column-parallel layers see it: the whole
-        sequence (gathered over tp under SP)."""
+        """The rotary key (computed on this rank's tokens) over the whole sequence, as the
+        column-parallel outputs it meets are: gathered over tp under SP; without SP, its
+        grad summed over tp in the backward (each rank's heads give a part)."""
         if self.sequence_parallel:
             return gather_from_sequence_region(x, self.tp_group, dim=0)  # [S/tp, ...] -> [S, ...]
         return copy_to_tp_region(x, self.tp_group)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                docs: Optional[Documents] = None) -> torch.Tensor:
+                docs: Optional[Documents] = None, kv_cache: Optional[LayerCache] = None) -> torch.Tensor:
         """``x [S_local, B, H]`` -> ``[S_local, B, H]``; cos/sin ``[S, rope]`` or ``[B, S, rope]``
-        (see :meth:`Attention.forward <moe_fold.models.attention.Attention.forward>`)."""
+        (see :meth:`Attention.forward <moe_fold.models.attention.Attention.forward>`).
+        ``kv_cache`` (sampling): holds every head's full key and value (not the latent)."""
         if self.q_lora:
             q_latent = self.q_norm(self.q_down(x))  # [S_local, B, q_lora]
             q = self.q_up(q_latent)  # [S, B, heads * (nope + rope)]
@@ -150,8 +153,11 @@ class MLAttention(nn.Module):
         q_rope, k_rope = apply_rotary(q_rope, cos, sin), apply_rotary(k_rope, cos, sin)  # [B, heads|1, S, rope]
         q = torch.cat([q_nope, q_rope], dim=-1)  # [B, heads, S, nope + rope]
         k = torch.cat([k_nope, k_rope.expand(-1, self.num_heads, -1, -1)], dim=-1)
-        group, doc_ids = (self.cp_group, None) if docs is None else (docs.cp_group, docs.doc_ids)
-        out = context_parallel_attention(q, k, v, group, kind=self.cp_kind, scale=self.scale,
-                                         doc_ids=doc_ids)  # [B, heads, S, v]
+        if kv_cache is not None:
+            out = cached_attention(q, *kv_cache.append(k, v), scale=self.scale)  # [B, heads, S, v]
+        else:
+            group, doc_ids = (self.cp_group, None) if docs is None else (docs.cp_group, docs.doc_ids)
+            out = context_parallel_attention(q, k, v, group, kind=self.cp_kind, scale=self.scale,
+                                             doc_ids=doc_ids)  # [B, heads, S, v]
         out = out.permute(2, 0, 1, 3).reshape(S, B, self.num_heads * self.v_dim)  # [S, B, heads*v]
         return self.proj(out)

@@ -49,8 +49,8 @@ from moe_fold.parallel.tensor_parallel import (
 from moe_fold.parallel.varlen import Documents, doc_ids_from_cu_seqlens, router_token_mask
 
 from .attention import Attention
-from .mla import MLAttention
 from .kv_cache import LayerCache
+from .mla import MLAttention
 from .mlp import MLP
 from .moe_layer import MoELayer
 from .mtp import MTP, MTPTargets, mtp_targets
@@ -82,9 +82,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: Optional[Documents] = None, kv_cache: Optional[LayerCache] = None) -> torch.Tensor:
-        # Only standard attention takes a KV cache (sampling refuses MLA before it gets here).
-        cache = () if kv_cache is None else (kv_cache,)
-        x = x + self.attn(self.attn_norm(x), cos, sin, docs, *cache)  # [S_local, B, H]
+        x = x + self.attn(self.attn_norm(x), cos, sin, docs, kv_cache)  # [S_local, B, H]
         h = self.mlp_norm(x).flatten(0, 1)  # [S_local*B, H]
         if isinstance(self.mlp, MoELayer):
             s_local, batch = x.shape[0], x.shape[1]

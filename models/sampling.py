@@ -27,8 +27,10 @@ import torch
 import torch.distributed as dist
 
 from moe_fold.comm import gather_from_tp_region, recv, send
+from moe_fold.config import rotary_dim
 
 from .kv_cache import KVCache
+from .rotary import rotary_cos_sin, yarn_of
 
 __all__ = ["next_token", "forward_cached", "generate"]
 
@@ -72,8 +74,6 @@ def forward_cached(model, ids: torch.Tensor, cache: KVCache) -> Optional[torch.T
     groups, config = model.groups, model.config
     if groups.size("cp") > 1:
         raise ValueError(f"parallel.cp={groups.size('cp')}: sampling runs without context parallel")
-    if config.model.attention == "mla":
-        raise ValueError("model.attention=mla: sampling with a KV cache is implemented for standard attention only")
     batch, n = ids.shape
     tp = groups.size("tp") if config.parallel.sequence_parallel else 1
     padded = -(-n // tp) * tp
@@ -81,8 +81,8 @@ def forward_cached(model, ids: torch.Tensor, cache: KVCache) -> Optional[torch.T
     start = cache.length
     dtype = next(model.parameters()).dtype
     positions = torch.arange(start, start + padded, device=ids.device)
-    # The model's own tables: partial rotary (GLM-4.5) rotates only the first dims of a head.
-    cos, sin = model._rotary(positions)  # [n_pad, rotary dims]
+    cos, sin = rotary_cos_sin(positions, rotary_dim(config), config.model.rope_theta, dtype,
+                              yarn_of(config.model))  # [n_pad, rotary dims]
     x = None
     last = model.num_stages - 1
     for stage in range(model.num_stages):

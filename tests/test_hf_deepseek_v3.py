@@ -225,11 +225,24 @@ def _gathered_logits(model, groups, ids):
 
 
 def _import_export(rank, world_size, sizes, paths, out_dir):
+    from moe_fold.models.hf import weights
+
     groups = create_process_groups(ParallelLayout(world_size, **sizes))
+    read = weights.SafetensorsFolder.read
+    counted = [0]
+
+    def counting_read(self, name, offsets, sizes):
+        value = read(self, name, offsets, sizes)
+        counted[0] += value.numel()
+        return value
+
+    weights.SafetensorsFolder.read = counting_read
     results = {}
     for case, path in paths.items():
+        counted[0] = 0
         model = from_hf(path, groups).eval()
-        results[case] = _gathered_logits(model, groups, token_ids())
+        local = sum(t.numel() for t in model.state_dict().values())  # parameters and the expert bias
+        results[case] = {"logits": _gathered_logits(model, groups, token_ids()), "read": counted[0], "local": local}
         to_hf(model, f"{out_dir}/{case}")
     return results
 
@@ -245,9 +258,23 @@ def test_import_under_layouts(tmp_path, sizes):
     results = run_ranks(_import_export, 4, sizes, paths, str(tmp_path / "out"), timeout=240)
     for case, ref in refs.items():
         for rank, result in enumerate(results):
-            diff = max_diff(result[case], ref)
+            diff = max_diff(result[case]["logits"], ref)
             print(f"{sizes} {case} rank {rank}: max abs logit diff vs transformers {diff:.3g}")
             assert diff <= TOL
+            # Every local element read once, nothing else: the rank read only its slices.
+            assert result[case]["read"] == result[case]["local"], (case, rank)
         # The export gathered from the shards (and, under pp, the stages) writes the same tensors.
         a, b = _tensors(tmp_path / case), _tensors(tmp_path / "out" / case)
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), case
+
+
+def test_other_families_reset_an_mla_base():
+    """A Mixtral config.json over the deepseek-v3 preset as base gives standard attention."""
+    from test_hf import hf_model as mixtral_like
+    from moe_fold.config import validate
+
+    config = config_from_hf(mixtral_like("mixtral_gqa").config.to_dict(), load_config("deepseek-v3-tiny"))
+    m = config.model
+    assert (m.attention, m.kv_lora_rank, m.rope_scaling, m.yarn_factor, m.rope_interleave) == ("mha", None, None,
+                                                                                                  None, False)
+    validate(config, 1)

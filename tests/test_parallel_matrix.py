@@ -25,14 +25,15 @@ import torch
 import torch.distributed as dist
 
 from moe_fold.comm import all_reduce_
-from moe_fold.config import Config, ModelConfig, ParallelConfig
+from moe_fold.config import Config, ModelConfig, OptimizerConfig, ParallelConfig
 from moe_fold.data.loader import Batch
 from moe_fold.dispatch.router import Router
 from moe_fold.training.grads import clip_grad_norm_, sync_grads
 from moe_fold.launch import run_ranks
 from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
-from moe_fold.training.optim import AdamW, param_groups
+from moe_fold.parallel.sharding import full_tensor, shard_info
+from moe_fold.training.optim import AdamW, apply_gradients, build_grad_sync, build_optimizer, param_groups
 from moe_fold.training.step import forward_backward
 from pipeline_union import unite_over_pp
 from test_layout_invariance import _global_grads
@@ -169,6 +170,41 @@ def _train_layout(model, groups, config, micro_batches):
     return out
 
 
+# name -> (optimizer.distributed, parallel.overlap_grad_reduce, parallel.overlap_param_gather):
+# the training loop's own path (forward_backward with its GradSync, apply_gradients) with
+# buckets of OVERLAP_BUCKET elements, several per model chunk.
+OVERLAP_VARIANTS = {
+    "allreduce": (False, False, False),
+    "allreduce_overlap": (False, True, False),
+    "zero": (True, False, False),
+    "zero_overlap": (True, True, True),
+}
+OVERLAP_BUCKET = 3000
+
+
+def _train_loop_path(config, groups, micro_batches, distributed, overlap_grad, overlap_param):
+    """STEPS steps as :func:`moe_fold.training.train.train` runs them; the losses, grad
+    norms and final global parameters."""
+    model = build_model(config, groups)
+    opt_config = OptimizerConfig(lr=LR, weight_decay=0.1, beta1=0.9, beta2=0.999, eps=1e-8, distributed=distributed)
+    opt = build_optimizer(model, opt_config, groups, bucket_numel=OVERLAP_BUCKET, overlap_param_gather=overlap_param)
+    sync = build_grad_sync(model, opt, groups, bucket_numel=OVERLAP_BUCKET, overlap=overlap_grad)
+    # the whole schedule under one constant rate: AdamW's lr, as in _train_layout
+    for group in opt.param_groups:
+        group["lr"] = LR
+    out = {"losses": [], "norms": []}
+    for _ in range(STEPS):
+        opt.zero_grad()
+        losses = forward_backward(model, micro_batches, groups, config, grad_sync=sync)
+        out["norms"].append(apply_gradients(model.parameters(), opt, groups, MAX_NORM, grad_sync=sync).item())
+        out["losses"].append((all_reduce_(losses.sum(), groups.dp_cp) / groups.size("dp_cp")).item())
+    opt.wait_params()
+    out["params"] = unite_over_pp({n: full_tensor(p.detach(), shard_info(p, groups, n), groups).numpy()
+                                   for n, p in model.named_parameters()}, groups)
+    out["tied_diff"] = _tied_copies_differ(model, groups)
+    return out
+
+
 def _rank(rank, world_size, names):
     """Train every case of ``names`` in turn: starting ranks costs more than a case."""
     groups_of, results = {}, []
@@ -183,7 +219,10 @@ def _rank(rank, world_size, names):
         m, cp = CASES[name][2], groups.size("cp")
         micro = [b.cp_slice(groups.rank_in("cp"), cp)
                  for b in _micro_batches(groups.rank_in("dp"), groups.size("dp"), m, name.endswith("packed"))]
-        results.append(_train_layout(model, groups, config, micro))
+        result = _train_layout(model, groups, config, micro)
+        result["loop"] = {variant: _train_loop_path(config, groups, micro, *switches)
+                          for variant, switches in OVERLAP_VARIANTS.items()}
+        results.append(result)
     return results
 
 
@@ -249,6 +288,19 @@ def _check(names, results):
             torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0,
                                        msg=lambda m: f"{where} losses: {m}")
             assert got["tied_diff"] == 0.0, f"{where}: tied embedding copies drifted apart"
+            loop = got.get("loop", {})  # tests/test_placement.py checks its runs without them
+            # each overlap reduces the same buckets in the same order: the same bits
+            for on, off in (("allreduce_overlap", "allreduce"), ("zero_overlap", "zero")) if loop else ():
+                assert loop[on]["losses"] == loop[off]["losses"], f"{where} {on}"
+                assert loop[on]["norms"] == loop[off]["norms"], f"{where} {on}"
+                for pname, value in loop[off]["params"].items():
+                    assert (loop[on]["params"][pname] == value).all(), f"{where} {on} {pname}"
+            for variant, run in loop.items():
+                torch.testing.assert_close(run["norms"], ref["norms"], rtol=1e-5, atol=0,
+                                           msg=lambda m: f"{where} {variant} grad norms: {m}")
+                torch.testing.assert_close(run["losses"], ref["losses"], rtol=1e-5, atol=0,
+                                           msg=lambda m: f"{where} {variant} losses: {m}")
+                assert run["tied_diff"] == 0.0, f"{where} {variant}: tied embedding copies drifted apart"
 
 
 def _names(world):

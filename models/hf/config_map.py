@@ -181,6 +181,12 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     if family == "deepseek_v3":
         _deepseek_v3_from_hf(keys, config)
         return _finish(keys, family, config)
+    # Standard attention, unscaled rotary: nothing of an MLA base config stays.
+    m.attention, m.rope_interleave, m.rope_scaling = "mha", False, None
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                 *_YARN_KEYS.values()):
+        setattr(m, name, None)
+    m.yarn_beta_fast, m.yarn_beta_slow = 32.0, 1.0
     if family == "glm4_moe":
         _glm4_moe_from_hf(keys, config)
         return _finish(keys, family, config)

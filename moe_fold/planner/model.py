@@ -79,6 +79,8 @@ class Dims:
     moe_flags: tuple[bool, ...]
     mtp: int = 0
     qk_norm_scope: str = "head"
+    # Spare expert slots per ep rank (moe.replicas): copies held besides the E/ep experts.
+    replicas: int = 0
     # Multi-head latent attention: its linears' global [out, in] shapes (None: standard
     # attention), q_lora_rank (0: none), kv_lora_rank, the q/k and v head widths.
     mla: tuple[tuple[str, int, int], ...] | None = None
@@ -87,8 +89,6 @@ class Dims:
     qk_head: int = 0
     v_head: int = 0
     rope_dim: int = 0
-    # Spare expert slots per ep rank (moe.replicas): copies held besides the E/ep experts.
-    replicas: int = 0
 
     @property
     def q_size(self) -> int:
@@ -410,14 +410,14 @@ def mla_attention_bytes(d: Dims, a: int, g: int, tp: int) -> float:
     factor), norm before it aside: the down-projections' input ``aH``; the q latent and
     its gathered copy ``a q_lora (1 + g)`` (or, full-rank, the gathered input ``aHg``);
     the compressed kv ``a (kv_lora + rope)``, the gathered latent and rotary key
-    ``a (kv_lora + rope) g``; per local head (``g/tp``): q and k ``2 a heads qk``, the
-    up-projected kv (v is a view of it) ``a heads (nope + v)``, the output ``a heads v``
-    and the float32 log-sum-exp ``4 heads``. The latents' norms keep an fp32 ``rsqrt``
-    each (4). Flash-style attention keeps no ``s x s`` scores."""
-    nope = d.qk_head - d.rope_dim
+    ``a (kv_lora + rope) g``; per local head (``g/tp``): q and k ``2 a heads qk``, v and
+    the output padded to the q/k width for the fused kernel
+    (:func:`moe_fold.parallel.varlen.sdpa`) ``2 a heads qk``, the projection's input
+    ``a heads v`` and the float32 log-sum-exp ``4 heads``. The latents' norms keep an fp32
+    ``rsqrt`` each (4). The fused kernel keeps no ``s x s`` scores."""
     query = a * d.q_lora * (1 + g) + 4 if d.q_lora else a * d.hidden * g
     latent = a * (d.kv_lora + d.rope_dim) * (1 + g) + 4
-    heads = a * (2 * d.q_size + d.heads * (nope + d.v_head) + d.out_size) + 4 * d.heads
+    heads = a * (4 * d.q_size + d.out_size) + 4 * d.heads
     return a * d.hidden + query + latent + heads * g / tp
 
 
