@@ -303,13 +303,25 @@ def _check(names, results):
                 assert run["tied_diff"] == 0.0, f"{where} {variant}: tied embedding copies drifted apart"
 
 
-def _names(world):
-    return [name for name, case in CASES.items() if case[0] == world]
+# Issue 20's cases: multi-token prediction, and OLMoE's / GLM-4.5's attention variants.
+ISSUE_20 = {name for name in CASES if name.startswith("mtp-") or name == "tp2-qknorm-projection-partial-rotary"}
+
+
+def _names(world, issue_20=False):
+    return [name for name, case in CASES.items() if case[0] == world and (name in ISSUE_20) == issue_20]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_and_pp_layouts_match_single_process(world):
     names = _names(world)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mtp_and_attention_variants_match_single_process(world):
+    """MTP (tp+SP with etp, ring and a2a cp on packed documents, MLA, pp with vpp, ep) and
+    the projection-wide QK-norm with partial rotary under tp."""
+    names = _names(world, issue_20=True)
     _check(names, run_ranks(_rank, world, names, timeout=400))
 
 
