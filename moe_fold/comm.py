@@ -14,6 +14,12 @@ all-to-all the all-to-all with the splits swapped, of all-reduce (sum) all-reduc
 The four Megatron TP/SP mappings (``copy_to_tp_region`` ...) instead assume that the
 tensors downstream are replicated over TP and use identity where Megatron does.
 
+Asynchronous variants: ``all_to_all_start``, ``all_gather_start`` and
+``reduce_scatter_start`` launch the collective and return a :class:`Pending` at once;
+``pending.wait()`` returns the result. Work done between the two overlaps the transfer,
+and autograd runs that work's backward while the backward collective is in flight (see
+the section's comment). They count bytes like the blocking ones.
+
 Byte counter
 ------------
 Each process keeps a count of the bytes it SENDS to other ranks, keyed by the kind of
@@ -52,6 +58,7 @@ import torch.distributed as dist
 __all__ = [
     "group_kind", "group_size", "group_rank",
     "all_to_all", "all_gather", "reduce_scatter", "all_reduce", "all_reduce_",
+    "Pending", "all_to_all_start", "all_gather_start", "reduce_scatter_start",
     "copy_to_tp_region", "reduce_from_tp_region", "gather_from_sequence_region",
     "reduce_scatter_to_sequence_region", "scatter_to_sequence_region", "gather_from_tp_region",
     "send", "recv", "batch_send_recv",
@@ -126,8 +133,23 @@ def count_bytes() -> Iterator[dict[str, int]]:
 
 
 # --------------------------------------------------------------------------- raw ops
-# The _raw_* helpers communicate and count; they know nothing of autograd. Each takes
-# a group of size >= 2.
+# The _launch_* helpers start one collective (asynchronously with ``async_op=True``) and
+# count its bytes; the _raw_* ones run it to the end. They know nothing of autograd. Each
+# takes a group of size >= 2.
+
+class _Launched:
+    """A started collective: ``out`` is filled once ``work`` (None when it ran
+    synchronously) completes, then ``finish(out)`` is the result. ``send`` keeps the sent
+    buffer alive until then."""
+
+    def __init__(self, out: torch.Tensor, work, finish, send: torch.Tensor):
+        self.out, self.work, self.finish, self.send = out, work, finish, send
+
+    def result(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.finish(self.out)
+
 
 def _check_sizes(name: str, sizes: Sequence[int], n: int) -> list[int]:
     sizes = [int(s) for s in sizes]
@@ -138,8 +160,9 @@ def _check_sizes(name: str, sizes: Sequence[int], n: int) -> list[int]:
     return sizes
 
 
-def _raw_all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
-                    input_split_sizes: Optional[list[int]], group: dist.ProcessGroup) -> torch.Tensor:
+def _launch_all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
+                       input_split_sizes: Optional[list[int]], group: dist.ProcessGroup,
+                       async_op: bool = False) -> _Launched:
     n, me = dist.get_world_size(group), dist.get_rank(group)
     x = x.contiguous()
     if x.dim() == 0:
@@ -161,19 +184,29 @@ def _raw_all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
         output_split_sizes = _check_sizes("output_split_sizes", output_split_sizes, n)
         out_rows = sum(output_split_sizes)
     out = x.new_empty((out_rows,) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=group)
+    work = dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
     _count(group, (x.shape[0] - input_split_sizes[me]) * row)
-    return out
+    # The finish keeps the input alive until the collective is waited on.
+    return _Launched(out, work, lambda received: received, x)
 
 
-def _raw_all_gather(x: torch.Tensor, sizes: Optional[list[int]], dim: int,
-                    group: dist.ProcessGroup) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``."""
+def _raw_all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
+                    input_split_sizes: Optional[list[int]], group: dist.ProcessGroup) -> torch.Tensor:
+    return _launch_all_to_all(x, output_split_sizes, input_split_sizes, group).result()
+
+
+def _launch_all_gather(x: torch.Tensor, sizes: Optional[list[int]], dim: int, group: dist.ProcessGroup,
+                       async_op: bool = False) -> _Launched:
     n, me = dist.get_world_size(group), dist.get_rank(group)
     x0 = x.movedim(dim, 0).contiguous()  # [s, ...rest]
+    rest = tuple(x0.shape[1:])
     if sizes is None:
-        out = x0.new_empty((n * x0.shape[0],) + tuple(x0.shape[1:]))  # [n*s, ...rest]
-        dist.all_gather_single(out, x0, group=group)
+        gathered = x0.new_empty((n * x0.shape[0],) + rest)  # [n*s, ...rest]
+        work = dist.all_gather_single(gathered, x0, group=group, async_op=async_op)
+        send = x0
+
+        def finish(out):
+            return out.movedim(0, dim)
     else:
         sizes = _check_sizes("sizes", sizes, n)
         if sizes[me] != x0.shape[0]:
@@ -181,19 +214,26 @@ def _raw_all_gather(x: torch.Tensor, sizes: Optional[list[int]], dim: int,
                              f"{x0.shape[0]} along dim {dim}")
         # all_gather_single needs equal shapes on every rank: pad to the largest shard.
         pad = max(sizes)
-        padded = x0.new_zeros((pad,) + tuple(x0.shape[1:]))
-        padded[: x0.shape[0]] = x0
-        gathered = x0.new_empty((n * pad,) + tuple(x0.shape[1:]))  # [n*max, ...rest]
-        dist.all_gather_single(gathered, padded, group=group)
-        gathered = gathered.view((n, pad) + tuple(x0.shape[1:]))  # [n, max, ...rest]
-        out = torch.cat([gathered[r, : sizes[r]] for r in range(n)])  # [sum(sizes), ...rest]
+        send = x0.new_zeros((pad,) + rest)
+        send[: x0.shape[0]] = x0
+        gathered = x0.new_empty((n * pad,) + rest)  # [n*max, ...rest]
+        work = dist.all_gather_single(gathered, send, group=group, async_op=async_op)
+
+        def finish(out):
+            out = out.view((n, pad) + rest)  # [n, max, ...rest]
+            return torch.cat([out[r, : sizes[r]] for r in range(n)]).movedim(0, dim)  # [sum(sizes), ...rest]
     _count(group, _nbytes(x0) * (n - 1))
-    return out.movedim(0, dim)
+    return _Launched(gathered, work, finish, send)
 
 
-def _raw_reduce_scatter(x: torch.Tensor, sizes: Optional[list[int]], dim: int,
-                        group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum ``x`` over ranks and keep this rank's slice along ``dim``."""
+def _raw_all_gather(x: torch.Tensor, sizes: Optional[list[int]], dim: int,
+                    group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``."""
+    return _launch_all_gather(x, sizes, dim, group).result()
+
+
+def _launch_reduce_scatter(x: torch.Tensor, sizes: Optional[list[int]], dim: int, group: dist.ProcessGroup,
+                           async_op: bool = False) -> _Launched:
     n, me = dist.get_world_size(group), dist.get_rank(group)
     x0 = x.movedim(dim, 0).contiguous()  # [total, ...rest]
     rest = tuple(x0.shape[1:])
@@ -201,23 +241,28 @@ def _raw_reduce_scatter(x: torch.Tensor, sizes: Optional[list[int]], dim: int,
         if x0.shape[0] % n:
             raise ValueError(f"reduce_scatter: size {x0.shape[0]} along dim {dim} is not divisible by "
                              f"group size {n}; pass sizes= for uneven slices")
-        out = x0.new_empty((x0.shape[0] // n,) + rest)  # [total/n, ...rest]
-        dist.reduce_scatter_single(out, x0, group=group)
+        send, keep = x0, x0.shape[0] // n
     else:
         sizes = _check_sizes("sizes", sizes, n)
         if sum(sizes) != x0.shape[0]:
             raise ValueError(f"reduce_scatter: sizes={sizes} sum to {sum(sizes)} but the input has "
                              f"{x0.shape[0]} along dim {dim}")
         # reduce_scatter_single needs equal slices: pad every rank's slice to the largest.
-        pad = max(sizes)
+        pad, keep = max(sizes), sizes[me]
         padded = x0.new_zeros((n, pad) + rest)  # [n, max, ...rest]
         for r, chunk in enumerate(torch.split(x0, sizes)):
             padded[r, : sizes[r]] = chunk
-        out = x0.new_empty((pad,) + rest)
-        dist.reduce_scatter_single(out, padded.view((n * pad,) + rest), group=group)
-        out = out[: sizes[me]]  # [sizes[me], ...rest]
-    _count(group, _nbytes(x0) - _nbytes(out))
-    return out.movedim(0, dim)
+        send = padded.view((n * pad,) + rest)
+    out = x0.new_empty((send.shape[0] // n,) + rest)  # [max or total/n, ...rest]
+    work = dist.reduce_scatter_single(out, send, group=group, async_op=async_op)
+    _count(group, (x0.shape[0] - keep) * x0.element_size() * math.prod(rest))
+    return _Launched(out, work, lambda received: received[:keep].movedim(0, dim), send)
+
+
+def _raw_reduce_scatter(x: torch.Tensor, sizes: Optional[list[int]], dim: int,
+                        group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's slice along ``dim``."""
+    return _launch_reduce_scatter(x, sizes, dim, group).result()
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -370,6 +415,103 @@ def all_reduce_(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Te
         with torch.no_grad():
             _raw_all_reduce_(tensor, group, op)
     return tensor
+
+
+# --------------------------------------------------------------------------- asynchronous ops
+# ``*_start`` launches a collective and returns at once; ``Pending.wait()`` gives its result.
+# Two autograd nodes bracket it: the start (input -> an empty edge tensor) and the wait
+# (edge -> result). Backward runs them in reverse: the wait's backward launches the
+# backward collective and returns at once, the start's backward waits for it. Autograd
+# runs the nodes recorded between the start and the wait of the forward (the work that
+# overlapped it) between those two, so the backward collective overlaps their backward.
+# The data travel outside autograd's edges (on the shared _Flight); the edge is an empty
+# tensor, so its shape never has to match the padded buffers of uneven collectives.
+
+class _Flight:
+    """One asynchronous collective and its backward: ``launch(x)`` and
+    ``launch_backward(grad)`` return a :class:`_Launched` started with ``async_op=True``."""
+
+    def __init__(self, launch, launch_backward):
+        self.launch, self.launch_backward = launch, launch_backward
+        self.forward: Optional[_Launched] = None
+        self.backward: Optional[_Launched] = None
+
+
+class _StartAsync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, flight):
+        ctx.flight = flight
+        flight.forward = flight.launch(x)
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _edge):
+        grad = ctx.flight.backward.result()
+        ctx.flight.backward = None
+        return grad, None
+
+
+class _WaitAsync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, edge, flight):
+        ctx.flight = flight
+        out = flight.forward.result()
+        flight.forward = None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.flight.backward = ctx.flight.launch_backward(grad)
+        return grad.new_empty(0), None
+
+
+class Pending:
+    """A collective in flight, from :func:`all_to_all_start`, :func:`all_gather_start` or
+    :func:`reduce_scatter_start`. :meth:`wait` returns its result, once."""
+
+    def __init__(self, x: torch.Tensor, flight: Optional[_Flight]):
+        # No flight: a group of one rank, the result is the input.
+        self._edge = x if flight is None else _StartAsync.apply(x, flight)
+        self._flight = flight
+        self._waited = False
+
+    def wait(self) -> torch.Tensor:
+        if self._waited:
+            raise RuntimeError("Pending.wait() was already called: a collective's result is taken once")
+        self._waited = True
+        if self._flight is None:
+            return self._edge
+        return _WaitAsync.apply(self._edge, self._flight)
+
+
+def all_to_all_start(x: torch.Tensor, output_split_sizes: Optional[list[int]],
+                     input_split_sizes: Optional[list[int]], group: Group) -> Pending:
+    """:func:`all_to_all`, asynchronous in forward and backward: returns as soon as the
+    collective is launched; ``.wait()`` returns the rows."""
+    if not _active(group):
+        return Pending(all_to_all(x, output_split_sizes, input_split_sizes, group), None)
+    outs, ins = _copy(output_split_sizes), _copy(input_split_sizes)
+    return Pending(x, _Flight(lambda t: _launch_all_to_all(t, outs, ins, group, async_op=True),
+                              lambda g: _launch_all_to_all(g, ins, outs, group, async_op=True)))
+
+
+def all_gather_start(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = None, dim: int = 0) -> Pending:
+    """:func:`all_gather`, asynchronous in forward and backward (reduce-scatter)."""
+    if not _active(group):
+        return Pending(x, None)
+    sizes, dim = _copy(sizes), _norm_dim(dim, x)
+    return Pending(x, _Flight(lambda t: _launch_all_gather(t, sizes, dim, group, async_op=True),
+                              lambda g: _launch_reduce_scatter(g, sizes, dim, group, async_op=True)))
+
+
+def reduce_scatter_start(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = None,
+                         dim: int = 0) -> Pending:
+    """:func:`reduce_scatter`, asynchronous in forward and backward (all-gather)."""
+    if not _active(group):
+        return Pending(x, None)
+    sizes, dim = _copy(sizes), _norm_dim(dim, x)
+    return Pending(x, _Flight(lambda t: _launch_reduce_scatter(t, sizes, dim, group, async_op=True),
+                              lambda g: _launch_all_gather(g, sizes, dim, group, async_op=True)))
 
 
 # --------------------------------------------------------------------------- TP / SP mappings
