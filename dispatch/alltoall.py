@@ -14,6 +14,10 @@ Dispatch, on every rank of an etp x ep group (each rank holds its own tokens):
 Combine is the exact reverse: sort back, reduce-scatter over etp (which also sums the
 etp shards' partial outputs), all-to-all back over ep, unpermute (scatter-add).
 
+The asynchronous steps (``dispatch_start`` / ``combine_start``) keep the all-to-all over ep
+in flight; the etp all-gather and reduce-scatter depend on it (they send what it received,
+or make what it sends), so they run blocking, right after the wait or before the launch.
+
 Modes:
 
 - ``dropless``: any number of tokens per expert, zero included;
@@ -37,7 +41,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from moe_fold import comm
-from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, counted, expert_major_order
+from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, Waitable, counted, expert_major_order
 from moe_fold.dispatch.router import expert_capacity
 from moe_fold.kernels.permute import permute, permute_padded, sort_chunks, unpermute
 
@@ -140,6 +144,20 @@ class AllToAllDispatcher(TokenDispatcher):
         wire.dispatch += sent
         probs, sent = counted(comm.all_to_all, probs, handle.output_splits, handle.input_splits, groups.ep)
         wire.meta += sent
+        return self._gather_over_etp(x, probs, handle)
+
+    def dispatch_communicate_start(self, x, probs, handle):
+        # Only the all-to-all over ep is in flight: the all-gather over etp sends what it
+        # received, so it runs inside wait().
+        groups, wire = self.groups, handle.wire
+        rows, sent = counted(comm.all_to_all_start, x, handle.output_splits, handle.input_splits, groups.ep)
+        wire.dispatch += sent
+        meta, sent = counted(comm.all_to_all_start, probs, handle.output_splits, handle.input_splits, groups.ep)
+        wire.meta += sent
+        return Waitable(lambda: self._gather_over_etp(rows.wait(), meta.wait(), handle))
+
+    def _gather_over_etp(self, x, probs, handle):
+        groups, wire = self.groups, handle.wire
         x, sent = counted(comm.all_gather, x, groups.etp, handle.etp_splits)
         wire.dispatch += sent
         wire.dispatch_etp += sent
@@ -171,12 +189,22 @@ class AllToAllDispatcher(TokenDispatcher):
         return x
 
     def combine_communicate(self, x, handle):
-        groups, wire = self.groups, handle.wire
-        x, sent = counted(comm.reduce_scatter, x, groups.etp, handle.etp_splits)
-        wire.combine += sent
-        wire.combine_etp += sent
-        x, sent = counted(comm.all_to_all, x, handle.input_splits, handle.output_splits, groups.ep)
-        wire.combine += sent
+        x = self._reduce_scatter_over_etp(x, handle)
+        x, sent = counted(comm.all_to_all, x, handle.input_splits, handle.output_splits, self.groups.ep)
+        handle.wire.combine += sent
+        return x
+
+    def combine_communicate_start(self, x, handle):
+        # The reduce-scatter over etp makes what the all-to-all sends: it runs before the launch.
+        x = self._reduce_scatter_over_etp(x, handle)
+        back, sent = counted(comm.all_to_all_start, x, handle.input_splits, handle.output_splits, self.groups.ep)
+        handle.wire.combine += sent
+        return Waitable(back.wait)
+
+    def _reduce_scatter_over_etp(self, x, handle):
+        x, sent = counted(comm.reduce_scatter, x, self.groups.etp, handle.etp_splits)
+        handle.wire.combine += sent
+        handle.wire.combine_etp += sent
         return x
 
     def combine_postprocess(self, x, handle):

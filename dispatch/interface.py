@@ -24,6 +24,23 @@ communication can later overlap other work:
 - combine: ``combine_preprocess`` (the reverse sort) -> ``combine_communicate``
   -> ``combine_postprocess`` (unpermute, scatter-add to tokens).
 
+Asynchronous variant, for overlap (``moe.shared_expert_overlap``, ``moe.overlap_chunks``
+in :class:`moe_fold.models.moe_layer.MoELayer`)::
+
+    pending = dispatcher.dispatch_start(tokens, probs, routing_map)  # collectives launched
+    ...                                   # work that does not need the dispatched rows
+    out = pending.wait()                  # the same DispatchOutput as dispatch()
+    pending = dispatcher.combine_start(expert_output, out.handle)
+    ...
+    y = pending.wait()
+
+Each implementation's ``dispatch_communicate_start`` / ``combine_communicate_start`` launch
+the all-to-all over ep (or the all-gather dispatcher's collectives over etp x ep) with
+:func:`moe_fold.comm.all_to_all_start` and friends and return a :class:`Waitable`. Autograd
+keeps the overlap in the backward pass: the backward all-to-all is launched where the
+forward was waited on and waited where the forward was launched. The results, the bytes
+and the order of every collective within a group are those of the blocking calls.
+
 Wire accounting: every handle carries a :class:`WireBytes` with the bytes this rank
 sent in that dispatch and combine, measured with :func:`moe_fold.comm.count_bytes`
 around each collective.
@@ -38,7 +55,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -48,7 +65,7 @@ from moe_fold.kernels.permute import BACKENDS as PERMUTE_BACKENDS
 if TYPE_CHECKING:
     from moe_fold.layout import ProcessGroups
 
-__all__ = ["WireBytes", "DispatchOutput", "Handle", "TokenDispatcher", "MODES",
+__all__ = ["WireBytes", "DispatchOutput", "Handle", "Waitable", "TokenDispatcher", "MODES",
            "expert_major_order", "counted"]
 
 
@@ -98,6 +115,19 @@ class Handle:
     wire: WireBytes = field(default_factory=WireBytes)
     # Rows handed to the experts; combine expects as many.
     num_rows: int = 0
+
+
+class Waitable:
+    """Work started and not finished: :meth:`wait` finishes it and returns its result, once."""
+
+    def __init__(self, finish: Callable[[], Any]):
+        self._finish: Callable[[], Any] | None = finish
+
+    def wait(self) -> Any:
+        if self._finish is None:
+            raise RuntimeError("wait() was already called on this dispatch or combine")
+        finish, self._finish = self._finish, None
+        return finish()
 
 
 def expert_major_order(etp: int, ep: int, num_local_experts: int, inverse: bool = False) -> list[int]:
@@ -176,12 +206,32 @@ class TokenDispatcher(ABC):
     def combine(self, expert_output: torch.Tensor, handle: Handle) -> torch.Tensor:
         """Return ``[T, H]``: each token's expert output rows summed, on the rank the
         token came from. ``expert_output[N, H]`` is in the order of the dispatched rows."""
-        if expert_output.dim() != 2 or expert_output.shape[0] != handle.num_rows:
-            raise ValueError(f"expert_output must be [N={handle.num_rows}, H] (one row per dispatched row), "
-                             f"got shape {tuple(expert_output.shape)}")
+        self._check_expert_output(expert_output, handle)
         x = self.combine_preprocess(expert_output, handle)
         x = self.combine_communicate(x, handle)
         return self.combine_postprocess(x, handle)
+
+    def dispatch_start(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> Waitable:
+        """:meth:`dispatch` that returns once its collectives are launched; ``.wait()``
+        returns the :class:`DispatchOutput`. The preprocess (with its count exchange) runs
+        before this returns, the postprocess inside ``wait``."""
+        self._check_inputs(tokens, probs, routing_map)
+        handle, x, p = self.dispatch_preprocess(tokens, probs, routing_map)
+        sent = self.dispatch_communicate_start(x, p, handle)
+
+        def finish() -> DispatchOutput:
+            x, p = sent.wait()
+            x, p, counts = self.dispatch_postprocess(x, p, handle)
+            handle.num_rows = x.shape[0]
+            return DispatchOutput(tokens=x, tokens_per_local_expert=counts, probs=p, handle=handle)
+        return Waitable(finish)
+
+    def combine_start(self, expert_output: torch.Tensor, handle: Handle) -> Waitable:
+        """:meth:`combine` that returns once its collectives are launched; ``.wait()``
+        returns ``[T, H]``."""
+        self._check_expert_output(expert_output, handle)
+        sent = self.combine_communicate_start(self.combine_preprocess(expert_output, handle), handle)
+        return Waitable(lambda: self.combine_postprocess(sent.wait(), handle))
 
     # ------------------------------------------------------------------ steps
 
@@ -194,6 +244,11 @@ class TokenDispatcher(ABC):
         """The collectives of the dispatch; records their bytes on ``handle.wire``."""
 
     @abstractmethod
+    def dispatch_communicate_start(self, x, probs, handle) -> Waitable:
+        """:meth:`dispatch_communicate`, launched without waiting: ``.wait()`` returns
+        ``(x, probs)``. Same results, bytes and per-group order of collectives."""
+
+    @abstractmethod
     def dispatch_postprocess(self, x, probs, handle) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Local work after communication: rows, probs and counts for the experts."""
 
@@ -204,6 +259,10 @@ class TokenDispatcher(ABC):
     @abstractmethod
     def combine_communicate(self, x, handle) -> torch.Tensor:
         """The collectives of the combine; records their bytes on ``handle.wire``."""
+
+    @abstractmethod
+    def combine_communicate_start(self, x, handle) -> Waitable:
+        """:meth:`combine_communicate`, launched without waiting: ``.wait()`` returns ``x``."""
 
     @abstractmethod
     def combine_postprocess(self, x, handle) -> torch.Tensor:
@@ -221,6 +280,12 @@ class TokenDispatcher(ABC):
         if tuple(probs.shape) != shape or not probs.is_floating_point():
             raise ValueError(f"probs must be a float tensor of shape {shape} [tokens, num_experts], "
                              f"got {probs.dtype} {tuple(probs.shape)}")
+
+    @staticmethod
+    def _check_expert_output(expert_output: torch.Tensor, handle: Handle) -> None:
+        if expert_output.dim() != 2 or expert_output.shape[0] != handle.num_rows:
+            raise ValueError(f"expert_output must be [N={handle.num_rows}, H] (one row per dispatched row), "
+                             f"got shape {tuple(expert_output.shape)}")
 
     def _gather_counts(self, counts: torch.Tensor, wire: WireBytes) -> list[list[list[int]]]:
         """All-gather ``counts[C]`` (int64) over the etp x ep group; returns a host list
