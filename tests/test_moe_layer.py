@@ -276,3 +276,68 @@ def test_model_interleaves_dense_and_moe_layers():
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
     assert math.isfinite(loss.item())
+
+
+# --------------------------------------------------------------------------- overlap
+
+OVERLAPS = [dict(shared_expert_overlap=True), dict(overlap_chunks=2),
+            dict(shared_expert_overlap=True, overlap_chunks=3)]
+MODES = [dict(), dict(capacity_factor=0.75), dict(dedup=True), dict(dispatcher="allgather", capacity_factor=0.75)]
+
+
+def _layer_run(config, x):
+    """Output, input grad and parameter grads of layer 1 of ``config`` on ``x``."""
+    layer = MoELayer(config, ProcessGroups.single_process(), 1)
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    (out * torch.linspace(-1, 1, H)).sum().backward()
+    return layer, out.detach(), x.grad, {name: p.grad for name, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("moe", MODES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()) or "dropless")
+@pytest.mark.parametrize("overlap", OVERLAPS, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+def test_overlap_gives_the_layer_without_overlap(overlap, moe):
+    """Same output and grads as the blocking layer: bit for bit with the shared-expert
+    overlap alone (the same operations on the same tensors), within fp32 rounding when
+    chunked (the grouped GEMMs run on fewer rows, the expert weight grads sum per chunk).
+    Capacity 0.75 drops tokens, which the chunks must not change: routing is per layer."""
+    x = _inputs(4)
+    shared = dict(shared_expert_ffn_hidden_size=SHARED, shared_expert_gate=True)
+    base, out, x_grad, grads = _layer_run(_config(**shared, **moe), x)
+    layer, got, got_x_grad, got_grads = _layer_run(_config(**shared, **moe, **overlap), x)
+    if "capacity_factor" in moe:
+        assert 0 < base.last_stats.dropped_fraction < 1
+    torch.testing.assert_close(layer.last_stats.dropped_fraction, base.last_stats.dropped_fraction, rtol=0, atol=0)
+    tol = dict(rtol=0, atol=0) if overlap.get("overlap_chunks", 1) == 1 else dict(rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got, out, **tol)
+    torch.testing.assert_close(got_x_grad, x_grad, **tol)
+    for name, g in grads.items():
+        assert g.abs().max() > 0, name
+        torch.testing.assert_close(got_grads[name], g, **tol, msg=lambda m: f"grad {name}: {m}")
+    # And both equal the loop written out above.
+    torch.testing.assert_close(got, _layer_ref(layer, x, _kept(layer, x, moe)), rtol=1e-5, atol=1e-6)
+
+
+def _kept(layer, x, moe):
+    """The (token, expert) pairs capacity keeps (policy ``probs``), or None for dropless."""
+    if "capacity_factor" not in moe:
+        return None
+    capacity = math.ceil(T * K / E * moe["capacity_factor"])
+    logits = (x @ layer.router.weight.t()).detach()
+    top = logits.topk(K, dim=1).indices
+    probs = torch.zeros(T, E).scatter_(1, top, torch.softmax(logits.gather(1, top), dim=1))
+    kept = torch.zeros(T, E, dtype=torch.bool)
+    for e in range(E):
+        for t in sorted((t for t in range(T) if probs[t, e] > 0), key=lambda t: -probs[t, e].item())[:capacity]:
+            kept[t, e] = True
+    return kept
+
+
+def test_overlap_bad_settings_are_refused():
+    with pytest.raises(ValueError, match=r"moe.shared_expert_overlap=true needs a shared expert"):
+        MoELayer(_config(shared_expert_overlap=True), ProcessGroups.single_process(), 0)
+    with pytest.raises(ValueError, match=r"moe.overlap_chunks=0 must be >= 1"):
+        MoELayer(_config(overlap_chunks=0), ProcessGroups.single_process(), 0)
+    with pytest.raises(ValueError, match=r"moe.overlap_chunks=2 requires moe.pad_to_capacity=false"):
+        MoELayer(_config(overlap_chunks=2, capacity_factor=1.0, pad_to_capacity=True),
+                 ProcessGroups.single_process(), 0)
