@@ -22,6 +22,7 @@ EPILOG = """examples:
   moe-fold plan --config mixtral-8x7b --world 64 --gpu h200 --search --top 10
   moe-fold plan --config qwen3-30b-a3b --world 16 --gpu b200 --json
   moe-fold plan --config mixtral-8x7b --world 64 --tp 2 --pp 4 --ep 8 --implementation megatron
+  moe-fold plan --config qwen2-57b-a14b --world 64 --ep 8 --shared-expert-overlap --overlap-chunks 2
 
 An impossible layout prints the rules it breaks and exits with code 2.
 """
@@ -52,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(fused kernels, 18 bytes/parameter mixed-precision Adam)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="data-parallel gradient traffic fully exposed (default: hidden but the last bucket)")
+    parser.add_argument("--shared-expert-overlap", action=argparse.BooleanOptionalAction, default=None,
+                        help="the shared expert runs under the ep all-to-all (default: moe.shared_expert_overlap)")
+    parser.add_argument("--overlap-chunks", type=int, default=None,
+                        help="chunks whose all-to-all overlaps the other chunks' experts (default: moe.overlap_chunks)")
     parser.add_argument("--search", action="store_true", help="rank every valid layout of --world by MFU")
     parser.add_argument("--top", type=int, default=15, help="layouts shown by --search (default 15)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -106,6 +111,11 @@ def _print_plan(console, plan) -> None:
     console.print(f"model FLOPs / step {fl['model_per_step']:.3e}; per GPU {fl['model_per_rank_per_s'] / 1e12:,.0f} "
                   f"TFLOP/s achieved (model FLOPs); [bold]MFU {100 * plan.mfu:.1f}%[/bold]"
                   f"{'' if plan.fits else '  [red]does not fit in memory[/red]'}")
+    ov = plan.moe_overlap
+    if ov.get("ep_a2a_s"):
+        console.print(f"MoE overlap assumed: shared expert under the all-to-all "
+                      f"{'on' if ov['shared_expert_overlap'] else 'off'}, {ov['overlap_chunks']} chunk(s); "
+                      f"ep all-to-all {ov['ep_a2a_s']:.4f} s / step, {ov['ep_a2a_exposed_s']:.4f} s exposed")
     for note in plan.notes:
         console.print(f"note: {note}")
 
@@ -141,6 +151,10 @@ def run(args: argparse.Namespace) -> int:
         config = with_layout(config, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp,
                              mbs=args.mbs, gbs=args.gbs, seq=args.seq, recompute=args.recompute,
                              distributed=args.distributed_optimizer)
+        if args.shared_expert_overlap is not None:
+            config.moe.shared_expert_overlap = args.shared_expert_overlap
+        if args.overlap_chunks is not None:
+            config.moe.overlap_chunks = args.overlap_chunks
         if args.search:
             plans = search(config, args.world, gpu, assumptions)
         else:
