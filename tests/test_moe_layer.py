@@ -282,7 +282,14 @@ def test_model_interleaves_dense_and_moe_layers():
 
 OVERLAPS = [dict(shared_expert_overlap=True), dict(overlap_chunks=2),
             dict(shared_expert_overlap=True, overlap_chunks=3)]
-MODES = [dict(), dict(capacity_factor=0.75), dict(dedup=True), dict(dispatcher="allgather", capacity_factor=0.75)]
+MODES = [dict(), dict(capacity_factor=0.75), dict(dedup=True), dict(dispatcher="allgather", capacity_factor=0.75),
+         dict(capacity_factor=0.75, pad_to_capacity=True)]
+# Chunks with padding are refused (test_overlap_bad_settings_are_refused).
+COMBINATIONS = [(o, m) for o in OVERLAPS for m in MODES if not ("overlap_chunks" in o and "pad_to_capacity" in m)]
+
+
+def _name(settings):
+    return ",".join(f"{k}={v}" for k, v in settings.items()) or "dropless"
 
 
 def _layer_run(config, x):
@@ -294,8 +301,7 @@ def _layer_run(config, x):
     return layer, out.detach(), x.grad, {name: p.grad for name, p in layer.named_parameters()}
 
 
-@pytest.mark.parametrize("moe", MODES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()) or "dropless")
-@pytest.mark.parametrize("overlap", OVERLAPS, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+@pytest.mark.parametrize("overlap, moe", COMBINATIONS, ids=[f"{_name(o)}-{_name(m)}" for o, m in COMBINATIONS])
 def test_overlap_gives_the_layer_without_overlap(overlap, moe):
     """Same output and grads as the blocking layer: bit for bit with the shared-expert
     overlap alone (the same operations on the same tensors), within fp32 rounding when
