@@ -13,7 +13,9 @@ fields):
 Fields of every line: ``kind``, ``variant`` (``off`` is the blocking order), ``comm_ms``
 (the kind's collectives with the overlap off: the time the rank is blocked in them, all of
 which is communication), ``exposed_ms`` (the time this variant leaves the rank blocked in
-them: launches and waits), ``exposed_fraction = exposed_ms / comm_ms``, ``step_ms`` (what
+them: launches and waits), ``exposed_fraction = exposed_ms / comm_ms``,
+``other_blocked_ms`` (blocked in other collectives: for ``ep``, the count exchange, one
+per chunk, and the etp collectives), ``step_ms`` (what
 the overlap is for: here one MoE layer's forward and backward), ``step_ms_off`` and
 ``ratio_to_off = step_ms / step_ms_off`` (below 1: faster), and
 ``planner_exposed_fraction``: the planner's term (:mod:`moe_fold.planner.moe_overlap`) for
@@ -132,7 +134,7 @@ def _ep_rank(rank: int, world: int, args) -> dict:
                 out = layer(h)
                 out.backward(upstream)
                 step = time.perf_counter() - start
-            row[variant] = (step, blocked[kind])
+            row[variant] = (step, blocked[kind], sum(blocked.values()) - blocked[kind])
         if r >= args.warmup:
             rounds.append(row)
     # The matmul rate the planner's term needs: the shared expert and the experts on this
@@ -153,24 +155,25 @@ def _ep_rank(rank: int, world: int, args) -> dict:
 def measure_ep(args) -> list[dict]:
     """The ``ep`` kind: one JSON-ready dict per variant of :data:`EP_VARIANTS`."""
     results = run_ranks(_ep_rank, args.ep, args, timeout=args.timeout)
-    per_round = [{v: (max(res["rounds"][i][v][0] for res in results),  # slowest rank's step
-                      statistics.mean(res["rounds"][i][v][1] for res in results))  # mean rank's blocked time
+    # Per round: the slowest rank's step, the mean rank's blocked times.
+    per_round = [{v: (max(res["rounds"][i][v][0] for res in results),
+                      *(statistics.mean(res["rounds"][i][v][j] for res in results) for j in (1, 2)))
                   for v in EP_VARIANTS} for i in range(args.rounds)]
-    med = {v: (statistics.median(r[v][0] for r in per_round), statistics.median(r[v][1] for r in per_round))
-           for v in EP_VARIANTS}
-    step_off, comm_off = med["off"]
+    med = {v: tuple(statistics.median(r[v][j] for r in per_round) for j in range(3)) for v in EP_VARIANTS}
+    step_off, comm_off, _ = med["off"]
     config = _ep_config(args, "off")
     flops = layer_forward_flops(config, 0)
     matmul_flops = 3 * args.tokens * (flops["experts"] + flops["shared"])
     rate = matmul_flops / statistics.median(res["matmul_s"] for res in results)
     lines = []
-    for variant, (step, exposed) in med.items():
+    for variant, (step, exposed, other) in med.items():
         planner = exposed_ep_seconds(_ep_config(args, variant), 0, comm_off, rate)
         lines.append({"bench": "overlap", "kind": "ep", "variant": variant, "dispatcher": args.dispatcher,
                       "ep": args.ep, "tokens": args.tokens, "hidden": args.hidden, "ffn": args.ffn,
                       "shared_ffn": args.shared_ffn, "experts": args.experts, "topk": args.topk,
                       "rounds": args.rounds, "comm_ms": 1e3 * comm_off, "exposed_ms": 1e3 * exposed,
-                      "exposed_fraction": exposed / comm_off, "step_ms": 1e3 * step, "step_ms_off": 1e3 * step_off,
+                      "exposed_fraction": exposed / comm_off, "other_blocked_ms": 1e3 * other,
+                      "step_ms": 1e3 * step, "step_ms_off": 1e3 * step_off,
                       "ratio_to_off": step / step_off, "planner_exposed_fraction": planner / comm_off})
     return lines
 
