@@ -347,3 +347,28 @@ def test_overlap_bad_settings_are_refused():
     with pytest.raises(ValueError, match=r"moe.overlap_chunks=2 requires moe.pad_to_capacity=false"):
         MoELayer(_config(overlap_chunks=2, capacity_factor=1.0, pad_to_capacity=True),
                  ProcessGroups.single_process(), 0)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_recompute_covers_the_overlapped_shared_expert(overlap):
+    """train.recompute=moe recomputes the shared expert also when the overlap runs its
+    halves apart: the same grads, and of the shared expert's ``[T, SHARED]`` tensors (gate,
+    up, their SwiGLU) at most the SwiGLU output between the halves is kept."""
+    from moe_fold.training.train import apply_recompute
+
+    def kept_and_grads(recompute):
+        layer = MoELayer(_config(shared_expert_ffn_hidden_size=SHARED, shared_expert_overlap=overlap),
+                         ProcessGroups.single_process(), 1)
+        apply_recompute(layer, recompute)
+        shapes = []
+        x = _inputs(5).requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            out = layer(x)
+        (out * torch.linspace(-1, 1, H)).sum().backward()
+        return shapes.count((T, SHARED)), [x.grad] + [p.grad for p in layer.parameters()]
+
+    plain_kept, plain = kept_and_grads("none")
+    kept, grads = kept_and_grads("moe")
+    for got, want in zip(grads, plain):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert plain_kept >= 3 and kept <= (1 if overlap else 0)
