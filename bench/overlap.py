@@ -1,211 +1,282 @@
-"""Communication hidden behind compute, per collective kind, on gloo ranks (CPU).
+"""Communication hidden behind compute: per collective kind, the time one training step
+spends on it and the part left exposed, and the step time, with its overlap off and on,
+side by side in one run, next to the planner's exposed-communication terms.
 
-    python bench/overlap.py [--kind ep] [--ep 2] [--tokens 2048] [--hidden 256] ...
+    python bench/overlap.py [--world 4] [--preset mixtral-tiny] [--set key=value ...]
+                            [--bucket-numel 65536] [--rounds 5] [--kinds dp_grads,param_gather,ep_alltoall]
 
-Kinds (:data:`KINDS`; one measurement function each, all printing JSON lines with the same
-fields):
+Every rank trains the preset (the loop's own path: :func:`moe_fold.training.step.forward_backward`
+with the gradient reduction's hooks, :func:`moe_fold.training.optim.apply_gradients`) on
+``--world`` gloo ranks. A kind is one entry of :data:`KINDS`: the config of each setting
+(``off``, ``on``) and the seconds a rank has spent waiting on that kind's communication:
 
-- ``ep``: the MoE layer's expert-parallel all-to-all (the all-gather dispatcher's
-  all-gather and reduce-scatter with ``--dispatcher allgather``), with
-  ``moe.shared_expert_overlap`` and ``moe.overlap_chunks`` off and on
-  (:func:`measure_ep`).
+- ``dp_grads``: the gradient buckets' all-reduce (``parallel.overlap_grad_reduce``);
+  waiting = :attr:`moe_fold.training.buckets.GradSync.exposed_s`;
+- ``param_gather``: the distributed optimizer's parameter all-gather
+  (``parallel.overlap_param_gather``, gradients reduce-scattered without overlap in both);
+  waiting = :attr:`moe_fold.training.optim.AdamW.gather_wait_s`;
+- ``ep_alltoall``: the dispatcher's all-to-alls (token rows and probs, forward and
+  backward; ``moe.dispatcher=alltoall``), ``on``: ``moe.overlap_chunks=2`` and, where the
+  preset has a shared expert (``--preset qwen2-moe-tiny``), ``moe.shared_expert_overlap``;
+  waiting = the time inside blocking all-to-alls, and in posting and waiting on
+  asynchronous ones (the bench wraps ``torch.distributed.all_to_all_single``).
 
-Fields of every line: ``kind``, ``variant`` (``off`` is the blocking order), ``comm_ms``
-(the kind's collectives with the overlap off: the time the rank is blocked in them, all of
-which is communication), ``exposed_ms`` (the time this variant leaves the rank blocked in
-them: launches and waits), ``exposed_fraction = exposed_ms / comm_ms``,
-``other_blocked_ms`` (blocked in other collectives: for ``ep``, the count exchange, one
-per chunk, and the etp collectives), ``step_ms`` (what
-the overlap is for: here one MoE layer's forward and backward), ``step_ms_off`` and
-``ratio_to_off = step_ms / step_ms_off`` (below 1: faster), and
-``planner_exposed_fraction``: the planner's term (:mod:`moe_fold.planner.moe_overlap`) for
-the same switches, given the measured ``comm_ms`` and the matmul rate measured here.
+With a kind's overlap off a rank waits for each collective right after posting it, so
+its waiting time is the collective's whole time: ``comm_ms``. With it on, the waiting
+time is what compute did not hide: ``exposed_ms_on``, and ``exposed_fraction`` =
+``exposed_ms_on / comm_ms`` (the primary figure: on a 2-core machine the ranks' compute
+and gloo's threads share the cores, so a wall-clock gain is small). ``step_ratio`` =
+step time off / on (> 1: overlap faster). Settings run interleaved, round after round, one
+step each; medians over rounds, the slowest rank's step time and the mean rank's waiting.
 
-How: every rank wraps torch.distributed's collectives to time the calls (a blocking call
-in full, an asynchronous one's launch) and the waits on asynchronous ones, per group kind.
-Variants run interleaved, in a rotating order, round after round, with the same weights and
-inputs; a round's time is the slowest rank's; medians over rounds. On this 2-core machine
-the gloo transfer threads compete with compute for the cores, so wall-clock gains are small
-and noisy; the exposed fraction is the primary figure.
+The planner's terms: :func:`moe_fold.planner.estimate.estimate` on a "GPU" calibrated to
+this run (its FLOP rate: the rank's model FLOPs per step over the step time less the
+communication, overlap off; its link: the bytes per step of the kind's groups over the
+time waited on them, overlap off), with
+the setting's switches: ``planner_comm_ms`` (overlap off) and ``planner_exposed_ms``
+(on), whose ratio ``planner_exposed_fraction`` stands next to the measured one.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
+import dataclasses
 import json
-import os
 import statistics
+import sys
 import time
+from dataclasses import dataclass
+from typing import Callable
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from moe_fold import comm
+from moe_fold.config import Config, load_config
+from moe_fold.data.loader import Batch
+from moe_fold.launch import run_ranks
 
-from moe_fold import comm  # noqa: E402
-from moe_fold.config import Config, ModelConfig  # noqa: E402
-from moe_fold.launch import run_ranks  # noqa: E402
-from moe_fold.layout import ParallelLayout, create_process_groups  # noqa: E402
-from moe_fold.models.moe_layer import MoELayer  # noqa: E402
-from moe_fold.planner.model import layer_forward_flops  # noqa: E402
-from moe_fold.planner.moe_overlap import exposed_ep_seconds  # noqa: E402
-
-# The collectives moe_fold.comm calls; wrapped while a kind is measured.
-_COLLECTIVES = ("all_to_all_single", "all_gather_single", "reduce_scatter_single", "all_reduce")
+# Seconds this process has spent blocked in all-to-alls (see the module doc).
+_ALL_TO_ALL_S = [0.0]
 
 
 class _TimedWork:
-    """An asynchronous collective's work whose wait is timed."""
+    """An asynchronous all-to-all's work, whose wait counts as time blocked in it."""
 
-    def __init__(self, work, blocked: dict, kind: str):
-        self._work, self._blocked, self._kind = work, blocked, kind
+    def __init__(self, work):
+        self._work = work
 
     def wait(self, *args, **kwargs):
-        start = time.perf_counter()
+        begin = time.perf_counter()
         try:
             return self._work.wait(*args, **kwargs)
         finally:
-            self._blocked[self._kind] += time.perf_counter() - start
+            _ALL_TO_ALL_S[0] += time.perf_counter() - begin
 
 
-@contextlib.contextmanager
-def blocked_seconds():
-    """Yield a dict that accumulates, per group kind, the seconds this rank spends inside
-    collective calls and waits on asynchronous ones (the exposed communication)."""
-    blocked: dict[str, float] = collections.defaultdict(float)
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
-
-    def timed(fn):
-        def call(*args, group=None, async_op=False, **kwargs):
-            kind, start = comm.group_kind(group), time.perf_counter()
-            work = fn(*args, group=group, async_op=async_op, **kwargs)
-            blocked[kind] += time.perf_counter() - start
-            return _TimedWork(work, blocked, kind) if async_op else work
-        return call
-
-    for name, fn in originals.items():
-        setattr(dist, name, timed(fn))
-    try:
-        yield blocked
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+def _timed_all_to_all(raw: Callable) -> Callable:
+    def timed(*args, async_op=False, **kwargs):
+        begin = time.perf_counter()
+        try:
+            work = raw(*args, async_op=async_op, **kwargs)
+        finally:
+            _ALL_TO_ALL_S[0] += time.perf_counter() - begin
+        return _TimedWork(work) if async_op else work
+    return timed
 
 
-# --------------------------------------------------------------------------- kind "ep"
-
-EP_VARIANTS = {"off": {}, "shared": dict(shared_expert_overlap=True), "chunks2": dict(overlap_chunks=2),
-               "shared+chunks2": dict(shared_expert_overlap=True, overlap_chunks=2)}
-
-
-def _ep_config(args, variant: str) -> Config:
-    config = Config()
-    config.model = ModelConfig(vocab_size=64, hidden_size=args.hidden, num_layers=1, num_heads=4, num_kv_heads=4,
-                               ffn_hidden_size=args.ffn, seq_length=args.tokens, init_std=0.02)
-    moe = config.moe
-    moe.num_experts, moe.topk, moe.ffn_hidden_size = args.experts, args.topk, args.ffn
-    moe.shared_expert_ffn_hidden_size, moe.aux_loss_coeff = args.shared_ffn, 0.0
-    moe.dispatcher, moe.capacity_factor = args.dispatcher, args.capacity_factor
-    for key, value in EP_VARIANTS[variant].items():
-        setattr(moe, key, value)
-    config.parallel.ep = args.ep
-    return config
+def _moe_overlap(preset: Config) -> list[str]:
+    """The MoE layer's overlap switches (the shared-expert one only if there is one)."""
+    return ["moe.overlap_chunks=2"] + (["moe.shared_expert_overlap=true"] if
+                                       preset.moe.shared_expert_ffn_hidden_size > 0 else [])
 
 
-def _ep_rank(rank: int, world: int, args) -> dict:
-    torch.set_num_threads(1)
-    groups = create_process_groups(ParallelLayout(world, ep=args.ep))
-    layers = {v: MoELayer(_ep_config(args, v), groups, 0) for v in EP_VARIANTS}
-    gen = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(args.tokens, args.hidden, generator=gen)
-    upstream = torch.randn(args.tokens, args.hidden, generator=gen)
-    kind = "ep" if args.dispatcher == "alltoall" else "etp_ep"
-    names = list(EP_VARIANTS)
-    rounds: list[dict] = []
-    for r in range(args.warmup + args.rounds):
-        row = {}
-        for variant in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
-            layer, h = layers[variant], x.clone().requires_grad_()
-            dist.barrier()
-            with blocked_seconds() as blocked:
-                start = time.perf_counter()
-                out = layer(h)
-                out.backward(upstream)
-                step = time.perf_counter() - start
-            row[variant] = (step, blocked[kind], sum(blocked.values()) - blocked[kind])
-        if r >= args.warmup:
-            rounds.append(row)
-    # The matmul rate the planner's term needs: the shared expert and the experts on this
-    # rank's share of rows, forward and backward, timed alone.
-    layer = layers["off"]
-    rows = args.tokens * args.topk
-    counts = torch.full((layer.experts.num_local_experts,), rows // layer.experts.num_local_experts)
-    tokens = torch.randn(int(counts.sum()), args.hidden, requires_grad=True)
-    probs = torch.rand(int(counts.sum()))
-    start = time.perf_counter()
-    for _ in range(args.rounds):
-        layer.experts(tokens, counts, probs).sum().backward()
-        layer.shared_expert(x.requires_grad_()).sum().backward()
-    matmul_s = (time.perf_counter() - start) / args.rounds
-    return {"rounds": rounds, "matmul_s": matmul_s}
+@dataclass
+class Setup:
+    """One setting's model, optimizer and gradient reduction on this rank."""
+    config: Config
+    model: torch.nn.Module
+    optimizer: object
+    grad_sync: object
 
 
-def measure_ep(args) -> list[dict]:
-    """The ``ep`` kind: one JSON-ready dict per variant of :data:`EP_VARIANTS`."""
-    results = run_ranks(_ep_rank, args.ep, args, timeout=args.timeout)
-    # Per round: the slowest rank's step, the mean rank's blocked times.
-    per_round = [{v: (max(res["rounds"][i][v][0] for res in results),
-                      *(statistics.mean(res["rounds"][i][v][j] for res in results) for j in (1, 2)))
-                  for v in EP_VARIANTS} for i in range(args.rounds)]
-    med = {v: tuple(statistics.median(r[v][j] for r in per_round) for j in range(3)) for v in EP_VARIANTS}
-    step_off, comm_off, _ = med["off"]
-    config = _ep_config(args, "off")
-    flops = layer_forward_flops(config, 0)
-    matmul_flops = 3 * args.tokens * (flops["experts"] + flops["shared"])
-    rate = matmul_flops / statistics.median(res["matmul_s"] for res in results)
-    lines = []
-    for variant, (step, exposed, other) in med.items():
-        planner = exposed_ep_seconds(_ep_config(args, variant), 0, comm_off, rate)
-        lines.append({"bench": "overlap", "kind": "ep", "variant": variant, "dispatcher": args.dispatcher,
-                      "ep": args.ep, "tokens": args.tokens, "hidden": args.hidden, "ffn": args.ffn,
-                      "shared_ffn": args.shared_ffn, "experts": args.experts, "topk": args.topk,
-                      "rounds": args.rounds, "comm_ms": 1e3 * comm_off, "exposed_ms": 1e3 * exposed,
-                      "exposed_fraction": exposed / comm_off, "other_blocked_ms": 1e3 * other,
-                      "step_ms": 1e3 * step, "step_ms_off": 1e3 * step_off,
-                      "ratio_to_off": step / step_off, "planner_exposed_fraction": planner / comm_off})
-    return lines
+@dataclass(frozen=True)
+class Kind:
+    """A collective kind: config overrides per setting (or a function of the preset's
+    config that returns them), the seconds a rank has waited on it
+    so far, its group kinds (bytes), the planner's time entries for it, and the seconds
+    waited on all the traffic of those group kinds (the link's calibration)."""
+    settings: dict[str, list[str] | Callable[[Config], list[str]]]
+    waited: Callable[[Setup], float]
+    byte_kinds: tuple[str, ...]
+    planner_keys: Callable[[str], bool]
+    link_waited: Callable[[Setup], float]
 
 
-# name -> the function measuring that collective kind; each returns JSON-ready dicts.
-KINDS = {"ep": measure_ep}
+KINDS: dict[str, Kind] = {
+    "dp_grads": Kind(
+        settings={"off": ["parallel.overlap_grad_reduce=false"], "on": ["parallel.overlap_grad_reduce=true"]},
+        waited=lambda s: s.grad_sync.exposed_s,
+        byte_kinds=("dp_cp", "tp_dp_cp", "edp"),
+        planner_keys=lambda key: key.endswith("grads (exposed)"),
+        link_waited=lambda s: s.grad_sync.exposed_s),
+    "param_gather": Kind(
+        settings={"off": ["optimizer.distributed=true", "parallel.overlap_param_gather=false"],
+                  "on": ["optimizer.distributed=true", "parallel.overlap_param_gather=true"]},
+        waited=lambda s: s.optimizer.gather_wait_s,
+        byte_kinds=("dp_cp", "tp_dp_cp", "edp"),
+        planner_keys=lambda key: key.endswith("params (exposed)"),
+        # the bytes are the reduce-scatter's and the all-gather's
+        link_waited=lambda s: s.grad_sync.exposed_s + s.optimizer.gather_wait_s),
+    "ep_alltoall": Kind(
+        settings={"off": [], "on": _moe_overlap},
+        waited=lambda s: _ALL_TO_ALL_S[0],
+        byte_kinds=("ep", "etp_ep"),
+        planner_keys=lambda key: key in ("ep", "etp_ep"),
+        link_waited=lambda s: _ALL_TO_ALL_S[0]),
+}
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--kind", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)} (default all)")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--timeout", type=float, default=600)
-    ep = p.add_argument_group("kind ep: one MoE layer with a shared expert on --ep gloo ranks")
-    ep.add_argument("--ep", type=int, default=2)
-    ep.add_argument("--dispatcher", choices=("alltoall", "allgather"), default="alltoall")
-    ep.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
-    ep.add_argument("--hidden", type=int, default=256)
-    ep.add_argument("--ffn", type=int, default=256, help="routed expert width")
-    ep.add_argument("--shared-ffn", type=int, default=512, help="shared expert width")
-    ep.add_argument("--experts", type=int, default=8)
-    ep.add_argument("--topk", type=int, default=2)
-    ep.add_argument("--capacity-factor", type=float, default=None, help="default dropless")
-    args = p.parse_args(argv)
-    for kind in args.kind.split(","):
-        if kind not in KINDS:
-            raise SystemExit(f"--kind: {kind!r} is not one of {', '.join(KINDS)}")
-        for line in KINDS[kind](args):
-            print(json.dumps(line), flush=True)
+def _build(config: Config, groups) -> Setup:
+    from moe_fold.models.model import build_model
+    from moe_fold.training.optim import build_grad_sync, build_optimizer
+
+    p = config.parallel
+    torch.manual_seed(config.train.seed)
+    model = build_model(config, groups)
+    optimizer = build_optimizer(model, config.optimizer, groups, bucket_numel=p.grad_bucket_numel,
+                                overlap_param_gather=p.overlap_param_gather)
+    grad_sync = build_grad_sync(model, optimizer, groups, bucket_numel=p.grad_bucket_numel,
+                                overlap=p.overlap_grad_reduce)
+    return Setup(config, model, optimizer, grad_sync)
+
+
+def _step(setup: Setup, groups, batches: list[Batch]) -> float:
+    """One training step (the loop's path); returns its wall seconds on this rank."""
+    from moe_fold.training.optim import apply_gradients
+    from moe_fold.training.step import forward_backward
+
+    dist.barrier()
+    begin = time.perf_counter()
+    forward_backward(setup.model, batches, groups, setup.config, grad_sync=setup.grad_sync)
+    apply_gradients(setup.model.parameters(), setup.optimizer, groups, setup.config.optimizer.clip_grad,
+                    grad_sync=setup.grad_sync)
+    setup.optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - begin
+
+
+def _batches(config: Config, groups) -> list[Batch]:
+    t, m = config.train, config.model
+    micro = t.global_batch_size // (t.micro_batch_size * groups.size("dp"))
+    gen = torch.Generator().manual_seed(7 + groups.rank_in("dp"))
+    out = []
+    for _ in range(micro):
+        ids = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length + 1), generator=gen)
+        b, seq = t.micro_batch_size, m.seq_length
+        out.append(Batch(tokens=ids[:, :-1], labels=ids[:, 1:], loss_mask=torch.ones(b, seq),
+                         positions=torch.arange(seq).expand(b, seq),
+                         cu_seqlens=torch.arange(0, b * seq + 1, seq, dtype=torch.int32)))  # one sequence a row
+    return out
+
+
+def _worker(rank: int, world: int, configs: dict[str, dict[str, Config]], rounds: int) -> dict:
+    from moe_fold.training.train import build_groups
+
+    dist.all_to_all_single = _timed_all_to_all(dist.all_to_all_single)
+    first = next(iter(next(iter(configs.values())).values()))
+    groups = build_groups(first)
+    batches = _batches(first, groups)
+    setups = {(k, s): _build(c, groups) for k, settings in configs.items() for s, c in settings.items()}
+    samples: dict[tuple[str, str], dict[str, list[float]]] = {
+        key: {"step": [], "waited": [], "link_waited": [], "bytes": []} for key in setups}
+    for r in range(-1, rounds):  # round -1 warms every setting up
+        order = list(setups) if r % 2 == 0 else list(reversed(setups))
+        for key in order:
+            setup, kind = setups[key], KINDS[key[0]]
+            before, link_before = kind.waited(setup), kind.link_waited(setup)
+            with comm.count_bytes() as sent:
+                seconds = _step(setup, groups, batches)
+            if r >= 0:
+                samples[key]["step"].append(seconds)
+                samples[key]["waited"].append(kind.waited(setup) - before)
+                samples[key]["link_waited"].append(kind.link_waited(setup) - link_before)
+                samples[key]["bytes"].append(sum(sent.get(k, 0) for k in kind.byte_kinds))
+    return samples
+
+
+def _median_over_ranks(ranks: list[dict], key, field: str, reduce: Callable) -> float:
+    """Per round, ``reduce`` over ranks; then the median over rounds."""
+    per_round = zip(*(r[key][field] for r in ranks))
+    return statistics.median(reduce(values) for values in per_round)
+
+
+def _planner(config: Config, world: int, kind: Kind, flops_per_s: float, bytes_per_s: float) -> float:
+    """Seconds the planner charges for the kind's communication under ``config``'s switches,
+    on a device with this run's FLOP rate and link."""
+    from moe_fold.planner.estimate import Assumptions, estimate
+    from moe_fold.planner.hardware import GPU
+
+    gpu = GPU("calibrated", peak_flops=flops_per_s, memory=1e18, hbm_bw=1e18, nvlink_bw=bytes_per_s,
+              inter_node_bw=bytes_per_s, gpus_per_node=world)
+    plan = estimate(config, world, gpu, Assumptions(matmul_efficiency=1.0, memory_overhead=0))
+    return sum(s for key, s in plan.time.items() if kind.planner_keys(key))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--preset", default="mixtral-tiny")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--bucket-numel", type=int, default=1 << 16, help="parallel.grad_bucket_numel")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, from {', '.join(KINDS)}")
+    args = parser.parse_args(argv)
+    kinds = args.kinds.split(",")
+    for k in kinds:
+        if k not in KINDS:
+            parser.error(f"--kinds {args.kinds!r}: {k} is not a kind; choose from {', '.join(KINDS)}")
+    base = ["wandb.mode=disabled", "train.micro_batch_size=2", f"parallel.grad_bucket_numel={args.bucket_numel}",
+            *args.set]
+    preset = load_config(args.preset, base)
+    configs = {k: {s: load_config(args.preset, base + (extra(preset) if callable(extra) else extra))
+                   for s, extra in KINDS[k].settings.items()} for k in kinds}
+    ranks = run_ranks(_worker, args.world, configs, args.rounds, timeout=1200, threads=1)
+
+    from moe_fold.planner.model import rank_flops_per_microbatch
+
+    for k in kinds:
+        kind = KINDS[k]
+        off = (k, "off")
+        step_off = _median_over_ranks(ranks, off, "step", max)
+        comm_off = _median_over_ranks(ranks, off, "waited", statistics.mean)
+        nbytes = _median_over_ranks(ranks, off, "bytes", statistics.mean)
+        link_s = _median_over_ranks(ranks, off, "link_waited", statistics.mean)
+        config_off = configs[k]["off"]
+        t = config_off.train
+        dp = args.world // (config_off.parallel.tp * config_off.parallel.cp * config_off.parallel.pp)
+        micro = t.global_batch_size // (t.micro_batch_size * dp)
+        flops = micro * rank_flops_per_microbatch(config_off, 0, t.recompute)
+        flops_per_s = flops / max(step_off - comm_off, 1e-9)
+        bytes_per_s = nbytes / max(link_s, 1e-9)
+        record = {"bench": "overlap", "kind": k, "world": args.world, "preset": args.preset,
+                  "bucket_numel": args.bucket_numel, "rounds": args.rounds, "bytes_per_step": nbytes,
+                  "comm_ms": 1000 * comm_off, "step_ms_off": 1000 * step_off,
+                  "planner_comm_ms": 1000 * _planner(config_off, args.world, kind, flops_per_s, bytes_per_s)}
+        if "on" in configs[k]:
+            on = (k, "on")
+            step_on = _median_over_ranks(ranks, on, "step", max)
+            exposed_on = _median_over_ranks(ranks, on, "waited", statistics.mean)
+            planner_on = _planner(configs[k]["on"], args.world, kind, flops_per_s, bytes_per_s)
+            record.update({"exposed_ms_on": 1000 * exposed_on, "exposed_fraction": exposed_on / comm_off,
+                           "step_ms_on": 1000 * step_on, "step_ratio": step_off / step_on,
+                           "planner_exposed_ms": 1000 * planner_on,
+                           "planner_exposed_fraction": planner_on / max(record["planner_comm_ms"] / 1000, 1e-12)})
+        else:
+            record.update({"exposed_fraction": 1.0, "note": "overlap off only (no switch of this kind here)"})
+        record["ms"] = record.get("step_ms_on", step_off * 1000)
+        print(json.dumps(record), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from moe_fold import comm
-from moe_fold.dispatch.interface import Handle, TokenDispatcher, Waitable, counted
+from moe_fold.dispatch.interface import Handle, TokenDispatcher, counted
 from moe_fold.kernels.permute import permute, unpermute
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class AllGatherDispatcher(TokenDispatcher):
         wire.dispatch += sent
         meta, sent = counted(comm.all_gather_start, meta, group, handle.sizes)
         wire.meta += sent
-        return Waitable(lambda: (rows.wait(), meta.wait()))
+        return comm.Pending(None, lambda: (rows.wait(), meta.wait()))
 
     def dispatch_postprocess(self, x, meta, handle):
         e, mine = self.num_experts, slice(self.local_expert_start, self.local_expert_start + self.num_local_experts)
@@ -93,7 +93,7 @@ class AllGatherDispatcher(TokenDispatcher):
     def combine_communicate_start(self, x, handle):
         back, sent = counted(comm.reduce_scatter_start, x, self.groups.etp_ep, handle.sizes)
         handle.wire.combine += sent
-        return Waitable(back.wait)
+        return comm.Pending(None, back.wait)
 
     def combine_postprocess(self, x, handle):
         return x

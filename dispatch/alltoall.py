@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from moe_fold import comm
-from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, Waitable, counted, expert_major_order
+from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, counted, expert_major_order
 from moe_fold.dispatch.router import expert_capacity
 from moe_fold.kernels.permute import permute, permute_padded, sort_chunks, unpermute
 
@@ -154,7 +154,7 @@ class AllToAllDispatcher(TokenDispatcher):
         wire.dispatch += sent
         meta, sent = counted(comm.all_to_all_start, probs, handle.output_splits, handle.input_splits, groups.ep)
         wire.meta += sent
-        return Waitable(lambda: self._gather_over_etp(rows.wait(), meta.wait(), handle))
+        return comm.Pending(None, lambda: self._gather_over_etp(rows.wait(), meta.wait(), handle))
 
     def _gather_over_etp(self, x, probs, handle):
         groups, wire = self.groups, handle.wire
@@ -199,7 +199,7 @@ class AllToAllDispatcher(TokenDispatcher):
         x = self._reduce_scatter_over_etp(x, handle)
         back, sent = counted(comm.all_to_all_start, x, handle.input_splits, handle.output_splits, self.groups.ep)
         handle.wire.combine += sent
-        return Waitable(back.wait)
+        return comm.Pending(None, back.wait)
 
     def _reduce_scatter_over_etp(self, x, handle):
         x, sent = counted(comm.reduce_scatter, x, self.groups.etp, handle.etp_splits)

@@ -27,18 +27,19 @@ communication can later overlap other work:
 Asynchronous variant, for overlap (``moe.shared_expert_overlap``, ``moe.overlap_chunks``
 in :class:`moe_fold.models.moe_layer.MoELayer`)::
 
-    pending = dispatcher.dispatch_start(tokens, probs, routing_map)  # collectives launched
+    pending = dispatcher.dispatch_start(tokens, probs, routing_map)  # collectives posted
     ...                                   # work that does not need the dispatched rows
     out = pending.wait()                  # the same DispatchOutput as dispatch()
     pending = dispatcher.combine_start(expert_output, out.handle)
     ...
     y = pending.wait()
 
-Each implementation's ``dispatch_communicate_start`` / ``combine_communicate_start`` launch
+Each implementation's ``dispatch_communicate_start`` / ``combine_communicate_start`` post
 the all-to-all over ep (or the all-gather dispatcher's collectives over etp x ep) with
-:func:`moe_fold.comm.all_to_all_start` and friends and return a :class:`Waitable`. Autograd
-keeps the overlap in the backward pass: the backward all-to-all is launched where the
-forward was waited on and waited where the forward was launched. The results, the bytes
+:func:`moe_fold.comm.all_to_all_start` and friends and return a
+:class:`moe_fold.comm.Pending`. Autograd keeps the overlap in the backward pass: the
+backward all-to-all is posted where the forward was waited on and waited where the
+forward was posted. The results, the bytes
 and the order of every collective within a group are those of the blocking calls.
 
 Wire accounting: every handle carries a :class:`WireBytes` with the bytes this rank
@@ -55,7 +56,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -65,7 +66,7 @@ from moe_fold.kernels.permute import BACKENDS as PERMUTE_BACKENDS
 if TYPE_CHECKING:
     from moe_fold.layout import ProcessGroups
 
-__all__ = ["WireBytes", "DispatchOutput", "Handle", "Waitable", "TokenDispatcher", "MODES",
+__all__ = ["WireBytes", "DispatchOutput", "Handle", "TokenDispatcher", "MODES",
            "expert_major_order", "counted"]
 
 
@@ -115,19 +116,6 @@ class Handle:
     wire: WireBytes = field(default_factory=WireBytes)
     # Rows handed to the experts; combine expects as many.
     num_rows: int = 0
-
-
-class Waitable:
-    """Work started and not finished: :meth:`wait` finishes it and returns its result, once."""
-
-    def __init__(self, finish: Callable[[], Any]):
-        self._finish: Callable[[], Any] | None = finish
-
-    def wait(self) -> Any:
-        if self._finish is None:
-            raise RuntimeError("wait() was already called on this dispatch or combine")
-        finish, self._finish = self._finish, None
-        return finish()
 
 
 def expert_major_order(etp: int, ep: int, num_local_experts: int, inverse: bool = False) -> list[int]:
@@ -211,7 +199,7 @@ class TokenDispatcher(ABC):
         x = self.combine_communicate(x, handle)
         return self.combine_postprocess(x, handle)
 
-    def dispatch_start(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> Waitable:
+    def dispatch_start(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> comm.Pending:
         """:meth:`dispatch` that returns once its collectives are launched; ``.wait()``
         returns the :class:`DispatchOutput`. The preprocess (with its count exchange) runs
         before this returns, the postprocess inside ``wait``."""
@@ -224,14 +212,14 @@ class TokenDispatcher(ABC):
             x, p, counts = self.dispatch_postprocess(x, p, handle)
             handle.num_rows = x.shape[0]
             return DispatchOutput(tokens=x, tokens_per_local_expert=counts, probs=p, handle=handle)
-        return Waitable(finish)
+        return comm.Pending(None, finish)
 
-    def combine_start(self, expert_output: torch.Tensor, handle: Handle) -> Waitable:
+    def combine_start(self, expert_output: torch.Tensor, handle: Handle) -> comm.Pending:
         """:meth:`combine` that returns once its collectives are launched; ``.wait()``
         returns ``[T, H]``."""
         self._check_expert_output(expert_output, handle)
         sent = self.combine_communicate_start(self.combine_preprocess(expert_output, handle), handle)
-        return Waitable(lambda: self.combine_postprocess(sent.wait(), handle))
+        return comm.Pending(None, lambda: self.combine_postprocess(sent.wait(), handle))
 
     # ------------------------------------------------------------------ steps
 
@@ -244,7 +232,7 @@ class TokenDispatcher(ABC):
         """The collectives of the dispatch; records their bytes on ``handle.wire``."""
 
     @abstractmethod
-    def dispatch_communicate_start(self, x, probs, handle) -> Waitable:
+    def dispatch_communicate_start(self, x, probs, handle) -> comm.Pending:
         """:meth:`dispatch_communicate`, launched without waiting: ``.wait()`` returns
         ``(x, probs)``. Same results, bytes and per-group order of collectives."""
 
@@ -261,7 +249,7 @@ class TokenDispatcher(ABC):
         """The collectives of the combine; records their bytes on ``handle.wire``."""
 
     @abstractmethod
-    def combine_communicate_start(self, x, handle) -> Waitable:
+    def combine_communicate_start(self, x, handle) -> comm.Pending:
         """:meth:`combine_communicate`, launched without waiting: ``.wait()`` returns ``x``."""
 
     @abstractmethod

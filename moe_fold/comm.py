@@ -14,11 +14,13 @@ all-to-all the all-to-all with the splits swapped, of all-reduce (sum) all-reduc
 The four Megatron TP/SP mappings (``copy_to_tp_region`` ...) instead assume that the
 tensors downstream are replicated over TP and use identity where Megatron does.
 
-Asynchronous variants: ``all_to_all_start``, ``all_gather_start`` and
-``reduce_scatter_start`` launch the collective and return a :class:`Pending` at once;
-``pending.wait()`` returns the result. Work done between the two overlaps the transfer,
-and autograd runs that work's backward while the backward collective is in flight (see
-the section's comment). They count bytes like the blocking ones.
+Asynchronous collectives (outside autograd, for gradients and parameters):
+``all_reduce_async_``, ``reduce_scatter_async``, ``all_gather_async`` and
+``all_to_all_async`` post the collective and return a :class:`Pending` whose ``wait()``
+gives the result; work meant to overlap runs in between. They count their bytes when
+posted, by the rules below. Inside autograd (the MoE dispatcher's overlap):
+``all_to_all_start``, ``all_gather_start`` and ``reduce_scatter_start``, whose backward
+collective is posted early and waited late too (the section's comment says how).
 
 Byte counter
 ------------
@@ -50,7 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -58,10 +60,11 @@ import torch.distributed as dist
 __all__ = [
     "group_kind", "group_size", "group_rank",
     "all_to_all", "all_gather", "reduce_scatter", "all_reduce", "all_reduce_",
-    "Pending", "all_to_all_start", "all_gather_start", "reduce_scatter_start",
     "copy_to_tp_region", "reduce_from_tp_region", "gather_from_sequence_region",
     "reduce_scatter_to_sequence_region", "scatter_to_sequence_region", "gather_from_tp_region",
     "send", "recv", "batch_send_recv",
+    "Pending", "all_reduce_async_", "reduce_scatter_async", "all_gather_async", "all_to_all_async",
+    "all_to_all_start", "all_gather_start", "reduce_scatter_start",
     "bytes_sent", "reset_bytes", "count_bytes",
 ]
 
@@ -133,23 +136,8 @@ def count_bytes() -> Iterator[dict[str, int]]:
 
 
 # --------------------------------------------------------------------------- raw ops
-# The _launch_* helpers start one collective (asynchronously with ``async_op=True``) and
-# count its bytes; the _raw_* ones run it to the end. They know nothing of autograd. Each
-# takes a group of size >= 2.
-
-class _Launched:
-    """A started collective: ``out`` is filled once ``work`` (None when it ran
-    synchronously) completes, then ``finish(out)`` is the result. ``send`` keeps the sent
-    buffer alive until then."""
-
-    def __init__(self, out: torch.Tensor, work, finish, send: torch.Tensor):
-        self.out, self.work, self.finish, self.send = out, work, finish, send
-
-    def result(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-        return self.finish(self.out)
-
+# The _raw_* helpers communicate and count; they know nothing of autograd. Each takes
+# a group of size >= 2.
 
 def _check_sizes(name: str, sizes: Sequence[int], n: int) -> list[int]:
     sizes = [int(s) for s in sizes]
@@ -160,9 +148,11 @@ def _check_sizes(name: str, sizes: Sequence[int], n: int) -> list[int]:
     return sizes
 
 
-def _launch_all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
-                       input_split_sizes: Optional[list[int]], group: dist.ProcessGroup,
-                       async_op: bool = False) -> _Launched:
+def _post_all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
+                     input_split_sizes: Optional[list[int]], group: dist.ProcessGroup,
+                     async_op: bool) -> tuple[Optional[dist.Work], Callable[[], torch.Tensor]]:
+    """Post the all-to-all of ``x`` along dim 0 and count its bytes; returns the work (None
+    when not ``async_op``) and the function that returns the received rows once it is done."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
     x = x.contiguous()
     if x.dim() == 0:
@@ -186,83 +176,84 @@ def _launch_all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
     out = x.new_empty((out_rows,) + tuple(x.shape[1:]))
     work = dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
     _count(group, (x.shape[0] - input_split_sizes[me]) * row)
-    # The finish keeps the input alive until the collective is waited on.
-    return _Launched(out, work, lambda received: received, x)
+    return work, lambda: out
 
 
 def _raw_all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
                     input_split_sizes: Optional[list[int]], group: dist.ProcessGroup) -> torch.Tensor:
-    return _launch_all_to_all(x, output_split_sizes, input_split_sizes, group).result()
+    _, finish = _post_all_to_all(x, output_split_sizes, input_split_sizes, group, async_op=False)
+    return finish()
 
 
-def _launch_all_gather(x: torch.Tensor, sizes: Optional[list[int]], dim: int, group: dist.ProcessGroup,
-                       async_op: bool = False) -> _Launched:
+def _post_all_gather(x0: torch.Tensor, sizes: Optional[list[int]], group: dist.ProcessGroup,
+                     async_op: bool) -> tuple[Optional[dist.Work], Callable[[], torch.Tensor]]:
+    """Post the all-gather of every rank's ``x0`` along dim 0; returns the work (None when
+    not ``async_op``) and the function that assembles ``[sum(sizes), ...rest]`` once it is done."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
-    x0 = x.movedim(dim, 0).contiguous()  # [s, ...rest]
     rest = tuple(x0.shape[1:])
     if sizes is None:
-        gathered = x0.new_empty((n * x0.shape[0],) + rest)  # [n*s, ...rest]
-        work = dist.all_gather_single(gathered, x0, group=group, async_op=async_op)
-        send = x0
+        out = x0.new_empty((n * x0.shape[0],) + rest)  # [n*s, ...rest]
+        return dist.all_gather_single(out, x0, group=group, async_op=async_op), lambda: out
+    sizes = _check_sizes("sizes", sizes, n)
+    if sizes[me] != x0.shape[0]:
+        raise ValueError(f"all_gather: sizes[{me}]={sizes[me]} but this rank's tensor has "
+                         f"{x0.shape[0]} along the gathered dim")
+    # The collective needs equal shapes on every rank: pad to the largest shard.
+    pad = max(sizes)
+    padded = x0.new_zeros((pad,) + rest)
+    padded[: x0.shape[0]] = x0
+    gathered = x0.new_empty((n * pad,) + rest)  # [n*max, ...rest]
+    work = dist.all_gather_single(gathered, padded, group=group, async_op=async_op)
 
-        def finish(out):
-            return out.movedim(0, dim)
-    else:
-        sizes = _check_sizes("sizes", sizes, n)
-        if sizes[me] != x0.shape[0]:
-            raise ValueError(f"all_gather: sizes[{me}]={sizes[me]} but this rank's tensor has "
-                             f"{x0.shape[0]} along dim {dim}")
-        # all_gather_single needs equal shapes on every rank: pad to the largest shard.
-        pad = max(sizes)
-        send = x0.new_zeros((pad,) + rest)
-        send[: x0.shape[0]] = x0
-        gathered = x0.new_empty((n * pad,) + rest)  # [n*max, ...rest]
-        work = dist.all_gather_single(gathered, send, group=group, async_op=async_op)
-
-        def finish(out):
-            out = out.view((n, pad) + rest)  # [n, max, ...rest]
-            return torch.cat([out[r, : sizes[r]] for r in range(n)]).movedim(0, dim)  # [sum(sizes), ...rest]
-    _count(group, _nbytes(x0) * (n - 1))
-    return _Launched(gathered, work, finish, send)
+    def finish() -> torch.Tensor:
+        rows = gathered.view((n, pad) + rest)  # [n, max, ...rest]
+        return torch.cat([rows[r, : sizes[r]] for r in range(n)])  # [sum(sizes), ...rest]
+    return work, finish
 
 
 def _raw_all_gather(x: torch.Tensor, sizes: Optional[list[int]], dim: int,
                     group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``."""
-    return _launch_all_gather(x, sizes, dim, group).result()
+    x0 = x.movedim(dim, 0).contiguous()  # [s, ...rest]
+    _, finish = _post_all_gather(x0, sizes, group, async_op=False)
+    _count(group, _nbytes(x0) * (dist.get_world_size(group) - 1))
+    return finish().movedim(0, dim)
 
 
-def _launch_reduce_scatter(x: torch.Tensor, sizes: Optional[list[int]], dim: int, group: dist.ProcessGroup,
-                           async_op: bool = False) -> _Launched:
+def _post_reduce_scatter(x0: torch.Tensor, sizes: Optional[list[int]], group: dist.ProcessGroup,
+                         async_op: bool) -> tuple[Optional[dist.Work], Callable[[], torch.Tensor]]:
+    """Post the reduce-scatter (sum) of ``x0`` along dim 0; returns the work (None when not
+    ``async_op``) and the function that returns this rank's slice once it is done."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
-    x0 = x.movedim(dim, 0).contiguous()  # [total, ...rest]
     rest = tuple(x0.shape[1:])
     if sizes is None:
         if x0.shape[0] % n:
-            raise ValueError(f"reduce_scatter: size {x0.shape[0]} along dim {dim} is not divisible by "
+            raise ValueError(f"reduce_scatter: size {x0.shape[0]} along the scattered dim is not divisible by "
                              f"group size {n}; pass sizes= for uneven slices")
-        send, keep = x0, x0.shape[0] // n
-    else:
-        sizes = _check_sizes("sizes", sizes, n)
-        if sum(sizes) != x0.shape[0]:
-            raise ValueError(f"reduce_scatter: sizes={sizes} sum to {sum(sizes)} but the input has "
-                             f"{x0.shape[0]} along dim {dim}")
-        # reduce_scatter_single needs equal slices: pad every rank's slice to the largest.
-        pad, keep = max(sizes), sizes[me]
-        padded = x0.new_zeros((n, pad) + rest)  # [n, max, ...rest]
-        for r, chunk in enumerate(torch.split(x0, sizes)):
-            padded[r, : sizes[r]] = chunk
-        send = padded.view((n * pad,) + rest)
-    out = x0.new_empty((send.shape[0] // n,) + rest)  # [max or total/n, ...rest]
-    work = dist.reduce_scatter_single(out, send, group=group, async_op=async_op)
-    _count(group, (x0.shape[0] - keep) * x0.element_size() * math.prod(rest))
-    return _Launched(out, work, lambda received: received[:keep].movedim(0, dim), send)
+        out = x0.new_empty((x0.shape[0] // n,) + rest)  # [total/n, ...rest]
+        return dist.reduce_scatter_single(out, x0, group=group, async_op=async_op), lambda: out
+    sizes = _check_sizes("sizes", sizes, n)
+    if sum(sizes) != x0.shape[0]:
+        raise ValueError(f"reduce_scatter: sizes={sizes} sum to {sum(sizes)} but the input has "
+                         f"{x0.shape[0]} along the scattered dim")
+    # The collective needs equal slices: pad every rank's slice to the largest.
+    pad = max(sizes)
+    padded = x0.new_zeros((n, pad) + rest)  # [n, max, ...rest]
+    for r, chunk in enumerate(torch.split(x0, sizes)):
+        padded[r, : sizes[r]] = chunk
+    out = x0.new_empty((pad,) + rest)
+    work = dist.reduce_scatter_single(out, padded.view((n * pad,) + rest), group=group, async_op=async_op)
+    return work, lambda: out[: sizes[me]]  # [sizes[me], ...rest]
 
 
 def _raw_reduce_scatter(x: torch.Tensor, sizes: Optional[list[int]], dim: int,
                         group: dist.ProcessGroup) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's slice along ``dim``."""
-    return _launch_reduce_scatter(x, sizes, dim, group).result()
+    x0 = x.movedim(dim, 0).contiguous()  # [total, ...rest]
+    _, finish = _post_reduce_scatter(x0, sizes, group, async_op=False)
+    out = finish()
+    _count(group, _nbytes(x0) - _nbytes(out))
+    return out.movedim(0, dim)
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -417,103 +408,6 @@ def all_reduce_(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Te
     return tensor
 
 
-# --------------------------------------------------------------------------- asynchronous ops
-# ``*_start`` launches a collective and returns at once; ``Pending.wait()`` gives its result.
-# Two autograd nodes bracket it: the start (input -> an empty edge tensor) and the wait
-# (edge -> result). Backward runs them in reverse: the wait's backward launches the
-# backward collective and returns at once, the start's backward waits for it. Autograd
-# runs the nodes recorded between the start and the wait of the forward (the work that
-# overlapped it) between those two, so the backward collective overlaps their backward.
-# The data travel outside autograd's edges (on the shared _Flight); the edge is an empty
-# tensor, so its shape never has to match the padded buffers of uneven collectives.
-
-class _Flight:
-    """One asynchronous collective and its backward: ``launch(x)`` and
-    ``launch_backward(grad)`` return a :class:`_Launched` started with ``async_op=True``."""
-
-    def __init__(self, launch, launch_backward):
-        self.launch, self.launch_backward = launch, launch_backward
-        self.forward: Optional[_Launched] = None
-        self.backward: Optional[_Launched] = None
-
-
-class _StartAsync(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, flight):
-        ctx.flight = flight
-        flight.forward = flight.launch(x)
-        return x.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, _edge):
-        grad = ctx.flight.backward.result()
-        ctx.flight.backward = None
-        return grad, None
-
-
-class _WaitAsync(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, edge, flight):
-        ctx.flight = flight
-        out = flight.forward.result()
-        flight.forward = None
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.flight.backward = ctx.flight.launch_backward(grad)
-        return grad.new_empty(0), None
-
-
-class Pending:
-    """A collective in flight, from :func:`all_to_all_start`, :func:`all_gather_start` or
-    :func:`reduce_scatter_start`. :meth:`wait` returns its result, once."""
-
-    def __init__(self, x: torch.Tensor, flight: Optional[_Flight]):
-        # No flight: a group of one rank, the result is the input.
-        self._edge = x if flight is None else _StartAsync.apply(x, flight)
-        self._flight = flight
-        self._waited = False
-
-    def wait(self) -> torch.Tensor:
-        if self._waited:
-            raise RuntimeError("Pending.wait() was already called: a collective's result is taken once")
-        self._waited = True
-        if self._flight is None:
-            return self._edge
-        return _WaitAsync.apply(self._edge, self._flight)
-
-
-def all_to_all_start(x: torch.Tensor, output_split_sizes: Optional[list[int]],
-                     input_split_sizes: Optional[list[int]], group: Group) -> Pending:
-    """:func:`all_to_all`, asynchronous in forward and backward: returns as soon as the
-    collective is launched; ``.wait()`` returns the rows."""
-    if not _active(group):
-        return Pending(all_to_all(x, output_split_sizes, input_split_sizes, group), None)
-    outs, ins = _copy(output_split_sizes), _copy(input_split_sizes)
-    return Pending(x, _Flight(lambda t: _launch_all_to_all(t, outs, ins, group, async_op=True),
-                              lambda g: _launch_all_to_all(g, ins, outs, group, async_op=True)))
-
-
-def all_gather_start(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = None, dim: int = 0) -> Pending:
-    """:func:`all_gather`, asynchronous in forward and backward (reduce-scatter)."""
-    if not _active(group):
-        return Pending(x, None)
-    sizes, dim = _copy(sizes), _norm_dim(dim, x)
-    return Pending(x, _Flight(lambda t: _launch_all_gather(t, sizes, dim, group, async_op=True),
-                              lambda g: _launch_reduce_scatter(g, sizes, dim, group, async_op=True)))
-
-
-def reduce_scatter_start(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = None,
-                         dim: int = 0) -> Pending:
-    """:func:`reduce_scatter`, asynchronous in forward and backward (all-gather)."""
-    if not _active(group):
-        return Pending(x, None)
-    sizes, dim = _copy(sizes), _norm_dim(dim, x)
-    return Pending(x, _Flight(lambda t: _launch_reduce_scatter(t, sizes, dim, group, async_op=True),
-                              lambda g: _launch_all_gather(g, sizes, dim, group, async_op=True)))
-
-
 # --------------------------------------------------------------------------- TP / SP mappings
 
 class _CopyToTP(torch.autograd.Function):
@@ -662,3 +556,147 @@ def batch_send_recv(ops: Sequence[tuple[str, RecvSpec, int]], group: Group = Non
             work.wait()
     _count(group, sent)
     return received
+
+
+# --------------------------------------------------------------------------- asynchronous
+
+class Pending:
+    """A collective in flight: :meth:`wait` blocks until it is done and returns its result
+    (the same tensor on every later call). The bytes were counted when it was posted."""
+
+    def __init__(self, work: Optional[dist.Work], finish: Callable[[], torch.Tensor]):
+        self._work, self._finish = work, finish
+        self._result: Optional[torch.Tensor] = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            if self._work is not None:
+                self._work.wait()
+            self._result = self._finish()
+        return self._result
+
+
+def all_reduce_async_(tensor: torch.Tensor, group: Group) -> Pending:
+    """Start the in-place sum of a contiguous tensor over ``group`` (outside autograd);
+    the :class:`Pending` returns ``tensor`` once summed."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"all_reduce_async_: tensor of shape {tuple(tensor.shape)} must be contiguous")
+    if not _active(group):
+        return Pending(None, lambda: tensor)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    _count(group, _ring_bytes(_nbytes(tensor), dist.get_world_size(group)))
+    return Pending(work, lambda: tensor)
+
+
+def reduce_scatter_async(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = None) -> Pending:
+    """Start the sum of ``x`` over ``group`` keeping this rank's slice along dim 0
+    (``sizes`` as in :func:`reduce_scatter`), outside autograd. Counted as a reduce-scatter."""
+    if not _active(group):
+        if sizes is not None:
+            _check_sizes("sizes", sizes, 1)
+        return Pending(None, lambda: x)
+    x0 = x.contiguous()
+    work, finish = _post_reduce_scatter(x0, sizes, group, async_op=True)
+    own = x0.shape[0] // dist.get_world_size(group) if sizes is None else int(sizes[dist.get_rank(group)])
+    _count(group, (x0.shape[0] - own) * _nbytes(x0) // max(x0.shape[0], 1))
+    return Pending(work, finish)
+
+
+def all_gather_async(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = None) -> Pending:
+    """Start the concatenation of every rank's ``x`` along dim 0 (``sizes`` as in
+    :func:`all_gather`), outside autograd. Counted as an all-gather."""
+    if not _active(group):
+        return Pending(None, lambda: x)
+    x0 = x.contiguous()
+    work, finish = _post_all_gather(x0, sizes, group, async_op=True)
+    _count(group, _nbytes(x0) * (dist.get_world_size(group) - 1))
+    return Pending(work, finish)
+
+
+def all_to_all_async(x: torch.Tensor, output_split_sizes: Optional[list[int]],
+                     input_split_sizes: Optional[list[int]], group: Group) -> Pending:
+    """Start :func:`all_to_all` outside autograd. Counted as an all-to-all."""
+    if not _active(group):
+        received = all_to_all(x, output_split_sizes, input_split_sizes, group)  # checks the splits
+        return Pending(None, lambda: received)
+    return Pending(*_post_all_to_all(x, output_split_sizes, input_split_sizes, group, async_op=True))
+
+
+# --------------------------------------------------------------------------- asynchronous, in autograd
+# ``*_start`` posts a collective and returns a Pending at once. Two autograd nodes bracket
+# it: the start (input -> an empty edge tensor) and the wait (edge -> result), run by the
+# Pending's wait(). Backward runs them in reverse: the wait's backward posts the backward
+# collective and returns at once, the start's backward waits for it. Autograd runs the
+# nodes recorded between the start and the wait of the forward (the work that overlapped
+# it) between those two, so the backward collective overlaps their backward. The data
+# travel outside autograd's edges, on the shared _Flight; the edge is an empty tensor, so
+# its shape never has to match the collective's buffers.
+
+class _Flight:
+    """One collective of the forward and the one of its backward: ``post(x)`` and
+    ``post_backward(grad)`` start them (the ``*_async`` functions above)."""
+
+    def __init__(self, post: Callable[[torch.Tensor], Pending], post_backward: Callable[[torch.Tensor], Pending]):
+        self.post, self.post_backward = post, post_backward
+        self.forward: Optional[Pending] = None
+        self.backward: Optional[Pending] = None
+
+
+class _StartAsync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, flight):
+        ctx.flight = flight
+        flight.forward = flight.post(x)
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _edge):
+        grad, ctx.flight.backward = ctx.flight.backward.wait(), None
+        return grad, None
+
+
+class _WaitAsync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, _edge, flight):
+        ctx.flight = flight
+        out, flight.forward = flight.forward.wait(), None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.flight.backward = ctx.flight.post_backward(grad)
+        return grad.new_empty(0), None
+
+
+def _in_autograd(x: torch.Tensor, flight: _Flight) -> Pending:
+    edge = _StartAsync.apply(x, flight)
+    return Pending(None, lambda: _WaitAsync.apply(edge, flight))
+
+
+def all_to_all_start(x: torch.Tensor, output_split_sizes: Optional[list[int]],
+                     input_split_sizes: Optional[list[int]], group: Group) -> Pending:
+    """:func:`all_to_all`, asynchronous in forward and backward: returns once the collective
+    is posted; the :class:`Pending` returns the rows."""
+    if not _active(group):
+        return all_to_all_async(x, output_split_sizes, input_split_sizes, group)
+    outs, ins = _copy(output_split_sizes), _copy(input_split_sizes)
+    return _in_autograd(x, _Flight(lambda t: all_to_all_async(t, outs, ins, group),
+                                   lambda g: all_to_all_async(g, ins, outs, group)))
+
+
+def all_gather_start(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = None) -> Pending:
+    """:func:`all_gather` along dim 0, asynchronous in forward and backward (reduce-scatter)."""
+    if not _active(group):
+        return Pending(None, lambda: x)
+    sizes = _copy(sizes)
+    return _in_autograd(x, _Flight(lambda t: all_gather_async(t, group, sizes),
+                                   lambda g: reduce_scatter_async(g, group, sizes)))
+
+
+def reduce_scatter_start(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = None) -> Pending:
+    """:func:`reduce_scatter` along dim 0, asynchronous in forward and backward (all-gather)."""
+    if not _active(group):
+        return reduce_scatter_async(x, group, sizes)
+    sizes = _copy(sizes)
+    return _in_autograd(x, _Flight(lambda t: reduce_scatter_async(t, group, sizes),
+                                   lambda g: all_gather_async(g, group, sizes)))

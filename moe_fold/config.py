@@ -126,6 +126,14 @@ class ParallelConfig:
     backend: str = "auto"  # auto | gloo | nccl
     # Seconds a collective may wait before the run stops with an error.
     timeout_s: float = 300.0
+    # Data-parallel overlap (moe_fold.training.buckets): reduce each gradient bucket during the
+    # backward of the last micro-batch, as soon as its grads are final; all-gather each
+    # parameter bucket of the distributed optimizer during the next forward, waited just
+    # before the bucket's first use. Off: after the backward, and before the next step.
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    # Elements per gradient bucket (and distributed-optimizer shard bucket).
+    grad_bucket_numel: int = 1 << 24
 
 
 @dataclass
@@ -599,6 +607,10 @@ def _check_parallel(config: Config, world_size: int, out: list[str]) -> bool:
     _one_of(out, "parallel.pp_schedule", p.pp_schedule, ("1f1b", "interleaved"))
     _one_of(out, "parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _positive(out, "parallel.timeout_s", p.timeout_s)
+    _at_least(out, "parallel.grad_bucket_numel", p.grad_bucket_numel, 1)
+    if p.overlap_param_gather and not config.optimizer.distributed:
+        out.append("parallel.overlap_param_gather=true needs optimizer.distributed=true (only the distributed "
+                   "optimizer all-gathers parameters after its step)")
     return ok
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moe_fold.comm import all_reduce_
-from moe_fold.config import Config, ModelConfig, ParallelConfig
+from moe_fold.config import Config, ModelConfig, OptimizerConfig, ParallelConfig
 from moe_fold.data.loader import Batch
 from moe_fold.dispatch.router import Router
 from moe_fold.training.grads import clip_grad_norm_, sync_grads
@@ -33,7 +33,8 @@ from moe_fold.launch import run_ranks
 from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
 from moe_fold.models.moe_layer import MoELayer
-from moe_fold.training.optim import AdamW, param_groups
+from moe_fold.parallel.sharding import full_tensor, shard_info
+from moe_fold.training.optim import AdamW, apply_gradients, build_grad_sync, build_optimizer, param_groups
 from moe_fold.training.step import forward_backward
 from pipeline_union import unite_over_pp
 from test_layout_invariance import _global_grads
@@ -73,12 +74,12 @@ def _config(model=None, **parallel):
 
 
 # The MoE layer's overlap (moe.shared_expert_overlap, moe.overlap_chunks): name -> (world,
-# layout sizes, micro-batches per rank, moe settings), each trained with every OVERLAPS
+# layout sizes, micro-batches per rank, moe settings), each trained with every MOE_OVERLAPS
 # variant, with a gated shared expert to overlap. Capacity drops where tp = 1 (each rank
 # routes one of the reference's micro-batches, as in tests/test_layout_invariance.py); under
 # tp > 1 a rank routes part of a sequence, so there the factor is too large to drop.
 SHARED = dict(shared_expert_ffn_hidden_size=40, shared_expert_gate=True)
-OVERLAP_CASES = {
+MOE_OVERLAP_CASES = {
     "ep2": (2, dict(ep=2), 2, {}),
     "ep2-allgather-capacity-drop": (2, dict(ep=2), 2, dict(dispatcher="allgather", capacity_factor=1.0)),
     "ep4-dedup-capacity-drop": (4, dict(ep=4), 1, dict(capacity_factor=1.0, dedup=True)),
@@ -86,25 +87,25 @@ OVERLAP_CASES = {
     "tp2-ep2-allgather": (4, dict(tp=2, ep=2, etp=1), 2, dict(dispatcher="allgather", capacity_factor=8.0)),
     "pp2-ep2-capacity-drop": (4, dict(pp=2, ep=2), 2, dict(capacity_factor=1.0)),
 }
-OVERLAPS = {"off": {}, "shared": dict(shared_expert_overlap=True),
-            "shared-chunks2": dict(shared_expert_overlap=True, overlap_chunks=2)}
+MOE_OVERLAPS = {"off": {}, "shared": dict(shared_expert_overlap=True),
+                "shared-chunks2": dict(shared_expert_overlap=True, overlap_chunks=2)}
 
 
 def _case(name):
-    """``(world, sizes, micro-batches, parallel, model)`` of a CASES or OVERLAP_CASES name."""
-    if name in OVERLAP_CASES:
-        world, sizes, m, _ = OVERLAP_CASES[name]
+    """``(world, sizes, micro-batches, parallel, model)`` of a CASES or MOE_OVERLAP_CASES name."""
+    if name in MOE_OVERLAP_CASES:
+        world, sizes, m, _ = MOE_OVERLAP_CASES[name]
         return world, sizes, m, {}, {}
     return CASES[name]
 
 
-def _case_config(name, overlap="off"):
+def _case_config(name, moe_overlap="off"):
     _, sizes, _, parallel, model = _case(name)
     config = _config(model, tp=sizes.get("tp", 1), cp=sizes.get("cp", 1), pp=sizes.get("pp", 1),
                      ep=sizes.get("ep", 1), etp=sizes.get("etp"), sequence_parallel=sizes.get("tp", 1) > 1,
                      **parallel)
-    if name in OVERLAP_CASES:
-        for key, value in {**SHARED, **OVERLAP_CASES[name][3], **OVERLAPS[overlap]}.items():
+    if name in MOE_OVERLAP_CASES:
+        for key, value in {**SHARED, **MOE_OVERLAP_CASES[name][3], **MOE_OVERLAPS[moe_overlap]}.items():
             setattr(config.moe, key, value)
     return config
 
@@ -167,8 +168,45 @@ def _train_layout(model, groups, config, micro_batches):
     return out
 
 
-def _rank(rank, world_size, names, overlap="off"):
-    """Train every case of ``names`` in turn: starting ranks costs more than a case."""
+# name -> (optimizer.distributed, parallel.overlap_grad_reduce, parallel.overlap_param_gather):
+# the training loop's own path (forward_backward with its GradSync, apply_gradients) with
+# buckets of OVERLAP_BUCKET elements, several per model chunk.
+OVERLAP_VARIANTS = {
+    "allreduce": (False, False, False),
+    "allreduce_overlap": (False, True, False),
+    "zero": (True, False, False),
+    "zero_overlap": (True, True, True),
+}
+OVERLAP_BUCKET = 3000
+
+
+def _train_loop_path(config, groups, micro_batches, distributed, overlap_grad, overlap_param):
+    """STEPS steps as :func:`moe_fold.training.train.train` runs them; the losses, grad
+    norms and final global parameters."""
+    model = build_model(config, groups)
+    opt_config = OptimizerConfig(lr=LR, weight_decay=0.1, beta1=0.9, beta2=0.999, eps=1e-8, distributed=distributed)
+    opt = build_optimizer(model, opt_config, groups, bucket_numel=OVERLAP_BUCKET, overlap_param_gather=overlap_param)
+    sync = build_grad_sync(model, opt, groups, bucket_numel=OVERLAP_BUCKET, overlap=overlap_grad)
+    # the whole schedule under one constant rate: AdamW's lr, as in _train_layout
+    for group in opt.param_groups:
+        group["lr"] = LR
+    out = {"losses": [], "norms": []}
+    for _ in range(STEPS):
+        opt.zero_grad()
+        losses = forward_backward(model, micro_batches, groups, config, grad_sync=sync)
+        out["norms"].append(apply_gradients(model.parameters(), opt, groups, MAX_NORM, grad_sync=sync).item())
+        out["losses"].append((all_reduce_(losses.sum(), groups.dp_cp) / groups.size("dp_cp")).item())
+    opt.wait_params()
+    out["params"] = unite_over_pp({n: full_tensor(p.detach(), shard_info(p, groups, n), groups).numpy()
+                                   for n, p in model.named_parameters()}, groups)
+    out["tied_diff"] = _tied_copies_differ(model, groups)
+    return out
+
+
+def _rank(rank, world_size, names, moe_overlap="off"):
+    """Train every case of ``names`` in turn: starting ranks costs more than a case. Each
+    also through the training loop's path in every OVERLAP_VARIANTS (not the MoE overlap
+    cases, whose variants are MOE_OVERLAPS)."""
     groups_of, results = {}, []
     for name in names:
         sizes = _case(name)[1]
@@ -176,18 +214,22 @@ def _rank(rank, world_size, names, overlap="off"):
         if key not in groups_of:
             groups_of[key] = create_process_groups(ParallelLayout(world_size, **sizes))
         groups = groups_of[key]
-        config = _case_config(name, overlap)
+        config = _case_config(name, moe_overlap)
         model = build_model(config, groups)
         m, cp = _case(name)[2], groups.size("cp")
         micro = [b.cp_slice(groups.rank_in("cp"), cp)
                  for b in _micro_batches(groups.rank_in("dp"), groups.size("dp"), m)]
-        results.append(_train_layout(model, groups, config, micro))
+        result = _train_layout(model, groups, config, micro)
+        if name not in MOE_OVERLAP_CASES:
+            result["loop"] = {variant: _train_loop_path(config, groups, micro, *switches)
+                              for variant, switches in OVERLAP_VARIANTS.items()}
+        results.append(result)
     return results
 
 
-def _overlap_rank(rank, world_size, names):
-    """Every OVERLAPS variant of every case: ``{variant: results}``."""
-    return {overlap: _rank(rank, world_size, names, overlap) for overlap in OVERLAPS}
+def _moe_overlap_rank(rank, world_size, names):
+    """Every MOE_OVERLAPS variant of every case: ``{variant: results}``."""
+    return {overlap: _rank(rank, world_size, names, overlap) for overlap in MOE_OVERLAPS}
 
 
 _REFERENCES: dict = {}
@@ -244,6 +286,19 @@ def _check(names, results):
             torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0,
                                        msg=lambda m: f"{where} losses: {m}")
             assert got["tied_diff"] == 0.0, f"{where}: tied embedding copies drifted apart"
+            loop = got.get("loop", {})  # the MoE overlap cases skip the loop's variants
+            # each overlap reduces the same buckets in the same order: the same bits
+            for on, off in (("allreduce_overlap", "allreduce"), ("zero_overlap", "zero")) if loop else ():
+                assert loop[on]["losses"] == loop[off]["losses"], f"{where} {on}"
+                assert loop[on]["norms"] == loop[off]["norms"], f"{where} {on}"
+                for pname, value in loop[off]["params"].items():
+                    assert (loop[on]["params"][pname] == value).all(), f"{where} {on} {pname}"
+            for variant, run in loop.items():
+                torch.testing.assert_close(run["norms"], ref["norms"], rtol=1e-5, atol=0,
+                                           msg=lambda m: f"{where} {variant} grad norms: {m}")
+                torch.testing.assert_close(run["losses"], ref["losses"], rtol=1e-5, atol=0,
+                                           msg=lambda m: f"{where} {variant} losses: {m}")
+                assert run["tied_diff"] == 0.0, f"{where} {variant}: tied embedding copies drifted apart"
 
 
 def _names(world):
@@ -267,9 +322,9 @@ def test_moe_overlap_matches_no_overlap_and_single_process(world):
     """The shared-expert overlap gives the blocking layer's losses, grads and norms bit for
     bit (the same operations in the same order); with two chunks the expert GEMMs and their
     weight grads are summed per chunk: fp32 rounding. Every variant matches one process."""
-    names = [name for name, case in OVERLAP_CASES.items() if case[0] == world]
-    results = run_ranks(_overlap_rank, world, names, timeout=400)
-    for overlap in OVERLAPS:
+    names = [name for name, case in MOE_OVERLAP_CASES.items() if case[0] == world]
+    results = run_ranks(_moe_overlap_rank, world, names, timeout=400)
+    for overlap in MOE_OVERLAPS:
         _check(names, [per_rank[overlap] for per_rank in results])
     for rank, per_rank in enumerate(results):
         for i, name in enumerate(names):

@@ -115,7 +115,7 @@ def test_step_bytes_equal_counters_with_measured_routing(gloo_step):
     layout = ParallelLayout(4, tp=2, ep=2)
     counts = [r["etp2"]["counts"] for r in gloo_step]
     for rank in range(4):
-        shard_ranks = {g: layout.group_of(g, rank).index(rank) for g in ("dp_cp", "edp")}
+        shard_ranks = {g: layout.group_of(g, rank).index(rank) for g in ("dp_cp", "tp_dp_cp", "edp")}
         planned = step_bytes(config, 4, routing=_measured_routing(layout, counts, rank, 4), shard_ranks=shard_ranks)
         measured = gloo_step[rank]["etp2"]["sent"]
         assert set(planned) == set(measured), rank
@@ -276,8 +276,7 @@ def test_step_time_and_mfu_by_hand():
     # world 2 in one node, dp 2 and edp 2: the only traffic is the gradient all-reduce.
     config = _hand_config()
     gpu = GPU("toy", peak_flops=1e6, memory=1e9, hbm_bw=1e6, nvlink_bw=1e3, inter_node_bw=1e2)
-    plan = estimate(config, 2, gpu, Assumptions(matmul_efficiency=0.5, overlap_grad_reduce=False,
-                                                memory_overhead=0))
+    plan = estimate(config, 2, gpu, Assumptions(matmul_efficiency=0.5, memory_overhead=0))
     # each rank: one micro-batch of 4 tokens, 3 * 2704 FLOPs each, at 0.5 * 1e6 FLOP/s
     compute = 4 * 3 * 2704 / 0.5e6
     # float32 grads all-reduced over 2 ranks send B each: the dense ones over dp_cp, the
@@ -285,12 +284,36 @@ def test_step_time_and_mfu_by_hand():
     grads = 4 * 1680 / 1e3
     optimizer = 1680 * 30 / 1e6
     assert plan.time["compute"] == pytest.approx(compute)
-    assert plan.time["dp_cp (exposed)"] + plan.time["edp (exposed)"] == pytest.approx(grads)
+    # the config leaves both overlaps off: every byte is exposed, as moe-fold runs it
+    assert plan.overlaps == [] and plan.overlap_model == "moe-fold"
+    assert plan.time["dp_cp grads (exposed)"] + plan.time["edp grads (exposed)"] == pytest.approx(grads)
     assert plan.time["total"] == pytest.approx(compute + grads + optimizer)
     assert plan.mfu == pytest.approx(3 * 2704 * 8 / (2 * 1e6 * plan.time["total"]))
-    # with overlap a bucket of 2^24 elements would cover all of it: nothing changes
-    overlapped = estimate(config, 2, gpu, Assumptions(matmul_efficiency=0.5, memory_overhead=0))
-    assert overlapped.time["total"] == pytest.approx(plan.time["total"])
+    # Megatron's overlap: hidden behind the backward (2/3 of the compute) except one bucket,
+    # which here (2^24 elements) covers all of it: nothing changes
+    megatron = estimate(config, 2, gpu, Assumptions(matmul_efficiency=0.5, memory_overhead=0, overlap="megatron"))
+    assert megatron.overlaps == ["grad_reduce"]
+    assert megatron.time["total"] == pytest.approx(plan.time["total"])
+    # buckets of 64 elements: each group's reduction is hidden but for the part longer than
+    # the backward window, at least one bucket (64 * 4 / 2 bytes over 2 ranks)
+    config.parallel.overlap_grad_reduce = True
+    config.parallel.grad_bucket_numel = 64
+    small = estimate(config, 2, gpu, Assumptions(matmul_efficiency=0.5, memory_overhead=0))
+    assert small.overlaps == ["grad_reduce"]
+    window = 2 / 3 * compute
+    for kind in ("dp_cp", "edp"):
+        full = plan.time[f"{kind} grads (exposed)"]
+        assert small.time[f"{kind} grads (exposed)"] == pytest.approx(max(64 * 4 / 2 / 1e3, full - window))
+    # the distributed optimizer: the same bytes, half of the time the parameter gather,
+    # hidden behind the forward (1/3 of the compute) with parallel.overlap_param_gather
+    config.optimizer.distributed = True
+    config.parallel.overlap_param_gather = True
+    zero = estimate(config, 2, gpu, Assumptions(matmul_efficiency=0.5, memory_overhead=0))
+    assert zero.overlaps == ["grad_reduce", "param_gather"]
+    for kind in ("dp_cp", "edp"):
+        full = plan.time[f"{kind} grads (exposed)"] / 2
+        assert zero.time[f"{kind} grads (exposed)"] == pytest.approx(max(64 * 4 / 2 / 1e3, full - window))
+        assert zero.time[f"{kind} params (exposed)"] == pytest.approx(max(64 * 4 / 2 / 1e3, full - compute / 3))
 
 
 @pytest.mark.parametrize("overlap, exposed", [
@@ -379,11 +402,12 @@ def test_plan_command(capsys):
     assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--tp", "2", "--ep", "2"]) == 0
     text = capsys.readouterr().out
     assert "MFU" in text and "activations" in text and "ep" in text
-    assert "MoE overlap assumed: shared expert under the all-to-all off, 1 chunk(s)" in text
-    assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--ep", "4", "--overlap-chunks", "2"]) == 0
-    assert "MoE overlap assumed: shared expert under the all-to-all off, 2 chunk(s)" in capsys.readouterr().out
+    assert "shared expert under the all-to-all off, 1 chunk(s)" in text
+    assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--ep", "4", "--set", "moe.overlap_chunks=2"]) == 0
+    assert "shared expert under the all-to-all off, 2 chunk(s)" in capsys.readouterr().out
     # mixtral has no shared expert to overlap
-    assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--ep", "4", "--shared-expert-overlap"]) == 2
+    assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--ep", "4",
+                 "--set", "moe.shared_expert_overlap=true"]) == 2
     assert "moe.shared_expert_overlap=true needs a shared expert" in capsys.readouterr().err
     # 8 experts do not split over ep 3
     assert main(["plan", "--config", "mixtral-tiny", "--world", "6", "--ep", "3"]) == 2
