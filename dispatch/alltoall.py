@@ -16,7 +16,7 @@ etp shards' partial outputs), all-to-all back over ep, unpermute (scatter-add).
 
 The asynchronous steps (``dispatch_start`` / ``combine_start``) keep the all-to-all over ep
 in flight; the etp all-gather and reduce-scatter depend on it (they send what it received,
-or make what it sends), so they run blocking, right after the wait or before the launch.
+or make what it sends), so they run blocking, right after the wait or before the post.
 
 Modes:
 
@@ -195,7 +195,7 @@ class AllToAllDispatcher(TokenDispatcher):
         return x
 
     def combine_communicate_start(self, x, handle):
-        # The reduce-scatter over etp makes what the all-to-all sends: it runs before the launch.
+        # The reduce-scatter over etp makes what the all-to-all sends: it runs before the post.
         x = self._reduce_scatter_over_etp(x, handle)
         back, sent = counted(comm.all_to_all_start, x, handle.input_splits, handle.output_splits, self.groups.ep)
         handle.wire.combine += sent

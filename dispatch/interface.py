@@ -39,8 +39,8 @@ the all-to-all over ep (or the all-gather dispatcher's collectives over etp x ep
 :func:`moe_fold.comm.all_to_all_start` and friends and return a
 :class:`moe_fold.comm.Pending`. Autograd keeps the overlap in the backward pass: the
 backward all-to-all is posted where the forward was waited on and waited where the
-forward was posted. The results, the bytes
-and the order of every collective within a group are those of the blocking calls.
+forward was posted. The results, the bytes and the order of every collective within a
+group are those of the blocking calls.
 
 Wire accounting: every handle carries a :class:`WireBytes` with the bytes this rank
 sent in that dispatch and combine, measured with :func:`moe_fold.comm.count_bytes`
@@ -200,7 +200,7 @@ class TokenDispatcher(ABC):
         return self.combine_postprocess(x, handle)
 
     def dispatch_start(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> comm.Pending:
-        """:meth:`dispatch` that returns once its collectives are launched; ``.wait()``
+        """:meth:`dispatch` that returns once its collectives are posted; ``.wait()``
         returns the :class:`DispatchOutput`. The preprocess (with its count exchange) runs
         before this returns, the postprocess inside ``wait``."""
         self._check_inputs(tokens, probs, routing_map)
@@ -215,7 +215,7 @@ class TokenDispatcher(ABC):
         return comm.Pending(None, finish)
 
     def combine_start(self, expert_output: torch.Tensor, handle: Handle) -> comm.Pending:
-        """:meth:`combine` that returns once its collectives are launched; ``.wait()``
+        """:meth:`combine` that returns once its collectives are posted; ``.wait()``
         returns ``[T, H]``."""
         self._check_expert_output(expert_output, handle)
         sent = self.combine_communicate_start(self.combine_preprocess(expert_output, handle), handle)
@@ -233,7 +233,7 @@ class TokenDispatcher(ABC):
 
     @abstractmethod
     def dispatch_communicate_start(self, x, probs, handle) -> comm.Pending:
-        """:meth:`dispatch_communicate`, launched without waiting: ``.wait()`` returns
+        """:meth:`dispatch_communicate`, posted without waiting: ``.wait()`` returns
         ``(x, probs)``. Same results, bytes and per-group order of collectives."""
 
     @abstractmethod
@@ -250,7 +250,7 @@ class TokenDispatcher(ABC):
 
     @abstractmethod
     def combine_communicate_start(self, x, handle) -> comm.Pending:
-        """:meth:`combine_communicate`, launched without waiting: ``.wait()`` returns ``x``."""
+        """:meth:`combine_communicate`, posted without waiting: ``.wait()`` returns ``x``."""
 
     @abstractmethod
     def combine_postprocess(self, x, handle) -> torch.Tensor:
