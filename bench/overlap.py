@@ -16,8 +16,9 @@ with the gradient reduction's hooks, :func:`moe_fold.training.optim.apply_gradie
   (``parallel.overlap_param_gather``, gradients reduce-scattered without overlap in both);
   waiting = :attr:`moe_fold.training.optim.AdamW.gather_wait_s`;
 - ``ep_alltoall``: the dispatcher's all-to-alls (token rows and probs, forward and
-  backward; ``moe.dispatcher=alltoall``), ``on``: ``moe.overlap_chunks=2`` and, where the
-  preset has a shared expert (``--preset qwen2-moe-tiny``), ``moe.shared_expert_overlap``;
+  backward; ``moe.dispatcher=alltoall``). Settings beside ``off``: ``chunks2``
+  (``moe.overlap_chunks=2``) and, where the preset has a shared expert (``--preset
+  qwen2-moe-tiny``), ``shared`` (``moe.shared_expert_overlap``) and ``shared+chunks2``;
   waiting = the time inside blocking all-to-alls, and in posting and waiting on
   asynchronous ones (the bench wraps ``torch.distributed.all_to_all_single``).
 
@@ -85,10 +86,14 @@ def _timed_all_to_all(raw: Callable) -> Callable:
     return timed
 
 
-def _moe_overlap(preset: Config) -> list[str]:
-    """The MoE layer's overlap switches (the shared-expert one only if there is one)."""
-    return ["moe.overlap_chunks=2"] + (["moe.shared_expert_overlap=true"] if
-                                       preset.moe.shared_expert_ffn_hidden_size > 0 else [])
+def _moe_overlap(preset: Config) -> dict[str, list[str]]:
+    """The MoE layer's overlap settings: off, two chunks and, where the preset has a shared
+    expert, the shared-expert overlap alone and with the chunks."""
+    settings = {"off": [], "chunks2": ["moe.overlap_chunks=2"]}
+    if preset.moe.shared_expert_ffn_hidden_size > 0:
+        settings["shared"] = ["moe.shared_expert_overlap=true"]
+        settings["shared+chunks2"] = settings["shared"] + settings["chunks2"]
+    return settings
 
 
 @dataclass
@@ -103,10 +108,10 @@ class Setup:
 @dataclass(frozen=True)
 class Kind:
     """A collective kind: config overrides per setting (or a function of the preset's
-    config that returns them), the seconds a rank has waited on it
+    config that returns them; ``off`` is the blocking order), the seconds a rank has waited on it
     so far, its group kinds (bytes), the planner's time entries for it, and the seconds
     waited on all the traffic of those group kinds (the link's calibration)."""
-    settings: dict[str, list[str] | Callable[[Config], list[str]]]
+    settings: dict[str, list[str]] | Callable[[Config], dict[str, list[str]]]
     waited: Callable[[Setup], float]
     byte_kinds: tuple[str, ...]
     planner_keys: Callable[[str], bool]
@@ -129,7 +134,7 @@ KINDS: dict[str, Kind] = {
         # the bytes are the reduce-scatter's and the all-gather's
         link_waited=lambda s: s.grad_sync.exposed_s + s.optimizer.gather_wait_s),
     "ep_alltoall": Kind(
-        settings={"off": [], "on": _moe_overlap},
+        settings=_moe_overlap,
         waited=lambda s: _ALL_TO_ALL_S[0],
         byte_kinds=("ep", "etp_ep"),
         planner_keys=lambda key: key in ("ep", "etp_ep"),
@@ -238,8 +243,8 @@ def main(argv=None) -> int:
     base = ["wandb.mode=disabled", "train.micro_batch_size=2", f"parallel.grad_bucket_numel={args.bucket_numel}",
             *args.set]
     preset = load_config(args.preset, base)
-    configs = {k: {s: load_config(args.preset, base + (extra(preset) if callable(extra) else extra))
-                   for s, extra in KINDS[k].settings.items()} for k in kinds}
+    settings = {k: KINDS[k].settings(preset) if callable(KINDS[k].settings) else KINDS[k].settings for k in kinds}
+    configs = {k: {s: load_config(args.preset, base + extra) for s, extra in settings[k].items()} for k in kinds}
     ranks = run_ranks(_worker, args.world, configs, args.rounds, timeout=1200, threads=1)
 
     from moe_fold.planner.model import rank_flops_per_microbatch
@@ -262,19 +267,22 @@ def main(argv=None) -> int:
                   "bucket_numel": args.bucket_numel, "rounds": args.rounds, "bytes_per_step": nbytes,
                   "comm_ms": 1000 * comm_off, "step_ms_off": 1000 * step_off,
                   "planner_comm_ms": 1000 * _planner(config_off, args.world, kind, flops_per_s, bytes_per_s)}
-        if "on" in configs[k]:
-            on = (k, "on")
+        ons = [setting for setting in configs[k] if setting != "off"]
+        if not ons:
+            record.update({"exposed_fraction": 1.0, "note": "overlap off only (no switch of this kind here)",
+                           "ms": step_off * 1000})
+            print(json.dumps(record), flush=True)
+        for setting in ons:  # one record per overlapped setting, each against off
+            on = (k, setting)
             step_on = _median_over_ranks(ranks, on, "step", max)
             exposed_on = _median_over_ranks(ranks, on, "waited", statistics.mean)
-            planner_on = _planner(configs[k]["on"], args.world, kind, flops_per_s, bytes_per_s)
-            record.update({"exposed_ms_on": 1000 * exposed_on, "exposed_fraction": exposed_on / comm_off,
-                           "step_ms_on": 1000 * step_on, "step_ratio": step_off / step_on,
-                           "planner_exposed_ms": 1000 * planner_on,
-                           "planner_exposed_fraction": planner_on / max(record["planner_comm_ms"] / 1000, 1e-12)})
-        else:
-            record.update({"exposed_fraction": 1.0, "note": "overlap off only (no switch of this kind here)"})
-        record["ms"] = record.get("step_ms_on", step_off * 1000)
-        print(json.dumps(record), flush=True)
+            planner_on = _planner(configs[k][setting], args.world, kind, flops_per_s, bytes_per_s)
+            print(json.dumps({
+                **record, "setting": setting, "exposed_ms_on": 1000 * exposed_on,
+                "exposed_fraction": exposed_on / comm_off, "step_ms_on": 1000 * step_on,
+                "step_ratio": step_off / step_on, "planner_exposed_ms": 1000 * planner_on,
+                "planner_exposed_fraction": planner_on / max(record["planner_comm_ms"] / 1000, 1e-12),
+                "ms": 1000 * step_on}), flush=True)
     return 0
 
 

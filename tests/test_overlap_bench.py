@@ -57,10 +57,11 @@ def test_timer_counts_blocking_calls_and_waits():
 
 
 def test_moe_overlap_settings_follow_the_preset():
-    bench = _load_bench()
-    on = bench.KINDS["ep_alltoall"].settings["on"]
-    assert on(load_config("mixtral-tiny")) == ["moe.overlap_chunks=2"]
-    assert on(load_config("qwen2-moe-tiny")) == ["moe.overlap_chunks=2", "moe.shared_expert_overlap=true"]
+    settings = _load_bench().KINDS["ep_alltoall"].settings
+    assert settings(load_config("mixtral-tiny")) == {"off": [], "chunks2": ["moe.overlap_chunks=2"]}
+    assert settings(load_config("qwen2-moe-tiny")) == {
+        "off": [], "chunks2": ["moe.overlap_chunks=2"], "shared": ["moe.shared_expert_overlap=true"],
+        "shared+chunks2": ["moe.shared_expert_overlap=true", "moe.overlap_chunks=2"]}
 
 
 def test_ep_alltoall_record():
@@ -70,9 +71,14 @@ def test_ep_alltoall_record():
          "--rounds", "1", "--set", "parallel.ep=2", "--set", "model.num_layers=2", "--set", "model.seq_length=32",
          "--set", "train.global_batch_size=4"],
         capture_output=True, text=True, timeout=300, check=True)
-    (record,) = [json.loads(line) for line in run.stdout.splitlines()]
-    assert record["kind"] == "ep_alltoall" and record["bytes_per_step"] > 0
-    assert record["comm_ms"] > 0 and record["exposed_ms_on"] >= 0 and record["step_ms_on"] > 0
-    assert abs(record["exposed_fraction"] - record["exposed_ms_on"] / record["comm_ms"]) < 1e-9
-    # The planner hides part of the all-to-all with the switches on, never more than all.
-    assert 0 <= record["planner_exposed_fraction"] < 1 and record["planner_comm_ms"] > 0
+    records = {r["setting"]: r for r in map(json.loads, run.stdout.splitlines())}
+    assert list(records) == ["chunks2", "shared", "shared+chunks2"]
+    for record in records.values():
+        assert record["kind"] == "ep_alltoall" and record["bytes_per_step"] > 0
+        assert record["comm_ms"] > 0 and record["exposed_ms_on"] >= 0 and record["step_ms_on"] > 0
+        assert abs(record["exposed_fraction"] - record["exposed_ms_on"] / record["comm_ms"]) < 1e-9
+        # The planner hides part of the all-to-all with a switch on, never more than all.
+        assert 0 <= record["planner_exposed_fraction"] < 1 and record["planner_comm_ms"] > 0
+    # Two chunks leave at least the first dispatch and the last combine: half (planner/moe_overlap.py).
+    assert records["chunks2"]["planner_exposed_fraction"] >= 0.5 - 1e-9
+    assert records["shared+chunks2"]["planner_exposed_fraction"] <= records["chunks2"]["planner_exposed_fraction"]
