@@ -18,11 +18,12 @@ dispatch's all-to-all is in flight, its fc2 (and gate) while the combine's is.
 ``moe.overlap_chunks = n > 1``: the router decides on all the layer's tokens (capacity
 dropping is per expert over the whole layer, as without chunks), then the tokens, probs and
 routing map are cut into n consecutive chunks, each dispatched and combined on its own, all
-dispatches launched first: chunk i's experts run while chunk i+1's dispatch and chunk i-1's
-combine are in flight. A token's output is the same sum of the same expert rows; only the
-expert weights' gradients are summed in a different order (per chunk). The backward pass
-overlaps the same way (:mod:`moe_fold.comm`'s asynchronous ops). Each chunk has its own count
-exchange (a blocking all-gather of ``E`` int64 per rank).
+dispatches posted first: chunk i's experts run while chunk i+1's dispatch and chunk i-1's
+combine are in flight. A token's output is the same sum of the same expert rows, within fp32
+rounding: the grouped GEMMs run on fewer rows and the expert weights' gradients sum per
+chunk (the shared-expert overlap alone is bit for bit). The backward pass overlaps the same
+way (:mod:`moe_fold.comm`'s asynchronous ops). Each chunk has its own count exchange (a
+blocking all-gather of ``E`` int64 per rank).
 
 Gradient sync kinds (:mod:`moe_fold.training.grads`): experts ``"expert"``; the router weight and
 the shared-expert gate are replicated over tp but see only this rank's tokens under SP,
