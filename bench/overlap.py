@@ -8,7 +8,8 @@ side by side in one run, next to the planner's exposed-communication terms.
 Every rank trains the preset (the loop's own path: :func:`moe_fold.training.step.forward_backward`
 with the gradient reduction's hooks, :func:`moe_fold.training.optim.apply_gradients`) on
 ``--world`` gloo ranks. A kind is one entry of :data:`KINDS`: the config of each setting
-(``off``, ``on``) and the seconds a rank has spent waiting on that kind's communication:
+(``off`` and ``on``, or several overlapped settings, one JSON line each with its
+``setting``) and the seconds a rank has spent waiting on that kind's communication:
 
 - ``dp_grads``: the gradient buckets' all-reduce (``parallel.overlap_grad_reduce``);
   waiting = :attr:`moe_fold.training.buckets.GradSync.exposed_s`;
