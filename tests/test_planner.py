@@ -402,6 +402,14 @@ def test_plan_command(capsys):
     assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--tp", "2", "--ep", "2"]) == 0
     text = capsys.readouterr().out
     assert "MFU" in text and "activations" in text and "ep" in text
+    # the config's overlaps (none by default), the switches, or Megatron's
+    assert "overlaps assumed (moe-fold): none" in text
+    base = ["plan", "--config", "mixtral-tiny", "--world", "4", "--ep", "2", "--distributed-optimizer"]
+    assert main(base + ["--set", "parallel.overlap_grad_reduce=true", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["overlaps"] == ["grad_reduce"] and out["overlap_model"] == "moe-fold"
+    assert main(base + ["--overlap", "megatron"]) == 0
+    assert "overlaps assumed (megatron): grad_reduce, param_gather" in capsys.readouterr().out
     assert "shared expert under the all-to-all off, 1 chunk(s)" in text
     assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--ep", "4", "--set", "moe.overlap_chunks=2"]) == 0
     assert "shared expert under the all-to-all off, 2 chunk(s)" in capsys.readouterr().out

@@ -69,8 +69,8 @@ from moe_fold.planner.model import (
     ParamEntry, model_flops_per_step, param_manifest, rank_flops_per_microbatch, stage_layers,
 )
 
-__all__ = ["OVERLAPS", "Assumptions", "Plan", "overlaps", "estimate", "search", "model_params", "with_layout", "activation_bytes",
-           "busiest_owned_numel"]
+__all__ = ["OVERLAPS", "Assumptions", "Plan", "overlaps", "estimate", "search", "model_params", "with_layout",
+           "activation_bytes", "busiest_owned_numel"]
 
 # Kinds whose traffic happens per micro-batch, on the critical path.
 _CRITICAL = ("tp", "cp", "ep", "etp", "etp_ep", "tp_cp", "tp_dp_cp", "pp")

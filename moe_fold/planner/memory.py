@@ -79,7 +79,8 @@ import bisect
 from moe_fold.config import Config, dp_size, edp_size, etp_size, pp_layer_counts
 from moe_fold.planner.model import ParamEntry, dims, expert_rows_per_token, router_bytes
 
-__all__ = ["IMPLEMENTATIONS", "state_bytes", "grad_buckets", "shard_sizes", "owned_by_rank", "owned_numel", "zero_sizes", "layer_activation_bytes", "head_activation_bytes",
+__all__ = ["IMPLEMENTATIONS", "state_bytes", "grad_buckets", "shard_sizes", "owned_by_rank", "owned_numel", "zero_sizes",
+           "layer_activation_bytes", "head_activation_bytes",
            "embedding_activation_bytes", "microbatch_constant_bytes"]
 
 IMPLEMENTATIONS = ("moe-fold", "megatron")

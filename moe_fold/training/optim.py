@@ -375,7 +375,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: Config) -> LRSched
 
 
 def apply_gradients(params: Iterable[nn.Parameter], optimizer: AdamW, groups: ProcessGroups,
-                    clip_grad: float, skip_nonfinite: bool = True, grad_sync: Optional[GradSync] = None) -> torch.Tensor:
+                    clip_grad: float, skip_nonfinite: bool = True,
+                    grad_sync: Optional[GradSync] = None) -> torch.Tensor:
     """Sync the accumulated grads (``grad_sync``, :func:`build_grad_sync`; default: the
     optimizer's buckets, or ``params`` in buckets), clip them by the global norm
     (``clip_grad > 0``; 0 turns clipping off), and step. Returns the global grad norm before

@@ -9,8 +9,9 @@ and the routers' ``grad_scale = 1/num_microbatches``, are documented there). The
 :func:`moe_fold.training.optim.apply_gradients` completes the gradient reduction (posted during
 the backward with ``parallel.overlap_grad_reduce``, :mod:`moe_fold.training.buckets`), clips
 the global norm and steps AdamW (whose parameter all-gathers, with
-``parallel.overlap_param_gather``, complete during the next forward); the LR schedule steps, and the routers close their step
-(``Router.finish_step``: expert-bias update, ``global_aux`` reset).
+``parallel.overlap_param_gather``, complete during the next forward); the LR schedule
+steps, and the routers close their step (``Router.finish_step``: expert-bias update,
+``global_aux`` reset).
 
 Determinism: with ``train.deterministic`` torch uses deterministic algorithms, and the
 random state is re-seeded from ``(train.seed, step, rank)`` at the start of every step,
