@@ -184,12 +184,9 @@ class TokenDispatcher(ABC):
         """Send ``tokens[T, H]`` to the experts chosen by ``routing_map[T, E]`` (bool),
         with ``probs[T, E]`` (the weight of each routed pair). Differentiable w.r.t.
         tokens and probs."""
-        self._check_inputs(tokens, probs, routing_map)
-        handle, x, p = self.dispatch_preprocess(tokens, probs, routing_map)
+        handle, x, p = self._checked_preprocess(tokens, probs, routing_map)
         x, p = self.dispatch_communicate(x, p, handle)
-        x, p, counts = self.dispatch_postprocess(x, p, handle)
-        handle.num_rows = x.shape[0]
-        return DispatchOutput(tokens=x, tokens_per_local_expert=counts, probs=p, handle=handle)
+        return self._output(x, p, handle)
 
     def combine(self, expert_output: torch.Tensor, handle: Handle) -> torch.Tensor:
         """Return ``[T, H]``: each token's expert output rows summed, on the rank the
@@ -203,16 +200,9 @@ class TokenDispatcher(ABC):
         """:meth:`dispatch` that returns once its collectives are posted; ``.wait()``
         returns the :class:`DispatchOutput`. The preprocess (with its count exchange) runs
         before this returns, the postprocess inside ``wait``."""
-        self._check_inputs(tokens, probs, routing_map)
-        handle, x, p = self.dispatch_preprocess(tokens, probs, routing_map)
+        handle, x, p = self._checked_preprocess(tokens, probs, routing_map)
         sent = self.dispatch_communicate_start(x, p, handle)
-
-        def finish() -> DispatchOutput:
-            x, p = sent.wait()
-            x, p, counts = self.dispatch_postprocess(x, p, handle)
-            handle.num_rows = x.shape[0]
-            return DispatchOutput(tokens=x, tokens_per_local_expert=counts, probs=p, handle=handle)
-        return comm.Pending(None, finish)
+        return comm.Pending(None, lambda: self._output(*sent.wait(), handle))
 
     def combine_start(self, expert_output: torch.Tensor, handle: Handle) -> comm.Pending:
         """:meth:`combine` that returns once its collectives are posted; ``.wait()``
@@ -268,6 +258,17 @@ class TokenDispatcher(ABC):
         if tuple(probs.shape) != shape or not probs.is_floating_point():
             raise ValueError(f"probs must be a float tensor of shape {shape} [tokens, num_experts], "
                              f"got {probs.dtype} {tuple(probs.shape)}")
+
+    def _checked_preprocess(self, tokens, probs, routing_map) -> tuple[Handle, torch.Tensor, torch.Tensor]:
+        """What :meth:`dispatch` and :meth:`dispatch_start` do before communicating."""
+        self._check_inputs(tokens, probs, routing_map)
+        return self.dispatch_preprocess(tokens, probs, routing_map)
+
+    def _output(self, x, p, handle) -> DispatchOutput:
+        """What :meth:`dispatch` and :meth:`dispatch_start` do after communicating."""
+        x, p, counts = self.dispatch_postprocess(x, p, handle)
+        handle.num_rows = x.shape[0]
+        return DispatchOutput(tokens=x, tokens_per_local_expert=counts, probs=p, handle=handle)
 
     @staticmethod
     def _check_expert_output(expert_output: torch.Tensor, handle: Handle) -> None:
