@@ -28,7 +28,7 @@ EPILOG = """examples:
   moe-fold plan --config mixtral-8x7b --world 64 --tp 2 --pp 4 --ep 8 --implementation megatron
   moe-fold plan --config mixtral-8x22b --world 128 --tp 2 --pp 8 --ep 8 --overlap megatron
   moe-fold plan --config mixtral-8x7b --world 64 --set parallel.overlap_grad_reduce=true
-  moe-fold plan --config qwen2-57b-a14b --world 64 --ep 8 --set moe.shared_expert_overlap=true --set moe.overlap_chunks=2
+  moe-fold plan --config qwen2-57b-a14b --world 64 --ep 8 --set moe.shared_expert_overlap=true
 
 An impossible layout prints the rules it breaks and exits with code 2.
 """
