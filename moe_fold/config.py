@@ -97,6 +97,12 @@ class MoEConfig:
     # one chunk's all-to-all overlaps another chunk's expert GEMMs; 1 = off.
     overlap_chunks: int = 1
 
+    # Expert placement (docs/placement.md). Spare expert slots per ep rank, holding copies
+    # of the hottest experts; 0: none.
+    replicas: int = 0
+    # Re-place the experts from the last window's load every N steps; 0: never.
+    replace_every: int = 0
+
     # Kernel backends.
     gemm_backend: str = "auto"  # auto | grouped_gemm | torch | triton | loop
     permute_backend: str = "torch"  # torch | triton
@@ -148,6 +154,10 @@ class DataConfig:
     # Pack whole documents into each sample and mask across document boundaries.
     packing: bool = False
     cache_dir: str = "data_cache"
+    # Validation data (train.eval_every): a dataset prefix or text like ``path``, or
+    # ``valid_fraction`` of each training dataset's documents (its last ones), held out.
+    valid_path: Optional[str] = None
+    valid_fraction: float = 0.0
 
 
 @dataclass
@@ -185,6 +195,13 @@ class TrainConfig:
     # losses is logged as a spike (metrics.jsonl loss_spike, a warning); 0: off.
     loss_spike_factor: float = 3.0
     loss_spike_window: int = 20
+    # Validation LM loss every eval_every steps and at the last one (0: never), over
+    # eval_iters global batches of the validation data (data.valid_path/valid_fraction).
+    eval_every: int = 0
+    eval_iters: int = 10
+    # Write checkpoints in a background thread; the step only waits for a host copy
+    # (kept allocated between saves: one copy of the rank's weights and optimizer state).
+    async_save: bool = True
 
 
 @dataclass
@@ -622,6 +639,10 @@ def _check_parallel(config: Config, world_size: int, out: list[str]) -> bool:
     _one_of(out, "parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _positive(out, "parallel.timeout_s", p.timeout_s)
     _at_least(out, "parallel.grad_bucket_numel", p.grad_bucket_numel, 1)
+    if p.overlap_grad_reduce and config.moe.replicas > 0:
+        out.append(f"parallel.overlap_grad_reduce=true cannot run with moe.replicas={config.moe.replicas} yet: the "
+                   f"copies of an expert sum their grads over ep after the whole backward, before the "
+                   f"data-parallel reduction")
     if p.overlap_param_gather and not config.optimizer.distributed:
         out.append("parallel.overlap_param_gather=true needs optimizer.distributed=true (only the distributed "
                    "optimizer all-gathers parameters after its step)")
@@ -720,6 +741,7 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
                    f"got {_fmt(moe.shared_expert_ffn_hidden_size)}")
     _at_least(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size, 0)
     out.extend(overlap_problems(moe))
+    _check_placement(config, out)
     if not any_moe:
         return
     if p.tp > 1 and not p.sequence_parallel:
@@ -757,6 +779,24 @@ def overlap_problems(moe: MoEConfig) -> list[str]:
                         f"may hold all of an expert's tokens, so every chunk would be padded to the layer's "
                         f"whole capacity, multiplying the bytes sent by the number of chunks")
     return problems
+
+
+def _check_placement(config: Config, out: list[str]) -> None:
+    moe, ep = config.moe, config.parallel.ep
+    replicas_ok = _at_least(out, "moe.replicas", moe.replicas, 0)
+    every_ok = _at_least(out, "moe.replace_every", moe.replace_every, 0)
+    if ep < 1 or moe.num_experts < 1:
+        return
+    if replicas_ok and moe.replicas > 0:
+        if ep == 1:
+            out.append(f"moe.replicas={moe.replicas} needs parallel.ep > 1, got 1 (a copy of an expert lives "
+                       f"on another ep rank)")
+        elif moe.num_experts % ep == 0 and moe.replicas > moe.num_experts - moe.num_experts // ep:
+            out.append(f"moe.replicas={moe.replicas} must be <= moe.num_experts - moe.num_experts/parallel.ep="
+                       f"{moe.num_experts - moe.num_experts // ep} (a rank holds at most one copy of an expert)")
+    if every_ok and moe.replace_every > 0 and ep == 1:
+        out.append(f"moe.replace_every={moe.replace_every} needs parallel.ep > 1, got 1 (with one ep rank "
+                   f"there is nowhere to move an expert)")
 
 
 def _check_groups(config: Config, out: list[str]) -> None:
@@ -841,6 +881,19 @@ def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[s
     _one_of(out, "train.on_nonfinite", t.on_nonfinite, ("skip", "stop"))
     _at_least(out, "train.loss_spike_factor", t.loss_spike_factor, 0)
     _at_least(out, "train.loss_spike_window", t.loss_spike_window, 1)
+    _at_least(out, "train.eval_every", t.eval_every, 0)
+    _at_least(out, "train.eval_iters", t.eval_iters, 1)
+    d = config.data
+    if not 0 <= d.valid_fraction < 1:
+        out.append(f"data.valid_fraction={_fmt(d.valid_fraction)} must be in [0, 1)")
+    if d.valid_path is not None and d.valid_fraction > 0:
+        out.append(f"data.valid_path={_fmt(d.valid_path)} and data.valid_fraction={_fmt(d.valid_fraction)} are "
+                   f"exclusive: validate on another dataset or on a held-out fraction of the training data")
+    if d.valid_path == "":
+        out.append("data.valid_path='' must be a dataset path, or null")
+    if t.eval_every > 0 and d.valid_path is None and not d.valid_fraction > 0:
+        out.append(f"train.eval_every={t.eval_every} needs validation data: set data.valid_path or "
+                   f"data.valid_fraction > 0")
 
 
 def _check_optimizer(config: Config, out: list[str]) -> None:

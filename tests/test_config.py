@@ -339,6 +339,14 @@ RULES = [
       "of chunks"]),
     (["moe.gemm_backend=cutlass"], 1, ["moe.gemm_backend=cutlass must be one of auto, grouped_gemm, torch, triton, loop"]),
     (["moe.permute_backend=cuda"], 1, ["moe.permute_backend=cuda must be one of torch, triton"]),
+    # expert placement
+    (["moe.replicas=-1"], 1, ["moe.replicas=-1 must be >= 0"]),
+    (["moe.replace_every=-2"], 1, ["moe.replace_every=-2 must be >= 0"]),
+    (["moe.replicas=1"], 1, ["moe.replicas=1 needs parallel.ep > 1, got 1 (a copy of an expert lives on another ep rank)"]),
+    (["moe.replicas=7", "parallel.ep=4"], 4,
+     ["moe.replicas=7 must be <= moe.num_experts - moe.num_experts/parallel.ep=6 (a rank holds at most one copy of an expert)"]),
+    (["moe.replace_every=10"], 1,
+     ["moe.replace_every=10 needs parallel.ep > 1, got 1 (with one ep rank there is nowhere to move an expert)"]),
     # layer pattern
     (["moe.moe_layer_freq=-1"], 1, ["moe.moe_layer_freq=-1 must be >= 0"]),
     (["moe.moe_layer_freq=[1,0,1]"], 1,
@@ -370,6 +378,9 @@ RULES = [
      ["parallel.order=tp-cp-ep-dp-dp must be a permutation of tp, cp, ep, dp, pp joined by '-'"]),
     (["parallel.timeout_s=0"], 1, ["parallel.timeout_s=0.0 must be > 0"]),
     (["parallel.grad_bucket_numel=0"], 1, ["parallel.grad_bucket_numel=0 must be >= 1"]),
+    (["parallel.overlap_grad_reduce=true", "parallel.ep=2", "moe.num_experts=4", "moe.replicas=1"], 2,
+     ["parallel.overlap_grad_reduce=true cannot run with moe.replicas=1 yet: the copies of an expert sum their grads "
+      "over ep after the whole backward, before the data-parallel reduction"]),
     (["parallel.overlap_param_gather=true"], 1,
      ["parallel.overlap_param_gather=true needs optimizer.distributed=true (only the distributed optimizer "
       "all-gathers parameters after its step)"]),
@@ -402,6 +413,15 @@ RULES = [
     (["train.precision=fp16"], 1, ["train.precision=fp16 must be one of fp32, bf16-autocast, bf16"]),
     (["train.recompute=all"], 1, ["train.recompute=all must be one of none, full, moe, expert_act"]),
     (["train.on_nonfinite=ignore"], 1, ["train.on_nonfinite=ignore must be one of skip, stop"]),
+    (["train.eval_every=-1"], 1, ["train.eval_every=-1 must be >= 0"]),
+    (["train.eval_iters=0"], 1, ["train.eval_iters=0 must be >= 1"]),
+    (["data.valid_fraction=1"], 1, ["data.valid_fraction=1.0 must be in [0, 1)"]),
+    (["data.valid_fraction=0.1", "data.valid_path=data/valid"], 1,
+     ["data.valid_path=data/valid and data.valid_fraction=0.1 are exclusive: validate on another dataset or on "
+      "a held-out fraction of the training data"]),
+    (["data.valid_path=''"], 1, ["data.valid_path='' must be a dataset path, or null"]),
+    (["train.eval_every=10"], 1, ["train.eval_every=10 needs validation data: set data.valid_path or "
+                                  "data.valid_fraction > 0"]),
     # optimizer
     (["optimizer.lr=0"], 1, ["optimizer.lr=0.0 must be > 0"]),
     (["optimizer.min_lr=0.01"], 1, ["optimizer.min_lr=0.01 must be in [0, optimizer.lr=0.003]"]),
@@ -444,6 +464,7 @@ def test_rule(overrides, world_size, expected):
     (["model.hidden_size=130", "model.head_dim=32"], 1),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=4", "parallel.etp=1"], 8),
     (["parallel.pp=2", "parallel.pp_layers=[1,3]"], 2),
+    (["parallel.ep=4", "moe.replicas=6", "moe.replace_every=1"], 4),
     (["model.num_layers=8", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved"], 2),
     (["moe.num_experts=8", "moe.num_groups=4", "moe.group_topk=2", "moe.topk=4",
       "moe.score_function=sigmoid", "moe.expert_bias=true", "moe.scaling_factor=2.5"], 1),

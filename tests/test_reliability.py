@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_fold.training.checkpoint import latest_checkpoint, load_checkpoint
 from moe_fold.config import load_config
@@ -62,8 +63,10 @@ def small_config(run_dir, cache_dir, *extra):
 
 
 def _env() -> dict:
-    # One thread per process, as the ranks of --nproc 2 get on 2 cores: the same sums.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # As many threads as this test process (conftest: MOE_FOLD_TEST_THREADS, default 1, as
+    # the ranks of --nproc 2 get on 2 cores): a run compared bit for bit with one made here
+    # must take the same sums.
+    return {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "PYTHONUNBUFFERED": "1"}
 
 
 def _losses(run_dir) -> list[tuple[int, float]]:
@@ -258,8 +261,9 @@ _STOP_IN_SAVE = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("point, call, partial", [
-    # Once per save, after the shard is written: no random states, no index.json yet.
-    ("_rng_state", 3, "rank_00000.safetensors"),
+    # Once per save (the rank's done marker, in the background writer), after the shard
+    # and the random states are written: no index.json yet.
+    ("_write_json_atomic", 3, "rank_00000.safetensors"),
     # Twice per save (the new directory, then the renamed one): all written, not renamed.
     pytest.param("_fsync_dir", 5, "index.json", marks=pytest.mark.slow),
 ])

@@ -40,7 +40,7 @@ tp_dp_cp (``tp_sum`` ones: norms and router under SP) and edp (experts): each al
 or with the distributed optimizer reduce-scattered (the bucket less the rank's owned share,
 :func:`moe_fold.planner.memory.shard_sizes`) and its owned share all-gathered to the others
 of the group: the same volume as the all-reduce, the least a step can send. The norm's
-float32 scalars: over tp, etp_ep and pp, or with the distributed optimizer over tp_dp_cp
+float32 scalars: over tp, etp_ep (with the per-expert squares, see ``grad_norm``) and pp, or with the distributed optimizer over tp_dp_cp
 (every rank of the stage) and pp. With tied embeddings over pp, the embedding-grad
 all-reduce between the first and last stage.
 """
@@ -249,7 +249,8 @@ def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Opt
     sizes = {"dp_cp": dp * p.cp, "tp_dp_cp": p.tp * dp * p.cp, "edp": edp}
     ranks = {"dp_cp": 0, "tp_dp_cp": 0, "edp": 0}
     ranks.update(shard_ranks or {})
-    for group, numels in grad_buckets(config, pp_rank, param_manifest(config, pp_rank)):
+    manifest = param_manifest(config, pp_rank)
+    for group, numels in grad_buckets(config, pp_rank, manifest):
         n = sizes[group]
         if n == 1:
             continue
@@ -264,7 +265,9 @@ def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Opt
         out["tp_dp_cp"] += _all_reduce(4, p.tp * dp * p.cp)  # grad norm: squares of the owned ranges
     else:
         out["tp"] += _all_reduce(4, p.tp)  # grad norm: squares of tp shards
-        out["etp_ep"] += _all_reduce(4, etp * p.ep)  # ... of expert shards
+        # ... of expert shards: one scalar and, per expert parameter, a float32 per global expert
+        expert_params = sum(1 for e in manifest if e.kind == "expert")
+        out["etp_ep"] += _all_reduce(4 * (1 + expert_params * dims(config).experts), etp * p.ep)
     out["pp"] += _all_reduce(4, p.pp)  # ... of every stage
     d = dims(config)
     if d.tied and p.pp > 1 and pp_rank in (0, p.pp - 1):

@@ -295,9 +295,10 @@ class GradSync:
         group = self.groups.group(bucket.group_name)
         grads = []
         for p in bucket.params:
-            src = self._source(p)
-            grads.append(src.grad.reshape(-1) if src.grad is not None else torch.zeros(p.numel(), dtype=p.dtype,
-                                                                                        device=p.device))
+            grad = self._source(p).grad
+            grad = grad if grad is not None else p.grad  # taken already (take_grads)
+            grads.append(grad.reshape(-1) if grad is not None else torch.zeros(p.numel(), dtype=p.dtype,
+                                                                               device=p.device))
         flat = torch.cat([g.to(bucket.dtype) for g in grads])  # [bucket numel]
         if bucket.sizes is None:
             self._pending[i] = all_reduce_async_(flat, group)
@@ -332,6 +333,16 @@ class GradSync:
                 if s.stop > s.start:
                     a = s.offset + s.start - lo
                     s.param.grad.view(-1)[s.start:s.stop].copy_(reduced[a:a + s.stop - s.start])
+
+    @torch.no_grad()
+    def take_grads(self, params: Sequence[nn.Parameter]) -> None:
+        """Move the grads of ``params``' sources into ``params`` (cast to their dtype), for
+        work on them before the reduction (summing an expert's copies in float32)."""
+        for p in params:
+            src = self._source(p)
+            if src is not p and src.grad is not None:
+                p.grad = src.grad.to(p.dtype)
+                src.grad = None
 
     def finish(self) -> None:
         """Post every bucket not posted yet and wait for all of them; then every grad is the

@@ -51,7 +51,9 @@ from moe_fold.layout import ProcessGroups
 from moe_fold.training.buckets import (
     ALIGN, DEFAULT_BUCKET_NUMEL, SYNC_GROUP, Bucket, GradSync, make_buckets, model_buckets,
 )
-from moe_fold.training.grads import clip_grad_norm_, clip_sharded_grads_, grad_norm, sharded_grad_norm
+from moe_fold.training.grads import (
+    clip_grad_norm_, clip_sharded_grads_, grad_norm, sharded_grad_norm, sum_expert_copies,
+)
 
 __all__ = [
     "SHARD_GROUP", "ALIGN", "decays", "param_groups", "adamw_update_", "AdamW", "lr_at", "LRScheduler",
@@ -392,6 +394,11 @@ def apply_gradients(params: Iterable[nn.Parameter], optimizer: AdamW, groups: Pr
         grad_sync = GradSync(buckets, groups)
     elif optimizer.distributed and grad_sync.buckets is not optimizer.buckets:
         raise ValueError("grad_sync must reduce the distributed optimizer's own buckets (build_grad_sync)")
+    # An expert's copies (moe.replicas) sum their grads over ep before the data-parallel sum.
+    copies = [p for b in grad_sync.buckets for p in b.params if getattr(p, "replicated_experts", None)]
+    if copies:
+        grad_sync.take_grads(copies)
+        sum_expert_copies(copies, groups)
     grad_sync.finish()
     if optimizer.distributed:
         norm = (clip_sharded_grads_(optimizer.buckets, clip_grad, groups) if clip_grad > 0
