@@ -1,6 +1,6 @@
 """Everything composes: context parallel (ring and a2a) and pipeline parallel (1f1b and
 interleaved, tied embeddings) folded with tp, dp, ep and etp train the same model as one
-process.
+process, with standard attention and with multi-head latent attention (MLA_MODEL).
 
 A tiny Mixtral-like model (4 MoE layers, 8 experts top-2, GQA, aux and z losses, the
 all-to-all dispatcher, dropless) trains three steps of :class:`moe_fold.training.optim.AdamW`
@@ -38,6 +38,7 @@ from moe_fold.training.optim import AdamW, apply_gradients, build_grad_sync, bui
 from moe_fold.training.step import forward_backward
 from pipeline_union import unite_over_pp
 from test_layout_invariance import _global_grads
+from test_mla import MLA_MODEL
 
 VOCAB, HIDDEN, LAYERS, SEQ, BATCH, STEPS, LR, MAX_NORM = 64, 32, 4, 16, 4, 3, 1e-2, 0.5
 
@@ -48,11 +49,15 @@ CASES = {
     "cp2-ring": (2, dict(cp=2), 2, dict(cp_kind="ring"), {}),
     "cp2-a2a-ep2": (2, dict(cp=2, ep=2), 2, dict(cp_kind="a2a"), {}),
     "pp2-tied": (2, dict(pp=2), 4, dict(), dict(tie_embeddings=True)),
+    "mla-cp2-ring": (2, dict(cp=2), 2, dict(cp_kind="ring"), MLA_MODEL),
     # 4 ranks
     "pp2-ep2-dp2": (4, dict(pp=2, ep=2), 2, dict(), {}),
     "pp2-vpp2-ep2-dp2-tied": (4, dict(pp=2, ep=2), 2, dict(vpp=2, pp_schedule="interleaved"),
                               dict(tie_embeddings=True)),
     "pp2-cp2-ring-ep2": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), {}),
+    # Multi-head latent attention: interleaved pipeline, a2a cp folded with tp + SP.
+    "mla-pp2-vpp2-ep2-dp2": (4, dict(pp=2, ep=2), 2, dict(vpp=2, pp_schedule="interleaved"), MLA_MODEL),
+    "mla-cp2-a2a-tp2": (4, dict(cp=2, tp=2), 2, dict(cp_kind="a2a"), MLA_MODEL),
     # 8 ranks
     "pp2-tp2-ep2-dp2-edp2": (8, dict(pp=2, tp=2, ep=2, etp=1), 2, dict(), {}),
     "cp2-a2a-tp2-ep4-dp2-edp2": (8, dict(cp=2, tp=2, ep=4, etp=1), 2, dict(cp_kind="a2a"), {}),
@@ -61,8 +66,9 @@ CASES = {
 
 def _config(model=None, **parallel):
     config = Config()
-    config.model = ModelConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4, num_kv_heads=2,
-                               ffn_hidden_size=48, seq_length=SEQ, init_std=0.1, **(model or {}))
+    config.model = ModelConfig(**{**dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4,
+                                         num_kv_heads=2, ffn_hidden_size=48, seq_length=SEQ, init_std=0.1),
+                                  **(model or {})})
     c = config.moe
     c.num_experts, c.topk, c.ffn_hidden_size = 8, 2, 32
     c.aux_loss_coeff, c.z_loss_coeff = 0.1, 0.01

@@ -30,6 +30,15 @@ LAYOUTS = {
         "moe": {"moe_layer_freq": 1, "capacity_factor": 1.5, "pad_to_capacity": True},
         "parallel": {"tp": 2, "ep": 2, "etp": 1, "sequence_parallel": True},
     },
+    # "mla": "etp1" with multi-head latent attention (its latents, not the hidden states,
+    # gathered over tp), a dense first layer and an ungated shared expert.
+    "mla": {
+        "model": {"attention": "mla", "num_kv_heads": 4, "q_lora_rank": 12, "kv_lora_rank": 10,
+                  "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 5},
+        "moe": {"moe_layer_freq": [0, 1], "capacity_factor": 1.5, "pad_to_capacity": True,
+                "shared_expert_ffn_hidden_size": 32},
+        "parallel": {"tp": 2, "ep": 2, "etp": 1, "sequence_parallel": True},
+    },
 }
 
 
@@ -125,8 +134,9 @@ def test_step_bytes_equal_counters_with_measured_routing(gloo_step):
     assert set(gloo_step[0]["etp2"]["sent"]) == {"tp", "tp_cp", "tp_dp_cp", "dp_cp", "ep", "etp", "etp_ep"}
 
 
-def test_step_bytes_equal_counters_padded_uniform(gloo_step):
-    config = _config("etp1")
+@pytest.mark.parametrize("name", ["etp1", "mla"])
+def test_step_bytes_equal_counters_padded_uniform(gloo_step, name):
+    config = _config(name)
     # 2 x 16 tokens split over tp 2: 16 per rank. Padding makes every split
     # C = ceil(16 * 2 / 4 * 1.5) = 12 rows per expert and source rank whatever the router
     # picks, so the planner's default rows are the real ones: 4 experts x 12 = 48 rows,
@@ -134,11 +144,11 @@ def test_step_bytes_equal_counters_padded_uniform(gloo_step):
     assert uniform_routing(config) == Routing(sent=24.0, received=24.0, held=48, held_etp=48, meta=4)
     for rank in range(4):
         planned = step_bytes(config, 4)
-        measured = gloo_step[rank]["etp1"]["sent"]
+        measured = gloo_step[rank][name]["sent"]
         assert set(planned) == set(measured), rank
         for kind, nbytes in measured.items():
             assert planned[kind] == nbytes, (rank, kind)
-    assert {"ep", "edp", "tp", "dp_cp"} <= set(gloo_step[0]["etp1"]["sent"])
+    assert {"ep", "edp", "tp", "dp_cp"} <= set(gloo_step[0][name]["sent"])
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -153,6 +153,17 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
             return (2 if forward_only else 4) * _share(x, tp)
         return _all_reduce(x, tp) * (1 if forward_only else 2)
 
+    def attention(forward_only: bool = False) -> float:
+        """The attention's tp traffic. MLA enters the tp region with its latents (q's, or
+        the hidden states without q_lora_rank, the kv latent and the rotary key), not the
+        hidden states, and leaves it like any row-parallel linear."""
+        if not d.mla:
+            return pair(forward_only)
+        latents = b * s * ((d.q_lora or d.hidden) + d.kv_lora + d.rope_dim) * a
+        if sp:
+            return (1 if forward_only else 2) * (_share(latents, tp) + _share(x, tp))
+        return _all_reduce(x, tp) + (0 if forward_only else _all_reduce(latents, tp))
+
     layers = stage_layers(config, pp_rank)
     moe_layers = [i for i in layers if d.moe_flags[i]]
     if routing is None:
@@ -163,11 +174,11 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
     if tp > 1:
         for i in layers:
             is_moe = d.moe_flags[i]
-            out["tp"] += pair()  # attention
+            out["tp"] += attention()
             if not is_moe or d.shared_ffn > 0:
                 out["tp"] += pair()  # dense MLP or shared expert
             if recompute == "full":
-                out["tp"] += pair(forward_only=True)
+                out["tp"] += attention(forward_only=True)
             if (recompute == "full" or (recompute == "moe" and is_moe)) and (not is_moe or d.shared_ffn > 0):
                 out["tp"] += pair(forward_only=True)
         if pp_rank == 0:
@@ -208,11 +219,18 @@ def _cp_attention_bytes(config: Config) -> tuple[float, float]:
     forward; backward they go round again with float32 dK/dV accumulators, which take one
     more hop home. A2a (:mod:`moe_fold.parallel.context_parallel`): q, k, v (kv heads repeated to
     ``lcm(kv_heads, cp)``) and the output each all-to-all'd, ``(cp-1)/cp`` of them leaving;
-    the backward the same."""
+    the backward the same. MLA: k is ``qk_nope + qk_rope`` wide per head, v and the
+    output ``v_head_dim``."""
     d, p = dims(config), config.parallel
     cp, a = p.cp, act_bytes(config)
     tokens = config.train.micro_batch_size * d.seq // cp
     heads, kv_heads = d.heads // p.tp, d.kv_heads // p.tp
+    if d.mla:  # every head has its own k (qk wide) and v (v wide): no repeats under a2a
+        kv = tokens * d.kv_pass_size // p.tp
+        if p.cp_kind == "ring":
+            return (cp - 1) * kv * a, (cp - 1) * kv * a + cp * kv * 4
+        moved = (d.q_size + d.out_size) // p.tp * tokens * a * (cp - 1) / cp + kv * a * (cp - 1) / cp
+        return moved, moved
     if p.cp_kind == "ring":
         kv = 2 * tokens * kv_heads * d.head_dim
         return (cp - 1) * kv * a, (cp - 1) * kv * a + cp * kv * 4

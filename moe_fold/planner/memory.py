@@ -57,7 +57,11 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
 - Head and loss (last stage): final norm ``aH + 4``, gathered head input ``aHg``, the
   float32 shifted logits and their ``exp`` ``8 V g/tp``, the target index, mask, sum of
   exps and the loss mask ``8 + 1 + 4 + 4`` times ``g``.
-- Per micro-batch and model chunk: rotary cos and sin, ``2 (s/cp) head_dim a``.
+- Multi-head latent attention (:class:`moe_fold.models.mla.MLAttention`): see
+  :func:`moe_fold.planner.model.mla_attention_bytes` (the latents, not the hidden
+  states, are gathered over tp).
+- Per micro-batch and model chunk: rotary cos and sin, ``2 (s/cp) d_rot a`` (``d_rot``
+  the head width, ``qk_rope_head_dim`` under MLA).
 
 Recompute (:func:`moe_fold.training.train.apply_recompute`, non-reentrant checkpoints keep their
 inputs): ``full`` keeps only a dense block's input ``aH``; an MoE block keeps its attention
@@ -76,8 +80,8 @@ from __future__ import annotations
 
 import bisect
 
-from moe_fold.config import Config, dp_size, edp_size, etp_size, pp_layer_counts
-from moe_fold.planner.model import ParamEntry, dims, expert_rows_per_token, router_bytes
+from moe_fold.config import Config, dp_size, edp_size, etp_size, pp_layer_counts, rotary_dim
+from moe_fold.planner.model import ParamEntry, dims, expert_rows_per_token, mla_attention_bytes, router_bytes
 
 __all__ = ["IMPLEMENTATIONS", "state_bytes", "grad_buckets", "shard_sizes", "owned_by_rank", "owned_numel", "zero_sizes",
            "layer_activation_bytes", "head_activation_bytes",
@@ -186,6 +190,8 @@ def _act(config: Config) -> int:
 
 def _attention(config: Config, g: int) -> float:
     d, tp, a = dims(config), config.parallel.tp, _act(config)
+    if d.mla:
+        return mla_attention_bytes(d, a, g, tp)
     inside = a * (d.q_size + 2 * d.kv_size) + a * (d.q_size + d.kv_size) + a * d.q_size + 4 * d.heads
     if d.qk_norm:
         inside += 4 * (d.heads + d.kv_heads)
@@ -276,7 +282,7 @@ def microbatch_constant_bytes(config: Config, layers: list[int], chunks: int) ->
     """Bytes per micro-batch that do not scale with tokens: rotary cos/sin per model chunk,
     the float32 router weight copy per MoE layer under bf16."""
     d, a = dims(config), _act(config)
-    out = chunks * 2 * (d.seq // config.parallel.cp) * d.head_dim * a
+    out = chunks * 2 * (d.seq // config.parallel.cp) * rotary_dim(config) * a
     if config.train.precision == "bf16":
         out += sum(4 * d.experts * d.hidden for i in layers if d.moe_flags[i])
     return out
