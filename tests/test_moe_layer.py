@@ -1,7 +1,8 @@
 """The experts and the MoE layer on one process, against loops written here: per-token
 expert sums, the load-balancing and z losses in closed form, capacity dropping by hand,
 the shared expert and its gate; expert weights sliced for every (ep, etp) rank equal the
-one-process weights; the parallel marks; bad input."""
+one-process weights; the parallel marks; bad input. The overlap switches against the
+blocking layer (one process, and on two gloo ranks under expert replicas)."""
 
 import copy
 import math
@@ -11,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from moe_fold.config import Config, ModelConfig
-from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups
+from moe_fold.launch import run_ranks
+from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.experts import Experts
 from moe_fold.models.model import Block, build_model
 from moe_fold.models.mlp import MLP
@@ -381,3 +383,29 @@ def test_recompute_covers_the_overlapped_shared_expert(overlap):
     for got, want in zip(grads, plain):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert plain_kept >= 3 and kept <= (1 if overlap else 0)
+
+
+def _overlap_with_replicas_rank(rank, world_size):
+    groups = create_process_groups(ParallelLayout(world_size, ep=2))
+    out = {}
+    for name, overlap in (("off", {}), ("shared", dict(shared_expert_overlap=True)),
+                          ("shared+chunks2", dict(shared_expert_overlap=True, overlap_chunks=2))):
+        for replicas in (0, 1):
+            layer = MoELayer(_config(shared_expert_ffn_hidden_size=SHARED, replicas=replicas, **overlap), groups, 0)
+            x = _inputs(rank).requires_grad_()
+            y = layer(x)
+            (y * torch.linspace(-1, 1, H)).sum().backward()
+            out[name, replicas] = (y.detach().numpy(), x.grad.numpy())
+    return out
+
+
+def test_overlap_under_expert_replicas_on_two_ranks():
+    """ep 2, with and without a replicated expert (moe.replicas=1: the dispatcher routes by
+    slot): every overlap gives the blocking layer's output and input grad."""
+    for rank, res in enumerate(run_ranks(_overlap_with_replicas_rank, 2, timeout=120)):
+        y, grad = res["off", 0]
+        for key, (got_y, got_grad) in res.items():
+            torch.testing.assert_close(torch.from_numpy(got_y), torch.from_numpy(y), rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"rank {rank} {key}: {m}")
+            torch.testing.assert_close(torch.from_numpy(got_grad), torch.from_numpy(grad), rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"rank {rank} {key} input grad: {m}")
