@@ -31,6 +31,13 @@ RANK_RULES = [
      "parallel.tp=2 with MoE layers requires parallel.sequence_parallel=true"),
     ("models/moe_layer.py: gate needs a shared expert", ["moe.shared_expert_gate=true"], 1,
      "moe.shared_expert_gate=true requires a shared expert (moe.shared_expert_ffn_hidden_size > 0), got 0"),
+    ("models/moe_layer.py: shared-expert overlap needs a shared expert", ["moe.shared_expert_overlap=true"], 1,
+     "moe.shared_expert_overlap=true needs a shared expert (moe.shared_expert_ffn_hidden_size > 0, got 0)"),
+    ("models/moe_layer.py: overlap chunks >= 1", ["moe.overlap_chunks=0"], 1, "moe.overlap_chunks=0 must be >= 1"),
+    ("models/moe_layer.py: overlap chunks without padding",
+     ["moe.overlap_chunks=2", "moe.capacity_factor=1.0", "moe.pad_to_capacity=true"], 1,
+     "moe.overlap_chunks=2 requires moe.pad_to_capacity=false: one chunk may hold all of an expert's tokens, so "
+     "every chunk would be padded to the layer's whole capacity, multiplying the bytes sent by the number of chunks"),
     ("models/experts.py: experts % ep", ["parallel.ep=3"], 3,
      "moe.num_experts=8 is not divisible by parallel.ep=3"),
     ("models/experts.py: ffn % etp", ["parallel.etp=3"], 3,
