@@ -18,12 +18,18 @@ from moe_fold.config import ConfigError, load_config
 from moe_fold.training.train import check_trainable
 
 SP2 = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+MLA = ["model.attention=mla", "model.kv_lora_rank=32", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
+       "model.v_head_dim=16"]
 
 # (where the rank raises, overrides, world size, the pre-spawn message)
 RANK_RULES = [
     ("models/attention.py: heads % tp", SP2 + ["model.num_heads=6", "model.num_kv_heads=3", "model.hidden_size=96"], 2,
      "model.num_kv_heads=3 is not divisible by parallel.tp=2"),
     ("models/attention.py: cp_kind", ["parallel.cp_kind=ulysses"], 1,
+     "parallel.cp_kind=ulysses must be one of ring, a2a"),
+    ("models/mla.py: heads % tp", MLA + SP2 + ["model.num_heads=3", "model.num_kv_heads=3", "model.hidden_size=96"], 2,
+     "model.num_heads=3 is not divisible by parallel.tp=2"),
+    ("models/mla.py: cp_kind", MLA + ["model.num_kv_heads=4", "parallel.cp_kind=ulysses"], 1,
      "parallel.cp_kind=ulysses must be one of ring, a2a"),
     ("models/rotary.py: head_dim even", ["model.head_dim=15"], 1,
      "model.head_dim=15 must be even (rotary embeddings rotate pairs of dimensions)"),
