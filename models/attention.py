@@ -1,4 +1,5 @@
-"""Causal self-attention with grouped-query heads, optional QK-norm and rotary embeddings.
+"""Causal self-attention with grouped-query heads, optional QK-norm (per head, or over the
+whole q and k projections) and rotary embeddings (on the whole head or its first part).
 
 Under tp each rank owns ``num_heads/tp`` query heads together with the
 ``num_kv_heads/tp`` key/value heads they read, so attention itself needs no tp
@@ -25,7 +26,7 @@ from moe_fold.parallel.tensor_parallel import ColumnParallelLinear, RowParallelL
 from moe_fold.parallel.varlen import Documents
 
 from .kv_cache import LayerCache, cached_attention
-from .norm import RMSNorm
+from .norm import RMSNorm, ShardedRMSNorm
 from .rotary import apply_rotary
 
 
@@ -51,7 +52,12 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(q_size, config.hidden_size, tp_group, sequence_parallel,
                                       std=std, seed=init_seed(seed, f"{name}.proj"))
         self.qk_norm = config.qk_norm
-        if self.qk_norm:
+        self.norm_projection = config.qk_norm and config.qk_norm_scope == "projection"
+        if self.norm_projection:
+            # OLMoE: one norm over all heads of q (and of k); each tp rank holds its heads' slice.
+            self.q_norm = ShardedRMSNorm(q_size, config.norm_eps, tp_group)
+            self.k_norm = ShardedRMSNorm(kv_size, config.norm_eps, tp_group)
+        elif self.qk_norm:
             # Every tp rank holds different heads, so these grads are partial over tp.
             self.q_norm = RMSNorm(head_dim, config.norm_eps, "tp_sum")
             self.k_norm = RMSNorm(head_dim, config.norm_eps, "tp_sum")
@@ -65,12 +71,15 @@ class Attention(nn.Module):
         these, whose keys and values it holds; these tokens' keys and values are added."""
         qkv = self.qkv(x)  # [S, B, (heads + 2*kv_heads) * head_dim]
         S, B = qkv.shape[:2]
+        if self.norm_projection:
+            q, k, v = qkv.split([self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2, dim=-1)
+            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
         q, k, v = qkv.view(S, B, -1, self.head_dim).split(
             [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)  # [S, B, heads, head_dim]
-        if self.qk_norm:
+        if self.qk_norm and not self.norm_projection:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, heads, S, head_dim]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = _rotate_part(q, cos, sin), _rotate_part(k, cos, sin)
         # Query head h reads key/value head h // (heads / kv_heads), as in Hugging Face.
         # A cp group of one rank (or None) is plain causal attention over the local sequence.
         if kv_cache is not None:
@@ -80,3 +89,12 @@ class Attention(nn.Module):
             out = context_parallel_attention(q, k, v, group, kind=self.cp_kind, doc_ids=doc_ids)  # [B, heads, S, hd]
         out = out.permute(2, 0, 1, 3).reshape(S, B, self.num_heads * self.head_dim)  # [S, B, heads*hd]
         return self.proj(out)
+
+
+def _rotate_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embeddings on the first ``cos.shape[-1]`` dims of each head of ``x``
+    ``[B, heads, S, head_dim]``, the rest passed through (partial rotary, GLM-4.5)."""
+    width = cos.shape[-1]
+    if width == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return torch.cat([apply_rotary(x[..., :width], cos, sin), x[..., width:]], dim=-1)

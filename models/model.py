@@ -38,6 +38,7 @@ from torch import nn
 
 from moe_fold.comm import all_reduce_, gather_from_tp_region
 from moe_fold.config import Config, head_dim, moe_layer_flags, rotary_dim, vpp_size
+from moe_fold.dispatch.aux_losses import attach_loss
 from moe_fold.parallel.context_parallel import zigzag_positions
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.pipeline import create_embedding_group, stage_layers
@@ -52,6 +53,7 @@ from .kv_cache import LayerCache
 from .mla import MLAttention
 from .mlp import MLP
 from .moe_layer import MoELayer
+from .mtp import MTP, MTPTargets, mtp_targets
 from .norm import RMSNorm
 from .rotary import rotary_cos_sin, yarn_of
 
@@ -104,13 +106,24 @@ def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
     tokens; each token's sample in the micro-batch, for the per-sequence aux loss). It marks its parameters for gradient
     sync (``moe_fold.parallel.tensor_parallel.mark``): experts ``"expert"``; router weights and a
     shared-expert gate ``"tp_sum"`` under SP (each tp rank routes its own tokens); a
-    shared expert built as :class:`MLP` is already marked.
+    shared expert built as :class:`MLP` is already marked. Layers past ``model.num_layers``
+    are the MTP depths' blocks, of the kind of the last layer.
     """
-    if moe_layer_flags(config)[layer]:
+    flags = moe_layer_flags(config)
+    if flags[min(layer, len(flags) - 1)]:
         return MoELayer(config, groups, layer)
     m = config.model
     return MLP(m.hidden_size, m.ffn_hidden_size, groups.tp, config.parallel.sequence_parallel,
                std=m.init_std, seed=config.train.seed, name=f"layers.{layer}.mlp")
+
+
+def layer_index(name: str, num_layers: int) -> int:
+    """The global layer index of a module or parameter name: ``layers.{i}.*`` is i, MTP
+    depth ``mtp.{k}.*`` is ``num_layers + k`` (the index DeepSeek-V3 checkpoints give it)."""
+    parts = name.split(".")
+    if parts[0] == "mtp":
+        return num_layers + int(parts[1])
+    return int(parts[parts.index("layers") + 1])
 
 
 class Layers(nn.Module):
@@ -153,7 +166,11 @@ class Transformer(nn.Module):
     named ``embed.weight`` (drawn from the same seed, so equal to the first stage's) and
     marked ``tied_copy = True`` (the grad norm counts it once). After each backward
     ``forward_backward`` sums the two copies' grads over :attr:`embedding_group`, so
-    both take the same optimizer steps (:mod:`moe_fold.parallel.pipeline`).
+    both take the same optimizer steps (:mod:`moe_fold.parallel.pipeline`). Multi-token
+    prediction (``model.mtp_num_layers``, :mod:`moe_fold.models.mtp`) runs on the last stage
+    as ``mtp.{k}.*`` (depth k+1: ``enorm``, ``hnorm``, ``eh_proj``, ``block``, ``norm``)
+    and reads the embedding there: under pp the last stage then holds an embedding copy
+    as for tied embeddings.
     """
 
     def __init__(self, config: Config, groups: ProcessGroups):
@@ -170,8 +187,10 @@ class Transformer(nn.Module):
         self.stage_layer_ids = [layers_of[s] for s in self.stages]
         first, last = 0 in self.stages, self.num_stages - 1 in self.stages
 
+        # The last stage reads the embedding for a tied head or for the MTP depths' inputs.
+        shares_embedding = m.tie_embeddings or m.mtp_num_layers > 0
         self.embed: Optional[VocabParallelEmbedding] = None
-        if first or (last and m.tie_embeddings):
+        if first or (last and shares_embedding):
             self.embed = VocabParallelEmbedding(m.vocab_size, m.hidden_size, groups.tp, sp,
                                                 std=m.init_std, seed=init_seed(seed, "embed"))
             if not first:
@@ -186,8 +205,12 @@ class Transformer(nn.Module):
             tied = self.embed.weight if m.tie_embeddings else None
             self.lm_head = ColumnParallelLinear(m.hidden_size, m.vocab_size, groups.tp, sp, std=m.init_std,
                                                 seed=init_seed(seed, "lm_head"), weight=tied)
+        self.mtp: Optional[MTP] = None
+        if last and m.mtp_num_layers > 0:
+            self.mtp = MTP(config, [Block(config, groups, m.num_layers + k, make_mlp(config, groups, m.num_layers + k))
+                                    for k in range(m.mtp_num_layers)])
         # Collective over the world (every rank builds its model): the {first, last} stage pair.
-        self.embedding_group = create_embedding_group(groups) if pp > 1 and m.tie_embeddings else None
+        self.embedding_group = create_embedding_group(groups) if pp > 1 and shares_embedding else None
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = next(self.parameters()).dtype
@@ -216,28 +239,51 @@ class Transformer(nn.Module):
         return Documents(doc_ids, self.groups.cp, mask)
 
     def _chunk_hidden(self, chunk: int, x: Optional[torch.Tensor], input_ids: torch.Tensor,
-                      positions: torch.Tensor, docs: Optional[Documents] = None) -> torch.Tensor:
+                      positions: torch.Tensor, docs: Optional[Documents] = None,
+                      rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """The hidden states ``[S_local, B, H]`` after chunk ``chunk``'s layers; stage 0
-        embeds ``input_ids`` ``[B, S_local]``, the others start from ``x``."""
-        cos, sin = self._rotary(positions)
+        embeds ``input_ids`` ``[B, S_local]``, the others start from ``x``. ``rotary``:
+        the ``(cos, sin)`` of ``positions`` when the caller made them (the MTP depths
+        reuse them)."""
+        cos, sin = rotary if rotary is not None else self._rotary(positions)
         if self.stages[chunk] == 0:
             x = self.embed(input_ids.t())  # [S_local, B, H]
         for i in self.stage_layer_ids[chunk]:
             x = self.layers[i](x, cos, sin, docs)
         return x
 
-    def _whole_model_hidden(self, what: str, input_ids: torch.Tensor, positions: Optional[torch.Tensor],
-                            docs: Optional[Documents]) -> torch.Tensor:
+    def _whole_model_positions(self, what: str, input_ids: torch.Tensor,
+                               positions: Optional[torch.Tensor]) -> torch.Tensor:
         if self.num_stages > 1:
             raise RuntimeError(f"Transformer.{what} runs a whole model, but this rank holds pipeline stages "
                                f"{self.stages} of {self.num_stages}; use moe_fold.training.step.forward_backward")
-        if positions is None:
-            positions = self._default_positions(input_ids)
-        return self._chunk_hidden(0, None, input_ids, positions, docs)
+        return self._default_positions(input_ids) if positions is None else positions
+
+    def mtp_targets(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
+                    docs: Optional[Documents]) -> MTPTargets:
+        """The MTP depths' shifted inputs, labels and masks of this rank's micro-batch
+        (:func:`moe_fold.models.mtp.mtp_targets`); a collective over cp."""
+        doc_ids = docs.doc_ids if docs is not None else None
+        return mtp_targets(input_ids, labels, loss_mask, doc_ids, self.config.model.mtp_num_layers, self.groups.cp)
 
     def _loss(self, x: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
-              num_loss_tokens: Optional[Union[float, torch.Tensor]]) -> torch.Tensor:
-        logits = self.lm_head(self.norm(x))  # [S, B, V/tp]
+              num_loss_tokens: Optional[Union[float, torch.Tensor]], input_ids: torch.Tensor,
+              rotary: tuple, docs: Optional[Documents], mtp: Optional[MTPTargets]) -> torch.Tensor:
+        """The LM loss of the last hidden states ``x``; with MTP, the depths' weighted loss
+        rides on it through autograd (:func:`~moe_fold.dispatch.aux_losses.attach_loss`), so
+        the value returned stays the LM loss."""
+        loss = self._token_loss(self.norm(x), labels, loss_mask, num_loss_tokens)
+        if self.mtp is None:
+            return loss
+        if mtp is None:
+            mtp = self.mtp_targets(input_ids, labels, loss_mask, docs)
+        depth_losses = self.mtp(x, self.embed, mtp, *rotary, docs, self._token_loss)  # [D]
+        m = self.config.model
+        return attach_loss(loss, depth_losses.sum(), m.mtp_loss_weight / m.mtp_num_layers)
+
+    def _token_loss(self, normed: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
+                    num_loss_tokens: Optional[Union[float, torch.Tensor]]) -> torch.Tensor:
+        logits = self.lm_head(normed)  # [S, B, V/tp]
         losses = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp)  # [S, B]
         dp_cp = self.groups.size("dp_cp")
         if loss_mask is not None:
@@ -257,14 +303,15 @@ class Transformer(nn.Module):
                docs: Optional[Documents] = None) -> torch.Tensor:
         """Full-vocab logits ``[B, S_local, V]`` (gathered over tp) of this rank's tokens:
         for evaluation and tests, not training."""
-        x = self._whole_model_hidden("logits", input_ids, positions, docs)
+        positions = self._whole_model_positions("logits", input_ids, positions)
+        x = self._chunk_hidden(0, None, input_ids, positions, docs)
         local = self.lm_head(self.norm(x))  # [S, B, V/tp]
         return gather_from_tp_region(local, self.groups.tp, dim=-1).transpose(0, 1)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None,
                 num_loss_tokens: Optional[Union[float, torch.Tensor]] = None,
-                docs: Optional[Documents] = None) -> torch.Tensor:
+                docs: Optional[Documents] = None, mtp: Optional[MTPTargets] = None) -> torch.Tensor:
         """This rank's loss for ``input_ids``/``labels`` ``[B, S_local]`` (labels already shifted;
         under cp this rank's zigzag shard of each sequence).
 
@@ -274,6 +321,8 @@ class Transformer(nn.Module):
         ``num_loss_tokens``: the unmasked tokens of the whole global batch (every dp x cp
         rank, every micro-batch); None counts this micro-batch over dp x cp.
         ``docs``: packed documents (:meth:`documents`); None: one sequence per row.
+        ``mtp``: the MTP depths' targets (:meth:`mtp_targets`, with the global batch's
+        counts); None: built here, counted over this micro-batch.
 
         The result is ``sum(token losses * mask) * (dp*cp) / num_loss_tokens``: averaging
         it, and its grads, over dp x cp (what ``moe_fold.training.grads.sync_grads`` does) gives the
@@ -281,22 +330,25 @@ class Transformer(nn.Module):
         unmasked tokens on each rank; summing grads over micro-batches before the sync
         keeps it exact when ``num_loss_tokens`` covers them all.
         """
-        x = self._whole_model_hidden("forward", input_ids, positions, docs)
-        return self._loss(x, labels, loss_mask, num_loss_tokens)
+        positions = self._whole_model_positions("forward", input_ids, positions)
+        rotary = self._rotary(positions)
+        x = self._chunk_hidden(0, None, input_ids, positions, docs, rotary)
+        return self._loss(x, labels, loss_mask, num_loss_tokens, input_ids, rotary, docs, mtp)
 
     def chunk_forward(self, chunk: int, x: Optional[torch.Tensor], input_ids: torch.Tensor, labels: torch.Tensor,
                       positions: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
                       num_loss_tokens: Optional[Union[float, torch.Tensor]] = None,
-                      docs: Optional[Documents] = None) -> torch.Tensor:
+                      docs: Optional[Documents] = None, mtp: Optional[MTPTargets] = None) -> torch.Tensor:
         """Virtual stage ``stages[chunk]`` of one micro-batch (fields as in :meth:`forward`).
 
         The first stage embeds ``input_ids`` (``x`` is ignored); the others take the hidden
         states ``x [S_local, B, H]`` (``S_local/tp`` under SP) of the stage before. Returns
         the hidden states for the next stage, or on the last stage the loss of
         :meth:`forward`."""
-        x = self._chunk_hidden(chunk, x, input_ids, positions, docs)
+        rotary = self._rotary(positions)
+        x = self._chunk_hidden(chunk, x, input_ids, positions, docs, rotary)
         if self.stages[chunk] == self.num_stages - 1:
-            return self._loss(x, labels, loss_mask, num_loss_tokens)
+            return self._loss(x, labels, loss_mask, num_loss_tokens, input_ids, rotary, docs, mtp)
         return x
 
 

@@ -1,10 +1,12 @@
-"""RMSNorm (Zhang & Sennrich 2019), computed in float32 as Hugging Face Mixtral/Qwen do."""
+"""RMSNorm (Zhang & Sennrich 2019), computed in float32 as Hugging Face Mixtral/Qwen do;
+:class:`ShardedRMSNorm` over a dim split across tp."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from moe_fold.comm import Group, all_reduce, group_size
 from moe_fold.parallel.tensor_parallel import mark
 
 
@@ -50,3 +52,22 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _RMSNorm.apply(x, self.weight, self.eps)
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a last dim of ``dim`` split evenly over the tp group: each rank holds
+    ``[..., dim/tp]`` and the matching slice of the weight (a ``"tp"`` parameter); the
+    sum of squares is reduced over tp, so every rank normalises by the whole row's RMS.
+    OLMoE normalises its whole q and k projections this way (its heads are split over tp).
+    Computed in float32 as Hugging Face does."""
+
+    def __init__(self, dim: int, eps: float, tp_group: Group):
+        super().__init__()
+        tp = group_size(tp_group)
+        self.dim, self.eps, self.tp_group = dim, eps, tp_group
+        self.weight = mark(nn.Parameter(torch.ones(dim // tp)), "tp", 0, [dim])  # [dim/tp]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        squares = all_reduce(x32.pow(2).sum(dim=-1, keepdim=True), self.tp_group)  # [..., 1] over the whole row
+        return self.weight * (x32 * torch.rsqrt(squares / self.dim + self.eps)).to(x.dtype)

@@ -8,7 +8,7 @@ Sections: ``model``, ``moe``, ``parallel``, ``data``, ``optimizer``, ``train``,
 ``load_config(file_or_preset, overrides)`` builds a type-checked Config;
 ``validate(config, world_size)`` checks the rules between fields and raises one
 ``ConfigError`` listing every violation. Derived sizes (``dp_size``, ``edp_size``,
-``etp_size``, ``vpp_size``, ``moe_layer_flags``, ``pp_layer_counts``) live here so every
+``etp_size``, ``vpp_size``, ``moe_layer_flags``, ``moe_layer_indices``, ``pp_layer_counts``) live here so every
 module uses one definition.
 """
 
@@ -42,10 +42,19 @@ class ModelConfig:
     norm_eps: float = 1e-6
     # Qwen3-style RMSNorm on each query and key head.
     qk_norm: bool = False
+    # What the QK-norm normalises: head (each head, Qwen3, GLM-4.5) | projection (the whole
+    # q and k projections, OLMoE; under tp the sum of squares is reduced over tp).
+    qk_norm_scope: str = "head"
+    # Fraction of each head's dims that rotary embeddings rotate (the first ones; GLM-4.5: 0.5).
+    partial_rotary_factor: float = 1.0
     # Biases on the q, k and v projections (Qwen2-MoE).
     qkv_bias: bool = False
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Multi-token prediction (DeepSeek-V3): depth k predicts token t+1+k; 0 disables it.
+    mtp_num_layers: int = 0
+    # The MTP loss (mean over depths) is added to the objective times this weight.
+    mtp_loss_weight: float = 0.1
 
     # Attention kind: mha (grouped-query multi-head attention) | mla (DeepSeek's multi-head
     # latent attention: low-rank query and joint key/value compression, decoupled rotary part).
@@ -507,10 +516,10 @@ def head_dim(config: Config) -> int:
 
 
 def rotary_dim(config: Config) -> int:
-    """Width of the rotary part of a query/key head: the whole head under mha,
-    ``qk_rope_head_dim`` under mla."""
+    """Width of the rotary part of a query/key head: its first ``partial_rotary_factor``
+    (default: the whole head) under mha, ``qk_rope_head_dim`` under mla."""
     m = config.model
-    return m.qk_rope_head_dim if m.attention == "mla" else head_dim(config)
+    return m.qk_rope_head_dim if m.attention == "mla" else int(head_dim(config) * m.partial_rotary_factor)
 
 
 def mla_weight_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -549,6 +558,14 @@ def moe_layer_flags(config: Config) -> list[bool]:
             raise ConfigError(f"moe.moe_layer_freq={freq} must be >= 0")
         flags = [freq > 0 and i % freq == 0 for i in range(m.num_layers)]
     return [flag and i >= moe.first_k_dense for i, flag in enumerate(flags)]
+
+
+def moe_layer_indices(config: Config) -> list[int]:
+    """The MoE layers' indices, then the MTP depths' blocks as ``num_layers + k`` when they
+    are MoE (they are of the last layer's kind): the rows of routing metrics and heatmaps."""
+    flags = moe_layer_flags(config)
+    mtp = config.model.mtp_num_layers if flags and flags[-1] else 0
+    return [i for i, flag in enumerate(flags) if flag] + [len(flags) + k for k in range(mtp)]
 
 
 def pp_layer_counts(config: Config) -> list[int]:
@@ -732,6 +749,19 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
         _at_least(out, "model.ffn_hidden_size", m.ffn_hidden_size, 1)
     for name in ("rope_theta", "norm_eps", "init_std"):
         _positive(out, f"model.{name}", getattr(m, name))
+    _check_mtp(config, out)
+    _one_of(out, "model.qk_norm_scope", m.qk_norm_scope, ("head", "projection"))
+    if not 0 < m.partial_rotary_factor <= 1:
+        out.append(f"model.partial_rotary_factor={_fmt(m.partial_rotary_factor)} must be in (0, 1]")
+    elif m.partial_rotary_factor != 1 and m.attention == "mla":
+        out.append(f"model.partial_rotary_factor={_fmt(m.partial_rotary_factor)} must be 1 when model.attention=mla "
+                   f"(MLA's rotary part is model.qk_rope_head_dim)")
+    elif (m.partial_rotary_factor != 1 and m.attention != "mla" and m.num_heads >= 1
+          and (m.head_dim is not None or m.hidden_size % m.num_heads == 0)):
+        width = head_dim(config) * m.partial_rotary_factor
+        if width != int(width) or int(width) % 2 or int(width) < 2:
+            out.append(f"model.partial_rotary_factor={_fmt(m.partial_rotary_factor)} of head_dim={head_dim(config)} "
+                       f"gives {width:g} rotary dims: it must be a positive even integer")
     if not sizes_ok:
         return
     if m.num_heads % m.num_kv_heads:
@@ -761,6 +791,21 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
             # multiple of cp (context_parallel.a2a_kv_repeats), which divides the query heads.
             why = " (parallel.cp_kind=a2a splits each tp rank's heads over cp)"
             _divisible(out, "model.num_heads", m.num_heads, "parallel.tp*cp", p.tp * p.cp, why)
+
+
+def _check_mtp(config: Config, out: list[str]) -> None:
+    m, p = config.model, config.parallel
+    if not _at_least(out, "model.mtp_num_layers", m.mtp_num_layers, 0):
+        return
+    _at_least(out, "model.mtp_loss_weight", m.mtp_loss_weight, 0)
+    if m.mtp_num_layers == 0:
+        return
+    if m.seq_length >= 1 and m.mtp_num_layers >= m.seq_length:
+        out.append(f"model.mtp_num_layers={m.mtp_num_layers} must be < model.seq_length={m.seq_length} "
+                   f"(depth k predicts token t+1+k inside the sequence)")
+    if p.dynamic_cp:
+        out.append(f"model.mtp_num_layers={m.mtp_num_layers} is not supported with parallel.dynamic_cp=true "
+                   f"(the MTP targets are shifted along the layout's cp shards)")
 
 
 def _check_attention(m: ModelConfig, out: list[str]) -> None:

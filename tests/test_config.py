@@ -251,6 +251,24 @@ def test_pp_layer_counts():
 SP2 = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 
 RULES = [
+    # multi-token prediction
+    (["model.mtp_num_layers=-1"], 1, ["model.mtp_num_layers=-1 must be >= 0"]),
+    (["model.mtp_loss_weight=-0.5"], 1, ["model.mtp_loss_weight=-0.5 must be >= 0"]),
+    (["model.mtp_num_layers=128"], 1,
+     ["model.mtp_num_layers=128 must be < model.seq_length=128 (depth k predicts token t+1+k inside the sequence)"]),
+    (["model.mtp_num_layers=1", "parallel.cp=2", "parallel.dynamic_cp=true"], 2,
+     ["model.mtp_num_layers=1 is not supported with parallel.dynamic_cp=true (the MTP targets are shifted "
+      "along the layout's cp shards)"]),
+    # partial rotary and the QK-norm's scope
+    (["model.qk_norm_scope=heads"], 1, ["model.qk_norm_scope=heads must be one of head, projection"]),
+    (["model.partial_rotary_factor=0"], 1, ["model.partial_rotary_factor=0.0 must be in (0, 1]"]),
+    (["model.partial_rotary_factor=1.5"], 1, ["model.partial_rotary_factor=1.5 must be in (0, 1]"]),
+    (["model.partial_rotary_factor=0.3"], 1,
+     ["model.partial_rotary_factor=0.3 of head_dim=32 gives 9.6 rotary dims: it must be a positive even integer"]),
+    (["model.partial_rotary_factor=0.5", "model.attention=mla", "model.num_kv_heads=4", "model.kv_lora_rank=8",
+      "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=8"], 1,
+     ["model.partial_rotary_factor=0.5 must be 1 when model.attention=mla (MLA's rotary part is "
+      "model.qk_rope_head_dim)"]),
     # sizes and world divisibility
     (["parallel.tp=0"], 1, ["parallel.tp=0 must be >= 1"]),
     (["parallel.cp=0"], 1, ["parallel.cp=0 must be >= 1"]),

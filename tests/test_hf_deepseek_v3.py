@@ -171,7 +171,8 @@ def test_unsupported_settings_are_refused_by_name(tmp_path, edit, named):
 
 
 def test_multi_token_prediction_tensors_are_refused(tmp_path):
-    """An MTP layer's tensors (model.layers.{num_hidden_layers}.*) have no place here."""
+    """With num_nextn_predict_layers=0 an MTP layer's tensors (model.layers.{num_hidden_layers}.*)
+    have no place (tests/test_hf_mtp.py imports them when the config declares them)."""
     hf_model("no_q_lora").save_pretrained(tmp_path / "hf")
     tensors = _tensors(tmp_path / "hf")
     tensors["model.layers.4.eh_proj.weight"] = torch.zeros(42, 84)

@@ -61,7 +61,24 @@ CASES = {
     # 8 ranks
     "pp2-tp2-ep2-dp2-edp2": (8, dict(pp=2, tp=2, ep=2, etp=1), 2, dict(), {}),
     "cp2-a2a-tp2-ep4-dp2-edp2": (8, dict(cp=2, tp=2, ep=4, etp=1), 2, dict(cp_kind="a2a"), {}),
+    # Multi-token prediction (2 depths), on packed documents where the name says so.
+    "mtp-tp2-etp2-packed": (2, dict(tp=2), 2, dict(), dict(mtp_num_layers=2)),
+    "mtp-cp2-ring-packed": (2, dict(cp=2), 2, dict(cp_kind="ring"), dict(mtp_num_layers=2)),
+    "mtp-cp2-a2a-ep2-packed": (2, dict(cp=2, ep=2), 2, dict(cp_kind="a2a"), dict(mtp_num_layers=2)),
+    "mtp-pp2-vpp2-ep2-dp2": (4, dict(pp=2, ep=2), 2, dict(vpp=2, pp_schedule="interleaved"),
+                             dict(mtp_num_layers=2)),
+    "mtp-pp2-tp2-ep2-etp1-packed": (4, dict(pp=2, tp=2, ep=2, etp=1), 2, dict(), dict(mtp_num_layers=2)),
+    # MTP on a DeepSeek-V3-shaped model (MLA with a low-rank query, interleaved rotary pairs).
+    "mtp-mla-cp2-a2a-ep2-packed": (2, dict(cp=2, ep=2), 2, dict(cp_kind="a2a"), dict(
+        mtp_num_layers=1, attention="mla", num_kv_heads=4, q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6,
+        qk_rope_head_dim=4, v_head_dim=5, rope_interleave=True)),
+    # OLMoE's QK-norm over the whole (tp-split) projections, GLM-4.5's partial rotary.
+    "tp2-qknorm-projection-partial-rotary": (2, dict(tp=2), 2, dict(), dict(
+        qk_norm=True, qk_norm_scope="projection", partial_rotary_factor=0.5)),
 }
+
+# Documents (lengths) of each row of the packed global batch; a row's documents fill it.
+ROW_DOCS = [[5, 11], [16], [3, 6, 7], [9, 7]]
 
 
 def _config(model=None, **parallel):
@@ -124,17 +141,29 @@ def _global_batch():
     return tokens, tokens.roll(-1, dims=1), mask
 
 
-def _rows(first, count):
-    """Rows ``[first, first+count)`` of the global batch as a :class:`Batch`."""
+def _rows(first, count, packed=False):
+    """Rows ``[first, first+count)`` of the global batch as a :class:`Batch`; ``packed``:
+    the rows hold the documents of :data:`ROW_DOCS` (positions restart at each, the
+    label after a document's last token is masked)."""
     tokens, labels, mask = (t[first:first + count] for t in _global_batch())
     positions = torch.arange(SEQ).expand(count, SEQ).contiguous()
-    return Batch(tokens, labels, mask, positions, torch.arange(0, count * SEQ + 1, SEQ, dtype=torch.int32))
+    cu = torch.arange(0, count * SEQ + 1, SEQ, dtype=torch.int32)
+    if packed:
+        positions, starts = positions.clone(), []
+        for r, docs in enumerate(ROW_DOCS[first:first + count]):
+            edges = np.cumsum([0] + docs)
+            for a, b in zip(edges[:-1], edges[1:]):
+                positions[r, a:b] = torch.arange(b - a)
+                mask[r, b - 1] = 0.0
+                starts.append(r * SEQ + int(a))
+        cu = torch.tensor(starts + [count * SEQ], dtype=torch.int32)
+    return Batch(tokens, labels, mask, positions, cu)
 
 
-def _micro_batches(dp_rank, dp, m):
+def _micro_batches(dp_rank, dp, m, packed=False):
     """Micro-batches of dp rank ``dp_rank``: its ``BATCH/dp`` rows in ``m`` consecutive blocks."""
     size = BATCH // (dp * m)
-    return [_rows((dp_rank * m + i) * size, size) for i in range(m)]
+    return [_rows((dp_rank * m + i) * size, size, packed) for i in range(m)]
 
 
 def _pp_gathered(model, groups):
@@ -224,7 +253,7 @@ def _rank(rank, world_size, names, moe_overlap="off"):
         model = build_model(config, groups)
         m, cp = _case(name)[2], groups.size("cp")
         micro = [b.cp_slice(groups.rank_in("cp"), cp)
-                 for b in _micro_batches(groups.rank_in("dp"), groups.size("dp"), m)]
+                 for b in _micro_batches(groups.rank_in("dp"), groups.size("dp"), m, name.endswith("packed"))]
         result = _train_layout(model, groups, config, micro)
         if name not in MOE_OVERLAP_CASES:
             result["loop"] = {variant: _train_loop_path(config, groups, micro, *switches)
@@ -247,13 +276,20 @@ def _reference(name):
     num_micro = world // (sizes.get("tp", 1) * sizes.get("cp", 1) * sizes.get("pp", 1)) * m
     config = _case_config(name)
     config.parallel = ParallelConfig()
-    key = (repr(config), num_micro)
+    key = (repr(config), num_micro, name.endswith("packed"))
     if key in _REFERENCES:
         return _REFERENCES[key]
     groups = ProcessGroups.single_process()
     model = build_model(config, groups)
-    micro = _micro_batches(0, 1, num_micro)
+    micro = _micro_batches(0, 1, num_micro, name.endswith("packed"))
     num_loss_tokens = sum(b.loss_mask.sum() for b in micro)
+    docs = [model.documents(b.cu_seqlens, None, tuple(b.tokens.shape)) for b in micro]
+    mtp = [None] * len(micro)
+    if model.mtp is not None:
+        # Each depth's loss is its mean over the global batch: its own global target count.
+        mtp = [model.mtp_targets(b.tokens, b.labels, b.loss_mask, d) for b, d in zip(micro, docs)]
+        for t in mtp:
+            t.num_tokens = sum(u.mask.sum(dim=(1, 2)) for u in mtp)
     for module in model.modules():
         if isinstance(module, Router):
             module.grad_scale = 1.0 / num_micro
@@ -262,8 +298,9 @@ def _reference(name):
     for step in range(STEPS):
         opt.zero_grad()
         loss = 0.0
-        for b in micro:
-            mb_loss = model(b.tokens, b.labels, loss_mask=b.loss_mask, num_loss_tokens=num_loss_tokens)
+        for b, d, t in zip(micro, docs, mtp):
+            mb_loss = model(b.tokens, b.labels, positions=b.positions, loss_mask=b.loss_mask,
+                            num_loss_tokens=num_loss_tokens, docs=d, mtp=t)
             mb_loss.backward()
             loss += mb_loss.item()
         if step == 0:
@@ -308,13 +345,25 @@ def _check(names, results):
                 assert run["tied_diff"] == 0.0, f"{where} {variant}: tied embedding copies drifted apart"
 
 
-def _names(world):
-    return [name for name, case in CASES.items() if case[0] == world]
+# Issue 20's cases: multi-token prediction, and OLMoE's / GLM-4.5's attention variants.
+ISSUE_20 = {name for name in CASES if name.startswith("mtp-") or name == "tp2-qknorm-projection-partial-rotary"}
+
+
+def _names(world, issue_20=False):
+    return [name for name, case in CASES.items() if case[0] == world and (name in ISSUE_20) == issue_20]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_and_pp_layouts_match_single_process(world):
     names = _names(world)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mtp_and_attention_variants_match_single_process(world):
+    """MTP (tp+SP with etp, ring and a2a cp on packed documents, MLA, pp with vpp, ep) and
+    the projection-wide QK-norm with partial rotary under tp."""
+    names = _names(world, issue_20=True)
     _check(names, run_ranks(_rank, world, names, timeout=400))
 
 

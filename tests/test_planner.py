@@ -15,18 +15,21 @@ from moe_fold.planner.model import param_manifest
 
 # Two layouts of world 4 with every group kind the MoE step uses:
 # "etp2": tp 2 (SP), ep 2, etp 2 -> dp 2, edp 1; distributed optimizer; qk-norm, a gated
-#         shared expert, z-loss and the global aux loss; one dense and one MoE layer.
+#         shared expert, z-loss and the global aux loss; one dense and one MoE layer; one
+#         MTP depth (an MoE block, like the last layer).
 # "etp1": tp 2 (SP), ep 2, etp 1 -> dp 2, edp 2; experts padded to capacity, so every
-#         split is known from the config: the planner's uniform rows are exact.
+#         split is known from the config: the planner's uniform rows are exact; OLMoE's
+#         QK-norm over the whole (tp-split) q and k projections.
 LAYOUTS = {
     "etp2": {
-        "model": {"qk_norm": True},
-        "moe": {"moe_layer_freq": [1, 0], "shared_expert_ffn_hidden_size": 32, "shared_expert_gate": True,
+        "model": {"qk_norm": True, "mtp_num_layers": 1},
+        "moe": {"moe_layer_freq": [0, 1], "shared_expert_ffn_hidden_size": 32, "shared_expert_gate": True,
                 "z_loss_coeff": 1e-3, "global_aux_loss_coeff": 1e-3},
         "parallel": {"tp": 2, "ep": 2, "sequence_parallel": True},
         "optimizer": {"distributed": True},
     },
     "etp1": {
+        "model": {"qk_norm": True, "qk_norm_scope": "projection"},
         "moe": {"moe_layer_freq": 1, "capacity_factor": 1.5, "pad_to_capacity": True},
         "parallel": {"tp": 2, "ep": 2, "etp": 1, "sequence_parallel": True},
     },
@@ -77,7 +80,13 @@ def _train_step(rank: int, world: int, names: list[str]) -> dict:
             for _ in range(micro):
                 ids = torch.randint(0, config.model.vocab_size, (t.micro_batch_size, config.model.seq_length),
                                     generator=gen)
-                loss = model(ids, ids)
+                mtp = None
+                if model.mtp is not None:
+                    # Every rank's rows are whole and unmasked: each depth's count is known
+                    # without the per-micro-batch all-reduce (training counts once per step).
+                    mtp = model.mtp_targets(ids, ids, None, None)
+                    mtp.num_tokens = mtp.mask.sum(dim=(1, 2)) * groups.size("dp")
+                loss = model(ids, ids, mtp=mtp)
                 counts.append([m.last_stats.tokens_per_expert.tolist()
                                for m in model.modules() if isinstance(m, MoELayer)])
                 loss.backward()
@@ -174,6 +183,27 @@ def test_params_equal_single_process_model(preset):
     assert sum(e.numel for e in param_manifest(config)) == sum(q.numel() for q in model.parameters())
 
 
+def _mtp_params_rank(rank: int, world: int, overrides: list[str]) -> list:
+    from moe_fold.models.model import build_model
+
+    config = load_config("mixtral-tiny", overrides)
+    groups = create_process_groups(ParallelLayout(world, pp=config.parallel.pp))
+    model = build_model(config, groups)
+    return [(n, q.numel(), q.parallel) for n, q in model.named_parameters()]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_mtp_params_equal_real_model_under_pp(tied):
+    """With MTP the last stage holds the depths (and, untied, an embedding copy)."""
+    overrides = ["model.mtp_num_layers=2", f"model.tie_embeddings={str(tied).lower()}", "parallel.ep=1",
+                 "parallel.pp=2"]
+    real = run_ranks(_mtp_params_rank, 2, overrides, timeout=120)
+    config = load_config("mixtral-tiny", overrides)
+    for rank in range(2):
+        assert [(e.name, e.numel, e.kind) for e in param_manifest(config, rank)] == [tuple(x) for x in real[rank]]
+    assert real[1][0][0] == "embed.weight" and any(n.startswith("mtp.1.block.mlp.experts") for n, _, _ in real[1])
+
+
 # --------------------------------------------------------------------------- by hand
 
 def _hand_config(**parallel):
@@ -199,6 +229,10 @@ def test_params_by_hand():
     # final norm 8, head 128: total 128 + 496 + 920 + 8 + 128 = 1680
     # activated: 1680 - 576 experts + 2/4 of them = 1392
     assert model_params(_hand_config()) == {"total": 1680, "experts": 576, "activated": 1392}
+    # Two MTP depths: each norms 2*8 + eh_proj 8*16 = 128 + a block like layer 1 (920) + its norm 8
+    config = _hand_config()
+    config.model.mtp_num_layers = 2
+    assert model_params(config)["total"] == 1680 + 2 * (16 + 128 + 920 + 8)
     # tp 2, ep 2, etp 1: embed 64; layer 0: 8 + 64 + 32 + 8 + 96 + 48 = 256;
     # layer 1: 8 + 64 + 32 + 8 + gate 8 + router 32 + 2 experts 2*8*12 + 2*6*8 = 288 + shared 32 + 16
     # = 488; norm 8, head 64 -> 880
@@ -219,6 +253,10 @@ def test_flops_by_hand():
     assert head_forward_flops(config) == 2 * 8 * 16
     # 3 x (1088 + 1360 + 256) per token x 2 sequences x 4 tokens
     assert model_flops_per_step(config) == 3 * 2704 * 8
+    # Two MTP depths: each an MoE block like layer 1 (1360), eh_proj 2*16*8 = 256 and a head 256.
+    config.model.mtp_num_layers = 2
+    assert layer_forward_flops(config, 3) == layer_forward_flops(config, 1)
+    assert model_flops_per_step(config) == 3 * (2704 + 2 * (1360 + 256 + 256)) * 8
 
 
 def test_memory_by_hand():
@@ -448,6 +486,10 @@ def test_cp_bytes_by_hand():
     # half of 256 leaves forward, as much backward
     config.parallel.cp_kind = "a2a"
     assert microbatch_bytes(config, 2, 0, "none")["cp"] == 2 * (128 + 128)
+    # One MTP depth: its block's attention (a third layer), and the all-gather of the shifted
+    # targets: ids, labels and mask as float64 for 1 x 8 tokens, half of them from the peer.
+    config.model.mtp_num_layers = 1
+    assert microbatch_bytes(config, 2, 0, "none")["cp"] == 3 * (128 + 128) + 3 * 8 * 8 // 2
 
 
 @pytest.mark.parametrize("pp, vpp, pp_layers", [(2, None, None), (4, 2, None), (2, 2, [1, 2, 3, 2])])

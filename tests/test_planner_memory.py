@@ -30,6 +30,9 @@ LAYOUTS = {
     # One micro-batch through each stage's chunk (the planner multiplies by the micro-batches
     # a 1F1B stage holds, which is schedule arithmetic tested in test_planner.py).
     "pp2": (2, ["parallel.ep=1", "parallel.pp=2"]),
+    # Multi-token prediction: two depths on one process, one on the last of two stages.
+    "one_mtp": (1, ["parallel.ep=1", "model.mtp_num_layers=2"]),
+    "pp2_mtp": (2, ["parallel.ep=1", "parallel.pp=2", "model.mtp_num_layers=1"]),
 }
 PRESETS = ("mixtral-tiny", "qwen2-moe-tiny")
 PRECISIONS = ("fp32", "bf16")

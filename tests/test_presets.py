@@ -66,6 +66,20 @@ def test_deepseek_v3_attention_is_mla_sized():
     assert (total - no_attn) / 61 == pytest.approx(0.187, rel=0.005)
 
 
+def test_deepseek_v3_mtp_module_is_the_published_14b():
+    """The report: 685B = 671B main model + 14B MTP module (whose checkpoint layer repeats
+    the embedding and the head, which moe-fold shares)."""
+    from moe_fold.planner.estimate import model_params
+
+    config = load_config("deepseek-v3")
+    assert config.model.mtp_num_layers == 1
+    with_mtp = model_params(config)["total"]
+    config.model.mtp_num_layers = 0
+    mtp = with_mtp - model_params(config)["total"]
+    copies = 2 * config.model.vocab_size * config.model.hidden_size
+    assert (mtp + copies) / 1e9 == pytest.approx(14.0, rel=0.05)
+
+
 @pytest.mark.parametrize("name", ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-tiny",
                                   "deepseek-v3-tiny"])
 def test_tiny_presets_train(tmp_path, name):

@@ -97,6 +97,30 @@ def test_metrics_fields_and_counts(tmp_path, cache_dir):
     assert result.losses == [r["loss"] for r in records]
 
 
+def test_mtp_loss_per_depth_in_metrics_and_under_pp(tmp_path, cache_dir):
+    """With two MTP depths metrics.jsonl has ``mtp_loss`` per depth; the step's loss adds
+    ``mtp_loss_weight`` times their mean; the MTP depths' MoE blocks report routing as
+    layers 2 and 3; pp2 (the depths and an embedding copy on the last stage) logs the
+    same numbers as one process."""
+    extra = ["train.steps=2", "model.mtp_num_layers=2", "model.mtp_loss_weight=0.5"]
+    one = train(small_config(tmp_path / "one", cache_dir, *extra))
+    run_ranks(_train_rank, 2, small_config(tmp_path / "pp2", cache_dir, *extra, "parallel.pp=2"), timeout=300)
+    ref, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "pp2")
+    cfg = small_config(tmp_path, cache_dir)
+    layers = cfg.model.num_layers + 2
+    for a, b in zip(ref, got):
+        assert len(a["mtp_loss"]) == 2 and all(v > 0 for v in a["mtp_loss"])
+        assert len(a["expert_load"]) == layers
+        router = layers * (cfg.moe.aux_loss_coeff * a["aux_loss"] + cfg.moe.z_loss_coeff * a["z_loss"])
+        expected = a["lm_loss"] + router + 0.5 * sum(a["mtp_loss"]) / 2
+        assert a["loss"] == pytest.approx(expected, rel=1e-9)
+        for key in ("loss", "lm_loss", "grad_norm", "aux_loss", "z_loss"):
+            assert b[key] == pytest.approx(a[key], rel=2e-5, abs=1e-6), key
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=2e-5)
+        assert b["expert_load"] == a["expert_load"]
+    assert one.losses == [r["loss"] for r in ref]
+
+
 # --------------------------------------------------------------------------- resume
 
 def _train_each(rank, world_size, configs):
@@ -155,6 +179,22 @@ def test_resume_under_other_layouts(tmp_path, cache_dir):
                             timeout=300)[0]
         assert resumed.first_step == 3
         assert resumed.losses == pytest.approx(straight.losses[2:], rel=1e-5), name
+
+
+def test_mtp_checkpoint_saved_under_pp2_resumes_on_one_process(tmp_path, cache_dir):
+    """The MTP depths and the last stage's embedding copy are saved under pp2 (the copy
+    once, as the embedding) and resume on one process: steps 3-4 have the losses and MTP
+    losses of the run that went on uninterrupted."""
+    opts = ["train.steps=4", "optimizer.warmup_steps=1", "model.mtp_num_layers=1", "train.save_every=2"]
+    straight = train(small_config(tmp_path / "straight", cache_dir, *opts))
+    run_ranks(_train_rank, 2, small_config(tmp_path / "run", cache_dir, *opts, "parallel.pp=2"), stop_at=2,
+              timeout=300)
+    resumed = train(small_config(tmp_path / "run", cache_dir, *opts), resume=True)
+    assert resumed.first_step == 3
+    assert resumed.losses == pytest.approx(straight.losses[2:], rel=1e-5)
+    ref, got = read_metrics(tmp_path / "straight")[2:], read_metrics(tmp_path / "run")[2:]
+    mtp = [v for r in ref for v in r["mtp_loss"]]
+    assert [v for r in got for v in r["mtp_loss"]] == pytest.approx(mtp, rel=1e-5)
 
 
 @pytest.mark.slow

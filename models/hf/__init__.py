@@ -1,4 +1,5 @@
-"""Hugging Face interop: import and export Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 checkpoints
+"""Hugging Face interop: import and export Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3,
+GLM-4.5-MoE and OLMoE checkpoints
 (``config.json`` + safetensors) in any parallel layout.
 
 - :func:`from_hf` ``(path, groups=None, config=None) -> model``: a model with the

@@ -31,8 +31,17 @@ top-k (``norm_topk_prob: true``; we always renormalise sigmoid top-k > 1) and sc
 scores, which is ours (best ``topk/group_topk``) when ``num_experts_per_tok /
 topk_group = 2``; ``n_shared_experts`` ungated shared experts of width
 ``moe_intermediate_size`` each (one shared expert of the summed width); the first
-``first_k_dense_replace`` layers dense. Multi-token prediction layers are not imported
-here (``num_nextn_predict_layers`` is read; their tensors would be refused).
+``first_k_dense_replace`` layers dense. ``num_nextn_predict_layers`` is
+``model.mtp_num_layers`` (the importer keeps only the depths whose tensors the checkpoint
+holds: transformers drops them when it saves).
+
+GLM-4.5 (``Glm4MoeForCausalLM``): DeepSeek-V3's MoE layers, routing and MTP with
+grouped-query attention: q|k|v biases (``attention_bias``), per-head QK-norm
+(``use_qk_norm``) and rotary on the first ``partial_rotary_factor`` of each head.
+
+OLMoE (``OlmoeForCausalLM``): softmax top-k without renormalisation (``norm_topk_prob:
+false``, our ``pre_softmax: true``), and a QK-norm over the whole q and k projections
+(``model.qk_norm_scope: projection``); ``clip_qkv`` must be null.
 """
 
 from __future__ import annotations
@@ -47,7 +56,8 @@ __all__ = ["FAMILIES", "METADATA_KEYS", "HFConfigError", "hf_family", "config_fr
 
 # model_type -> the causal-LM class that reads it
 FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+            "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+            "glm4_moe": "Glm4MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 
 # Keys that do not change what the network computes from token ids.
 METADATA_KEYS = frozenset({
@@ -110,8 +120,10 @@ class _Keys:
         return sorted(k for k, v in self.hf.items() if k not in self.used and not k.startswith("_") and v is not None)
 
 
-def _rope_theta(keys: _Keys, default: float) -> float:
-    """rope theta from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
+def _rope_theta(keys: _Keys, default: float, partial_rotary: bool = False) -> float:
+    """rope theta from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``
+    (4.x). ``partial_rotary``: the family reads ``partial_rotary_factor`` itself (GLM-4.5);
+    elsewhere a factor other than 1 is refused."""
     params = keys.get("rope_parameters", {})
     scaling = keys.get("rope_scaling", None)
     theta = keys.get("rope_theta", None)
@@ -131,7 +143,7 @@ def _rope_theta(keys: _Keys, default: float) -> float:
         keys.problems.append(f"rope_parameters sets {', '.join(extra)}, which default rotary embeddings do not have")
     for where, factor in (("rope_parameters.partial_rotary_factor", params.get("partial_rotary_factor")),
                           ("partial_rotary_factor", keys.get("partial_rotary_factor", None))):
-        if factor is not None and factor != 1.0:
+        if factor is not None and factor != 1.0 and not partial_rotary:
             keys.problems.append(f"{where}={factor!r} is not supported: rotary embeddings cover the whole head")
     return float(params.get("rope_theta", theta if theta is not None else default))
 
@@ -165,6 +177,7 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     m, moe = config.model, config.moe
     if base is None:
         m.seq_length = int(keys.get("max_position_embeddings", m.seq_length))
+    m.qk_norm_scope, m.partial_rotary_factor, m.mtp_num_layers = "head", 1.0, 0
     if family == "deepseek_v3":
         _deepseek_v3_from_hf(keys, config)
         return _finish(keys, family, config)
@@ -174,6 +187,9 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
                  *_YARN_KEYS.values()):
         setattr(m, name, None)
     m.yarn_beta_fast, m.yarn_beta_slow = 32.0, 1.0
+    if family == "glm4_moe":
+        _glm4_moe_from_hf(keys, config)
+        return _finish(keys, family, config)
 
     m.vocab_size = keys.get("vocab_size")
     m.hidden_size = keys.get("hidden_size")
@@ -199,7 +215,9 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     moe.topk = keys.get("num_experts_per_tok")
     moe.aux_loss_coeff = float(keys.get("router_aux_loss_coef", 0.001))
     moe.input_jitter = 0.0
-    m.qk_norm, m.qkv_bias = family == "qwen3_moe", False
+    m.qk_norm, m.qkv_bias = family in ("qwen3_moe", "olmoe"), False
+    if family == "olmoe":
+        m.qk_norm_scope = "projection"
     moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate = 0, False
 
     if family == "mixtral":
@@ -211,7 +229,8 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
         _check_window(keys, m.seq_length, sliding_layers=True)
     else:
         moe.num_experts = _num_experts(keys, "num_experts", "num_local_experts")
-        moe.ffn_hidden_size = keys.get("moe_intermediate_size")
+        # OLMoE's experts are its intermediate_size wide (every layer is MoE).
+        moe.ffn_hidden_size = m.ffn_hidden_size if family == "olmoe" else keys.get("moe_intermediate_size")
         moe.pre_softmax = not keys.get("norm_topk_prob", False)
         step = keys.get("decoder_sparse_step", 1)
         dense = set(keys.get("mlp_only_layers", []))
@@ -230,6 +249,8 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
                 problems.append(f"layer_types has {odd}: only full_attention and sliding_attention are known")
             sliding = sliding and "sliding_attention" in layer_types
         _check_window(keys, m.seq_length, sliding_layers=sliding)
+        if family == "olmoe":
+            keys.must_be("clip_qkv", (None,), "q, k and v are not clipped here")
         if family == "qwen2_moe":
             m.qkv_bias = bool(keys.get("qkv_bias", True))
             shared = keys.get("shared_expert_intermediate_size")
@@ -334,7 +355,6 @@ def _deepseek_v3_from_hf(keys: _Keys, config: Config) -> None:
     keys.must_be("attention_bias", (False,), "the MLA projections have no biases here")
     keys.must_be("pretraining_tp", (1,), "pretraining_tp splits the linears' math differently")
     keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
-    keys.get("num_nextn_predict_layers", None)  # MTP: its tensors, if any, are refused by the weight loader
     # Keys of the original (remote-code) DeepSeek-V3 config.json.
     keys.get("auto_map", None)
     keys.get("ep_size", None)  # the inference expert-parallel size: no effect on the math
@@ -346,6 +366,15 @@ def _deepseek_v3_from_hf(keys: _Keys, config: Config) -> None:
         per_sequence = bool(keys.get("seq_aux", True))
         moe.seq_aux_loss_coeff, moe.aux_loss_coeff = (float(alpha), 0.0) if per_sequence else (0.0, float(alpha))
 
+    _deepseek_moe_from_hf(keys, config)
+
+
+def _deepseek_moe_from_hf(keys: _Keys, config: Config) -> None:
+    """DeepSeek-V3's MoE layers, which GLM-4.5 shares: sigmoid routing with the score
+    correction bias, group-limited top-k, shared experts, the first layers dense; and
+    its multi-token prediction depths (``num_nextn_predict_layers``)."""
+    m, moe = config.model, config.moe
+    m.mtp_num_layers = int(keys.get("num_nextn_predict_layers", 0) or 0)
     moe.num_experts = keys.get("n_routed_experts")
     moe.ffn_hidden_size = keys.get("moe_intermediate_size")
     moe.topk = keys.get("num_experts_per_tok")
@@ -372,12 +401,48 @@ def _deepseek_v3_from_hf(keys: _Keys, config: Config) -> None:
                                  f"num_experts_per_tok/topk_group, so they agree only when that is 2")
 
 
+def _glm4_moe_from_hf(keys: _Keys, config: Config) -> None:
+    m = config.model
+    m.vocab_size = keys.get("vocab_size")
+    m.hidden_size = keys.get("hidden_size")
+    m.num_layers = keys.get("num_hidden_layers")
+    m.num_heads = keys.get("num_attention_heads")
+    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
+        raise HFConfigError(keys.problems, "cannot import glm4_moe config")
+    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
+    explicit_head_dim = keys.get("head_dim", None)
+    m.head_dim = int(explicit_head_dim) if explicit_head_dim is not None else m.hidden_size // m.num_heads
+    m.norm_eps = float(keys.get("rms_norm_eps", 1e-5))
+    m.tie_embeddings = bool(keys.get("tie_word_embeddings", False))
+    m.init_std = float(keys.get("initializer_range", 0.02))
+    m.ffn_hidden_size = keys.get("intermediate_size")
+    m.qkv_bias = bool(keys.get("attention_bias", False))
+    m.qk_norm = bool(keys.get("use_qk_norm", False))
+    params = keys.get("rope_parameters", {})
+    inner = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    # transformers' Glm4MoeConfig defaults the factor to 0.5 when neither place sets it.
+    m.partial_rotary_factor = float(inner if inner is not None else keys.get("partial_rotary_factor", 0.5))
+    m.rope_theta = _rope_theta(keys, 1e4, partial_rotary=True)
+    keys.must_be("hidden_act", ("silu",), "the MLPs and experts are SwiGLU (silu)")
+    keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
+    keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
+    coeff = keys.get("router_aux_loss_coef", None)
+    if coeff is not None:
+        config.moe.aux_loss_coeff = float(coeff)
+    _deepseek_moe_from_hf(keys, config)
+
+
 def export_family(config: Config) -> str:
-    """The family a model of ``config`` exports to: DeepSeek-V3 with MLA, Qwen3-MoE with
-    QK-norm, Qwen2-MoE with a shared expert or q|k|v biases, else Mixtral."""
+    """The family a model of ``config`` exports to: DeepSeek-V3 with MLA, OLMoE with a
+    QK-norm over the projections, GLM-4.5 with an expert bias, partial rotary or MTP,
+    Qwen3-MoE with QK-norm, Qwen2-MoE with a shared expert or q|k|v biases, else Mixtral."""
     m, moe = config.model, config.moe
     if m.attention == "mla":
         return "deepseek_v3"
+    if m.qk_norm and m.qk_norm_scope == "projection":
+        return "olmoe"
+    if moe.expert_bias or m.partial_rotary_factor != 1.0 or m.mtp_num_layers > 0:
+        return "glm4_moe"
     if m.qk_norm:
         return "qwen3_moe"
     if moe.shared_expert_ffn_hidden_size > 0 or m.qkv_bias:
@@ -401,8 +466,19 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
 
     refuse(family != "deepseek_v3" and m.attention == "mla",
            f"model.attention=mla: {family} has standard attention (DeepSeek-V3 has MLA)")
+    refuse(family not in ("glm4_moe", "olmoe") and m.qk_norm and m.qk_norm_scope != "head",
+           f"model.qk_norm_scope={m.qk_norm_scope}: {family} normalises each head (OLMoE normalises the whole "
+           f"projections)")
+    refuse(family != "glm4_moe" and m.partial_rotary_factor != 1.0,
+           f"model.partial_rotary_factor={m.partial_rotary_factor}: {family} rotates the whole head (GLM-4.5 "
+           f"rotates a part)")
+    refuse(family not in ("deepseek_v3", "glm4_moe") and m.mtp_num_layers > 0,
+           f"model.mtp_num_layers={m.mtp_num_layers}: {family} has no multi-token prediction (DeepSeek-V3 and "
+           f"GLM-4.5 have)")
     if family == "deepseek_v3":
         return _deepseek_v3_to_hf(config, flags, refuse, problems, dtype)
+    if family == "glm4_moe":
+        return _glm4_moe_to_hf(config, flags, refuse, problems, dtype)
 
     refuse(moe.score_function != "softmax", f"moe.score_function={moe.score_function}: Hugging Face {family} routes "
                                             f"with softmax")
@@ -411,13 +487,21 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
     refuse(moe.expert_bias, f"moe.expert_bias=true: {family} has no expert bias")
     refuse(moe.shared_expert_ffn_hidden_size > 0 and not moe.shared_expert_gate,
            "moe.shared_expert_gate=false with a shared expert: Hugging Face's shared expert is always gated")
-    refuse(family != "qwen3_moe" and m.qk_norm, f"model.qk_norm=true: {family} has no QK-norm (Qwen3-MoE has)")
-    refuse(family == "qwen3_moe" and not m.qk_norm, "model.qk_norm=false: Qwen3-MoE always normalises q and k")
+    refuse(family not in ("qwen3_moe", "olmoe") and m.qk_norm,
+           f"model.qk_norm=true: {family} has no QK-norm (Qwen3-MoE and OLMoE have)")
+    refuse(family in ("qwen3_moe", "olmoe") and not m.qk_norm,
+           f"model.qk_norm=false: {family} always normalises q and k")
+    refuse(family == "olmoe" and m.qk_norm and m.qk_norm_scope != "projection",
+           f"model.qk_norm_scope={m.qk_norm_scope}: OLMoE normalises the whole q and k projections")
     refuse(family != "qwen2_moe" and m.qkv_bias, f"model.qkv_bias=true: {family} has no q|k|v biases (Qwen2-MoE has)")
     refuse(family != "qwen2_moe" and moe.shared_expert_ffn_hidden_size > 0,
            f"moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size}: {family} has no shared expert")
     refuse(family == "qwen2_moe" and moe.shared_expert_ffn_hidden_size == 0,
            "moe.shared_expert_ffn_hidden_size=0: Qwen2-MoE always has a (gated) shared expert")
+    if family == "olmoe":
+        refuse(not all(flags), f"moe layer pattern {[int(f) for f in flags]}: every OLMoE layer is MoE")
+        refuse(head_dim(config) * m.num_heads != m.hidden_size,
+               f"head_dim={head_dim(config)}: OLMoE's heads span model.hidden_size={m.hidden_size} exactly")
     if family == "mixtral":
         refuse(not all(flags), f"moe layer pattern {[int(f) for f in flags]}: every Mixtral layer is MoE")
         refuse(moe.pre_softmax, "moe.pre_softmax=true: Mixtral renormalises the top-k probabilities")
@@ -442,30 +526,50 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
               mlp_only_layers=[i for i, f in enumerate(flags) if not f], use_sliding_window=False)
     if family == "qwen2_moe":
         hf.update(qkv_bias=m.qkv_bias, shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size)
+    elif family == "olmoe":
+        for key in ("head_dim", "decoder_sparse_step", "mlp_only_layers", "use_sliding_window",
+                    "moe_intermediate_size"):
+            del hf[key]
+        hf.update(intermediate_size=moe.ffn_hidden_size, attention_bias=False, clip_qkv=None)
     else:
         hf.update(attention_bias=False)
     return hf
 
 
-def _deepseek_v3_to_hf(config: Config, flags: list[bool], refuse, problems: list[str], dtype: str) -> dict:
+def _deepseek_moe_to_hf(config: Config, flags: list[bool], refuse) -> dict:
+    """The config.json keys of DeepSeek-V3's MoE layers and MTP (GLM-4.5's too)."""
     m, moe = config.model, config.moe
     k = moe.first_k_dense
-    refuse(m.attention != "mla", "model.attention=mha: DeepSeek-V3 has multi-head latent attention")
-    refuse(moe.score_function != "sigmoid", f"moe.score_function={moe.score_function}: DeepSeek-V3 routes with "
-                                            f"sigmoid scores")
-    refuse(not moe.expert_bias, "moe.expert_bias=false: DeepSeek-V3's router always has its score correction bias")
-    refuse(moe.shared_expert_gate, "moe.shared_expert_gate=true: DeepSeek-V3's shared experts are not gated")
+    refuse(moe.score_function != "sigmoid", f"moe.score_function={moe.score_function}: DeepSeek-V3 and GLM-4.5 "
+                                            f"route with sigmoid scores")
+    refuse(not moe.expert_bias, "moe.expert_bias=false: the router always has its score correction bias")
+    refuse(moe.shared_expert_gate, "moe.shared_expert_gate=true: the shared experts are not gated")
     refuse(moe.shared_expert_ffn_hidden_size == 0 or moe.shared_expert_ffn_hidden_size % moe.ffn_hidden_size != 0,
-           f"moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size}: DeepSeek-V3 has n >= 1 shared "
+           f"moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size}: there are n >= 1 shared "
            f"experts of width moe.ffn_hidden_size={moe.ffn_hidden_size}")
     refuse(flags != [i >= k for i in range(m.num_layers)],
-           f"moe layer pattern {[int(f) for f in flags]}: DeepSeek-V3 has the first first_k_dense={k} layers "
-           f"dense and every later layer MoE")
-    refuse(moe.topk < 2, f"moe.topk={moe.topk}: DeepSeek-V3 renormalises the top-k sigmoid probabilities, which "
+           f"moe layer pattern {[int(f) for f in flags]}: the first first_k_dense={k} layers are dense and every "
+           f"later layer MoE")
+    refuse(moe.topk < 2, f"moe.topk={moe.topk}: the top-k sigmoid probabilities are renormalised, which "
                          f"moe-fold does only for k > 1")
     refuse(moe.num_groups is not None and moe.topk != 2 * (moe.group_topk or 0),
-           f"moe.topk={moe.topk} with moe.group_topk={moe.group_topk}: DeepSeek-V3 ranks a group by its best 2 "
+           f"moe.topk={moe.topk} with moe.group_topk={moe.group_topk}: a group is ranked by its best 2 "
            f"scores, so topk must be 2 * group_topk")
+    return {
+        "intermediate_size": m.ffn_hidden_size, "moe_intermediate_size": moe.ffn_hidden_size,
+        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
+        "n_shared_experts": moe.shared_expert_ffn_hidden_size // max(moe.ffn_hidden_size, 1),
+        "first_k_dense_replace": k, "norm_topk_prob": True,
+        "n_group": moe.num_groups or 1, "topk_group": moe.group_topk or 1,
+        "routed_scaling_factor": moe.scaling_factor if moe.scaling_factor is not None else 1.0,
+        "num_nextn_predict_layers": m.mtp_num_layers,
+    }
+
+
+def _deepseek_v3_to_hf(config: Config, flags: list[bool], refuse, problems: list[str], dtype: str) -> dict:
+    m = config.model
+    refuse(m.attention != "mla", "model.attention=mha: DeepSeek-V3 has multi-head latent attention")
+    moe_keys = _deepseek_moe_to_hf(config, flags, refuse)
     if problems:
         raise HFConfigError(problems, "cannot export to deepseek_v3")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
@@ -479,14 +583,27 @@ def _deepseek_v3_to_hf(config: Config, flags: list[bool], refuse, problems: list
         "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_heads,
         "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
         "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "rope_interleave": m.rope_interleave,
-        "intermediate_size": m.ffn_hidden_size, "moe_intermediate_size": moe.ffn_hidden_size,
         "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
         "initializer_range": m.init_std, "max_position_embeddings": m.seq_length, "attention_dropout": 0.0,
-        "attention_bias": False, "rope_parameters": rope,
-        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
-        "n_shared_experts": moe.shared_expert_ffn_hidden_size // moe.ffn_hidden_size,
-        "first_k_dense_replace": k, "norm_topk_prob": True,
-        "n_group": moe.num_groups or 1, "topk_group": moe.group_topk or 1,
-        "routed_scaling_factor": moe.scaling_factor if moe.scaling_factor is not None else 1.0,
-        "num_nextn_predict_layers": 0,
+        "attention_bias": False, "rope_parameters": rope, **moe_keys,
+    }
+
+
+def _glm4_moe_to_hf(config: Config, flags: list[bool], refuse, problems: list[str], dtype: str) -> dict:
+    m = config.model
+    refuse(m.qk_norm and m.qk_norm_scope != "head",
+           f"model.qk_norm_scope={m.qk_norm_scope}: GLM-4.5's QK-norm is per head")
+    moe_keys = _deepseek_moe_to_hf(config, flags, refuse)
+    if problems:
+        raise HFConfigError(problems, "cannot export to glm4_moe")
+    return {
+        "architectures": [FAMILIES["glm4_moe"]], "model_type": "glm4_moe", "dtype": dtype,
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": head_dim(config),
+        "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
+        "initializer_range": m.init_std, "max_position_embeddings": m.seq_length, "attention_dropout": 0.0,
+        "attention_bias": m.qkv_bias, "use_qk_norm": m.qk_norm, "router_aux_loss_coef": config.moe.aux_loss_coeff,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta,
+                            "partial_rotary_factor": m.partial_rotary_factor},
+        **moe_keys,
     }

@@ -42,9 +42,26 @@ def hf_config(path: PathLike, base: Optional[Config] = None) -> Config:
     ``path`` (see :func:`~moe_fold.models.hf.config_map.config_from_hf`); and, when the
     folder has a ``tokenizer.json`` and ``base`` keeps the byte tokenizer, the folder
     as ``data.tokenizer`` so the data is tokenized with the model's own vocabulary."""
-    config = config_from_hf(read_hf_config(path), base)
+    config = _checkpoint_config(path, read_hf_config(path), base)
     if config.data.tokenizer == "byte" and hf_tokenizer(path) is not None:
         config.data.tokenizer = str(path)
+    return config
+
+
+def _checkpoint_config(path: PathLike, hf: dict, base: Optional[Config]) -> Config:
+    """:func:`config_from_hf`, with ``model.mtp_num_layers`` the MTP depths whose tensors
+    the checkpoint holds (transformers drops them when it saves a DeepSeek-V3 or GLM-4.5
+    model, though ``num_nextn_predict_layers`` stays in its config)."""
+    config = config_from_hf(hf, base)
+    m = config.model
+    if m.mtp_num_layers > 0:
+        with SafetensorsFolder(path) as files:
+            present = [k for k in range(m.mtp_num_layers)
+                       if f"model.layers.{m.num_layers + k}.eh_proj.weight" in files.names]
+        if present != list(range(len(present))):
+            raise HFWeightError(f"{path} holds MTP depths {present} of num_nextn_predict_layers={m.mtp_num_layers}; "
+                                f"the depths must be the first ones")
+        m.mtp_num_layers = len(present)
     return config
 
 
@@ -59,7 +76,8 @@ _ARCHITECTURE = {
               "rope_theta", "norm_eps", "qk_norm", "qkv_bias", "tie_embeddings", "attention", "q_lora_rank",
               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
               "rope_scaling", "yarn_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
-              "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"),
+              "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "qk_norm_scope", "partial_rotary_factor",
+              "mtp_num_layers"),
     "moe": ("num_experts", "topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate",
             "score_function", "pre_softmax", "num_groups", "group_topk", "scaling_factor", "expert_bias"),
 }
@@ -93,7 +111,7 @@ def load_hf_into(model: nn.Module, path: PathLike, groups: Optional[ProcessGroup
     config: Config = model.config
     hf = read_hf_config(path)
     family = hf_family(hf)
-    mismatch = _architecture_mismatch(config, config_from_hf(hf, config))
+    mismatch = _architecture_mismatch(config, _checkpoint_config(path, hf, config))
     if mismatch:
         raise HFConfigError(mismatch, f"{path} does not hold the architecture of the model")
     with SafetensorsFolder(path) as files:
@@ -150,7 +168,7 @@ def from_hf(path: PathLike, groups: Optional[ProcessGroups] = None, config: Opti
             on_tensor: Optional[Callable[[str, int], None]] = None) -> nn.Module:
     """This rank's model with the weights of the Hugging Face folder ``path``
     (``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``,
-    ``DeepseekV3ForCausalLM``).
+    ``DeepseekV3ForCausalLM``, ``Glm4MoeForCausalLM``, ``OlmoeForCausalLM``).
 
     Returns the model; its ``.config`` is our :class:`~moe_fold.config.Config` for it.
     ``groups`` (default: one process) is the layout to shard into. ``config`` gives the

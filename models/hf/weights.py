@@ -38,7 +38,7 @@ from safetensors import SafetensorError, safe_open
 
 from moe_fold.config import Config, head_dim, moe_layer_flags
 
-__all__ = ["HFWeightError", "SafetensorsFolder", "Source", "Take", "Cat", "Stack", "weight_sources",
+__all__ = ["HFWeightError", "SafetensorsFolder", "Source", "Take", "Cat", "Stack", "Copies", "weight_sources",
            "ignorable_hf_names"]
 
 
@@ -194,7 +194,27 @@ class Stack:
         return [item for part, piece in zip(self.parts, value.unbind(0)) for item in part.split(piece)]
 
 
-Source = Union[Take, Cat, Stack]
+@dataclass(frozen=True)
+class Copies:
+    """Our tensor is stored several times (DeepSeek-V3's MTP layers repeat the embedding
+    and the head): read from the first part, written to every part."""
+
+    parts: tuple
+
+    def names(self) -> list[str]:
+        return [n for p in self.parts for n in p.names()]
+
+    def shape(self, hf: SafetensorsFolder) -> tuple[int, ...]:
+        return self.parts[0].shape(hf)
+
+    def read(self, hf: SafetensorsFolder, offsets, sizes) -> torch.Tensor:
+        return self.parts[0].read(hf, offsets, sizes)
+
+    def split(self, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [item for part in self.parts for item in part.split(value)]
+
+
+Source = Union[Take, Cat, Stack, Copies]
 
 _T = (1, 0)  # Hugging Face [out, in] <-> our expert layout [in, out]
 
@@ -227,49 +247,82 @@ _MLA = {"q.weight": "q_proj.weight", "q_down.weight": "q_a_proj.weight", "q_norm
 def weight_sources(config: Config, family: str, hf_names: frozenset = frozenset()) -> dict[str, Source]:
     """Our parameter (or persistent buffer: the expert bias) name -> its :class:`Source`,
     for a model of ``config`` in the Hugging Face ``family``. ``hf_names`` (the checkpoint's tensor names) tells which
-    expert form a checkpoint uses; export passes none and gets the per-expert form."""
+    expert form a checkpoint uses; export passes none and gets the per-expert form.
+
+    MTP depth k (DeepSeek-V3, GLM-4.5) is layer ``num_layers + k`` of the checkpoint: its
+    block's tensors as a layer's, ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``
+    (our ``mtp.{k}.norm``); its ``embed_tokens`` and ``shared_head.head`` are copies of
+    the shared embedding and head (:class:`Copies`: read from the model's own, written
+    to every copy)."""
+    m = config.model
+    mtp = range(m.num_layers, m.num_layers + m.mtp_num_layers)
+
+    def copies(name: str) -> tuple:
+        # Export writes every copy; import reads the model's own and places the copies it finds.
+        names = [f"model.layers.{i}.{name}" for i in mtp]
+        return tuple(Take(n) for n in names if not hf_names or n in hf_names)
+
+    embed_copies, head_copies = copies("embed_tokens.weight"), copies("shared_head.head.weight")
+    head = Take("model.embed_tokens.weight" if m.tie_embeddings else "lm_head.weight")
+    out: dict[str, Source] = {"embed.weight": Copies((Take("model.embed_tokens.weight"),) + embed_copies
+                                                     + (head_copies if m.tie_embeddings else ())),
+                              "norm.weight": Take("model.norm.weight")}
+    if not m.tie_embeddings:
+        out["lm_head.weight"] = Copies((head,) + head_copies)
+    flags = moe_layer_flags(config)
+    for i, is_moe in enumerate(flags):
+        out.update(_layer_sources(config, family, f"model.layers.{i}.", f"layers.{i}.", is_moe, hf_names))
+    for k, i in enumerate(mtp):
+        hf, ours = f"model.layers.{i}.", f"mtp.{k}."
+        out[f"{ours}enorm.weight"] = Take(f"{hf}enorm.weight")
+        out[f"{ours}hnorm.weight"] = Take(f"{hf}hnorm.weight")
+        out[f"{ours}eh_proj.weight"] = Take(f"{hf}eh_proj.weight")
+        out[f"{ours}norm.weight"] = Take(f"{hf}shared_head.norm.weight")
+        out.update(_layer_sources(config, family, hf, f"{ours}block.", flags[-1], hf_names))
+    return out
+
+
+def _layer_sources(config: Config, family: str, hf: str, ours: str, is_moe: bool,
+                   hf_names: frozenset) -> dict[str, Source]:
+    """The sources of one block's parameters: ours under ``ours``, theirs under ``hf``."""
     m, moe = config.model, config.moe
     hd = head_dim(config)
     q, kv = m.num_heads * hd, m.num_kv_heads * hd
-    out: dict[str, Source] = {"embed.weight": Take("model.embed_tokens.weight"), "norm.weight": Take("model.norm.weight")}
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = Take("lm_head.weight")
-    for i, is_moe in enumerate(moe_layer_flags(config)):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        attn = f"{hf}self_attn."
-        out[f"{ours}attn_norm.weight"] = Take(f"{hf}input_layernorm.weight")
-        out[f"{ours}mlp_norm.weight"] = Take(f"{hf}post_attention_layernorm.weight")
-        if m.attention == "mla":
-            query = ("q.weight",) if m.q_lora_rank is None else ("q_down.weight", "q_norm.weight", "q_up.weight")
-            for name in query + ("kv_down.weight", "kv_norm.weight", "kv_up.weight", "proj.weight"):
-                out[f"{ours}attn.{name}"] = Take(f"{attn}{_MLA[name]}")
-        else:
-            out[f"{ours}attn.qkv.weight"] = Cat(0, tuple(Take(f"{attn}{p}_proj.weight") for p in "qkv"), (q, kv, kv))
-            out[f"{ours}attn.proj.weight"] = Take(f"{attn}o_proj.weight")
-        if m.qkv_bias:
-            out[f"{ours}attn.qkv.bias"] = Cat(0, tuple(Take(f"{attn}{p}_proj.bias") for p in "qkv"), (q, kv, kv))
-        if m.qk_norm:
-            out[f"{ours}attn.q_norm.weight"] = Take(f"{attn}q_norm.weight")
-            out[f"{ours}attn.k_norm.weight"] = Take(f"{attn}k_norm.weight")
-        if not is_moe:
-            fc1, fc2 = _swiglu(f"{hf}mlp.", "gate_proj", "up_proj", "down_proj", m.ffn_hidden_size)
-            out[f"{ours}mlp.fc1.weight"], out[f"{ours}mlp.fc2.weight"] = fc1, fc2
-            continue
-        fused = f"{hf}mlp.experts.gate_up_proj" in hf_names
-        block = f"{hf}block_sparse_moe." if family == "mixtral" and not fused else f"{hf}mlp."
-        out[f"{ours}mlp.router.weight"] = Take(f"{block}gate.weight")
-        out[f"{ours}mlp.experts.fc1"], out[f"{ours}mlp.experts.fc2"] = _experts(
-            block, family, moe.num_experts, moe.ffn_hidden_size, fused)
-        if family == "deepseek_v3":
-            out[f"{ours}mlp.router.expert_bias"] = Take(f"{block}gate.e_score_correction_bias")
-            fc1, fc2 = _swiglu(f"{hf}mlp.shared_experts.", "gate_proj", "up_proj", "down_proj",
-                               moe.shared_expert_ffn_hidden_size)
-            out[f"{ours}mlp.shared_expert.fc1.weight"], out[f"{ours}mlp.shared_expert.fc2.weight"] = fc1, fc2
-        elif moe.shared_expert_ffn_hidden_size > 0:
-            fc1, fc2 = _swiglu(f"{hf}mlp.shared_expert.", "gate_proj", "up_proj", "down_proj",
-                               moe.shared_expert_ffn_hidden_size)
-            out[f"{ours}mlp.shared_expert.fc1.weight"], out[f"{ours}mlp.shared_expert.fc2.weight"] = fc1, fc2
-            out[f"{ours}mlp.shared_expert_gate"] = Take(f"{hf}mlp.shared_expert_gate.weight")
+    out: dict[str, Source] = {}
+    attn = f"{hf}self_attn."
+    out[f"{ours}attn_norm.weight"] = Take(f"{hf}input_layernorm.weight")
+    out[f"{ours}mlp_norm.weight"] = Take(f"{hf}post_attention_layernorm.weight")
+    if m.attention == "mla":
+        query = ("q.weight",) if m.q_lora_rank is None else ("q_down.weight", "q_norm.weight", "q_up.weight")
+        for name in query + ("kv_down.weight", "kv_norm.weight", "kv_up.weight", "proj.weight"):
+            out[f"{ours}attn.{name}"] = Take(f"{attn}{_MLA[name]}")
+    else:
+        out[f"{ours}attn.qkv.weight"] = Cat(0, tuple(Take(f"{attn}{p}_proj.weight") for p in "qkv"), (q, kv, kv))
+        out[f"{ours}attn.proj.weight"] = Take(f"{attn}o_proj.weight")
+    if m.qkv_bias:
+        out[f"{ours}attn.qkv.bias"] = Cat(0, tuple(Take(f"{attn}{p}_proj.bias") for p in "qkv"), (q, kv, kv))
+    if m.qk_norm:
+        out[f"{ours}attn.q_norm.weight"] = Take(f"{attn}q_norm.weight")
+        out[f"{ours}attn.k_norm.weight"] = Take(f"{attn}k_norm.weight")
+    if not is_moe:
+        fc1, fc2 = _swiglu(f"{hf}mlp.", "gate_proj", "up_proj", "down_proj", m.ffn_hidden_size)
+        out[f"{ours}mlp.fc1.weight"], out[f"{ours}mlp.fc2.weight"] = fc1, fc2
+        return out
+    fused = f"{hf}mlp.experts.gate_up_proj" in hf_names
+    block = f"{hf}block_sparse_moe." if family == "mixtral" and not fused else f"{hf}mlp."
+    out[f"{ours}mlp.router.weight"] = Take(f"{block}gate.weight")
+    out[f"{ours}mlp.experts.fc1"], out[f"{ours}mlp.experts.fc2"] = _experts(
+        block, family, moe.num_experts, moe.ffn_hidden_size, fused)
+    if family in ("deepseek_v3", "glm4_moe"):
+        out[f"{ours}mlp.router.expert_bias"] = Take(f"{block}gate.e_score_correction_bias")
+        fc1, fc2 = _swiglu(f"{hf}mlp.shared_experts.", "gate_proj", "up_proj", "down_proj",
+                           moe.shared_expert_ffn_hidden_size)
+        out[f"{ours}mlp.shared_expert.fc1.weight"], out[f"{ours}mlp.shared_expert.fc2.weight"] = fc1, fc2
+    elif moe.shared_expert_ffn_hidden_size > 0:
+        fc1, fc2 = _swiglu(f"{hf}mlp.shared_expert.", "gate_proj", "up_proj", "down_proj",
+                           moe.shared_expert_ffn_hidden_size)
+        out[f"{ours}mlp.shared_expert.fc1.weight"], out[f"{ours}mlp.shared_expert.fc2.weight"] = fc1, fc2
+        out[f"{ours}mlp.shared_expert_gate"] = Take(f"{hf}mlp.shared_expert_gate.weight")
     return out
 
 

@@ -41,8 +41,13 @@ or with the distributed optimizer reduce-scattered (the bucket less the rank's o
 :func:`moe_fold.planner.memory.shard_sizes`) and its owned share all-gathered to the others
 of the group: the same volume as the all-reduce, the least a step can send. The norm's
 float32 scalars: over tp, etp_ep (with the per-expert squares, see ``grad_norm``) and pp, or with the distributed optimizer over tp_dp_cp
-(every rank of the stage) and pp. With tied embeddings over pp, the embedding-grad
+(every rank of the stage) and pp. With tied embeddings or MTP over pp, the embedding-grad
 all-reduce between the first and last stage.
+
+Multi-token prediction (``model.mtp_num_layers`` = D, on the last stage): each depth's
+block moves what a layer of its kind moves (tp, cp, ep, etp), and its embedding and head
+what the first stage's embedding and the head do over tp; the shifted targets are
+all-gathered over cp once per micro-batch (ids, labels and mask as float64).
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from typing import Optional, Sequence
 
 from moe_fold.config import Config, dp_size, edp_size, etp_size, vpp_size
 from moe_fold.planner.memory import grad_buckets, shard_sizes
-from moe_fold.planner.model import act_bytes, dims, param_manifest, router_bytes, stage_layers
+from moe_fold.planner.model import act_bytes, dims, param_manifest, router_bytes, stage_blocks
 
 __all__ = ["GRAD_BYTES", "Routing", "uniform_routing", "moe_layer_bytes", "microbatch_bytes",
            "step_bytes"]
@@ -164,8 +169,10 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
             return (1 if forward_only else 2) * (_share(latents, tp) + _share(x, tp))
         return _all_reduce(x, tp) + (0 if forward_only else _all_reduce(latents, tp))
 
-    layers = stage_layers(config, pp_rank)
+    norm_projection = d.qk_norm and config.model.qk_norm_scope == "projection"
+    layers = stage_blocks(config, pp_rank)  # the MTP depths' blocks too, on the last stage
     moe_layers = [i for i in layers if d.moe_flags[i]]
+    last = pp_rank == p.pp - 1
     if routing is None:
         routing = [uniform_routing(config)] * len(moe_layers)
     elif len(routing) != len(moe_layers):
@@ -175,17 +182,21 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
         for i in layers:
             is_moe = d.moe_flags[i]
             out["tp"] += attention()
+            if norm_projection:  # OLMoE's q and k norms: their sums of squares, forward and backward
+                out["tp"] += (4 + 2 * (recompute == "full")) * _all_reduce(b * s * 4, tp)
             if not is_moe or d.shared_ffn > 0:
                 out["tp"] += pair()  # dense MLP or shared expert
             if recompute == "full":
                 out["tp"] += attention(forward_only=True)
             if (recompute == "full" or (recompute == "moe" and is_moe)) and (not is_moe or d.shared_ffn > 0):
                 out["tp"] += pair(forward_only=True)
-        if pp_rank == 0:
-            out["tp"] += 2 * _share(x, tp) if sp else _all_reduce(x, tp)
-        if pp_rank == p.pp - 1:
-            out["tp"] += 2 * _share(x, tp) if sp else _all_reduce(x, tp)
-            out["tp"] += 3 * _all_reduce(b * s * 4, tp)  # cross entropy: max, target logit, sum of exp
+        embeddings = (pp_rank == 0) + (d.mtp if last else 0)
+        heads = (1 + d.mtp) if last else 0
+        out["tp"] += embeddings * (2 * _share(x, tp) if sp else _all_reduce(x, tp))
+        out["tp"] += heads * (2 * _share(x, tp) if sp else _all_reduce(x, tp))
+        out["tp"] += heads * 3 * _all_reduce(b * s * 4, tp)  # cross entropy: max, target logit, sum of exp
+    if cp > 1 and last and d.mtp > 0:
+        out["cp"] += _share(3 * 8 * b * d.seq, cp)  # the MTP targets' all-gather
     if cp > 1:
         for i in layers:
             forward, backward = _cp_attention_bytes(config)
@@ -288,6 +299,6 @@ def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Opt
         out["etp_ep"] += _all_reduce(4 * (1 + expert_params * dims(config).experts), etp * p.ep)
     out["pp"] += _all_reduce(4, p.pp)  # ... of every stage
     d = dims(config)
-    if d.tied and p.pp > 1 and pp_rank in (0, p.pp - 1):
+    if (d.tied or d.mtp > 0) and p.pp > 1 and pp_rank in (0, p.pp - 1):
         out["embedding"] += _all_reduce(GRAD_BYTES * d.vocab * d.hidden // p.tp, 2)
     return {k: v for k, v in out.items() if v}

@@ -66,7 +66,7 @@ from moe_fold.planner.moe_overlap import exposed_ep_seconds
 from moe_fold.planner import memory as planner_memory
 from moe_fold.planner.model import (
     act_bytes, dims, head_activation_bytes, layer_activation_bytes, microbatches_in_flight,
-    ParamEntry, model_flops_per_step, param_manifest, rank_flops_per_microbatch, stage_layers,
+    ParamEntry, model_flops_per_step, mtp_activation_bytes, param_manifest, rank_flops_per_microbatch, stage_blocks,
 )
 
 __all__ = ["OVERLAPS", "Assumptions", "Plan", "overlaps", "estimate", "search", "model_params", "with_layout",
@@ -228,9 +228,9 @@ def _memory(config: Config, world: int, pp_rank: int, micro: int, assumptions: A
     optimizer = sharded if config.optimizer.distributed else full
     g = p.tp if p.sequence_parallel else 1
     tokens = config.train.micro_batch_size * d.seq / (p.cp * g)
-    per_micro = sum(layer_activation_bytes(config, i, config.train.recompute) for i in stage_layers(config, pp_rank))
+    per_micro = sum(layer_activation_bytes(config, i, config.train.recompute) for i in stage_blocks(config, pp_rank))
     if pp_rank == p.pp - 1:
-        per_micro += head_activation_bytes(config)
+        per_micro += head_activation_bytes(config) + mtp_activation_bytes(config)
     activations = tokens * per_micro * microbatches_in_flight(config, pp_rank, micro)
     total = weights + grads + optimizer + activations + assumptions.memory_overhead
     # Both optimizer footprints, whichever the total uses (optimizer.distributed).
@@ -266,18 +266,18 @@ def activation_bytes(config: Config, pp_rank: int, implementation: str = "moe-fo
     d, p = dims(config), config.parallel
     g = p.tp if p.sequence_parallel else 1
     tokens = config.train.micro_batch_size * d.seq / (p.cp * g)
-    layers = stage_layers(config, pp_rank)
+    layers = stage_blocks(config, pp_rank)
     recompute = config.train.recompute
     if implementation == "megatron":
         per_token = sum(layer_activation_bytes(config, i, recompute) for i in layers)
         if pp_rank == p.pp - 1:
-            per_token += head_activation_bytes(config)
+            per_token += head_activation_bytes(config) + mtp_activation_bytes(config)
         return tokens * per_token
     per_token = sum(planner_memory.layer_activation_bytes(config, i, recompute) for i in layers)
     if pp_rank == 0:
         per_token += planner_memory.embedding_activation_bytes(config)
     if pp_rank == p.pp - 1:
-        per_token += planner_memory.head_activation_bytes(config)
+        per_token += planner_memory.head_activation_bytes(config) + planner_memory.mtp_activation_bytes(config)
     return tokens * per_token + planner_memory.microbatch_constant_bytes(config, layers, vpp_size(config))
 
 

@@ -84,7 +84,7 @@ from moe_fold.config import Config, dp_size, edp_size, etp_size, pp_layer_counts
 from moe_fold.planner.model import ParamEntry, dims, expert_rows_per_token, mla_attention_bytes, router_bytes
 
 __all__ = ["IMPLEMENTATIONS", "state_bytes", "grad_buckets", "shard_sizes", "owned_by_rank", "owned_numel", "zero_sizes",
-           "layer_activation_bytes", "head_activation_bytes",
+           "layer_activation_bytes", "head_activation_bytes", "mtp_activation_bytes",
            "embedding_activation_bytes", "microbatch_constant_bytes"]
 
 IMPLEMENTATIONS = ("moe-fold", "megatron")
@@ -270,6 +270,19 @@ def head_activation_bytes(config: Config) -> float:
     d, p, a = dims(config), config.parallel, _act(config)
     g = p.tp if p.sequence_parallel else 1
     return a * d.hidden + 4 + a * d.hidden * g + (8 * d.vocab / p.tp + 8 + 1 + 4 + 4) * g
+
+
+def mtp_activation_bytes(config: Config) -> float:
+    """Bytes the last stage keeps per local token for the MTP depths besides their blocks:
+    per depth the embedding's ids and mask (as on the first stage), the input norms'
+    per-row rsqrt and the embedding norm's input (the hidden norm's input is the tensor the
+    final norm before it keeps), ``eh_proj``'s input ``[.., 2H]``, and the depth's final
+    norm, head and loss (:func:`head_activation_bytes`). The depths reuse the last chunk's
+    rotary tables."""
+    d, a = dims(config), _act(config)
+    per_depth = (embedding_activation_bytes(config) + a * d.hidden + 2 * 4 + 2 * a * d.hidden
+                 + head_activation_bytes(config))
+    return d.mtp * per_depth
 
 
 def embedding_activation_bytes(config: Config) -> float:

@@ -8,7 +8,7 @@ attention, dense MLP, shared-expert linears, embedding and head are split over t
 the router and the shared-expert gate are replicated; each ep rank holds
 ``num_experts / ep`` experts, each split over etp along its ffn dim. With tied embeddings
 and pp > 1 the last stage holds a copy of the embedding as its head (Megatron's scheme,
-:mod:`moe_fold.parallel.pipeline`).
+:mod:`moe_fold.parallel.pipeline`), and with MTP a copy for the depths' inputs.
 
 FLOPs. Matmul FLOPs per token, 2 per multiply-add, as in Narayanan et al. 2021 ("Efficient
 Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 5.1):
@@ -47,10 +47,10 @@ from moe_fold.config import (
     Config, ModelConfig, MoEConfig, etp_size, head_dim, mla_weight_shapes, moe_layer_flags, pp_layer_counts, vpp_size,
 )
 
-__all__ = ["Dims", "dims", "ParamEntry", "param_manifest", "stage_layers", "layer_forward_flops",
-           "head_forward_flops", "model_flops_per_step", "rank_flops_per_microbatch", "act_bytes",
-           "router_bytes", "expert_rows_per_token", "layer_activation_bytes", "mla_attention_bytes",
-           "head_activation_bytes",
+__all__ = ["Dims", "dims", "ParamEntry", "param_manifest", "stage_layers", "stage_blocks", "layer_forward_flops",
+           "head_forward_flops", "mtp_forward_flops", "mtp_activation_bytes", "model_flops_per_step",
+           "rank_flops_per_microbatch", "act_bytes", "router_bytes", "expert_rows_per_token", "layer_activation_bytes",
+           "mla_attention_bytes", "head_activation_bytes",
            "microbatches_in_flight", "RECOMPUTE_MODES"]
 
 RECOMPUTE_MODES = ("none", "full", "moe", "expert_act")
@@ -75,7 +75,10 @@ class Dims:
     qk_norm: bool
     qkv_bias: bool
     tied: bool
+    # One flag per block: the model's layers, then the MTP depths' blocks (last layer's kind).
     moe_flags: tuple[bool, ...]
+    mtp: int = 0
+    qk_norm_scope: str = "head"
     # Spare expert slots per ep rank (moe.replicas): copies held besides the E/ep experts.
     replicas: int = 0
     # Multi-head latent attention: its linears' global [out, in] shapes (None: standard
@@ -120,13 +123,14 @@ def _moe_flags(num_layers: int, freq: int | tuple[int, ...], first_k_dense: int)
 def dims(config: Config) -> Dims:
     m, moe = config.model, config.moe
     freq = tuple(moe.moe_layer_freq) if isinstance(moe.moe_layer_freq, list) else moe.moe_layer_freq
+    flags = _moe_flags(m.num_layers, freq, moe.first_k_dense)
     return Dims(hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads, head_dim=head_dim(config),
                 vocab=m.vocab_size, ffn=m.ffn_hidden_size, layers=m.num_layers, seq=m.seq_length,
                 experts=moe.num_experts, topk=moe.topk, expert_ffn=moe.ffn_hidden_size,
                 shared_ffn=moe.shared_expert_ffn_hidden_size, shared_gate=moe.shared_expert_gate,
                 qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, tied=m.tie_embeddings,
-                moe_flags=_moe_flags(m.num_layers, freq, moe.first_k_dense), replicas=moe.replicas,
-                **_mla_dims(m))
+                moe_flags=flags + flags[-1:] * m.mtp_num_layers, mtp=m.mtp_num_layers,
+                qk_norm_scope=m.qk_norm_scope, replicas=moe.replicas, **_mla_dims(m))
 
 
 def _mla_dims(m: ModelConfig) -> dict:
@@ -153,7 +157,10 @@ def _attention_params(d: Dims, pre: str, tp: int, replicated: str) -> list[tuple
     if d.qkv_bias:
         out.append((f"{pre}.attn.qkv.bias", (d.q_size + 2 * d.kv_size) // tp, "tp"))
     out.append((f"{pre}.attn.proj.weight", d.hidden * d.q_size // tp, "tp"))
-    if d.qk_norm:
+    if d.qk_norm and d.qk_norm_scope == "projection":  # OLMoE: the whole q and k, split over tp
+        out.append((f"{pre}.attn.q_norm.weight", d.q_size // tp, "tp"))
+        out.append((f"{pre}.attn.k_norm.weight", d.kv_size // tp, "tp"))
+    elif d.qk_norm:
         # Each tp rank normalises its own heads, so the grads are partial over tp.
         out.append((f"{pre}.attn.q_norm.weight", d.head_dim, "tp_sum"))
         out.append((f"{pre}.attn.k_norm.weight", d.head_dim, "tp_sum"))
@@ -182,6 +189,14 @@ def stage_layers(config: Config, pp_rank: int) -> list[int]:
     return [starts[c] + i for c in range(pp_rank, len(counts), pp) for i in range(counts[c])]
 
 
+def stage_blocks(config: Config, pp_rank: int) -> list[int]:
+    """The transformer blocks of stage ``pp_rank``: its layers, and on the last stage the
+    MTP depths' blocks as ``num_layers + k`` (index into ``Dims.moe_flags``)."""
+    m = config.model
+    mtp = list(range(m.num_layers, m.num_layers + m.mtp_num_layers)) if pp_rank == config.parallel.pp - 1 else []
+    return stage_layers(config, pp_rank) + mtp
+
+
 def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
     """The parameters of one rank on pipeline stage ``pp_rank``, in ``model.parameters()``
     order, under ``config.parallel`` (tp, ep, etp, pp, vpp, sequence_parallel)."""
@@ -193,10 +208,7 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
     def add(name: str, numel: int, kind: str) -> None:
         out.append(ParamEntry(name, numel, kind))
 
-    if pp_rank == 0:
-        add("embed.weight", d.vocab * d.hidden // tp, "tp")
-    for i in stage_layers(config, pp_rank):
-        pre = f"layers.{i}"
+    def block(pre: str, i: int) -> None:
         add(f"{pre}.attn_norm.weight", d.hidden, replicated)
         for entry in _attention_params(d, pre, tp, replicated):
             add(*entry)
@@ -215,12 +227,25 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
         else:
             add(f"{pre}.mlp.fc1.weight", 2 * d.ffn * d.hidden // tp, "tp")
             add(f"{pre}.mlp.fc2.weight", d.hidden * d.ffn // tp, "tp")
-    if pp_rank == pp - 1:
+
+    last = pp_rank == pp - 1
+    # A tied head and the MTP depths read the embedding on the last stage: with pp > 1 it
+    # holds its own copy, named like the first stage's.
+    if pp_rank == 0 or (last and (d.tied or d.mtp > 0)):
+        add("embed.weight", d.vocab * d.hidden // tp, "tp")
+    for i in stage_layers(config, pp_rank):
+        block(f"layers.{i}", i)
+    if last:
         add("norm.weight", d.hidden, replicated)
-        # Tied with one stage: the head IS the embedding (one parameter); with pp > 1 the
-        # last stage holds its own copy.
-        if not d.tied or pp > 1:
+        if not d.tied:  # tied: the head IS the embedding (one parameter)
             add("lm_head.weight", d.vocab * d.hidden // tp, "tp")
+        for k in range(d.mtp):
+            pre = f"mtp.{k}"
+            add(f"{pre}.enorm.weight", d.hidden, replicated)
+            add(f"{pre}.hnorm.weight", d.hidden, replicated)
+            add(f"{pre}.eh_proj.weight", 2 * d.hidden * d.hidden, replicated)
+            block(f"{pre}.block", d.layers + k)
+            add(f"{pre}.norm.weight", d.hidden, replicated)
     return out
 
 
@@ -265,13 +290,21 @@ def head_forward_flops(config: Config) -> float:
     return 2 * d.hidden * d.vocab
 
 
+def mtp_forward_flops(config: Config) -> float:
+    """Forward FLOPs per token of the MTP depths besides their blocks: each depth's
+    ``eh_proj`` (``2H -> H``) and its logits through the shared head."""
+    d = dims(config)
+    return d.mtp * (4 * d.hidden * d.hidden + head_forward_flops(config))
+
+
 def model_flops_per_step(config: Config) -> float:
     """Model FLOPs of one optimizer step (the MFU numerator): 3 x forward (the backward is
     twice the forward) for ``global_batch_size * seq_length`` tokens, activated experts
-    only (``topk`` per token), no recompute."""
+    only (``topk`` per token), no recompute; the MTP depths included (DeepSeek-V3 counts
+    them in its training FLOPs too)."""
     d = dims(config)
-    per_token = sum(sum(layer_forward_flops(config, i, float(d.topk)).values()) for i in range(d.layers))
-    per_token += head_forward_flops(config)
+    per_token = sum(sum(layer_forward_flops(config, i, float(d.topk)).values()) for i in range(d.layers + d.mtp))
+    per_token += head_forward_flops(config) + mtp_forward_flops(config)
     return 3.0 * config.train.global_batch_size * d.seq * per_token
 
 
@@ -300,11 +333,11 @@ def rank_flops_per_microbatch(config: Config, pp_rank: int, recompute: str) -> f
     d, p = dims(config), config.parallel
     tokens = config.train.micro_batch_size * d.seq / (p.tp * p.cp)
     total = 0.0
-    for i in stage_layers(config, pp_rank):
+    for i in stage_blocks(config, pp_rank):
         parts = layer_forward_flops(config, i)
         total += 3 * sum(parts.values()) + _recomputed_forward(parts, d.moe_flags[i], recompute)
     if pp_rank == p.pp - 1:
-        total += 3 * head_forward_flops(config)
+        total += 3 * (head_forward_flops(config) + mtp_forward_flops(config))
     return tokens * total
 
 
@@ -396,6 +429,15 @@ def head_activation_bytes(config: Config) -> float:
     a = act_bytes(config)
     g = p.tp if p.sequence_parallel else 1
     return a * d.hidden + a * d.hidden * g + (a + 4) * d.vocab * g / p.tp
+
+
+def mtp_activation_bytes(config: Config) -> float:
+    """Bytes the last stage keeps per local token for the MTP depths besides their blocks:
+    per depth the two input norms' inputs ``2aH``, ``eh_proj``'s input ``2aH`` and the
+    head and loss of :func:`head_activation_bytes`."""
+    d = dims(config)
+    a = act_bytes(config)
+    return d.mtp * (4 * a * d.hidden + head_activation_bytes(config))
 
 
 def microbatches_in_flight(config: Config, pp_rank: int, num_microbatches: int) -> float:

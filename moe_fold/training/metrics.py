@@ -12,8 +12,13 @@ statistics), adds them up over a step's micro-batches and reduces them over the 
   ranks, then mean over layers (``global_aux`` is the step's exact value from
   ``Router.finish_step``); ``z_loss`` the same for the z-loss. null when no layer has
   that loss enabled.
+- ``mtp_loss``: with multi-token prediction (``model.mtp_num_layers`` = D), one value per
+  depth, each depth's mean cross-entropy over the global batch (:class:`MTPCollector`);
+  null without MTP. The MTP depths' MoE blocks report their routing as layers
+  ``num_layers + k`` (the index DeepSeek-V3 checkpoints give them).
 - the step's ``loss`` is ``lm_loss`` plus these losses times their coefficients, summed
-  over layers: the objective the gradient follows.
+  over layers, plus ``model.mtp_loss_weight`` times the mean of ``mtp_loss``: the
+  objective the gradient follows.
 
 :class:`MetricsLogger` (rank 0 does the writing) appends one JSON object per step to
 ``metrics.jsonl``, logs the same scalars plus per-layer MoE metrics (max/mean load,
@@ -39,21 +44,16 @@ import torch
 from torch import nn
 
 from moe_fold.comm import all_reduce_
-from moe_fold.config import Config, config_to_dict, dp_size, edp_size, etp_size, moe_layer_flags
+from moe_fold.config import Config, config_to_dict, dp_size, edp_size, etp_size, moe_layer_indices
 from moe_fold.layout import ProcessGroups
 from moe_fold.training.plots import write_heatmap
 
-__all__ = ["RoutingCollector", "MetricsLogger", "read_wandb_history"]
+__all__ = ["RoutingCollector", "MTPCollector", "MetricsLogger", "read_wandb_history"]
 
 _BALANCING = ("aux", "seq_aux", "global_aux")
 _COEFF = {"aux": "aux_loss_coeff", "seq_aux": "seq_aux_loss_coeff", "global_aux": "global_aux_loss_coeff",
           "z": "z_loss_coeff"}
 _KINDS = ("aux", "seq_aux", "z")  # per micro-batch values; global_aux comes from finish_step
-
-
-def _layer_of(name: str) -> int:
-    parts = name.split(".")
-    return int(parts[parts.index("layers") + 1])
 
 
 class RoutingCollector:
@@ -65,11 +65,13 @@ class RoutingCollector:
 
     def __init__(self, model: nn.Module, config: Config):
         from moe_fold.dispatch.router import Router
+        from moe_fold.models.model import layer_index
 
         self.config = config
-        self.moe_layers = [i for i, flag in enumerate(moe_layer_flags(config)) if flag]
+        self.moe_layers = moe_layer_indices(config)
         slot = {layer: k for k, layer in enumerate(self.moe_layers)}
-        self.routers = [(slot[_layer_of(n)], m) for n, m in model.named_modules() if isinstance(m, Router)]
+        L = config.model.num_layers
+        self.routers = [(slot[layer_index(n, L)], m) for n, m in model.named_modules() if isinstance(m, Router)]
         self.device = next(model.parameters()).device
         moe = config.moe
         # Which losses the routers compute: each kind is on when its coefficient is > 0.
@@ -185,6 +187,54 @@ class RoutingCollector:
         self._hooks = []
 
 
+class MTPCollector:
+    """Each MTP depth's loss over a step: a forward hook on the model's
+    :class:`~moe_fold.models.mtp.MTP` (on the last pipeline stage) adds up the ``[D]``
+    depth losses it returns per micro-batch (each scaled so that the sum over
+    micro-batches, averaged over dp x cp, is the depth's global-batch mean)."""
+
+    def __init__(self, model: nn.Module, config: Config):
+        self.depths = config.model.mtp_num_layers
+        self.weight = config.model.mtp_loss_weight
+        self.device = next(model.parameters()).device
+        self._recording = False
+        mtp = getattr(model, "mtp", None)
+        self._hooks = [mtp.register_forward_hook(self._hook)] if mtp is not None else []
+        self.start_step()
+
+    def start_step(self) -> None:
+        self._sums = torch.zeros(self.depths, dtype=torch.float64, device=self.device)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Add up the MTP forwards inside (not a recompute's second call)."""
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    def _hook(self, module, args, output) -> None:
+        if self._recording:
+            self._sums += output.detach().double()
+
+    def finish_step(self, groups: ProcessGroups) -> dict[str, Any]:
+        """``mtp_loss`` (one value per depth, or None without MTP) and ``weighted_loss``,
+        its contribution to the step's loss. Every rank must call it."""
+        if self.depths == 0:
+            return {"mtp_loss": None, "weighted_loss": 0.0}
+        sums = self._sums.clone()
+        all_reduce_(sums, groups.dp_cp)
+        all_reduce_(sums, groups.pp)  # only the last stage holds the depths
+        values = (sums / groups.size("dp_cp")).tolist()
+        return {"mtp_loss": values, "weighted_loss": self.weight * sum(values) / self.depths}
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
 # --------------------------------------------------------------------------- the logger
 
 class MetricsLogger:
@@ -199,7 +249,7 @@ class MetricsLogger:
         self.console = console
         self.active = groups.rank == 0
         self.run_dir = Path(config.train.run_dir)
-        self.moe_layer_ids = [i for i, flag in enumerate(moe_layer_flags(config)) if flag]
+        self.moe_layer_ids = moe_layer_indices(config)
         self.wandb_dir: Optional[str] = None
         self._run = None
         self._progress = None
@@ -272,6 +322,7 @@ class MetricsLogger:
         if self._run is not None:
             scalars = {k: v for k, v in record.items()
                        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            scalars.update({f"mtp/depth{k + 1}_loss": v for k, v in enumerate(record.get("mtp_loss") or [])})
             self._run.log({**scalars, **collector.layer_metrics}, step=step)
         last = step == self.config.train.steps
         if collector.expert_load and (step % self.config.wandb.heatmap_every == 0 or last):

@@ -99,13 +99,14 @@ def read_metrics_rows(run_dir: str | os.PathLike) -> list[dict]:
 
 
 def moe_layer_ids(run_dir: str | os.PathLike) -> Optional[list[int]]:
-    """The model's MoE layer indices from ``<run_dir>/config.yaml`` (None without it)."""
-    from moe_fold.config import load_config, moe_layer_flags
+    """The model's MoE layer indices from ``<run_dir>/config.yaml``, MTP blocks after the
+    layers (None without it)."""
+    from moe_fold.config import load_config, moe_layer_indices
 
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         return None
-    return [i for i, flag in enumerate(moe_layer_flags(load_config(path))) if flag]
+    return moe_layer_indices(load_config(path))
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

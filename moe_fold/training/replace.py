@@ -36,6 +36,7 @@ from moe_fold.comm import all_reduce_
 from moe_fold.config import Config
 from moe_fold.dispatch.placement import Placement, balanced_placement, rank_loads
 from moe_fold.layout import ProcessGroups
+from moe_fold.models.model import layer_index
 from moe_fold.models.moe_layer import MoELayer
 from moe_fold.training.optim import AdamW
 
@@ -46,14 +47,11 @@ __all__ = ["MIN_GAIN", "moe_layers", "move_experts", "ExpertReplacer"]
 MIN_GAIN = 0.02
 
 
-def _layer_index(name: str) -> int:
-    parts = name.split(".")
-    return int(parts[parts.index("layers") + 1])
-
-
 def moe_layers(model: nn.Module) -> dict[int, MoELayer]:
     """This rank's MoE layers by global layer index."""
-    return {_layer_index(n): m for n, m in model.named_modules() if isinstance(m, MoELayer)}
+    # The MTP depths' MoE blocks are layers num_layers + k, as in the routing metrics.
+    return {layer_index(n, model.config.model.num_layers): m for n, m in model.named_modules()
+            if isinstance(m, MoELayer)}
 
 
 def _plan(old: Placement, new: Placement, ep_rank: int) -> tuple[list[list[int]], list[list[int]], list]:

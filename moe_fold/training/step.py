@@ -24,6 +24,10 @@ stage reads the positions and the last one the labels). Then:
 - Packed samples: each micro-batch's ``cu_seqlens`` and real-token mask become the
   model's :class:`moe_fold.parallel.varlen.Documents` (attention inside documents, padding out of
   the router losses).
+- Multi-token prediction: the rank holding the last stage shifts each micro-batch's
+  targets for the MTP depths (:meth:`Transformer.mtp_targets`) and counts each depth's
+  targets over the global batch in the same all-reduce as the LM tokens, so every depth's
+  loss is its exact global-batch mean too.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from moe_fold.dispatch.router import Router
 from moe_fold.training.dynamic_cp import DynamicCP
 from moe_fold.layout import ProcessGroups
 from moe_fold.models.model import Transformer
+from moe_fold.models.mtp import MTPTargets
 from moe_fold.parallel.pipeline import all_reduce_embedding_grads, run_schedule
 from moe_fold.training.buckets import GradSync
 
@@ -57,11 +62,12 @@ class _Chunk(nn.Module):
         self.model, self.chunk = model, chunk
         self.num_loss_tokens, self.forward_context = num_loss_tokens, forward_context
 
-    def forward(self, x, batch: Batch) -> torch.Tensor:
+    def forward(self, x, batch: Batch, mtp: Optional[MTPTargets] = None) -> torch.Tensor:
         hidden = None if isinstance(x, Batch) else x  # [S_local, B, H] from the stage before
         with self.forward_context():
             return self.model.chunk_forward(self.chunk, hidden, batch.tokens, batch.labels, batch.positions,
-                                            batch.loss_mask, self.num_loss_tokens, docs=_documents(self.model, batch))
+                                            batch.loss_mask, self.num_loss_tokens, docs=_documents(self.model, batch),
+                                            mtp=mtp)
 
 
 def _documents(model: Transformer, batch: Batch):
@@ -69,11 +75,20 @@ def _documents(model: Transformer, batch: Batch):
     return model.documents(batch.cu_seqlens, batch.token_mask, tuple(batch.tokens.shape))
 
 
-def _num_loss_tokens(microbatches: Sequence[Batch], groups: ProcessGroups) -> torch.Tensor:
-    """Unmasked label tokens of the global batch, at least 1 (a fully masked batch has loss 0)."""
+def _num_loss_tokens(microbatches: Sequence[Batch], mtp: Optional[list[MTPTargets]],
+                     groups: ProcessGroups) -> torch.Tensor:
+    """Unmasked label tokens of the global batch, at least 1 (a fully masked batch has loss 0);
+    with ``mtp`` (this rank holds the last stage), the same count of each MTP depth's
+    targets after it: ``[1 + D]``, in one all-reduce. Written into ``mtp``'s ``num_tokens``."""
     # float64: float32 counts stop being exact above 2**24 tokens.
-    count = torch.stack([b.loss_mask.sum(dtype=torch.float64) for b in microbatches]).sum()
-    return all_reduce_(count, groups.dp_cp).clamp(min=1).float()
+    count = torch.stack([b.loss_mask.sum(dtype=torch.float64) for b in microbatches]).sum().reshape(1)
+    if mtp:
+        depths = torch.stack([t.mask.sum(dim=(1, 2), dtype=torch.float64) for t in mtp]).sum(0)  # [D]
+        count = torch.cat([count, depths])
+    counts = all_reduce_(count, groups.dp_cp).clamp(min=1).float()
+    for t in mtp or ():
+        t.num_tokens = counts[1:]
+    return counts[0]
 
 
 def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: ProcessGroups, config: Config, *,
@@ -105,7 +120,12 @@ def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: 
         microbatches, docs = [p[0] for p in placed], [p[1] for p in placed]
     elif model.num_stages == 1:
         docs = [_documents(model, b) for b in microbatches]
-    num_loss_tokens = _num_loss_tokens(microbatches, groups)
+    mtp = None
+    if model.mtp is not None:
+        if model.num_stages > 1:
+            docs = [_documents(model, b) for b in microbatches]
+        mtp = [model.mtp_targets(b.tokens, b.labels, b.loss_mask, d) for b, d in zip(microbatches, docs)]
+    num_loss_tokens = _num_loss_tokens(microbatches, mtp, groups)
 
     def backward_of(mb: int, chunk: int) -> ContextManager:
         return grad_sync.backward_of(mb, chunk, m) if grad_sync is not None else contextlib.nullcontext()
@@ -115,7 +135,7 @@ def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: 
         for i, (b, d) in enumerate(zip(microbatches, docs)):
             with torch.set_grad_enabled(not forward_only), forward_context():
                 loss = model(b.tokens, b.labels, positions=b.positions, loss_mask=b.loss_mask,
-                             num_loss_tokens=num_loss_tokens, docs=d)
+                             num_loss_tokens=num_loss_tokens, docs=d, mtp=mtp[i] if mtp else None)
             if not forward_only:
                 with backward_of(i, 0):
                     loss.backward()
@@ -126,9 +146,15 @@ def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: 
     if config.parallel.sequence_parallel:
         seq //= groups.size("tp")
     chunks = [_Chunk(model, c, num_loss_tokens, forward_context) for c in range(len(model.stages))]
+    # The schedule hands each chunk its micro-batch; the last stage's MTP targets go with it.
+    index = {id(b): i for i, b in enumerate(microbatches)}
+
+    def side_inputs(b: Batch) -> dict:
+        return {"batch": b, "mtp": mtp[index[id(b)]] if mtp else None}
+
     losses = run_schedule(chunks, microbatches, groups, tensor_shape=(seq, batch, config.model.hidden_size),
                           dtype=next(model.parameters()).dtype, schedule=pipeline_schedule(config),
-                          side_inputs=lambda b: {"batch": b}, forward_only=forward_only,
+                          side_inputs=side_inputs, forward_only=forward_only,
                           backward_context=backward_of)
     if not forward_only and model.embedding_group is not None:
         all_reduce_embedding_grads(model.embed.weight, model.embedding_group)

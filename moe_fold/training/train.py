@@ -230,7 +230,7 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
 
 def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: Optional[int]) -> TrainResult:
     from moe_fold.data.loader import DataLoader
-    from moe_fold.training.metrics import MetricsLogger, RoutingCollector
+    from moe_fold.training.metrics import MetricsLogger, MTPCollector, RoutingCollector
     from moe_fold.models.model import build_model
     from moe_fold.training.optim import apply_gradients, build_grad_sync, build_optimizer, build_scheduler
     from moe_fold.training.step import forward_backward
@@ -286,6 +286,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                                 overlap=p.overlap_grad_reduce, sources=sources)
     scheduler = build_scheduler(optimizer, config)
     collector = RoutingCollector(model, config)
+    mtp_collector = MTPCollector(model, config)
     replacer = None
     if config.moe.replace_every > 0 or config.moe.replicas > 0:
         from moe_fold.training.replace import ExpertReplacer
@@ -295,7 +296,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
 
     @contextlib.contextmanager
     def forward_context() -> Iterator[None]:
-        with autocast(t.precision, device), collector.recording():
+        with autocast(t.precision, device), collector.recording(), mtp_collector.recording():
             yield
 
     start_step = 0
@@ -351,6 +352,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             _seed_step(config, step, rank)
             micro_batches = [b.to(device) for b in loader.global_batch()]
             collector.start_step()
+            mtp_collector.start_step()
             losses = forward_backward(model, micro_batches, groups, config, forward_context=forward_context,
                                       dynamic_cp=dynamic_cp, grad_sync=grad_sync)
             lm_loss = losses.sum()
@@ -382,11 +384,12 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             routing = collector.finish_step(groups)
+            mtp = mtp_collector.finish_step(groups)
             if replacer is not None:
                 optimizer.wait_params()  # the replacer moves expert weights
                 routing.update(replacer.after_step(step, routing["expert_load"]))
             seconds = time.perf_counter() - step_begin
-            loss = lm + routing.pop("weighted_loss", 0.0)
+            loss = lm + routing.pop("weighted_loss", 0.0) + mtp.pop("weighted_loss")
             median = spikes.median()
             spike = spikes.check(loss)
             if spike and rank == 0:
@@ -394,7 +397,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                               f"x {median:.6g}, the median of the previous {t.loss_spike_window} losses", stacklevel=2)
             record = {"step": step, "loss": loss, "lm_loss": lm, "grad_norm": grad_norm.item(), "lr": lr,
                       "tokens_per_s": tokens_per_step / seconds, "skipped": not finite, "loss_spike": spike,
-                      **nonfinite, **routing}
+                      **nonfinite, **routing, **mtp}
             logger.log(record, collector)
             result.losses.append(record["loss"])
             # ---- validation (issue 17): its own loader and forked RNG, so training is unchanged
@@ -420,6 +423,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                 saver.wait()
         logger.close()
         collector.close()
+        mtp_collector.close()
     optimizer.wait_params()  # the caller gets current parameters
     result.seconds = time.perf_counter() - begin
     steps_run = len(result.losses)
