@@ -12,24 +12,44 @@ the other ranks (they would otherwise wait forever in a collective) and raises
 a word (signal, ``os._exit``) and a run that exceeds ``timeout`` are reported the
 same way; so is a rank that hangs (alive, silent) while its peers give up waiting for it
 in a collective (the process group's timeout, ``MOE_FOLD_PG_TIMEOUT``). No process outlives :func:`run_ranks`.
+
+Signals and orphans:
+
+- ``forward_signals``: the first of them the parent receives (SIGTERM from a scheduler, Ctrl-C)
+  is passed on to every rank and the parent goes on waiting for their results (the ranks
+  stop at a step boundary: :mod:`moe_fold.training.stop`); a second SIGINT kills the ranks
+  and raises ``KeyboardInterrupt``. Each rank runs in its own process group, so a Ctrl-C
+  in the terminal reaches the parent only and each rank gets it once, forwarded.
+- A rank whose parent is gone (any death, SIGKILL included) exits at once: a thread waits
+  on the parent's sentinel, a pipe only the parent holds open. Without it a rank would
+  train on, writing into the run folder, and keep the forkserver (which exits when every
+  holder of its "alive" pipe, the ranks included, is gone) alive with it.
+- The forkserver starts with SIGTERM, SIGUSR1, SIGUSR2 and SIGHUP ignored (SIGINT it ignores
+  itself): a signal sent to every process of the job (systemd's control group, a SLURM job
+  step) must not end it, or the parent would take its ranks for dead while they stop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
+import threading
 import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["RankError", "run_ranks"]
 
 # torch.optim imports torch._dynamo on its first step (seconds); importing it once in the
 # forkserver saves that in every rank.
 _FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+# Ignored by the forkserver (its ranks reset them): see the module docstring.
+_FORKSERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
 
 class RankError(RuntimeError):
@@ -40,13 +60,45 @@ class RankError(RuntimeError):
         super().__init__(message)
 
 
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
 def _context() -> mp.context.BaseContext:
+    from multiprocessing import forkserver
+
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    # An ignored signal stays ignored across exec: the forkserver starts with these ignored.
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in _FORKSERVER_IGNORES} if _main_thread() else {}
+    try:
+        forkserver.ensure_running()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return ctx
 
 
-def _rank_main(fn, rank, world_size, store_port, threads, env, args, kwargs, results):
+def _exit_with_parent() -> None:
+    """End this rank at once when the process that started it is gone."""
+    sentinel = mp.parent_process().sentinel
+
+    def watch():
+        mp.connection.wait([sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="moe-fold-parent-watch", daemon=True).start()
+
+
+def _rank_main(fn, rank, world_size, store_port, threads, env, forward_signals, args, kwargs, results):
+    os.setpgid(0, 0)
+    for s in _FORKSERVER_IGNORES:
+        signal.signal(s, signal.SIG_DFL)
+    # Blocked until the rank's code installs its handlers (training.stop.ExitSignals), so a
+    # signal forwarded while the rank starts waits instead of killing it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, forward_signals)
+    _exit_with_parent()
+
     import torch
     import torch.distributed as dist
 
@@ -102,6 +154,7 @@ def run_ranks(
     timeout: float = 180.0,
     threads: int = 1,
     env: Optional[dict[str, str]] = None,
+    forward_signals: Sequence[int] = (),
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes.
@@ -109,6 +162,11 @@ def run_ranks(
     ``fn`` must be importable by name (a module-level function) and its return value
     picklable (tensors included: their data is copied). Returns the per-rank results, index = rank. Raises :class:`RankError`
     naming the first rank that failed, died or timed out.
+
+    ``forward_signals`` (signal numbers): the first one this process receives goes to every
+    rank, where it stays blocked until ``fn`` unblocks it (``training.stop.ExitSignals``
+    does); a second SIGINT kills the ranks and raises ``KeyboardInterrupt``. Handlers are
+    installed only when called from the main thread.
     """
     import torch.distributed as dist
 
@@ -122,13 +180,28 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, store.port, threads, child_env, args, kwargs, results),
+            args=(fn, rank, world_size, store.port, threads, child_env, tuple(forward_signals), args, kwargs,
+                  results),
             daemon=True,
         )
         for rank in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    received: list[int] = []
+
+    def forward(signum, frame):
+        if not received:
+            received.append(signum)
+            os.write(2, f"{signal.Signals(signum).name} received: passed on to the {world_size} ranks, which "
+                        f"stop after their current step".encode() + (b" (Ctrl-C again aborts)\n"
+                                                                      if signum == signal.SIGINT else b"\n"))
+            for p in procs:
+                if p.pid is not None and p.exitcode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signum)
+        elif signum == signal.SIGINT and signal.SIGINT in received:
+            raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, forward) for s in forward_signals} if _main_thread() else {}
     outputs: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
@@ -145,6 +218,8 @@ def run_ranks(
         return True
 
     try:
+        for p in procs:
+            p.start()
         while len(outputs) < world_size:
             if failures or any(p.exitcode not in (None, 0) for p in procs):
                 # When one rank fails its peers soon fail too, inside a collective; wait
@@ -159,11 +234,14 @@ def run_ranks(
                 missing = sorted(set(range(world_size)) - set(outputs))
                 raise RankError(missing[0], f"timed out after {timeout:.0f}s waiting for ranks {missing}")
     finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         for p in procs:
-            if p.is_alive():
+            if p.pid is not None and p.is_alive():
                 p.kill()
         for p in procs:
-            p.join(timeout=10)
+            if p.pid is not None:
+                p.join(timeout=10)
         results.close()
         del store
     return [outputs[r] for r in range(world_size)]

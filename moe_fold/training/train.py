@@ -50,6 +50,7 @@ from moe_fold.config import Config, ConfigError, dump_config, validate
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.training.numerics import LossSpikes, first_nonfinite_module
 from moe_fold.training.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
+from moe_fold.training.stop import ExitSignals, Stop, StopRule
 
 __all__ = ["TrainResult", "check_trainable", "train", "apply_recompute", "build_groups", "read_metrics"]
 
@@ -65,6 +66,7 @@ class TrainResult:
     run_dir: str = ""
     checkpoint: Optional[str] = None
     wandb_dir: Optional[str] = None
+    stop: Optional[Stop] = None  # why the run ended before train.steps (None: it did not)
 
 
 def check_trainable(config: Config, world_size: int) -> None:
@@ -190,19 +192,25 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
 
     ``resume`` continues from the latest checkpoint in ``train.run_dir`` (a fresh start
     when there is none). ``stop_at`` ends this run after that step (with a checkpoint),
-    leaving the schedule of ``train.steps`` intact for a later ``resume``. A fresh run
+    leaving the schedule of ``train.steps`` intact for a later ``resume``. A signal of
+    ``train.exit_signals`` or a budget (``train.exit_after_minutes``, ``train.exit_at_step``)
+    ends it early, every rank after the same step, with that step's checkpoint
+    (:mod:`moe_fold.training.stop`; ``TrainResult.stop`` says why). A fresh run
     with ``init.from_hf`` starts from that Hugging Face folder's weights. Rank 0 prints to
     ``console`` (a rich Console; None: no output) and writes ``metrics.jsonl`` and the
     wandb run. Returns the same :class:`TrainResult` on every rank."""
     # train.deterministic switches torch's process-wide setting for the run only.
     previous = torch.are_deterministic_algorithms_enabled()
+    began = time.monotonic()
     try:
-        return _train(config, resume, console, progress, stop_at)
+        with ExitSignals(config.train.exit_signals) as signals:
+            return _train(config, resume, console, progress, stop_at, signals, began)
     finally:
         torch.use_deterministic_algorithms(previous)
 
 
-def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: Optional[int]) -> TrainResult:
+def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: Optional[int],
+           signals: ExitSignals, began: float) -> TrainResult:
     from moe_fold.data.loader import DataLoader
     from moe_fold.training.metrics import MetricsLogger, RoutingCollector
     from moe_fold.models.model import build_model
@@ -288,8 +296,11 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     train_params = list(state_model.parameters())
     last_step = t.steps if stop_at is None else min(stop_at, t.steps)
     spikes = LossSpikes(t.loss_spike_factor, t.loss_spike_window)
+    stops = StopRule(config, signals, device, world, began)
+    # A signal or budget before the first step: no step, and nothing new to save.
+    stop = stops.check(start_step, after_a_step=False)
     try:
-        for step in range(start_step + 1, last_step + 1):
+        for step in range(start_step + 1, last_step + 1) if stop is None else ():
             step_begin = time.perf_counter()
             _seed_step(config, step, rank)
             micro_batches = [b.to(device) for b in loader.global_batch()]
@@ -335,9 +346,14 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                       **nonfinite, **routing}
             logger.log(record, collector)
             result.losses.append(record["loss"])
-            if step % t.save_every == 0 or step == last_step:
+            stop = stops.check(step)
+            if stop is not None and rank == 0 and console is not None:
+                console.print(f"stopping after step {step}: {stop.reason}; writing its checkpoint")
+            if step % t.save_every == 0 or step == last_step or stop is not None:
                 checkpoint_path = _save(run_dir, step, state_model, optimizer, scheduler, loader, groups, config)
                 result.checkpoint = checkpoint_path
+            if stop is not None:
+                break
     finally:
         logger.close()
         collector.close()
@@ -346,6 +362,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     result.tokens_per_s = steps_run * tokens_per_step / result.seconds if steps_run else 0.0
     result.final_loss = result.losses[-1] if result.losses else float("nan")
     result.wandb_dir = logger.wandb_dir
+    result.stop = stop
     if rank == 0 and console is not None:
         logger.print_summary(result)
     return result
