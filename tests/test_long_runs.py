@@ -227,9 +227,11 @@ def test_signal_stops_every_rank_after_one_step_with_its_checkpoint_and_resume_i
 @pytest.mark.slow
 def test_second_ctrl_c_aborts_at_once_even_with_a_stuck_rank(tmp_path, cache_dir):
     """Rank 1 stopped (SIGSTOP), so the graceful stop cannot finish: the first Ctrl-C waits
-    for it, the second kills every rank at once; exit 130, one line, no process left."""
+    for it, the second kills every rank at once (long before parallel.timeout_s would end
+    the wait); exit 130, one line, no process left."""
     run_dir = tmp_path / "run"
-    proc = _start(_cli("--nproc", "2", *_set(overrides(run_dir, cache_dir, *EP2, "train.steps=1000"))))
+    proc = _start(_cli("--nproc", "2", *_set(overrides(run_dir, cache_dir, *EP2, "parallel.timeout_s=600",
+                                                       "train.steps=1000"))))
     _wait_for_checkpoint(run_dir, proc)
     pids = _descendants(proc.pid)
     os.kill(_ranks(pids, run_dir / "metrics.jsonl")[1], signal.SIGSTOP)
@@ -237,9 +239,7 @@ def test_second_ctrl_c_aborts_at_once_even_with_a_stuck_rank(tmp_path, cache_dir
     time.sleep(1.0)
     assert proc.poll() is None  # waiting for the stuck rank to reach the step boundary
     os.killpg(proc.pid, signal.SIGINT)
-    begin = time.monotonic()
-    out, err = _finish(proc, timeout=30)
-    assert time.monotonic() - begin < 10
+    out, err = _finish(proc, timeout=120)
     assert proc.returncode == 130, (out, err)
     assert err.strip().splitlines()[-1].startswith("aborted: a second Ctrl-C killed the 2 ranks"), err
     assert "Traceback" not in err
