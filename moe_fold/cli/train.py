@@ -152,10 +152,16 @@ def _run_torchrun(config, resume: bool, progress: bool) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # A group that torchrun restarted (--max-restarts) continues the run: starting over would
     # overwrite its checkpoints.
-    resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.parallel.timeout_s))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    resume = resume or attempt > 0
+    timeout = datetime.timedelta(seconds=config.parallel.timeout_s)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    # torchrun's agent gives every attempt the same store, still holding the keys of the
+    # attempt before (the gloo addresses of ranks it killed): each attempt gets its own prefix.
+    dist.init_process_group(backend, store=dist.PrefixStore(f"moe-fold/attempt_{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
     try:
-        rank0 = dist.get_rank() == 0
+        rank0 = rank == 0
         result = train(config, resume=resume, console=Console(soft_wrap=True) if rank0 else None,
                        progress=progress and sys.stdout.isatty())
     finally:
