@@ -388,6 +388,10 @@ RULES = [
     (["train.precision=fp16"], 1, ["train.precision=fp16 must be one of fp32, bf16-autocast, bf16"]),
     (["train.recompute=all"], 1, ["train.recompute=all must be one of none, full, moe, expert_act"]),
     (["train.on_nonfinite=ignore"], 1, ["train.on_nonfinite=ignore must be one of skip, stop"]),
+    (["train.exit_signals=[SIGTERM, SIGKILL]"], 1,
+     ["train.exit_signals: SIGKILL is not a signal a run can stop on; use SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP"]),
+    (["train.exit_after_minutes=0"], 1, ["train.exit_after_minutes=0.0 must be > 0"]),
+    (["train.exit_at_step=0"], 1, ["train.exit_at_step=0 must be >= 1"]),
     # optimizer
     (["optimizer.lr=0"], 1, ["optimizer.lr=0.0 must be > 0"]),
     (["optimizer.min_lr=0.01"], 1, ["optimizer.min_lr=0.01 must be in [0, optimizer.lr=0.003]"]),
@@ -442,6 +446,7 @@ def test_rule(overrides, world_size, expected):
     (["parallel.cp=4", "parallel.cp_kind=a2a", "model.num_heads=8", "model.num_kv_heads=2", "model.head_dim=32"], 4),
     (["data.path=[a,b]", "data.weights=[1,3]", "data.tokenizer=tok/tokenizer.json"], 1),
     (["parallel.order=pp-dp-ep-cp-tp", "optimizer.min_lr=0", "optimizer.warmup_steps=100"], 1),
+    (["train.exit_signals=[]", "train.exit_after_minutes=0.5", "train.exit_at_step=1"], 1),
 ])
 def test_valid_configs(overrides, world_size):
     validate(load_config(None, overrides), world_size)

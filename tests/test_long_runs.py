@@ -203,6 +203,9 @@ def _resume_is_exact(run_dir: Path, cache_dir: str, straight: list, stopped: int
     ("launcher", signal.SIGTERM),  # what SLURM, Kubernetes and systemd send to the job's process
     ("rank 1", signal.SIGTERM),  # one rank only: the others learn it through the step's all-reduce
     ("process group", signal.SIGINT),  # Ctrl-C in the terminal
+    # Every process of the job, the forkserver included (systemd's control group, a SLURM
+    # job step): the forkserver must survive it, or its ranks would be taken for dead.
+    ("process group", signal.SIGTERM),
 ])
 def test_signal_stops_every_rank_after_one_step_with_its_checkpoint_and_resume_is_exact(
         tmp_path, cache_dir, straight, target, sig):
@@ -310,3 +313,51 @@ def test_budgets_and_a_signal_stop_with_a_checkpoint_and_resume_is_exact(tmp_pat
     assert last.first_step == 4 and last.stop is None
     assert _losses(run_dir) == _losses(tmp_path / "straight")
     assert [loss for _, loss in _losses(run_dir)] == straight.losses
+
+
+# --------------------------------------------------------------------------- torchrun
+
+def _workers(agent: int, metrics: Path) -> tuple[int, int]:
+    """(rank 0, rank 1): the agent's worker processes; rank 0 holds metrics.jsonl open."""
+    workers = _children(agent)
+    assert len(workers) == 2, workers
+    first = [p for p in workers if _holds_open(p, metrics)]
+    assert len(first) == 1, first
+    return first[0], next(p for p in workers if p != first[0])
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_by_itself(tmp_path, cache_dir, straight):
+    """torchrun --max-restarts 1, no --resume: SIGKILL to one worker after the first
+    checkpoint; torchrun restarts the group, which resumes from the newest checkpoint
+    (TORCHELASTIC_RESTART_COUNT > 0) and ends with the uninterrupted run's losses."""
+    run_dir = tmp_path / "run"
+    proc = _start(_torchrun("--max-restarts", "1") + _set(overrides(run_dir, cache_dir, *EP2,
+                                                                    f"train.steps={STEPS}")))
+    _wait_for_checkpoint(run_dir, proc)
+    os.kill(_workers(proc.pid, run_dir / "metrics.jsonl")[1], signal.SIGKILL)
+    out, err = _finish(proc, timeout=300)
+    assert proc.returncode == 0, (out[-2000:], err[-4000:])
+    assert "failed (exitcode: -9) local_rank: 1" in err
+    resumed = " ".join(out.split())
+    assert f"resumed from {run_dir}/checkpoints/step_" in resumed, out
+    assert _losses(run_dir) == straight
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_the_workers_with_a_checkpoint_and_resume_is_exact(tmp_path, cache_dir, straight):
+    """SIGTERM to the torchrun agent, which passes it on to its workers: they stop after
+    the same step with its checkpoint (rank 0's one line says so) within the agent's
+    grace period; --resume (here with --nproc 2) repeats the uninterrupted run's losses."""
+    run_dir = tmp_path / "run"
+    proc = _start(_torchrun() + _set(overrides(run_dir, cache_dir, *EP2, "train.steps=1000")))
+    _wait_for_checkpoint(run_dir, proc)
+    workers = _children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    out, err = _finish(proc, timeout=120)
+    assert proc.returncode != 0  # torchrun reports the signal it was ended by
+    assert "Unable to shutdown process" not in err  # no worker needed the agent's SIGKILL
+    stopped = _stopped_step(run_dir, "\n".join(line for line in err.splitlines() if line.startswith("stopped")),
+                            "SIGTERM")
+    assert _still_alive(workers, within=10) == []
+    _resume_is_exact(run_dir, cache_dir, straight, stopped)
