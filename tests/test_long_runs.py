@@ -206,7 +206,7 @@ def _resume_is_exact(run_dir: Path, cache_dir: str, straight: list, stopped: int
     # Every process of the job, the forkserver included (systemd's control group, a SLURM
     # job step): the forkserver must survive it, or its ranks would be taken for dead.
     ("process group", signal.SIGTERM),
-])
+], ids=["launcher-SIGTERM", "rank1-SIGTERM", "group-SIGINT", "group-SIGTERM"])
 def test_signal_stops_every_rank_after_one_step_with_its_checkpoint_and_resume_is_exact(
         tmp_path, cache_dir, straight, target, sig):
     run_dir = tmp_path / "run"
