@@ -20,6 +20,9 @@ non-finite (:mod:`moe_fold.training.numerics`); then the run goes on (``train.on
 a warning, ``skipped``/``nonfinite_module`` in metrics.jsonl) or raises before that step
 is saved (``stop``). A loss above ``train.loss_spike_factor`` x the median of the previous
 ``train.loss_spike_window`` losses is logged as ``loss_spike`` with a warning.
+Stopping early (a signal of ``train.exit_signals``, ``train.exit_after_minutes``,
+``train.exit_at_step``): after each step the ranks agree whether to stop there
+(:mod:`moe_fold.training.stop`), and then write that step's checkpoint.
 docs/reliability.md lists every fault and what happens.
 
 Entry points: :func:`train` (one rank; torch.distributed already initialised, or a single
