@@ -249,6 +249,7 @@ def test_second_ctrl_c_aborts_at_once_even_with_a_stuck_rank(tmp_path, cache_dir
     assert _still_alive(pids, within=10) == []
 
 
+@pytest.mark.slow
 def test_killed_launcher_leaves_no_process_and_no_writer(tmp_path, cache_dir):
     """SIGKILL to the launcher (no handler can run): every rank exits with it, then the
     forkserver and the resource tracker; metrics.jsonl and the checkpoints stop changing."""
