@@ -17,8 +17,8 @@ Signals and orphans:
 
 - ``forward_signals``: the first of them the parent receives (SIGTERM from a scheduler, Ctrl-C)
   is passed on to every rank and the parent goes on waiting for their results (the ranks
-  stop at a step boundary: :mod:`moe_fold.training.stop`); a second SIGINT kills the ranks
-  and raises ``KeyboardInterrupt``. Each rank runs in its own process group, so a Ctrl-C
+  stop at a step boundary: :mod:`moe_fold.training.stop`); a SIGINT after it kills the
+  ranks and raises ``KeyboardInterrupt``. Each rank runs in its own process group, so a Ctrl-C
   in the terminal reaches the parent only and each rank gets it once, forwarded.
 - A rank whose parent is gone (any death, SIGKILL included) exits at once: a thread waits
   on the parent's sentinel, a pipe only the parent holds open. Without it a rank would
@@ -165,7 +165,7 @@ def run_ranks(
 
     ``forward_signals`` (signal numbers): the first one this process receives goes to every
     rank, where it stays blocked until ``fn`` unblocks it (``training.stop.ExitSignals``
-    does); a second SIGINT kills the ranks and raises ``KeyboardInterrupt``. Handlers are
+    does); a SIGINT after it kills the ranks and raises ``KeyboardInterrupt``. Handlers are
     installed only when called from the main thread.
     """
     import torch.distributed as dist
@@ -192,13 +192,12 @@ def run_ranks(
         if not received:
             received.append(signum)
             os.write(2, f"{signal.Signals(signum).name} received: passed on to the {world_size} ranks, which "
-                        f"stop after their current step".encode() + (b" (Ctrl-C again aborts)\n"
-                                                                      if signum == signal.SIGINT else b"\n"))
+                        f"stop after their current step (Ctrl-C aborts at once)\n".encode())
             for p in procs:
                 if p.pid is not None and p.exitcode is None:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p.pid, signum)
-        elif signum == signal.SIGINT and signal.SIGINT in received:
+        elif signum == signal.SIGINT:
             raise KeyboardInterrupt
 
     previous = {s: signal.signal(s, forward) for s in forward_signals} if _main_thread() else {}

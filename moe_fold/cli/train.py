@@ -121,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"error: training failed: {e}", markup=False, highlight=False)
         return 1
     except KeyboardInterrupt:
-        which = "a second Ctrl-C" if "SIGINT" in config.train.exit_signals else "Ctrl-C"
-        err.print(f"aborted: {which} killed the {world} ranks; the newest checkpoint in "
+        err.print(f"aborted: Ctrl-C killed the {world} ranks; the newest checkpoint in "
                   f"{config.train.run_dir} is the one to --resume from", markup=False, highlight=False)
         return 130
     return _ended(results[0], config, err)

@@ -15,7 +15,7 @@ The ranks agree (:meth:`StopRule.check`, a collective): after each step one all-
 passed the budget. A signal that reached one rank only, or clocks that differ by a step,
 still stop every rank after the same step; that step's checkpoint is then written by all.
 
-A second SIGINT aborts at once: after the first one SIGINT has its default action again
+A second Ctrl-C aborts at once: once a signal is noted, SIGINT has its default action again
 (the process ends; a shell reports exit code 130), without a checkpoint of the step.
 
 Exit codes of ``moe-fold train`` (:attr:`Stop.exit_code`): 0 when the run reached
@@ -81,8 +81,8 @@ class ExitSignals:
     def _note(self, signum: int, frame) -> None:
         if not self.received:
             self.received = signum
-        if signum == signal.SIGINT:
-            # Ctrl-C again: the default action, at once, even inside a long C call.
+        if signal.SIGINT in self._previous:
+            # A Ctrl-C from now on: the default action, at once, even inside a long C call.
             signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     def __exit__(self, *exc) -> None:
