@@ -264,7 +264,9 @@ def test_killed_launcher_leaves_no_process_and_no_writer(tmp_path, cache_dir):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left == []
-    files = lambda: sorted((str(p), p.stat().st_size) for p in run_dir.rglob("*") if p.is_file())  # noqa: E731
+    def files():
+        return sorted((str(p), p.stat().st_size) for p in run_dir.rglob("*") if p.is_file())
+
     before = files()
     time.sleep(1.0)
     assert files() == before
@@ -279,7 +281,10 @@ def test_budgets_and_a_signal_stop_with_a_checkpoint_and_resume_is_exact(tmp_pat
     import moe_fold.training.step as step_module
 
     run_dir = tmp_path / "run"
-    config = lambda *extra: load_config("mixtral-tiny", overrides(run_dir, cache_dir, "train.steps=4", *extra))  # noqa: E731
+
+    def config(*extra):
+        return load_config("mixtral-tiny", overrides(run_dir, cache_dir, "train.steps=4", *extra))
+
     straight = train(load_config("mixtral-tiny", overrides(tmp_path / "straight", cache_dir, "train.steps=4")))
 
     cli = subprocess.run(_cli(*_set(overrides(run_dir, cache_dir, "train.steps=4", "train.exit_at_step=1"))),
