@@ -24,7 +24,7 @@ Signals and orphans:
   on the parent's sentinel, a pipe only the parent holds open. Without it a rank would
   train on, writing into the run folder, and keep the forkserver (which exits when every
   holder of its "alive" pipe, the ranks included, is gone) alive with it.
-- The forkserver starts with SIGTERM, SIGUSR1, SIGUSR2 and SIGHUP ignored (SIGINT it ignores
+- The forkserver starts with SIGTERM, SIGUSR1, SIGUSR2 and SIGHUP blocked (SIGINT it ignores
   itself): a signal sent to every process of the job (systemd's control group, a SLURM job
   step) must not end it, or the parent would take its ranks for dead while they stop.
 """
@@ -48,8 +48,8 @@ __all__ = ["RankError", "run_ranks"]
 # torch.optim imports torch._dynamo on its first step (seconds); importing it once in the
 # forkserver saves that in every rank.
 _FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
-# Ignored by the forkserver (its ranks reset them): see the module docstring.
-_FORKSERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+# Blocked in the forkserver (its ranks unblock them): see the module docstring.
+_FORKSERVER_BLOCKS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
 
 class RankError(RuntimeError):
@@ -69,13 +69,13 @@ def _context() -> mp.context.BaseContext:
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
-    # An ignored signal stays ignored across exec: the forkserver starts with these ignored.
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in _FORKSERVER_IGNORES} if _main_thread() else {}
+    # The signal mask survives fork and exec: the forkserver starts with these blocked. Here
+    # they are only held back meanwhile, and delivered (to this process's handlers) after.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _FORKSERVER_BLOCKS)
     try:
         forkserver.ensure_running()
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORKSERVER_BLOCKS)
     return ctx
 
 
@@ -92,11 +92,10 @@ def _exit_with_parent() -> None:
 
 def _rank_main(fn, rank, world_size, store_port, threads, env, forward_signals, args, kwargs, results):
     os.setpgid(0, 0)
-    for s in _FORKSERVER_IGNORES:
-        signal.signal(s, signal.SIG_DFL)
-    # Blocked until the rank's code installs its handlers (training.stop.ExitSignals), so a
-    # signal forwarded while the rank starts waits instead of killing it.
-    signal.pthread_sigmask(signal.SIG_BLOCK, forward_signals)
+    # The forkserver's blocked signals are unblocked, except those forwarded: they stay
+    # blocked until the rank's code installs its handlers (training.stop.ExitSignals), so
+    # one forwarded while the rank starts waits instead of killing it.
+    signal.pthread_sigmask(signal.SIG_SETMASK, forward_signals)
     _exit_with_parent()
 
     import torch
@@ -174,18 +173,8 @@ def run_ranks(
         raise ValueError(f"world_size={world_size} must be >= 1")
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                           timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    ctx = _context()
-    results = ctx.Queue()
     child_env = {"MOE_FOLD_PG_TIMEOUT": str(int(timeout)), **(env or {})}
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(fn, rank, world_size, store.port, threads, child_env, tuple(forward_signals), args, kwargs,
-                  results),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
+    procs: list = []
     received: list[int] = []
 
     def forward(signum, frame):
@@ -200,7 +189,19 @@ def run_ranks(
         elif signum == signal.SIGINT:
             raise KeyboardInterrupt
 
+    # Installed before the forkserver starts: a signal that comes meanwhile is forwarded too.
     previous = {s: signal.signal(s, forward) for s in forward_signals} if _main_thread() else {}
+    ctx = _context()
+    results = ctx.Queue()
+    procs.extend(
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, store.port, threads, child_env, tuple(forward_signals), args, kwargs,
+                  results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    )
     outputs: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
@@ -219,6 +220,8 @@ def run_ranks(
     try:
         for p in procs:
             p.start()
+            if received:  # a signal that came before this rank existed
+                os.kill(p.pid, received[0])
         while len(outputs) < world_size:
             if failures or any(p.exitcode not in (None, 0) for p in procs):
                 # When one rank fails its peers soon fail too, inside a collective; wait
