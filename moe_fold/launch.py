@@ -65,10 +65,13 @@ def _main_thread() -> bool:
 
 
 def _context() -> mp.context.BaseContext:
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    # Started first, alone: it blocks and then unblocks SIGTERM around its own start, which
+    # would undo the block below.
+    resource_tracker.ensure_running()
     # The signal mask survives fork and exec: the forkserver starts with these blocked. Here
     # they are only held back meanwhile, and delivered (to this process's handlers) after.
     signal.pthread_sigmask(signal.SIG_BLOCK, _FORKSERVER_BLOCKS)
@@ -223,7 +226,8 @@ def run_ranks(
             if received:  # a signal that came before this rank existed
                 os.kill(p.pid, received[0])
         while len(outputs) < world_size:
-            if failures or any(p.exitcode not in (None, 0) for p in procs):
+            # A rank that exits non-zero after its result came (its forkserver gone) has not failed.
+            if failures or any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r not in outputs):
                 # When one rank fails its peers soon fail too, inside a collective; wait
                 # a moment so the report can name the rank that failed first.
                 settle = time.monotonic() + 2.0
