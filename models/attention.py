@@ -24,6 +24,7 @@ from moe_fold.parallel.context_parallel import CP_KINDS, context_parallel_attent
 from moe_fold.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_seed
 from moe_fold.parallel.varlen import Documents
 
+from .kv_cache import LayerCache, cached_attention
 from .norm import RMSNorm
 from .rotary import apply_rotary
 
@@ -56,11 +57,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, config.norm_eps, "tp_sum")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                docs: Optional[Documents] = None) -> torch.Tensor:
+                docs: Optional[Documents] = None, kv_cache: Optional[LayerCache] = None) -> torch.Tensor:
         """``x [S_local, B, H]`` -> ``[S_local, B, H]``; cos/sin ``[S, head_dim]`` or ``[B, S, head_dim]``
         for this rank's tokens (``S = S_global/cp``, the zigzag shard's positions under cp).
         ``docs``: packed documents and the group to attend over (None: the layout's cp group,
-        one causal sequence per row)."""
+        one causal sequence per row). ``kv_cache`` (sampling, no cp): the tokens before
+        these, whose keys and values it holds; these tokens' keys and values are added."""
         qkv = self.qkv(x)  # [S, B, (heads + 2*kv_heads) * head_dim]
         S, B = qkv.shape[:2]
         q, k, v = qkv.view(S, B, -1, self.head_dim).split(
@@ -71,7 +73,10 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Query head h reads key/value head h // (heads / kv_heads), as in Hugging Face.
         # A cp group of one rank (or None) is plain causal attention over the local sequence.
-        group, doc_ids = (self.cp_group, None) if docs is None else (docs.cp_group, docs.doc_ids)
-        out = context_parallel_attention(q, k, v, group, kind=self.cp_kind, doc_ids=doc_ids)  # [B, heads, S, hd]
+        if kv_cache is not None:
+            out = cached_attention(q, *kv_cache.append(k, v))  # [B, heads, S, hd]
+        else:
+            group, doc_ids = (self.cp_group, None) if docs is None else (docs.cp_group, docs.doc_ids)
+            out = context_parallel_attention(q, k, v, group, kind=self.cp_kind, doc_ids=doc_ids)  # [B, heads, S, hd]
         out = out.permute(2, 0, 1, 3).reshape(S, B, self.num_heads * self.head_dim)  # [S, B, heads*hd]
         return self.proj(out)

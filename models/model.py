@@ -47,6 +47,7 @@ from moe_fold.parallel.tensor_parallel import (
 from moe_fold.parallel.varlen import Documents, doc_ids_from_cu_seqlens, router_token_mask
 
 from .attention import Attention
+from .kv_cache import LayerCache
 from .mlp import MLP
 from .moe_layer import MoELayer
 from .norm import RMSNorm
@@ -72,8 +73,8 @@ class Block(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                docs: Optional[Documents] = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, docs)  # [S_local, B, H]
+                docs: Optional[Documents] = None, kv_cache: Optional[LayerCache] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, docs, kv_cache)  # [S_local, B, H]
         h = self.mlp_norm(x).flatten(0, 1)  # [S_local*B, H]
         if isinstance(self.mlp, MoELayer):
             s_local, batch = x.shape[0], x.shape[1]

@@ -117,7 +117,8 @@ class ParallelConfig:
     dynamic_cp: bool = False
     # Compute FLOPs per byte of cp link bandwidth: how dynamic cp's cost model charges ring traffic.
     dynamic_cp_flops_per_byte: float = 10.0
-    pp_schedule: str = "1f1b"  # 1f1b | interleaved
+    # auto: interleaved when vpp > 1, else 1f1b (pipeline_schedule() resolves it).
+    pp_schedule: str = "auto"  # auto | 1f1b | interleaved
     # Explicit number of layers on each pipeline stage; None splits evenly.
     pp_layers: Optional[list[int]] = None
     backend: str = "auto"  # auto | gloo | nccl
@@ -192,6 +193,11 @@ class WandbConfig:
 class InitConfig:
     # Start from a Hugging Face model folder (config.json + safetensors).
     from_hf: Optional[str] = None
+    # Start an MoE model from a dense Hugging Face Llama, Qwen2 or Qwen3 folder: experts
+    # made from the dense MLP so that step 0 computes the dense model's function
+    # (moe_fold.models.hf.upcycle); granularity G > 1 cuts the MLP into G expert slices.
+    upcycle_from: Optional[str] = None
+    upcycle_granularity: int = 1
 
 
 @dataclass
@@ -428,6 +434,14 @@ def vpp_size(config: Config) -> int:
     return 1 if config.parallel.vpp is None else config.parallel.vpp
 
 
+def pipeline_schedule(config: Config) -> str:
+    """``parallel.pp_schedule`` resolved: ``auto`` is interleaved with vpp > 1 chunks, else 1f1b."""
+    schedule = config.parallel.pp_schedule
+    if schedule == "auto":
+        return "interleaved" if vpp_size(config) > 1 else "1f1b"
+    return schedule
+
+
 def dp_size(config: Config, world_size: int) -> int:
     """Data-parallel size of the attention layout: world / (tp*cp*pp)."""
     p = config.parallel
@@ -508,7 +522,7 @@ def validate(config: Config, world_size: int) -> None:
     _check_pipeline(config, out)
     _check_train(config, world_size, parallel_ok, out)
     _check_optimizer(config, out)
-    _check_data_and_wandb(config, out)
+    _check_data_wandb_and_init(config, out)
     if out:
         raise ConfigError(out)
 
@@ -598,7 +612,7 @@ def _check_parallel(config: Config, world_size: int, out: list[str]) -> bool:
                 out.append(f"parallel.dynamic_cp=true needs parallel.{name}=1, got {getattr(p, name)} (ranks "
                            f"hold unequal token counts under dynamic cp)")
         _at_least(out, "parallel.dynamic_cp_flops_per_byte", p.dynamic_cp_flops_per_byte, 0)
-    _one_of(out, "parallel.pp_schedule", p.pp_schedule, ("1f1b", "interleaved"))
+    _one_of(out, "parallel.pp_schedule", p.pp_schedule, ("auto", "1f1b", "interleaved"))
     _one_of(out, "parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _positive(out, "parallel.timeout_s", p.timeout_s)
     return ok
@@ -643,6 +657,9 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
     if m.head_dim is None and m.hidden_size % m.num_heads:
         out.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads} "
                    f"(required when model.head_dim is null)")
+    elif head_dim(config) % 2:
+        what = "model.head_dim" if m.head_dim is not None else "model.hidden_size/num_heads"
+        out.append(f"{what}={head_dim(config)} must be even (rotary embeddings rotate pairs of dimensions)")
     if p.tp < 1 or p.cp < 1:
         return
     _divisible(out, "model.num_heads", m.num_heads, "parallel.tp", p.tp)
@@ -686,6 +703,11 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
         out.append("moe.pad_to_capacity=true requires moe.capacity_factor to be set, got null")
     if moe.dedup and moe.dispatcher != "alltoall":
         out.append(f"moe.dedup=true requires moe.dispatcher=alltoall, got {_fmt(moe.dispatcher)}")
+    if moe.pad_to_capacity and moe.dispatcher != "alltoall":
+        out.append(f"moe.pad_to_capacity=true requires moe.dispatcher=alltoall, got {_fmt(moe.dispatcher)}")
+    if moe.shared_expert_gate and not moe.shared_expert_ffn_hidden_size > 0:
+        out.append(f"moe.shared_expert_gate=true requires a shared expert (moe.shared_expert_ffn_hidden_size > 0), "
+                   f"got {_fmt(moe.shared_expert_ffn_hidden_size)}")
     _at_least(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size, 0)
     if not any_moe:
         return
@@ -762,8 +784,8 @@ def _check_pipeline(config: Config, out: list[str]) -> None:
                        f"expected model.num_layers={m.num_layers}")
     if vpp > 1 and p.pp == 1:
         out.append(f"parallel.vpp={vpp} requires parallel.pp > 1, got 1")
-    if vpp > 1 and p.pp_schedule != "interleaved":
-        out.append(f"parallel.vpp={vpp} requires parallel.pp_schedule=interleaved, got {_fmt(p.pp_schedule)}")
+    if vpp > 1 and p.pp_schedule == "1f1b":
+        out.append(f"parallel.vpp={vpp} requires parallel.pp_schedule=interleaved (or auto), got 1f1b")
     if p.pp_schedule == "interleaved" and vpp == 1:
         out.append(f"parallel.pp_schedule=interleaved requires parallel.vpp > 1, got {_fmt(p.vpp)}")
 
@@ -780,6 +802,13 @@ def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[s
             out.append(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                        f"train.micro_batch_size*dp={t.micro_batch_size * dp} "
                        f"(micro_batch_size={t.micro_batch_size}, dp=world_size/(tp*cp*pp)={dp})")
+        elif p.pp > 1 and pipeline_schedule(config) == "interleaved":
+            micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
+            if micro_batches % p.pp:
+                out.append(f"train.global_batch_size/(micro_batch_size*dp)={micro_batches} micro-batches is not "
+                           f"divisible by parallel.pp={p.pp} (the interleaved schedule sends the micro-batches "
+                           f"round the pipeline in groups of pp; global_batch_size={t.global_batch_size}, "
+                           f"micro_batch_size={t.micro_batch_size}, dp={dp})")
     _one_of(out, "train.precision", t.precision, ("fp32", "bf16-autocast", "bf16"))
     _one_of(out, "train.recompute", t.recompute, ("none", "full", "moe", "expert_act"))
     _one_of(out, "train.on_nonfinite", t.on_nonfinite, ("skip", "stop"))
@@ -813,7 +842,7 @@ def _check_optimizer(config: Config, out: list[str]) -> None:
         out.append(f"optimizer.decay_fraction={_fmt(o.decay_fraction)} must be in (0, 1]")
 
 
-def _check_data_and_wandb(config: Config, out: list[str]) -> None:
+def _check_data_wandb_and_init(config: Config, out: list[str]) -> None:
     d, w = config.data, config.wandb
     paths = data_paths(config)
     if isinstance(d.path, list) and not paths:
@@ -835,3 +864,10 @@ def _check_data_and_wandb(config: Config, out: list[str]) -> None:
         out.append("data.tokenizer='' must be byte or a path to a tokenizer.json")
     _one_of(out, "wandb.mode", w.mode, ("offline", "online", "disabled"))
     _at_least(out, "wandb.heatmap_every", w.heatmap_every, 1)
+    init = config.init
+    _at_least(out, "init.upcycle_granularity", init.upcycle_granularity, 1)
+    if init.from_hf is not None and init.upcycle_from is not None:
+        out.append(f"init.from_hf={init.from_hf!r} and init.upcycle_from={init.upcycle_from!r} are both set: a run "
+                   f"starts from an MoE checkpoint or upcycles a dense one, not both")
+    if init.upcycle_granularity != 1 and init.upcycle_from is None:
+        out.append(f"init.upcycle_granularity={init.upcycle_granularity} is set but init.upcycle_from is null")

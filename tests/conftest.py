@@ -11,6 +11,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-# One thread in the test process: multi-rank tests run their ranks beside it (one thread
-# each), and tiny single-process references gain nothing from a second thread.
-torch.set_num_threads(1)
+# One thread in the test process by default: multi-rank tests run their ranks beside it
+# (one thread each), and tiny single-process references gain nothing from a second thread.
+# MOE_FOLD_TEST_THREADS=2 runs the suite with two, so comparisons are checked against the
+# other summation orders a multi-threaded kernel takes.
+torch.set_num_threads(int(os.environ.get("MOE_FOLD_TEST_THREADS", "1")))

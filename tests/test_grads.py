@@ -18,6 +18,8 @@ from moe_fold.models.mlp import MLP
 from moe_fold.models.norm import RMSNorm
 from moe_fold.parallel.tensor_parallel import global_normal, mark, unshard_tp
 
+from float64_reference import assert_close_to_float64
+
 H, FFN, E, T, DP, MICRO = 8, 16, 4, 8, 2, 2
 
 
@@ -147,9 +149,9 @@ RUNS = [(2, 50), (4, 1 << 20)]
 
 def test_sync_and_norm_match_one_process():
     groups = ProcessGroups.single_process()
-    ref = Toy(groups, sp=False)
-    # One process: all DP slots' tokens together.
-    _toy_run(ref, groups, lambda a: a.flatten(0, 1))
+    # One process, in float64: all DP slots' tokens together.
+    ref = Toy(groups, sp=False).double()
+    _toy_run(ref, groups, lambda a: (a.double() if a.is_floating_point() else a).flatten(0, 1))
     ref_grads = {name: p.grad for name, p in ref.named_parameters()}
     ref_norm = torch.sqrt(sum((g * g).sum() for g in ref_grads.values()))
     assert ref_grads["experts"][E - 1].abs().max() == 0 and ref_grads["experts"][0].abs().max() > 0
@@ -159,6 +161,5 @@ def test_sync_and_norm_match_one_process():
         for (ep, bucket_numel), got in zip(RUNS, per_rank):
             where = f"ep={ep} bucket_numel={bucket_numel} rank {rank}"
             for name, g in ref_grads.items():
-                torch.testing.assert_close(torch.from_numpy(got[name]), g, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"{where} grad {name}: {m}")
+                assert_close_to_float64(torch.from_numpy(got[name]), g, msg=f"{where} grad {name}")
             assert got["norm"] == pytest.approx(ref_norm.item(), rel=1e-5), where

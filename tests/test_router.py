@@ -13,6 +13,8 @@ from moe_fold.dispatch.router import (
 )
 from moe_fold.layout import ProcessGroups
 
+from float64_reference import assert_close_to_float64
+
 
 # --------------------------------------------------------------------------- references
 
@@ -285,7 +287,8 @@ def ref_switch(scores, rmap, k, mask=None):
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 def test_aux_loss_scores_match_loop(score):
     logits = torch.randn(6, 5)
-    torch.testing.assert_close(aux_loss_scores(logits, score).double(), ref_scores(logits, score))
+    # float32 scores against the float64 loop: a few float32 ulps, not float64's default.
+    assert_close_to_float64(aux_loss_scores(logits, score), ref_scores(logits, score), rtol=1e-6, atol=1e-7)
 
 
 def test_load_balancing_loss_matches_loop():
@@ -495,9 +498,9 @@ def test_global_aux_gradient_uses_running_counts():
     router.grad_scale = 0.5
     for chunk in h.chunk(2):
         router(chunk).probs.sum().backward()
-    W = router.weight.detach().clone().requires_grad_(True)
+    W = router.weight.detach().double().requires_grad_(True)  # the reference in float64
     seen = []
-    for chunk in h.chunk(2):
+    for chunk in h.double().chunk(2):
         logits = chunk @ W.t()
         scores = torch.softmax(logits, -1)
         rmap = ref_topk(logits.detach(), 2)[1]
@@ -505,7 +508,7 @@ def test_global_aux_gradient_uses_running_counts():
         running = sum(seen) / len(seen)
         loss = 8 * (scores.sum(0) * running).sum() / (2 * 6 ** 2)
         (0.5 * (topk_routing(logits, 2)[0].sum() + 0.5 * loss)).backward()
-    torch.testing.assert_close(router.weight.grad, W.grad, rtol=1e-5, atol=1e-7)
+    assert_close_to_float64(router.weight.grad, W.grad, rtol=1e-5, atol=1e-7)
 
 
 def test_grad_scale_averages_microbatches_like_one_batch():

@@ -5,8 +5,6 @@ modes, bad configs refused before any rank starts."""
 from __future__ import annotations
 
 import json
-import struct
-import zlib
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ import torch
 from moe_fold import cli
 from moe_fold.config import load_config
 from moe_fold.launch import run_ranks
-from moe_fold.training.metrics import heatmap_png, read_wandb_history
+from moe_fold.training.metrics import read_wandb_history
 from moe_fold.training.optim import lr_at
 from moe_fold.training.train import read_metrics, train
 
@@ -335,34 +333,3 @@ def test_cli_help_has_examples(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "moe-fold train --config mixtral-tiny --nproc 4" in out and "--resume" in out and "torchrun" in out
-
-
-# --------------------------------------------------------------------------- heatmap
-
-def _decode_png(data: bytes) -> tuple[int, int, bytes]:
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        assert struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0] == zlib.crc32(kind + body)
-        chunks[kind] = body
-        pos += 12 + length
-    width, height, depth, colour = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
-    assert (depth, colour) == (8, 2)
-    return width, height, zlib.decompress(chunks[b"IDAT"])
-
-
-def test_heatmap_png_cells():
-    load = [[0, 5, 10], [10, 10, 0]]
-    width, height, raw = _decode_png(heatmap_png(load, cell=4))
-    assert (width, height) == (12, 8)
-    stride = 1 + 3 * width
-
-    def pixel(row, col):
-        i = row * stride + 1 + 3 * col
-        return tuple(raw[i:i + 3])
-    low, high = pixel(0, 0), pixel(0, 8)
-    assert low != high and pixel(3, 3) == low and pixel(4, 0) == high and pixel(7, 11) == low
-    middle = pixel(0, 4)
-    assert all(min(a, b) <= m <= max(a, b) for a, b, m in zip(low, high, middle))

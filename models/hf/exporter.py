@@ -27,7 +27,7 @@ from moe_fold.parallel.sharding import full_tensor, shard_info
 from .config_map import config_to_hf, export_family
 from .weights import HFWeightError, weight_sources
 
-__all__ = ["to_hf", "DEFAULT_SHARD_BYTES"]
+__all__ = ["to_hf", "write_generation_config", "DEFAULT_SHARD_BYTES"]
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 _INDEX = "model.safetensors.index.json"
@@ -83,6 +83,12 @@ def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+def write_generation_config(path: Union[str, os.PathLike], special_ids: dict[str, int]) -> None:
+    """``generation_config.json``: the tokenizer's ``bos_token_id``, ``eos_token_id`` and
+    ``pad_token_id`` (``generate`` stops at eos), greedy by default like ``moe-fold sample``."""
+    _write_json(Path(path) / "generation_config.json", {**special_ids, "do_sample": False})
 
 
 @torch.no_grad()

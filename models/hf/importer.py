@@ -24,7 +24,7 @@ from moe_fold.parallel.sharding import box, shard_info
 from .config_map import HFConfigError, config_from_hf, hf_family
 from .weights import HFWeightError, SafetensorsFolder, ignorable_hf_names, weight_sources
 
-__all__ = ["read_hf_config", "hf_config", "hf_tokenizer", "load_hf_into", "from_hf"]
+__all__ = ["read_hf_config", "hf_config", "hf_tokenizer", "load_hf_into", "read_sources_into", "from_hf"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -94,34 +94,48 @@ def load_hf_into(model: nn.Module, path: PathLike, groups: Optional[ProcessGroup
     if mismatch:
         raise HFConfigError(mismatch, f"{path} does not hold the architecture of the model")
     with SafetensorsFolder(path) as files:
-        sources = weight_sources(config, family, files.names)
-        params = dict(model.named_parameters())
-        aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        buffers = [n for n in model.state_dict() if n not in aliases]  # persistent: the expert bias
-        missing = sorted(set(params) - set(sources)) + buffers
-        if missing:
-            raise HFWeightError(f"the {family} format has no place for the model's {', '.join(missing)}")
-        wanted = {n for name in params for n in sources[name].names()}
-        absent = sorted(wanted - files.names)
-        if absent:
-            raise HFWeightError(f"{path} lacks {len(absent)} tensors the model needs: {', '.join(absent[:6])}"
-                                f"{' ...' if len(absent) > 6 else ''}")
-        unused = sorted(files.names - wanted - ignorable_hf_names(config, files.names))
-        if unused:
-            raise HFWeightError(f"{path} holds tensors the model has no place for (a feature moe-fold does not "
-                                f"implement?): {', '.join(unused[:6])}{' ...' if len(unused) > 6 else ''}")
-        for name, param in params.items():
-            source = sources[name]
-            info = shard_info(param, groups, name)
-            shape = source.shape(files)
-            if shape != info.global_shape:
-                raise HFWeightError(f"{name}: {', '.join(source.names()[:3])} give global shape {list(shape)}, "
-                                    f"the model's is {list(info.global_shape)}")
-            for piece in info.pieces:
-                value = source.read(files, piece.global_, piece.sizes)
-                param[box(piece.local, piece.sizes)].copy_(value)
-            if on_tensor is not None:
-                on_tensor(name, param.numel())
+        read_sources_into(model, files, weight_sources(config, family, files.names), path, family, groups,
+                          on_tensor, ignorable=ignorable_hf_names(config, files.names))
+
+
+def read_sources_into(model: nn.Module, files: SafetensorsFolder, sources: dict, path: PathLike, family: str,
+                      groups: Optional[ProcessGroups] = None,
+                      on_tensor: Optional[Callable[[str, int], None]] = None, ignorable: frozenset = frozenset(),
+                      keep_buffers: bool = False) -> None:
+    """Fill this rank's shard of every parameter of ``model`` from ``sources`` (our name ->
+    a Source tree over the tensors of ``files``), reading only the boxes the shard covers.
+    Every parameter needs a source, every tensor a source names must exist, and every
+    tensor of the folder must be used (or ``ignorable``): raises HFWeightError naming them.
+    Persistent buffers (the expert bias) must have a source too, unless ``keep_buffers``
+    keeps their initial values."""
+    groups = groups if groups is not None else model.groups
+    params = dict(model.named_parameters())
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = [] if keep_buffers else [n for n in model.state_dict() if n not in aliases]  # the expert bias
+    missing = sorted(set(params) - set(sources)) + buffers
+    if missing:
+        raise HFWeightError(f"the {family} format has no place for the model's {', '.join(missing)}")
+    wanted = {n for name in params for n in sources[name].names()}
+    absent = sorted(wanted - files.names)
+    if absent:
+        raise HFWeightError(f"{path} lacks {len(absent)} tensors the model needs: {', '.join(absent[:6])}"
+                            f"{' ...' if len(absent) > 6 else ''}")
+    unused = sorted(files.names - wanted - set(ignorable))
+    if unused:
+        raise HFWeightError(f"{path} holds tensors the model has no place for (a feature moe-fold does not "
+                            f"implement?): {', '.join(unused[:6])}{' ...' if len(unused) > 6 else ''}")
+    for name, param in params.items():
+        source = sources[name]
+        info = shard_info(param, groups, name)
+        shape = source.shape(files)
+        if shape != info.global_shape:
+            raise HFWeightError(f"{name}: {', '.join(source.names()[:3])} give global shape {list(shape)}, "
+                                f"the model's is {list(info.global_shape)}")
+        for piece in info.pieces:
+            value = source.read(files, piece.global_, piece.sizes)
+            param[box(piece.local, piece.sizes)].copy_(value)
+        if on_tensor is not None:
+            on_tensor(name, param.numel())
 
 
 def from_hf(path: PathLike, groups: Optional[ProcessGroups] = None, config: Optional[Config] = None,

@@ -6,7 +6,8 @@ The direction follows INPUT:
     folder; the checkpoint has config.yaml and no optimizer state);
   - a moe-fold checkpoint (a step_* folder with index.json, or a run folder: its newest
     checkpoint) becomes a Hugging Face folder at OUTPUT that transformers'
-    from_pretrained loads.
+    from_pretrained loads, with the run's tokenizer (data.tokenizer, or --tokenizer) as
+    tokenizer.json + tokenizer_config.json for AutoTokenizer, and generation_config.json.
 
 Weights stream one tensor at a time: Hugging Face tensors are read slice by slice
 straight into the model (never all loaded first), and the export gathers one parameter
@@ -29,6 +30,7 @@ EPILOG = """examples:
   moe-fold convert hf/Qwen3-30B-A3B runs/qwen3          # -> runs/qwen3/checkpoints/step_000000
   moe-fold convert hf/Mixtral-8x7B runs/mixtral --nproc 8 --set parallel.ep=8
   moe-fold convert runs/qwen3 exported/qwen3            # newest checkpoint -> Hugging Face folder
+  moe-fold convert runs/tiny hf_out --tokenizer data/c/tokenizer.json   # the tokenizer moved since training
   moe-fold convert runs/tiny/checkpoints/step_000150 out/tiny --family qwen2_moe --max-shard-gb 2
 """
 
@@ -46,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="moe-fold -> Hugging Face: the model class to write (default: inferred)")
     parser.add_argument("--max-shard-gb", type=float, default=5.0,
                         help="moe-fold -> Hugging Face: largest safetensors file in GiB (default 5)")
+    parser.add_argument("--tokenizer", default=None, metavar="SPEC",
+                        help="moe-fold -> Hugging Face: the tokenizer to write, 'byte' or a tokenizer.json "
+                             "(default: the checkpoint's data.tokenizer)")
     parser.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
 
 
@@ -119,7 +124,8 @@ def convert_to_hf(rank: int, world_size: int, source: str, output: str, config, 
     return output
 
 
-def _checkpoint(path: Path) -> Path:
+def find_checkpoint(path: Path) -> Path:
+    """``path`` when it is a checkpoint (``step_*`` with index.json), else the newest of the run folder ``path``."""
     from moe_fold.training.checkpoint import CheckpointError, latest_checkpoint
 
     if (path / "index.json").is_file():
@@ -144,6 +150,20 @@ def _check_layout(config, nproc: int) -> None:
     validate(check, nproc)
 
 
+def _tokenizer_problem(spec: str, config, field: str) -> str | None:
+    """Why the tokenizer ``spec`` cannot go with the model (it does not load, or has more
+    ids than the model's vocabulary), or None."""
+    from moe_fold.data.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(spec)
+    except (OSError, ValueError) as e:
+        return f"{field}={spec}: {e}"
+    if tokenizer.vocab_size > config.model.vocab_size:
+        return f"{field}={spec} has {tokenizer.vocab_size} ids, more than model.vocab_size={config.model.vocab_size}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     import warnings
 
@@ -165,15 +185,28 @@ def run(args: argparse.Namespace) -> int:
         direction = _direction(source)
         if direction == "from_hf":
             base = load_config(args.config, args.overrides)
+            if args.tokenizer is not None:
+                return fail("--tokenizer applies to moe-fold -> Hugging Face only; the Hugging Face folder's "
+                            "tokenizer.json comes with it")
             config = hf_config(source, base)
             _check_layout(config, args.nproc)
             work, work_args = convert_from_hf, (str(source), args.output, config, progress)
         else:
             if args.config is not None:
                 return fail("--config applies to Hugging Face -> moe-fold only; the checkpoint has its config.yaml")
-            checkpoint = _checkpoint(source)
+            checkpoint = find_checkpoint(source)
             config = load_config(checkpoint / "config.yaml", args.overrides)
             _check_layout(config, args.nproc)
+            tokenizer = args.tokenizer or config.data.tokenizer
+            problem = _tokenizer_problem(tokenizer, config, "--tokenizer" if args.tokenizer else "data.tokenizer")
+            if problem is not None and args.tokenizer:
+                return fail(problem)
+            if problem is not None:
+                # A model imported without a tokenizer keeps the default data.tokenizer=byte,
+                # which need not be its own: export the model and say why no tokenizer came.
+                print(f"moe-fold convert: warning: no tokenizer written ({problem}); name the model's tokenizer "
+                      f"with --tokenizer", file=sys.stderr)
+                tokenizer = None
             work = convert_to_hf
             work_args = (str(checkpoint), args.output, config, args.family, int(args.max_shard_gb * 2**30), progress)
         if args.nproc == 1:
@@ -188,6 +221,12 @@ def run(args: argparse.Namespace) -> int:
                 out = run_ranks(work, args.nproc, *work_args, timeout=7 * 24 * 3600.0)[0]
             except RankError as e:
                 return fail(f"conversion failed: {e}")
+        if direction == "to_hf" and tokenizer is not None:
+            from moe_fold.data.hf_tokenizer import write_hf_tokenizer
+            from moe_fold.models.hf import write_generation_config
+
+            special_ids = write_hf_tokenizer(tokenizer, out, config.model.seq_length)
+            write_generation_config(out, special_ids)
     except (ConfigError, HFConfigError, HFWeightError, CheckpointError, OSError, ValueError) as e:
         return fail(str(e))
     print(f"wrote {out}")

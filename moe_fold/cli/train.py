@@ -93,6 +93,12 @@ def run(args: argparse.Namespace) -> int:
             # The architecture (and tokenizer) come from the Hugging Face folder; the
             # preset or file keeps the rest (layout, data, optimizer, training).
             config = hf_config(config.init.from_hf, config)
+        if config.init.upcycle_from is not None:
+            from moe_fold.models.hf.upcycle import upcycled_config
+
+            # The architecture comes from the dense folder, the experts' count, top-k
+            # and routing from the preset or file.
+            config = upcycled_config(config.init.upcycle_from, config)
         check_trainable(config, world)
     except (ValueError, OSError) as e:  # ConfigError, HFConfigError, unreadable files
         err.print(f"error: {e}", markup=False, highlight=False)

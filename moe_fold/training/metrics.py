@@ -18,8 +18,9 @@ statistics), adds them up over a step's micro-batches and reduces them over the 
 :class:`MetricsLogger` (rank 0 does the writing) appends one JSON object per step to
 ``metrics.jsonl``, logs the same scalars plus per-layer MoE metrics (max/mean load,
 dropped fraction, aux and z losses, expert-bias norm, tokens per expert) to wandb, and
-every ``wandb.heatmap_every`` steps writes an expert-load heatmap PNG (layers x experts)
-to ``<run_dir>/heatmaps/`` and to the wandb run. ``wandb.mode=offline`` writes the run
+every ``wandb.heatmap_every`` steps writes an expert-load heatmap PNG (MoE layers x
+experts, :func:`moe_fold.training.plots.heatmap_figure`) to ``<run_dir>/heatmaps/`` and to
+the wandb run. ``wandb.mode=offline`` writes the run
 under ``<run_dir>/wandb`` without network (``wandb sync`` uploads it later).
 """
 
@@ -29,7 +30,6 @@ import contextlib
 import json
 import os
 import struct
-import zlib
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -39,8 +39,9 @@ from torch import nn
 from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, config_to_dict, dp_size, edp_size, etp_size, moe_layer_flags
 from moe_fold.layout import ProcessGroups
+from moe_fold.training.plots import write_heatmap
 
-__all__ = ["RoutingCollector", "MetricsLogger", "heatmap_png", "read_wandb_history"]
+__all__ = ["RoutingCollector", "MetricsLogger", "read_wandb_history"]
 
 _BALANCING = ("aux", "seq_aux", "global_aux")
 _COEFF = {"aux": "aux_loss_coeff", "seq_aux": "seq_aux_loss_coeff", "global_aux": "global_aux_loss_coeff",
@@ -182,39 +183,6 @@ class RoutingCollector:
         self._hooks = []
 
 
-# --------------------------------------------------------------------------- heatmap PNG
-
-def heatmap_png(matrix: list[list[float]], cell: Optional[int] = None) -> bytes:
-    """An RGB PNG (standard library only) of ``matrix`` [rows x cols], each value a
-    ``cell`` x ``cell`` square (default: 4 to 32 pixels, about 768 pixels across)
-    coloured from dark blue (the matrix's lowest value) to yellow (its highest)."""
-    rows, cols = len(matrix), len(matrix[0]) if matrix else 0
-    if rows == 0 or cols == 0:
-        raise ValueError("heatmap_png needs a non-empty matrix")
-    if cell is None:
-        cell = max(4, min(32, 768 // cols))
-    lo = min(min(r) for r in matrix)
-    hi = max(max(r) for r in matrix)
-    span = hi - lo if hi > lo else 1.0
-
-    def colour(v: float) -> bytes:
-        t = (v - lo) / span
-        # dark blue (20, 30, 110) -> teal -> yellow (250, 230, 40)
-        return bytes((int(20 + 230 * t), int(30 + 200 * t), int(110 - 70 * t)))
-
-    lines = []
-    for r in range(rows):
-        line = b"".join(colour(v) * cell for v in matrix[r])
-        lines.extend([b"\x00" + line] * cell)  # filter type 0 per scanline
-    raw = b"".join(lines)
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", cols * cell, rows * cell, 8, 2, 0, 0, 0)  # 8-bit RGB
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
-
-
 # --------------------------------------------------------------------------- the logger
 
 class MetricsLogger:
@@ -229,6 +197,7 @@ class MetricsLogger:
         self.console = console
         self.active = groups.rank == 0
         self.run_dir = Path(config.train.run_dir)
+        self.moe_layer_ids = [i for i, flag in enumerate(moe_layer_flags(config)) if flag]
         self.wandb_dir: Optional[str] = None
         self._run = None
         self._progress = None
@@ -315,8 +284,7 @@ class MetricsLogger:
     def _heatmap(self, step: int, load: list[list[int]]) -> None:
         folder = self.run_dir / "heatmaps"
         folder.mkdir(exist_ok=True)
-        path = folder / f"expert_load_step{step:07d}.png"
-        path.write_bytes(heatmap_png(load))
+        path = write_heatmap(folder / f"expert_load_step{step:07d}.png", load, step, self.moe_layer_ids)
         self.last_heatmap = path
         if self._run is not None:
             import wandb
@@ -341,6 +309,8 @@ class MetricsLogger:
         c.print(f"  checkpoint   {result.checkpoint}")
         if self.last_heatmap is not None:
             c.print(f"  heatmap      {self.last_heatmap}")
+        if result.plots:
+            c.print(f"  plots        {Path(result.plots[0]).parent}/ ({', '.join(Path(p).name for p in result.plots)})")
         c.print(f"  wandb        {result.wandb_dir or 'disabled'}" + (
             "  (offline: `wandb sync` it to upload)" if self.config.wandb.mode == "offline" else ""))
 

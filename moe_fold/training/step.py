@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from moe_fold.comm import all_reduce_
-from moe_fold.config import Config
+from moe_fold.config import Config, pipeline_schedule
 from moe_fold.data.loader import Batch
 from moe_fold.dispatch.router import Router
 from moe_fold.training.dynamic_cp import DynamicCP
@@ -114,7 +114,7 @@ def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: 
         seq //= groups.size("tp")
     chunks = [_Chunk(model, c, num_loss_tokens, forward_context) for c in range(len(model.stages))]
     losses = run_schedule(chunks, microbatches, groups, tensor_shape=(seq, batch, config.model.hidden_size),
-                          dtype=next(model.parameters()).dtype, schedule=config.parallel.pp_schedule,
+                          dtype=next(model.parameters()).dtype, schedule=pipeline_schedule(config),
                           side_inputs=lambda b: {"batch": b}, forward_only=forward_only)
     if not forward_only and model.embedding_group is not None:
         all_reduce_embedding_grads(model.embed.weight, model.embedding_group)

@@ -69,6 +69,7 @@ class TrainResult:
     run_dir: str = ""
     checkpoint: Optional[str] = None
     wandb_dir: Optional[str] = None
+    plots: list[str] = field(default_factory=list)  # <run_dir>/plots/*.png rank 0 wrote ([] elsewhere)
     stop: Optional[Stop] = None  # why the run ended before train.steps (None: it did not)
 
 
@@ -199,7 +200,9 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
     ``train.exit_signals`` or a budget (``train.exit_after_minutes``, ``train.exit_at_step``)
     ends it early, every rank after the same step, with that step's checkpoint
     (:mod:`moe_fold.training.stop`; ``TrainResult.stop`` says why). A fresh run
-    with ``init.from_hf`` starts from that Hugging Face folder's weights. Rank 0 prints to
+    with ``init.from_hf`` starts from that Hugging Face folder's weights, one with
+    ``init.upcycle_from`` from a dense folder's weights upcycled into experts (the config
+    must come from :func:`moe_fold.models.hf.upcycle.upcycled_config`). Rank 0 prints to
     ``console`` (a rich Console; None: no output) and writes ``metrics.jsonl`` and the
     wandb run. Returns the same :class:`TrainResult` on every rank."""
     # train.deterministic switches torch's process-wide setting for the run only.
@@ -284,6 +287,13 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             load_hf_into(state_model, config.init.from_hf, groups)
         if master is not None:
             master.master_to_model()
+    if start_step == 0 and config.init.upcycle_from is not None:
+        from moe_fold.models.hf.upcycle import load_upcycled_into
+
+        with torch.no_grad():
+            load_upcycled_into(state_model, config.init.upcycle_from, groups)
+        if master is not None:
+            master.master_to_model()
     if rank == 0:
         # Only now: a resume that fails on its checkpoint leaves the run folder as it was.
         dump_config(config, run_dir / "config.yaml")
@@ -366,6 +376,10 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     result.final_loss = result.losses[-1] if result.losses else float("nan")
     result.wandb_dir = logger.wandb_dir
     result.stop = stop
+    if rank == 0:
+        from moe_fold.training.plots import write_run_plots
+
+        result.plots = [str(p) for p in write_run_plots(run_dir)]
     if rank == 0 and console is not None:
         logger.print_summary(result)
     return result

@@ -1,0 +1,72 @@
+"""The key/value cache of sampling: each attention layer keeps the keys and values of
+the tokens seen so far, so a decode step projects and attends only the new tokens.
+
+A rank caches the kv heads it owns (``num_kv_heads/tp`` under tp) for the layers of its
+pipeline stages. Keys are stored after rotary, so a cached key never changes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["LayerCache", "KVCache", "cached_attention"]
+
+
+class LayerCache:
+    """One layer's keys and values ``[B, kv_heads, length, head_dim]`` (None before the first step)."""
+
+    def __init__(self):
+        self.keys: Optional[torch.Tensor] = None
+        self.values: Optional[torch.Tensor] = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the new tokens' ``k``, ``v`` ``[B, kv_heads, n, head_dim]``; returns every
+        cached token's ``[B, kv_heads, length + n, head_dim]``."""
+        if self.keys is None:
+            self.keys, self.values = k, v
+        else:
+            self.keys = torch.cat([self.keys, k], dim=2)
+            self.values = torch.cat([self.values, v], dim=2)
+        return self.keys, self.values
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens (drops the padding a decode step added)."""
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+
+class KVCache:
+    """This rank's :class:`LayerCache` of each of its layers, by global layer index."""
+
+    def __init__(self, layer_ids: list[int]):
+        self.layers = {i: LayerCache() for i in layer_ids}
+        self.length = 0  # tokens every layer holds
+
+    def __getitem__(self, layer: int) -> LayerCache:
+        return self.layers[layer]
+
+    def truncate(self, length: int) -> None:
+        for cache in self.layers.values():
+            cache.truncate(length)
+        self.length = length
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the newest ``n`` tokens over all ``L`` cached ones:
+    ``q [B, heads, n, hd]``, ``k``/``v`` ``[B, kv_heads, L, hd]`` (the last ``n`` of them are
+    the queries' own) -> ``[B, heads, n, hd]``. Query ``i`` sits at position ``L - n + i``
+    and sees keys ``0 .. L - n + i``."""
+    n, length = q.shape[2], k.shape[2]
+    # Query head h reads kv head h // (heads / kv_heads), as in training and Hugging Face.
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, heads, L, hd]
+    positions = torch.arange(length - n, length, device=q.device)
+    mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # [n, L]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
