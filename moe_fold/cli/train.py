@@ -38,6 +38,11 @@ EPILOG = """examples:
 
 presets: mixtral-8x7b mixtral-8x22b qwen2-57b-a14b qwen3-30b-a3b deepseek-v3-style
          mixtral-tiny qwen2-moe-tiny qwen3-moe-tiny deepseek-tiny
+
+SIGTERM, SIGINT (Ctrl-C) or SIGUSR1 (train.exit_signals) stop every rank after the same step,
+with its checkpoint; a second Ctrl-C aborts at once.
+exit codes: 0 done, or train.exit_after_minutes / train.exit_at_step reached; 128 + the signal
+after a stop signal (143 SIGTERM, 130 SIGINT, 138 SIGUSR1); 1 failed; 2 bad config
 """
 
 
