@@ -62,8 +62,10 @@ def small_config(run_dir, cache_dir, *extra):
 
 
 def _env() -> dict:
-    # One thread per process, as the ranks of --nproc 2 get on 2 cores: the same sums.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # As many threads as this test process (conftest: MOE_FOLD_TEST_THREADS, default 1, as
+    # the ranks of --nproc 2 get on 2 cores): a run compared bit for bit with one made here
+    # must take the same sums.
+    return {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "PYTHONUNBUFFERED": "1"}
 
 
 def _losses(run_dir) -> list[tuple[int, float]]:
