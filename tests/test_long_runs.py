@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_fold.config import load_config
 from moe_fold.training.checkpoint import latest_checkpoint
@@ -56,9 +57,14 @@ def overrides(run_dir, cache_dir, *extra) -> list[str]:
     return SMALL + [f"train.run_dir={run_dir}", f"data.cache_dir={cache_dir}", *extra]
 
 
-def _env() -> dict:
-    # One thread per process, as the ranks of --nproc 2 get on 2 cores: the same sums.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def _env(threads: int = 0) -> dict:
+    """``threads`` per process (default: as many as this test process, for a run compared
+    bit for bit with one made here). The ranks of --nproc set their own count, cores // N."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads or torch.get_num_threads()), "PYTHONUNBUFFERED": "1"}
+
+
+# torchrun's workers take OMP_NUM_THREADS: the count the ranks of --nproc 2 take, for the same sums.
+NPROC2_THREADS = max(1, (os.cpu_count() or 1) // 2)
 
 
 def _cli(*args: str) -> list[str]:
@@ -78,9 +84,9 @@ def _losses(run_dir) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_metrics(run_dir)]
 
 
-def _start(command: list[str]) -> subprocess.Popen:
+def _start(command: list[str], threads: int = 0) -> subprocess.Popen:
     # A session of its own: the test's signals to "the process group" reach this run only.
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(threads),
                             cwd=ROOT, start_new_session=True)
 
 
@@ -339,7 +345,8 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_by_itself(tmp_pat
     (TORCHELASTIC_RESTART_COUNT > 0) and ends with the uninterrupted run's losses."""
     run_dir = tmp_path / "run"
     proc = _start(_torchrun("--max-restarts", "1") + _set(overrides(run_dir, cache_dir, *EP2,
-                                                                    f"train.steps={STEPS}")))
+                                                                    f"train.steps={STEPS}")),
+                  threads=NPROC2_THREADS)
     _wait_for_checkpoint(run_dir, proc)
     os.kill(_workers(proc.pid, run_dir / "metrics.jsonl")[1], signal.SIGKILL)
     out, err = _finish(proc, timeout=300)
@@ -356,7 +363,7 @@ def test_sigterm_to_torchrun_stops_the_workers_with_a_checkpoint_and_resume_is_e
     the same step with its checkpoint (rank 0's one line says so) within the agent's
     grace period; --resume (here with --nproc 2) repeats the uninterrupted run's losses."""
     run_dir = tmp_path / "run"
-    proc = _start(_torchrun() + _set(overrides(run_dir, cache_dir, *EP2, "train.steps=1000")))
+    proc = _start(_torchrun() + _set(overrides(run_dir, cache_dir, *EP2, "train.steps=1000")), threads=NPROC2_THREADS)
     _wait_for_checkpoint(run_dir, proc)
     workers = _children(proc.pid)
     proc.send_signal(signal.SIGTERM)
