@@ -9,8 +9,10 @@ prints JSON lines on stdout; every line becomes one record, with ``suite_case`` 
 "start"}`` record (date, commit, load average, versions) and ends with an ``"end"`` one
 (seconds and outcome per case).
 
-Sizes: ``full`` finishes in a few minutes on a loaded 2-core CPU machine (13 cases, about 210 s
-measured at load average 7-19), ``quick`` runs 9 cases at smaller shapes (170 s there: each
+Sizes: ``full`` finishes in a few minutes on a loaded 2-core CPU machine (15 cases; the 13
+before bench/placement.py and bench/checkpoint.py joined took about 210 s at load average 7-19;
+the checkpoint stall at 107M parameters writes about 10 GB: 2-3 minutes more), ``quick`` runs
+cases at smaller shapes (170 s there for the 9 before them: each
 case's start, importing torch and spawning ranks, takes 5-20 s of it), ``smoke`` only checks
 the plumbing (tiny shapes, one round). The dispatch
 cases sweep the EP size at a fixed number of tokens per rank and, at the largest EP, the
@@ -31,7 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-BENCHES = ("dispatch", "gemm", "permute", "moe_layer", "pipeline_bubble", "cp_attention", "dynamic_cp", "train")
+BENCHES = ("dispatch", "gemm", "permute", "moe_layer", "pipeline_bubble", "cp_attention", "dynamic_cp", "placement",
+           "train", "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,19 @@ def _dynamic_cp_cases(size: str) -> list[Case]:
                                                     "--repeats", repeats))]
 
 
+def _placement_cases(size: str) -> list[Case]:
+    tokens, hidden, ffn, steps, every = {
+        "smoke": ("128", "32", "64", "4", "2"),
+        "quick": ("512", "128", "256", "12", "4"),
+        "full": ("2048", "256", "512", "24", "4"),
+    }[size]
+    # The issue's shape: 16 experts on ep4, zipf s=1.2, top-2.
+    return [Case("placement", f"ep4-e16-t{tokens}", ("--tokens", tokens, "--hidden", hidden, "--ffn", ffn,
+                                                     "--experts", "16", "--topk", "2", "--ep", "4",
+                                                     "--steps", steps, "--replace-every", every,
+                                                     "--routing", "zipf,drift"))]
+
+
 def _train_cases(size: str) -> list[Case]:
     micro_batch, seq, rounds, mm, impls = {
         "smoke": ("1", "32", "1", "256", "eager"),
@@ -140,12 +156,23 @@ def _train_cases(size: str) -> list[Case]:
         "--rounds", rounds, "--iters", "1", "--warmup", "1", "--threads", "2", "--mm", mm, "--impls", impls))]
 
 
+def _checkpoint_cases(size: str) -> list[Case]:
+    # full: mixtral-tiny scaled to 107M parameters (the script's default), 1.3 GB a save.
+    scale, rounds, steps = {
+        "smoke": (("--set", "model.hidden_size=64", "--set", "parallel.ep=1"), "1", "1"),
+        "quick": (("--set", "model.hidden_size=256", "--set", "model.num_layers=4", "--set", "parallel.ep=1"), "2", "2"),
+        "full": ((), "3", "1"),
+    }[size]
+    return [Case("checkpoint", "stall", (*scale, "--rounds", rounds, "--train-steps", steps, "--threads", "2"))]
+
+
 def cases(size: str) -> list[Case]:
     """Every case of the suite at ``size`` (``smoke``, ``quick`` or ``full``), in run order."""
     if size not in ("smoke", "quick", "full"):
         raise ValueError(f"size={size!r} is not one of smoke, quick, full")
     return [*_dispatch_cases(size), *_gemm_cases(size), *_permute_cases(size), *_moe_layer_cases(size),
-            *_pipeline_cases(size), *_cp_cases(size), *_dynamic_cp_cases(size), *_train_cases(size)]
+            *_pipeline_cases(size), *_cp_cases(size), *_dynamic_cp_cases(size), *_placement_cases(size),
+            *_train_cases(size), *_checkpoint_cases(size)]
 
 
 def select(all_cases: list[Case], only: str | None) -> list[Case]:

@@ -88,6 +88,15 @@ def _dynamic_cp(r: dict):
     ]
 
 
+def _placement(r: dict):
+    case = f"{r['policy']} {r['routing']} e{r['experts']} ep{r['ep']} top{r['topk']}"
+    return case, r["ms"], [
+        ("busiest_over_mean", f"{r['busiest_over_mean']:.3f}", "busiest ep rank's rows / mean (1 = even)"),
+        ("ratio_vs_static", _num(r["ratio_vs_static"]), "static step / this policy's step (>1: faster)"),
+        ("move", f"{r['move_bytes']} B {r['move_ms']:.1f} ms x{r['moves']}", "cost of one re-placement"),
+    ]
+
+
 def _train(r: dict):
     if "skipped" in r:
         return r["candidate"], None, [("skipped", "", r["skipped"])]
@@ -106,6 +115,14 @@ def _train(r: dict):
          if "flops_fraction_ceiling" in r else [])
 
 
+def _checkpoint(r: dict):
+    case = f"{r['preset']} {r['params'] / 1e6:.0f}M params, {r['checkpoint_bytes'] / 2**30:.2f} GiB: async save"
+    return case, r["async_stall_ms"], [
+        ("ratio_async_to_sync", _num(r["ratio_async_to_sync"]),
+         f"training stall of an async save / a sync one ({r['sync_stall_ms']:.0f} ms; target <= 0.25)"),
+    ]
+
+
 def _other(r: dict):
     """A record of a benchmark this table has no layout for: its ratio-like fields."""
     ratios = [(k, _num(v), "") for k, v in r.items()
@@ -116,7 +133,8 @@ def _other(r: dict):
 
 ROWS = {"dispatch": _dispatch, "gemm": _gemm, "permute": _permute, "moe_layer": _moe_layer,
         "pipeline_bubble": _pipeline_bubble, "cp_attention": _cp_attention, "dynamic_cp": _dynamic_cp,
-        "train": _train}
+        "placement": _placement,
+        "train": _train, "checkpoint": _checkpoint}
 
 
 def rows(records: list[dict]) -> list[tuple[str, str, str, str, str]]:

@@ -21,6 +21,7 @@ import torch
 
 from moe_fold import comm
 from moe_fold.dispatch.interface import Handle, TokenDispatcher, counted
+from moe_fold.dispatch.placement import Placement
 from moe_fold.kernels.permute import permute, unpermute
 
 if TYPE_CHECKING:
@@ -41,8 +42,8 @@ class AllGatherDispatcher(TokenDispatcher):
     """All-gather dispatcher over the etp x ep group; see the module docstring."""
 
     def __init__(self, num_experts: int, topk: int, groups: "ProcessGroups", *,
-                 mode: str = "dropless", permute_backend: str = "torch"):
-        super().__init__(num_experts, topk, groups, permute_backend=permute_backend)
+                 mode: str = "dropless", permute_backend: str = "torch", placement: Optional[Placement] = None):
+        super().__init__(num_experts, topk, groups, permute_backend=permute_backend, placement=placement)
         if mode not in ("dropless", "capacity"):
             raise ValueError(f"mode={mode!r}: the all-gather dispatcher supports 'dropless' and "
                              f"'capacity'; padding to capacity needs the all-to-all dispatcher")
@@ -53,7 +54,7 @@ class AllGatherDispatcher(TokenDispatcher):
         num_tokens = torch.tensor([tokens.shape[0]], dtype=torch.int64)
         handle.sizes = [row[0] for etp_rows in self._gather_counts(num_tokens, handle.wire) for row in etp_rows]
         # The map travels with the probs as 0/1 in their dtype: one collective for both.
-        meta = torch.cat([probs, routing_map.to(probs.dtype)], dim=1)  # [T, 2E]
+        meta = torch.cat([probs, routing_map.to(probs.dtype)], dim=1)  # [T, 2 * ep*S] (slots; E by default)
         return handle, tokens, meta
 
     def dispatch_communicate(self, x, meta, handle):
@@ -65,7 +66,7 @@ class AllGatherDispatcher(TokenDispatcher):
         return x, meta
 
     def dispatch_postprocess(self, x, meta, handle):
-        e, mine = self.num_experts, slice(self.local_expert_start, self.local_expert_start + self.num_local_experts)
+        e, mine = self.num_slots, slice(self.local_expert_start, self.local_expert_start + self.num_local_experts)
         local_probs = meta[:, :e][:, mine]  # [sum(T), E_local]
         local_map = meta[:, e:][:, mine] > 0.5
         x, probs, handle.sorted_indices = permute(x, local_map, local_probs,

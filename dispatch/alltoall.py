@@ -38,6 +38,7 @@ import torch
 
 from moe_fold import comm
 from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, counted, expert_major_order
+from moe_fold.dispatch.placement import Placement, expert_order
 from moe_fold.dispatch.router import expert_capacity
 from moe_fold.kernels.permute import permute, permute_padded, sort_chunks, unpermute
 
@@ -64,6 +65,9 @@ class AllToAllHandle(Handle):
     # Dedup only: the received row of each expanded row, and the number of received rows.
     local_indices: Optional[torch.Tensor] = None
     num_received: int = 0
+    # A placement other than the default (plain modes): the rows sent to each slot, in
+    # slot order, to put the rows coming back in expert order (sorted_indices' order).
+    slot_sizes: Optional[list[int]] = None
 
 
 class AllToAllDispatcher(TokenDispatcher):
@@ -73,12 +77,17 @@ class AllToAllDispatcher(TokenDispatcher):
     by ``capacity`` and ``pad`` (``pad`` uses it for the capacity
     ``expert_capacity(T, E, topk, capacity_factor)`` from the router). ``dedup`` works with
     ``dropless`` and ``capacity``.
+
+    Under a placement other than the default, the rows that come back are put in the
+    default's expert-major order before the unpermute, so each token sums its expert
+    outputs in the same order whatever the placement (the same bits; dedup sums a token's
+    rows per destination rank, so there the order follows the placement).
     """
 
     def __init__(self, num_experts: int, topk: int, groups: "ProcessGroups", *,
                  mode: str = "dropless", capacity_factor: Optional[float] = None,
-                 dedup: bool = False, permute_backend: str = "torch"):
-        super().__init__(num_experts, topk, groups, permute_backend=permute_backend)
+                 dedup: bool = False, permute_backend: str = "torch", placement: Optional[Placement] = None):
+        super().__init__(num_experts, topk, groups, permute_backend=permute_backend, placement=placement)
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} must be one of {MODES}")
         if mode != "dropless" and (capacity_factor is None or capacity_factor <= 0):
@@ -89,6 +98,14 @@ class AllToAllDispatcher(TokenDispatcher):
         self.mode = mode
         self.capacity_factor = capacity_factor
         self.dedup = dedup
+        self._chunk_orders()
+
+    def set_placement(self, placement: Placement) -> None:
+        super().set_placement(placement)
+        if hasattr(self, "dedup"):  # not during the base class's __init__
+            self._chunk_orders()
+
+    def _chunk_orders(self) -> None:
         # [etp][ep][local expert] -> [local expert][ep][etp], and dedup's [etp][ep] -> [ep][etp].
         self._order = expert_major_order(self.etp, self.ep, self.num_local_experts)
         self._inverse_order = expert_major_order(self.etp, self.ep, self.num_local_experts, inverse=True)
@@ -98,6 +115,10 @@ class AllToAllDispatcher(TokenDispatcher):
         # expert order; sorting would copy the rows for nothing (10% of a one-process MoE
         # layer's fwd+bwd at 16 experts, bench/moe_layer.py).
         self._sorts = self._order != list(range(len(self._order)))
+        # Slot-major -> expert-major (the default placement's order) for the combine.
+        self._expert_order = None if self.placement.is_default else expert_order(self.placement)
+        self._slot_order = None if self._expert_order is None else \
+            sorted(range(self.num_slots), key=self._expert_order.__getitem__)
 
     def capacity(self, num_tokens: int) -> int:
         """Rows per expert and source rank in the padded mode."""
@@ -111,11 +132,10 @@ class AllToAllDispatcher(TokenDispatcher):
             return self._dedup_preprocess(tokens, probs, routing_map, handle)
         if self.mode == "pad":
             c = self.capacity(tokens.shape[0])
-            x, p, handle.sorted_indices = permute_padded(tokens, routing_map, probs, c,
-                                                         backend=self.permute_backend)  # [E*C, H]
             # Splits stay None: equal for every rank, the collectives need no sizes.
             handle.chunk_sizes = handle.sorted_chunk_sizes = [c] * (self.etp * self.ep * self.num_local_experts)
             handle.tokens_per_local_expert = [c * self.etp * self.ep] * self.num_local_experts
+            x, p = self._permute(tokens, probs, routing_map, handle, [c] * self.num_slots, c)  # [ep*S*C, H]
             return handle, x, p
 
         el = self.num_local_experts
@@ -130,9 +150,28 @@ class AllToAllDispatcher(TokenDispatcher):
         handle.sorted_chunk_sizes = [handle.chunk_sizes[i] for i in self._order]
         n = self.etp * self.ep
         handle.tokens_per_local_expert = [sum(handle.sorted_chunk_sizes[le * n:(le + 1) * n]) for le in range(el)]
-        x, p, handle.sorted_indices = permute(tokens, routing_map, probs,
-                                              backend=self.permute_backend)  # [T, H] -> [N, H]
+        x, p = self._permute(tokens, probs, routing_map, handle, g[self.ep_rank][self.etp_rank])  # [T, H] -> [N, H]
         return handle, x, p
+
+    def _permute(self, tokens, probs, routing_map, handle, slot_sizes, capacity=None):
+        """Rows in slot-major order (destination-rank-major), padded to ``capacity`` if
+        given. Under a placement other than the default, the rows are gathered in the
+        default's expert-major order and then reordered by slot, so a token's rows (and
+        the grads that flow back into it) are summed in one order whatever the placement."""
+        if self._expert_order is not None:
+            cols = torch.tensor(self._expert_order, device=routing_map.device)
+            routing_map, probs = routing_map.index_select(1, cols), probs.index_select(1, cols)
+        if capacity is None:
+            x, p, handle.sorted_indices = permute(tokens, routing_map, probs, backend=self.permute_backend)
+        else:
+            x, p, handle.sorted_indices = permute_padded(tokens, routing_map, probs, capacity,
+                                                         backend=self.permute_backend)
+        if self._expert_order is not None:
+            handle.slot_sizes = slot_sizes
+            expert_sizes = [slot_sizes[s] for s in self._expert_order]
+            x = sort_chunks(x, expert_sizes, self._slot_order, backend=self.permute_backend)
+            p = sort_chunks(p, expert_sizes, self._slot_order, backend=self.permute_backend)
+        return x, p
 
     def dispatch_communicate(self, x, probs, handle):
         groups, wire = self.groups, handle.wire
@@ -180,6 +219,9 @@ class AllToAllDispatcher(TokenDispatcher):
         return x
 
     def combine_postprocess(self, x, handle):
+        if handle.slot_sizes is not None:
+            # Slot-major -> expert-major, the order the rows were gathered in (_permute).
+            x = sort_chunks(x, handle.slot_sizes, self._expert_order, backend=self.permute_backend)
         return unpermute(x, handle.sorted_indices, handle.num_tokens,
                          backend=self.permute_backend)  # [N, H] -> [T, H]
 
@@ -191,10 +233,10 @@ class AllToAllDispatcher(TokenDispatcher):
         rank_map = local_map.any(dim=2)  # [T, ep]: does the token go to ep rank j at all
         # One count exchange carries both the per-expert counts (for the experts) and
         # the per-rank row counts (for the splits).
-        counts = torch.cat([routing_map.sum(dim=0), rank_map.sum(dim=0)])  # [E + ep]
-        g = self._gather_counts(counts, handle.wire)  # [ep][etp][E + ep]
-        rows = [[g[j][t][self.num_experts + self.ep_rank] for t in range(self.etp)] for j in range(ep)]
-        handle.input_splits = g[self.ep_rank][self.etp_rank][self.num_experts:]
+        counts = torch.cat([routing_map.sum(dim=0), rank_map.sum(dim=0)])  # [ep*S + ep]
+        g = self._gather_counts(counts, handle.wire)  # [ep][etp][ep*S + ep]
+        rows = [[g[j][t][self.num_slots + self.ep_rank] for t in range(self.etp)] for j in range(ep)]
+        handle.input_splits = g[self.ep_rank][self.etp_rank][self.num_slots:]
         handle.output_splits = [rows[j][self.etp_rank] for j in range(ep)]
         handle.etp_splits = [sum(rows[j][t] for j in range(ep)) for t in range(self.etp)]
         handle.chunk_sizes = [rows[j][t] for t in range(self.etp) for j in range(ep)]  # [etp][ep]

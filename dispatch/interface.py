@@ -38,11 +38,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from moe_fold import comm
+from moe_fold.dispatch.placement import Placement, slot_routing
 from moe_fold.kernels.permute import BACKENDS as PERMUTE_BACKENDS
 
 if TYPE_CHECKING:
@@ -131,10 +132,15 @@ class TokenDispatcher(ABC):
     experts ``[j * E_local, (j + 1) * E_local)``; the etp ranks of one ep rank each hold
     a shard of the same experts and receive the same rows. ``topk`` is the number of
     experts per token (used for the capacity of the padded mode).
+
+    ``placement`` (:class:`~moe_fold.dispatch.placement.Placement`, default contiguous)
+    puts the experts on other ranks' slots, copies included: :meth:`dispatch` maps the
+    routing to slots first, and the implementations then treat the ``ep * S`` slots as
+    their experts (``num_local_experts`` is ``S``, the slots of this rank).
     """
 
     def __init__(self, num_experts: int, topk: int, groups: "ProcessGroups", *,
-                 permute_backend: str = "torch"):
+                 permute_backend: str = "torch", placement: Optional[Placement] = None):
         if num_experts < 1:
             raise ValueError(f"num_experts={num_experts} must be >= 1")
         if not 1 <= topk <= num_experts:
@@ -156,7 +162,17 @@ class TokenDispatcher(ABC):
             raise ValueError(f"the etp_ep group does not list ranks etp-fastest (rank "
                              f"{groups.rank_in('etp_ep')} in it, ep rank {self.ep_rank}, etp rank "
                              f"{self.etp_rank}); the layout order must put tp before ep")
-        self.num_local_experts = num_experts // self.ep
+        self.set_placement(placement if placement is not None else Placement.contiguous(num_experts, self.ep))
+
+    def set_placement(self, placement: Placement) -> None:
+        """Use ``placement`` from the next dispatch on (its ep and experts must be this
+        dispatcher's; the number of slots per rank may change only with the experts)."""
+        if placement.num_experts != self.num_experts or placement.ep != self.ep:
+            raise ValueError(f"placement of {placement.num_experts} experts over ep={placement.ep} does not fit "
+                             f"a dispatcher of {self.num_experts} experts over ep={self.ep}")
+        self.placement = placement
+        self.num_slots = len(placement.slots)
+        self.num_local_experts = placement.slots_per_rank
         self.local_expert_start = self.ep_rank * self.num_local_experts
 
     # ------------------------------------------------------------------ public calls
@@ -167,6 +183,8 @@ class TokenDispatcher(ABC):
         with ``probs[T, E]`` (the weight of each routed pair). Differentiable w.r.t.
         tokens and probs."""
         self._check_inputs(tokens, probs, routing_map)
+        if not self.placement.is_default:
+            routing_map, probs = slot_routing(self.placement, routing_map, probs)  # [T, E] -> [T, ep*S]
         handle, x, p = self.dispatch_preprocess(tokens, probs, routing_map)
         x, p = self.dispatch_communicate(x, p, handle)
         x, p, counts = self.dispatch_postprocess(x, p, handle)
@@ -187,7 +205,9 @@ class TokenDispatcher(ABC):
 
     @abstractmethod
     def dispatch_preprocess(self, tokens, probs, routing_map) -> tuple[Handle, torch.Tensor, torch.Tensor]:
-        """Local work before communication; returns the handle and what to send."""
+        """Local work before communication; returns the handle and what to send.
+        ``probs`` and ``routing_map`` are over the ``num_slots`` slots (the experts
+        themselves under the default placement)."""
 
     @abstractmethod
     def dispatch_communicate(self, x, probs, handle) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,14 @@ Weights (``[in, out]`` per expert, the layout the grouped GEMM multiplies as is)
 Every global expert ``g`` draws its global weights from its own seed (the run seed and
 ``<name>.<g>.fc1`` / ``.fc2``) before the ep rank keeps its experts and the etp rank its
 slice: every layout of one config holds the same global weights.
+
+Placement (:class:`moe_fold.dispatch.placement.Placement`): dim 0 holds this ep rank's
+*slots*, slot ``i`` holding global expert ``placement.rank_slots(ep_rank)[i]`` (by default
+the contiguous ``[j*E_local, (j+1)*E_local)``). Both parameters carry the placement for
+the code that lays them out (:mod:`moe_fold.parallel.sharding`) and reduces their grads
+(:mod:`moe_fold.training.grads`): ``num_experts``, ``slot_experts`` (the global expert of
+each local slot), ``slot_primary`` (whether the slot is its expert's first copy) and
+``replicated_experts`` (the experts with copies on several ranks, ascending).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe_fold.dispatch.placement import Placement
 from moe_fold.kernels.gmm import BACKENDS as GEMM_BACKENDS
 from moe_fold.kernels.gmm import gmm
 from moe_fold.kernels.swiglu import swiglu
@@ -36,14 +45,15 @@ class Experts(nn.Module):
     """This rank's share of ``num_experts`` SwiGLU experts of width ``ffn_hidden_size``.
 
     The ep rank ``j`` holds global experts ``[j*E_local, (j+1)*E_local)`` (the dispatcher's
-    split); the etp rank ``t`` holds slice ``t`` of each one's ffn dim. Both parameters are
+    split) or, with a ``placement``, the experts of its slots; the etp rank ``t`` holds slice ``t`` of each one's ffn dim. Both parameters are
     marked ``"expert"`` (grads summed over edp, see :mod:`moe_fold.training.grads`) and carry
     ``etp_dim`` / ``etp_parts``: the dim split over etp and the global sizes of its fused
     parts, for :func:`moe_fold.parallel.tensor_parallel.unshard_tp` (experts stack along dim 0 over ep).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, groups: ProcessGroups,
-                 *, std: float, seed: int, name: str, gemm_backend: str = "auto"):
+                 *, std: float, seed: int, name: str, gemm_backend: str = "auto",
+                 placement: Placement | None = None):
         super().__init__()
         ep, etp = groups.size("ep"), groups.size("etp")
         if num_experts % ep:
@@ -52,19 +62,41 @@ class Experts(nn.Module):
             raise ValueError(f"moe.ffn_hidden_size={ffn_hidden_size} is not divisible by parallel.etp={etp}")
         if gemm_backend not in GEMM_BACKENDS:
             raise ValueError(f"moe.gemm_backend={gemm_backend!r} must be one of {GEMM_BACKENDS}")
-        self.num_local_experts = num_experts // ep
+        if placement is None:
+            placement = Placement.contiguous(num_experts, ep)
+        if placement.num_experts != num_experts or placement.ep != ep:
+            raise ValueError(f"placement of {placement.num_experts} experts over ep={placement.ep} does not fit "
+                             f"moe.num_experts={num_experts} over parallel.ep={ep}")
+        self.num_experts = num_experts
+        self.ep_rank = groups.rank_in("ep")
+        self.num_local_experts = placement.slots_per_rank
         self.gemm_backend = gemm_backend
-        first = groups.rank_in("ep") * self.num_local_experts
         etp_rank = groups.rank_in("etp")
         F = ffn_hidden_size
         fc1, fc2 = [], []
-        for g in range(first, first + self.num_local_experts):
+        for g in placement.rank_slots(self.ep_rank):
             full1 = global_normal((hidden_size, 2 * F), std, init_seed(seed, f"{name}.{g}.fc1"))  # [H, gate|up]
             full2 = global_normal((F, hidden_size), std, init_seed(seed, f"{name}.{g}.fc2"))  # [F, H]
             fc1.append(shard_tp(full1, 1, [F, F], etp_rank, etp))  # [H, 2F/etp]
             fc2.append(shard_tp(full2, 0, [F], etp_rank, etp))  # [F/etp, H]
         self.fc1 = self._expert_param(torch.stack(fc1), 2, [F, F])  # [E_local, H, 2F/etp]
         self.fc2 = self._expert_param(torch.stack(fc2), 1, [F])  # [E_local, F/etp, H]
+        self.set_placement(placement)
+
+    def set_placement(self, placement: Placement) -> None:
+        """Record ``placement`` on the module and its parameters (the weights themselves
+        are moved by :func:`moe_fold.training.replace.move_experts`)."""
+        if placement.slots_per_rank != self.num_local_experts or placement.num_experts != self.num_experts:
+            raise ValueError(f"placement with {placement.slots_per_rank} slots per rank of {placement.num_experts} "
+                             f"experts does not fit experts holding {self.num_local_experts} of {self.num_experts}")
+        self.placement = placement
+        start = self.ep_rank * self.num_local_experts
+        replicated = [e for e, n in enumerate(placement.num_copies()) if n > 1]
+        for param in (self.fc1, self.fc2):
+            param.num_experts = self.num_experts
+            param.slot_experts = list(placement.rank_slots(self.ep_rank))
+            param.slot_primary = [placement.primary(start + i) for i in range(self.num_local_experts)]
+            param.replicated_experts = replicated
 
     @staticmethod
     def _expert_param(value: torch.Tensor, etp_dim: int, etp_parts: list[int]) -> nn.Parameter:

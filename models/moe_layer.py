@@ -26,6 +26,7 @@ from torch import nn
 
 from moe_fold.config import Config
 from moe_fold.dispatch.dispatcher import build_dispatcher
+from moe_fold.dispatch.placement import Placement
 from moe_fold.dispatch.router import Router, RoutingStats
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.tensor_parallel import global_normal, init_seed, mark
@@ -59,8 +60,11 @@ class MoELayer(nn.Module):
             self.router.weight.copy_(global_normal(self.router.weight.shape, std, init_seed(seed, f"{name}.router")))
         mark(self.router.weight, replicated)
         self.dispatcher = build_dispatcher(moe, groups)
+        # moe.replicas spare slots per ep rank hold copies of other ranks' experts from the start.
+        placement = Placement.contiguous(moe.num_experts, groups.size("ep"), moe.replicas)
+        self.dispatcher.set_placement(placement)
         self.experts = Experts(moe.num_experts, m.hidden_size, moe.ffn_hidden_size, groups, std=std, seed=seed,
-                               name=f"{name}.experts", gemm_backend=moe.gemm_backend)
+                               name=f"{name}.experts", gemm_backend=moe.gemm_backend, placement=placement)
         self.shared_expert: Optional[MLP] = None
         self.shared_expert_gate: Optional[nn.Parameter] = None
         if moe.shared_expert_ffn_hidden_size > 0:
@@ -74,6 +78,17 @@ class MoELayer(nn.Module):
                              "(moe.shared_expert_ffn_hidden_size > 0, got 0)")
         self.last_losses: dict[str, torch.Tensor] = {}
         self.last_stats: Optional[RoutingStats] = None
+
+    @property
+    def placement(self) -> Placement:
+        """Which global expert each ep rank's expert slots hold."""
+        return self.experts.placement
+
+    def set_placement(self, placement: Placement) -> None:
+        """Route by ``placement`` from the next forward on; the expert weights must be
+        moved to match (:func:`moe_fold.training.replace.move_experts` does both)."""
+        self.dispatcher.set_placement(placement)
+        self.experts.set_placement(placement)
 
     def forward(self, hidden: torch.Tensor, *, loss_mask: Optional[torch.Tensor] = None,
                 seq_ids: Optional[torch.Tensor] = None, num_seqs: Optional[int] = None) -> torch.Tensor:

@@ -94,6 +94,12 @@ class MoEConfig:
     # Rank-deduplicated all-to-all: a token goes once to each destination rank.
     dedup: bool = False
 
+    # Expert placement (docs/placement.md). Spare expert slots per ep rank, holding copies
+    # of the hottest experts; 0: none.
+    replicas: int = 0
+    # Re-place the experts from the last window's load every N steps; 0: never.
+    replace_every: int = 0
+
     # Kernel backends.
     gemm_backend: str = "auto"  # auto | grouped_gemm | torch | triton | loop
     permute_backend: str = "torch"  # torch | triton
@@ -137,6 +143,10 @@ class DataConfig:
     # Pack whole documents into each sample and mask across document boundaries.
     packing: bool = False
     cache_dir: str = "data_cache"
+    # Validation data (train.eval_every): a dataset prefix or text like ``path``, or
+    # ``valid_fraction`` of each training dataset's documents (its last ones), held out.
+    valid_path: Optional[str] = None
+    valid_fraction: float = 0.0
 
 
 @dataclass
@@ -179,6 +189,13 @@ class TrainConfig:
     exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
     exit_after_minutes: Optional[float] = None
     exit_at_step: Optional[int] = None
+    # Validation LM loss every eval_every steps and at the last one (0: never), over
+    # eval_iters global batches of the validation data (data.valid_path/valid_fraction).
+    eval_every: int = 0
+    eval_iters: int = 10
+    # Write checkpoints in a background thread; the step only waits for a host copy
+    # (kept allocated between saves: one copy of the rank's weights and optimizer state).
+    async_save: bool = True
 
 
 @dataclass
@@ -709,6 +726,7 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
         out.append(f"moe.shared_expert_gate=true requires a shared expert (moe.shared_expert_ffn_hidden_size > 0), "
                    f"got {_fmt(moe.shared_expert_ffn_hidden_size)}")
     _at_least(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size, 0)
+    _check_placement(config, out)
     if not any_moe:
         return
     if p.tp > 1 and not p.sequence_parallel:
@@ -730,6 +748,24 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
     if not 1 <= moe.topk <= moe.num_experts:
         out.append(f"moe.topk={moe.topk} must be in [1, moe.num_experts={moe.num_experts}]")
     _check_groups(config, out)
+
+
+def _check_placement(config: Config, out: list[str]) -> None:
+    moe, ep = config.moe, config.parallel.ep
+    replicas_ok = _at_least(out, "moe.replicas", moe.replicas, 0)
+    every_ok = _at_least(out, "moe.replace_every", moe.replace_every, 0)
+    if ep < 1 or moe.num_experts < 1:
+        return
+    if replicas_ok and moe.replicas > 0:
+        if ep == 1:
+            out.append(f"moe.replicas={moe.replicas} needs parallel.ep > 1, got 1 (a copy of an expert lives "
+                       f"on another ep rank)")
+        elif moe.num_experts % ep == 0 and moe.replicas > moe.num_experts - moe.num_experts // ep:
+            out.append(f"moe.replicas={moe.replicas} must be <= moe.num_experts - moe.num_experts/parallel.ep="
+                       f"{moe.num_experts - moe.num_experts // ep} (a rank holds at most one copy of an expert)")
+    if every_ok and moe.replace_every > 0 and ep == 1:
+        out.append(f"moe.replace_every={moe.replace_every} needs parallel.ep > 1, got 1 (with one ep rank "
+                   f"there is nowhere to move an expert)")
 
 
 def _check_groups(config: Config, out: list[str]) -> None:
@@ -822,6 +858,19 @@ def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[s
         _positive(out, "train.exit_after_minutes", t.exit_after_minutes)
     if t.exit_at_step is not None:
         _at_least(out, "train.exit_at_step", t.exit_at_step, 1)
+    _at_least(out, "train.eval_every", t.eval_every, 0)
+    _at_least(out, "train.eval_iters", t.eval_iters, 1)
+    d = config.data
+    if not 0 <= d.valid_fraction < 1:
+        out.append(f"data.valid_fraction={_fmt(d.valid_fraction)} must be in [0, 1)")
+    if d.valid_path is not None and d.valid_fraction > 0:
+        out.append(f"data.valid_path={_fmt(d.valid_path)} and data.valid_fraction={_fmt(d.valid_fraction)} are "
+                   f"exclusive: validate on another dataset or on a held-out fraction of the training data")
+    if d.valid_path == "":
+        out.append("data.valid_path='' must be a dataset path, or null")
+    if t.eval_every > 0 and d.valid_path is None and not d.valid_fraction > 0:
+        out.append(f"train.eval_every={t.eval_every} needs validation data: set data.valid_path or "
+                   f"data.valid_fraction > 0")
 
 
 def _check_optimizer(config: Config, out: list[str]) -> None:

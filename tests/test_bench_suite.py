@@ -27,7 +27,8 @@ from moe_fold.cli import bench as bench_command  # noqa: E402
 
 RATIO_FIELDS = {"dispatch": "bytes_sent/bytes_min", "gemm": "ratio_to_dense", "permute": "ratio_to_copy",
                 "moe_layer": "ratio_vs_hf", "pipeline_bubble": "idle vs theory",
-                "cp_attention": "ratio_to_single", "dynamic_cp": "time_ratio", "train": "ratio_vs_hf"}
+                "cp_attention": "ratio_to_single", "dynamic_cp": "time_ratio", "placement": "busiest_over_mean",
+                "train": "ratio_vs_hf", "checkpoint": "ratio_async_to_sync"}
 
 
 @pytest.mark.parametrize("size", ["smoke", "quick", "full"])

@@ -330,6 +330,14 @@ RULES = [
      ["moe.dedup=true requires moe.dispatcher=alltoall, got allgather"]),
     (["moe.gemm_backend=cutlass"], 1, ["moe.gemm_backend=cutlass must be one of auto, grouped_gemm, torch, triton, loop"]),
     (["moe.permute_backend=cuda"], 1, ["moe.permute_backend=cuda must be one of torch, triton"]),
+    # expert placement
+    (["moe.replicas=-1"], 1, ["moe.replicas=-1 must be >= 0"]),
+    (["moe.replace_every=-2"], 1, ["moe.replace_every=-2 must be >= 0"]),
+    (["moe.replicas=1"], 1, ["moe.replicas=1 needs parallel.ep > 1, got 1 (a copy of an expert lives on another ep rank)"]),
+    (["moe.replicas=7", "parallel.ep=4"], 4,
+     ["moe.replicas=7 must be <= moe.num_experts - moe.num_experts/parallel.ep=6 (a rank holds at most one copy of an expert)"]),
+    (["moe.replace_every=10"], 1,
+     ["moe.replace_every=10 needs parallel.ep > 1, got 1 (with one ep rank there is nowhere to move an expert)"]),
     # layer pattern
     (["moe.moe_layer_freq=-1"], 1, ["moe.moe_layer_freq=-1 must be >= 0"]),
     (["moe.moe_layer_freq=[1,0,1]"], 1,
@@ -393,6 +401,15 @@ RULES = [
      ["train.exit_signals: SIGKILL is not a signal a run can stop on; use SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP"]),
     (["train.exit_after_minutes=0"], 1, ["train.exit_after_minutes=0.0 must be > 0"]),
     (["train.exit_at_step=0"], 1, ["train.exit_at_step=0 must be >= 1"]),
+    (["train.eval_every=-1"], 1, ["train.eval_every=-1 must be >= 0"]),
+    (["train.eval_iters=0"], 1, ["train.eval_iters=0 must be >= 1"]),
+    (["data.valid_fraction=1"], 1, ["data.valid_fraction=1.0 must be in [0, 1)"]),
+    (["data.valid_fraction=0.1", "data.valid_path=data/valid"], 1,
+     ["data.valid_path=data/valid and data.valid_fraction=0.1 are exclusive: validate on another dataset or on "
+      "a held-out fraction of the training data"]),
+    (["data.valid_path=''"], 1, ["data.valid_path='' must be a dataset path, or null"]),
+    (["train.eval_every=10"], 1, ["train.eval_every=10 needs validation data: set data.valid_path or "
+                                  "data.valid_fraction > 0"]),
     # optimizer
     (["optimizer.lr=0"], 1, ["optimizer.lr=0.0 must be > 0"]),
     (["optimizer.min_lr=0.01"], 1, ["optimizer.min_lr=0.01 must be in [0, optimizer.lr=0.003]"]),
@@ -435,6 +452,7 @@ def test_rule(overrides, world_size, expected):
     (["model.hidden_size=130", "model.head_dim=32"], 1),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=4", "parallel.etp=1"], 8),
     (["parallel.pp=2", "parallel.pp_layers=[1,3]"], 2),
+    (["parallel.ep=4", "moe.replicas=6", "moe.replace_every=1"], 4),
     (["model.num_layers=8", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved"], 2),
     (["moe.num_experts=8", "moe.num_groups=4", "moe.group_topk=2", "moe.topk=4",
       "moe.score_function=sigmoid", "moe.expert_bias=true", "moe.scaling_factor=2.5"], 1),

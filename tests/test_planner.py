@@ -256,8 +256,9 @@ def test_comm_by_hand():
     # 2 tokens per rank route 4 rows, 2 of them to the other ep rank and 2 back in:
     # 2 (sent + received) * H*a = 2*4*16 = 128, probs 4 bytes each way: 16
     assert got["ep"] == 144
-    # count exchange: 4 int64 counts to 1 peer; grad norm 4
-    assert got["etp_ep"] == 8 * 4 + 4
+    # count exchange: 4 int64 counts to 1 peer; grad norm: its scalar and the squares of
+    # fc1 and fc2 per global expert, (1 + 2 * 4) float32 over 2 ranks
+    assert got["etp_ep"] == 8 * 4 + 4 * (1 + 2 * 4)
     # aux-loss statistics: 2*4 + 1 float64 over tp x cp = 2 ranks
     assert got["tp_cp"] == 72
     # grads (float32) over dp_cp = 2 ranks: the tp shards, 64 + 240 + 144 + 64 = 512 elements

@@ -117,6 +117,11 @@ RANK_RULES = [
     ("moe_fold/training/optim.py: schedule", ["optimizer.schedule=linear"], 1,
      "optimizer.schedule=linear must be one of cosine, wsd, constant"),
     ("moe_fold/training/checkpoint.py: keep_last", ["train.keep_last=0"], 1, "train.keep_last=0 must be >= 1"),
+    ("dispatch/placement.py: a rank holds one copy of an expert", ["parallel.ep=2", "moe.replicas=5"], 2,
+     "moe.replicas=5 must be <= moe.num_experts - moe.num_experts/parallel.ep=4 (a rank holds at most one copy of "
+     "an expert)"),
+    ("moe_fold/training/replace.py: somewhere to move to", ["moe.replace_every=10"], 1,
+     "moe.replace_every=10 needs parallel.ep > 1, got 1 (with one ep rank there is nowhere to move an expert)"),
     ("moe_fold/training/numerics.py: spike factor", ["train.loss_spike_factor=-1.0"], 1,
      "train.loss_spike_factor=-1.0 must be >= 0"),
     ("moe_fold/training/numerics.py: spike window", ["train.loss_spike_window=0"], 1,

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_fold.training.checkpoint import latest_checkpoint, load_checkpoint
 from moe_fold.config import load_config
@@ -260,8 +261,9 @@ _STOP_IN_SAVE = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("point, call, partial", [
-    # Once per save, after the shard is written: no random states, no index.json yet.
-    ("_rng_state", 3, "rank_00000.safetensors"),
+    # Once per save (the rank's done marker, in the background writer), after the shard
+    # and the random states are written: no index.json yet.
+    ("_write_json_atomic", 3, "rank_00000.safetensors"),
     # Twice per save (the new directory, then the renamed one): all written, not renamed.
     pytest.param("_fsync_dir", 5, "index.json", marks=pytest.mark.slow),
 ])

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("moe_fold.cli.plan", "estimate memory, FLOPs, communication, step time and MFU of a layout"),
     "train": ("moe_fold.cli.train", "train a model from a preset or YAML config (local ranks or torchrun)"),
     "convert": ("moe_fold.cli.convert", "convert between Hugging Face model folders and moe-fold checkpoints"),
+    "checkpoint": ("moe_fold.cli.checkpoint", "verify checkpoints: files against the manifest, every expert present"),
     "sample": ("moe_fold.cli.sample", "generate text from a checkpoint (greedy or sampled, with a KV cache)"),
     "plot": ("moe_fold.cli.plot", "draw a run's loss, learning rate, grad norm, throughput and expert load as PNGs"),
     "bench": ("moe_fold.cli.bench", "run the benchmark suite of a checkout (bench/), print a table, write JSON lines"),

@@ -115,6 +115,7 @@ def convert_to_hf(rank: int, world_size: int, source: str, output: str, config, 
 
     groups = build_groups(config)
     model = build_model(config, groups)
+    _refuse_missing_experts(Path(source))
     load_checkpoint(source, model, None, None, groups)
     bar = _Bar(sum(p.numel() for p in model.parameters()), "writing", progress and rank == 0)
     try:
@@ -122,6 +123,17 @@ def convert_to_hf(rank: int, world_size: int, source: str, output: str, config, 
     finally:
         bar.close()
     return output
+
+
+def _refuse_missing_experts(checkpoint: Path) -> None:
+    """A Hugging Face model needs every expert: name the missing ones before writing."""
+    from moe_fold.training.checkpoint import CheckpointError
+    from moe_fold.training.checkpoint_verify import verify_checkpoint
+
+    report = verify_checkpoint(checkpoint, checksums=False)  # loading checks the sha256s
+    if report.missing_experts:
+        raise CheckpointError(f"{checkpoint} cannot be exported: {report.expert_message()}; "
+                              f"`moe-fold checkpoint verify {checkpoint}` lists every problem")
 
 
 def find_checkpoint(path: Path) -> Path:

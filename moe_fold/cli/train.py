@@ -33,6 +33,8 @@ EPILOG = """examples:
   moe-fold train --config mixtral-tiny --nproc 4 --set train.steps=300 --set parallel.ep=4
   moe-fold train --config mixtral-tiny --nproc 4 --resume      # continue train.run_dir
   moe-fold train --config mixtral-tiny --resume --set train.exit_after_minutes=230   # a job's time limit
+  moe-fold train --config mixtral-tiny --nproc 4 --set parallel.ep=4 --set moe.replace_every=50 --set moe.replicas=1
+      experts move to where the load is, the hottest with a copy (docs/placement.md)
   moe-fold train --config my.yaml --set wandb.mode=disabled --set train.run_dir=runs/exp1
   torchrun --nproc-per-node 8 -m moe_fold.cli train --config qwen3-moe-tiny --set parallel.ep=8
 

@@ -22,10 +22,15 @@ describing the whole sequence (the model derives every rank's document ids from 
 
 Samples are indexed by a global sample number ``i >= 0``: epoch ``i // len(ds)`` uses
 its own permutation of the epoch's samples, drawn from ``(seed, epoch)``.
+
+Validation: ``data.valid_fraction`` holds out the last documents of each dataset
+(:func:`split_documents`; a :class:`GPTDataset` can take a range of documents), or
+``data.valid_path`` names another dataset (:func:`validation_dataset_from_config`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -52,7 +57,10 @@ class GPTDataset:
     """Shuffled fixed-length or packed samples of one indexed dataset; see the module docstring."""
 
     def __init__(self, source: str | os.PathLike | IndexedDataset, seq_length: int, seed: int,
-                 packing: bool = False, pad_id: int | None = None, reset_at_documents: bool = False):
+                 packing: bool = False, pad_id: int | None = None, reset_at_documents: bool = False,
+                 documents: Optional[tuple[int, int]] = None):
+        """``documents=(first, stop)``: only those documents (a train/validation split,
+        :func:`split_documents`); None: all."""
         if seq_length < 1:
             raise ValueError(f"seq_length={seq_length} must be >= 1")
         self.indexed = source if isinstance(source, IndexedDataset) else IndexedDataset(source)
@@ -61,29 +69,37 @@ class GPTDataset:
         self.vocab_size = self.indexed.vocab_size
         # Padding is always loss-masked, so eod is a safe default filler.
         self.pad_id = self.indexed.eod_id if pad_id is None else pad_id
-        n_tokens = self.indexed.num_tokens
+        num_docs = len(self.indexed.lengths)
+        self.documents = (0, num_docs) if documents is None else tuple(documents)
+        if not 0 <= self.documents[0] < self.documents[1] <= num_docs:
+            raise ValueError(f"documents={list(self.documents)} must be a non-empty range of the "
+                             f"{num_docs} documents of {self.indexed.prefix}")
+        # Token offsets in the .bin of the first document and past the last one.
+        self._base = int(self.indexed.offsets[self.documents[0]])
+        n_tokens = int(self.indexed.offsets[self.documents[1]]) - self._base
         if packing:
             self._pack()
             self.num_samples = len(self._bin_piece) - 1
         else:
             self.num_samples = (n_tokens - 1) // seq_length
         if self.num_samples < 1:
-            raise ValueError(f"dataset {self.indexed.prefix} has {n_tokens} tokens, too few for one sample "
-                             f"of seq_length+1={seq_length + 1} tokens")
+            raise ValueError(f"dataset {self.indexed.prefix} has {n_tokens} tokens"
+                             f"{'' if documents is None else f' in documents {list(self.documents)}'}, too few "
+                             f"for one sample of seq_length+1={seq_length + 1} tokens")
         self._perms: dict[int, np.ndarray] = {}
 
     def _pack(self) -> None:
         """Cut documents into pieces of at most S+1 tokens and fill samples next-fit, in
         order: a sample is then one contiguous slice of the token stream."""
         cap = self.seq_length + 1
-        lengths = self.indexed.lengths
+        lengths = self.indexed.lengths[self.documents[0]:self.documents[1]]
         pieces_per_doc = np.maximum(1, -(-lengths // cap))
         doc_of_piece = np.repeat(np.arange(len(lengths)), pieces_per_doc)
         first_piece = np.cumsum(pieces_per_doc) - pieces_per_doc
         k = np.arange(len(doc_of_piece)) - first_piece[doc_of_piece]  # piece number in its document
         piece_len = np.minimum(cap, lengths[doc_of_piece] - k * cap)
         piece_len = piece_len[piece_len > 0]
-        self._piece_start = np.concatenate([[0], np.cumsum(piece_len)])  # token offsets, [pieces+1]
+        self._piece_start = self._base + np.concatenate([[0], np.cumsum(piece_len)])  # token offsets, [pieces+1]
         bins = [0]
         fill = 0
         for i, n in enumerate(piece_len.tolist()):
@@ -119,7 +135,7 @@ class GPTDataset:
         """Sample ``j`` before shuffling."""
         S = self.seq_length
         if not self.packing:
-            first = j * S
+            first = self._base + j * S
             tokens = np.asarray(self.indexed.tokens[first:first + S + 1], dtype=np.int64)
             if not self.reset_at_documents:
                 return Sample(tokens, np.ones(S, np.float32), np.arange(S, dtype=np.int64),
@@ -303,15 +319,42 @@ def cp_zigzag_slice(tokens: torch.Tensor, cp_rank: int, cp_size: int) -> tuple[t
     return zigzag_split(tokens, cp_rank, cp_size, dim=1), zigzag_positions(tokens.shape[1], cp_rank, cp_size)
 
 
+def split_documents(num_docs: int, valid_fraction: float, part: str) -> Optional[tuple[int, int]]:
+    """The documents ``[first, stop)`` of ``part`` (``train`` or ``valid``) when the last
+    ``ceil(valid_fraction * num_docs)`` documents are held out for validation; None (all
+    documents) for ``train`` without a split. The split is by whole documents, so no
+    document has tokens on both sides; the last ones, so adding documents at the end
+    of a corpus never moves a training document into validation or back."""
+    if part not in ("train", "valid"):
+        raise ValueError(f"part={part!r} must be train or valid")
+    if not 0 <= valid_fraction < 1:
+        raise ValueError(f"valid_fraction={valid_fraction} must be in [0, 1)")
+    if valid_fraction == 0:
+        if part == "valid":
+            raise ValueError("valid_fraction=0 holds out no validation documents")
+        return None
+    held = math.ceil(valid_fraction * num_docs)
+    if held >= num_docs:
+        raise ValueError(f"data.valid_fraction={valid_fraction} of {num_docs} documents leaves no training "
+                         f"document (it holds out {held})")
+    return (0, num_docs - held) if part == "train" else (num_docs - held, num_docs)
+
+
 def open_training_dataset(prefixes: Sequence[str | os.PathLike], weights: Sequence[float] | None,
                           seq_length: int, seed: int, packing: bool = False, blend_size: int = 10_000,
-                          max_vocab_size: int | None = None) -> GPTDataset | BlendedDataset:
+                          max_vocab_size: int | None = None, valid_fraction: float = 0.0,
+                          part: str = "train") -> GPTDataset | BlendedDataset:
     """One dataset, or a blend of several (equal weights when ``weights`` is None), each
     shuffled with its own seed. ``max_vocab_size`` (the model's) rejects a dataset whose
-    token ids could fall outside the embedding."""
+    token ids could fall outside the embedding. ``valid_fraction > 0`` splits each dataset
+    by :func:`split_documents` and takes its ``part``."""
     if not prefixes:
         raise ValueError("no dataset prefixes given")
-    datasets = [GPTDataset(Path(p), seq_length, seed + i, packing) for i, p in enumerate(prefixes)]
+    datasets = []
+    for i, prefix in enumerate(prefixes):
+        indexed = IndexedDataset(Path(prefix))
+        documents = split_documents(len(indexed.lengths), valid_fraction, part)
+        datasets.append(GPTDataset(indexed, seq_length, seed + i, packing, documents=documents))
     if max_vocab_size is not None:
         for ds in datasets:
             if ds.vocab_size > max_vocab_size:
@@ -332,4 +375,25 @@ def dataset_from_config(config: Config) -> GPTDataset | BlendedDataset:
     d = config.data
     prefixes = prepare_data_paths(d.path, d.tokenizer, d.cache_dir)
     return open_training_dataset(prefixes, d.weights, config.model.seq_length, config.train.seed,
-                                 packing=d.packing, max_vocab_size=config.model.vocab_size)
+                                 packing=d.packing, max_vocab_size=config.model.vocab_size,
+                                 valid_fraction=d.valid_fraction)
+
+
+def validation_dataset_from_config(config: Config) -> GPTDataset | BlendedDataset | None:
+    """The validation dataset: ``data.valid_path`` (tokenized like ``data.path``), or the
+    documents ``data.valid_fraction`` holds out of each training dataset (blended by
+    ``data.weights``); None when neither is set. Call it like :func:`dataset_from_config`."""
+    from moe_fold.data.corpus import prepare_data_paths
+
+    d = config.data
+    if d.valid_path is not None:
+        prefixes = prepare_data_paths(d.valid_path, d.tokenizer, d.cache_dir)
+        weights, fraction, part = None, 0.0, "train"  # the whole of another dataset
+    elif d.valid_fraction > 0:
+        prefixes = prepare_data_paths(d.path, d.tokenizer, d.cache_dir)
+        weights, fraction, part = d.weights, d.valid_fraction, "valid"
+    else:
+        return None
+    return open_training_dataset(prefixes, weights, config.model.seq_length, config.train.seed,
+                                 packing=d.packing, max_vocab_size=config.model.vocab_size,
+                                 valid_fraction=fraction, part=part)

@@ -6,7 +6,11 @@ fused parts (q|k|v, gate|up) has one piece per part, since a rank holds a chunk 
 part (:func:`moe_fold.parallel.tensor_parallel.shard_tp`); on a dim split over one rank the whole
 parts are adjacent in both tensors, one piece. An expert parameter is also cut along
 dim 0 over ep (rank ``e`` holds experts ``[e*E_local, (e+1)*E_local)``) and along its etp
-dim over etp; a replicated parameter is one piece, the whole tensor.
+dim over etp; a replicated parameter is one piece, the whole tensor. Under an expert
+placement (``param.slot_experts``, :mod:`moe_fold.dispatch.placement`) local slot ``i`` is
+global expert ``slot_experts[i]``: a piece per run of slots holding consecutive experts.
+A slot that is not its expert's first copy (``param.slot_primary``) gives pieces marked
+``copy``: they are loaded like the others but never written (the first copy writes).
 
 Each local tensor lives on several ranks (its replicas); the *writer* is the first of
 them, so that a checkpoint stores every element once:
@@ -47,6 +51,8 @@ class Piece:
     local: tuple[int, ...]
     global_: tuple[int, ...]
     sizes: tuple[int, ...]
+    # A copy of an expert held elsewhere too: read on load, never written.
+    copy: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,11 @@ def _splits(param: torch.Tensor, groups: ProcessGroups) -> list[tuple[int, list[
     if kind == "expert":
         ep_size = groups.size("ep")
         local_experts = param.shape[0]
-        splits = [(0, [local_experts * ep_size], ep_size, groups.rank_in("ep"))]
+        slots = getattr(param, "slot_experts", None)
+        if slots is not None:
+            splits = [(0, (param.num_experts, slots, param.slot_primary), ep_size, groups.rank_in("ep"))]
+        else:
+            splits = [(0, [local_experts * ep_size], ep_size, groups.rank_in("ep"))]
         etp_dim = getattr(param, "etp_dim", None)
         if etp_dim is not None:
             splits.append((etp_dim, list(param.etp_parts), groups.size("etp"), groups.rank_in("etp")))
@@ -96,13 +106,30 @@ def _splits(param: torch.Tensor, groups: ProcessGroups) -> list[tuple[int, list[
     return []
 
 
+def _slot_segments(slots: list[int], primary: list[bool]) -> list[tuple[int, int, int, bool]]:
+    """(local start, global start, length, copy) of each run of slots holding consecutive
+    experts, all first copies or all not."""
+    out: list[tuple[int, int, int, bool]] = []
+    for i, (expert, first) in enumerate(zip(slots, primary)):
+        if out and out[-1][1] + out[-1][2] == expert and out[-1][3] == (not first):
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1, out[-1][3])
+        else:
+            out.append((i, expert, 1, not first))
+    return out
+
+
 def _info(shape: tuple[int, ...], splits, writer: bool, what: str) -> ShardInfo:
-    per_dim = [[(0, 0, n)] for n in shape]
+    per_dim = [[(0, 0, n, False)] for n in shape]
     global_shape = list(shape)
     for dim, parts, size, rank in splits:
-        per_dim[dim] = _segments(parts, size, rank, shape[dim], f"{what} dim {dim}")
+        if isinstance(parts, tuple):  # expert slots: (num_experts, slot_experts, slot_primary)
+            per_dim[dim] = _slot_segments(parts[1], parts[2])
+            global_shape[dim] = parts[0]
+            continue
+        per_dim[dim] = [seg + (False,) for seg in _segments(parts, size, rank, shape[dim], f"{what} dim {dim}")]
         global_shape[dim] = sum(parts)
-    pieces = tuple(Piece(tuple(s[0] for s in combo), tuple(s[1] for s in combo), tuple(s[2] for s in combo))
+    pieces = tuple(Piece(tuple(s[0] for s in combo), tuple(s[1] for s in combo), tuple(s[2] for s in combo),
+                         any(s[3] for s in combo))
                    for combo in itertools.product(*per_dim))
     return ShardInfo(tuple(global_shape), pieces, writer)
 
@@ -174,10 +201,10 @@ def box(offsets, sizes) -> tuple[slice, ...]:
 def full_tensor(local: torch.Tensor, info: ShardInfo, groups: ProcessGroups) -> torch.Tensor:
     """The global tensor of ``local`` (laid out as ``info``), on every rank of the stage.
 
-    Only the writer places its pieces; the others add zeros, so the sum over
-    ``tp_dp_cp`` is exact. Costs the global tensor's memory: for tests and export."""
+    Only the writer places its pieces (not its expert copies'); the others add zeros, so
+    the sum over ``tp_dp_cp`` is exact. Costs the global tensor's memory: for tests and export."""
     out = torch.zeros(info.global_shape, dtype=local.dtype, device=local.device)
     if info.writer:
-        for p in info.pieces:
+        for p in (p for p in info.pieces if not p.copy):
             out[box(p.global_, p.sizes)] = local[box(p.local, p.sizes)]
     return all_reduce_(out, groups.tp_dp_cp)

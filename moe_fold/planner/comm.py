@@ -37,7 +37,7 @@ Per micro-batch and layer (``X`` the bytes of one ``[s/cp, b, H]`` activation):
 Per step: gradient all-reduce over dp_cp (tp-split and replicated parameters), tp_dp_cp
 (``tp_sum`` ones: norms and router under SP) and edp (experts), in buckets of
 :data:`moe_fold.training.grads.DEFAULT_BUCKET_NUMEL` float32 elements; the norm's float32 scalars
-over tp, etp_ep and pp; with the distributed optimizer, the float32 parameter all-gather
+over tp, etp_ep (with the per-expert squares, see ``grad_norm``) and pp; with the distributed optimizer, the float32 parameter all-gather
 (each rank sends the elements it owns, :func:`moe_fold.planner.memory.owned_by_rank`, to the
 others of its group); with tied embeddings over pp, the
 embedding-grad all-reduce between the first and last stage.
@@ -265,7 +265,9 @@ def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Opt
         for bucket in _buckets(numels, GRAD_BUCKET_NUMEL):
             out[group] += _all_reduce(GRAD_BYTES * bucket, sizes[group])
     out["tp"] += _all_reduce(4, p.tp)  # grad norm: squares of tp shards
-    out["etp_ep"] += _all_reduce(4, etp * p.ep)  # ... of expert shards
+    # ... of expert shards: one scalar and, per expert parameter, a float32 per global expert
+    expert_params = sum(1 for e in manifest if e.kind == "expert")
+    out["etp_ep"] += _all_reduce(4 * (1 + expert_params * dims(config).experts), etp * p.ep)
     out["pp"] += _all_reduce(4, p.pp)  # ... of every stage
     if distributed:
         ranks = {"dp_cp": 0, "edp": 0} if shard_ranks is None else shard_ranks

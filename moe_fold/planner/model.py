@@ -71,6 +71,8 @@ class Dims:
     qkv_bias: bool
     tied: bool
     moe_flags: tuple[bool, ...]
+    # Spare expert slots per ep rank (moe.replicas): copies held besides the E/ep experts.
+    replicas: int = 0
 
     @property
     def q_size(self) -> int:
@@ -98,7 +100,7 @@ def dims(config: Config) -> Dims:
                 experts=moe.num_experts, topk=moe.topk, expert_ffn=moe.ffn_hidden_size,
                 shared_ffn=moe.shared_expert_ffn_hidden_size, shared_gate=moe.shared_expert_gate,
                 qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, tied=m.tie_embeddings,
-                moe_flags=_moe_flags(m.num_layers, freq, moe.first_k_dense))
+                moe_flags=_moe_flags(m.num_layers, freq, moe.first_k_dense), replicas=moe.replicas)
 
 
 # --------------------------------------------------------------------------- parameters
@@ -149,7 +151,7 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
             add(f"{pre}.attn.k_norm.weight", d.head_dim, "tp_sum")
         add(f"{pre}.mlp_norm.weight", d.hidden, replicated)
         if d.moe_flags[i]:
-            local = d.experts // ep
+            local = d.experts // ep + d.replicas  # expert slots: the copies take memory too
             # A module's own parameters come before its submodules' (the gate first).
             if d.shared_ffn > 0 and d.shared_gate:
                 add(f"{pre}.mlp.shared_expert_gate", d.hidden, replicated)

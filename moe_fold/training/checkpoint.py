@@ -25,12 +25,18 @@ Tied embeddings under pp: the last stage's copy of the embedding (``param.tied_c
 equal to the first stage's) and its moments are not written, only loaded from the one
 stored ``model/embed.weight``.
 
-Atomicity: every rank writes into ``step_000100.tmp-<nonce>``; after all ranks have
-written, rank 0 writes ``index.json`` and renames the directory to ``step_000100``. A
-crash before the rename leaves the previous checkpoints untouched; a directory without
+Atomicity: every rank writes into ``step_000100.tmp-<nonce>``, then a ``done_<rank>.json``
+marker (its files' sha256 and sizes); once every rank's marker is there, rank 0 writes
+``index.json`` (the manifest) and renames the directory to ``step_000100``. A crash or a
+kill before the rename leaves the previous checkpoints untouched; a directory without
 the final name is ignored by :func:`latest_checkpoint` (with a message) and removed by the
-next :func:`save_checkpoint`. Only the newest ``keep_last`` checkpoints are kept. Every
-rank must see the same ``run_dir`` (a shared file system across nodes).
+next save. Only the newest ``keep_last`` checkpoints are kept. Every rank must see the
+same ``run_dir`` (a shared file system across nodes).
+
+Asynchronous saves (:class:`CheckpointSaver`, ``train.async_save``): the step pays for a
+host copy of the rank's pieces only; a background thread writes them (see the class).
+:func:`save_checkpoint` is the synchronous form. Integrity checks beyond loading (every
+expert present, ``moe-fold checkpoint verify``) are in :mod:`moe_fold.training.checkpoint_verify`.
 
 Random states are restored only when the layout (world size and every parallel size) is
 the one they were saved under: rank r's generators then continue exactly. Under another
@@ -51,6 +57,8 @@ import secrets
 import shutil
 import struct
 import sys
+import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +75,8 @@ from moe_fold.layout import ProcessGroups
 from moe_fold.training.optim import AdamW, LRScheduler
 from moe_fold.parallel.sharding import ShardInfo, box, buffer_info, flat_boxes, intersect, shard_info
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path"]
+__all__ = ["CheckpointError", "CheckpointSaver", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+           "checkpoint_path", "file_problem", "read_index"]
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +116,16 @@ class _Entry:
     stop: int
     writer: bool  # this rank stores these elements (one rank per element)
 
-    def pieces(self) -> Iterator[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
-        """``(view of data, global offsets, sizes)`` covering ``data`` once."""
+    def pieces(self, stored: bool = False) -> Iterator[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+        """``(view of data, global offsets, sizes)`` covering ``data`` once; ``stored``:
+        leave out the expert copies that another slot writes (:mod:`moe_fold.parallel.sharding`)."""
         flat = self.data.view(-1)  # [stop - start]
         for offset, offsets, sizes in flat_boxes(self.shape, self.start, self.stop):
             n = _numel(sizes)
             block = flat[offset - self.start: offset - self.start + n].view(sizes)
             for piece in self.info.pieces:
+                if stored and piece.copy:
+                    continue
                 hit = intersect(offsets, sizes, piece.local, piece.sizes)
                 if hit is not None:
                     lo, size = hit
@@ -331,14 +343,7 @@ def latest_checkpoint(run_dir: Union[str, os.PathLike]) -> Optional[Path]:
 
 # --------------------------------------------------------------------------- save
 
-@torch.no_grad()
-def save_checkpoint(run_dir: Union[str, os.PathLike], step: int, model: nn.Module, optimizer: Optional[AdamW],
-                    scheduler: Optional[LRScheduler], extra: dict, groups: ProcessGroups, keep_last: int,
-                    config: Optional[Config] = None) -> Path:
-    """Write the checkpoint of ``step`` on every rank (a collective: all ranks call it)
-    and return its path. ``extra`` (JSON: the data position, ...) comes back from
-    :func:`load_checkpoint`. ``config`` defaults to ``model.config``. Keeps the newest
-    ``keep_last`` checkpoints."""
+def _check_save_args(step: int, keep_last: int, extra: dict) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an integer >= 0")
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
@@ -347,75 +352,253 @@ def save_checkpoint(run_dir: Union[str, os.PathLike], step: int, model: nn.Modul
         json.dumps(extra)
     except (TypeError, ValueError) as err:
         raise ValueError(f"extra must be JSON-serialisable (numbers, strings, lists, dicts): {err}") from err
-    if config is None:
-        config = getattr(model, "config", None)
-    world, rank = _world(groups), groups.rank
-    entries = _entries(model, optimizer, groups)
-    final = checkpoint_path(run_dir, step)
-    ckpt_dir = final.parent
 
-    nonce = None
-    if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        for path in ckpt_dir.iterdir():
-            if _LEFTOVER.match(path.name):
-                log.warning("removing incomplete checkpoint directory %s left by an earlier save", path)
-                shutil.rmtree(path, ignore_errors=True)
-        nonce = secrets.token_hex(4)
-    nonce = _broadcast(nonce, world)
-    tmp = ckpt_dir / f"{final.name}.tmp-{nonce}"
-    tmp.mkdir(parents=True, exist_ok=True)
 
-    pieces, records = [], []
-    shard_name = f"rank_{rank:05d}.safetensors"
-    for entry in entries:
-        if not entry.writer:
-            continue
-        for k, (view, offsets, sizes) in enumerate(entry.pieces()):
-            key = f"{entry.name}#{k}"
-            pieces.append((key, view))
-            records.append({"name": entry.name, "key": key, "file": shard_name, "offsets": list(offsets),
-                            "sizes": list(sizes)})
-    files = {shard_name: _write_safetensors(tmp / shard_name, pieces)}
-    rng_name = f"rng_{rank:05d}.json"
-    (tmp / rng_name).write_text(json.dumps(_rng_state()))
-    files[rng_name] = _file_record(tmp / rng_name)
-    meta = {e.name: {"shape": list(e.info.global_shape), "dtype": str(e.data.dtype).removeprefix("torch.")}
-            for e in entries}
-    gathered = _gather((records, files, meta), world, rank)
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    """``obj`` as ``path``, written under another name and renamed: a reader polling for
+    ``path`` never sees half of it."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(part, path)
 
-    if rank == 0:
-        index = _index(gathered, step, optimizer, scheduler, extra, groups)
-        if config is not None:
-            dump_config(config, tmp / "config.yaml")
+
+@dataclass
+class _Pending:
+    """One rank's part of a checkpoint being saved: what it writes into ``tmp`` and, on
+    rank 0, the index that finishes it (every field but the file records)."""
+
+    step: int
+    final: Path
+    tmp: Path
+    pieces: list[tuple[str, torch.Tensor]]
+    rng: str
+    index: Optional[dict]  # rank 0 only
+    config: Optional[Config]
+
+
+class CheckpointSaver:
+    """Saves the checkpoints of one run, synchronously or in the background.
+
+    ``save`` is a collective (every rank calls it at the same step). Synchronously
+    (``async_save=False``) it returns once the checkpoint is complete on every rank, the
+    pieces streamed from the live tensors (no second copy of the model). Asynchronously
+    it returns after a host copy of this rank's pieces (into buffers kept for the next
+    save: one host copy of the rank's share of the model and optimizer state) and the
+    small collectives that agree on the directory and the index; a background thread
+    writes the files and, on rank 0, the index and the rename. Training changes the
+    tensors meanwhile; the copy is what gets written.
+
+    Finishing without collectives: each rank, once its files are written and fsynced,
+    writes ``done_<rank>.json`` (their sha256 and sizes, or its error) into the
+    temporary directory; rank 0 waits for every rank's, then writes ``index.json`` and
+    renames. A rank whose files stop growing for ``timeout_s`` is taken as dead: rank 0
+    gives up, the directory keeps its temporary name, and the previous checkpoints stay.
+
+    :meth:`wait` blocks until this rank's pending save is finished and raises
+    :class:`CheckpointError` if it failed; ``save`` waits for the previous one first (one
+    save in flight at most). Call :meth:`wait` before the process exits: at the end of a
+    run, on a graceful stop after the last ``save``, and on an error path, so no process
+    believes a checkpoint saved that is not.
+    """
+
+    def __init__(self, run_dir: Union[str, os.PathLike], groups: ProcessGroups, keep_last: int,
+                 async_save: bool = True, config: Optional[Config] = None, timeout_s: float = 300.0):
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"keep_last={keep_last!r} must be an integer >= 1 (train.keep_last)")
+        self.run_dir, self.groups, self.keep_last = Path(run_dir), groups, keep_last
+        self.async_save, self.config, self.timeout_s = async_save, config, timeout_s
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._pending: Optional[Path] = None
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def pending(self) -> Optional[Path]:
+        """The final path of the save in flight on this rank, None when there is none."""
+        return self._pending if self._thread is not None and self._thread.is_alive() else None
+
+    @torch.no_grad()
+    def save(self, step: int, model: nn.Module, optimizer: Optional[AdamW], scheduler: Optional[LRScheduler],
+             extra: dict) -> Path:
+        """Save the checkpoint of ``step`` (see the class docstring) and return its final
+        path: complete on return when synchronous, after :meth:`wait` otherwise."""
+        _check_save_args(step, self.keep_last, extra)
+        self.wait()
+        config = self.config if self.config is not None else getattr(model, "config", None)
+        groups = self.groups
+        world, rank = _world(groups), groups.rank
+        entries = _entries(model, optimizer, groups)
+        final = checkpoint_path(self.run_dir, step)
+        ckpt_dir = final.parent
+
+        nonce = None
+        if rank == 0:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            for path in ckpt_dir.iterdir():
+                if _LEFTOVER.match(path.name):
+                    log.warning("removing incomplete checkpoint directory %s left by an earlier save", path)
+                    shutil.rmtree(path, ignore_errors=True)
+            nonce = secrets.token_hex(4)
+        nonce = _broadcast(nonce, world)
+        tmp = ckpt_dir / f"{final.name}.tmp-{nonce}"
+        tmp.mkdir(parents=True, exist_ok=True)
+
+        pieces, records = [], []
+        shard_name = f"rank_{rank:05d}.safetensors"
+        for entry in entries:
+            if not entry.writer:
+                continue
+            for k, (view, offsets, sizes) in enumerate(entry.pieces(stored=True)):
+                key = f"{entry.name}#{k}"
+                pieces.append((key, view))
+                records.append({"name": entry.name, "key": key, "file": shard_name, "offsets": list(offsets),
+                                "sizes": list(sizes)})
+        if self.async_save:
+            pieces = self._host_copy(pieces)
+        meta = {e.name: {"shape": list(e.info.global_shape), "dtype": str(e.data.dtype).removeprefix("torch.")}
+                for e in entries}
+        gathered = _gather((records, meta), world, rank)
+        index = _index(gathered, step, optimizer, scheduler, extra, groups) if rank == 0 else None
+        job = _Pending(step, final, tmp, pieces, json.dumps(_rng_state()), index, config)
+        if not self.async_save:
+            self._write(job)
+            _barrier(world)
+            return final
+        self._pending, self._error = final, None
+        self._thread = threading.Thread(target=self._background, args=(job,), name=f"checkpoint-{step}")
+        self._thread.start()
+        return final
+
+    def wait(self, collective: bool = False) -> Optional[Path]:
+        """Block until this rank's pending save is written (on rank 0: complete, renamed
+        and pruned); return its path (None when nothing was pending). Raises
+        :class:`CheckpointError` when it failed. ``collective``: then a barrier, so on
+        return the checkpoint is complete for every rank (every rank must call it)."""
+        thread, path = self._thread, self._pending
+        if thread is not None:
+            thread.join()
+            self._thread, self._pending = None, None
+        if collective:
+            _barrier(_world(self.groups))
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"saving checkpoint {path} failed: {error}") from error
+        return path
+
+    def _host_copy(self, pieces: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The pieces copied into this saver's host buffers (pinned when from a GPU)."""
+        copies = []
+        for key, view in pieces:
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.shape != view.shape or buffer.dtype != view.dtype:
+                buffer = torch.empty(view.shape, dtype=view.dtype, pin_memory=view.is_cuda)
+                self._buffers[key] = buffer
+            buffer.copy_(view, non_blocking=view.is_cuda)
+            copies.append((key, buffer))
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return copies
+
+    def _background(self, job: _Pending) -> None:
+        try:
+            self._write(job)
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread by wait()
+            self._error = err
+
+    def _write(self, job: _Pending) -> None:
+        """This rank's files, its done marker, and on rank 0 the rest (see the class docstring)."""
+        rank = self.groups.rank
+        shard_name, rng_name = f"rank_{rank:05d}.safetensors", f"rng_{rank:05d}.json"
+        done = job.tmp / f"done_{rank:05d}.json"
+        try:
+            files = {shard_name: _write_safetensors(job.tmp / shard_name, job.pieces)}
+            (job.tmp / rng_name).write_text(job.rng)
+            files[rng_name] = _file_record(job.tmp / rng_name)
+        except BaseException as err:
+            with contextlib.suppress(OSError):
+                _write_json_atomic(done, {"error": f"{type(err).__name__}: {err}"})
+            raise
+        _write_json_atomic(done, {"files": files})
+        if rank == 0:
+            self._finish(job)
+
+    def _finish(self, job: _Pending) -> None:
+        """Rank 0: wait for every rank's files, write the index, rename, keep the newest."""
+        index, tmp, final = job.index, job.tmp, job.final
+        for rank_files in self._wait_for_ranks(tmp):
+            index["files"].update(rank_files)
+        if job.config is not None:
+            dump_config(job.config, tmp / "config.yaml")
             index["files"]["config.yaml"] = _file_record(tmp / "config.yaml")
+        for path in tmp.glob("done_*.json"):
+            path.unlink()
         with open(tmp / "index.json", "w") as f:
             json.dump(index, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
+        ckpt_dir = final.parent
         old = None
         if final.exists():  # saving a step again (a resumed run): replace it
-            old = ckpt_dir / f"{final.name}.old-{nonce}"
+            old = ckpt_dir / f"{final.name}.old-{tmp.name.rsplit('-', 1)[1]}"
             os.rename(final, old)
         os.rename(tmp, final)
         _fsync_dir(ckpt_dir)
         if old is not None:
             shutil.rmtree(old)
         done = _complete_steps(ckpt_dir)
-        for s, path in done[:-keep_last]:
+        for s, path in done[:-self.keep_last]:
             if path != final:
                 shutil.rmtree(path)
-    _barrier(world)
-    return final
+
+    def _wait_for_ranks(self, tmp: Path) -> list[dict]:
+        """Every rank's file records, from its done marker, in rank order."""
+        world = self.groups.layout.world_size
+        found: dict[int, dict] = {}
+        progress, last_change = None, time.monotonic()
+        while len(found) < world:
+            for r in range(world):
+                marker = tmp / f"done_{r:05d}.json"
+                if r not in found and marker.is_file():
+                    record = json.loads(marker.read_text())
+                    if "error" in record:
+                        raise CheckpointError(f"rank {r} could not write its part of {tmp}: {record['error']}")
+                    found[r] = record["files"]
+            if len(found) == world:
+                break
+            sizes = sorted((p.name, p.stat().st_size) for p in tmp.glob("rank_*.safetensors"))
+            if sizes != progress:
+                progress, last_change = sizes, time.monotonic()
+            elif time.monotonic() - last_change > self.timeout_s:
+                missing = sorted(set(range(world)) - set(found))
+                raise CheckpointError(f"ranks {missing} wrote nothing into {tmp} for {self.timeout_s:.0f} s "
+                                      f"(parallel.timeout_s): the checkpoint is left unfinished, the previous "
+                                      f"ones are kept")
+            time.sleep(0.02)
+        return [found[r] for r in range(world)]
+
+
+def save_checkpoint(run_dir: Union[str, os.PathLike], step: int, model: nn.Module, optimizer: Optional[AdamW],
+                    scheduler: Optional[LRScheduler], extra: dict, groups: ProcessGroups, keep_last: int,
+                    config: Optional[Config] = None) -> Path:
+    """Write the checkpoint of ``step`` on every rank (a collective: all ranks call it)
+    and return its path, complete on every rank. ``extra`` (JSON: the data position, ...)
+    comes back from :func:`load_checkpoint`. ``config`` defaults to ``model.config``.
+    Keeps the newest ``keep_last`` checkpoints. :class:`CheckpointSaver` saves in the
+    background."""
+    saver = CheckpointSaver(run_dir, groups, keep_last, async_save=False, config=config)
+    return saver.save(step, model, optimizer, scheduler, extra)
 
 
 def _index(gathered: list, step: int, optimizer: Optional[AdamW], scheduler: Optional[LRScheduler],
            extra: dict, groups: ProcessGroups) -> dict:
+    """The index of a checkpoint from every rank's ``(records, meta)``; its ``files`` are
+    filled in once the ranks have written them."""
     tensors: dict[str, dict] = {}
-    files: dict[str, dict] = {}
-    for records, rank_files, meta in gathered:
-        files.update(rank_files)
+    for records, meta in gathered:
         for name, m in meta.items():
             entry = tensors.setdefault(name, {**m, "pieces": []})
             if entry["shape"] != m["shape"] or entry["dtype"] != m["dtype"]:
@@ -429,7 +612,7 @@ def _index(gathered: list, step: int, optimizer: Optional[AdamW], scheduler: Opt
             raise CheckpointError(f"{name}: the ranks wrote {stored} elements of a tensor of shape "
                                   f"{entry['shape']}; each element must be written exactly once")
     index = {"format": FORMAT, "version": VERSION, "step": step, "layout": _layout_record(groups),
-             "tensors": tensors, "files": files, "extra": extra,
+             "tensors": tensors, "files": {}, "extra": extra,
              "scheduler": scheduler.state_dict() if scheduler is not None else None,
              "optimizer": None}
     if optimizer is not None:
@@ -440,6 +623,22 @@ def _index(gathered: list, step: int, optimizer: Optional[AdamW], scheduler: Opt
 
 
 # --------------------------------------------------------------------------- load
+
+def file_problem(path: Path, record: dict, checksum: bool = True) -> Optional[str]:
+    """What is wrong with checkpoint file ``path`` against its index record
+    (``{"sha256", "bytes"}``): ``"is missing"``, a size or (``checksum``) sha256
+    mismatch; None when it matches."""
+    if not path.is_file():
+        return "is missing"
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        return f"has {size} bytes, index.json says {record['bytes']} (truncated or replaced)"
+    if checksum:
+        digest = _sha256(path)
+        if digest != record["sha256"]:
+            return f"is corrupt: sha256 {digest} differs from {record['sha256']} in index.json"
+    return None
+
 
 class _Reader:
     """Opens checkpoint files on first use, after checking their size and sha256."""
@@ -453,16 +652,9 @@ class _Reader:
         record = self.files.get(name)
         if record is None:
             raise CheckpointError(f"checkpoint file {path} is not listed in {self.path / 'index.json'}")
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint file {path} is missing")
-        size = path.stat().st_size
-        if size != record["bytes"]:
-            raise CheckpointError(f"checkpoint file {path} has {size} bytes, index.json says {record['bytes']} "
-                                  f"(truncated or replaced)")
-        digest = _sha256(path)
-        if digest != record["sha256"]:
-            raise CheckpointError(f"checkpoint file {path} is corrupt: sha256 {digest} differs from "
-                                  f"{record['sha256']} in index.json")
+        problem = file_problem(path, record)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint file {path} {problem}")
         return path
 
     def _open(self, name: str):
@@ -516,6 +708,22 @@ def _resolve(path_or_run_dir: Union[str, os.PathLike]) -> Path:
     return latest
 
 
+def read_index(path: Path) -> dict:
+    """The ``index.json`` of checkpoint ``path`` (its manifest: tensors, pieces, and the
+    sha256 and size of every file), checked for format and version."""
+    index_path = Path(path) / "index.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"cannot read {index_path}: {err}") from err
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{index_path} is not a {FORMAT} index (a JSON object)")
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise CheckpointError(f"{index_path} is not a {FORMAT} version {VERSION} index "
+                              f"(format={index.get('format')!r}, version={index.get('version')!r})")
+    return index
+
+
 @torch.no_grad()
 def load_checkpoint(path_or_run_dir: Union[str, os.PathLike], model: nn.Module, optimizer: Optional[AdamW],
                     scheduler: Optional[LRScheduler], groups: ProcessGroups) -> dict:
@@ -527,14 +735,7 @@ def load_checkpoint(path_or_run_dir: Union[str, os.PathLike], model: nn.Module, 
     must hold every tensor of the whole model (the union of the stages' names) and no
     other (CheckpointError naming them); each stage then reads only its own tensors."""
     path = _resolve(path_or_run_dir)
-    index_path = path / "index.json"
-    try:
-        index = json.loads(index_path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"cannot read {index_path}: {err}") from err
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise CheckpointError(f"{index_path} is not a {FORMAT} version {VERSION} index "
-                              f"(format={index.get('format')!r}, version={index.get('version')!r})")
+    index = read_index(path)
     if optimizer is not None and index["optimizer"] is None:
         raise CheckpointError(f"{path} was saved without optimizer state; pass optimizer=None to load the model only")
     entries = _entries(model, optimizer, groups)

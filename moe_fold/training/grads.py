@@ -18,6 +18,13 @@ turns every grad into the gradient of that global loss, equal to one process's:
   token of the global batch exactly once, each weighted by its rank's loss scale; the
   data-parallel mean divides that sum by dp x cp, not by edp.
 
+Expert copies (``moe.replicas``, :mod:`moe_fold.dispatch.placement`): each copy's grad
+covers the tokens it computed; :func:`sum_expert_copies` (the first thing
+:func:`sync_grads` does) sums the copies' grads over ep so every copy holds the whole
+expert's grad and they take the same step. :func:`grad_norm` counts each global expert
+once, in the order of global expert ids, so the norm has the same bits whatever the
+placement.
+
 With gradient accumulation, let the grads of all micro-batches add up and call
 :func:`sync_grads` once per global batch.
 """
@@ -33,7 +40,7 @@ from moe_fold.comm import all_reduce_
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.tensor_parallel import PARALLEL_KINDS
 
-__all__ = ["sync_grads", "grad_norm", "clip_grad_norm_"]
+__all__ = ["sum_expert_copies", "sync_grads", "grad_norm", "clip_grad_norm_"]
 
 # parallel kind -> the group whose all-reduce (sum) completes the gradient
 _SYNC_GROUP = {"tp": "dp_cp", "replicated": "dp_cp", "tp_sum": "tp_dp_cp", "expert": "edp"}
@@ -65,6 +72,28 @@ def _buckets(params: list[nn.Parameter], max_numel: int) -> list[list[nn.Paramet
 
 
 @torch.no_grad()
+def sum_expert_copies(params: Iterable[nn.Parameter], groups: ProcessGroups) -> None:
+    """Sum the grads of the copies of every replicated expert (``param.replicated_experts``)
+    over ep, in place: one all-reduce per parameter of the rows ``[replicated experts,
+    slot numel]``, where each rank fills the rows of the copies it holds (zeros elsewhere)."""
+    for p in params:
+        replicated = getattr(p, "replicated_experts", None)
+        if not replicated or not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        slots = p.grad.view(p.shape[0], -1)  # [S, slot numel]
+        row = {e: r for r, e in enumerate(replicated)}
+        mine = [(i, row[e]) for i, e in enumerate(p.slot_experts) if e in row]
+        rows = slots.new_zeros(len(replicated), slots.shape[1])  # [R, slot numel]
+        for i, r in mine:
+            rows[r] = slots[i]
+        all_reduce_(rows, groups.ep)
+        for i, r in mine:
+            slots[i] = rows[r]
+
+
+@torch.no_grad()
 def sync_grads(params: Iterable[nn.Parameter], groups: ProcessGroups,
                bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
     """Make every ``param.grad`` the gradient of the global-batch loss (see module doc).
@@ -76,6 +105,8 @@ def sync_grads(params: Iterable[nn.Parameter], groups: ProcessGroups,
     """
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel={bucket_numel} must be >= 1")
+    params = list(params)
+    sum_expert_copies(params, groups)
     by_group: dict[str, list[nn.Parameter]] = {name: [] for name in dict.fromkeys(_SYNC_GROUP.values())}
     for p in params:
         if p.requires_grad:
@@ -102,12 +133,17 @@ def grad_norm(params: Iterable[nn.Parameter], groups: ProcessGroups) -> torch.Te
     process would compute. Squares of ``"tp"`` shards are summed over tp, of expert shards
     over ``etp_ep``; replicated grads (``"replicated"``, ``"tp_sum"``) count once; every
     kind is summed over pp stages, where the last stage's copy of a tied embedding
-    (``param.tied_copy``, the same grad as the first stage's) is left out. A float32
-    scalar, the same on every rank."""
-    params = [p for p in params if p.grad is not None and not getattr(p, "tied_copy", False)]
+    (``param.tied_copy``, the same grad as the first stage's) is left out. Expert grads
+    are summed per global expert (first copies only) and then in expert order, so the
+    norm does not depend on the placement. A float32 scalar, the same on every rank."""
+    params = [p for p in params if not getattr(p, "tied_copy", False)]
+    # Placed experts count on every rank, with or without a grad: the same rows everywhere.
+    placed = [p for p in params if _kind(p) == "expert" and hasattr(p, "slot_experts")]
+    params = [p for p in params if p.grad is not None and not (p.parallel == "expert" and hasattr(p, "slot_experts"))]
     # On the grads' device: NCCL reduces only GPU tensors.
-    device = params[0].grad.device if params else torch.device("cpu")
+    device = params[0].grad.device if params else placed[0].device if placed else torch.device("cpu")
     by_kind: dict[str, list[torch.Tensor]] = {key: [] for key in ("tp", "replicated", "expert")}
+    per_expert = [_squares_per_expert(p) for p in placed]
     for p in params:
         kind = _kind(p)
         by_kind["replicated" if kind == "tp_sum" else kind].append(p.grad)
@@ -120,9 +156,29 @@ def grad_norm(params: Iterable[nn.Parameter], groups: ProcessGroups) -> torch.Te
             norms = torch._foreach_norm(same, 2, dtype=torch.float32)
             sums[key] += torch.stack(norms).to(device).square().sum()
     all_reduce_(sums["tp"], groups.tp)
-    all_reduce_(sums["expert"], groups.etp_ep)
+    if per_expert:
+        # [1 + expert params * E]: one rank of the ep group holds each per-expert entry (its
+        # etp ranks their shards' parts), so the sum over ranks adds nothing but zeros.
+        packed = torch.cat([sums["expert"].view(1), torch.stack(per_expert).to(device).view(-1)])
+        all_reduce_(packed, groups.etp_ep)
+        sums["expert"] = packed[0] + packed[1:].sum()
+    else:
+        all_reduce_(sums["expert"], groups.etp_ep)
     total = sums["tp"] + sums["replicated"] + sums["expert"]
     return all_reduce_(total.clone(), groups.pp).sqrt()
+
+
+def _squares_per_expert(p: nn.Parameter) -> torch.Tensor:
+    """``[E]`` float32: the squared norm of each global expert's grad in ``p``'s first
+    copies on this rank (zero for the experts it does not hold)."""
+    out = torch.zeros(p.num_experts, dtype=torch.float32, device=p.device)
+    if p.grad is None:
+        return out
+    norms = torch.linalg.vector_norm(p.grad.reshape(p.shape[0], -1), dim=1, dtype=torch.float32)  # [S]
+    for i, (expert, first) in enumerate(zip(p.slot_experts, p.slot_primary)):
+        if first:
+            out[expert] = norms[i].square()
+    return out
 
 
 def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
@@ -136,8 +192,9 @@ def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.device
 def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, groups: ProcessGroups) -> torch.Tensor:
     """Scale all grads by ``min(1, max_norm / (norm + 1e-6))`` (torch's rule) where norm is
     :func:`grad_norm`; returns the norm before clipping."""
-    params = [p for p in params if p.grad is not None]
+    params = list(params)
     norm = grad_norm(params, groups)
+    params = [p for p in params if p.grad is not None]
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for (device, dtype), grads in _by_device_and_dtype([p.grad for p in params]).items():
         torch._foreach_mul_(grads, coef.to(device, dtype))

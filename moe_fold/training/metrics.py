@@ -21,7 +21,9 @@ dropped fraction, aux and z losses, expert-bias norm, tokens per expert) to wand
 every ``wandb.heatmap_every`` steps writes an expert-load heatmap PNG (MoE layers x
 experts, :func:`moe_fold.training.plots.heatmap_figure`) to ``<run_dir>/heatmaps/`` and to
 the wandb run. ``wandb.mode=offline`` writes the run
-under ``<run_dir>/wandb`` without network (``wandb sync`` uploads it later).
+under ``<run_dir>/wandb`` without network (``wandb sync`` uploads it later). A validation
+(:mod:`moe_fold.training.evaluate`) is a row of its own (``step``, ``valid_loss``,
+``valid_ppl``, ``valid_tokens``: no ``loss`` key), in wandb at its step, and a console line.
 """
 
 from __future__ import annotations
@@ -235,12 +237,13 @@ class MetricsLogger:
     def _start_progress(self, start_step: int) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+        validation = [TextColumn("valid {task.fields[valid]}")] if self.config.train.eval_every > 0 else []
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("loss {task.fields[loss]}"), *validation, TextColumn("{task.fields[tps]} tok/s"),
             TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=False)
         self._task = self._progress.add_task("train", total=self.config.train.steps, completed=start_step,
-                                             loss="-", tps="-")
+                                             loss="-", valid="-", tps="-")
         self._progress.start()
 
     def print_start(self, world_size: int, resumed_from: Optional[str]) -> None:
@@ -280,6 +283,23 @@ class MetricsLogger:
             self.console.print(f"step {step}/{self.config.train.steps} loss {record['loss']:.4f} "
                                f"lr {record['lr']:.2e} grad_norm {record['grad_norm']:.3f} "
                                f"tokens/s {record['tokens_per_s']:.0f}")
+
+    def log_eval(self, record: dict) -> None:
+        """A validation row (``step``, ``valid_loss``, ``valid_ppl``, ``valid_tokens``):
+        its own line of metrics.jsonl, the same scalars to wandb at that step, and a line
+        on the console (above the progress bar when there is one)."""
+        if not self.active:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._run is not None:
+            self._run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if self._progress is not None:
+            self._progress.update(self._task, valid=f"{record['valid_loss']:.4f}")
+        if self.console is not None:
+            self.console.print(f"step {record['step']}/{self.config.train.steps} validation loss "
+                               f"{record['valid_loss']:.4f} ppl {record['valid_ppl']:.2f} "
+                               f"({record['valid_tokens']} tokens)")
 
     def _heatmap(self, step: int, load: list[list[int]]) -> None:
         folder = self.run_dir / "heatmaps"

@@ -14,6 +14,11 @@ Determinism: with ``train.deterministic`` torch uses deterministic algorithms, a
 random state is re-seeded from ``(train.seed, step, rank)`` at the start of every step,
 so a resumed run draws the same numbers as an uninterrupted one without saving RNG state.
 
+Expert placement: with ``moe.replace_every`` (or ``moe.replicas``) an
+:class:`~moe_fold.training.replace.ExpertReplacer` re-places the experts after the step
+from the load of the last window (weights, grads and optimizer moments move; the record
+says what moved), and its state goes into checkpoints (docs/placement.md).
+
 Non-finite steps: a non-finite global loss or grad norm takes no optimizer step; the
 step's forwards run again under hooks to name the first module whose output went
 non-finite (:mod:`moe_fold.training.numerics`); then the run goes on (``train.on_nonfinite=skip``:
@@ -24,6 +29,12 @@ Stopping early (a signal of ``train.exit_signals``, ``train.exit_after_minutes``
 ``train.exit_at_step``): after each step the ranks agree whether to stop there
 (:mod:`moe_fold.training.stop`), and then write that step's checkpoint.
 docs/reliability.md lists every fault and what happens.
+
+Checkpoints every ``train.save_every`` steps and at the last one go through a
+:class:`moe_fold.training.checkpoint.CheckpointSaver` (in the background with
+``train.async_save``); the run waits for the last write before it returns, and on an
+error before it leaves. Validation (``train.eval_every``, :mod:`moe_fold.training.evaluate`)
+writes its own rows to metrics.jsonl without changing the training data order or RNG.
 
 Entry points: :func:`train` (one rank; torch.distributed already initialised, or a single
 process) and :func:`check_trainable` (rules of the loop on top of
@@ -177,16 +188,17 @@ def _barrier(groups: ProcessGroups) -> None:
         dist.barrier()
 
 
-def _dataset(config: Config, groups: ProcessGroups):
-    """Rank 0 tokenizes the corpus into the cache (when needed) first; the others then
-    find it built."""
+def _dataset(config: Config, groups: ProcessGroups, build: Optional[Callable] = None):
+    """``build(config)`` (default: the training dataset): rank 0 tokenizes the corpus into
+    the cache (when needed) first; the others then find it built."""
     from moe_fold.data.loader import dataset_from_config
 
+    build = build or dataset_from_config
     if groups.rank == 0:
-        dataset = dataset_from_config(config)
+        dataset = build(config)
     _barrier(groups)
     if groups.rank != 0:
-        dataset = dataset_from_config(config)
+        dataset = build(config)
     return dataset
 
 
@@ -222,6 +234,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     from moe_fold.models.model import build_model
     from moe_fold.training.optim import apply_gradients, build_optimizer, build_scheduler
     from moe_fold.training.step import forward_backward
+    from moe_fold.training.checkpoint import CheckpointSaver
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     check_trainable(config, world)
@@ -248,6 +261,11 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     cp_rank, cp_size = (0, 1) if dynamic_cp is not None else (groups.rank_in("cp"), groups.size("cp"))
     loader = DataLoader(dataset, t.global_batch_size, t.micro_batch_size, dp_rank=groups.rank_in("dp"),
                         dp_size=groups.size("dp"), cp_rank=cp_rank, cp_size=cp_size)
+    valid_dataset = None
+    if t.eval_every > 0:
+        from moe_fold.data.loader import validation_dataset_from_config
+
+        valid_dataset = _dataset(config, groups, validation_dataset_from_config)
     torch.manual_seed(t.seed)
     model = build_model(config, groups).to(device)
     master = None
@@ -261,6 +279,12 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     optimizer = build_optimizer(state_model, config.optimizer, groups)
     scheduler = build_scheduler(optimizer, config)
     collector = RoutingCollector(model, config)
+    replacer = None
+    if config.moe.replace_every > 0 or config.moe.replicas > 0:
+        from moe_fold.training.replace import ExpertReplacer
+
+        replacer = ExpertReplacer(config, [state_model] + ([model] if master else []), groups, optimizer,
+                                  collector.moe_layers)
 
     @contextlib.contextmanager
     def forward_context() -> Iterator[None]:
@@ -279,6 +303,8 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                 master.master_to_model()
             start_step = int(extra["step"])
             loader.load_state_dict(extra["data"])
+            if replacer is not None and "experts" in extra:
+                replacer.load_state_dict(extra["experts"])
             checkpoint_path = str(found)
     if start_step == 0 and config.init.from_hf is not None:
         from moe_fold.models.hf.importer import load_hf_into
@@ -312,6 +338,9 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     stops = StopRule(config, signals, device, world, began)
     # A signal or budget before the first step: no step, and nothing new to save.
     stop = stops.check(start_step, after_a_step=False)
+    saver = CheckpointSaver(run_dir, groups, t.keep_last, async_save=t.async_save, config=config,
+                            timeout_s=config.parallel.timeout_s)
+    finished = False
     try:
         for step in range(start_step + 1, last_step + 1) if stop is None else ():
             step_begin = time.perf_counter()
@@ -347,6 +376,8 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             routing = collector.finish_step(groups)
+            if replacer is not None:
+                routing.update(replacer.after_step(step, routing["expert_load"]))
             seconds = time.perf_counter() - step_begin
             loss = lm + routing.pop("weighted_loss", 0.0)
             median = spikes.median()
@@ -359,15 +390,31 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                       **nonfinite, **routing}
             logger.log(record, collector)
             result.losses.append(record["loss"])
+            # ---- validation (issue 17): its own loader and forked RNG, so training is unchanged
+            if valid_dataset is not None and (step % t.eval_every == 0 or step == t.steps):
+                from moe_fold.training.evaluate import evaluate
+
+                logger.log_eval({"step": step, **evaluate(model, valid_dataset, groups, config, device, dynamic_cp)})
             stop = stops.check(step)
             if stop is not None and rank == 0 and console is not None:
                 console.print(f"stopping after step {step}: {stop.reason}; writing its checkpoint")
             if step % t.save_every == 0 or step == last_step or stop is not None:
-                checkpoint_path = _save(run_dir, step, state_model, optimizer, scheduler, loader, groups, config)
+                extra = {"step": step, "data": loader.state_dict()}
+                if replacer is not None:
+                    extra["experts"] = replacer.state_dict()
+                checkpoint_path = str(saver.save(step, state_model, optimizer, scheduler, extra))
                 result.checkpoint = checkpoint_path
             if stop is not None:
                 break
+        # Every rank returns with the last checkpoint complete on disk (a stop's included).
+        saver.wait(collective=True)
+        finished = True
     finally:
+        if not finished:
+            # An error: still let a background write finish (or fail) before leaving, so no
+            # process exits believing in a checkpoint that is half written.
+            with contextlib.suppress(Exception):
+                saver.wait()
         logger.close()
         collector.close()
     result.seconds = time.perf_counter() - begin
@@ -407,16 +454,6 @@ def _first_nonfinite(model: nn.Module, micro_batches: list, groups: ProcessGroup
     # started (to other ep ranks through the combine, to later stages) and only later.
     first = min((f for f in everyone if f is not None), default=None)
     return None if first is None else f"{first[3]} (rank {first[2]})"
-
-
-def _save(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, loader, groups: ProcessGroups,
-          config: Config) -> str:
-    from moe_fold.training.checkpoint import save_checkpoint
-
-    extra = {"step": step, "data": loader.state_dict()}
-    path = save_checkpoint(run_dir, step, model, optimizer, scheduler, extra, groups, config.train.keep_last,
-                           config=config)
-    return str(path)
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
