@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BENCHES = ("dispatch", "gemm", "permute", "moe_layer", "pipeline_bubble", "cp_attention", "dynamic_cp", "placement",
-           "train", "checkpoint")
+           "overlap", "train", "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,17 @@ def _placement_cases(size: str) -> list[Case]:
                                                      "--routing", "zipf,drift"))]
 
 
+def _overlap_cases(size: str) -> list[Case]:
+    world, sets, rounds = {
+        "smoke": ("2", ("model.num_layers=1", "model.seq_length=32"), "1"),
+        "quick": ("4", ("model.seq_length=64",), "3"),
+        "full": ("4", (), "5"),
+    }[size]
+    return [Case("overlap", f"mixtral-tiny-w{world}", ("--world", world, "--preset", "mixtral-tiny",
+                                                       *(f for s in sets for f in ("--set", s)),
+                                                       "--bucket-numel", "65536", "--rounds", rounds))]
+
+
 def _train_cases(size: str) -> list[Case]:
     micro_batch, seq, rounds, mm, impls = {
         "smoke": ("1", "32", "1", "256", "eager"),
@@ -172,7 +183,7 @@ def cases(size: str) -> list[Case]:
         raise ValueError(f"size={size!r} is not one of smoke, quick, full")
     return [*_dispatch_cases(size), *_gemm_cases(size), *_permute_cases(size), *_moe_layer_cases(size),
             *_pipeline_cases(size), *_cp_cases(size), *_dynamic_cp_cases(size), *_placement_cases(size),
-            *_train_cases(size), *_checkpoint_cases(size)]
+            *_overlap_cases(size), *_train_cases(size), *_checkpoint_cases(size)]
 
 
 def select(all_cases: list[Case], only: str | None) -> list[Case]:

@@ -115,6 +115,17 @@ def _train(r: dict):
          if "flops_fraction_ceiling" in r else [])
 
 
+def _overlap(r: dict):
+    case = f"{r['kind']} {r['preset']} world {r['world']}"
+    rows = [("exposed_fraction", _num(r["exposed_fraction"]),
+             "time waited on it with its overlap on / its whole time (overlap off)")]
+    if "planner_exposed_fraction" in r:
+        rows.append(("planner_exposed_fraction", _num(r["planner_exposed_fraction"]),
+                     "the same from the planner's exposed terms"))
+        rows.append(("step_ratio", _num(r["step_ratio"]), "step time overlap off / on (>1: overlap faster)"))
+    return case, r["ms"], rows
+
+
 def _checkpoint(r: dict):
     case = f"{r['preset']} {r['params'] / 1e6:.0f}M params, {r['checkpoint_bytes'] / 2**30:.2f} GiB: async save"
     return case, r["async_stall_ms"], [
@@ -133,7 +144,7 @@ def _other(r: dict):
 
 ROWS = {"dispatch": _dispatch, "gemm": _gemm, "permute": _permute, "moe_layer": _moe_layer,
         "pipeline_bubble": _pipeline_bubble, "cp_attention": _cp_attention, "dynamic_cp": _dynamic_cp,
-        "placement": _placement,
+        "placement": _placement, "overlap": _overlap,
         "train": _train, "checkpoint": _checkpoint}
 
 

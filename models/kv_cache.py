@@ -58,15 +58,16 @@ class KVCache:
         self.length = length
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
     """Causal attention of the newest ``n`` tokens over all ``L`` cached ones:
     ``q [B, heads, n, hd]``, ``k``/``v`` ``[B, kv_heads, L, hd]`` (the last ``n`` of them are
-    the queries' own) -> ``[B, heads, n, hd]``. Query ``i`` sits at position ``L - n + i``
-    and sees keys ``0 .. L - n + i``."""
+    the queries' own; v's head width may differ, MLA) -> ``[B, heads, n, hd_v]``. Query
+    ``i`` sits at position ``L - n + i`` and sees keys ``0 .. L - n + i``. ``scale``
+    defaults to ``1/sqrt(hd)``."""
     n, length = q.shape[2], k.shape[2]
     # Query head h reads kv head h // (heads / kv_heads), as in training and Hugging Face.
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, heads, L, hd]
     positions = torch.arange(length - n, length, device=q.device)
     mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # [n, L]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -1,6 +1,7 @@
 """The decoder-only transformer: embedding, blocks (attention + MLP or MoE), final norm,
 LM head and loss. Mixtral / Qwen2-MoE / Qwen3-MoE layout (pre-norm, RMSNorm, rotary,
-grouped-query attention, SwiGLU).
+grouped-query attention, SwiGLU), or DeepSeek-V3's with multi-head latent attention
+(``model.attention: mla``, :mod:`moe_fold.models.mla`).
 
 Activations are sequence-first, ``[S, B, H]``. With tensor parallel and sequence parallel
 (SP) every tp rank holds its own slice of the sequence, ``[S/tp, B, H]``, between the
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 
 from moe_fold.comm import all_reduce_, gather_from_tp_region
-from moe_fold.config import Config, head_dim, moe_layer_flags, vpp_size
+from moe_fold.config import Config, head_dim, moe_layer_flags, rotary_dim, vpp_size
 from moe_fold.parallel.context_parallel import zigzag_positions
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.pipeline import create_embedding_group, stage_layers
@@ -48,10 +49,11 @@ from moe_fold.parallel.varlen import Documents, doc_ids_from_cu_seqlens, router_
 
 from .attention import Attention
 from .kv_cache import LayerCache
+from .mla import MLAttention
 from .mlp import MLP
 from .moe_layer import MoELayer
 from .norm import RMSNorm
-from .rotary import rotary_cos_sin
+from .rotary import rotary_cos_sin, yarn_of
 
 
 class Block(nn.Module):
@@ -67,8 +69,12 @@ class Block(nn.Module):
         # Under SP each tp rank normalises a different slice of the sequence.
         norm_kind = "tp_sum" if sp else "replicated"
         self.attn_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind)
-        self.attn = Attention(m, head_dim(config), groups.tp, sp, seed=config.train.seed,
-                              name=f"layers.{layer}.attn", cp_group=groups.cp, cp_kind=config.parallel.cp_kind)
+        where = dict(seed=config.train.seed, name=f"layers.{layer}.attn", cp_group=groups.cp,
+                     cp_kind=config.parallel.cp_kind)
+        if m.attention == "mla":
+            self.attn = MLAttention(m, groups.tp, sp, **where)
+        else:
+            self.attn = Attention(m, head_dim(config), groups.tp, sp, **where)
         self.mlp_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind)
         self.mlp = mlp
 
@@ -136,7 +142,9 @@ class Transformer(nn.Module):
     Parameter names (what checkpoint and Hugging Face conversion map): ``embed.weight``;
     ``layers.{i}.attn_norm.weight``, ``.attn.qkv.weight`` (rows q|k|v), ``.attn.proj.weight``,
     ``.attn.q_norm.weight``/``.attn.k_norm.weight`` (QK-norm), ``.mlp_norm.weight``,
-    ``.mlp.fc1.weight`` (rows gate|up), ``.mlp.fc2.weight``; ``norm.weight``;
+    ``.mlp.fc1.weight`` (rows gate|up), ``.mlp.fc2.weight``; MLA layers have
+    ``.attn.{q,q_down,q_norm,q_up,kv_down,kv_norm,kv_up,proj}.weight`` instead
+    (:class:`~moe_fold.models.mla.MLAttention`); ``norm.weight``;
     ``lm_head.weight`` (tied: the same parameter as ``embed.weight``). A ``"tp"``
     parameter holds this rank's shard (``tp_dim``, ``tp_parts``;
     :func:`moe_fold.parallel.tensor_parallel.shard_tp`).
@@ -183,7 +191,8 @@ class Transformer(nn.Module):
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = next(self.parameters()).dtype
-        return rotary_cos_sin(positions, head_dim(self.config), self.config.model.rope_theta, dtype)
+        m = self.config.model
+        return rotary_cos_sin(positions, rotary_dim(self.config), m.rope_theta, dtype, yarn_of(m))
 
     def _default_positions(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[S_local]``: this rank's zigzag shard of ``0..S-1`` (``arange`` without cp)."""

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from moe_fold.comm import gather_from_tp_region, recv, send
-from moe_fold.config import head_dim
+from moe_fold.config import rotary_dim
 
 from .kv_cache import KVCache
-from .rotary import rotary_cos_sin
+from .rotary import rotary_cos_sin, yarn_of
 
 __all__ = ["next_token", "forward_cached", "generate"]
 
@@ -81,7 +81,8 @@ def forward_cached(model, ids: torch.Tensor, cache: KVCache) -> Optional[torch.T
     start = cache.length
     dtype = next(model.parameters()).dtype
     positions = torch.arange(start, start + padded, device=ids.device)
-    cos, sin = rotary_cos_sin(positions, head_dim(config), config.model.rope_theta, dtype)  # [n_pad, hd]
+    cos, sin = rotary_cos_sin(positions, rotary_dim(config), config.model.rope_theta, dtype,
+                              yarn_of(config.model))  # [n_pad, rotary dims]
     x = None
     last = model.num_stages - 1
     for stage in range(model.num_stages):

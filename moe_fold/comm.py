@@ -14,6 +14,11 @@ all-to-all the all-to-all with the splits swapped, of all-reduce (sum) all-reduc
 The four Megatron TP/SP mappings (``copy_to_tp_region`` ...) instead assume that the
 tensors downstream are replicated over TP and use identity where Megatron does.
 
+Asynchronous collectives (outside autograd, for gradients and parameters):
+``all_reduce_async_``, ``reduce_scatter_async`` and ``all_gather_async`` post the
+collective and return a :class:`Pending` whose ``wait()`` gives the result; work meant to
+overlap runs in between. They count their bytes when posted, by the rules below.
+
 Byte counter
 ------------
 Each process keeps a count of the bytes it SENDS to other ranks, keyed by the kind of
@@ -44,7 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -55,6 +60,7 @@ __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "gather_from_sequence_region",
     "reduce_scatter_to_sequence_region", "scatter_to_sequence_region", "gather_from_tp_region",
     "send", "recv", "batch_send_recv",
+    "Pending", "all_reduce_async_", "reduce_scatter_async", "all_gather_async",
     "bytes_sent", "reset_bytes", "count_bytes",
 ]
 
@@ -166,56 +172,73 @@ def _raw_all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
     return out
 
 
+def _post_all_gather(x0: torch.Tensor, sizes: Optional[list[int]], group: dist.ProcessGroup,
+                     async_op: bool) -> tuple[Optional[dist.Work], Callable[[], torch.Tensor]]:
+    """Post the all-gather of every rank's ``x0`` along dim 0; returns the work (None when
+    not ``async_op``) and the function that assembles ``[sum(sizes), ...rest]`` once it is done."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    rest = tuple(x0.shape[1:])
+    if sizes is None:
+        out = x0.new_empty((n * x0.shape[0],) + rest)  # [n*s, ...rest]
+        return dist.all_gather_single(out, x0, group=group, async_op=async_op), lambda: out
+    sizes = _check_sizes("sizes", sizes, n)
+    if sizes[me] != x0.shape[0]:
+        raise ValueError(f"all_gather: sizes[{me}]={sizes[me]} but this rank's tensor has "
+                         f"{x0.shape[0]} along the gathered dim")
+    # The collective needs equal shapes on every rank: pad to the largest shard.
+    pad = max(sizes)
+    padded = x0.new_zeros((pad,) + rest)
+    padded[: x0.shape[0]] = x0
+    gathered = x0.new_empty((n * pad,) + rest)  # [n*max, ...rest]
+    work = dist.all_gather_single(gathered, padded, group=group, async_op=async_op)
+
+    def finish() -> torch.Tensor:
+        rows = gathered.view((n, pad) + rest)  # [n, max, ...rest]
+        return torch.cat([rows[r, : sizes[r]] for r in range(n)])  # [sum(sizes), ...rest]
+    return work, finish
+
+
 def _raw_all_gather(x: torch.Tensor, sizes: Optional[list[int]], dim: int,
                     group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``."""
-    n, me = dist.get_world_size(group), dist.get_rank(group)
     x0 = x.movedim(dim, 0).contiguous()  # [s, ...rest]
+    _, finish = _post_all_gather(x0, sizes, group, async_op=False)
+    _count(group, _nbytes(x0) * (dist.get_world_size(group) - 1))
+    return finish().movedim(0, dim)
+
+
+def _post_reduce_scatter(x0: torch.Tensor, sizes: Optional[list[int]], group: dist.ProcessGroup,
+                         async_op: bool) -> tuple[Optional[dist.Work], Callable[[], torch.Tensor]]:
+    """Post the reduce-scatter (sum) of ``x0`` along dim 0; returns the work (None when not
+    ``async_op``) and the function that returns this rank's slice once it is done."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    rest = tuple(x0.shape[1:])
     if sizes is None:
-        out = x0.new_empty((n * x0.shape[0],) + tuple(x0.shape[1:]))  # [n*s, ...rest]
-        dist.all_gather_single(out, x0, group=group)
-    else:
-        sizes = _check_sizes("sizes", sizes, n)
-        if sizes[me] != x0.shape[0]:
-            raise ValueError(f"all_gather: sizes[{me}]={sizes[me]} but this rank's tensor has "
-                             f"{x0.shape[0]} along dim {dim}")
-        # all_gather_single needs equal shapes on every rank: pad to the largest shard.
-        pad = max(sizes)
-        padded = x0.new_zeros((pad,) + tuple(x0.shape[1:]))
-        padded[: x0.shape[0]] = x0
-        gathered = x0.new_empty((n * pad,) + tuple(x0.shape[1:]))  # [n*max, ...rest]
-        dist.all_gather_single(gathered, padded, group=group)
-        gathered = gathered.view((n, pad) + tuple(x0.shape[1:]))  # [n, max, ...rest]
-        out = torch.cat([gathered[r, : sizes[r]] for r in range(n)])  # [sum(sizes), ...rest]
-    _count(group, _nbytes(x0) * (n - 1))
-    return out.movedim(0, dim)
+        if x0.shape[0] % n:
+            raise ValueError(f"reduce_scatter: size {x0.shape[0]} along the scattered dim is not divisible by "
+                             f"group size {n}; pass sizes= for uneven slices")
+        out = x0.new_empty((x0.shape[0] // n,) + rest)  # [total/n, ...rest]
+        return dist.reduce_scatter_single(out, x0, group=group, async_op=async_op), lambda: out
+    sizes = _check_sizes("sizes", sizes, n)
+    if sum(sizes) != x0.shape[0]:
+        raise ValueError(f"reduce_scatter: sizes={sizes} sum to {sum(sizes)} but the input has "
+                         f"{x0.shape[0]} along the scattered dim")
+    # The collective needs equal slices: pad every rank's slice to the largest.
+    pad = max(sizes)
+    padded = x0.new_zeros((n, pad) + rest)  # [n, max, ...rest]
+    for r, chunk in enumerate(torch.split(x0, sizes)):
+        padded[r, : sizes[r]] = chunk
+    out = x0.new_empty((pad,) + rest)
+    work = dist.reduce_scatter_single(out, padded.view((n * pad,) + rest), group=group, async_op=async_op)
+    return work, lambda: out[: sizes[me]]  # [sizes[me], ...rest]
 
 
 def _raw_reduce_scatter(x: torch.Tensor, sizes: Optional[list[int]], dim: int,
                         group: dist.ProcessGroup) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's slice along ``dim``."""
-    n, me = dist.get_world_size(group), dist.get_rank(group)
     x0 = x.movedim(dim, 0).contiguous()  # [total, ...rest]
-    rest = tuple(x0.shape[1:])
-    if sizes is None:
-        if x0.shape[0] % n:
-            raise ValueError(f"reduce_scatter: size {x0.shape[0]} along dim {dim} is not divisible by "
-                             f"group size {n}; pass sizes= for uneven slices")
-        out = x0.new_empty((x0.shape[0] // n,) + rest)  # [total/n, ...rest]
-        dist.reduce_scatter_single(out, x0, group=group)
-    else:
-        sizes = _check_sizes("sizes", sizes, n)
-        if sum(sizes) != x0.shape[0]:
-            raise ValueError(f"reduce_scatter: sizes={sizes} sum to {sum(sizes)} but the input has "
-                             f"{x0.shape[0]} along dim {dim}")
-        # reduce_scatter_single needs equal slices: pad every rank's slice to the largest.
-        pad = max(sizes)
-        padded = x0.new_zeros((n, pad) + rest)  # [n, max, ...rest]
-        for r, chunk in enumerate(torch.split(x0, sizes)):
-            padded[r, : sizes[r]] = chunk
-        out = x0.new_empty((pad,) + rest)
-        dist.reduce_scatter_single(out, padded.view((n * pad,) + rest), group=group)
-        out = out[: sizes[me]]  # [sizes[me], ...rest]
+    _, finish = _post_reduce_scatter(x0, sizes, group, async_op=False)
+    out = finish()
     _count(group, _nbytes(x0) - _nbytes(out))
     return out.movedim(0, dim)
 
@@ -520,3 +543,58 @@ def batch_send_recv(ops: Sequence[tuple[str, RecvSpec, int]], group: Group = Non
             work.wait()
     _count(group, sent)
     return received
+
+
+# --------------------------------------------------------------------------- asynchronous
+
+class Pending:
+    """A collective in flight: :meth:`wait` blocks until it is done and returns its result
+    (the same tensor on every later call). The bytes were counted when it was posted."""
+
+    def __init__(self, work: Optional[dist.Work], finish: Callable[[], torch.Tensor]):
+        self._work, self._finish = work, finish
+        self._result: Optional[torch.Tensor] = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            if self._work is not None:
+                self._work.wait()
+            self._result = self._finish()
+        return self._result
+
+
+def all_reduce_async_(tensor: torch.Tensor, group: Group) -> Pending:
+    """Start the in-place sum of a contiguous tensor over ``group`` (outside autograd);
+    the :class:`Pending` returns ``tensor`` once summed."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"all_reduce_async_: tensor of shape {tuple(tensor.shape)} must be contiguous")
+    if not _active(group):
+        return Pending(None, lambda: tensor)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    _count(group, _ring_bytes(_nbytes(tensor), dist.get_world_size(group)))
+    return Pending(work, lambda: tensor)
+
+
+def reduce_scatter_async(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = None) -> Pending:
+    """Start the sum of ``x`` over ``group`` keeping this rank's slice along dim 0
+    (``sizes`` as in :func:`reduce_scatter`), outside autograd. Counted as a reduce-scatter."""
+    if not _active(group):
+        if sizes is not None:
+            _check_sizes("sizes", sizes, 1)
+        return Pending(None, lambda: x)
+    x0 = x.contiguous()
+    work, finish = _post_reduce_scatter(x0, sizes, group, async_op=True)
+    own = x0.shape[0] // dist.get_world_size(group) if sizes is None else int(sizes[dist.get_rank(group)])
+    _count(group, (x0.shape[0] - own) * _nbytes(x0) // max(x0.shape[0], 1))
+    return Pending(work, finish)
+
+
+def all_gather_async(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = None) -> Pending:
+    """Start the concatenation of every rank's ``x`` along dim 0 (``sizes`` as in
+    :func:`all_gather`), outside autograd. Counted as an all-gather."""
+    if not _active(group):
+        return Pending(None, lambda: x)
+    x0 = x.contiguous()
+    work, finish = _post_all_gather(x0, sizes, group, async_op=True)
+    _count(group, _nbytes(x0) * (dist.get_world_size(group) - 1))
+    return Pending(work, finish)

@@ -50,6 +50,29 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
 
+    # Attention kind: mha (grouped-query multi-head attention) | mla (DeepSeek's multi-head
+    # latent attention: low-rank query and joint key/value compression, decoupled rotary part).
+    attention: str = "mha"
+    # MLA sizes (names as in Hugging Face's DeepseekV3Config). q_lora_rank None: a full-rank query.
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    # The rotary dims of q and k come in interleaved pairs (x0, x1), (x2, x3)... (DeepSeek's
+    # checkpoints) instead of two halves.
+    rope_interleave: bool = False
+    # Rotary scaling: null (none) | yarn (Peng et al. 2023, as DeepSeek-V3 uses it).
+    rope_scaling: Optional[str] = None
+    yarn_factor: Optional[float] = None
+    yarn_original_max_position_embeddings: Optional[int] = None
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    # cos/sin scale mscale(yarn_mscale) / mscale(yarn_mscale_all_dim) when both are set, else
+    # mscale(1); the MLA softmax scale also takes mscale(yarn_mscale_all_dim)^2 when set.
+    yarn_mscale: Optional[float] = None
+    yarn_mscale_all_dim: Optional[float] = None
+
 
 @dataclass
 class MoEConfig:
@@ -130,6 +153,14 @@ class ParallelConfig:
     backend: str = "auto"  # auto | gloo | nccl
     # Seconds a collective may wait before the run stops with an error.
     timeout_s: float = 300.0
+    # Data-parallel overlap (moe_fold.training.buckets): reduce each gradient bucket during the
+    # backward of the last micro-batch, as soon as its grads are final; all-gather each
+    # parameter bucket of the distributed optimizer during the next forward, waited just
+    # before the bucket's first use. Off: after the backward, and before the next step.
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    # Elements per gradient bucket (and distributed-optimizer shard bucket).
+    grad_bucket_numel: int = 1 << 24
 
 
 @dataclass
@@ -472,8 +503,36 @@ def edp_size(config: Config, world_size: int) -> int:
 
 
 def head_dim(config: Config) -> int:
+    """Per-head width of standard attention (MLA's widths are its own fields)."""
     m = config.model
     return m.hidden_size // m.num_heads if m.head_dim is None else m.head_dim
+
+
+def rotary_dim(config: Config) -> int:
+    """Width of the rotary part of a query/key head: the whole head under mha,
+    ``qk_rope_head_dim`` under mla."""
+    m = config.model
+    return m.qk_rope_head_dim if m.attention == "mla" else head_dim(config)
+
+
+def mla_weight_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Global ``[out, in]`` shapes of an MLA layer's linears, by our parameter name under
+    ``attn.`` (norms aside): what the model builds and the planner and dynamic-cp cost
+    model count."""
+    heads, qk = m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
+    shapes = {}
+    if m.q_lora_rank is None:
+        shapes["q"] = (heads * qk, m.hidden_size)
+    else:
+        shapes["q_down"] = (m.q_lora_rank, m.hidden_size)
+        shapes["q_up"] = (heads * qk, m.q_lora_rank)
+    shapes["kv_down"] = (m.kv_lora_rank + m.qk_rope_head_dim, m.hidden_size)
+    shapes["kv_up"] = (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+    shapes["proj"] = (m.hidden_size, heads * m.v_head_dim)
+    return shapes
+
+
+MLA_SIZES = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def moe_layer_flags(config: Config) -> list[bool]:
@@ -632,6 +691,14 @@ def _check_parallel(config: Config, world_size: int, out: list[str]) -> bool:
     _one_of(out, "parallel.pp_schedule", p.pp_schedule, ("auto", "1f1b", "interleaved"))
     _one_of(out, "parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _positive(out, "parallel.timeout_s", p.timeout_s)
+    _at_least(out, "parallel.grad_bucket_numel", p.grad_bucket_numel, 1)
+    if p.overlap_grad_reduce and config.moe.replicas > 0:
+        out.append(f"parallel.overlap_grad_reduce=true cannot run with moe.replicas={config.moe.replicas} yet: the "
+                   f"copies of an expert sum their grads over ep after the whole backward, before the "
+                   f"data-parallel reduction")
+    if p.overlap_param_gather and not config.optimizer.distributed:
+        out.append("parallel.overlap_param_gather=true needs optimizer.distributed=true (only the distributed "
+                   "optimizer all-gathers parameters after its step)")
     return ok
 
 
@@ -671,12 +738,13 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
         return
     if m.num_heads % m.num_kv_heads:
         out.append(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
-    if m.head_dim is None and m.hidden_size % m.num_heads:
+    if m.attention != "mla" and m.head_dim is None and m.hidden_size % m.num_heads:
         out.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads} "
                    f"(required when model.head_dim is null)")
-    elif head_dim(config) % 2:
+    elif m.attention != "mla" and head_dim(config) % 2:
         what = "model.head_dim" if m.head_dim is not None else "model.hidden_size/num_heads"
         out.append(f"{what}={head_dim(config)} must be even (rotary embeddings rotate pairs of dimensions)")
+    _check_attention(m, out)
     if p.tp < 1 or p.cp < 1:
         return
     _divisible(out, "model.num_heads", m.num_heads, "parallel.tp", p.tp)
@@ -695,6 +763,63 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
             # multiple of cp (context_parallel.a2a_kv_repeats), which divides the query heads.
             why = " (parallel.cp_kind=a2a splits each tp rank's heads over cp)"
             _divisible(out, "model.num_heads", m.num_heads, "parallel.tp*cp", p.tp * p.cp, why)
+
+
+def _check_attention(m: ModelConfig, out: list[str]) -> None:
+    """The attention kind, MLA's sizes and the rotary scaling."""
+    _one_of(out, "model.attention", m.attention, ("mha", "mla"))
+    if m.attention == "mla":
+        for name in MLA_SIZES:
+            value = getattr(m, name)
+            if value is None:
+                out.append(f"model.{name}=null must be set when model.attention=mla")
+            else:
+                _at_least(out, f"model.{name}", value, 1)
+        if m.q_lora_rank is not None:
+            _at_least(out, "model.q_lora_rank", m.q_lora_rank, 1)
+        if m.qk_rope_head_dim is not None and m.qk_rope_head_dim % 2:
+            out.append(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (rotary pairs)")
+        if m.num_kv_heads != m.num_heads:
+            out.append(f"model.num_kv_heads={m.num_kv_heads} must equal model.num_heads={m.num_heads} when "
+                       f"model.attention=mla (every head has its own key and value)")
+        if m.qk_norm or m.qkv_bias:
+            out.append("model.qk_norm and model.qkv_bias must be false when model.attention=mla")
+        if m.head_dim is not None:
+            out.append(f"model.head_dim={m.head_dim} must be null when model.attention=mla (MLA's head widths are "
+                       f"model.qk_nope_head_dim, model.qk_rope_head_dim and model.v_head_dim)")
+    elif m.attention == "mha":
+        for name in ("q_lora_rank",) + MLA_SIZES:
+            if getattr(m, name) is not None:
+                out.append(f"model.{name}={getattr(m, name)} is an MLA size: set model.attention=mla or leave "
+                           f"it null")
+    if m.rope_interleave and m.attention != "mla":
+        out.append("model.rope_interleave=true requires model.attention=mla")
+    if m.rope_scaling is None:
+        for name in ("yarn_factor", "yarn_original_max_position_embeddings", "yarn_mscale", "yarn_mscale_all_dim"):
+            if getattr(m, name) is not None:
+                out.append(f"model.{name}={_fmt(getattr(m, name))} is set but model.rope_scaling is null")
+        return
+    _one_of(out, "model.rope_scaling", m.rope_scaling, ("yarn",))
+    if m.rope_scaling != "yarn":
+        return
+    if m.attention != "mla":
+        out.append("model.rope_scaling=yarn requires model.attention=mla (YaRN is implemented for MLA models)")
+    if m.yarn_factor is None:
+        out.append("model.yarn_factor=null must be set when model.rope_scaling=yarn")
+    elif not m.yarn_factor >= 1:
+        out.append(f"model.yarn_factor={_fmt(m.yarn_factor)} must be >= 1")
+    if m.yarn_original_max_position_embeddings is None:
+        out.append("model.yarn_original_max_position_embeddings=null must be set when model.rope_scaling=yarn")
+    else:
+        _at_least(out, "model.yarn_original_max_position_embeddings", m.yarn_original_max_position_embeddings, 1)
+    _positive(out, "model.yarn_beta_fast", m.yarn_beta_fast)
+    _positive(out, "model.yarn_beta_slow", m.yarn_beta_slow)
+    if not m.yarn_beta_fast >= m.yarn_beta_slow:
+        out.append(f"model.yarn_beta_fast={_fmt(m.yarn_beta_fast)} must be >= "
+                   f"model.yarn_beta_slow={_fmt(m.yarn_beta_slow)}")
+    for name in ("yarn_mscale", "yarn_mscale_all_dim"):
+        if getattr(m, name) is not None:
+            _at_least(out, f"model.{name}", getattr(m, name), 0)
 
 
 def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:

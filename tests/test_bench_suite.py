@@ -28,7 +28,7 @@ from moe_fold.cli import bench as bench_command  # noqa: E402
 RATIO_FIELDS = {"dispatch": "bytes_sent/bytes_min", "gemm": "ratio_to_dense", "permute": "ratio_to_copy",
                 "moe_layer": "ratio_vs_hf", "pipeline_bubble": "idle vs theory",
                 "cp_attention": "ratio_to_single", "dynamic_cp": "time_ratio", "placement": "busiest_over_mean",
-                "train": "ratio_vs_hf", "checkpoint": "ratio_async_to_sync"}
+                "overlap": "exposed_fraction", "train": "ratio_vs_hf", "checkpoint": "ratio_async_to_sync"}
 
 
 @pytest.mark.parametrize("size", ["smoke", "quick", "full"])
@@ -186,6 +186,17 @@ def test_table_rows_name_each_ratio():
     console = Console(width=200, record=True)
     console.print(table.render(records + [{"bench": "gemm", "suite_case": "t1", "error": "exit code 1: [/red] [b]"}]))
     assert "exit code 1: [/red] [b]" in console.export_text()  # a benchmark's text is not markup
+
+
+def test_overlap_rows_put_the_planner_next_to_the_measurement():
+    on = {"bench": "overlap", "kind": "dp_grads", "preset": "p", "world": 4, "ms": 5.0, "exposed_fraction": 0.25,
+          "planner_exposed_fraction": 0.1, "step_ratio": 1.2}
+    off_only = {"bench": "overlap", "kind": "ep_alltoall", "preset": "p", "world": 4, "ms": 6.0,
+                "exposed_fraction": 1.0}
+    first, second = table.rows([on, off_only])
+    assert first[1:4] == ("dp_grads p world 4", "5.00",
+                          "exposed_fraction 0.25\nplanner_exposed_fraction 0.1\nstep_ratio 1.2")
+    assert second[3] == "exposed_fraction 1"
 
 
 def test_plot_series_pick_their_points():

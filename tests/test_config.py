@@ -368,6 +368,13 @@ RULES = [
     (["parallel.order=tp-cp-ep-dp-dp"], 1,
      ["parallel.order=tp-cp-ep-dp-dp must be a permutation of tp, cp, ep, dp, pp joined by '-'"]),
     (["parallel.timeout_s=0"], 1, ["parallel.timeout_s=0.0 must be > 0"]),
+    (["parallel.grad_bucket_numel=0"], 1, ["parallel.grad_bucket_numel=0 must be >= 1"]),
+    (["parallel.overlap_grad_reduce=true", "parallel.ep=2", "moe.num_experts=4", "moe.replicas=1"], 2,
+     ["parallel.overlap_grad_reduce=true cannot run with moe.replicas=1 yet: the copies of an expert sum their grads "
+      "over ep after the whole backward, before the data-parallel reduction"]),
+    (["parallel.overlap_param_gather=true"], 1,
+     ["parallel.overlap_param_gather=true needs optimizer.distributed=true (only the distributed optimizer "
+      "all-gathers parameters after its step)"]),
     # model sizes
     (["model.vocab_size=0"], 1, ["model.vocab_size=0 must be >= 1"]),
     (["model.hidden_size=0"], 1, ["model.hidden_size=0 must be >= 1"]),

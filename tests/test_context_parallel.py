@@ -149,7 +149,7 @@ def test_argument_errors():
         context_parallel_attention(q, k, k, None)
     with pytest.raises(ValueError, match="expected \\[B, heads, S_local, head_dim\\]"):
         context_parallel_attention(q[0], q[0], q[0], None)
-    with pytest.raises(ValueError, match="same shape"):
+    with pytest.raises(ValueError, match="must agree in batch, heads and sequence"):
         context_parallel_attention(q, q, q[:, :2], None)
     with pytest.raises(ValueError, match="at least 2 ranks, got 1"):
         ra.ring_attention(q, q, q, None)

@@ -17,6 +17,7 @@ from moe_fold.models.model import build_model
 from moe_fold.training.step import forward_backward
 
 from test_layout_invariance import _global_grads
+from test_mla import MLA_MODEL
 from test_packed import _config, _packed_batch
 
 S = 16
@@ -118,16 +119,16 @@ COST = CostModel(pair_flops=1.0, kv_token_cost=1.0)
 PLAN_SIZES = {2: [[1, 1], [1, 1], [2], [1, 1]], 4: [[2, 2], [2, 1, 1], [2, 1, 1], [2, 2]]}
 
 
-def _reference():
-    config = _config()
+def _reference(model_overrides=None):
+    config = _config(model_overrides)
     model = build_model(config, ProcessGroups.single_process())
     batches = [_packed_batch(row_docs=docs) for docs in MICRO_BATCHES]
     losses = forward_backward(model, batches, ProcessGroups.single_process(), config)
     return losses.sum().item(), {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
 
 
-def _dynamic_rank(rank, world, ep):
-    config = _config(cp=world, ep=ep)
+def _dynamic_rank(rank, world, ep, model_overrides=None):
+    config = _config(model_overrides, cp=world, ep=ep)
     groups = create_process_groups(ParallelLayout(world, cp=world, ep=ep))
     dcp = DynamicCP(groups, COST, capacity=2 * S // world)
     model = build_model(config, groups)
@@ -140,10 +141,11 @@ def _dynamic_rank(rank, world, ep):
     return {"loss": loss.item() / world, "grads": _global_grads(model, groups), "plans": plans}
 
 
-@pytest.mark.parametrize("world,ep", [(2, 2), (4, 4)])
-def test_dynamic_cp_equals_one_process(world, ep):
-    results = run_ranks(_dynamic_rank, world, ep, timeout=240)
-    loss, grads = _reference()
+@pytest.mark.parametrize("world,ep,model_overrides", [(2, 2, None), (4, 4, None), (2, 2, MLA_MODEL)],
+                         ids=["cp2", "cp4", "mla-cp2"])
+def test_dynamic_cp_equals_one_process(world, ep, model_overrides):
+    results = run_ranks(_dynamic_rank, world, ep, model_overrides, timeout=240)
+    loss, grads = _reference(model_overrides)
     # The plans mix sub-group sizes: a long document on several ranks, short ones alone.
     assert [[g[1] for g in plan] for plan in results[0]["plans"]] == PLAN_SIZES[world], results[0]["plans"]
     for r in results:

@@ -5,13 +5,16 @@ dp2; experts over ep with an all-gather dispatcher written here) through two
 micro-batches of gradient accumulation, and checks every synced grad and the norm
 against one process holding the same global weights and data."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe_fold.comm import all_gather, reduce_from_tp_region, reduce_scatter
-from moe_fold.training.grads import clip_grad_norm_, grad_norm, sync_grads
+from moe_fold.training.buckets import GradSync, make_buckets
+from moe_fold.training.grads import clip_grad_norm_, grad_norm, sharded_grad_norm, sync_grads
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.mlp import MLP
@@ -107,27 +110,58 @@ class Toy(torch.nn.Module):
         return self.gain * reduce_from_tp_region(local, self.groups.tp) * (dp_cp / num_tokens)
 
 
-def _toy_run(toy, groups, shard):
-    """Backward of MICRO micro-batches, grads accumulating; ``shard`` picks this rank's tokens."""
+def _toy_run(toy, groups, shard, sync=None):
+    """Backward of MICRO micro-batches, grads accumulating; ``shard`` picks this rank's
+    tokens; each backward under ``sync``'s hook point (a GradSync)."""
     x, target, mask, expert = _data()
     num_tokens = mask.sum()
     for m in range(MICRO):
-        toy(*(shard(a[m]) for a in (x, target, mask, expert)), num_tokens).backward()
+        loss = toy(*(shard(a[m]) for a in (x, target, mask, expert)), num_tokens)
+        with sync.backward_of(m, 0, MICRO) if sync is not None else contextlib.nullcontext():
+            loss.backward()
+
+
+def _gather_owned(buckets, groups):
+    """Whole local grads from the owned ranges of reduce-scattered buckets."""
+    for b in buckets:
+        mine = torch.cat([s.param.grad.view(-1)[s.start:s.stop] for s in b.slices])  # [sizes[me]]
+        full = all_gather(mine, groups.group(b.group_name), b.sizes)  # [bucket numel]
+        for p, offset in zip(b.params, b.offsets):
+            p.grad.view(-1).copy_(full[offset:offset + p.numel()])
 
 
 def _toy_rank(rank, world_size, runs):
-    """Each (ep, bucket_numel) of ``runs`` in turn (one process start for all)."""
+    """Each (ep, bucket_numel, mode) of ``runs`` in turn (one process start for all). Modes:
+    ``sync`` (sync_grads), ``overlap`` (all-reduce posted during the last backward),
+    ``zero_overlap`` (reduce-scatter posted during it; the sharded norm)."""
     results = []
-    for ep, bucket_numel in runs:
+    for ep, bucket_numel, mode in runs:
         groups = create_process_groups(ParallelLayout(world_size, tp=2, ep=ep, etp=1))
         toy = Toy(groups, sp=True)
         tp, me_tp, me_dp = groups.size("tp"), groups.rank_in("tp"), groups.rank_in("dp_cp")
+        sync, inside = None, []
+        if mode != "sync":
+            buckets = make_buckets([list(toy.parameters())], groups, bucket_numel, shard=mode == "zero_overlap")
+            sync = GradSync(buckets, groups, overlap=True)
+            post = sync._post
+            sync._post = lambda i: (inside.append(torch._C._current_graph_task_id() != -1), post(i))
         # Slot me_dp, sequence shard me_tp of it.
-        _toy_run(toy, groups, lambda a: a[me_dp].chunk(tp, 0)[me_tp])
+        _toy_run(toy, groups, lambda a: a[me_dp].chunk(tp, 0)[me_tp], sync)
         if ep == E and groups.rank_in("ep") == E - 1:
             assert toy.experts.grad is None  # the expert no token chose: sync must still take part
-        sync_grads(toy.parameters(), groups, bucket_numel=bucket_numel)
         out = {}
+        if mode == "sync":
+            sync_grads(toy.parameters(), groups, bucket_numel=bucket_numel)
+            out["norm"] = grad_norm(toy.parameters(), groups).item()
+        else:
+            sync.finish()
+            # every bucket posted, some while the backward still ran
+            out["posted"], out["inside"] = len(inside), sum(inside)
+            if mode == "zero_overlap":
+                out["norm"] = sharded_grad_norm(buckets, groups).item()
+                _gather_owned(buckets, groups)
+            else:
+                out["norm"] = grad_norm(toy.parameters(), groups).item()
         for name, p in toy.named_parameters():
             g = p.grad.contiguous()
             if p.parallel == "tp":
@@ -137,14 +171,14 @@ def _toy_rank(rank, world_size, runs):
             elif p.parallel == "expert":
                 g = all_gather(g, groups.ep)  # [E, H, H]
             out[name] = g.numpy()
-        out["norm"] = grad_norm(toy.parameters(), groups).item()
         results.append(out)
     return results
 
 
 # ep=2: edp=2 equals dp_cp, and the ep group is the tp group; ep=4: edp=1, so the expert
 # grads must be divided by dp_cp, not averaged over edp. Small buckets split the grads.
-RUNS = [(2, 50), (4, 1 << 20)]
+RUNS = [(2, 50, "sync"), (4, 1 << 20, "sync"), (2, 50, "overlap"), (4, 50, "overlap"), (2, 50, "zero_overlap"),
+        (4, 50, "zero_overlap")]
 
 
 def test_sync_and_norm_match_one_process():
@@ -158,8 +192,10 @@ def test_sync_and_norm_match_one_process():
 
     results = run_ranks(_toy_rank, 4, RUNS, timeout=150)
     for rank, per_rank in enumerate(results):
-        for (ep, bucket_numel), got in zip(RUNS, per_rank):
-            where = f"ep={ep} bucket_numel={bucket_numel} rank {rank}"
+        for (ep, bucket_numel, mode), got in zip(RUNS, per_rank):
+            where = f"ep={ep} bucket_numel={bucket_numel} {mode} rank {rank}"
+            if mode != "sync":
+                assert got["posted"] > 2 and got["inside"] > 0, (where, got["posted"], got["inside"])
             for name, g in ref_grads.items():
                 assert_close_to_float64(torch.from_numpy(got[name]), g, msg=f"{where} grad {name}")
             assert got["norm"] == pytest.approx(ref_norm.item(), rel=1e-5), where

@@ -70,3 +70,32 @@ def test_import_and_export_under_layouts(tmp_path, tp, ep, world):
             assert diff <= TOL
         back = type(ref_model).from_pretrained(out_dir / case).eval()
         assert max_diff(hf_logits(back, ids), ref) <= TOL
+
+
+def _export_pp(rank, world_size, paths, out_dir):
+    from moe_fold.config import Config
+    from moe_fold.models import from_hf, to_hf
+
+    groups = create_process_groups(ParallelLayout(world_size, pp=2))
+    base = Config()
+    base.parallel.pp, base.parallel.pp_layers = 2, [1, 2]  # the 3 layers: 1 on stage 0, 2 on stage 1
+    for case, path in paths.items():
+        to_hf(from_hf(path, groups, config=base), f"{out_dir}/{case}")
+
+
+def test_export_under_pp_writes_every_stage(tmp_path):
+    """pp 2: rank 0 writes the second stage's tensors too (a tied embedding once), the
+    very tensors transformers saved."""
+    from safetensors import safe_open
+
+    paths = {}
+    for case in ("mixtral_gqa", "qwen3_no_norm_tied"):
+        save_hf(case, tmp_path / case)
+        paths[case] = str(tmp_path / case)
+    run_ranks(_export_pp, 2, paths, str(tmp_path / "out"), timeout=240)
+    for case in paths:
+        with safe_open(str(tmp_path / case / "model.safetensors"), "pt") as a, \
+                safe_open(str(tmp_path / "out" / case / "model.safetensors"), "pt") as b:
+            assert set(a.keys()) == set(b.keys()), case
+            for key in a.keys():
+                assert torch.equal(a.get_tensor(key), b.get_tensor(key)), (case, key)

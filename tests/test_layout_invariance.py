@@ -1,8 +1,9 @@
 """The layout-invariance matrix of MoE models (DESIGN.md section 5).
 
-Two tiny models, a Mixtral-like one (every layer MoE, 8 experts, top-2, GQA, aux loss)
-and a Qwen2-MoE-like one (gated shared expert, dense and MoE layers interleaved,
-softmax before top-k, aux and z losses), train three AdamW steps on 2, 4 and 8 gloo
+Three tiny models, a Mixtral-like one (every layer MoE, 8 experts, top-2, GQA, aux loss),
+a Qwen2-MoE-like one (gated shared expert, dense and MoE layers interleaved,
+softmax before top-k, aux and z losses) and a DeepSeek-V3-like one (multi-head latent
+attention, sigmoid group-limited routing with expert bias, shared expert), train three AdamW steps on 2, 4 and 8 gloo
 ranks in many layouts (dp, tp with SP, ep, etp, and their folds) and dispatcher modes
 (all-to-all and all-gather; dropless, capacity, padded, deduplicated). Every layout must
 give one process's losses, first-step gradients (gathered from the tp, ep and etp
@@ -40,6 +41,7 @@ from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
 from moe_fold.models.moe_layer import MoELayer
 from moe_fold.parallel.tensor_parallel import unshard_tp
+from test_mla import MLA_MODEL
 
 VOCAB, HIDDEN, SEQ, BATCH, STEPS, LR = 64, 32, 16, 4, 3, 1e-2
 
@@ -55,6 +57,15 @@ def _config(family, sp=False, **moe):
         c.shared_expert_ffn_hidden_size, c.shared_expert_gate = 40, True
         c.moe_layer_freq = [0, 1]  # a dense layer, then an MoE layer
         c.z_loss_coeff = 0.05
+    if family.startswith("mla"):
+        # DeepSeek-V3's shape: MLA, a dense first layer, sigmoid scores with expert bias,
+        # group-limited top-2 (4 groups, the best 1), scaling, an ungated shared expert.
+        for key, value in MLA_MODEL.items():
+            setattr(config.model, key, value)
+        c.score_function, c.expert_bias, c.num_groups, c.group_topk, c.scaling_factor = "sigmoid", True, 4, 1, 2.5
+        c.shared_expert_ffn_hidden_size, c.first_k_dense = 40, 1
+        if family == "mla-dense":
+            c.moe_layer_freq = 0
     for key, value in moe.items():
         setattr(c, key, value)
     config.parallel.sequence_parallel = sp
@@ -138,8 +149,14 @@ CASES = {
     "tp2-allgather": (2, dict(tp=2), "mixtral", dict(dispatcher="allgather")),
     "ep2-capacity-drop": (2, dict(ep=2), "mixtral", dict(DROP, drop_policy="position")),
     "ep2-pad-drop": (2, dict(ep=2), "qwen2", dict(DROP, pad_to_capacity=True)),
+    # Multi-head latent attention: tp with SP (down-projections replicated, latents
+    # gathered), tp without SP (dense layers only), ep, etp.
+    "mla-tp2": (2, dict(tp=2), "mla", {}),
+    "mla-dense-tp2-no-sp": (2, dict(tp=2), "mla-dense", {}),
     # 4 ranks
     "ep4": (4, dict(ep=4), "mixtral", {}),
+    "mla-tp2-ep2": (4, dict(tp=2, ep=2, etp=1), "mla", {}),
+    "mla-etp2-ep2": (4, dict(tp=2, ep=2, etp=2), "mla", {}),
     "tp2-ep2": (4, dict(tp=2, ep=2, etp=1), "mixtral", {}),
     "etp2-ep2": (4, dict(tp=2, ep=2, etp=2), "mixtral", {}),
     "dp4-ep2-edp2": (4, dict(ep=2), "mixtral", {}),
@@ -165,7 +182,8 @@ CASES = {
 
 def _case_config(name):
     _, sizes, family, moe = CASES[name]
-    return _config(family, sp=sizes.get("tp", 1) > 1, **moe)
+    # tp > 1 implies SP, but for the dense model that checks tp without it.
+    return _config(family, sp=sizes.get("tp", 1) > 1 and family != "mla-dense", **moe)
 
 
 def _rank(rank, world_size, names):

@@ -23,6 +23,7 @@ from moe_fold.training.step import forward_backward
 from moe_fold.parallel.varlen import doc_ids_from_cu_seqlens, segment_bounds, varlen_attention
 
 from test_data import write_indexed_dataset
+from test_mla import MLA_MODEL
 
 S, B = 16, 2
 # Documents of each row (lengths), then padding up to S: row 0 has 3 documents and
@@ -43,11 +44,11 @@ def _cu_seqlens(row_docs=ROW_DOCS, seq=S):
 
 
 def _reference_attention(q, k, v, cu):
-    """Per-document causal attention by an explicit softmax: q [B,Hq,S,D], k/v [B,Hkv,S,D]."""
+    """Per-document causal attention by an explicit softmax: q/k [B,Hq|Hkv,S,D], v [B,Hkv,S,Dv]."""
     Bq, Hq, Sq, D = q.shape
     g = Hq // k.shape[1]
-    flat = [t.transpose(0, 1).reshape(t.shape[1], -1, D) for t in (q, k, v)]  # [H, B*S, D]
-    out = torch.zeros_like(flat[0])
+    flat = [t.transpose(0, 1).reshape(t.shape[1], -1, t.shape[-1]) for t in (q, k, v)]  # [H, B*S, D|Dv]
+    out = flat[0].new_zeros(Hq, Bq * Sq, v.shape[-1])
     c = cu.tolist()
     for a, b in zip(c[:-1], c[1:]):
         qs, ks, vs = (t[:, a:b] for t in flat)
@@ -55,12 +56,13 @@ def _reference_attention(q, k, v, cu):
         s = qs @ ks.transpose(1, 2) / math.sqrt(D)
         s = s.masked_fill(~torch.ones(b - a, b - a, dtype=torch.bool).tril(), -math.inf)
         out[:, a:b] = s.softmax(-1) @ vs
-    return out.view(Hq, Bq, Sq, D).transpose(0, 1)
+    return out.view(Hq, Bq, Sq, v.shape[-1]).transpose(0, 1)
 
 
-def _qkv(seed=0, hq=4, hkv=2, d=8, dtype=torch.float64):
+def _qkv(seed=0, hq=4, hkv=2, d=8, dtype=torch.float64, dv=None):
+    """q, k, v; v ``dv`` wide (default ``d``; MLA's differs)."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, h, S, d, generator=gen, dtype=dtype) for h in (hq, hkv, hkv)]
+    return [torch.randn(B, h, S, w, generator=gen, dtype=dtype) for h, w in ((hq, d), (hkv, d), (hkv, dv or d))]
 
 
 def test_doc_ids_and_segments():
@@ -95,27 +97,30 @@ def test_dense_varlen_equals_per_document():
 CP_DOCS = {"short": [[2, 2, 1, 3, 4, 4], [1, 15]], "long": [[11, 5], [3, 13]]}
 
 
-def _cp_attention_rank(rank, world, kind, row_docs):
-    q, k, v = _qkv(seed=3)
+def _cp_attention_rank(rank, world, kind, row_docs, dv=None):
+    q, k, v = _qkv(seed=3, dv=dv)
     cu = _cu_seqlens(row_docs)
     ids = doc_ids_from_cu_seqlens(cu, B, S)
     group = torch.distributed.group.WORLD
     local = [zigzag_split(t, rank, world, dim=2).clone().requires_grad_() for t in (q, k, v)]
     out = context_parallel_attention(*local, group, kind=kind, doc_ids=ids)
-    dout = zigzag_split(torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=q.dtype),
-                        rank, world, dim=2)
+    dout = zigzag_split(torch.randn(q.shape[:3] + v.shape[3:], generator=torch.Generator().manual_seed(9),
+                                    dtype=q.dtype), rank, world, dim=2)
     out.backward(dout)
     return [out.detach()] + [t.grad for t in local]
 
 
-@pytest.mark.parametrize("kind,docs,cp", [("ring", "short", 2), ("ring", "long", 2), ("a2a", "short", 2),
-                                          ("a2a", "long", 2), ("ring", "short", 4)])
-def test_cp_packed_attention_equals_per_document(kind, docs, cp):
+# dv: a value head width other than q/k's 8 (MLA), narrower and wider.
+@pytest.mark.parametrize("kind,docs,cp,dv", [("ring", "short", 2, None), ("ring", "long", 2, None),
+                                             ("a2a", "short", 2, None), ("a2a", "long", 2, None),
+                                             ("ring", "short", 4, None), ("ring", "long", 2, 5),
+                                             ("ring", "short", 2, 11), ("a2a", "long", 2, 5)])
+def test_cp_packed_attention_equals_per_document(kind, docs, cp, dv):
     row_docs = CP_DOCS[docs]
-    results = run_ranks(_cp_attention_rank, cp, kind, row_docs, timeout=120)
-    q, k, v = (t.requires_grad_() for t in _qkv(seed=3))
+    results = run_ranks(_cp_attention_rank, cp, kind, row_docs, dv, timeout=120)
+    q, k, v = (t.requires_grad_() for t in _qkv(seed=3, dv=dv))
     ref = _reference_attention(q, k, v, _cu_seqlens(row_docs))
-    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=q.dtype)
+    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9), dtype=q.dtype)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
     for i, expected in enumerate([ref.detach(), *ref_grads]):
         got = zigzag_gather([r[i] for r in results], dim=2)
@@ -136,10 +141,12 @@ def test_ring_block_with_an_empty_row_merges_without_nan():
 
 # --------------------------------------------------------------------------- the model
 
-def _config(**parallel):
+def _config(model=None, **parallel):
+    """The packed tests' model (``model``: ModelConfig overrides, e.g. MLA) in ``parallel``."""
     config = Config()
-    config.model = ModelConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=2, num_heads=4, num_kv_heads=2,
-                               ffn_hidden_size=48, seq_length=S, init_std=0.1)
+    config.model = ModelConfig(**{**dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=2, num_heads=4,
+                                         num_kv_heads=2, ffn_hidden_size=48, seq_length=S, init_std=0.1),
+                                  **(model or {})})
     c = config.moe
     c.num_experts, c.topk, c.ffn_hidden_size = 4, 2, 32
     c.aux_loss_coeff, c.z_loss_coeff = 0.1, 0.01
@@ -283,10 +290,10 @@ def test_loader_token_mask_marks_padding(tmp_path):
 
 # --------------------------------------------------------------------------- training steps
 
-def _packed_steps_rank(rank, world, parallel):
+def _packed_steps_rank(rank, world, parallel, model=None):
     from moe_fold.training.grads import sync_grads
 
-    config = _config(**parallel)
+    config = _config(model, **parallel)
     groups = create_process_groups(ParallelLayout(world, cp=parallel.get("cp", 1), pp=parallel.get("pp", 1)))
     model = build_model(config, groups)
     cp, cp_rank = groups.size("cp"), groups.rank_in("cp")
@@ -298,18 +305,21 @@ def _packed_steps_rank(rank, world, parallel):
     return loss.item() / groups.size("dp_cp"), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("parallel", [dict(cp=2, cp_kind="ring"), dict(pp=2)], ids=["cp2-ring", "pp2"])
-def test_packed_training_step_equals_one_process(parallel):
+@pytest.mark.parametrize("parallel,model", [(dict(cp=2, cp_kind="ring"), None), (dict(pp=2), None),
+                                            (dict(cp=2, cp_kind="ring"), MLA_MODEL),
+                                            (dict(cp=2, cp_kind="a2a"), MLA_MODEL)],
+                         ids=["cp2-ring", "pp2", "mla-cp2-ring", "mla-cp2-a2a"])
+def test_packed_training_step_equals_one_process(parallel, model):
     """Two packed micro-batches through forward_backward: ring cp 2 (grads too) and a
     2-stage pipeline, whose middle stage gets the documents as side input, give one
-    process's loss."""
-    config = _config()
-    model = build_model(config, ProcessGroups.single_process())
+    process's loss; MLA under ring and a2a cp 2 the loss and grads too."""
+    config = _config(model)
+    reference = build_model(config, ProcessGroups.single_process())
     batches = [_packed_batch(row_docs=docs) for docs in (ROW_DOCS, [[3, 13], [16]])]
-    loss = forward_backward(model, batches, ProcessGroups.single_process(), config).sum().item()
-    results = run_ranks(_packed_steps_rank, 2, parallel, timeout=180)
+    loss = forward_backward(reference, batches, ProcessGroups.single_process(), config).sum().item()
+    results = run_ranks(_packed_steps_rank, 2, parallel, model, timeout=180)
     for got, grads in results:
         assert got == pytest.approx(loss, rel=1e-5)
         if "cp" in parallel:
-            for name, p in model.named_parameters():
+            for name, p in reference.named_parameters():
                 torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)

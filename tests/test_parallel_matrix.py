@@ -1,6 +1,6 @@
 """Everything composes: context parallel (ring and a2a) and pipeline parallel (1f1b and
 interleaved, tied embeddings) folded with tp, dp, ep and etp train the same model as one
-process.
+process, with standard attention and with multi-head latent attention (MLA_MODEL).
 
 A tiny Mixtral-like model (4 MoE layers, 8 experts top-2, GQA, aux and z losses, the
 all-to-all dispatcher, dropless) trains three steps of :class:`moe_fold.training.optim.AdamW`
@@ -25,17 +25,19 @@ import torch
 import torch.distributed as dist
 
 from moe_fold.comm import all_reduce_
-from moe_fold.config import Config, ModelConfig, ParallelConfig
+from moe_fold.config import Config, ModelConfig, OptimizerConfig, ParallelConfig
 from moe_fold.data.loader import Batch
 from moe_fold.dispatch.router import Router
 from moe_fold.training.grads import clip_grad_norm_, sync_grads
 from moe_fold.launch import run_ranks
 from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
-from moe_fold.training.optim import AdamW, param_groups
+from moe_fold.parallel.sharding import full_tensor, shard_info
+from moe_fold.training.optim import AdamW, apply_gradients, build_grad_sync, build_optimizer, param_groups
 from moe_fold.training.step import forward_backward
 from pipeline_union import unite_over_pp
 from test_layout_invariance import _global_grads
+from test_mla import MLA_MODEL
 
 VOCAB, HIDDEN, LAYERS, SEQ, BATCH, STEPS, LR, MAX_NORM = 64, 32, 4, 16, 4, 3, 1e-2, 0.5
 
@@ -46,11 +48,15 @@ CASES = {
     "cp2-ring": (2, dict(cp=2), 2, dict(cp_kind="ring"), {}),
     "cp2-a2a-ep2": (2, dict(cp=2, ep=2), 2, dict(cp_kind="a2a"), {}),
     "pp2-tied": (2, dict(pp=2), 4, dict(), dict(tie_embeddings=True)),
+    "mla-cp2-ring": (2, dict(cp=2), 2, dict(cp_kind="ring"), MLA_MODEL),
     # 4 ranks
     "pp2-ep2-dp2": (4, dict(pp=2, ep=2), 2, dict(), {}),
     "pp2-vpp2-ep2-dp2-tied": (4, dict(pp=2, ep=2), 2, dict(vpp=2, pp_schedule="interleaved"),
                               dict(tie_embeddings=True)),
     "pp2-cp2-ring-ep2": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), {}),
+    # Multi-head latent attention: interleaved pipeline, a2a cp folded with tp + SP.
+    "mla-pp2-vpp2-ep2-dp2": (4, dict(pp=2, ep=2), 2, dict(vpp=2, pp_schedule="interleaved"), MLA_MODEL),
+    "mla-cp2-a2a-tp2": (4, dict(cp=2, tp=2), 2, dict(cp_kind="a2a"), MLA_MODEL),
     # 8 ranks
     "pp2-tp2-ep2-dp2-edp2": (8, dict(pp=2, tp=2, ep=2, etp=1), 2, dict(), {}),
     "cp2-a2a-tp2-ep4-dp2-edp2": (8, dict(cp=2, tp=2, ep=4, etp=1), 2, dict(cp_kind="a2a"), {}),
@@ -59,8 +65,9 @@ CASES = {
 
 def _config(model=None, **parallel):
     config = Config()
-    config.model = ModelConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4, num_kv_heads=2,
-                               ffn_hidden_size=48, seq_length=SEQ, init_std=0.1, **(model or {}))
+    config.model = ModelConfig(**{**dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4,
+                                         num_kv_heads=2, ffn_hidden_size=48, seq_length=SEQ, init_std=0.1),
+                                  **(model or {})})
     c = config.moe
     c.num_experts, c.topk, c.ffn_hidden_size = 8, 2, 32
     c.aux_loss_coeff, c.z_loss_coeff = 0.1, 0.01
@@ -134,6 +141,41 @@ def _train_layout(model, groups, config, micro_batches):
     return out
 
 
+# name -> (optimizer.distributed, parallel.overlap_grad_reduce, parallel.overlap_param_gather):
+# the training loop's own path (forward_backward with its GradSync, apply_gradients) with
+# buckets of OVERLAP_BUCKET elements, several per model chunk.
+OVERLAP_VARIANTS = {
+    "allreduce": (False, False, False),
+    "allreduce_overlap": (False, True, False),
+    "zero": (True, False, False),
+    "zero_overlap": (True, True, True),
+}
+OVERLAP_BUCKET = 3000
+
+
+def _train_loop_path(config, groups, micro_batches, distributed, overlap_grad, overlap_param):
+    """STEPS steps as :func:`moe_fold.training.train.train` runs them; the losses, grad
+    norms and final global parameters."""
+    model = build_model(config, groups)
+    opt_config = OptimizerConfig(lr=LR, weight_decay=0.1, beta1=0.9, beta2=0.999, eps=1e-8, distributed=distributed)
+    opt = build_optimizer(model, opt_config, groups, bucket_numel=OVERLAP_BUCKET, overlap_param_gather=overlap_param)
+    sync = build_grad_sync(model, opt, groups, bucket_numel=OVERLAP_BUCKET, overlap=overlap_grad)
+    # the whole schedule under one constant rate: AdamW's lr, as in _train_layout
+    for group in opt.param_groups:
+        group["lr"] = LR
+    out = {"losses": [], "norms": []}
+    for _ in range(STEPS):
+        opt.zero_grad()
+        losses = forward_backward(model, micro_batches, groups, config, grad_sync=sync)
+        out["norms"].append(apply_gradients(model.parameters(), opt, groups, MAX_NORM, grad_sync=sync).item())
+        out["losses"].append((all_reduce_(losses.sum(), groups.dp_cp) / groups.size("dp_cp")).item())
+    opt.wait_params()
+    out["params"] = unite_over_pp({n: full_tensor(p.detach(), shard_info(p, groups, n), groups).numpy()
+                                   for n, p in model.named_parameters()}, groups)
+    out["tied_diff"] = _tied_copies_differ(model, groups)
+    return out
+
+
 def _rank(rank, world_size, names):
     """Train every case of ``names`` in turn: starting ranks costs more than a case."""
     groups_of, results = {}, []
@@ -148,7 +190,10 @@ def _rank(rank, world_size, names):
         m, cp = CASES[name][2], groups.size("cp")
         micro = [b.cp_slice(groups.rank_in("cp"), cp)
                  for b in _micro_batches(groups.rank_in("dp"), groups.size("dp"), m)]
-        results.append(_train_layout(model, groups, config, micro))
+        result = _train_layout(model, groups, config, micro)
+        result["loop"] = {variant: _train_loop_path(config, groups, micro, *switches)
+                          for variant, switches in OVERLAP_VARIANTS.items()}
+        results.append(result)
     return results
 
 
@@ -206,6 +251,19 @@ def _check(names, results):
             torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0,
                                        msg=lambda m: f"{where} losses: {m}")
             assert got["tied_diff"] == 0.0, f"{where}: tied embedding copies drifted apart"
+            loop = got.get("loop", {})  # tests/test_placement.py checks its runs without them
+            # each overlap reduces the same buckets in the same order: the same bits
+            for on, off in (("allreduce_overlap", "allreduce"), ("zero_overlap", "zero")) if loop else ():
+                assert loop[on]["losses"] == loop[off]["losses"], f"{where} {on}"
+                assert loop[on]["norms"] == loop[off]["norms"], f"{where} {on}"
+                for pname, value in loop[off]["params"].items():
+                    assert (loop[on]["params"][pname] == value).all(), f"{where} {on} {pname}"
+            for variant, run in loop.items():
+                torch.testing.assert_close(run["norms"], ref["norms"], rtol=1e-5, atol=0,
+                                           msg=lambda m: f"{where} {variant} grad norms: {m}")
+                torch.testing.assert_close(run["losses"], ref["losses"], rtol=1e-5, atol=0,
+                                           msg=lambda m: f"{where} {variant} losses: {m}")
+                assert run["tied_diff"] == 0.0, f"{where} {variant}: tied embedding copies drifted apart"
 
 
 def _names(world):

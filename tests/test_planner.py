@@ -30,6 +30,15 @@ LAYOUTS = {
         "moe": {"moe_layer_freq": 1, "capacity_factor": 1.5, "pad_to_capacity": True},
         "parallel": {"tp": 2, "ep": 2, "etp": 1, "sequence_parallel": True},
     },
+    # "mla": "etp1" with multi-head latent attention (its latents, not the hidden states,
+    # gathered over tp), a dense first layer and an ungated shared expert.
+    "mla": {
+        "model": {"attention": "mla", "num_kv_heads": 4, "q_lora_rank": 12, "kv_lora_rank": 10,
+                  "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 5},
+        "moe": {"moe_layer_freq": [0, 1], "capacity_factor": 1.5, "pad_to_capacity": True,
+                "shared_expert_ffn_hidden_size": 32},
+        "parallel": {"tp": 2, "ep": 2, "etp": 1, "sequence_parallel": True},
+    },
 }
 
 
@@ -115,7 +124,7 @@ def test_step_bytes_equal_counters_with_measured_routing(gloo_step):
     layout = ParallelLayout(4, tp=2, ep=2)
     counts = [r["etp2"]["counts"] for r in gloo_step]
     for rank in range(4):
-        shard_ranks = {g: layout.group_of(g, rank).index(rank) for g in ("dp_cp", "edp")}
+        shard_ranks = {g: layout.group_of(g, rank).index(rank) for g in ("dp_cp", "tp_dp_cp", "edp")}
         planned = step_bytes(config, 4, routing=_measured_routing(layout, counts, rank, 4), shard_ranks=shard_ranks)
         measured = gloo_step[rank]["etp2"]["sent"]
         assert set(planned) == set(measured), rank
@@ -125,8 +134,9 @@ def test_step_bytes_equal_counters_with_measured_routing(gloo_step):
     assert set(gloo_step[0]["etp2"]["sent"]) == {"tp", "tp_cp", "tp_dp_cp", "dp_cp", "ep", "etp", "etp_ep"}
 
 
-def test_step_bytes_equal_counters_padded_uniform(gloo_step):
-    config = _config("etp1")
+@pytest.mark.parametrize("name", ["etp1", "mla"])
+def test_step_bytes_equal_counters_padded_uniform(gloo_step, name):
+    config = _config(name)
     # 2 x 16 tokens split over tp 2: 16 per rank. Padding makes every split
     # C = ceil(16 * 2 / 4 * 1.5) = 12 rows per expert and source rank whatever the router
     # picks, so the planner's default rows are the real ones: 4 experts x 12 = 48 rows,
@@ -134,11 +144,11 @@ def test_step_bytes_equal_counters_padded_uniform(gloo_step):
     assert uniform_routing(config) == Routing(sent=24.0, received=24.0, held=48, held_etp=48, meta=4)
     for rank in range(4):
         planned = step_bytes(config, 4)
-        measured = gloo_step[rank]["etp1"]["sent"]
+        measured = gloo_step[rank][name]["sent"]
         assert set(planned) == set(measured), rank
         for kind, nbytes in measured.items():
             assert planned[kind] == nbytes, (rank, kind)
-    assert {"ep", "edp", "tp", "dp_cp"} <= set(gloo_step[0]["etp1"]["sent"])
+    assert {"ep", "edp", "tp", "dp_cp"} <= set(gloo_step[0][name]["sent"])
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -277,8 +287,7 @@ def test_step_time_and_mfu_by_hand():
     # world 2 in one node, dp 2 and edp 2: the only traffic is the gradient all-reduce.
     config = _hand_config()
     gpu = GPU("toy", peak_flops=1e6, memory=1e9, hbm_bw=1e6, nvlink_bw=1e3, inter_node_bw=1e2)
-    plan = estimate(config, 2, gpu, Assumptions(matmul_efficiency=0.5, overlap_grad_reduce=False,
-                                                memory_overhead=0))
+    plan = estimate(config, 2, gpu, Assumptions(matmul_efficiency=0.5, memory_overhead=0))
     # each rank: one micro-batch of 4 tokens, 3 * 2704 FLOPs each, at 0.5 * 1e6 FLOP/s
     compute = 4 * 3 * 2704 / 0.5e6
     # float32 grads all-reduced over 2 ranks send B each: the dense ones over dp_cp, the
@@ -286,12 +295,36 @@ def test_step_time_and_mfu_by_hand():
     grads = 4 * 1680 / 1e3
     optimizer = 1680 * 30 / 1e6
     assert plan.time["compute"] == pytest.approx(compute)
-    assert plan.time["dp_cp (exposed)"] + plan.time["edp (exposed)"] == pytest.approx(grads)
+    # the config leaves both overlaps off: every byte is exposed, as moe-fold runs it
+    assert plan.overlaps == [] and plan.overlap_model == "moe-fold"
+    assert plan.time["dp_cp grads (exposed)"] + plan.time["edp grads (exposed)"] == pytest.approx(grads)
     assert plan.time["total"] == pytest.approx(compute + grads + optimizer)
     assert plan.mfu == pytest.approx(3 * 2704 * 8 / (2 * 1e6 * plan.time["total"]))
-    # with overlap a bucket of 2^24 elements would cover all of it: nothing changes
-    overlapped = estimate(config, 2, gpu, Assumptions(matmul_efficiency=0.5, memory_overhead=0))
-    assert overlapped.time["total"] == pytest.approx(plan.time["total"])
+    # Megatron's overlap: hidden behind the backward (2/3 of the compute) except one bucket,
+    # which here (2^24 elements) covers all of it: nothing changes
+    megatron = estimate(config, 2, gpu, Assumptions(matmul_efficiency=0.5, memory_overhead=0, overlap="megatron"))
+    assert megatron.overlaps == ["grad_reduce"]
+    assert megatron.time["total"] == pytest.approx(plan.time["total"])
+    # buckets of 64 elements: each group's reduction is hidden but for the part longer than
+    # the backward window, at least one bucket (64 * 4 / 2 bytes over 2 ranks)
+    config.parallel.overlap_grad_reduce = True
+    config.parallel.grad_bucket_numel = 64
+    small = estimate(config, 2, gpu, Assumptions(matmul_efficiency=0.5, memory_overhead=0))
+    assert small.overlaps == ["grad_reduce"]
+    window = 2 / 3 * compute
+    for kind in ("dp_cp", "edp"):
+        full = plan.time[f"{kind} grads (exposed)"]
+        assert small.time[f"{kind} grads (exposed)"] == pytest.approx(max(64 * 4 / 2 / 1e3, full - window))
+    # the distributed optimizer: the same bytes, half of the time the parameter gather,
+    # hidden behind the forward (1/3 of the compute) with parallel.overlap_param_gather
+    config.optimizer.distributed = True
+    config.parallel.overlap_param_gather = True
+    zero = estimate(config, 2, gpu, Assumptions(matmul_efficiency=0.5, memory_overhead=0))
+    assert zero.overlaps == ["grad_reduce", "param_gather"]
+    for kind in ("dp_cp", "edp"):
+        full = plan.time[f"{kind} grads (exposed)"] / 2
+        assert zero.time[f"{kind} grads (exposed)"] == pytest.approx(max(64 * 4 / 2 / 1e3, full - window))
+        assert zero.time[f"{kind} params (exposed)"] == pytest.approx(max(64 * 4 / 2 / 1e3, full - compute / 3))
 
 
 def test_bubble_and_in_flight():
@@ -348,6 +381,14 @@ def test_plan_command(capsys):
     assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--tp", "2", "--ep", "2"]) == 0
     text = capsys.readouterr().out
     assert "MFU" in text and "activations" in text and "ep" in text
+    # the config's overlaps (none by default), the switches, or Megatron's
+    assert "overlaps assumed (moe-fold): none" in text
+    base = ["plan", "--config", "mixtral-tiny", "--world", "4", "--ep", "2", "--distributed-optimizer"]
+    assert main(base + ["--set", "parallel.overlap_grad_reduce=true", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["overlaps"] == ["grad_reduce"] and out["overlap_model"] == "moe-fold"
+    assert main(base + ["--overlap", "megatron"]) == 0
+    assert "overlaps assumed (megatron): grad_reduce, param_gather" in capsys.readouterr().out
     # 8 experts do not split over ep 3
     assert main(["plan", "--config", "mixtral-tiny", "--world", "6", "--ep", "3"]) == 2
     assert "moe.num_experts=8 is not divisible by parallel.ep=3" in capsys.readouterr().err

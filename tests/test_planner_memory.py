@@ -15,7 +15,7 @@ from moe_fold.config import load_config
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.planner.estimate import activation_bytes
-from moe_fold.planner.memory import owned_numel, state_bytes, zero_sizes
+from moe_fold.planner.memory import grad_buckets, owned_numel, state_bytes, zero_sizes
 from moe_fold.planner.model import param_manifest
 
 # name -> (world, overrides). Every layout runs mixtral-tiny and qwen2-moe-tiny (a gated
@@ -121,7 +121,8 @@ def _step(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict:
             "activations": saved, "weights": sum(q.nbytes for q in model.parameters()),
             "master_weights": sum(q.nbytes for q in master.params) if master else 0,
             "grads": grads, "main_grads": main_grads, "optimizer": moments,
-            "dp_cp": groups.rank_in("dp_cp"), "edp": groups.rank_in("edp"), "pp": groups.rank_in("pp")}
+            "dp_cp": groups.rank_in("dp_cp"), "tp_dp_cp": groups.rank_in("tp_dp_cp"), "edp": groups.rank_in("edp"),
+            "pp": groups.rank_in("pp")}
     return out
 
 
@@ -148,7 +149,8 @@ def test_state_bytes_exact(measured, preset, layout, precision):
         manifest = param_manifest(config, rank["pp"])
         owned = sum(e.numel for e in manifest)
         if config.optimizer.distributed:
-            owned = owned_numel(manifest, zero_sizes(config, world), {"dp_cp": rank["dp_cp"], "edp": rank["edp"]})
+            owned = owned_numel(grad_buckets(config, rank["pp"], manifest), zero_sizes(config, world),
+                                {g: rank[g] for g in ("dp_cp", "tp_dp_cp", "edp")})
         planned = state_bytes(config, manifest, owned)
         assert planned == {k: rank[k] for k in planned}, (planned, rank)
 
@@ -244,8 +246,25 @@ def test_plan_command_names_the_implementation(capsys):
 def test_restated_constants_match_the_code():
     from moe_fold.training import optim
     from moe_fold.planner import memory as planner_memory
-    from moe_fold.training.grads import DEFAULT_BUCKET_NUMEL
+    from moe_fold.config import ParallelConfig
+    from moe_fold.training.buckets import DEFAULT_BUCKET_NUMEL
 
     assert planner_memory.ALIGN == optim.ALIGN
-    assert planner_memory.BUCKET_NUMEL == DEFAULT_BUCKET_NUMEL
+    assert ParallelConfig().grad_bucket_numel == DEFAULT_BUCKET_NUMEL
     assert planner_memory._SHARD_GROUP == optim.SHARD_GROUP
+
+
+@pytest.mark.parametrize("layout", ["one", "tp2_sp"])
+def test_mla_activation_and_state_bytes(layout):
+    """deepseek-v3-tiny (multi-head latent attention, YaRN, sigmoid routing with a shared
+    expert) in fp32: the planned activations within 1% of what autograd keeps on every
+    rank, the parameter bytes exact."""
+    world = LAYOUTS[layout][0]
+    case = ("deepseek-v3-tiny", layout, "fp32")
+    ranks = run_ranks(_step, world, [case], timeout=300) if world > 1 else [_step(0, 1, [case])]
+    config = _config(*case)
+    planned = activation_bytes(config, 0)
+    for r in ranks:
+        got = r[case]
+        assert abs(got["activations"] / planned - 1) < 0.01, (got["activations"], planned)
+        assert got["weights"] == state_bytes(config, param_manifest(config), 0)["weights"]

@@ -7,15 +7,16 @@ from __future__ import annotations
 import pytest
 
 from moe_fold.config import head_dim, list_presets, load_config, moe_layer_flags, validate
+from moe_fold.config import mla_weight_shapes
 from moe_fold.training.train import train
 
 WORLDS = {"mixtral-8x7b": 64, "mixtral-8x22b": 128, "qwen2-57b-a14b": 64, "qwen3-30b-a3b": 8,
-          "deepseek-v3-style": 1024, "mixtral-tiny": 4, "qwen2-moe-tiny": 1, "qwen3-moe-tiny": 1,
-          "deepseek-tiny": 1}
+          "deepseek-v3": 1024, "mixtral-tiny": 4, "qwen2-moe-tiny": 1, "qwen3-moe-tiny": 1,
+          "deepseek-tiny": 1, "deepseek-v3-tiny": 1}
 
 # Published sizes in billions (total, active per token): model cards / reports.
 PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141.0, 39.0), "qwen2-57b-a14b": (57.4, 14.2),
-             "qwen3-30b-a3b": (30.5, 3.3)}
+             "qwen3-30b-a3b": (30.5, 3.3), "deepseek-v3": (671.0, 37.0)}
 
 
 def test_every_preset_is_listed_and_validates():
@@ -32,6 +33,8 @@ def _counts(name: str) -> tuple[float, float, float]:
     attn = H * m.num_heads * hd * 2 + 2 * H * m.num_kv_heads * hd + 2 * H  # q, o, k, v, two norms
     if m.qk_norm:
         attn += 2 * hd
+    if m.attention == "mla":  # the linears, the latents' norms, two block norms
+        attn = sum(a * b for a, b in mla_weight_shapes(m).values()) + (m.q_lora_rank or 0) + m.kv_lora_rank + 2 * H
     embed = m.vocab_size * H * (1 if m.tie_embeddings else 2) + H
     total = active = embed + m.num_layers * attn
     no_attn = embed
@@ -57,15 +60,14 @@ def test_parameter_counts_match_published(name):
     assert active == pytest.approx(want_active, rel=0.03)
 
 
-def test_deepseek_v3_style_sizes_without_attention():
-    # DeepSeek-V3: 671B parameters, of which MLA attention is 61 x 187M = 11.4B; our
-    # standard attention differs, the rest (embeddings, 3 dense layers, 58 MoE layers of
-    # 256 routed + 1 shared expert) must match: 659.6B.
-    _, _, no_attn = _counts("deepseek-v3-style")
-    assert no_attn == pytest.approx(671.0 - 61 * 0.187, rel=0.005)
+def test_deepseek_v3_attention_is_mla_sized():
+    # DeepSeek-V3's MLA is 61 x 187M = 11.4B of its 671B parameters.
+    total, _, no_attn = _counts("deepseek-v3")
+    assert (total - no_attn) / 61 == pytest.approx(0.187, rel=0.005)
 
 
-@pytest.mark.parametrize("name", ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-tiny"])
+@pytest.mark.parametrize("name", ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-tiny",
+                                  "deepseek-v3-tiny"])
 def test_tiny_presets_train(tmp_path, name):
     config = load_config(name, [f"train.run_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
                                 "parallel.ep=1", "model.seq_length=32", "train.steps=4", "optimizer.warmup_steps=1",

@@ -116,6 +116,12 @@ RANK_RULES = [
     ("moe_fold/training/optim.py: clip", ["optimizer.clip_grad=-1.0"], 1, "optimizer.clip_grad=-1.0 must be >= 0"),
     ("moe_fold/training/optim.py: schedule", ["optimizer.schedule=linear"], 1,
      "optimizer.schedule=linear must be one of cosine, wsd, constant"),
+    ("moe_fold/training/optim.py: parameter gather needs the distributed optimizer",
+     ["parallel.overlap_param_gather=true"], 1,
+     "parallel.overlap_param_gather=true needs optimizer.distributed=true (only the distributed optimizer "
+     "all-gathers parameters after its step)"),
+    ("moe_fold/training/buckets.py: bucket size", ["parallel.grad_bucket_numel=0"], 1,
+     "parallel.grad_bucket_numel=0 must be >= 1"),
     ("moe_fold/training/checkpoint.py: keep_last", ["train.keep_last=0"], 1, "train.keep_last=0 must be >= 1"),
     ("dispatch/placement.py: a rank holds one copy of an expert", ["parallel.ep=2", "moe.replicas=5"], 2,
      "moe.replicas=5 must be <= moe.num_experts - moe.num_experts/parallel.ep=4 (a rank holds at most one copy of "

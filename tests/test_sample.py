@@ -74,7 +74,7 @@ def _ours(checkpoint: Path, spec: str, options: dict, nproc: int = 1, layout: tu
 
 # --------------------------------------------------------------------------- the KV cache
 
-@pytest.mark.parametrize("preset", ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny"])
 def test_cached_decode_equals_full_forward(preset):
     """Prefill 7 tokens, then one at a time: the logits equal one forward over the whole sequence."""
     torch.manual_seed(0)

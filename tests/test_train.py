@@ -99,6 +99,26 @@ def test_metrics_fields_and_counts(tmp_path, cache_dir):
 
 # --------------------------------------------------------------------------- resume
 
+def _train_each(rank, world_size, configs):
+    return [train(config) for config in configs]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_overlaps_take_the_same_steps(tmp_path, cache_dir, precision):
+    """The loop with the gradient reduction overlapped with the backward and the parameter
+    gather with the forward (distributed optimizer, small buckets: several per step) takes
+    the steps it takes without them, bit for bit; and the loss falls."""
+    opts = ["train.steps=3", "parallel.ep=2", "optimizer.distributed=true", "parallel.grad_bucket_numel=20000",
+            f"train.precision={precision}", "train.global_batch_size=16"]
+    on = ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]
+    configs = [small_config(tmp_path / "off", cache_dir, *opts), small_config(tmp_path / "on", cache_dir, *opts, *on)]
+    off_run, on_run = run_ranks(_train_each, 2, configs, timeout=300)[0]
+    assert on_run.losses == off_run.losses
+    off, got = read_metrics(tmp_path / "off"), read_metrics(tmp_path / "on")
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in off]
+    assert got[-1]["lm_loss"] < got[0]["lm_loss"]
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_resume_is_exact(tmp_path, cache_dir, precision):
     """6 steps straight equal 3 steps, a resume from the checkpoint, and 3 more, bit for

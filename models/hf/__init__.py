@@ -1,4 +1,4 @@
-"""Hugging Face interop: import and export Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints
+"""Hugging Face interop: import and export Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 checkpoints
 (``config.json`` + safetensors) in any parallel layout.
 
 - :func:`from_hf` ``(path, groups=None, config=None) -> model``: a model with the

@@ -1,5 +1,6 @@
 """Hugging Face ``config.json`` <-> our :class:`~moe_fold.config.Config`, for
-``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` and ``Qwen3MoeForCausalLM``.
+``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM`` and
+``DeepseekV3ForCausalLM``.
 
 Import is strict: every key of ``config.json`` is either mapped to a field of ours,
 checked to hold a value we compute the same way (``hidden_act: silu``, no rope scaling,
@@ -21,6 +22,17 @@ and ``i`` is not in ``mlp_only_layers``; that becomes a 0/1 ``moe.moe_layer_freq
 Training-only settings map too: ``router_aux_loss_coef`` -> ``moe.aux_loss_coeff``,
 ``router_jitter_noise`` -> ``moe.input_jitter`` (ours jitters the router's input only;
 Mixtral's also scales the experts' input, which changes nothing at evaluation).
+
+DeepSeek-V3: multi-head latent attention (``model.attention: mla`` with the same size
+names), ``rope_interleave``, default or YaRN rotary (``rope_parameters``); sigmoid
+scores with the ``e_score_correction_bias`` (our expert bias), renormalised over the
+top-k (``norm_topk_prob: true``; we always renormalise sigmoid top-k > 1) and scaled by
+``routed_scaling_factor``; group-limited routing that ranks a group by its best two
+scores, which is ours (best ``topk/group_topk``) when ``num_experts_per_tok /
+topk_group = 2``; ``n_shared_experts`` ungated shared experts of width
+``moe_intermediate_size`` each (one shared expert of the summed width); the first
+``first_k_dense_replace`` layers dense. Multi-token prediction layers are not imported
+here (``num_nextn_predict_layers`` is read; their tensors would be refused).
 """
 
 from __future__ import annotations
@@ -35,7 +47,7 @@ __all__ = ["FAMILIES", "METADATA_KEYS", "HFConfigError", "hf_family", "config_fr
 
 # model_type -> the causal-LM class that reads it
 FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM"}
+            "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 # Keys that do not change what the network computes from token ids.
 METADATA_KEYS = frozenset({
@@ -153,6 +165,15 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     m, moe = config.model, config.moe
     if base is None:
         m.seq_length = int(keys.get("max_position_embeddings", m.seq_length))
+    if family == "deepseek_v3":
+        _deepseek_v3_from_hf(keys, config)
+        return _finish(keys, family, config)
+    # Standard attention, unscaled rotary: nothing of an MLA base config stays.
+    m.attention, m.rope_interleave, m.rope_scaling = "mha", False, None
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                 *_YARN_KEYS.values()):
+        setattr(m, name, None)
+    m.yarn_beta_fast, m.yarn_beta_slow = 32.0, 1.0
 
     m.vocab_size = keys.get("vocab_size")
     m.hidden_size = keys.get("hidden_size")
@@ -217,19 +238,146 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
         else:
             keys.must_be("attention_bias", (False,), "attention projections have no biases here (q|k|v bias is "
                                                      "Qwen2-MoE's qkv_bias; the output projection has none)")
+    return _finish(keys, family, config)
+
+
+def _finish(keys: _Keys, family: str, config: Config) -> Config:
+    """Refuse the keys nobody read, then every problem found."""
     unknown = keys.unknown()
     if unknown:
-        problems.append(f"{', '.join(unknown)}: not understood by moe-fold's {family} importer "
-                        f"(a setting it cannot represent is refused rather than ignored)")
-    if problems:
-        raise HFConfigError(problems, f"cannot import {family} config")
+        keys.problems.append(f"{', '.join(unknown)}: not understood by moe-fold's {family} importer "
+                             f"(a setting it cannot represent is refused rather than ignored)")
+    if keys.problems:
+        raise HFConfigError(keys.problems, f"cannot import {family} config")
     return config
 
 
-def export_family(config: Config) -> str:
-    """The family a model of ``config`` exports to: Qwen3-MoE with QK-norm, Qwen2-MoE
-    with a shared expert or q|k|v biases, else Mixtral."""
+_YARN_KEYS = {"factor": "yarn_factor", "original_max_position_embeddings": "yarn_original_max_position_embeddings",
+              "beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow", "mscale": "yarn_mscale",
+              "mscale_all_dim": "yarn_mscale_all_dim"}
+
+
+def _deepseek_rope(keys: _Keys, m) -> None:
+    """``rope_parameters`` (or 4.x ``rope_theta``/``rope_scaling``): default or YaRN."""
+    params = dict(keys.get("rope_parameters", {}) or {})
+    scaling = keys.get("rope_scaling", None)
+    if isinstance(scaling, dict):
+        params = {**scaling, **params}
+        if "type" in params and "rope_type" not in params:
+            params["rope_type"] = params.pop("type")
+    theta = keys.get("rope_theta", None)
+    m.rope_theta = float(params.pop("rope_theta", theta if theta is not None else 10000.0))
+    kind = params.pop("rope_type", "default")
+    m.rope_scaling = None
+    for field in _YARN_KEYS.values():
+        setattr(m, field, None)
+    m.yarn_beta_fast, m.yarn_beta_slow = 32.0, 1.0
+    if kind == "yarn":
+        m.rope_scaling = "yarn"
+        if params.pop("truncate", True) is not True:
+            keys.problems.append("rope_parameters.truncate=false is not supported: YaRN's correction range is "
+                                 "truncated to whole dims here")
+        if params.get("attention_factor") is not None:
+            keys.problems.append(f"rope_parameters.attention_factor={params['attention_factor']!r} is not "
+                                 f"supported: the attention factor is derived from factor, mscale and mscale_all_dim")
+        params.pop("attention_factor", None)
+        for theirs, ours in _YARN_KEYS.items():
+            value = params.pop(theirs, None)
+            if value is not None:
+                setattr(m, ours, int(value) if ours.endswith("embeddings") else float(value))
+        if m.yarn_factor is None and m.yarn_original_max_position_embeddings:
+            m.yarn_factor = float(keys.get("max_position_embeddings")) / m.yarn_original_max_position_embeddings
+    elif kind != "default":
+        keys.problems.append(f"rope_parameters.rope_type={kind!r} is not supported for deepseek_v3: only "
+                             f"'default' and 'yarn'")
+    if params.get("partial_rotary_factor", 1.0) in (None, 1.0):
+        params.pop("partial_rotary_factor", None)
+    if params:
+        keys.problems.append(f"rope_parameters sets {', '.join(sorted(params))}, which {kind} rotary embeddings "
+                             f"here do not have")
+
+
+def _deepseek_v3_from_hf(keys: _Keys, config: Config) -> None:
     m, moe = config.model, config.moe
+    m.vocab_size = keys.get("vocab_size")
+    m.hidden_size = keys.get("hidden_size")
+    m.num_layers = keys.get("num_hidden_layers")
+    m.num_heads = keys.get("num_attention_heads")
+    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
+        raise HFConfigError(keys.problems, "cannot import deepseek_v3 config")
+    kv_heads = keys.get("num_key_value_heads", m.num_heads)
+    if kv_heads != m.num_heads:
+        keys.problems.append(f"num_key_value_heads={kv_heads} must equal num_attention_heads={m.num_heads}: MLA "
+                             f"gives every head its own key and value")
+    m.num_kv_heads, m.head_dim = m.num_heads, None
+    m.norm_eps = float(keys.get("rms_norm_eps", 1e-6))
+    m.tie_embeddings = bool(keys.get("tie_word_embeddings", False))
+    m.init_std = float(keys.get("initializer_range", 0.02))
+    m.ffn_hidden_size = keys.get("intermediate_size")
+    m.qk_norm, m.qkv_bias = False, False
+    m.attention = "mla"
+    m.q_lora_rank = keys.get("q_lora_rank", None)
+    m.kv_lora_rank = keys.get("kv_lora_rank")
+    m.qk_nope_head_dim = keys.get("qk_nope_head_dim")
+    m.qk_rope_head_dim = keys.get("qk_rope_head_dim")
+    m.v_head_dim = keys.get("v_head_dim")
+    for key, expected in (("head_dim", m.qk_rope_head_dim),
+                          ("qk_head_dim", (m.qk_nope_head_dim or 0) + (m.qk_rope_head_dim or 0))):
+        value = keys.get(key, None)
+        if value is not None and value != expected:
+            keys.problems.append(f"{key}={value} disagrees with qk_nope_head_dim={m.qk_nope_head_dim} and "
+                                 f"qk_rope_head_dim={m.qk_rope_head_dim} (expected {expected})")
+    m.rope_interleave = bool(keys.get("rope_interleave", True))
+    _deepseek_rope(keys, m)
+    keys.must_be("hidden_act", ("silu",), "the MLPs and experts are SwiGLU (silu)")
+    keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
+    keys.must_be("attention_bias", (False,), "the MLA projections have no biases here")
+    keys.must_be("pretraining_tp", (1,), "pretraining_tp splits the linears' math differently")
+    keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
+    keys.get("num_nextn_predict_layers", None)  # MTP: its tensors, if any, are refused by the weight loader
+    # Keys of the original (remote-code) DeepSeek-V3 config.json.
+    keys.get("auto_map", None)
+    keys.get("ep_size", None)  # the inference expert-parallel size: no effect on the math
+    keys.must_be("scoring_func", ("sigmoid",), "DeepSeek-V3 routes with sigmoid scores")
+    keys.must_be("topk_method", ("noaux_tc",), "routing is group-limited top-k with the score correction bias")
+    keys.must_be("moe_layer_freq", (1,), "every layer after first_k_dense_replace is MoE")
+    alpha = keys.get("aux_loss_alpha", None)
+    if alpha is not None:
+        per_sequence = bool(keys.get("seq_aux", True))
+        moe.seq_aux_loss_coeff, moe.aux_loss_coeff = (float(alpha), 0.0) if per_sequence else (0.0, float(alpha))
+
+    moe.num_experts = keys.get("n_routed_experts")
+    moe.ffn_hidden_size = keys.get("moe_intermediate_size")
+    moe.topk = keys.get("num_experts_per_tok")
+    moe.moe_layer_freq = 1
+    moe.first_k_dense = keys.get("first_k_dense_replace", 0)
+    moe.score_function, moe.pre_softmax, moe.expert_bias, moe.input_jitter = "sigmoid", False, True, 0.0
+    factor = float(keys.get("routed_scaling_factor", 1.0))
+    moe.scaling_factor = None if factor == 1.0 else factor
+    shared = keys.get("n_shared_experts", 0)
+    moe.shared_expert_ffn_hidden_size = int(shared) * int(moe.ffn_hidden_size or 0)
+    moe.shared_expert_gate = False
+    if not keys.get("norm_topk_prob", True) or moe.topk == 1:
+        keys.problems.append(f"norm_topk_prob={keys.get('norm_topk_prob', True)} with num_experts_per_tok="
+                             f"{moe.topk} is not supported: sigmoid top-k probabilities are renormalised over "
+                             f"k > 1 experts here (Megatron-Core's rule)")
+    groups, group_topk = keys.get("n_group", 1), keys.get("topk_group", 1)
+    if groups == 1:
+        moe.num_groups, moe.group_topk = None, None
+    else:
+        moe.num_groups, moe.group_topk = groups, group_topk
+        if not group_topk or moe.topk != 2 * group_topk:
+            keys.problems.append(f"num_experts_per_tok={moe.topk} with topk_group={group_topk} is not supported: "
+                                 f"DeepSeek-V3 ranks a group by its best 2 scores, moe-fold by its best "
+                                 f"num_experts_per_tok/topk_group, so they agree only when that is 2")
+
+
+def export_family(config: Config) -> str:
+    """The family a model of ``config`` exports to: DeepSeek-V3 with MLA, Qwen3-MoE with
+    QK-norm, Qwen2-MoE with a shared expert or q|k|v biases, else Mixtral."""
+    m, moe = config.model, config.moe
+    if m.attention == "mla":
+        return "deepseek_v3"
     if m.qk_norm:
         return "qwen3_moe"
     if moe.shared_expert_ffn_hidden_size > 0 or m.qkv_bias:
@@ -250,6 +398,11 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
     def refuse(condition: bool, text: str) -> None:
         if condition:
             problems.append(text)
+
+    refuse(family != "deepseek_v3" and m.attention == "mla",
+           f"model.attention=mla: {family} has standard attention (DeepSeek-V3 has MLA)")
+    if family == "deepseek_v3":
+        return _deepseek_v3_to_hf(config, flags, refuse, problems, dtype)
 
     refuse(moe.score_function != "softmax", f"moe.score_function={moe.score_function}: Hugging Face {family} routes "
                                             f"with softmax")
@@ -292,3 +445,48 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
     else:
         hf.update(attention_bias=False)
     return hf
+
+
+def _deepseek_v3_to_hf(config: Config, flags: list[bool], refuse, problems: list[str], dtype: str) -> dict:
+    m, moe = config.model, config.moe
+    k = moe.first_k_dense
+    refuse(m.attention != "mla", "model.attention=mha: DeepSeek-V3 has multi-head latent attention")
+    refuse(moe.score_function != "sigmoid", f"moe.score_function={moe.score_function}: DeepSeek-V3 routes with "
+                                            f"sigmoid scores")
+    refuse(not moe.expert_bias, "moe.expert_bias=false: DeepSeek-V3's router always has its score correction bias")
+    refuse(moe.shared_expert_gate, "moe.shared_expert_gate=true: DeepSeek-V3's shared experts are not gated")
+    refuse(moe.shared_expert_ffn_hidden_size == 0 or moe.shared_expert_ffn_hidden_size % moe.ffn_hidden_size != 0,
+           f"moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size}: DeepSeek-V3 has n >= 1 shared "
+           f"experts of width moe.ffn_hidden_size={moe.ffn_hidden_size}")
+    refuse(flags != [i >= k for i in range(m.num_layers)],
+           f"moe layer pattern {[int(f) for f in flags]}: DeepSeek-V3 has the first first_k_dense={k} layers "
+           f"dense and every later layer MoE")
+    refuse(moe.topk < 2, f"moe.topk={moe.topk}: DeepSeek-V3 renormalises the top-k sigmoid probabilities, which "
+                         f"moe-fold does only for k > 1")
+    refuse(moe.num_groups is not None and moe.topk != 2 * (moe.group_topk or 0),
+           f"moe.topk={moe.topk} with moe.group_topk={moe.group_topk}: DeepSeek-V3 ranks a group by its best 2 "
+           f"scores, so topk must be 2 * group_topk")
+    if problems:
+        raise HFConfigError(problems, "cannot export to deepseek_v3")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling == "yarn":
+        rope["rope_type"] = "yarn"
+        rope.update({theirs: getattr(m, ours) for theirs, ours in _YARN_KEYS.items()
+                     if getattr(m, ours) is not None})
+    return {
+        "architectures": [FAMILIES["deepseek_v3"]], "model_type": "deepseek_v3", "dtype": dtype,
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_heads,
+        "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "rope_interleave": m.rope_interleave,
+        "intermediate_size": m.ffn_hidden_size, "moe_intermediate_size": moe.ffn_hidden_size,
+        "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
+        "initializer_range": m.init_std, "max_position_embeddings": m.seq_length, "attention_dropout": 0.0,
+        "attention_bias": False, "rope_parameters": rope,
+        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
+        "n_shared_experts": moe.shared_expert_ffn_hidden_size // moe.ffn_hidden_size,
+        "first_k_dense_replace": k, "norm_topk_prob": True,
+        "n_group": moe.num_groups or 1, "topk_group": moe.group_topk or 1,
+        "routed_scaling_factor": moe.scaling_factor if moe.scaling_factor is not None else 1.0,
+        "num_nextn_predict_layers": 0,
+    }

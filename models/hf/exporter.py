@@ -1,8 +1,9 @@
 """Write our model as a Hugging Face folder that ``from_pretrained`` loads.
 
 A collective: every rank calls :func:`to_hf`. Parameters are gathered one at a time
-(:func:`moe_fold.parallel.sharding.full_tensor`), split into the Hugging Face tensors
-(:mod:`.weights`) and handed to rank 0, which writes them into safetensors shards of at
+(:func:`moe_fold.parallel.sharding.full_tensor`, over the ranks of a pipeline stage),
+split into the Hugging Face tensors (:mod:`.weights`) and handed to rank 0 (under pp,
+each later stage's first rank sends its global tensors to rank 0 one at a time), which writes them into safetensors shards of at
 most ``max_shard_bytes`` as they fill, so no rank holds more than one global parameter
 and one shard besides its own model. One shard is ``model.safetensors``; more are
 ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``.
@@ -22,7 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from moe_fold.layout import ProcessGroups
-from moe_fold.parallel.sharding import full_tensor, shard_info
+from moe_fold.parallel.sharding import buffer_info, full_tensor, shard_info
 
 from .config_map import config_to_hf, export_family
 from .weights import HFWeightError, weight_sources
@@ -79,6 +80,11 @@ class _ShardWriter:
         _write_json(self.path / _INDEX, index)
 
 
+def _add(writer: _ShardWriter, source, full: torch.Tensor) -> None:
+    for hf_name, tensor in source.split(full.cpu()):
+        writer.add(hf_name, tensor)
+
+
 def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
@@ -114,7 +120,9 @@ def to_hf(model: nn.Module, path: Union[str, os.PathLike], *, family: Optional[s
     hf_config = config_to_hf(config, family, dtype=str(dtype).removeprefix("torch."))
     sources = weight_sources(config, family)
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    extra = sorted(set(params) - set(sources)) + [n for n in model.state_dict() if n not in aliases]
+    state = model.state_dict(keep_vars=True)
+    buffers = {n: state[n] for n in state if n not in aliases}  # persistent: the expert bias
+    extra = sorted((set(params) | set(buffers)) - set(sources))
     if extra:
         raise HFWeightError(f"the {family} format has no place for the model's {', '.join(extra)}")
     path = Path(path)
@@ -122,14 +130,35 @@ def to_hf(model: nn.Module, path: Union[str, os.PathLike], *, family: Optional[s
     if groups.rank == 0:
         path.mkdir(parents=True, exist_ok=True)
         writer = _ShardWriter(path, max_shard_bytes)
-    for name, param in params.items():
-        full = full_tensor(param.detach(), shard_info(param, groups, name), groups)
+    pp, stage = groups.size("pp"), groups.rank_in("pp")
+    # This stage's leader (tp, dp and cp coordinate 0) hands its global tensors to rank 0.
+    leader = groups.rank_in("tp_dp_cp") == 0
+    # A buffer keeps its own dtype (DeepSeek-V3's score correction bias stays float32).
+    # The last stage's copy of a tied embedding is the first stage's: exported once.
+    local = [(name, t) for name, t in list(params.items()) + list(buffers.items())
+             if not (stage > 0 and getattr(t, "tied_copy", False))]
+    if leader and stage > 0:
+        dist.send_object_list([len(local)], dst=0)
+    for name, param in local:
+        info = shard_info(param, groups, name) if name in params else buffer_info(param, groups)
+        full = full_tensor(param.detach(), info, groups)
         if writer is not None:
-            for hf_name, tensor in sources[name].split(full.cpu()):
-                writer.add(hf_name, tensor)
+            _add(writer, sources[name], full)
+        elif leader and stage > 0:
+            dist.send_object_list([name, full.cpu()], dst=0)
         del full
         if on_tensor is not None:
             on_tensor(name, param.numel())
+    if writer is not None:
+        # Then every later stage's tensors, one at a time, from its leader.
+        for later in range(1, pp):
+            src = dist.get_global_rank(groups.pp, later)
+            count = [None]
+            dist.recv_object_list(count, src=src)
+            for _ in range(count[0]):
+                item = [None, None]
+                dist.recv_object_list(item, src=src)
+                _add(writer, sources[item[0]], item[1])
     if writer is not None:
         writer.finish()
         _write_json(path / "config.json", hf_config)

@@ -19,7 +19,7 @@ from torch import nn
 
 from moe_fold.config import Config, head_dim, moe_layer_flags, validate
 from moe_fold.layout import ProcessGroups
-from moe_fold.parallel.sharding import box, shard_info
+from moe_fold.parallel.sharding import box, buffer_info, shard_info
 
 from .config_map import HFConfigError, config_from_hf, hf_family
 from .weights import HFWeightError, SafetensorsFolder, ignorable_hf_names, weight_sources
@@ -56,7 +56,10 @@ def hf_tokenizer(path: PathLike) -> Optional[Path]:
 
 _ARCHITECTURE = {
     "model": ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
-              "rope_theta", "norm_eps", "qk_norm", "qkv_bias", "tie_embeddings"),
+              "rope_theta", "norm_eps", "qk_norm", "qkv_bias", "tie_embeddings", "attention", "q_lora_rank",
+              "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
+              "rope_scaling", "yarn_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+              "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"),
     "moe": ("num_experts", "topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate",
             "score_function", "pre_softmax", "num_groups", "group_topk", "scaling_factor", "expert_bias"),
 }
@@ -107,26 +110,31 @@ def read_sources_into(model: nn.Module, files: SafetensorsFolder, sources: dict,
     Every parameter needs a source, every tensor a source names must exist, and every
     tensor of the folder must be used (or ``ignorable``): raises HFWeightError naming them.
     Persistent buffers (the expert bias) must have a source too, unless ``keep_buffers``
-    keeps their initial values."""
+    keeps their initial values. Tensors of pipeline stages other than this rank's are
+    named by ``sources`` too (it covers the whole model), so they count as used."""
     groups = groups if groups is not None else model.groups
     params = dict(model.named_parameters())
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    buffers = [] if keep_buffers else [n for n in model.state_dict() if n not in aliases]  # the expert bias
-    missing = sorted(set(params) - set(sources)) + buffers
+    state = model.state_dict(keep_vars=True)
+    # Persistent buffers: the expert bias (DeepSeek-V3's score correction bias has a source).
+    buffers = {} if keep_buffers else {n: state[n] for n in state if n not in aliases}
+    missing = sorted(set(params) - set(sources)) + sorted(set(buffers) - set(sources))
     if missing:
         raise HFWeightError(f"the {family} format has no place for the model's {', '.join(missing)}")
-    wanted = {n for name in params for n in sources[name].names()}
+    wanted = {n for name in list(params) + list(buffers) for n in sources[name].names()}
     absent = sorted(wanted - files.names)
     if absent:
         raise HFWeightError(f"{path} lacks {len(absent)} tensors the model needs: {', '.join(absent[:6])}"
                             f"{' ...' if len(absent) > 6 else ''}")
-    unused = sorted(files.names - wanted - set(ignorable))
+    # Under pp a stage reads only its layers; the other stages' tensors have a place too.
+    placed = {n for source in sources.values() for n in source.names()}
+    unused = sorted(files.names - placed - set(ignorable))
     if unused:
         raise HFWeightError(f"{path} holds tensors the model has no place for (a feature moe-fold does not "
                             f"implement?): {', '.join(unused[:6])}{' ...' if len(unused) > 6 else ''}")
-    for name, param in params.items():
+    for name, param in list(params.items()) + list(buffers.items()):
         source = sources[name]
-        info = shard_info(param, groups, name)
+        info = shard_info(param, groups, name) if name in params else buffer_info(param, groups)
         shape = source.shape(files)
         if shape != info.global_shape:
             raise HFWeightError(f"{name}: {', '.join(source.names()[:3])} give global shape {list(shape)}, "
@@ -141,7 +149,8 @@ def read_sources_into(model: nn.Module, files: SafetensorsFolder, sources: dict,
 def from_hf(path: PathLike, groups: Optional[ProcessGroups] = None, config: Optional[Config] = None,
             on_tensor: Optional[Callable[[str, int], None]] = None) -> nn.Module:
     """This rank's model with the weights of the Hugging Face folder ``path``
-    (``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``).
+    (``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``,
+    ``DeepseekV3ForCausalLM``).
 
     Returns the model; its ``.config`` is our :class:`~moe_fold.config.Config` for it.
     ``groups`` (default: one process) is the layout to shard into. ``config`` gives the

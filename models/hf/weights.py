@@ -14,7 +14,12 @@ Qwen2-MoE), ``self_attn.{q,k}_norm.weight`` (Qwen3-MoE), ``input_layernorm`` and
 (Qwen) with ``gate.weight`` (router ``[E, H]``) and per-expert ``experts.{e}.`` weights
 ``w1``/``w3``/``w2`` (Mixtral) or ``gate_proj``/``up_proj``/``down_proj`` (Qwen), each
 ``[out, in]``; Qwen's ``mlp.shared_expert.*`` and ``mlp.shared_expert_gate.weight``;
-dense layers' ``mlp.{gate,up,down}_proj.weight``. Transformers 5 holds experts fused in
+dense layers' ``mlp.{gate,up,down}_proj.weight``. DeepSeek-V3's attention is
+``self_attn.q_proj`` (no q_lora_rank) or ``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``;
+``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``; its MoE block
+``mlp.`` with the router's ``gate.weight`` and ``gate.e_score_correction_bias`` (our
+expert bias, a buffer), per-expert ``gate_proj``/``up_proj``/``down_proj`` and the
+ungated ``mlp.shared_experts.*``. Transformers 5 holds experts fused in
 memory (``mlp.experts.gate_up_proj [E, 2F, H]``, ``mlp.experts.down_proj [E, H, F]``);
 checkpoints in that form are read too. Export writes the per-expert form.
 """
@@ -212,9 +217,16 @@ def _experts(prefix: str, family: str, num_experts: int, ffn: int, fused: bool) 
     return fc1, fc2
 
 
+# Our MLA parameter (under ``attn.``) -> DeepSeek-V3's tensor (under ``self_attn.``); q.weight
+# without q_lora_rank, the three q_* low-rank ones with it.
+_MLA = {"q.weight": "q_proj.weight", "q_down.weight": "q_a_proj.weight", "q_norm.weight": "q_a_layernorm.weight",
+        "q_up.weight": "q_b_proj.weight", "kv_down.weight": "kv_a_proj_with_mqa.weight",
+        "kv_norm.weight": "kv_a_layernorm.weight", "kv_up.weight": "kv_b_proj.weight", "proj.weight": "o_proj.weight"}
+
+
 def weight_sources(config: Config, family: str, hf_names: frozenset = frozenset()) -> dict[str, Source]:
-    """Our parameter name -> its :class:`Source`, for a model of ``config`` in the
-    Hugging Face ``family``. ``hf_names`` (the checkpoint's tensor names) tells which
+    """Our parameter (or persistent buffer: the expert bias) name -> its :class:`Source`,
+    for a model of ``config`` in the Hugging Face ``family``. ``hf_names`` (the checkpoint's tensor names) tells which
     expert form a checkpoint uses; export passes none and gets the per-expert form."""
     m, moe = config.model, config.moe
     hd = head_dim(config)
@@ -227,10 +239,15 @@ def weight_sources(config: Config, family: str, hf_names: frozenset = frozenset(
         attn = f"{hf}self_attn."
         out[f"{ours}attn_norm.weight"] = Take(f"{hf}input_layernorm.weight")
         out[f"{ours}mlp_norm.weight"] = Take(f"{hf}post_attention_layernorm.weight")
-        out[f"{ours}attn.qkv.weight"] = Cat(0, tuple(Take(f"{attn}{p}_proj.weight") for p in "qkv"), (q, kv, kv))
+        if m.attention == "mla":
+            query = ("q.weight",) if m.q_lora_rank is None else ("q_down.weight", "q_norm.weight", "q_up.weight")
+            for name in query + ("kv_down.weight", "kv_norm.weight", "kv_up.weight", "proj.weight"):
+                out[f"{ours}attn.{name}"] = Take(f"{attn}{_MLA[name]}")
+        else:
+            out[f"{ours}attn.qkv.weight"] = Cat(0, tuple(Take(f"{attn}{p}_proj.weight") for p in "qkv"), (q, kv, kv))
+            out[f"{ours}attn.proj.weight"] = Take(f"{attn}o_proj.weight")
         if m.qkv_bias:
             out[f"{ours}attn.qkv.bias"] = Cat(0, tuple(Take(f"{attn}{p}_proj.bias") for p in "qkv"), (q, kv, kv))
-        out[f"{ours}attn.proj.weight"] = Take(f"{attn}o_proj.weight")
         if m.qk_norm:
             out[f"{ours}attn.q_norm.weight"] = Take(f"{attn}q_norm.weight")
             out[f"{ours}attn.k_norm.weight"] = Take(f"{attn}k_norm.weight")
@@ -243,7 +260,12 @@ def weight_sources(config: Config, family: str, hf_names: frozenset = frozenset(
         out[f"{ours}mlp.router.weight"] = Take(f"{block}gate.weight")
         out[f"{ours}mlp.experts.fc1"], out[f"{ours}mlp.experts.fc2"] = _experts(
             block, family, moe.num_experts, moe.ffn_hidden_size, fused)
-        if moe.shared_expert_ffn_hidden_size > 0:
+        if family == "deepseek_v3":
+            out[f"{ours}mlp.router.expert_bias"] = Take(f"{block}gate.e_score_correction_bias")
+            fc1, fc2 = _swiglu(f"{hf}mlp.shared_experts.", "gate_proj", "up_proj", "down_proj",
+                               moe.shared_expert_ffn_hidden_size)
+            out[f"{ours}mlp.shared_expert.fc1.weight"], out[f"{ours}mlp.shared_expert.fc2.weight"] = fc1, fc2
+        elif moe.shared_expert_ffn_hidden_size > 0:
             fc1, fc2 = _swiglu(f"{hf}mlp.shared_expert.", "gate_proj", "up_proj", "down_proj",
                                moe.shared_expert_ffn_hidden_size)
             out[f"{ours}mlp.shared_expert.fc1.weight"], out[f"{ours}mlp.shared_expert.fc2.weight"] = fc1, fc2

@@ -1,7 +1,7 @@
 """Convert between Hugging Face model folders and moe-fold checkpoints.
 
 The direction follows INPUT:
-  - a Hugging Face folder (config.json + safetensors; Mixtral, Qwen2-MoE, Qwen3-MoE)
+  - a Hugging Face folder (config.json + safetensors; Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3)
     becomes a moe-fold checkpoint at OUTPUT/checkpoints/step_000000 (OUTPUT is a run
     folder; the checkpoint has config.yaml and no optimizer state);
   - a moe-fold checkpoint (a step_* folder with index.json, or a run folder: its newest

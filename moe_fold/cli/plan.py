@@ -7,6 +7,9 @@ for comparison with the papers); FLOPs per step; bytes sent per step over each g
 etp, edp, ...); the step time (compute at --efficiency of the GPU's dense BF16 peak, tensor
 and expert parallel traffic on the critical path, pipeline bubble, exposed data-parallel
 traffic, optimizer update) and MFU. Formulas and their sources: moe_fold/planner*.py.
+The data-parallel overlaps assumed are the config's own (parallel.overlap_grad_reduce,
+parallel.overlap_param_gather), so the MFU is moe-fold's; --overlap megatron assumes
+Megatron-LM's, for comparison with the papers. The output names the overlaps assumed.
 Sizes not given on the command line come from the config (a preset name or a YAML path).
 """
 
@@ -22,6 +25,8 @@ EPILOG = """examples:
   moe-fold plan --config mixtral-8x7b --world 64 --gpu h200 --search --top 10
   moe-fold plan --config qwen3-30b-a3b --world 16 --gpu b200 --json
   moe-fold plan --config mixtral-8x7b --world 64 --tp 2 --pp 4 --ep 8 --implementation megatron
+  moe-fold plan --config mixtral-8x22b --world 128 --tp 2 --pp 8 --ep 8 --overlap megatron
+  moe-fold plan --config mixtral-8x7b --world 64 --set parallel.overlap_grad_reduce=true
 
 An impossible layout prints the rules it breaks and exits with code 2.
 """
@@ -50,8 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--implementation", choices=("moe-fold", "megatron"), default="moe-fold",
                         help="whose memory footprint: moe-fold's own (default) or Megatron-LM's "
                              "(fused kernels, 18 bytes/parameter mixed-precision Adam)")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="data-parallel gradient traffic fully exposed (default: hidden but the last bucket)")
+    parser.add_argument("--overlap", choices=("moe-fold", "megatron", "none"), default="moe-fold",
+                        help="data-parallel traffic hidden behind compute: moe-fold (default: what the config's "
+                             "parallel.overlap_grad_reduce / overlap_param_gather switch on), megatron (both, as "
+                             "Megatron-LM's --overlap-grad-reduce --overlap-param-gather) or none")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. parallel.overlap_grad_reduce=true (repeatable)")
     parser.add_argument("--search", action="store_true", help="rank every valid layout of --world by MFU")
     parser.add_argument("--top", type=int, default=15, help="layouts shown by --search (default 15)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -71,6 +80,8 @@ def _print_plan(console, plan) -> None:
     console.print(f"seq {lay['seq']}, micro-batch {lay['mbs']}, global batch {lay['gbs']} "
                   f"({plan.microbatches} micro-batches per rank), recompute {plan.recompute}, "
                   f"distributed optimizer {'on' if plan.distributed_optimizer else 'off'}")
+    assumed = ", ".join(plan.overlaps) if plan.overlaps else "none (every data-parallel byte exposed)"
+    console.print(f"overlaps assumed ({plan.overlap_model}): {assumed}")
     pr = plan.params
     console.print(f"parameters: {pr['total'] / 1e9:,.2f} B total, {pr['activated'] / 1e9:,.2f} B activated per "
                   f"token, {pr['rank_max'] / 1e9:,.3f} B on the busiest rank")
@@ -135,9 +146,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         gpu = get_gpu(args.gpu)
-        assumptions = Assumptions(matmul_efficiency=args.efficiency, overlap_grad_reduce=not args.no_overlap,
+        assumptions = Assumptions(matmul_efficiency=args.efficiency, overlap=args.overlap,
                                   implementation=args.implementation)
-        config = load_config(args.config, [f"train.precision={args.precision}"])
+        config = load_config(args.config, [f"train.precision={args.precision}", *args.set])
         config = with_layout(config, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp,
                              mbs=args.mbs, gbs=args.gbs, seq=args.seq, recompute=args.recompute,
                              distributed=args.distributed_optimizer)

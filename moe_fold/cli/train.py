@@ -38,8 +38,8 @@ EPILOG = """examples:
   moe-fold train --config my.yaml --set wandb.mode=disabled --set train.run_dir=runs/exp1
   torchrun --nproc-per-node 8 -m moe_fold.cli train --config qwen3-moe-tiny --set parallel.ep=8
 
-presets: mixtral-8x7b mixtral-8x22b qwen2-57b-a14b qwen3-30b-a3b deepseek-v3-style
-         mixtral-tiny qwen2-moe-tiny qwen3-moe-tiny deepseek-tiny
+presets: mixtral-8x7b mixtral-8x22b qwen2-57b-a14b qwen3-30b-a3b deepseek-v3
+         mixtral-tiny qwen2-moe-tiny qwen3-moe-tiny deepseek-tiny deepseek-v3-tiny
 
 SIGTERM, SIGINT (Ctrl-C) or SIGUSR1 (train.exit_signals) stop every rank after the same step,
 with its checkpoint; a second Ctrl-C aborts at once.

@@ -31,11 +31,10 @@ import math
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from moe_fold.comm import Group, all_to_all, group_rank, group_size
 from moe_fold.parallel.ring_attention import ring_attention
-from moe_fold.parallel.varlen import varlen_attention
+from moe_fold.parallel.varlen import sdpa, varlen_attention
 
 __all__ = ["CP_KINDS", "zigzag_split", "zigzag_gather", "zigzag_positions",
            "a2a_kv_repeats", "context_parallel_attention"]
@@ -136,8 +135,7 @@ def _a2a_attention(q, k, v, group, causal, scale, doc_ids):
     if doc_ids is not None:
         out = varlen_attention(q, k, v, doc_ids, scale)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return _heads_to_seq(out, group, cp)
 
 
@@ -147,8 +145,9 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [B, heads, S_local, head_dim]")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch, heads and sequence "
+                         "(v's head_dim may differ: MLA)")
     b, hq, s, d = q.shape
     if (k.shape[0], k.shape[2], k.shape[3]) != (b, s, d):
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, "
@@ -163,10 +162,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention over a sequence sharded across the cp ``group`` in the zigzag layout.
 
-    q ``[B, Hq, S_local, D]``, k/v ``[B, Hkv, S_local, D]`` (Hq a multiple of Hkv; query
-    head h uses kv head ``h // (Hq/Hkv)``), each rank's zigzag shard; returns this rank's
-    output ``[B, Hq, S_local, D]``, equal to its shard of full attention over the gathered
-    sequence. ``kind``: ``"ring"`` or ``"a2a"`` (see the module doc). ``scale`` defaults to
+    q/k ``[B, Hq|Hkv, S_local, D]``, v ``[B, Hkv, S_local, Dv]`` (Hq a multiple of Hkv; query
+    head h uses kv head ``h // (Hq/Hkv)``; ``Dv`` may differ from ``D``, as in MLA), each
+    rank's zigzag shard; returns this rank's output ``[B, Hq, S_local, Dv]``, equal to its
+    shard of full attention over the gathered sequence. ``kind``: ``"ring"`` or ``"a2a"`` (see the module doc). ``scale`` defaults to
     ``1/sqrt(D)``. ``group`` None or of size 1: plain SDPA on the local (whole) sequence.
     ``doc_ids`` int64 ``[B, S]`` (the whole sequence, natural order, the same on every cp
     rank): packed documents, attention causal inside each document only (needs causal).
@@ -184,8 +183,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if cp == 1:
         if doc_ids is not None:
             return varlen_attention(q, k, v, doc_ids, scale)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if q.shape[2] % 2:
         raise ValueError(f"local sequence length {q.shape[2]} on cp rank {group_rank(group)} must be "
                          "even: a zigzag shard is two equal chunks (sequence divisible by 2*cp)")

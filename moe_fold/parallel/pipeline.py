@@ -37,9 +37,10 @@ shared weight and stay equal step after step.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -99,7 +100,8 @@ def run_schedule(chunks: Sequence[nn.Module], microbatches: Sequence[Any], group
                  tensor_shape: Sequence[int], dtype: torch.dtype = torch.float32, schedule: str = "1f1b",
                  loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
                  side_inputs: Optional[Callable[[Any], dict[str, Any]]] = None, forward_only: bool = False,
-                 device: Optional[torch.device] = None) -> torch.Tensor:
+                 device: Optional[torch.device] = None,
+                 backward_context: Optional[Callable[[int, int], ContextManager]] = None) -> torch.Tensor:
     """Run forward and backward of every micro-batch through the pipeline.
 
     ``chunks``: this pp rank's model chunks, ``chunks[c]`` is virtual stage
@@ -109,7 +111,9 @@ def run_schedule(chunks: Sequence[nn.Module], microbatches: Sequence[Any], group
     stage read the entries (others may pass ``[None] * m``), or every rank with
     ``side_inputs``. ``tensor_shape``/``dtype``: the hidden states between chunks.
     ``forward_only``: no backward, no graph (evaluation). ``device``: where received
-    tensors go (default: the chunks' parameters' device).
+    tensors go (default: the chunks' parameters' device). ``backward_context(mb, chunk)``:
+    entered around the backward of micro-batch ``mb`` through ``chunks[chunk]`` (the
+    gradient reduction's hook point, :meth:`moe_fold.training.buckets.GradSync.backward_of`).
 
     Returns the ``[m]`` float64 tensor of micro-batch losses (as the last stage computed
     them) on every rank of the pp group; its sum is the step's loss when each loss carries
@@ -166,10 +170,12 @@ def run_schedule(chunks: Sequence[nn.Module], microbatches: Sequence[Any], group
 
     def backward(mb: int, stage: int) -> None:
         x, y = saved.pop((mb, stage))
-        if stage == stages - 1:
-            torch.autograd.backward(y.reshape(()))
-        else:
-            torch.autograd.backward(y, out_grads.pop((mb, stage)))
+        around = backward_context(mb, stage // pp) if backward_context is not None else contextlib.nullcontext()
+        with around:
+            if stage == stages - 1:
+                torch.autograd.backward(y.reshape(()))
+            else:
+                torch.autograd.backward(y, out_grads.pop((mb, stage)))
         if stage > 0:
             hand_over("grad", mb, stage - 1, x.grad if x.grad is not None else torch.zeros_like(x))
 

@@ -23,6 +23,11 @@ backward ``(cp-1) * kv + cp * kv_acc``.
 Block kernels: on CPU, aten's fused flash attention for CPU (returns the log-sum-exp and
 takes it back in its backward; handles GQA natively); on any other device a matmul-softmax
 block in float32 (correct everywhere, not fused; a fused CUDA block is future work).
+V's head width may differ from q/k's (MLA: ``v_head_dim`` vs ``qk_nope + qk_rope``). The
+matmul block takes that as it is; the CPU kernel wants one width, so the narrower side
+is padded with zero columns for the call and the result cut back: a zero column of q/k
+adds nothing to a score, a zero column of v gives a zero output column. Only the kernel
+call is padded; the ring moves K and V at their own widths.
 
 Packed documents: with ``doc_shards`` (every cp rank's document ids of its shard) each
 block runs varlen: for every document on both sides, its queries against its keys with
@@ -40,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from moe_fold.comm import Group, batch_send_recv, group_rank, group_size
+from moe_fold.parallel.varlen import pad_head
 
 __all__ = ["ring_attention", "block_attention_forward", "block_attention_backward"]
 
@@ -63,7 +69,7 @@ def _causal_scores(s, causal):
 
 def _math_forward(q, k, v, causal, scale):
     b, hq, sq, d = q.shape
-    hkv = k.shape[1]
+    hkv, dv = k.shape[1], v.shape[-1]
     # GQA without copying K/V: the g query heads of one kv head become one batch row.
     acc = _acc_dtype(q.dtype)
     qg = q.reshape(b, hkv, hq // hkv, sq, d).to(acc)  # [B, Hkv, g, Sq, D]
@@ -71,21 +77,21 @@ def _math_forward(q, k, v, causal, scale):
     s = _causal_scores(s, causal)
     lse = s.logsumexp(-1)  # [B, Hkv, g, Sq]
     p = (s - lse.unsqueeze(-1)).exp()
-    out = torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(acc))  # [B, Hkv, g, Sq, D]
-    return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(acc))  # [B, Hkv, g, Sq, Dv]
+    return out.reshape(b, hq, sq, dv).to(q.dtype), lse.reshape(b, hq, sq)
 
 
 def _math_backward(dout, q, k, v, out, lse, causal, scale):
     b, hq, sq, d = q.shape
-    hkv = k.shape[1]
+    hkv, v_width = k.shape[1], v.shape[-1]
     g, acc = hq // hkv, _acc_dtype(q.dtype)
     qg = q.reshape(b, hkv, g, sq, d).to(acc)  # [B, Hkv, g, Sq, D]
-    dog = dout.reshape(b, hkv, g, sq, d).to(acc)
-    og = out.reshape(b, hkv, g, sq, d).to(acc)
+    dog = dout.reshape(b, hkv, g, sq, v_width).to(acc)  # [B, Hkv, g, Sq, Dv]
+    og = out.reshape(b, hkv, g, sq, v_width).to(acc)
     s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale  # [B, Hkv, g, Sq, Sk]
     s = _causal_scores(s, causal)
     p = (s - lse.reshape(b, hkv, g, sq, 1)).exp()
-    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dog)  # [B, Hkv, Sk, D]
+    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dog)  # [B, Hkv, Sk, Dv]
     dp = torch.einsum("bhgqd,bhkd->bhgqk", dog, v.to(acc))
     # rowsum(dO * O) of the final output: the softmax Jacobian term of the whole row.
     ds = p * (dp - (dog * og).sum(-1, keepdim=True))
@@ -98,17 +104,21 @@ def block_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block with its log-sum-exp.
 
-    q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, Sk, D]`` (Hq a multiple of Hkv, query head h uses
-    kv head ``h // (Hq/Hkv)``). ``causal`` masks key j > query i (top-left aligned; the ring
-    uses it only on square blocks). Returns out ``[B, Hq, Sq, D]`` (q's dtype) and lse
+    q ``[B, Hq, Sq, D]``, k ``[B, Hkv, Sk, D]``, v ``[B, Hkv, Sk, Dv]`` (Hq a multiple of Hkv,
+    query head h uses kv head ``h // (Hq/Hkv)``). ``causal`` masks key j > query i (top-left
+    aligned; the ring uses it only on square blocks). Returns out ``[B, Hq, Sq, Dv]`` (q's dtype) and lse
     ``[B, Hq, Sq]`` (float32, float64 for float64 inputs: the natural log of the softmax
     denominator of the scaled scores).
     """
     if q.device.type == "cpu":
+        d, dv = q.shape[-1], v.shape[-1]
+        width = max(d, dv)
+        q, k, v = pad_head(q, width), pad_head(k, width), pad_head(v, width)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
-        return out, lse.to(_acc_dtype(q.dtype))
+        return out[..., :dv], lse.to(_acc_dtype(q.dtype))
     return _math_forward(q, k, v, causal, scale)
+
 
 
 def block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -120,8 +130,13 @@ def block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     dq over blocks and concatenating dk/dv gives the grads of attention over all keys.
     """
     if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+        d, dv = q.shape[-1], v.shape[-1]
+        width = max(d, dv)
+        dq, dk, dv_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            pad_head(dout, width), pad_head(q, width), pad_head(k, width), pad_head(v, width), pad_head(out, width),
+            lse, 0.0,
+            causal, scale=scale)
+        return dq[..., :d], dk[..., :d], dv_[..., :dv]
     return _math_backward(dout, q, k, v, out, lse, causal, scale)
 
 
@@ -165,7 +180,7 @@ def _pieces_forward(q, k, v, pieces, causal, scale):
     """Block attention restricted to ``pieces`` (:func:`_doc_pieces`): each document's
     queries against its keys (causal on the diagonal block, where both sides are the same
     tokens in position order). Rows of documents without keys here get out 0, lse -inf."""
-    out = torch.zeros_like(q)
+    out = q.new_zeros(q.shape[:3] + v.shape[3:])  # [B, Hq, Sq, Dv]
     lse = torch.full(q.shape[:3], -math.inf, dtype=_acc_dtype(q.dtype), device=q.device)
     for b, qi, ki in pieces:
         o, l = block_attention_forward(q[b:b + 1, :, qi], k[b:b + 1, :, ki], v[b:b + 1, :, ki], causal, scale)
@@ -269,8 +284,9 @@ class _RingAttention(torch.autograd.Function):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                    causal: bool = True, scale: Optional[float] = None,
                    doc_shards: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Ring attention over ``group`` (size >= 2) for zigzag-sharded q ``[B, Hq, S_local, D]``
-    and k/v ``[B, Hkv, S_local, D]``; returns this rank's output ``[B, Hq, S_local, D]``.
+    """Ring attention over ``group`` (size >= 2) for zigzag-sharded q ``[B, Hq, S_local, D]``,
+    k ``[B, Hkv, S_local, D]`` and v ``[B, Hkv, S_local, Dv]``; returns this rank's output
+    ``[B, Hq, S_local, Dv]``.
     ``doc_shards`` ``[cp, B, S_local]``: the document ids of every cp rank's shard (packed
     sequences); attention stays inside each document.
 

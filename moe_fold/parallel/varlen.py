@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from moe_fold.comm import Group
 
-__all__ = ["Documents", "doc_ids_from_cu_seqlens", "segment_bounds", "varlen_attention", "router_token_mask"]
+__all__ = ["Documents", "doc_ids_from_cu_seqlens", "segment_bounds", "pad_head", "sdpa", "varlen_attention",
+           "router_token_mask"]
 
 
 @dataclass
@@ -81,17 +82,47 @@ def segment_bounds(doc_ids: torch.Tensor) -> list[int]:
     return torch.nonzero(change).flatten().tolist() + [B * S]
 
 
+def pad_head(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x [..., D]`` with zero columns up to ``[..., width]`` (itself when ``D == width``)."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def _one_width(q, k, v, scale):
+    """q, k, v padded with zero columns to one head width, and the scale of the unpadded
+    q/k. A zero column of q/k adds nothing to a score, one of v gives a zero output
+    column: the result cut back to v's width is exact. Why: the fused SDPA kernels (CPU
+    flash, CUDA flash) take one head width, and without them SDPA falls back to its math
+    path, which keeps the ``S x S`` probabilities (MLA's v is narrower than q/k)."""
+    width = max(q.shape[-1], v.shape[-1])
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return pad_head(q, width), pad_head(k, width), pad_head(v, width), scale
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: Optional[float] = None,
+         enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` that also takes v of another head width than
+    q/k (q/k ``[..., D]``, v ``[..., Dv]`` -> ``[..., Dv]``; see :func:`_one_width`)."""
+    dv = v.shape[-1]
+    if q.shape[-1] == dv:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    q, k, v, scale = _one_width(q, k, v, scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)[..., :dv]
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: Optional[torch.Tensor],
                      scale: Optional[float] = None) -> torch.Tensor:
-    """Causal attention inside each document: q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]``
+    """Causal attention inside each document: q/k ``[B, Hq|Hkv, S, D]``, v ``[B, Hkv, S, Dv]``
     (GQA as in SDPA's ``enable_gqa``), ``doc_ids [B, S]`` natural order (None: one
-    causal sequence per row). Returns ``[B, Hq, S, D]``."""
+    causal sequence per row). Returns ``[B, Hq, S, Dv]``."""
     gqa = q.shape[1] != k.shape[1]
     if doc_ids is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     B, _, S, _ = q.shape
     if tuple(doc_ids.shape) != (B, S):
         raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)}; expected [B, S] = {(B, S)} of q {tuple(q.shape)}")
+    dv = v.shape[-1]
+    if q.shape[-1] != dv:
+        q, k, v, scale = _one_width(q, k, v, scale)
     bounds = segment_bounds(doc_ids)
     # [B, H, S, D] -> [H, B*S, D]: a document is then a contiguous slice of one row.
     qf, kf, vf = (t.transpose(0, 1).flatten(1, 2) for t in (q, k, v))
@@ -99,7 +130,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids:
                                            enable_gqa=gqa)
             for a, b in zip(bounds[:-1], bounds[1:])]
     out = torch.cat(outs, dim=1)  # [Hq, B*S, D]
-    return out.view(q.shape[1], B, S, q.shape[3]).transpose(0, 1)
+    return out.view(q.shape[1], B, S, v.shape[3]).transpose(0, 1)[..., :dv]
 
 
 def router_token_mask(token_mask: Optional[torch.Tensor], tp_rank: int, tp: int,

@@ -34,13 +34,15 @@ Per micro-batch and layer (``X`` the bytes of one ``[s/cp, b, H]`` activation):
 - pp: one activation ``[s/(cp g), b, H]`` per virtual-stage boundary forward, its grad
   backward.
 
-Per step: gradient all-reduce over dp_cp (tp-split and replicated parameters), tp_dp_cp
-(``tp_sum`` ones: norms and router under SP) and edp (experts), in buckets of
-:data:`moe_fold.training.grads.DEFAULT_BUCKET_NUMEL` float32 elements; the norm's float32 scalars
-over tp, etp_ep (with the per-expert squares, see ``grad_norm``) and pp; with the distributed optimizer, the float32 parameter all-gather
-(each rank sends the elements it owns, :func:`moe_fold.planner.memory.owned_by_rank`, to the
-others of its group); with tied embeddings over pp, the
-embedding-grad all-reduce between the first and last stage.
+Per step, the float32 gradient buckets (:func:`moe_fold.planner.memory.grad_buckets`,
+``parallel.grad_bucket_numel`` elements) of dp_cp (tp-split and replicated parameters),
+tp_dp_cp (``tp_sum`` ones: norms and router under SP) and edp (experts): each all-reduced,
+or with the distributed optimizer reduce-scattered (the bucket less the rank's owned share,
+:func:`moe_fold.planner.memory.shard_sizes`) and its owned share all-gathered to the others
+of the group: the same volume as the all-reduce, the least a step can send. The norm's
+float32 scalars: over tp, etp_ep (with the per-expert squares, see ``grad_norm``) and pp, or with the distributed optimizer over tp_dp_cp
+(every rank of the stage) and pp. With tied embeddings over pp, the embedding-grad
+all-reduce between the first and last stage.
 """
 
 from __future__ import annotations
@@ -51,18 +53,14 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from moe_fold.config import Config, dp_size, edp_size, etp_size, vpp_size
-from moe_fold.planner.memory import owned_by_rank
+from moe_fold.planner.memory import grad_buckets, shard_sizes
 from moe_fold.planner.model import act_bytes, dims, param_manifest, router_bytes, stage_layers
 
-__all__ = ["GRAD_BUCKET_NUMEL", "Routing", "uniform_routing", "moe_layer_bytes", "microbatch_bytes",
+__all__ = ["GRAD_BYTES", "Routing", "uniform_routing", "moe_layer_bytes", "microbatch_bytes",
            "step_bytes"]
 
-# moe_fold.training.grads.DEFAULT_BUCKET_NUMEL, restated so the planner imports no torch.
-GRAD_BUCKET_NUMEL = 1 << 24
 GRAD_BYTES = 4  # gradients are synced (and masters kept) in float32
 
-# gradient-sync kind -> the group whose all-reduce completes it (moe_fold.training.grads).
-_SYNC_GROUP = {"tp": "dp_cp", "replicated": "dp_cp", "tp_sum": "tp_dp_cp", "expert": "edp"}
 
 
 def _all_reduce(nbytes: float, n: int) -> float:
@@ -155,6 +153,17 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
             return (2 if forward_only else 4) * _share(x, tp)
         return _all_reduce(x, tp) * (1 if forward_only else 2)
 
+    def attention(forward_only: bool = False) -> float:
+        """The attention's tp traffic. MLA enters the tp region with its latents (q's, or
+        the hidden states without q_lora_rank, the kv latent and the rotary key), not the
+        hidden states, and leaves it like any row-parallel linear."""
+        if not d.mla:
+            return pair(forward_only)
+        latents = b * s * ((d.q_lora or d.hidden) + d.kv_lora + d.rope_dim) * a
+        if sp:
+            return (1 if forward_only else 2) * (_share(latents, tp) + _share(x, tp))
+        return _all_reduce(x, tp) + (0 if forward_only else _all_reduce(latents, tp))
+
     layers = stage_layers(config, pp_rank)
     moe_layers = [i for i in layers if d.moe_flags[i]]
     if routing is None:
@@ -165,11 +174,11 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
     if tp > 1:
         for i in layers:
             is_moe = d.moe_flags[i]
-            out["tp"] += pair()  # attention
+            out["tp"] += attention()
             if not is_moe or d.shared_ffn > 0:
                 out["tp"] += pair()  # dense MLP or shared expert
             if recompute == "full":
-                out["tp"] += pair(forward_only=True)
+                out["tp"] += attention(forward_only=True)
             if (recompute == "full" or (recompute == "moe" and is_moe)) and (not is_moe or d.shared_ffn > 0):
                 out["tp"] += pair(forward_only=True)
         if pp_rank == 0:
@@ -210,27 +219,24 @@ def _cp_attention_bytes(config: Config) -> tuple[float, float]:
     forward; backward they go round again with float32 dK/dV accumulators, which take one
     more hop home. A2a (:mod:`moe_fold.parallel.context_parallel`): q, k, v (kv heads repeated to
     ``lcm(kv_heads, cp)``) and the output each all-to-all'd, ``(cp-1)/cp`` of them leaving;
-    the backward the same."""
+    the backward the same. MLA: k is ``qk_nope + qk_rope`` wide per head, v and the
+    output ``v_head_dim``."""
     d, p = dims(config), config.parallel
     cp, a = p.cp, act_bytes(config)
     tokens = config.train.micro_batch_size * d.seq // cp
     heads, kv_heads = d.heads // p.tp, d.kv_heads // p.tp
+    if d.mla:  # every head has its own k (qk wide) and v (v wide): no repeats under a2a
+        kv = tokens * d.kv_pass_size // p.tp
+        if p.cp_kind == "ring":
+            return (cp - 1) * kv * a, (cp - 1) * kv * a + cp * kv * 4
+        moved = (d.q_size + d.out_size) // p.tp * tokens * a * (cp - 1) / cp + kv * a * (cp - 1) / cp
+        return moved, moved
     if p.cp_kind == "ring":
         kv = 2 * tokens * kv_heads * d.head_dim
         return (cp - 1) * kv * a, (cp - 1) * kv * a + cp * kv * 4
     kv_heads = kv_heads * (cp // math.gcd(kv_heads, cp))
     moved = (2 * heads + 2 * kv_heads) * tokens * d.head_dim * a * (cp - 1) / cp
     return moved, moved
-
-
-def _buckets(numels: list[int], limit: int) -> list[int]:
-    """Element counts of consecutive runs of at most ``limit`` (a larger one alone)."""
-    out: list[int] = []
-    for n in numels:
-        if not out or out[-1] + n > limit:
-            out.append(0)
-        out[-1] += n
-    return out
 
 
 def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Optional[str] = None,
@@ -242,8 +248,8 @@ def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Opt
     ``recompute`` and ``distributed`` default to ``train.recompute`` and
     ``optimizer.distributed``. ``routing``: per micro-batch, one :class:`Routing` per MoE
     layer of the stage (default balanced). ``shard_ranks``: the rank's place in its
-    ``dp_cp`` and ``edp`` groups (default 0 in both), which sets how many elements it owns
-    and all-gathers under the distributed optimizer."""
+    ``dp_cp``, ``tp_dp_cp`` and ``edp`` groups (default 0 in each), which sets how many
+    elements it owns and all-gathers under the distributed optimizer."""
     p = config.parallel
     recompute = config.train.recompute if recompute is None else recompute
     distributed = config.optimizer.distributed if distributed is None else distributed
@@ -259,22 +265,28 @@ def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Opt
             out[kind] += nbytes
 
     sizes = {"dp_cp": dp * p.cp, "tp_dp_cp": p.tp * dp * p.cp, "edp": edp}
+    ranks = {"dp_cp": 0, "tp_dp_cp": 0, "edp": 0}
+    ranks.update(shard_ranks or {})
     manifest = param_manifest(config, pp_rank)
-    for group in ("dp_cp", "tp_dp_cp", "edp"):
-        numels = [e.numel for e in manifest if _SYNC_GROUP[e.kind] == group]
-        for bucket in _buckets(numels, GRAD_BUCKET_NUMEL):
-            out[group] += _all_reduce(GRAD_BYTES * bucket, sizes[group])
-    out["tp"] += _all_reduce(4, p.tp)  # grad norm: squares of tp shards
-    # ... of expert shards: one scalar and, per expert parameter, a float32 per global expert
-    expert_params = sum(1 for e in manifest if e.kind == "expert")
-    out["etp_ep"] += _all_reduce(4 * (1 + expert_params * dims(config).experts), etp * p.ep)
-    out["pp"] += _all_reduce(4, p.pp)  # ... of every stage
+    for group, numels in grad_buckets(config, pp_rank, manifest):
+        n = sizes[group]
+        if n == 1:
+            continue
+        nbytes = GRAD_BYTES * sum(numels)
+        if distributed:
+            # reduce-scatter (all but the owned share sent), then the owned share all-gathered
+            own = GRAD_BYTES * shard_sizes(numels, n)[ranks[group]]
+            out[group] += nbytes - own + own * (n - 1)
+        else:
+            out[group] += _all_reduce(nbytes, n)
     if distributed:
-        ranks = {"dp_cp": 0, "edp": 0} if shard_ranks is None else shard_ranks
-        for group in ("dp_cp", "edp"):
-            n = sizes[group]
-            if n > 1:
-                out[group] += GRAD_BYTES * owned_by_rank(manifest, group, n)[ranks[group]] * (n - 1)
+        out["tp_dp_cp"] += _all_reduce(4, p.tp * dp * p.cp)  # grad norm: squares of the owned ranges
+    else:
+        out["tp"] += _all_reduce(4, p.tp)  # grad norm: squares of tp shards
+        # ... of expert shards: one scalar and, per expert parameter, a float32 per global expert
+        expert_params = sum(1 for e in manifest if e.kind == "expert")
+        out["etp_ep"] += _all_reduce(4 * (1 + expert_params * dims(config).experts), etp * p.ep)
+    out["pp"] += _all_reduce(4, p.pp)  # ... of every stage
     d = dims(config)
     if d.tied and p.pp > 1 and pp_rank in (0, p.pp - 1):
         out["embedding"] += _all_reduce(GRAD_BYTES * d.vocab * d.hidden // p.tp, 2)

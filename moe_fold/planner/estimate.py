@@ -26,12 +26,19 @@ Step time, per micro-batch on the slowest pipeline stage: its FLOPs at
 ``peak * Assumptions.matmul_efficiency`` plus its tp, cp, ep, etp and pp traffic, all on the
 critical path (no overlap of tensor- or expert-parallel communication with compute). A
 step is ``(m + (pp-1)/vpp)`` such micro-batch times (1F1B and interleaved schedules; the
-bubble ``(pp-1)/(vpp m)`` of Narayanan et al. 2021, section 2.2), plus the data-parallel
-traffic (gradient all-reduce over dp_cp, tp_dp_cp and edp, parameter all-gather of the
-distributed optimizer) of which only the last bucket is exposed when
-``Assumptions.overlap_grad_reduce`` (Megatron's ``--overlap-grad-reduce`` and
-``--overlap-param-gather``; all of it otherwise, as moe-fold's loop does today), plus the
-optimizer update, bound by HBM bandwidth.
+bubble ``(pp-1)/(vpp m)`` of Narayanan et al. 2021, section 2.2), plus the exposed part of
+the data-parallel traffic (gradient buckets over dp_cp, tp_dp_cp and edp: all-reduced, or
+reduce-scattered and all-gathered by the distributed optimizer, whose time splits half and
+half), plus the optimizer update, bound by HBM bandwidth. ``Assumptions.overlap`` says
+which of that traffic runs behind compute: ``"moe-fold"`` (the default) reads the config's
+``parallel.overlap_grad_reduce`` and ``parallel.overlap_param_gather``, so the MFU is what
+moe-fold's own loop would reach; ``"megatron"`` assumes both (Megatron-LM's
+``--overlap-grad-reduce --overlap-param-gather``, as in the papers' runs); ``"none"``
+neither. An overlapped part is hidden behind one micro-batch's backward (the gradient
+reduction, 2/3 of its FLOPs) or forward (the gather, 1/3) on the slowest stage, except at
+least one bucket (``parallel.grad_bucket_numel`` float32 elements), the first posted or the
+last waited for, which nothing hides. The tied-embedding sum between the first and last
+stage runs after the schedule and is always exposed.
 
 Link model: a group whose ranks sit in one node (``gpus_per_node`` consecutive ranks) uses
 NVLink, else the per-GPU network bandwidth, for the whole ring; an all-to-all sends each
@@ -51,7 +58,7 @@ from typing import Optional
 
 from moe_fold.config import Config, ConfigError, ParallelConfig, dp_size, edp_size, etp_size, validate, vpp_size
 from moe_fold.layout import ParallelLayout
-from moe_fold.planner.comm import GRAD_BUCKET_NUMEL, GRAD_BYTES, microbatch_bytes, step_bytes
+from moe_fold.planner.comm import GRAD_BYTES, microbatch_bytes, step_bytes
 from moe_fold.planner.hardware import GPU
 from moe_fold.planner import memory as planner_memory
 from moe_fold.planner.model import (
@@ -59,8 +66,8 @@ from moe_fold.planner.model import (
     ParamEntry, model_flops_per_step, param_manifest, rank_flops_per_microbatch, stage_layers,
 )
 
-__all__ = ["Assumptions", "Plan", "estimate", "search", "model_params", "with_layout", "activation_bytes",
-           "busiest_owned_numel"]
+__all__ = ["OVERLAPS", "Assumptions", "Plan", "overlaps", "estimate", "search", "model_params", "with_layout",
+           "activation_bytes", "busiest_owned_numel"]
 
 # Kinds whose traffic happens per micro-batch, on the critical path.
 _CRITICAL = ("tp", "cp", "ep", "etp", "etp_ep", "tp_cp", "tp_dp_cp", "pp")
@@ -71,14 +78,19 @@ _GROUP_OF = {"tp": "tp", "cp": "cp", "ep": "ep", "etp": "etp", "etp_ep": "etp_ep
              "tp_dp_cp": "tp_dp_cp", "pp": "pp", "dp_cp": "dp_cp", "edp": "edp", "embedding": "pp"}
 
 
+OVERLAPS = ("moe-fold", "megatron", "none")
+
+
 @dataclass(frozen=True)
 class Assumptions:
     # Achieved / peak FLOP/s of the GEMMs and attention kernels (0.7: well-tuned large
     # bf16 GEMMs on H100 reach 70-80% of peak; grouped GEMMs and attention somewhat less).
     matmul_efficiency: float = 0.7
-    # Data-parallel gradient reduce and parameter gather hidden behind compute except their
-    # last bucket (Megatron's overlap options); False: all of it exposed.
-    overlap_grad_reduce: bool = True
+    # Which data-parallel overlaps the step time assumes: "moe-fold" (what the config's
+    # parallel.overlap_grad_reduce and parallel.overlap_param_gather switch on), "megatron"
+    # (both on: --overlap-grad-reduce and, with the distributed optimizer,
+    # --overlap-param-gather, as the papers' runs) or "none".
+    overlap: str = "moe-fold"
     # HBM bytes the Adam update moves per parameter it owns: reads of the float32 master,
     # grad, m and v (16), writes of master, m and v (12) and of the bf16 weight (2).
     optimizer_bytes_per_param: float = 30.0
@@ -93,6 +105,8 @@ class Assumptions:
             raise ValueError(f"matmul_efficiency={self.matmul_efficiency} must be in (0, 1]")
         if self.memory_overhead < 0 or self.optimizer_bytes_per_param < 0:
             raise ValueError("memory_overhead and optimizer_bytes_per_param must be >= 0")
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"overlap={self.overlap!r} must be one of {', '.join(OVERLAPS)}")
         if self.implementation not in planner_memory.IMPLEMENTATIONS:
             raise ValueError(f"implementation={self.implementation!r} must be one of "
                              f"{', '.join(planner_memory.IMPLEMENTATIONS)}")
@@ -117,6 +131,8 @@ class Plan:
     mfu: float
     notes: list[str] = field(default_factory=list)
     implementation: str = "moe-fold"  # whose memory footprint ``memory`` describes
+    overlaps: list[str] = field(default_factory=list)  # data-parallel overlaps the step time assumes
+    overlap_model: str = "moe-fold"  # Assumptions.overlap
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -217,12 +233,25 @@ def _memory(config: Config, world: int, pp_rank: int, micro: int, assumptions: A
             "optimizer_not_distributed": full, "optimizer_distributed": sharded}
 
 
-def busiest_owned_numel(config: Config, world: int, manifest: list[ParamEntry]) -> int:
+def overlaps(config: Config, assumptions: Assumptions) -> tuple[bool, bool]:
+    """Whether the step time hides the gradient reduction, and the parameter all-gather,
+    behind compute (:attr:`Assumptions.overlap`). The gather exists only with the
+    distributed optimizer."""
+    if assumptions.overlap == "none":
+        return False, False
+    if assumptions.overlap == "megatron":
+        return True, config.optimizer.distributed
+    p = config.parallel
+    return p.overlap_grad_reduce, p.overlap_param_gather and config.optimizer.distributed
+
+
+def busiest_owned_numel(config: Config, world: int, pp_rank: int, manifest: list[ParamEntry]) -> int:
     """The most parameter elements any rank of ``manifest``'s stage holds moments for under
     moe-fold's distributed optimizer (the ranks of a sharding group own slightly different
     counts: cuts fall on multiples of ALIGN elements)."""
     sizes = planner_memory.zero_sizes(config, world)
-    return sum(max(planner_memory.owned_by_rank(manifest, group, sizes[group])) for group in ("dp_cp", "edp"))
+    buckets = planner_memory.grad_buckets(config, pp_rank, manifest)
+    return sum(max(planner_memory.owned_by_rank(buckets, group, n)) for group, n in sizes.items())
 
 
 def activation_bytes(config: Config, pp_rank: int, implementation: str = "moe-fold") -> float:
@@ -251,7 +280,7 @@ def _memory_moe_fold(config: Config, world: int, pp_rank: int, micro: int, assum
     """:func:`_memory` for moe-fold's own footprint (:mod:`moe_fold.planner.memory`)."""
     local = sum(e.numel for e in manifest)
     full = planner_memory.state_bytes(config, manifest, local)
-    sharded = planner_memory.state_bytes(config, manifest, busiest_owned_numel(config, world, manifest))
+    sharded = planner_memory.state_bytes(config, manifest, busiest_owned_numel(config, world, pp_rank, manifest))
     state = sharded if config.optimizer.distributed else full
     activations = activation_bytes(config, pp_rank) * microbatches_in_flight(config, pp_rank, micro)
     weights = state["weights"] + state["master_weights"]
@@ -284,18 +313,28 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
     per_micro, flops_micro, comm_micro, r_slow = slowest
 
     step = step_bytes(config, world, r_slow)
+    grad_overlap, gather_overlap = overlaps(config, assumptions)
+    # What one micro-batch's backward (about 2/3 of its FLOPs) and forward (1/3) on the
+    # slowest stage leave to hide the gradient reduction and the parameter gather behind.
+    windows = {"grads": 2 / 3 * flops_micro / rate, "params": 1 / 3 * flops_micro / rate}
     exposed = {}
     for kind in _DATA_PARALLEL:
         if kind not in step:
             continue
         nbytes = step[kind] - (micro * microbatch_bytes(config, world, r_slow, t.recompute).get(kind, 0))
-        if assumptions.overlap_grad_reduce:
-            # The embedding group is the first and last stage of a pp group: 2 ranks.
-            n = 2 if kind == "embedding" else len(layout.groups(_GROUP_OF[kind])[0])
-            # One bucket's all-reduce, and with the distributed optimizer its all-gather.
-            share = (2 + (1 if config.optimizer.distributed else 0)) * (n - 1) / n
-            nbytes = min(nbytes, GRAD_BYTES * GRAD_BUCKET_NUMEL * share)
-        exposed[kind] = _seconds(kind, nbytes, links, gpu)
+        n = 2 if kind == "embedding" else len(layout.groups(_GROUP_OF[kind])[0])
+        seconds = _seconds(kind, nbytes, links, gpu)
+        # Of the bytes: the all-reduce's, or the reduce-scatter's and the all-gather's halves.
+        gather = seconds / 2 if config.optimizer.distributed and kind != "embedding" else 0.0
+        parts = {"grads": (seconds - gather, grad_overlap), "params": (gather, gather_overlap)}
+        for part, (s_part, hidden) in parts.items():
+            if s_part <= 0:
+                continue
+            if hidden and kind != "embedding":
+                # Every bucket but one runs behind compute as long as the window lasts.
+                bucket = _seconds(kind, GRAD_BYTES * config.parallel.grad_bucket_numel * (n - 1) / n, links, gpu)
+                s_part = min(s_part, max(bucket, s_part - windows[part]))
+            exposed[f"{kind} {part}"] = s_part
 
     manifests = [param_manifest(config, r) for r in range(p.pp)]
     manifest = manifests[r_slow]
@@ -311,8 +350,8 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
     for kind, s in comm_micro.items():
         time[kind] = micro * s
     time["bubble"] = bubble
-    for kind, s in exposed.items():
-        time[f"{kind} (exposed)"] = s
+    for kind, seconds in exposed.items():
+        time[f"{kind} (exposed)"] = seconds
     time["optimizer"] = optimizer_s
     time["total"] = micro * per_micro + bubble + sum(exposed.values()) + optimizer_s
 
@@ -339,7 +378,9 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
                "model_per_rank_per_s": model_flops / world / time["total"]},
         comm_bytes=step, comm_links={k: links[_GROUP_OF[k]][2] for k in step},
         time=time, mfu=model_flops / (world * gpu.peak_flops * time["total"]), notes=notes,
-        implementation=assumptions.implementation)
+        implementation=assumptions.implementation,
+        overlaps=[name for name, on in (("grad_reduce", grad_overlap), ("param_gather", gather_overlap)) if on],
+        overlap_model=assumptions.overlap)
 
 
 def _divisors(n: int, limit: int) -> list[int]:

@@ -10,12 +10,12 @@ Parameters, gradients and optimizer state, per local parameter (:func:`state_byt
   master copy (4); the backward writes bf16 grads (2), ``grads_to_master`` makes float32
   master grads (4) that the sync, clipping and optimizer use; moments 8: 20 bytes.
 - ``optimizer.distributed`` (:class:`moe_fold.training.optim.AdamW`, ZeRO-1) shards only the moments:
-  each sharding group's parameters are flattened in optimizer order (the decayed
-  parameter group, then the others) into buckets of ``GRAD_BUCKET_NUMEL`` elements, each
-  cut into nearly equal ranges with cuts inside a parameter moved up to a multiple of
-  ``moe_fold.training.optim.ALIGN`` elements (:func:`owned_by_rank` redoes that arithmetic): about
-  ``12 + 8/d`` bytes per parameter under bf16, to the element what the optimizer
-  allocates. Masters are not sharded.
+  each sharding group's parameters are flattened in the gradient buckets' order
+  (:func:`grad_buckets`, ``parallel.grad_bucket_numel`` elements), each bucket cut into
+  nearly equal ranges with cuts inside a parameter moved up to a multiple of
+  ``moe_fold.training.buckets.ALIGN`` elements (:func:`owned_by_rank` redoes that
+  arithmetic): about ``12 + 8/d`` bytes per parameter under bf16, to the element what the
+  optimizer allocates. Masters are not sharded.
 
 Activations, bytes one rank keeps for the backward per local token (what autograd saves,
 one count per storage: views of one tensor count once; parameters not at all). ``a`` is
@@ -57,7 +57,11 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
 - Head and loss (last stage): final norm ``aH + 4``, gathered head input ``aHg``, the
   float32 shifted logits and their ``exp`` ``8 V g/tp``, the target index, mask, sum of
   exps and the loss mask ``8 + 1 + 4 + 4`` times ``g``.
-- Per micro-batch and model chunk: rotary cos and sin, ``2 (s/cp) head_dim a``.
+- Multi-head latent attention (:class:`moe_fold.models.mla.MLAttention`): see
+  :func:`moe_fold.planner.model.mla_attention_bytes` (the latents, not the hidden
+  states, are gathered over tp).
+- Per micro-batch and model chunk: rotary cos and sin, ``2 (s/cp) d_rot a`` (``d_rot``
+  the head width, ``qk_rope_head_dim`` under MLA).
 
 Recompute (:func:`moe_fold.training.train.apply_recompute`, non-reentrant checkpoints keep their
 inputs): ``full`` keeps only a dense block's input ``aH``; an MoE block keeps its attention
@@ -76,31 +80,25 @@ from __future__ import annotations
 
 import bisect
 
-from moe_fold.config import Config, dp_size, edp_size, etp_size
-from moe_fold.planner.model import ParamEntry, dims, expert_rows_per_token, router_bytes
+from moe_fold.config import Config, dp_size, edp_size, etp_size, pp_layer_counts, rotary_dim
+from moe_fold.planner.model import ParamEntry, dims, expert_rows_per_token, mla_attention_bytes, router_bytes
 
-__all__ = ["IMPLEMENTATIONS", "state_bytes", "owned_by_rank", "owned_numel", "zero_sizes", "layer_activation_bytes", "head_activation_bytes",
+__all__ = ["IMPLEMENTATIONS", "state_bytes", "grad_buckets", "shard_sizes", "owned_by_rank", "owned_numel", "zero_sizes",
+           "layer_activation_bytes", "head_activation_bytes",
            "embedding_activation_bytes", "microbatch_constant_bytes"]
 
 IMPLEMENTATIONS = ("moe-fold", "megatron")
 
-# moe_fold.training.optim.ALIGN and moe_fold.training.grads.DEFAULT_BUCKET_NUMEL, restated so the planner
-# imports no torch (tests check they agree).
+# moe_fold.training.buckets.ALIGN, restated so the planner imports no torch (tests check they agree).
 ALIGN = 64
-BUCKET_NUMEL = 1 << 24
-# moe_fold.training.optim.SHARD_GROUP
-_SHARD_GROUP = {"tp": "dp_cp", "replicated": "dp_cp", "tp_sum": "dp_cp", "expert": "edp"}
+# moe_fold.training.buckets.SYNC_GROUP (= moe_fold.training.optim.SHARD_GROUP)
+_SHARD_GROUP = {"tp": "dp_cp", "replicated": "dp_cp", "tp_sum": "tp_dp_cp", "expert": "edp"}
 
 
-def _decays(name: str) -> bool:
-    """moe_fold.training.optim.decays by name: 1-D parameters (norm gains, biases) do not decay."""
-    return not (name.endswith("norm.weight") or name.endswith(".bias"))
-
-
-def _shares(numels: list[int], n: int) -> list[int]:
+def shard_sizes(numels: list[int], n: int) -> list[int]:
     """Elements each of ``n`` ranks owns of one bucket of parameters of ``numels``
-    elements (moe_fold.training.optim._shard_bucket): cuts at ``r * ceil(total/n)``, a cut inside a
-    parameter moved up to a multiple of ALIGN elements from its start."""
+    elements (moe_fold.training.buckets.shard_sizes): cuts at ``r * ceil(total/n)``, a cut
+    inside a parameter moved up to a multiple of ALIGN elements from its start."""
     offsets, total = [0], 0
     for k in numels:
         total += k
@@ -117,31 +115,61 @@ def _shares(numels: list[int], n: int) -> list[int]:
     return [cuts[r + 1] - cuts[r] for r in range(n)]
 
 
-def owned_by_rank(manifest: list[ParamEntry], group: str, n: int) -> list[int]:
-    """Elements of ``manifest``'s parameters sharded over ``group`` (``dp_cp`` or ``edp``,
-    ``n`` ranks) whose AdamW moments each rank of the group holds under the distributed
-    optimizer: the parameters in optimizer order (the decayed parameter group first),
-    flattened into buckets of ``BUCKET_NUMEL`` elements, each bucket cut by :func:`_shares`."""
-    ordered = [e for e in manifest if _decays(e.name)] + [e for e in manifest if not _decays(e.name)]
-    members = [e.numel for e in ordered if _SHARD_GROUP[e.kind] == group]
+def grad_buckets(config: Config, pp_rank: int, manifest: list[ParamEntry]) -> list[tuple[str, list[int]]]:
+    """The gradient buckets of a rank of stage ``pp_rank`` holding ``manifest``, as
+    ``moe_fold.training.buckets.model_buckets`` makes them: ``(group, element counts)`` in
+    posting order: model chunks last to first, each chunk's parameters in reverse, runs of
+    one group of at most ``parallel.grad_bucket_numel`` elements; a pipeline's tied
+    embedding (and the last stage's copy) last."""
+    p = config.parallel
+    counts = pp_layer_counts(config)
+    starts = [sum(counts[:c]) for c in range(len(counts))]
+    chunks = list(range(pp_rank, len(counts), p.pp))  # virtual stages of this rank
+    chunk_of_layer = {starts[s] + i: c for c, s in enumerate(chunks) for i in range(counts[s])}
+    tied_pp = dims(config).tied and p.pp > 1
+    per_chunk: list[list[ParamEntry]] = [[] for _ in chunks]
+    deferred = []
+    for e in manifest:
+        if tied_pp and e.name in ("embed.weight", "lm_head.weight"):
+            deferred.append(e)
+        elif e.name.startswith("layers."):
+            per_chunk[chunk_of_layer[int(e.name.split(".")[1])]].append(e)
+        elif e.name.startswith("embed."):
+            per_chunk[0].append(e)
+        else:
+            per_chunk[-1].append(e)
+    limit = p.grad_bucket_numel
+    out: list[tuple[str, list[int]]] = []
+    for entries in [per_chunk[c] for c in reversed(range(len(chunks)))] + [deferred]:
+        runs: dict[str, list[int]] = {}
+        closed: list[tuple[str, list[int]]] = []
+        for e in reversed(entries):
+            group = _SHARD_GROUP[e.kind]
+            run = runs.setdefault(group, [])
+            if run and sum(run) + e.numel > limit:
+                closed.append((group, run))
+                run = runs[group] = []
+            run.append(e.numel)
+        out.extend(closed + [(group, run) for group, run in runs.items() if run])
+    return out
+
+
+def owned_by_rank(buckets: list[tuple[str, list[int]]], group: str, n: int) -> list[int]:
+    """Elements of the ``group`` buckets (:func:`grad_buckets`; ``n`` ranks) each rank of
+    the group owns under the distributed optimizer: it receives them reduced, updates them
+    and holds their AdamW moments."""
     owned = [0] * n
-    run: list[int] = []
-    numel = 0
-    for k in members + [None]:
-        if run and (k is None or numel + k > BUCKET_NUMEL):
-            owned = [a + b for a, b in zip(owned, _shares(run, n))]
-            run, numel = [], 0
-        if k is not None:
-            run.append(k)
-            numel += k
+    for name, numels in buckets:
+        if name == group:
+            owned = [a + b for a, b in zip(owned, shard_sizes(numels, n))]
     return owned
 
 
-def owned_numel(manifest: list[ParamEntry], sizes: dict[str, int], ranks: dict[str, int]) -> int:
+def owned_numel(buckets: list[tuple[str, list[int]]], sizes: dict[str, int], ranks: dict[str, int]) -> int:
     """Parameter elements whose AdamW moments this rank holds under the distributed
-    optimizer; ``sizes`` and ``ranks``: the rank's ``dp_cp`` and ``edp`` group sizes and
-    its rank in each."""
-    return sum(owned_by_rank(manifest, group, sizes[group])[ranks[group]] for group in ("dp_cp", "edp"))
+    optimizer; ``sizes`` and ``ranks``: the rank's group sizes (:func:`zero_sizes`) and its
+    rank in each."""
+    return sum(owned_by_rank(buckets, group, sizes[group])[ranks[group]] for group in sizes)
 
 
 def state_bytes(config: Config, manifest: list[ParamEntry], owned: float) -> dict[str, float]:
@@ -162,6 +190,8 @@ def _act(config: Config) -> int:
 
 def _attention(config: Config, g: int) -> float:
     d, tp, a = dims(config), config.parallel.tp, _act(config)
+    if d.mla:
+        return mla_attention_bytes(d, a, g, tp)
     inside = a * (d.q_size + 2 * d.kv_size) + a * (d.q_size + d.kv_size) + a * d.q_size + 4 * d.heads
     if d.qk_norm:
         inside += 4 * (d.heads + d.kv_heads)
@@ -252,7 +282,7 @@ def microbatch_constant_bytes(config: Config, layers: list[int], chunks: int) ->
     """Bytes per micro-batch that do not scale with tokens: rotary cos/sin per model chunk,
     the float32 router weight copy per MoE layer under bf16."""
     d, a = dims(config), _act(config)
-    out = chunks * 2 * (d.seq // config.parallel.cp) * d.head_dim * a
+    out = chunks * 2 * (d.seq // config.parallel.cp) * rotary_dim(config) * a
     if config.train.precision == "bf16":
         out += sum(4 * d.experts * d.hidden for i in layers if d.moe_flags[i])
     return out
@@ -260,4 +290,5 @@ def microbatch_constant_bytes(config: Config, layers: list[int], chunks: int) ->
 
 def zero_sizes(config: Config, world: int) -> dict[str, int]:
     """The sizes of the groups the distributed optimizer shards over."""
-    return {"dp_cp": dp_size(config, world) * config.parallel.cp, "edp": edp_size(config, world)}
+    dp_cp = dp_size(config, world) * config.parallel.cp
+    return {"dp_cp": dp_cp, "tp_dp_cp": config.parallel.tp * dp_cp, "edp": edp_size(config, world)}

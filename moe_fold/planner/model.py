@@ -15,9 +15,11 @@ Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 
 their ``72 B s l h^2 (1 + s/6h + V/12lh)`` is ``3 x`` (forward + backward = 3 forwards)
 the per-layer forward ``24 B s h^2 + 4 B s^2 h`` plus the logits ``2 B s h V``. Here each
 term is written from the model's shapes, which generalises it to grouped-query attention
-(q|k|v projection ``H (q + 2 kv)``), SwiGLU (three ``H x F`` matrices) and MoE layers (the
-router ``H x E``, ``topk`` routed experts, the shared expert and its gate; only activated
-experts count). The attention core counts the full ``s x s`` score and context products
+(q|k|v projection ``H (q + 2 kv)``), multi-head latent attention (its down- and
+up-projections, :func:`moe_fold.config.mla_weight_shapes`; the core over ``qk_nope +
+qk_rope`` for scores and ``v_head_dim`` for the context), SwiGLU (three ``H x F`` matrices)
+and MoE layers (the router ``H x E``, ``topk`` routed experts, the shared expert and its
+gate; only activated experts count). The attention core counts the full ``s x s`` score and context products
 (``4 s q`` per token), the convention of Narayanan 2021 and of Megatron's
 ``num_floating_point_operations``, so MFU is comparable with published numbers (a causal
 kernel does about half of that work). Norms, rotary, softmax and SwiGLU elementwise work
@@ -41,11 +43,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from moe_fold.config import Config, ModelConfig, MoEConfig, etp_size, head_dim, moe_layer_flags, pp_layer_counts, vpp_size
+from moe_fold.config import (
+    Config, ModelConfig, MoEConfig, etp_size, head_dim, mla_weight_shapes, moe_layer_flags, pp_layer_counts, vpp_size,
+)
 
 __all__ = ["Dims", "dims", "ParamEntry", "param_manifest", "stage_layers", "layer_forward_flops",
            "head_forward_flops", "model_flops_per_step", "rank_flops_per_microbatch", "act_bytes",
-           "router_bytes", "expert_rows_per_token", "layer_activation_bytes", "head_activation_bytes",
+           "router_bytes", "expert_rows_per_token", "layer_activation_bytes", "mla_attention_bytes",
+           "head_activation_bytes",
            "microbatches_in_flight", "RECOMPUTE_MODES"]
 
 RECOMPUTE_MODES = ("none", "full", "moe", "expert_act")
@@ -73,14 +78,34 @@ class Dims:
     moe_flags: tuple[bool, ...]
     # Spare expert slots per ep rank (moe.replicas): copies held besides the E/ep experts.
     replicas: int = 0
+    # Multi-head latent attention: its linears' global [out, in] shapes (None: standard
+    # attention), q_lora_rank (0: none), kv_lora_rank, the q/k and v head widths.
+    mla: tuple[tuple[str, int, int], ...] | None = None
+    q_lora: int = 0
+    kv_lora: int = 0
+    qk_head: int = 0
+    v_head: int = 0
+    rope_dim: int = 0
 
     @property
     def q_size(self) -> int:
-        return self.heads * self.head_dim
+        """Query (and, under MLA, key) width of all heads."""
+        return self.heads * (self.qk_head if self.mla else self.head_dim)
 
     @property
     def kv_size(self) -> int:
+        """Key and value width of all kv heads (standard attention)."""
         return self.kv_heads * self.head_dim
+
+    @property
+    def out_size(self) -> int:
+        """Attention output (context) width of all heads: the projection's input."""
+        return self.heads * (self.v_head if self.mla else self.head_dim)
+
+    @property
+    def kv_pass_size(self) -> int:
+        """Per token: the K and V widths attention reads (what ring cp moves)."""
+        return self.heads * (self.qk_head + self.v_head) if self.mla else 2 * self.kv_size
 
 
 @functools.lru_cache(maxsize=256)
@@ -100,7 +125,39 @@ def dims(config: Config) -> Dims:
                 experts=moe.num_experts, topk=moe.topk, expert_ffn=moe.ffn_hidden_size,
                 shared_ffn=moe.shared_expert_ffn_hidden_size, shared_gate=moe.shared_expert_gate,
                 qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, tied=m.tie_embeddings,
-                moe_flags=_moe_flags(m.num_layers, freq, moe.first_k_dense), replicas=moe.replicas)
+                moe_flags=_moe_flags(m.num_layers, freq, moe.first_k_dense), replicas=moe.replicas,
+                **_mla_dims(m))
+
+
+def _mla_dims(m: ModelConfig) -> dict:
+    if m.attention != "mla":
+        return {}
+    shapes = tuple((name, out, inp) for name, (out, inp) in mla_weight_shapes(m).items())
+    return dict(mla=shapes, q_lora=m.q_lora_rank or 0, kv_lora=m.kv_lora_rank,
+                qk_head=m.qk_nope_head_dim + m.qk_rope_head_dim, v_head=m.v_head_dim, rope_dim=m.qk_rope_head_dim)
+
+
+def _attention_params(d: Dims, pre: str, tp: int, replicated: str) -> list[tuple[str, int, str]]:
+    """One layer's attention parameters on one tp rank, in ``model.parameters()`` order."""
+    if d.mla:
+        out = []
+        for name, rows, cols in d.mla:
+            if name in ("q_down", "kv_down"):  # replicated over tp, then their latents' norms
+                out.append((f"{pre}.attn.{name}.weight", rows * cols, replicated))
+                width = d.q_lora if name == "q_down" else d.kv_lora
+                out.append((f"{pre}.attn.{name[:-5]}_norm.weight", width, replicated))
+            else:
+                out.append((f"{pre}.attn.{name}.weight", rows * cols // tp, "tp"))
+        return out
+    out = [(f"{pre}.attn.qkv.weight", (d.q_size + 2 * d.kv_size) * d.hidden // tp, "tp")]
+    if d.qkv_bias:
+        out.append((f"{pre}.attn.qkv.bias", (d.q_size + 2 * d.kv_size) // tp, "tp"))
+    out.append((f"{pre}.attn.proj.weight", d.hidden * d.q_size // tp, "tp"))
+    if d.qk_norm:
+        # Each tp rank normalises its own heads, so the grads are partial over tp.
+        out.append((f"{pre}.attn.q_norm.weight", d.head_dim, "tp_sum"))
+        out.append((f"{pre}.attn.k_norm.weight", d.head_dim, "tp_sum"))
+    return out
 
 
 # --------------------------------------------------------------------------- parameters
@@ -141,14 +198,8 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
     for i in stage_layers(config, pp_rank):
         pre = f"layers.{i}"
         add(f"{pre}.attn_norm.weight", d.hidden, replicated)
-        add(f"{pre}.attn.qkv.weight", (d.q_size + 2 * d.kv_size) * d.hidden // tp, "tp")
-        if d.qkv_bias:
-            add(f"{pre}.attn.qkv.bias", (d.q_size + 2 * d.kv_size) // tp, "tp")
-        add(f"{pre}.attn.proj.weight", d.hidden * d.q_size // tp, "tp")
-        if d.qk_norm:
-            # Each tp rank normalises its own heads, so the grads are partial over tp.
-            add(f"{pre}.attn.q_norm.weight", d.head_dim, "tp_sum")
-            add(f"{pre}.attn.k_norm.weight", d.head_dim, "tp_sum")
+        for entry in _attention_params(d, pre, tp, replicated):
+            add(*entry)
         add(f"{pre}.mlp_norm.weight", d.hidden, replicated)
         if d.moe_flags[i]:
             local = d.experts // ep + d.replicas  # expert slots: the copies take memory too
@@ -192,8 +243,12 @@ def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None
     ``shared`` (shared expert and its gate)."""
     d = dims(config)
     h = d.hidden
-    out = {"attention": 2 * h * (d.q_size + 2 * d.kv_size) + 2 * d.q_size * h,
-           "core": 4 * d.seq * d.q_size, "mlp": 0.0, "router": 0.0, "experts": 0.0, "shared": 0.0}
+    if d.mla:
+        projections = sum(2 * rows * cols for _, rows, cols in d.mla)
+    else:
+        projections = 2 * h * (d.q_size + 2 * d.kv_size) + 2 * d.q_size * h
+    out = {"attention": projections, "core": 2 * d.seq * (d.q_size + d.out_size),
+           "mlp": 0.0, "router": 0.0, "experts": 0.0, "shared": 0.0}
     if d.moe_flags[layer]:
         rows = expert_rows_per_token(config) if rows_per_token is None else rows_per_token
         out["router"] = 2 * h * d.experts
@@ -289,8 +344,11 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     d, p = dims(config), config.parallel
     a, h, tp, etp = act_bytes(config), d.hidden, p.tp, etp_size(config)
     g = tp if p.sequence_parallel else 1
-    attention = (a * h + a * h * g + a * (2 * d.q_size + 2 * d.kv_size) * g / tp
-                 + 4 * d.heads * g / tp + a * d.q_size * g / tp)
+    if d.mla:
+        attention = a * h + mla_attention_bytes(d, a, g, tp)
+    else:
+        attention = (a * h + a * h * g + a * (2 * d.q_size + 2 * d.kv_size) * g / tp
+                     + 4 * d.heads * g / tp + a * d.q_size * g / tp)
     if not d.moe_flags[layer]:
         mlp = a * h + a * h * g + 3 * a * d.ffn * g / tp
         return a * h if recompute == "full" else attention + mlp
@@ -312,6 +370,22 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
         if d.shared_gate:
             shared += a * h
     return attention + a * h + a * h + routed + expert_in + expert_mid + shared
+
+
+def mla_attention_bytes(d: Dims, a: int, g: int, tp: int) -> float:
+    """Bytes an MLA layer keeps per local token (``a`` per element, ``g`` the SP gather
+    factor), norm before it aside: the down-projections' input ``aH``; the q latent and
+    its gathered copy ``a q_lora (1 + g)`` (or, full-rank, the gathered input ``aHg``);
+    the compressed kv ``a (kv_lora + rope)``, the gathered latent and rotary key
+    ``a (kv_lora + rope) g``; per local head (``g/tp``): q and k ``2 a heads qk``, v and
+    the output padded to the q/k width for the fused kernel
+    (:func:`moe_fold.parallel.varlen.sdpa`) ``2 a heads qk``, the projection's input
+    ``a heads v`` and the float32 log-sum-exp ``4 heads``. The latents' norms keep an fp32
+    ``rsqrt`` each (4). The fused kernel keeps no ``s x s`` scores."""
+    query = a * d.q_lora * (1 + g) + 4 if d.q_lora else a * d.hidden * g
+    latent = a * (d.kv_lora + d.rope_dim) * (1 + g) + 4
+    heads = a * (4 * d.q_size + d.out_size) + 4 * d.heads
+    return a * d.hidden + query + latent + heads * g / tp
 
 
 def head_activation_bytes(config: Config) -> float:

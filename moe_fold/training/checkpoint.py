@@ -174,8 +174,9 @@ def _entries(model: nn.Module, optimizer: Optional[AdamW], groups: ProcessGroups
         info = shard_info(p, groups, name)
         start, stop = optimizer.state_slice(p)
         if optimizer.distributed:
-            # moments are split over dp_cp/edp; replicated and tp_sum ones repeat over tp
-            writer = p.parallel not in ("replicated", "tp_sum") or groups.rank_in("tp") == 0
+            # moments are split over their sharding group (SHARD_GROUP); only "replicated"
+            # ones (sharded over dp_cp) repeat over tp
+            writer = p.parallel != "replicated" or groups.rank_in("tp") == 0
         else:
             writer = info.writer
         writer = writer and not _tied_copy(p)

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from moe_fold.comm import Group
-from moe_fold.config import Config, head_dim, moe_layer_flags
+from moe_fold.config import Config, head_dim, mla_weight_shapes, moe_layer_flags
 from moe_fold.parallel.context_parallel import zigzag_split
 from moe_fold.data.loader import Batch
 from moe_fold.layout import ParallelLayout, ProcessGroups
@@ -71,7 +71,8 @@ class CostModel:
     - ring traffic: ``kv_token_cost * (c - 1) * T / c`` (each rank receives every other
       rank's K/V shard once per forward).
 
-    ``pair_flops = 4 * num_heads * head_dim`` for q.k and p.v (2 FLOPs per multiply-add);
+    ``pair_flops = 4 * num_heads * head_dim`` for q.k and p.v (2 FLOPs per multiply-add;
+    MLA: ``2 * num_heads * (qk_nope + qk_rope + v_head_dim)``);
     ``kv_token_cost`` converts one token's K/V bytes into FLOPs at the machine's
     FLOP/byte ratio of compute to link bandwidth (0: communication is free).
     """
@@ -102,15 +103,22 @@ def cost_model(config: Config) -> CostModel:
     projections and the (routed + shared, or dense) MLP per token, and ring K/V bytes at
     ``parallel.dynamic_cp_flops_per_byte``."""
     m, moe = config.model, config.moe
-    hd = head_dim(config)
-    q, kv = m.num_heads * hd, m.num_kv_heads * hd
-    projections = 2 * m.hidden_size * (q + 2 * kv) + 2 * q * m.hidden_size
+    if m.attention == "mla":
+        # Per head q.k over nope + rope, p.v over v; K/V of every head travel the ring.
+        qk, v = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.num_heads * m.v_head_dim
+        pair_flops, kv_width = 2.0 * (qk + v), qk + v
+        projections = sum(2 * rows * cols for rows, cols in mla_weight_shapes(m).values())
+    else:
+        hd = head_dim(config)
+        q, kv = m.num_heads * hd, m.num_kv_heads * hd
+        pair_flops, kv_width = 4.0 * q, 2 * kv
+        projections = 2 * m.hidden_size * (q + 2 * kv) + 2 * q * m.hidden_size
     flags = moe_layer_flags(config)
     moe_width = moe.topk * moe.ffn_hidden_size + moe.shared_expert_ffn_hidden_size
     mlp = sum(6 * m.hidden_size * (moe_width if f else m.ffn_hidden_size) for f in flags) / len(flags)
     element = 4 if config.train.precision == "fp32" else 2
-    return CostModel(pair_flops=4.0 * q, token_flops=float(projections + mlp),
-                     kv_token_cost=2 * kv * element * config.parallel.dynamic_cp_flops_per_byte)
+    return CostModel(pair_flops=pair_flops, token_flops=float(projections + mlp),
+                     kv_token_cost=kv_width * element * config.parallel.dynamic_cp_flops_per_byte)
 
 
 def group_pair_counts(lengths: Sequence[int], c: int) -> list[int]:

@@ -31,44 +31,17 @@ With gradient accumulation, let the grads of all micro-batches add up and call
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
 
 from moe_fold.comm import all_reduce_
 from moe_fold.layout import ProcessGroups
-from moe_fold.parallel.tensor_parallel import PARALLEL_KINDS
+from moe_fold.training.buckets import DEFAULT_BUCKET_NUMEL, Bucket, GradSync, make_buckets, param_kind
 
-__all__ = ["sum_expert_copies", "sync_grads", "grad_norm", "clip_grad_norm_"]
-
-# parallel kind -> the group whose all-reduce (sum) completes the gradient
-_SYNC_GROUP = {"tp": "dp_cp", "replicated": "dp_cp", "tp_sum": "tp_dp_cp", "expert": "edp"}
-
-DEFAULT_BUCKET_NUMEL = 1 << 24
-
-
-def _kind(param: nn.Parameter) -> str:
-    kind = getattr(param, "parallel", None)
-    if kind not in PARALLEL_KINDS:
-        raise ValueError(f"parameter of shape {tuple(param.shape)} has parallel={kind!r}; every parameter "
-                         f"must be marked with one of {', '.join(PARALLEL_KINDS)} "
-                         f"(moe_fold.parallel.tensor_parallel.mark)")
-    return kind
-
-
-def _buckets(params: list[nn.Parameter], max_numel: int) -> list[list[nn.Parameter]]:
-    """Consecutive runs of ``params`` of one dtype, each at most ``max_numel`` elements
-    (a single larger parameter gets a bucket of its own)."""
-    buckets: list[list[nn.Parameter]] = []
-    numel = 0
-    for p in params:
-        if not buckets or numel + p.numel() > max_numel or p.dtype != buckets[-1][0].dtype:
-            buckets.append([])
-            numel = 0
-        buckets[-1].append(p)
-        numel += p.numel()
-    return buckets
+__all__ = ["DEFAULT_BUCKET_NUMEL", "sum_expert_copies", "sync_grads", "grad_norm", "sharded_grad_norm",
+           "clip_grad_norm_", "clip_sharded_grads_"]
 
 
 @torch.no_grad()
@@ -99,32 +72,14 @@ def sync_grads(params: Iterable[nn.Parameter], groups: ProcessGroups,
     """Make every ``param.grad`` the gradient of the global-batch loss (see module doc).
 
     Grads of one group kind are flattened into buckets of at most ``bucket_numel``
-    elements, one all-reduce each. A parameter without a grad (unused on this rank, e.g.
-    an expert that got no tokens) gets zeros, so all ranks reduce the same buckets.
-    Every rank must pass its parameters in the same order (as ``model.parameters()`` does).
+    elements, one all-reduce each (:class:`moe_fold.training.buckets.GradSync`). A
+    parameter without a grad (unused on this rank, e.g. an expert that got no tokens) gets
+    zeros, so all ranks reduce the same buckets. Every rank must pass its parameters in the
+    same order (as ``model.parameters()`` does).
     """
-    if bucket_numel < 1:
-        raise ValueError(f"bucket_numel={bucket_numel} must be >= 1")
-    params = list(params)
+    params = [p for p in params if p.requires_grad]
     sum_expert_copies(params, groups)
-    by_group: dict[str, list[nn.Parameter]] = {name: [] for name in dict.fromkeys(_SYNC_GROUP.values())}
-    for p in params:
-        if p.requires_grad:
-            by_group[_SYNC_GROUP[_kind(p)]].append(p)
-    scale = 1.0 / groups.size("dp_cp")
-    for name, members in by_group.items():
-        group = groups.group(name)
-        if groups.size(name) == 1 and scale == 1.0:
-            continue
-        for p in members:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        for bucket in _buckets(members, bucket_numel):
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # [sum numel]
-            all_reduce_(flat, group)
-            flat.mul_(scale)
-            for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
-                p.grad.copy_(g.view_as(p.grad))
+    GradSync(make_buckets([params], groups, bucket_numel), groups).finish()
 
 
 @torch.no_grad()
@@ -138,14 +93,14 @@ def grad_norm(params: Iterable[nn.Parameter], groups: ProcessGroups) -> torch.Te
     norm does not depend on the placement. A float32 scalar, the same on every rank."""
     params = [p for p in params if not getattr(p, "tied_copy", False)]
     # Placed experts count on every rank, with or without a grad: the same rows everywhere.
-    placed = [p for p in params if _kind(p) == "expert" and hasattr(p, "slot_experts")]
+    placed = [p for p in params if param_kind(p) == "expert" and hasattr(p, "slot_experts")]
     params = [p for p in params if p.grad is not None and not (p.parallel == "expert" and hasattr(p, "slot_experts"))]
     # On the grads' device: NCCL reduces only GPU tensors.
     device = params[0].grad.device if params else placed[0].device if placed else torch.device("cpu")
     by_kind: dict[str, list[torch.Tensor]] = {key: [] for key in ("tp", "replicated", "expert")}
     per_expert = [_squares_per_expert(p) for p in placed]
     for p in params:
-        kind = _kind(p)
+        kind = param_kind(p)
         by_kind["replicated" if kind == "tp_sum" else kind].append(p.grad)
     sums = {}
     for key, grads in by_kind.items():
@@ -197,5 +152,52 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, groups: Pro
     params = [p for p in params if p.grad is not None]
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for (device, dtype), grads in _by_device_and_dtype([p.grad for p in params]).items():
+        torch._foreach_mul_(grads, coef.to(device, dtype))
+    return norm
+
+
+@torch.no_grad()
+def sharded_grad_norm(buckets: Sequence[Bucket], groups: ProcessGroups) -> torch.Tensor:
+    """:func:`grad_norm` when the grads were reduce-scattered (the distributed optimizer):
+    each rank holds the reduced elements it owns of every sharded bucket. The squares of
+    owned ranges are summed over the ranks of the pipeline stage (``tp_dp_cp``, the same
+    ranks as ``etp_ep_edp``): ``"tp"`` and ``"tp_sum"`` ranges are distinct over tp x dp x
+    cp, expert ranges over etp x ep x edp; a ``"replicated"`` range repeats over tp and
+    counts on tp rank 0 only; an expert with copies (``moe.replicas``) counts once, in its
+    first copy's slot. Then over pp. The sum runs in another order than
+    :func:`grad_norm`'s: the two agree to float32 rounding."""
+    repeated = groups.rank_in("tp") > 0  # a "replicated" range here repeats tp rank 0's
+    grads = []
+    for s in (s for b in buckets for s in b.slices):
+        if s.stop <= s.start or getattr(s.param, "tied_copy", False) or (repeated and s.param.parallel == "replicated"):
+            continue
+        flat = s.param.grad.view(-1)
+        primary = getattr(s.param, "slot_primary", None)
+        if primary is None:
+            grads.append(flat[s.start:s.stop])
+            continue
+        # Expert slots (moe.replicas): a global expert counts once, in its first copy's rows.
+        row = s.param.numel() // s.param.shape[0]
+        for i, first in enumerate(primary):
+            lo, hi = max(s.start, i * row), min(s.stop, (i + 1) * row)
+            if first and hi > lo:
+                grads.append(flat[lo:hi])
+    device = buckets[0].params[0].device if buckets else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for same in _by_device_and_dtype(grads).values():
+        norms = torch._foreach_norm(same, 2, dtype=torch.float32)
+        total += torch.stack(norms).to(device).square().sum()
+    all_reduce_(total, groups.tp_dp_cp)
+    return all_reduce_(total, groups.pp).sqrt()
+
+
+@torch.no_grad()
+def clip_sharded_grads_(buckets: Sequence[Bucket], max_norm: float, groups: ProcessGroups) -> torch.Tensor:
+    """:func:`clip_grad_norm_` of reduce-scattered grads: scales the owned ranges by
+    ``min(1, max_norm / (norm + 1e-6))`` with :func:`sharded_grad_norm`; returns the norm."""
+    norm = sharded_grad_norm(buckets, groups)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    owned = [s.param.grad.view(-1)[s.start:s.stop] for b in buckets for s in b.slices if s.stop > s.start]
+    for (device, dtype), grads in _by_device_and_dtype(owned).items():
         torch._foreach_mul_(grads, coef.to(device, dtype))
     return norm

@@ -13,17 +13,22 @@ reads and writes each element once where the single-tensor path makes eight pass
 3x faster on the optimizer step, bench/train.py). It rounds differently from
 ``foreach=False`` in the last bit (``exp_avg_sq`` through a fused multiply-add). With
 ``distributed=True`` (``optimizer.distributed``) it keeps the moments of only a slice of
-the parameters (ZeRO-1): the parameters of one sharding group are flattened, in order,
-into buckets; each bucket is cut into ``n`` nearly equal ranges and rank ``r`` of the group
-owns range ``r``. A cut inside a parameter falls on a multiple of :data:`ALIGN` elements
-from its start: the kernel works in vector blocks from a tensor's start and rounds a
-block's tail differently, so aligned slices update every element bit for bit as the
-whole parameter does. A step updates the owned range (with the owned moments) and
-all-gathers the bucket, so every rank ends with the same parameters as without sharding,
-and the moments of each element live on one rank of the group. Dense parameters
-(``"tp"``, ``"replicated"``, ``"tp_sum"``) shard over ``dp_cp`` (the ranks holding the same
-local tensor; a ``"tp_sum"`` or ``"replicated"`` parameter is also the same on every tp
-rank, and each tp rank updates its own copy the same way); expert parameters over ``edp``.
+the parameters (ZeRO-1), the slice of the gradient buckets
+(:mod:`moe_fold.training.buckets`) this rank owns: each bucket's grads are
+reduce-scattered so the rank receives only its owned elements summed; the step updates
+them (with the owned moments) and all-gathers the bucket, so every rank ends with the same
+parameters as without sharding, and the moments of each element live on one rank of the
+group. Cuts inside a parameter fall on multiples of :data:`ALIGN` elements from its start,
+so the update of every element is bit for bit the whole parameter's. Dense parameters
+(``"tp"``, ``"replicated"``) shard over ``dp_cp`` (the ranks holding the same local tensor;
+a ``"replicated"`` parameter is also the same on every tp rank, and each tp rank updates
+its own copy the same way), ``"tp_sum"`` ones over ``tp_dp_cp`` (the group that sums their
+partial grads), expert parameters over ``edp`` (:data:`SHARD_GROUP`).
+
+``overlap_param_gather`` (``parallel.overlap_param_gather``): the step posts each bucket's
+all-gather and returns; :meth:`AdamW.register_gather_hooks` makes every module wait for
+the buckets of its own parameters just before its next forward (and :meth:`AdamW.wait_params`
+waits for all, before anything else reads the parameters: a checkpoint, the end of training).
 
 A parameter whose grad is None (an expert that got no token, on one process) steps with a
 zero grad, as :func:`moe_fold.training.grads.sync_grads` makes it on more than one rank: every
@@ -33,25 +38,31 @@ layout takes the same step (torch would skip the parameter).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
 from torch import nn
 
-from moe_fold.comm import all_gather
+from moe_fold.comm import Pending, all_gather_async
 from moe_fold.config import Config, OptimizerConfig
-from moe_fold.training.grads import DEFAULT_BUCKET_NUMEL, clip_grad_norm_, grad_norm, sync_grads
 from moe_fold.layout import ProcessGroups
-from moe_fold.parallel.tensor_parallel import PARALLEL_KINDS
+from moe_fold.training.buckets import (
+    ALIGN, DEFAULT_BUCKET_NUMEL, SYNC_GROUP, Bucket, GradSync, make_buckets, model_buckets,
+)
+from moe_fold.training.grads import (
+    clip_grad_norm_, clip_sharded_grads_, grad_norm, sharded_grad_norm, sum_expert_copies,
+)
 
 __all__ = [
     "SHARD_GROUP", "ALIGN", "decays", "param_groups", "adamw_update_", "AdamW", "lr_at", "LRScheduler",
-    "build_optimizer", "build_scheduler", "apply_gradients",
+    "build_optimizer", "build_grad_sync", "build_scheduler", "apply_gradients",
 ]
 
-# parallel kind -> the group over which the local tensor is replicated (and ZeRO shards it)
-SHARD_GROUP = {"tp": "dp_cp", "replicated": "dp_cp", "tp_sum": "dp_cp", "expert": "edp"}
+# parallel kind -> the group over which ZeRO shards the local tensor: the one whose sum
+# completes its gradient, so a reduce-scatter over it delivers exactly the owned elements.
+SHARD_GROUP = SYNC_GROUP
 
 
 def decays(name: str, param: nn.Parameter) -> bool:
@@ -97,50 +108,30 @@ def adamw_update_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
                             weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 
 
-# Elements between a parameter's start and a ZeRO cut inside it: a multiple of the fused
-# kernel's vector block (16 float32 elements with AVX-512, 64 bytes of a cache line; 64
-# covers every dtype and CPU), see the module doc.
-ALIGN = 64
-
-
-@dataclass
-class _Slice:
-    """A parameter's owned elements ``[start, stop)`` of its flattened local tensor and
-    where they sit in its bucket."""
-
-    param: nn.Parameter
-    group: dict
-    offset: int  # of the parameter in the bucket
-    start: int
-    stop: int
-
-
-@dataclass
-class _Bucket:
-    """Parameters of one sharding group and dtype, flattened one after another; rank r of
-    the group owns ``sizes[r]`` consecutive elements of the flat buffer, in rank order."""
-
-    group_name: str
-    slices: list[_Slice]
-    sizes: list[int]
-
-
 class AdamW(torch.optim.Optimizer):
     """AdamW with decoupled weight decay; ``distributed=True`` shards its state (ZeRO-1).
 
     ``params``: parameters or parameter groups (:func:`param_groups`); every parameter
     must carry ``param.parallel`` when ``distributed``. ``groups`` is needed when
-    ``distributed`` (``None`` otherwise means one process). State is created at
-    construction (zeros), so a checkpoint can be loaded before the first step.
+    ``distributed`` (``None`` otherwise means one process). ``buckets``: the sharded
+    gradient buckets (:func:`moe_fold.training.buckets.model_buckets`; default: the
+    parameters in group order as one chunk, ``bucket_numel`` elements each). State is
+    created at construction (zeros), so a checkpoint can be loaded before the first step.
 
     State per parameter (``self.state[p]``): ``exp_avg`` and ``exp_avg_sq``, the moments
     of the elements ``[start, stop)`` of ``p`` flattened (:meth:`state_slice`): all of them
     without sharding, this rank's range with. ``step_count`` counts the steps taken.
+    ``gather_wait_s`` adds up the seconds spent waiting for parameter all-gathers.
+    ``targets`` (distributed only): parameters that mirror the optimizer's, the bf16
+    model's for the float32 masters; each is overwritten (cast) from its master as soon as
+    the master's bucket is current, and :meth:`register_gather_hooks` takes their modules.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, groups: Optional[ProcessGroups] = None,
-                 distributed: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+                 distributed: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+                 buckets: Optional[list[Bucket]] = None, overlap_param_gather: bool = False,
+                 targets: Optional[dict[nn.Parameter, nn.Parameter]] = None):
         if not lr >= 0:
             raise ValueError(f"lr={lr!r} must be >= 0")
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -151,49 +142,40 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
         if distributed and groups is None:
             raise ValueError("distributed=True needs groups (the ProcessGroups to shard over)")
+        if overlap_param_gather and not distributed:
+            raise ValueError("overlap_param_gather=True needs distributed=True (only the distributed optimizer "
+                             "all-gathers parameters)")
         if bucket_numel < 1:
             raise ValueError(f"bucket_numel={bucket_numel} must be >= 1")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.groups = groups if groups is not None else ProcessGroups.single_process()
         self.distributed = distributed
+        self.overlap_param_gather = overlap_param_gather
+        self.targets = targets or {}
+        if self.targets and not distributed:
+            raise ValueError("targets are for the distributed optimizer (without it, copy the parameters after "
+                             "the step: MasterWeights.master_to_model)")
         self.step_count = 0
-        self._buckets: list[_Bucket] = self._make_buckets(bucket_numel) if distributed else []
+        self.gather_wait_s = 0.0
+        self._group_of = {id(p): group for group in self.param_groups for p in group["params"]}
+        self.buckets: list[Bucket] = []
+        if distributed:
+            mine = [p for group in self.param_groups for p in group["params"]]
+            self.buckets = buckets if buckets is not None else make_buckets([mine], self.groups, bucket_numel,
+                                                                            shard=True)
+            _check_buckets(self.buckets, mine)
         self._slices: dict[nn.Parameter, tuple[int, int]] = {}
-        for bucket in self._buckets:
+        for bucket in self.buckets:
             for s in bucket.slices:
                 self._slices[s.param] = (s.start, s.stop)
+        self._gathers: dict[int, Pending] = {}  # bucket index -> its all-gather in flight
+        self._bucket_of = {id(self.targets.get(p, p)): i for i, b in enumerate(self.buckets) for p in b.params}
         for group in self.param_groups:
             for p in group["params"]:
                 start, stop = self._slices.get(p, (0, p.numel()))
                 shape = p.shape if not distributed else (stop - start,)
                 self.state[p] = {"exp_avg": torch.zeros(shape, dtype=p.dtype, device=p.device),
                                  "exp_avg_sq": torch.zeros(shape, dtype=p.dtype, device=p.device)}
-
-    def _make_buckets(self, bucket_numel: int) -> list[_Bucket]:
-        by_key: dict[tuple[str, torch.dtype], list[tuple[nn.Parameter, dict]]] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                kind = getattr(p, "parallel", None)
-                if kind not in PARALLEL_KINDS:
-                    raise ValueError(f"parameter of shape {tuple(p.shape)} has parallel={kind!r}; the "
-                                     f"distributed optimizer needs one of {', '.join(PARALLEL_KINDS)}")
-                if not p.is_contiguous():
-                    raise ValueError(f"parameter of shape {tuple(p.shape)} must be contiguous: the "
-                                     f"distributed optimizer updates slices of its flat view")
-                by_key.setdefault((SHARD_GROUP[kind], p.dtype), []).append((p, group))
-        buckets = []
-        for (group_name, _), members in by_key.items():
-            n, me = self.groups.size(group_name), self.groups.rank_in(group_name)
-            run: list[tuple[nn.Parameter, dict]] = []
-            numel = 0
-            for p, group in members:
-                if run and numel + p.numel() > bucket_numel:
-                    buckets.append(_shard_bucket(group_name, run, n, me))
-                    run, numel = [], 0
-                run.append((p, group))
-                numel += p.numel()
-            buckets.append(_shard_bucket(group_name, run, n, me))
-        return buckets
 
     def state_slice(self, param: nn.Parameter) -> tuple[int, int]:
         """``(start, stop)``: the elements of ``param`` flattened whose moments this rank holds."""
@@ -210,20 +192,61 @@ class AdamW(torch.optim.Optimizer):
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
                 self._update(group, params, grads)
             return None
-        for bucket in self._buckets:
+        for i, bucket in enumerate(self.buckets):
+            self._wait_gather(i)  # the update reads the parameters
             for group in self.param_groups:
-                mine = [s for s in bucket.slices if s.group is group and s.stop > s.start]
+                mine = [s for s in bucket.slices if self._group_of[id(s.param)] is group and s.stop > s.start]
                 params = [s.param.view(-1)[s.start:s.stop] for s in mine]
                 grads = [s.param.grad.reshape(-1)[s.start:s.stop] if s.param.grad is not None
                          else torch.zeros_like(f) for s, f in zip(mine, params)]
                 self._update(group, params, grads, [s.param for s in mine])
             if self.groups.size(bucket.group_name) == 1:
-                continue  # this rank owns the whole bucket and updated it in place
+                self._to_targets(bucket)  # this rank owns the whole bucket and updated it in place
+                continue
             mine = torch.cat([s.param.view(-1)[s.start:s.stop] for s in bucket.slices])  # [sizes[me]]
-            full = all_gather(mine, self.groups.group(bucket.group_name), bucket.sizes)  # [bucket numel]
-            for s in bucket.slices:
-                s.param.view(-1).copy_(full[s.offset:s.offset + s.param.numel()])
+            self._gathers[i] = all_gather_async(mine, self.groups.group(bucket.group_name), bucket.sizes)
+            if not self.overlap_param_gather:
+                self._wait_gather(i)
         return None
+
+    @torch.no_grad()
+    def _wait_gather(self, i: int) -> None:
+        """Wait for bucket ``i``'s all-gather (if one is in flight) and copy it into the parameters."""
+        pending = self._gathers.pop(i, None)
+        if pending is None:
+            return
+        begin = time.perf_counter()
+        full = pending.wait()  # [bucket numel]
+        self.gather_wait_s += time.perf_counter() - begin
+        bucket = self.buckets[i]
+        for p, offset in zip(bucket.params, bucket.offsets):
+            p.view(-1).copy_(full[offset:offset + p.numel()])
+        self._to_targets(bucket)
+
+    @torch.no_grad()
+    def _to_targets(self, bucket: Bucket) -> None:
+        for p in bucket.params:
+            if p in self.targets:
+                self.targets[p].copy_(p)
+
+    def wait_params(self) -> None:
+        """Wait for every parameter all-gather in flight: the parameters are then current."""
+        for i in list(self._gathers):
+            self._wait_gather(i)
+
+    def register_gather_hooks(self, model: nn.Module) -> None:
+        """With ``overlap_param_gather``: before each module's forward, wait for the
+        all-gathers of the buckets holding its own parameters."""
+        for module in model.modules():
+            owned = sorted({self._bucket_of[id(p)] for p in module.parameters(recurse=False)
+                            if id(p) in self._bucket_of})
+            if owned:
+                module.register_forward_pre_hook(lambda _module, _args, owned=owned: self._wait_buckets(owned))
+
+    def _wait_buckets(self, indices: list[int]) -> None:
+        if self._gathers:
+            for i in indices:
+                self._wait_gather(i)
 
     def _update(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
                 owners: Optional[list[nn.Parameter]] = None) -> None:
@@ -235,29 +258,13 @@ class AdamW(torch.optim.Optimizer):
                       self.step_count, group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
 
 
-def _shard_bucket(group_name: str, members: list[tuple[nn.Parameter, dict]], n: int, me: int) -> _Bucket:
-    """Cut the flat bucket of ``members`` into ``n`` ranges at about ``r * numel / n``, each
-    cut inside a parameter moved up to a multiple of :data:`ALIGN` from its start."""
-    offsets, numel = [], 0
-    for p, _ in members:
-        offsets.append(numel)
-        numel += p.numel()
-    chunk = -(-numel // n)
-
-    def aligned(cut: int) -> int:
-        for (p, _), offset in zip(members, offsets):
-            if offset < cut < offset + p.numel():
-                return offset + min(-(-(cut - offset) // ALIGN) * ALIGN, p.numel())
-        return cut
-
-    cuts = [aligned(min(r * chunk, numel)) for r in range(n)] + [numel]
-    lo, hi = cuts[me], cuts[me + 1]
-    slices = []
-    for (p, group), offset in zip(members, offsets):
-        start = min(max(lo - offset, 0), p.numel())
-        stop = max(min(hi - offset, p.numel()), start)
-        slices.append(_Slice(p, group, offset, start, stop))
-    return _Bucket(group_name, slices, [cuts[r + 1] - cuts[r] for r in range(n)])
+def _check_buckets(buckets: list[Bucket], params: list[nn.Parameter]) -> None:
+    """The buckets must shard exactly the optimizer's parameters, each once."""
+    held = [p for b in buckets for p in b.params]
+    if any(b.sizes is None for b in buckets) or len(held) != len(params) or \
+            {id(p) for p in held} != {id(p) for p in params}:
+        raise ValueError("buckets must be sharded buckets (make_buckets(..., shard=True)) holding exactly the "
+                         "optimizer's parameters, each once")
 
 
 def lr_at(step: int, config: OptimizerConfig, total_steps: int) -> float:
@@ -335,11 +342,33 @@ class LRScheduler:
         self._apply()
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig, groups: ProcessGroups) -> AdamW:
+def build_optimizer(model: nn.Module, config: OptimizerConfig, groups: ProcessGroups, *,
+                    bucket_numel: int = DEFAULT_BUCKET_NUMEL, overlap_param_gather: bool = False,
+                    compute_model: Optional[nn.Module] = None,
+                    targets: Optional[dict[nn.Parameter, nn.Parameter]] = None) -> AdamW:
     """AdamW over ``model``'s :func:`param_groups` with the hyper-parameters of ``config``,
-    sharded when ``config.distributed``."""
-    return AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(config.beta1, config.beta2),
-                 eps=config.eps, weight_decay=config.weight_decay, groups=groups, distributed=config.distributed)
+    sharded when ``config.distributed`` over the model's gradient buckets
+    (:func:`moe_fold.training.buckets.model_buckets`); with ``overlap_param_gather`` its
+    forward pre-hooks are registered on ``compute_model`` (default ``model``: the bf16 model
+    of float32 masters, whose parameters are the ``targets`` of ``model``'s)."""
+    buckets = model_buckets(model, groups, bucket_numel, shard=True) if config.distributed else None
+    optimizer = AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(config.beta1, config.beta2),
+                      eps=config.eps, weight_decay=config.weight_decay, groups=groups, distributed=config.distributed,
+                        buckets=buckets, overlap_param_gather=overlap_param_gather,
+                      targets=targets if config.distributed else None)
+    if overlap_param_gather:
+        optimizer.register_gather_hooks(compute_model if compute_model is not None else model)
+    return optimizer
+
+
+def build_grad_sync(model: nn.Module, optimizer: AdamW, groups: ProcessGroups, *,
+                    bucket_numel: int = DEFAULT_BUCKET_NUMEL, overlap: bool = False,
+                    sources: Optional[dict[nn.Parameter, nn.Parameter]] = None) -> GradSync:
+    """The gradient reduction of ``model`` for ``optimizer``: its sharded buckets
+    (reduce-scatter) when distributed, else ``model``'s buckets (all-reduce).
+    ``overlap``: reduce during the backward; ``sources``: see :class:`GradSync`."""
+    buckets = optimizer.buckets if optimizer.distributed else model_buckets(model, groups, bucket_numel)
+    return GradSync(buckets, groups, overlap=overlap, sources=sources)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: Config) -> LRScheduler:
@@ -348,16 +377,34 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: Config) -> LRSched
 
 
 def apply_gradients(params: Iterable[nn.Parameter], optimizer: AdamW, groups: ProcessGroups,
-                    clip_grad: float, skip_nonfinite: bool = True) -> torch.Tensor:
-    """Sync the accumulated grads, clip them by the global norm (``clip_grad > 0``; 0 turns
-    clipping off), and step. Returns the global grad norm before clipping. A non-finite
-    norm skips the update when ``skip_nonfinite`` (the same decision on every rank, as the
-    norm is global); the grads are left as they are for the caller to zero."""
+                    clip_grad: float, skip_nonfinite: bool = True,
+                    grad_sync: Optional[GradSync] = None) -> torch.Tensor:
+    """Sync the accumulated grads (``grad_sync``, :func:`build_grad_sync`; default: the
+    optimizer's buckets, or ``params`` in buckets), clip them by the global norm
+    (``clip_grad > 0``; 0 turns clipping off), and step. Returns the global grad norm before
+    clipping. A non-finite norm skips the update when ``skip_nonfinite`` (the same decision
+    on every rank, as the norm is global); the grads are left as they are for the caller to
+    zero. With the distributed optimizer only the owned ranges of the grads are reduced,
+    clipped and read."""
     if not clip_grad >= 0:
         raise ValueError(f"clip_grad={clip_grad!r} must be >= 0 (0 turns clipping off)")
     params = [p for p in params if p.requires_grad]
-    sync_grads(params, groups)
-    norm = clip_grad_norm_(params, clip_grad, groups) if clip_grad > 0 else grad_norm(params, groups)
+    if grad_sync is None:
+        buckets = optimizer.buckets if optimizer.distributed else make_buckets([params], groups)
+        grad_sync = GradSync(buckets, groups)
+    elif optimizer.distributed and grad_sync.buckets is not optimizer.buckets:
+        raise ValueError("grad_sync must reduce the distributed optimizer's own buckets (build_grad_sync)")
+    # An expert's copies (moe.replicas) sum their grads over ep before the data-parallel sum.
+    copies = [p for b in grad_sync.buckets for p in b.params if getattr(p, "replicated_experts", None)]
+    if copies:
+        grad_sync.take_grads(copies)
+        sum_expert_copies(copies, groups)
+    grad_sync.finish()
+    if optimizer.distributed:
+        norm = (clip_sharded_grads_(optimizer.buckets, clip_grad, groups) if clip_grad > 0
+                else sharded_grad_norm(optimizer.buckets, groups))
+    else:
+        norm = clip_grad_norm_(params, clip_grad, groups) if clip_grad > 0 else grad_norm(params, groups)
     if torch.isfinite(norm) or not skip_nonfinite:
         optimizer.step()
     return norm

@@ -17,6 +17,10 @@ stage reads the positions and the last one the labels). Then:
   (:func:`moe_fold.parallel.pipeline.run_schedule`; ``interleaved`` with ``parallel.vpp`` chunks).
 - Tied embeddings under pp: the grads of the first and last stages' copies are summed,
   so both copies take the same step.
+- Gradient reduction (``grad_sync``, :class:`moe_fold.training.buckets.GradSync`): every
+  backward runs inside its ``backward_of(micro-batch, chunk)``, so with
+  ``parallel.overlap_grad_reduce`` the buckets of a chunk are posted during the backward
+  of its last micro-batch; the tied embedding's after the copies' sum.
 - Packed samples: each micro-batch's ``cu_seqlens`` and real-token mask become the
   model's :class:`moe_fold.parallel.varlen.Documents` (attention inside documents, padding out of
   the router losses).
@@ -38,6 +42,7 @@ from moe_fold.training.dynamic_cp import DynamicCP
 from moe_fold.layout import ProcessGroups
 from moe_fold.models.model import Transformer
 from moe_fold.parallel.pipeline import all_reduce_embedding_grads, run_schedule
+from moe_fold.training.buckets import GradSync
 
 __all__ = ["forward_backward"]
 
@@ -73,13 +78,16 @@ def _num_loss_tokens(microbatches: Sequence[Batch], groups: ProcessGroups) -> to
 
 def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: ProcessGroups, config: Config, *,
                      forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
-                     forward_only: bool = False, dynamic_cp: Optional[DynamicCP] = None) -> torch.Tensor:
+                     forward_only: bool = False, dynamic_cp: Optional[DynamicCP] = None,
+                     grad_sync: Optional[GradSync] = None) -> torch.Tensor:
     """Forward and backward of this rank's ``microbatches`` of one global batch (see the
     module doc); parameter grads accumulate (zero them before).
 
     ``forward_context()`` is entered around every forward (a micro-batch, or one chunk
     of it under pp), e.g. autocast or routing-statistics recording; backwards run
-    outside it. ``forward_only``: losses only, no graph (evaluation).
+    outside it. ``forward_only``: losses only, no graph (evaluation). ``grad_sync``: the
+    step's gradient reduction, whose hooks the backwards run under (see the module doc);
+    the caller finishes it.
 
     Returns the ``[m]`` float64 micro-batch losses of this rank, the same on every rank
     of its pipeline: their sum averaged over dp x cp is the global batch's mean LM loss.
@@ -98,14 +106,19 @@ def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: 
     elif model.num_stages == 1:
         docs = [_documents(model, b) for b in microbatches]
     num_loss_tokens = _num_loss_tokens(microbatches, groups)
+
+    def backward_of(mb: int, chunk: int) -> ContextManager:
+        return grad_sync.backward_of(mb, chunk, m) if grad_sync is not None else contextlib.nullcontext()
+
     if model.num_stages == 1:
         losses = []
-        for b, d in zip(microbatches, docs):
+        for i, (b, d) in enumerate(zip(microbatches, docs)):
             with torch.set_grad_enabled(not forward_only), forward_context():
                 loss = model(b.tokens, b.labels, positions=b.positions, loss_mask=b.loss_mask,
                              num_loss_tokens=num_loss_tokens, docs=d)
             if not forward_only:
-                loss.backward()
+                with backward_of(i, 0):
+                    loss.backward()
             losses.append(loss.detach().double())
         return torch.stack(losses)
 
@@ -115,7 +128,10 @@ def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: 
     chunks = [_Chunk(model, c, num_loss_tokens, forward_context) for c in range(len(model.stages))]
     losses = run_schedule(chunks, microbatches, groups, tensor_shape=(seq, batch, config.model.hidden_size),
                           dtype=next(model.parameters()).dtype, schedule=pipeline_schedule(config),
-                          side_inputs=lambda b: {"batch": b}, forward_only=forward_only)
+                          side_inputs=lambda b: {"batch": b}, forward_only=forward_only,
+                          backward_context=backward_of)
     if not forward_only and model.embedding_group is not None:
         all_reduce_embedding_grads(model.embed.weight, model.embedding_group)
+        if grad_sync is not None:
+            grad_sync.deferred_ready()
     return losses

@@ -6,9 +6,12 @@ same ones) and runs their forward and backward with :func:`moe_fold.training.ste
 (one after another letting the grads add up, or the pipeline schedule under pp; the loss
 scaling that makes the summed grads the exact gradient of the global-batch mean loss,
 and the routers' ``grad_scale = 1/num_microbatches``, are documented there). Then
-:func:`moe_fold.training.optim.apply_gradients` syncs the grads once, clips the global norm and
-steps AdamW; the LR schedule steps, and the routers close their step
-(``Router.finish_step``: expert-bias update, ``global_aux`` reset).
+:func:`moe_fold.training.optim.apply_gradients` completes the gradient reduction (posted during
+the backward with ``parallel.overlap_grad_reduce``, :mod:`moe_fold.training.buckets`), clips
+the global norm and steps AdamW (whose parameter all-gathers, with
+``parallel.overlap_param_gather``, complete during the next forward); the LR schedule
+steps, and the routers close their step (``Router.finish_step``: expert-bias update,
+``global_aux`` reset).
 
 Determinism: with ``train.deterministic`` torch uses deterministic algorithms, and the
 random state is re-seeded from ``(train.seed, step, rank)`` at the start of every step,
@@ -232,7 +235,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     from moe_fold.data.loader import DataLoader
     from moe_fold.training.metrics import MetricsLogger, RoutingCollector
     from moe_fold.models.model import build_model
-    from moe_fold.training.optim import apply_gradients, build_optimizer, build_scheduler
+    from moe_fold.training.optim import apply_gradients, build_grad_sync, build_optimizer, build_scheduler
     from moe_fold.training.step import forward_backward
     from moe_fold.training.checkpoint import CheckpointSaver
 
@@ -276,7 +279,14 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     if t.precision == "bf16-autocast":
         exclude_from_autocast(model, device)
     apply_recompute(model, t.recompute)
-    optimizer = build_optimizer(state_model, config.optimizer, groups)
+    p = config.parallel
+    # Under bf16 the model's grads feed the float32 masters' buckets (cast, then reduced),
+    # and the distributed optimizer copies each master bucket into the model once current.
+    sources = {m: q for q, m in master.pairs} if master is not None else None
+    optimizer = build_optimizer(state_model, config.optimizer, groups, bucket_numel=p.grad_bucket_numel,
+                                overlap_param_gather=p.overlap_param_gather, compute_model=model, targets=sources)
+    grad_sync = build_grad_sync(state_model, optimizer, groups, bucket_numel=p.grad_bucket_numel,
+                                overlap=p.overlap_grad_reduce, sources=sources)
     scheduler = build_scheduler(optimizer, config)
     collector = RoutingCollector(model, config)
     replacer = None
@@ -348,20 +358,22 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             micro_batches = [b.to(device) for b in loader.global_batch()]
             collector.start_step()
             losses = forward_backward(model, micro_batches, groups, config, forward_context=forward_context,
-                                      dynamic_cp=dynamic_cp)
+                                      dynamic_cp=dynamic_cp, grad_sync=grad_sync)
             lm_loss = losses.sum()
             all_reduce_(lm_loss, groups.dp_cp)
             lm = (lm_loss / groups.size("dp_cp")).item()
-            if master is not None:
-                master.grads_to_master()
             lr = scheduler.get_last_lr()
             if math.isfinite(lm):
-                grad_norm = apply_gradients(train_params, optimizer, groups, config.optimizer.clip_grad)
+                grad_norm = apply_gradients(train_params, optimizer, groups, config.optimizer.clip_grad,
+                                            grad_sync=grad_sync)
             else:
-                # No step; the loss is global, so every rank leaves the grads unsynced alike.
+                # No step; the loss is global, so every rank does the same: it completes the
+                # reductions posted during the backward (the collectives must match) and
+                # leaves the grads to be zeroed.
+                grad_sync.finish()
                 grad_norm = torch.tensor(float("nan"))
             finite = math.isfinite(lm) and bool(torch.isfinite(grad_norm))
-            if finite and master is not None:
+            if finite and master is not None and not optimizer.distributed:
                 master.master_to_model()
             nonfinite = {}
             if not finite:
@@ -377,6 +389,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             scheduler.step()
             routing = collector.finish_step(groups)
             if replacer is not None:
+                optimizer.wait_params()  # the replacer moves expert weights
                 routing.update(replacer.after_step(step, routing["expert_load"]))
             seconds = time.perf_counter() - step_begin
             loss = lm + routing.pop("weighted_loss", 0.0)
@@ -399,6 +412,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             if stop is not None and rank == 0 and console is not None:
                 console.print(f"stopping after step {step}: {stop.reason}; writing its checkpoint")
             if step % t.save_every == 0 or step == last_step or stop is not None:
+                optimizer.wait_params()  # the checkpoint reads the parameters
                 extra = {"step": step, "data": loader.state_dict()}
                 if replacer is not None:
                     extra["experts"] = replacer.state_dict()
@@ -417,6 +431,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                 saver.wait()
         logger.close()
         collector.close()
+    optimizer.wait_params()  # the caller gets current parameters
     result.seconds = time.perf_counter() - begin
     steps_run = len(result.losses)
     result.tokens_per_s = steps_run * tokens_per_step / result.seconds if steps_run else 0.0
