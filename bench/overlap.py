@@ -8,16 +8,20 @@ side by side in one run, next to the planner's exposed-communication terms.
 Every rank trains the preset (the loop's own path: :func:`moe_fold.training.step.forward_backward`
 with the gradient reduction's hooks, :func:`moe_fold.training.optim.apply_gradients`) on
 ``--world`` gloo ranks. A kind is one entry of :data:`KINDS`: the config of each setting
-(``off``, ``on``) and the seconds a rank has spent waiting on that kind's communication:
+(``off`` and ``on``, or several overlapped settings, one JSON line each with its
+``setting``) and the seconds a rank has spent waiting on that kind's communication:
 
 - ``dp_grads``: the gradient buckets' all-reduce (``parallel.overlap_grad_reduce``);
   waiting = :attr:`moe_fold.training.buckets.GradSync.exposed_s`;
 - ``param_gather``: the distributed optimizer's parameter all-gather
   (``parallel.overlap_param_gather``, gradients reduce-scattered without overlap in both);
   waiting = :attr:`moe_fold.training.optim.AdamW.gather_wait_s`;
-- ``ep_alltoall``: the dispatcher's all-to-alls (token rows, probs and counts, forward
-  and backward), blocking: waiting = the time inside them (the bench wraps
-  ``moe_fold.comm``'s all-to-all). ``off`` only: the MoE layer's overlap is another switch.
+- ``ep_alltoall``: the dispatcher's all-to-alls (token rows and probs, forward and
+  backward; ``moe.dispatcher=alltoall``). Settings beside ``off``: ``chunks2``
+  (``moe.overlap_chunks=2``) and, where the preset has a shared expert (``--preset
+  qwen2-moe-tiny``), ``shared`` (``moe.shared_expert_overlap``) and ``shared+chunks2``;
+  waiting = the time inside blocking all-to-alls, and in posting and waiting on
+  asynchronous ones (the bench wraps ``torch.distributed.all_to_all_single``).
 
 With a kind's overlap off a rank waits for each collective right after posting it, so
 its waiting time is the collective's whole time: ``comm_ms``. With it on, the waiting
@@ -54,18 +58,43 @@ from moe_fold.config import Config, load_config
 from moe_fold.data.loader import Batch
 from moe_fold.launch import run_ranks
 
-# Seconds this process has spent inside all-to-alls (see the module doc).
+# Seconds this process has spent blocked in all-to-alls (see the module doc).
 _ALL_TO_ALL_S = [0.0]
 
 
-def _timed_all_to_all(raw: Callable) -> Callable:
-    def timed(*args, **kwargs):
+class _TimedWork:
+    """An asynchronous all-to-all's work, whose wait counts as time blocked in it."""
+
+    def __init__(self, work):
+        self._work = work
+
+    def wait(self, *args, **kwargs):
         begin = time.perf_counter()
         try:
-            return raw(*args, **kwargs)
+            return self._work.wait(*args, **kwargs)
         finally:
             _ALL_TO_ALL_S[0] += time.perf_counter() - begin
+
+
+def _timed_all_to_all(raw: Callable) -> Callable:
+    def timed(*args, async_op=False, **kwargs):
+        begin = time.perf_counter()
+        try:
+            work = raw(*args, async_op=async_op, **kwargs)
+        finally:
+            _ALL_TO_ALL_S[0] += time.perf_counter() - begin
+        return _TimedWork(work) if async_op else work
     return timed
+
+
+def _moe_overlap(preset: Config) -> dict[str, list[str]]:
+    """The MoE layer's overlap settings: off, two chunks and, where the preset has a shared
+    expert, the shared-expert overlap alone and with the chunks."""
+    settings = {"off": [], "chunks2": ["moe.overlap_chunks=2"]}
+    if preset.moe.shared_expert_ffn_hidden_size > 0:
+        settings["shared"] = ["moe.shared_expert_overlap=true"]
+        settings["shared+chunks2"] = settings["shared"] + settings["chunks2"]
+    return settings
 
 
 @dataclass
@@ -79,10 +108,11 @@ class Setup:
 
 @dataclass(frozen=True)
 class Kind:
-    """A collective kind: config overrides per setting, the seconds a rank has waited on it
+    """A collective kind: config overrides per setting (or a function of the preset's
+    config that returns them; ``off`` is the blocking order), the seconds a rank has waited on it
     so far, its group kinds (bytes), the planner's time entries for it, and the seconds
     waited on all the traffic of those group kinds (the link's calibration)."""
-    settings: dict[str, list[str]]
+    settings: dict[str, list[str]] | Callable[[Config], dict[str, list[str]]]
     waited: Callable[[Setup], float]
     byte_kinds: tuple[str, ...]
     planner_keys: Callable[[str], bool]
@@ -105,7 +135,7 @@ KINDS: dict[str, Kind] = {
         # the bytes are the reduce-scatter's and the all-gather's
         link_waited=lambda s: s.grad_sync.exposed_s + s.optimizer.gather_wait_s),
     "ep_alltoall": Kind(
-        settings={"off": []},
+        settings=_moe_overlap,
         waited=lambda s: _ALL_TO_ALL_S[0],
         byte_kinds=("ep", "etp_ep"),
         planner_keys=lambda key: key in ("ep", "etp_ep"),
@@ -158,7 +188,7 @@ def _batches(config: Config, groups) -> list[Batch]:
 def _worker(rank: int, world: int, configs: dict[str, dict[str, Config]], rounds: int) -> dict:
     from moe_fold.training.train import build_groups
 
-    comm._raw_all_to_all = _timed_all_to_all(comm._raw_all_to_all)
+    dist.all_to_all_single = _timed_all_to_all(dist.all_to_all_single)
     first = next(iter(next(iter(configs.values())).values()))
     groups = build_groups(first)
     batches = _batches(first, groups)
@@ -213,8 +243,9 @@ def main(argv=None) -> int:
             parser.error(f"--kinds {args.kinds!r}: {k} is not a kind; choose from {', '.join(KINDS)}")
     base = ["wandb.mode=disabled", "train.micro_batch_size=2", f"parallel.grad_bucket_numel={args.bucket_numel}",
             *args.set]
-    configs = {k: {s: load_config(args.preset, base + extra) for s, extra in KINDS[k].settings.items()}
-               for k in kinds}
+    preset = load_config(args.preset, base)
+    settings = {k: KINDS[k].settings(preset) if callable(KINDS[k].settings) else KINDS[k].settings for k in kinds}
+    configs = {k: {s: load_config(args.preset, base + extra) for s, extra in settings[k].items()} for k in kinds}
     ranks = run_ranks(_worker, args.world, configs, args.rounds, timeout=1200, threads=1)
 
     from moe_fold.planner.model import rank_flops_per_microbatch
@@ -237,19 +268,22 @@ def main(argv=None) -> int:
                   "bucket_numel": args.bucket_numel, "rounds": args.rounds, "bytes_per_step": nbytes,
                   "comm_ms": 1000 * comm_off, "step_ms_off": 1000 * step_off,
                   "planner_comm_ms": 1000 * _planner(config_off, args.world, kind, flops_per_s, bytes_per_s)}
-        if "on" in configs[k]:
-            on = (k, "on")
+        ons = [setting for setting in configs[k] if setting != "off"]
+        if not ons:
+            record.update({"exposed_fraction": 1.0, "note": "overlap off only (no switch of this kind here)",
+                           "ms": step_off * 1000})
+            print(json.dumps(record), flush=True)
+        for setting in ons:  # one record per overlapped setting, each against off
+            on = (k, setting)
             step_on = _median_over_ranks(ranks, on, "step", max)
             exposed_on = _median_over_ranks(ranks, on, "waited", statistics.mean)
-            planner_on = _planner(configs[k]["on"], args.world, kind, flops_per_s, bytes_per_s)
-            record.update({"exposed_ms_on": 1000 * exposed_on, "exposed_fraction": exposed_on / comm_off,
-                           "step_ms_on": 1000 * step_on, "step_ratio": step_off / step_on,
-                           "planner_exposed_ms": 1000 * planner_on,
-                           "planner_exposed_fraction": planner_on / max(record["planner_comm_ms"] / 1000, 1e-12)})
-        else:
-            record.update({"exposed_fraction": 1.0, "note": "overlap off only (no switch of this kind here)"})
-        record["ms"] = record.get("step_ms_on", step_off * 1000)
-        print(json.dumps(record), flush=True)
+            planner_on = _planner(configs[k][setting], args.world, kind, flops_per_s, bytes_per_s)
+            print(json.dumps({
+                **record, "setting": setting, "exposed_ms_on": 1000 * exposed_on,
+                "exposed_fraction": exposed_on / comm_off, "step_ms_on": 1000 * step_on,
+                "step_ratio": step_off / step_on, "planner_exposed_ms": 1000 * planner_on,
+                "planner_exposed_fraction": planner_on / max(record["planner_comm_ms"] / 1000, 1e-12),
+                "ms": 1000 * step_on}), flush=True)
     return 0
 
 

@@ -116,7 +116,8 @@ def _train(r: dict):
 
 
 def _overlap(r: dict):
-    case = f"{r['kind']} {r['preset']} world {r['world']}"
+    setting = r.get("setting", "on")
+    case = f"{r['kind']}{'' if setting == 'on' else ' ' + setting} {r['preset']} world {r['world']}"
     rows = [("exposed_fraction", _num(r["exposed_fraction"]),
              "time waited on it with its overlap on / its whole time (overlap off)")]
     if "planner_exposed_fraction" in r:

@@ -8,7 +8,8 @@ of its own tokens' rows, which also sums the etp shards' partial outputs.
 
 Every token crosses the wire to every rank of the group whatever its routing, so this
 sends more than the all-to-all when the group is large; it needs no per-expert count
-exchange, only the token count of each rank. Modes ``dropless`` and ``capacity`` (the
+exchange, only the token count of each rank. The asynchronous steps keep both the
+all-gather and the reduce-scatter in flight. Modes ``dropless`` and ``capacity`` (the
 router already dropped tokens); the padded mode belongs to the all-to-all dispatcher.
 """
 
@@ -65,6 +66,14 @@ class AllGatherDispatcher(TokenDispatcher):
         wire.meta += sent
         return x, meta
 
+    def dispatch_communicate_start(self, x, meta, handle):
+        group, wire = self.groups.etp_ep, handle.wire
+        rows, sent = counted(comm.all_gather_start, x, group, handle.sizes)
+        wire.dispatch += sent
+        meta, sent = counted(comm.all_gather_start, meta, group, handle.sizes)
+        wire.meta += sent
+        return comm.Pending(None, lambda: (rows.wait(), meta.wait()))
+
     def dispatch_postprocess(self, x, meta, handle):
         e, mine = self.num_slots, slice(self.local_expert_start, self.local_expert_start + self.num_local_experts)
         local_probs = meta[:, :e][:, mine]  # [sum(T), E_local]
@@ -81,6 +90,11 @@ class AllGatherDispatcher(TokenDispatcher):
         x, sent = counted(comm.reduce_scatter, x, self.groups.etp_ep, handle.sizes)  # -> [T, H]
         handle.wire.combine += sent
         return x
+
+    def combine_communicate_start(self, x, handle):
+        back, sent = counted(comm.reduce_scatter_start, x, self.groups.etp_ep, handle.sizes)
+        handle.wire.combine += sent
+        return comm.Pending(None, back.wait)
 
     def combine_postprocess(self, x, handle):
         return x

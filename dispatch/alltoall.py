@@ -14,6 +14,10 @@ Dispatch, on every rank of an etp x ep group (each rank holds its own tokens):
 Combine is the exact reverse: sort back, reduce-scatter over etp (which also sums the
 etp shards' partial outputs), all-to-all back over ep, unpermute (scatter-add).
 
+The asynchronous steps (``dispatch_start`` / ``combine_start``) keep the all-to-all over ep
+in flight; the etp all-gather and reduce-scatter depend on it (they send what it received,
+or make what it sends), so they run blocking, right after the wait or before the post.
+
 Modes:
 
 - ``dropless``: any number of tokens per expert, zero included;
@@ -179,6 +183,20 @@ class AllToAllDispatcher(TokenDispatcher):
         wire.dispatch += sent
         probs, sent = counted(comm.all_to_all, probs, handle.output_splits, handle.input_splits, groups.ep)
         wire.meta += sent
+        return self._gather_over_etp(x, probs, handle)
+
+    def dispatch_communicate_start(self, x, probs, handle):
+        # Only the all-to-all over ep is in flight: the all-gather over etp sends what it
+        # received, so it runs inside wait().
+        groups, wire = self.groups, handle.wire
+        rows, sent = counted(comm.all_to_all_start, x, handle.output_splits, handle.input_splits, groups.ep)
+        wire.dispatch += sent
+        meta, sent = counted(comm.all_to_all_start, probs, handle.output_splits, handle.input_splits, groups.ep)
+        wire.meta += sent
+        return comm.Pending(None, lambda: self._gather_over_etp(rows.wait(), meta.wait(), handle))
+
+    def _gather_over_etp(self, x, probs, handle):
+        groups, wire = self.groups, handle.wire
         x, sent = counted(comm.all_gather, x, groups.etp, handle.etp_splits)
         wire.dispatch += sent
         wire.dispatch_etp += sent
@@ -210,12 +228,22 @@ class AllToAllDispatcher(TokenDispatcher):
         return x
 
     def combine_communicate(self, x, handle):
-        groups, wire = self.groups, handle.wire
-        x, sent = counted(comm.reduce_scatter, x, groups.etp, handle.etp_splits)
-        wire.combine += sent
-        wire.combine_etp += sent
-        x, sent = counted(comm.all_to_all, x, handle.input_splits, handle.output_splits, groups.ep)
-        wire.combine += sent
+        x = self._reduce_scatter_over_etp(x, handle)
+        x, sent = counted(comm.all_to_all, x, handle.input_splits, handle.output_splits, self.groups.ep)
+        handle.wire.combine += sent
+        return x
+
+    def combine_communicate_start(self, x, handle):
+        # The reduce-scatter over etp makes what the all-to-all sends: it runs before the post.
+        x = self._reduce_scatter_over_etp(x, handle)
+        back, sent = counted(comm.all_to_all_start, x, handle.input_splits, handle.output_splits, self.groups.ep)
+        handle.wire.combine += sent
+        return comm.Pending(None, back.wait)
+
+    def _reduce_scatter_over_etp(self, x, handle):
+        x, sent = counted(comm.reduce_scatter, x, self.groups.etp, handle.etp_splits)
+        handle.wire.combine += sent
+        handle.wire.combine_etp += sent
         return x
 
     def combine_postprocess(self, x, handle):

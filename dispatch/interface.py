@@ -24,6 +24,24 @@ communication can later overlap other work:
 - combine: ``combine_preprocess`` (the reverse sort) -> ``combine_communicate``
   -> ``combine_postprocess`` (unpermute, scatter-add to tokens).
 
+Asynchronous variant, for overlap (``moe.shared_expert_overlap``, ``moe.overlap_chunks``
+in :class:`moe_fold.models.moe_layer.MoELayer`)::
+
+    pending = dispatcher.dispatch_start(tokens, probs, routing_map)  # collectives posted
+    ...                                   # work that does not need the dispatched rows
+    out = pending.wait()                  # the same DispatchOutput as dispatch()
+    pending = dispatcher.combine_start(expert_output, out.handle)
+    ...
+    y = pending.wait()
+
+Each implementation's ``dispatch_communicate_start`` / ``combine_communicate_start`` post
+the all-to-all over ep (or the all-gather dispatcher's collectives over etp x ep) with
+:func:`moe_fold.comm.all_to_all_start` and friends and return a
+:class:`moe_fold.comm.Pending`. Autograd keeps the overlap in the backward pass: the
+backward all-to-all is posted where the forward was waited on and waited where the
+forward was posted. The results, the bytes and the order of every collective within a
+group are those of the blocking calls.
+
 Wire accounting: every handle carries a :class:`WireBytes` with the bytes this rank
 sent in that dispatch and combine, measured with :func:`moe_fold.comm.count_bytes`
 around each collective.
@@ -182,24 +200,32 @@ class TokenDispatcher(ABC):
         """Send ``tokens[T, H]`` to the experts chosen by ``routing_map[T, E]`` (bool),
         with ``probs[T, E]`` (the weight of each routed pair). Differentiable w.r.t.
         tokens and probs."""
-        self._check_inputs(tokens, probs, routing_map)
-        if not self.placement.is_default:
-            routing_map, probs = slot_routing(self.placement, routing_map, probs)  # [T, E] -> [T, ep*S]
-        handle, x, p = self.dispatch_preprocess(tokens, probs, routing_map)
+        handle, x, p = self._checked_preprocess(tokens, probs, routing_map)
         x, p = self.dispatch_communicate(x, p, handle)
-        x, p, counts = self.dispatch_postprocess(x, p, handle)
-        handle.num_rows = x.shape[0]
-        return DispatchOutput(tokens=x, tokens_per_local_expert=counts, probs=p, handle=handle)
+        return self._output(x, p, handle)
 
     def combine(self, expert_output: torch.Tensor, handle: Handle) -> torch.Tensor:
         """Return ``[T, H]``: each token's expert output rows summed, on the rank the
         token came from. ``expert_output[N, H]`` is in the order of the dispatched rows."""
-        if expert_output.dim() != 2 or expert_output.shape[0] != handle.num_rows:
-            raise ValueError(f"expert_output must be [N={handle.num_rows}, H] (one row per dispatched row), "
-                             f"got shape {tuple(expert_output.shape)}")
+        self._check_expert_output(expert_output, handle)
         x = self.combine_preprocess(expert_output, handle)
         x = self.combine_communicate(x, handle)
         return self.combine_postprocess(x, handle)
+
+    def dispatch_start(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> comm.Pending:
+        """:meth:`dispatch` that returns once its collectives are posted; ``.wait()``
+        returns the :class:`DispatchOutput`. The preprocess (with its count exchange) runs
+        before this returns, the postprocess inside ``wait``."""
+        handle, x, p = self._checked_preprocess(tokens, probs, routing_map)
+        sent = self.dispatch_communicate_start(x, p, handle)
+        return comm.Pending(None, lambda: self._output(*sent.wait(), handle))
+
+    def combine_start(self, expert_output: torch.Tensor, handle: Handle) -> comm.Pending:
+        """:meth:`combine` that returns once its collectives are posted; ``.wait()``
+        returns ``[T, H]``."""
+        self._check_expert_output(expert_output, handle)
+        sent = self.combine_communicate_start(self.combine_preprocess(expert_output, handle), handle)
+        return comm.Pending(None, lambda: self.combine_postprocess(sent.wait(), handle))
 
     # ------------------------------------------------------------------ steps
 
@@ -214,6 +240,11 @@ class TokenDispatcher(ABC):
         """The collectives of the dispatch; records their bytes on ``handle.wire``."""
 
     @abstractmethod
+    def dispatch_communicate_start(self, x, probs, handle) -> comm.Pending:
+        """:meth:`dispatch_communicate`, posted without waiting: ``.wait()`` returns
+        ``(x, probs)``. Same results, bytes and per-group order of collectives."""
+
+    @abstractmethod
     def dispatch_postprocess(self, x, probs, handle) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Local work after communication: rows, probs and counts for the experts."""
 
@@ -224,6 +255,10 @@ class TokenDispatcher(ABC):
     @abstractmethod
     def combine_communicate(self, x, handle) -> torch.Tensor:
         """The collectives of the combine; records their bytes on ``handle.wire``."""
+
+    @abstractmethod
+    def combine_communicate_start(self, x, handle) -> comm.Pending:
+        """:meth:`combine_communicate`, posted without waiting: ``.wait()`` returns ``x``."""
 
     @abstractmethod
     def combine_postprocess(self, x, handle) -> torch.Tensor:
@@ -241,6 +276,25 @@ class TokenDispatcher(ABC):
         if tuple(probs.shape) != shape or not probs.is_floating_point():
             raise ValueError(f"probs must be a float tensor of shape {shape} [tokens, num_experts], "
                              f"got {probs.dtype} {tuple(probs.shape)}")
+
+    def _checked_preprocess(self, tokens, probs, routing_map) -> tuple[Handle, torch.Tensor, torch.Tensor]:
+        """What :meth:`dispatch` and :meth:`dispatch_start` do before communicating."""
+        self._check_inputs(tokens, probs, routing_map)
+        if not self.placement.is_default:
+            routing_map, probs = slot_routing(self.placement, routing_map, probs)  # [T, E] -> [T, ep*S]
+        return self.dispatch_preprocess(tokens, probs, routing_map)
+
+    def _output(self, x, p, handle) -> DispatchOutput:
+        """What :meth:`dispatch` and :meth:`dispatch_start` do after communicating."""
+        x, p, counts = self.dispatch_postprocess(x, p, handle)
+        handle.num_rows = x.shape[0]
+        return DispatchOutput(tokens=x, tokens_per_local_expert=counts, probs=p, handle=handle)
+
+    @staticmethod
+    def _check_expert_output(expert_output: torch.Tensor, handle: Handle) -> None:
+        if expert_output.dim() != 2 or expert_output.shape[0] != handle.num_rows:
+            raise ValueError(f"expert_output must be [N={handle.num_rows}, H] (one row per dispatched row), "
+                             f"got shape {tuple(expert_output.shape)}")
 
     def _gather_counts(self, counts: torch.Tensor, wire: WireBytes) -> list[list[list[int]]]:
         """All-gather ``counts[C]`` (int64) over the etp x ep group; returns a host list

@@ -27,5 +27,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens ``[T_local, H]`` -> ``[T_local, H]``."""
+        return self.fc2(self.activation(x))
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """The first half, fc1 and SwiGLU: ``[T_local, H]`` -> ``[T, ffn/tp]`` (``T`` the
+        tokens gathered over tp under SP). The MoE layer runs the halves apart to overlap
+        the dispatcher's collectives."""
         gate, up = self.fc1(x).chunk(2, dim=-1)  # [T, ffn/tp] each
-        return self.fc2(F.silu(gate) * up)
+        return F.silu(gate) * up

@@ -12,6 +12,19 @@ of width ``moe.shared_expert_ffn_hidden_size`` that every token goes through; it
 tensor-parallel like the dense MLP (column/row-parallel, the sequence gathered over tp
 under SP). ``moe.shared_expert_gate`` scales its output by ``sigmoid(x . w)`` per token.
 
+Overlap (DESIGN.md section 3; off by default, and off runs the blocking calls in the order
+above). ``moe.shared_expert_overlap``: the shared expert's fc1 and SwiGLU run while the
+dispatch's all-to-all is in flight, its fc2 (and gate) while the combine's is.
+``moe.overlap_chunks = n > 1``: the router decides on all the layer's tokens (capacity
+dropping is per expert over the whole layer, as without chunks), then the tokens, probs and
+routing map are cut into n consecutive chunks, each dispatched and combined on its own, all
+dispatches posted first: chunk i's experts run while chunk i+1's dispatch and chunk i-1's
+combine are in flight. A token's output is the same sum of the same expert rows, within fp32
+rounding: the grouped GEMMs run on fewer rows and the expert weights' gradients sum per
+chunk (the shared-expert overlap alone is bit for bit). The backward pass overlaps the same
+way (:mod:`moe_fold.comm`'s asynchronous ops). Each chunk has its own count exchange (a
+blocking all-gather of ``E`` int64 per rank).
+
 Gradient sync kinds (:mod:`moe_fold.training.grads`): experts ``"expert"``; the router weight and
 the shared-expert gate are replicated over tp but see only this rank's tokens under SP,
 so ``"tp_sum"``; the shared expert's linears are ``"tp"`` shards.
@@ -24,7 +37,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from moe_fold.config import Config
+from moe_fold.config import Config, overlap_problems
 from moe_fold.dispatch.dispatcher import build_dispatcher
 from moe_fold.dispatch.placement import Placement
 from moe_fold.dispatch.router import Router, RoutingStats
@@ -76,6 +89,11 @@ class MoELayer(nn.Module):
         elif moe.shared_expert_gate:
             raise ValueError("moe.shared_expert_gate=true needs a shared expert "
                              "(moe.shared_expert_ffn_hidden_size > 0, got 0)")
+        problems = overlap_problems(moe)
+        if problems:
+            raise ValueError(problems[0])
+        self.shared_expert_overlap = moe.shared_expert_overlap
+        self.overlap_chunks = moe.overlap_chunks
         self.last_losses: dict[str, torch.Tensor] = {}
         self.last_stats: Optional[RoutingStats] = None
 
@@ -100,12 +118,40 @@ class MoELayer(nn.Module):
         and ``num_seqs = B``."""
         routing = self.router(hidden, loss_mask=loss_mask, seq_ids=seq_ids, num_seqs=num_seqs)
         self.last_losses, self.last_stats = routing.losses, routing.stats
+        if self.shared_expert_overlap or self.overlap_chunks > 1:
+            return self._overlapped(hidden, routing.probs, routing.routing_map)
         sent = self.dispatcher.dispatch(hidden, routing.probs, routing.routing_map)  # [N, H] by local expert
         rows = self.experts(sent.tokens, sent.tokens_per_local_expert, sent.probs)  # [N, H], prob-weighted
         out = self.dispatcher.combine(rows, sent.handle)  # [T_local, H]
         if self.shared_expert is not None:
-            shared = self.shared_expert(hidden)  # [T_local, H]
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(hidden @ self.shared_expert_gate.t()) * shared  # [T_local, 1] * [T_local, H]
-            out = out + shared
+            out = out + self._gated(hidden, self.shared_expert(hidden))
         return out
+
+    def _overlapped(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` after routing, with the dispatcher's collectives in flight while
+        the shared expert and the other chunks' experts run (module docstring)."""
+        n = self.overlap_chunks
+        # [T_local, ...] -> n consecutive chunks; every rank makes n, empty ones included.
+        chunks = zip(hidden.tensor_split(n), probs.tensor_split(n), routing_map.tensor_split(n))
+        dispatches = [self.dispatcher.dispatch_start(x, p, m) for x, p, m in chunks]
+        overlap_shared = self.shared_expert is not None and self.shared_expert_overlap
+        # Under the first chunk's dispatch: the shared expert's first half.
+        act = self.shared_expert.activation(hidden) if overlap_shared else None  # [T, S/tp]
+        combines = []
+        for pending in dispatches:
+            # Under the next chunk's dispatch and the previous chunk's combine.
+            sent = pending.wait()  # [N_chunk, H] by local expert
+            rows = self.experts(sent.tokens, sent.tokens_per_local_expert, sent.probs)  # [N_chunk, H]
+            combines.append(self.dispatcher.combine_start(rows, sent.handle))
+        # Under the last chunk's combine: the shared expert's second half.
+        shared = self._gated(hidden, self.shared_expert.fc2(act)) if overlap_shared else None  # [T_local, H]
+        out = torch.cat([pending.wait() for pending in combines])  # n x [T_chunk, H] -> [T_local, H]
+        if self.shared_expert is not None:
+            out = out + (shared if overlap_shared else self._gated(hidden, self.shared_expert(hidden)))
+        return out
+
+    def _gated(self, hidden: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output ``shared [T_local, H]``, scaled by its gate if any."""
+        if self.shared_expert_gate is None:
+            return shared
+        return torch.sigmoid(hidden @ self.shared_expert_gate.t()) * shared  # [T_local, 1] * [T_local, H]

@@ -15,9 +15,12 @@ The four Megatron TP/SP mappings (``copy_to_tp_region`` ...) instead assume that
 tensors downstream are replicated over TP and use identity where Megatron does.
 
 Asynchronous collectives (outside autograd, for gradients and parameters):
-``all_reduce_async_``, ``reduce_scatter_async`` and ``all_gather_async`` post the
-collective and return a :class:`Pending` whose ``wait()`` gives the result; work meant to
-overlap runs in between. They count their bytes when posted, by the rules below.
+``all_reduce_async_``, ``reduce_scatter_async``, ``all_gather_async`` and
+``all_to_all_async`` post the collective and return a :class:`Pending` whose ``wait()``
+gives the result; work meant to overlap runs in between. They count their bytes when
+posted, by the rules below. Inside autograd (the MoE dispatcher's overlap):
+``all_to_all_start``, ``all_gather_start`` and ``reduce_scatter_start``, whose backward
+collective is posted early and waited late too (the section's comment says how).
 
 Byte counter
 ------------
@@ -60,7 +63,8 @@ __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "gather_from_sequence_region",
     "reduce_scatter_to_sequence_region", "scatter_to_sequence_region", "gather_from_tp_region",
     "send", "recv", "batch_send_recv",
-    "Pending", "all_reduce_async_", "reduce_scatter_async", "all_gather_async",
+    "Pending", "all_reduce_async_", "reduce_scatter_async", "all_gather_async", "all_to_all_async",
+    "all_to_all_start", "all_gather_start", "reduce_scatter_start",
     "bytes_sent", "reset_bytes", "count_bytes",
 ]
 
@@ -144,8 +148,11 @@ def _check_sizes(name: str, sizes: Sequence[int], n: int) -> list[int]:
     return sizes
 
 
-def _raw_all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
-                    input_split_sizes: Optional[list[int]], group: dist.ProcessGroup) -> torch.Tensor:
+def _post_all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
+                     input_split_sizes: Optional[list[int]], group: dist.ProcessGroup,
+                     async_op: bool) -> tuple[Optional[dist.Work], Callable[[], torch.Tensor]]:
+    """Post the all-to-all of ``x`` along dim 0 and count its bytes; returns the work (None
+    when not ``async_op``) and the function that returns the received rows once it is done."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
     x = x.contiguous()
     if x.dim() == 0:
@@ -167,9 +174,15 @@ def _raw_all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
         output_split_sizes = _check_sizes("output_split_sizes", output_split_sizes, n)
         out_rows = sum(output_split_sizes)
     out = x.new_empty((out_rows,) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=group)
+    work = dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
     _count(group, (x.shape[0] - input_split_sizes[me]) * row)
-    return out
+    return work, lambda: out
+
+
+def _raw_all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
+                    input_split_sizes: Optional[list[int]], group: dist.ProcessGroup) -> torch.Tensor:
+    _, finish = _post_all_to_all(x, output_split_sizes, input_split_sizes, group, async_op=False)
+    return finish()
 
 
 def _post_all_gather(x0: torch.Tensor, sizes: Optional[list[int]], group: dist.ProcessGroup,
@@ -598,3 +611,92 @@ def all_gather_async(x: torch.Tensor, group: Group, sizes: Optional[list[int]] =
     work, finish = _post_all_gather(x0, sizes, group, async_op=True)
     _count(group, _nbytes(x0) * (dist.get_world_size(group) - 1))
     return Pending(work, finish)
+
+
+def all_to_all_async(x: torch.Tensor, output_split_sizes: Optional[list[int]],
+                     input_split_sizes: Optional[list[int]], group: Group) -> Pending:
+    """Start :func:`all_to_all` outside autograd. Counted as an all-to-all."""
+    if not _active(group):
+        received = all_to_all(x, output_split_sizes, input_split_sizes, group)  # checks the splits
+        return Pending(None, lambda: received)
+    return Pending(*_post_all_to_all(x, output_split_sizes, input_split_sizes, group, async_op=True))
+
+
+# --------------------------------------------------------------------------- asynchronous, in autograd
+# ``*_start`` posts a collective and returns a Pending at once. Two autograd nodes bracket
+# it: the start (input -> an empty edge tensor) and the wait (edge -> result), run by the
+# Pending's wait(). Backward runs them in reverse: the wait's backward posts the backward
+# collective and returns at once, the start's backward waits for it. Autograd runs the
+# nodes recorded between the start and the wait of the forward (the work that overlapped
+# it) between those two, so the backward collective overlaps their backward. The data
+# travel outside autograd's edges, on the shared _Flight; the edge is an empty tensor, so
+# its shape never has to match the collective's buffers.
+
+class _Flight:
+    """One collective of the forward and the one of its backward: ``post(x)`` and
+    ``post_backward(grad)`` start them (the ``*_async`` functions above)."""
+
+    def __init__(self, post: Callable[[torch.Tensor], Pending], post_backward: Callable[[torch.Tensor], Pending]):
+        self.post, self.post_backward = post, post_backward
+        self.forward: Optional[Pending] = None
+        self.backward: Optional[Pending] = None
+
+
+class _StartAsync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, flight):
+        ctx.flight = flight
+        flight.forward = flight.post(x)
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _edge):
+        grad, ctx.flight.backward = ctx.flight.backward.wait(), None
+        return grad, None
+
+
+class _WaitAsync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, _edge, flight):
+        ctx.flight = flight
+        out, flight.forward = flight.forward.wait(), None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.flight.backward = ctx.flight.post_backward(grad)
+        return grad.new_empty(0), None
+
+
+def _in_autograd(x: torch.Tensor, flight: _Flight) -> Pending:
+    edge = _StartAsync.apply(x, flight)
+    return Pending(None, lambda: _WaitAsync.apply(edge, flight))
+
+
+def all_to_all_start(x: torch.Tensor, output_split_sizes: Optional[list[int]],
+                     input_split_sizes: Optional[list[int]], group: Group) -> Pending:
+    """:func:`all_to_all`, asynchronous in forward and backward: returns once the collective
+    is posted; the :class:`Pending` returns the rows."""
+    if not _active(group):
+        return all_to_all_async(x, output_split_sizes, input_split_sizes, group)
+    outs, ins = _copy(output_split_sizes), _copy(input_split_sizes)
+    return _in_autograd(x, _Flight(lambda t: all_to_all_async(t, outs, ins, group),
+                                   lambda g: all_to_all_async(g, ins, outs, group)))
+
+
+def all_gather_start(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = None) -> Pending:
+    """:func:`all_gather` along dim 0, asynchronous in forward and backward (reduce-scatter)."""
+    if not _active(group):
+        return Pending(None, lambda: x)
+    sizes = _copy(sizes)
+    return _in_autograd(x, _Flight(lambda t: all_gather_async(t, group, sizes),
+                                   lambda g: reduce_scatter_async(g, group, sizes)))
+
+
+def reduce_scatter_start(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = None) -> Pending:
+    """:func:`reduce_scatter` along dim 0, asynchronous in forward and backward (all-gather)."""
+    if not _active(group):
+        return reduce_scatter_async(x, group, sizes)
+    sizes = _copy(sizes)
+    return _in_autograd(x, _Flight(lambda t: reduce_scatter_async(t, group, sizes),
+                                   lambda g: all_gather_async(g, group, sizes)))

@@ -116,6 +116,12 @@ class MoEConfig:
     pad_to_capacity: bool = False
     # Rank-deduplicated all-to-all: a token goes once to each destination rank.
     dedup: bool = False
+    # Overlap (moe_fold.models.moe_layer): run the shared expert while the dispatch and
+    # combine collectives are in flight.
+    shared_expert_overlap: bool = False
+    # Dispatch the layer's routed tokens in this many chunks (routing stays per layer), so
+    # one chunk's all-to-all overlaps another chunk's expert GEMMs; 1 = off.
+    overlap_chunks: int = 1
 
     # Expert placement (docs/placement.md). Spare expert slots per ep rank, holding copies
     # of the hottest experts; 0: none.
@@ -851,6 +857,7 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
         out.append(f"moe.shared_expert_gate=true requires a shared expert (moe.shared_expert_ffn_hidden_size > 0), "
                    f"got {_fmt(moe.shared_expert_ffn_hidden_size)}")
     _at_least(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size, 0)
+    out.extend(overlap_problems(moe))
     _check_placement(config, out)
     if not any_moe:
         return
@@ -873,6 +880,22 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
     if not 1 <= moe.topk <= moe.num_experts:
         out.append(f"moe.topk={moe.topk} must be in [1, moe.num_experts={moe.num_experts}]")
     _check_groups(config, out)
+
+
+def overlap_problems(moe: MoEConfig) -> list[str]:
+    """What is wrong with ``moe.shared_expert_overlap`` / ``moe.overlap_chunks`` (also
+    checked by the MoE layer itself, which can be built without :func:`validate`)."""
+    problems = []
+    if moe.shared_expert_overlap and moe.shared_expert_ffn_hidden_size <= 0:
+        problems.append(f"moe.shared_expert_overlap=true needs a shared expert "
+                        f"(moe.shared_expert_ffn_hidden_size > 0, got {moe.shared_expert_ffn_hidden_size})")
+    if not moe.overlap_chunks >= 1:
+        problems.append(f"moe.overlap_chunks={_fmt(moe.overlap_chunks)} must be >= 1")
+    elif moe.overlap_chunks > 1 and moe.pad_to_capacity:
+        problems.append(f"moe.overlap_chunks={moe.overlap_chunks} requires moe.pad_to_capacity=false: one chunk "
+                        f"may hold all of an expert's tokens, so every chunk would be padded to the layer's "
+                        f"whole capacity, multiplying the bytes sent by the number of chunks")
+    return problems
 
 
 def _check_placement(config: Config, out: list[str]) -> None:

@@ -31,9 +31,17 @@ def _kinds(nbytes, kind):
     return {kind: nbytes} if nbytes else {}
 
 
+def _call(op, asynchronous, *args, **kwargs):
+    """``comm.<op>``, or its asynchronous variant ``<op>_start`` started and waited on."""
+    if asynchronous:
+        assert kwargs.pop("dim", 0) == 0  # they work along dim 0
+        return getattr(comm, f"{op}_start")(*args, **kwargs).wait()
+    return getattr(comm, op)(*args, **kwargs)
+
+
 # ----------------------------------------------------------------- all_to_all
 
-def _check_all_to_all(n, group, kind, splits, dtype, trailing, seed):
+def _check_all_to_all(n, group, kind, splits, dtype, trailing, seed, asynchronous=False):
     """``splits[s][d]`` rows go from group rank s to group rank d (None: 2 rows each, even)."""
     me = dist.get_rank(group)
     even = splits is None
@@ -52,8 +60,8 @@ def _check_all_to_all(n, group, kind, splits, dtype, trailing, seed):
     x = xs[me].clone().requires_grad_(grads)
     in_splits = None if even else splits[me]
     out_splits = None if even else [splits[s][me] for s in range(n)]
-    out, fwd = _counted(lambda: comm.all_to_all(x, output_split_sizes=out_splits,
-                                               input_split_sizes=in_splits, group=group))
+    out, fwd = _counted(lambda: _call("all_to_all", asynchronous, x, output_split_sizes=out_splits,
+                                      input_split_sizes=in_splits, group=group))
     assert out.dtype == dtype and torch.equal(out, ref_out[me].detach())
     row = torch.empty((1,) + trailing, dtype=dtype).nbytes
     assert fwd == _kinds(sum(splits[me][d] for d in range(n) if d != me) * row, kind)
@@ -67,7 +75,7 @@ def _check_all_to_all(n, group, kind, splits, dtype, trailing, seed):
 
 # ----------------------------------------------------------------- all_gather / reduce_scatter
 
-def _check_all_gather(n, group, kind, sizes, dim, seed):
+def _check_all_gather(n, group, kind, sizes, dim, seed, asynchronous=False):
     me = dist.get_rank(group)
     gen = torch.Generator().manual_seed(seed)
     own = sizes or [3] * n
@@ -79,7 +87,7 @@ def _check_all_gather(n, group, kind, sizes, dim, seed):
     sum((ref_out * w).sum() for w in ws).backward()
 
     x = xs[me].clone().requires_grad_()
-    out, fwd = _counted(lambda: comm.all_gather(x, group, sizes=sizes, dim=dim))
+    out, fwd = _counted(lambda: _call("all_gather", asynchronous, x, group, sizes=sizes, dim=dim))
     assert torch.equal(out, ref_out.detach())
     assert fwd == _kinds(x.nbytes * (n - 1), kind)
     _, bwd = _counted(lambda: (out * ws[me]).sum().backward())
@@ -87,7 +95,7 @@ def _check_all_gather(n, group, kind, sizes, dim, seed):
     assert bwd == _kinds(out.nbytes - x.nbytes, kind)
 
 
-def _check_reduce_scatter(n, group, kind, sizes, dim, seed):
+def _check_reduce_scatter(n, group, kind, sizes, dim, seed, asynchronous=False):
     me = dist.get_rank(group)
     gen = torch.Generator().manual_seed(seed)
     own = sizes or [2] * n
@@ -99,7 +107,7 @@ def _check_reduce_scatter(n, group, kind, sizes, dim, seed):
     sum((o * w).sum() for o, w in zip(ref_outs, ws)).backward()
 
     x = xs[me].clone().requires_grad_()
-    out, fwd = _counted(lambda: comm.reduce_scatter(x, group, sizes=sizes, dim=dim))
+    out, fwd = _counted(lambda: _call("reduce_scatter", asynchronous, x, group, sizes=sizes, dim=dim))
     torch.testing.assert_close(out, ref_outs[me].detach())
     assert fwd == _kinds(x.nbytes - out.nbytes, kind)
     _, bwd = _counted(lambda: (out * ws[me]).sum().backward())
@@ -229,6 +237,51 @@ def _check_p2p(rank, ring_ranks, group, kind):
 
 # ----------------------------------------------------------------- the rank programs
 
+def _check_overlap_order(n, group):
+    """The asynchronous all-to-all returns before its transfer is waited on, and autograd
+    runs the work recorded between start and wait while the backward transfer is in flight:
+    its backward comes after the wait's backward (which posts) and before the start's
+    (which waits)."""
+    events = []
+
+    def record(name):
+        class Mark(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t.clone()
+
+            @staticmethod
+            def backward(ctx, grad):
+                events.append(name)
+                return grad
+        return Mark.apply
+
+    posted = []
+    original = comm.all_to_all_async
+
+    def recording(*args):
+        events.append("posted")
+        posted.append(original(*args))
+        return posted[-1]
+
+    x = torch.randn(2 * n, 3, requires_grad=True)
+    x.register_hook(lambda grad: events.append("backward waited"))
+    side = torch.randn(4, 3, requires_grad=True)
+    comm.all_to_all_async = recording
+    try:
+        pending = comm.all_to_all_start(x, None, None, group)
+        assert events == ["posted"] and posted[0]._result is None  # posted, not waited
+        other = record("overlapped work")(side) * 2  # runs while the all-to-all is in flight
+        out = pending.wait()
+        assert posted[0]._result is not None and pending.wait() is out
+        events.clear()
+        (out.sum() + other.sum()).backward()
+    finally:
+        comm.all_to_all_async = original
+    assert events == ["posted", "overlapped work", "backward waited"], events
+    assert torch.equal(x.grad, torch.ones_like(x)) and posted[1]._result is not None
+
+
 def _no_comm(rank, x):
     """None and size-1 groups: the input comes back, nothing is counted."""
     single = [dist.new_group([r], group_desc="etp") for r in range(dist.get_world_size())][rank]
@@ -241,6 +294,9 @@ def _no_comm(rank, x):
                         comm.reduce_scatter_to_sequence_region(x, group),
                         comm.scatter_to_sequence_region(x, group), comm.gather_from_tp_region(x, group)):
                 assert out is x
+            for pending in (comm.all_to_all_start(x, [3], [3], group), comm.all_gather_start(x, group),
+                            comm.reduce_scatter_start(x, group)):
+                assert pending.wait() is x
             comm.all_reduce_(x, group)
         assert sent == {}
 
@@ -265,16 +321,17 @@ def _program(rank, world_size, splits_cases):
     ep = dist.new_group(list(range(n)), group_desc="ep")
     assert comm.group_kind(ep) == "ep" and comm.group_kind(dist.group.WORLD) == "world"
 
-    for case, splits in enumerate(splits_cases):
-        _check_all_to_all(n, ep, "ep", splits, torch.float32, (3, 2), seed=10 + case)
-        _check_all_to_all(n, ep, "ep", splits, torch.bfloat16, (5,), seed=20 + case)
-        _check_all_to_all(n, dist.group.WORLD, "world", splits, torch.int64, (), seed=30 + case)
-
     uneven = [3, 0, 1, 2][:n] if n > 2 else [0, 3]
-    for sizes in (None, uneven):
-        for dim in (0, 1):
-            _check_all_gather(n, ep, "ep", sizes, dim, seed=40 + dim)
-            _check_reduce_scatter(n, ep, "ep", sizes, dim, seed=50 + dim)
+    for asynchronous in (False, True):
+        for case, splits in enumerate(splits_cases):
+            _check_all_to_all(n, ep, "ep", splits, torch.float32, (3, 2), 10 + case, asynchronous)
+            _check_all_to_all(n, ep, "ep", splits, torch.bfloat16, (5,), 20 + case, asynchronous)
+            _check_all_to_all(n, dist.group.WORLD, "world", splits, torch.int64, (), 30 + case, asynchronous)
+        for sizes in (None, uneven):
+            for dim in (0,) if asynchronous else (0, 1):  # the asynchronous ones gather along dim 0
+                _check_all_gather(n, ep, "ep", sizes, dim, 40 + dim, asynchronous)
+                _check_reduce_scatter(n, ep, "ep", sizes, dim, 50 + dim, asynchronous)
+    _check_overlap_order(n, ep)
     _check_all_reduce(n, ep, "ep", seed=60)
 
     # TP over pairs of neighbours, PP over ranks with the same TP index (4 ranks), or

@@ -114,6 +114,8 @@ def test_installed_presets_load_and_round_trip(tmp_path):
     ("optimizer.lr=2", "optimizer", "lr", 2.0),
     ("train.deterministic=true", "train", "deterministic", True),
     ("moe.dedup=false", "moe", "dedup", False),
+    ("moe.shared_expert_overlap=true", "moe", "shared_expert_overlap", True),
+    ("moe.overlap_chunks=2", "moe", "overlap_chunks", 2),
     ("train.run_dir=runs/x", "train", "run_dir", "runs/x"),
     ("wandb.name=123", "wandb", "name", "123"),  # a str field keeps the text as typed
     ("data.tokenizer=true", "data", "tokenizer", "true"),
@@ -328,6 +330,13 @@ RULES = [
     (["moe.dispatcher=flex"], 1, ["moe.dispatcher=flex must be one of alltoall, allgather"]),
     (["moe.dedup=true", "moe.dispatcher=allgather"], 1,
      ["moe.dedup=true requires moe.dispatcher=alltoall, got allgather"]),
+    (["moe.shared_expert_overlap=true"], 1,
+     ["moe.shared_expert_overlap=true needs a shared expert (moe.shared_expert_ffn_hidden_size > 0, got 0)"]),
+    (["moe.overlap_chunks=0"], 1, ["moe.overlap_chunks=0 must be >= 1"]),
+    (["moe.overlap_chunks=2", "moe.capacity_factor=1.0", "moe.pad_to_capacity=true"], 1,
+     ["moe.overlap_chunks=2 requires moe.pad_to_capacity=false: one chunk may hold all of an expert's tokens, "
+      "so every chunk would be padded to the layer's whole capacity, multiplying the bytes sent by the number "
+      "of chunks"]),
     (["moe.gemm_backend=cutlass"], 1, ["moe.gemm_backend=cutlass must be one of auto, grouped_gemm, torch, triton, loop"]),
     (["moe.permute_backend=cuda"], 1, ["moe.permute_backend=cuda must be one of torch, triton"]),
     # expert placement
@@ -475,6 +484,8 @@ def test_rule(overrides, world_size, expected):
     (["data.path=[a,b]", "data.weights=[1,3]", "data.tokenizer=tok/tokenizer.json"], 1),
     (["parallel.order=pp-dp-ep-cp-tp", "optimizer.min_lr=0", "optimizer.warmup_steps=100"], 1),
     (["train.exit_signals=[]", "train.exit_after_minutes=0.5", "train.exit_at_step=1"], 1),
+    (SP2 + ["parallel.ep=2", "moe.shared_expert_ffn_hidden_size=64", "moe.shared_expert_overlap=true",
+            "moe.overlap_chunks=2", "moe.capacity_factor=1.0", "moe.dedup=true"], 4),
 ])
 def test_valid_configs(overrides, world_size):
     validate(load_config(None, overrides), world_size)

@@ -7,6 +7,8 @@ its inner dim, so their partial outputs sum to the full one), applied with the p
 the real experts do. Dispatch -> experts -> combine must equal the loop over tokens and
 their experts written below, forward and backward (token and prob grads), for every
 dispatcher and mode on 1, 2, 4 and 8 ranks with ep in {1, 2, 4, 8} and etp in {1, 2}.
+The asynchronous calls (``dispatch_start`` / ``combine_start``) must give the blocking
+calls' results bit for bit, and the same bytes.
 The bytes each rank sent must equal the counts worked out here from the global routing.
 """
 
@@ -127,15 +129,19 @@ def make_dispatcher(kind, mode, dedup, case, groups, backend="torch"):
     return AllGatherDispatcher(case.num_experts, case.topk, groups, mode=mode, permute_backend=backend)
 
 
-def run_one(rank, case, groups, kind, mode, dedup, backend="torch"):
-    """Dispatch this rank's slice, run the experts, combine, backward."""
+def run_one(rank, case, groups, kind, mode, dedup, backend="torch", asynchronous=False):
+    """Dispatch this rank's slice, run the experts, combine, backward; ``asynchronous``:
+    through ``dispatch_start`` / ``combine_start``."""
     tokens, probs, routing_map, grad = global_data(case)
     start = sum(case.sizes[:rank])
     mine = slice(start, start + case.sizes[rank])
     x = tokens[mine].clone().requires_grad_(True)
     p = probs[mine].clone().requires_grad_(True)
     d = make_dispatcher(kind, mode, dedup, case, groups, backend)
-    out = d.dispatch(x, p, routing_map[mine])
+    if asynchronous:
+        out = d.dispatch_start(x, p, routing_map[mine]).wait()
+    else:
+        out = d.dispatch(x, p, routing_map[mine])
     counts = out.tokens_per_local_expert
     assert counts.dtype == torch.int64 and counts.device.type == "cpu"
     counts = counts.tolist()
@@ -143,7 +149,7 @@ def run_one(rank, case, groups, kind, mode, dedup, backend="torch"):
     etp_rank, etp = groups.rank_in("etp"), groups.size("etp")
     rows = [expert_fn(xs, d.local_expert_start + le, etp_rank, etp) * ps[:, None]
             for le, (xs, ps) in enumerate(zip(out.tokens.split(counts), out.probs.split(counts)))]
-    y = d.combine(torch.cat(rows), out.handle)
+    y = d.combine_start(torch.cat(rows), out.handle).wait() if asynchronous else d.combine(torch.cat(rows), out.handle)
     assert y.shape == x.shape
     (y * grad[mine]).sum().backward()
     # numpy, not tensors: the launcher's queue would pass tensors as shared-memory
@@ -162,8 +168,15 @@ def rank_main(rank, world_size, plans):
     results = []
     for layout_kw, cases in plans:
         groups = create_process_groups(ParallelLayout(world_size, **layout_kw))
-        results.append([[run_one(rank, case, groups, *cfg) for cfg in configs_for(case)] for case in cases])
+        results.append([[_with_async(rank, case, groups, cfg) for cfg in configs_for(case)] for case in cases])
     return results
+
+
+def _with_async(rank, case, groups, cfg, backend="torch"):
+    """The blocking run's results, with the asynchronous run's under ``"async"``."""
+    res = run_one(rank, case, groups, *cfg, backend=backend)
+    res["async"] = run_one(rank, case, groups, *cfg, backend=backend, asynchronous=True)
+    return res
 
 
 # ----------------------------------------------------------------- expected numbers
@@ -273,6 +286,10 @@ def check_plan(world_size, plans, results):
                     wire = {key: res["wire"][key] for key in ("dispatch", "combine", "dispatch_etp", "combine_etp")}
                     assert wire == expected_wire(case, layout, r, *cfg), (what, r, res["wire"])
                     assert res["wire"]["meta"] == expected_meta(case, layout, r, *cfg, wire), (what, r, res["wire"])
+                    # dispatch_start / combine_start: the same collectives in the same order.
+                    for key in ("y", "x_grad", "p_grad", "tokens", "probs"):
+                        assert (res["async"][key] == res[key]).all(), (what, r, key)
+                    assert res["async"]["counts"] == res["counts"] and res["async"]["wire"] == res["wire"], (what, r)
                 if cfg[0] == "alltoall" and cfg[1] != "pad" and layout.etp == 1:
                     want = remote_pairs(case, layout, dedup=cfg[2]) * H * ELEM
                     assert sum(res["wire"]["dispatch"] for res in per_rank) == want, what
@@ -319,7 +336,7 @@ def test_single_process_all_modes():
     groups = ProcessGroups.single_process()
     for num_experts in (1, 4):
         plans = [({}, cases_for(1, num_experts, seed=num_experts))]
-        results = [[[run_one(0, case, groups, *cfg) for cfg in configs_for(case)] for case in plans[0][1]]]
+        results = [[[_with_async(0, case, groups, cfg) for cfg in configs_for(case)] for case in plans[0][1]]]
         check_plan(1, plans, [results])
 
 
@@ -327,7 +344,7 @@ def test_triton_permute_backend():
     # The Triton kernels run on the interpreter here: small shapes, one process.
     groups = ProcessGroups.single_process()
     cases = [Case("uneven", (7,), 4, 2, seed=3), Case("capacity", (6,), 4, 2, capacity_factor=1.0, seed=4)]
-    results = [[[run_one(0, case, groups, *cfg, backend="triton") for cfg in configs_for(case)] for case in cases]]
+    results = [[[_with_async(0, case, groups, cfg, "triton") for cfg in configs_for(case)] for case in cases]]
     check_plan(1, [({}, cases)], [results])
 
 

@@ -1,7 +1,8 @@
 """The experts and the MoE layer on one process, against loops written here: per-token
 expert sums, the load-balancing and z losses in closed form, capacity dropping by hand,
 the shared expert and its gate; expert weights sliced for every (ep, etp) rank equal the
-one-process weights; the parallel marks; bad input."""
+one-process weights; the parallel marks; bad input. The overlap switches against the
+blocking layer (one process, and on two gloo ranks under expert replicas)."""
 
 import copy
 import math
@@ -11,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from moe_fold.config import Config, ModelConfig
-from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups
+from moe_fold.launch import run_ranks
+from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.experts import Experts
 from moe_fold.models.model import Block, build_model
 from moe_fold.models.mlp import MLP
@@ -285,3 +287,125 @@ def test_model_interleaves_dense_and_moe_layers():
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
     assert math.isfinite(loss.item())
+
+
+# --------------------------------------------------------------------------- overlap
+
+OVERLAPS = [dict(shared_expert_overlap=True), dict(overlap_chunks=2),
+            dict(shared_expert_overlap=True, overlap_chunks=3)]
+MODES = [dict(), dict(capacity_factor=0.75), dict(dedup=True), dict(dispatcher="allgather", capacity_factor=0.75),
+         dict(capacity_factor=0.75, pad_to_capacity=True)]
+# Chunks with padding are refused (test_overlap_bad_settings_are_refused).
+COMBINATIONS = [(o, m) for o in OVERLAPS for m in MODES if not ("overlap_chunks" in o and "pad_to_capacity" in m)]
+
+
+def _name(settings):
+    return ",".join(f"{k}={v}" for k, v in settings.items()) or "dropless"
+
+
+def _layer_run(config, x):
+    """Output, input grad and parameter grads of layer 1 of ``config`` on ``x``."""
+    layer = MoELayer(config, ProcessGroups.single_process(), 1)
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    (out * torch.linspace(-1, 1, H)).sum().backward()
+    return layer, out.detach(), x.grad, {name: p.grad for name, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("overlap, moe", COMBINATIONS, ids=[f"{_name(o)}-{_name(m)}" for o, m in COMBINATIONS])
+def test_overlap_gives_the_layer_without_overlap(overlap, moe):
+    """Same output and grads as the blocking layer: bit for bit with the shared-expert
+    overlap alone (the same operations on the same tensors), within fp32 rounding when
+    chunked (the grouped GEMMs run on fewer rows, the expert weight grads sum per chunk).
+    Capacity 0.75 drops tokens, which the chunks must not change: routing is per layer."""
+    x = _inputs(4)
+    shared = dict(shared_expert_ffn_hidden_size=SHARED, shared_expert_gate=True)
+    base, out, x_grad, grads = _layer_run(_config(**shared, **moe), x)
+    layer, got, got_x_grad, got_grads = _layer_run(_config(**shared, **moe, **overlap), x)
+    if "capacity_factor" in moe:
+        assert 0 < base.last_stats.dropped_fraction < 1
+    torch.testing.assert_close(layer.last_stats.dropped_fraction, base.last_stats.dropped_fraction, rtol=0, atol=0)
+    tol = dict(rtol=0, atol=0) if overlap.get("overlap_chunks", 1) == 1 else dict(rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got, out, **tol)
+    torch.testing.assert_close(got_x_grad, x_grad, **tol)
+    for name, g in grads.items():
+        assert g.abs().max() > 0, name
+        torch.testing.assert_close(got_grads[name], g, **tol, msg=lambda m: f"grad {name}: {m}")
+    # And both equal the loop written out above.
+    torch.testing.assert_close(got, _layer_ref(layer, x, _kept(layer, x, moe)), rtol=1e-5, atol=1e-6)
+
+
+def _kept(layer, x, moe):
+    """The (token, expert) pairs capacity keeps (policy ``probs``), or None for dropless."""
+    if "capacity_factor" not in moe:
+        return None
+    capacity = math.ceil(T * K / E * moe["capacity_factor"])
+    logits = (x @ layer.router.weight.t()).detach()
+    top = logits.topk(K, dim=1).indices
+    probs = torch.zeros(T, E).scatter_(1, top, torch.softmax(logits.gather(1, top), dim=1))
+    kept = torch.zeros(T, E, dtype=torch.bool)
+    for e in range(E):
+        for t in sorted((t for t in range(T) if probs[t, e] > 0), key=lambda t: -probs[t, e].item())[:capacity]:
+            kept[t, e] = True
+    return kept
+
+
+def test_overlap_bad_settings_are_refused():
+    with pytest.raises(ValueError, match=r"moe.shared_expert_overlap=true needs a shared expert"):
+        MoELayer(_config(shared_expert_overlap=True), ProcessGroups.single_process(), 0)
+    with pytest.raises(ValueError, match=r"moe.overlap_chunks=0 must be >= 1"):
+        MoELayer(_config(overlap_chunks=0), ProcessGroups.single_process(), 0)
+    with pytest.raises(ValueError, match=r"moe.overlap_chunks=2 requires moe.pad_to_capacity=false"):
+        MoELayer(_config(overlap_chunks=2, capacity_factor=1.0, pad_to_capacity=True),
+                 ProcessGroups.single_process(), 0)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_recompute_covers_the_overlapped_shared_expert(overlap):
+    """train.recompute=moe recomputes the shared expert also when the overlap runs its
+    halves apart: the same grads, and of the shared expert's ``[T, SHARED]`` tensors (gate,
+    up, their SwiGLU) at most the SwiGLU output between the halves is kept."""
+    from moe_fold.training.train import apply_recompute
+
+    def kept_and_grads(recompute):
+        layer = MoELayer(_config(shared_expert_ffn_hidden_size=SHARED, shared_expert_overlap=overlap),
+                         ProcessGroups.single_process(), 1)
+        apply_recompute(layer, recompute)
+        shapes = []
+        x = _inputs(5).requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            out = layer(x)
+        (out * torch.linspace(-1, 1, H)).sum().backward()
+        return shapes.count((T, SHARED)), [x.grad] + [p.grad for p in layer.parameters()]
+
+    plain_kept, plain = kept_and_grads("none")
+    kept, grads = kept_and_grads("moe")
+    for got, want in zip(grads, plain):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert plain_kept >= 3 and kept <= (1 if overlap else 0)
+
+
+def _overlap_with_replicas_rank(rank, world_size):
+    groups = create_process_groups(ParallelLayout(world_size, ep=2))
+    out = {}
+    for name, overlap in (("off", {}), ("shared", dict(shared_expert_overlap=True)),
+                          ("shared+chunks2", dict(shared_expert_overlap=True, overlap_chunks=2))):
+        for replicas in (0, 1):
+            layer = MoELayer(_config(shared_expert_ffn_hidden_size=SHARED, replicas=replicas, **overlap), groups, 0)
+            x = _inputs(rank).requires_grad_()
+            y = layer(x)
+            (y * torch.linspace(-1, 1, H)).sum().backward()
+            out[name, replicas] = (y.detach().numpy(), x.grad.numpy())
+    return out
+
+
+def test_overlap_under_expert_replicas_on_two_ranks():
+    """ep 2, with and without a replicated expert (moe.replicas=1: the dispatcher routes by
+    slot): every overlap gives the blocking layer's output and input grad."""
+    for rank, res in enumerate(run_ranks(_overlap_with_replicas_rank, 2, timeout=120)):
+        y, grad = res["off", 0]
+        for key, (got_y, got_grad) in res.items():
+            torch.testing.assert_close(torch.from_numpy(got_y), torch.from_numpy(y), rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"rank {rank} {key}: {m}")
+            torch.testing.assert_close(torch.from_numpy(got_grad), torch.from_numpy(grad), rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"rank {rank} {key} input grad: {m}")

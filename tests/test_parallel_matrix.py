@@ -32,6 +32,7 @@ from moe_fold.training.grads import clip_grad_norm_, sync_grads
 from moe_fold.launch import run_ranks
 from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
+from moe_fold.models.moe_layer import MoELayer
 from moe_fold.parallel.sharding import full_tensor, shard_info
 from moe_fold.training.optim import AdamW, apply_gradients, build_grad_sync, build_optimizer, param_groups
 from moe_fold.training.step import forward_backward
@@ -78,11 +79,41 @@ def _config(model=None, **parallel):
     return config
 
 
-def _case_config(name):
-    _, sizes, _, parallel, model = CASES[name]
-    return _config(model, tp=sizes.get("tp", 1), cp=sizes.get("cp", 1), pp=sizes.get("pp", 1),
-                   ep=sizes.get("ep", 1), etp=sizes.get("etp"), sequence_parallel=sizes.get("tp", 1) > 1,
-                   **parallel)
+# The MoE layer's overlap (moe.shared_expert_overlap, moe.overlap_chunks): name -> (world,
+# layout sizes, micro-batches per rank, moe settings), each trained with every MOE_OVERLAPS
+# variant, with a gated shared expert to overlap. Capacity drops where tp = 1 (each rank
+# routes one of the reference's micro-batches, as in tests/test_layout_invariance.py); under
+# tp > 1 a rank routes part of a sequence, so there the factor is too large to drop.
+SHARED = dict(shared_expert_ffn_hidden_size=40, shared_expert_gate=True)
+MOE_OVERLAP_CASES = {
+    "ep2": (2, dict(ep=2), 2, {}),
+    "ep2-allgather-capacity-drop": (2, dict(ep=2), 2, dict(dispatcher="allgather", capacity_factor=1.0)),
+    "ep4-dedup-capacity-drop": (4, dict(ep=4), 1, dict(capacity_factor=1.0, dedup=True)),
+    "etp2-ep2": (4, dict(tp=2, ep=2, etp=2), 2, {}),
+    "tp2-ep2-allgather": (4, dict(tp=2, ep=2, etp=1), 2, dict(dispatcher="allgather", capacity_factor=8.0)),
+    "pp2-ep2-capacity-drop": (4, dict(pp=2, ep=2), 2, dict(capacity_factor=1.0)),
+}
+MOE_OVERLAPS = {"off": {}, "shared": dict(shared_expert_overlap=True),
+                "shared-chunks2": dict(shared_expert_overlap=True, overlap_chunks=2)}
+
+
+def _case(name):
+    """``(world, sizes, micro-batches, parallel, model)`` of a CASES or MOE_OVERLAP_CASES name."""
+    if name in MOE_OVERLAP_CASES:
+        world, sizes, m, _ = MOE_OVERLAP_CASES[name]
+        return world, sizes, m, {}, {}
+    return CASES[name]
+
+
+def _case_config(name, moe_overlap="off"):
+    _, sizes, _, parallel, model = _case(name)
+    config = _config(model, tp=sizes.get("tp", 1), cp=sizes.get("cp", 1), pp=sizes.get("pp", 1),
+                     ep=sizes.get("ep", 1), etp=sizes.get("etp"), sequence_parallel=sizes.get("tp", 1) > 1,
+                     **parallel)
+    if name in MOE_OVERLAP_CASES:
+        for key, value in {**SHARED, **MOE_OVERLAP_CASES[name][3], **MOE_OVERLAPS[moe_overlap]}.items():
+            setattr(config.moe, key, value)
+    return config
 
 
 def _global_batch():
@@ -138,6 +169,8 @@ def _train_layout(model, groups, config, micro_batches):
         opt.step()
     out["tied_diff"] = _tied_copies_differ(model, groups)
     out["stages"] = model.stages
+    out["dropped"] = max([m.last_stats.dropped_fraction.item() for m in model.modules() if isinstance(m, MoELayer)],
+                         default=0.0)
     return out
 
 
@@ -176,25 +209,33 @@ def _train_loop_path(config, groups, micro_batches, distributed, overlap_grad, o
     return out
 
 
-def _rank(rank, world_size, names):
-    """Train every case of ``names`` in turn: starting ranks costs more than a case."""
+def _rank(rank, world_size, names, moe_overlap="off"):
+    """Train every case of ``names`` in turn: starting ranks costs more than a case. Each
+    also through the training loop's path in every OVERLAP_VARIANTS (not the MoE overlap
+    cases, whose variants are MOE_OVERLAPS)."""
     groups_of, results = {}, []
     for name in names:
-        sizes = CASES[name][1]
+        sizes = _case(name)[1]
         key = tuple(sorted(sizes.items()))
         if key not in groups_of:
             groups_of[key] = create_process_groups(ParallelLayout(world_size, **sizes))
         groups = groups_of[key]
-        config = _case_config(name)
+        config = _case_config(name, moe_overlap)
         model = build_model(config, groups)
-        m, cp = CASES[name][2], groups.size("cp")
+        m, cp = _case(name)[2], groups.size("cp")
         micro = [b.cp_slice(groups.rank_in("cp"), cp)
                  for b in _micro_batches(groups.rank_in("dp"), groups.size("dp"), m)]
         result = _train_layout(model, groups, config, micro)
-        result["loop"] = {variant: _train_loop_path(config, groups, micro, *switches)
-                          for variant, switches in OVERLAP_VARIANTS.items()}
+        if name not in MOE_OVERLAP_CASES:
+            result["loop"] = {variant: _train_loop_path(config, groups, micro, *switches)
+                              for variant, switches in OVERLAP_VARIANTS.items()}
         results.append(result)
     return results
+
+
+def _moe_overlap_rank(rank, world_size, names):
+    """Every MOE_OVERLAPS variant of every case: ``{variant: results}``."""
+    return {overlap: _rank(rank, world_size, names, overlap) for overlap in MOE_OVERLAPS}
 
 
 _REFERENCES: dict = {}
@@ -202,7 +243,7 @@ _REFERENCES: dict = {}
 
 def _reference(name):
     """One process: the layout's dp x m micro-batches, accumulated by hand."""
-    world, sizes, m, _, model_overrides = CASES[name]
+    world, sizes, m, _, model_overrides = _case(name)
     num_micro = world // (sizes.get("tp", 1) * sizes.get("cp", 1) * sizes.get("pp", 1)) * m
     config = _case_config(name)
     config.parallel = ParallelConfig()
@@ -251,7 +292,8 @@ def _check(names, results):
             torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0,
                                        msg=lambda m: f"{where} losses: {m}")
             assert got["tied_diff"] == 0.0, f"{where}: tied embedding copies drifted apart"
-            loop = got.get("loop", {})  # tests/test_placement.py checks its runs without them
+            # the MoE overlap cases skip the loop's variants; tests/test_placement.py checks its runs without them
+            loop = got.get("loop", {})
             # each overlap reduces the same buckets in the same order: the same bits
             for on, off in (("allreduce_overlap", "allreduce"), ("zero_overlap", "zero")) if loop else ():
                 assert loop[on]["losses"] == loop[off]["losses"], f"{where} {on}"
@@ -280,6 +322,30 @@ def test_cp_and_pp_layouts_match_single_process(world):
 def test_eight_rank_cp_and_pp_layouts_match_single_process():
     names = _names(8)
     _check(names, run_ranks(_rank, 8, names, timeout=400))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_overlap_matches_no_overlap_and_single_process(world):
+    """The shared-expert overlap gives the blocking layer's losses, grads and norms bit for
+    bit (the same operations in the same order); with two chunks the expert GEMMs and their
+    weight grads are summed per chunk: fp32 rounding. Every variant matches one process."""
+    names = [name for name, case in MOE_OVERLAP_CASES.items() if case[0] == world]
+    results = run_ranks(_moe_overlap_rank, world, names, timeout=400)
+    for overlap in MOE_OVERLAPS:
+        _check(names, [per_rank[overlap] for per_rank in results])
+    for rank, per_rank in enumerate(results):
+        for i, name in enumerate(names):
+            off, where = per_rank["off"][i], f"{name} rank {rank}"
+            assert (off["dropped"] > 0) == name.endswith("-drop"), f"{where}: dropped {off['dropped']}"
+            for overlap, tol in (("shared", dict(rtol=0, atol=0)), ("shared-chunks2", dict(rtol=1e-5, atol=1e-7))):
+                got = per_rank[overlap][i]
+                assert got["dropped"] == off["dropped"], f"{where} {overlap}"
+                for pname, g in off["grads"].items():
+                    torch.testing.assert_close(torch.from_numpy(got["grads"][pname]), torch.from_numpy(g), **tol,
+                                               msg=lambda m: f"{where} {overlap} grad {pname}: {m}")
+                torch.testing.assert_close(got["norms"], off["norms"], **tol, msg=lambda m: f"{where} {overlap}: {m}")
+                torch.testing.assert_close(got["losses"], off["losses"], **tol,
+                                           msg=lambda m: f"{where} {overlap}: {m}")
 
 
 # --------------------------------------------------------------------------- one process

@@ -18,6 +18,8 @@ from moe_fold.config import ConfigError, load_config
 from moe_fold.training.train import check_trainable
 
 SP2 = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+MLA = ["model.attention=mla", "model.kv_lora_rank=32", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
+       "model.v_head_dim=16"]
 
 # (where the rank raises, overrides, world size, the pre-spawn message)
 RANK_RULES = [
@@ -25,12 +27,23 @@ RANK_RULES = [
      "model.num_kv_heads=3 is not divisible by parallel.tp=2"),
     ("models/attention.py: cp_kind", ["parallel.cp_kind=ulysses"], 1,
      "parallel.cp_kind=ulysses must be one of ring, a2a"),
+    ("models/mla.py: heads % tp", MLA + SP2 + ["model.num_heads=3", "model.num_kv_heads=3", "model.hidden_size=96"], 2,
+     "model.num_heads=3 is not divisible by parallel.tp=2"),
+    ("models/mla.py: cp_kind", MLA + ["model.num_kv_heads=4", "parallel.cp_kind=ulysses"], 1,
+     "parallel.cp_kind=ulysses must be one of ring, a2a"),
     ("models/rotary.py: head_dim even", ["model.head_dim=15"], 1,
      "model.head_dim=15 must be even (rotary embeddings rotate pairs of dimensions)"),
     ("models/moe_layer.py: tp needs SP", ["parallel.tp=2"], 2,
      "parallel.tp=2 with MoE layers requires parallel.sequence_parallel=true"),
     ("models/moe_layer.py: gate needs a shared expert", ["moe.shared_expert_gate=true"], 1,
      "moe.shared_expert_gate=true requires a shared expert (moe.shared_expert_ffn_hidden_size > 0), got 0"),
+    ("models/moe_layer.py: shared-expert overlap needs a shared expert", ["moe.shared_expert_overlap=true"], 1,
+     "moe.shared_expert_overlap=true needs a shared expert (moe.shared_expert_ffn_hidden_size > 0, got 0)"),
+    ("models/moe_layer.py: overlap chunks >= 1", ["moe.overlap_chunks=0"], 1, "moe.overlap_chunks=0 must be >= 1"),
+    ("models/moe_layer.py: overlap chunks without padding",
+     ["moe.overlap_chunks=2", "moe.capacity_factor=1.0", "moe.pad_to_capacity=true"], 1,
+     "moe.overlap_chunks=2 requires moe.pad_to_capacity=false: one chunk may hold all of an expert's tokens, so "
+     "every chunk would be padded to the layer's whole capacity, multiplying the bytes sent by the number of chunks"),
     ("models/experts.py: experts % ep", ["parallel.ep=3"], 3,
      "moe.num_experts=8 is not divisible by parallel.ep=3"),
     ("models/experts.py: ffn % etp", ["parallel.etp=3"], 3,

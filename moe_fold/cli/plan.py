@@ -9,7 +9,8 @@ and expert parallel traffic on the critical path, pipeline bubble, exposed data-
 traffic, optimizer update) and MFU. Formulas and their sources: moe_fold/planner*.py.
 The data-parallel overlaps assumed are the config's own (parallel.overlap_grad_reduce,
 parallel.overlap_param_gather), so the MFU is moe-fold's; --overlap megatron assumes
-Megatron-LM's, for comparison with the papers. The output names the overlaps assumed.
+Megatron-LM's, for comparison with the papers. The output names the overlaps assumed, the
+MoE layer's (moe.shared_expert_overlap, moe.overlap_chunks) included.
 Sizes not given on the command line come from the config (a preset name or a YAML path).
 """
 
@@ -27,6 +28,7 @@ EPILOG = """examples:
   moe-fold plan --config mixtral-8x7b --world 64 --tp 2 --pp 4 --ep 8 --implementation megatron
   moe-fold plan --config mixtral-8x22b --world 128 --tp 2 --pp 8 --ep 8 --overlap megatron
   moe-fold plan --config mixtral-8x7b --world 64 --set parallel.overlap_grad_reduce=true
+  moe-fold plan --config qwen2-57b-a14b --world 64 --ep 8 --set moe.shared_expert_overlap=true
 
 An impossible layout prints the rules it breaks and exits with code 2.
 """
@@ -82,6 +84,11 @@ def _print_plan(console, plan) -> None:
                   f"distributed optimizer {'on' if plan.distributed_optimizer else 'off'}")
     assumed = ", ".join(plan.overlaps) if plan.overlaps else "none (every data-parallel byte exposed)"
     console.print(f"overlaps assumed ({plan.overlap_model}): {assumed}")
+    ov = plan.moe_overlap
+    if ov.get("ep_a2a_s"):
+        console.print(f"MoE overlap assumed (moe.shared_expert_overlap, moe.overlap_chunks): shared expert under "
+                      f"the all-to-all {'on' if ov['shared_expert_overlap'] else 'off'}, {ov['overlap_chunks']} "
+                      f"chunk(s); ep all-to-all {ov['ep_a2a_s']:.4f} s / step, {ov['ep_a2a_exposed_s']:.4f} s exposed")
     pr = plan.params
     console.print(f"parameters: {pr['total'] / 1e9:,.2f} B total, {pr['activated'] / 1e9:,.2f} B activated per "
                   f"token, {pr['rank_max'] / 1e9:,.3f} B on the busiest rank")

@@ -23,8 +23,10 @@ are the masters: 4 + 4 + 8. Activations: :mod:`moe_fold.planner.model` (Korthika
 fused kernels), times the micro-batches a pipeline stage holds at its peak. Plus :attr:`Assumptions.memory_overhead`.
 
 Step time, per micro-batch on the slowest pipeline stage: its FLOPs at
-``peak * Assumptions.matmul_efficiency`` plus its tp, cp, ep, etp and pp traffic, all on the
-critical path (no overlap of tensor- or expert-parallel communication with compute). A
+``peak * Assumptions.matmul_efficiency`` plus its tp, cp, ep, etp and pp traffic on the
+critical path: all of it, except the ep all-to-all under the MoE layer's overlap switches
+(``moe.shared_expert_overlap``, ``moe.overlap_chunks``), of which only the part
+:func:`moe_fold.planner.moe_overlap.exposed_ep_seconds` leaves exposed counts. A
 step is ``(m + (pp-1)/vpp)`` such micro-batch times (1F1B and interleaved schedules; the
 bubble ``(pp-1)/(vpp m)`` of Narayanan et al. 2021, section 2.2), plus the exposed part of
 the data-parallel traffic (gradient buckets over dp_cp, tp_dp_cp and edp: all-reduced, or
@@ -60,6 +62,7 @@ from moe_fold.config import Config, ConfigError, ParallelConfig, dp_size, edp_si
 from moe_fold.layout import ParallelLayout
 from moe_fold.planner.comm import GRAD_BYTES, microbatch_bytes, step_bytes
 from moe_fold.planner.hardware import GPU
+from moe_fold.planner.moe_overlap import exposed_ep_seconds
 from moe_fold.planner import memory as planner_memory
 from moe_fold.planner.model import (
     act_bytes, dims, head_activation_bytes, layer_activation_bytes, microbatches_in_flight,
@@ -133,6 +136,9 @@ class Plan:
     implementation: str = "moe-fold"  # whose memory footprint ``memory`` describes
     overlaps: list[str] = field(default_factory=list)  # data-parallel overlaps the step time assumes
     overlap_model: str = "moe-fold"  # Assumptions.overlap
+    # The MoE layer's overlap switches it assumes (moe.shared_expert_overlap, moe.overlap_chunks)
+    # and the ep all-to-all seconds per step, in all and left exposed (time["ep"]).
+    moe_overlap: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -308,9 +314,12 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
         flops = rank_flops_per_microbatch(config, r, t.recompute)
         sent = microbatch_bytes(config, world, r, t.recompute)
         comm = {k: _seconds(k, sent[k], links, gpu) for k in sent if k in _CRITICAL}
-        stages.append((flops / rate + sum(comm.values()), flops, comm, r))
+        a2a = comm.get("ep", 0.0)
+        if a2a:
+            comm["ep"] = exposed_ep_seconds(config, r, a2a, rate)
+        stages.append((flops / rate + sum(comm.values()), flops, comm, r, a2a))
     slowest = max(stages, key=lambda stage: stage[0])
-    per_micro, flops_micro, comm_micro, r_slow = slowest
+    per_micro, flops_micro, comm_micro, r_slow, a2a_micro = slowest
 
     step = step_bytes(config, world, r_slow)
     grad_overlap, gather_overlap = overlaps(config, assumptions)
@@ -380,7 +389,10 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
         time=time, mfu=model_flops / (world * gpu.peak_flops * time["total"]), notes=notes,
         implementation=assumptions.implementation,
         overlaps=[name for name, on in (("grad_reduce", grad_overlap), ("param_gather", gather_overlap)) if on],
-        overlap_model=assumptions.overlap)
+        overlap_model=assumptions.overlap,
+        moe_overlap={"shared_expert_overlap": config.moe.shared_expert_overlap,
+                     "overlap_chunks": config.moe.overlap_chunks, "ep_a2a_s": micro * a2a_micro,
+                     "ep_a2a_exposed_s": micro * comm_micro.get("ep", 0.0)})
 
 
 def _divisors(n: int, limit: int) -> list[int]:

@@ -123,7 +123,9 @@ def apply_recompute(model: nn.Module, mode: str) -> None:
       bias and the global aux loss as a side effect of its forward, which a second
       forward would count twice (and recomputing the dispatcher would redo its
       all-to-alls).
-    - ``moe``: the MoE layers' expert computation only (routed and shared experts).
+    - ``moe``: the MoE layers' expert computation only (routed and shared experts; with
+      ``moe.shared_expert_overlap`` the shared expert's two halves each, keeping the
+      SwiGLU output between them).
     - ``expert_act``: inside the routed experts, the SwiGLU activation and the fc2 GEMM
       that consumes it, so the activation output ``[rows, F]`` is not kept (fc1's output
       is); the backward recomputes the activation and fc2's forward.
@@ -140,14 +142,20 @@ def apply_recompute(model: nn.Module, mode: str) -> None:
         if mode in ("full", "moe") and isinstance(module, Experts):
             _wrap(module)
         if mode in ("full", "moe") and isinstance(module, MoELayer) and module.shared_expert is not None:
-            _wrap(module.shared_expert)
+            if module.shared_expert_overlap:
+                # The layer runs the halves apart (under the dispatch and the combine): each
+                # is recomputed on its own, and the SwiGLU output between them is kept.
+                _wrap(module.shared_expert, "activation")
+                _wrap(module.shared_expert.fc2)
+            else:
+                _wrap(module.shared_expert)
         if mode == "expert_act" and isinstance(module, Experts):
             module.forward = _experts_act_recomputed(module)
 
 
-def _wrap(module: nn.Module) -> None:
-    forward = module.forward
-    module.forward = lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=False, **kwargs)
+def _wrap(module: nn.Module, method: str = "forward") -> None:
+    run = getattr(module, method)
+    setattr(module, method, lambda *args, **kwargs: checkpoint(run, *args, use_reentrant=False, **kwargs))
 
 
 def _experts_act_recomputed(experts: nn.Module) -> Callable:
