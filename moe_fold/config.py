@@ -25,6 +25,9 @@ from typing import Any, Optional, Union
 
 import yaml
 
+# The signals train.exit_signals may name: those a job scheduler, a container runtime or a
+# terminal sends to end a process politely (SIGKILL and SIGSTOP cannot be caught).
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
 
 @dataclass
 class ModelConfig:
@@ -227,6 +230,11 @@ class TrainConfig:
     # losses is logged as a spike (metrics.jsonl loss_spike, a warning); 0: off.
     loss_spike_factor: float = 3.0
     loss_spike_window: int = 20
+    # Stopping early with a checkpoint of the step (moe_fold.training.stop): on one of
+    # these signals, after exit_after_minutes of wall clock, after step exit_at_step.
+    exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
+    exit_after_minutes: Optional[float] = None
+    exit_at_step: Optional[int] = None
     # Validation LM loss every eval_every steps and at the last one (0: never), over
     # eval_iters global batches of the validation data (data.valid_path/valid_fraction).
     eval_every: int = 0
@@ -1035,6 +1043,14 @@ def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[s
     _one_of(out, "train.on_nonfinite", t.on_nonfinite, ("skip", "stop"))
     _at_least(out, "train.loss_spike_factor", t.loss_spike_factor, 0)
     _at_least(out, "train.loss_spike_window", t.loss_spike_window, 1)
+    for name in t.exit_signals:
+        if name not in EXIT_SIGNALS:
+            out.append(f"train.exit_signals: {_fmt(name)} is not a signal a run can stop on; "
+                       f"use {', '.join(EXIT_SIGNALS)}")
+    if t.exit_after_minutes is not None:
+        _positive(out, "train.exit_after_minutes", t.exit_after_minutes)
+    if t.exit_at_step is not None:
+        _at_least(out, "train.exit_at_step", t.exit_at_step, 1)
     _at_least(out, "train.eval_every", t.eval_every, 0)
     _at_least(out, "train.eval_iters", t.eval_iters, 1)
     d = config.data

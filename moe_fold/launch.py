@@ -12,24 +12,44 @@ the other ranks (they would otherwise wait forever in a collective) and raises
 a word (signal, ``os._exit``) and a run that exceeds ``timeout`` are reported the
 same way; so is a rank that hangs (alive, silent) while its peers give up waiting for it
 in a collective (the process group's timeout, ``MOE_FOLD_PG_TIMEOUT``). No process outlives :func:`run_ranks`.
+
+Signals and orphans:
+
+- ``forward_signals``: the first of them the parent receives (SIGTERM from a scheduler, Ctrl-C)
+  is passed on to every rank and the parent goes on waiting for their results (the ranks
+  stop at a step boundary: :mod:`moe_fold.training.stop`); a SIGINT after it kills the
+  ranks and raises ``KeyboardInterrupt``. Each rank runs in its own process group, so a Ctrl-C
+  in the terminal reaches the parent only and each rank gets it once, forwarded.
+- A rank whose parent is gone (any death, SIGKILL included) exits at once: a thread waits
+  on the parent's sentinel, a pipe only the parent holds open. Without it a rank would
+  train on, writing into the run folder, and keep the forkserver (which exits when every
+  holder of its "alive" pipe, the ranks included, is gone) alive with it.
+- The forkserver starts with SIGTERM, SIGUSR1, SIGUSR2 and SIGHUP blocked (SIGINT it ignores
+  itself): a signal sent to every process of the job (systemd's control group, a SLURM job
+  step) must not end it, or the parent would take its ranks for dead while they stop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
+import threading
 import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["RankError", "run_ranks"]
 
 # torch.optim imports torch._dynamo on its first step (seconds); importing it once in the
 # forkserver saves that in every rank.
 _FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+# Blocked in the forkserver (its ranks unblock them): see the module docstring.
+_FORKSERVER_BLOCKS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
 
 class RankError(RuntimeError):
@@ -40,13 +60,47 @@ class RankError(RuntimeError):
         super().__init__(message)
 
 
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
 def _context() -> mp.context.BaseContext:
+    from multiprocessing import forkserver, resource_tracker
+
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    # Started first, alone: it blocks and then unblocks SIGTERM around its own start, which
+    # would undo the block below.
+    resource_tracker.ensure_running()
+    # The signal mask survives fork and exec: the forkserver starts with these blocked. Here
+    # they are only held back meanwhile, and delivered (to this process's handlers) after.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _FORKSERVER_BLOCKS)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORKSERVER_BLOCKS)
     return ctx
 
 
-def _rank_main(fn, rank, world_size, store_port, threads, env, args, kwargs, results):
+def _exit_with_parent() -> None:
+    """End this rank at once when the process that started it is gone."""
+    sentinel = mp.parent_process().sentinel
+
+    def watch():
+        mp.connection.wait([sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="moe-fold-parent-watch", daemon=True).start()
+
+
+def _rank_main(fn, rank, world_size, store_port, threads, env, forward_signals, args, kwargs, results):
+    os.setpgid(0, 0)
+    # The forkserver's blocked signals are unblocked, except those forwarded: they stay
+    # blocked until the rank's code installs its handlers (training.stop.ExitSignals), so
+    # one forwarded while the rank starts waits instead of killing it.
+    signal.pthread_sigmask(signal.SIG_SETMASK, forward_signals)
+    _exit_with_parent()
+
     import torch
     import torch.distributed as dist
 
@@ -102,6 +156,7 @@ def run_ranks(
     timeout: float = 180.0,
     threads: int = 1,
     env: Optional[dict[str, str]] = None,
+    forward_signals: Sequence[int] = (),
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes.
@@ -109,6 +164,11 @@ def run_ranks(
     ``fn`` must be importable by name (a module-level function) and its return value
     picklable (tensors included: their data is copied). Returns the per-rank results, index = rank. Raises :class:`RankError`
     naming the first rank that failed, died or timed out.
+
+    ``forward_signals`` (signal numbers): the first one this process receives goes to every
+    rank, where it stays blocked until ``fn`` unblocks it (``training.stop.ExitSignals``
+    does); a SIGINT after it kills the ranks and raises ``KeyboardInterrupt``. Handlers are
+    installed only when called from the main thread.
     """
     import torch.distributed as dist
 
@@ -116,19 +176,35 @@ def run_ranks(
         raise ValueError(f"world_size={world_size} must be >= 1")
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                           timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    child_env = {"MOE_FOLD_PG_TIMEOUT": str(int(timeout)), **(env or {})}
+    procs: list = []
+    received: list[int] = []
+
+    def forward(signum, frame):
+        if not received:
+            received.append(signum)
+            os.write(2, f"{signal.Signals(signum).name} received: passed on to the {world_size} ranks, which "
+                        f"stop after their current step (Ctrl-C aborts at once)\n".encode())
+            for p in procs:
+                if p.pid is not None and p.exitcode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signum)
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    # Installed before the forkserver starts: a signal that comes meanwhile is forwarded too.
+    previous = {s: signal.signal(s, forward) for s in forward_signals} if _main_thread() else {}
     ctx = _context()
     results = ctx.Queue()
-    child_env = {"MOE_FOLD_PG_TIMEOUT": str(int(timeout)), **(env or {})}
-    procs = [
+    procs.extend(
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, store.port, threads, child_env, args, kwargs, results),
+            args=(fn, rank, world_size, store.port, threads, child_env, tuple(forward_signals), args, kwargs,
+                  results),
             daemon=True,
         )
         for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    )
     outputs: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
@@ -145,8 +221,13 @@ def run_ranks(
         return True
 
     try:
+        for p in procs:
+            p.start()
+            if received:  # a signal that came before this rank existed
+                os.kill(p.pid, received[0])
         while len(outputs) < world_size:
-            if failures or any(p.exitcode not in (None, 0) for p in procs):
+            # A rank that exits non-zero after its result came (its forkserver gone) has not failed.
+            if failures or any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r not in outputs):
                 # When one rank fails its peers soon fail too, inside a collective; wait
                 # a moment so the report can name the rank that failed first.
                 settle = time.monotonic() + 2.0
@@ -159,11 +240,14 @@ def run_ranks(
                 missing = sorted(set(range(world_size)) - set(outputs))
                 raise RankError(missing[0], f"timed out after {timeout:.0f}s waiting for ranks {missing}")
     finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         for p in procs:
-            if p.is_alive():
+            if p.pid is not None and p.is_alive():
                 p.kill()
         for p in procs:
-            p.join(timeout=10)
+            if p.pid is not None:
+                p.join(timeout=10)
         results.close()
         del store
     return [outputs[r] for r in range(world_size)]

@@ -431,6 +431,10 @@ RULES = [
     (["train.precision=fp16"], 1, ["train.precision=fp16 must be one of fp32, bf16-autocast, bf16"]),
     (["train.recompute=all"], 1, ["train.recompute=all must be one of none, full, moe, expert_act"]),
     (["train.on_nonfinite=ignore"], 1, ["train.on_nonfinite=ignore must be one of skip, stop"]),
+    (["train.exit_signals=[SIGTERM, SIGKILL]"], 1,
+     ["train.exit_signals: SIGKILL is not a signal a run can stop on; use SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP"]),
+    (["train.exit_after_minutes=0"], 1, ["train.exit_after_minutes=0.0 must be > 0"]),
+    (["train.exit_at_step=0"], 1, ["train.exit_at_step=0 must be >= 1"]),
     (["train.eval_every=-1"], 1, ["train.eval_every=-1 must be >= 0"]),
     (["train.eval_iters=0"], 1, ["train.eval_iters=0 must be >= 1"]),
     (["data.valid_fraction=1"], 1, ["data.valid_fraction=1.0 must be in [0, 1)"]),
@@ -497,6 +501,7 @@ def test_rule(overrides, world_size, expected):
     (["parallel.cp=4", "parallel.cp_kind=a2a", "model.num_heads=8", "model.num_kv_heads=2", "model.head_dim=32"], 4),
     (["data.path=[a,b]", "data.weights=[1,3]", "data.tokenizer=tok/tokenizer.json"], 1),
     (["parallel.order=pp-dp-ep-cp-tp", "optimizer.min_lr=0", "optimizer.warmup_steps=100"], 1),
+    (["train.exit_signals=[]", "train.exit_after_minutes=0.5", "train.exit_at_step=1"], 1),
     (SP2 + ["parallel.ep=2", "moe.shared_expert_ffn_hidden_size=64", "moe.shared_expert_overlap=true",
             "moe.overlap_chunks=2", "moe.capacity_factor=1.0", "moe.dedup=true"], 4),
 ])

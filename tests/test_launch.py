@@ -1,6 +1,8 @@
 """The multi-rank harness itself: results, errors, dead ranks, timeouts, no leftovers."""
 
 import os
+import signal
+import threading
 import time
 
 import pytest
@@ -81,3 +83,69 @@ def test_tensor_results_survive_the_rank_process():
     out = run_ranks(_tensor_result, 2)
     assert [o["rank"] for o in out] == [0, 1]
     torch.testing.assert_close(out[1]["values"], torch.tensor([0.0, 1.0, 2.0, 3.0]))
+
+
+def _wait_for_a_signal(rank, world_size):
+    from moe_fold.training.stop import ExitSignals
+
+    with ExitSignals(["SIGUSR1"]) as signals:
+        deadline = time.monotonic() + 60
+        while not signals.received and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return signals.received, os.getpgid(0) == os.getpid()
+
+
+def test_forwarded_signal_reaches_every_rank_once_in_its_own_process_group():
+    """SIGUSR1 to the parent (whenever it comes: before, while or after the ranks start) is
+    passed on to each rank, which runs in a process group of its own."""
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    out = run_ranks(_wait_for_a_signal, 2, timeout=120, forward_signals=[signal.SIGUSR1])
+    assert out == [(signal.SIGUSR1, True)] * 2
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # the parent's handler is gone
+
+
+def _sleep_then_report(rank, world_size, marker):
+    open(f"{marker}.{rank}", "w").write(str(os.getpid()))
+    time.sleep(600)
+
+
+_LAUNCHER = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from moe_fold.launch import run_ranks
+from test_launch import _sleep_then_report
+run_ranks(_sleep_then_report, 2, sys.argv[1], timeout=600)
+"""
+
+
+def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
+    """SIGKILL to a process inside run_ranks: its ranks exit within seconds (each watches
+    its parent), and so does the forkserver."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    marker = tmp_path / "rank"
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(marker), os.path.dirname(__file__)],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{marker}.{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ranks = [int(Path(f"{marker}.{r}").read_text()) for r in range(2)]
+    forkserver = int(Path(f"/proc/{ranks[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    proc.kill()
+    proc.wait()
+
+    def running(pid):
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(running(p) for p in ranks + [forkserver]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in ranks + [forkserver] if running(p)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == []

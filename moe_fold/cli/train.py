@@ -10,6 +10,15 @@ The config is validated for the world size before any rank starts; a bad config 
 every problem and exits with code 2. Rank 0 prints the config and both layouts, a
 progress bar, and a summary; the run folder (train.run_dir) gets config.yaml,
 metrics.jsonl, checkpoints, heatmaps and (wandb.mode offline/online) the wandb run.
+
+Long runs (moe_fold.training.stop): a signal of train.exit_signals (to this process, the
+--nproc launcher, which passes it on, or any rank) or a budget (train.exit_after_minutes,
+train.exit_at_step) stops every rank after the same step, with that step's checkpoint, and
+one line saying so. Exit codes: 0 finished, or stopped at a budget; 128 + the signal number
+after a signal (143 SIGTERM, 130 SIGINT, 138 SIGUSR1); 130 also when a second Ctrl-C
+aborted at once (no checkpoint of that step); 1 failed; 2 bad config. --resume continues
+from the newest complete checkpoint (a fresh start when there is none); under torchrun a
+restarted group (TORCHELASTIC_RESTART_COUNT > 0) always resumes.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ EPILOG = """examples:
       tiny Mixtral on 4 CPU ranks (ep 2 x dp 2), the demo corpus, ~3 minutes
   moe-fold train --config mixtral-tiny --nproc 4 --set train.steps=300 --set parallel.ep=4
   moe-fold train --config mixtral-tiny --nproc 4 --resume      # continue train.run_dir
+  moe-fold train --config mixtral-tiny --resume --set train.exit_after_minutes=230   # a job's time limit
   moe-fold train --config mixtral-tiny --nproc 4 --set parallel.ep=4 --set moe.replace_every=50 --set moe.replicas=1
       experts move to where the load is, the hottest with a copy (docs/placement.md)
   moe-fold train --config my.yaml --set wandb.mode=disabled --set train.run_dir=runs/exp1
@@ -30,6 +40,11 @@ EPILOG = """examples:
 
 presets: mixtral-8x7b mixtral-8x22b qwen2-57b-a14b qwen3-30b-a3b deepseek-v3
          mixtral-tiny qwen2-moe-tiny qwen3-moe-tiny deepseek-tiny deepseek-v3-tiny
+
+SIGTERM, SIGINT (Ctrl-C) or SIGUSR1 (train.exit_signals) stop every rank after the same step,
+with its checkpoint; a second Ctrl-C aborts at once.
+exit codes: 0 done, or train.exit_after_minutes / train.exit_at_step reached; 128 + the signal
+after a stop signal (143 SIGTERM, 130 SIGINT, 138 SIGUSR1); 1 failed; 2 bad config
 """
 
 
@@ -42,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=None, metavar="N",
                         help="spawn N local ranks on CPU with gloo (default: 1, or torchrun's world)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in train.run_dir")
+                        help="continue from the newest complete checkpoint in train.run_dir (a fresh start when "
+                             "there is none)")
     parser.add_argument("--no-progress", action="store_true", help="print one line per step instead of a bar")
 
 
@@ -100,8 +116,10 @@ def run(args: argparse.Namespace) -> int:
     if world == 1:
         from moe_fold.training.train import train
 
-        train(config, resume=args.resume, console=Console(soft_wrap=True), progress=progress)
-        return 0
+        return _ended(train(config, resume=args.resume, console=Console(soft_wrap=True), progress=progress),
+                      config, err)
+    import signal
+
     from moe_fold.launch import RankError, run_ranks
 
     # Idle OpenMP threads spin on the cores the other ranks compute on; libgomp reads this
@@ -109,12 +127,26 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     threads = max(1, (os.cpu_count() or 1) // world)
     try:
-        run_ranks(_rank_main, world, config, args.resume, progress, timeout=7 * 24 * 3600.0,
-                  threads=threads, env={"MOE_FOLD_PG_TIMEOUT": str(int(config.parallel.timeout_s))})
+        results = run_ranks(_rank_main, world, config, args.resume, progress, timeout=7 * 24 * 3600.0,
+                            threads=threads, env={"MOE_FOLD_PG_TIMEOUT": str(int(config.parallel.timeout_s))},
+                            forward_signals=[signal.Signals[name] for name in config.train.exit_signals])
     except RankError as e:
         err.print(f"error: training failed: {e}", markup=False, highlight=False)
         return 1
-    return 0
+    except KeyboardInterrupt:
+        err.print(f"aborted: Ctrl-C killed the {world} ranks; the newest checkpoint in "
+                  f"{config.train.run_dir} is the one to --resume from", markup=False, highlight=False)
+        return 130
+    return _ended(results[0], config, err)
+
+
+def _ended(result, config, err) -> int:
+    """The exit code of a run that returned; a run that stopped early says why, in one line."""
+    if result.stop is None:
+        return 0
+    err.print(result.stop.message(config.train.steps, result.checkpoint, ran=bool(result.losses)),
+              markup=False, highlight=False)
+    return result.stop.exit_code
 
 
 def _run_torchrun(config, resume: bool, progress: bool) -> int:
@@ -131,10 +163,22 @@ def _run_torchrun(config, resume: bool, progress: bool) -> int:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.parallel.timeout_s))
+    # A group that torchrun restarted (--max-restarts) continues the run: starting over would
+    # overwrite its checkpoints.
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    resume = resume or attempt > 0
+    timeout = datetime.timedelta(seconds=config.parallel.timeout_s)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    # torchrun's agent gives every attempt the same store, still holding the keys of the
+    # attempt before (the gloo addresses of ranks it killed): each attempt gets its own prefix.
+    dist.init_process_group(backend, store=dist.PrefixStore(f"moe-fold/attempt_{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
     try:
-        console = Console(soft_wrap=True) if dist.get_rank() == 0 else None
-        train(config, resume=resume, console=console, progress=progress and sys.stdout.isatty())
+        rank0 = rank == 0
+        result = train(config, resume=resume, console=Console(soft_wrap=True) if rank0 else None,
+                       progress=progress and sys.stdout.isatty())
     finally:
         dist.destroy_process_group()
-    return 0
+    if not rank0:
+        return 0 if result.stop is None else result.stop.exit_code
+    return _ended(result, config, Console(stderr=True, soft_wrap=True))

@@ -28,6 +28,9 @@ non-finite (:mod:`moe_fold.training.numerics`); then the run goes on (``train.on
 a warning, ``skipped``/``nonfinite_module`` in metrics.jsonl) or raises before that step
 is saved (``stop``). A loss above ``train.loss_spike_factor`` x the median of the previous
 ``train.loss_spike_window`` losses is logged as ``loss_spike`` with a warning.
+Stopping early (a signal of ``train.exit_signals``, ``train.exit_after_minutes``,
+``train.exit_at_step``): after each step the ranks agree whether to stop there
+(:mod:`moe_fold.training.stop`), and then write that step's checkpoint.
 docs/reliability.md lists every fault and what happens.
 
 Checkpoints every ``train.save_every`` steps and at the last one go through a
@@ -64,6 +67,7 @@ from moe_fold.config import Config, ConfigError, dump_config, validate
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.training.numerics import LossSpikes, first_nonfinite_module
 from moe_fold.training.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
+from moe_fold.training.stop import ExitSignals, Stop, StopRule
 
 __all__ = ["TrainResult", "check_trainable", "train", "apply_recompute", "build_groups", "read_metrics"]
 
@@ -80,6 +84,7 @@ class TrainResult:
     checkpoint: Optional[str] = None
     wandb_dir: Optional[str] = None
     plots: list[str] = field(default_factory=list)  # <run_dir>/plots/*.png rank 0 wrote ([] elsewhere)
+    stop: Optional[Stop] = None  # why the run ended before train.steps (None: it did not)
 
 
 def check_trainable(config: Config, world_size: int) -> None:
@@ -214,7 +219,10 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
 
     ``resume`` continues from the latest checkpoint in ``train.run_dir`` (a fresh start
     when there is none). ``stop_at`` ends this run after that step (with a checkpoint),
-    leaving the schedule of ``train.steps`` intact for a later ``resume``. A fresh run
+    leaving the schedule of ``train.steps`` intact for a later ``resume``. A signal of
+    ``train.exit_signals`` or a budget (``train.exit_after_minutes``, ``train.exit_at_step``)
+    ends it early, every rank after the same step, with that step's checkpoint
+    (:mod:`moe_fold.training.stop`; ``TrainResult.stop`` says why). A fresh run
     with ``init.from_hf`` starts from that Hugging Face folder's weights, one with
     ``init.upcycle_from`` from a dense folder's weights upcycled into experts (the config
     must come from :func:`moe_fold.models.hf.upcycle.upcycled_config`). Rank 0 prints to
@@ -222,13 +230,16 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
     wandb run. Returns the same :class:`TrainResult` on every rank."""
     # train.deterministic switches torch's process-wide setting for the run only.
     previous = torch.are_deterministic_algorithms_enabled()
+    began = time.monotonic()
     try:
-        return _train(config, resume, console, progress, stop_at)
+        with ExitSignals(config.train.exit_signals) as signals:
+            return _train(config, resume, console, progress, stop_at, signals, began)
     finally:
         torch.use_deterministic_algorithms(previous)
 
 
-def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: Optional[int]) -> TrainResult:
+def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: Optional[int],
+           signals: ExitSignals, began: float) -> TrainResult:
     from moe_fold.data.loader import DataLoader
     from moe_fold.training.metrics import MetricsLogger, MTPCollector, RoutingCollector
     from moe_fold.models.model import build_model
@@ -343,11 +354,14 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     train_params = list(state_model.parameters())
     last_step = t.steps if stop_at is None else min(stop_at, t.steps)
     spikes = LossSpikes(t.loss_spike_factor, t.loss_spike_window)
+    stops = StopRule(config, signals, device, world, began)
+    # A signal or budget before the first step: no step, and nothing new to save.
+    stop = stops.check(start_step, after_a_step=False)
     saver = CheckpointSaver(run_dir, groups, t.keep_last, async_save=t.async_save, config=config,
                             timeout_s=config.parallel.timeout_s)
     finished = False
     try:
-        for step in range(start_step + 1, last_step + 1):
+        for step in range(start_step + 1, last_step + 1) if stop is None else ():
             step_begin = time.perf_counter()
             _seed_step(config, step, rank)
             micro_batches = [b.to(device) for b in loader.global_batch()]
@@ -405,14 +419,19 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                 from moe_fold.training.evaluate import evaluate
 
                 logger.log_eval({"step": step, **evaluate(model, valid_dataset, groups, config, device, dynamic_cp)})
-            if step % t.save_every == 0 or step == last_step:
+            stop = stops.check(step)
+            if stop is not None and rank == 0 and console is not None:
+                console.print(f"stopping after step {step}: {stop.reason}; writing its checkpoint")
+            if step % t.save_every == 0 or step == last_step or stop is not None:
                 optimizer.wait_params()  # the checkpoint reads the parameters
                 extra = {"step": step, "data": loader.state_dict()}
                 if replacer is not None:
                     extra["experts"] = replacer.state_dict()
                 checkpoint_path = str(saver.save(step, state_model, optimizer, scheduler, extra))
                 result.checkpoint = checkpoint_path
-        # Every rank returns with the last checkpoint complete on disk.
+            if stop is not None:
+                break
+        # Every rank returns with the last checkpoint complete on disk (a stop's included).
         saver.wait(collective=True)
         finished = True
     finally:
@@ -430,6 +449,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     result.tokens_per_s = steps_run * tokens_per_step / result.seconds if steps_run else 0.0
     result.final_loss = result.losses[-1] if result.losses else float("nan")
     result.wandb_dir = logger.wandb_dir
+    result.stop = stop
     if rank == 0:
         from moe_fold.training.plots import write_run_plots
 
