@@ -414,7 +414,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                       **nonfinite, **routing, **mtp}
             logger.log(record, collector)
             result.losses.append(record["loss"])
-            # ---- validation (issue 17): its own loader and forked RNG, so training is unchanged
+            # Validation: its own loader and a forked RNG, so training is unchanged.
             if valid_dataset is not None and (step % t.eval_every == 0 or step == t.steps):
                 from moe_fold.training.evaluate import evaluate
 
