@@ -168,11 +168,11 @@ def rank_main(rank, world_size, plans):
     results = []
     for layout_kw, cases in plans:
         groups = create_process_groups(ParallelLayout(world_size, **layout_kw))
-        results.append([[_with_async(rank, case, groups, cfg) for cfg in configs_for(case)] for case in cases])
+        results.append([[run_blocking_and_async(rank, case, groups, cfg) for cfg in configs_for(case)] for case in cases])
     return results
 
 
-def _with_async(rank, case, groups, cfg, backend="torch"):
+def run_blocking_and_async(rank, case, groups, cfg, backend="torch"):
     """The blocking run's results, with the asynchronous run's under ``"async"``."""
     res = run_one(rank, case, groups, *cfg, backend=backend)
     res["async"] = run_one(rank, case, groups, *cfg, backend=backend, asynchronous=True)
@@ -336,7 +336,7 @@ def test_single_process_all_modes():
     groups = ProcessGroups.single_process()
     for num_experts in (1, 4):
         plans = [({}, cases_for(1, num_experts, seed=num_experts))]
-        results = [[[_with_async(0, case, groups, cfg) for cfg in configs_for(case)] for case in plans[0][1]]]
+        results = [[[run_blocking_and_async(0, case, groups, cfg) for cfg in configs_for(case)] for case in plans[0][1]]]
         check_plan(1, plans, [results])
 
 
@@ -344,7 +344,7 @@ def test_triton_permute_backend():
     # The Triton kernels run on the interpreter here: small shapes, one process.
     groups = ProcessGroups.single_process()
     cases = [Case("uneven", (7,), 4, 2, seed=3), Case("capacity", (6,), 4, 2, capacity_factor=1.0, seed=4)]
-    results = [[[_with_async(0, case, groups, cfg, "triton") for cfg in configs_for(case)] for case in cases]]
+    results = [[[run_blocking_and_async(0, case, groups, cfg, "triton") for cfg in configs_for(case)] for case in cases]]
     check_plan(1, [({}, cases)], [results])
 
 

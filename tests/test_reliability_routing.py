@@ -24,7 +24,7 @@ from moe_fold.config import load_config
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ProcessGroups
 from moe_fold.training.train import read_metrics, train
-from test_dispatch import Case, check_plan, configs_for, rank_main, run_one
+from test_dispatch import Case, run_blocking_and_async, check_plan, configs_for, rank_main
 
 E = 8
 SMALL = [
@@ -55,7 +55,7 @@ def test_dispatchers_stay_exact_on_extreme_routing(world_size, layouts):
     plans = [(kw, extreme_cases(world_size, e)) for kw, e in layouts]
     if world_size == 1:
         groups = ProcessGroups.single_process()
-        results = [[[[run_one(0, c, groups, *cfg) for cfg in configs_for(c)] for c in cases] for _, cases in plans]]
+        results = [[[[run_blocking_and_async(0, c, groups, cfg) for cfg in configs_for(c)] for c in cases] for _, cases in plans]]
     else:
         results = run_ranks(rank_main, world_size, plans, timeout=120)
     check_plan(world_size, plans, results)
