@@ -9,6 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # CPU; must be set before torch starts its thread pool.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # One thread in the test process by default: multi-rank tests run their ranks beside it
@@ -16,3 +17,10 @@ import torch  # noqa: E402
 # MOE_FOLD_TEST_THREADS=2 runs the suite with two, so comparisons are checked against the
 # other summation orders a multi-threaded kernel takes.
 torch.set_num_threads(int(os.environ.get("MOE_FOLD_TEST_THREADS", "1")))
+
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    """A data cache shared by the tests of one module (the demo corpus is tokenized once)."""
+    return str(tmp_path_factory.mktemp("data_cache"))

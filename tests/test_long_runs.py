@@ -34,27 +34,12 @@ from moe_fold.training.checkpoint import latest_checkpoint
 from moe_fold.training.stop import Stop
 from moe_fold.training.train import read_metrics, train
 
-# A small Mixtral-style model (2 MoE layers of 8 experts, top-2) with a constant learning
-# rate, so that train.steps changes nothing but where a run ends; a checkpoint every step.
-SMALL = [
-    "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
-    "model.ffn_hidden_size=64", "model.seq_length=16", "moe.ffn_hidden_size=32",
-    "train.micro_batch_size=2", "train.global_batch_size=4", "train.save_every=1", "train.keep_last=3",
-    "train.deterministic=true", "optimizer.schedule=constant", "optimizer.warmup_steps=0",
-    "wandb.mode=disabled", "parallel.ep=1",
-]
+# The small constant-lr Mixtral-style model of the reliability tests, a checkpoint every step.
+from test_reliability import SMALL, overrides
+
 EP2 = ["parallel.ep=2", "parallel.timeout_s=60"]
 STEPS = 10  # the uninterrupted 2-rank run; interrupted runs are stopped well before
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("data_cache"))
-
-
-def overrides(run_dir, cache_dir, *extra) -> list[str]:
-    return SMALL + [f"train.run_dir={run_dir}", f"data.cache_dir={cache_dir}", *extra]
 
 
 def _env(threads: int = 0) -> dict:

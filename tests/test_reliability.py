@@ -49,11 +49,6 @@ SMALL = [
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("data_cache"))
-
-
 def overrides(run_dir, cache_dir, *extra) -> list[str]:
     return SMALL + [f"train.run_dir={run_dir}", f"data.cache_dir={cache_dir}", *extra]
 

@@ -32,11 +32,6 @@ SMALL = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("data_cache"))
-
-
 def small_config(run_dir, cache_dir, *extra):
     return load_config("mixtral-tiny", SMALL + [f"train.run_dir={run_dir}", f"data.cache_dir={cache_dir}", *extra])
 

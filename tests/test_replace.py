@@ -25,11 +25,6 @@ from test_train import _train_rank, small_config
 DET = ["train.steps=6", "train.deterministic=true", "optimizer.warmup_steps=2", "train.save_every=3"]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("data_cache"))
-
-
 def _moves(run_dir):
     return {r["step"]: r for r in read_metrics(run_dir) if r.get("replace_moves")}
 
