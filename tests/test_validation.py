@@ -21,7 +21,7 @@ from moe_fold.models.model import build_model
 from moe_fold.training.evaluate import evaluate
 from moe_fold.training.metrics import read_wandb_history
 from moe_fold.training.train import read_metrics, train
-from test_train import cache_dir, small_config  # noqa: F401 - the module-scoped data cache
+from test_train import small_config
 
 ONE = ProcessGroups.single_process()
 EVAL = ["train.eval_every=2", "train.eval_iters=2", "data.valid_fraction=0.02"]
@@ -62,7 +62,7 @@ def test_a_document_range_reads_only_its_documents(tmp_path, packing):
         GPTDataset(indexed, 6, seed=1, documents=(3, 3))
 
 
-def test_valid_fraction_splits_the_training_data(tmp_path, cache_dir):  # noqa: F811
+def test_valid_fraction_splits_the_training_data(tmp_path, cache_dir):
     from moe_fold.data.loader import dataset_from_config
 
     config = small_config(tmp_path, cache_dir, "data.valid_fraction=0.1")
@@ -82,7 +82,7 @@ def test_valid_fraction_splits_the_training_data(tmp_path, cache_dir):  # noqa: 
         == len(dataset_from_config(small_config(tmp_path, cache_dir)))  # the training data stays whole
 
 
-def test_validation_rows_and_training_untouched_by_evaluating(tmp_path, cache_dir):  # noqa: F811
+def test_validation_rows_and_training_untouched_by_evaluating(tmp_path, cache_dir):
     """Deterministic: the same split with and without evaluation trains bit for bit the
     same; validation rows come every eval_every steps and at the last step."""
     opts = ["train.steps=3", "train.deterministic=true", "data.valid_fraction=0.02"]
@@ -107,7 +107,7 @@ def test_validation_rows_and_training_untouched_by_evaluating(tmp_path, cache_di
     assert [r["grad_norm"] for r in steps] == [r["grad_norm"] for r in _rows(tmp_path / "plain")[0]]
 
 
-def test_resume_is_exact_with_evaluation_on(tmp_path, cache_dir):  # noqa: F811
+def test_resume_is_exact_with_evaluation_on(tmp_path, cache_dir):
     opts = ["train.steps=4", "train.deterministic=true", "optimizer.warmup_steps=1", *EVAL]
     straight = train(small_config(tmp_path / "straight", cache_dir, *opts))
     first = train(small_config(tmp_path / "split", cache_dir, *opts), stop_at=2)
@@ -117,7 +117,7 @@ def test_resume_is_exact_with_evaluation_on(tmp_path, cache_dir):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache_dir):  # noqa: F811
+def reference(tmp_path_factory, cache_dir):
     """Validation losses of one process: 2 steps, evaluating after each."""
     run_dir = tmp_path_factory.mktemp("one")
     train(small_config(run_dir, cache_dir, "train.steps=2", *EVAL, "train.eval_every=1"))
@@ -131,7 +131,7 @@ def reference(tmp_path_factory, cache_dir):  # noqa: F811
     ["parallel.cp=2", "parallel.ep=2"],
     pytest.param(["parallel.cp=2", "parallel.ep=2", "parallel.dynamic_cp=true"], marks=pytest.mark.slow),
 ], ids=["ep2xdp2", "tp2xep2", "pp2xep2", "cp2xep2", "dynamic-cp2xep2"])
-def test_validation_loss_is_the_same_under_every_layout(tmp_path, cache_dir, reference, layout):  # noqa: F811
+def test_validation_loss_is_the_same_under_every_layout(tmp_path, cache_dir, reference, layout):
     """4 ranks give the one-process validation loss (after 2 training steps, so the
     weights being evaluated are also the layout-invariant ones) through the same path
     as training: the dp shards, the tp/ep/cp splits, the pipeline schedule forward only."""
