@@ -8,12 +8,17 @@ already reads every element.
 The autograd Function saves only ``x`` and ``probs`` and recomputes ``silu`` in the
 backward: the activations of the widest layer of the model are not kept twice.
 bf16/fp16 inputs are computed in float32 and rounded once.
+
+Backends: ``torch`` (elementwise torch ops, any device), ``triton`` (CUDA, or the CPU
+interpreter), ``cpu`` (one fused C loop each way, ``swiglu_cpu.py``) and ``auto``, the
+default: ``cpu`` for CPU tensors when the C kernels build on this machine (a C compiler
+is on PATH), else ``torch``; GPU tensors take ``torch``.
 """
 from typing import Optional
 
 import torch
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -31,64 +36,69 @@ def swiglu_forward_torch(x: torch.Tensor, probs: Optional[torch.Tensor]) -> torc
     return out.to(x.dtype)
 
 
-# Rows per step of the CPU backward: its 8 passes over a ~1 MiB [rows, F] chunk stay in
-# cache instead of streaming [N, F] from memory 8 times (CPU, float32, 2 threads, loaded
-# machine, unchunked = 1: 0.63 CPU time / 0.65 wall at [8192, 1024], 0.88 / 0.67 at
-# [4096, 512]; 64 KiB and 256 KiB chunks no better). On a GPU the whole tensor is one
-# step: chunks would only add launches.
-_CHUNK_BYTES = 1 << 20
-
-
 def swiglu_backward_torch(grad: torch.Tensor, x: torch.Tensor,
                           probs: Optional[torch.Tensor]
                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Grads of ``x`` ([..., 2F]) and ``probs`` ([...]) from ``grad`` ([..., F]).
 
-    ``aten.silu_backward`` does ``d silu / d gate`` in one pass, and both halves are
-    written straight into the result: 8 passes over [N, F] where the written-out
-    derivative took 12.
+    Seven whole-tensor ops, each one pass: ``aten.silu_backward`` does ``d silu / d gate``
+    in one, ``linalg.vecdot`` the prob gradient's row dots in one, and both halves are
+    written straight into the result. Whole tensors rather than cache-sized row chunks:
+    on a CPU each op is one OpenMP region, and with ``OMP_WAIT_POLICY=PASSIVE`` waking the
+    other threads costs about 70 us a region (2 threads), more than a chunk's cache misses
+    save. bench/moe_layer.py's [8192, 2048] fc1 output, 2 threads: 19 ms a backward, where
+    1 MiB chunks took 53 ms (and a batched-matmul row dot 11 ms instead of vecdot's 3 ms).
     """
     cd = _compute_dtype(x.dtype)
     width = x.shape[-1]
-    xs, gs = x.reshape(-1, width), grad.reshape(-1, width // 2)  # [N, 2F], [N, F]
-    ps = None if probs is None else probs.reshape(-1)  # [N]
+    xs, g = x.reshape(-1, width).to(cd), grad.reshape(-1, width // 2).to(cd)  # [N, 2F], [N, F]
+    gate, up = xs.chunk(2, dim=-1)
     grad_x = torch.empty_like(xs)
-    grad_probs = None if ps is None else torch.empty_like(ps)
-    rows = xs.shape[0] if x.is_cuda else max(1, _CHUNK_BYTES // max(1, width // 2 * cd.itemsize))
-    for start in range(0, xs.shape[0], rows):
-        part = slice(start, start + rows)
-        gate, up = xs[part].to(cd).chunk(2, dim=-1)
-        g = gs[part].to(cd)
-        out = grad_x[part] if cd == x.dtype else torch.empty(gate.shape[0], width, dtype=cd, device=x.device)
-        grad_gate, grad_up = out.chunk(2, dim=-1)
-        torch.mul(g, torch.nn.functional.silu(gate), out=grad_up)
-        if ps is not None:
-            p = ps[part].to(cd).unsqueeze(-1)
-            grad_probs[part] = (grad_up * up).sum(-1)
-            grad_up.mul_(p)
-            g = g * p
-        torch.ops.aten.silu_backward.grad_input(g * up, gate, grad_input=grad_gate)
-        if cd != x.dtype:
-            grad_x[part] = out
-    return grad_x.view(x.shape), None if probs is None else grad_probs.view(probs.shape)
+    grad_gate, grad_up = grad_x.chunk(2, dim=-1)
+    silu = torch.nn.functional.silu(gate)  # recomputed: the forward kept only x
+    grad_silu = g * up  # d out / d silu(gate), before the prob
+    grad_probs = None
+    if probs is not None:
+        p = probs.reshape(-1, 1).to(cd)  # [N, 1]
+        grad_probs = torch.linalg.vecdot(grad_silu, silu).view(probs.shape).to(probs.dtype)
+        torch.mul(g, p, out=grad_up)
+        grad_up.mul_(silu)
+        grad_silu.mul_(p)
+    else:
+        torch.mul(g, silu, out=grad_up)
+    torch.ops.aten.silu_backward.grad_input(grad_silu, gate, grad_input=grad_gate)
+    return grad_x.to(x.dtype).view(x.shape), grad_probs
 
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, probs, use_triton):
+    def forward(ctx, x, probs, backend):
         ctx.save_for_backward(x, probs)
-        ctx.use_triton = use_triton
-        if use_triton:
+        ctx.backend = backend
+        if backend == "triton":
             from .swiglu_triton import swiglu_forward_triton
             return swiglu_forward_triton(x, probs)
+        if backend == "cpu":
+            from .swiglu_cpu import swiglu_forward_cpu
+            width = x.shape[-1]
+            return swiglu_forward_cpu(x.reshape(-1, width), None if probs is None else probs.reshape(-1)
+                                      ).view(*x.shape[:-1], width // 2)
         return swiglu_forward_torch(x, probs)
 
     @staticmethod
     def backward(ctx, grad):
         x, probs = ctx.saved_tensors
-        if ctx.use_triton:
+        if ctx.backend == "triton":
             from .swiglu_triton import swiglu_backward_triton
             grad_x, grad_probs = swiglu_backward_triton(grad, x, probs)
+        elif ctx.backend == "cpu":
+            from .swiglu_cpu import swiglu_backward_cpu
+            width = x.shape[-1]
+            grad_x, grad_probs = swiglu_backward_cpu(
+                grad.reshape(-1, width // 2), x.reshape(-1, width), None if probs is None else probs.reshape(-1),
+                want_probs=ctx.needs_input_grad[1])
+            grad_x = grad_x.view(x.shape)
+            grad_probs = None if grad_probs is None else grad_probs.view(probs.shape)
         else:
             grad_x, grad_probs = swiglu_backward_torch(grad, x, probs)
         if not ctx.needs_input_grad[1]:
@@ -96,16 +106,29 @@ class _SwiGLU(torch.autograd.Function):
         return grad_x, grad_probs, None
 
 
-def swiglu(x: torch.Tensor, probs: Optional[torch.Tensor] = None, *,
-           backend: str = "torch") -> torch.Tensor:
-    """``x[..., 2F] = [gate | up]``, ``probs[...]`` or None -> ``[..., F]`` =
-    ``silu(gate) * up * probs``. Differentiable w.r.t. x and probs."""
+def resolve_backend(backend: str, x: torch.Tensor) -> str:
+    """The concrete backend for ``x``: ``auto`` is ``cpu`` on CPU where the C kernels
+    build, else ``torch``."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    if x.device.type == "cpu":
+        from .swiglu_cpu import available
+        if available():
+            return "cpu"
+    return "torch"
+
+
+def swiglu(x: torch.Tensor, probs: Optional[torch.Tensor] = None, *,
+           backend: str = "auto") -> torch.Tensor:
+    """``x[..., 2F] = [gate | up]``, ``probs[...]`` or None -> ``[..., F]`` =
+    ``silu(gate) * up * probs``. Differentiable w.r.t. x and probs."""
+    backend = resolve_backend(backend, x)
     if x.dim() < 1 or x.shape[-1] % 2:
         raise ValueError(f"x must be [..., 2F] with an even last dim ([gate | up]), "
                          f"got shape {tuple(x.shape)}")
     if probs is not None and probs.shape != x.shape[:-1]:
         raise ValueError(f"probs shape {tuple(probs.shape)} must be {tuple(x.shape[:-1])} "
                          f"(one prob per row of x)")
-    return _SwiGLU.apply(x, probs, backend == "triton")
+    return _SwiGLU.apply(x, probs, backend)

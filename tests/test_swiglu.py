@@ -1,4 +1,5 @@
-"""Weighted SwiGLU: both backends against an element loop, autograd and gradcheck."""
+"""Weighted SwiGLU: every backend against an element loop, autograd and gradcheck; the
+C backend's build, thread split and edge values."""
 
 import math
 
@@ -7,7 +8,7 @@ import torch
 
 from moe_fold.kernels.swiglu import swiglu
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "triton", "cpu"]
 
 
 def _loop_swiglu(x, probs):
@@ -72,9 +73,10 @@ def test_backends_agree_bf16_with_grads():
         out = swiglu(x, p, backend=backend)
         out.backward(upstream)
         results.append((out, x.grad, p.grad))
-    for a, b in zip(*results):
-        assert a.dtype == torch.bfloat16
-        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert b.dtype == torch.bfloat16
+            torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
 
 
 def test_saves_only_inputs():
@@ -120,3 +122,103 @@ def test_kernels_compile_for_gpu():
                        "grad_x_ptr": "*bf16", "grad_probs_ptr": "*fp32", "F": "i32",
                        "stride_grad": "i32", "stride_x": "i32", "stride_grad_x": "i32"}, consts])
     compile_for_sm90("moe_fold.kernels.swiglu_triton", specs)
+
+
+def _torch_reference(x, p, upstream):
+    """Output and grads of the torch backend (float64 math, rounded to x's dtype)."""
+    xr, pr = x.double().requires_grad_(), p.double().requires_grad_()
+    out = swiglu(xr, pr, backend="torch")
+    out.backward(upstream.double())
+    return out, xr.grad, pr.grad
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_cpu_backend_float32_matches_float64_at_size(threads):
+    """Rows split over threads (3 does not divide the rows), F not a multiple of the
+    vector width, gate values over exp's whole finite range."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1001, 2 * 77, generator=g) * 8
+    x[0, :77] = torch.linspace(-120, 120, 77)
+    p = torch.rand(1001, generator=g)
+    upstream = torch.randn(1001, 77, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        xc, pc = x.clone().requires_grad_(), p.clone().requires_grad_()
+        out = swiglu(xc, pc, backend="cpu")
+        out.backward(upstream)
+    finally:
+        torch.set_num_threads(before)
+    ref_out, ref_x, ref_p = _torch_reference(x, p, upstream)
+    for got, ref in ((out, ref_out), (xc.grad, ref_x), (pc.grad, ref_p)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_cpu_backend_strided_rows_and_expanded_grad():
+    """x a column slice of a wider tensor (row stride > 2F); the grad of a .sum() (strides 0)."""
+    g = torch.Generator().manual_seed(4)
+    wide = torch.randn(50, 40, generator=g)
+    x = wide[:, 4:36].clone().requires_grad_()
+    strided = wide[:, 4:36].requires_grad_(False)
+    torch.testing.assert_close(swiglu(strided, backend="cpu"), swiglu(strided, backend="torch"))
+    swiglu(x, backend="cpu").sum().backward()
+    xr = wide[:, 4:36].clone().requires_grad_()
+    swiglu(xr, backend="torch").sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+
+
+def test_cpu_backend_keeps_nan_and_inf():
+    """A NaN or an infinity in stays non-finite out (exp's clamp must not hide it), so the
+    training loop's non-finite checks still see it; finite neighbours are untouched."""
+    x = torch.tensor([[float("nan"), 1.0, 2.0, 3.0], [float("inf"), float("-inf"), 1.0, 1.0]])
+    out = swiglu(x, backend="cpu")
+    assert torch.isnan(out[0, 0]) and out[0, 1].item() == pytest.approx(1.0 / (1 + math.exp(-1.0)) * 3.0)
+    assert out[1, 0].item() == float("inf") and not torch.isfinite(out[1, 1])
+
+
+def test_auto_picks_cpu_where_it_builds_else_torch(monkeypatch):
+    from moe_fold.kernels import swiglu_cpu
+    from moe_fold.kernels.swiglu import resolve_backend
+
+    assert resolve_backend("auto", torch.zeros(1, 2)) == "cpu"
+    monkeypatch.setattr(swiglu_cpu, "available", lambda: False)
+    assert resolve_backend("auto", torch.zeros(1, 2)) == "torch"
+    assert resolve_backend("cpu", torch.zeros(1, 2)) == "cpu"
+
+
+def test_cpu_backend_without_compiler_says_so(monkeypatch, tmp_path):
+    from moe_fold.kernels import swiglu_cpu
+
+    monkeypatch.setenv("CC", "no-such-compiler-moe-fold")
+    monkeypatch.setenv("MOE_FOLD_CACHE_DIR", str(tmp_path))
+    swiglu_cpu._library.cache_clear()
+    try:
+        assert not swiglu_cpu.available()
+        with pytest.raises(swiglu_cpu.BuildError, match="no-such-compiler-moe-fold.*not on PATH"):
+            swiglu(torch.randn(2, 4), backend="cpu")
+    finally:
+        swiglu_cpu._library.cache_clear()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cpu_backend_builds_once_into_the_cache(monkeypatch, tmp_path):
+    from moe_fold.kernels import swiglu_cpu
+
+    monkeypatch.setenv("MOE_FOLD_CACHE_DIR", str(tmp_path))
+    swiglu_cpu._library.cache_clear()
+    try:
+        swiglu(torch.randn(2, 4), backend="cpu")
+        (built,) = tmp_path.iterdir()
+        assert built.name.startswith("swiglu_cpu-") and built.suffix == ".so"
+        stamp = built.stat().st_mtime_ns
+        swiglu_cpu._library.cache_clear()
+        swiglu(torch.randn(2, 4), backend="cpu")
+        assert [p.name for p in tmp_path.iterdir()] == [built.name] and built.stat().st_mtime_ns == stamp
+    finally:
+        swiglu_cpu._library.cache_clear()
+
+
+def test_cpu_backend_rejects_what_it_cannot_run():
+    with pytest.raises(TypeError, match="float32, float64, bfloat16 or float16, got torch.int32"):
+        swiglu(torch.ones(2, 4, dtype=torch.int32), backend="cpu")
