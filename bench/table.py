@@ -49,6 +49,10 @@ def _moe_layer(r: dict):
     if "skipped" in r:
         return f"{case} {r['candidate']}", None, [("skipped", "", r["skipped"])]
     ms = r["ms"]
+    ep = r.get("ep", 1)
+    if ep > 1:  # ep gloo ranks: ours and the Megatron-Core-style layer only
+        return f"{case} ep{ep}", ms["ours"], [("ratio_vs_megatron", _num(r["ratio_vs_megatron"]),
+                                               "megatron-style / ours, slowest rank (>1: ours faster)")]
     if "overhead_vs_dense" not in r:  # a transformers implementation timed alone on fewer tokens
         (hf,) = (name for name in ms if name.startswith("hf:"))
         return f"{case} vs {hf}", ms["ours"], [("ratio_vs_hf", _num(r["ratio_vs_hf"]),
@@ -56,6 +60,11 @@ def _moe_layer(r: dict):
     metrics = [
         ("ratio_vs_hf", _num(r["ratio_vs_hf"]),
          f"hf:{r['best_hf']} (fastest HF) / ours (>1: ours faster)"),
+    ]
+    if "ratio_vs_megatron" in r:  # results written before the Megatron-style candidate have none
+        metrics.append(("ratio_vs_megatron", _num(r["ratio_vs_megatron"]),
+                        "Megatron-Core-style layer / ours (>1: ours faster)"))
+    metrics += [
         ("overhead_vs_dense", _num(r["overhead_vs_dense"]),
          "ours / dense SwiGLU of equal FLOPs (1 = limit)"),
     ]

@@ -8,7 +8,7 @@ forward 4 ms and backward 9 ms against 6 and 19-25 ms.
 
 Build: ``cc -O3 -march=native`` (the machine that runs is the machine that compiles) into
 ``$MOE_FOLD_CACHE_DIR`` (default ``~/.cache/moe_fold``), named by a hash of the source, the
-compiler and the flags, written to a temporary name and renamed, so concurrent ranks
+compiler, the flags and the CPU, written to a temporary name and renamed, so concurrent ranks
 never load a half-written library. The compiler is ``$CC`` or ``cc``. :func:`available`
 says whether it builds here; the ``auto`` backend of :func:`moe_fold.kernels.swiglu.swiglu`
 uses it only then, and an explicit ``cpu`` raises with the compiler's message.
@@ -28,6 +28,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -54,6 +55,17 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("MOE_FOLD_CACHE_DIR", Path.home() / ".cache" / "moe_fold"))
 
 
+def _cpu_identity() -> str:
+    """The lines of /proc/cpuinfo that name the CPU and its instruction sets (Linux), else
+    what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = {line.strip() for line in f if line.startswith(("model name", "flags", "vendor_id"))}
+        return "\n".join(sorted(lines))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL:
     compiler = os.environ.get("CC", "cc")
@@ -61,7 +73,9 @@ def _library() -> ctypes.CDLL:
         raise BuildError(f"swiglu backend 'cpu' needs a C compiler: {compiler!r} (the CC environment "
                          f"variable, default cc) is not on PATH")
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
+    # -march=native: a cache shared by machines with other CPUs (a home on NFS) must not
+    # hand one's library to the other, so the CPU's model and flags are in the name too.
+    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS, _cpu_identity()]).encode()).hexdigest()[:16]
     path = _cache_dir() / f"swiglu_cpu-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

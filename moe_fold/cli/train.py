@@ -70,8 +70,10 @@ def _rank_main(rank: int, world_size: int, config, resume: bool, progress: bool)
     """One spawned rank (module level so the forkserver can import it)."""
     from rich.console import Console
 
+    from moe_fold.launch import keep_freed_memory
     from moe_fold.training.train import train
 
+    keep_freed_memory()  # each rank is its own process: the parent's setting does not reach it
     console = Console(soft_wrap=True) if rank == 0 else None
     return train(config, resume=resume, console=console, progress=progress)
 
@@ -111,6 +113,11 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"error: {e}", markup=False, highlight=False)
         return 2
     progress = not args.no_progress
+    from moe_fold.launch import keep_freed_memory
+
+    # A training step allocates the same large tensors every step: keep their pages mapped
+    # (this process: one rank, or a torchrun worker; spawned ranks do it in _rank_main).
+    keep_freed_memory()
     if torchrun is not None:
         return _run_torchrun(config, args.resume, progress)
     if world == 1:
