@@ -201,11 +201,7 @@ class TokenDispatcher(ABC):
         with ``probs[T, E]`` (the weight of each routed pair). Differentiable w.r.t.
         tokens and probs."""
         handle, x, p = self._checked_preprocess(tokens, probs, routing_map)
-        # Every collective of the dispatch is posted before any is waited on, so the
-        # tokens' and the probs' exchanges travel together (their backward too): one
-        # latency instead of two. Same results and bytes as the blocking calls; 3-5% of
-        # a layer step at ep 2 and 4 (bench/moe_layer.py, 1024x256x512x16x4, gloo).
-        x, p = self.dispatch_communicate_start(x, p, handle).wait()
+        x, p = self.dispatch_communicate(x, p, handle)
         return self._output(x, p, handle)
 
     def combine(self, expert_output: torch.Tensor, handle: Handle) -> torch.Tensor:

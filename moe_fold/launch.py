@@ -153,7 +153,7 @@ def _rank_main(fn, rank, world_size, store_port, threads, env, forward_signals, 
 
 # Words in a traceback that mark a rank which failed only because a peer went away.
 # "Application timeout caused pair closure" is how gloo reports a timed-out asynchronous
-# collective at its wait (the dispatcher's all-to-alls are posted asynchronously).
+# collective at its wait (the overlap options post the dispatcher's all-to-alls so).
 _PEER_FAILURE_MARKS = ("Connection closed by peer", "Connection reset by peer", "DistBackendError",
                        "Broken pipe", "timed out", "timeout caused pair closure")
 
