@@ -459,7 +459,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--hf-memory-gib", type=float, default=2.0,
                    help="largest gathered-weight memory transformers' batched_mm may use")
-    p.add_argument("--ep", default="1",
+    p.add_argument("--ep", default="1,2,4",
                    help="comma list of expert-parallel sizes; each size > 1 runs on that many gloo ranks")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds the ranks of one ep size may take")
     args = p.parse_args(argv)

@@ -89,15 +89,15 @@ def _permute_cases(size: str) -> list[Case]:
 
 
 def _moe_layer_cases(size: str) -> list[Case]:
-    shape, rounds, hf_gib = {
-        "smoke": ("64x32x64x4x2", "1", "0.01"),
-        "quick": ("512x128x256x8x2", "3", "0.05"),
-        "full": ("2048x256x512x8x2", "5", "0.25"),
+    shape, rounds, hf_gib, ep = {
+        "smoke": ("64x32x64x4x2", "1", "0.01", "1"),
+        "quick": ("512x128x256x8x2", "3", "0.05", "1,2"),
+        "full": ("2048x256x512x8x2", "5", "0.25", "1,2,4"),
     }[size]
     # --hf-memory-gib keeps transformers' batched_mm (one gathered weight per token and
     # expert) to a few seconds: it is timed on fewer tokens, on its own record.
     return [Case("moe_layer", shape, ("--shapes", shape, "--rounds", rounds, "--iters", "1",
-                                      "--hf-memory-gib", hf_gib))]
+                                      "--hf-memory-gib", hf_gib, "--ep", ep))]
 
 
 def _pipeline_cases(size: str) -> list[Case]:

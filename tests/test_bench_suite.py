@@ -159,7 +159,9 @@ def test_table_rows_name_each_ratio():
          "skipped": "ImportError: no"},
         {"bench": "moe_layer", "tokens": 64, "hidden": 32, "ffn": 64, "experts": 4, "topk": 2,
          "ms": {"ours": 4.0}, "best_hf": "grouped_mm", "ratio_vs_hf": 1.1, "overhead_vs_dense": 1.3,
-         "gemm_overhead_vs_dense": 1.2},
+         "gemm_overhead_vs_dense": 1.2, "ratio_vs_megatron": 1.05},
+        {"bench": "moe_layer", "tokens": 64, "hidden": 32, "ffn": 64, "experts": 4, "topk": 2, "ep": 2,
+         "ms": {"ours": 5.0, "megatron": 6.0}, "ratio_vs_megatron": 1.2},
         {"bench": "train", "preset": "p", "micro_batch": 2, "seq_length": 32, "tokens_per_step": 64,
          "tokens_per_s": 6400.0, "ratio_vs_hf": 1.25, "flops_fraction_of_matmul": 0.1,
          "flops_fraction_ceiling": 0.5},
@@ -167,9 +169,9 @@ def test_table_rows_name_each_ratio():
         {"bench": "permute", "suite_case": "t9", "ms": 2.0, "ratio_to_copy": 3.0},
     ]
     rows = table.rows(records)
-    assert [r[0] for r in rows] == ["dispatch", "dispatch", "gemm", "moe_layer", "moe_layer", "train", "newbench",
-                                    "permute"]
-    zipf, ep1, gemm, skipped, layer, train, other, changed = rows
+    assert [r[0] for r in rows] == ["dispatch", "dispatch", "gemm", "moe_layer", "moe_layer", "moe_layer", "train",
+                                    "newbench", "permute"]
+    zipf, ep1, gemm, skipped, layer, layer_ep2, train, other, changed = rows
     assert changed[1:4] == ("t9", "2.00", "ratio_to_copy 3\n")  # line i of ratio and meaning go together
     assert changed[4].splitlines() == ["", "(no permute layout for this record: it has no field 'backend')"]
     assert zipf[1] == "alltoall dropless zipf s=1.2 ep4 T100 H8 E8 k2" and zipf[2] == "3.00"
@@ -178,7 +180,9 @@ def test_table_rows_name_each_ratio():
     assert gemm[1].startswith("auto->torch skewed 64 tok/expert") and gemm[3] == "ratio_to_dense 0.5"
     assert skipped[2:] == ("-", "skipped", "ImportError: no")
     assert layer[1:3] == ("64x32x64x4x2", "4.00")
-    assert layer[3].splitlines() == ["ratio_vs_hf 1.1", "overhead_vs_dense 1.3", "gemm_overhead_vs_dense 1.2"]
+    assert layer[3].splitlines() == ["ratio_vs_hf 1.1", "ratio_vs_megatron 1.05", "overhead_vs_dense 1.3",
+                                     "gemm_overhead_vs_dense 1.2"]
+    assert layer_ep2[1:4] == ("64x32x64x4x2 ep2", "5.00", "ratio_vs_megatron 1.2")
     assert train[2] == "10.00" and train[3].splitlines() == ["ratio_vs_hf 1.25", "flops_fraction_of_matmul 0.1",
                                                              "flops_fraction_ceiling 0.5"]
     assert other[1:4] == ("c", "1.00", "ratio_to_x 2")
