@@ -113,19 +113,30 @@ def available() -> bool:
 
 
 _pool: Optional[ThreadPoolExecutor] = None
+_pool_workers = 0
 _pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:
+    # A forked child has none of its parent's threads: it starts a pool of its own.
+    global _pool, _pool_workers
+    _pool, _pool_workers = None, 0
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _run_rows(kernel, rows: int, elements: int) -> None:
     """``kernel(row0, row1)`` over ``[0, rows)``, split over torch's thread count."""
-    global _pool
+    global _pool, _pool_workers
     parts = min(torch.get_num_threads(), rows, max(1, elements // _MIN_PARALLEL_ELEMENTS))
     if parts <= 1:
         kernel(0, rows)
         return
     with _pool_lock:
-        if _pool is None or _pool._max_workers < parts - 1:
-            _pool = ThreadPoolExecutor(max_workers=parts - 1, thread_name_prefix="moe_fold_swiglu")
+        if _pool_workers < parts - 1:
+            _pool, _pool_workers = ThreadPoolExecutor(max_workers=parts - 1, thread_name_prefix="moe_fold_swiglu"), \
+                parts - 1
         pool = _pool
     bounds = [rows * k // parts for k in range(parts + 1)]
     futures = [pool.submit(kernel, bounds[k], bounds[k + 1]) for k in range(1, parts)]

@@ -222,3 +222,23 @@ def test_cpu_backend_builds_once_into_the_cache(monkeypatch, tmp_path):
 def test_cpu_backend_rejects_what_it_cannot_run():
     with pytest.raises(TypeError, match="float32, float64, bfloat16 or float16, got torch.int32"):
         swiglu(torch.ones(2, 4, dtype=torch.int32), backend="cpu")
+
+
+def test_cpu_backend_runs_in_a_forked_child_after_the_parent_used_its_threads():
+    """The child of a fork has none of the parent's pool threads; it must start its own
+    rather than wait forever for the parent's."""
+    import os
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(512, 2 * 256)
+        expected = swiglu(x, backend="cpu")  # the parent's pool now exists
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if the result is right
+            ok = torch.equal(swiglu(x, backend="cpu"), expected)
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        torch.set_num_threads(before)
+    assert os.waitstatus_to_exitcode(status) == 0
