@@ -35,7 +35,8 @@ per shape and ep: ``ms`` per candidate, ``fastest``, ``ratio_vs_megatron`` = meg
 ours, ``ratio_vs_hf`` = best (fastest) transformers implementation's time / ours (plus
 ``ratio_vs_hf_each``), ``overhead_vs_dense`` = ours / dense. The same from process CPU time
 (``cpu_ms``, ``*_cpu``) beside them: on a shared machine wall-clock time also measures how
-long the threads waited for a core.
+long the threads waited for a core. ``swiglu_backend`` (what ours' ``auto`` ran) and
+``keeps_freed_memory`` record the setup.
 
 ep > 1: ``ep`` gloo ranks (``--threads // ep`` threads each, at least one), each with
 ``tokens`` tokens of its own and ``experts / ep`` experts; ``ours`` and ``megatron`` only
@@ -327,6 +328,13 @@ def time_interleaved(steps: dict, rounds: int, iters: int) -> tuple[dict, dict]:
             {name: statistics.median(t) * 1e3 for name, t in cpu.items()})
 
 
+def resolve_swiglu() -> str:
+    """The SwiGLU backend ours runs on CPU here (``auto``: the C kernels if they build)."""
+    from moe_fold.kernels.swiglu import resolve_backend
+
+    return resolve_backend("auto", torch.zeros(1, 2))
+
+
 def _rounded(values: dict) -> dict:
     return {k: round(v, 3) for k, v in values.items()}
 
@@ -365,6 +373,7 @@ def bench_shape(shape: dict, args) -> None:
     each_cpu = {name[3:]: cpu_ms[name] / cpu_ms["ours"] for name in ms if name.startswith("hf:")}
     print(json.dumps({
         "bench": "moe_layer", **shape, "dtype": "float32", "threads": args.threads, "rounds": args.rounds,
+        "swiglu_backend": resolve_swiglu(), "keeps_freed_memory": args.keeps_freed_memory,
         "ep": 1, "ms": _rounded(ms), "cpu_ms": _rounded(cpu_ms),
         "fastest": min((name for name in ms if not name.startswith("gemm:") and name != "dense"), key=ms.get),
         "ratio_vs_megatron": round(ms["megatron"] / ms["ours"], 3),
@@ -445,6 +454,7 @@ def bench_ep(shapes: list[dict], ep: int, args) -> None:
         ms = r["ms"]
         print(json.dumps({
             "bench": "moe_layer", **shape, "ep": ep, "dtype": "float32", "threads_per_rank": threads,
+            "swiglu_backend": resolve_swiglu(), "keeps_freed_memory": args.keeps_freed_memory,
             "rounds": args.rounds, "ms": _rounded(ms), "fastest": min(ms, key=ms.get),
             "ratio_vs_megatron": round(ms["megatron"] / ms["ours"], 3),
             "max_abs_diff_vs_megatron": r["max_abs_diff_vs_megatron"],
@@ -469,7 +479,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"--ep: {args.ep!r} must be a comma list of positive integers, e.g. 1,2,4")
     if any(ep < 1 for ep in eps):
         raise SystemExit(f"--ep: {args.ep!r} must be a comma list of positive integers, e.g. 1,2,4")
-    keep_freed_memory()
+    args.keeps_freed_memory = keep_freed_memory()
     torch.set_num_threads(args.threads)
     shapes = [parse_shape(text) for text in args.shapes.split(",")]
     for ep in eps:
