@@ -411,7 +411,7 @@ def bench_shape(shape: dict, args) -> None:
 def rank_main(rank: int, world_size: int, shapes: list[dict], args) -> list[dict]:
     """One ep rank's part of :func:`bench_ep`: ``ms`` of each candidate per shape (rank 0's
     medians of the slowest rank's times)."""
-    keep_freed_memory()
+    kept = keep_freed_memory()
     groups = create_process_groups(ParallelLayout(world_size, ep=world_size))
     results = []
     for shape in shapes:
@@ -439,22 +439,19 @@ def rank_main(rank: int, world_size: int, shapes: list[dict], args) -> list[dict
         diffs = torch.tensor([diff], dtype=torch.float64)
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
         results.append({"ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
-                        "max_abs_diff_vs_megatron": diffs.item()})
+                        "max_abs_diff_vs_megatron": diffs.item(), "keeps_freed_memory": kept})
     return results
 
 
 def bench_ep(shapes: list[dict], ep: int, args) -> None:
     """``ours`` and ``megatron`` on ``ep`` gloo ranks: one JSON line per shape."""
     threads = max(1, args.threads // ep)
-    for shape in shapes:
-        if shape["experts"] % ep:
-            raise SystemExit(f"--ep {ep}: shape {shape} has {shape['experts']} experts, not divisible by {ep}")
     (results, *_) = run_ranks(rank_main, ep, shapes, args, threads=threads, timeout=args.timeout)
     for shape, r in zip(shapes, results):
         ms = r["ms"]
         print(json.dumps({
             "bench": "moe_layer", **shape, "ep": ep, "dtype": "float32", "threads_per_rank": threads,
-            "swiglu_backend": resolve_swiglu(), "keeps_freed_memory": args.keeps_freed_memory,
+            "swiglu_backend": resolve_swiglu(), "keeps_freed_memory": r["keeps_freed_memory"],
             "rounds": args.rounds, "ms": _rounded(ms), "fastest": min(ms, key=ms.get),
             "ratio_vs_megatron": round(ms["megatron"] / ms["ours"], 3),
             "max_abs_diff_vs_megatron": r["max_abs_diff_vs_megatron"],
@@ -479,9 +476,15 @@ def main(argv=None) -> None:
         raise SystemExit(f"--ep: {args.ep!r} must be a comma list of positive integers, e.g. 1,2,4")
     if any(ep < 1 for ep in eps):
         raise SystemExit(f"--ep: {args.ep!r} must be a comma list of positive integers, e.g. 1,2,4")
+    shapes = [parse_shape(text) for text in args.shapes.split(",")]
+    for ep in eps:  # before any timing starts
+        for shape in shapes:
+            if shape["experts"] % ep:
+                raise SystemExit(f"--ep {ep}: shape {shape['tokens']}x{shape['hidden']}x{shape['ffn']}x"
+                                 f"{shape['experts']}x{shape['topk']} has {shape['experts']} experts, "
+                                 f"not divisible by {ep}")
     args.keeps_freed_memory = keep_freed_memory()
     torch.set_num_threads(args.threads)
-    shapes = [parse_shape(text) for text in args.shapes.split(",")]
     for ep in eps:
         if ep == 1:
             for shape in shapes:
