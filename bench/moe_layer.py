@@ -93,16 +93,16 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, output_splits, input_splits, group):
-        ctx.splits, ctx.group = (input_splits, output_splits), group
+        ctx.splits, ctx.group = (output_splits, input_splits), group
         out = x.new_empty(sum(output_splits), *x.shape[1:])
         dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        output_splits, input_splits = ctx.splits
-        out = grad.new_empty(sum(output_splits), *grad.shape[1:])
-        dist.all_to_all_single(out, grad.contiguous(), output_splits, input_splits, group=ctx.group)
+        forward_out, forward_in = ctx.splits  # the grads travel back: the splits swap
+        out = grad.new_empty(sum(forward_in), *grad.shape[1:])
+        dist.all_to_all_single(out, grad.contiguous(), forward_in, forward_out, group=ctx.group)
         return out, None, None, None
 
 
