@@ -224,21 +224,36 @@ def test_cpu_backend_rejects_what_it_cannot_run():
         swiglu(torch.ones(2, 4, dtype=torch.int32), backend="cpu")
 
 
-def test_cpu_backend_runs_in_a_forked_child_after_the_parent_used_its_threads():
-    """The child of a fork has none of the parent's pool threads; it must start its own
-    rather than wait forever for the parent's."""
+def test_cpu_backend_thread_pool_works_in_a_forked_child():
+    """A forked child has none of its parent's pool threads: it must start its own pool
+    rather than wait forever on the parent's. The child runs only the row split with a
+    Python kernel (no torch op: OpenMP itself is not fork-safe once the parent used it),
+    and is killed if it does not finish, so a regression fails instead of hanging."""
     import os
+    import time
+
+    from moe_fold.kernels import swiglu_cpu
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        x = torch.randn(512, 2 * 256)
-        expected = swiglu(x, backend="cpu")  # the parent's pool now exists
+        swiglu(torch.randn(512, 2 * 256), backend="cpu")  # the parent's pool now exists
+        assert swiglu_cpu._pool is not None
         pid = os.fork()
-        if pid == 0:  # the child: exit 0 only if the result is right
-            ok = torch.equal(swiglu(x, backend="cpu"), expected)
-            os._exit(0 if ok else 1)
-        _, status = os.waitpid(pid, 0)
+        if pid == 0:  # the child: exit 0 only if both halves of the rows ran
+            ranges = []
+            swiglu_cpu._run_rows(lambda r0, r1: ranges.append((r0, r1)), rows=8, elements=1 << 20)
+            os._exit(0 if sorted(ranges) == [(0, 4), (4, 8)] else 1)
+        deadline = time.monotonic() + 30
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child hung on the parent's thread pool")
+            time.sleep(0.05)
     finally:
         torch.set_num_threads(before)
     assert os.waitstatus_to_exitcode(status) == 0
