@@ -56,7 +56,30 @@ _COEFF = {"aux": "aux_loss_coeff", "seq_aux": "seq_aux_loss_coeff", "global_aux"
 _KINDS = ("aux", "seq_aux", "z")  # per micro-batch values; global_aux comes from finish_step
 
 
-class RoutingCollector:
+class _HookCollector:
+    """What both collectors share: forward hooks on the model that add to the step's
+    numbers only inside :meth:`recording` (the training step's forward, not a recompute's
+    second call), removed by :meth:`close`."""
+
+    _recording = False
+    _hooks: list  # each collector's __init__ registers its hooks here
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Let the hooks count the forwards run inside."""
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+class RoutingCollector(_HookCollector):
     """Per-step routing numbers of every router in ``model``; see the module docstring.
 
     Rows are indexed by the model's MoE layers in order (all of them, also those on other
@@ -76,7 +99,6 @@ class RoutingCollector:
         moe = config.moe
         # Which losses the routers compute: each kind is on when its coefficient is > 0.
         self.kinds = [k for k in _KINDS if getattr(moe, _COEFF[k]) > 0]
-        self._recording = False
         self._hooks = [m.register_forward_hook(self._hook(row), with_kwargs=True) for row, m in self.routers]
         self.layer_metrics: dict[str, float] = {}
         self.expert_load: list[list[int]] = []
@@ -91,15 +113,6 @@ class RoutingCollector:
         self._routed = torch.zeros(L, **zeros)
         self._loss_sums = torch.zeros(L, len(_KINDS), **zeros)
         self._calls = torch.zeros(L, **zeros)
-
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        """Count the router calls of the forward inside (not a recompute's second call)."""
-        self._recording = True
-        try:
-            yield
-        finally:
-            self._recording = False
 
     def _hook(self, row: int):
         def hook(module, args, kwargs, output):
@@ -181,13 +194,8 @@ class RoutingCollector:
             "weighted_loss": weighted,
         }
 
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
-
-class MTPCollector:
+class MTPCollector(_HookCollector):
     """Each MTP depth's loss over a step: a forward hook on the model's
     :class:`~moe_fold.models.mtp.MTP` (on the last pipeline stage) adds up the ``[D]``
     depth losses it returns per micro-batch (each scaled so that the sum over
@@ -197,22 +205,12 @@ class MTPCollector:
         self.depths = config.model.mtp_num_layers
         self.weight = config.model.mtp_loss_weight
         self.device = next(model.parameters()).device
-        self._recording = False
         mtp = getattr(model, "mtp", None)
         self._hooks = [mtp.register_forward_hook(self._hook)] if mtp is not None else []
         self.start_step()
 
     def start_step(self) -> None:
         self._sums = torch.zeros(self.depths, dtype=torch.float64, device=self.device)
-
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        """Add up the MTP forwards inside (not a recompute's second call)."""
-        self._recording = True
-        try:
-            yield
-        finally:
-            self._recording = False
 
     def _hook(self, module, args, output) -> None:
         if self._recording:
@@ -229,10 +227,6 @@ class MTPCollector:
         values = (sums / groups.size("dp_cp")).tolist()
         return {"mtp_loss": values, "weighted_loss": self.weight * sum(values) / self.depths}
 
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
 
 # --------------------------------------------------------------------------- the logger
