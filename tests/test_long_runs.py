@@ -35,7 +35,7 @@ from moe_fold.training.stop import Stop
 from moe_fold.training.train import read_metrics, train
 
 # The small constant-lr Mixtral-style model of the reliability tests, a checkpoint every step.
-from test_reliability import SMALL, overrides
+from test_reliability import SMALL, children, descendants, overrides
 
 EP2 = ["parallel.ep=2", "parallel.timeout_s=60"]
 STEPS = 10  # the uninterrupted 2-rank run; interrupted runs are stopped well before
@@ -87,23 +87,6 @@ def _wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, timeout: float =
         time.sleep(0.02)
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for t in os.listdir(f"/proc/{pid}/task")
-                for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
-    except FileNotFoundError:
-        return []
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        for child in _children(todo.pop()):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def _alive(pid: int) -> bool:
     """Running, or stopped; a zombie has ended (only its parent's wait is missing)."""
     try:
@@ -120,7 +103,7 @@ def _still_alive(pids: list[int], within: float) -> list[int]:
 
 
 def _kill_all(proc: subprocess.Popen) -> None:
-    for pid in _descendants(proc.pid) + [proc.pid]:
+    for pid in descendants(proc.pid) + [proc.pid]:
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
 
@@ -139,7 +122,7 @@ def _ranks(pids: list[int], metrics: Path) -> tuple[int, int]:
     writers = [p for p in pids if _holds_open(p, metrics)]
     assert len(writers) == 1, writers
     parent = int(Path(f"/proc/{writers[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    siblings = [p for p in _children(parent) if p != writers[0]]
+    siblings = [p for p in children(parent) if p != writers[0]]
     assert len(siblings) == 1, siblings
     return writers[0], siblings[0]
 
@@ -203,7 +186,7 @@ def test_signal_stops_every_rank_after_one_step_with_its_checkpoint_and_resume_i
     run_dir = tmp_path / "run"
     proc = _start(_cli("--nproc", "2", *_set(overrides(run_dir, cache_dir, *EP2, "train.steps=1000"))))
     _wait_for_checkpoint(run_dir, proc)
-    pids = _descendants(proc.pid)  # the ranks, the forkserver, the resource tracker
+    pids = descendants(proc.pid)  # the ranks, the forkserver, the resource tracker
     if target == "launcher":
         os.kill(proc.pid, sig)
     elif target == "rank 1":
@@ -227,7 +210,7 @@ def test_second_ctrl_c_aborts_at_once_even_with_a_stuck_rank(tmp_path, cache_dir
     proc = _start(_cli("--nproc", "2", *_set(overrides(run_dir, cache_dir, *EP2, "parallel.timeout_s=600",
                                                        "train.steps=1000"))))
     _wait_for_checkpoint(run_dir, proc)
-    pids = _descendants(proc.pid)
+    pids = descendants(proc.pid)
     os.kill(_ranks(pids, run_dir / "metrics.jsonl")[1], signal.SIGSTOP)
     os.killpg(proc.pid, signal.SIGINT)
     time.sleep(1.0)
@@ -247,7 +230,7 @@ def test_killed_launcher_leaves_no_process_and_no_writer(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     proc = _start(_cli("--nproc", "2", *_set(overrides(run_dir, cache_dir, *EP2, "train.steps=1000"))))
     _wait_for_checkpoint(run_dir, proc)
-    pids = _descendants(proc.pid)
+    pids = descendants(proc.pid)
     assert len(pids) >= 3, pids  # 2 ranks and the forkserver (and the resource tracker)
     proc.kill()
     proc.communicate(timeout=30)
@@ -316,7 +299,7 @@ def test_budgets_and_a_signal_stop_with_a_checkpoint_and_resume_is_exact(tmp_pat
 
 def _workers(agent: int, metrics: Path) -> tuple[int, int]:
     """(rank 0, rank 1): the agent's worker processes; rank 0 holds metrics.jsonl open."""
-    workers = _children(agent)
+    workers = children(agent)
     assert len(workers) == 2, workers
     first = [p for p in workers if _holds_open(p, metrics)]
     assert len(first) == 1, first
@@ -350,7 +333,7 @@ def test_sigterm_to_torchrun_stops_the_workers_with_a_checkpoint_and_resume_is_e
     run_dir = tmp_path / "run"
     proc = _start(_torchrun() + _set(overrides(run_dir, cache_dir, *EP2, "train.steps=1000")), threads=NPROC2_THREADS)
     _wait_for_checkpoint(run_dir, proc)
-    workers = _children(proc.pid)
+    workers = children(proc.pid)
     proc.send_signal(signal.SIGTERM)
     out, err = _finish(proc, timeout=120)
     assert proc.returncode != 0  # torchrun reports the signal it was ended by

@@ -82,15 +82,19 @@ def _wait_for(condition, timeout: float, what: str, proc: subprocess.Popen) -> N
 
 # --------------------------------------------------------------------------- a rank killed
 
-def _children(pid: int) -> list[int]:
-    return [int(c) for t in os.listdir(f"/proc/{pid}/task")
-            for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+def children(pid: int) -> list[int]:
+    """The pids ``pid`` started (none once it is gone)."""
+    try:
+        return [int(c) for t in os.listdir(f"/proc/{pid}/task")
+                for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
-        for child in _children(todo.pop()):
+        for child in children(todo.pop()):
             out.append(child)
             todo.append(child)
     return out
@@ -107,9 +111,9 @@ def _holds_open(pid: int, path: Path) -> bool:
 def _rank_pids(cli_pid: int, metrics: Path) -> tuple[int, int]:
     """(rank 0, rank 1) of a 2-rank run: the rank processes are the forkserver's children,
     rank 0 the one that holds metrics.jsonl open."""
-    writers = [p for p in _descendants(cli_pid) if _holds_open(p, metrics)]
+    writers = [p for p in descendants(cli_pid) if _holds_open(p, metrics)]
     assert len(writers) == 1, writers
-    siblings = [p for p in _children(int(Path(f"/proc/{writers[0]}/stat").read_text().split()[3]))
+    siblings = [p for p in children(int(Path(f"/proc/{writers[0]}/stat").read_text().split()[3]))
                 if p != writers[0]]
     assert len(siblings) == 1, siblings
     return writers[0], siblings[0]
