@@ -51,7 +51,14 @@ def hf_model(case: str, seed: int = 0):
     model = transformers.DeepseekV3ForCausalLM(config).eval()
     # transformers' grouped-mm experts want 16-byte rows, which odd widths do not have.
     model.set_experts_implementation("eager")
-    gen = torch.Generator().manual_seed(seed)
+    return randomize(model, seed)
+
+
+def randomize(model, seed: "int | torch.Generator"):
+    """``model`` with matrices N(0, 0.2), vectors U(0.5, 1.5) and any score correction
+    bias N(0, 0.1), drawn from ``seed`` (or from a generator the caller goes on using):
+    large enough that routing and every layer matter."""
+    gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -62,6 +69,16 @@ def hf_model(case: str, seed: int = 0):
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
     return model
+
+
+def saved_with_logits(folder, models: dict, ids) -> tuple[dict, dict]:
+    """Save each of ``models`` (name -> transformers model) under ``folder/name``; returns
+    ``(logits of ids, path)`` dicts by name, the references a layout test compares with."""
+    refs, paths = {}, {}
+    for name, model in models.items():
+        model.save_pretrained(folder / name)
+        refs[name], paths[name] = hf_logits(model, ids), str(folder / name)
+    return refs, paths
 
 
 def token_ids(seed: int = 1) -> torch.Tensor:
@@ -225,18 +242,10 @@ def _gathered_logits(model, groups, ids):
 
 
 def _import_export(rank, world_size, sizes, paths, out_dir):
-    from moe_fold.models.hf import weights
+    from test_hf_parallel import count_reads
 
     groups = create_process_groups(ParallelLayout(world_size, **sizes))
-    read = weights.SafetensorsFolder.read
-    counted = [0]
-
-    def counting_read(self, name, offsets, sizes):
-        value = read(self, name, offsets, sizes)
-        counted[0] += value.numel()
-        return value
-
-    weights.SafetensorsFolder.read = counting_read
+    counted = count_reads()
     results = {}
     for case, path in paths.items():
         counted[0] = 0
@@ -249,12 +258,7 @@ def _import_export(rank, world_size, sizes, paths, out_dir):
 
 @pytest.mark.parametrize("sizes", [dict(tp=2, ep=2), dict(pp=2, cp=2)], ids=["tp2_ep2", "pp2_cp2"])
 def test_import_under_layouts(tmp_path, sizes):
-    ids = token_ids()
-    refs, paths = {}, {}
-    for case in CASES:
-        model = hf_model(case)
-        model.save_pretrained(tmp_path / case)
-        refs[case], paths[case] = hf_logits(model, ids), str(tmp_path / case)
+    refs, paths = saved_with_logits(tmp_path, {case: hf_model(case) for case in CASES}, token_ids())
     results = run_ranks(_import_export, 4, sizes, paths, str(tmp_path / "out"), timeout=240)
     for case, ref in refs.items():
         for rank, result in enumerate(results):

@@ -20,7 +20,8 @@ from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, create_process_groups
 from moe_fold.models import from_hf, to_hf
 from moe_fold.models.hf import HFConfigError, config_from_hf, export_family
-from test_hf_deepseek_v3 import BATCH, SEQ, TOL, VOCAB, _gathered_logits, _tensors, hf_logits, max_diff, token_ids
+from test_hf_deepseek_v3 import (BATCH, SEQ, TOL, VOCAB, _gathered_logits, _tensors, hf_logits, max_diff,
+                                 randomize, saved_with_logits, token_ids)
 
 # Odd sizes: vocab 70, 6 heads of 8 over 2 kv heads (hidden 48), ffn 50, experts of 22.
 GLM = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=50, moe_intermediate_size=22, num_hidden_layers=4,
@@ -47,14 +48,7 @@ def hf_model(case: str, seed: int = 0, **overrides):
     model = model_cls(config).eval()
     # transformers' grouped-mm experts want 16-byte rows, which odd widths do not have.
     model.set_experts_implementation("eager")
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 if p.dim() > 1 else torch.rand(p.shape, generator=gen) + 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
-    return model
+    return randomize(model, seed)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -142,12 +136,7 @@ def _import_export(rank, world_size, sizes, paths, out_dir):
 
 @pytest.mark.parametrize("sizes", [dict(tp=2, ep=2), dict(pp=2, cp=2)], ids=["tp2_ep2", "pp2_cp2"])
 def test_import_under_layouts(tmp_path, sizes):
-    ids = token_ids()
-    refs, paths = {}, {}
-    for case in CASES:
-        model = hf_model(case)
-        model.save_pretrained(tmp_path / case)
-        refs[case], paths[case] = hf_logits(model, ids), str(tmp_path / case)
+    refs, paths = saved_with_logits(tmp_path, {case: hf_model(case) for case in CASES}, token_ids())
     results = run_ranks(_import_export, 4, sizes, paths, str(tmp_path / "out"), timeout=240)
     for case, ref in refs.items():
         for rank, result in enumerate(results):

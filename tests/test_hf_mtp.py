@@ -17,7 +17,8 @@ import transformers
 from safetensors.torch import save_file
 
 from moe_fold.models import from_hf, to_hf
-from test_hf_deepseek_v3 import CASES as DEEPSEEK_CASES, COMMON as DEEPSEEK, SEQ, TOL, _tensors, max_diff, token_ids
+from test_hf_deepseek_v3 import (CASES as DEEPSEEK_CASES, COMMON as DEEPSEEK, SEQ, TOL, _tensors, max_diff,
+                                 randomize, token_ids)
 from test_hf_glm_olmoe import GLM
 
 FAMILIES = {
@@ -37,12 +38,7 @@ def _checkpoint_with_mtp(family, path):
     big = model_cls(config_cls(**{**kwargs, **overrides})).eval()
     big.set_experts_implementation("eager")
     gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in big.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 if p.dim() > 1 else torch.rand(p.shape, generator=gen) + 0.5)
-        for name, b in big.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+    randomize(big, gen)  # the MTP tensors below come from the same generator
     big.save_pretrained(path)
     tensors = _tensors(path)
     H = kwargs["hidden_size"]

@@ -17,11 +17,11 @@ from test_hf import TOL, hf_logits, max_diff, save_hf, token_ids
 FAMILY_CASES = ("mixtral_gqa", "qwen2_shared_dense", "qwen3_norm_topk", "qwen3_no_norm_tied")
 
 
-def _import_export(rank, world_size, tp, ep, paths, out_dir):
-    from moe_fold.models import from_hf, to_hf
+def count_reads() -> list[int]:
+    """From now on, add the elements every safetensors read returns in this process to the
+    returned one-item counter (for a rank's process, which ends with its test)."""
     from moe_fold.models.hf import weights
 
-    groups = create_process_groups(ParallelLayout(world_size, tp=tp, ep=ep))
     read = weights.SafetensorsFolder.read
     counted = [0]
 
@@ -31,6 +31,14 @@ def _import_export(rank, world_size, tp, ep, paths, out_dir):
         return value
 
     weights.SafetensorsFolder.read = counting_read
+    return counted
+
+
+def _import_export(rank, world_size, tp, ep, paths, out_dir):
+    from moe_fold.models import from_hf, to_hf
+
+    groups = create_process_groups(ParallelLayout(world_size, tp=tp, ep=ep))
+    counted = count_reads()
     results = {}
     for case, path in paths.items():
         counted[0] = 0
