@@ -20,6 +20,7 @@ from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, create_process_groups
 from moe_fold.models import from_hf, to_hf
 from moe_fold.models.hf import HFConfigError, HFWeightError, config_from_hf
+from test_hf import hf_logits
 
 VOCAB, SEQ, BATCH, TOL = 70, 12, 2, 1e-4
 
@@ -83,11 +84,6 @@ def saved_with_logits(folder, models: dict, ids) -> tuple[dict, dict]:
 
 def token_ids(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
-@torch.no_grad()
-def hf_logits(model, ids):
-    return model(ids).logits.float()
 
 
 def max_diff(a, b) -> float:

@@ -35,7 +35,7 @@ from moe_fold.training.stop import Stop
 from moe_fold.training.train import read_metrics, train
 
 # The small constant-lr Mixtral-style model of the reliability tests, a checkpoint every step.
-from test_reliability import SMALL, children, descendants, overrides
+from test_reliability import SMALL, children, descendants, holds_open, overrides
 
 EP2 = ["parallel.ep=2", "parallel.timeout_s=60"]
 STEPS = 10  # the uninterrupted 2-rank run; interrupted runs are stopped well before
@@ -108,18 +108,10 @@ def _kill_all(proc: subprocess.Popen) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _holds_open(pid: int, path: Path) -> bool:
-    fds = Path(f"/proc/{pid}/fd")
-    try:
-        return any(os.readlink(fds / fd) == str(path) for fd in os.listdir(fds))
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def _ranks(pids: list[int], metrics: Path) -> tuple[int, int]:
     """(rank 0, rank 1) among the processes of a 2-rank run: the rank processes are
     siblings, and rank 0 holds metrics.jsonl open."""
-    writers = [p for p in pids if _holds_open(p, metrics)]
+    writers = [p for p in pids if holds_open(p, metrics)]
     assert len(writers) == 1, writers
     parent = int(Path(f"/proc/{writers[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
     siblings = [p for p in children(parent) if p != writers[0]]
@@ -301,7 +293,7 @@ def _workers(agent: int, metrics: Path) -> tuple[int, int]:
     """(rank 0, rank 1): the agent's worker processes; rank 0 holds metrics.jsonl open."""
     workers = children(agent)
     assert len(workers) == 2, workers
-    first = [p for p in workers if _holds_open(p, metrics)]
+    first = [p for p in workers if holds_open(p, metrics)]
     assert len(first) == 1, first
     return first[0], next(p for p in workers if p != first[0])
 

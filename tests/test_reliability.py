@@ -100,7 +100,8 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def _holds_open(pid: int, path: Path) -> bool:
+def holds_open(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` has ``path`` open (False once it is gone)."""
     fds = Path(f"/proc/{pid}/fd")
     try:
         return any(os.readlink(fds / fd) == str(path) for fd in os.listdir(fds))
@@ -111,7 +112,7 @@ def _holds_open(pid: int, path: Path) -> bool:
 def _rank_pids(cli_pid: int, metrics: Path) -> tuple[int, int]:
     """(rank 0, rank 1) of a 2-rank run: the rank processes are the forkserver's children,
     rank 0 the one that holds metrics.jsonl open."""
-    writers = [p for p in descendants(cli_pid) if _holds_open(p, metrics)]
+    writers = [p for p in descendants(cli_pid) if holds_open(p, metrics)]
     assert len(writers) == 1, writers
     siblings = [p for p in children(int(Path(f"/proc/{writers[0]}/stat").read_text().split()[3]))
                 if p != writers[0]]
