@@ -224,6 +224,9 @@ class TrainConfig:
     keep_last: int = 2
     log_every: int = 1
     precision: str = "fp32"  # fp32 | bf16-autocast | bf16
+    # Where a rank computes: auto is CUDA under NCCL and, in one process, when a GPU is
+    # visible and parallel.backend is not gloo; CPU otherwise (moe_fold.training.train.compute_device).
+    device: str = "auto"  # auto | cpu | cuda
     recompute: str = "none"  # none | full | moe | expert_act
     on_nonfinite: str = "skip"  # skip | stop
     # A loss above loss_spike_factor x the median of the previous loss_spike_window
@@ -1039,6 +1042,14 @@ def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[s
                            f"round the pipeline in groups of pp; global_batch_size={t.global_batch_size}, "
                            f"micro_batch_size={t.micro_batch_size}, dp={dp})")
     _one_of(out, "train.precision", t.precision, ("fp32", "bf16-autocast", "bf16"))
+    _one_of(out, "train.device", t.device, ("auto", "cpu", "cuda"))
+    backend = config.parallel.backend
+    if t.device == "cpu" and backend == "nccl":
+        out.append("train.device=cpu cannot run with parallel.backend=nccl (NCCL reduces CUDA tensors only); "
+                   "use parallel.backend=gloo or auto")
+    if t.device == "cuda" and backend == "gloo":
+        out.append("train.device=cuda cannot run with parallel.backend=gloo (gloo ranks compute on the CPU); "
+                   "use parallel.backend=nccl or auto")
     _one_of(out, "train.recompute", t.recompute, ("none", "full", "moe", "expert_act"))
     _one_of(out, "train.on_nonfinite", t.on_nonfinite, ("skip", "stop"))
     _at_least(out, "train.loss_spike_factor", t.loss_spike_factor, 0)

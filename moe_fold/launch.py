@@ -56,9 +56,15 @@ _FORKSERVER_BLOCKS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIG
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 
 
-def keep_freed_memory() -> bool:
-    """Make this process's malloc keep freed memory for the next allocation instead of
-    giving it back to the operating system. True if it took effect (glibc), else False.
+def keep_freed_memory(device) -> bool:
+    """On a CPU rank (``device``, a torch.device or its name, computes on the CPU), make
+    this process's malloc keep freed memory for the next allocation instead of giving it
+    back to the operating system. True if it took effect (glibc), else False.
+
+    A GPU worker is left as it is: its activations live in GPU memory (torch's caching
+    allocator already keeps those), and what its host heap holds (pinned checkpoint
+    staging, data loading) should shrink back when freed, which this setting would stop
+    for the rest of the process.
 
     By default glibc serves every allocation of 32 MiB or more (and smaller ones once its
     threshold adapts) with a fresh ``mmap`` and unmaps it on free, so a CPU training step
@@ -69,6 +75,8 @@ def keep_freed_memory() -> bool:
     that the process keeps its peak heap, which a training loop reaches every step
     anyway. ``MOE_FOLD_KEEP_FREED_MEMORY=0`` turns it off.
     """
+    if getattr(device, "type", str(device).split(":")[0]) != "cpu":
+        return False
     if os.environ.get("MOE_FOLD_KEEP_FREED_MEMORY", "1") == "0":
         return False
     import ctypes

@@ -63,17 +63,57 @@ def test_async_save_writes_the_host_copy_while_training_changes_the_tensors(tmp_
     assert sorted(os.listdir(path)) == sorted(os.listdir(sync))  # no done markers left
 
 
-def test_async_saves_keep_the_last_k_and_reuse_their_buffers(tmp_path):
+def test_async_saves_keep_the_last_k_and_reuse_their_buffer(tmp_path):
+    """Three saves, each of a changed state, through one staging arena allocated once:
+    each checkpoint holds its own step's values."""
     config = _config(moe=True)
     model, opt, sched = _setup(config, ONE)
     saver = CheckpointSaver(tmp_path, ONE, keep_last=2, async_save=True, config=config)
+    states, arenas = {}, []
     for step in (1, 2, 3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(float(step))
+        states[step] = _state(model, opt)
         saver.save(step, model, opt, sched, {"step": step})  # waits for the previous one first
-        buffers = dict(saver._buffers)
+        arenas.append(saver._arena.buffer.data_ptr())
     assert saver.wait().name == "step_000003"
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000002", "step_000003"]
-    assert all(saver._buffers[k] is buffers[k] for k in buffers)
+    assert saver._arena.allocations == 1 and len(set(arenas)) == 1
     assert verify_checkpoint(tmp_path / "checkpoints" / "step_000003").ok
+    for step in (2, 3):
+        fresh, fresh_opt, fresh_sched = _setup(config, ONE)
+        load_checkpoint(tmp_path / "checkpoints" / f"step_00000{step}", fresh, fresh_opt, fresh_sched, ONE)
+        got = _state(fresh, fresh_opt)
+        assert all(torch.equal(got[k], states[step][k]) for k in states[step]), step
+
+
+def test_staging_arena_grows_only_when_the_state_does():
+    """The arena's bytes are the pieces' (every dtype, odd sizes, a scalar, empty), it
+    keeps its buffer for a smaller or equal state and replaces it for a larger one."""
+    from moe_fold.training.host_staging import StagingArena
+
+    gen = torch.Generator().manual_seed(0)
+
+    def pieces(n):
+        return [("a", torch.randn(n, 3, generator=gen)), ("b", torch.randint(0, 9, (n + 1,), generator=gen)),
+                ("c", torch.randn(5, generator=gen).to(torch.bfloat16)), ("d", torch.tensor(True)),
+                ("e", torch.empty(0, 4)), ("f", torch.randn(2, 3, generator=gen, dtype=torch.float64).t())]
+
+    arena = StagingArena()
+    for n, allocations in ((7, 1), (7, 1), (2, 1), (40, 2), (3, 2)):
+        src = pieces(n)
+        staged = arena.stage(src)
+        staged.wait()
+        assert arena.allocations == allocations, n
+        assert [k for k, _ in staged.pieces] == [k for k, _ in src]
+        for (_, want), (_, got) in zip(src, staged.pieces):
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+            assert got.untyped_storage().data_ptr() == arena.buffer.untyped_storage().data_ptr()
+        before = [t.clone() for _, t in src]
+        for _, t in src:  # the copies are copies: changing the source leaves them
+            t.logical_not_() if t.dtype == torch.bool else t.add_(1)
+        assert all(torch.equal(g, b) for (_, g), b in zip(staged.pieces, before))
 
 
 def test_a_failed_background_write_reaches_wait_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

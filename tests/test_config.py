@@ -430,6 +430,13 @@ RULES = [
     (["train.global_batch_size=0"], 1, ["train.global_batch_size=0 must be >= 1"]),
     (["train.precision=fp16"], 1, ["train.precision=fp16 must be one of fp32, bf16-autocast, bf16"]),
     (["train.recompute=all"], 1, ["train.recompute=all must be one of none, full, moe, expert_act"]),
+    (["train.device=gpu"], 1, ["train.device=gpu must be one of auto, cpu, cuda"]),
+    (["train.device=cpu", "parallel.backend=nccl"], 1,
+     ["train.device=cpu cannot run with parallel.backend=nccl (NCCL reduces CUDA tensors only); use "
+      "parallel.backend=gloo or auto"]),
+    (["train.device=cuda", "parallel.backend=gloo"], 1,
+     ["train.device=cuda cannot run with parallel.backend=gloo (gloo ranks compute on the CPU); use "
+      "parallel.backend=nccl or auto"]),
     (["train.on_nonfinite=ignore"], 1, ["train.on_nonfinite=ignore must be one of skip, stop"]),
     (["train.exit_signals=[SIGTERM, SIGKILL]"], 1,
      ["train.exit_signals: SIGKILL is not a signal a run can stop on; use SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP"]),

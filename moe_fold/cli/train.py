@@ -71,9 +71,10 @@ def _rank_main(rank: int, world_size: int, config, resume: bool, progress: bool)
     from rich.console import Console
 
     from moe_fold.launch import keep_freed_memory
-    from moe_fold.training.train import train
+    from moe_fold.training.train import compute_device, train
 
-    keep_freed_memory()  # each rank is its own process: the parent's setting does not reach it
+    # Each rank is its own process: the parent's setting does not reach it.
+    keep_freed_memory(compute_device(config))
     console = Console(soft_wrap=True) if rank == 0 else None
     return train(config, resume=resume, console=console, progress=progress)
 
@@ -113,16 +114,20 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"error: {e}", markup=False, highlight=False)
         return 2
     progress = not args.no_progress
-    from moe_fold.launch import keep_freed_memory
-
-    # A training step allocates the same large tensors every step: keep their pages mapped
-    # (this process: one rank, or a torchrun worker; spawned ranks do it in _rank_main).
-    keep_freed_memory()
     if torchrun is not None:
         return _run_torchrun(config, args.resume, progress)
     if world == 1:
-        from moe_fold.training.train import train
+        from moe_fold.launch import keep_freed_memory
+        from moe_fold.training.train import compute_device, train
 
+        try:
+            device = compute_device(config)
+        except ConfigError as e:
+            err.print(f"error: {e}", markup=False, highlight=False)
+            return 2
+        # A CPU training step allocates the same large tensors every step: keep their pages
+        # mapped (spawned ranks and torchrun workers do it once their device is known).
+        keep_freed_memory(device)
         return _ended(train(config, resume=args.resume, console=Console(soft_wrap=True), progress=progress),
                       config, err)
     import signal
@@ -163,11 +168,13 @@ def _run_torchrun(config, resume: bool, progress: bool) -> int:
     import torch.distributed as dist
     from rich.console import Console
 
-    from moe_fold.training.train import train
+    from moe_fold.launch import keep_freed_memory
+    from moe_fold.training.train import compute_device, train
 
     backend = config.parallel.backend
     if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        cuda = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
+        backend = "nccl" if cuda else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # A group that torchrun restarted (--max-restarts) continues the run: starting over would
@@ -181,6 +188,7 @@ def _run_torchrun(config, resume: bool, progress: bool) -> int:
     dist.init_process_group(backend, store=dist.PrefixStore(f"moe-fold/attempt_{attempt}", store), rank=rank,
                             world_size=world, timeout=timeout)
     try:
+        keep_freed_memory(compute_device(config))
         rank0 = rank == 0
         result = train(config, resume=resume, console=Console(soft_wrap=True) if rank0 else None,
                        progress=progress and sys.stdout.isatty())

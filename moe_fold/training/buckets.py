@@ -41,7 +41,6 @@ the float32 bucket, reduced there, and cleared.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
@@ -51,6 +50,7 @@ from torch import nn
 from moe_fold.comm import Pending, all_reduce_async_, reduce_scatter_async
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.tensor_parallel import PARALLEL_KINDS
+from moe_fold.training.wait_timer import WaitTimer
 
 __all__ = ["SYNC_GROUP", "DEFAULT_BUCKET_NUMEL", "ALIGN", "Slice", "Bucket", "param_kind", "shard_sizes",
            "make_buckets", "model_chunks", "model_buckets", "GradSync"]
@@ -222,7 +222,7 @@ class GradSync:
         self.buckets, self.groups, self.overlap = buckets, groups, overlap
         self.sources = sources or {}
         self.scale = 1.0 / groups.size("dp_cp")
-        self.exposed_s = 0.0
+        self._exposed = WaitTimer()
         self._bucket_of: dict[int, int] = {}
         for i, bucket in enumerate(buckets):
             for p in bucket.params:
@@ -238,6 +238,11 @@ class GradSync:
                     continue  # deferred: final only after the tied copies' sum
                 for p in bucket.params:
                     self._source(p).register_post_accumulate_grad_hook(self._on_grad)
+
+    @property
+    def exposed_s(self) -> float:
+        """Seconds the computation waited for the reductions (CUDA events on a GPU: wait_timer.py)."""
+        return self._exposed.seconds
 
     def _source(self, p: nn.Parameter) -> nn.Parameter:
         return self.sources.get(p, p)
@@ -313,11 +318,10 @@ class GradSync:
         pending = self._pending.pop(i, None)
         if pending is None:
             return
-        begin = time.perf_counter()
-        reduced = pending.wait()
-        self.exposed_s += time.perf_counter() - begin
-        reduced.mul_(self.scale)
         bucket = self.buckets[i]
+        with self._exposed.waiting(bucket.params[0].device):
+            reduced = pending.wait()
+        reduced.mul_(self.scale)
         for p, offset in zip(bucket.params, bucket.offsets):
             src = self._source(p)
             if src is not p:

@@ -72,6 +72,7 @@ from torch import nn
 
 from moe_fold.config import Config, dump_config
 from moe_fold.layout import ProcessGroups
+from moe_fold.training.host_staging import Staged, StagingArena
 from moe_fold.training.optim import AdamW, LRScheduler
 from moe_fold.parallel.sharding import ShardInfo, box, buffer_info, flat_boxes, intersect, shard_info
 
@@ -386,8 +387,10 @@ class CheckpointSaver:
     ``save`` is a collective (every rank calls it at the same step). Synchronously
     (``async_save=False``) it returns once the checkpoint is complete on every rank, the
     pieces streamed from the live tensors (no second copy of the model). Asynchronously
-    it returns after a host copy of this rank's pieces (into buffers kept for the next
-    save: one host copy of the rank's share of the model and optimizer state) and the
+    it returns after a host copy of this rank's pieces (into one staging arena kept for
+    the next save: one host copy of the rank's share of the model and optimizer state,
+    pinned on a GPU, the copies waited for by the writer through a CUDA event:
+    :mod:`moe_fold.training.host_staging`) and the
     small collectives that agree on the directory and the index; a background thread
     writes the files and, on rank 0, the index and the rename. Training changes the
     tensors meanwhile; the copy is what gets written.
@@ -414,7 +417,7 @@ class CheckpointSaver:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._pending: Optional[Path] = None
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._arena = StagingArena()  # the host copy of async saves, reused across saves
 
     @property
     def pending(self) -> Optional[Path]:
@@ -458,7 +461,8 @@ class CheckpointSaver:
                 records.append({"name": entry.name, "key": key, "file": shard_name, "offsets": list(offsets),
                                 "sizes": list(sizes)})
         if self.async_save:
-            pieces = self._host_copy(pieces)
+            staged = self._arena.stage(pieces)
+            pieces = staged.pieces
         meta = {e.name: {"shape": list(e.info.global_shape), "dtype": str(e.data.dtype).removeprefix("torch.")}
                 for e in entries}
         gathered = _gather((records, meta), world, rank)
@@ -469,7 +473,7 @@ class CheckpointSaver:
             _barrier(world)
             return final
         self._pending, self._error = final, None
-        self._thread = threading.Thread(target=self._background, args=(job,), name=f"checkpoint-{step}")
+        self._thread = threading.Thread(target=self._background, args=(job, staged), name=f"checkpoint-{step}")
         self._thread.start()
         return final
 
@@ -489,22 +493,9 @@ class CheckpointSaver:
             raise CheckpointError(f"saving checkpoint {path} failed: {error}") from error
         return path
 
-    def _host_copy(self, pieces: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """The pieces copied into this saver's host buffers (pinned when from a GPU)."""
-        copies = []
-        for key, view in pieces:
-            buffer = self._buffers.get(key)
-            if buffer is None or buffer.shape != view.shape or buffer.dtype != view.dtype:
-                buffer = torch.empty(view.shape, dtype=view.dtype, pin_memory=view.is_cuda)
-                self._buffers[key] = buffer
-            buffer.copy_(view, non_blocking=view.is_cuda)
-            copies.append((key, buffer))
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        return copies
-
-    def _background(self, job: _Pending) -> None:
+    def _background(self, job: _Pending, staged: Staged) -> None:
         try:
+            staged.wait()  # the device-to-host copies (CUDA events; nothing on CPU)
             self._write(job)
         except BaseException as err:  # noqa: BLE001 - handed to the main thread by wait()
             self._error = err

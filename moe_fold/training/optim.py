@@ -38,7 +38,6 @@ layout takes the same step (torch would skip the parameter).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -54,6 +53,7 @@ from moe_fold.training.buckets import (
 from moe_fold.training.grads import (
     clip_grad_norm_, clip_sharded_grads_, grad_norm, sharded_grad_norm, sum_expert_copies,
 )
+from moe_fold.training.wait_timer import WaitTimer
 
 __all__ = [
     "SHARD_GROUP", "ALIGN", "decays", "param_groups", "adamw_update_", "AdamW", "lr_at", "LRScheduler",
@@ -156,7 +156,7 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError("targets are for the distributed optimizer (without it, copy the parameters after "
                              "the step: MasterWeights.master_to_model)")
         self.step_count = 0
-        self.gather_wait_s = 0.0
+        self._gather_wait = WaitTimer()
         self._group_of = {id(p): group for group in self.param_groups for p in group["params"]}
         self.buckets: list[Bucket] = []
         if distributed:
@@ -176,6 +176,11 @@ class AdamW(torch.optim.Optimizer):
                 shape = p.shape if not distributed else (stop - start,)
                 self.state[p] = {"exp_avg": torch.zeros(shape, dtype=p.dtype, device=p.device),
                                  "exp_avg_sq": torch.zeros(shape, dtype=p.dtype, device=p.device)}
+
+    @property
+    def gather_wait_s(self) -> float:
+        """Seconds the computation waited for parameter all-gathers (CUDA events on a GPU)."""
+        return self._gather_wait.seconds
 
     def state_slice(self, param: nn.Parameter) -> tuple[int, int]:
         """``(start, stop)``: the elements of ``param`` flattened whose moments this rank holds."""
@@ -215,10 +220,9 @@ class AdamW(torch.optim.Optimizer):
         pending = self._gathers.pop(i, None)
         if pending is None:
             return
-        begin = time.perf_counter()
-        full = pending.wait()  # [bucket numel]
-        self.gather_wait_s += time.perf_counter() - begin
         bucket = self.buckets[i]
+        with self._gather_wait.waiting(bucket.params[0].device):
+            full = pending.wait()  # [bucket numel]
         for p, offset in zip(bucket.params, bucket.offsets):
             p.view(-1).copy_(full[offset:offset + p.numel()])
         self._to_targets(bucket)

@@ -173,13 +173,25 @@ def _experts_act_recomputed(experts: nn.Module) -> Callable:
 
 # --------------------------------------------------------------------------- the loop
 
-def _device(config: Config) -> torch.device:
-    """CUDA under NCCL (one GPU per rank, LOCAL_RANK), and in a single process when a GPU
-    is there and parallel.backend is not gloo; CPU otherwise (gloo ranks)."""
-    if dist.is_available() and dist.is_initialized():
-        cuda = dist.get_backend() == "nccl"
+def compute_device(config: Config) -> torch.device:
+    """The device this rank computes on (``train.device``). ``cpu`` and ``cuda`` are
+    explicit; ``auto`` is CUDA under NCCL (one GPU per rank, LOCAL_RANK) and, in a single
+    process, when a GPU is visible and ``parallel.backend`` is not gloo; CPU otherwise
+    (gloo ranks). Raises ConfigError for a choice this process cannot honour, before any
+    work: ``cuda`` where no GPU is visible, or a device the process group cannot reduce."""
+    setting = config.train.device
+    distributed = dist.is_available() and dist.is_initialized()
+    backend = dist.get_backend() if distributed else None
+    if setting == "auto":
+        cuda = backend == "nccl" if distributed else torch.cuda.is_available() and config.parallel.backend != "gloo"
     else:
-        cuda = torch.cuda.is_available() and config.parallel.backend != "gloo"
+        cuda = setting == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise ConfigError([f"train.device={setting} needs CUDA, but torch.cuda.is_available() is False "
+                           f"(torch {torch.__version__}, CUDA build {torch.version.cuda})"])
+    if distributed and cuda != (backend == "nccl"):
+        raise ConfigError([f"train.device={setting} computes on {'CUDA' if cuda else 'the CPU'}, but the process "
+                           f"group is {backend}: NCCL reduces CUDA tensors, gloo runs CPU ranks"])
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
 
 
@@ -250,7 +262,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     check_trainable(config, world)
     t = config.train
-    device = _device(config)
+    device = compute_device(config)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _set_determinism(config, device)
