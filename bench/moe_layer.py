@@ -411,7 +411,7 @@ def bench_shape(shape: dict, args) -> None:
 def rank_main(rank: int, world_size: int, shapes: list[dict], args) -> list[dict]:
     """One ep rank's part of :func:`bench_ep`: ``ms`` of each candidate per shape (rank 0's
     medians of the slowest rank's times)."""
-    kept = keep_freed_memory()
+    kept = keep_freed_memory("cpu")  # gloo ranks
     groups = create_process_groups(ParallelLayout(world_size, ep=world_size))
     results = []
     for shape in shapes:
@@ -483,7 +483,7 @@ def main(argv=None) -> None:
                 raise SystemExit(f"--ep {ep}: shape {shape['tokens']}x{shape['hidden']}x{shape['ffn']}x"
                                  f"{shape['experts']}x{shape['topk']} has {shape['experts']} experts, "
                                  f"not divisible by {ep}")
-    args.keeps_freed_memory = keep_freed_memory()
+    args.keeps_freed_memory = keep_freed_memory("cpu")  # every candidate runs on the CPU
     torch.set_num_threads(args.threads)
     for ep in eps:
         if ep == 1:

@@ -1,0 +1,284 @@
+"""The GPU proof in one command: the gpu tests, the kernel benches and one MoE layer on
+the GPU, summed up in one table (docs/gpu.md says what each row means).
+
+    python bench/gpu_smoke.py [--shapes 8192x2048x1024x8x2,8192x2048x512x64x8] [--rounds 7]
+                              [--skip-tests] [--skip-benches]
+
+Rows: the device; torch, triton, CUDA and driver versions; the backend each kernel's
+``auto`` resolves to for bfloat16 and float32 inputs (``resolve_backend`` of each module
+of :data:`BACKEND_MODULES`); pass/fail of each group of gpu tests (``pytest -m gpu``, run
+compiled in a process of their own: tests/gpu_support.py); bench/gemm.py and
+bench/permute.py on the GPU in bfloat16; and per MoE layer shape (``tokens x hidden x
+ffn x experts x topk``, bfloat16, :func:`bench.moe_layer.build_ours`): the host
+synchronisations of one forward and of its backward, counted by
+``torch.cuda.set_sync_debug_mode`` (each CUDA call that blocks the host), and the ms of
+forward + backward against the same expert GEMMs done by ``torch._grouped_mm`` on equal
+groups (``dense``: the grouped GEMM FLOPs with no routing, permutation or imbalance),
+``overhead_vs_dense`` = ours / dense. Times are CUDA-event medians over ``--rounds``.
+
+Exit code: 0 every test passed, 1 a test group failed (the table is printed all the
+same), 2 no CUDA device: nothing is run, and the reason is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+import gpu_support  # noqa: E402
+import torch  # noqa: E402
+
+# Kernel -> the module whose resolve_backend(backend, x) says what "auto" runs; a kernel
+# whose module has no resolve_backend yet says so in its row.
+BACKEND_MODULES = {
+    "gemm": "moe_fold.kernels.gmm",
+    "swiglu": "moe_fold.kernels.swiglu",
+    "permute": "moe_fold.kernels.permute",
+    "router top-k": "moe_fold.kernels.topk_triton",
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def no_cuda_reason() -> Optional[str]:
+    """Why nothing can run here (None: a GPU is visible)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return gpu_support.cuda_missing_reason(torch.__version__, torch.version.cuda, count)
+
+
+# --------------------------------------------------------------------------- rows
+
+def device_rows() -> list[tuple[str, str]]:
+    props = torch.cuda.get_device_properties(0)
+    return [("device", f"{props.name}, sm{props.major}{props.minor}, {props.total_memory / 2**30:.1f} GiB, "
+                       f"{torch.cuda.device_count()} visible; host {platform.node()}")]
+
+
+def _driver_version() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({type(e).__name__}: nvidia-smi)"
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def version_rows() -> list[tuple[str, str]]:
+    import triton
+
+    return [("versions", f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
+                         f"driver {_driver_version()}, python {platform.python_version()}")]
+
+
+def backend_rows() -> list[tuple[str, str]]:
+    rows = []
+    for kernel, name in BACKEND_MODULES.items():
+        resolve = getattr(importlib.import_module(name), "resolve_backend", None)
+        if resolve is None:
+            rows.append((f"auto backend: {kernel}", f"({name} has no resolve_backend)"))
+            continue
+        picks = []
+        for label, dtype in DTYPES.items():
+            x = torch.zeros(64, 128, device="cuda", dtype=dtype)
+            try:
+                picks.append(f"{label} -> {resolve('auto', x)}")
+            except Exception as e:  # noqa: BLE001 - the row reports it
+                picks.append(f"{label} -> error {type(e).__name__}: {e}")
+        rows.append((f"auto backend: {kernel}", ", ".join(picks)))
+    return rows
+
+
+def group_outcomes(outcomes: dict) -> dict[str, dict[str, int]]:
+    """``{nodeid: {"outcome": ...}}`` -> ``{"file::test": {"passed": n, "failed": n, "skipped": n}}``
+    (the parameter sets of one test function are one group)."""
+    groups: dict[str, dict[str, int]] = {}
+    for nodeid, got in sorted(outcomes.items()):
+        path, _, name = nodeid.partition("::")
+        key = f"{Path(path).stem}::{name.split('[')[0]}"
+        counts = groups.setdefault(key, {"passed": 0, "failed": 0, "skipped": 0})
+        counts[got["outcome"]] += 1
+    return groups
+
+
+def test_rows() -> tuple[list[tuple[str, str]], bool, str]:
+    """One row per group of gpu tests; whether all ran and passed; pytest's output."""
+    with tempfile.TemporaryDirectory(prefix="moe-fold-gpu-smoke-") as tmp:
+        report = Path(tmp) / "report.json"
+        env = {**gpu_support.host_environ(dict(os.environ)), gpu_support.REPORT_ENV: str(report)}
+        proc = subprocess.run([sys.executable, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rs",
+                               "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=3600)
+        outcomes = json.loads(report.read_text()) if report.is_file() else {}
+    output = proc.stdout + proc.stderr
+    if not outcomes:
+        return [("tests", f"FAIL: pytest reported nothing (exit {proc.returncode})")], False, output
+    rows = []
+    for group, c in group_outcomes(outcomes).items():
+        total = sum(c.values())
+        verdict = "FAIL" if c["failed"] else ("PASS" if c["passed"] else "SKIP")
+        rows.append((f"tests {group}", f"{verdict} {c['passed']}/{total} passed"
+                                       + (f", {c['failed']} failed" if c["failed"] else "")
+                                       + (f", {c['skipped']} skipped" if c["skipped"] else "")))
+    ok = proc.returncode == 0 and all(c["failed"] == 0 for c in group_outcomes(outcomes).values())
+    return rows, ok, output
+
+
+def _bench_lines(script: str, args: list[str]) -> list[dict]:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT,
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench/{script} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def kernel_bench_rows() -> list[tuple[str, str]]:
+    rows = []
+    try:
+        gemm = _bench_lines("gemm.py", ["--device", "cuda", "--dtype", "bfloat16", "--tokens", "8192",
+                                        "--hidden", "2048", "--ffn", "1024", "--experts", "8", "--topk", "2"])
+        for routing in ("balanced", "skewed"):
+            cells = [f"{r['backend']}->{r['resolved']} {r['ms']:.3f} ms ratio_to_dense {r['ratio_to_dense']:.2f}"
+                     for r in gemm if r["routing"] == routing]
+            rows.append((f"bench gemm bf16 {routing}", "; ".join(cells)))
+    except (RuntimeError, KeyError, subprocess.TimeoutExpired) as e:
+        rows.append(("bench gemm", f"FAIL: {e}"))
+    try:
+        permute = _bench_lines("permute.py", ["--device", "cuda", "--dtype", "bfloat16", "--backends", "torch,triton"])
+        for step in ("forward", "forward_backward"):
+            cells = [f"{r['backend']} {r['ms']:.3f} ms ({r['ratio_to_copy']:.2f}x copy)"
+                     for r in permute if r["pass"] == step]
+            rows.append((f"bench permute bf16 {step}", "; ".join(cells)))
+    except (RuntimeError, KeyError, subprocess.TimeoutExpired) as e:
+        rows.append(("bench permute", f"FAIL: {e}"))
+    return rows
+
+
+def count_host_syncs(fn: Callable[[], object]) -> int:
+    """CUDA calls that block the host during ``fn()`` (torch.cuda.set_sync_debug_mode)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing CUDA operation" in str(w.message) for w in caught)
+
+
+def cuda_ms(fn: Callable[[], object], rounds: int, iters: int = 3) -> float:
+    """Median over ``rounds`` of the mean CUDA-event time of ``iters`` calls, in ms."""
+    fn()  # warm-up: compilation, allocator, autotuning
+    samples = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    return statistics.median(samples)
+
+
+def _grouped_mm_dense_step(shape: dict) -> Callable[[], object]:
+    """fc1 -> SwiGLU -> fc2 and its backward by torch._grouped_mm on ``tokens * topk`` rows in
+    equal groups: the expert GEMMs' FLOPs with no routing, permutation or imbalance."""
+    e, h, f = shape["experts"], shape["hidden"], shape["ffn"]
+    rows = shape["tokens"] * shape["topk"] // e * e
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(rows, h, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+    w1 = (torch.randn(e, h, 2 * f, generator=gen) * 0.02).to("cuda", torch.bfloat16).requires_grad_()
+    w2 = (torch.randn(e, f, h, generator=gen) * 0.02).to("cuda", torch.bfloat16).requires_grad_()
+    grad = torch.randn(rows, h, generator=gen).to("cuda", torch.bfloat16)
+    offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * (rows // e)
+
+    def step():
+        gate, up = torch._grouped_mm(x, w1, offs=offs).chunk(2, dim=-1)  # [rows, H] -> [rows, F] each
+        y = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2, offs=offs)  # [rows, H]
+        return torch.autograd.grad(y, [x, w1, w2], grad)
+
+    return step
+
+
+def moe_layer_rows(shapes: list[dict], rounds: int) -> list[tuple[str, str]]:
+    from bench.moe_layer import build_ours
+
+    rows = []
+    for shape in shapes:
+        name = "x".join(str(shape[k]) for k in ("tokens", "hidden", "ffn", "experts", "topk"))
+        layer = build_ours(shape).to("cuda", torch.bfloat16)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(shape["tokens"], shape["hidden"], generator=gen).to("cuda", torch.bfloat16)
+        x.requires_grad_()
+        grad = torch.randn(shape["tokens"], shape["hidden"], generator=gen).to("cuda", torch.bfloat16)
+        params = [x, *layer.parameters()]
+
+        def step():
+            return torch.autograd.grad(layer(x), params, grad)
+
+        step()  # warm-up: first-call syncs (compilation, caches) are not the layer's
+        held = {}
+        forward = count_host_syncs(lambda: held.setdefault("out", layer(x)))
+        backward = count_host_syncs(lambda: torch.autograd.grad(held["out"], params, grad))
+        rows.append((f"host syncs / MoE layer {name}", f"forward {forward}, backward {backward}"))
+        ours, dense = cuda_ms(step, rounds), cuda_ms(_grouped_mm_dense_step(shape), rounds)
+        rows.append((f"ms / MoE layer {name} bf16 fwd+bwd",
+                     f"ours {ours:.3f}, torch._grouped_mm dense {dense:.3f}, overhead_vs_dense {ours / dense:.2f}"))
+    return rows
+
+
+def render(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    lines = [f"| {'row'.ljust(width)} | result |", f"|{'-' * (width + 2)}|--------|"]
+    lines += [f"| {k.ljust(width)} | {v} |" for k, v in rows]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="8192x2048x1024x8x2,8192x2048x512x64x8",
+                   help="MoE layer shapes, tokens x hidden x ffn x experts x topk (comma list)")
+    p.add_argument("--rounds", type=int, default=7, help="timing rounds (median reported)")
+    p.add_argument("--skip-tests", action="store_true", help="no gpu tests (benches only)")
+    p.add_argument("--skip-benches", action="store_true", help="no kernel benches (tests and MoE layer only)")
+    args = p.parse_args(argv)
+    # The kernels must compile: Triton reads this when they are defined (imported below).
+    os.environ.pop("TRITON_INTERPRET", None)
+    reason = no_cuda_reason()
+    if reason is not None:
+        print(f"gpu_smoke: no CUDA device here, nothing was run: {reason}", file=sys.stderr)
+        return 2
+    from bench.moe_layer import parse_shape
+
+    shapes = [parse_shape(s) for s in args.shapes.split(",")]
+    rows = device_rows() + version_rows() + backend_rows()
+    ok, output = True, ""
+    if not args.skip_tests:
+        test_table, ok, output = test_rows()
+        rows += test_table
+    if not args.skip_benches:
+        rows += kernel_bench_rows()
+    rows += moe_layer_rows(shapes, args.rounds)
+    print(render(rows))
+    if not ok:
+        print(f"\ngpu tests failed; pytest's output ends with:\n{output[-6000:]}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
