@@ -51,6 +51,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
     elif not gpu_support.on_gpu_process():
         _GPU_CHILD = gpu_support.GpuChild([item.nodeid for item in gpu])
+        for item in gpu:  # the first one reached waits for the whole child run
+            item.add_marker(pytest.mark.timeout(gpu_support.CHILD_TIMEOUT_S))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -33,6 +33,7 @@ REPORT_ENV = "MOE_FOLD_GPU_TEST_REPORT"
 # ("unset" when it was not set).
 HOST_DEVICES_ENV = "MOE_FOLD_HOST_CUDA_VISIBLE_DEVICES"
 ROOT = Path(__file__).resolve().parents[1]
+CHILD_TIMEOUT_S = 3600  # every gpu test, compiled kernels and three torchrun runs included
 
 
 def on_gpu_process() -> bool:
@@ -120,7 +121,7 @@ class GpuChild:
             env = {**host_environ(dict(os.environ)), REPORT_ENV: str(report)}
             proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
                                    *self.nodeids], cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=3600)
+                                  timeout=CHILD_TIMEOUT_S)
             self._output = proc.stdout + proc.stderr
             self._outcomes = json.loads(report.read_text()) if report.is_file() else {}
 

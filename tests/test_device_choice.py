@@ -126,3 +126,11 @@ def test_train_command_refuses_cuda_without_a_gpu(capsys, tmp_path):
             "--set", f"train.run_dir={tmp_path}"]
     assert cli.main(argv) == 2
     assert "train.device=cuda needs CUDA, but torch.cuda.is_available() is False" in capsys.readouterr().err
+
+
+def test_train_command_refuses_cuda_on_spawned_gloo_ranks(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    argv = ["train", "--config", "mixtral-tiny", "--nproc", "2", "--set", "train.device=cuda",
+            "--set", f"train.run_dir={tmp_path}"]
+    assert cli.main(argv) == 2
+    assert "train.device=cuda cannot run on the gloo ranks of --nproc=2" in capsys.readouterr().err
