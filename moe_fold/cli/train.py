@@ -113,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:  # ConfigError, HFConfigError, unreadable files
         err.print(f"error: {e}", markup=False, highlight=False)
         return 2
+    if torchrun is None and world > 1 and config.train.device == "cuda":
+        err.print(f"error: train.device=cuda cannot run on the gloo ranks of --nproc={world} (they compute on the "
+                  f"CPU); start GPU ranks with torchrun (NCCL)")
+        return 2
     progress = not args.no_progress
     if torchrun is not None:
         return _run_torchrun(config, args.resume, progress)
