@@ -32,6 +32,7 @@ def pytest_configure(config):
         _RECORDER = gpu_support.OutcomeRecorder(os.environ[gpu_support.REPORT_ENV])
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: the gpu child runs the selected ones only
 def pytest_collection_modifyitems(config, items):
     """gpu tests: skipped with the reason where the host has no usable CUDA; else run by
     this process (the GPU one) or by its gpu child (the CPU one). The GPU process runs
