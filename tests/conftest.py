@@ -61,11 +61,7 @@ def pytest_pyfunc_call(pyfuncitem):
     """In the CPU process, a gpu test reports its outcome in the gpu child."""
     if _GPU_CHILD is None or not pyfuncitem.get_closest_marker("gpu"):
         return None
-    got = _GPU_CHILD.outcome(pyfuncitem.nodeid)
-    if got["outcome"] == "skipped":
-        pytest.skip(got["text"])
-    if got["outcome"] == "failed":
-        pytest.fail(f"failed on the GPU (in the gpu child process):\n{got['text']}", pytrace=False)
+    gpu_support.report(_GPU_CHILD.outcome(pyfuncitem.nodeid))
     return True
 
 

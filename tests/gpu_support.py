@@ -126,6 +126,16 @@ class GpuChild:
             self._outcomes = json.loads(report.read_text()) if report.is_file() else {}
 
 
+def report(got: dict) -> None:
+    """Make this test's outcome the child's: ``got`` from :meth:`GpuChild.outcome`."""
+    import pytest
+
+    if got["outcome"] == "skipped":
+        pytest.skip(got["text"])
+    if got["outcome"] != "passed":
+        pytest.fail(f"failed on the GPU (in the gpu child process):\n{got['text']}", pytrace=False)
+
+
 class OutcomeRecorder:
     """In the gpu child: each test's outcome, written as JSON at the end of the session."""
 

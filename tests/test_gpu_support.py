@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 import gpu_support
@@ -56,6 +57,15 @@ def test_gpu_tests_skip_here_with_the_reason():
     assert got == {"outcome": "skipped", "text": gpu_support.host_cuda_missing_reason()}
     assert "needs CUDA" in got["text"]
     assert child.outcome("tests/test_x.py::nothing")["outcome"] == "failed"
+
+
+def test_the_childs_outcome_becomes_the_tests():
+    gpu_support.report({"outcome": "passed", "text": ""})
+    with pytest.raises(pytest.skip.Exception, match="needs CUDA: x"):
+        gpu_support.report({"outcome": "skipped", "text": "needs CUDA: x"})
+    for outcome in ("failed", "error"):
+        with pytest.raises(pytest.fail.Exception, match="failed on the GPU .*\n1 != 2"):
+            gpu_support.report({"outcome": outcome, "text": "1 != 2"})
 
 
 def _report(nodeid, when, outcome, longrepr=None):
