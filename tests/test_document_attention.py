@@ -257,6 +257,11 @@ def test_dynamic_cp_on_the_flex_path_equals_one_process(model_overrides):
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled flex_attention)")
 
 
+# Head widths of the GPU runs (flex's kernels want at least 16): MHA/GQA 64 and 32,
+# deepseek-v3-tiny's MLA widths (q/k 48, v 32).
+CUDA_WIDTHS = {"gqa-odd": (64, 64), "mla": (48, 32), "mha-long": (32, 32)}
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, dict(rtol=2e-3, atol=2e-3)),
@@ -264,11 +269,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.mark.parametrize("case", list(ONE_RANK))
 def test_cuda_flex_varlen_equals_per_document(case, dtype, tol):
     """The compiled flex kernel, forward and backward, against the per-document reference
-    in float64 on CPU. Head widths are raised to flex's minimum of 16."""
-    row_docs, s, hq, hkv, d, dv = ONE_RANK[case]
+    in float64 on CPU."""
+    row_docs, s, hq, hkv = ONE_RANK[case][:4]
+    d, dv = CUDA_WIDTHS[case]
     ids = doc_ids_of(row_docs, s)
-    q, k, v = _qkv(2, hq, hkv, s, 16 + d, 16 + dv, seed=5)
-    dout = torch.randn(2, hq, s, 16 + dv, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    q, k, v = _qkv(2, hq, hkv, s, d, dv, seed=5)
+    dout = torch.randn(2, hq, s, dv, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     gpu = [t.to("cuda", dtype).requires_grad_() for t in (q, k, v)]
     assert document_kernel(gpu[0].device) == "flex"
     out = varlen_attention(*gpu, ids.cuda())
