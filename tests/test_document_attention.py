@@ -93,12 +93,25 @@ def _qkv(b, hq, hkv, s, d, dv, seed, dtype=torch.float64):
     return [torch.randn(b, h, s, w, generator=gen, dtype=dtype) for h, w in ((hq, d), (hkv, d), (hkv, dv))]
 
 
-# --------------------------------------------------------------------------- the rule
+# --------------------------------------------------------------------------- the rule and the ids' device
 
 def test_kernel_rule_by_device():
     table = {"cpu": "cpu_flash", "cuda": "flex", "cuda:1": "flex", "xpu": "flex"}
     assert {name: document_kernel(torch.device(name)) for name in table} == table
     assert set(table.values()) == set(document_attention.DOCUMENT_KERNELS)
+
+
+def test_batch_to_a_device_keeps_cu_seqlens_on_the_host():
+    """cu_seqlens is read on the host every micro-batch (validation, document ids): moving
+    a batch leaves it there, every other tensor goes ("meta" stands in for a GPU)."""
+    from moe_fold.data.loader import Batch
+    ids = torch.zeros(2, 8, dtype=torch.int64)
+    batch = Batch(ids, ids, torch.ones(2, 8), ids, torch.tensor([0, 3, 8, 16], dtype=torch.int32),
+                  torch.ones(2, 8, dtype=torch.bool))
+    moved = batch.to("meta")
+    assert moved.cu_seqlens.device.type == "cpu" and torch.equal(moved.cu_seqlens, batch.cu_seqlens)
+    for name in ("tokens", "labels", "loss_mask", "positions", "token_mask"):
+        assert getattr(moved, name).device.type == "meta", name
 
 
 # --------------------------------------------------------------------------- flex itself (forward on CPU)
