@@ -83,7 +83,8 @@ def _pipeline_bubble(r: dict):
 
 
 def _attention(r: dict):
-    case = (f"{r['candidate']} ({r['kernel']}) {r['pass']} B{r['batch']} seq{r['seq']} {r['num_docs']} docs "
+    name = f"default ({r['kernel']})" if r["candidate"] == "default" else r["candidate"]
+    case = (f"{name} {r['pass']} B{r['batch']} seq{r['seq']} {r['num_docs']} docs "
             f"heads {r['heads']}/{r['kv_heads']}x{r['head_dim']}")
     return case, r["ms"], [("ratio_vs_loop", _num(r["ratio_vs_loop"]),
                             "time / per-document loop before issue 26 (<1: faster)")]
