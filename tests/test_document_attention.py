@@ -175,32 +175,29 @@ def test_varlen_equals_per_document(kernel, case, monkeypatch):
         torch.testing.assert_close(got, expected)
 
 
-def test_flex_block_backward_shares_sum_to_full_grads():
+def test_flex_block_backward_shares_sum_to_full_grads(monkeypatch):
     """Two key blocks, each backpropagated alone with the FINAL out and lse (the ring's
-    backward): dq sums and dk/dv concatenate to the grads of attention over all keys; the
-    second block has query rows without keys (weight 0, no NaN)."""
-    document_attention.flex_block_attention, saved = dense_block_attention, document_attention.flex_block_attention
-    try:
-        q, k, v = _qkv(1, 4, 2, 12, 6, 5, seed=7)
-        doc = torch.tensor([[0] * 5 + [1] * 7])
-        dout = torch.randn(1, 4, 12, 5, generator=torch.Generator().manual_seed(8), dtype=q.dtype)
-        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-        ref = per_document_reference(qr, kr, vr, doc)
-        ref_grads = torch.autograd.grad(ref, (qr, kr, vr), dout)
-        out, lse = dense_block_attention(q, k, v, doc, doc, True, None)
-        scale = 6 ** -0.5
-        # Block 1: keys 0..5 (causal part of the square block); block 2: keys 6..11 seen
-        # unmasked-by-position from queries 6..11 only, so the split is exact.
-        first = flex_block_backward(dout, q, k[:, :, :6], v[:, :, :6], out, lse, doc, doc[:, :6], True, scale)
-        second = flex_block_backward(dout[:, :, 6:], q[:, :, 6:], k[:, :, 6:], v[:, :, 6:], out[:, :, 6:],
-                                     lse[:, :, 6:], doc[:, 6:], doc[:, 6:], True, scale)
-        dq = first[0].clone()
-        dq[:, :, 6:] += second[0]
-        torch.testing.assert_close(dq, ref_grads[0])
-        torch.testing.assert_close(torch.cat([first[1], second[1]], 2), ref_grads[1])
-        torch.testing.assert_close(torch.cat([first[2], second[2]], 2), ref_grads[2])
-    finally:
-        document_attention.flex_block_attention = saved
+    backward): dq sums and dk/dv concatenate to the grads of attention over all keys. The
+    second document starts after the first block's keys: its query rows see no key there
+    (weight 0, no NaN)."""
+    monkeypatch.setattr(document_attention, "flex_block_attention", dense_block_attention)
+    q, k, v = _qkv(1, 4, 2, 12, 6, 5, seed=7)
+    doc = torch.tensor([[0] * 7 + [1] * 5])
+    dout = torch.randn(1, 4, 12, 5, generator=torch.Generator().manual_seed(8), dtype=q.dtype)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = per_document_reference(qr, kr, vr, doc)
+    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), dout)
+    out, lse = dense_block_attention(q, k, v, doc, doc, True, None)
+    scale = 6 ** -0.5
+    # Block 1: keys 0..5; block 2: keys 6..11, which only queries 6..11 see (causal).
+    first = flex_block_backward(dout, q, k[:, :, :6], v[:, :, :6], out, lse, doc, doc[:, :6], True, scale)
+    second = flex_block_backward(dout[:, :, 6:], q[:, :, 6:], k[:, :, 6:], v[:, :, 6:], out[:, :, 6:],
+                                 lse[:, :, 6:], doc[:, 6:], doc[:, 6:], True, scale)
+    dq = first[0].clone()
+    dq[:, :, 6:] += second[0]
+    torch.testing.assert_close(dq, ref_grads[0])
+    torch.testing.assert_close(torch.cat([first[1], second[1]], 2), ref_grads[1])
+    torch.testing.assert_close(torch.cat([first[2], second[2]], 2), ref_grads[2])
 
 
 # --------------------------------------------------------------------------- cp on gloo ranks
@@ -300,7 +297,7 @@ def test_cuda_flex_varlen_equals_per_document(case, dtype, tol):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_flex_block_lse_and_backward_with_rows_without_keys():
+def test_cuda_flex_block_lse_and_backward_with_rows_without_keys(monkeypatch):
     """The compiled kernel's lse, and the ring's recompute backward through it, against the
     stand-in on CPU, on a block where some query rows see no key."""
     doc_q, doc_k, causal, sq, sk = FLEX_CASES["docs-rows-without-keys"]
@@ -316,10 +313,7 @@ def test_cuda_flex_block_lse_and_backward_with_rows_without_keys():
     torch.testing.assert_close(got_lse.cpu(), lse, rtol=2e-3, atol=2e-3)
     got = flex_block_backward(dout.cuda(), *cuda, out.cuda(), lse_final.cuda(), doc_q.cuda(), doc_k.cuda(),
                               causal, 0.3)
-    document_attention.flex_block_attention, saved = dense_block_attention, document_attention.flex_block_attention
-    try:
-        expected = flex_block_backward(dout, q, k, v, out, lse_final, doc_q, doc_k, causal, 0.3)
-    finally:
-        document_attention.flex_block_attention = saved
+    monkeypatch.setattr(document_attention, "flex_block_attention", dense_block_attention)
+    expected = flex_block_backward(dout, q, k, v, out, lse_final, doc_q, doc_k, causal, 0.3)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g.cpu(), e, rtol=2e-3, atol=2e-3)
