@@ -9,7 +9,7 @@ prints JSON lines on stdout; every line becomes one record, with ``suite_case`` 
 "start"}`` record (date, commit, load average, versions) and ends with an ``"end"`` one
 (seconds and outcome per case).
 
-Sizes: ``full`` finishes in a few minutes on a loaded 2-core CPU machine (15 cases; the 13
+Sizes: ``full`` finishes in a few minutes on a loaded 2-core CPU machine (17 cases; the 13
 before bench/placement.py and bench/checkpoint.py joined took about 210 s at load average 7-19;
 the checkpoint stall at 107M parameters writes about 10 GB: 2-3 minutes more), ``quick`` runs
 cases at smaller shapes (170 s there for the 9 before them: each
@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-BENCHES = ("dispatch", "gemm", "permute", "moe_layer", "pipeline_bubble", "cp_attention", "dynamic_cp", "placement",
-           "overlap", "train", "checkpoint")
+BENCHES = ("dispatch", "gemm", "permute", "moe_layer", "pipeline_bubble", "attention", "cp_attention", "dynamic_cp",
+           "placement", "overlap", "train", "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,16 @@ def _pipeline_cases(size: str) -> list[Case]:
                                                 "--forward-ms", forward_ms, "--repeats", repeats))]
 
 
+def _attention_cases(size: str) -> list[Case]:
+    # Few long documents, then many short ones: where the per-document loop pays the most.
+    seq, docs, repeats = {
+        "smoke": ("64", ("32", "8"), "1"),
+        "quick": ("1024", ("512", "32"), "3"),
+        "full": ("4096", ("2048", "64"), "5"),
+    }[size]
+    return [Case("attention", f"seq{seq}-docs{d}", ("--seq", seq, "--docs", d, "--repeats", repeats)) for d in docs]
+
+
 def _cp_cases(size: str) -> list[Case]:
     seq, heads, kv_heads, head_dim, cps, repeats = {
         "smoke": ("64", "2", "1", "16", "2", "1"),
@@ -182,8 +192,8 @@ def cases(size: str) -> list[Case]:
     if size not in ("smoke", "quick", "full"):
         raise ValueError(f"size={size!r} is not one of smoke, quick, full")
     return [*_dispatch_cases(size), *_gemm_cases(size), *_permute_cases(size), *_moe_layer_cases(size),
-            *_pipeline_cases(size), *_cp_cases(size), *_dynamic_cp_cases(size), *_placement_cases(size),
-            *_overlap_cases(size), *_train_cases(size), *_checkpoint_cases(size)]
+            *_pipeline_cases(size), *_attention_cases(size), *_cp_cases(size), *_dynamic_cp_cases(size),
+            *_placement_cases(size), *_overlap_cases(size), *_train_cases(size), *_checkpoint_cases(size)]
 
 
 def select(all_cases: list[Case], only: str | None) -> list[Case]:

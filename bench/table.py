@@ -82,6 +82,14 @@ def _pipeline_bubble(r: dict):
     ]
 
 
+def _attention(r: dict):
+    name = f"default ({r['kernel']})" if r["candidate"] == "default" else r["candidate"]
+    case = (f"{name} {r['pass']} B{r['batch']} seq{r['seq']} {r['num_docs']} docs "
+            f"heads {r['heads']}/{r['kv_heads']}x{r['head_dim']}")
+    return case, r["ms"], [("ratio_vs_loop", _num(r["ratio_vs_loop"]),
+                            "time / per-document loop before issue 26 (<1: faster)")]
+
+
 def _cp_attention(r: dict):
     case = f"{r['kind']} cp{r['cp']} seq{r['seq']} heads {r['heads']}/{r['kv_heads']}x{r['head_dim']}"
     return case, r["ms"], [("ratio_to_single", _num(r["ratio_to_single"]),
@@ -153,7 +161,8 @@ def _other(r: dict):
 
 
 ROWS = {"dispatch": _dispatch, "gemm": _gemm, "permute": _permute, "moe_layer": _moe_layer,
-        "pipeline_bubble": _pipeline_bubble, "cp_attention": _cp_attention, "dynamic_cp": _dynamic_cp,
+        "pipeline_bubble": _pipeline_bubble, "attention": _attention, "cp_attention": _cp_attention,
+        "dynamic_cp": _dynamic_cp,
         "placement": _placement, "overlap": _overlap,
         "train": _train, "checkpoint": _checkpoint}
 

@@ -230,7 +230,9 @@ class Transformer(nn.Module):
         ``(B, S_local)`` of this rank's inputs."""
         B, s_local = local_shape
         cp, tp = self.groups.size("cp"), self.groups.size("tp")
-        doc_ids = doc_ids_from_cu_seqlens(cu_seqlens, B, s_local * cp)
+        doc_ids = doc_ids_from_cu_seqlens(cu_seqlens, B, s_local * cp)  # on cu_seqlens' device (the host)
+        if doc_ids is not None:
+            doc_ids = doc_ids.to(next(self.parameters()).device, non_blocking=True)
         if token_mask is not None and bool(token_mask.all()):
             token_mask = None
         mask = router_token_mask(token_mask, self.groups.rank_in("tp"), tp, self.config.parallel.sequence_parallel)

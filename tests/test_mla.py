@@ -20,7 +20,7 @@ from moe_fold.models.mla import MLAttention
 from moe_fold.models.rotary import YaRN, rotary_cos_sin, yarn_of
 from moe_fold.parallel.varlen import sdpa, varlen_attention
 from moe_fold.parallel.ring_attention import (
-    _math_backward, _math_forward, block_attention_backward, block_attention_forward,
+    block_attention_backward, block_attention_forward,
 )
 
 # MLA at test sizes (used by the layout-invariance tests too): 4 heads, q/kv ranks 12/10,
@@ -163,19 +163,23 @@ def test_mla_layer_equals_the_formula(q_lora):
 @pytest.mark.parametrize("d,dv", [(10, 5), (6, 11)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_block_kernel_takes_another_value_width(d, dv, causal):
-    """The CPU block kernel (padded to one width) equals the matmul block, forward and backward."""
+    """The CPU block kernel (padded to one width) equals an explicit softmax, forward (out
+    and log-sum-exp) and backward (autograd of the explicit softmax)."""
     gen = torch.Generator().manual_seed(2)
-    q = torch.randn(2, 4, 6, d, generator=gen, dtype=torch.float64)
-    k = torch.randn(2, 2, 6, d, generator=gen, dtype=torch.float64)
-    v = torch.randn(2, 2, 6, dv, generator=gen, dtype=torch.float64)
-    out, lse = block_attention_forward(q, k, v, causal, 0.3)
-    ref_out, ref_lse = _math_forward(q, k, v, causal, 0.3)
+    q = torch.randn(2, 4, 6, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 6, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 6, dv, generator=gen, dtype=torch.float64, requires_grad=True)
+    out, lse = block_attention_forward(q.detach(), k.detach(), v.detach(), causal, 0.3)
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.3  # [B, Hq, S, S]
+    if causal:
+        scores = scores.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), -math.inf)
+    ref_out = scores.softmax(-1) @ v.repeat_interleave(2, 1)
     assert out.shape == (2, 4, 6, dv)
-    torch.testing.assert_close(out, ref_out)
-    torch.testing.assert_close(lse, ref_lse)
+    torch.testing.assert_close(out, ref_out.detach())
+    torch.testing.assert_close(lse, scores.logsumexp(-1).detach())
     dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    for got, ref in zip(block_attention_backward(dout, q, k, v, out, lse, causal, 0.3),
-                        _math_backward(dout, q, k, v, out, lse, causal, 0.3)):
+    for got, ref in zip(block_attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, causal, 0.3),
+                        torch.autograd.grad(ref_out, (q, k, v), dout)):
         torch.testing.assert_close(got, ref.to(got.dtype))
 
 

@@ -221,8 +221,14 @@ class Batch:
     token_mask: Optional[torch.Tensor] = None
 
     def to(self, device: torch.device | str) -> "Batch":
-        return Batch(*(None if getattr(self, f.name) is None else getattr(self, f.name).to(device, non_blocking=True)
-                       for f in fields(self)))
+        """Every tensor on ``device`` but ``cu_seqlens``, which stays on the host: it is read
+        there (validated and turned into document ids, :meth:`Transformer.documents
+        <moe_fold.models.model.Transformer.documents>`; dynamic cp's plan), and reading it
+        on a GPU would block the host every micro-batch."""
+        def move(name: str, x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return x if x is None or name == "cu_seqlens" else x.to(device, non_blocking=True)
+
+        return Batch(*(move(f.name, getattr(self, f.name)) for f in fields(self)))
 
     def cp_slice(self, cp_rank: int, cp_size: int) -> "Batch":
         """This cp rank's zigzag share of every [B, S] field: [B, S] -> [B, S/cp].

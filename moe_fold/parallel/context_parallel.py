@@ -190,6 +190,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if kind == "ring":
         shards = None
         if doc_ids is not None:
-            shards = torch.stack([zigzag_split(doc_ids, r, cp, dim=1) for r in range(cp)])  # [cp, B, S_local]
+            shards = torch.stack([zigzag_split(doc_ids, r, cp, dim=1)
+                                  for r in range(cp)]).to(q.device)  # [cp, B, S_local]
         return ring_attention(q, k, v, group, causal=causal, scale=scale, doc_shards=shards)
     return _a2a_attention(q, k, v, group, causal, scale, doc_ids)

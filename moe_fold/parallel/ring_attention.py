@@ -20,20 +20,24 @@ Bytes sent per rank and call (``comm`` counter, under the group's kind), with
 accumulation dtype (float32; float64 for float64 inputs): forward ``(cp-1) * kv``;
 backward ``(cp-1) * kv + cp * kv_acc``.
 
-Block kernels: on CPU, aten's fused flash attention for CPU (returns the log-sum-exp and
-takes it back in its backward; handles GQA natively); on any other device a matmul-softmax
-block in float32 (correct everywhere, not fused; a fused CUDA block is future work).
-V's head width may differ from q/k's (MLA: ``v_head_dim`` vs ``qk_nope + qk_rope``). The
-matmul block takes that as it is; the CPU kernel wants one width, so the narrower side
-is padded with zero columns for the call and the result cut back: a zero column of q/k
-adds nothing to a score, a zero column of v gives a zero output column. Only the kernel
-call is padded; the ring moves K and V at their own widths.
+Block kernels (:func:`moe_fold.parallel.document_attention.document_kernel` picks by
+device): on CPU, aten's fused flash attention for CPU (returns the log-sum-exp and takes
+it back in its backward; handles GQA natively); elsewhere one flex_attention call per
+block (compiled on CUDA), which returns the log-sum-exp too; its backward recomputes the
+block (:func:`moe_fold.parallel.document_attention.flex_block_backward`). Neither keeps an
+``S x S`` score matrix. V's head width may differ from q/k's (MLA: ``v_head_dim`` vs
+``qk_nope + qk_rope``). flex takes that as it is; the CPU kernel wants one width, so the
+narrower side is padded with zero columns for the call and the result cut back: a zero
+column of q/k adds nothing to a score, a zero column of v gives a zero output column.
+Only the kernel call is padded; the ring moves K and V at their own widths.
 
 Packed documents: with ``doc_shards`` (every cp rank's document ids of its shard) each
-block runs varlen: for every document on both sides, its queries against its keys with
-the same block kernel (causal on the diagonal block), so the work is the documents'
-pairs, not the block's; a block without a shared document is skipped. A query row whose
-document has no keys in a block has lse ``-inf`` there and adds nothing in the merge.
+block is masked to query/key pairs of the same document. flex does it in the one call
+(the block mask skips tiles without a shared document; no host sync). On CPU each block
+runs varlen: for every document on both sides, its queries against its keys with the CPU
+kernel (causal on the diagonal block), so the work is the documents' pairs, not the
+block's; a block without a shared document is skipped. A query row whose document has
+no keys in a block has lse ``-inf`` there and adds nothing in the merge.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from moe_fold.comm import Group, batch_send_recv, group_rank, group_size
+from moe_fold.parallel import document_attention
 from moe_fold.parallel.varlen import pad_head
 
 __all__ = ["ring_attention", "block_attention_forward", "block_attention_backward"]
@@ -59,47 +64,6 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _causal_scores(s, causal):
-    """Scores ``[B, Hkv, g, Sq, Sk]`` with key j > query i at -inf when ``causal``."""
-    if causal:
-        sq, sk = s.shape[-2:]
-        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(), -math.inf)
-    return s
-
-
-def _math_forward(q, k, v, causal, scale):
-    b, hq, sq, d = q.shape
-    hkv, dv = k.shape[1], v.shape[-1]
-    # GQA without copying K/V: the g query heads of one kv head become one batch row.
-    acc = _acc_dtype(q.dtype)
-    qg = q.reshape(b, hkv, hq // hkv, sq, d).to(acc)  # [B, Hkv, g, Sq, D]
-    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale  # [B, Hkv, g, Sq, Sk]
-    s = _causal_scores(s, causal)
-    lse = s.logsumexp(-1)  # [B, Hkv, g, Sq]
-    p = (s - lse.unsqueeze(-1)).exp()
-    out = torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(acc))  # [B, Hkv, g, Sq, Dv]
-    return out.reshape(b, hq, sq, dv).to(q.dtype), lse.reshape(b, hq, sq)
-
-
-def _math_backward(dout, q, k, v, out, lse, causal, scale):
-    b, hq, sq, d = q.shape
-    hkv, v_width = k.shape[1], v.shape[-1]
-    g, acc = hq // hkv, _acc_dtype(q.dtype)
-    qg = q.reshape(b, hkv, g, sq, d).to(acc)  # [B, Hkv, g, Sq, D]
-    dog = dout.reshape(b, hkv, g, sq, v_width).to(acc)  # [B, Hkv, g, Sq, Dv]
-    og = out.reshape(b, hkv, g, sq, v_width).to(acc)
-    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale  # [B, Hkv, g, Sq, Sk]
-    s = _causal_scores(s, causal)
-    p = (s - lse.reshape(b, hkv, g, sq, 1)).exp()
-    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dog)  # [B, Hkv, Sk, Dv]
-    dp = torch.einsum("bhgqd,bhkd->bhgqk", dog, v.to(acc))
-    # rowsum(dO * O) of the final output: the softmax Jacobian term of the whole row.
-    ds = p * (dp - (dog * og).sum(-1, keepdim=True))
-    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k.to(acc)) * scale
-    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, qg) * scale
-    return dq.reshape(b, hq, sq, d), dk, dv
-
-
 def block_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block with its log-sum-exp.
@@ -110,15 +74,13 @@ def block_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     ``[B, Hq, Sq]`` (float32, float64 for float64 inputs: the natural log of the softmax
     denominator of the scaled scores).
     """
-    if q.device.type == "cpu":
-        d, dv = q.shape[-1], v.shape[-1]
-        width = max(d, dv)
-        q, k, v = pad_head(q, width), pad_head(k, width), pad_head(v, width)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale)
-        return out[..., :dv], lse.to(_acc_dtype(q.dtype))
-    return _math_forward(q, k, v, causal, scale)
-
+    if document_attention.document_kernel(q.device) == "flex":
+        return document_attention.flex_block_attention(q, k, v, None, None, causal, scale)
+    d, dv = q.shape[-1], v.shape[-1]
+    width = max(d, dv)
+    q, k, v = pad_head(q, width), pad_head(k, width), pad_head(v, width)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out[..., :dv], lse.to(_acc_dtype(q.dtype))
 
 
 def block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -129,15 +91,14 @@ def block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     With the final statistics the block grads are exact shares of the full grads: summing
     dq over blocks and concatenating dk/dv gives the grads of attention over all keys.
     """
-    if q.device.type == "cpu":
-        d, dv = q.shape[-1], v.shape[-1]
-        width = max(d, dv)
-        dq, dk, dv_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            pad_head(dout, width), pad_head(q, width), pad_head(k, width), pad_head(v, width), pad_head(out, width),
-            lse, 0.0,
-            causal, scale=scale)
-        return dq[..., :d], dk[..., :d], dv_[..., :dv]
-    return _math_backward(dout, q, k, v, out, lse, causal, scale)
+    if document_attention.document_kernel(q.device) == "flex":
+        return document_attention.flex_block_backward(dout, q, k, v, out, lse, None, None, causal, scale)
+    d, dv = q.shape[-1], v.shape[-1]
+    width = max(d, dv)
+    dq, dk, dv_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        pad_head(dout, width), pad_head(q, width), pad_head(k, width), pad_head(v, width), pad_head(out, width),
+        lse, 0.0, causal, scale=scale)
+    return dq[..., :d], dk[..., :d], dv_[..., :dv]
 
 
 # --------------------------------------------------------------------------- the ring
@@ -215,20 +176,25 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, scale, doc_shards):
         cp, rank, nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
+        flex = document_attention.document_kernel(q.device) == "flex"
         out = lse = None
         kb, vb = k, v
         for i in range(cp):
             src = (rank - i) % cp
             rows, kv_rows, masked = _step_blocks(i, src, rank, c, causal)
             bq, bk, bv = _rows(q, rows), _rows(kb, kv_rows), _rows(vb, kv_rows)
+            pieces = None
             if doc_shards is None:
                 blk_out, blk_lse = block_attention_forward(bq, bk, bv, masked, scale)
+            elif flex:  # one call: the document mask skips blocks without a shared document
+                blk_out, blk_lse = document_attention.flex_block_attention(
+                    bq, bk, bv, doc_shards[rank][:, rows], doc_shards[src][:, kv_rows], masked, scale)
             else:
                 pieces = _doc_pieces(doc_shards[rank][:, rows], doc_shards[src][:, kv_rows])
                 blk_out, blk_lse = _pieces_forward(bq, bk, bv, pieces, masked, scale)
             if i == 0:  # step 0 covers every local row (every token sees itself)
                 out, lse = blk_out.to(blk_lse.dtype), blk_lse.clone()
-            elif doc_shards is None or pieces:
+            elif pieces is None or pieces:
                 _merge_(_rows(out, rows), _rows(lse, rows), blk_out, blk_lse)
             if i < cp - 1:
                 kb, vb = batch_send_recv(
@@ -246,6 +212,8 @@ class _RingAttention(torch.autograd.Function):
         group, causal, scale = ctx.group, ctx.causal, ctx.scale
         cp, rank, nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
+        flex = document_attention.document_kernel(q.device) == "flex"
+        doc_shards = ctx.doc_shards
         dout = dout.contiguous()
         acc = _acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -258,13 +226,17 @@ class _RingAttention(torch.autograd.Function):
             rows, kv_rows, masked = _step_blocks(i, src, rank, c, causal)
             args = (_rows(dout, rows), _rows(q, rows), _rows(kb, kv_rows), _rows(vb, kv_rows),
                     _rows(out, rows), _rows(lse, rows))
-            if ctx.doc_shards is None:
-                bq, bk, bv = block_attention_backward(*args, masked, scale)
+            if doc_shards is None or flex:
+                if doc_shards is None:
+                    bq, bk, bv = block_attention_backward(*args, masked, scale)
+                else:
+                    bq, bk, bv = document_attention.flex_block_backward(
+                        *args, doc_shards[rank][:, rows], doc_shards[src][:, kv_rows], masked, scale)
                 _rows(dq, rows).add_(bq)
                 _rows(dk, kv_rows).add_(bk)
                 _rows(dv, kv_rows).add_(bv)
             else:
-                pieces = _doc_pieces(ctx.doc_shards[rank][:, rows], ctx.doc_shards[src][:, kv_rows])
+                pieces = _doc_pieces(doc_shards[rank][:, rows], doc_shards[src][:, kv_rows])
                 _pieces_backward_(_rows(dq, rows), _rows(dk, kv_rows), _rows(dv, kv_rows), *args, pieces,
                                   masked, scale)
             if i < cp - 1:

@@ -11,8 +11,9 @@ Attention must never cross a document boundary. Two representations are used:
   rank of the group holds the same ``doc_ids``; a rank derives the ids of any rank's
   zigzag shard from it without communication (ring attention, block by block).
 - segments: runs of equal ids; :func:`varlen_attention` runs causal attention on each
-  run separately (what a varlen flash kernel does on GPU; here one SDPA call per
-  document, so the work is ``sum(len^2)``, not ``S^2``).
+  run separately: off the CPU one flex_attention call with a document block mask, on
+  CPU one fused SDPA call per document (see :mod:`moe_fold.parallel.document_attention`);
+  either way the work is about ``sum(len^2)``, not ``S^2``.
 
 :class:`Documents` carries one micro-batch's ids, the group attention runs over (the
 layout's cp group, or a dynamic-cp sub-group, :mod:`moe_fold.training.dynamic_cp`) and the mask of
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_fold.comm import Group
+from moe_fold.parallel import document_attention
 
 __all__ = ["Documents", "doc_ids_from_cu_seqlens", "segment_bounds", "pad_head", "sdpa", "varlen_attention",
            "router_token_mask"]
@@ -113,24 +115,32 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids:
                      scale: Optional[float] = None) -> torch.Tensor:
     """Causal attention inside each document: q/k ``[B, Hq|Hkv, S, D]``, v ``[B, Hkv, S, Dv]``
     (GQA as in SDPA's ``enable_gqa``), ``doc_ids [B, S]`` natural order (None: one
-    causal sequence per row). Returns ``[B, Hq, S, Dv]``."""
+    causal sequence per row). Returns ``[B, Hq, S, Dv]``.
+
+    The kernel follows :func:`moe_fold.parallel.document_attention.document_kernel`: one
+    flex_attention call off the CPU; on CPU one fused CPU flash call per document."""
     gqa = q.shape[1] != k.shape[1]
     if doc_ids is None:
         return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     B, _, S, _ = q.shape
     if tuple(doc_ids.shape) != (B, S):
         raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)}; expected [B, S] = {(B, S)} of q {tuple(q.shape)}")
+    if document_attention.document_kernel(q.device) == "flex":
+        return document_attention.flex_block_attention(q, k, v, doc_ids, doc_ids, True, scale)[0]
     dv = v.shape[-1]
     if q.shape[-1] != dv:
         q, k, v, scale = _one_width(q, k, v, scale)
     bounds = segment_bounds(doc_ids)
-    # [B, H, S, D] -> [H, B*S, D]: a document is then a contiguous slice of one row.
-    qf, kf, vf = (t.transpose(0, 1).flatten(1, 2) for t in (q, k, v))
-    outs = [F.scaled_dot_product_attention(qf[:, a:b], kf[:, a:b], vf[:, a:b], is_causal=True, scale=scale,
-                                           enable_gqa=gqa)
-            for a, b in zip(bounds[:-1], bounds[1:])]
-    out = torch.cat(outs, dim=1)  # [Hq, B*S, D]
-    return out.view(q.shape[1], B, S, v.shape[3]).transpose(0, 1)[..., :dv]
+    # One document is a slice of one row; 4-D slices keep SDPA on the CPU flash kernel
+    # (it takes no 3-D input and would fall back to the math path, which keeps len^2 scores).
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        row, a, b = a // S, a % S, a % S + (b - a)
+        outs.append(F.scaled_dot_product_attention(q[row:row + 1, :, a:b], k[row:row + 1, :, a:b],
+                                                   v[row:row + 1, :, a:b], is_causal=True, scale=scale,
+                                                   enable_gqa=gqa))  # [1, Hq, len, D]
+    out = torch.cat(outs, dim=2)  # [1, Hq, B*S, D]: the rows back to back
+    return out.view(q.shape[1], B, S, -1).transpose(0, 1)[..., :dv]
 
 
 def router_token_mask(token_mask: Optional[torch.Tensor], tp_rank: int, tp: int,
