@@ -200,7 +200,8 @@ def test_grouped_gemm_missing_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "grouped_gemm", None)  # makes the import fail, installed or not
     backends._probe.cache_clear()
     try:
-        with pytest.raises(backends.BackendUnavailable, match=r"import grouped_gemm failed.*pip install 'moe-fold\[gpu\]'"):
+        with pytest.raises(backends.BackendUnavailable,
+                           match=r"import grouped_gemm failed.*pip install 'moe-fold\[gpu\]'"):
             gmm(torch.randn(4, 16), torch.randn(2, 16, 8), [1, 3], backend="grouped_gemm")
     finally:
         backends._probe.cache_clear()

@@ -610,9 +610,10 @@ FUSABLE = [dict(score="softmax"), dict(score="softmax", pre_softmax=True), dict(
 @pytest.mark.parametrize("case", FUSABLE, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_triton_topk_equals_the_torch_path(case, k, dtype):
+def test_triton_topk_equals_the_torch_path(case, k, dtype, monkeypatch):
     """backend='triton' (the fused kernel, interpreted on CPU) against 'torch': the same
     experts, ties included, and the same probs and logit gradients within float rounding."""
+    kernel_calls = _count_kernel_calls(monkeypatch)
     g = torch.Generator().manual_seed(k)
     logits = torch.randn(20, 12, generator=g, dtype=dtype) * 2
     logits[:4] = torch.randint(-2, 3, (4, 12), generator=g).to(dtype)  # rows full of ties
@@ -624,6 +625,7 @@ def test_triton_topk_equals_the_torch_path(case, k, dtype):
         (probs * grad).sum().backward()
         out[backend] = probs.detach(), rmap, x.grad
     (p_torch, m_torch, g_torch), (p_triton, m_triton, g_triton) = out["torch"], out["triton"]
+    assert kernel_calls == [1]
     assert torch.equal(m_triton, m_torch)
     assert p_triton.dtype == p_torch.dtype == dtype
     tol = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-14)
@@ -631,7 +633,21 @@ def test_triton_topk_equals_the_torch_path(case, k, dtype):
     torch.testing.assert_close(g_triton, g_torch, **tol)
 
 
-def test_router_with_the_triton_topk_equals_torch():
+def _count_kernel_calls(monkeypatch) -> list:
+    from moe_fold.kernels import topk_triton
+
+    calls, kernel = [], topk_triton.topk_softmax_triton
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(topk_triton, "topk_softmax_triton", counted)
+    return calls
+
+
+def test_router_with_the_triton_topk_equals_torch(monkeypatch):
+    kernel_calls = _count_kernel_calls(monkeypatch)
     cfg = dict(topk=2, aux_loss_coeff=0.1, z_loss_coeff=0.05, scaling_factor=2.0)
     h, g = torch.randn(12, 16), torch.randn(12, 8)
     results = []
@@ -642,6 +658,7 @@ def test_router_with_the_triton_topk_equals_torch():
         (out.probs * g).sum().backward()
         results.append((out, router.weight.grad, hx.grad))
     (a, wa, ha), (b, wb, hb) = results
+    assert kernel_calls == [1]
     assert torch.equal(a.routing_map, b.routing_map)
     torch.testing.assert_close(b.probs, a.probs, rtol=1e-6, atol=1e-7)
     for name in ("aux", "z"):
