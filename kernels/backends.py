@@ -116,8 +116,10 @@ def extras(device: torch.device) -> frozenset[str]:
     return frozenset(name for name in EXTRAS if problem(name, device) is None)
 
 
+@functools.lru_cache(maxsize=None)
 def choose_for(op: str, device: torch.device, dtype: torch.dtype, *, topk_fusable: bool = True) -> str:
-    """:func:`choose` with the facts of ``device`` read here."""
+    """:func:`choose` with the facts of ``device`` read here (once per process: kernels ask
+    on every call)."""
     found = extras(device) if device.type == "cuda" else frozenset()
     return choose(op, device.type, capability(device), dtype, found, topk_fusable=topk_fusable)
 

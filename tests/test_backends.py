@@ -69,11 +69,11 @@ def test_topk_stays_torch_where_the_kernel_cannot_fuse_the_routing():
 @pytest.fixture
 def fresh_probes():
     """Probes are answered once per process; a test that breaks something asks again."""
-    backends._probe.cache_clear()
-    swiglu_cpu._library.cache_clear()
+    for cache in (backends._probe, backends.choose_for, swiglu_cpu._library):
+        cache.cache_clear()
     yield
-    backends._probe.cache_clear()
-    swiglu_cpu._library.cache_clear()
+    for cache in (backends._probe, backends.choose_for, swiglu_cpu._library):
+        cache.cache_clear()
 
 
 def _broken_grouped_gemm(tmp_path: Path, monkeypatch) -> None:
@@ -148,7 +148,7 @@ def test_triton_that_does_not_import_is_unavailable(monkeypatch, fresh_probes):
     assert gmm(torch.randn(4, 16), torch.randn(2, 16, 8), [1, 3]).shape == (4, 8)
 
 
-def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch, fresh_probes):
     monkeypatch.delenv("TRITON_INTERPRET")
     assert "TRITON_INTERPRET=1" in backends.problem("triton", torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
