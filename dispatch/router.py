@@ -135,8 +135,9 @@ def topk_routing(
         backend: ``torch`` (sorts and scatters, here), ``triton`` (one fused kernel,
             :mod:`moe_fold.kernels.topk_triton`; not with groups or a bias) or ``auto``
             (:func:`moe_fold.kernels.topk.resolve_backend`: Triton on CUDA, torch on CPU).
-            Both give the same experts (ties to the lower index) and probs within float
-            rounding (tests/test_router.py).
+            Both give the same experts (ties to the lower index) and probs and gradients
+            within float rounding (tests/test_router.py::test_triton_topk_equals_the_torch_path,
+            rtol 1e-6 in float32).
 
     Returns:
         ``probs [T, E]`` (float32, or float64 for float64 logits; zero off the chosen

@@ -205,7 +205,8 @@ def resolve(op: str, backend: str, x: torch.Tensor, *, topk_fusable: bool = True
     why = problem(name, x.device)
     if why is not None:
         how = f"auto chose {name!r} for {x.device} {x.dtype}" if backend == "auto" else f"{name!r}"
-        raise BackendUnavailable(f"{op} backend {how} cannot run here: {why}")
+        fix = _FIXES[name].format(field=CONFIG_FIELDS[op])
+        raise BackendUnavailable(f"{op} backend {how} cannot run here: {why}; fix: {fix}")
     return name
 
 
