@@ -32,7 +32,7 @@ fuses neither). Why these:
   bfloat16 takes grouped_gemm, the one optional extra the rule looks at (``pip install
   'moe-fold[gpu]'``), and the loop of cuBLAS calls otherwise; float32 takes the loop (with
   TF32, ``train.tf32``). On CPU grouped_mm beats the loop for every dtype it takes (see
-  gmm_torch.py).
+  gmm_torch.py). Our Triton GEMM is never chosen: it has not been measured on a GPU.
 - Triton (permute, SwiGLU, top-k) needs sm80 for bfloat16; it ships with torch's CUDA
   wheels. The interpreter (TRITON_INTERPRET=1) is for tests and is never chosen on CPU.
 - swiglu ``cpu`` is the fastest on CPU (swiglu_cpu.py) but needs a C compiler. The rule
@@ -44,6 +44,12 @@ fuses neither). Why these:
 must import and a tiny call must run, answered once per process. A grouped-gemm built
 against another torch imports with an undefined symbol, or fails its first call; either
 way it is not chosen, and naming it gives that reason.
+
+A training run resolves every ``moe.*_backend=auto`` once, for its device and
+``train.precision``, before its ranks start (:func:`resolve_config`), and saves the names in
+its config.yaml. For the GEMM the order is: ``moe.gemm_backend`` when not ``auto``, then the
+environment variable MOE_FOLD_GEMM_BACKEND, then the rule (the same order as ``gmm``'s
+``backend`` argument).
 """
 
 from __future__ import annotations
