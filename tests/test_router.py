@@ -607,9 +607,13 @@ FUSABLE = [dict(score="softmax"), dict(score="softmax", pre_softmax=True), dict(
            dict(score="softmax", scaling_factor=2.5), dict(score="sigmoid", scaling_factor=1.5)]
 
 
-@pytest.mark.parametrize("case", FUSABLE, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-@pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+TRITON_TOPK_CASES = ([(case, k, torch.float32) for case in FUSABLE for k in (1, 2, 4)]
+                     + [(case, 2, torch.float64) for case in FUSABLE])
+
+
+@pytest.mark.parametrize("case, k, dtype", TRITON_TOPK_CASES,
+                         ids=["-".join([f"k={k}", str(t)[6:]] + [f"{a}={b}" for a, b in c.items()])
+                              for c, k, t in TRITON_TOPK_CASES])
 def test_triton_topk_equals_the_torch_path(case, k, dtype, monkeypatch):
     """backend='triton' (the fused kernel, interpreted on CPU) against 'torch': the same
     experts, ties included, and the same probs and logit gradients within float rounding."""
