@@ -93,7 +93,7 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    backends = args.backends.split(",") if args.backends else available_backends()
+    backends = args.backends.split(",") if args.backends else available_backends(device)
     rows, e, hd, f = args.tokens * args.topk, args.experts, args.hidden, args.ffn
     flops = 3 * 2 * rows * (hd * 2 * f + f * hd)  # forward, dx, dw of fc1 and fc2
 

@@ -329,7 +329,7 @@ def time_interleaved(steps: dict, rounds: int, iters: int) -> tuple[dict, dict]:
 
 
 def resolve_swiglu() -> str:
-    """The SwiGLU backend ours runs on CPU here (``auto``: the C kernels if they build)."""
+    """The SwiGLU backend ours runs on CPU here (``auto``: the C kernels; kernels/backends.py)."""
     from moe_fold.kernels.swiglu import resolve_backend
 
     return resolve_backend("auto", torch.zeros(1, 2))

@@ -31,6 +31,8 @@ from moe_fold.comm import all_reduce_
 from moe_fold.config import MoEConfig
 from moe_fold.dispatch.aux_losses import attach_loss, aux_loss_scores, load_balancing_loss, z_loss
 from moe_fold.dispatch.routing_stats import RoutingStats, routing_stats
+from moe_fold.kernels.topk import BACKENDS as TOPK_BACKENDS
+from moe_fold.kernels.topk import resolve_backend as resolve_topk_backend
 from moe_fold.layout import ProcessGroups
 
 __all__ = [
@@ -114,6 +116,7 @@ def topk_routing(
     group_topk: Optional[int] = None,
     scaling_factor: Optional[float] = None,
     expert_bias: Optional[torch.Tensor] = None,
+    backend: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route each token to ``topk`` experts.
 
@@ -129,6 +132,12 @@ def topk_routing(
         scaling_factor: multiplies the final probs.
         expert_bias: ``[E]``, sigmoid only. Selection uses ``sigmoid + bias``; the probs use
             the unbiased sigmoid. With k > 1 sigmoid probs are normalised over the k chosen.
+        backend: ``torch`` (sorts and scatters, here), ``triton`` (one fused kernel,
+            :mod:`moe_fold.kernels.topk_triton`; not with groups or a bias) or ``auto``
+            (:func:`moe_fold.kernels.topk.resolve_backend`: Triton on CUDA, torch on CPU).
+            Both give the same experts (ties to the lower index) and probs and gradients
+            within float rounding (tests/test_router.py::test_triton_topk_equals_the_torch_path,
+            rtol 1e-6 in float32).
 
     Returns:
         ``probs [T, E]`` (float32, or float64 for float64 logits; zero off the chosen
@@ -143,6 +152,13 @@ def topk_routing(
                        expert_bias=expert_bias is not None)
     if expert_bias is not None and tuple(expert_bias.shape) != (num_experts,):
         raise ValueError(f"expert_bias must have shape ({num_experts},), got {tuple(expert_bias.shape)}")
+    fusable = group_topk is None and expert_bias is None
+    if resolve_topk_backend(backend, logits, fusable=fusable) == "triton":
+        from moe_fold.kernels.topk_triton import topk_softmax_triton
+
+        # The kernel computes in float32 (float64 for float64 logits), like `work` below.
+        probs, routing_map = topk_softmax_triton(logits, topk, score=score, pre_softmax=pre_softmax)
+        return (probs if scaling_factor is None else probs * scaling_factor), routing_map
     work = logits if logits.dtype == torch.float64 else logits.float()
 
     if score == "softmax":
@@ -286,6 +302,11 @@ class Router(nn.Module):
                            pre_softmax=config.pre_softmax, num_groups=config.num_groups,
                            group_topk=config.group_topk, scaling_factor=config.scaling_factor,
                            expert_bias=config.expert_bias)
+        if config.topk_backend not in TOPK_BACKENDS:
+            raise ValueError(f"moe.topk_backend={config.topk_backend!r} must be one of {TOPK_BACKENDS}")
+        if config.topk_backend == "triton" and (config.num_groups is not None or config.expert_bias):
+            raise ValueError(f"moe.topk_backend=triton fuses plain top-k only; moe.num_groups={config.num_groups} "
+                             f"and moe.expert_bias={config.expert_bias} need moe.topk_backend=torch (or auto)")
         if config.router_dtype not in _ROUTER_DTYPES:
             raise ValueError(f"moe.router_dtype={config.router_dtype!r} must be one of {tuple(_ROUTER_DTYPES)}")
         for name in ("aux_loss_coeff", "seq_aux_loss_coeff", "global_aux_loss_coeff", "z_loss_coeff",
@@ -370,7 +391,7 @@ class Router(nn.Module):
         probs, routing_map = topk_routing(
             routed_logits, cfg.topk, score=cfg.score_function, pre_softmax=cfg.pre_softmax,
             num_groups=cfg.num_groups, group_topk=cfg.group_topk, scaling_factor=cfg.scaling_factor,
-            expert_bias=self.expert_bias)
+            expert_bias=self.expert_bias, backend=cfg.topk_backend)
         kept_probs, kept_map = probs, routing_map
         if cfg.capacity_factor is not None:
             kept_probs, kept_map = apply_capacity(probs, routing_map, cfg.capacity_factor, policy=cfg.drop_policy,

@@ -8,73 +8,45 @@
   when every group has the same size (see gmm_torch.py);
 - ``triton``: our Triton kernels (CUDA, or the CPU interpreter with TRITON_INTERPRET=1);
 - ``loop``: one matmul per expert, the reference;
-- ``auto``: the fastest one available for the device and dtype (see ``_auto``).
+- ``auto``: the rule of :mod:`moe_fold.kernels.backends` by device, capability and dtype.
 
-The choice is the ``backend`` argument, else the environment variable
-MOE_FOLD_GEMM_BACKEND, else ``auto`` (config key ``moe.gemm_backend`` passes the argument).
+The choice, first that is set and not ``auto``: the ``backend`` argument (the config key
+``moe.gemm_backend``), the environment variable MOE_FOLD_GEMM_BACKEND, the rule. A backend
+that cannot run here (a grouped_gemm that does not import or whose first call fails, Triton
+on CPU without the interpreter) raises, naming why.
 """
 
-import importlib.util
 import os
 from typing import Sequence
 
 import torch
 
-ENV_VAR = "MOE_FOLD_GEMM_BACKEND"
-BACKENDS = ("auto", "grouped_gemm", "torch", "triton", "loop")
+from . import backends
+
+ENV_VAR = backends.GEMM_ENV_VAR
+BACKENDS = ("auto",) + backends.OPS["gemm"]
 
 
-def _has_grouped_gemm() -> bool:
-    return importlib.util.find_spec("grouped_gemm") is not None and torch.cuda.is_available()
-
-
-def _triton_runs_here() -> bool:
-    has_triton = importlib.util.find_spec("triton") is not None
-    return has_triton and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
-
-
-def available_backends() -> list[str]:
-    """Backend names that can run in this environment (``auto`` always can)."""
-    names = ["auto"]
-    if _has_grouped_gemm():
-        names.append("grouped_gemm")
-    names.append("torch")
-    if _triton_runs_here():
-        names.append("triton")
-    names.append("loop")
-    return names
-
-
-def _auto(x: torch.Tensor) -> str:
-    from .gmm_torch import SUPPORTED_DTYPES
-
-    if x.is_cuda:
-        if x.dtype == torch.bfloat16 and _has_grouped_gemm():
-            return "grouped_gemm"
-        # grouped_mm's CUDA kernels are written for bfloat16 (SM >= 80); elsewhere the
-        # per-expert loop of cuBLAS calls is the safe fast choice.
-        if x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8:
-            return "torch"
-        return "loop"
-    # CPU: grouped_mm beats the loop for every dtype it takes (bench/gemm.py, 2 threads,
-    # 4096 rows, 8 experts, H = F = 256; ratio_to_dense torch vs loop: float32 0.91 vs 0.79
-    # balanced and 0.89 vs 0.74 skewed; 1 thread: bfloat16 0.74 vs 0.56, float16 0.85 vs
-    # 0.77): it loops over groups in C++ and its backward here needs no split/cat/stack.
-    # With equal groups and host counts the torch backend runs bmm instead (gmm_torch.py).
-    if x.dtype in SUPPORTED_DTYPES:
-        return "torch"
-    return "loop"
+def available_backends(device: torch.device | str | None = None) -> list[str]:
+    """Backend names that run on ``device`` (default: the GPU if there is one, else the CPU):
+    each imports and runs a tiny call; ``auto`` always can."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return ["auto"] + [name for name in backends.OPS["gemm"] if backends.problem(name, device) is None]
 
 
 def resolve_backend(backend: str | None, x: torch.Tensor) -> str:
-    """The concrete backend name for ``x``: argument > MOE_FOLD_GEMM_BACKEND > ``auto``."""
-    source = "backend"
-    name = backend
-    if name is None:
-        name, source = os.environ.get(ENV_VAR, "auto"), ENV_VAR
+    """The concrete backend for ``x``: ``backend`` unless it is None or ``auto``, else
+    MOE_FOLD_GEMM_BACKEND unless unset or ``auto``, else the device rule
+    (:func:`moe_fold.kernels.backends.choose`). Raises if that backend cannot run here."""
+    source, name = "backend", backend
+    if name is None or name == "auto":
+        env = os.environ.get(ENV_VAR)
+        if env:
+            source, name = ENV_VAR, env
+    name = name or "auto"
     if name not in BACKENDS:
         raise ValueError(f"gmm: {source}={name!r} is not a grouped GEMM backend; allowed: {', '.join(BACKENDS)}")
-    return _auto(x) if name == "auto" else name
+    return backends.resolve("gemm", name, x)
 
 
 def _check_counts(counts: Sequence[int], n: int, e: int) -> None:

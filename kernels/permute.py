@@ -1,6 +1,7 @@
 """Token permutation for the MoE dispatcher: tokens to expert-major rows and back.
 
-One interface, two backends (``backend="torch" | "triton"``; config key
+One interface, two backends (``backend="torch" | "triton"``, or ``auto``: the rule of
+:mod:`moe_fold.kernels.backends`, Triton on CUDA and torch on CPU; config key
 ``moe.permute_backend``). The torch backend here is also the reference the Triton
 kernels in ``permute_triton.py`` are tested against.
 
@@ -21,18 +22,22 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from . import backends
 from .token_rows import rows_by_token
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("auto",) + backends.OPS["permute"]
 # Row chunk of the unpermute backward: small enough to stay in L2 between its three
 # steps, large enough that the per-op overhead (and, under load, the wait for the
 # threads of each parallel region) stays small; 2 MiB measured best of 0.5/2/8/128.
 _CHUNK_BYTES = 1 << 21
 
 
-def _check_backend(backend: str) -> None:
+def resolve_backend(backend: str, x: torch.Tensor) -> str:
+    """The concrete backend for rows like ``x``: ``backend``, or for ``auto`` the device
+    rule (:func:`moe_fold.kernels.backends.choose`). Raises if it cannot run here."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    return backends.resolve("permute", backend, x)
 
 
 def _check_routing(tokens: torch.Tensor, routing_map: torch.Tensor,
@@ -122,7 +127,7 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor,
     ``(permuted[N, H], permuted_probs[N] or None, sorted_indices[N] int64)`` with
     ``N = routing_map.sum()``. Differentiable w.r.t. tokens and probs.
     """
-    _check_backend(backend)
+    backend = resolve_backend(backend, tokens)
     _check_routing(tokens, routing_map, probs)
     sorted_indices, flat_index = routing_indices(routing_map)
     permuted_probs = None if probs is None else _gather_probs(probs, flat_index)
@@ -145,7 +150,7 @@ def permute_padded(tokens: torch.Tensor, routing_map: torch.Tensor,
     ``routing_map`` must already respect the capacity (the router drops the rest);
     an overflow raises. No host synchronisation.
     """
-    _check_backend(backend)
+    backend = resolve_backend(backend, tokens)
     _check_routing(tokens, routing_map, probs)
     sorted_indices, flat_index = padded_indices(routing_map, capacity)
     permuted_probs = None if probs is None else _gather_probs(probs, flat_index)
@@ -168,7 +173,7 @@ def unpermute(permuted: torch.Tensor, sorted_indices: torch.Tensor, num_tokens: 
     Tokens routed nowhere get zero rows. bf16/fp16 inputs are weighted and summed
     in float32. Differentiable w.r.t. permuted and probs.
     """
-    _check_backend(backend)
+    backend = resolve_backend(backend, permuted)
     if permuted.dim() != 2:
         raise ValueError(f"permuted must be [N, H], got shape {tuple(permuted.shape)}")
     if sorted_indices.shape != (permuted.shape[0],):
@@ -359,7 +364,7 @@ def sort_chunks(x: torch.Tensor, split_sizes: Union[Sequence[int], torch.Tensor]
     output holds the chunks in ``order``. ``x`` is ``[N, ...]`` (1-D works, for
     probs). Differentiable w.r.t. x.
     """
-    _check_backend(backend)
+    backend = resolve_backend(backend, x)
     sizes = torch.as_tensor(split_sizes, dtype=torch.long, device=x.device)
     order_t = torch.as_tensor(order, dtype=torch.long, device=x.device)
     if sizes.dim() != 1 or order_t.shape != sizes.shape:

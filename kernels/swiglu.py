@@ -10,15 +10,19 @@ backward: the activations of the widest layer of the model are not kept twice.
 bf16/fp16 inputs are computed in float32 and rounded once.
 
 Backends: ``torch`` (elementwise torch ops, any device), ``triton`` (CUDA, or the CPU
-interpreter), ``cpu`` (one fused C loop each way, ``swiglu_cpu.py``) and ``auto``, the
-default: ``cpu`` for CPU tensors when the C kernels build on this machine (a C compiler
-is on PATH), else ``torch``; GPU tensors take ``torch``.
+interpreter), ``cpu`` (one fused C loop each way, ``swiglu_cpu.py``; its exp is a
+polynomial, so its numerics differ from torch's by rounding) and ``auto``, the default:
+the rule of :mod:`moe_fold.kernels.backends`, ``cpu`` for CPU tensors and ``triton`` on
+CUDA (sm80+). ``auto`` never falls back in silence: on a CPU without a C compiler it raises
+and says to install one or to name ``torch`` (config key ``moe.swiglu_backend``).
 """
 from typing import Optional
 
 import torch
 
-BACKENDS = ("auto", "torch", "triton", "cpu")
+from . import backends
+
+BACKENDS = ("auto",) + backends.OPS["swiglu"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -107,17 +111,11 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
-    """The concrete backend for ``x``: ``auto`` is ``cpu`` on CPU where the C kernels
-    build, else ``torch``."""
+    """The concrete backend for ``x``: ``backend``, or for ``auto`` the device rule
+    (:func:`moe_fold.kernels.backends.choose`). Raises if that backend cannot run here."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    if backend != "auto":
-        return backend
-    if x.device.type == "cpu":
-        from .swiglu_cpu import available
-        if available():
-            return "cpu"
-    return "torch"
+    return backends.resolve("swiglu", backend, x)
 
 
 def swiglu(x: torch.Tensor, probs: Optional[torch.Tensor] = None, *,

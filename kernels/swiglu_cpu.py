@@ -9,9 +9,9 @@ forward 4 ms and backward 9 ms against 6 and 19-25 ms.
 Build: ``cc -O3 -march=native`` (the machine that runs is the machine that compiles) into
 ``$MOE_FOLD_CACHE_DIR`` (default ``~/.cache/moe_fold``), named by a hash of the source, the
 compiler, the flags and the CPU, written to a temporary name and renamed, so concurrent ranks
-never load a half-written library. The compiler is ``$CC`` or ``cc``. :func:`available`
-says whether it builds here; the ``auto`` backend of :func:`moe_fold.kernels.swiglu.swiglu`
-uses it only then, and an explicit ``cpu`` raises with the compiler's message.
+never load a half-written library. The compiler is ``$CC`` or ``cc``. Whether it builds
+and runs here is :func:`moe_fold.kernels.backends.problem` (``cpu``), which raises with
+the compiler's message wherever ``cpu`` is named or chosen by ``auto``.
 
 Threads: ctypes releases the GIL during a call, so the rows are split into
 ``torch.get_num_threads()`` contiguous ranges run at once on a small thread pool (the
@@ -101,15 +101,6 @@ def _library() -> ctypes.CDLL:
         bwd = getattr(lib, f"swiglu_backward_{suffix}")
         bwd.argtypes, bwd.restype = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64], None
     return lib
-
-
-def available() -> bool:
-    """Whether the C kernels build and load here (compiled on the first call)."""
-    try:
-        _library()
-    except BuildError:
-        return False
-    return True
 
 
 _pool: Optional[ThreadPoolExecutor] = None

@@ -34,6 +34,7 @@ from torch import nn
 from moe_fold.dispatch.placement import Placement
 from moe_fold.kernels.gmm import BACKENDS as GEMM_BACKENDS
 from moe_fold.kernels.gmm import gmm
+from moe_fold.kernels.swiglu import BACKENDS as SWIGLU_BACKENDS
 from moe_fold.kernels.swiglu import swiglu
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.tensor_parallel import global_normal, init_seed, mark, shard_tp
@@ -53,7 +54,7 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, groups: ProcessGroups,
                  *, std: float, seed: int, name: str, gemm_backend: str = "auto",
-                 placement: Placement | None = None):
+                 swiglu_backend: str = "auto", placement: Placement | None = None):
         super().__init__()
         ep, etp = groups.size("ep"), groups.size("etp")
         if num_experts % ep:
@@ -62,6 +63,8 @@ class Experts(nn.Module):
             raise ValueError(f"moe.ffn_hidden_size={ffn_hidden_size} is not divisible by parallel.etp={etp}")
         if gemm_backend not in GEMM_BACKENDS:
             raise ValueError(f"moe.gemm_backend={gemm_backend!r} must be one of {GEMM_BACKENDS}")
+        if swiglu_backend not in SWIGLU_BACKENDS:
+            raise ValueError(f"moe.swiglu_backend={swiglu_backend!r} must be one of {SWIGLU_BACKENDS}")
         if placement is None:
             placement = Placement.contiguous(num_experts, ep)
         if placement.num_experts != num_experts or placement.ep != ep:
@@ -71,6 +74,7 @@ class Experts(nn.Module):
         self.ep_rank = groups.rank_in("ep")
         self.num_local_experts = placement.slots_per_rank
         self.gemm_backend = gemm_backend
+        self.swiglu_backend = swiglu_backend
         etp_rank = groups.rank_in("etp")
         F = ffn_hidden_size
         fc1, fc2 = [], []
@@ -109,5 +113,5 @@ class Experts(nn.Module):
         """``tokens [N, H]`` grouped by local expert (``tokens_per_expert [E_local]`` rows
         each), ``probs [N]`` -> ``[N, H]``, prob-weighted (an etp partial sum when etp > 1)."""
         h = gmm(tokens, self.fc1, tokens_per_expert, backend=self.gemm_backend)  # [N, H] -> [N, 2F/etp]
-        h = swiglu(h, probs)  # [N, F/etp]
+        h = swiglu(h, probs, backend=self.swiglu_backend)  # [N, F/etp]
         return gmm(h, self.fc2, tokens_per_expert, backend=self.gemm_backend)  # [N, H]

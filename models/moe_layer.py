@@ -77,7 +77,8 @@ class MoELayer(nn.Module):
         placement = Placement.contiguous(moe.num_experts, groups.size("ep"), moe.replicas)
         self.dispatcher.set_placement(placement)
         self.experts = Experts(moe.num_experts, m.hidden_size, moe.ffn_hidden_size, groups, std=std, seed=seed,
-                               name=f"{name}.experts", gemm_backend=moe.gemm_backend, placement=placement)
+                               name=f"{name}.experts", gemm_backend=moe.gemm_backend, swiglu_backend=moe.swiglu_backend,
+                               placement=placement)
         self.shared_expert: Optional[MLP] = None
         self.shared_expert_gate: Optional[nn.Parameter] = None
         if moe.shared_expert_ffn_hidden_size > 0:

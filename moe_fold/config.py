@@ -138,9 +138,17 @@ class MoEConfig:
     # Re-place the experts from the last window's load every N steps; 0: never.
     replace_every: int = 0
 
-    # Kernel backends.
+    # Kernel backends. ``auto`` is the rule of moe_fold.kernels.backends (device, CUDA
+    # capability, train.precision): on CPU gemm torch, permute torch, swiglu cpu (C loops;
+    # needs a C compiler), topk torch; on sm90/sm100 bf16 gemm torch (grouped_mm), the rest
+    # triton. A run resolves ``auto`` before its ranks start and writes the names it chose
+    # into its config.yaml (and the printed config). gemm: a value other than auto wins,
+    # else the environment variable MOE_FOLD_GEMM_BACKEND if set, else the rule.
     gemm_backend: str = "auto"  # auto | grouped_gemm | torch | triton | loop
-    permute_backend: str = "torch"  # torch | triton
+    permute_backend: str = "auto"  # auto | torch | triton
+    swiglu_backend: str = "auto"  # auto | torch | triton | cpu
+    # The router's top-k; triton fuses plain top-k only (not num_groups or expert_bias).
+    topk_backend: str = "auto"  # auto | torch | triton
 
 
 @dataclass
@@ -227,6 +235,9 @@ class TrainConfig:
     # Where a rank computes: auto is CUDA under NCCL and, in one process, when a GPU is
     # visible and parallel.backend is not gloo; CPU otherwise (moe_fold.training.train.compute_device).
     device: str = "auto"  # auto | cpu | cuda
+    # TF32 tensor cores for float32 matmuls and convolutions on CUDA (10 mantissa bits in
+    # the products, float32 accumulation); no effect on CPU.
+    tf32: bool = True
     recompute: str = "none"  # none | full | moe | expert_act
     on_nonfinite: str = "skip"  # skip | stop
     # A loss above loss_spike_factor x the median of the previous loss_spike_window
@@ -883,7 +894,12 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
     _one_of(out, "moe.drop_policy", moe.drop_policy, ("probs", "position"))
     _one_of(out, "moe.dispatcher", moe.dispatcher, ("alltoall", "allgather"))
     _one_of(out, "moe.gemm_backend", moe.gemm_backend, ("auto", "grouped_gemm", "torch", "triton", "loop"))
-    _one_of(out, "moe.permute_backend", moe.permute_backend, ("torch", "triton"))
+    _one_of(out, "moe.permute_backend", moe.permute_backend, ("auto", "torch", "triton"))
+    _one_of(out, "moe.swiglu_backend", moe.swiglu_backend, ("auto", "torch", "triton", "cpu"))
+    _one_of(out, "moe.topk_backend", moe.topk_backend, ("auto", "torch", "triton"))
+    if moe.topk_backend == "triton" and (moe.num_groups is not None or moe.expert_bias):
+        out.append(f"moe.topk_backend=triton fuses plain top-k only; moe.num_groups={_fmt(moe.num_groups)} and "
+                   f"moe.expert_bias={_fmt(moe.expert_bias)} need moe.topk_backend=torch (or auto)")
     if moe.expert_bias and moe.score_function != "sigmoid":
         out.append(f"moe.expert_bias=true requires moe.score_function=sigmoid, got {_fmt(moe.score_function)}")
     if moe.pre_softmax and moe.score_function != "softmax":

@@ -356,7 +356,12 @@ RULES = [
       "so every chunk would be padded to the layer's whole capacity, multiplying the bytes sent by the number "
       "of chunks"]),
     (["moe.gemm_backend=cutlass"], 1, ["moe.gemm_backend=cutlass must be one of auto, grouped_gemm, torch, triton, loop"]),
-    (["moe.permute_backend=cuda"], 1, ["moe.permute_backend=cuda must be one of torch, triton"]),
+    (["moe.permute_backend=cuda"], 1, ["moe.permute_backend=cuda must be one of auto, torch, triton"]),
+    (["moe.swiglu_backend=c"], 1, ["moe.swiglu_backend=c must be one of auto, torch, triton, cpu"]),
+    (["moe.topk_backend=fused"], 1, ["moe.topk_backend=fused must be one of auto, torch, triton"]),
+    (["moe.topk_backend=triton", "moe.num_groups=4", "moe.group_topk=2"], 1,
+     ["moe.topk_backend=triton fuses plain top-k only; moe.num_groups=4 and moe.expert_bias=false need "
+      "moe.topk_backend=torch (or auto)"]),
     # expert placement
     (["moe.replicas=-1"], 1, ["moe.replicas=-1 must be >= 0"]),
     (["moe.replace_every=-2"], 1, ["moe.replace_every=-2 must be >= 0"]),

@@ -195,9 +195,16 @@ def test_available_backends():
 
 
 def test_grouped_gemm_missing_says_how_to_install(monkeypatch):
+    from moe_fold.kernels import backends
+
     monkeypatch.setitem(sys.modules, "grouped_gemm", None)  # makes the import fail, installed or not
-    with pytest.raises(ImportError, match=r"pip install 'moe-fold\[gpu\]'"):
-        gmm(torch.randn(4, 16), torch.randn(2, 16, 8), [1, 3], backend="grouped_gemm")
+    backends._probe.cache_clear()
+    try:
+        with pytest.raises(backends.BackendUnavailable,
+                           match=r"import grouped_gemm failed.*pip install 'moe-fold\[gpu\]'"):
+            gmm(torch.randn(4, 16), torch.randn(2, 16, 8), [1, 3], backend="grouped_gemm")
+    finally:
+        backends._probe.cache_clear()
 
 
 @pytest.mark.skipif(not HAS_GROUPED_GEMM, reason="grouped_gemm package not installed or no CUDA (pip install 'moe-fold[gpu]')")

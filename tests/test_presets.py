@@ -52,6 +52,14 @@ def _counts(name: str) -> tuple[float, float, float]:
     return total / 1e9, active / 1e9, no_attn / 1e9
 
 
+def test_full_size_presets_say_bf16_for_gpus():
+    """The full-size presets are GPU runs: bf16 weights with fp32 masters, whose expert
+    GEMMs take grouped_mm's fast path on sm90/sm100 (kernels/backends.py)."""
+    assert sorted(PUBLISHED) == [name for name in list_presets() if "tiny" not in name]
+    for name in PUBLISHED:
+        assert load_config(name).train.precision == "bf16", name
+
+
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_parameter_counts_match_published(name):
     total, active, _ = _counts(name)

@@ -599,3 +599,88 @@ def test_bf16_model_keeps_router_state_exact():
     assert out.logits.dtype == torch.float32 and out.probs.dtype == torch.float32
     out.probs.sum().backward()
     assert h.grad.dtype == torch.bfloat16 and router.weight.grad.dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------------- the Triton top-k
+
+FUSABLE = [dict(score="softmax"), dict(score="softmax", pre_softmax=True), dict(score="sigmoid"),
+           dict(score="softmax", scaling_factor=2.5), dict(score="sigmoid", scaling_factor=1.5)]
+
+
+TRITON_TOPK_CASES = ([(case, k, torch.float32) for case in FUSABLE for k in (1, 2, 4)]
+                     + [(case, 2, torch.float64) for case in FUSABLE])
+
+
+@pytest.mark.parametrize("case, k, dtype", TRITON_TOPK_CASES,
+                         ids=["-".join([f"k={k}", str(t)[6:]] + [f"{a}={b}" for a, b in c.items()])
+                              for c, k, t in TRITON_TOPK_CASES])
+def test_triton_topk_equals_the_torch_path(case, k, dtype, monkeypatch):
+    """backend='triton' (the fused kernel, interpreted on CPU) against 'torch': the same
+    experts, ties included, and the same probs and logit gradients within float rounding."""
+    kernel_calls = _count_kernel_calls(monkeypatch)
+    g = torch.Generator().manual_seed(k)
+    logits = torch.randn(20, 12, generator=g, dtype=dtype) * 2
+    logits[:4] = torch.randint(-2, 3, (4, 12), generator=g).to(dtype)  # rows full of ties
+    grad = torch.randn(20, 12, generator=g, dtype=dtype)
+    out = {}
+    for backend in ("torch", "triton"):
+        x = logits.clone().requires_grad_(True)
+        probs, rmap = topk_routing(x, k, **case, backend=backend)
+        (probs * grad).sum().backward()
+        out[backend] = probs.detach(), rmap, x.grad
+    (p_torch, m_torch, g_torch), (p_triton, m_triton, g_triton) = out["torch"], out["triton"]
+    assert kernel_calls == [1]
+    assert torch.equal(m_triton, m_torch)
+    assert p_triton.dtype == p_torch.dtype == dtype
+    tol = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(p_triton, p_torch, **tol)
+    torch.testing.assert_close(g_triton, g_torch, **tol)
+
+
+def _count_kernel_calls(monkeypatch) -> list:
+    from moe_fold.kernels import topk_triton
+
+    calls, kernel = [], topk_triton.topk_softmax_triton
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(topk_triton, "topk_softmax_triton", counted)
+    return calls
+
+
+def test_router_with_the_triton_topk_equals_torch(monkeypatch):
+    kernel_calls = _count_kernel_calls(monkeypatch)
+    cfg = dict(topk=2, aux_loss_coeff=0.1, z_loss_coeff=0.05, scaling_factor=2.0)
+    h, g = torch.randn(12, 16), torch.randn(12, 8)
+    results = []
+    for backend in ("torch", "triton"):
+        router = make_router(**cfg, topk_backend=backend)
+        hx = h.clone().requires_grad_(True)
+        out = router(hx)
+        (out.probs * g).sum().backward()
+        results.append((out, router.weight.grad, hx.grad))
+    (a, wa, ha), (b, wb, hb) = results
+    assert kernel_calls == [1]
+    assert torch.equal(a.routing_map, b.routing_map)
+    torch.testing.assert_close(b.probs, a.probs, rtol=1e-6, atol=1e-7)
+    for name in ("aux", "z"):
+        torch.testing.assert_close(b.losses[name], a.losses[name])
+    torch.testing.assert_close(wb, wa, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(hb, ha, rtol=1e-5, atol=1e-7)
+
+
+def test_topk_backend_choice():
+    from moe_fold.kernels.topk import resolve_backend
+
+    assert resolve_backend("auto", torch.zeros(2, 4)) == "torch"  # CPU: the interpreter is never chosen
+    assert resolve_backend("triton", torch.zeros(2, 4)) == "triton"
+    with pytest.raises(ValueError, match="'triton' fuses plain top-k only"):
+        topk_routing(torch.zeros(2, 4), 2, num_groups=2, group_topk=1, backend="triton")
+    with pytest.raises(ValueError, match="'triton' fuses plain top-k only"):
+        topk_routing(torch.zeros(2, 4), 2, score="sigmoid", expert_bias=torch.zeros(4), backend="triton")
+    with pytest.raises(ValueError, match="backend='fused' is not one of"):
+        topk_routing(torch.zeros(2, 4), 2, backend="fused")
+    with pytest.raises(ValueError, match="moe.topk_backend=triton fuses plain top-k only"):
+        make_router(topk=2, score_function="sigmoid", expert_bias=True, topk_backend="triton")

@@ -177,28 +177,28 @@ def test_cpu_backend_keeps_nan_and_inf():
     assert out[1, 0].item() == float("inf") and not torch.isfinite(out[1, 1])
 
 
-def test_auto_picks_cpu_where_it_builds_else_torch(monkeypatch):
-    from moe_fold.kernels import swiglu_cpu
+def test_auto_picks_cpu_on_cpu_and_without_a_compiler_says_how_to_fix(monkeypatch, tmp_path):
+    """``auto`` is ``cpu`` on CPU whether or not a compiler is there: without one it raises
+    (naming the compiler and the way out), it does not switch to other numerics."""
+    from moe_fold.kernels import backends, swiglu_cpu
     from moe_fold.kernels.swiglu import resolve_backend
 
     assert resolve_backend("auto", torch.zeros(1, 2)) == "cpu"
-    monkeypatch.setattr(swiglu_cpu, "available", lambda: False)
-    assert resolve_backend("auto", torch.zeros(1, 2)) == "torch"
-    assert resolve_backend("cpu", torch.zeros(1, 2)) == "cpu"
-
-
-def test_cpu_backend_without_compiler_says_so(monkeypatch, tmp_path):
-    from moe_fold.kernels import swiglu_cpu
-
     monkeypatch.setenv("CC", "no-such-compiler-moe-fold")
     monkeypatch.setenv("MOE_FOLD_CACHE_DIR", str(tmp_path))
     swiglu_cpu._library.cache_clear()
+    backends._probe.cache_clear()
     try:
-        assert not swiglu_cpu.available()
-        with pytest.raises(swiglu_cpu.BuildError, match="no-such-compiler-moe-fold.*not on PATH"):
-            swiglu(torch.randn(2, 4), backend="cpu")
+        assert backends.choose_for("swiglu", torch.device("cpu"), torch.float32) == "cpu"
+        for name in ("auto", "cpu"):
+            with pytest.raises(backends.BackendUnavailable,
+                               match="swiglu backend .*'cpu'.* cannot run here: BuildError: .*"
+                                     "no-such-compiler-moe-fold.*not on PATH"):
+                swiglu(torch.randn(2, 4), backend=name)
+        assert resolve_backend("torch", torch.zeros(1, 2)) == "torch"
     finally:
         swiglu_cpu._library.cache_clear()
+        backends._probe.cache_clear()
     assert list(tmp_path.iterdir()) == []
 
 

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from moe_fold.config import ConfigError, load_config
-    from moe_fold.training.train import check_trainable
+    from moe_fold.training.train import check_trainable, resolve_backends
 
     err = Console(stderr=True, soft_wrap=True)
     torchrun = _torchrun_world()
@@ -110,6 +110,13 @@ def run(args: argparse.Namespace) -> int:
             # and routing from the preset or file.
             config = upcycled_config(config.init.upcycle_from, config)
         check_trainable(config, world)
+        if torchrun is None:
+            import torch
+
+            # Before any rank starts, for the device the ranks will use: spawned ranks run
+            # gloo on the CPU, a single process the GPU if there is one. (Under torchrun
+            # each rank resolves the same way on its own GPU.)
+            config = resolve_backends(config, torch.device("cpu") if world > 1 else None)
     except (ValueError, OSError) as e:  # ConfigError, HFConfigError, unreadable files
         err.print(f"error: {e}", markup=False, highlight=False)
         return 2

@@ -40,8 +40,10 @@ error before it leaves. Validation (``train.eval_every``, :mod:`moe_fold.trainin
 writes its own rows to metrics.jsonl without changing the training data order or RNG.
 
 Entry points: :func:`train` (one rank; torch.distributed already initialised, or a single
-process) and :func:`check_trainable` (rules of the loop on top of
-:func:`moe_fold.config.validate`, checked before any rank starts).
+process), :func:`check_trainable` (rules of the loop on top of
+:func:`moe_fold.config.validate`, checked before any rank starts) and
+:func:`resolve_backends` (the kernel backends ``auto`` means on the run's device, also
+before any rank starts; the run's config.yaml records them).
 """
 
 from __future__ import annotations
@@ -64,12 +66,14 @@ from torch.utils.checkpoint import checkpoint
 
 from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, ConfigError, dump_config, validate
+from moe_fold.kernels.backends import resolve_config
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.training.numerics import LossSpikes, first_nonfinite_module
 from moe_fold.training.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
 from moe_fold.training.stop import ExitSignals, Stop, StopRule
 
-__all__ = ["TrainResult", "check_trainable", "train", "apply_recompute", "build_groups", "read_metrics"]
+__all__ = ["TrainResult", "check_trainable", "resolve_backends", "set_tf32", "train", "apply_recompute",
+           "build_groups", "read_metrics"]
 
 
 @dataclass
@@ -163,7 +167,8 @@ def _experts_act_recomputed(experts: nn.Module) -> Callable:
     from moe_fold.kernels.swiglu import swiglu
 
     def act_fc2(h, tokens_per_expert, probs):
-        return gmm(swiglu(h, probs), experts.fc2, tokens_per_expert, backend=experts.gemm_backend)
+        return gmm(swiglu(h, probs, backend=experts.swiglu_backend), experts.fc2, tokens_per_expert,
+                   backend=experts.gemm_backend)
 
     def forward(tokens, tokens_per_expert, probs):
         h = gmm(tokens, experts.fc1, tokens_per_expert, backend=experts.gemm_backend)  # [N, 2F/etp]
@@ -193,6 +198,23 @@ def compute_device(config: Config) -> torch.device:
         raise ConfigError([f"train.device={setting} computes on {'CUDA' if cuda else 'the CPU'}, but the process "
                            f"group is {backend}: NCCL reduces CUDA tensors, gloo runs CPU ranks"])
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+
+
+def resolve_backends(config: Config, device: Optional[torch.device] = None) -> Config:
+    """``config`` with each ``moe.*_backend`` that is ``auto`` (and MOE_FOLD_GEMM_BACKEND)
+    resolved for ``device`` (default: the one this process trains on) and
+    ``train.precision`` by :func:`moe_fold.kernels.backends.resolve_config`; raises
+    ConfigError naming each backend that cannot run there."""
+    return resolve_config(config, _device(config) if device is None else device)
+
+
+def set_tf32(config: Config, device: torch.device) -> None:
+    """``train.tf32``: TF32 tensor cores for float32 matmuls and convolutions on CUDA. A
+    CPU run leaves torch's setting as it is (it has no TF32)."""
+    if device.type == "cuda":
+        precision = "tf32" if config.train.tf32 else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = precision
+        torch.backends.cudnn.conv.fp32_precision = precision
 
 
 def _set_determinism(config: Config, device: torch.device) -> None:
@@ -240,14 +262,16 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
     must come from :func:`moe_fold.models.hf.upcycle.upcycled_config`). Rank 0 prints to
     ``console`` (a rich Console; None: no output) and writes ``metrics.jsonl`` and the
     wandb run. Returns the same :class:`TrainResult` on every rank."""
-    # train.deterministic switches torch's process-wide setting for the run only.
+    # train.deterministic and train.tf32 switch torch's process-wide settings for the run only.
     previous = torch.are_deterministic_algorithms_enabled()
+    previous_fp32 = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
     began = time.monotonic()
     try:
         with ExitSignals(config.train.exit_signals) as signals:
             return _train(config, resume, console, progress, stop_at, signals, began)
     finally:
         torch.use_deterministic_algorithms(previous)
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = previous_fp32
 
 
 def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: Optional[int],
@@ -266,6 +290,10 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _set_determinism(config, device)
+    set_tf32(config, device)
+    # What ran is what the run's config.yaml and printout say (a no-op when the command
+    # line already resolved it before starting the ranks).
+    config = resolve_backends(config, device)
     groups = build_groups(config)
     rank = groups.rank
     run_dir = Path(t.run_dir)
