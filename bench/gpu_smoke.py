@@ -42,13 +42,12 @@ sys.path.insert(0, str(ROOT))
 import gpu_support  # noqa: E402
 import torch  # noqa: E402
 
-# Kernel -> the module whose resolve_backend(backend, x) says what "auto" runs; a kernel
-# whose module has no resolve_backend yet says so in its row.
+# Kernel -> the module whose resolve_backend(backend, x) says what "auto" runs.
 BACKEND_MODULES = {
     "gemm": "moe_fold.kernels.gmm",
     "swiglu": "moe_fold.kernels.swiglu",
     "permute": "moe_fold.kernels.permute",
-    "router top-k": "moe_fold.kernels.topk_triton",
+    "router top-k": "moe_fold.kernels.topk",
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -86,10 +85,7 @@ def version_rows() -> list[tuple[str, str]]:
 def backend_rows() -> list[tuple[str, str]]:
     rows = []
     for kernel, name in BACKEND_MODULES.items():
-        resolve = getattr(importlib.import_module(name), "resolve_backend", None)
-        if resolve is None:
-            rows.append((f"auto backend: {kernel}", f"({name} has no resolve_backend)"))
-            continue
+        resolve = importlib.import_module(name).resolve_backend
         picks = []
         for label, dtype in DTYPES.items():
             x = torch.zeros(64, 128, device="cuda", dtype=dtype)

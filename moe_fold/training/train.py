@@ -205,7 +205,7 @@ def resolve_backends(config: Config, device: Optional[torch.device] = None) -> C
     resolved for ``device`` (default: the one this process trains on) and
     ``train.precision`` by :func:`moe_fold.kernels.backends.resolve_config`; raises
     ConfigError naming each backend that cannot run there."""
-    return resolve_config(config, _device(config) if device is None else device)
+    return resolve_config(config, compute_device(config) if device is None else device)
 
 
 def set_tf32(config: Config, device: torch.device) -> None:
