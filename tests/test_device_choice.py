@@ -81,7 +81,8 @@ def mallopt(monkeypatch):
 
     libc = Libc()
     libc.mallopt = fake
-    monkeypatch.setattr(ctypes, "CDLL", lambda name: libc)
+    real = ctypes.CDLL  # other libraries (the C SwiGLU the backend probe builds) load as usual
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, *args, **kwargs: libc if name is None else real(name, *args, **kwargs))
     monkeypatch.delenv("MOE_FOLD_KEEP_FREED_MEMORY", raising=False)
     return fake
 
@@ -114,6 +115,8 @@ def test_train_command_sets_the_policy_by_the_rank_device(mallopt, monkeypatch, 
         return Done()
 
     monkeypatch.setattr(train_module, "train", fake_train)
+    # The kernel backends of a faked GPU cannot be probed; this test is about the malloc policy.
+    monkeypatch.setattr(train_module, "resolve_backends", lambda config, device=None: config)
     argv = ["train", "--config", "mixtral-tiny", "--no-progress", "--set", "wandb.mode=disabled", "--set", "parallel.ep=1",
             "--set", f"train.run_dir={tmp_path}"] + [a for o in overrides for a in ("--set", o)]
     assert cli.main(argv) == 0
