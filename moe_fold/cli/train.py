@@ -109,7 +109,11 @@ def run(args: argparse.Namespace) -> int:
             # and routing from the preset or file.
             config = upcycled_config(config.init.upcycle_from, config)
         check_trainable(config, world)
-    except (ValueError, OSError) as e:  # ConfigError, HFConfigError, unreadable files
+        from moe_fold.data.sources import check_data
+
+        # A damaged or mismatched dataset fails here, before any rank starts.
+        check_data(config)
+    except (ValueError, OSError) as e:  # ConfigError, HFConfigError, DatasetFormatError, unreadable files
         err.print(f"error: {e}", markup=False, highlight=False)
         return 2
     progress = not args.no_progress

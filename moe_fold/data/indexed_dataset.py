@@ -156,6 +156,8 @@ class IndexedDataset:
     """A dataset opened read-only with numpy memmap (see the module docstring for the
     checks made on open). ``ds[i]`` is document ``i``; ``ds.tokens`` is every token."""
 
+    format = "moefidx"
+
     def __init__(self, prefix: str | os.PathLike, verify: str = "sampled", check_blocks: int = 8):
         if verify not in ("sampled", "full"):
             raise ValueError(f"verify={verify!r} must be 'sampled' or 'full'")
@@ -177,14 +179,16 @@ class IndexedDataset:
         raw = self.idx_file.read_bytes()
         f = self.idx_file
         if len(raw) < len(MAGIC) or raw[:len(MAGIC)] != MAGIC:
-            raise self._fail(f, f"bad magic {raw[:len(MAGIC)]!r}, expected {MAGIC!r}: not a moe-fold index file")
+            raise self._fail(f, f"bad magic {raw[:len(MAGIC)]!r} at byte offset 0, expected {MAGIC!r}: "
+                                f"not a moe-fold index file")
         if len(raw) < _HEADER.size + 4:
             raise self._fail(f, f"size mismatch: {len(raw)} bytes is shorter than the "
                                 f"{_HEADER.size + 4}-byte header and trailer (truncated)")
         (_, version, code, self.vocab_size, self.eod_id, self.num_docs, self.num_tokens,
          self.block_size, num_blocks) = _HEADER.unpack_from(raw)
         if version != VERSION:
-            raise self._fail(f, f"unsupported format version {version}; this moe-fold reads version {VERSION}")
+            raise self._fail(f, f"unsupported format version {version} at byte offset 8; this moe-fold reads "
+                                f"version {VERSION}")
         expected = _HEADER.size + 8 * (self.num_docs + 1) + 4 * num_blocks + 4
         if len(raw) != expected:
             raise self._fail(f, f"size mismatch: {len(raw)} bytes, the header implies {expected} "
@@ -210,8 +214,9 @@ class IndexedDataset:
         size = f.stat().st_size
         expected = self.num_tokens * self.dtype.itemsize
         if size != expected:
-            raise self._fail(f, f"size mismatch: {size} bytes, the index {self.idx_file.name} says "
-                                f"{expected} ({self.num_tokens} tokens of {self.dtype.name})")
+            raise self._fail(f, f"size mismatch: the file ends at byte offset {size}, the index "
+                                f"{self.idx_file.name} says {expected} bytes ({self.num_tokens} tokens of "
+                                f"{self.dtype.name}): the .bin must be exactly that size")
         n = len(self.block_crcs)
         if verify == "full" or n <= check_blocks:
             blocks = range(n)
