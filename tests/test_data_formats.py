@@ -73,9 +73,9 @@ def write_all_formats(folder: Path, docs: list[list[int]]) -> dict[str, str]:
     np.concatenate(docs).astype(np.uint16).tofile(folder / "train.bin")  # nanoGPT's raw file
     paths["raw"] = str(folder / "train.bin")
     rows = datasets.Dataset.from_dict({"input_ids": [d[:-1] for d in docs]})  # eod appended on reading
-    rows.save_to_disk(str(folder / "hf"))
+    rows.save_to_disk(str(folder / "hf"), num_shards=3)  # three Arrow files: rows cross chunk boundaries
     paths["hf-arrow"] = str(folder / "hf")
-    rows.to_parquet(str(folder / "rows.parquet"))
+    rows.to_parquet(str(folder / "rows.parquet"), batch_size=16)  # row groups of 16
     paths["hf-parquet"] = str(folder / "rows.parquet")
     return paths
 
@@ -343,10 +343,10 @@ def _bad_inputs(tmp: Path) -> list[tuple[str, Path | str, str, tuple[str, ...]]]
     Path(f"{v}.idx").write_bytes(raw[:8] + struct.pack("<I", 2) + raw[12:])
     cases.append(("wrong moe-fold version", v, Path(f"{v}.idx"), ("version 2 at byte offset 8", "reads version 1")))
     ids = np.concatenate(docs).astype(np.uint16)
-    ids[1000] = 300  # outside mixtral-tiny's 264 ids
+    ids[1000] = 264  # one past mixtral-tiny's 264 ids
     np.save(tmp / "vocab.npy", ids)
     cases.append(("token id outside the vocabulary (.npy)", tmp / "vocab.npy", tmp / "vocab.npy",
-                  ("token id 300 at token offset 1000 (byte offset 2000)", "[0, model.vocab_size=264)")))
+                  ("token id 264 at token offset 1000 (byte offset 2000)", "[0, model.vocab_size=264)")))
     mdocs = [list(d) for d in docs]
     mdocs[5][2] = 5000
     megatron_from_spec(tmp / "mvocab", mdocs, 8)

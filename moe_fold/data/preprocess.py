@@ -27,7 +27,7 @@ import numpy as np
 
 from moe_fold.data.documents import (DEFAULT_EXTENSIONS, TABLE_SUFFIXES, find_input_files, is_jsonl,
                                      open_binary_stream, parse_jsonl_line)
-from moe_fold.data.indexed_dataset import IndexedDatasetWriter
+from moe_fold.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from moe_fold.data.tokenizer import Tokenizer
 
 # A work unit: enough documents for a Hugging Face tokenizer to batch, small enough to
@@ -142,7 +142,8 @@ def _encode(unit: _Unit, text_key: str, tokenizer: Tokenizer | None = None) -> t
     kept = [t for t in texts if t]
     encoded = tok.encode_batch(kept) if kept else []
     lengths = np.asarray([len(ids) + 1 for ids in encoded], np.int64)
-    tokens = np.empty(int(lengths.sum()), np.int64)
+    # The dtype the dataset stores: half or a quarter of int64's bytes to send back.
+    tokens = np.empty(int(lengths.sum()), token_dtype(tok.vocab_size))
     ends = np.cumsum(lengths)
     for ids, end in zip(encoded, ends):
         tokens[end - len(ids) - 1:end - 1] = ids
