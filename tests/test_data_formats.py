@@ -111,9 +111,15 @@ def test_cli_format_megatron_round_trips(tmp_path, capsys):
     assert cli_main(["data", str(tmp_path / "c.jsonl"), "--format", "megatron", "--output",
                      str(tmp_path / "m" / "c_text_document")]) == 0
     assert "format megatron" in capsys.readouterr().out
+    assert cli_main(["data", str(tmp_path / "c.jsonl"), "--format", "megatron", "--workers", "2", "--output",
+                     str(tmp_path / "m" / "w2")]) == 0
     megatron_from_spec(tmp_path / "spec", corpus_docs(texts), 8)
     for ext in ("idx", "bin"):
-        assert Path(f"{tmp_path}/m/c_text_document.{ext}").read_bytes() == Path(f"{tmp_path}/spec.{ext}").read_bytes()
+        for prefix in ("c_text_document", "w2"):
+            assert Path(f"{tmp_path}/m/{prefix}.{ext}").read_bytes() == Path(f"{tmp_path}/spec.{ext}").read_bytes()
+    capsys.readouterr()
+    assert cli_main(["data", str(tmp_path / "c.jsonl"), "--workers", "0", "--output", str(tmp_path / "x")]) == 2
+    assert "--workers=0 must be >= 1" in capsys.readouterr().err
     ds = MegatronDataset(tmp_path / "m" / "c_text_document", EOD)
     assert [ByteTokenizer().decode(ds[i]) for i in range(len(ds))] == texts
 

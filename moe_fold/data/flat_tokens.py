@@ -49,7 +49,9 @@ class FlatTokens:
             self.format = "raw"
             if dtype is None:
                 raise DatasetFormatError(f"{self.file}: a raw token file has no header, so data.dtype must name its "
-                                         f"dtype (one of {', '.join(TOKEN_DTYPES)}; nanoGPT writes uint16)")
+                                         f"dtype (one of {', '.join(TOKEN_DTYPES)}; nanoGPT writes uint16). "
+                                         f"It is read as one because no {self.file.with_suffix('.idx').name} "
+                                         f"is beside it")
             if dtype not in TOKEN_DTYPES:
                 raise DatasetFormatError(f"data.dtype={dtype!r} must be one of {', '.join(TOKEN_DTYPES)}")
             dt = np.dtype(dtype).newbyteorder("<")
