@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
