@@ -11,6 +11,7 @@ indices, all little-endian."""
 from __future__ import annotations
 
 import gzip
+import os
 import re
 import json
 import struct
@@ -400,6 +401,12 @@ def test_empty_text_corpus_and_empty_hf_dataset(tmp_path):
     datasets.Dataset.from_dict({"input_ids": [[1, 2]]}).select([]).save_to_disk(str(tmp_path / "hf0"))
     with pytest.raises(DatasetFormatError, match=re.escape(f"{tmp_path / 'hf0'}: empty dataset: 0 tokens")):
         check_data(_config(tmp_path / "hf0"))
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"input_ids": [[1, 2]] * 20})})
+    splits.save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(DatasetFormatError, match=re.escape(f"{tmp_path / 'dict'}: a DatasetDict (splits train): "
+                                                           f"give one split's folder, e.g. {tmp_path / 'dict' / 'train'}")):
+        check_data(_config(tmp_path / "dict"))
+    assert detect_format(tmp_path / "dict" / "train")[0] == "hf-arrow"
 
 
 def test_loader_checks_every_sample_it_reads(tmp_path):
@@ -430,3 +437,32 @@ def test_raw_bin_needs_a_dtype_and_eod(tmp_path):
                       ("data.verify=some", "data.verify=some must be one of sampled, full")]:
         with pytest.raises(ConfigError, match=re.escape(rule)):
             validate(load_config("mixtral-tiny", [bad]), 2)
+
+
+@pytest.mark.parametrize("fmt", ["moefidx", "megatron"])
+def test_killed_build_leaves_no_final_name_and_restarts_clean(tmp_path, fmt):
+    """A writer killed outright (SIGKILL: no clean-up runs) leaves its temporaries and no
+    dataset; building again writes the dataset and removes the dead job's temporaries,
+    but not those of a live process or of another host."""
+    import socket
+    import subprocess
+    import sys
+
+    prefix = tmp_path / "out" / "ds"
+    writer = ("MegatronDatasetWriter(p, 258, 256)" if fmt == "megatron" else "IndexedDatasetWriter(p, 258, 256)")
+    script = (f"import os, signal\nfrom moe_fold.data.indexed_dataset import IndexedDatasetWriter\n"
+              f"from moe_fold.data.megatron_dataset import MegatronDatasetWriter\n"
+              f"p = {str(prefix)!r}\nw = {writer}\nw.add_document([1, 2, 256])\n"
+              f"os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert subprocess.run([sys.executable, "-c", script]).returncode == -9
+    left = sorted(p.name for p in prefix.parent.iterdir())
+    assert len(left) == 1 and left[0].startswith("ds.bin.tmp-")  # no final name
+    host, dead = socket.gethostname().replace("-", "_"), left[0].rsplit("-", 1)[1]
+    kept = [prefix.parent / f"ds.bin.tmp-{host}-{dead}x", prefix.parent / f"ds.idx.tmp-other_host-{dead}"]
+    live = prefix.parent / f"ds.bin.tmp-{host}-{os.getppid()}"
+    for f in kept + [live]:
+        f.write_bytes(b"partial")
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "again"}) + "\n")
+    build_dataset([tmp_path / "c.jsonl"], ByteTokenizer(), prefix, output_format=fmt)
+    assert sorted(p.name for p in prefix.parent.iterdir()) == sorted(["ds.bin", "ds.idx"] + [f.name for f in kept + [live]])
+    assert open_tokens(prefix, EOD)[0].tolist() == list(b"again") + [EOD]

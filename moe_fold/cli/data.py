@@ -43,7 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", "-o", help="dataset prefix: writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--format", default="moefidx", choices=("moefidx", "megatron"),
                         help="output format: moe-fold's (default) or Megatron-LM's MMIDIDX")
-    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="tokenizing processes (default 1); for BPE tokenizers: the byte tokenizer outruns the "
+                             "cost of sending text to workers, keep it at 1")
     parser.add_argument("--tokenizer", default="byte", help="'byte' (default) or a path to a tokenizer.json")
     parser.add_argument("--train-bpe", type=int, metavar="VOCAB", default=None,
                         help="train a byte-level BPE of this vocabulary size on the inputs, save it as "

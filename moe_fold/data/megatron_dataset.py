@@ -38,7 +38,7 @@ from typing import Iterable
 
 import numpy as np
 
-from moe_fold.data.indexed_dataset import DatasetFormatError, bin_path, idx_path
+from moe_fold.data.indexed_dataset import DatasetFormatError, bin_path, idx_path, temporary_names
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -153,9 +153,7 @@ class MegatronDatasetWriter:
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         self.vocab_size, self.eod_id = vocab_size, eod_id
         self.dtype = megatron_token_dtype(vocab_size)
-        tag = f".tmp-{os.getpid()}"
-        self._bin_tmp = bin_path(self.prefix).with_name(bin_path(self.prefix).name + tag)
-        self._idx_tmp = idx_path(self.prefix).with_name(idx_path(self.prefix).name + tag)
+        self._bin_tmp, self._idx_tmp = temporary_names(self.prefix)
         self._bin = open(self._bin_tmp, "wb")
         self._lengths = array("q")  # 8 bytes a document until finish()
         self.num_tokens = 0
