@@ -201,6 +201,16 @@ class DataConfig:
     # ``valid_fraction`` of each training dataset's documents (its last ones), held out.
     valid_path: Optional[str] = None
     valid_fraction: float = 0.0
+    # Tokenized data made elsewhere (moe_fold.data.sources): the end-of-document id of
+    # formats that do not store one (Megatron, .npy/.bin token files, Hugging Face
+    # input_ids; None: data.tokenizer's), and the token dtype of a raw .bin (nanoGPT: uint16).
+    eod_id: Optional[int] = None
+    dtype: Optional[str] = None
+    # Column / JSONL field holding the text of a document.
+    text_key: str = "text"
+    # Token-id check before training: ``sampled`` (8 blocks of 2^20 tokens per dataset)
+    # or ``full`` (every token); the loader also checks each sample it reads.
+    verify: str = "sampled"
 
 
 @dataclass
@@ -1131,6 +1141,13 @@ def _check_data_wandb_and_init(config: Config, out: list[str]) -> None:
                 out.append(f"data.weights[{i}]={_fmt(weight)} must be > 0")
     if not d.tokenizer:
         out.append("data.tokenizer='' must be byte or a path to a tokenizer.json")
+    if d.eod_id is not None and not 0 <= d.eod_id < config.model.vocab_size:
+        out.append(f"data.eod_id={d.eod_id} must be in [0, model.vocab_size={config.model.vocab_size})")
+    if d.dtype is not None:
+        _one_of(out, "data.dtype", d.dtype, ("uint8", "uint16", "int16", "uint32", "int32", "int64"))
+    _one_of(out, "data.verify", d.verify, ("sampled", "full"))
+    if not d.text_key:
+        out.append("data.text_key='' must name the text column or JSONL field")
     _one_of(out, "wandb.mode", w.mode, ("offline", "online", "disabled"))
     _at_least(out, "wandb.heatmap_every", w.heatmap_every, 1)
     init = config.init

@@ -166,8 +166,8 @@ def test_corrupt_files_give_one_clear_error(tmp_path):
         idx_file.write_bytes(good_idx)
 
     bin_file.write_bytes(good_bin[:-2])
-    expect(f"{bin_file}: size mismatch: {n_bytes - 2} bytes, the index ds.idx says {n_bytes} "
-           f"({n_bytes // 2} tokens of uint16)")
+    expect(f"{bin_file}: size mismatch: the file ends at byte offset {n_bytes - 2}, the index ds.idx says "
+           f"{n_bytes} bytes ({n_bytes // 2} tokens of uint16): the .bin must be exactly that size")
 
     altered = bytearray(good_bin)
     altered[-1] ^= 0x01  # the last block is always checked
@@ -179,10 +179,10 @@ def test_corrupt_files_give_one_clear_error(tmp_path):
     bin_file.write_bytes(good_bin)
 
     idx_file.write_bytes(b"GARBAGE!" + good_idx[8:])
-    expect(f"{idx_file}: bad magic b'GARBAGE!', expected b'MOEFIDX\\x00': not a moe-fold index file")
+    expect(f"{idx_file}: bad magic b'GARBAGE!' at byte offset 0, expected b'MOEFIDX\\x00': not a moe-fold index file")
 
     idx_file.write_bytes(good_idx[:8] + struct.pack("<I", 2) + good_idx[12:])
-    expect(f"{idx_file}: unsupported format version 2; this moe-fold reads version 1")
+    expect(f"{idx_file}: unsupported format version 2 at byte offset 8; this moe-fold reads version 1")
 
     idx_file.write_bytes(good_idx[:-8])
     expect(f"{idx_file}: size mismatch: {len(good_idx) - 8} bytes, the header implies {len(good_idx)} "

@@ -110,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
             # and routing from the preset or file.
             config = upcycled_config(config.init.upcycle_from, config)
         check_trainable(config, world)
+        from moe_fold.data.sources import check_data
+
+        # A damaged or mismatched dataset fails here, before any rank starts.
+        check_data(config)
         if torchrun is None:
             import torch
 
@@ -117,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             # gloo on the CPU, a single process the GPU if there is one. (Under torchrun
             # each rank resolves the same way on its own GPU.)
             config = resolve_backends(config, torch.device("cpu") if world > 1 else None)
-    except (ValueError, OSError) as e:  # ConfigError, HFConfigError, unreadable files
+    except (ValueError, OSError) as e:  # ConfigError, HFConfigError, DatasetFormatError, unreadable files
         err.print(f"error: {e}", markup=False, highlight=False)
         return 2
     if torchrun is None and world > 1 and config.train.device == "cuda":

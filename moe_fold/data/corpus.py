@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterable
 
 from moe_fold.data.documents import DEFAULT_EXTENSIONS, find_input_files
-from moe_fold.data.indexed_dataset import dataset_exists, idx_path
+from moe_fold.data.indexed_dataset import dataset_exists
 from moe_fold.data.preprocess import build_dataset
 from moe_fold.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
@@ -76,21 +76,25 @@ def ensure_demo_dataset(cache_dir: str | os.PathLike, tokenizer: str = "byte",
 def prepare_data_paths(path: str | list[str] | None, tokenizer: str, cache_dir: str | os.PathLike,
                        text_key: str = "text", extensions: Iterable[str] = DEFAULT_EXTENSIONS,
                        progress: bool = False) -> list[Path]:
-    """Dataset prefixes for ``data.path``: None is the demo corpus; an entry with a
-    ``.idx`` beside it is a built dataset; anything else (a text/JSONL file or a folder)
-    is tokenized into ``cache_dir``. In a multi-rank run call it on one rank first, then
-    barrier, so the others find the cache built."""
+    """What to open for each ``data.path`` entry: None is the demo corpus; a tokenized
+    dataset of any format :mod:`moe_fold.data.sources` reads is used in place; text (files,
+    folders, JSONL, the text column of a Hugging Face dataset or Parquet) is tokenized into
+    ``cache_dir``. In a multi-rank run call it on one rank first, then barrier, so the
+    others find the cache built."""
+    from moe_fold.data.sources import TOKEN_FORMATS, detect_format
+
     if path is None:
         return [ensure_demo_dataset(cache_dir, tokenizer, progress=progress)]
     prefixes = []
     for entry in [path] if isinstance(path, str) else path:
-        stem = entry[:-4] if entry.endswith((".bin", ".idx")) else entry
-        if idx_path(stem).is_file():
-            prefixes.append(Path(stem))
-        elif Path(entry).exists():
+        fmt, where = detect_format(entry)
+        if fmt in TOKEN_FORMATS:
+            prefixes.append(where)
+        elif fmt == "hf-text":
+            from moe_fold.data.hf_datasets import data_files
+
+            prefixes.append(_ensure("text", data_files(where), cache_dir, tokenizer, text_key, progress))
+        else:
             files = find_input_files([entry], extensions)
             prefixes.append(_ensure("text", files, cache_dir, tokenizer, text_key, progress))
-        else:
-            raise FileNotFoundError(f"data.path entry {entry!r} is neither a dataset prefix "
-                                    f"({stem}.bin/.idx) nor a text file or folder")
     return prefixes

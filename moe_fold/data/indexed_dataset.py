@@ -21,12 +21,15 @@ one ``DatasetFormatError`` naming the file and what is wrong.
 
 Both files are written under temporary names and renamed into place, ``.bin`` first: a
 crash leaves either no dataset or a complete one (a stale ``.idx`` beside a new ``.bin``
-fails the size or checksum check).
+fails the size or checksum check); the next writer removes a killed job's temporaries
+(:func:`temporary_names`).
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import socket
 import struct
 import zlib
 from pathlib import Path
@@ -61,6 +64,32 @@ def dataset_exists(prefix: str | os.PathLike) -> bool:
     return bin_path(prefix).is_file() and idx_path(prefix).is_file()
 
 
+def temporary_names(prefix: Path) -> tuple[Path, Path]:
+    """Where a writer of ``prefix`` keeps its ``.bin`` and ``.idx`` until it renames them:
+    ``PREFIX.bin.tmp-HOST-PID``. A job killed outright (no chance to clean up) leaves
+    those behind, never a final name; the next writer of the prefix on the same host
+    deletes the ones whose process is gone, so a restart leaves no stale partial files.
+    Another host's, or a live process's, are left alone (concurrent builders of a cache)."""
+    host = socket.gethostname().replace("-", "_")
+    for stale in prefix.parent.glob(f"{glob.escape(prefix.name)}.[bi][id][nx].tmp-{glob.escape(host)}-*"):
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            stale.unlink(missing_ok=True)
+    tag = f".tmp-{host}-{os.getpid()}"
+    return (bin_path(prefix).with_name(bin_path(prefix).name + tag),
+            idx_path(prefix).with_name(idx_path(prefix).name + tag))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 class IndexedDatasetWriter:
     """Streams documents into ``PREFIX.bin``/``PREFIX.idx``; nothing is visible under
     the final names until ``finish()``. Use as a context manager: an exception removes
@@ -76,9 +105,7 @@ class IndexedDatasetWriter:
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         self.vocab_size, self.eod_id, self.block_size = vocab_size, eod_id, block_size
         self.dtype = token_dtype(vocab_size)
-        tag = f".tmp-{os.getpid()}"
-        self._bin_tmp = bin_path(self.prefix).with_name(bin_path(self.prefix).name + tag)
-        self._idx_tmp = idx_path(self.prefix).with_name(idx_path(self.prefix).name + tag)
+        self._bin_tmp, self._idx_tmp = temporary_names(self.prefix)
         self._bin = open(self._bin_tmp, "wb")
         self._offsets = [0]
         self._block_crcs: list[int] = []
@@ -156,6 +183,8 @@ class IndexedDataset:
     """A dataset opened read-only with numpy memmap (see the module docstring for the
     checks made on open). ``ds[i]`` is document ``i``; ``ds.tokens`` is every token."""
 
+    format = "moefidx"
+
     def __init__(self, prefix: str | os.PathLike, verify: str = "sampled", check_blocks: int = 8):
         if verify not in ("sampled", "full"):
             raise ValueError(f"verify={verify!r} must be 'sampled' or 'full'")
@@ -177,14 +206,16 @@ class IndexedDataset:
         raw = self.idx_file.read_bytes()
         f = self.idx_file
         if len(raw) < len(MAGIC) or raw[:len(MAGIC)] != MAGIC:
-            raise self._fail(f, f"bad magic {raw[:len(MAGIC)]!r}, expected {MAGIC!r}: not a moe-fold index file")
+            raise self._fail(f, f"bad magic {raw[:len(MAGIC)]!r} at byte offset 0, expected {MAGIC!r}: "
+                                f"not a moe-fold index file")
         if len(raw) < _HEADER.size + 4:
             raise self._fail(f, f"size mismatch: {len(raw)} bytes is shorter than the "
                                 f"{_HEADER.size + 4}-byte header and trailer (truncated)")
         (_, version, code, self.vocab_size, self.eod_id, self.num_docs, self.num_tokens,
          self.block_size, num_blocks) = _HEADER.unpack_from(raw)
         if version != VERSION:
-            raise self._fail(f, f"unsupported format version {version}; this moe-fold reads version {VERSION}")
+            raise self._fail(f, f"unsupported format version {version} at byte offset 8; this moe-fold reads "
+                                f"version {VERSION}")
         expected = _HEADER.size + 8 * (self.num_docs + 1) + 4 * num_blocks + 4
         if len(raw) != expected:
             raise self._fail(f, f"size mismatch: {len(raw)} bytes, the header implies {expected} "
@@ -210,8 +241,9 @@ class IndexedDataset:
         size = f.stat().st_size
         expected = self.num_tokens * self.dtype.itemsize
         if size != expected:
-            raise self._fail(f, f"size mismatch: {size} bytes, the index {self.idx_file.name} says "
-                                f"{expected} ({self.num_tokens} tokens of {self.dtype.name})")
+            raise self._fail(f, f"size mismatch: the file ends at byte offset {size}, the index "
+                                f"{self.idx_file.name} says {expected} bytes ({self.num_tokens} tokens of "
+                                f"{self.dtype.name}): the .bin must be exactly that size")
         n = len(self.block_crcs)
         if verify == "full" or n <= check_blocks:
             blocks = range(n)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
@@ -42,6 +41,7 @@ import torch
 from moe_fold.config import Config
 from moe_fold.parallel.context_parallel import zigzag_positions, zigzag_split
 from moe_fold.data.indexed_dataset import IndexedDataset
+from moe_fold.data.sources import check_block, open_tokens
 
 
 @dataclass
@@ -56,27 +56,35 @@ class Sample:
 class GPTDataset:
     """Shuffled fixed-length or packed samples of one indexed dataset; see the module docstring."""
 
-    def __init__(self, source: str | os.PathLike | IndexedDataset, seq_length: int, seed: int,
+    def __init__(self, source, seq_length: int, seed: int,
                  packing: bool = False, pad_id: int | None = None, reset_at_documents: bool = False,
-                 documents: Optional[tuple[int, int]] = None):
-        """``documents=(first, stop)``: only those documents (a train/validation split,
-        :func:`split_documents`); None: all."""
+                 documents: Optional[tuple[int, int]] = None, vocab_limit: Optional[int] = None):
+        """``source``: a moe-fold dataset prefix, or any reader of :mod:`moe_fold.data.sources`.
+        ``documents=(first, stop)``: only those documents (a train/validation split,
+        :func:`split_documents`); None: all. ``vocab_limit``: every sample read is checked
+        to hold ids in ``[0, vocab_limit)`` (the model's vocabulary)."""
         if seq_length < 1:
             raise ValueError(f"seq_length={seq_length} must be >= 1")
-        self.indexed = source if isinstance(source, IndexedDataset) else IndexedDataset(source)
+        self.indexed = IndexedDataset(source) if isinstance(source, (str, os.PathLike)) else source
         self.seq_length, self.seed, self.packing = seq_length, seed, packing
         self.reset_at_documents = reset_at_documents
-        self.vocab_size = self.indexed.vocab_size
+        self.vocab_size = self.indexed.vocab_size if self.indexed.vocab_size is not None else vocab_limit
+        self.vocab_limit = vocab_limit
         # Padding is always loss-masked, so eod is a safe default filler.
         self.pad_id = self.indexed.eod_id if pad_id is None else pad_id
-        num_docs = len(self.indexed.lengths)
-        self.documents = (0, num_docs) if documents is None else tuple(documents)
-        if not 0 <= self.documents[0] < self.documents[1] <= num_docs:
-            raise ValueError(f"documents={list(self.documents)} must be a non-empty range of the "
-                             f"{num_docs} documents of {self.indexed.prefix}")
-        # Token offsets in the .bin of the first document and past the last one.
-        self._base = int(self.indexed.offsets[self.documents[0]])
-        n_tokens = int(self.indexed.offsets[self.documents[1]]) - self._base
+        if documents is None and not packing:
+            # The whole token stream: no need for the document offsets (a flat token file
+            # finds them with a pass over every token).
+            self._documents, self._base, n_tokens = None, 0, self.indexed.num_tokens
+        else:
+            num_docs = self.indexed.num_docs
+            self._documents = (0, num_docs) if documents is None else tuple(documents)
+            if not 0 <= self._documents[0] < self._documents[1] <= num_docs:
+                raise ValueError(f"documents={list(self._documents)} must be a non-empty range of the "
+                                 f"{num_docs} documents of {self.indexed.prefix}")
+            # Token offsets in the .bin of the first document and past the last one.
+            self._base = int(self.indexed.offsets[self._documents[0]])
+            n_tokens = int(self.indexed.offsets[self._documents[1]]) - self._base
         if packing:
             self._pack()
             self.num_samples = len(self._bin_piece) - 1
@@ -88,11 +96,16 @@ class GPTDataset:
                              f"for one sample of seq_length+1={seq_length + 1} tokens")
         self._perms: dict[int, np.ndarray] = {}
 
+    @property
+    def documents(self) -> tuple[int, int]:
+        """The documents ``[first, stop)`` this dataset samples from."""
+        return self._documents if self._documents is not None else (0, self.indexed.num_docs)
+
     def _pack(self) -> None:
         """Cut documents into pieces of at most S+1 tokens and fill samples next-fit, in
         order: a sample is then one contiguous slice of the token stream."""
         cap = self.seq_length + 1
-        lengths = self.indexed.lengths[self.documents[0]:self.documents[1]]
+        lengths = self.indexed.lengths[self.documents[0]:self.documents[1]]  # [docs]
         pieces_per_doc = np.maximum(1, -(-lengths // cap))
         doc_of_piece = np.repeat(np.arange(len(lengths)), pieces_per_doc)
         first_piece = np.cumsum(pieces_per_doc) - pieces_per_doc
@@ -131,12 +144,22 @@ class GPTDataset:
         j = int(self._perm(i // self.num_samples)[i % self.num_samples])
         return self.raw_sample(j)
 
+    def _read(self, first: int, stop: int) -> np.ndarray:
+        """Tokens ``[first, stop)`` of the stream as int64, checked against the vocabulary
+        (a cheap max over a sample; a bad id would index outside the embedding)."""
+        raw = np.asarray(self.indexed.tokens[first:stop])
+        if self.vocab_limit is not None and raw.size:
+            lo, hi = raw.min(), raw.max()
+            if lo < 0 or hi >= self.vocab_limit or raw.dtype.kind == "f":
+                check_block(self.indexed, raw, first, self.vocab_limit)
+        return raw.astype(np.int64)
+
     def raw_sample(self, j: int) -> Sample:
         """Sample ``j`` before shuffling."""
         S = self.seq_length
         if not self.packing:
             first = self._base + j * S
-            tokens = np.asarray(self.indexed.tokens[first:first + S + 1], dtype=np.int64)
+            tokens = self._read(first, first + S + 1)
             if not self.reset_at_documents:
                 return Sample(tokens, np.ones(S, np.float32), np.arange(S, dtype=np.int64),
                               np.asarray([0, S], np.int32), np.ones(S, bool))
@@ -151,7 +174,7 @@ class GPTDataset:
             starts = self._piece_start[p0:p1 + 1] - self._piece_start[p0]  # piece bounds in the sample
             used = int(starts[-1])
             tokens = np.full(S + 1, self.pad_id, dtype=np.int64)
-            tokens[:used] = self.indexed.tokens[self._piece_start[p0]:self._piece_start[p1]]
+            tokens[:used] = self._read(self._piece_start[p0], self._piece_start[p1])
         loss_mask = np.ones(S, np.float32)
         ends = starts[1:]
         loss_mask[ends[ends <= S] - 1] = 0  # the label after a part's last token is another part
@@ -194,7 +217,7 @@ class BlendedDataset:
         self.dataset_index, self.sample_index = dataset_index, sample_index
         self.per_period = np.bincount(self.dataset_index, minlength=len(datasets))
         self.seq_length = datasets[0].seq_length
-        self.vocab_size = max(ds.vocab_size for ds in datasets)
+        self.vocab_size = max((ds.vocab_size for ds in datasets if ds.vocab_size is not None), default=None)
         if any(ds.seq_length != self.seq_length for ds in datasets):
             raise ValueError(f"blended datasets must share seq_length, got {[ds.seq_length for ds in datasets]}")
 
@@ -349,57 +372,60 @@ def split_documents(num_docs: int, valid_fraction: float, part: str) -> Optional
 def open_training_dataset(prefixes: Sequence[str | os.PathLike], weights: Sequence[float] | None,
                           seq_length: int, seed: int, packing: bool = False, blend_size: int = 10_000,
                           max_vocab_size: int | None = None, valid_fraction: float = 0.0,
-                          part: str = "train") -> GPTDataset | BlendedDataset:
+                          part: str = "train", eod_id: int | None = None, dtype: str | None = None,
+                          verify: str = "sampled") -> GPTDataset | BlendedDataset:
     """One dataset, or a blend of several (equal weights when ``weights`` is None), each
-    shuffled with its own seed. ``max_vocab_size`` (the model's) rejects a dataset whose
-    token ids could fall outside the embedding. ``valid_fraction > 0`` splits each dataset
-    by :func:`split_documents` and takes its ``part``."""
+    shuffled with its own seed. A prefix may be of any format :mod:`moe_fold.data.sources`
+    reads (``eod_id``: end-of-document id of the formats that store none; ``dtype``: of a
+    raw ``.bin``). ``max_vocab_size`` (the model's) rejects a dataset whose token ids could
+    fall outside the embedding. ``valid_fraction > 0`` splits each dataset by
+    :func:`split_documents` and takes its ``part``."""
     if not prefixes:
         raise ValueError("no dataset prefixes given")
     datasets = []
     for i, prefix in enumerate(prefixes):
-        indexed = IndexedDataset(Path(prefix))
-        documents = split_documents(len(indexed.lengths), valid_fraction, part)
-        datasets.append(GPTDataset(indexed, seq_length, seed + i, packing, documents=documents))
-    if max_vocab_size is not None:
-        for ds in datasets:
-            if ds.vocab_size > max_vocab_size:
-                raise ValueError(f"dataset {ds.indexed.prefix} was tokenized with vocab_size={ds.vocab_size}, "
-                                 f"larger than model.vocab_size={max_vocab_size}")
+        source = open_tokens(prefix, eod_id, dtype, verify)
+        if source.vocab_size is not None and max_vocab_size is not None and source.vocab_size > max_vocab_size:
+            raise ValueError(f"dataset {source.prefix} was tokenized with vocab_size={source.vocab_size}, "
+                             f"larger than model.vocab_size={max_vocab_size}")
+        # Without a split the document count is not needed (a flat token file would scan for it).
+        documents = split_documents(source.num_docs if valid_fraction > 0 else 0, valid_fraction, part)
+        datasets.append(GPTDataset(source, seq_length, seed + i, packing, documents=documents,
+                                   vocab_limit=max_vocab_size))
     if len(datasets) == 1 and weights is None:
         return datasets[0]
     return BlendedDataset(datasets, weights if weights is not None else [1.0] * len(datasets), blend_size)
 
 
-def dataset_from_config(config: Config) -> GPTDataset | BlendedDataset:
-    """The training dataset a ``Config`` asks for: ``data.path`` (None: the demo corpus)
-    tokenized into ``data.cache_dir`` when needed, blended by ``data.weights``, samples of
-    ``model.seq_length`` shuffled by ``train.seed``, packed when ``data.packing``. In a
-    multi-rank run call it on one rank, barrier, then on the others (they find the cache)."""
+def _open(config: Config, paths, weights, valid_fraction: float, part: str) -> GPTDataset | BlendedDataset:
     from moe_fold.data.corpus import prepare_data_paths
+    from moe_fold.data.sources import resolved_eod_id
 
     d = config.data
-    prefixes = prepare_data_paths(d.path, d.tokenizer, d.cache_dir)
-    return open_training_dataset(prefixes, d.weights, config.model.seq_length, config.train.seed,
+    prefixes = prepare_data_paths(paths, d.tokenizer, d.cache_dir, text_key=d.text_key)
+    return open_training_dataset(prefixes, weights, config.model.seq_length, config.train.seed,
                                  packing=d.packing, max_vocab_size=config.model.vocab_size,
-                                 valid_fraction=d.valid_fraction)
+                                 valid_fraction=valid_fraction, part=part, eod_id=resolved_eod_id(d),
+                                 dtype=d.dtype, verify=d.verify)
+
+
+def dataset_from_config(config: Config) -> GPTDataset | BlendedDataset:
+    """The training dataset a ``Config`` asks for: ``data.path`` (None: the demo corpus)
+    tokenized into ``data.cache_dir`` when it is text, read in place when it is tokenized
+    (moe-fold, Megatron, token files, Hugging Face datasets), blended by ``data.weights``,
+    samples of ``model.seq_length`` shuffled by ``train.seed``, packed when ``data.packing``.
+    In a multi-rank run call it on one rank, barrier, then on the others (they find the cache)."""
+    d = config.data
+    return _open(config, d.path, d.weights, d.valid_fraction, "train")
 
 
 def validation_dataset_from_config(config: Config) -> GPTDataset | BlendedDataset | None:
-    """The validation dataset: ``data.valid_path`` (tokenized like ``data.path``), or the
+    """The validation dataset: ``data.valid_path`` (read like ``data.path``), or the
     documents ``data.valid_fraction`` holds out of each training dataset (blended by
     ``data.weights``); None when neither is set. Call it like :func:`dataset_from_config`."""
-    from moe_fold.data.corpus import prepare_data_paths
-
     d = config.data
     if d.valid_path is not None:
-        prefixes = prepare_data_paths(d.valid_path, d.tokenizer, d.cache_dir)
-        weights, fraction, part = None, 0.0, "train"  # the whole of another dataset
-    elif d.valid_fraction > 0:
-        prefixes = prepare_data_paths(d.path, d.tokenizer, d.cache_dir)
-        weights, fraction, part = d.weights, d.valid_fraction, "valid"
-    else:
-        return None
-    return open_training_dataset(prefixes, weights, config.model.seq_length, config.train.seed,
-                                 packing=d.packing, max_vocab_size=config.model.vocab_size,
-                                 valid_fraction=fraction, part=part)
+        return _open(config, d.valid_path, None, 0.0, "train")  # the whole of another dataset
+    if d.valid_fraction > 0:
+        return _open(config, d.path, d.weights, d.valid_fraction, "valid")
+    return None
