@@ -165,13 +165,15 @@ class _Counter(TorchFunctionMode):
         if op is not None:
             self.syncs.record(op)
         out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and not isinstance(out, torch.nn.Parameter):
+        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+        if outs:
             made_on_host = (func in _FROM_DATA and func is not _T.new_tensor and kwargs.get("device") is None
                             and not isinstance(args[0] if args else None, torch.Tensor))
             inputs = _tensors(args, kwargs)
             if made_on_host or func is _T.cpu or (func is _T.to and op == "Tensor.to('cpu')") or \
                     (inputs and all(self._is_host(t) for t in inputs) and func is not _T.to):
-                self.host[out] = True
+                for t in outs:
+                    self.host[t] = True
         return out
 
 
