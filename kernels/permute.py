@@ -219,7 +219,7 @@ def _sum_rows_per_token(rows: torch.Tensor, sorted_indices: torch.Tensor,
     with warnings.catch_warnings():  # "sparse CSR is in beta": it is used for one matmul
         warnings.simplefilter("ignore", UserWarning)
         matrix = torch.sparse_csr_tensor(crow, order, values, size=(num_tokens + 1, n),
-                                         check_invariants=False)
+                                         device=rows.device, check_invariants=False)
     return (matrix @ rows.to(acc))[:num_tokens]  # [T + 1, N] @ [N, H] -> [T, H]
 
 
