@@ -370,7 +370,9 @@ def sort_chunks(x: torch.Tensor, split_sizes: Union[Sequence[int], torch.Tensor]
                 ) -> torch.Tensor:
     """Reorder contiguous chunks of rows: chunk i has ``split_sizes[i]`` rows; the
     output holds the chunks in ``order``. ``x`` is ``[N, ...]`` (1-D works, for
-    probs). Differentiable w.r.t. x.
+    probs). Differentiable w.r.t. x. Sizes and order given as int tensors on ``x``'s
+    device are used as they are (no host synchronisation, no checks); lists are checked
+    and copied to the device, which blocks the host on a GPU.
     """
     _check_backend(backend)
     sizes = torch.as_tensor(split_sizes, dtype=torch.long, device=x.device)
