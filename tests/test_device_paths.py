@@ -28,10 +28,10 @@ from moe_fold.training.train import read_metrics, train
 from test_moe_layer import H, _config, _inputs
 from test_train import small_config
 
-# Every collective the project calls (comm.py's wrappers, the object collectives of the
-# checkpoint and the re-placement): the ones that take tensors.
+# The torch.distributed calls that take tensors (comm.py wraps them all). isend/irecv stay
+# as they are: P2POp checks their identity; batch_isend_irecv checks the P2POps' tensors.
 _COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single",
-                "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "send", "recv", "isend", "irecv",
+                "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "send", "recv",
                 "all_gather", "reduce_scatter", "all_to_all", "batch_isend_irecv", "reduce", "gather", "scatter")
 
 
@@ -143,18 +143,31 @@ def _train_rank(rank, world_size, config):
     return sorted(set(seen)), result.losses
 
 
-def test_training_step_collectives_get_device_tensors(tmp_path, cache_dir):
-    """Two steps on two ranks (ep 2, all-gather dispatcher, experts re-placed after each
-    step): the step's collectives, the grad sync, the norm, the routing statistics, the
-    stop check and the re-placement's byte total included, all get device tensors."""
-    config = small_config(tmp_path, cache_dir, "train.steps=2", "parallel.ep=2", "moe.dispatcher=allgather",
-                          "moe.replace_every=1")
+TRAIN_LAYOUTS = {
+    # the all-gather dispatcher over etp x ep, experts re-placed after every step
+    "ep2-allgather-replace": (["parallel.ep=2", "moe.dispatcher=allgather", "moe.replace_every=1"],
+                              {"all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single"}),
+    "tp2-sp-ep2": (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.etp=1"],
+                   {"all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single"}),
+    "pp2": (["parallel.pp=2"], {"all_reduce", "batch_isend_irecv"}),
+    "cp2": (["parallel.cp=2"], {"all_reduce", "batch_isend_irecv"}),
+}
+
+
+@pytest.mark.parametrize("layout", TRAIN_LAYOUTS)
+def test_training_step_collectives_get_device_tensors(tmp_path, cache_dir, layout):
+    """Two steps on two ranks: every collective of a step (the MoE dispatch, the tp/sp,
+    pipeline and ring-attention exchanges, the grad sync, the norm, the routing statistics,
+    the stop check, the expert re-placement's moves and byte total) gets device tensors."""
+    settings, expected = TRAIN_LAYOUTS[layout]
+    config = small_config(tmp_path, cache_dir, "train.steps=2", *settings)
     results = run_ranks(_train_rank, 2, config, timeout=300)
     for names, losses in results:
-        assert {"all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single"} <= set(names), names
+        assert expected <= set(names), names
         assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
-    assert any(r.get("replace_bytes") for r in read_metrics(tmp_path)), "no expert was re-placed: the byte total " \
-                                                                         "all-reduce did not run"
+    if "moe.replace_every=1" in settings:
+        assert any(r.get("replace_bytes") for r in read_metrics(tmp_path)), \
+            "no expert was re-placed: the byte total's all-reduce did not run"
 
 
 # --------------------------------------------------------------------------- autocast
