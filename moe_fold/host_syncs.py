@@ -148,8 +148,8 @@ class _Counter(TorchFunctionMode):
                 return None
             return _name(func) + "(python data, device=...)"
         if func is _T.to:
-            target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device, torch.Tensor))),
-                                               None))
+            targets = (a for a in args[1:] if isinstance(a, (str, torch.device, torch.Tensor)))
+            target = kwargs.get("device", next(targets, None))
             if isinstance(target, torch.Tensor):
                 target = target.device
             if target is None:
