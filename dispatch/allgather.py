@@ -10,8 +10,9 @@ Every token crosses the wire to every rank of the group whatever its routing, so
 sends more than the all-to-all when the group is large. Its one count exchange carries
 each rank's token count (the all-gather's sizes) and its routed pairs per expert (so the
 rows of this rank's experts are known on the host without reading the gathered map back).
-The asynchronous steps keep both the all-gather and the reduce-scatter in flight. Modes ``dropless`` and ``capacity`` (the
-router already dropped tokens); the padded mode belongs to the all-to-all dispatcher.
+The asynchronous steps keep both the all-gather and the reduce-scatter in flight. Modes
+``dropless`` and ``capacity`` (the router already dropped tokens); the padded mode belongs
+to the all-to-all dispatcher.
 """
 
 from __future__ import annotations
