@@ -148,16 +148,26 @@ class _Counter(TorchFunctionMode):
                 return None
             return _name(func) + "(python data, device=...)"
         if func is _T.to:
-            targets = (a for a in args[1:] if isinstance(a, (str, torch.device, torch.Tensor)))
-            target = kwargs.get("device", next(targets, None))
-            if isinstance(target, torch.Tensor):
-                target = target.device
+            target = _to_device(args, kwargs)
             if target is None:
                 return None
             if _is_str_cpu(target):
                 return None if self._is_host(args[0]) else "Tensor.to('cpu')"
             return "Tensor.to(device) of a host tensor" if self._is_host(args[0]) else None
         return None
+
+    def _lands_on_host(self, func, args, kwargs) -> bool:
+        """Whether the call's outputs live on the host on a GPU too."""
+        if func in _FROM_DATA and func is not _T.new_tensor:
+            device, data = kwargs.get("device"), args[0] if args else kwargs.get("data")
+            return not isinstance(data, torch.Tensor) and (device is None or _is_str_cpu(device))
+        if func is _T.cpu:
+            return True
+        if func is _T.to:
+            target = _to_device(args, kwargs)
+            return _is_str_cpu(target) or (target is None and self._is_host(args[0]))
+        inputs = _tensors(args, kwargs)
+        return bool(inputs) and all(self._is_host(t) for t in inputs)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -166,15 +176,17 @@ class _Counter(TorchFunctionMode):
             self.syncs.record(op)
         out = func(*args, **kwargs)
         outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
-        if outs:
-            made_on_host = (func in _FROM_DATA and func is not _T.new_tensor and kwargs.get("device") is None
-                            and not isinstance(args[0] if args else None, torch.Tensor))
-            inputs = _tensors(args, kwargs)
-            if made_on_host or func is _T.cpu or (func is _T.to and op == "Tensor.to('cpu')") or \
-                    (inputs and all(self._is_host(t) for t in inputs) and func is not _T.to):
-                for t in outs:
-                    self.host[t] = True
+        if outs and self._lands_on_host(func, args, kwargs):
+            for t in outs:
+                self.host[t] = True
         return out
+
+
+def _to_device(args: Any, kwargs: dict) -> Any:
+    """The device a ``Tensor.to`` call moves to (a string, a device), None for a dtype change."""
+    targets = (a for a in args[1:] if isinstance(a, (str, torch.device, torch.Tensor)))
+    target = kwargs.get("device", next(targets, None))
+    return target.device if isinstance(target, torch.Tensor) else target
 
 
 @contextlib.contextmanager

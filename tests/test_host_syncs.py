@@ -64,6 +64,8 @@ HARMLESS = {
                                         torch.arange(4, device=x.device)),
     "host data": lambda: torch.tensor([1, 2]).tolist(),
     "host tensor reads": lambda: [int(v) for v in torch.tensor([3, 4]).cumsum(0)],
+    "host tensor, new dtype": lambda: torch.tensor([3, 4]).to(torch.float64).split(1)[0].item(),
+    "explicit host tensor": lambda: torch.tensor([3, 4], device="cpu").tolist(),
     "repeat_interleave with output_size": lambda: torch.repeat_interleave(
         torch.arange(2), torch.full((2,), 2), output_size=4),
     "nonzero_static": lambda: mask.nonzero_static(size=3),
