@@ -86,7 +86,8 @@ def _call_site() -> str:
     frame = sys._getframe(1)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(_TORCH) and path != _THIS and "contextlib" not in path:
+        # contextlib: the frames of a `with` block around the call are not where it was made.
+        if not path.startswith(_TORCH) and path != _THIS and os.path.basename(path) != "contextlib.py":
             return f"{os.path.relpath(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
