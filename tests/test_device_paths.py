@@ -230,7 +230,7 @@ def autocast_runs(tmp_path_factory, cache_dir):
     return runs
 
 
-@pytest.mark.slow  # about 90 s, most of it the Triton interpreter
+@pytest.mark.slow  # 15 s on a quiet machine, 90 s on a loaded one (the Triton interpreter)
 @pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
 def test_bf16_autocast_trains_on_every_gemm_backend(autocast_runs, backend):
     """bf16 autocast trains with each grouped GEMM backend (the loop backend crashed on
