@@ -103,7 +103,8 @@ def rank_main(rank, world_size, args):
                 dist.barrier()
                 begin = time.perf_counter()
                 out = layer.dispatcher.dispatch(x, p, routing_map)
-                y = layer.experts(out.tokens, out.tokens_per_local_expert, out.probs)
+                y = layer.experts(out.tokens, out.tokens_per_local_expert, out.probs,
+                                  out.host_tokens_per_local_expert)
                 layer.dispatcher.combine(y, out.handle).square().mean().backward()
                 seconds = torch.tensor([time.perf_counter() - begin])
                 all_reduce_(seconds, groups.ep, op="max")

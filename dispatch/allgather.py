@@ -7,10 +7,12 @@ are summed here) and reduce-scatters over etp x ep: each rank gets the sum over 
 of its own tokens' rows, which also sums the etp shards' partial outputs.
 
 Every token crosses the wire to every rank of the group whatever its routing, so this
-sends more than the all-to-all when the group is large; it needs no per-expert count
-exchange, only the token count of each rank. The asynchronous steps keep both the
-all-gather and the reduce-scatter in flight. Modes ``dropless`` and ``capacity`` (the
-router already dropped tokens); the padded mode belongs to the all-to-all dispatcher.
+sends more than the all-to-all when the group is large. Its one count exchange carries
+each rank's token count (the all-gather's sizes) and its routed pairs per expert (so the
+rows of this rank's experts are known on the host without reading the gathered map back).
+The asynchronous steps keep both the all-gather and the reduce-scatter in flight. Modes
+``dropless`` and ``capacity`` (the router already dropped tokens); the padded mode belongs
+to the all-to-all dispatcher.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class AllGatherHandle(Handle):
     sizes: Optional[list[int]] = None
     # The gathered token of each row handed to the experts.
     sorted_indices: Optional[torch.Tensor] = None
+    # Rows per local expert, on the host (from the count exchange) and on the device.
+    tokens_per_local_expert: Optional[list[int]] = None
+    device_tokens_per_local_expert: Optional[torch.Tensor] = None
 
 
 class AllGatherDispatcher(TokenDispatcher):
@@ -52,8 +57,13 @@ class AllGatherDispatcher(TokenDispatcher):
 
     def dispatch_preprocess(self, tokens, probs, routing_map):
         handle = AllGatherHandle(num_tokens=tokens.shape[0])
-        num_tokens = torch.tensor([tokens.shape[0]], dtype=torch.int64)
-        handle.sizes = [row[0] for etp_rows in self._gather_counts(num_tokens, handle.wire) for row in etp_rows]
+        # [1 + ep*S]: this rank's tokens, then its routed pairs per slot (expert by default).
+        num_tokens = torch.full((1,), tokens.shape[0], dtype=torch.int64, device=tokens.device)
+        g, dev = self._gather_counts(torch.cat([num_tokens, routing_map.sum(dim=0)]), handle.wire)
+        handle.sizes = [row[0] for etp_rows in g for row in etp_rows]
+        mine = slice(1 + self.local_expert_start, 1 + self.local_expert_start + self.num_local_experts)
+        handle.tokens_per_local_expert = [sum(col) for col in zip(*(row[mine] for etp_rows in g for row in etp_rows))]
+        handle.device_tokens_per_local_expert = dev[:, :, mine].sum(dim=(0, 1))
         # The map travels with the probs as 0/1 in their dtype: one collective for both.
         meta = torch.cat([probs, routing_map.to(probs.dtype)], dim=1)  # [T, 2 * ep*S] (slots; E by default)
         return handle, tokens, meta
@@ -78,9 +88,9 @@ class AllGatherDispatcher(TokenDispatcher):
         e, mine = self.num_slots, slice(self.local_expert_start, self.local_expert_start + self.num_local_experts)
         local_probs = meta[:, :e][:, mine]  # [sum(T), E_local]
         local_map = meta[:, e:][:, mine] > 0.5
-        x, probs, handle.sorted_indices = permute(x, local_map, local_probs,
-                                                  backend=self.permute_backend)  # [sum(T), H] -> [N, H]
-        return x, probs, local_map.sum(dim=0).to(device="cpu", dtype=torch.int64)
+        x, probs, handle.sorted_indices = permute(x, local_map, local_probs, backend=self.permute_backend,
+                                                  num_rows=sum(handle.tokens_per_local_expert))  # [sum(T), H] -> [N, H]
+        return x, probs, handle.device_tokens_per_local_expert, handle.tokens_per_local_expert
 
     def combine_preprocess(self, x, handle):
         return unpermute(x, handle.sorted_indices, sum(handle.sizes),

@@ -62,16 +62,20 @@ class AllToAllHandle(Handle):
     output_splits: Optional[list[int]] = None
     etp_splits: Optional[list[int]] = None
     # Chunk sizes after the all-gather over etp, in [etp][ep][local expert] order
-    # (dedup: [etp][ep]), and the same in the expert order for the way back (plain modes).
-    chunk_sizes: Optional[list[int]] = None
-    sorted_chunk_sizes: Optional[list[int]] = None
+    # (dedup: [etp][ep]), and the same in the expert order for the way back (plain modes);
+    # int64 tensors on the tokens' device, for sort_chunks.
+    chunk_sizes: Optional[torch.Tensor] = None
+    sorted_chunk_sizes: Optional[torch.Tensor] = None
+    # Rows per local expert, on the host (from the count exchange) and on the device.
     tokens_per_local_expert: Optional[list[int]] = None
+    device_tokens_per_local_expert: Optional[torch.Tensor] = None
     # Dedup only: the received row of each expanded row, and the number of received rows.
     local_indices: Optional[torch.Tensor] = None
     num_received: int = 0
     # A placement other than the default (plain modes): the rows sent to each slot, in
-    # slot order, to put the rows coming back in expert order (sorted_indices' order).
-    slot_sizes: Optional[list[int]] = None
+    # slot order (on the device), to put the rows coming back in expert order
+    # (sorted_indices' order).
+    slot_sizes: Optional[torch.Tensor] = None
 
 
 class AllToAllDispatcher(TokenDispatcher):
@@ -134,47 +138,59 @@ class AllToAllDispatcher(TokenDispatcher):
         handle = AllToAllHandle(num_tokens=tokens.shape[0])
         if self.dedup:
             return self._dedup_preprocess(tokens, probs, routing_map, handle)
+        device = tokens.device
         if self.mode == "pad":
             c = self.capacity(tokens.shape[0])
             # Splits stay None: equal for every rank, the collectives need no sizes.
-            handle.chunk_sizes = handle.sorted_chunk_sizes = [c] * (self.etp * self.ep * self.num_local_experts)
+            chunks = self.etp * self.ep * self.num_local_experts
+            handle.chunk_sizes = handle.sorted_chunk_sizes = torch.full((chunks,), c, dtype=torch.int64, device=device)
             handle.tokens_per_local_expert = [c * self.etp * self.ep] * self.num_local_experts
-            x, p = self._permute(tokens, probs, routing_map, handle, [c] * self.num_slots, c)  # [ep*S*C, H]
+            handle.device_tokens_per_local_expert = torch.full((self.num_local_experts,), c * self.etp * self.ep,
+                                                               dtype=torch.int64, device=device)
+            slot_sizes = torch.full((self.num_slots,), c, dtype=torch.int64, device=device)
+            x, p = self._permute(tokens, probs, routing_map, handle, slot_sizes, capacity=c)  # [ep*S*C, H]
             return handle, x, p
 
         el = self.num_local_experts
         counts = routing_map.sum(dim=0)  # [E] routed tokens per expert
-        g = self._gather_counts(counts, handle.wire)  # [ep][etp][E] host ints
+        g, dev = self._gather_counts(counts, handle.wire)  # [ep][etp][E] host ints, [ep, etp, E] on the device
         mine = slice(self.local_expert_start, self.local_expert_start + el)
         handle.input_splits = [sum(g[self.ep_rank][self.etp_rank][j * el:(j + 1) * el]) for j in range(self.ep)]
         handle.output_splits = [sum(g[j][self.etp_rank][mine]) for j in range(self.ep)]
         handle.etp_splits = [sum(sum(g[j][t][mine]) for j in range(self.ep)) for t in range(self.etp)]
-        handle.chunk_sizes = [g[j][t][self.local_expert_start + le]
-                              for t in range(self.etp) for j in range(self.ep) for le in range(el)]
-        handle.sorted_chunk_sizes = [handle.chunk_sizes[i] for i in self._order]
-        n = self.etp * self.ep
-        handle.tokens_per_local_expert = [sum(handle.sorted_chunk_sizes[le * n:(le + 1) * n]) for le in range(el)]
-        x, p = self._permute(tokens, probs, routing_map, handle, g[self.ep_rank][self.etp_rank])  # [T, H] -> [N, H]
+        handle.tokens_per_local_expert = [sum(g[j][t][self.local_expert_start + le]
+                                              for j in range(self.ep) for t in range(self.etp)) for le in range(el)]
+        # The same sizes on the device, taken from the gathered tensor: [ep, etp, E_local] ->
+        # [etp][ep][local expert] chunks, and in the expert order for the way back.
+        handle.chunk_sizes = dev[:, :, mine].transpose(0, 1).reshape(-1)
+        handle.sorted_chunk_sizes = handle.chunk_sizes.index_select(0, self._on_device("_order", device))
+        handle.device_tokens_per_local_expert = dev[:, :, mine].sum(dim=(0, 1))
+        x, p = self._permute(tokens, probs, routing_map, handle, dev[self.ep_rank, self.etp_rank],
+                             num_rows=sum(handle.input_splits))  # [T, H] -> [N, H]
         return handle, x, p
 
-    def _permute(self, tokens, probs, routing_map, handle, slot_sizes, capacity=None):
+    def _permute(self, tokens, probs, routing_map, handle, slot_sizes, *, capacity=None, num_rows=None):
         """Rows in slot-major order (destination-rank-major), padded to ``capacity`` if
-        given. Under a placement other than the default, the rows are gathered in the
-        default's expert-major order and then reordered by slot, so a token's rows (and
-        the grads that flow back into it) are summed in one order whatever the placement."""
+        given (else ``num_rows`` of them, known on the host). ``slot_sizes``: the rows of
+        each slot, on the device. Under a placement other than the default, the rows are
+        gathered in the default's expert-major order and then reordered by slot, so a
+        token's rows (and the grads that flow back into it) are summed in one order
+        whatever the placement."""
         if self._expert_order is not None:
-            cols = torch.tensor(self._expert_order, device=routing_map.device)
+            cols = self._on_device("_expert_order", routing_map.device)
             routing_map, probs = routing_map.index_select(1, cols), probs.index_select(1, cols)
         if capacity is None:
-            x, p, handle.sorted_indices = permute(tokens, routing_map, probs, backend=self.permute_backend)
+            x, p, handle.sorted_indices = permute(tokens, routing_map, probs, backend=self.permute_backend,
+                                                  num_rows=num_rows)
         else:
             x, p, handle.sorted_indices = permute_padded(tokens, routing_map, probs, capacity,
                                                          backend=self.permute_backend)
         if self._expert_order is not None:
             handle.slot_sizes = slot_sizes
-            expert_sizes = [slot_sizes[s] for s in self._expert_order]
-            x = sort_chunks(x, expert_sizes, self._slot_order, backend=self.permute_backend)
-            p = sort_chunks(p, expert_sizes, self._slot_order, backend=self.permute_backend)
+            expert_sizes = slot_sizes.index_select(0, cols)
+            slot_order = self._on_device("_slot_order", x.device)
+            x = sort_chunks(x, expert_sizes, slot_order, backend=self.permute_backend)
+            p = sort_chunks(p, expert_sizes, slot_order, backend=self.permute_backend)
         return x, p
 
     def dispatch_communicate(self, x, probs, handle):
@@ -208,9 +224,10 @@ class AllToAllDispatcher(TokenDispatcher):
         if self.dedup:
             x, probs = self._dedup_postprocess(x, probs, handle)
         elif self._sorts:
-            x = sort_chunks(x, handle.chunk_sizes, self._order, backend=self.permute_backend)
-            probs = sort_chunks(probs, handle.chunk_sizes, self._order, backend=self.permute_backend)
-        return x, probs, torch.tensor(handle.tokens_per_local_expert, dtype=torch.int64)
+            order = self._on_device("_order", x.device)
+            x = sort_chunks(x, handle.chunk_sizes, order, backend=self.permute_backend)
+            probs = sort_chunks(probs, handle.chunk_sizes, order, backend=self.permute_backend)
+        return x, probs, handle.device_tokens_per_local_expert, handle.tokens_per_local_expert
 
     # ------------------------------------------------------------------ combine
 
@@ -220,11 +237,13 @@ class AllToAllDispatcher(TokenDispatcher):
             x = unpermute(x, handle.local_indices, handle.num_received,
                           backend=self.permute_backend)  # [N, H] -> [R, H]
             if self.etp > 1:
-                x = sort_chunks(x, [handle.chunk_sizes[i] for i in self._rank_order],
-                                self._rank_inverse_order, backend=self.permute_backend)
+                sizes = handle.chunk_sizes.index_select(0, self._on_device("_rank_order", x.device))
+                x = sort_chunks(x, sizes, self._on_device("_rank_inverse_order", x.device),
+                                backend=self.permute_backend)
             return x
         if self._sorts:
-            x = sort_chunks(x, handle.sorted_chunk_sizes, self._inverse_order, backend=self.permute_backend)
+            x = sort_chunks(x, handle.sorted_chunk_sizes, self._on_device("_inverse_order", x.device),
+                            backend=self.permute_backend)
         return x
 
     def combine_communicate(self, x, handle):
@@ -249,7 +268,8 @@ class AllToAllDispatcher(TokenDispatcher):
     def combine_postprocess(self, x, handle):
         if handle.slot_sizes is not None:
             # Slot-major -> expert-major, the order the rows were gathered in (_permute).
-            x = sort_chunks(x, handle.slot_sizes, self._expert_order, backend=self.permute_backend)
+            x = sort_chunks(x, handle.slot_sizes, self._on_device("_expert_order", x.device),
+                            backend=self.permute_backend)
         return unpermute(x, handle.sorted_indices, handle.num_tokens,
                          backend=self.permute_backend)  # [N, H] -> [T, H]
 
@@ -262,21 +282,25 @@ class AllToAllDispatcher(TokenDispatcher):
         # One count exchange carries both the per-expert counts (for the experts) and
         # the per-rank row counts (for the splits).
         counts = torch.cat([routing_map.sum(dim=0), rank_map.sum(dim=0)])  # [ep*S + ep]
-        g = self._gather_counts(counts, handle.wire)  # [ep][etp][ep*S + ep]
+        g, dev = self._gather_counts(counts, handle.wire)  # [ep][etp][ep*S + ep], and [ep, etp, ep*S + ep]
         rows = [[g[j][t][self.num_slots + self.ep_rank] for t in range(self.etp)] for j in range(ep)]
         handle.input_splits = g[self.ep_rank][self.etp_rank][self.num_slots:]
         handle.output_splits = [rows[j][self.etp_rank] for j in range(ep)]
         handle.etp_splits = [sum(rows[j][t] for j in range(ep)) for t in range(self.etp)]
-        handle.chunk_sizes = [rows[j][t] for t in range(self.etp) for j in range(ep)]  # [etp][ep]
         handle.num_received = sum(handle.etp_splits)
         handle.tokens_per_local_expert = [
             sum(g[j][t][self.local_expert_start + le] for j in range(ep) for t in range(self.etp))
             for le in range(el)]
+        # On the device: [ep, etp] rows from each source -> [etp][ep] chunks; per local expert.
+        handle.chunk_sizes = dev[:, :, self.num_slots + self.ep_rank].t().reshape(-1)
+        mine = slice(self.local_expert_start, self.local_expert_start + el)
+        handle.device_tokens_per_local_expert = dev[:, :, mine].sum(dim=(0, 1))
 
         # [T, H] -> [R, H]: one row per (token, destination rank), destination-major.
-        x, _, handle.sorted_indices = permute(tokens, rank_map, None, backend=self.permute_backend)
+        x, _, handle.sorted_indices = permute(tokens, rank_map, None, backend=self.permute_backend,
+                                              num_rows=sum(handle.input_splits))
         dest = torch.repeat_interleave(torch.arange(ep, device=tokens.device),
-                                       torch.tensor(handle.input_splits, device=tokens.device),
+                                       dev[self.ep_rank, self.etp_rank, self.num_slots:],
                                        output_size=x.shape[0])  # [R]: destination of each row
         # What the destination needs to expand a row: probs and map over its experts.
         row_probs = probs.reshape(num_tokens, ep, el)[handle.sorted_indices, dest]  # [R, E_local]
@@ -288,9 +312,11 @@ class AllToAllDispatcher(TokenDispatcher):
         el = self.num_local_experts
         if self.etp > 1:
             # [etp][ep] -> [ep][etp], so the expanded rows come out in the plain mode's order.
-            x = sort_chunks(x, handle.chunk_sizes, self._rank_order, backend=self.permute_backend)
-            meta = sort_chunks(meta, handle.chunk_sizes, self._rank_order, backend=self.permute_backend)
+            order = self._on_device("_rank_order", x.device)
+            x = sort_chunks(x, handle.chunk_sizes, order, backend=self.permute_backend)
+            meta = sort_chunks(meta, handle.chunk_sizes, order, backend=self.permute_backend)
         row_probs, row_map = meta[:, :el], meta[:, el:] > 0.5
         # [R, H] -> [N, H]: one row per (token, local expert), local-expert-major.
-        x, probs, handle.local_indices = permute(x, row_map, row_probs, backend=self.permute_backend)
+        x, probs, handle.local_indices = permute(x, row_map, row_probs, backend=self.permute_backend,
+                                                 num_rows=sum(handle.tokens_per_local_expert))
         return x, probs

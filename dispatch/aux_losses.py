@@ -100,7 +100,10 @@ def z_loss(
         sq = sq * loss_mask.to(sq.dtype)
     if num_tokens is None:
         num_tokens = loss_mask.sum() if loss_mask is not None else logits.shape[0]
-    return sq.sum() / torch.as_tensor(num_tokens, dtype=sq.dtype, device=sq.device).clamp(min=1)
+    if isinstance(num_tokens, torch.Tensor):
+        return sq.sum() / num_tokens.to(sq.dtype).clamp(min=1)
+    # A Python number divides as it is: copying it to a GPU first would block the host.
+    return sq.sum() / max(num_tokens, 1)
 
 
 class _AttachLoss(torch.autograd.Function):

@@ -97,16 +97,19 @@ class WireBytes:
 class DispatchOutput:
     """What the experts receive from :meth:`TokenDispatcher.dispatch`.
 
-    ``tokens[N, H]`` grouped by local expert, ``tokens_per_local_expert`` an int64 CPU
-    tensor ``[num_local_experts]`` summing to N (a host value, as grouped GEMMs want),
-    ``probs[N]`` the routing weight of each row (0 on padding rows), ``handle`` the
-    state :meth:`TokenDispatcher.combine` needs.
+    ``tokens[N, H]`` grouped by local expert, ``tokens_per_local_expert`` an int64
+    tensor ``[num_local_experts]`` on the tokens' device summing to N (the grouped GEMMs'
+    group sizes), ``host_tokens_per_local_expert`` the same as a host list (what the
+    dispatcher's one host synchronisation read, for the GEMM backends that need host
+    sizes), ``probs[N]`` the routing weight of each row (0 on padding rows), ``handle``
+    the state :meth:`TokenDispatcher.combine` needs.
     """
 
     tokens: torch.Tensor
     tokens_per_local_expert: torch.Tensor
     probs: torch.Tensor
     handle: Any
+    host_tokens_per_local_expert: Optional[list[int]] = None
 
 
 @dataclass
@@ -189,6 +192,7 @@ class TokenDispatcher(ABC):
             raise ValueError(f"placement of {placement.num_experts} experts over ep={placement.ep} does not fit "
                              f"a dispatcher of {self.num_experts} experts over ep={self.ep}")
         self.placement = placement
+        self._device_lists: dict[tuple[str, torch.device], torch.Tensor] = {}
         self.num_slots = len(placement.slots)
         self.num_local_experts = placement.slots_per_rank
         self.local_expert_start = self.ep_rank * self.num_local_experts
@@ -245,8 +249,9 @@ class TokenDispatcher(ABC):
         ``(x, probs)``. Same results, bytes and per-group order of collectives."""
 
     @abstractmethod
-    def dispatch_postprocess(self, x, probs, handle) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Local work after communication: rows, probs and counts for the experts."""
+    def dispatch_postprocess(self, x, probs, handle) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """Local work after communication: rows, probs and counts for the experts (an
+        int64 tensor on the rows' device, and the same as a host list)."""
 
     @abstractmethod
     def combine_preprocess(self, x, handle) -> torch.Tensor:
@@ -286,9 +291,10 @@ class TokenDispatcher(ABC):
 
     def _output(self, x, p, handle) -> DispatchOutput:
         """What :meth:`dispatch` and :meth:`dispatch_start` do after communicating."""
-        x, p, counts = self.dispatch_postprocess(x, p, handle)
+        x, p, counts, host_counts = self.dispatch_postprocess(x, p, handle)
         handle.num_rows = x.shape[0]
-        return DispatchOutput(tokens=x, tokens_per_local_expert=counts, probs=p, handle=handle)
+        return DispatchOutput(tokens=x, tokens_per_local_expert=counts, probs=p, handle=handle,
+                              host_tokens_per_local_expert=host_counts)
 
     @staticmethod
     def _check_expert_output(expert_output: torch.Tensor, handle: Handle) -> None:
@@ -296,13 +302,24 @@ class TokenDispatcher(ABC):
             raise ValueError(f"expert_output must be [N={handle.num_rows}, H] (one row per dispatched row), "
                              f"got shape {tuple(expert_output.shape)}")
 
-    def _gather_counts(self, counts: torch.Tensor, wire: WireBytes) -> list[list[list[int]]]:
-        """All-gather ``counts[C]`` (int64) over the etp x ep group; returns a host list
-        ``[ep][etp][C]``. This is the dispatcher's host synchronisation."""
+    def _gather_counts(self, counts: torch.Tensor, wire: WireBytes) -> tuple[list[list[list[int]]], torch.Tensor]:
+        """All-gather ``counts[C]`` (int64, on the tokens' device) over the etp x ep group;
+        returns them as a host list ``[ep][etp][C]`` and as the device tensor ``[ep, etp, C]``.
+        The list is the dispatcher's one host synchronisation; sizes that kernels need on
+        the device are taken from the tensor, never copied back from the list."""
         gathered, sent = counted(comm.all_gather, counts.unsqueeze(0), self.groups.etp_ep)  # [1, C] -> [etp*ep, C]
         wire.meta += sent
         flat = gathered.tolist()
-        return [[flat[j * self.etp + t] for t in range(self.etp)] for j in range(self.ep)]
+        host = [[flat[j * self.etp + t] for t in range(self.etp)] for j in range(self.ep)]
+        return host, gathered.view(self.ep, self.etp, -1)
+
+    def _on_device(self, name: str, device: torch.device) -> torch.Tensor:
+        """The int list ``self.<name>`` (a chunk order) as an int64 tensor on ``device``,
+        copied once per placement: a list copied to a GPU at every call would block the host."""
+        key = (name, device)
+        if key not in self._device_lists:
+            self._device_lists[key] = torch.tensor(getattr(self, name), dtype=torch.int64, device=device)
+        return self._device_lists[key]
 
 
 MODES = ("dropless", "capacity", "pad")

@@ -45,6 +45,8 @@ class Placement:
     ep: int
     slots: tuple[int, ...]
     _copies: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    # slot_routing's index tensors per device (see _slot_indices).
+    _on_device: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "slots", tuple(int(s) for s in self.slots))
@@ -69,6 +71,7 @@ class Placement:
             if len(set(mine)) != s:
                 raise ValueError(f"placement puts two copies of one expert on ep rank {j}: {list(mine)}")
         object.__setattr__(self, "_copies", tuple(tuple(c) for c in copies))
+        object.__setattr__(self, "_on_device", {})
 
     @classmethod
     def contiguous(cls, num_experts: int, ep: int, replicas: int = 0) -> "Placement":
@@ -123,18 +126,30 @@ def slot_routing(placement: Placement, routing_map: torch.Tensor, probs: torch.T
     """The routing over slots: ``routing_map[T, E]``, ``probs[T, E]`` ->
     ``[T, ep*S]`` each, every routed (token, expert) pair on exactly one copy of the expert
     (see the module doc). Differentiable w.r.t. probs."""
-    device = routing_map.device
-    cols = torch.tensor(placement.slots, device=device)  # [ep*S] expert of each slot
+    cols, c, copy = _slot_indices(placement, routing_map.device)
     slot_map = routing_map.index_select(1, cols)  # [T, E] -> [T, ep*S]
-    copies = placement.num_copies()
-    if max(copies) > 1:
-        c = torch.tensor(copies, device=device)  # [E]
+    if c is not None:
         pos = torch.cumsum(routing_map, dim=0) - 1  # [T, E]: the token's rank within its expert
         n = routing_map.sum(dim=0).clamp(min=1)  # [E]
         which = pos * c // n  # [T, E]: the copy each pair goes to
-        copy = torch.tensor([placement.copy_index(s) for s in range(len(placement.slots))], device=device)
         slot_map = slot_map & (which.index_select(1, cols) == copy)
     return slot_map, probs.index_select(1, cols)
+
+
+def _slot_indices(placement: Placement, device: torch.device
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``[ep*S]`` expert of each slot; with copies also ``[E]`` copies of each expert and
+    ``[ep*S]`` copy index of each slot (else None). Made once per device: lists copied to a
+    GPU at every forward would each block the host."""
+    if device not in placement._on_device:
+        cols = torch.tensor(placement.slots, device=device)
+        copies = placement.num_copies()
+        c = copy = None
+        if max(copies) > 1:
+            c = torch.tensor(copies, device=device)
+            copy = torch.tensor([placement.copy_index(s) for s in range(len(placement.slots))], device=device)
+        placement._on_device[device] = (cols, c, copy)
+    return placement._on_device[device]
 
 
 def expert_order(placement: Placement) -> list[int]:

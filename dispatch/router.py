@@ -425,7 +425,8 @@ class Router(nn.Module):
         cfg = self.config
         local_sum = z_loss(logits, loss_mask, 1)
         with torch.no_grad():
-            valid = loss_mask.sum() if loss_mask is not None else torch.tensor(logits.shape[0], device=logits.device)
+            # torch.full, not torch.tensor: a Python number copied to a GPU blocks the host.
+            valid = loss_mask.sum() if loss_mask is not None else torch.full((), logits.shape[0], device=logits.device)
             # [real tokens, sum of logsumexp^2] summed over tp x cp
             packed = torch.stack([valid.to(torch.float64), local_sum.detach().to(torch.float64)])
             all_reduce_(packed, self.groups.tp_cp)
@@ -448,8 +449,8 @@ class Router(nn.Module):
             counted = counted & loss_mask.unsqueeze(1)
         with torch.no_grad():
             counts = counted.sum(dim=0).to(torch.float64)
-            valid = (loss_mask.sum() if loss_mask is not None else torch.tensor(logits.shape[0])).to(
-                device=scores.device, dtype=torch.float64)
+            valid = (loss_mask.sum().to(torch.float64) if loss_mask is not None else
+                     torch.full((), logits.shape[0], dtype=torch.float64, device=scores.device))
             prob_sums = scores.detach().sum(dim=0).to(torch.float64)
 
         total = torch.zeros((), dtype=scores.dtype, device=scores.device)

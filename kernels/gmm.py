@@ -71,6 +71,21 @@ def _check_operands(x: torch.Tensor, w: torch.Tensor, trans_b: bool) -> None:
         raise ValueError(f"gmm: x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) must share dtype and device")
 
 
+def _autocast_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under ``torch.autocast`` the grouped GEMM is a matmul like ``F.linear``: both
+    operands go to the autocast dtype (differentiably, so ``w``'s grad keeps ``w``'s
+    dtype), and the backends run outside autocast on operands that already agree."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return x, w
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        # Autocast leaves float64 (and non-float) operands alone; so do we.
+        return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+    return cast(x), cast(w)
+
+
 def gmm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -78,16 +93,23 @@ def gmm(
     *,
     trans_b: bool = False,
     backend: str | None = None,
+    host_counts: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Grouped GEMM: ``x[N, K]`` times ``w[E, K, M]`` (``w[E, M, K]`` with ``trans_b``) -> ``[N, M]``.
 
     Rows of ``x`` are grouped expert-major: the first ``tokens_per_expert[0]`` rows go to
     expert 0, and so on; any group may be empty. ``tokens_per_expert`` is a list of ints or
-    an int tensor on the host or on ``x``'s device. The ``loop`` and ``grouped_gemm``
-    backends need the counts on the host (a device tensor costs one synchronisation); the
-    ``torch`` and ``triton`` backends use device counts as they are and do not check them,
-    so that no synchronisation happens. Gradients flow to ``x`` and ``w``.
+    an int tensor on the host or on ``x``'s device. ``host_counts`` is the same counts as
+    a list when the caller already has them on the host (the dispatcher does): then no
+    backend reads the tensor back. The ``loop`` and ``grouped_gemm`` backends need the
+    counts on the host (a device tensor without ``host_counts`` costs one synchronisation);
+    the ``torch`` and ``triton`` backends use device counts as they are and do not check
+    them, so that no synchronisation happens. Gradients flow to ``x`` and ``w``.
+
+    Under ``torch.autocast`` both operands are cast to the autocast dtype first, as
+    ``F.linear`` casts its input and weight.
     """
+    x, w = _autocast_operands(x, w)
     _check_operands(x, w, trans_b)
     name = resolve_backend(backend, x)
     n, e = x.shape[0], w.shape[0]
@@ -101,29 +123,36 @@ def gmm(
             raise ValueError(
                 f"gmm: tokens_per_expert has {tokens_per_expert.numel()} entries, must be one per expert (w.shape[0]={e})"
             )
-        on_host = tokens_per_expert.device.type == "cpu" or name in ("loop", "grouped_gemm")
-        host = tokens_per_expert.tolist() if on_host else None
         counts_t = tokens_per_expert
+        if host_counts is not None:
+            host = [int(c) for c in host_counts]
+        elif tokens_per_expert.device.type == "cpu" or name in ("loop", "grouped_gemm"):
+            host = tokens_per_expert.tolist()
+        else:
+            host = None
     else:
         host = [int(c) for c in tokens_per_expert]
         counts_t = None
     if host is not None:
         _check_counts(host, n, e)
 
-    if name == "loop":
-        from .gmm_loop import gmm_loop
+    # The backends see operands of one dtype: autocast must not recast inside them.
+    with torch.autocast(x.device.type, enabled=False):
+        if name == "loop":
+            from .gmm_loop import gmm_loop
 
-        return gmm_loop(x, w, host, trans_b)
-    if name == "grouped_gemm":
-        from .gmm_grouped_gemm import gmm_grouped_gemm
+            return gmm_loop(x, w, host, trans_b)
+        if name == "grouped_gemm":
+            from .gmm_grouped_gemm import gmm_grouped_gemm
 
-        return gmm_grouped_gemm(x, w, torch.tensor(host, dtype=torch.int64), trans_b)
-    if counts_t is None:
-        counts_t = torch.tensor(host, dtype=torch.int64, device=x.device)
-    if name == "torch":
-        from .gmm_torch import gmm_torch
+            # The package reads the counts on the host: a host tensor, no device copy.
+            return gmm_grouped_gemm(x, w, torch.tensor(host, dtype=torch.int64), trans_b)
+        if counts_t is None:
+            counts_t = torch.tensor(host, dtype=torch.int64, device=x.device)
+        if name == "torch":
+            from .gmm_torch import gmm_torch
 
-        return gmm_torch(x, w, counts_t, trans_b, host)
-    from .gmm_triton import gmm_triton
+            return gmm_torch(x, w, counts_t, trans_b, host)
+        from .gmm_triton import gmm_triton
 
-    return gmm_triton(x, w, counts_t, trans_b)
+        return gmm_triton(x, w, counts_t, trans_b)

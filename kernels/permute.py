@@ -55,16 +55,25 @@ def _check_routing(tokens: torch.Tensor, routing_map: torch.Tensor,
                          f"shape {tuple(routing_map.shape)}")
 
 
-def routing_indices(routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def routing_indices(routing_map: torch.Tensor, num_rows: Optional[int] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert-major row order of a routing map.
 
     Returns ``(sorted_indices[N], flat_index[N])``: the source token of each permuted
     row and the index of its (token, expert) pair in ``probs.reshape(-1)``.
-    N is data dependent, so this reads one number back to the host.
+    N is data dependent: ``num_rows`` is it when the caller knows it already (the
+    dispatcher has the counts on the host), and then nothing is read back to the host;
+    without it ``nonzero`` reads N back (a host synchronisation on a GPU).
     """
     num_experts = routing_map.shape[1]
     # nonzero of the [E, T] map walks experts first, tokens ascending within one.
-    nz = routing_map.t().nonzero()  # [N, 2] = (expert, token)
+    if num_rows is None:
+        nz = routing_map.t().nonzero()  # [N, 2] = (expert, token)
+    else:
+        # A wrong count would silently cut or pad the rows: checked on the device.
+        torch._assert_async(routing_map.sum() == num_rows,
+                            f"permute: num_rows={num_rows} differs from the routed pairs of routing_map")
+        nz = routing_map.t().nonzero_static(size=num_rows)  # [N, 2]
     sorted_indices = nz[:, 1].contiguous()
     flat_index = sorted_indices * num_experts + nz[:, 0]
     return sorted_indices, flat_index
@@ -119,17 +128,21 @@ def _gather_probs(probs: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor
 
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor,
-            probs: Optional[torch.Tensor] = None, *, backend: str = "torch"
+            probs: Optional[torch.Tensor] = None, *, backend: str = "torch",
+            num_rows: Optional[int] = None
             ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Gather tokens into expert-major rows.
 
     ``tokens[T, H]``, ``routing_map[T, E]`` bool, ``probs[T, E]`` or None ->
     ``(permuted[N, H], permuted_probs[N] or None, sorted_indices[N] int64)`` with
-    ``N = routing_map.sum()``. Differentiable w.r.t. tokens and probs.
+    ``N = routing_map.sum()``. Differentiable w.r.t. tokens and probs. Pass
+    ``num_rows=N`` when it is known on the host, so that no synchronisation happens.
     """
     backend = resolve_backend(backend, tokens)
     _check_routing(tokens, routing_map, probs)
-    sorted_indices, flat_index = routing_indices(routing_map)
+    if num_rows is not None and num_rows < 0:
+        raise ValueError(f"num_rows={num_rows} must be >= 0")
+    sorted_indices, flat_index = routing_indices(routing_map, num_rows)
     permuted_probs = None if probs is None else _gather_probs(probs, flat_index)
     if backend == "triton":
         from .permute_triton import gather_rows
@@ -211,7 +224,7 @@ def _sum_rows_per_token(rows: torch.Tensor, sorted_indices: torch.Tensor,
     with warnings.catch_warnings():  # "sparse CSR is in beta": it is used for one matmul
         warnings.simplefilter("ignore", UserWarning)
         matrix = torch.sparse_csr_tensor(crow, order, values, size=(num_tokens + 1, n),
-                                         check_invariants=False)
+                                         device=rows.device, check_invariants=False)
     return (matrix @ rows.to(acc))[:num_tokens]  # [T + 1, N] @ [N, H] -> [T, H]
 
 
@@ -362,7 +375,9 @@ def sort_chunks(x: torch.Tensor, split_sizes: Union[Sequence[int], torch.Tensor]
                 ) -> torch.Tensor:
     """Reorder contiguous chunks of rows: chunk i has ``split_sizes[i]`` rows; the
     output holds the chunks in ``order``. ``x`` is ``[N, ...]`` (1-D works, for
-    probs). Differentiable w.r.t. x.
+    probs). Differentiable w.r.t. x. Sizes and order given as int tensors on ``x``'s
+    device are used as they are (no host synchronisation, no checks); lists are checked
+    and copied to the device, which blocks the host on a GPU.
     """
     backend = resolve_backend(backend, x)
     sizes = torch.as_tensor(split_sizes, dtype=torch.long, device=x.device)

@@ -159,7 +159,9 @@ def swiglu_forward_cpu(x: torch.Tensor, probs: Optional[torch.Tensor]) -> torch.
     cd = _check(x)
     n, f = x.shape[0], x.shape[1] // 2
     xs, ps = _native(x, cd), None if probs is None else _native(probs, cd).contiguous()
-    out = torch.empty(n, f, dtype=cd)
+    # device= always: the C loop writes through data_ptr(), which must be host memory
+    # whatever torch's default device is.
+    out = torch.empty(n, f, dtype=cd, device="cpu")
     kernel = getattr(_library(), f"swiglu_forward_{_NATIVE[cd]}")
     p_ptr = None if ps is None else ps.data_ptr()
     _run_rows(lambda r0, r1: kernel(xs.data_ptr(), xs.stride(0), p_ptr, out.data_ptr(), out.stride(0), f, r0, r1),
@@ -174,8 +176,8 @@ def swiglu_backward_cpu(grad: torch.Tensor, x: torch.Tensor, probs: Optional[tor
     n, f = x.shape[0], x.shape[1] // 2
     xs, gs = _native(x, cd), _native(grad, cd)  # rows of any stride, 0 included (a .sum()'s grad)
     ps = None if probs is None else _native(probs, cd).contiguous()
-    grad_x = torch.empty(n, 2 * f, dtype=cd)
-    grad_probs = torch.empty(n, dtype=cd) if want_probs and ps is not None else None
+    grad_x = torch.empty(n, 2 * f, dtype=cd, device="cpu")
+    grad_probs = torch.empty(n, dtype=cd, device="cpu") if want_probs and ps is not None else None
     kernel = getattr(_library(), f"swiglu_backward_{_NATIVE[cd]}")
     p_ptr = None if ps is None else ps.data_ptr()
     dp_ptr = None if grad_probs is None else grad_probs.data_ptr()

@@ -28,6 +28,8 @@ each local slot), ``slot_primary`` (whether the slot is its expert's first copy)
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 from torch import nn
 
@@ -109,9 +111,14 @@ class Experts(nn.Module):
         param.etp_parts = etp_parts
         return param
 
-    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
+                host_tokens_per_expert: Optional[Sequence[int]] = None) -> torch.Tensor:
         """``tokens [N, H]`` grouped by local expert (``tokens_per_expert [E_local]`` rows
-        each), ``probs [N]`` -> ``[N, H]``, prob-weighted (an etp partial sum when etp > 1)."""
-        h = gmm(tokens, self.fc1, tokens_per_expert, backend=self.gemm_backend)  # [N, H] -> [N, 2F/etp]
+        each, an int tensor), ``probs [N]`` -> ``[N, H]``, prob-weighted (an etp partial sum
+        when etp > 1). ``host_tokens_per_expert``: the same counts as a host list when the
+        caller has them (the dispatcher does), so no GEMM backend reads the tensor back."""
+        host = host_tokens_per_expert
+        h = gmm(tokens, self.fc1, tokens_per_expert, backend=self.gemm_backend,
+                host_counts=host)  # [N, H] -> [N, 2F/etp]
         h = swiglu(h, probs, backend=self.swiglu_backend)  # [N, F/etp]
-        return gmm(h, self.fc2, tokens_per_expert, backend=self.gemm_backend)  # [N, H]
+        return gmm(h, self.fc2, tokens_per_expert, backend=self.gemm_backend, host_counts=host)  # [N, H]

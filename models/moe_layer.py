@@ -122,7 +122,8 @@ class MoELayer(nn.Module):
         if self.shared_expert_overlap or self.overlap_chunks > 1:
             return self._overlapped(hidden, routing.probs, routing.routing_map)
         sent = self.dispatcher.dispatch(hidden, routing.probs, routing.routing_map)  # [N, H] by local expert
-        rows = self.experts(sent.tokens, sent.tokens_per_local_expert, sent.probs)  # [N, H], prob-weighted
+        rows = self.experts(sent.tokens, sent.tokens_per_local_expert, sent.probs,
+                            sent.host_tokens_per_local_expert)  # [N, H], prob-weighted
         out = self.dispatcher.combine(rows, sent.handle)  # [T_local, H]
         if self.shared_expert is not None:
             out = out + self._gated(hidden, self.shared_expert(hidden))
@@ -142,7 +143,8 @@ class MoELayer(nn.Module):
         for pending in dispatches:
             # Under the next chunk's dispatch and the previous chunk's combine.
             sent = pending.wait()  # [N_chunk, H] by local expert
-            rows = self.experts(sent.tokens, sent.tokens_per_local_expert, sent.probs)  # [N_chunk, H]
+            rows = self.experts(sent.tokens, sent.tokens_per_local_expert, sent.probs,
+                                sent.host_tokens_per_local_expert)  # [N_chunk, H]
             combines.append(self.dispatcher.combine_start(rows, sent.handle))
         # Under the last chunk's combine: the shared expert's second half.
         shared = self._gated(hidden, self.shared_expert.fc2(act)) if overlap_shared else None  # [T_local, H]

@@ -222,13 +222,14 @@ def expected_wire(case, layout, rank, kind, mode, dedup):
 
 def expected_meta(case, layout, rank, kind, mode, dedup, wire):
     """Bytes of everything but token rows: the count exchange (int64, all-gathered over
-    etp x ep; none in the padded mode) and what travels with each row: its prob (plain
-    and padded), its probs and map over the destination's experts (dedup), or its probs
-    and map over all experts (all-gather)."""
+    etp x ep; none in the padded mode; the all-gather's carries the token count and the
+    count per expert) and what travels with each row: its prob (plain and padded), its
+    probs and map over the destination's experts (dedup), or its probs and map over all
+    experts (all-gather)."""
     n = len(layout.group_of("etp_ep", rank))
     e, e_local = case.num_experts, case.num_experts // layout.ep
     if kind == "allgather":
-        return 8 * (n - 1) + case.sizes[rank] * (n - 1) * 2 * e * ELEM
+        return (1 + e) * 8 * (n - 1) + case.sizes[rank] * (n - 1) * 2 * e * ELEM
     counts = 0 if mode == "pad" else (e + (layout.ep if dedup else 0)) * 8 * (n - 1)
     rows = wire["dispatch"] // (H * ELEM)
     return counts + rows * (2 * e_local if dedup else 1) * ELEM

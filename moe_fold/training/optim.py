@@ -101,8 +101,8 @@ def adamw_update_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
         by_key.setdefault((p.device, p.dtype), []).append(i)
     for (device, _), idx in by_key.items():
         # The kernel reads every tensor's step count from a float32 tensor on its device
-        # (as torch keeps it); all of ours share one.
-        steps = [torch.tensor(float(step), device=device)] * len(idx)
+        # (as torch keeps it); all of ours share one. torch.full: no copy from the host.
+        steps = [torch.full((), float(step), device=device)] * len(idx)
         torch._fused_adamw_([params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
                             [exp_avg_sqs[i] for i in idx], [], steps, lr=lr, beta1=beta1, beta2=beta2,
                             weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)

@@ -162,14 +162,17 @@ class ExpertReplacer:
         per_model = [moe_layers(m) for m in models]
         self.layers = {i: [layers[i] for layers in per_model] for i in per_model[0]}
         self.rows = {layer: row for row, layer in enumerate(moe_layer_ids)}
-        self.window = torch.zeros(len(moe_layer_ids), config.moe.num_experts, dtype=torch.float64)
+        # Collectives carry tensors on the compute device (NCCL reduces only GPU tensors).
+        self.device = next(models[0].parameters()).device
+        # The load window is host bookkeeping: the placement policy reads it as Python lists.
+        self.window = torch.zeros(len(moe_layer_ids), config.moe.num_experts, dtype=torch.float64, device="cpu")
 
     def after_step(self, step: int, expert_load: list[list[int]]) -> dict:
         """Add the step's load to the window; on a re-placement step, re-place and return
         the record fields (``replace_moves``, ``replace_bytes``, ``replace_seconds`` and
         ``placement`` per layer); ``{}`` otherwise. Every rank calls it."""
         if expert_load:
-            self.window += torch.tensor(expert_load, dtype=torch.float64)
+            self.window += torch.tensor(expert_load, dtype=torch.float64, device="cpu")
         if self.every == 0 or step % self.every:
             return {}
         begin = time.perf_counter()
@@ -188,7 +191,7 @@ class ExpertReplacer:
                                        "busiest_over_mean_after": after / mean, "slots": new.to_list()}
         self.window.zero_()
         # Every rank's bytes and the layers of every pipeline stage.
-        total = torch.tensor([float(sent)], dtype=torch.float64)
+        total = torch.full((1,), float(sent), dtype=torch.float64, device=self.device)
         all_reduce_(total, self.groups.tp_dp_cp)
         all_reduce_(total, self.groups.pp)
         if self.groups.size("pp") > 1:
@@ -219,6 +222,6 @@ class ExpertReplacer:
                 continue  # saved with another ep or moe.replicas: the built placement stays
             new = Placement(old.num_experts, old.ep, tuple(slots))
             move_experts(instances, new, self.groups, self.optimizer)
-        window = torch.tensor(state["window"], dtype=torch.float64)
+        window = torch.tensor(state["window"], dtype=torch.float64, device="cpu")
         if window.shape == self.window.shape:
             self.window = window

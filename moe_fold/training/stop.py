@@ -111,10 +111,13 @@ class StopRule:
         complete whatever arrived during it."""
         timed_out = (after_a_step and self.minutes is not None
                      and time.monotonic() - self.began >= 60.0 * self.minutes)
-        flags = torch.tensor([self.signals.received, int(timed_out)], dtype=torch.int64, device=self.device)
+        signum, timed_out = self.signals.received, int(timed_out)
         if self.world_size > 1:
+            # Filled on the device (a list copied from the host would block it), read once.
+            flags = torch.zeros(2, dtype=torch.int64, device=self.device)
+            flags[0], flags[1] = signum, timed_out
             all_reduce_(flags, dist.group.WORLD, op="max")
-        signum, timed_out = flags.tolist()
+            signum, timed_out = flags.tolist()
         if step >= self.steps:  # the run is complete: nothing to stop
             return None
         if signum:

@@ -166,12 +166,14 @@ def _experts_act_recomputed(experts: nn.Module) -> Callable:
     from moe_fold.kernels.gmm import gmm
     from moe_fold.kernels.swiglu import swiglu
 
-    def act_fc2(h, tokens_per_expert, probs):
-        return gmm(swiglu(h, probs, backend=experts.swiglu_backend), experts.fc2, tokens_per_expert,
-                   backend=experts.gemm_backend)
+    def forward(tokens, tokens_per_expert, probs, host_tokens_per_expert=None):
+        # The host counts ride in the closure, so the recompute in backward reads nothing back.
+        def act_fc2(h, tokens_per_expert, probs):
+            return gmm(swiglu(h, probs, backend=experts.swiglu_backend), experts.fc2, tokens_per_expert,
+                       backend=experts.gemm_backend, host_counts=host_tokens_per_expert)
 
-    def forward(tokens, tokens_per_expert, probs):
-        h = gmm(tokens, experts.fc1, tokens_per_expert, backend=experts.gemm_backend)  # [N, 2F/etp]
+        h = gmm(tokens, experts.fc1, tokens_per_expert, backend=experts.gemm_backend,
+                host_counts=host_tokens_per_expert)  # [N, 2F/etp]
         return checkpoint(act_fc2, h, tokens_per_expert, probs, use_reentrant=False)  # [N, H]
     return forward
 
@@ -422,13 +424,15 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                 # leaves the grads to be zeroed.
                 grad_sync.finish()
                 grad_norm = torch.tensor(float("nan"))
-            finite = math.isfinite(lm) and bool(torch.isfinite(grad_norm))
+            # One read of the norm serves the check and the record.
+            norm = grad_norm.item()
+            finite = math.isfinite(lm) and math.isfinite(norm)
             if finite and master is not None and not optimizer.distributed:
                 master.master_to_model()
             nonfinite = {}
             if not finite:
                 where = _first_nonfinite(model, micro_batches, groups, config, device, dynamic_cp)
-                problem = (f"step {step}: loss {lm}, gradient norm {grad_norm.item()}; first non-finite output: "
+                problem = (f"step {step}: loss {lm}, gradient norm {norm}; first non-finite output: "
                            f"{where or 'none (the forward ran again is finite)'}")
                 if t.on_nonfinite == "stop":
                     raise FloatingPointError(f"{problem}; stopping (train.on_nonfinite=stop)")
@@ -449,7 +453,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             if spike and rank == 0:
                 warnings.warn(f"step {step}: loss spike: {loss:.6g} > train.loss_spike_factor={t.loss_spike_factor} "
                               f"x {median:.6g}, the median of the previous {t.loss_spike_window} losses", stacklevel=2)
-            record = {"step": step, "loss": loss, "lm_loss": lm, "grad_norm": grad_norm.item(), "lr": lr,
+            record = {"step": step, "loss": loss, "lm_loss": lm, "grad_norm": norm, "lr": lr,
                       "tokens_per_s": tokens_per_step / seconds, "skipped": not finite, "loss_spike": spike,
                       **nonfinite, **routing, **mtp}
             logger.log(record, collector)
