@@ -190,7 +190,7 @@ def _tiny_grouped_gemm(device: torch.device) -> None:
         raise RuntimeError(f"grouped_gemm runs on CUDA only, got {device}")
     x = torch.ones(2, 16, dtype=torch.bfloat16, device=device)
     w = torch.ones(2, 16, 16, dtype=torch.bfloat16, device=device)
-    out = ops.gmm(x, w, torch.tensor([1, 1]), False)
+    out = ops.gmm(x, w, torch.tensor([1, 1], device="cpu"), False)
     torch.cuda.synchronize(device)
     if out.shape != (2, 16) or not bool((out == 16).all()):
         raise RuntimeError("grouped_gemm's tiny call returned a wrong product")
@@ -199,7 +199,7 @@ def _tiny_grouped_gemm(device: torch.device) -> None:
 def _tiny_c_swiglu(device: torch.device) -> None:
     from .swiglu_cpu import swiglu_forward_cpu
 
-    out = swiglu_forward_cpu(torch.tensor([[0.0, 3.0]]), None)
+    out = swiglu_forward_cpu(torch.tensor([[0.0, 3.0]], device="cpu"), None)
     if out.tolist() != [[0.0]]:
         raise RuntimeError(f"the C SwiGLU returned {out.tolist()} for silu(0) * 3, not 0")
 
