@@ -4,7 +4,8 @@ top-k = num_experts. No hang (the runs finish within their timeout), no NaN, and
 dropless results equal the single-process computation.
 
 - Dispatchers: test_dispatch.py's global-data harness (every dispatcher and dropless
-  mode vs the loop over tokens, forward and backward, exact) on the extreme cases; its
+  mode vs the loop over tokens, forward and backward, bit for bit or within
+  ``summation_bound`` where the order of a token's sum differs) on the extreme cases; its
   own matrix already covers one expert for all tokens, empty ranks and all-empty.
 - Training: routing forced through the router's expert bias (sigmoid scores, the bias
   fixed with bias_update_rate=0), ep2 on 2 ranks against one process, step by step; the
