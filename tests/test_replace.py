@@ -31,14 +31,17 @@ def _moves(run_dir):
 
 
 def test_replacing_keeps_the_losses_bit_for_bit(tmp_path, cache_dir):
-    """ep4 on 4 ranks: re-placing every 2 steps gives the losses of never re-placing, bit
-    for bit; with a spare slot per rank (copies change the grouped GEMMs' row counts)
+    """ep4 on 4 ranks: re-placing every 2 steps gives the losses and gradient norms of never
+    re-placing, bit for bit; with a spare slot per rank (copies change the grouped GEMMs' row counts)
     within float32 rounding. The moves are in metrics.jsonl."""
     ep4 = ["parallel.ep=4"]
     static = run_ranks(_train_rank, 4, small_config(tmp_path / "static", cache_dir, *DET, *ep4), timeout=300)[0]
     moved = run_ranks(_train_rank, 4, small_config(tmp_path / "moved", cache_dir, *DET, *ep4, "moe.replace_every=2"),
                       timeout=300)[0]
     assert moved.losses == static.losses
+    # The norm counts every global expert once in expert order: the same bits in any placement.
+    assert [r["grad_norm"] for r in read_metrics(tmp_path / "moved")] == \
+        [r["grad_norm"] for r in read_metrics(tmp_path / "static")]
     moves = _moves(tmp_path / "moved")
     assert moves, "no re-placement happened"
     for step, record in moves.items():
