@@ -750,9 +750,9 @@ def read_index(path: Path) -> dict:
         warnings.warn(f"{index_path} is a version 1 index, which has no sha256 of its own: its step, data "
                       f"position and file list are not checked (the next save writes version {VERSION})",
                       stacklevel=2)
-    elif signature != _index_digest(index):
+    elif signature != (digest := _index_digest(index)):
         # A version 1 index with a signature is a version 2 index whose version was altered.
-        raise CheckpointError(f"{index_path} is corrupt: its content's sha256 {_index_digest(index)} differs "
+        raise CheckpointError(f"{index_path} is corrupt: its content's sha256 {digest} differs "
                               f"from its {_SIGNATURE} {signature}")
     return index
 
