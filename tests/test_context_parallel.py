@@ -65,16 +65,32 @@ def test_zigzag_split_takes_chunks_r_and_mirror():
         assert torch.equal(zigzag_gather(shards, dim=1), x)
 
 
-def test_zigzag_agrees_with_data_loader():
-    """The data loader slices tokens and positions with its own helper: same layout."""
+# The zigzag layout written out: the sequence in 2*cp equal chunks, rank r takes chunk r
+# and chunk 2*cp-1-r (so every rank has the same causal work). Positions of each rank.
+ZIGZAG = {
+    (8, 1): [[0, 1, 2, 3, 4, 5, 6, 7]],
+    (8, 2): [[0, 1, 6, 7], [2, 3, 4, 5]],
+    (12, 3): [[0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]],
+    (16, 4): [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]],
+    (16, 2): [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]],
+}
+
+
+@pytest.mark.parametrize("seq, cp", list(ZIGZAG))
+def test_zigzag_split_and_the_data_loader_give_the_written_layout(seq, cp):
+    """zigzag_split / zigzag_positions (the cp attention's layout) and the data loader's
+    cp_zigzag_slice (which cuts each rank's tokens and positions) against the layout
+    written out by hand; the gather puts the rank pieces back in order."""
     from moe_fold.data.loader import cp_zigzag_slice
 
-    tokens = torch.arange(3 * 24).view(3, 24)
-    for cp in (1, 2, 3, 4):
-        for r in range(cp):
-            local, positions = cp_zigzag_slice(tokens, r, cp)
-            assert torch.equal(local, zigzag_split(tokens, r, cp, dim=1))
-            assert torch.equal(positions, zigzag_positions(24, r, cp))
+    tokens = torch.arange(3 * seq).view(3, seq)  # row b holds b*seq + position
+    for r, want in enumerate(ZIGZAG[seq, cp]):
+        want_tokens = torch.tensor([[b * seq + p for p in want] for b in range(3)])
+        assert zigzag_positions(seq, r, cp).tolist() == want
+        assert torch.equal(zigzag_split(tokens, r, cp, dim=1), want_tokens)
+        local, positions = cp_zigzag_slice(tokens, r, cp)
+        assert torch.equal(local, want_tokens) and positions.tolist() == want
+    assert torch.equal(zigzag_gather([zigzag_split(tokens, r, cp, dim=1) for r in range(cp)], dim=1), tokens)
 
 
 def test_zigzag_errors():

@@ -395,17 +395,26 @@ def _overlap_with_replicas_rank(rank, world_size):
             x = _inputs(rank).requires_grad_()
             y = layer(x)
             (y * torch.linspace(-1, 1, H)).sum().backward()
-            out[name, replicas] = (y.detach().numpy(), x.grad.numpy())
+            out[name, replicas] = {"output": y.detach().numpy(), "input grad": x.grad.numpy(),
+                                   **{f"grad {n}": p.grad.numpy() for n, p in layer.named_parameters()}}
     return out
 
 
 def test_overlap_under_expert_replicas_on_two_ranks():
     """ep 2, with and without a replicated expert (moe.replicas=1: the dispatcher routes by
-    slot): every overlap gives the blocking layer's output and input grad."""
+    slot): the shared-expert overlap gives the blocking layer's output, input grad and
+    every parameter grad bit for bit; with two chunks (and between the two placements,
+    whose grouped GEMMs see other row counts) within fp32 rounding. (With a copy, each
+    chunk splits the copied expert's tokens between its copies anew: the copies' grads
+    differ, their sum does not, so chunks are compared there on output and input grad.)"""
     for rank, res in enumerate(run_ranks(_overlap_with_replicas_rank, 2, timeout=120)):
-        y, grad = res["off", 0]
-        for key, (got_y, got_grad) in res.items():
-            torch.testing.assert_close(torch.from_numpy(got_y), torch.from_numpy(y), rtol=1e-5, atol=1e-7,
-                                       msg=lambda m: f"rank {rank} {key}: {m}")
-            torch.testing.assert_close(torch.from_numpy(got_grad), torch.from_numpy(grad), rtol=1e-5, atol=1e-7,
-                                       msg=lambda m: f"rank {rank} {key} input grad: {m}")
+        for replicas in (0, 1):
+            off = res["off", replicas]
+            assert len(off) > 2 and all(abs(v).max() > 0 for v in off.values())
+            for key, tol in (("shared", dict(rtol=0, atol=0)), ("shared+chunks2", dict(rtol=1e-5, atol=1e-7)),
+                             ("off", dict(rtol=1e-5, atol=1e-7))):
+                got = res[key, replicas if key != "off" else 1 - replicas]
+                names = off if key == "shared" or (key != "off" and replicas == 0) else ("output", "input grad")
+                for name in names:
+                    torch.testing.assert_close(torch.from_numpy(got[name]), torch.from_numpy(off[name]), **tol,
+                                               msg=lambda m: f"rank {rank} {key} replicas={replicas} {name}: {m}")

@@ -324,38 +324,49 @@ def test_planner_counts_the_spare_slots():
 
 
 def _move_rank(rank, world_size):
-    """ep2 x edp2, ZeRO-1: move a layer with copies; return what each slot holds."""
+    """ep2 x edp2, with ZeRO-1 and with the plain optimizer (whole moments on every
+    rank): move a layer with copies; return what each slot holds."""
     groups = create_process_groups(ParallelLayout(world_size, ep=2))
     config = li._config("mixtral")
     config.parallel.ep, config.moe.replicas = 2, 1
-    model = build_model(config, groups)
-    opt = AdamW(param_groups(model, 0.1), lr=1e-3, groups=groups, distributed=True)
-    layer = moe_layers(model)[0]
-    params = (layer.experts.fc1, layer.experts.fc2)
-    before = [_global(p, groups, grad=False) for p in params]  # [E, ...] by global expert
-    with torch.no_grad():
-        for p in params:
-            p.grad = p.detach() * 3
+    results = {}
+    for distributed in (True, False):
+        model = build_model(config, groups)
+        opt = AdamW(param_groups(model, 0.1), lr=1e-3, groups=groups, distributed=distributed)
+        layer = moe_layers(model)[0]
+        params = (layer.experts.fc1, layer.experts.fc2)
+        before = [_global(p, groups, grad=False) for p in params]  # [E, ...] by global expert
+        with torch.no_grad():
+            for p in params:
+                p.grad = p.detach() * 3
+                start, stop = opt.state_slice(p)
+                opt.state[p]["exp_avg"].view(-1).copy_((p.detach() * 2).reshape(-1)[start:stop])
+                opt.state[p]["exp_avg_sq"].view(-1).copy_(p.detach().square().reshape(-1)[start:stop])
+        new = random_placement(8, 2, 1, seed=11)
+        done = move_experts([layer], new, groups, opt)
+        out = {"moved": done["moved"], "bytes": done["bytes"], "ok": layer.placement == new}
+        for p, whole in zip(params, before):
             start, stop = opt.state_slice(p)
-            opt.state[p]["exp_avg"].copy_((p.detach() * 2).reshape(-1)[start:stop])
-            opt.state[p]["exp_avg_sq"].copy_(p.detach().square().reshape(-1)[start:stop])
-    new = random_placement(8, 2, 1, seed=11)
-    done = move_experts([layer], new, groups, opt)
-    out = {"moved": done["moved"], "bytes": done["bytes"], "ok": layer.placement == new}
-    for p, whole in zip(params, before):
-        start, stop = opt.state_slice(p)
-        out["ok"] &= all(torch.equal(p[i], whole[e]) for i, e in enumerate(p.slot_experts))
-        out["ok"] &= torch.equal(p.grad, p.detach() * 3)
-        out["ok"] &= torch.equal(opt.state[p]["exp_avg"], (p.detach() * 2).reshape(-1)[start:stop])
-        out["ok"] &= torch.equal(opt.state[p]["exp_avg_sq"], p.detach().square().reshape(-1)[start:stop])
-    out["slot_bytes"] = sum(p[0].numel() for p in params) * 4 * 4  # weights, grads, two moments
-    return out
+            assert distributed or (start, stop) == (0, p.numel())
+            out["ok"] &= all(torch.equal(p[i], whole[e]) for i, e in enumerate(p.slot_experts))
+            out["ok"] &= torch.equal(p.grad, p.detach() * 3)
+            out["ok"] &= torch.equal(opt.state[p]["exp_avg"].reshape(-1), (p.detach() * 2).reshape(-1)[start:stop])
+            out["ok"] &= torch.equal(opt.state[p]["exp_avg_sq"].reshape(-1),
+                                     p.detach().square().reshape(-1)[start:stop])
+        out["slot_bytes"] = sum(p[0].numel() for p in params) * 4 * 4  # weights, grads, two moments
+        results["zero1" if distributed else "plain"] = out
+    return results
 
 
-def test_move_carries_weights_grads_and_zero1_moments_by_expert():
-    results = run_ranks(_move_rank, 4, timeout=300)
-    assert all(r["ok"] for r in results)
-    moved = results[0]["moved"]
-    assert moved and all(r["moved"] == moved for r in results)
-    # Each moved slot crossed the wire once per edp replica: weights, grads and both moments.
-    assert sum(r["bytes"] for r in results) == 2 * len(moved) * results[0]["slot_bytes"]
+def test_move_carries_weights_grads_and_moments_by_expert():
+    """Each slot holds its new expert's weights, grads and AdamW moments (exp_avg = 2 w,
+    exp_avg_sq = w^2, set before the move) after the move, under ZeRO-1 (each rank's
+    moment slice) and under the plain optimizer (whole moments)."""
+    per_rank = run_ranks(_move_rank, 4, timeout=300)
+    for mode in ("zero1", "plain"):
+        results = [r[mode] for r in per_rank]
+        assert all(r["ok"] for r in results), mode
+        moved = results[0]["moved"]
+        assert moved and all(r["moved"] == moved for r in results), mode
+        # Each moved slot crossed the wire once per edp replica: weights, grads and both moments.
+        assert sum(r["bytes"] for r in results) == 2 * len(moved) * results[0]["slot_bytes"], mode

@@ -17,6 +17,7 @@ test_dispatch.py and test_reliability_*.py).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -304,15 +305,18 @@ def test_kill_inside_a_save_keeps_the_previous_checkpoint(tmp_path, cache_dir, c
 # --------------------------------------------------------------------------- determinism
 
 def test_two_runs_give_identical_losses_and_weights(tmp_path, cache_dir):
-    """train.deterministic: the same config twice gives the same metrics (every field but
-    the timings) and byte-identical checkpoints (the sha256 of each shard)."""
+    """train.deterministic: the same config twice (the same run folder, moved aside after
+    the first run) gives the same metrics (every field but the timings) and
+    byte-identical checkpoints: every file of the folder, hashed here, index.json included."""
     runs = []
     for name in ("a", "b"):
-        train(small_config(tmp_path / name, cache_dir, "train.steps=3", "moe.z_loss_coeff=0.001"))
+        train(small_config(tmp_path / "run", cache_dir, "train.steps=3", "moe.z_loss_coeff=0.001"))
+        (tmp_path / "run").rename(tmp_path / name)
         records = [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in read_metrics(tmp_path / name)]
-        index = json.loads((tmp_path / name / "checkpoints" / "step_000003" / "index.json").read_text())
-        shards = {f: rec["sha256"] for f, rec in index["files"].items() if f.endswith(".safetensors")}
-        runs.append((records, shards))
-    (records_a, shards_a), (records_b, shards_b) = runs
+        folder = tmp_path / name / "checkpoints" / "step_000003"
+        files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+        runs.append((records, files))
+    (records_a, files_a), (records_b, files_b) = runs
     assert len(records_a) == 3 and records_a == records_b
-    assert shards_a and shards_a == shards_b
+    assert sorted(files_a) == ["config.yaml", "index.json", "rank_00000.safetensors", "rng_00000.json"]
+    assert files_a == files_b

@@ -4,15 +4,18 @@ top-k = num_experts. No hang (the runs finish within their timeout), no NaN, and
 dropless results equal the single-process computation.
 
 - Dispatchers: test_dispatch.py's global-data harness (every dispatcher and dropless
-  mode vs the loop over tokens, forward and backward, exact) on the extreme cases; its
+  mode vs the loop over tokens, forward and backward, bit for bit or within
+  ``summation_bound`` where the order of a token's sum differs) on the extreme cases; its
   own matrix already covers one expert for all tokens, empty ranks and all-empty.
 - Training: routing forced through the router's expert bias (sigmoid scores, the bias
   fixed with bias_update_rate=0), ep2 on 2 ranks against one process, step by step; the
-  experts no token reached keep their initial weights exactly (no weight decay).
+  experts no token reached keep their initial weights exactly (no weight decay), in both
+  runs' checkpoints (every rank's shard of the ep2 run).
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -90,10 +93,21 @@ def _initial_experts(config) -> dict[str, torch.Tensor]:
 
 
 def _final_experts(run_dir) -> dict[str, torch.Tensor]:
-    with safe_open(str(run_dir / "checkpoints" / "step_000004" / "rank_00000.safetensors"), framework="pt") as f:
-        one = {k: f.get_tensor(k) for k in f.keys()}
-    return {k.removeprefix("model/").split("#")[0]: v for k, v in one.items()
-            if k.startswith("model/") and ".experts." in k}
+    """The global expert weights of the step-4 checkpoint, put together from the pieces of
+    every rank's shard (under ep each shard holds its ranks' experts)."""
+    folder = run_dir / "checkpoints" / "step_000004"
+    index = json.loads((folder / "index.json").read_text())
+    out = {}
+    for name, entry in index["tensors"].items():
+        if not (name.startswith("model/") and ".experts." in name):
+            continue
+        whole = torch.full(entry["shape"], float("nan"))
+        for piece in entry["pieces"]:
+            with safe_open(str(folder / piece["file"]), framework="pt") as f:
+                part = f.get_tensor(piece["key"])
+            whole[tuple(slice(o, o + n) for o, n in zip(piece["offsets"], piece["sizes"]))] = part
+        out[name.removeprefix("model/")] = whole
+    return out
 
 
 @pytest.mark.parametrize("case, extra, bias, used", [
@@ -131,9 +145,11 @@ def test_training_on_extreme_routing_matches_one_process(tmp_path, case, extra, 
             assert [e for e, n in enumerate(layer) if n] == used
             assert sum(layer) == tokens * one_cfg.moe.topk
     assert all(r.losses == pytest.approx(one.losses, rel=2e-5) for r in two)
-    final = _final_experts(tmp_path / "one")
     unused = [e for e in range(E) if e not in used]
-    for name, start in initial.items():
-        assert torch.isfinite(final[name]).all()
-        assert torch.equal(final[name][unused], start[unused]), name  # no token, no grad, no step
-        assert not torch.equal(final[name][used], start[used]), name
+    for run in ("one", "two"):
+        final = _final_experts(tmp_path / run)
+        assert set(final) == set(initial), run
+        for name, start in initial.items():
+            assert torch.isfinite(final[name]).all(), (run, name)
+            assert torch.equal(final[name][unused], start[unused]), (run, name)  # no token, no grad, no step
+            assert not torch.equal(final[name][used], start[used]), (run, name)

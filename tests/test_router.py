@@ -447,14 +447,16 @@ def test_padding_is_the_same_as_absent_tokens():
 
 
 def test_router_forward_is_topk_routing_then_capacity():
+    """Router.forward wires its settings through: the expectation is the loop references
+    above (ref_topk, ref_capacity), not the functions the router calls."""
     cfg = dict(topk=2, score_function="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.0,
                capacity_factor=0.75, drop_policy="position", pad_to_capacity=True, router_dtype="float64")
     router = make_router(**cfg).eval()
     h = torch.randn(16, 16)
     out = router(h)
     logits = h.double() @ router.weight.double().t()
-    probs, rmap = topk_routing(logits, 2, score="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.0)
-    want_probs, want_map = apply_capacity(probs, rmap, 0.75, policy="position", pad_to_capacity=True)
+    probs, rmap = ref_topk(logits, 2, score="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.0)
+    want_probs, want_map = ref_capacity(probs, rmap, 0.75, policy="position", pad=True)
     assert out.logits.dtype == torch.float64 and out.probs.dtype == torch.float64
     assert torch.equal(out.routing_map, want_map)
     torch.testing.assert_close(out.probs, want_probs)

@@ -84,15 +84,16 @@ def test_valid_fraction_splits_the_training_data(tmp_path, cache_dir):
 
 def test_validation_rows_and_training_untouched_by_evaluating(tmp_path, cache_dir):
     """Deterministic: the same split with and without evaluation trains bit for bit the
-    same; validation rows come every eval_every steps and at the last step."""
-    opts = ["train.steps=3", "train.deterministic=true", "data.valid_fraction=0.02"]
+    same (losses, grad norms and expert loads of every step, two of them after an
+    evaluation); validation rows come every eval_every steps and at the last step."""
+    opts = ["train.steps=4", "train.deterministic=true", "data.valid_fraction=0.02"]
     plain = train(small_config(tmp_path / "plain", cache_dir, *opts))
     console = Console(file=io.StringIO(), width=200)
     evaluated = train(small_config(tmp_path / "eval", cache_dir, *opts, "train.eval_every=2", "train.eval_iters=2",
                                    "wandb.mode=offline"), console=console, progress=False)
     assert evaluated.losses == plain.losses
     steps, valid = _rows(tmp_path / "eval")
-    assert [r["step"] for r in valid] == [2, 3]
+    assert [r["step"] for r in valid] == [2, 4]
     history = {row["_step"]: row for row in read_wandb_history(evaluated.wandb_dir) if "valid_loss" in row}
     printed = console.file.getvalue()
     for r in valid:
@@ -102,9 +103,11 @@ def test_validation_rows_and_training_untouched_by_evaluating(tmp_path, cache_di
         assert 0 < r["valid_loss"] < math.log(264) + 0.5
         assert history[r["step"]]["valid_loss"] == r["valid_loss"]
         assert history[r["step"]]["valid_ppl"] == r["valid_ppl"]
-        assert (f"step {r['step']}/3 validation loss {r['valid_loss']:.4f} ppl {r['valid_ppl']:.2f} (512 tokens)"
+        assert (f"step {r['step']}/4 validation loss {r['valid_loss']:.4f} ppl {r['valid_ppl']:.2f} (512 tokens)"
                 in printed)
-    assert [r["grad_norm"] for r in steps] == [r["grad_norm"] for r in _rows(tmp_path / "plain")[0]]
+    plain_steps = _rows(tmp_path / "plain")[0]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [(r["grad_norm"], r["expert_load"]) for r in steps] == [(r["grad_norm"], r["expert_load"]) for r in plain_steps]
 
 
 def test_resume_is_exact_with_evaluation_on(tmp_path, cache_dir):

@@ -1,8 +1,9 @@
 """Inspect moe-fold checkpoints.
 
   verify DIR   DIR is a checkpoint (a step_* folder with index.json) or a run folder (all
-               its finished checkpoints, newest last). Each file listed in the manifest
-               (index.json) is checked: present, size, sha256. Then every expert of every
+               its finished checkpoints, newest last). The manifest (index.json) is
+               checked against its own sha256, then each file it lists: present, size,
+               sha256. Then every expert of every
                MoE layer (model weights, and AdamW moments when saved) must be held by
                good files. Unfinished saves (step_*.tmp-*) are listed; resuming ignores
                them. Exit status 0 when every checkpoint is whole, 1 when one is damaged,

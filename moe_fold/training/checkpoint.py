@@ -13,7 +13,13 @@ On disk, ``<run_dir>/checkpoints/step_000100/`` holds:
   ``optim/exp_avg/<name>`` and ``optim/exp_avg_sq/<name>`` for AdamW's moments) its global
   shape, dtype and pieces (file, key, global offsets, sizes); the sha256 and size of every
   other file; the step, optimizer step count, scheduler state, the caller's ``extra`` (data
-  position, ...) and the layout it was saved under.
+  position, ...) and the layout it was saved under; and ``index_sha256``, the sha256 of all
+  that (:func:`write_index`), so a changed step or data position is caught like a changed shard.
+
+Integrity: every file is checked against the index before it is used: loading checks
+``index.json``'s own sha256, each shard it reads, and every other listed file (random
+states, config.yaml; each by one rank, round robin). Version 1 indexes (before the index
+signed itself) still load, with a warning that their index is unchecked.
 
 Loading under any layout (tp, ep, etp, dp, cp, with or without the distributed optimizer)
 reads, for each piece of each local tensor, only the stored pieces that overlap it
@@ -77,12 +83,13 @@ from moe_fold.training.optim import AdamW, LRScheduler
 from moe_fold.parallel.sharding import ShardInfo, box, buffer_info, flat_boxes, intersect, shard_info
 
 __all__ = ["CheckpointError", "CheckpointSaver", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
-           "checkpoint_path", "file_problem", "read_index"]
+           "checkpoint_path", "file_problem", "read_index", "write_index"]
 
 log = logging.getLogger(__name__)
 
 FORMAT = "moe-fold-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: index.json carries its own sha256 (``index_sha256``); 1 (older): it does not
+_SIGNATURE = "index_sha256"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _LEFTOVER = re.compile(r"step_\d+\.(tmp|old)-")
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -527,10 +534,7 @@ class CheckpointSaver:
             index["files"]["config.yaml"] = _file_record(tmp / "config.yaml")
         for path in tmp.glob("done_*.json"):
             path.unlink()
-        with open(tmp / "index.json", "w") as f:
-            json.dump(index, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        write_index(tmp, index)
         _fsync_dir(tmp)
         ckpt_dir = final.parent
         old = None
@@ -612,6 +616,23 @@ def _index(gathered: list, step: int, optimizer: Optional[AdamW], scheduler: Opt
                               "param_groups": [{k: v for k, v in g.items() if k not in ("params",)}
                                                for g in optimizer.param_groups]}
     return index
+
+
+def _index_digest(index: dict) -> str:
+    """The sha256 of ``index`` without its signature, over one canonical JSON text (sorted
+    keys, no spaces): the same before writing and after reading back."""
+    body = {k: v for k, v in index.items() if k != _SIGNATURE}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_index(path: Path, index: dict) -> None:
+    """Write ``index`` (a current-version manifest) as ``path/index.json``, signed with its
+    own sha256 (:func:`read_index` checks it), and fsync it."""
+    signed = {**index, _SIGNATURE: _index_digest(index)}
+    with open(Path(path) / "index.json", "w") as f:
+        json.dump(signed, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # --------------------------------------------------------------------------- load
@@ -702,7 +723,8 @@ def _resolve(path_or_run_dir: Union[str, os.PathLike]) -> Path:
 
 def read_index(path: Path) -> dict:
     """The ``index.json`` of checkpoint ``path`` (its manifest: tensors, pieces, and the
-    sha256 and size of every file), checked for format and version."""
+    sha256 and size of every file), checked for format, version and its own sha256. A
+    version 1 index (saved before indexes were signed) has none: it is read with a warning."""
     index_path = Path(path) / "index.json"
     try:
         index = json.loads(index_path.read_text())
@@ -710,9 +732,19 @@ def read_index(path: Path) -> dict:
         raise CheckpointError(f"cannot read {index_path}: {err}") from err
     if not isinstance(index, dict):
         raise CheckpointError(f"{index_path} is not a {FORMAT} index (a JSON object)")
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise CheckpointError(f"{index_path} is not a {FORMAT} version {VERSION} index "
-                              f"(format={index.get('format')!r}, version={index.get('version')!r})")
+    version = index.get("version")
+    if index.get("format") != FORMAT or version not in (1, VERSION):
+        raise CheckpointError(f"{index_path} is not a {FORMAT} index of version 1 or {VERSION} "
+                              f"(format={index.get('format')!r}, version={version!r})")
+    signature = index.get(_SIGNATURE)
+    if version == 1 and signature is None:
+        warnings.warn(f"{index_path} is a version 1 index, which has no sha256 of its own: its step, data "
+                      f"position and file list are not checked (the next save writes version {VERSION})",
+                      stacklevel=2)
+    elif signature != (digest := _index_digest(index)):
+        # A version 1 index with a signature is a version 2 index whose version was altered.
+        raise CheckpointError(f"{index_path} is corrupt: its content's sha256 {digest} differs "
+                              f"from its {_SIGNATURE} {signature}")
     return index
 
 
@@ -743,6 +775,11 @@ def load_checkpoint(path_or_run_dir: Union[str, os.PathLike], model: nn.Module, 
                               f"{' ...' if len(unexpected) > 8 else ''}")
     with contextlib.ExitStack() as stack:
         reader = _Reader(path, index["files"], stack)
+        # The shards are checked as they are opened; every other file (random states,
+        # config.yaml) by one rank each, so damage anywhere is named before a step runs.
+        shards = {piece["file"] for record in stored.values() for piece in record["pieces"]}
+        for name in sorted(set(index["files"]) - shards)[groups.rank::groups.layout.world_size]:
+            reader.verify(name)
         for entry in entries:
             record = stored[entry.name]
             if tuple(record["shape"]) != entry.info.global_shape:

@@ -2,8 +2,9 @@
 
 A checkpoint's ``index.json`` is its manifest (:mod:`moe_fold.training.checkpoint`): the
 sha256 and size of every file, and for every tensor the pieces that hold it (file, global
-offsets, sizes). :func:`verify_checkpoint` checks each listed file (present, size,
-sha256) and then, for each MoE layer of the checkpoint's model (its ``config.yaml``),
+offsets, sizes), signed with its own sha256. :func:`verify_checkpoint` checks that
+signature (:func:`~moe_fold.training.checkpoint.read_index`), each listed file (present,
+size, sha256) and then, for each MoE layer of the checkpoint's model (its ``config.yaml``),
 that every expert's slice of every expert tensor (``model/layers.<i>.mlp.experts.fc1``,
 ``fc2``, and their AdamW moments when the optimizer was saved) is fully covered by pieces
 in good files. An expert is missing when its tensor is absent from the index, when a
