@@ -23,9 +23,8 @@ the rows whose ``calibration`` column says ``yes`` (``--fit`` refits them there 
 them); every other row is held out. The summary prints the median and the worst absolute relative error over the
 held-out rows.
 
-GPT rows (``gpt:hidden=..,layers=..,heads=..,vocab=..``) are built as moe-fold dense models:
-a SwiGLU MLP of width ``8h/3`` rounded to a multiple of 64 has the FLOPs of GPT's ``4h``
-GELU MLP (within 0.1%), multi-head attention, tied embeddings.
+Rows become configs with :func:`moe_fold.planner.precedent.row_config` (GPT rows as dense
+moe-fold models with the FLOPs of GPT's MLP).
 
     python bench/plan_validation.py            # the table and the summary
     python bench/plan_validation.py --fit      # refit the calibration figures first
@@ -35,55 +34,18 @@ GELU MLP (within 0.1%), multi-head attention, tied embeddings.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import statistics
 from pathlib import Path
 from typing import Optional
 
-from moe_fold.config import Config, load_config
-from moe_fold.planner.estimate import CALIBRATED, CALIBRATED_EFFICIENCY, Assumptions, Plan, estimate, with_layout
+from moe_fold.config import Config
+from moe_fold.planner.estimate import CALIBRATED, CALIBRATED_EFFICIENCY, Assumptions, Plan, estimate
 from moe_fold.planner.hardware import get_gpu
 from moe_fold.planner.model import dims, layer_forward_flops, model_flops_per_step
-
-PUBLISHED = Path(__file__).resolve().parent / "published"
+from moe_fold.planner.precedent import PUBLISHED, read_published as read_rows, row_config
 METRICS = ("tflops_recompute", "model_tflops")
-
-
-def read_rows(folder: Path = PUBLISHED) -> list[dict]:
-    """Every row of every CSV in ``folder``, in file then row order."""
-    rows = []
-    for path in sorted(folder.glob("*.csv")):
-        with open(path, newline="") as f:
-            for row in csv.DictReader(f):
-                row["file"] = path.name
-                rows.append(row)
-    return rows
-
-
-def row_config(row: dict) -> Config:
-    """The moe-fold config of a published row (see the module doc for GPT rows)."""
-    spec = row["config"]
-    sets = [s for s in (row.get("set") or "").split(";") if s]
-    if spec.startswith("gpt:"):
-        fields = dict(kv.split("=") for kv in spec[4:].split(","))
-        h, layers, heads = int(fields["hidden"]), int(fields["layers"]), int(fields["heads"])
-        ffn = round(8 * h / 3 / 64) * 64
-        base = [f"model.hidden_size={h}", f"model.num_layers={layers}", f"model.num_heads={heads}",
-                f"model.num_kv_heads={heads}", f"model.head_dim={h // heads}", f"model.ffn_hidden_size={ffn}",
-                f"model.vocab_size={fields['vocab']}", "model.tie_embeddings=true", "moe.moe_layer_freq=0",
-                "moe.num_experts=0"]
-        config = load_config("mixtral-tiny", base + sets)
-    else:
-        config = load_config(spec, sets)
-    config.train.precision = "bf16"  # 2-byte activations; fp16 and fp8 rows included
-    config = with_layout(config, tp=int(row["tp"]), cp=int(row["cp"]), pp=int(row["pp"]), ep=int(row["ep"]),
-                         etp=int(row["etp"]), vpp=int(row["vpp"]), mbs=int(row["mbs"]), gbs=int(row["gbs"]),
-                         seq=int(row["seq"]), recompute=row["recompute"],
-                         distributed=row["distributed_optimizer"] == "true")
-    config.parallel.sequence_parallel = row["sequence_parallel"] == "true"
-    return config
 
 
 def row_assumptions(row: dict, kernels: dict) -> Assumptions:

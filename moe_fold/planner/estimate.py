@@ -517,11 +517,31 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 
 def search(config: Config, world: int, gpu: GPU, assumptions: Assumptions = Assumptions(),
-           max_tp: int = 8, max_cp: int = 8, max_vpp: int = 8) -> list[Plan]:
+           max_tp: int = 8, max_cp: int = 8, max_vpp: int = 8, loads=None, replace_every: int = 0) -> list[Plan]:
     """Every layout of ``world`` that ``validate`` accepts (tp, cp, pp, vpp, ep, etp in
     {1, tp}; micro and global batch, sequence, recompute and optimizer from ``config``),
-    that fits in ``gpu.memory``, best estimated MFU first."""
+    that fits in ``gpu.memory``, best estimated MFU first. ``loads``: a
+    :class:`moe_fold.planner.loads.LoadTrace`; each layout with ep > 1 is then estimated on
+    the busiest ep rank those loads give it under ``config``'s placement (``moe.replicas``,
+    re-placed every ``replace_every`` steps), and must fit with that rank's memory."""
     d = dims(config)
+    skews: dict[int, Optional[RoutingSkew]] = {}
+
+    def skew_for(ep: int) -> Optional[RoutingSkew]:
+        if loads is None or ep == 1:
+            return None  # one ep rank holds every expert: no rank waits for another
+        if ep not in skews:
+            from moe_fold.planner.loads import replay, skew
+
+            policy = replay(loads, ep, config.moe.replicas, replace_every)
+            if 0 < replace_every < len(loads.loads):
+                policy = policy.after(replace_every)
+            skews[ep] = skew(policy)
+        return skews[ep]
+
+    if loads is not None and (loads.num_experts != d.experts or loads.num_layers != sum(d.moe_flags)):
+        raise ValueError(f"the loads ({loads.num_layers} MoE layers x {loads.num_experts} experts, {loads.source}) "
+                         f"do not match the config ({sum(d.moe_flags)} MoE layers x {d.experts} experts)")
     plans = []
     for tp in _divisors(world, max_tp):
         for cp in _divisors(world // tp, max_cp):
@@ -534,7 +554,7 @@ def search(config: Config, world: int, gpu: GPU, assumptions: Assumptions = Assu
                             candidate = with_layout(config, tp=tp, cp=cp, pp=pp, vpp=vpp, ep=ep, etp=etp)
                             candidate.parallel.pp_layers = None
                             try:
-                                plan = estimate(candidate, world, gpu, assumptions)
+                                plan = estimate(candidate, world, gpu, assumptions, skew=skew_for(ep))
                             except (ConfigError, ValueError):
                                 continue
                             if plan.fits:
