@@ -41,7 +41,9 @@ from pathlib import Path
 from typing import Optional
 
 from moe_fold.config import Config
-from moe_fold.planner.estimate import CALIBRATED, CALIBRATED_EFFICIENCY, Assumptions, Plan, estimate
+from moe_fold.planner.estimate import (
+    BORROWED_EFFICIENCY, CALIBRATED, CALIBRATED_EFFICIENCY, Assumptions, Plan, estimate,
+)
 from moe_fold.planner.hardware import get_gpu
 from moe_fold.planner.model import dims, layer_forward_flops, model_flops_per_step
 from moe_fold.planner.precedent import PUBLISHED, read_published as read_rows, row_config
@@ -108,7 +110,7 @@ def summary(results: list[dict]) -> dict:
 def fit(rows: list[dict]) -> dict:
     """Fit on the calibration rows only: for each element-wise pass count on a grid, each
     GPU's efficiency minimises the squared log error of that GPU's calibration rows (golden
-    section on [0.2, 1]); the pass count with the least total wins. GPUs without a
+    section on [0.2, 1], 14 steps); the pass count with the least total wins. GPUs without a
     calibration row keep their shipped efficiency."""
     import math
 
@@ -123,7 +125,7 @@ def fit(rows: list[dict]) -> dict:
     def best_efficiency(gpu: str, passes: float) -> tuple[float, float]:
         lo, hi = 0.2, 1.0
         golden = (math.sqrt(5) - 1) / 2
-        for _ in range(18):
+        for _ in range(14):
             a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
             if loss(gpu, a, passes) < loss(gpu, b, passes):
                 hi = b
@@ -133,13 +135,16 @@ def fit(rows: list[dict]) -> dict:
         return e, loss(gpu, e, passes)
 
     best = None
-    for passes in range(0, 61, 5):
+    for passes in range(0, 61, 10):
         fitted = {gpu: best_efficiency(gpu, passes) for gpu in gpus}
         total = sum(l for _, l in fitted.values())
         if best is None or total < best[0]:
             best = (total, passes, {gpu: e for gpu, (e, _) in fitted.items()})
     _, passes, efficiency = best
-    return {"efficiency": dict(shipped["efficiency"], **efficiency), "elementwise_passes": float(passes)}
+    efficiency = dict(shipped["efficiency"], **efficiency)
+    for gpu, source in BORROWED_EFFICIENCY.items():  # no published row of their own
+        efficiency[gpu] = efficiency[source]
+    return {"efficiency": efficiency, "elementwise_passes": float(passes)}
 
 
 def table(results: list[dict]) -> str:

@@ -152,3 +152,92 @@ def test_busiest_rank_activation_peak_matches_saved_bytes(measured):
     probs = torch.rand(rows, requires_grad=True)
     got, _ = saved_activation_bytes(experts, lambda: experts(tokens, torch.tensor(counts), probs))
     assert got == pytest.approx(predicted, rel=0.05)
+
+
+def test_restated_min_gain_matches_the_training_loop():
+    from moe_fold.planner.loads import MIN_GAIN
+    from moe_fold.training.replace import MIN_GAIN as TRAINING
+
+    assert MIN_GAIN == TRAINING
+
+
+def test_replay_by_hand(tmp_path):
+    from moe_fold.planner.loads import capacity, read_loads, replay
+
+    # 4 experts on 2 ranks; expert 0 takes 6 of 10 tokens every step
+    path = tmp_path / "loads.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "expert_load": [[6, 2, 1, 1]]}) + "\n" for s in range(4)))
+    trace = read_loads(path)
+    static = replay(trace, 2)
+    assert static.ratio == [[8 / 5]] * 4 and static.busiest_rows == [[8.0]] * 4
+    # re-placed after 2 steps: {0, 3} and {1, 2} -> 7 of 10 on the busiest rank
+    replaced = replay(trace, 2, 0, 2)
+    assert replaced.ratio[:2] == [[8 / 5]] * 2 and replaced.ratio[2:] == [[7 / 5]] * 2 and replaced.moves == 1
+    # one copy per rank: expert 0 on both ranks, 3 + the rest split 3+... = 5 each
+    copies = replay(trace, 2, 1, 2)
+    assert copies.ratio[2:] == [[1.0]] * 2
+    # capacity 1: each expert capped at 2.5 tokens; the busiest rank keeps 2.5 + 2 of a mean of 5
+    capped = capacity(trace, 2, 1.0)
+    assert capped.ratio[0] == [4.5 / 5] and capped.dropped[0] == [pytest.approx(0.35)]
+    assert read_loads(path, first=1, last=2).steps == [1, 2]
+    with pytest.raises(ValueError, match="no step records with expert_load in steps 7..9"):
+        read_loads(path, first=7, last=9)
+    with pytest.raises(ValueError, match="not divisible by parallel.ep=3"):
+        replay(trace, 3)
+
+
+def test_skew_by_hand_flat_model():
+    """Measured routing on the flat model: the busiest rank's extra expert FLOPs on the
+    critical path, its extra rows in memory for each micro-batch in flight."""
+    from moe_fold.config import load_config
+    from moe_fold.planner.estimate import Assumptions, RoutingSkew, estimate
+    from moe_fold.planner.hardware import get_gpu
+    from moe_fold.planner.memory import held_row_bytes
+    from moe_fold.planner.model import layer_forward_flops
+
+    config = load_config("mixtral-tiny", ["parallel.ep=4", "train.precision=bf16"])
+    gpu = get_gpu("h100")
+    a = Assumptions(memory_overhead=0)
+    layers = sum(1 for f in range(config.model.num_layers))
+    base = estimate(config, 4, gpu, a)
+    skewed = estimate(config, 4, gpu, a, skew=RoutingSkew(time=(1.5,) * layers, peak=(2.0,) * layers))
+    local = config.train.micro_batch_size * config.model.seq_length
+    extra = sum(0.5 * 3 * local * layer_forward_flops(config, i)["experts"] for i in range(layers))
+    assert skewed.time["compute"] - base.time["compute"] == pytest.approx(
+        base.microbatches * extra / (gpu.peak_flops * a.matmul_efficiency))
+    rows = local * config.moe.topk
+    assert skewed.memory["activations"] - base.memory["activations"] == pytest.approx(
+        layers * 1.0 * rows * held_row_bytes(config, "none"))
+    assert skewed.comm_bytes["ep"] > base.comm_bytes["ep"] and skewed.time["ep"] > base.time["ep"]
+    with pytest.raises(ValueError, match="has 1 MoE layers, the model has"):
+        estimate(config, 4, gpu, a, skew=RoutingSkew(time=(1.5,), peak=(1.5,)))
+
+
+def test_search_on_measured_loads_never_proposes_a_busiest_rank_out_of_memory(tmp_path):
+    """With one expert taking most tokens, ep layouts whose busiest rank no longer fits drop
+    out of the search; every layout kept fits with its busiest rank's memory."""
+    import dataclasses
+
+    from moe_fold.config import load_config
+    from moe_fold.planner.estimate import Assumptions, search
+    from moe_fold.planner.hardware import get_gpu
+    from moe_fold.planner.loads import read_loads, skew_by_ep
+
+    config = load_config("mixtral-tiny", ["train.precision=bf16", "train.micro_batch_size=8",
+                                          "model.seq_length=1024", "train.global_batch_size=64"])
+    layers, experts = config.model.num_layers, config.moe.num_experts
+    path = tmp_path / "metrics.jsonl"
+    hot = [[1000] + [10] * (experts - 1)] * layers
+    path.write_text("".join(json.dumps({"step": s, "expert_load": hot}) + "\n" for s in range(3)))
+    trace = read_loads(path)
+    a = Assumptions(memory_overhead=0)
+    balanced = search(config, 8, get_gpu("h100"), a)
+    limit = sorted(p.memory["total"] for p in balanced)[len(balanced) // 2]
+    gpu = dataclasses.replace(get_gpu("h100"), memory=limit)
+    plain = search(config, 8, gpu, a)
+    measured = search(config, 8, gpu, a, skew_for=skew_by_ep(trace, config))
+    assert measured and all(p.fits and p.memory["total"] <= limit for p in measured)
+    key = lambda p: tuple(p.layout[k] for k in ("tp", "cp", "pp", "vpp", "ep", "etp"))  # noqa: E731
+    dropped = {key(p) for p in plain} - {key(p) for p in measured}
+    assert dropped and all(layout[4] > 1 for layout in dropped)  # only layouts with several ep ranks
+    assert all(p.memory.get("skew_activations", 0) > 0 for p in measured if p.layout["ep"] > 1)

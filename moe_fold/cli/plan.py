@@ -165,7 +165,7 @@ def _print_search(console, plans, top: int, precedents: list) -> None:
         table.add_row(*(str(lay[k]) for k in ("tp", "cp", "pp", "vpp", "ep", "etp", "dp", "edp")),
                       _gb(plan.memory["total"]), f"{t['total']:.3f}", f"{t['bubble']:.3f}",
                       f"{t.get('tp', 0) + t.get('ep', 0) + t.get('etp', 0):.3f}", f"{100 * plan.mfu:.1f}%",
-                      precedent or "-")
+                      f"{precedent['id']}: {precedent['published']:g} {precedent['metric']}" if precedent else "-")
     console.print(table)
 
 
@@ -233,8 +233,12 @@ def run(args: argparse.Namespace) -> int:
             trace = read_loads(args.loads, *_loads_window(args.loads_steps))
             every = args.replace_every if args.replace_every is not None else (config.moe.replace_every or 10)
         if args.search:
-            plans = search(config, args.world, gpu, assumptions, loads=trace,
-                           replace_every=config.moe.replace_every)
+            skew_for = None
+            if trace is not None:
+                from moe_fold.planner.loads import skew_by_ep
+
+                skew_for = skew_by_ep(trace, config)
+            plans = search(config, args.world, gpu, assumptions, skew_for=skew_for)
         else:
             if trace is not None:
                 report = analyse(config, args.world, gpu, assumptions, trace, every)
@@ -269,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         console.print("\nbest layout:")
     _print_plan(console, plans[0])
     if precedents[0]:
-        console.print(f"closest published precedent: {precedents[0]}")
+        console.print(f"closest published precedent: {precedents[0]['text']}")
     if report is not None:
         _print_loads(console, report)
     return 0
@@ -278,12 +282,8 @@ def run(args: argparse.Namespace) -> int:
 def _estimate_with_loads(config, world, gpu, assumptions, trace):
     """The plan of ``config``'s own placement policy on the measured loads (balanced without)."""
     from moe_fold.planner.estimate import estimate
-    from moe_fold.planner.loads import replay, skew
+    from moe_fold.planner.loads import skew_by_ep
 
     if trace is None:
         return estimate(config, world, gpu, assumptions)
-    moe = config.moe
-    policy = replay(trace, config.parallel.ep, moe.replicas, moe.replace_every)
-    if moe.replace_every and moe.replace_every < len(trace.loads):
-        policy = policy.after(moe.replace_every)
-    return estimate(config, world, gpu, assumptions, skew=skew(policy))
+    return estimate(config, world, gpu, assumptions, skew=skew_by_ep(trace, config)(config.parallel.ep))

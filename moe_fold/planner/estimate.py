@@ -56,7 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from moe_fold.config import Config, ConfigError, ParallelConfig, dp_size, edp_size, etp_size, validate, vpp_size
 from moe_fold.layout import ParallelLayout
@@ -71,7 +71,8 @@ from moe_fold.planner.model import (
     rank_flops_per_microbatch, stage_blocks,
 )
 
-__all__ = ["OVERLAPS", "COMPUTE_MODELS", "CALIBRATED", "CALIBRATED_EFFICIENCY", "calibrated", "Assumptions", "Plan", "RoutingSkew", "overlaps", "estimate",
+__all__ = ["OVERLAPS", "COMPUTE_MODELS", "CALIBRATED", "CALIBRATED_EFFICIENCY", "FITTED_EFFICIENCY", "calibrated",
+           "Assumptions", "Plan", "RoutingSkew", "overlaps", "estimate",
            "search", "model_params", "with_layout", "activation_bytes", "busiest_owned_numel"]
 
 # Kinds whose traffic happens per micro-batch, on the critical path.
@@ -141,7 +142,9 @@ class Assumptions:
 # --fit prints them; docs/planner.md has the table): Assumptions(**CALIBRATED, ...).
 # The achieved/peak FLOP/s of a large GEMM differs by GPU generation, so it is fitted per GPU
 # (H200 shares H100's GH100 compute; B200 has no published row yet and borrows H100's).
-CALIBRATED_EFFICIENCY = {"v100": 0.381, "a100": 0.707, "h100": 0.501, "h200": 0.501, "b200": 0.501}
+FITTED_EFFICIENCY = {"v100": 0.381, "a100": 0.706, "h100": 0.501}
+BORROWED_EFFICIENCY = {"h200": "h100", "b200": "h100"}
+CALIBRATED_EFFICIENCY = {**FITTED_EFFICIENCY, **{gpu: FITTED_EFFICIENCY[src] for gpu, src in BORROWED_EFFICIENCY.items()}}
 CALIBRATED = {"compute_model": "shapes", "elementwise_passes": 30.0}
 
 
@@ -428,7 +431,8 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
     slowest = max(stages, key=lambda stage: stage[0])
     per_micro, flops_micro, comm_micro, r_slow, a2a_micro, compute_micro = slowest
 
-    step = step_bytes(config, world, r_slow)
+    routing = [_skewed_routing(config, skew.stage(config, r_slow, "time"))] * micro if skewed else None
+    step = step_bytes(config, world, r_slow, routing=routing)
     grad_overlap, gather_overlap = overlaps(config, assumptions)
     # What one micro-batch's backward (about 2/3 of its FLOPs) and forward (1/3) on the
     # slowest stage leave to hide the gradient reduction and the parameter gather behind.
@@ -437,7 +441,8 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
     for kind in _DATA_PARALLEL:
         if kind not in step:
             continue
-        nbytes = step[kind] - (micro * microbatch_bytes(config, world, r_slow, t.recompute).get(kind, 0))
+        nbytes = step[kind] - (micro * microbatch_bytes(config, world, r_slow, t.recompute,
+                                                        routing[0] if routing else None).get(kind, 0))
         n = 2 if kind == "embedding" else len(layout.groups(_GROUP_OF[kind])[0])
         seconds = _seconds(kind, nbytes, links, gpu)
         # Of the bytes: the all-reduce's, or the reduce-scatter's and the all-gather's halves.
@@ -517,31 +522,14 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 
 def search(config: Config, world: int, gpu: GPU, assumptions: Assumptions = Assumptions(),
-           max_tp: int = 8, max_cp: int = 8, max_vpp: int = 8, loads=None, replace_every: int = 0) -> list[Plan]:
+           max_tp: int = 8, max_cp: int = 8, max_vpp: int = 8,
+           skew_for: Optional[Callable[[int], Optional[RoutingSkew]]] = None) -> list[Plan]:
     """Every layout of ``world`` that ``validate`` accepts (tp, cp, pp, vpp, ep, etp in
     {1, tp}; micro and global batch, sequence, recompute and optimizer from ``config``),
-    that fits in ``gpu.memory``, best estimated MFU first. ``loads``: a
-    :class:`moe_fold.planner.loads.LoadTrace`; each layout with ep > 1 is then estimated on
-    the busiest ep rank those loads give it under ``config``'s placement (``moe.replicas``,
-    re-placed every ``replace_every`` steps), and must fit with that rank's memory."""
+    that fits in ``gpu.memory``, best estimated MFU first. ``skew_for(ep)``: measured
+    routing for a layout of that ep size (:func:`moe_fold.planner.loads.skew_by_ep`); each
+    layout is then estimated on its busiest ep rank, and must fit with that rank's memory."""
     d = dims(config)
-    skews: dict[int, Optional[RoutingSkew]] = {}
-
-    def skew_for(ep: int) -> Optional[RoutingSkew]:
-        if loads is None or ep == 1:
-            return None  # one ep rank holds every expert: no rank waits for another
-        if ep not in skews:
-            from moe_fold.planner.loads import replay, skew
-
-            policy = replay(loads, ep, config.moe.replicas, replace_every)
-            if 0 < replace_every < len(loads.loads):
-                policy = policy.after(replace_every)
-            skews[ep] = skew(policy)
-        return skews[ep]
-
-    if loads is not None and (loads.num_experts != d.experts or loads.num_layers != sum(d.moe_flags)):
-        raise ValueError(f"the loads ({loads.num_layers} MoE layers x {loads.num_experts} experts, {loads.source}) "
-                         f"do not match the config ({sum(d.moe_flags)} MoE layers x {d.experts} experts)")
     plans = []
     for tp in _divisors(world, max_tp):
         for cp in _divisors(world // tp, max_cp):
@@ -554,7 +542,8 @@ def search(config: Config, world: int, gpu: GPU, assumptions: Assumptions = Assu
                             candidate = with_layout(config, tp=tp, cp=cp, pp=pp, vpp=vpp, ep=ep, etp=etp)
                             candidate.parallel.pp_layers = None
                             try:
-                                plan = estimate(candidate, world, gpu, assumptions, skew=skew_for(ep))
+                                plan = estimate(candidate, world, gpu, assumptions,
+                                                skew=skew_for(ep) if skew_for else None)
                             except (ConfigError, ValueError):
                                 continue
                             if plan.fits:

@@ -34,12 +34,13 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from moe_fold.dispatch.placement import Placement, balanced_placement, rank_loads
 from moe_fold.planner.estimate import RoutingSkew
 
-__all__ = ["MIN_GAIN", "LoadTrace", "PolicyLoads", "read_loads", "replay", "capacity", "skew", "analyse"]
+__all__ = ["MIN_GAIN", "LoadTrace", "PolicyLoads", "read_loads", "replay", "capacity", "skew", "skew_by_ep",
+           "analyse"]
 
 # moe_fold.training.replace.MIN_GAIN, restated so the planner does not import the training
 # loop (tests check that they agree).
@@ -179,6 +180,30 @@ def capacity(trace: LoadTrace, ep: int, capacity_factor: float) -> PolicyLoads:
             busiest[-1].append(max(per_rank))
             dropped[-1].append(1 - sum(kept) / total if total > 0 else 0.0)
     return PolicyLoads(f"capacity {capacity_factor:g}", ratio, busiest, dropped)
+
+
+def skew_by_ep(trace: LoadTrace, config) -> Callable[[int], Optional[RoutingSkew]]:
+    """For :func:`moe_fold.planner.estimate.search`: the skew of ``config``'s placement policy
+    (``moe.replicas``, ``moe.replace_every``; ratios after the first re-placement window) on
+    ``ep`` ranks, None for ep 1 (one rank holds every expert: no rank waits for another)."""
+    from moe_fold.planner.model import dims
+
+    d = dims(config)
+    if trace.num_experts != d.experts or trace.num_layers != sum(d.moe_flags):
+        raise ValueError(f"the loads ({trace.num_layers} MoE layers x {trace.num_experts} experts, {trace.source}) "
+                         f"do not match the config ({sum(d.moe_flags)} MoE layers x {d.experts} experts)")
+    every = config.moe.replace_every
+    cache: dict[int, RoutingSkew] = {}
+
+    def skew_for(ep: int) -> Optional[RoutingSkew]:
+        if ep == 1:
+            return None
+        if ep not in cache:
+            policy = replay(trace, ep, config.moe.replicas, every)
+            cache[ep] = skew(policy.after(every) if 0 < every < len(trace.loads) else policy)
+        return cache[ep]
+
+    return skew_for
 
 
 def skew(policy: PolicyLoads) -> RoutingSkew:

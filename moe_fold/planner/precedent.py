@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from moe_fold.config import Config, load_config
+from moe_fold.planner.estimate import model_params, with_layout
 
 __all__ = ["PUBLISHED", "read_published", "row_config", "closest"]
 
@@ -46,8 +47,6 @@ def read_published(folder: Optional[str | Path] = None) -> list[dict]:
 
 def row_config(row: dict) -> Config:
     """The moe-fold config of a published row (see the module doc)."""
-    from moe_fold.planner.estimate import with_layout
-
     spec = row["config"]
     sets = [s for s in (row.get("set") or "").split(";") if s]
     if spec.startswith("gpt:"):
@@ -72,8 +71,6 @@ def row_config(row: dict) -> Config:
 
 @functools.lru_cache(maxsize=256)
 def _params(spec: str, sets: str) -> tuple[float, float]:
-    from moe_fold.planner.estimate import model_params
-
     row = {"config": spec, "set": sets, "tp": 1, "cp": 1, "pp": 1, "ep": 1, "etp": 1, "vpp": 1, "mbs": 1, "gbs": 1,
            "seq": 128, "recompute": "none", "distributed_optimizer": "false", "sequence_parallel": "false"}
     counts = model_params(row_config(row))
@@ -84,9 +81,10 @@ def _octaves(a: float, b: float) -> float:
     return abs(math.log2(max(a, 1e-9) / max(b, 1e-9)))
 
 
-def closest(rows: list[dict], plan, gpu: str) -> Optional[str]:
+def closest(rows: list[dict], plan, gpu: str) -> Optional[dict]:
     """The published row nearest ``plan`` (a :class:`moe_fold.planner.estimate.Plan` on GPU
-    key ``gpu``), as ``"id (source): published metric, layout"``; None without rows."""
+    key ``gpu``): its ``id``, ``source``, ``published`` value and ``metric``, and ``text``,
+    one line for a reader; None without rows."""
     best = None
     lay = plan.layout
     moe = plan.params["experts"] > 0
@@ -101,6 +99,8 @@ def closest(rows: list[dict], plan, gpu: str) -> Optional[str]:
             best = (distance, row)
     if best is None:
         return None
-    row = best[1]
-    return (f"{row['id']} ({row['source']}): {row['published']} {row['metric']} on {row['world']} "
+    distance, row = best
+    text = (f"{row['id']} ({row['source']}): {row['published']} {row['metric']} on {row['world']} "
             f"{row['gpu'].upper()}, tp{row['tp']} pp{row['pp']} ep{row['ep']}")
+    return {"id": row["id"], "source": row["source"], "published": float(row["published"]),
+            "metric": row["metric"], "distance": round(distance, 3), "text": text}
