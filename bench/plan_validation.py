@@ -29,6 +29,8 @@ moe-fold models with the FLOPs of GPT's MLP).
     python bench/plan_validation.py            # the table and the summary
     python bench/plan_validation.py --fit      # refit the calibration figures first
     python bench/plan_validation.py --json     # one JSON line per row, then the summary
+    python bench/plan_validation.py --flat 0.7 # the flat model the planner had before
+    python bench/plan_validation.py --flat-fit # the flat model, fitted per GPU on the same rows
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def row_assumptions(row: dict, kernels: dict) -> Assumptions:
     and what the row ran (overlap, attention kernel, GEMM dtype). ``kernels={"flat": e}``:
     the flat model at efficiency ``e`` instead (the planner before the shape model)."""
     if "flat" in kernels:
-        return Assumptions(matmul_efficiency=kernels["flat"], overlap=row["dp_overlap"], implementation="megatron")
+        e = kernels["flat"][row["gpu"]] if isinstance(kernels["flat"], dict) else kernels["flat"]
+        return Assumptions(matmul_efficiency=e, overlap=row["dp_overlap"], implementation="megatron")
     return Assumptions(compute_model="shapes", matmul_efficiency=kernels["efficiency"][row["gpu"]],
                        elementwise_passes=kernels["elementwise_passes"], overlap=row["dp_overlap"],
                        implementation="megatron", attention_kernel=row["attention_kernel"],
@@ -107,11 +110,12 @@ def summary(results: list[dict]) -> dict:
             "held_out_mean_error": statistics.mean(r["error"] for r in results if not r["fit"])}
 
 
-def fit(rows: list[dict]) -> dict:
+def fit(rows: list[dict], flat: bool = False) -> dict:
     """Fit on the calibration rows only: for each element-wise pass count on a grid, each
     GPU's efficiency minimises the squared log error of that GPU's calibration rows (golden
     section on [0.2, 1], 14 steps); the pass count with the least total wins. GPUs without a
-    calibration row keep their shipped efficiency."""
+    calibration row keep their shipped efficiency. ``flat``: the flat model's efficiency per
+    GPU on the same rows instead (for comparison)."""
     import math
 
     calibration = [r for r in rows if r["calibration"] == "yes"]
@@ -120,6 +124,8 @@ def fit(rows: list[dict]) -> dict:
 
     def loss(gpu: str, e: float, passes: float) -> float:
         kernels = {"efficiency": dict(shipped["efficiency"], **{gpu: e}), "elementwise_passes": passes}
+        if flat:
+            kernels = {"flat": kernels["efficiency"]}
         return sum(math.log(1 + predict(r, kernels)["error"]) ** 2 for r in calibration if r["gpu"] == gpu)
 
     def best_efficiency(gpu: str, passes: float) -> tuple[float, float]:
@@ -135,7 +141,7 @@ def fit(rows: list[dict]) -> dict:
         return e, loss(gpu, e, passes)
 
     best = None
-    for passes in range(0, 61, 10):
+    for passes in [0] if flat else range(0, 61, 10):
         fitted = {gpu: best_efficiency(gpu, passes) for gpu in gpus}
         total = sum(l for _, l in fitted.values())
         if best is None or total < best[0]:
@@ -144,6 +150,8 @@ def fit(rows: list[dict]) -> dict:
     efficiency = dict(shipped["efficiency"], **efficiency)
     for gpu, source in BORROWED_EFFICIENCY.items():  # no published row of their own
         efficiency[gpu] = efficiency[source]
+    if flat:
+        return {"flat": efficiency}
     return {"efficiency": efficiency, "elementwise_passes": float(passes)}
 
 
@@ -159,6 +167,18 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown(results: list[dict]) -> str:
+    """The table as docs/planner.md shows it."""
+    lines = ["| row | GPU | precision | GPUs | layout | metric | published | predicted | error | MFU published | "
+             "MFU predicted | used |", "|" + " --- |" * 12]
+    for r in results:
+        lines.append(f"| {r['id']} | {r['gpu'].upper()} | {r['precision']} | {r['world']} | {r['layout']} | "
+                     f"{r['metric']} | {r['published']:g} | {r['predicted']:.1f} | {100 * r['error']:+.1f}% | "
+                     f"{100 * r['published_mfu']:.1f}% | {100 * r['predicted_mfu']:.1f}% | "
+                     f"{'fit' if r['fit'] else 'held out'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,18 +186,29 @@ def main(argv=None) -> dict:
     parser.add_argument("--fit", action="store_true", help="refit the kernel figures on the calibration rows")
     parser.add_argument("--flat", type=float, default=None, metavar="E",
                         help="predict with the flat model at efficiency E instead (the planner's old default: 0.7)")
+    parser.add_argument("--flat-fit", action="store_true",
+                        help="the flat model with its efficiency fitted per GPU on the calibration rows")
     parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    parser.add_argument("--markdown", action="store_true", help="the table in Markdown (docs/planner.md)")
     args = parser.parse_args(argv)
     rows = read_rows(args.published)
-    kernels = {"flat": args.flat} if args.flat is not None else fit(rows) if args.fit else calibrated_kernels()
+    if args.flat_fit:
+        kernels = fit(rows, flat=True)
+    elif args.flat is not None:
+        kernels = {"flat": args.flat}
+    else:
+        kernels = fit(rows) if args.fit else calibrated_kernels()
     results = [predict(r, kernels) for r in rows]
     out = dict(summary(results), kernels=kernels)
-    if args.json:
+    if args.markdown:
+        print(markdown(results))
+    elif args.json:
         for r in results:
             print(json.dumps(r))
         print(json.dumps(out))
     else:
-        origin = "flat model" if args.flat is not None else "refitted" if args.fit else "moe_fold.planner.estimate.CALIBRATED"
+        origin = ("flat model" if args.flat is not None or args.flat_fit else "refitted" if args.fit
+                  else "moe_fold.planner.estimate.CALIBRATED")
         print(f"kernel figures ({origin}): {kernels}")
         print(table(results))
         print(f"held-out rows: {out['held_out_rows']} of {out['rows']} ({out['sources']} sources); "

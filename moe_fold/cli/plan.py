@@ -113,6 +113,17 @@ def _print_plan(console, plan) -> None:
         console.print(f"MoE overlap assumed (moe.shared_expert_overlap, moe.overlap_chunks): shared expert under "
                       f"the all-to-all {'on' if ov['shared_expert_overlap'] else 'off'}, {ov['overlap_chunks']} "
                       f"chunk(s); ep all-to-all {ov['ep_a2a_s']:.4f} s / step, {ov['ep_a2a_exposed_s']:.4f} s exposed")
+    c = plan.compute
+    if c.get("model") == "shapes":
+        console.print(f"compute: each kernel timed from its shape (moe_fold.planner.compute_time): large-GEMM "
+                      f"efficiency {c['matmul_efficiency']:.3f}, {c['elementwise_passes']:g} element-wise passes per "
+                      f"layer, {c['attention_kernel']} attention, {c['gemm_dtype']} GEMMs")
+    elif c:
+        console.print(f"compute: FLOPs at {c['matmul_efficiency']:.2f} x peak (flat model)")
+    if plan.routing:
+        t, p = plan.routing["busiest_over_mean_time"], plan.routing["busiest_over_mean_peak"]
+        console.print(f"measured routing: the busiest ep rank holds {max(t):.3f}x the mean expert rows (worst layer, "
+                      f"mean over steps), {max(p):.3f}x at its worst step (memory)")
     pr = plan.params
     console.print(f"parameters: {pr['total'] / 1e9:,.2f} B total, {pr['activated'] / 1e9:,.2f} B activated per "
                   f"token, {pr['rank_max'] / 1e9:,.3f} B on the busiest rank")

@@ -181,6 +181,10 @@ class Plan:
     # The MoE layer's overlap switches it assumes (moe.shared_expert_overlap, moe.overlap_chunks)
     # and the ep all-to-all seconds per step, in all and left exposed (time["ep"]).
     moe_overlap: dict = field(default_factory=dict)
+    # How compute seconds were counted (Assumptions.compute_model and its figures), and the
+    # measured routing's busiest-rank factors when the plan used them.
+    compute: dict = field(default_factory=dict)
+    routing: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -514,7 +518,13 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
         overlap_model=assumptions.overlap,
         moe_overlap={"shared_expert_overlap": config.moe.shared_expert_overlap,
                      "overlap_chunks": config.moe.overlap_chunks, "ep_a2a_s": micro * a2a_micro,
-                     "ep_a2a_exposed_s": micro * comm_micro.get("ep", 0.0)})
+                     "ep_a2a_exposed_s": micro * comm_micro.get("ep", 0.0)},
+        compute={"model": assumptions.compute_model, "matmul_efficiency": assumptions.matmul_efficiency,
+                 **({"elementwise_passes": assumptions.elementwise_passes, "attention_kernel":
+                     assumptions.attention_kernel, "gemm_dtype": assumptions.gemm_dtype}
+                    if assumptions.compute_model == "shapes" else {})},
+        routing={"busiest_over_mean_time": list(skew.time), "busiest_over_mean_peak": list(skew.peak)}
+        if skewed else {})
 
 
 def _divisors(n: int, limit: int) -> list[int]:
