@@ -202,6 +202,8 @@ def _print_loads(console, report: dict) -> None:
     console.print(table)
     console.print(f"balanced routing: step {report['balanced_step_s']:.4g} s, activations "
                   f"{_gb(report['balanced_activations_bytes'])} GB")
+    for row in report["invalid"]:
+        console.print(f"not weighed: {row['policy']}: {row['why']}")
     console.print(f"[bold]recommended[/bold]: {report['recommendation'] or 'none'} ({report['why']})")
 
 

@@ -22,9 +22,12 @@ gradients stay whole: ``6 + 12/d`` bytes per parameter. Under ``fp32`` training 
 are the masters: 4 + 4 + 8. Activations: :mod:`moe_fold.planner.model` (Korthikanti 2022's
 fused kernels), times the micro-batches a pipeline stage holds at its peak. Plus :attr:`Assumptions.memory_overhead`.
 
-Step time, per micro-batch on the slowest pipeline stage: its FLOPs at
-``peak * Assumptions.matmul_efficiency`` plus its tp, cp, ep, etp and pp traffic on the
-critical path: all of it, except the ep all-to-all under the MoE layer's overlap switches
+Step time, per micro-batch on the slowest pipeline stage: its compute seconds
+(``Assumptions.compute_model``: ``"flat"``, its FLOPs at ``peak * matmul_efficiency``; or
+``"shapes"``, each kernel timed from its shape by :mod:`moe_fold.planner.compute_time`, with
+the figures :data:`CALIBRATED` fitted on published runs, docs/planner.md) plus its tp, cp,
+ep, etp and pp traffic on the critical path (pp hidden under ``overlap="megatron"`` with
+vpp > 1): all of it, except the ep all-to-all under the MoE layer's overlap switches
 (``moe.shared_expert_overlap``, ``moe.overlap_chunks``), of which only the part
 :func:`moe_fold.planner.moe_overlap.exposed_ep_seconds` leaves exposed counts. A
 step is ``(m + (pp-1)/vpp)`` such micro-batch times (1F1B and interleaved schedules; the
@@ -45,6 +48,10 @@ stage runs after the schedule and is always exposed.
 Link model: a group whose ranks sit in one node (``gpus_per_node`` consecutive ranks) uses
 NVLink, else the per-GPU network bandwidth, for the whole ring; an all-to-all sends each
 peer's share over NVLink or the network and takes the longer of the two.
+
+Measured routing (``skew``, :class:`RoutingSkew` from :mod:`moe_fold.planner.loads`): the
+busiest ep rank's expert rows over the mean scale its expert compute and received
+all-to-all rows (mean over steps) and its held-row activations (worst step).
 
 MFU = model FLOPs per step (activated parameters only, no recompute; Narayanan 2021's
 formula generalised, :func:`moe_fold.planner.model.model_flops_per_step`) / (world x peak

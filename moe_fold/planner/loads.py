@@ -242,6 +242,7 @@ def analyse(config, world: int, gpu, assumptions, trace: LoadTrace, replace_ever
     changes what is trained)."""
     import dataclasses
 
+    from moe_fold.config import ConfigError
     from moe_fold.planner.compute_time import microbatch_compute
     from moe_fold.planner.estimate import estimate
     from moe_fold.planner.model import dims
@@ -252,13 +253,20 @@ def analyse(config, world: int, gpu, assumptions, trace: LoadTrace, replace_ever
         raise ValueError(f"the loads ({trace.num_layers} MoE layers x {trace.num_experts} experts, {trace.source}) "
                          f"do not match the config ({moe_layers} MoE layers x {d.experts} experts)")
     ep = config.parallel.ep
+    if ep == 1:
+        raise ValueError("--loads needs parallel.ep > 1: with one ep rank every rank holds every expert and none "
+                         "waits for another")
     balanced = estimate(config, world, gpu, assumptions)
-    rows = []
+    rows, invalid = [], []
     for name, changes, policy in _options(trace, ep, replace_every, max_replicas, capacity_factors):
         moe = dataclasses.replace(config.moe, **changes)
         candidate = dataclasses.replace(config, moe=moe)
         routing = skew(policy)
-        plan = estimate(candidate, world, gpu, assumptions, skew=routing)
+        try:
+            plan = estimate(candidate, world, gpu, assumptions, skew=routing)
+        except (ConfigError, ValueError) as e:  # e.g. copies with parallel.overlap_grad_reduce
+            invalid.append({"policy": name, "why": str(e).splitlines()[-1].strip(" -")})
+            continue
         experts_s = 0.0
         if assumptions.compute_model == "shapes":
             r = plan.memory["stage"]
@@ -290,4 +298,4 @@ def analyse(config, world: int, gpu, assumptions, trace: LoadTrace, replace_ever
     return {"source": trace.source, "steps": [trace.steps[0], trace.steps[-1]], "num_steps": len(trace.steps),
             "ep": ep, "replace_every": replace_every, "balanced_step_s": balanced.time["total"],
             "balanced_activations_bytes": balanced.memory["activations"], "policies": rows,
-            "recommendation": None if best is None else best["policy"], "why": why}
+            "recommendation": None if best is None else best["policy"], "why": why, "invalid": invalid}
