@@ -36,7 +36,6 @@ moe-fold models with the FLOPs of GPT's MLP).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 from pathlib import Path
