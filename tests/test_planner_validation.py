@@ -89,6 +89,26 @@ def test_published_rows_are_sourced_and_held_out_error_is_small():
     assert flat["held_out_median_abs_error"] > 2 * summary["held_out_median_abs_error"]
 
 
+def test_mfu_rows_predict_the_model_flops_share_of_the_peak():
+    """The MoE Parallel Folding rows publish MFU in percent: the prediction is the same
+    step's model TFLOP/s over the GPU's peak, and both headline rows are held out with the
+    layout the paper's Table 3 gives."""
+    from moe_fold.planner.hardware import get_gpu
+
+    rows = {r["id"]: r for r in plan_validation.read_rows()}
+    for name, layout, mfu in (("liu25-mixtral-8x22b-folding", ("128", "2", "8", "8", "1", "1"), 49.3),
+                              ("liu25-qwen2-57b-a14b-folding", ("64", "2", "4", "4", "1", "1"), 39.0)):
+        row = rows[name]
+        assert (row["world"], row["tp"], row["pp"], row["ep"], row["etp"], row["cp"]) == layout
+        assert float(row["published"]) == mfu and row["calibration"] == "no" and "Table 3" in row["source_ref"]
+        got = plan_validation.predict(row)
+        as_tflops = plan_validation.predict(dict(row, metric="model_tflops", published=str(mfu * 9.89)))
+        assert got["predicted"] == pytest.approx(as_tflops["predicted"] / (get_gpu("h100").peak_flops / 1e14), rel=1e-3)
+        assert got["predicted_mfu"] == pytest.approx(got["predicted"] / 100, rel=1e-3)
+        assert got["published_mfu"] == pytest.approx(mfu / 100)
+        assert got["error"] == pytest.approx(as_tflops["error"], abs=2e-3)
+
+
 @pytest.mark.slow
 def test_shipped_figures_are_the_fit_on_the_calibration_rows_only():
     """CALIBRATED is what the fit gives when it sees the calibration rows and nothing else
