@@ -99,7 +99,7 @@ def predict(row: dict, kernels: Optional[dict] = None) -> dict:
     if row["metric"] == "mfu":  # published in percent of the peak: predict the same
         predicted, to_mfu = predicted * to_mfu * 100, 0.01
     return {"id": row["id"], "source": row["source"], "gpu": row["gpu"], "precision": row["precision"],
-            "world": world, "layout": f"tp{row['tp']} pp{row['pp']} vpp{row['vpp']} ep{row['ep']} cp{row['cp']}",
+            "world": world, "layout": f"tp{row['tp']} pp{row['pp']} vpp{row['vpp']} ep{row['ep']} etp{row['etp']} cp{row['cp']}",
             "metric": row["metric"], "published": published, "predicted": round(predicted, 2),
             "error": predicted / published - 1, "published_mfu": published * to_mfu,
             "predicted_mfu": plan.mfu, "fit": row["calibration"] == "yes", "fits_memory": plan.fits,
@@ -168,11 +168,11 @@ def fit(rows: list[dict], flat: bool = False) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    head = (f"{'row':28} {'gpu':5} {'prec':5} {'world':>5} {'layout':24} {'metric':16} {'published':>9} "
+    head = (f"{'row':41} {'gpu':5} {'prec':5} {'world':>5} {'layout':29} {'metric':16} {'published':>9} "
             f"{'predicted':>9} {'error':>7} {'MFU pub':>7} {'MFU pred':>8} {'used':>9}")
     lines = [head, "-" * len(head)]
     for r in results:
-        lines.append(f"{r['id']:28} {r['gpu']:5} {r['precision']:5} {r['world']:>5} {r['layout']:24} "
+        lines.append(f"{r['id']:41} {r['gpu']:5} {r['precision']:5} {r['world']:>5} {r['layout']:29} "
                      f"{r['metric']:16} {r['published']:>9.2f} {r['predicted']:>9.2f} {100 * r['error']:>+6.1f}% "
                      f"{100 * r['published_mfu']:>6.1f}% {100 * r['predicted_mfu']:>7.1f}% "
                      f"{'fit' if r['fit'] else 'held-out':>9}")
