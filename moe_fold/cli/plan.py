@@ -29,6 +29,17 @@ EPILOG = """examples:
   moe-fold plan --config mixtral-8x22b --world 128 --tp 2 --pp 8 --ep 8 --overlap megatron
   moe-fold plan --config mixtral-8x7b --world 64 --set parallel.overlap_grad_reduce=true
   moe-fold plan --config qwen2-57b-a14b --world 64 --ep 8 --set moe.shared_expert_overlap=true
+  moe-fold plan --config mixtral-8x7b --world 64 --loads runs/mixtral-8x7b --loads-steps 1000:2000
+  moe-fold plan --config mixtral-8x7b --world 128 --loads runs/mixtral-8x7b --search --top 5
+  moe-fold plan --config mixtral-8x7b --world 64 --compute-model flat --efficiency 0.7
+
+Step time: by default each kernel is timed from its shape with the efficiency fitted for the
+GPU on published measurements (bench/plan_validation.py, docs/planner.md); --efficiency
+overrides it, --compute-model flat divides the FLOPs by peak x efficiency instead.
+With --loads, the expert loads a run recorded (<run_dir>/metrics.jsonl) replace balanced
+routing: the busiest ep rank's rows under the static placement, re-placement
+(moe.replace_every), copies (moe.replicas) and capacity factors, what each does to the step
+and the busiest rank's memory, and the policy recommended; --search ranks layouts on them.
 
 An impossible layout prints the rules it breaks and exits with code 2.
 """
@@ -52,8 +63,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shard the optimizer state over dp (default: optimizer.distributed)")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="training precision to plan for (default bf16)")
-    parser.add_argument("--efficiency", type=float, default=0.7,
-                        help="achieved / peak FLOP/s of the matmuls (default 0.7)")
+    parser.add_argument("--efficiency", type=float, default=None,
+                        help="achieved / peak FLOP/s of a large GEMM (default: the GPU's fitted figure; 0.7 with "
+                             "--compute-model flat)")
+    parser.add_argument("--compute-model", choices=("shapes", "flat"), default="shapes",
+                        help="time each kernel from its shape (default) or divide the FLOPs by peak x efficiency")
+    parser.add_argument("--fp8", action="store_true", help="the linear layers' GEMMs in FP8 (Transformer Engine)")
+    parser.add_argument("--loads", default=None, metavar="RUN_DIR",
+                        help="plan on the expert loads a run recorded (a run directory or its metrics.jsonl)")
+    parser.add_argument("--loads-steps", default=None, metavar="FIRST:LAST",
+                        help="the steps of --loads to use, inclusive (default: the whole run)")
+    parser.add_argument("--replace-every", type=int, default=None,
+                        help="re-placement interval weighed with --loads (default: moe.replace_every, else 10)")
+    parser.add_argument("--published", default=None, metavar="DIR",
+                        help="published measurements for the closest precedent (default: the checkout's "
+                             "bench/published)")
     parser.add_argument("--implementation", choices=("moe-fold", "megatron"), default="moe-fold",
                         help="whose memory footprint: moe-fold's own (default) or Megatron-LM's "
                              "(fused kernels, 18 bytes/parameter mixed-precision Adam)")
@@ -89,6 +113,17 @@ def _print_plan(console, plan) -> None:
         console.print(f"MoE overlap assumed (moe.shared_expert_overlap, moe.overlap_chunks): shared expert under "
                       f"the all-to-all {'on' if ov['shared_expert_overlap'] else 'off'}, {ov['overlap_chunks']} "
                       f"chunk(s); ep all-to-all {ov['ep_a2a_s']:.4f} s / step, {ov['ep_a2a_exposed_s']:.4f} s exposed")
+    c = plan.compute
+    if c.get("model") == "shapes":
+        console.print(f"compute: each kernel timed from its shape (moe_fold.planner.compute_time): large-GEMM "
+                      f"efficiency {c['matmul_efficiency']:.3f}, {c['elementwise_passes']:g} element-wise passes per "
+                      f"layer, {c['attention_kernel']} attention, {c['gemm_dtype']} GEMMs")
+    elif c:
+        console.print(f"compute: FLOPs at {c['matmul_efficiency']:.2f} x peak (flat model)")
+    if plan.routing:
+        t, p = plan.routing["busiest_over_mean_time"], plan.routing["busiest_over_mean_peak"]
+        console.print(f"measured routing: the busiest ep rank holds {max(t):.3f}x the mean expert rows (worst layer, "
+                      f"mean over steps), {max(p):.3f}x at its worst step (memory)")
     pr = plan.params
     console.print(f"parameters: {pr['total'] / 1e9:,.2f} B total, {pr['activated'] / 1e9:,.2f} B activated per "
                   f"token, {pr['rank_max'] / 1e9:,.3f} B on the busiest rank")
@@ -128,57 +163,140 @@ def _print_plan(console, plan) -> None:
         console.print(f"note: {note}")
 
 
-def _print_search(console, plans, top: int) -> None:
+def _print_search(console, plans, top: int, precedents: list) -> None:
     from rich.table import Table
 
     table = Table(title=None)
     for name in ("tp", "cp", "pp", "vpp", "ep", "etp", "dp", "edp"):
         table.add_column(name, justify="right")
-    for name in ("memory GB", "step s", "bubble s", "tp+ep s", "MFU"):
+    for name in ("memory GB", "step s", "bubble s", "tp+ep s", "MFU", "closest published precedent"):
         table.add_column(name, justify="right")
-    for plan in plans[:top]:
+    for plan, precedent in zip(plans[:top], precedents):
         lay, t = plan.layout, plan.time
         table.add_row(*(str(lay[k]) for k in ("tp", "cp", "pp", "vpp", "ep", "etp", "dp", "edp")),
                       _gb(plan.memory["total"]), f"{t['total']:.3f}", f"{t['bubble']:.3f}",
-                      f"{t.get('tp', 0) + t.get('ep', 0) + t.get('etp', 0):.3f}", f"{100 * plan.mfu:.1f}%")
+                      f"{t.get('tp', 0) + t.get('ep', 0) + t.get('etp', 0):.3f}", f"{100 * plan.mfu:.1f}%",
+                      f"{precedent['id']}: {precedent['published']:g} {precedent['metric']}" if precedent else "-")
     console.print(table)
+
+
+def _print_loads(console, report: dict) -> None:
+    from rich.table import Table
+
+    first, last = report["steps"]
+    console.print(f"[bold]measured routing[/bold]: {report['source']}, steps {first}..{last} ({report['num_steps']} "
+                  f"records), ep {report['ep']}; ratios over the steps after the first re-placement window "
+                  f"({report['replace_every']} steps)")
+    console.print("busiest ep rank per policy: its expert rows over the ranks' mean (mean over steps, worst "
+                  "step), its rows per step in the recorded batch, the step it sets, its experts' share of the "
+                  "step, its dropless activation peak and memory")
+    table = Table()
+    for name in ("policy", "busiest/mean", "worst", "rows/step", "step s", "vs balanced", "experts",
+                 "activations GB", "memory GB", "fits", "dropped", "moves"):
+        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=name == "policy")
+    for r in report["policies"]:
+        table.add_row(r["policy"], f"{r['busiest_over_mean']:.3f}", f"{r['busiest_over_mean_worst']:.3f}",
+                      f"{r['busiest_rows_per_step']:,.0f}", f"{r['step_s']:.4g}", f"{r['vs_balanced']:.3f}x",
+                      f"{100 * r['experts_share']:.1f}%", _gb(r["activations_peak_bytes"]), _gb(r["memory_bytes"]),
+                      "yes" if r["fits"] else "[red]no[/red]", f"{100 * r['dropped_fraction']:.1f}%", str(r["moves"]))
+    console.print(table)
+    console.print(f"balanced routing: step {report['balanced_step_s']:.4g} s, activations "
+                  f"{_gb(report['balanced_activations_bytes'])} GB")
+    for row in report["invalid"]:
+        console.print(f"not weighed: {row['policy']}: {row['why']}")
+    console.print(f"[bold]recommended[/bold]: {report['recommendation'] or 'none'} ({report['why']})")
+
+
+def _loads_window(text):
+    if text is None:
+        return None, None
+    try:
+        first, last = (int(x) if x else None for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--loads-steps={text!r} must be FIRST:LAST (steps, inclusive; either may be empty)") \
+            from None
+    return first, last
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from moe_fold.config import ConfigError, load_config
-    from moe_fold.planner.estimate import Assumptions, estimate, search, with_layout
+    from moe_fold.planner.estimate import Assumptions, calibrated, estimate, search, with_layout
     from moe_fold.planner.hardware import get_gpu
+    from moe_fold.planner.precedent import closest, read_published
 
     try:
         gpu = get_gpu(args.gpu)
-        assumptions = Assumptions(matmul_efficiency=args.efficiency, overlap=args.overlap,
-                                  implementation=args.implementation)
+        common = dict(overlap=args.overlap, implementation=args.implementation,
+                      gemm_dtype="fp8" if args.fp8 else "bf16")
+        if args.compute_model == "shapes":
+            assumptions = calibrated(args.gpu, **common, **({} if args.efficiency is None
+                                                             else {"matmul_efficiency": args.efficiency}))
+        else:
+            assumptions = Assumptions(matmul_efficiency=0.7 if args.efficiency is None else args.efficiency, **common)
         config = load_config(args.config, [f"train.precision={args.precision}", *args.set])
         config = with_layout(config, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp,
                              mbs=args.mbs, gbs=args.gbs, seq=args.seq, recompute=args.recompute,
                              distributed=args.distributed_optimizer)
+        trace = report = None
+        if args.loads is not None:
+            from moe_fold.planner.loads import analyse, read_loads
+
+            trace = read_loads(args.loads, *_loads_window(args.loads_steps))
+            every = args.replace_every if args.replace_every is not None else (config.moe.replace_every or 10)
         if args.search:
-            plans = search(config, args.world, gpu, assumptions)
+            skew_for = None
+            if trace is not None:
+                from moe_fold.planner.loads import skew_by_ep
+
+                skew_for = skew_by_ep(trace, config)
+            plans = search(config, args.world, gpu, assumptions, skew_for=skew_for)
         else:
-            plans = [estimate(config, args.world, gpu, assumptions)]
+            if trace is not None:
+                report = analyse(config, args.world, gpu, assumptions, trace, every)
+            plans = [_estimate_with_loads(config, args.world, gpu, assumptions, trace)]
+        published = read_published(args.published)
     except (ConfigError, ValueError) as e:
         print(f"moe-fold plan: error: {e}", file=sys.stderr)
         return 2
+    precedents = [closest(published, plan, args.gpu) for plan in plans[:args.top]]
     if args.json:
-        out = [p.to_dict() for p in plans[:args.top]] if args.search else plans[0].to_dict()
+        if args.search:
+            out = [dict(p.to_dict(), precedent=c) for p, c in zip(plans[:args.top], precedents)]
+        else:
+            out = dict(plans[0].to_dict(), precedent=precedents[0], loads=report)
         print(json.dumps(out, indent=1))
         return 0
     console = Console(file=sys.stdout, highlight=False)
     # Piped output defaults to 80 columns, which truncates the search table's cells.
-    console.width = max(console.width, 120)
+    console.width = max(console.width, 160 if args.search or report is not None else 120)
+    if not published:
+        console.print(f"note: no published measurements found ({args.published or 'bench/published'}): no "
+                      "precedents shown")
     if args.search:
         if not plans:
-            console.print(f"no layout of world {args.world} fits in {gpu.name}")
+            console.print(f"no layout of world {args.world} fits in {gpu.name}"
+                          + (" with its busiest ep rank's measured load" if trace is not None else ""))
             return 1
-        console.print(f"{len(plans)} layouts of world {args.world} fit in {gpu.name}; best first:")
-        _print_search(console, plans, args.top)
+        console.print(f"{len(plans)} layouts of world {args.world} fit in {gpu.name}"
+                      + (f" (on the loads of {trace.source}, the busiest ep rank's memory)" if trace else "")
+                      + "; best first:")
+        _print_search(console, plans, args.top, precedents)
         console.print("\nbest layout:")
     _print_plan(console, plans[0])
+    if precedents[0]:
+        console.print(f"closest published precedent: {precedents[0]['text']}")
+    if report is not None:
+        _print_loads(console, report)
     return 0
+
+
+def _estimate_with_loads(config, world, gpu, assumptions, trace):
+    """The plan of ``config``'s own placement policy on the measured loads (balanced without)."""
+    from moe_fold.planner.estimate import estimate
+    from moe_fold.planner.loads import skew_by_ep
+
+    if trace is None:
+        return estimate(config, world, gpu, assumptions)
+    return estimate(config, world, gpu, assumptions, skew=skew_by_ep(trace, config)(config.parallel.ep))

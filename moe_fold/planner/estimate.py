@@ -22,9 +22,12 @@ gradients stay whole: ``6 + 12/d`` bytes per parameter. Under ``fp32`` training 
 are the masters: 4 + 4 + 8. Activations: :mod:`moe_fold.planner.model` (Korthikanti 2022's
 fused kernels), times the micro-batches a pipeline stage holds at its peak. Plus :attr:`Assumptions.memory_overhead`.
 
-Step time, per micro-batch on the slowest pipeline stage: its FLOPs at
-``peak * Assumptions.matmul_efficiency`` plus its tp, cp, ep, etp and pp traffic on the
-critical path: all of it, except the ep all-to-all under the MoE layer's overlap switches
+Step time, per micro-batch on the slowest pipeline stage: its compute seconds
+(``Assumptions.compute_model``: ``"flat"``, its FLOPs at ``peak * matmul_efficiency``; or
+``"shapes"``, each kernel timed from its shape by :mod:`moe_fold.planner.compute_time`, with
+the figures :data:`CALIBRATED` fitted on published runs, docs/planner.md) plus its tp, cp,
+ep, etp and pp traffic on the critical path (pp hidden under ``overlap="megatron"`` with
+vpp > 1): all of it, except the ep all-to-all under the MoE layer's overlap switches
 (``moe.shared_expert_overlap``, ``moe.overlap_chunks``), of which only the part
 :func:`moe_fold.planner.moe_overlap.exposed_ep_seconds` leaves exposed counts. A
 step is ``(m + (pp-1)/vpp)`` such micro-batch times (1F1B and interleaved schedules; the
@@ -46,6 +49,10 @@ Link model: a group whose ranks sit in one node (``gpus_per_node`` consecutive r
 NVLink, else the per-GPU network bandwidth, for the whole ring; an all-to-all sends each
 peer's share over NVLink or the network and takes the longer of the two.
 
+Measured routing (``skew``, :class:`RoutingSkew` from :mod:`moe_fold.planner.loads`): the
+busiest ep rank's expert rows over the mean scale its expert compute and received
+all-to-all rows (mean over steps) and its held-row activations (worst step).
+
 MFU = model FLOPs per step (activated parameters only, no recompute; Narayanan 2021's
 formula generalised, :func:`moe_fold.planner.model.model_flops_per_step`) / (world x peak
 dense BF16 FLOP/s x step time).
@@ -56,21 +63,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from moe_fold.config import Config, ConfigError, ParallelConfig, dp_size, edp_size, etp_size, validate, vpp_size
 from moe_fold.layout import ParallelLayout
-from moe_fold.planner.comm import GRAD_BYTES, microbatch_bytes, step_bytes
+from moe_fold.planner.comm import GRAD_BYTES, Routing, microbatch_bytes, step_bytes, uniform_routing
+from moe_fold.planner.compute_time import ATTENTION_KERNELS, GEMM_DTYPES, microbatch_compute
 from moe_fold.planner.hardware import GPU
 from moe_fold.planner.moe_overlap import exposed_ep_seconds
 from moe_fold.planner import memory as planner_memory
 from moe_fold.planner.model import (
     act_bytes, dims, head_activation_bytes, layer_activation_bytes, microbatches_in_flight,
-    ParamEntry, model_flops_per_step, mtp_activation_bytes, param_manifest, rank_flops_per_microbatch, stage_blocks,
+    ParamEntry, layer_forward_flops, model_flops_per_step, mtp_activation_bytes, param_manifest,
+    rank_flops_per_microbatch, stage_blocks,
 )
 
-__all__ = ["OVERLAPS", "Assumptions", "Plan", "overlaps", "estimate", "search", "model_params", "with_layout",
-           "activation_bytes", "busiest_owned_numel"]
+__all__ = ["OVERLAPS", "COMPUTE_MODELS", "CALIBRATED", "CALIBRATED_EFFICIENCY", "FITTED_EFFICIENCY", "calibrated",
+           "Assumptions", "Plan", "RoutingSkew", "overlaps", "estimate",
+           "search", "model_params", "with_layout", "activation_bytes", "busiest_owned_numel"]
 
 # Kinds whose traffic happens per micro-batch, on the critical path.
 _CRITICAL = ("tp", "cp", "ep", "etp", "etp_ep", "tp_cp", "tp_dp_cp", "pp")
@@ -82,6 +92,7 @@ _GROUP_OF = {"tp": "tp", "cp": "cp", "ep": "ep", "etp": "etp", "etp_ep": "etp_ep
 
 
 OVERLAPS = ("moe-fold", "megatron", "none")
+COMPUTE_MODELS = ("flat", "shapes")
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,17 @@ class Assumptions:
     # Whose memory footprint: "moe-fold" (this code's, moe_fold.planner.memory) or
     # "megatron" (Megatron-LM's fused kernels and 18-byte mixed-precision Adam).
     implementation: str = "moe-fold"
+    # How compute seconds are counted: "flat" (a stage's FLOPs at peak x matmul_efficiency)
+    # or "shapes" (each kernel timed from its shape, moe_fold.planner.compute_time; then
+    # matmul_efficiency is what a large tile-aligned GEMM reaches). CALIBRATED holds the
+    # figures fitted on bench/published's calibration rows.
+    compute_model: str = "flat"
+    # "shapes" only: [tokens, H] activation passes per layer forward of the memory-bound
+    # element-wise work, the attention kernel (flash | unfused) and the linear layers' GEMM
+    # dtype (bf16 | fp8).
+    elementwise_passes: float = 0.0
+    attention_kernel: str = "flash"
+    gemm_dtype: str = "bf16"
 
     def __post_init__(self):
         if not 0 < self.matmul_efficiency <= 1:
@@ -110,9 +132,36 @@ class Assumptions:
             raise ValueError("memory_overhead and optimizer_bytes_per_param must be >= 0")
         if self.overlap not in OVERLAPS:
             raise ValueError(f"overlap={self.overlap!r} must be one of {', '.join(OVERLAPS)}")
+        if self.compute_model not in COMPUTE_MODELS:
+            raise ValueError(f"compute_model={self.compute_model!r} must be one of {', '.join(COMPUTE_MODELS)}")
+        if self.elementwise_passes < 0:
+            raise ValueError(f"elementwise_passes={self.elementwise_passes} must be >= 0")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel={self.attention_kernel!r} must be one of {', '.join(ATTENTION_KERNELS)}")
+        if self.gemm_dtype not in GEMM_DTYPES:
+            raise ValueError(f"gemm_dtype={self.gemm_dtype!r} must be one of {', '.join(GEMM_DTYPES)}")
         if self.implementation not in planner_memory.IMPLEMENTATIONS:
             raise ValueError(f"implementation={self.implementation!r} must be one of "
                              f"{', '.join(planner_memory.IMPLEMENTATIONS)}")
+
+
+# The kernel figures fitted on the calibration rows of bench/published (bench/plan_validation.py
+# --fit prints them; docs/planner.md has the table): Assumptions(**CALIBRATED, ...).
+# The achieved/peak FLOP/s of a large GEMM differs by GPU generation, so it is fitted per GPU
+# (H200 shares H100's GH100 compute; B200 has no published row yet and borrows H100's).
+FITTED_EFFICIENCY = {"v100": 0.381, "a100": 0.706, "h100": 0.501}
+BORROWED_EFFICIENCY = {"h200": "h100", "b200": "h100"}
+CALIBRATED_EFFICIENCY = {**FITTED_EFFICIENCY, **{gpu: FITTED_EFFICIENCY[src] for gpu, src in BORROWED_EFFICIENCY.items()}}
+CALIBRATED = {"compute_model": "shapes", "elementwise_passes": 30.0}
+
+
+def calibrated(gpu: str, **overrides) -> Assumptions:
+    """The fitted :class:`Assumptions` for GPU ``gpu`` (a key of
+    :data:`moe_fold.planner.hardware.GPUS`), with ``overrides``."""
+    key = gpu.lower()
+    if key not in CALIBRATED_EFFICIENCY:
+        raise ValueError(f"gpu={gpu!r} has no calibrated efficiency; known: {', '.join(CALIBRATED_EFFICIENCY)}")
+    return Assumptions(**{**CALIBRATED, "matmul_efficiency": CALIBRATED_EFFICIENCY[key], **overrides})
 
 
 @dataclass
@@ -139,6 +188,10 @@ class Plan:
     # The MoE layer's overlap switches it assumes (moe.shared_expert_overlap, moe.overlap_chunks)
     # and the ep all-to-all seconds per step, in all and left exposed (time["ep"]).
     moe_overlap: dict = field(default_factory=dict)
+    # How compute seconds were counted (Assumptions.compute_model and its figures), and the
+    # measured routing's busiest-rank factors when the plan used them.
+    compute: dict = field(default_factory=dict)
+    routing: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -298,8 +351,64 @@ def _memory_moe_fold(config: Config, world: int, pp_rank: int, micro: int, assum
             "master_weights": state["master_weights"], "main_grads": state["main_grads"]}
 
 
-def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = Assumptions()) -> Plan:
+@dataclass(frozen=True)
+class RoutingSkew:
+    """Measured routing as the planner uses it (:mod:`moe_fold.planner.loads`): per MoE
+    block of the model, in layer order (MTP blocks last), the busiest ep rank's expert rows
+    over the mean of the ranks: averaged over the steps (``time``, what every step waits
+    for) and at the worst step (``peak``, what its memory must hold)."""
+    time: tuple[float, ...]
+    peak: tuple[float, ...]
+
+    def stage(self, config: Config, pp_rank: int, which: str) -> list[float]:
+        """The factors of the MoE blocks of stage ``pp_rank`` (``which``: time | peak)."""
+        d = dims(config)
+        moe = [i for i in range(len(d.moe_flags)) if d.moe_flags[i]]
+        values = getattr(self, which)
+        if len(values) != len(moe):
+            raise ValueError(f"the routing skew has {len(values)} MoE layers, the model has {len(moe)}")
+        position = {layer: n for n, layer in enumerate(moe)}
+        return [values[position[i]] for i in stage_blocks(config, pp_rank) if d.moe_flags[i]]
+
+
+def _skewed_routing(config: Config, factors: list[float]) -> list[Routing]:
+    """The busiest rank's :class:`Routing` per MoE layer: it sends its own tokens' rows as
+    under balanced routing and holds ``factor`` times the mean rows (dropless all-to-all)."""
+    base = uniform_routing(config)
+    ep = config.parallel.ep
+    rows = base.held
+    return [Routing(sent=base.sent, received=max(0.0, rows * f - rows / ep), held=rows * f,
+                    held_etp=base.held_etp * f, meta=base.meta) for f in factors]
+
+
+def _stage_compute(config: Config, r: int, gpu: GPU, assumptions: Assumptions, rate: float,
+                   factors: Optional[list[float]]) -> tuple[float, float]:
+    """(seconds, FLOPs) one rank of stage ``r`` computes per micro-batch; ``factors``: the
+    busiest rank's expert rows over the mean per MoE layer of the stage (None: balanced)."""
+    t = config.train
+    flops = rank_flops_per_microbatch(config, r, t.recompute)
+    if assumptions.compute_model == "shapes":
+        seconds = microbatch_compute(config, r, t.recompute, gpu, assumptions.matmul_efficiency,
+                                     assumptions.elementwise_passes, assumptions.attention_kernel,
+                                     assumptions.gemm_dtype, expert_rows=factors)["total"]
+    else:
+        seconds = flops / rate
+        if factors:
+            d, p = dims(config), config.parallel
+            local = t.micro_batch_size * d.seq / (p.tp * p.cp)
+            reruns = {"full": 1.0, "moe": 1.0, "expert_act": 1 / 3}.get(t.recompute, 0.0)
+            moe = [i for i in stage_blocks(config, r) if d.moe_flags[i]]
+            extra = sum((f - 1) * (3 + reruns) * local * layer_forward_flops(config, i)["experts"]
+                        for i, f in zip(moe, factors))
+            seconds += extra / rate
+    return seconds, flops
+
+
+def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = Assumptions(),
+             skew: Optional[RoutingSkew] = None) -> Plan:
     """The :class:`Plan` of ``config``'s layout on ``world`` GPUs of kind ``gpu``.
+    ``skew``: measured routing (:class:`RoutingSkew`); the step then waits for the busiest
+    ep rank's experts and all-to-all, and memory holds its rows (dropless all-to-all).
     Raises :class:`moe_fold.config.ConfigError` for a layout ``validate`` rejects."""
     validate(config, world)
     p, t = config.parallel, config.train
@@ -308,29 +417,43 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
     layout = _layout(world, p.tp, p.cp, p.pp, p.ep, etp, p.order)
     links = _links(layout, gpu)
     rate = gpu.peak_flops * assumptions.matmul_efficiency
+    skewed = skew is not None and p.ep > 1 and config.moe.dispatcher == "alltoall" and not config.moe.dedup \
+        and not (config.moe.pad_to_capacity and config.moe.capacity_factor is not None)
+    if skew is not None and not skewed:
+        raise ValueError("measured routing (skew) is modelled for the dropless all-to-all dispatcher with "
+                         "parallel.ep > 1 only")
 
     stages = []
     for r in range(p.pp):
-        flops = rank_flops_per_microbatch(config, r, t.recompute)
-        sent = microbatch_bytes(config, world, r, t.recompute)
+        factors = skew.stage(config, r, "time") if skewed else None
+        compute_s, flops = _stage_compute(config, r, gpu, assumptions, rate, factors)
+        sent = microbatch_bytes(config, world, r, t.recompute,
+                                _skewed_routing(config, factors) if factors is not None else None)
         comm = {k: _seconds(k, sent[k], links, gpu) for k in sent if k in _CRITICAL}
+        if assumptions.overlap == "megatron" and v > 1:
+            # Megatron's interleaved schedule posts its sends and receives behind the
+            # next chunk's compute (--overlap-p2p-communication, on by default).
+            comm.pop("pp", None)
         a2a = comm.get("ep", 0.0)
         if a2a:
-            comm["ep"] = exposed_ep_seconds(config, r, a2a, rate)
-        stages.append((flops / rate + sum(comm.values()), flops, comm, r, a2a))
+            # The overlap hides the all-to-all behind this stage's own achieved FLOP rate.
+            comm["ep"] = exposed_ep_seconds(config, r, a2a, flops / compute_s)
+        stages.append((compute_s + sum(comm.values()), flops, comm, r, a2a, compute_s))
     slowest = max(stages, key=lambda stage: stage[0])
-    per_micro, flops_micro, comm_micro, r_slow, a2a_micro = slowest
+    per_micro, flops_micro, comm_micro, r_slow, a2a_micro, compute_micro = slowest
 
-    step = step_bytes(config, world, r_slow)
+    routing = [_skewed_routing(config, skew.stage(config, r_slow, "time"))] * micro if skewed else None
+    step = step_bytes(config, world, r_slow, routing=routing)
     grad_overlap, gather_overlap = overlaps(config, assumptions)
     # What one micro-batch's backward (about 2/3 of its FLOPs) and forward (1/3) on the
     # slowest stage leave to hide the gradient reduction and the parameter gather behind.
-    windows = {"grads": 2 / 3 * flops_micro / rate, "params": 1 / 3 * flops_micro / rate}
+    windows = {"grads": 2 / 3 * compute_micro, "params": 1 / 3 * compute_micro}
     exposed = {}
     for kind in _DATA_PARALLEL:
         if kind not in step:
             continue
-        nbytes = step[kind] - (micro * microbatch_bytes(config, world, r_slow, t.recompute).get(kind, 0))
+        nbytes = step[kind] - (micro * microbatch_bytes(config, world, r_slow, t.recompute,
+                                                        routing[0] if routing else None).get(kind, 0))
         n = 2 if kind == "embedding" else len(layout.groups(_GROUP_OF[kind])[0])
         seconds = _seconds(kind, nbytes, links, gpu)
         # Of the bytes: the all-reduce's, or the reduce-scatter's and the all-gather's halves.
@@ -355,7 +478,7 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
     optimizer_s = owned * assumptions.optimizer_bytes_per_param / gpu.hbm_bw
 
     bubble = (p.pp - 1) / v * per_micro
-    time = {"compute": micro * flops_micro / rate}
+    time = {"compute": micro * compute_micro}
     for kind, s in comm_micro.items():
         time[kind] = micro * s
     time["bubble"] = bubble
@@ -365,6 +488,16 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
     time["total"] = micro * per_micro + bubble + sum(exposed.values()) + optimizer_s
 
     memories = [_memory(config, world, r, micro, assumptions, manifests[r]) for r in range(p.pp)]
+    if skewed:
+        # The busiest rank holds more expert rows than the mean in every micro-batch in flight.
+        rows = uniform_routing(config).held_etp
+        per_row = planner_memory.held_row_bytes(config, t.recompute)
+        for r, m in enumerate(memories):
+            extra = sum(f - 1 for f in skew.stage(config, r, "peak")) * rows * per_row \
+                * microbatches_in_flight(config, r, micro)
+            m["activations"] += extra
+            m["total"] += extra
+            m["skew_activations"] = extra
     memory = max(memories, key=lambda m: m["total"])
     memory = dict(memory, limit=gpu.memory, stage=memories.index(memory))
     model_flops = model_flops_per_step(config)
@@ -392,7 +525,13 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
         overlap_model=assumptions.overlap,
         moe_overlap={"shared_expert_overlap": config.moe.shared_expert_overlap,
                      "overlap_chunks": config.moe.overlap_chunks, "ep_a2a_s": micro * a2a_micro,
-                     "ep_a2a_exposed_s": micro * comm_micro.get("ep", 0.0)})
+                     "ep_a2a_exposed_s": micro * comm_micro.get("ep", 0.0)},
+        compute={"model": assumptions.compute_model, "matmul_efficiency": assumptions.matmul_efficiency,
+                 **({"elementwise_passes": assumptions.elementwise_passes, "attention_kernel":
+                     assumptions.attention_kernel, "gemm_dtype": assumptions.gemm_dtype}
+                    if assumptions.compute_model == "shapes" else {})},
+        routing={"busiest_over_mean_time": list(skew.time), "busiest_over_mean_peak": list(skew.peak)}
+        if skewed else {})
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -400,10 +539,13 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 
 def search(config: Config, world: int, gpu: GPU, assumptions: Assumptions = Assumptions(),
-           max_tp: int = 8, max_cp: int = 8, max_vpp: int = 8) -> list[Plan]:
+           max_tp: int = 8, max_cp: int = 8, max_vpp: int = 8,
+           skew_for: Optional[Callable[[int], Optional[RoutingSkew]]] = None) -> list[Plan]:
     """Every layout of ``world`` that ``validate`` accepts (tp, cp, pp, vpp, ep, etp in
     {1, tp}; micro and global batch, sequence, recompute and optimizer from ``config``),
-    that fits in ``gpu.memory``, best estimated MFU first."""
+    that fits in ``gpu.memory``, best estimated MFU first. ``skew_for(ep)``: measured
+    routing for a layout of that ep size (:func:`moe_fold.planner.loads.skew_by_ep`); each
+    layout is then estimated on its busiest ep rank, and must fit with that rank's memory."""
     d = dims(config)
     plans = []
     for tp in _divisors(world, max_tp):
@@ -417,7 +559,8 @@ def search(config: Config, world: int, gpu: GPU, assumptions: Assumptions = Assu
                             candidate = with_layout(config, tp=tp, cp=cp, pp=pp, vpp=vpp, ep=ep, etp=etp)
                             candidate.parallel.pp_layers = None
                             try:
-                                plan = estimate(candidate, world, gpu, assumptions)
+                                plan = estimate(candidate, world, gpu, assumptions,
+                                                skew=skew_for(ep) if skew_for else None)
                             except (ConfigError, ValueError):
                                 continue
                             if plan.fits:

@@ -84,7 +84,7 @@ from moe_fold.config import Config, dp_size, edp_size, etp_size, pp_layer_counts
 from moe_fold.planner.model import ParamEntry, dims, expert_rows_per_token, mla_attention_bytes, router_bytes
 
 __all__ = ["IMPLEMENTATIONS", "state_bytes", "grad_buckets", "shard_sizes", "owned_by_rank", "owned_numel", "zero_sizes",
-           "layer_activation_bytes", "head_activation_bytes", "mtp_activation_bytes",
+           "layer_activation_bytes", "held_row_bytes", "head_activation_bytes", "mtp_activation_bytes",
            "embedding_activation_bytes", "microbatch_constant_bytes"]
 
 IMPLEMENTATIONS = ("moe-fold", "megatron")
@@ -237,16 +237,8 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     attention = norm + (a * h if recompute == "full" else _attention(config, g))
     k = expert_rows_per_token(config)
     held = k * etp
-    # The dispatcher sorts received chunks unless at most one of etp, ep and the local
-    # experts is above 1 (then they already are in expert order).
-    sorts = sum(n > 1 for n in (etp, p.ep, d.experts // p.ep)) >= 2
-    dispatch = 24 * k + (24 * held if sorts else 0)
-    if recompute in ("full", "moe"):
-        experts = held * (a * h + rb)
-    elif recompute == "expert_act":
-        experts = held * (a * h + 2 * a * d.expert_ffn / etp + rb)
-    else:
-        experts = held * (a * h + 3 * a * d.expert_ffn / etp + rb)
+    dispatch = 24 * k
+    experts = held * held_row_bytes(config, recompute)
     shared = 0.0
     norm_out_kept = a == rb
     if d.shared_ffn > 0:
@@ -263,6 +255,23 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
             shared += a + a * h
     return attention + norm + _router(config) + (a * h if norm_out_kept and a != rb else 0) + dispatch \
         + experts + shared
+
+
+def held_row_bytes(config: Config, recompute: str) -> float:
+    """Bytes a rank keeps per expert row it holds (the dispatcher's sort indices and the
+    experts' saved tensors, see the module doc): what grows with the busiest rank's load."""
+    d, p = dims(config), config.parallel
+    a, h, rb, etp = _act(config), d.hidden, router_bytes(config), etp_size(config)
+    # The dispatcher sorts received chunks unless at most one of etp, ep and the local
+    # experts is above 1 (then they already are in expert order).
+    sorts = sum(n > 1 for n in (etp, p.ep, d.experts // p.ep)) >= 2
+    if recompute in ("full", "moe"):
+        experts = a * h + rb
+    elif recompute == "expert_act":
+        experts = a * h + 2 * a * d.expert_ffn / etp + rb
+    else:
+        experts = a * h + 3 * a * d.expert_ffn / etp + rb
+    return experts + (24 if sorts else 0)
 
 
 def head_activation_bytes(config: Config) -> float:
