@@ -172,7 +172,7 @@ MUTANTS: list[Mutant] = [
         "out[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=-1.0)",
         "out[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=1.0)",
         "the hand-written rotary backward rotates by +angle instead of the transpose (-angle)",
-        ("tests/test_stack.py::test_gqa_attention_matches_loop_reference",)),
+        ("tests/test_norm.py::test_rotary_equals_rotate_half_formula_and_its_autograd",)),
     # ------------------------------------------------------------------ pipeline schedules
     Mutant(
         "1f1b-warmup", SCHEDULES,
