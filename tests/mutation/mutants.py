@@ -166,7 +166,7 @@ MUTANTS: list[Mutant] = [
         "return zigzag_positions(input_ids.shape[1] * cp, self.groups.rank_in(\"cp\"), cp, device=input_ids.device)",
         "return torch.arange(input_ids.shape[1], device=input_ids.device)",
         "under cp the default rotary positions are 0..S_local-1, not the rank's zigzag positions",
-        ("tests/test_parallel_matrix.py::test_cp_and_pp_layouts_match_single_process",)),
+        ("tests/test_stack.py::test_context_parallel_default_positions_are_the_rank_zigzag_shard",)),
     Mutant(
         "rotary-backward-sign", "models/rotary.py",
         "out[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=-1.0)",
