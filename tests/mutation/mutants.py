@@ -143,6 +143,12 @@ MUTANTS: list[Mutant] = [
         # ep 8 with 2 local experts, or ep 4 x etp 2, tells the order from its inverse.
         (f"{T_DISPATCH}::test_eight_ranks",)),
     Mutant(
+        "permute-padded-slot-off-by-one", "kernels/permute.py",
+        "pos = torch.cumsum(routing_map, dim=0) - 1  # [T, E]: rank within the expert",
+        "pos = torch.cumsum(routing_map, dim=0)  # [T, E]: rank within the expert",
+        "padded layout: a token's slot counts itself (1-based), so each expert's rows shift by one",
+        ("tests/test_permute.py::test_permute_padded_layout",)),
+    Mutant(
         "expert-probs-dropped", "models/experts.py",
         "h = swiglu(h, probs)  # [N, F/etp]",
         "h = swiglu(h, torch.ones_like(probs))  # [N, F/etp]",
@@ -241,6 +247,12 @@ MUTANTS: list[Mutant] = [
         "    all_reduce_(total, groups.dp_cp)\n",
         "ZeRO grad norm: owned squares summed over dp x cp only, missing the tp ranks' ranges",
         (T_GRADS,)),
+    Mutant(
+        "sync-tp-sum-group", BUCKETS,
+        "SYNC_GROUP = {\"tp\": \"dp_cp\", \"replicated\": \"dp_cp\", \"tp_sum\": \"tp_dp_cp\", \"expert\": \"edp\"}",
+        "SYNC_GROUP = {\"tp\": \"dp_cp\", \"replicated\": \"dp_cp\", \"tp_sum\": \"dp_cp\", \"expert\": \"edp\"}",
+        "grad sync: tp_sum grads (norms under SP) reduced over dp x cp only, missing the tp ranks' partial sums",
+        (T_GRADS,)),
     # ------------------------------------------------------------------ ZeRO-1 shards
     Mutant(
         "zero-owned-offset", BUCKETS,
@@ -274,6 +286,14 @@ MUTANTS: list[Mutant] = [
         "loading under another layout places a piece's overlap at its offset within the piece, "
         "not within the box asked for",
         ("tests/test_checkpoint.py::test_checkpoint_saved_under_one_layout_loads_under_another",)),
+    Mutant(
+        "ckpt-tied-written-twice", CHECKPOINT,
+        "entries.append(_Entry(f\"model/{name}\", p.detach(), tuple(p.shape), info, 0, p.numel(),\n"
+        "                              info.writer and not _tied_copy(p)))",
+        "entries.append(_Entry(f\"model/{name}\", p.detach(), tuple(p.shape), info, 0, p.numel(),\n"
+        "                              info.writer))",
+        "under pp both stages write the tied embedding (the last stage's copy must only load it)",
+        ("tests/test_checkpoint.py::test_pipeline_checkpoint_writes_a_tied_embedding_once_and_refuses_other_models",)),
     Mutant(
         "ckpt-verify-no-checksum", "moe_fold/training/checkpoint_verify.py",
         "problem = file_problem(report.path / name, record, checksum=checksums)",
@@ -349,6 +369,14 @@ MUTANTS: list[Mutant] = [
         "MTP shifts under cp on the shards concatenated in rank order, not the zigzag-gathered sequence",
         ("tests/test_parallel_matrix.py::test_mtp_and_attention_variants_match_single_process",)),
     # ------------------------------------------------------------------ precision
+    Mutant(
+        "bf16-model-not-updated", TRAIN,
+        "            if finite and master is not None and not optimizer.distributed:\n"
+        "                master.master_to_model()\n",
+        "            if finite and master is not None and not optimizer.distributed:\n"
+        "                pass\n",
+        "bf16: the optimizer steps the float32 masters but the bf16 model that computes is never refreshed",
+        ("tests/test_train.py::test_bf16_precisions_track_fp32[bf16]",)),
     Mutant(
         "autocast-router", "moe_fold/training/precision.py",
         "            module.forward = outside(module.forward)\n",
