@@ -349,6 +349,12 @@ MUTANTS: list[Mutant] = [
         "all_reduce_(whole, groups.dp_cp)  # the edp ranks' ranges are disjoint",
         "under ZeRO-1 the experts' moment ranges are summed over dp x cp (wrong group) before a move",
         (f"{T_PLACEMENT}::test_move_carries_weights_grads_and_zero1_moments_by_expert",)),
+    Mutant(
+        "replace-window-not-restored", REPLACE,
+        "            self.window = window\n",
+        "            pass\n",
+        "a resumed run forgets the re-placement load window, so it picks other placements than a straight run",
+        ("tests/test_replace.py::test_resume_across_a_move_is_exact_and_checkpoints_load_anywhere",)),
     # ------------------------------------------------------------------ multi-token prediction
     Mutant(
         "mtp-document-boundary", MTP,
