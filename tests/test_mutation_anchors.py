@@ -10,33 +10,60 @@ from pathlib import Path
 
 import pytest
 
-from mutation.mutants import MUTANTS
+from mutation import run
+from mutation.mutants import MUTANTS, Mutant
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_ids_are_unique_and_there_are_enough():
-    ids = [m.id for m in MUTANTS]
-    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
-    assert len(MUTANTS) >= 30
-
-
-@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.id)
-def test_mutant_anchor_occurs_once_and_its_tests_exist(mutant):
+def _problems(mutant: Mutant) -> list[str]:
     path = REPO / mutant.file
-    assert path.is_file(), f"{mutant.id}: {mutant.file} does not exist"
+    if not path.is_file():
+        return [f"{mutant.file} does not exist"]
     text = path.read_text()
     count = text.count(mutant.original)
-    assert count == 1, (f"{mutant.id}: its original snippet occurs {count} times in {mutant.file}; "
-                        "move it to the code as it is now (tests/mutation/run.py says how)")
-    assert mutant.replacement != mutant.original and mutant.bug and mutant.tests
-    compile(text.replace(mutant.original, mutant.replacement), str(path), "exec")
+    if count != 1:
+        return [f"its original snippet occurs {count} times in {mutant.file}; move it to the code as it "
+                "is now (tests/mutation/run.py says how)"]
+    out = []
+    if mutant.replacement == mutant.original or not mutant.bug or not mutant.tests:
+        out.append("needs a replacement that differs, a bug and tests")
+    try:
+        compile(text.replace(mutant.original, mutant.replacement), str(path), "exec")
+    except SyntaxError as err:
+        out.append(f"the mutated {mutant.file} does not compile: {err}")
     for node_id in mutant.tests:
         file, _, rest = node_id.partition("::")
         test_file = REPO / file
-        assert test_file.is_file() and test_file.name.startswith("test_"), f"{mutant.id}: no test file {file}"
-        if rest:
+        if not (test_file.is_file() and test_file.name.startswith("test_")):
+            out.append(f"no test file {file}")
+        elif rest:
             name = rest.split("::")[-1].split("[")[0]
             defined = {n.name for n in ast.walk(ast.parse(test_file.read_text()))
                        if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-            assert name in defined, f"{mutant.id}: {file} defines no {name}"
+            if name not in defined:
+                out.append(f"{file} defines no {name}")
+    return out
+
+
+def test_every_mutant_finds_its_snippet_once_and_names_existing_tests():
+    ids = [m.id for m in MUTANTS]
+    assert len(ids) == len(set(ids)), sorted({i for i in ids if ids.count(i) > 1})
+    assert len(MUTANTS) >= 30
+    problems = [f"{m.id}: {p}" for m in MUTANTS for p in _problems(m)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_runner_restores_the_file_whatever_ends_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(run, "ROOT", tmp_path)
+    target = tmp_path / "code.py"
+    original = b"x = 1\ny = x + 1\n"
+    target.write_bytes(original)
+    mutant = Mutant("m", "code.py", "x + 1", "x - 1", "off by two", ("tests/test_x.py",))
+    for stop in (RuntimeError("a test harness error"), KeyboardInterrupt(), run._Stopped(15)):
+        with pytest.raises(type(stop)):
+            with run.planted(mutant, original):
+                assert target.read_bytes() == b"x = 1\ny = x - 1\n"
+                raise stop
+        assert target.read_bytes() == original
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["code.py"]  # no temporary file left
