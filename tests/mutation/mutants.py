@@ -108,6 +108,12 @@ MUTANTS: list[Mutant] = [
         "total = total + cfg.global_aux_loss_coeff * cp * load_balancing_loss(scores, running, n, k)",
         "the global aux loss share not scaled by dp, although its loss spans the dp ranks",
         (T_ROUTER_PARALLEL,)),
+    Mutant(
+        "router-bias-counts-group", ROUTER,
+        "all_reduce_(counts, self.groups.tp_dp_cp)",
+        "all_reduce_(counts, self.groups.tp_cp)",
+        "expert-bias counts summed over tp x cp only: dp ranks step their biases apart",
+        (T_ROUTER_PARALLEL,)),
     # ------------------------------------------------------------------ capacity
     Mutant(
         "capacity-floor", ROUTER,
@@ -142,6 +148,19 @@ MUTANTS: list[Mutant] = [
         # The 2- and 4-rank layouts have self-inverse chunk orders (2 x 2, 2 x 2 x 2): only
         # ep 8 with 2 local experts, or ep 4 x etp 2, tells the order from its inverse.
         (f"{T_DISPATCH}::test_eight_ranks",)),
+    Mutant(
+        "dedup-row-map-first-rank", ALLTOALL,
+        "row_map = local_map[handle.sorted_indices, dest].to(probs.dtype)  # [R, E_local]",
+        "row_map = local_map[handle.sorted_indices, 0].to(probs.dtype)  # [R, E_local]",
+        "deduplicated all-to-all: every row carries its routing map over ep rank 0's experts, "
+        "not over its destination's",
+        (f"{T_DISPATCH}::test_two_ranks",)),
+    Mutant(
+        "allgather-local-experts", "dispatch/allgather.py",
+        "e, mine = self.num_slots, slice(self.local_expert_start, self.local_expert_start + self.num_local_experts)",
+        "e, mine = self.num_slots, slice(0, self.num_local_experts)",
+        "all-gather dispatcher: every ep rank keeps the rows of the first ep rank's experts",
+        (f"{T_DISPATCH}::test_two_ranks",)),
     Mutant(
         "permute-padded-slot-off-by-one", "kernels/permute.py",
         "pos = torch.cumsum(routing_map, dim=0) - 1  # [T, E]: rank within the expert",
@@ -179,6 +198,18 @@ MUTANTS: list[Mutant] = [
         "out[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=1.0)",
         "the hand-written rotary backward rotates by +angle instead of the transpose (-angle)",
         ("tests/test_norm.py::test_rotary_equals_rotate_half_formula_and_its_autograd",)),
+    Mutant(
+        "loss-scale-dp", "models/model.py",
+        "return losses.sum() * (dp_cp / num_loss_tokens)",
+        "return losses.sum() / num_loss_tokens",
+        "the per-rank loss not scaled by dp x cp, while the grads are averaged over dp x cp",
+        ("tests/test_stack.py::test_layouts_match_single_process",)),
+    Mutant(
+        "pp-tied-grads-not-summed", "moe_fold/parallel/pipeline.py",
+        "    all_reduce_(weight.grad, group)\n",
+        "    pass\n",
+        "under pp the two copies of a tied embedding keep their own grads (not summed): they drift apart",
+        (f"{T_PIPELINE}::test_pp2_schedules_match_single_process",)),
     # ------------------------------------------------------------------ pipeline schedules
     Mutant(
         "1f1b-warmup", SCHEDULES,
@@ -248,6 +279,12 @@ MUTANTS: list[Mutant] = [
         "ZeRO grad norm: owned squares summed over dp x cp only, missing the tp ranks' ranges",
         (T_GRADS,)),
     Mutant(
+        "expert-copies-sum-group", GRADS,
+        "all_reduce_(rows, groups.ep)",
+        "all_reduce_(rows, groups.edp)",
+        "an expert's copies (moe.replicas) sum their grads over edp instead of over ep",
+        (f"{T_PLACEMENT}::test_any_placement_matches_single_process",)),
+    Mutant(
         "sync-tp-sum-group", BUCKETS,
         "SYNC_GROUP = {\"tp\": \"dp_cp\", \"replicated\": \"dp_cp\", \"tp_sum\": \"tp_dp_cp\", \"expert\": \"edp\"}",
         "SYNC_GROUP = {\"tp\": \"dp_cp\", \"replicated\": \"dp_cp\", \"tp_sum\": \"dp_cp\", \"expert\": \"edp\"}",
@@ -266,6 +303,12 @@ MUTANTS: list[Mutant] = [
         "grads = [s.param.grad.reshape(-1)[:s.stop - s.start] if s.param.grad is not None",
         "the distributed optimizer updates its owned slice with the grad's first elements, not the owned ones",
         (f"{T_ZERO}[2-cases0]",)),
+    Mutant(
+        "lr-warmup-off-by-one", OPTIM,
+        "return lr * (step + 1) / w",
+        "return lr * step / w",
+        "warm-up starts at lr 0: the first optimizer step does not move",
+        ("tests/test_optim.py::test_cosine_schedule_hand_computed",)),
     # ------------------------------------------------------------------ checkpoints, resume, data position
     Mutant(
         "ckpt-step-count", CHECKPOINT,
