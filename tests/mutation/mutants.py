@@ -114,6 +114,12 @@ MUTANTS: list[Mutant] = [
         "all_reduce_(counts, self.groups.tp_cp)",
         "expert-bias counts summed over tp x cp only: dp ranks step their biases apart",
         (T_ROUTER_PARALLEL,)),
+    Mutant(
+        "seq-aux-token-count", ROUTER,
+        "parts += [seq_counts.flatten(), seq_counts.sum(dim=1) / k, seq_prob_sums.flatten()]",
+        "parts += [seq_counts.flatten(), seq_counts.sum(dim=1), seq_prob_sums.flatten()]",
+        "sequence aux loss: each sequence's token count taken as its routed pairs (k per token)",
+        (f"{T_ROUTER}::test_router_losses_and_gradient_match_reference",)),
     # ------------------------------------------------------------------ capacity
     Mutant(
         "capacity-floor", ROUTER,
@@ -185,6 +191,12 @@ MUTANTS: list[Mutant] = [
         "return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)",
         "return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim)",
         "gathering zigzag shards puts the late chunks in rank order instead of reversed",
+        ("tests/test_context_parallel.py::test_context_parallel_matches_full_attention",)),
+    Mutant(
+        "a2a-heads-to-seq-order", CP,
+        "y = torch.cat([zigzag_split(y, r, cp, dim=2) for r in range(cp)])  # [cp*H/cp, B, S/cp, D]",
+        "y = torch.cat([zigzag_split(y, r, cp, dim=2) for r in reversed(range(cp))])  # [cp*H/cp, B, S/cp, D]",
+        "a2a (Ulysses) cp: the outputs go back to the cp ranks in reverse order",
         ("tests/test_context_parallel.py::test_context_parallel_matches_full_attention",)),
     Mutant(
         "rotary-default-positions", "models/model.py",
@@ -361,6 +373,12 @@ MUTANTS: list[Mutant] = [
         "",
         "a resumed bf16 run loads the float32 masters but computes with the bf16 model's initial weights",
         ("tests/test_train.py::test_resume_is_exact[bf16]",)),
+    Mutant(
+        "packed-loss-mask-boundary", LOADER,
+        "loss_mask[ends[ends <= S] - 1] = 0  # the label after a part's last token is another part",
+        "loss_mask[ends[ends < S]] = 0  # the label after a part's last token is another part",
+        "packed samples mask the label of a document's first token instead of the one across the boundary",
+        (f"{T_LOADER}::test_packing_matches_reference_loop",)),
     Mutant(
         "data-dp-block", LOADER,
         "first = start_sample + dp_rank * micro_batch_size",
