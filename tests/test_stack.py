@@ -17,6 +17,7 @@ from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.attention import Attention
 from moe_fold.models.model import build_model
 from moe_fold.models.norm import RMSNorm
+from moe_fold.parallel.context_parallel import zigzag_split
 from moe_fold.parallel.tensor_parallel import unshard_tp
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, SEQ, BATCH = 128, 64, 4, 2, 16, 16, 4
@@ -273,3 +274,23 @@ def test_layouts_match_single_process(world):
             torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0,
                                        msg=lambda m: f"{where} losses: {m}")
 
+
+
+def _cp_logits_rank(rank, world_size):
+    groups = create_process_groups(ParallelLayout(world_size, cp=world_size))
+    model = build_model(_config(qk_norm=True), groups)
+    ids, _, _ = _batch()
+    with torch.no_grad():
+        # No positions given: the model must use this rank's zigzag positions.
+        return model.logits(zigzag_split(ids, groups.rank_in("cp"), world_size)).numpy()
+
+
+def test_context_parallel_default_positions_are_the_rank_zigzag_shard():
+    """``positions=None`` under cp 2: each rank's logits are its zigzag shard of one process's
+    (rotary positions 0..S_local-1 on every rank would change every attention score)."""
+    ids, _, _ = _batch()
+    with torch.no_grad():
+        ref = build_model(_config(qk_norm=True), ProcessGroups.single_process()).logits(ids)
+    for rank, got in enumerate(run_ranks(_cp_logits_rank, 2, timeout=150)):
+        torch.testing.assert_close(torch.from_numpy(got), zigzag_split(ref, rank, 2), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"cp rank {rank}: {m}")

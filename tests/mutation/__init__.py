@@ -1,0 +1,1 @@
+"""The mutation runner (on demand, not part of the default suite): see ``run.py``."""

@@ -1,0 +1,459 @@
+"""The curated mutants: the bugs we most fear in this code, and the tests that must catch them.
+
+Each :class:`Mutant` replaces one snippet of one file (the snippet must occur exactly once)
+with a plausible mistake. ``tests`` are pytest node ids, the fewest that must fail, the
+fastest first (the runner stops at the first failure). How to run them and how to add
+one: the docstring of ``run.py`` beside this file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    file: str  # relative to the repository root
+    original: str  # occurs exactly once in the file
+    replacement: str
+    bug: str  # the real mistake it models, one line
+    tests: tuple[str, ...]  # pytest node ids that must fail with the mutant planted
+
+
+ROUTER = "dispatch/router.py"
+ALLTOALL = "dispatch/alltoall.py"
+CP = "moe_fold/parallel/context_parallel.py"
+SCHEDULES = "moe_fold/parallel/pipeline_schedules.py"
+GRADS = "moe_fold/training/grads.py"
+BUCKETS = "moe_fold/training/buckets.py"
+OPTIM = "moe_fold/training/optim.py"
+CHECKPOINT = "moe_fold/training/checkpoint.py"
+TRAIN = "moe_fold/training/train.py"
+LOADER = "moe_fold/data/loader.py"
+REPLACE = "moe_fold/training/replace.py"
+MTP = "models/mtp.py"
+
+T_ROUTER = "tests/test_router.py"
+T_ROUTER_PARALLEL = "tests/test_router_parallel.py::test_router_layout_invariance"
+T_DISPATCH = "tests/test_dispatch.py"
+T_PIPELINE = "tests/test_pipeline.py"
+T_GRADS = "tests/test_grads.py::test_sync_and_norm_match_one_process"
+T_ZERO = "tests/test_optim.py::test_distributed_optimizer_and_overlap_equal_plain_adamw"
+T_ROUND_TRIP = "tests/test_checkpoint.py::test_round_trip_is_bit_exact_and_training_continues_identically"
+T_LOADER = "tests/test_data_loader.py"
+T_PLACEMENT = "tests/test_placement.py"
+
+MUTANTS: list[Mutant] = [
+    # ------------------------------------------------------------------ routing
+    Mutant(
+        "router-presoftmax-dim", ROUTER,
+        "probs, top = _select(torch.softmax(work, dim=-1), topk, num_groups, group_topk)",
+        "probs, top = _select(torch.softmax(work, dim=0), topk, num_groups, group_topk)",
+        "pre-softmax scores normalised over the tokens instead of the experts (swapped dims)",
+        (f"{T_ROUTER}::test_topk_routing_matches_loop",)),
+    Mutant(
+        "router-group-blocks", ROUTER,
+        "eligible = eligible.repeat_interleave(per_group, dim=1)",
+        "eligible = eligible.repeat(1, per_group)",
+        "group-limited routing: the group mask laid out strided (group g = experts g, g+G, ...) "
+        "instead of in contiguous blocks",
+        (f"{T_ROUTER}::test_group_limited_excludes_losing_groups",)),
+    Mutant(
+        "router-group-score-top1", ROUTER,
+        "group_scores = _stable_topk(scores.view(num_tokens, num_groups, per_group), topk // group_topk)[0].sum(-1)",
+        "group_scores = _stable_topk(scores.view(num_tokens, num_groups, per_group), 1)[0].sum(-1)",
+        "a group scored by its best expert only, not the sum of its top topk/group_topk (DeepSeek-V3)",
+        (f"{T_ROUTER}::test_topk_routing_matches_loop",)),
+    Mutant(
+        "router-sigmoid-norm-dim", ROUTER,
+        "probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)",
+        "probs = probs / (probs.sum(dim=0, keepdim=True) + 1e-20)",
+        "sigmoid top-k probs normalised over the tokens instead of each token's k experts",
+        (f"{T_ROUTER}::test_topk_routing_matches_loop",)),
+    Mutant(
+        "router-bias-in-probs", ROUTER,
+        "probs = scores.gather(1, top)",
+        "probs = (scores + expert_bias.to(scores.dtype)).gather(1, top)",
+        "the aux-loss-free expert bias leaks into the routing weights (it must only steer selection)",
+        (f"{T_ROUTER}::test_bias_changes_selection_not_probs",)),
+    Mutant(
+        "router-scaling-dropped", ROUTER,
+        "        probs = probs * scaling_factor\n",
+        "        probs = probs * 1.0\n",
+        "moe.scaling_factor (routed_scaling_factor) ignored: a missing scale",
+        (f"{T_ROUTER}::test_topk_routing_matches_loop",)),
+    Mutant(
+        "router-bias-update-sign", ROUTER,
+        "offset = counts.mean() - counts",
+        "offset = counts - counts.mean()",
+        "expert-bias step with the sign flipped: busy experts get more tokens, not fewer",
+        (f"{T_ROUTER}::test_updated_expert_bias_by_hand",)),
+    Mutant(
+        "router-aux-group", ROUTER,
+        "            packed = torch.cat(parts)\n            all_reduce_(packed, self.groups.tp_cp)",
+        "            packed = torch.cat(parts)\n            all_reduce_(packed, self.groups.tp_dp_cp)",
+        "the micro-batch aux loss counts reduced over tp x dp x cp (wrong group: dp ranks hold "
+        "other micro-batches)",
+        (T_ROUTER_PARALLEL,)),
+    Mutant(
+        "router-aux-cp-scale", ROUTER,
+        "total = total + cfg.aux_loss_coeff * cp * load_balancing_loss(scores, c, n, k)",
+        "total = total + cfg.aux_loss_coeff * load_balancing_loss(scores, c, n, k)",
+        "the aux-loss gradient share not scaled by cp (grads are averaged over dp x cp afterwards)",
+        (T_ROUTER_PARALLEL,)),
+    Mutant(
+        "router-global-aux-dp-scale", ROUTER,
+        "total = total + cfg.global_aux_loss_coeff * cp * dp * load_balancing_loss(scores, running, n, k)",
+        "total = total + cfg.global_aux_loss_coeff * cp * load_balancing_loss(scores, running, n, k)",
+        "the global aux loss share not scaled by dp, although its loss spans the dp ranks",
+        (T_ROUTER_PARALLEL,)),
+    Mutant(
+        "router-bias-counts-group", ROUTER,
+        "all_reduce_(counts, self.groups.tp_dp_cp)",
+        "all_reduce_(counts, self.groups.tp_cp)",
+        "expert-bias counts summed over tp x cp only: dp ranks step their biases apart",
+        (T_ROUTER_PARALLEL,)),
+    Mutant(
+        "seq-aux-token-count", ROUTER,
+        "parts += [seq_counts.flatten(), seq_counts.sum(dim=1) / k, seq_prob_sums.flatten()]",
+        "parts += [seq_counts.flatten(), seq_counts.sum(dim=1), seq_prob_sums.flatten()]",
+        "sequence aux loss: each sequence's token count taken as its routed pairs (k per token)",
+        (f"{T_ROUTER}::test_router_losses_and_gradient_match_reference",)),
+    # ------------------------------------------------------------------ capacity
+    Mutant(
+        "capacity-floor", ROUTER,
+        "return math.ceil((num_tokens * topk / num_experts) * capacity_factor)",
+        "return int((num_tokens * topk / num_experts) * capacity_factor)",
+        "expert capacity rounded down instead of up (off by one token per expert)",
+        (f"{T_ROUTER}::test_capacity_values_and_policies_by_hand",)),
+    Mutant(
+        "capacity-position-policy", ROUTER,
+        "        key = routing_map.to(probs.dtype)\n",
+        "        key = torch.where(routing_map, probs.detach(), torch.full_like(probs, -1.0))\n",
+        "drop policy 'position' keeps the highest-prob tokens (the 'probs' policy) instead of the earliest",
+        (f"{T_ROUTER}::test_capacity_values_and_policies_by_hand",)),
+    # ------------------------------------------------------------------ dispatch and combine
+    Mutant(
+        "a2a-chunk-sizes-order", ALLTOALL,
+        "for t in range(self.etp) for j in range(self.ep) for le in range(el)]",
+        "for j in range(self.ep) for t in range(self.etp) for le in range(el)]",
+        "received chunk sizes listed [ep][etp] while the rows arrive [etp][ep] (swapped loop order)",
+        (f"{T_DISPATCH}::test_four_ranks",)),
+    Mutant(
+        "a2a-tokens-per-expert-unsorted", ALLTOALL,
+        "handle.tokens_per_local_expert = [sum(handle.sorted_chunk_sizes[le * n:(le + 1) * n]) for le in range(el)]",
+        "handle.tokens_per_local_expert = [sum(handle.chunk_sizes[le * n:(le + 1) * n]) for le in range(el)]",
+        "rows per local expert summed over the received order instead of the expert-major order",
+        (f"{T_DISPATCH}::test_four_ranks",)),
+    Mutant(
+        "a2a-combine-order", ALLTOALL,
+        "x = sort_chunks(x, handle.sorted_chunk_sizes, self._inverse_order, backend=self.permute_backend)",
+        "x = sort_chunks(x, handle.sorted_chunk_sizes, self._order, backend=self.permute_backend)",
+        "combine sorts the expert outputs back with the forward chunk order, not its inverse",
+        # The 2- and 4-rank layouts have self-inverse chunk orders (2 x 2, 2 x 2 x 2): only
+        # ep 8 with 2 local experts, or ep 4 x etp 2, tells the order from its inverse.
+        (f"{T_DISPATCH}::test_eight_ranks",)),
+    Mutant(
+        "dedup-row-map-first-rank", ALLTOALL,
+        "row_map = local_map[handle.sorted_indices, dest].to(probs.dtype)  # [R, E_local]",
+        "row_map = local_map[handle.sorted_indices, 0].to(probs.dtype)  # [R, E_local]",
+        "deduplicated all-to-all: every row carries its routing map over ep rank 0's experts, "
+        "not over its destination's",
+        (f"{T_DISPATCH}::test_two_ranks",)),
+    Mutant(
+        "allgather-local-experts", "dispatch/allgather.py",
+        "e, mine = self.num_slots, slice(self.local_expert_start, self.local_expert_start + self.num_local_experts)",
+        "e, mine = self.num_slots, slice(0, self.num_local_experts)",
+        "all-gather dispatcher: every ep rank keeps the rows of the first ep rank's experts",
+        (f"{T_DISPATCH}::test_two_ranks",)),
+    Mutant(
+        "permute-padded-slot-off-by-one", "kernels/permute.py",
+        "pos = torch.cumsum(routing_map, dim=0) - 1  # [T, E]: rank within the expert",
+        "pos = torch.cumsum(routing_map, dim=0)  # [T, E]: rank within the expert",
+        "padded layout: a token's slot counts itself (1-based), so each expert's rows shift by one",
+        ("tests/test_permute.py::test_permute_padded_layout",)),
+    Mutant(
+        "expert-probs-dropped", "models/experts.py",
+        "h = swiglu(h, probs)  # [N, F/etp]",
+        "h = swiglu(h, torch.ones_like(probs))  # [N, F/etp]",
+        "expert outputs not weighted by their routing probs before the combine (a dropped term)",
+        ("tests/test_moe_layer.py::test_layer_matches_loop_reference_forward_and_backward",)),
+    # ------------------------------------------------------------------ context parallel, rotary
+    Mutant(
+        "zigzag-mirror", CP,
+        "return torch.cat([chunks[cp_rank], chunks[n - 1 - cp_rank]], dim)",
+        "return torch.cat([chunks[cp_rank], chunks[cp_rank + cp_size]], dim)",
+        "cp rank r takes chunks r and r+cp (striped) instead of r and 2cp-1-r (zigzag)",
+        ("tests/test_context_parallel.py::test_zigzag_split_takes_chunks_r_and_mirror",)),
+    Mutant(
+        "zigzag-gather-late-chunks", CP,
+        "return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)",
+        "return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim)",
+        "gathering zigzag shards puts the late chunks in rank order instead of reversed",
+        ("tests/test_context_parallel.py::test_context_parallel_matches_full_attention",)),
+    Mutant(
+        "a2a-heads-to-seq-order", CP,
+        "y = torch.cat([zigzag_split(y, r, cp, dim=2) for r in range(cp)])  # [cp*H/cp, B, S/cp, D]",
+        "y = torch.cat([zigzag_split(y, r, cp, dim=2) for r in reversed(range(cp))])  # [cp*H/cp, B, S/cp, D]",
+        "a2a (Ulysses) cp: the outputs go back to the cp ranks in reverse order",
+        ("tests/test_context_parallel.py::test_context_parallel_matches_full_attention",)),
+    Mutant(
+        "rotary-default-positions", "models/model.py",
+        "return zigzag_positions(input_ids.shape[1] * cp, self.groups.rank_in(\"cp\"), cp, device=input_ids.device)",
+        "return torch.arange(input_ids.shape[1], device=input_ids.device)",
+        "under cp the default rotary positions are 0..S_local-1, not the rank's zigzag positions",
+        ("tests/test_stack.py::test_context_parallel_default_positions_are_the_rank_zigzag_shard",)),
+    Mutant(
+        "rotary-backward-sign", "models/rotary.py",
+        "out[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=-1.0)",
+        "out[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=1.0)",
+        "the hand-written rotary backward rotates by +angle instead of the transpose (-angle)",
+        ("tests/test_norm.py::test_rotary_equals_rotate_half_formula_and_its_autograd",)),
+    Mutant(
+        "loss-scale-dp", "models/model.py",
+        "return losses.sum() * (dp_cp / num_loss_tokens)",
+        "return losses.sum() / num_loss_tokens",
+        "the per-rank loss not scaled by dp x cp, while the grads are averaged over dp x cp",
+        ("tests/test_stack.py::test_layouts_match_single_process",)),
+    Mutant(
+        "pp-tied-grads-not-summed", "moe_fold/parallel/pipeline.py",
+        "    all_reduce_(weight.grad, group)\n",
+        "    pass\n",
+        "under pp the two copies of a tied embedding keep their own grads (not summed): they drift apart",
+        (f"{T_PIPELINE}::test_pp2_schedules_match_single_process",)),
+    # ------------------------------------------------------------------ pipeline schedules
+    Mutant(
+        "1f1b-warmup", SCHEDULES,
+        "warmup = min(pp - rank - 1, m)",
+        "warmup = min(pp - rank, m)",
+        "1F1B warm-up one forward too many (a rank holds pp - r + 1 micro-batches' activations)",
+        (f"{T_PIPELINE}::test_1f1b_order_pp4_rank1",)),
+    Mutant(
+        "interleaved-backward-chunks", SCHEDULES,
+        "chunks = range(vpp) if kind == \"F\" else range(vpp - 1, -1, -1)",
+        "chunks = range(vpp)",
+        "interleaved backwards visit the model chunks first to last instead of last to first",
+        (f"{T_PIPELINE}::test_interleaved_order_pp2_vpp2_rank1",)),
+    Mutant(
+        "interleaved-warmup", SCHEDULES,
+        "warmup = min(2 * (pp - rank - 1) + (vpp - 1) * pp, m * vpp)",
+        "warmup = min((pp - rank - 1) + (vpp - 1) * pp, m * vpp)",
+        "interleaved warm-up without the factor 2 on the rank's distance to the last stage",
+        (f"{T_PIPELINE}::test_plan_is_complete_consistent_and_has_the_textbook_bubble",)),
+    Mutant(
+        "pp-stage-placement", SCHEDULES,
+        "return [c * pp + rank for c in range(vpp)]",
+        "return [rank * vpp + c for c in range(vpp)]",
+        "virtual stages placed contiguously per rank instead of Megatron's round-robin c*pp + r",
+        (f"{T_PIPELINE}::test_rank_stages_megatron_placement",)),
+    # ------------------------------------------------------------------ grad norm
+    Mutant(
+        "norm-tp-sum-counted-per-tp", GRADS,
+        "by_kind[\"replicated\" if kind == \"tp_sum\" else kind].append(p.grad)",
+        "by_kind[\"tp\" if kind == \"tp_sum\" else kind].append(p.grad)",
+        "grad norm: a tp_sum grad (the same on every tp rank after sync) summed over tp, counted tp times",
+        (T_GRADS,)),
+    Mutant(
+        "norm-tp-group", GRADS,
+        "all_reduce_(sums[\"tp\"], groups.tp)",
+        "all_reduce_(sums[\"tp\"], groups.tp_dp_cp)",
+        "grad norm: the squares of tp shards summed over tp x dp x cp (wrong group, counts dp copies)",
+        (T_GRADS,)),
+    Mutant(
+        "norm-expert-group", GRADS,
+        "        all_reduce_(packed, groups.etp_ep)\n",
+        "        all_reduce_(packed, groups.ep)\n",
+        "grad norm: per-expert squares summed over ep only, missing the etp shards' parts",
+        ("tests/test_layout_invariance.py::test_layouts_match_single_process",)),
+    Mutant(
+        "norm-pp-dropped", GRADS,
+        "return all_reduce_(total.clone(), groups.pp).sqrt()",
+        "return total.sqrt()",
+        "grad norm not summed over the pipeline stages: each stage clips by its own norm",
+        ("tests/test_placement.py::test_any_placement_matches_single_process_under_pp",)),
+    Mutant(
+        "norm-tied-copy-counted", GRADS,
+        "params = [p for p in params if not getattr(p, \"tied_copy\", False)]",
+        "params = list(params)",
+        "grad norm under pp counts the last stage's copy of a tied embedding a second time",
+        ("tests/test_parallel_matrix.py::test_cp_and_pp_layouts_match_single_process",)),
+    Mutant(
+        "zero-norm-replicated-repeat", GRADS,
+        "(repeated and s.param.parallel == \"replicated\")",
+        "(repeated and s.param.parallel == \"tp_sum\")",
+        "ZeRO grad norm: skips the wrong kind on tp ranks > 0 (replicated ranges counted tp times)",
+        (T_GRADS,)),
+    Mutant(
+        "zero-norm-group", GRADS,
+        "    all_reduce_(total, groups.tp_dp_cp)\n",
+        "    all_reduce_(total, groups.dp_cp)\n",
+        "ZeRO grad norm: owned squares summed over dp x cp only, missing the tp ranks' ranges",
+        (T_GRADS,)),
+    Mutant(
+        "expert-copies-sum-group", GRADS,
+        "all_reduce_(rows, groups.ep)",
+        "all_reduce_(rows, groups.edp)",
+        "an expert's copies (moe.replicas) sum their grads over edp instead of over ep",
+        (f"{T_PLACEMENT}::test_any_placement_matches_single_process",)),
+    Mutant(
+        "sync-tp-sum-group", BUCKETS,
+        "SYNC_GROUP = {\"tp\": \"dp_cp\", \"replicated\": \"dp_cp\", \"tp_sum\": \"tp_dp_cp\", \"expert\": \"edp\"}",
+        "SYNC_GROUP = {\"tp\": \"dp_cp\", \"replicated\": \"dp_cp\", \"tp_sum\": \"dp_cp\", \"expert\": \"edp\"}",
+        "grad sync: tp_sum grads (norms under SP) reduced over dp x cp only, missing the tp ranks' partial sums",
+        (T_GRADS,)),
+    # ------------------------------------------------------------------ ZeRO-1 shards
+    Mutant(
+        "zero-owned-offset", BUCKETS,
+        "a = s.offset + s.start - lo",
+        "a = s.start - lo",
+        "reduce-scattered grads copied from the owned range without the parameter's offset in the bucket",
+        (f"{T_ZERO}[2-cases0]",)),
+    Mutant(
+        "zero-update-slice", OPTIM,
+        "grads = [s.param.grad.reshape(-1)[s.start:s.stop] if s.param.grad is not None",
+        "grads = [s.param.grad.reshape(-1)[:s.stop - s.start] if s.param.grad is not None",
+        "the distributed optimizer updates its owned slice with the grad's first elements, not the owned ones",
+        (f"{T_ZERO}[2-cases0]",)),
+    Mutant(
+        "lr-warmup-off-by-one", OPTIM,
+        "return lr * (step + 1) / w",
+        "return lr * step / w",
+        "warm-up starts at lr 0: the first optimizer step does not move",
+        ("tests/test_optim.py::test_cosine_schedule_hand_computed",)),
+    # ------------------------------------------------------------------ checkpoints, resume, data position
+    Mutant(
+        "ckpt-step-count", CHECKPOINT,
+        "optimizer.step_count = int(index[\"optimizer\"][\"step_count\"])",
+        "optimizer.step_count = 0",
+        "resume restarts AdamW's step count (its bias correction starts over)",
+        (f"{T_ROUND_TRIP}[False]",)),
+    Mutant(
+        "ckpt-rng-not-restored", CHECKPOINT,
+        "_set_rng_state(json.loads(reader.verify(rng_name).read_text()))",
+        "json.loads(reader.verify(rng_name).read_text())",
+        "resume on the same layout does not restore the random states",
+        (f"{T_ROUND_TRIP}[False]",)),
+    Mutant(
+        "ckpt-reshard-box", CHECKPOINT,
+        "out[box(_sub(lo, offsets), size)] = value",
+        "out[box(_sub(lo, piece[\"offsets\"]), size)] = value",
+        "loading under another layout places a piece's overlap at its offset within the piece, "
+        "not within the box asked for",
+        ("tests/test_checkpoint.py::test_checkpoint_saved_under_one_layout_loads_under_another",)),
+    Mutant(
+        "ckpt-tied-written-twice", CHECKPOINT,
+        "entries.append(_Entry(f\"model/{name}\", p.detach(), tuple(p.shape), info, 0, p.numel(),\n"
+        "                              info.writer and not _tied_copy(p)))",
+        "entries.append(_Entry(f\"model/{name}\", p.detach(), tuple(p.shape), info, 0, p.numel(),\n"
+        "                              info.writer))",
+        "under pp both stages write the tied embedding (the last stage's copy must only load it)",
+        ("tests/test_checkpoint.py::test_pipeline_checkpoint_writes_a_tied_embedding_once_and_refuses_other_models",)),
+    Mutant(
+        "ckpt-verify-no-checksum", "moe_fold/training/checkpoint_verify.py",
+        "problem = file_problem(report.path / name, record, checksum=checksums)",
+        "problem = file_problem(report.path / name, record, checksum=False)",
+        "`moe-fold checkpoint verify` checks sizes only, so a same-size corruption passes",
+        ("tests/test_checkpoint_verify.py::test_a_flipped_byte_is_named_at_load_and_by_verify",)),
+    Mutant(
+        "ckpt-verify-bad-file-covers", "moe_fold/training/checkpoint_verify.py",
+        "        if piece[\"file\"] in bad_files:\n            continue\n",
+        "",
+        "verify counts the expert rows of a missing or corrupt file as present",
+        ("tests/test_checkpoint_verify.py::test_a_lost_expert_shard_is_reported_and_refused_by_export",)),
+    Mutant(
+        "resume-data-position", TRAIN,
+        "            loader.load_state_dict(extra[\"data\"])\n",
+        "",
+        "a resumed run starts the data over from sample 0 instead of the saved position",
+        ("tests/test_train.py::test_resume_is_exact[fp32]",)),
+    Mutant(
+        "resume-bf16-model-stale", TRAIN,
+        "            if master is not None:\n                master.master_to_model()\n",
+        "",
+        "a resumed bf16 run loads the float32 masters but computes with the bf16 model's initial weights",
+        ("tests/test_train.py::test_resume_is_exact[bf16]",)),
+    Mutant(
+        "packed-loss-mask-boundary", LOADER,
+        "loss_mask[ends[ends <= S] - 1] = 0  # the label after a part's last token is another part",
+        "loss_mask[ends[ends < S]] = 0  # the label after a part's last token is another part",
+        "packed samples mask the label of a document's first token instead of the one across the boundary",
+        (f"{T_LOADER}::test_packing_matches_reference_loop",)),
+    Mutant(
+        "data-dp-block", LOADER,
+        "first = start_sample + dp_rank * micro_batch_size",
+        "first = start_sample + dp_rank",
+        "dp ranks take overlapping samples: rank r starts at sample r, not at r * micro_batch_size",
+        (f"{T_LOADER}::test_dp_shards_cover_each_global_batch_once",)),
+    Mutant(
+        "data-consumed-per-rank", LOADER,
+        "            self.consumed_samples += self.micro_batch_size * self.dp_size\n",
+        "            self.consumed_samples += self.micro_batch_size\n",
+        "the checkpointed data position counts this rank's samples, not every dp rank's",
+        (f"{T_LOADER}::test_resume_equals_straight_iteration", "tests/test_train.py::test_resume_is_exact[fp32]")),
+    Mutant(
+        "data-epoch-reshuffle", LOADER,
+        "j = int(self._perm(i // self.num_samples)[i % self.num_samples])",
+        "j = int(self._perm(0)[i % self.num_samples])",
+        "every epoch repeats the first epoch's order instead of its own shuffle",
+        (f"{T_LOADER}::test_fixed_samples_tile_the_stream",)),
+    # ------------------------------------------------------------------ expert re-placement
+    Mutant(
+        "replace-kept-slot", REPLACE,
+        "local.append((i, held.index(expert)))",
+        "local.append((i, i))",
+        "an expert that stays on its rank keeps the slot index it had, not its own weights",
+        (f"{T_PLACEMENT}::test_move_carries_weights_grads_and_zero1_moments_by_expert",)),
+    Mutant(
+        "replace-zero1-moments-group", REPLACE,
+        "all_reduce_(whole, groups.edp)  # the edp ranks' ranges are disjoint",
+        "all_reduce_(whole, groups.dp_cp)  # the edp ranks' ranges are disjoint",
+        "under ZeRO-1 the experts' moment ranges are summed over dp x cp (wrong group) before a move",
+        (f"{T_PLACEMENT}::test_move_carries_weights_grads_and_zero1_moments_by_expert",)),
+    Mutant(
+        "replace-window-not-restored", REPLACE,
+        "            self.window = window\n",
+        "            pass\n",
+        "a resumed run forgets the re-placement load window, so it picks other placements than a straight run",
+        ("tests/test_replace.py::test_resume_across_a_move_is_exact_and_checkpoints_load_anywhere",)),
+    # ------------------------------------------------------------------ multi-token prediction
+    Mutant(
+        "mtp-document-boundary", MTP,
+        "same_doc = docs[:, k:] == docs[:, :S - k]  # [B, S-k]",
+        "same_doc = docs[:, k:] == docs[:, k:]  # [B, S-k]",
+        "MTP targets cross into the next packed document (the same-document mask dropped)",
+        ("tests/test_mtp.py::test_shift_stays_in_the_row_and_the_document",)),
+    Mutant(
+        "mtp-depth-mean", "models/model.py",
+        "return attach_loss(loss, depth_losses.sum(), m.mtp_loss_weight / m.mtp_num_layers)",
+        "return attach_loss(loss, depth_losses.sum(), m.mtp_loss_weight)",
+        "the MTP loss sums the depths without dividing by their number (a missing scale)",
+        ("tests/test_mtp.py::test_objective_is_deepseek_v3_formula",)),
+    Mutant(
+        "mtp-cp-natural-order", MTP,
+        "local = zigzag_gather(shards, dim=2)  # [3, B, S]",
+        "local = torch.cat(shards, dim=2)  # [3, B, S]",
+        "MTP shifts under cp on the shards concatenated in rank order, not the zigzag-gathered sequence",
+        ("tests/test_parallel_matrix.py::test_mtp_and_attention_variants_match_single_process",)),
+    # ------------------------------------------------------------------ precision
+    Mutant(
+        "bf16-model-not-updated", TRAIN,
+        "            if finite and master is not None and not optimizer.distributed:\n"
+        "                master.master_to_model()\n",
+        "            if finite and master is not None and not optimizer.distributed:\n"
+        "                pass\n",
+        "bf16: the optimizer steps the float32 masters but the bf16 model that computes is never refreshed",
+        ("tests/test_train.py::test_bf16_precisions_track_fp32[bf16]",)),
+    Mutant(
+        "autocast-router", "moe_fold/training/precision.py",
+        "            module.forward = outside(module.forward)\n",
+        "            pass\n",
+        "under bf16 autocast the router's matmul runs in bf16 (its logits must stay float32)",
+        ("tests/test_train.py::test_bf16_precisions_track_fp32[bf16-autocast]",)),
+    Mutant(
+        "autocast-combine", "moe_fold/training/precision.py",
+        "            dispatcher.combine = outside(dispatcher.combine)\n",
+        "            pass\n",
+        "under bf16 autocast the MoE combine runs inside autocast (it must sum expert rows in float32)",
+        ("tests/test_train.py::test_bf16_precisions_track_fp32[bf16-autocast]",)),
+]
