@@ -136,20 +136,22 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ dispatch and combine
     Mutant(
         "a2a-chunk-sizes-order", ALLTOALL,
-        "for t in range(self.etp) for j in range(self.ep) for le in range(el)]",
-        "for j in range(self.ep) for t in range(self.etp) for le in range(el)]",
-        "received chunk sizes listed [ep][etp] while the rows arrive [etp][ep] (swapped loop order)",
+        "handle.chunk_sizes = dev[:, :, mine].transpose(0, 1).reshape(-1)",
+        "handle.chunk_sizes = dev[:, :, mine].reshape(-1)",
+        "received chunk sizes listed [ep][etp] while the rows arrive [etp][ep] (a dropped transpose)",
         (f"{T_DISPATCH}::test_four_ranks",)),
     Mutant(
         "a2a-tokens-per-expert-unsorted", ALLTOALL,
-        "handle.tokens_per_local_expert = [sum(handle.sorted_chunk_sizes[le * n:(le + 1) * n]) for le in range(el)]",
-        "handle.tokens_per_local_expert = [sum(handle.chunk_sizes[le * n:(le + 1) * n]) for le in range(el)]",
-        "rows per local expert summed over the received order instead of the expert-major order",
+        "self._on_device(\"_order\", device))\n"
+        "        handle.device_tokens_per_local_expert = dev[:, :, mine].sum(dim=(0, 1))",
+        "self._on_device(\"_order\", device))\n"
+        "        handle.device_tokens_per_local_expert = dev[:, :, :el].sum(dim=(0, 1))",
+        "rows per local expert counted at ep rank 0's experts (global index le) instead of this rank's",
         (f"{T_DISPATCH}::test_four_ranks",)),
     Mutant(
         "a2a-combine-order", ALLTOALL,
-        "x = sort_chunks(x, handle.sorted_chunk_sizes, self._inverse_order, backend=self.permute_backend)",
-        "x = sort_chunks(x, handle.sorted_chunk_sizes, self._order, backend=self.permute_backend)",
+        "x = sort_chunks(x, handle.sorted_chunk_sizes, self._on_device(\"_inverse_order\", x.device),",
+        "x = sort_chunks(x, handle.sorted_chunk_sizes, self._on_device(\"_order\", x.device),",
         "combine sorts the expert outputs back with the forward chunk order, not its inverse",
         # The 2- and 4-rank layouts have self-inverse chunk orders (2 x 2, 2 x 2 x 2): only
         # ep 8 with 2 local experts, or ep 4 x etp 2, tells the order from its inverse.
@@ -175,8 +177,8 @@ MUTANTS: list[Mutant] = [
         ("tests/test_permute.py::test_permute_padded_layout",)),
     Mutant(
         "expert-probs-dropped", "models/experts.py",
-        "h = swiglu(h, probs)  # [N, F/etp]",
-        "h = swiglu(h, torch.ones_like(probs))  # [N, F/etp]",
+        "h = swiglu(h, probs, backend=self.swiglu_backend)  # [N, F/etp]",
+        "h = swiglu(h, torch.ones_like(probs), backend=self.swiglu_backend)  # [N, F/etp]",
         "expert outputs not weighted by their routing probs before the combine (a dropped term)",
         ("tests/test_moe_layer.py::test_layer_matches_loop_reference_forward_and_backward",)),
     # ------------------------------------------------------------------ context parallel, rotary
@@ -403,13 +405,13 @@ MUTANTS: list[Mutant] = [
         "local.append((i, held.index(expert)))",
         "local.append((i, i))",
         "an expert that stays on its rank keeps the slot index it had, not its own weights",
-        (f"{T_PLACEMENT}::test_move_carries_weights_grads_and_zero1_moments_by_expert",)),
+        (f"{T_PLACEMENT}::test_move_carries_weights_grads_and_moments_by_expert",)),
     Mutant(
         "replace-zero1-moments-group", REPLACE,
         "all_reduce_(whole, groups.edp)  # the edp ranks' ranges are disjoint",
         "all_reduce_(whole, groups.dp_cp)  # the edp ranks' ranges are disjoint",
         "under ZeRO-1 the experts' moment ranges are summed over dp x cp (wrong group) before a move",
-        (f"{T_PLACEMENT}::test_move_carries_weights_grads_and_zero1_moments_by_expert",)),
+        (f"{T_PLACEMENT}::test_move_carries_weights_grads_and_moments_by_expert",)),
     Mutant(
         "replace-window-not-restored", REPLACE,
         "            self.window = window\n",
@@ -443,17 +445,36 @@ MUTANTS: list[Mutant] = [
         "            if finite and master is not None and not optimizer.distributed:\n"
         "                pass\n",
         "bf16: the optimizer steps the float32 masters but the bf16 model that computes is never refreshed",
-        ("tests/test_train.py::test_bf16_precisions_track_fp32[bf16]",)),
+        ("tests/test_train.py::test_bf16_keeps_float32_masters_and_tracks_fp32",)),
     Mutant(
         "autocast-router", "moe_fold/training/precision.py",
         "            module.forward = outside(module.forward)\n",
         "            pass\n",
         "under bf16 autocast the router's matmul runs in bf16 (its logits must stay float32)",
-        ("tests/test_train.py::test_bf16_precisions_track_fp32[bf16-autocast]",)),
+        ("tests/test_train.py::test_bf16_autocast_tracks_fp32",)),
     Mutant(
         "autocast-combine", "moe_fold/training/precision.py",
         "            dispatcher.combine = outside(dispatcher.combine)\n",
         "            pass\n",
         "under bf16 autocast the MoE combine runs inside autocast (it must sum expert rows in float32)",
-        ("tests/test_train.py::test_bf16_precisions_track_fp32[bf16-autocast]",)),
+        ("tests/test_train.py::test_bf16_autocast_tracks_fp32",)),
+    # ------------------------------------------------------------------ issue 27's planted bugs
+    Mutant(
+        "bf16-masters-rounded", "moe_fold/training/precision.py",
+        "            p.copy_(m)\n",
+        "            p.copy_(m)\n            m.copy_(p)\n",
+        "bf16: the float32 masters are rounded to bf16 after every step (they become copies of the model)",
+        ("tests/test_train.py::test_bf16_keeps_float32_masters_and_tracks_fp32",)),
+    Mutant(
+        "ckpt-load-checksums-shards-only", CHECKPOINT,
+        "        problem = file_problem(path, record)\n",
+        "        problem = file_problem(path, record, checksum=name.endswith(\".safetensors\"))\n",
+        "loading checks sha256 for the shard files only (random states, config.yaml and the index trusted)",
+        ("tests/test_checkpoint_verify.py::test_same_size_damage_to_any_file_is_named_at_load_and_by_verify",)),
+    Mutant(
+        "combine-relative-error", ALLTOALL,
+        "        return unpermute(x, handle.sorted_indices, handle.num_tokens,\n",
+        "        return (1 + 1e-6) * unpermute(x, handle.sorted_indices, handle.num_tokens,\n",
+        "every combine off by 1e-6 relative (dispatch compared at atol = rtol = 0 catches it)",
+        (f"{T_DISPATCH}::test_two_ranks",)),
 ]
