@@ -477,4 +477,23 @@ MUTANTS: list[Mutant] = [
         "        return (1 + 1e-6) * unpermute(x, handle.sorted_indices, handle.num_tokens,\n",
         "every combine off by 1e-6 relative (dispatch compared at atol = rtol = 0 catches it)",
         (f"{T_DISPATCH}::test_two_ranks",)),
+    # ------------------------------------------------------------------ GPU readiness (issue 26)
+    Mutant(
+        "allgather-count-on-host", "dispatch/allgather.py",
+        "num_tokens = torch.full((1,), tokens.shape[0], dtype=torch.int64, device=tokens.device)",
+        "num_tokens = torch.tensor([tokens.shape[0]], dtype=torch.int64)",
+        "the all-gather dispatcher's token count built on the host: NCCL cannot gather it",
+        ("tests/test_device_paths.py::test_moe_layer_collectives_get_device_tensors",)),
+    Mutant(
+        "gmm-autocast-not-cast", "kernels/gmm.py",
+        "    x, w = _autocast_operands(x, w)\n",
+        "",
+        "the grouped GEMM ignores autocast: bf16 activations meet float32 weights",
+        ("tests/test_device_paths.py::test_gmm_under_autocast_is_the_gemm_of_cast_operands",)),
+    Mutant(
+        "permute-row-count-synced", ALLTOALL,
+        "num_rows=sum(handle.input_splits))",
+        "num_rows=None)",
+        "permute counts its rows with nonzero (a second host sync per MoE layer forward)",
+        ("tests/test_host_syncs.py::test_moe_layer_syncs_once_per_forward_and_never_in_backward",)),
 ]
