@@ -492,8 +492,8 @@ MUTANTS: list[Mutant] = [
         ("tests/test_device_paths.py::test_gmm_under_autocast_is_the_gemm_of_cast_operands",)),
     Mutant(
         "permute-row-count-synced", ALLTOALL,
-        "num_rows=sum(handle.input_splits))",
-        "num_rows=None)",
+        "num_rows=sum(handle.input_splits))  # [T, H] -> [N, H]",
+        "num_rows=None)  # [T, H] -> [N, H]",
         "permute counts its rows with nonzero (a second host sync per MoE layer forward)",
         ("tests/test_host_syncs.py::test_moe_layer_syncs_once_per_forward_and_never_in_backward",)),
 ]
