@@ -264,16 +264,12 @@ def test_dynamic_cp_on_the_flex_path_equals_one_process(model_overrides):
 
 # --------------------------------------------------------------------------- the CUDA kernel
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled flex_attention)")
-
-
 # Head widths of the GPU runs (flex's kernels want at least 16): MHA/GQA 64 and 32,
 # deepseek-v3-tiny's MLA widths (q/k 48, v 32).
 CUDA_WIDTHS = {"gqa-odd": (64, 64), "mla": (48, 32), "mha-long": (32, 32)}
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, dict(rtol=2e-3, atol=2e-3)),
                                        (torch.bfloat16, dict(rtol=3e-2, atol=3e-2))])
 @pytest.mark.parametrize("case", list(ONE_RANK))
@@ -296,7 +292,6 @@ def test_cuda_flex_varlen_equals_per_document(case, dtype, tol):
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_cuda_flex_block_lse_and_backward_with_rows_without_keys(monkeypatch):
     """The compiled kernel's lse, and the ring's recompute backward through it, against the
     stand-in on CPU, on a block where some query rows see no key."""
