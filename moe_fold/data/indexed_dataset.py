@@ -27,6 +27,7 @@ fails the size or checksum check); the next writer removes a killed job's tempor
 
 from __future__ import annotations
 
+import abc
 import glob
 import os
 import socket
@@ -90,23 +91,55 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class IndexedDatasetWriter:
-    """Streams documents into ``PREFIX.bin``/``PREFIX.idx``; nothing is visible under
-    the final names until ``finish()``. Use as a context manager: an exception removes
-    the temporary files."""
+class PrefixWriter(abc.ABC):
+    """What every writer of a ``PREFIX.bin``/``PREFIX.idx`` pair shares: both are written
+    under temporary names (:func:`temporary_names`) and renamed into place by
+    :meth:`_publish`, ``.bin`` first, so nothing is visible under the final names before
+    ``finish()``. Use as a context manager: an exception removes the temporary files."""
+
+    def __init__(self, prefix: str | os.PathLike, vocab_size: int, eod_id: int):
+        if vocab_size < 1 or not 0 <= eod_id < vocab_size:
+            raise ValueError(f"vocab_size={vocab_size} must be >= 1 and eod_id={eod_id} in [0, vocab_size)")
+        self.prefix = Path(prefix)
+        self.prefix.parent.mkdir(parents=True, exist_ok=True)
+        self.vocab_size, self.eod_id = vocab_size, eod_id
+        self._bin_tmp, self._idx_tmp = temporary_names(self.prefix)
+        self._bin = open(self._bin_tmp, "wb")
+
+    @abc.abstractmethod
+    def finish(self) -> Path:
+        """Write the format's index, then :meth:`_publish`; returns the prefix."""
+
+    def _publish(self) -> Path:
+        os.replace(self._bin_tmp, bin_path(self.prefix))
+        os.replace(self._idx_tmp, idx_path(self.prefix))
+        return self.prefix
+
+    def abort(self) -> None:
+        self._bin.close()
+        for tmp in (self._bin_tmp, self._idx_tmp):
+            tmp.unlink(missing_ok=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort()
+
+
+class IndexedDatasetWriter(PrefixWriter):
+    """Streams documents into moe-fold's ``PREFIX.bin``/``PREFIX.idx`` (:class:`PrefixWriter`)."""
 
     def __init__(self, prefix: str | os.PathLike, vocab_size: int, eod_id: int,
                  block_size: int = DEFAULT_BLOCK_SIZE):
-        if vocab_size < 1 or not 0 <= eod_id < vocab_size:
-            raise ValueError(f"vocab_size={vocab_size} must be >= 1 and eod_id={eod_id} in [0, vocab_size)")
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1")
-        self.prefix = Path(prefix)
-        self.prefix.parent.mkdir(parents=True, exist_ok=True)
-        self.vocab_size, self.eod_id, self.block_size = vocab_size, eod_id, block_size
+        super().__init__(prefix, vocab_size, eod_id)
+        self.block_size = block_size
         self.dtype = token_dtype(vocab_size)
-        self._bin_tmp, self._idx_tmp = temporary_names(self.prefix)
-        self._bin = open(self._bin_tmp, "wb")
         self._offsets = [0]
         self._block_crcs: list[int] = []
         self._crc = 0  # running crc32 of the current, unfinished block
@@ -151,23 +184,7 @@ class IndexedDatasetWriter:
                 + np.asarray(self._block_crcs, dtype="<u4").tobytes())
         with open(self._idx_tmp, "wb") as f:
             f.write(header + body + struct.pack("<I", zlib.crc32(header + body)))
-        os.replace(self._bin_tmp, bin_path(self.prefix))
-        os.replace(self._idx_tmp, idx_path(self.prefix))
-        return self.prefix
-
-    def abort(self) -> None:
-        self._bin.close()
-        for tmp in (self._bin_tmp, self._idx_tmp):
-            tmp.unlink(missing_ok=True)
-
-    def __enter__(self) -> "IndexedDatasetWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.finish()
-        else:
-            self.abort()
+        return self._publish()
 
 
 def write_indexed_dataset(prefix: str | os.PathLike, documents: Iterable[Iterable[int]], vocab_size: int,

@@ -38,7 +38,7 @@ from typing import Iterable
 
 import numpy as np
 
-from moe_fold.data.indexed_dataset import DatasetFormatError, bin_path, idx_path, temporary_names
+from moe_fold.data.indexed_dataset import DatasetFormatError, PrefixWriter, bin_path, idx_path
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -139,22 +139,14 @@ class MegatronDataset:
         return self.tokens[self.offsets[i]:self.offsets[i + 1]]
 
 
-class MegatronDatasetWriter:
+class MegatronDatasetWriter(PrefixWriter):
     """Streams documents (one sequence each, already ending with eod, as
-    preprocess_data.py's ``--append-eod`` makes them) into a Megatron dataset. Same
-    interface as :class:`moe_fold.data.indexed_dataset.IndexedDatasetWriter`: nothing
-    sits under the final names until ``finish()``, which writes the index and renames
-    the ``.bin`` then the ``.idx`` into place."""
+    preprocess_data.py's ``--append-eod`` makes them) into a Megatron dataset; nothing
+    sits under the final names until ``finish()`` (:class:`PrefixWriter`)."""
 
     def __init__(self, prefix: str | os.PathLike, vocab_size: int, eod_id: int):
-        if vocab_size < 1 or not 0 <= eod_id < vocab_size:
-            raise ValueError(f"vocab_size={vocab_size} must be >= 1 and eod_id={eod_id} in [0, vocab_size)")
-        self.prefix = Path(prefix)
-        self.prefix.parent.mkdir(parents=True, exist_ok=True)
-        self.vocab_size, self.eod_id = vocab_size, eod_id
+        super().__init__(prefix, vocab_size, eod_id)
         self.dtype = megatron_token_dtype(vocab_size)
-        self._bin_tmp, self._idx_tmp = temporary_names(self.prefix)
-        self._bin = open(self._bin_tmp, "wb")
         self._lengths = array("q")  # 8 bytes a document until finish()
         self.num_tokens = 0
 
@@ -185,20 +177,4 @@ class MegatronDatasetWriter:
             f.write(lengths.astype("<i4").tobytes())
             f.write(pointers.astype("<i8").tobytes())
             f.write(np.arange(n + 1, dtype="<i8").tobytes())
-        os.replace(self._bin_tmp, bin_path(self.prefix))
-        os.replace(self._idx_tmp, idx_path(self.prefix))
-        return self.prefix
-
-    def abort(self) -> None:
-        self._bin.close()
-        for tmp in (self._bin_tmp, self._idx_tmp):
-            tmp.unlink(missing_ok=True)
-
-    def __enter__(self) -> "MegatronDatasetWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.finish()
-        else:
-            self.abort()
+        return self._publish()
