@@ -15,7 +15,7 @@ same document (and only j <= i on a causal block)". Two kernels do it:
   one masked call on CPU: that kernel takes a mask but computes every block of it (no
   block skipping), so one call costs ``S^2`` whatever the documents. Measured with
   ``bench/attention.py`` on the 2-core CI machine, 64 documents of 64 tokens in 4096, forward
-  and backward: 8.3 s for one masked call, 0.14 s for one call per document (see
+  and backward: 721 ms for one masked call, 83 ms for one call per document (see
   docs/performance.md). Reading the ids on the host costs nothing on a CPU.
 
 Backward of a ring block needs the grads of the block given the FINAL output and
