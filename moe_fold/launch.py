@@ -127,11 +127,13 @@ def _context() -> mp.context.BaseContext:
 PARENT_GONE_GRACE_S = 5.0
 
 
-def parent_handle() -> int:
+def parent_handle() -> Optional[int]:
     """A file descriptor that becomes readable once this process's parent is gone, whatever
-    killed it: a pidfd of the parent (Linux 5.3+). Take it early, before the parent can die.
-    A parent already gone at this point yields a pidfd of the process this one was reparented
-    to; the caller compares ``os.getppid()`` with what it expects when that matters."""
+    killed it: a pidfd of the parent (Linux 5.3+), None where the system has none (macOS).
+    Take it early, before the parent can die: a parent already gone at this point yields a
+    pidfd of the process this one was reparented to."""
+    if not hasattr(os, "pidfd_open"):
+        return None
     return os.pidfd_open(os.getppid())
 
 

@@ -181,8 +181,9 @@ def _ended(result, config, err) -> int:
     return result.stop.exit_code
 
 
-def _run_torchrun(config, resume: bool, progress: bool, agent: int) -> int:
-    """One torchrun worker. ``agent``: a handle on its torchrun agent (launch.parent_handle)."""
+def _run_torchrun(config, resume: bool, progress: bool, agent: int | None) -> int:
+    """One torchrun worker. ``agent``: a handle on its torchrun agent (launch.parent_handle,
+    None where the system offers none)."""
     import datetime
     import signal
 
@@ -197,7 +198,11 @@ def _run_torchrun(config, resume: bool, progress: bool, agent: int) -> int:
     # agent was killed (SIGKILL, OOM killer): it would train on, writing into the run folder.
     # The watch stops it after its step (the first exit signal) and ends it soon after.
     stop = signal.Signals[config.train.exit_signals[0]] if config.train.exit_signals else None
-    exit_with_parent(agent, who=f"the torchrun agent (pid {os.getppid()})", stop_signal=stop)
+    if agent is not None:
+        exit_with_parent(agent, who=f"the torchrun agent (pid {os.getppid()})", stop_signal=stop)
+    elif int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        print("warning: no pidfd on this system: a worker whose torchrun agent is killed (SIGKILL) will not "
+              "notice it; end the workers by pid", file=sys.stderr)
 
     backend = config.parallel.backend
     if backend == "auto":
