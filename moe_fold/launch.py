@@ -21,9 +21,11 @@ Signals and orphans:
   ranks and raises ``KeyboardInterrupt``. Each rank runs in its own process group, so a Ctrl-C
   in the terminal reaches the parent only and each rank gets it once, forwarded.
 - A rank whose parent is gone (any death, SIGKILL included) exits at once: a thread waits
-  on the parent's sentinel, a pipe only the parent holds open. Without it a rank would
-  train on, writing into the run folder, and keep the forkserver (which exits when every
-  holder of its "alive" pipe, the ranks included, is gone) alive with it.
+  on the parent's sentinel, a pipe only the parent holds open (:func:`exit_with_parent`).
+  Without it a rank would train on, writing into the run folder, and keep the forkserver
+  (which exits when every holder of its "alive" pipe, the ranks included, is gone) alive
+  with it. torchrun's workers use the same watch on a pidfd of their agent
+  (:func:`parent_handle`; ``moe_fold.cli.train``), there with a clean stop first.
 - The forkserver starts with SIGTERM, SIGUSR1, SIGUSR2 and SIGHUP blocked (SIGINT it ignores
   itself): a signal sent to every process of the job (systemd's control group, a SLURM job
   step) must not end it, or the parent would take its ranks for dead while they stop.
@@ -34,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import multiprocessing as mp
+import multiprocessing.connection  # mp.connection.wait, for the parent watch
 import os
 import pickle
 import queue
@@ -43,7 +46,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["RankError", "run_ranks", "keep_freed_memory"]
+__all__ = ["RankError", "run_ranks", "keep_freed_memory", "exit_with_parent", "parent_handle"]
 
 # torch.optim imports torch._dynamo on its first step (seconds); importing it once in the
 # forkserver saves that in every rank.
@@ -119,12 +122,40 @@ def _context() -> mp.context.BaseContext:
     return ctx
 
 
-def _exit_with_parent() -> None:
-    """End this rank at once when the process that started it is gone."""
-    sentinel = mp.parent_process().sentinel
+# How long a rank told to stop because its parent is gone may take to finish its step and
+# save it before it is ended anyway (it may be blocked in a collective with a dead peer).
+PARENT_GONE_GRACE_S = 5.0
+
+
+def parent_handle() -> Optional[int]:
+    """A file descriptor that becomes readable once this process's parent is gone, whatever
+    killed it: a pidfd of the parent (Linux 5.3+), None where the system has none (macOS).
+    Take it early, before the parent can die: a parent already gone at this point yields a
+    pidfd of the process this one was reparented to."""
+    if not hasattr(os, "pidfd_open"):
+        return None
+    return os.pidfd_open(os.getppid())
+
+
+def exit_with_parent(gone: int, who: str = "the process that started this rank",
+                     stop_signal: Optional[int] = None, grace_s: float = PARENT_GONE_GRACE_S) -> None:
+    """End this process when its parent is gone: ``gone``, a file descriptor readable from
+    then on (:func:`parent_handle`, or the sentinel of a multiprocessing child).
+
+    Without ``stop_signal`` the process exits at once (``os._exit(1)``). With one, the watch
+    first sends it to this process, so that a run stops after its current step with that
+    step's checkpoint (:mod:`moe_fold.training.stop`), and exits ``grace_s`` later if it is
+    still running: a rank blocked in a collective whose peer is gone must not hang.
+    """
 
     def watch():
-        mp.connection.wait([sentinel])
+        mp.connection.wait([gone])
+        if stop_signal is not None:
+            with contextlib.suppress(OSError):  # stderr may have gone with the parent
+                os.write(2, f"moe-fold: {who} is gone: stopping this rank ({signal.Signals(stop_signal).name}), "
+                            f"ended in {grace_s:g} s if it is still running\n".encode())
+            os.kill(os.getpid(), stop_signal)
+            time.sleep(grace_s)
         os._exit(1)
 
     threading.Thread(target=watch, name="moe-fold-parent-watch", daemon=True).start()
@@ -136,7 +167,7 @@ def _rank_main(fn, rank, world_size, store_port, threads, env, forward_signals, 
     # blocked until the rank's code installs its handlers (training.stop.ExitSignals), so
     # one forwarded while the rank starts waits instead of killing it.
     signal.pthread_sigmask(signal.SIG_SETMASK, forward_signals)
-    _exit_with_parent()
+    exit_with_parent(mp.parent_process().sentinel)
 
     import torch
     import torch.distributed as dist

@@ -149,3 +149,62 @@ def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left == []
+
+
+# A parent that starts a child and waits; the child watches it with a clean stop first
+# (as torchrun's workers do), but only notes the stop signal and goes on, as a rank blocked
+# in a collective whose peer is gone would.
+_WATCHED_CHILD = """
+import os, signal, sys, time
+from moe_fold.launch import exit_with_parent, parent_handle
+gone = parent_handle()
+signal.signal(signal.SIGUSR1, lambda *_: open(sys.argv[1] + ".stop", "w").close())
+exit_with_parent(gone, who="the test's parent", stop_signal=signal.SIGUSR1, grace_s=float(sys.argv[2]))
+open(sys.argv[1] + ".pid", "w").write(str(os.getpid()))
+time.sleep(600)
+"""
+_PARENT = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]], start_new_session=True)
+time.sleep(600)
+"""
+
+
+def test_a_watched_process_is_told_to_stop_then_ended_when_its_parent_is_killed(tmp_path):
+    """exit_with_parent with a stop signal (torchrun's workers): SIGKILL to the parent, and
+    the child (in a session of its own, as torchrun starts workers) gets the stop signal at
+    once and is ended grace_s later although it ignored it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    marker, grace = str(tmp_path / "child"), 1.0
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _WATCHED_CHILD, marker, str(grace)])
+    child = None
+    try:
+        deadline = time.monotonic() + 60
+        while not Path(marker + ".pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        child = int(Path(marker + ".pid").read_text())
+        parent.kill()
+        parent.wait()
+        killed = time.monotonic()
+
+        def running(pid):
+            try:
+                return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            except FileNotFoundError:
+                return False
+
+        while running(child) and time.monotonic() < killed + 10:
+            time.sleep(0.02)
+        took = time.monotonic() - killed
+        assert not running(child), "the child outlived its parent by 10 s"
+        assert Path(marker + ".stop").exists(), "the child was never told to stop"
+        assert grace <= took < grace + 3, took  # not before its grace: it had a chance to stop cleanly
+    finally:
+        for pid in [child] if child else []:
+            if Path(f"/proc/{pid}").exists():
+                os.kill(pid, signal.SIGKILL)
+        if parent.poll() is None:
+            parent.kill()

@@ -13,7 +13,9 @@ Real processes and real signals, as a scheduler sends them:
   exit 0 (budgets), a checkpoint of the step, an exact resume that skips partial checkpoints.
 - torchrun: SIGTERM to the agent (which forwards it) stops the workers with a checkpoint;
   with --max-restarts 1, a killed worker makes torchrun restart the group, which resumes
-  by itself and ends with the uninterrupted run's losses.
+  by itself and ends with the uninterrupted run's losses; an agent killed by any signal
+  (SIGKILL included) leaves no worker running: each watches its agent, stops after its
+  step with a checkpoint and is ended within seconds.
 """
 
 from __future__ import annotations
@@ -334,3 +336,45 @@ def test_sigterm_to_torchrun_stops_the_workers_with_a_checkpoint_and_resume_is_e
                             "SIGTERM")
     assert _still_alive(workers, within=10) == []
     _resume_is_exact(run_dir, cache_dir, straight, stopped)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+def test_workers_of_a_dead_torchrun_agent_stop_within_seconds(tmp_path, cache_dir, sig):
+    """The torchrun agent dies (SIGKILL: no handler runs, and torchrun puts each worker in a
+    session of its own, so nothing else reaches them; SIGINT: the agent ends them itself).
+    Every worker is gone within seconds and metrics.jsonl stops growing. After SIGKILL each
+    worker's agent watch stops it after its step with that step's checkpoint first."""
+    run_dir = tmp_path / "run"
+    metrics = run_dir / "metrics.jsonl"
+    proc = _start(_torchrun() + _set(overrides(run_dir, cache_dir, *EP2, "train.steps=1000")), threads=NPROC2_THREADS)
+    workers: list[int] = []
+    try:
+        _wait_for_checkpoint(run_dir, proc)
+        workers = children(proc.pid)
+        assert len(workers) == 2, workers
+        size = metrics.stat().st_size
+        deadline = time.monotonic() + 60
+        while metrics.stat().st_size == size and time.monotonic() < deadline:  # training, not starting
+            time.sleep(0.02)
+        assert metrics.stat().st_size > size
+        proc.send_signal(sig)
+        sent = time.monotonic()
+        left = _still_alive(workers, within=20)
+        took = time.monotonic() - sent
+        assert left == [], f"workers {left} still running 20 s after {sig.name} to their agent"
+        print(f"workers gone {took:.2f} s after {sig.name} to the agent")
+        assert took < 10, took
+        out, err = _finish(proc, timeout=30)
+        size = metrics.stat().st_size
+        time.sleep(1.0)
+        assert metrics.stat().st_size == size
+        if sig == signal.SIGKILL:
+            assert f"the torchrun agent (pid {proc.pid}) is gone: stopping this rank (SIGTERM)" in err, err[-4000:]
+            stopped = [line for line in err.splitlines() if line.startswith("stopped")]
+            _stopped_step(run_dir, "\n".join(stopped), "SIGTERM")
+    finally:
+        for pid in [*workers, *descendants(proc.pid), proc.pid]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.returncode is None:
+            proc.communicate(timeout=30)

@@ -87,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True, soft_wrap=True)
     torchrun = _torchrun_world()
+    if torchrun is not None:
+        from moe_fold.launch import parent_handle
+
+        # Taken first: an agent that dies while the config loads is still noticed.
+        agent = parent_handle()
     if args.nproc is not None and torchrun is not None:
         err.print(f"error: --nproc={args.nproc} cannot be used under torchrun (WORLD_SIZE={torchrun}); "
                   f"torchrun already started the ranks")
@@ -130,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     progress = not args.no_progress
     if torchrun is not None:
-        return _run_torchrun(config, args.resume, progress)
+        return _run_torchrun(config, args.resume, progress, agent)
     if world == 1:
         from moe_fold.launch import keep_freed_memory
         from moe_fold.training.train import compute_device, train
@@ -176,15 +181,28 @@ def _ended(result, config, err) -> int:
     return result.stop.exit_code
 
 
-def _run_torchrun(config, resume: bool, progress: bool) -> int:
+def _run_torchrun(config, resume: bool, progress: bool, agent: int | None) -> int:
+    """One torchrun worker. ``agent``: a handle on its torchrun agent (launch.parent_handle,
+    None where the system offers none)."""
     import datetime
+    import signal
 
     import torch
     import torch.distributed as dist
     from rich.console import Console
 
-    from moe_fold.launch import keep_freed_memory
+    from moe_fold.launch import exit_with_parent, keep_freed_memory
     from moe_fold.training.train import compute_device, train
+
+    # torchrun starts each worker in a session of its own, so nothing ends a worker whose
+    # agent was killed (SIGKILL, OOM killer): it would train on, writing into the run folder.
+    # The watch stops it after its step (the first exit signal) and ends it soon after.
+    stop = signal.Signals[config.train.exit_signals[0]] if config.train.exit_signals else None
+    if agent is not None:
+        exit_with_parent(agent, who=f"the torchrun agent (pid {os.getppid()})", stop_signal=stop)
+    elif int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        print("warning: no pidfd on this system: a worker whose torchrun agent is killed (SIGKILL) will not "
+              "notice it; end the workers by pid", file=sys.stderr)
 
     backend = config.parallel.backend
     if backend == "auto":
