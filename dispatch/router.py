@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from moe_fold.comm import all_reduce_
-from moe_fold.config import GROUP_SCORES, MoEConfig
+from moe_fold.config import GROUP_SCORES, MoEConfig, group_ranked_scores
 from moe_fold.dispatch.aux_losses import attach_loss, aux_loss_scores, load_balancing_loss, z_loss
 from moe_fold.dispatch.routing_stats import RoutingStats, routing_stats
 from moe_fold.kernels.topk import BACKENDS as TOPK_BACKENDS
@@ -108,7 +108,7 @@ def _select(scores: torch.Tensor, topk: int, num_groups: Optional[int],
     num_tokens, num_experts = scores.shape
     per_group = num_experts // num_groups
     # A group's rank is the sum of its best `ranked` scores (max: the best one).
-    ranked = {"topk_sum": topk // group_topk, "top2_sum": 2, "max": 1}[group_score]
+    ranked = group_ranked_scores(group_score, topk, group_topk)
     # [T, E] -> [T, groups, E/groups] -> [T, groups]
     group_scores = _stable_topk(scores.view(num_tokens, num_groups, per_group), ranked)[0].sum(-1)
     best = _stable_topk(group_scores, group_topk)[1]

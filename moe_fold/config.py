@@ -577,6 +577,13 @@ def mla_weight_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def group_ranked_scores(group_score: str, topk: int, group_topk: int) -> int:
+    """How many of a group's best scores add up to its rank in group-limited routing
+    (``moe.group_score``): topk/group_topk for topk_sum, 2 for top2_sum, 1 for max. Two
+    rules with the same count route identically."""
+    return {"topk_sum": topk // group_topk, "top2_sum": 2, "max": 1}[group_score]
+
+
 MLA_SIZES = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
