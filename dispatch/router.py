@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from moe_fold.comm import all_reduce_
-from moe_fold.config import MoEConfig
+from moe_fold.config import GROUP_SCORES, MoEConfig, group_ranked_scores
 from moe_fold.dispatch.aux_losses import attach_loss, aux_loss_scores, load_balancing_loss, z_loss
 from moe_fold.dispatch.routing_stats import RoutingStats, routing_stats
 from moe_fold.kernels.topk import BACKENDS as TOPK_BACKENDS
@@ -54,6 +54,7 @@ def check_routing_args(
     pre_softmax: bool = False,
     num_groups: Optional[int] = None,
     group_topk: Optional[int] = None,
+    group_score: str = "topk_sum",
     scaling_factor: Optional[float] = None,
     expert_bias: bool = False,
 ) -> None:
@@ -68,17 +69,27 @@ def check_routing_args(
         raise ValueError(f"expert_bias needs score='sigmoid' (selection uses score + bias), got score={score!r}")
     if (num_groups is None) != (group_topk is None):
         raise ValueError(f"num_groups={num_groups!r} and group_topk={group_topk!r} must be set together")
+    if group_score not in GROUP_SCORES:
+        raise ValueError(f"group_score={group_score!r} is not a known group score; use one of {GROUP_SCORES}")
     if num_groups is not None:
         if num_groups < 1 or num_experts % num_groups:
             raise ValueError(f"num_groups={num_groups} must be >= 1 and divide num_experts={num_experts}")
         if not 1 <= group_topk <= num_groups:
             raise ValueError(f"group_topk={group_topk} must satisfy 1 <= group_topk <= num_groups={num_groups}")
-        if topk % group_topk:
-            raise ValueError(f"topk={topk} must be divisible by group_topk={group_topk} "
-                             "(a group scores the sum of its top topk/group_topk experts)")
-        if topk // group_topk > num_experts // num_groups:
-            raise ValueError(f"topk/group_topk={topk // group_topk} exceeds the "
-                             f"{num_experts // num_groups} experts of a group")
+        per_group = num_experts // num_groups
+        if group_score == "topk_sum":
+            if topk % group_topk:
+                raise ValueError(f"topk={topk} must be divisible by group_topk={group_topk} "
+                                 "(with group_score='topk_sum' a group scores the sum of its top topk/group_topk "
+                                 "experts)")
+            if topk // group_topk > per_group:
+                raise ValueError(f"topk/group_topk={topk // group_topk} exceeds the {per_group} experts of a group")
+        if group_score == "top2_sum" and per_group < 2:
+            raise ValueError(f"group_score='top2_sum' needs >= 2 experts per group, got num_experts/num_groups="
+                             f"{per_group}")
+        if topk > group_topk * per_group:
+            raise ValueError(f"topk={topk} exceeds the {group_topk * per_group} experts of the group_topk="
+                             f"{group_topk} selected groups")
     if scaling_factor is not None and not (math.isfinite(scaling_factor) and scaling_factor > 0):
         raise ValueError(f"scaling_factor={scaling_factor!r} must be a finite number > 0 (or None)")
 
@@ -90,14 +101,16 @@ def _stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def _select(scores: torch.Tensor, topk: int, num_groups: Optional[int],
-            group_topk: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            group_topk: Optional[int], group_score: str = "topk_sum") -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k values and expert indices per token, optionally limited to the best groups."""
     if group_topk is None:
         return _stable_topk(scores, topk)
     num_tokens, num_experts = scores.shape
     per_group = num_experts // num_groups
+    # A group's rank is the sum of its best `ranked` scores (max: the best one).
+    ranked = group_ranked_scores(group_score, topk, group_topk)
     # [T, E] -> [T, groups, E/groups] -> [T, groups]
-    group_scores = _stable_topk(scores.view(num_tokens, num_groups, per_group), topk // group_topk)[0].sum(-1)
+    group_scores = _stable_topk(scores.view(num_tokens, num_groups, per_group), ranked)[0].sum(-1)
     best = _stable_topk(group_scores, group_topk)[1]
     eligible = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=scores.device)
     eligible.scatter_(1, best, True)
@@ -114,6 +127,7 @@ def topk_routing(
     pre_softmax: bool = False,
     num_groups: Optional[int] = None,
     group_topk: Optional[int] = None,
+    group_score: str = "topk_sum",
     scaling_factor: Optional[float] = None,
     expert_bias: Optional[torch.Tensor] = None,
     backend: str = "torch",
@@ -127,8 +141,11 @@ def topk_routing(
             those softmax values, not renormalised). False (default): top-k of the logits,
             then softmax over the k chosen logits.
         num_groups, group_topk: group-limited routing. Experts form ``num_groups`` equal
-            groups; a group scores the sum of its top ``topk/group_topk`` scores (logits for
-            post-softmax); only the best ``group_topk`` groups are eligible.
+            groups, ranked by ``group_score`` on the selection scores (logits for post-softmax,
+            sigmoid + bias with an expert bias); only the best ``group_topk`` groups are eligible.
+        group_score: ``topk_sum`` (Megatron-Core): the sum of a group's top ``topk/group_topk``
+            scores; ``top2_sum`` (DeepSeek-V3, GLM-4.5): the sum of its top 2 whatever topk is;
+            ``max`` (DeepSeek-V2): its best score.
         scaling_factor: multiplies the final probs.
         expert_bias: ``[E]``, sigmoid only. Selection uses ``sigmoid + bias``; the probs use
             the unbiased sigmoid. With k > 1 sigmoid probs are normalised over the k chosen.
@@ -148,7 +165,7 @@ def topk_routing(
         raise ValueError(f"logits must be [tokens, experts], got shape {tuple(logits.shape)}")
     num_experts = logits.shape[1]
     check_routing_args(num_experts, topk, score=score, pre_softmax=pre_softmax, num_groups=num_groups,
-                       group_topk=group_topk, scaling_factor=scaling_factor,
+                       group_topk=group_topk, group_score=group_score, scaling_factor=scaling_factor,
                        expert_bias=expert_bias is not None)
     if expert_bias is not None and tuple(expert_bias.shape) != (num_experts,):
         raise ValueError(f"expert_bias must have shape ({num_experts},), got {tuple(expert_bias.shape)}")
@@ -163,17 +180,17 @@ def topk_routing(
 
     if score == "softmax":
         if pre_softmax:
-            probs, top = _select(torch.softmax(work, dim=-1), topk, num_groups, group_topk)
+            probs, top = _select(torch.softmax(work, dim=-1), topk, num_groups, group_topk, group_score)
         else:
-            top_logits, top = _select(work, topk, num_groups, group_topk)
+            top_logits, top = _select(work, topk, num_groups, group_topk, group_score)
             probs = torch.softmax(top_logits, dim=-1)
     else:
         scores = torch.sigmoid(work)
         if expert_bias is not None:
-            top = _select(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk)[1]
+            top = _select(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk, group_score)[1]
             probs = scores.gather(1, top)
         else:
-            probs, top = _select(scores, topk, num_groups, group_topk)
+            probs, top = _select(scores, topk, num_groups, group_topk, group_score)
         if topk > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     if scaling_factor is not None:
@@ -300,8 +317,8 @@ class Router(nn.Module):
         super().__init__()
         check_routing_args(config.num_experts, config.topk, score=config.score_function,
                            pre_softmax=config.pre_softmax, num_groups=config.num_groups,
-                           group_topk=config.group_topk, scaling_factor=config.scaling_factor,
-                           expert_bias=config.expert_bias)
+                           group_topk=config.group_topk, group_score=config.group_score,
+                           scaling_factor=config.scaling_factor, expert_bias=config.expert_bias)
         if config.topk_backend not in TOPK_BACKENDS:
             raise ValueError(f"moe.topk_backend={config.topk_backend!r} must be one of {TOPK_BACKENDS}")
         if config.topk_backend == "triton" and (config.num_groups is not None or config.expert_bias):
@@ -390,8 +407,8 @@ class Router(nn.Module):
 
         probs, routing_map = topk_routing(
             routed_logits, cfg.topk, score=cfg.score_function, pre_softmax=cfg.pre_softmax,
-            num_groups=cfg.num_groups, group_topk=cfg.group_topk, scaling_factor=cfg.scaling_factor,
-            expert_bias=self.expert_bias, backend=cfg.topk_backend)
+            num_groups=cfg.num_groups, group_topk=cfg.group_topk, group_score=cfg.group_score,
+            scaling_factor=cfg.scaling_factor, expert_bias=self.expert_bias, backend=cfg.topk_backend)
         kept_probs, kept_map = probs, routing_map
         if cfg.capacity_factor is not None:
             kept_probs, kept_map = apply_capacity(probs, routing_map, cfg.capacity_factor, policy=cfg.drop_policy,

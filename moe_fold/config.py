@@ -28,6 +28,8 @@ import yaml
 # The signals train.exit_signals may name: those a job scheduler, a container runtime or a
 # terminal sends to end a process politely (SIGKILL and SIGSTOP cannot be caught).
 EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
+# moe.group_score: how group-limited routing ranks a group (see MoEConfig).
+GROUP_SCORES = ("topk_sum", "top2_sum", "max")
 
 @dataclass
 class ModelConfig:
@@ -104,6 +106,10 @@ class MoEConfig:
     pre_softmax: bool = False
     num_groups: Optional[int] = None
     group_topk: Optional[int] = None
+    # How group-limited routing ranks a group (dispatch/router.py): topk_sum, the sum of its
+    # best topk/group_topk scores (Megatron-Core); top2_sum, the sum of its best 2 whatever
+    # topk is (DeepSeek-V3, GLM-4.5); max, its best score (DeepSeek-V2's group_limited_greedy).
+    group_score: str = "topk_sum"  # topk_sum | top2_sum | max
     scaling_factor: Optional[float] = None
     router_dtype: str = "float32"  # float32 | float64
     input_jitter: float = 0.0
@@ -571,6 +577,13 @@ def mla_weight_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def group_ranked_scores(group_score: str, topk: int, group_topk: int) -> int:
+    """How many of a group's best scores add up to its rank in group-limited routing
+    (``moe.group_score``): topk/group_topk for topk_sum, 2 for top2_sum, 1 for max. Two
+    rules with the same count route identically."""
+    return {"topk_sum": topk // group_topk, "top2_sum": 2, "max": 1}[group_score]
+
+
 MLA_SIZES = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
@@ -994,6 +1007,7 @@ def _check_groups(config: Config, out: list[str]) -> None:
     """Group-limited routing: pick group_topk groups, then topk experts inside them."""
     moe = config.moe
     groups, group_topk = moe.num_groups, moe.group_topk
+    _one_of(out, "moe.group_score", moe.group_score, GROUP_SCORES)
     if (groups is None) != (group_topk is None):
         out.append(f"moe.num_groups={_fmt(groups)} and moe.group_topk={_fmt(group_topk)} "
                    f"must be both set or both null")
@@ -1010,9 +1024,13 @@ def _check_groups(config: Config, out: list[str]) -> None:
     if group_topk > groups:
         out.append(f"moe.group_topk={group_topk} must be <= moe.num_groups={groups}")
         return
-    # Groups are ranked by the sum of their best topk/group_topk scores.
-    _divisible(out, "moe.topk", moe.topk, "moe.group_topk", group_topk,
-               " (each selected group is scored by its best topk/group_topk experts)")
+    if moe.group_score == "topk_sum":
+        # Groups are ranked by the sum of their best topk/group_topk scores.
+        _divisible(out, "moe.topk", moe.topk, "moe.group_topk", group_topk,
+                   " (each selected group is scored by its best topk/group_topk experts)")
+    elif moe.group_score == "top2_sum" and moe.num_experts // groups < 2:
+        out.append(f"moe.group_score=top2_sum needs >= 2 experts per group, got moe.num_experts/moe.num_groups="
+                   f"{moe.num_experts // groups}")
     reachable = group_topk * (moe.num_experts // groups)
     if moe.topk > reachable:
         out.append(f"moe.topk={moe.topk} exceeds the {reachable} experts in the selected groups "

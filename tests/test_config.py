@@ -327,6 +327,11 @@ RULES = [
      ["moe.topk=3 is not divisible by moe.group_topk=2 (each selected group is scored by its best topk/group_topk experts)"]),
     (["moe.num_groups=4", "moe.group_topk=1", "moe.topk=3"], 1,
      ["moe.topk=3 exceeds the 2 experts in the selected groups (moe.group_topk=1 * moe.num_experts/moe.num_groups=2)"]),
+    (["moe.group_score=top3"], 1, ["moe.group_score=top3 must be one of topk_sum, top2_sum, max"]),
+    (["moe.num_groups=8", "moe.group_topk=2", "moe.group_score=top2_sum"], 1,
+     ["moe.group_score=top2_sum needs >= 2 experts per group, got moe.num_experts/moe.num_groups=1"]),
+    (["moe.num_groups=4", "moe.group_topk=1", "moe.topk=3", "moe.group_score=max"], 1,
+     ["moe.topk=3 exceeds the 2 experts in the selected groups (moe.group_topk=1 * moe.num_experts/moe.num_groups=2)"]),
     # router options
     (["moe.score_function=tanh"], 1, ["moe.score_function=tanh must be one of softmax, sigmoid"]),
     (["moe.router_dtype=float16"], 1, ["moe.router_dtype=float16 must be one of float32, float64"]),

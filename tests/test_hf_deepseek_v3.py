@@ -6,6 +6,7 @@ under tp2 x ep2 and pp2 x cp2 on gloo ranks; export (from one process and from b
 layouts) writes back the very same safetensors tensors; what the importer cannot
 represent is refused by name."""
 
+import copy
 import json
 
 import pytest
@@ -41,6 +42,9 @@ CASES = {
     "no_q_lora": dict(q_lora_rank=None, rope_interleave=False, n_shared_experts=2, n_group=1, topk_group=1,
                       num_experts_per_tok=3, routed_scaling_factor=1.7,
                       rope_parameters=dict(rope_type="default", rope_theta=5e4)),
+    # num_experts_per_tok 3 != 2 x topk_group: a group still ranks by its best 2 scores.
+    "groups_k3": dict(q_lora_rank=14, rope_interleave=False, num_experts_per_tok=3,
+                      rope_parameters=dict(rope_type="default", rope_theta=1e4)),
 }
 
 
@@ -126,6 +130,7 @@ def test_config_mapping():
         4.0, 16, 1.0, 0.8)
     assert (moe.score_function, moe.expert_bias, moe.num_groups, moe.group_topk, moe.topk) == ("sigmoid", True, 4, 2, 4)
     assert (moe.first_k_dense, moe.scaling_factor, moe.shared_expert_ffn_hidden_size) == (1, 2.5, 22)
+    assert moe.group_score == "top2_sum"
     plain = config_from_hf(hf_model("no_q_lora").config.to_dict())
     assert plain.model.q_lora_rank is None and plain.model.rope_scaling is None and not plain.model.rope_interleave
     assert (plain.moe.num_groups, plain.moe.shared_expert_ffn_hidden_size, plain.model.rope_theta) == (None, 44, 5e4)
@@ -157,6 +162,19 @@ def test_released_config_imports_to_our_preset():
     imported = config_from_hf(DEEPSEEK_V3, ours)
     assert _architecture_mismatch(ours, imported) == []
     assert imported.moe.first_k_dense == 3 and imported.moe.seq_aux_loss_coeff == 0.001
+
+
+def test_checkpoint_loads_into_a_model_that_ranks_groups_alike():
+    """A DeepSeek-V3 checkpoint (top2_sum) fits a model with Megatron-Core's topk_sum when
+    topk = 2 x group_topk (the same ranking), not one with max."""
+    from moe_fold.models.hf.importer import _architecture_mismatch
+
+    theirs = config_from_hf(hf_model("q_lora_yarn").config.to_dict())
+    ours = copy.deepcopy(theirs)
+    ours.moe.group_score = "topk_sum"
+    assert _architecture_mismatch(ours, theirs) == []
+    ours.moe.group_score = "max"
+    assert _architecture_mismatch(ours, theirs) == ["moe.group_score: the model has 'max', the checkpoint 'top2_sum'"]
 
 
 def _refused(tmp_path, edit, case="q_lora_yarn"):
@@ -203,6 +221,29 @@ def test_export_refuses_what_deepseek_v3_cannot_hold(tmp_path):
     with pytest.raises(HFConfigError, match="shared_expert_gate=true"):
         to_hf(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_export_takes_the_group_scores_deepseek_v3_ranks_alike(tmp_path):
+    """transformers ranks a group by its best 2 scores: Megatron-Core's topk_sum exports when
+    topk = 2 x group_topk (the same ranking: the re-import gives the same logits); max, or
+    topk_sum with another ratio, is refused by name."""
+    hf_model("q_lora_yarn").save_pretrained(tmp_path / "hf")
+    model = from_hf(tmp_path / "hf").eval()
+    ids = token_ids()
+    want = model.logits(ids)
+    model.config.moe.group_score = "topk_sum"  # topk 4, group_topk 2: the best 2 scores
+    assert torch.equal(model.logits(ids), want)
+    to_hf(model, tmp_path / "megatron")
+    assert torch.equal(from_hf(tmp_path / "megatron").eval().logits(ids), want)
+    model.config.moe.group_score = "max"
+    assert not torch.equal(model.logits(ids), want)  # the router reads the config: max routes otherwise
+    with pytest.raises(HFConfigError, match=r"moe.group_score=max with moe.topk=4 and moe.group_topk=2: .* "
+                                            r"rank a group by the sum of its best 2 scores, this model by its best 1"):
+        to_hf(model, tmp_path / "max")
+    model.config.moe.group_score, model.config.moe.group_topk = "topk_sum", 4
+    with pytest.raises(HFConfigError, match="moe.group_score=topk_sum with moe.topk=4 and moe.group_topk=4"):
+        to_hf(model, tmp_path / "ratio")
+    assert not (tmp_path / "max").exists() and not (tmp_path / "ratio").exists()
 
 
 # --------------------------------------------------------------------------- layouts

@@ -51,10 +51,13 @@ def hf_model(case: str, seed: int = 0, **overrides):
     return randomize(model, seed)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_import_matches_transformers_and_export_round_trips(case, tmp_path):
+# (case, config overrides): GLM-4.5 also with num_experts_per_tok 3 != 2 x topk_group, where a
+# group still ranks by its best 2 scores.
+@pytest.mark.parametrize("case, overrides", [("glm4_moe", {}), ("glm4_moe", dict(num_experts_per_tok=3)),
+                                             ("olmoe", {})], ids=["glm4_moe", "glm4_moe_k3", "olmoe"])
+def test_import_matches_transformers_and_export_round_trips(case, overrides, tmp_path):
     ids = token_ids()
-    ref_model = hf_model(case)
+    ref_model = hf_model(case, **overrides)
     ref_model.save_pretrained(tmp_path / "hf")
     ref = hf_logits(ref_model, ids)
     model = from_hf(tmp_path / "hf")
@@ -78,6 +81,7 @@ def test_config_mapping():
     assert (moe.score_function, moe.expert_bias, moe.num_groups, moe.group_topk, moe.topk) == ("sigmoid", True, 4, 2, 4)
     assert (moe.first_k_dense, moe.scaling_factor, moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate) == (
         1, 2.5, 22, False)
+    assert moe.group_score == "top2_sum"
     olmoe = config_from_hf(hf_model("olmoe").config.to_dict())
     m, moe = olmoe.model, olmoe.moe
     assert (m.qk_norm, m.qk_norm_scope, m.partial_rotary_factor, m.rope_theta) == (True, "projection", 1.0, 5e4)

@@ -19,7 +19,7 @@ from float64_reference import assert_close_to_float64
 # --------------------------------------------------------------------------- references
 
 def ref_topk(logits, k, score="softmax", pre_softmax=False, num_groups=None, group_topk=None,
-             scaling_factor=None, expert_bias=None):
+             scaling_factor=None, expert_bias=None, group_score="topk_sum"):
     T, E = logits.shape
     probs = torch.zeros(T, E, dtype=torch.float64)
     rmap = torch.zeros(T, E, dtype=torch.bool)
@@ -36,8 +36,12 @@ def ref_topk(logits, k, score="softmax", pre_softmax=False, num_groups=None, gro
         eligible = list(range(E))
         if num_groups is not None:
             per = E // num_groups
-            gscore = [sum(sorted(sel[g * per:(g + 1) * per], reverse=True)[:k // group_topk])
-                      for g in range(num_groups)]
+            members = [sorted(sel[g * per:(g + 1) * per], reverse=True) for g in range(num_groups)]
+            if group_score == "max":
+                gscore = [m[0] for m in members]
+            else:
+                best_n = k // group_topk if group_score == "topk_sum" else 2
+                gscore = [sum(m[:best_n]) for m in members]
             best = sorted(range(num_groups), key=lambda g: (-gscore[g], g))[:group_topk]
             eligible = [i for i in range(E) if i // per in best]
         chosen = sorted(eligible, key=lambda i: (-sel[i], i))[:k]
@@ -89,6 +93,10 @@ ROUTING_CASES = [
     dict(score="sigmoid", scaling_factor=2.5, num_groups=2, group_topk=1),
     dict(score="sigmoid", bias=True),
     dict(score="sigmoid", bias=True, num_groups=4, group_topk=2, scaling_factor=1.5),
+    dict(score="softmax", num_groups=4, group_topk=2, group_score="top2_sum"),
+    dict(score="sigmoid", bias=True, num_groups=4, group_topk=2, group_score="top2_sum"),
+    dict(score="softmax", pre_softmax=True, num_groups=4, group_topk=2, group_score="max"),
+    dict(score="sigmoid", bias=True, num_groups=4, group_topk=3, group_score="max"),
 ]
 
 
@@ -100,7 +108,7 @@ def test_topk_routing_matches_loop(case, k):
     T, E = 24, 16
     logits = torch.randn(T, E, generator=g) * 2
     bias = torch.randn(E, generator=g) * 0.3 if case.pop("bias", False) else None
-    if case.get("group_topk") and k % case["group_topk"]:
+    if case.get("group_score", "topk_sum") == "topk_sum" and case.get("group_topk") and k % case["group_topk"]:
         case["group_topk"] = 1  # k=1 cannot split over 2 groups; one group keeps the case valid
     probs, rmap = topk_routing(logits, k, **case, expert_bias=bias)
     want_probs, want_map = ref_topk(logits, k, **case, expert_bias=bias)
@@ -147,6 +155,28 @@ def test_ties_go_to_lower_index(case):
     assert rmap.nonzero()[:, 1].tolist() == [1, 2]
 
 
+@pytest.mark.parametrize("group_score", ["top2_sum", "max"])
+def test_group_score_by_hand(group_score):
+    # 3 groups of 3 experts; topk=3 from group_topk=2 groups (3/2 is not whole, which only
+    # top2_sum and max allow).
+    logits = torch.tensor([[9.0, 0.0, 0.0, 5.0, 5.0, 4.0, 6.0, 4.0, 0.0]])
+    _, rmap = topk_routing(logits, 3, num_groups=3, group_topk=2, group_score=group_score)
+    # top2_sum: groups 1 and 2 (10, 10 beat 9); the best 3 there are 6 (expert 6), 5 (3), 5 (4).
+    # max: groups 0 and 2 (9 and 6 beat 5); the best 3 there are 9 (0), 6 (6), 4 (7).
+    want = {"top2_sum": [3, 4, 6], "max": [0, 6, 7]}[group_score]
+    assert rmap.nonzero()[:, 1].tolist() == sorted(want)
+    assert torch.equal(rmap, ref_topk(logits, 3, num_groups=3, group_topk=2, group_score=group_score)[1])
+
+
+def test_top2_sum_ranks_groups_on_biased_scores():
+    # DeepSeek-V3 ranks groups on sigmoid + bias: the bias lifts group 1 over group 0.
+    logits = torch.tensor([[3.0, 3.0, 0.0, 0.0, -3.0, -3.0]])
+    bias = torch.tensor([0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    _, rmap = topk_routing(logits, 1, score="sigmoid", num_groups=3, group_topk=1, group_score="top2_sum",
+                           expert_bias=bias)
+    assert rmap.nonzero()[:, 1].tolist() == [2]
+
+
 def test_tied_groups_go_to_lower_group():
     logits = torch.tensor([[1.0, 2.0, 2.0, 1.0, 0.0, 0.0]])
     _, rmap = topk_routing(logits, 2, num_groups=3, group_topk=1)
@@ -176,6 +206,9 @@ def test_topk_routing_gradient(case):
     (dict(topk=3, num_groups=4, group_topk=2), "divisible by group_topk=2"),
     (dict(topk=2, num_groups=4, group_topk=5), "group_topk=5"),
     (dict(topk=6, num_groups=4, group_topk=2), "exceeds the 2 experts"),
+    (dict(topk=2, num_groups=4, group_topk=2, group_score="top3"), "group_score='top3'"),
+    (dict(topk=2, num_groups=8, group_topk=2, group_score="top2_sum"), "needs >= 2 experts per group"),
+    (dict(topk=5, num_groups=4, group_topk=2, group_score="max"), "topk=5 exceeds the 4 experts"),
     (dict(topk=2, scaling_factor=0.0), "scaling_factor=0.0"),
 ])
 def test_topk_routing_bad_arguments(kwargs, match):

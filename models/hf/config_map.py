@@ -28,8 +28,9 @@ names), ``rope_interleave``, default or YaRN rotary (``rope_parameters``); sigmo
 scores with the ``e_score_correction_bias`` (our expert bias), renormalised over the
 top-k (``norm_topk_prob: true``; we always renormalise sigmoid top-k > 1) and scaled by
 ``routed_scaling_factor``; group-limited routing that ranks a group by its best two
-scores, which is ours (best ``topk/group_topk``) when ``num_experts_per_tok /
-topk_group = 2``; ``n_shared_experts`` ungated shared experts of width
+scores whatever ``num_experts_per_tok`` is (``moe.group_score: top2_sum``; the exporter
+also takes Megatron-Core's ``topk_sum`` when topk = 2 x group_topk, where the two rules
+agree, and refuses the others); ``n_shared_experts`` ungated shared experts of width
 ``moe_intermediate_size`` each (one shared expert of the summed width); the first
 ``first_k_dense_replace`` layers dense. ``num_nextn_predict_layers`` is
 ``model.mtp_num_layers`` (the importer keeps only the depths whose tensors the checkpoint
@@ -49,7 +50,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
-from moe_fold.config import Config, head_dim, moe_layer_flags
+from moe_fold.config import Config, group_ranked_scores, head_dim, moe_layer_flags
 
 __all__ = ["FAMILIES", "METADATA_KEYS", "HFConfigError", "hf_family", "config_from_hf", "config_to_hf",
            "export_family"]
@@ -210,7 +211,7 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     keys.must_be("mlp_bias", (False,), "the MLPs have no biases here")
     keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
 
-    moe.score_function, moe.num_groups, moe.group_topk = "softmax", None, None
+    moe.score_function, moe.num_groups, moe.group_topk, moe.group_score = "softmax", None, None, "topk_sum"
     moe.scaling_factor, moe.expert_bias, moe.first_k_dense = None, False, 0
     moe.topk = keys.get("num_experts_per_tok")
     moe.aux_loss_coeff = float(keys.get("router_aux_loss_coef", 0.001))
@@ -391,14 +392,20 @@ def _deepseek_moe_from_hf(keys: _Keys, config: Config) -> None:
                              f"{moe.topk} is not supported: sigmoid top-k probabilities are renormalised over "
                              f"k > 1 experts here (Megatron-Core's rule)")
     groups, group_topk = keys.get("n_group", 1), keys.get("topk_group", 1)
+    # transformers and DeepSeek's reference rank a group by the sum of its best 2 scores
+    # (on the biased scores), whatever num_experts_per_tok is.
+    moe.group_score = "top2_sum"
     if groups == 1:
         moe.num_groups, moe.group_topk = None, None
     else:
         moe.num_groups, moe.group_topk = groups, group_topk
-        if not group_topk or moe.topk != 2 * group_topk:
+        experts = moe.num_experts or 0
+        reachable = (group_topk or 0) * (experts // groups)
+        if experts and groups and moe.topk is not None and moe.topk > reachable:
             keys.problems.append(f"num_experts_per_tok={moe.topk} with topk_group={group_topk} is not supported: "
-                                 f"DeepSeek-V3 ranks a group by its best 2 scores, moe-fold by its best "
-                                 f"num_experts_per_tok/topk_group, so they agree only when that is 2")
+                                 f"the {group_topk} selected groups hold {reachable} experts (n_routed_experts/"
+                                 f"n_group={experts // groups} each), and transformers would fill the rest with "
+                                 f"experts of the excluded groups")
 
 
 def _glm4_moe_from_hf(keys: _Keys, config: Config) -> None:
@@ -552,9 +559,11 @@ def _deepseek_moe_to_hf(config: Config, flags: list[bool], refuse) -> dict:
            f"later layer MoE")
     refuse(moe.topk < 2, f"moe.topk={moe.topk}: the top-k sigmoid probabilities are renormalised, which "
                          f"moe-fold does only for k > 1")
-    refuse(moe.num_groups is not None and moe.topk != 2 * (moe.group_topk or 0),
-           f"moe.topk={moe.topk} with moe.group_topk={moe.group_topk}: a group is ranked by its best 2 "
-           f"scores, so topk must be 2 * group_topk")
+    ranked = None if moe.num_groups is None else group_ranked_scores(moe.group_score, moe.topk, moe.group_topk)
+    refuse(ranked not in (None, 2),
+           f"moe.group_score={moe.group_score} with moe.topk={moe.topk} and moe.group_topk={moe.group_topk}: "
+           f"DeepSeek-V3 and GLM-4.5 rank a group by the sum of its best 2 scores, this model by its best "
+           f"{ranked} (group_score=top2_sum, or topk_sum with topk = 2 * group_topk, can be exported)")
     return {
         "intermediate_size": m.ffn_hidden_size, "moe_intermediate_size": moe.ffn_hidden_size,
         "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.topk,

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-from moe_fold.config import Config, head_dim, moe_layer_flags, validate
+from moe_fold.config import Config, group_ranked_scores, head_dim, moe_layer_flags, validate
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.sharding import box, buffer_info, shard_info
 
@@ -79,8 +79,17 @@ _ARCHITECTURE = {
               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "qk_norm_scope", "partial_rotary_factor",
               "mtp_num_layers"),
     "moe": ("num_experts", "topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate",
-            "score_function", "pre_softmax", "num_groups", "group_topk", "scaling_factor", "expert_bias"),
+            "score_function", "pre_softmax", "num_groups", "group_topk", "group_score", "scaling_factor", "expert_bias"),
 }
+
+
+def _same_group_ranking(a: Config, b: Config) -> bool:
+    """Two group scores that rank groups alike (no groups, or the same number of best
+    scores summed: DeepSeek-V3's top-2 sum is Megatron-Core's rule when topk/group_topk = 2)."""
+    if a.moe.num_groups is None or b.moe.num_groups is None:
+        return a.moe.num_groups == b.moe.num_groups
+    return (group_ranked_scores(a.moe.group_score, a.moe.topk, a.moe.group_topk)
+            == group_ranked_scores(b.moe.group_score, b.moe.topk, b.moe.group_topk))
 
 
 def _architecture_mismatch(ours: Config, theirs: Config) -> list[str]:
@@ -88,7 +97,8 @@ def _architecture_mismatch(ours: Config, theirs: Config) -> list[str]:
     for section, names in _ARCHITECTURE.items():
         for name in names:
             a, b = getattr(getattr(ours, section), name), getattr(getattr(theirs, section), name)
-            if a != b and not (name == "head_dim" and a is None):
+            if a != b and not (name == "head_dim" and a is None) and not (
+                    name == "group_score" and _same_group_ranking(ours, theirs)):
                 out.append(f"{section}.{name}: the model has {a!r}, the checkpoint {b!r}")
     if head_dim(ours) != head_dim(theirs):
         out.append(f"head_dim: the model has {head_dim(ours)}, the checkpoint {head_dim(theirs)}")

@@ -48,8 +48,8 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ routing
     Mutant(
         "router-presoftmax-dim", ROUTER,
-        "probs, top = _select(torch.softmax(work, dim=-1), topk, num_groups, group_topk)",
-        "probs, top = _select(torch.softmax(work, dim=0), topk, num_groups, group_topk)",
+        "probs, top = _select(torch.softmax(work, dim=-1), topk, num_groups, group_topk, group_score)",
+        "probs, top = _select(torch.softmax(work, dim=0), topk, num_groups, group_topk, group_score)",
         "pre-softmax scores normalised over the tokens instead of the experts (swapped dims)",
         (f"{T_ROUTER}::test_topk_routing_matches_loop",)),
     Mutant(
@@ -61,10 +61,18 @@ MUTANTS: list[Mutant] = [
         (f"{T_ROUTER}::test_group_limited_excludes_losing_groups",)),
     Mutant(
         "router-group-score-top1", ROUTER,
-        "group_scores = _stable_topk(scores.view(num_tokens, num_groups, per_group), topk // group_topk)[0].sum(-1)",
+        "group_scores = _stable_topk(scores.view(num_tokens, num_groups, per_group), ranked)[0].sum(-1)",
         "group_scores = _stable_topk(scores.view(num_tokens, num_groups, per_group), 1)[0].sum(-1)",
-        "a group scored by its best expert only, not the sum of its top topk/group_topk (DeepSeek-V3)",
+        "a group scored by its best expert only, not the sum of its top topk/group_topk (or top 2)",
         (f"{T_ROUTER}::test_topk_routing_matches_loop",)),
+    Mutant(
+        "router-group-score-top2-as-megatron", "moe_fold/config.py",
+        '''return {"topk_sum": topk // group_topk, "top2_sum": 2, "max": 1}[group_score]''',
+        '''return {"topk_sum": topk // group_topk, "top2_sum": topk // group_topk, "max": 1}[group_score]''',
+        "DeepSeek-V3's top2_sum ranks a group by its best topk/group_topk scores (Megatron-Core's rule), "
+        "which differs from transformers when num_experts_per_tok != 2 x topk_group",
+        (f"{T_ROUTER}::test_group_score_by_hand",
+         "tests/test_hf_deepseek_v3.py::test_import_matches_transformers_and_export_round_trips")),
     Mutant(
         "router-sigmoid-norm-dim", ROUTER,
         "probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)",
