@@ -106,6 +106,17 @@ class PrefixWriter(abc.ABC):
         self._bin_tmp, self._idx_tmp = temporary_names(self.prefix)
         self._bin = open(self._bin_tmp, "wb")
 
+    def _checked_document(self, ids: Iterable[int] | np.ndarray) -> np.ndarray:
+        """``ids`` as a 1-D array, refused with the document's number if any id is outside
+        the vocabulary (``num_docs``: the documents already written)."""
+        arr = np.asarray(ids)
+        if arr.ndim != 1:
+            raise ValueError(f"a document must be a 1-D sequence of token ids, got shape {arr.shape}")
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            raise ValueError(f"document {self.num_docs} has token ids in [{arr.min()}, {arr.max()}], "
+                             f"outside [0, vocab_size={self.vocab_size})")
+        return arr
+
     @abc.abstractmethod
     def finish(self) -> Path:
         """Write the format's index, then :meth:`_publish`; returns the prefix."""
@@ -154,12 +165,7 @@ class IndexedDatasetWriter(PrefixWriter):
         return len(self._offsets) - 1
 
     def add_document(self, ids: Iterable[int] | np.ndarray) -> None:
-        arr = np.asarray(ids)
-        if arr.ndim != 1:
-            raise ValueError(f"a document must be a 1-D sequence of token ids, got shape {arr.shape}")
-        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-            raise ValueError(f"document {self.num_docs} has token ids in [{arr.min()}, {arr.max()}], "
-                             f"outside [0, vocab_size={self.vocab_size})")
+        arr = self._checked_document(ids)
         data = memoryview(arr.astype(self.dtype, copy=False).tobytes())
         self._bin.write(data)
         while len(data):
@@ -196,7 +202,22 @@ def write_indexed_dataset(prefix: str | os.PathLike, documents: Iterable[Iterabl
     return Path(prefix)
 
 
-class IndexedDataset:
+class DocumentIndex:
+    """Reading document ``i`` of a memory-mapped token file: a subclass sets ``tokens``
+    (the ``.bin``), ``offsets`` (token offset of each document, ``[docs+1]``),
+    ``num_docs`` and ``prefix``."""
+
+    def __len__(self) -> int:
+        return self.num_docs
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not -self.num_docs <= i < self.num_docs:
+            raise IndexError(f"document {i} out of range for {self.num_docs} documents in {self.prefix}")
+        i %= self.num_docs
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+
+class IndexedDataset(DocumentIndex):
     """A dataset opened read-only with numpy memmap (see the module docstring for the
     checks made on open). ``ds[i]`` is document ``i``; ``ds.tokens`` is every token."""
 
@@ -275,12 +296,3 @@ class IndexedDataset:
                     hi = min(lo + self.block_size, size)
                     raise self._fail(f, f"checksum mismatch in bytes [{lo}, {hi}) (block {b}): crc32 "
                                         f"{actual:#010x}, the index says {int(self.block_crcs[b]):#010x}")
-
-    def __len__(self) -> int:
-        return self.num_docs
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        if not -self.num_docs <= i < self.num_docs:
-            raise IndexError(f"document {i} out of range for {self.num_docs} documents in {self.prefix}")
-        i %= self.num_docs
-        return self.tokens[self.offsets[i]:self.offsets[i + 1]]

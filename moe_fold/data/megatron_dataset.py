@@ -38,7 +38,7 @@ from typing import Iterable
 
 import numpy as np
 
-from moe_fold.data.indexed_dataset import DatasetFormatError, PrefixWriter, bin_path, idx_path
+from moe_fold.data.indexed_dataset import DatasetFormatError, DocumentIndex, PrefixWriter, bin_path, idx_path
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -53,7 +53,7 @@ def megatron_token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
 
 
-class MegatronDataset:
+class MegatronDataset(DocumentIndex):
     """A Megatron ``MMIDIDX`` dataset opened read-only (numpy memmap of the ``.bin``).
 
     Same reading interface as :class:`moe_fold.data.indexed_dataset.IndexedDataset`:
@@ -129,15 +129,6 @@ class MegatronDataset:
         self.num_docs = len(self.lengths)
         self.sequence_lengths = lengths
 
-    def __len__(self) -> int:
-        return self.num_docs
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        if not -self.num_docs <= i < self.num_docs:
-            raise IndexError(f"document {i} out of range for {self.num_docs} documents in {self.prefix}")
-        i %= self.num_docs
-        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
-
 
 class MegatronDatasetWriter(PrefixWriter):
     """Streams documents (one sequence each, already ending with eod, as
@@ -155,12 +146,7 @@ class MegatronDatasetWriter(PrefixWriter):
         return len(self._lengths)
 
     def add_document(self, ids: Iterable[int] | np.ndarray) -> None:
-        arr = np.asarray(ids)
-        if arr.ndim != 1:
-            raise ValueError(f"a document must be a 1-D sequence of token ids, got shape {arr.shape}")
-        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-            raise ValueError(f"document {self.num_docs} has token ids in [{arr.min()}, {arr.max()}], "
-                             f"outside [0, vocab_size={self.vocab_size})")
+        arr = self._checked_document(ids)
         if arr.size >= 1 << 31:
             raise ValueError(f"document {self.num_docs} has {arr.size} tokens: Megatron stores lengths as int32")
         self._bin.write(arr.astype(self.dtype.newbyteorder("<"), copy=False).tobytes())
