@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# The sizes a run can take: smoke checks the plumbing in seconds per benchmark.
+SIZES = ("smoke", "quick", "full")
 BENCHES = ("dispatch", "gemm", "permute", "moe_layer", "pipeline_bubble", "attention", "cp_attention", "dynamic_cp",
            "placement", "overlap", "train", "checkpoint")
 
@@ -189,8 +191,8 @@ def _checkpoint_cases(size: str) -> list[Case]:
 
 def cases(size: str) -> list[Case]:
     """Every case of the suite at ``size`` (``smoke``, ``quick`` or ``full``), in run order."""
-    if size not in ("smoke", "quick", "full"):
-        raise ValueError(f"size={size!r} is not one of smoke, quick, full")
+    if size not in SIZES:
+        raise ValueError(f"size={size!r} is not one of {', '.join(SIZES)}")
     return [*_dispatch_cases(size), *_gemm_cases(size), *_permute_cases(size), *_moe_layer_cases(size),
             *_pipeline_cases(size), *_attention_cases(size), *_cp_cases(size), *_dynamic_cp_cases(size),
             *_placement_cases(size), *_overlap_cases(size), *_train_cases(size), *_checkpoint_cases(size)]
@@ -272,7 +274,7 @@ def start_record(root: Path, size: str, selected: list[Case], now: datetime.date
 
 
 def run(args: argparse.Namespace, root: Path) -> int:
-    """Run the suite as ``args`` (see :func:`moe_fold.cli.bench.add_arguments`) ask; 0 when
+    """Run the suite as ``args`` (see :func:`bench.__main__.add_arguments`) ask; 0 when
     every case produced records, 1 when one failed, 2 for bad arguments."""
     from rich.console import Console
 

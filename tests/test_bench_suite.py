@@ -1,9 +1,9 @@
-"""The benchmark suite's plumbing (bench/suite.py, table.py, plots.py, ``moe-fold bench``).
+"""The benchmark suite's plumbing (bench/suite.py, table.py, plots.py, ``python -m bench``).
 
 Benchmarks are not tests: no timing is asserted. What is asserted: which cases run, how a
 case's output becomes records (and a failing case an error record), the results file's
 start/end records, the table's rows and ratio fields, the plots' points, and finding the
-checkout from the command line.
+command line, which is ``python -m bench`` from a checkout (no installed command reaches outside the package).
 """
 
 import json
@@ -17,13 +17,11 @@ import pytest
 from rich.console import Console
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # bench/ is a folder of the checkout, not an installed package
-    sys.path.insert(0, str(REPO))
 
-from bench import plots, suite, table  # noqa: E402
+from bench import __main__ as bench_main
+from bench import plots, suite, table
 
-from moe_fold import cli  # noqa: E402
-from moe_fold.cli import bench as bench_command  # noqa: E402
+from moe_fold import cli
 
 RATIO_FIELDS = {"dispatch": "bytes_sent/bytes_min", "gemm": "ratio_to_dense", "permute": "ratio_to_copy",
                 "moe_layer": "ratio_vs_hf", "pipeline_bubble": "idle vs theory",
@@ -276,15 +274,16 @@ def test_every_benchmark_at_smoke_size(tmp_path):
         assert Path(f"{out.with_suffix('')}_dispatch_skew.png").is_file()
 
 
-def test_cli_finds_the_checkout(tmp_path, monkeypatch, capsys):
-    assert bench_command.find_checkout(REPO / "tests") == REPO
-    with pytest.raises(FileNotFoundError, match="no bench/suite.py in .* or any folder above it"):
-        bench_command.find_checkout(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    assert cli.main(["bench", "--list"]) == 2
-    assert "needs a moe-fold checkout" in capsys.readouterr().err
-    monkeypatch.chdir(REPO / "tests")
+def test_python_m_bench_is_the_entry_point_and_the_installed_command_has_none(capsys):
     for flags, size in (([], "full"), (["--quick"], "quick"), (["--size", "smoke"], "smoke")):
-        assert cli.main(["bench", "--list", "--only", "gemm", *flags]) == 0
+        assert bench_main.main(["--list", "--only", "gemm", *flags]) == 0
         listed = [line.split(None, 2)[2] for line in capsys.readouterr().out.splitlines()]
-        assert listed == [f"python bench/gemm.py {' '.join(c.flags)}" for c in suite.cases(size) if c.bench == "gemm"]
+        assert listed == [f"python bench/{c.bench}.py {' '.join(c.flags)}" for c in suite.cases(size) if c.bench == "gemm"]
+    proc = subprocess.run([sys.executable, "-m", "bench", "--list", "--only", "permute"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() and all(line.startswith("permute") for line in proc.stdout.splitlines())
+    # The installed moe-fold command never imports from the checkout (bench/ is not in the wheel).
+    assert "bench" not in cli.COMMANDS
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--list"])

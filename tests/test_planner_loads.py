@@ -6,19 +6,16 @@ rank's expert activation bytes against what autograd keeps for that many rows.""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # bench/ is a folder of the checkout, not an installed package
-    sys.path.insert(0, str(REPO))
 
-from bench import placement as bench_placement  # noqa: E402
+from bench import placement as bench_placement
 
-from tests.test_planner_memory import saved_activation_bytes  # noqa: E402
+from tests.test_planner_memory import saved_activation_bytes
 
 BENCH = ["--experts", "16", "--topk", "2", "--ep", "4", "--tokens", "256", "--hidden", "32", "--ffn", "64",
          "--steps", "16", "--replace-every", "4", "--replicas", "1", "--drift-every", "4", "--routing", "zipf,drift"]

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # bench/ is a folder of the checkout, not an installed package
-    sys.path.insert(0, str(REPO))
 
-from bench import plan_validation  # noqa: E402
+from bench import plan_validation
 
 
 def test_gemm_seconds_by_hand():

@@ -21,7 +21,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "checkpoint": ("moe_fold.cli.checkpoint", "verify checkpoints: files against the manifest, every expert present"),
     "sample": ("moe_fold.cli.sample", "generate text from a checkpoint (greedy or sampled, with a KV cache)"),
     "plot": ("moe_fold.cli.plot", "draw a run's loss, learning rate, grad norm, throughput and expert load as PNGs"),
-    "bench": ("moe_fold.cli.bench", "run the benchmark suite of a checkout (bench/), print a table, write JSON lines"),
 }
 
 

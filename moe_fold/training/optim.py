@@ -43,6 +43,7 @@ from typing import Iterable, Optional
 
 import torch
 from torch import nn
+from torch.optim.adamw import adamw
 
 from moe_fold.comm import Pending, all_gather_async
 from moe_fold.config import Config, OptimizerConfig
@@ -93,19 +94,22 @@ def adamw_update_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
                   exp_avg_sqs: list[torch.Tensor], step: int, lr: float, beta1: float, beta2: float, eps: float,
                   weight_decay: float) -> None:
     """One AdamW update (Loshchilov & Hutter 2019) in place of lists of tensors (whole
-    parameters or slices of them, see :data:`ALIGN`): torch's fused kernel, the one
-    ``torch.optim.AdamW(fused=True)`` runs, so the numbers match it. ``step`` counts
+    parameters or slices of them, see :data:`ALIGN`), through torch's public functional
+    ``torch.optim.adamw.adamw(fused=True)``: the kernel ``torch.optim.AdamW(fused=True)``
+    runs, so the numbers match it bit for bit
+    (``tests/test_optim.py::test_adamw_equals_torch_adamw_bit_for_bit``). ``step`` counts
     updates including this one (1 on the first)."""
-    by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    by_device: dict[torch.device, list[int]] = {}
     for i, p in enumerate(params):
-        by_key.setdefault((p.device, p.dtype), []).append(i)
-    for (device, _), idx in by_key.items():
-        # The kernel reads every tensor's step count from a float32 tensor on its device
-        # (as torch keeps it); all of ours share one. torch.full: no copy from the host.
-        steps = [torch.full((), float(step), device=device)] * len(idx)
-        torch._fused_adamw_([params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
-                            [exp_avg_sqs[i] for i in idx], [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        by_device.setdefault(p.device, []).append(i)
+    for device, idx in by_device.items():
+        # The functional adds 1 to each tensor's step count before the update (as the
+        # optimizer does), so each gets its own float32 scalar holding step - 1: views of one
+        # tensor made on the device (torch.full: no copy from the host).
+        steps = list(torch.full((len(idx),), float(step - 1), device=device).unbind())
+        adamw([params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
+              [exp_avg_sqs[i] for i in idx], [], steps, fused=True, amsgrad=False, beta1=beta1, beta2=beta2,
+              lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
 
 
 class AdamW(torch.optim.Optimizer):
