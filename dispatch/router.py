@@ -301,7 +301,8 @@ class Router(nn.Module):
     ranks different micro-batches. Counts are summed over tp x cp (``aux``, ``seq_aux``,
     ``z``) or tp x dp x cp (``global_aux``, expert bias) with a plain all-reduce; each rank
     back-propagates its own share of a loss. The gradient each rank attaches assumes the
-    project's rule (DESIGN §2): router grads are summed over tp and averaged over dp x cp,
+    project's rule (docs/architecture.md, "Parallel folding"): router grads are summed over
+    tp and averaged over dp x cp,
     and the training loop multiplies each micro-batch's main loss by :attr:`grad_scale`
     (1/num_microbatches) before backward. So a share is scaled by cp (by dp x cp for
     ``global_aux``, whose loss spans dp), and the gradients equal those of one process

@@ -1,4 +1,4 @@
-"""The layout-invariance matrix of MoE models (DESIGN.md section 5).
+"""The layout-invariance matrix of MoE models (docs/architecture.md, "Testing doctrine").
 
 Three tiny models, a Mixtral-like one (every layer MoE, 8 experts, top-2, GQA, aux loss),
 a Qwen2-MoE-like one (gated shared expert, dense and MoE layers interleaved,

@@ -2,7 +2,7 @@
 
 A bucket is a run of parameters of one reduction group and dtype, their grads flattened
 one after another (at most ``bucket_numel`` elements; a larger parameter alone). The
-group completes each kind's gradient (:data:`SYNC_GROUP`, DESIGN.md section 2): ``"tp"``
+group completes each kind's gradient (:data:`SYNC_GROUP`, docs/architecture.md, "Parallel folding"): ``"tp"``
 and ``"replicated"`` grads are summed over ``dp_cp``, ``"tp_sum"`` ones over ``tp_dp_cp``
 (the partial sums of the tp ranks and the data-parallel sum in one collective),
 ``"expert"`` ones over ``edp``; every sum is then divided by the dp x cp size.

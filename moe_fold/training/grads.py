@@ -1,4 +1,4 @@
-"""Data-parallel gradient sync and the global gradient norm (DESIGN.md section 2).
+"""Data-parallel gradient sync and the global gradient norm (docs/architecture.md, "Parallel folding").
 
 Each parameter says how it is laid out in ``param.parallel`` (set where it is created,
 see :mod:`moe_fold.parallel.tensor_parallel`): ``"tp"``, ``"replicated"``, ``"tp_sum"`` or

@@ -1,7 +1,7 @@
 """Mutation runner: plant each curated bug of ``mutants.py`` in turn, run the tests that
 must catch it, and put the code back.
 
-A test counts once it has been seen to fail on a planted bug (DESIGN.md section 5). This
+A test counts once it has been seen to fail on a planted bug (docs/architecture.md, "Testing doctrine"). This
 keeps that check alive after the test was written: every mutant in ``mutants.py`` is a
 small plausible bug (an off-by-one in a split, a reduction over the wrong group, a
 dropped scale, swapped dims) together with the tests that must fail when it is there.
