@@ -3,17 +3,17 @@
 ``MoELayer(config, groups, layer)(hidden [T_local, H]) -> [T_local, H]``, the MLP contract
 of :class:`moe_fold.models.model.Block`. Each rank routes only its own tokens (its
 sequence shard under SP, its cp chunk, its dp micro-batch); the dispatcher moves them to
-the ep ranks that own their experts and back (docs/architecture.md, "One MoE layer"). The load-balancing
-and z losses ride on the router's probs through autograd, so nothing is returned besides
-the hidden states.
+the ep ranks that own their experts and back (docs/architecture.md, "One MoE layer"). The
+load-balancing and z losses ride on the router's probs through autograd, so nothing is
+returned besides the hidden states.
 
 The shared expert (Qwen2-MoE, DeepSeek) is a dense SwiGLU :class:`~moe_fold.models.mlp.MLP`
 of width ``moe.shared_expert_ffn_hidden_size`` that every token goes through; it is
 tensor-parallel like the dense MLP (column/row-parallel, the sequence gathered over tp
 under SP). ``moe.shared_expert_gate`` scales its output by ``sigmoid(x . w)`` per token.
 
-Overlap (docs/architecture.md, "One MoE layer"; off by default, and off runs the blocking calls in the order
-above). ``moe.shared_expert_overlap``: the shared expert's fc1 and SwiGLU run while the
+Overlap (docs/architecture.md, "One MoE layer"; off by default, and off runs the blocking
+calls in the order above). ``moe.shared_expert_overlap``: the shared expert's fc1 and SwiGLU run while the
 dispatch's all-to-all is in flight, its fc2 (and gate) while the combine's is.
 ``moe.overlap_chunks = n > 1``: the router decides on all the layer's tokens (capacity
 dropping is per expert over the whole layer, as without chunks), then the tokens, probs and
