@@ -1,6 +1,7 @@
 """The docs point at things that exist: every repository path named in the README and
-docs/ (``models/experts.py``, ``docs/gpu.md``, a test id ``tests/test_x.py::test_y``), and
-every section of docs/architecture.md that a code comment cites."""
+docs/ (``models/experts.py``, a test id ``tests/test_x.py::test_y``), every Markdown link
+to a file (resolved from the page, as a browser does), and every section of
+docs/architecture.md that a code comment cites."""
 
 import re
 from pathlib import Path
@@ -11,8 +12,8 @@ REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 # Folders of the checkout: a path that starts with one of them names a file of ours.
 TOP = ("moe_fold", "dispatch", "kernels", "models", "bench", "tests", "docs", ".ci")
-# A path inside backticks or a Markdown link; a test id may follow with ::name[params].
-PATH = re.compile(r"(?:`|\]\()((?:%s)/[\w./-]*)(?:::(\w+))?" % "|".join(re.escape(t) for t in TOP))
+# A repository path inside backticks; a test id may follow with ::name[params].
+PATH = re.compile(r"(?:`)((?:%s)/[\w./-]*)(?:::(\w+))?" % "|".join(re.escape(t) for t in TOP))
 
 
 def _named_paths(text: str):
@@ -22,6 +23,16 @@ def _named_paths(text: str):
         if path.endswith("/results") or "/results/" in path:
             continue
         yield path, test
+
+
+# A Markdown link to a local file: [text](path) or [text](path#anchor), not a URL.
+LINK = re.compile(r"\]\((?!https?:|#|mailto:)([^)\s#]+)")
+
+
+def test_links_resolve_from_their_page():
+    broken = [f"{doc.relative_to(REPO)}: {target}" for doc in DOCS for target in LINK.findall(doc.read_text())
+              if not (doc.parent / target).exists()]
+    assert not broken, "links to nothing:\n" + "\n".join(broken)
 
 
 def test_named_paths_and_tests_exist():
@@ -50,7 +61,7 @@ def test_every_cited_architecture_section_exists():
 
 
 @pytest.mark.parametrize("text, found", [
-    ("see `models/experts.py` and [gpu](docs/gpu.md)", [("models/experts.py", None), ("docs/gpu.md", None)]),
+    ("see `models/experts.py` and [gpu](docs/gpu.md)", [("models/experts.py", None)]),
     ("`tests/test_optim.py::test_adamw_equals_torch_adamw_bit_for_bit[fp32]`",
      [("tests/test_optim.py", "test_adamw_equals_torch_adamw_bit_for_bit")]),
     ("`runs/x/metrics.jsonl` and `bench/results/<date>.jsonl`", []),
