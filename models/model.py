@@ -233,8 +233,8 @@ class Transformer(nn.Module):
         doc_ids = doc_ids_from_cu_seqlens(cu_seqlens, B, s_local * cp)  # on cu_seqlens' device (the host)
         if doc_ids is not None:
             doc_ids = doc_ids.to(next(self.parameters()).device, non_blocking=True)
-        if token_mask is not None and bool(token_mask.all()):
-            token_mask = None
+        # An all-true mask is not turned into None here: that would read it back from the
+        # device every micro-batch; the loader gives None when no token is padding.
         mask = router_token_mask(token_mask, self.groups.rank_in("tp"), tp, self.config.parallel.sequence_parallel)
         if doc_ids is None and mask is None:
             return None

@@ -269,8 +269,15 @@ def collate(samples: Sequence[Sample]) -> Batch:
                  torch.from_numpy(np.stack([s.loss_mask for s in samples])),
                  torch.from_numpy(np.stack([s.positions for s in samples])),
                  torch.from_numpy(cu.astype(np.int32)),
-                 torch.from_numpy(np.stack([np.ones(S, bool) if s.token_mask is None else s.token_mask
-                                            for s in samples])))
+                 _token_mask(samples, S))
+
+
+def _token_mask(samples: Sequence[Sample], S: int) -> Optional[torch.Tensor]:
+    """bool ``[B, S]``, or None when no sample has padding: decided here, on the host, so
+    the model never reads the mask back from a GPU to learn that it is all true."""
+    if all(s.token_mask is None or s.token_mask.all() for s in samples):
+        return None
+    return torch.from_numpy(np.stack([np.ones(S, bool) if s.token_mask is None else s.token_mask for s in samples]))
 
 
 def _check_sharding(global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
