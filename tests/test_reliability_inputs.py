@@ -67,7 +67,10 @@ def test_resume_from_a_damaged_checkpoint_names_the_file_and_writes_nothing(tmp_
     run_dir = tmp_path / "run"
     opts = SMALL + [f"train.run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"]
     train(load_config("mixtral-tiny", opts + ["train.steps=2"]))
-    damage(run_dir / "checkpoints" / "step_000002")
+    # Every checkpoint damaged: with an intact older one, resume falls back to it
+    # (test_checkpoint_fallback.py).
+    for step in (1, 2):
+        damage(run_dir / "checkpoints" / f"step_{step:06d}")
     before = snapshot(run_dir)
     with pytest.raises(CheckpointError, match=message) as err:
         train(load_config("mixtral-tiny", opts + ["train.steps=3"]), resume=True)

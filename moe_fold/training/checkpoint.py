@@ -82,8 +82,8 @@ from moe_fold.training.host_staging import Staged, StagingArena
 from moe_fold.training.optim import AdamW, LRScheduler
 from moe_fold.parallel.sharding import ShardInfo, box, buffer_info, flat_boxes, intersect, shard_info
 
-__all__ = ["CheckpointError", "CheckpointSaver", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
-           "checkpoint_path", "file_problem", "read_index", "write_index"]
+__all__ = ["CheckpointError", "CheckpointDamaged", "CheckpointSaver", "save_checkpoint", "load_checkpoint",
+           "load_newest_intact", "latest_checkpoint", "checkpoint_path", "file_problem", "read_index", "write_index"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,12 @@ _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or loaded; the message names the file or tensor."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint whose files no longer hold what its index says (a file missing,
+    truncated or altered, an index unreadable or not matching its own sha256): the saved
+    state is lost, unlike a checkpoint that is intact but does not fit the model."""
 
 
 def checkpoint_path(run_dir: Union[str, os.PathLike], step: int) -> Path:
@@ -664,10 +670,10 @@ class _Reader:
         path = self.path / name
         record = self.files.get(name)
         if record is None:
-            raise CheckpointError(f"checkpoint file {path} is not listed in {self.path / 'index.json'}")
+            raise CheckpointDamaged(f"checkpoint file {path} is not listed in {self.path / 'index.json'}")
         problem = file_problem(path, record)
         if problem is not None:
-            raise CheckpointError(f"checkpoint file {path} {problem}")
+            raise CheckpointDamaged(f"checkpoint file {path} {problem}")
         return path
 
     def _open(self, name: str):
@@ -694,7 +700,7 @@ class _Reader:
             out[box(_sub(lo, offsets), size)] = value
             filled += _numel(size)
         if filled != _numel(sizes):
-            raise CheckpointError(f"{name}: the checkpoint holds {filled} of the {_numel(sizes)} elements at "
+            raise CheckpointDamaged(f"{name}: the checkpoint holds {filled} of the {_numel(sizes)} elements at "
                                   f"offsets {list(offsets)} sizes {list(sizes)}")
         return out
 
@@ -729,9 +735,9 @@ def read_index(path: Path) -> dict:
     try:
         index = json.loads(index_path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"cannot read {index_path}: {err}") from err
+        raise CheckpointDamaged(f"cannot read {index_path}: {err}") from err
     if not isinstance(index, dict):
-        raise CheckpointError(f"{index_path} is not a {FORMAT} index (a JSON object)")
+        raise CheckpointDamaged(f"{index_path} is not a {FORMAT} index (a JSON object)")
     version = index.get("version")
     if index.get("format") != FORMAT or version not in (1, VERSION):
         raise CheckpointError(f"{index_path} is not a {FORMAT} index of version 1 or {VERSION} "
@@ -743,8 +749,8 @@ def read_index(path: Path) -> dict:
                       stacklevel=2)
     elif signature != (digest := _index_digest(index)):
         # A version 1 index with a signature is a version 2 index whose version was altered.
-        raise CheckpointError(f"{index_path} is corrupt: its content's sha256 {digest} differs "
-                              f"from its {_SIGNATURE} {signature}")
+        raise CheckpointDamaged(f"{index_path} is corrupt: its content's sha256 {digest} differs "
+                                f"from its {_SIGNATURE} {signature}")
     return index
 
 
@@ -802,3 +808,42 @@ def load_checkpoint(path_or_run_dir: Union[str, os.PathLike], model: nn.Module, 
                           f"has no counterpart in another); weights, optimizer and schedule are exact",
                           stacklevel=2)
     return index["extra"]
+
+
+def load_newest_intact(run_dir: Union[str, os.PathLike], model: nn.Module, optimizer: Optional[AdamW],
+                       scheduler: Optional[LRScheduler], groups: ProcessGroups) -> Optional[tuple[Path, dict]]:
+    """Load the newest checkpoint of ``run_dir`` that is intact on every rank, and return
+    its path and ``extra`` (None when the run has no checkpoint). A collective.
+
+    A newer checkpoint found damaged (:class:`CheckpointDamaged`) on any rank is moved aside
+    to ``step_N.damaged-<time>`` by rank 0 (kept for inspection, never read again) with a
+    warning naming the file and the problem, and the one before it is tried: the ranks
+    decide together, so they all resume from the same step. With no intact checkpoint left,
+    the first damage found is raised, and nothing is moved. Any other error (a checkpoint
+    of another model) is raised at once: falling back would not mend it."""
+    world = _world(groups)
+    found = _complete_steps(Path(run_dir) / "checkpoints")
+    damaged: list[tuple[Path, str]] = []
+    for _, path in reversed(found):
+        problem = None
+        try:
+            extra = load_checkpoint(path, model, optimizer, scheduler, groups)
+        except CheckpointDamaged as err:
+            problem = str(err)
+        problems = [problem] if world == 1 else [None] * world
+        if world > 1:
+            dist.all_gather_object(problems, problem)
+        first = next((p for p in problems if p is not None), None)
+        if first is None:
+            if damaged and groups.rank == 0:
+                stamp = time.strftime("%Y%m%dT%H%M%S")
+                for bad, why in damaged:
+                    os.rename(bad, bad.with_name(f"{bad.name}.damaged-{stamp}"))
+                    warnings.warn(f"resuming from {path}: the newer checkpoint {bad} is damaged ({why}); it is "
+                                  f"moved aside to {bad.name}.damaged-{stamp}", stacklevel=2)
+            _barrier(world)
+            return path, extra
+        damaged.append((path, first))
+    if damaged:
+        raise CheckpointDamaged(f"no intact checkpoint in {run_dir}: " + "; ".join(why for _, why in damaged))
+    return None

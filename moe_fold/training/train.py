@@ -355,11 +355,12 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     start_step = 0
     checkpoint_path: Optional[str] = None
     if resume:
-        from moe_fold.training.checkpoint import latest_checkpoint, load_checkpoint
+        from moe_fold.training.checkpoint import load_newest_intact
 
-        found = latest_checkpoint(run_dir)
-        if found is not None:
-            extra = load_checkpoint(found, state_model, optimizer, scheduler, groups)
+        # A damaged newest checkpoint is moved aside and the one before it loaded.
+        loaded = load_newest_intact(run_dir, state_model, optimizer, scheduler, groups)
+        if loaded is not None:
+            found, extra = loaded
             if master is not None:
                 master.master_to_model()
             start_step = int(extra["step"])
