@@ -68,7 +68,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -810,10 +810,12 @@ def load_checkpoint(path_or_run_dir: Union[str, os.PathLike], model: nn.Module, 
     return index["extra"]
 
 
-def load_newest_intact(run_dir: Union[str, os.PathLike], model: nn.Module, optimizer: Optional[AdamW],
-                       scheduler: Optional[LRScheduler], groups: ProcessGroups) -> Optional[tuple[Path, dict]]:
-    """Load the newest checkpoint of ``run_dir`` that is intact on every rank, and return
-    its path and ``extra`` (None when the run has no checkpoint). A collective.
+def load_newest_intact(run_dir: Union[str, os.PathLike], load: Callable[[Path], Any],
+                       groups: ProcessGroups) -> Optional[tuple[Path, Any]]:
+    """Load the newest checkpoint of ``run_dir`` that is intact on every rank with
+    ``load(path)`` (:func:`load_checkpoint` into the run's model, optimizer and schedule),
+    and return its path and what ``load`` returned (None when the run has no checkpoint).
+    A collective.
 
     A newer checkpoint found damaged (:class:`CheckpointDamaged`) on any rank is moved aside
     to ``step_N.damaged-<time>`` by rank 0 (kept for inspection, never read again) with a
@@ -827,7 +829,7 @@ def load_newest_intact(run_dir: Union[str, os.PathLike], model: nn.Module, optim
     for _, path in reversed(found):
         problem = None
         try:
-            extra = load_checkpoint(path, model, optimizer, scheduler, groups)
+            extra = load(path)
         except CheckpointDamaged as err:
             problem = str(err)
         problems = [problem] if world == 1 else [None] * world

@@ -355,10 +355,11 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     start_step = 0
     checkpoint_path: Optional[str] = None
     if resume:
-        from moe_fold.training.checkpoint import load_newest_intact
+        from moe_fold.training.checkpoint import load_checkpoint, load_newest_intact
 
         # A damaged newest checkpoint is moved aside and the one before it loaded.
-        loaded = load_newest_intact(run_dir, state_model, optimizer, scheduler, groups)
+        loaded = load_newest_intact(
+            run_dir, lambda path: load_checkpoint(path, state_model, optimizer, scheduler, groups), groups)
         if loaded is not None:
             found, extra = loaded
             if master is not None:
