@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
+import inspect
 import math
 import os
 import typing
@@ -33,17 +34,27 @@ EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
 
 @dataclass
 class ModelConfig:
+    """The transformer: sizes, attention (standard or MLA), rotary embeddings, multi-token prediction."""
+
+    # Token ids are in [0, vocab_size): the embedding and output head rows.
     vocab_size: int = 512
+    # Width of the residual stream.
     hidden_size: int = 128
+    # Transformer blocks (MTP depths not counted).
     num_layers: int = 4
+    # Query heads of each attention layer.
     num_heads: int = 4
+    # Key/value heads (grouped-query attention: num_heads is a multiple of it).
     num_kv_heads: int = 2
     # Per-head width; None means hidden_size // num_heads.
     head_dim: Optional[int] = None
     # Width of the dense SwiGLU MLP in dense (non-MoE) layers.
     ffn_hidden_size: int = 256
+    # Tokens per training sample.
     seq_length: int = 128
+    # Base of the rotary embeddings' frequencies.
     rope_theta: float = 10000.0
+    # Epsilon of every RMSNorm.
     norm_eps: float = 1e-6
     # Qwen3-style RMSNorm on each query and key head.
     qk_norm: bool = False
@@ -54,7 +65,9 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     # Biases on the q, k and v projections (Qwen2-MoE).
     qkv_bias: bool = False
+    # The output head reuses the input embedding's weight.
     tie_embeddings: bool = False
+    # Standard deviation of the normal initialisation of every weight matrix.
     init_std: float = 0.02
     # Multi-token prediction (DeepSeek-V3): depth k predicts token t+1+k; 0 disables it.
     mtp_num_layers: int = 0
@@ -64,30 +77,45 @@ class ModelConfig:
     # Attention kind: mha (grouped-query multi-head attention) | mla (DeepSeek's multi-head
     # latent attention: low-rank query and joint key/value compression, decoupled rotary part).
     attention: Literal["mha", "mla"] = "mha"
-    # MLA sizes (names as in Hugging Face's DeepseekV3Config). q_lora_rank None: a full-rank query.
+    # MLA (names as in Hugging Face's DeepseekV3Config): rank of the query compression; null: a
+    # full-rank query.
     q_lora_rank: Optional[int] = None
+    # MLA: rank of the joint key/value compression (required with attention=mla).
     kv_lora_rank: Optional[int] = None
+    # MLA: per-head query/key width without rotary embeddings.
     qk_nope_head_dim: Optional[int] = None
+    # MLA: per-head query/key width that rotary embeddings rotate (even).
     qk_rope_head_dim: Optional[int] = None
+    # MLA: per-head value width.
     v_head_dim: Optional[int] = None
     # The rotary dims of q and k come in interleaved pairs (x0, x1), (x2, x3)... (DeepSeek's
     # checkpoints) instead of two halves.
     rope_interleave: bool = False
     # Rotary scaling: null (none) | yarn (Peng et al. 2023, as DeepSeek-V3 uses it).
     rope_scaling: Optional[Literal["yarn"]] = None
+    # YaRN: context extension factor (>= 1; required with rope_scaling=yarn).
     yarn_factor: Optional[float] = None
+    # YaRN: the context length the model was trained at before extension.
     yarn_original_max_position_embeddings: Optional[int] = None
+    # YaRN: rotations at the original context above which a dim keeps its frequency (extrapolation).
     yarn_beta_fast: float = 32.0
+    # YaRN: rotations below which a dim's frequency is divided by yarn_factor (interpolation).
     yarn_beta_slow: float = 1.0
-    # cos/sin scale mscale(yarn_mscale) / mscale(yarn_mscale_all_dim) when both are set, else
+    # YaRN: cos/sin scale mscale(yarn_mscale) / mscale(yarn_mscale_all_dim) when both are set, else
     # mscale(1); the MLA softmax scale also takes mscale(yarn_mscale_all_dim)^2 when set.
     yarn_mscale: Optional[float] = None
+    # YaRN: see yarn_mscale.
     yarn_mscale_all_dim: Optional[float] = None
 
 
 @dataclass
 class MoEConfig:
+    """The MoE layers: which layers, the experts, routing (Megatron-Core semantics), load
+    balancing, token dispatch, expert placement and kernel backends."""
+
+    # Routed experts of each MoE layer.
     num_experts: int = 8
+    # Experts each token is routed to.
     topk: int = 2
     # Width of one routed expert's SwiGLU MLP.
     ffn_hidden_size: int = 256
@@ -101,33 +129,53 @@ class MoEConfig:
     # Qwen2-MoE style sigmoid(x . w) gate on the shared expert's output.
     shared_expert_gate: bool = False
 
-    # Routing (Megatron-Core semantics).
+    # Router scores from the logits (Megatron-Core semantics): softmax | sigmoid (DeepSeek-V3;
+    # with topk > 1 the chosen scores are normalised to sum to 1).
     score_function: Literal["softmax", "sigmoid"] = "softmax"
+    # softmax only: softmax over all experts, then top-k (false: top-k of the logits, then
+    # softmax over the k chosen).
     pre_softmax: bool = False
+    # Group-limited routing (DeepSeek-V3): the experts form num_groups equal groups and a
+    # token picks its experts in its best group_topk groups; null (with group_topk) is off.
     num_groups: Optional[int] = None
+    # Groups a token may pick experts from (with num_groups).
     group_topk: Optional[int] = None
     # How group-limited routing ranks a group (dispatch/router.py): topk_sum, the sum of its
     # best topk/group_topk scores (Megatron-Core); top2_sum, the sum of its best 2 whatever
     # topk is (DeepSeek-V3, GLM-4.5); max, its best score (DeepSeek-V2's group_limited_greedy).
     group_score: Literal["topk_sum", "top2_sum", "max"] = "topk_sum"
+    # Multiplies the routing probabilities (DeepSeek's routed_scaling_factor); null: 1.
     scaling_factor: Optional[float] = None
+    # Dtype of the router's logits and scores, whatever train.precision is.
     router_dtype: Literal["float32", "float64"] = "float32"
+    # Training only: the router's input times uniform noise in [1 - eps, 1 + eps]; 0: off.
     input_jitter: float = 0.0
     # Aux-loss-free load balancing: a per-expert bias used for selection only.
     expert_bias: bool = False
+    # Step of the expert-bias update: the bias of an under-loaded expert rises by this much,
+    # an over-loaded one's falls (sign of the load error).
     bias_update_rate: float = 1e-3
 
-    # Load-balancing losses; each kind is on when its coefficient is > 0.
+    # Switch-style load-balancing loss per micro-batch (Megatron-Core's aux_loss); each kind of
+    # router loss is on when its coefficient is > 0.
     aux_loss_coeff: float = 1e-2
+    # Per-sequence load-balancing loss (DeepSeek-V3).
     seq_aux_loss_coeff: float = 0.0
+    # Load-balancing loss over the whole global batch (counts summed over dp).
     global_aux_loss_coeff: float = 0.0
+    # Router z-loss: the mean squared logsumexp of the router logits.
     z_loss_coeff: float = 0.0
 
-    # Token dispatch.
+    # Token dispatcher: alltoall (tokens sent to the ep ranks of their experts) | allgather (every
+    # rank gathers every token of the etp x ep group and keeps those of its experts).
     dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     # None means dropless; a number enables token dropping at that capacity factor.
     capacity_factor: Optional[float] = None
+    # With a capacity: which tokens an over-full expert keeps: probs (the highest routing
+    # probabilities) | position (the first in the micro-batch).
     drop_policy: Literal["probs", "position"] = "probs"
+    # With a capacity: every expert receives exactly its capacity of rows (padding), so the
+    # all-to-all's sizes are known without a count exchange.
     pad_to_capacity: bool = False
     # Rank-deduplicated all-to-all: a token goes once to each destination rank.
     dedup: bool = False
@@ -138,20 +186,22 @@ class MoEConfig:
     # one chunk's all-to-all overlaps another chunk's expert GEMMs; 1 = off.
     overlap_chunks: int = 1
 
-    # Expert placement (docs/placement.md). Spare expert slots per ep rank, holding copies
+    # Expert placement (docs/placement.md): spare expert slots per ep rank, holding copies
     # of the hottest experts; 0: none.
     replicas: int = 0
     # Re-place the experts from the last window's load every N steps; 0: never.
     replace_every: int = 0
 
-    # Kernel backends. ``auto`` is the rule of moe_fold.kernels.backends (device, CUDA
+    # Kernel of the experts' grouped GEMMs. ``auto`` is the rule of moe_fold.kernels.backends (device, CUDA
     # capability, train.precision): on CPU gemm torch, permute torch, swiglu cpu (C loops;
     # needs a C compiler), topk torch; on sm90/sm100 bf16 gemm torch (grouped_mm), the rest
     # triton. A run resolves ``auto`` before its ranks start and writes the names it chose
     # into its config.yaml (and the printed config). gemm: a value other than auto wins,
     # else the environment variable MOE_FOLD_GEMM_BACKEND if set, else the rule.
     gemm_backend: Literal["auto", "grouped_gemm", "torch", "triton", "loop"] = "auto"
+    # Kernel of the token permutation (see gemm_backend).
     permute_backend: Literal["auto", "torch", "triton"] = "auto"
+    # Kernel of the experts' SwiGLU (see gemm_backend).
     swiglu_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
     # The router's top-k; triton fuses plain top-k only (not num_groups or expert_bias).
     topk_backend: Literal["auto", "torch", "triton"] = "auto"
@@ -159,34 +209,53 @@ class MoEConfig:
 
 @dataclass
 class ParallelConfig:
+    """The parallel layout: attention runs on tp x cp x dp x pp, the experts on etp x ep x edp x pp
+    over the same ranks (MoE parallel folding); the process groups and their overlap."""
+
+    # Tensor-parallel size (attention heads, MLP width, vocabulary split over tp ranks).
     tp: int = 1
+    # Context-parallel size (each sequence split over cp ranks).
     cp: int = 1
+    # Pipeline-parallel size (layers split into pp stages).
     pp: int = 1
+    # Expert-parallel size (each ep rank holds num_experts/ep experts).
     ep: int = 1
     # Expert-tensor parallel size; None means the same as tp.
     etp: Optional[int] = None
     # Virtual pipeline stages (model chunks) per pp rank; None means 1.
     vpp: Optional[int] = None
+    # Under tp, norms and dropout-free regions hold a 1/tp share of the tokens (required
+    # with MoE layers when tp > 1: the router sees each token once).
     sequence_parallel: bool = False
+    # How ranks map to groups: the dims tp, cp, ep, dp, pp joined by '-', leftmost varying
+    # fastest (Megatron-Core's convention); the expert layout reads etp for tp and edp for dp.
     order: str = "tp-cp-ep-dp-pp"
+    # Context-parallel attention: ring (key/value blocks passed round the cp group) | a2a
+    # (all-to-all to heads split over cp, then full-sequence attention).
     cp_kind: Literal["ring", "a2a"] = "ring"
     # Dynamic cp: parallel.cp is the largest cp group; each micro-batch's documents run on
     # sub-groups sized for them (moe_fold.training.dynamic_cp). Needs tp=1, pp=1, cp a power of 2.
     dynamic_cp: bool = False
     # Compute FLOPs per byte of cp link bandwidth: how dynamic cp's cost model charges ring traffic.
     dynamic_cp_flops_per_byte: float = 10.0
-    # auto: interleaved when vpp > 1, else 1f1b (pipeline_schedule() resolves it).
+    # auto: interleaved when vpp > 1, else 1f1b (pipeline_schedule() resolves it). Interleaved
+    # needs the micro-batches of a step (global_batch_size / (micro_batch_size * dp)) to be a
+    # multiple of pp.
     pp_schedule: Literal["auto", "1f1b", "interleaved"] = "auto"
     # Explicit number of layers on each pipeline stage; None splits evenly.
     pp_layers: Optional[list[int]] = None
+    # torch.distributed backend: auto is nccl when the ranks compute on CUDA, else gloo.
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     # Seconds a collective may wait before the run stops with an error.
     timeout_s: float = 300.0
     # Data-parallel overlap (moe_fold.training.buckets): reduce each gradient bucket during the
     # backward of the last micro-batch, as soon as its grads are final; all-gather each
     # parameter bucket of the distributed optimizer during the next forward, waited just
-    # before the bucket's first use. Off: after the backward, and before the next step.
+    # before the bucket's first use (per model chunk under pp/vpp). Off: after the backward, and
+    # before the next step. On or off, the steps are the same bit for bit
+    # (tests/test_train.py::test_overlaps_take_the_same_steps).
     overlap_grad_reduce: bool = False
+    # See overlap_grad_reduce (needs optimizer.distributed).
     overlap_param_gather: bool = False
     # Elements per gradient bucket (and distributed-optimizer shard bucket).
     grad_bucket_numel: int = 1 << 24
@@ -194,6 +263,8 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
+    """Training and validation data, the tokenizer, and the checks made before training."""
+
     # Dataset prefix(es) (``.bin``/``.idx``) or text to tokenize; None: the demo corpus.
     path: Optional[Union[str, list[str]]] = None
     # Blend weights, one per path.
@@ -202,15 +273,18 @@ class DataConfig:
     tokenizer: str = "byte"
     # Pack whole documents into each sample and mask across document boundaries.
     packing: bool = False
+    # Where text data is tokenized to, once; later runs reuse it.
     cache_dir: str = "data_cache"
     # Validation data (train.eval_every): a dataset prefix or text like ``path``, or
     # ``valid_fraction`` of each training dataset's documents (its last ones), held out.
     valid_path: Optional[str] = None
+    # See valid_path.
     valid_fraction: float = 0.0
     # Tokenized data made elsewhere (moe_fold.data.sources): the end-of-document id of
     # formats that do not store one (Megatron, .npy/.bin token files, Hugging Face
     # input_ids; None: data.tokenizer's), and the token dtype of a raw .bin (nanoGPT: uint16).
     eod_id: Optional[int] = None
+    # See eod_id: the token dtype of a raw .bin file.
     dtype: Optional[Literal["uint8", "uint16", "int16", "uint32", "int32", "int64"]] = None
     # Column / JSONL field holding the text of a document.
     text_key: str = "text"
@@ -221,53 +295,95 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
+    """AdamW, the learning-rate schedule, gradient clipping, the distributed optimizer."""
+
+    # AdamW: the peak learning rate (after warmup).
     lr: float = 3e-3
+    # The learning rate at the end of a cosine or WSD schedule.
     min_lr: float = 3e-4
+    # AdamW's decoupled weight decay (not applied to norms and biases).
     weight_decay: float = 0.1
+    # AdamW's first-moment decay.
     beta1: float = 0.9
+    # AdamW's second-moment decay.
     beta2: float = 0.95
+    # AdamW's denominator epsilon.
     eps: float = 1e-8
+    # Clip the global gradient norm (over every rank) to this; 0: no clipping.
     clip_grad: float = 1.0
+    # Learning rate after warmup: cosine (to min_lr) | wsd (warmup-stable-decay: constant,
+    # then linear to min_lr over decay_fraction of the steps) | constant.
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    # Linear warmup from 0 to lr over this many steps.
     warmup_steps: int = 10
     # Fraction of steps spent decaying at the end of a WSD schedule.
     decay_fraction: float = 0.2
-    # ZeRO-1: shard optimizer state over dp x cp (dense) and edp (experts).
+    # ZeRO-1: shard the AdamW state over dp x cp (dense) and edp (experts): each gradient bucket
+    # is reduce-scattered, a rank updates the slice it owns, and the parameters are all-gathered
+    # (the bytes of one all-reduce).
     distributed: bool = False
 
 
 @dataclass
 class TrainConfig:
+    """The run: steps and batch sizes, precision and device, recompute, checkpoints, numerics,
+    early stopping, evaluation."""
+
+    # Optimizer steps of the run.
     steps: int = 100
+    # Samples per rank in one forward/backward.
     micro_batch_size: int = 4
+    # Samples per optimizer step over all dp ranks: micro_batch_size x dp x the micro-batches
+    # each rank accumulates.
     global_batch_size: int = 16
+    # Seeds the weights (the same under every layout), the data order and the router's noise.
     seed: int = 1234
+    # Deterministic torch algorithms, so a resumed run repeats an uninterrupted one bit for
+    # bit (tests/test_train.py::test_resume_is_exact).
     deterministic: bool = False
+    # The run's folder: config.yaml, metrics.jsonl, checkpoints/, heatmaps/, plots/, wandb/.
     run_dir: str = "runs/default"
+    # Save a checkpoint every N steps (and at the last one).
     save_every: int = 50
+    # Checkpoints kept; older ones are deleted once a newer one is complete.
     keep_last: int = 2
+    # Print the step's metrics every N steps (metrics.jsonl gets every step).
     log_every: int = 1
+    # fp32 | bf16-autocast (fp32 weights, bf16 matmuls) | bf16 (bf16 weights, fp32 master
+    # weights in the optimizer; on GPUs the full-size presets use it, and its expert GEMMs
+    # take torch._grouped_mm's fast path on sm90/sm100). The router computes in
+    # moe.router_dtype whatever this is.
     precision: Literal["fp32", "bf16-autocast", "bf16"] = "fp32"
     # Where a rank computes: auto is CUDA under NCCL and, in one process, when a GPU is
     # visible and parallel.backend is not gloo; CPU otherwise (moe_fold.training.train.compute_device).
+    # A choice the process cannot honour (cuda without a GPU) stops the run before any work.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # TF32 tensor cores for float32 matmuls and convolutions on CUDA (10 mantissa bits in
     # the products, float32 accumulation); no effect on CPU.
     tf32: bool = True
+    # Activation recompute in the backward: none | full (whole blocks) | moe (the experts and
+    # shared expert) | expert_act (the experts' SwiGLU output only).
     recompute: Literal["none", "full", "moe", "expert_act"] = "none"
+    # A non-finite loss or grad norm takes no optimizer step; the step's forwards run again
+    # to name the first module that went non-finite; then skip (a warning, skipped and
+    # nonfinite_module in metrics.jsonl) | stop (raise before that step is saved).
     on_nonfinite: Literal["skip", "stop"] = "skip"
     # A loss above loss_spike_factor x the median of the previous loss_spike_window
     # losses is logged as a spike (metrics.jsonl loss_spike, a warning); 0: off.
     loss_spike_factor: float = 3.0
+    # See loss_spike_factor.
     loss_spike_window: int = 20
     # Stopping early with a checkpoint of the step (moe_fold.training.stop): on one of
     # these signals, after exit_after_minutes of wall clock, after step exit_at_step.
     exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
+    # See exit_signals.
     exit_after_minutes: Optional[float] = None
+    # See exit_signals.
     exit_at_step: Optional[int] = None
     # Validation LM loss every eval_every steps and at the last one (0: never), over
     # eval_iters global batches of the validation data (data.valid_path/valid_fraction).
     eval_every: int = 0
+    # See eval_every.
     eval_iters: int = 10
     # Write checkpoints in a background thread; the step only waits for a host copy
     # (kept allocated between saves: one copy of the rank's weights and optimizer state).
@@ -276,20 +392,35 @@ class TrainConfig:
 
 @dataclass
 class WandbConfig:
+    """Logging to Weights & Biases (the same scalars as metrics.jsonl) and the expert-load heatmaps."""
+
+    # offline (the default; needs no network, `wandb sync RUN_DIR/wandb/offline-run-*` uploads
+    # it) | online (logs live) | disabled.
     mode: Literal["offline", "online", "disabled"] = "offline"
+    # The wandb project.
     project: str = "moe-fold"
+    # The wandb run name; null: wandb picks one.
     name: Optional[str] = None
+    # Write an expert-load heatmap (MoE layers x experts) to RUN_DIR/heatmaps/ every N steps.
     heatmap_every: int = 50
 
 
 @dataclass
 class InitConfig:
-    # Start from a Hugging Face model folder (config.json + safetensors).
+    """Where the weights start: fresh (the default), a Hugging Face MoE checkpoint, or a dense one upcycled."""
+
+    # Start from a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 (MTP layers
+    # included), GLM-4.5-MoE or OLMoE folder (config.json + safetensors; moe_fold.models.to_hf
+    # writes one back): the architecture and tokenizer.json (if there is one) come from the
+    # folder, the layout, data and optimizer from the config.
     from_hf: Optional[str] = None
     # Start an MoE model from a dense Hugging Face Llama, Qwen2 or Qwen3 folder: experts
     # made from the dense MLP so that step 0 computes the dense model's function
-    # (moe_fold.models.hf.upcycle); granularity G > 1 cuts the MLP into G expert slices.
+    # (moe_fold.models.hf.upcycle): attention, norms and embeddings copied, every expert a copy
+    # of the MLP; moe.num_experts, moe.topk and the layer pattern come from the config.
     upcycle_from: Optional[str] = None
+    # G > 1 cuts the dense MLP's ffn into G slices, one an expert, with the router initialised by
+    # groups of slices so that step 0 still computes the dense function.
     upcycle_granularity: int = 1
 
 
@@ -1341,3 +1472,80 @@ def _check_data_wandb_and_init(config: Config, out: list[str]) -> None:
                    f"starts from an MoE checkpoint or upcycles a dense one, not both")
     if init.upcycle_granularity != 1 and init.upcycle_from is None:
         out.append(f"init.upcycle_granularity={init.upcycle_granularity} is set but init.upcycle_from is null")
+
+
+# ---------------------------------------------------------------------------
+# The configuration reference (docs/configuration.md), generated from the dataclasses
+# above: each field's type, default and comment, so the docs cannot drift from the code.
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """Each field of the config dataclass ``cls`` -> the comment that documents it: the
+    comment lines just above it (the source is the documentation)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    comments: dict[str, str] = {}
+    above: list[str] = []
+    for line in inspect.getsource(cls).splitlines():
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("#").strip())
+            continue
+        name = text.partition(":")[0]
+        if name in fields and above:
+            comments[name] = " ".join(above)
+        above = []
+    return comments
+
+
+def _type_doc(tp: Any) -> str:
+    """A field type as the reference shows it: choices spelled out, Optional as "or null"."""
+    if typing.get_origin(tp) is Literal:
+        return " \\| ".join(f"`{v}`" for v in typing.get_args(tp))
+    if typing.get_origin(tp) is Union:
+        return " or ".join(_type_doc(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"list of {_type_doc(typing.get_args(tp)[0])}"
+    return "null" if tp is type(None) else tp.__name__
+
+
+def _default_doc(f: dataclasses.Field) -> str:
+    value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return f"`{_fmt(value)}`"
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md: one section per config dataclass, one row per field."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated from the dataclasses of moe_fold/config.py by",
+        "     `python -m moe_fold.config --reference > docs/configuration.md`: edit the field",
+        "     comments there; tests/test_config_reference.py fails when this file differs. -->",
+        "",
+        "A run is configured by a YAML file or preset (`--config`) of `section: {key: value}`",
+        "mappings, then `--set section.key=value` overrides. Loading checks each value's type;",
+        "`validate()` then checks the rules between keys and the world size, and lists every",
+        "problem (field, value, rule) before any rank starts. A key with choices takes exactly",
+        "one of the values listed.",
+        "",
+    ]
+    for name, cls in SECTIONS.items():
+        doc = inspect.cleandoc(cls.__doc__ or "")
+        lines += [f"## {name}", "", doc, "", "| key | type | default | description |", "| --- | --- | --- | --- |"]
+        comments = field_comments(cls)
+        types = _field_types(cls)
+        for f in dataclasses.fields(cls):
+            text = comments.get(f.name, "").replace("|", "\\|")
+            lines.append(f"| `{name}.{f.name}` | {_type_doc(types[f.name])} | {_default_doc(f)} | {text} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--reference"]:
+        sys.exit("usage: python -m moe_fold.config --reference > docs/configuration.md")
+    from moe_fold.config import reference_markdown as _reference  # the installed module, not __main__'s copy
+
+    sys.stdout.write(_reference())
