@@ -7,7 +7,12 @@ Sections: ``model``, ``moe``, ``parallel``, ``data``, ``optimizer``, ``train``,
 
 ``load_config(file_or_preset, overrides)`` builds a type-checked Config;
 ``validate(config, world_size)`` checks the rules between fields and raises one
-``ConfigError`` listing every violation. Derived sizes (``dp_size``, ``edp_size``,
+``ConfigError`` listing every violation. A field with choices is typed ``Literal[...]``:
+validate() reads the allowed values from the type (``choices("moe.dispatcher")`` gives them
+to other modules). A rule that a module also applies at run time is a function of
+``RULES``, which validate() and the module (through ``require``) both call. The reference
+docs/configuration.md is generated from the dataclasses and their field comments
+(``python -m moe_fold.config --reference``). Derived sizes (``dp_size``, ``edp_size``,
 ``etp_size``, ``vpp_size``, ``moe_layer_flags``, ``moe_layer_indices``, ``pp_layer_counts``) live here so every
 module uses one definition.
 """
