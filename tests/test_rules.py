@@ -254,8 +254,8 @@ def _message_text(node: ast.expr) -> str:
     return ""
 
 
-def _package_files():
-    for folder in PACKAGE:
+def _package_files(folders=PACKAGE):
+    for folder in folders:
         for path in sorted((REPO / folder).rglob("*.py")):
             if "presets" not in path.parts:
                 yield path.relative_to(REPO).as_posix(), ast.parse(path.read_text(), filename=str(path))
@@ -298,12 +298,13 @@ OTHER_SPLITS_OVER_EP = {("dispatch/placement.py", "n")}
 
 
 def test_the_expert_split_over_ep_is_written_once():
-    """``num_experts % ep`` (in any spelling) appears in config.experts_over_ep only."""
+    """``num_experts % ep`` (in any spelling) appears in config.experts_over_ep only, in the
+    package and in the benchmarks."""
     rule = next(node for node in ast.walk(ast.parse((REPO / "moe_fold/config.py").read_text()))
                 if isinstance(node, ast.FunctionDef) and node.name == "experts_over_ep")
     inside_rule = range(rule.lineno, rule.end_lineno + 1)
     found = []
-    for name, tree in _package_files():
+    for name, tree in _package_files(PACKAGE + ("bench",)):
         for node in ast.walk(tree):
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and _is_ep(node.right):
                 if name == "moe_fold/config.py" and node.lineno in inside_rule:
