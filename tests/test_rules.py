@@ -245,6 +245,17 @@ def test_a_module_applies_the_one_rule():
     assert info.value.problems == config_module.choice("moe.swiglu_backend", "c")
 
 
+def test_choice_reads_the_allowed_values_from_the_type():
+    assert config_module.choices("moe.dispatcher") == ("alltoall", "allgather")
+    assert config_module.choice("moe.dispatcher", "allgather") == []
+    assert config_module.choice("moe.dispatcher", None) == ["moe.dispatcher=null must be one of alltoall, allgather"]
+    assert config_module.choice("data.dtype", None) == []  # Optional[Literal[...]]: null is allowed
+    assert config_module.choice("data.dtype", "uint7") == [
+        "data.dtype=uint7 must be one of uint8, uint16, int16, uint32, int32, int64"]
+    with pytest.raises(TypeError, match="config field moe.topk is not a Literal choice"):
+        config_module.choices("moe.topk")
+
+
 def _message_text(node: ast.expr) -> str:
     """The literal text of a message (a string or f-string; ``{}`` for each placeholder)."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
