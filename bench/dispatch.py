@@ -42,6 +42,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from moe_fold.config import experts_over_ep
 from moe_fold.dispatch.allgather import AllGatherDispatcher
 from moe_fold.dispatch.alltoall import AllToAllDispatcher
 from moe_fold.dispatch.router import apply_capacity
@@ -187,8 +188,8 @@ def parse_args(argv=None):
     for name in ("tokens", "hidden", "experts", "topk", "ep", "etp", "iters"):
         if getattr(args, name) < (0 if name == "tokens" else 1):
             p.error(f"--{name}={getattr(args, name)} must be positive")
-    if args.experts % args.ep:
-        p.error(f"--experts={args.experts} is not divisible by --ep={args.ep}")
+    for problem in experts_over_ep(args.experts, args.ep):
+        p.error(f"--experts={args.experts} --ep={args.ep}: {problem}")
     return args
 
 

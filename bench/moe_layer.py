@@ -65,7 +65,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from moe_fold.config import Config, ModelConfig  # noqa: E402
+from moe_fold.config import Config, ModelConfig, experts_over_ep  # noqa: E402
 from moe_fold.launch import keep_freed_memory, run_ranks  # noqa: E402
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups  # noqa: E402
 from moe_fold.models.moe_layer import MoELayer  # noqa: E402
@@ -479,10 +479,10 @@ def main(argv=None) -> None:
     shapes = [parse_shape(text) for text in args.shapes.split(",")]
     for ep in eps:  # before any timing starts
         for shape in shapes:
-            if shape["experts"] % ep:
+            problems = experts_over_ep(shape["experts"], ep)
+            if problems:
                 raise SystemExit(f"--ep {ep}: shape {shape['tokens']}x{shape['hidden']}x{shape['ffn']}x"
-                                 f"{shape['experts']}x{shape['topk']} has {shape['experts']} experts, "
-                                 f"not divisible by {ep}")
+                                 f"{shape['experts']}x{shape['topk']}: {problems[0]}")
     args.keeps_freed_memory = keep_freed_memory("cpu")  # every candidate runs on the CPU
     torch.set_num_threads(args.threads)
     for ep in eps:

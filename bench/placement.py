@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from moe_fold.comm import all_reduce_
-from moe_fold.config import Config
+from moe_fold.config import Config, experts_over_ep, replacement_has_room, replicas_fit
 from moe_fold.dispatch.placement import Placement, balanced_placement, rank_loads
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, create_process_groups
@@ -171,13 +171,14 @@ def parse_args(argv=None):
     for name in ("tokens", "hidden", "ffn", "experts", "topk", "ep", "replace_every", "drift_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    if args.experts % args.ep:
-        p.error(f"--experts={args.experts} is not divisible by --ep={args.ep}")
-    if args.ep < 2:
-        p.error(f"--ep={args.ep} must be >= 2: with one rank there is nowhere to move an expert")
-    if not 1 <= args.replicas <= args.experts - args.experts // args.ep:
-        p.error(f"--replicas={args.replicas} must be in [1, experts - experts/ep = "
-                f"{args.experts - args.experts // args.ep}]")
+    for problem in experts_over_ep(args.experts, args.ep):
+        p.error(f"--experts={args.experts} --ep={args.ep}: {problem}")
+    if args.replicas < 1:
+        p.error(f"--replicas={args.replicas} must be >= 1: the replicated policy needs spare slots")
+    for problem in replacement_has_room(args.replace_every, args.ep) + replicas_fit(args.experts, args.ep,
+                                                                                   args.replicas):
+        p.error(f"--experts={args.experts} --ep={args.ep} --replicas={args.replicas} "
+                f"--replace-every={args.replace_every}: {problem}")
     if args.steps <= args.replace_every:
         p.error(f"--steps={args.steps} must exceed --replace-every={args.replace_every}: the policies are "
                 f"compared after the first re-placement")

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from moe_fold import comm
-from moe_fold.dispatch.interface import Handle, TokenDispatcher, counted
+from moe_fold.config import dispatch_modes, require
+from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, counted
 from moe_fold.dispatch.placement import Placement
 from moe_fold.kernels.permute import permute, unpermute
 
@@ -50,9 +51,10 @@ class AllGatherDispatcher(TokenDispatcher):
     def __init__(self, num_experts: int, topk: int, groups: "ProcessGroups", *,
                  mode: str = "dropless", permute_backend: str = "torch", placement: Optional[Placement] = None):
         super().__init__(num_experts, topk, groups, permute_backend=permute_backend, placement=placement)
-        if mode not in ("dropless", "capacity"):
-            raise ValueError(f"mode={mode!r}: the all-gather dispatcher supports 'dropless' and "
-                             f"'capacity'; padding to capacity needs the all-to-all dispatcher")
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} must be one of {MODES}")
+        # The router drops for mode capacity: the all-gather takes no capacity factor.
+        require(dispatch_modes, "allgather", None, mode == "pad", False)
         self.mode = mode
 
     def dispatch_preprocess(self, tokens, probs, routing_map):

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from moe_fold import comm
+from moe_fold.config import capacity_factor_positive, dispatch_modes, require
 from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, counted, expert_major_order
 from moe_fold.dispatch.placement import Placement, expert_order
 from moe_fold.dispatch.router import expert_capacity
@@ -98,11 +99,10 @@ class AllToAllDispatcher(TokenDispatcher):
         super().__init__(num_experts, topk, groups, permute_backend=permute_backend, placement=placement)
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} must be one of {MODES}")
-        if mode != "dropless" and (capacity_factor is None or capacity_factor <= 0):
-            raise ValueError(f"mode={mode!r} needs capacity_factor > 0, got {capacity_factor!r}")
-        if dedup and mode == "pad":
-            raise ValueError("dedup=True does not work with mode='pad': the padded mode sends a "
-                             "fixed C rows per expert, a deduplicated exchange has data-dependent sizes")
+        if mode != "dropless" and capacity_factor is None:
+            raise ValueError(f"mode={mode!r} needs capacity_factor, got None")
+        require(capacity_factor_positive, capacity_factor)
+        require(dispatch_modes, "alltoall", capacity_factor, mode == "pad", dedup)
         self.mode = mode
         self.capacity_factor = capacity_factor
         self.dedup = dedup

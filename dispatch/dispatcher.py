@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from moe_fold.config import choice, dispatch_modes, require
 from moe_fold.dispatch.allgather import AllGatherDispatcher
 from moe_fold.dispatch.alltoall import AllToAllDispatcher
 from moe_fold.dispatch.interface import TokenDispatcher
@@ -25,9 +26,7 @@ def dispatch_mode(moe: "MoEConfig") -> str:
     """``dropless``, ``capacity`` (the router drops, no padding) or ``pad`` (drop and pad
     every expert to its capacity) from ``moe.capacity_factor`` and ``moe.pad_to_capacity``."""
     if moe.pad_to_capacity:
-        if moe.capacity_factor is None:
-            raise ValueError("moe.pad_to_capacity=True needs moe.capacity_factor (got None): "
-                             "the capacity sets the padded size")
+        require(dispatch_modes, moe.dispatcher, moe.capacity_factor, moe.pad_to_capacity, moe.dedup)
         return "pad"
     return "dropless" if moe.capacity_factor is None else "capacity"
 
@@ -35,17 +34,11 @@ def dispatch_mode(moe: "MoEConfig") -> str:
 def build_dispatcher(moe: "MoEConfig", groups: "ProcessGroups") -> TokenDispatcher:
     """The dispatcher the ``moe`` config section asks for (``moe.dispatcher``,
     ``capacity_factor``, ``pad_to_capacity``, ``dedup``, ``permute_backend``)."""
+    require(choice, "moe.dispatcher", moe.dispatcher)
+    require(dispatch_modes, moe.dispatcher, moe.capacity_factor, moe.pad_to_capacity, moe.dedup)
     mode = dispatch_mode(moe)
     if moe.dispatcher == "alltoall":
         return AllToAllDispatcher(moe.num_experts, moe.topk, groups, mode=mode,
                                   capacity_factor=moe.capacity_factor, dedup=moe.dedup,
                                   permute_backend=moe.permute_backend)
-    if moe.dispatcher == "allgather":
-        if moe.dedup:
-            raise ValueError("moe.dedup=True needs moe.dispatcher='alltoall' (got 'allgather'): "
-                             "an all-gather sends every token to every rank once already")
-        if mode == "pad":
-            raise ValueError("moe.pad_to_capacity=True needs moe.dispatcher='alltoall' (got 'allgather')")
-        return AllGatherDispatcher(moe.num_experts, moe.topk, groups, mode=mode,
-                                   permute_backend=moe.permute_backend)
-    raise ValueError(f"moe.dispatcher={moe.dispatcher!r} must be 'alltoall' or 'allgather'")
+    return AllGatherDispatcher(moe.num_experts, moe.topk, groups, mode=mode, permute_backend=moe.permute_backend)

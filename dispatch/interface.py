@@ -170,8 +170,6 @@ class TokenDispatcher(ABC):
             raise ValueError(f"permute_backend={permute_backend!r} is not one of {PERMUTE_BACKENDS}")
         self.ep = groups.size("ep")
         self.etp = groups.size("etp")
-        if num_experts % self.ep:
-            raise ValueError(f"num_experts={num_experts} is not divisible by ep={self.ep}")
         self.num_experts = num_experts
         self.topk = topk
         self.groups = groups
@@ -183,6 +181,7 @@ class TokenDispatcher(ABC):
             raise ValueError(f"the etp_ep group does not list ranks etp-fastest (rank "
                              f"{groups.rank_in('etp_ep')} in it, ep rank {self.ep_rank}, etp rank "
                              f"{self.etp_rank}); the layout order must put tp before ep")
+        # Placement.contiguous checks that num_experts splits over ep.
         self.set_placement(placement if placement is not None else Placement.contiguous(num_experts, self.ep))
 
     def set_placement(self, placement: Placement) -> None:

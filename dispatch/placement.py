@@ -31,6 +31,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from moe_fold.config import experts_over_ep, replicas_fit, require
+
 __all__ = ["Placement", "slot_routing", "expert_order", "rank_loads", "balanced_placement"]
 
 
@@ -77,12 +79,9 @@ class Placement:
     def contiguous(cls, num_experts: int, ep: int, replicas: int = 0) -> "Placement":
         """Rank ``j`` holds experts ``[j*E/ep, (j+1)*E/ep)``; its ``replicas`` spare slots
         hold copies of the experts that follow (those of the next ranks, wrapping round)."""
-        if num_experts % ep:
-            raise ValueError(f"num_experts={num_experts} is not divisible by ep={ep}")
+        require(experts_over_ep, num_experts, ep)
+        require(replicas_fit, num_experts, ep, replicas)
         el = num_experts // ep
-        if replicas > num_experts - el:
-            raise ValueError(f"replicas={replicas} spare slots per rank exceed the {num_experts - el} experts "
-                             f"another rank owns (num_experts={num_experts}, ep={ep})")
         slots = []
         for j in range(ep):
             slots += list(range(j * el, (j + 1) * el))
@@ -176,12 +175,9 @@ def balanced_placement(load: Sequence[float], ep: int, replicas: int = 0,
     slots they had: fewer bytes move.
     """
     e = len(load)
-    if e % ep:
-        raise ValueError(f"num_experts={e} is not divisible by ep={ep}")
+    require(experts_over_ep, e, ep)
+    require(replicas_fit, e, ep, replicas)
     s = e // ep + replicas
-    if replicas > e - e // ep:
-        raise ValueError(f"replicas={replicas} spare slots per rank exceed the {e - e // ep} experts "
-                         f"another rank owns (num_experts={e}, ep={ep})")
     load = [float(x) for x in load]
     copies = [1] * e
     # Spare slots: one more copy to the expert with the largest load per copy.

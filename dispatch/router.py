@@ -28,10 +28,12 @@ import torch
 from torch import nn
 
 from moe_fold.comm import all_reduce_
-from moe_fold.config import GROUP_SCORES, MoEConfig, group_ranked_scores
+from moe_fold.config import (
+    MoEConfig, capacity_factor_positive, choice, choices, group_ranked_scores, require, router_settings,
+    routing_groups,
+)
 from moe_fold.dispatch.aux_losses import attach_loss, aux_loss_scores, load_balancing_loss, z_loss
 from moe_fold.dispatch.routing_stats import RoutingStats, routing_stats
-from moe_fold.kernels.topk import BACKENDS as TOPK_BACKENDS
 from moe_fold.kernels.topk import resolve_backend as resolve_topk_backend
 from moe_fold.layout import ProcessGroups
 
@@ -42,8 +44,8 @@ __all__ = [
     "Router", "RouterOutput",
 ]
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-DROP_POLICIES = ("probs", "position")
+SCORE_FUNCTIONS = choices("moe.score_function")
+DROP_POLICIES = choices("moe.drop_policy")
 
 
 def check_routing_args(
@@ -58,40 +60,17 @@ def check_routing_args(
     scaling_factor: Optional[float] = None,
     expert_bias: bool = False,
 ) -> None:
-    """Raise ValueError naming the argument, its value and the rule it breaks."""
-    if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= num_experts:
-        raise ValueError(f"topk={topk!r} must be an int with 1 <= topk <= num_experts={num_experts}")
-    if score not in SCORE_FUNCTIONS:
-        raise ValueError(f"score={score!r} is not a known score function; use one of {SCORE_FUNCTIONS}")
-    if pre_softmax and score != "softmax":
-        raise ValueError(f"pre_softmax=True applies only to score='softmax', got score={score!r}")
-    if expert_bias and score != "sigmoid":
-        raise ValueError(f"expert_bias needs score='sigmoid' (selection uses score + bias), got score={score!r}")
-    if (num_groups is None) != (group_topk is None):
-        raise ValueError(f"num_groups={num_groups!r} and group_topk={group_topk!r} must be set together")
-    if group_score not in GROUP_SCORES:
-        raise ValueError(f"group_score={group_score!r} is not a known group score; use one of {GROUP_SCORES}")
-    if num_groups is not None:
-        if num_groups < 1 or num_experts % num_groups:
-            raise ValueError(f"num_groups={num_groups} must be >= 1 and divide num_experts={num_experts}")
-        if not 1 <= group_topk <= num_groups:
-            raise ValueError(f"group_topk={group_topk} must satisfy 1 <= group_topk <= num_groups={num_groups}")
-        per_group = num_experts // num_groups
-        if group_score == "topk_sum":
-            if topk % group_topk:
-                raise ValueError(f"topk={topk} must be divisible by group_topk={group_topk} "
-                                 "(with group_score='topk_sum' a group scores the sum of its top topk/group_topk "
-                                 "experts)")
-            if topk // group_topk > per_group:
-                raise ValueError(f"topk/group_topk={topk // group_topk} exceeds the {per_group} experts of a group")
-        if group_score == "top2_sum" and per_group < 2:
-            raise ValueError(f"group_score='top2_sum' needs >= 2 experts per group, got num_experts/num_groups="
-                             f"{per_group}")
-        if topk > group_topk * per_group:
-            raise ValueError(f"topk={topk} exceeds the {group_topk * per_group} experts of the group_topk="
-                             f"{group_topk} selected groups")
-    if scaling_factor is not None and not (math.isfinite(scaling_factor) and scaling_factor > 0):
-        raise ValueError(f"scaling_factor={scaling_factor!r} must be a finite number > 0 (or None)")
+    """Raise ConfigError naming the ``moe.*`` setting each argument stands for, its value and
+    the rule it breaks (the rules of :func:`moe_fold.config.validate`)."""
+    if not isinstance(topk, int) or isinstance(topk, bool):
+        raise ValueError(f"topk={topk!r} must be an int")
+    require(choice, "moe.score_function", score)
+    require(choice, "moe.group_score", group_score)
+    require(router_settings, MoEConfig(num_experts=num_experts, topk=topk, score_function=score,
+                                       pre_softmax=pre_softmax, num_groups=num_groups, group_topk=group_topk,
+                                       group_score=group_score, scaling_factor=scaling_factor,
+                                       expert_bias=expert_bias))
+    require(routing_groups, num_experts, topk, num_groups, group_topk, group_score)
 
 
 def _stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,8 +184,9 @@ def topk_routing(
 def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
     """Tokens one expert accepts: ``ceil(T * k / E * capacity_factor)`` (Megatron's order of
     operations, so float rounding gives the same integer)."""
-    if not (isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor) and capacity_factor > 0):
-        raise ValueError(f"capacity_factor={capacity_factor!r} must be a finite number > 0")
+    if not isinstance(capacity_factor, (int, float)) or isinstance(capacity_factor, bool):
+        raise ValueError(f"capacity_factor={capacity_factor!r} must be a number")
+    require(capacity_factor_positive, capacity_factor)
     return math.ceil((num_tokens * topk / num_experts) * capacity_factor)
 
 
@@ -235,8 +215,7 @@ def apply_capacity(
                          "must both be [tokens, experts]")
     if routing_map.dtype != torch.bool:
         raise ValueError(f"routing_map must be bool, got {routing_map.dtype}")
-    if policy not in DROP_POLICIES:
-        raise ValueError(f"policy={policy!r} is not a drop policy; use one of {DROP_POLICIES}")
+    require(choice, "moe.drop_policy", policy)
     num_tokens, num_experts = probs.shape
     if topk is None:
         per_token = routing_map.sum(dim=1)
@@ -316,26 +295,12 @@ class Router(nn.Module):
 
     def __init__(self, config: MoEConfig, hidden_size: int, groups: ProcessGroups, *, init_std: float = 0.02):
         super().__init__()
-        check_routing_args(config.num_experts, config.topk, score=config.score_function,
-                           pre_softmax=config.pre_softmax, num_groups=config.num_groups,
-                           group_topk=config.group_topk, group_score=config.group_score,
-                           scaling_factor=config.scaling_factor, expert_bias=config.expert_bias)
-        if config.topk_backend not in TOPK_BACKENDS:
-            raise ValueError(f"moe.topk_backend={config.topk_backend!r} must be one of {TOPK_BACKENDS}")
-        if config.topk_backend == "triton" and (config.num_groups is not None or config.expert_bias):
-            raise ValueError(f"moe.topk_backend=triton fuses plain top-k only; moe.num_groups={config.num_groups} "
-                             f"and moe.expert_bias={config.expert_bias} need moe.topk_backend=torch (or auto)")
-        if config.router_dtype not in _ROUTER_DTYPES:
-            raise ValueError(f"moe.router_dtype={config.router_dtype!r} must be one of {tuple(_ROUTER_DTYPES)}")
-        for name in ("aux_loss_coeff", "seq_aux_loss_coeff", "global_aux_loss_coeff", "z_loss_coeff",
-                     "input_jitter", "bias_update_rate"):
-            value = getattr(config, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"moe.{name}={value!r} must be a finite number >= 0")
-        if config.capacity_factor is not None:
-            expert_capacity(1, 1, 1, config.capacity_factor)
-            if config.drop_policy not in DROP_POLICIES:
-                raise ValueError(f"moe.drop_policy={config.drop_policy!r} must be one of {DROP_POLICIES}")
+        for dotted in ("moe.score_function", "moe.group_score", "moe.topk_backend", "moe.router_dtype",
+                       "moe.drop_policy"):
+            require(choice, dotted, getattr(config, dotted.partition(".")[2]))
+        require(router_settings, config)
+        require(routing_groups, config.num_experts, config.topk, config.num_groups, config.group_topk,
+                config.group_score)
         self.config = config
         self.groups = groups
         self.hidden_size = hidden_size

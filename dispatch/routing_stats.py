@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_fold.config import experts_over_ep, require
+
 __all__ = ["RoutingStats", "routing_stats"]
 
 
@@ -37,8 +39,9 @@ def routing_stats(routed_per_expert: torch.Tensor, kept_per_expert: torch.Tensor
         raise ValueError(f"routed {tuple(routed_per_expert.shape)} and kept {tuple(kept_per_expert.shape)} "
                          "counts must both be [experts]")
     num_experts = routed_per_expert.shape[0]
-    if ep < 1 or num_experts % ep:
-        raise ValueError(f"ep={ep} must be >= 1 and divide num_experts={num_experts}")
+    if ep < 1:
+        raise ValueError(f"ep={ep} must be >= 1")
+    require(experts_over_ep, num_experts, ep)
     routed = routed_per_expert.double()
     kept = kept_per_expert.double()
     total = routed.sum()

@@ -64,12 +64,10 @@ from typing import Optional
 
 import torch
 
-OPS: dict[str, tuple[str, ...]] = {
-    "gemm": ("grouped_gemm", "torch", "triton", "loop"),
-    "permute": ("torch", "triton"),
-    "swiglu": ("torch", "triton", "cpu"),
-    "topk": ("torch", "triton"),
-}
+from moe_fold.config import choices
+
+# The backends of each op: the choices of moe.<op>_backend other than auto.
+OPS: dict[str, tuple[str, ...]] = {op: choices(f"moe.{op}_backend")[1:] for op in ("gemm", "permute", "swiglu", "topk")}
 # Overrides moe.gemm_backend=auto (and gmm's backend=None/auto): see gmm.resolve_backend.
 GEMM_ENV_VAR = "MOE_FOLD_GEMM_BACKEND"
 # Optional packages the rule looks at: chosen when they run, skipped otherwise.

@@ -25,7 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-SCORES = ("softmax", "sigmoid")
+from moe_fold.config import choices
+
+SCORES = choices("moe.score_function")
 
 
 @triton.jit

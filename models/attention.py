@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from moe_fold.comm import Group, group_size
-from moe_fold.config import ModelConfig
-from moe_fold.parallel.context_parallel import CP_KINDS, context_parallel_attention
+from moe_fold.config import ModelConfig, choice, heads_over_tp, require
+from moe_fold.parallel.context_parallel import context_parallel_attention
 from moe_fold.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_seed
 from moe_fold.parallel.varlen import Documents
 
@@ -35,11 +35,8 @@ class Attention(nn.Module):
                  *, seed: int, name: str, cp_group: Group = None, cp_kind: str = "ring"):
         super().__init__()
         tp = group_size(tp_group)
-        for field in ("num_heads", "num_kv_heads"):
-            if getattr(config, field) % tp:
-                raise ValueError(f"model.{field}={getattr(config, field)} is not divisible by tp={tp}")
-        if cp_kind not in CP_KINDS:
-            raise ValueError(f"parallel.cp_kind={cp_kind!r} must be one of {', '.join(CP_KINDS)}")
+        require(heads_over_tp, config.num_heads, config.num_kv_heads, tp)
+        require(choice, "parallel.cp_kind", cp_kind)
         self.cp_group, self.cp_kind = cp_group, cp_kind
         self.head_dim = head_dim
         self.num_heads = config.num_heads // tp  # local query heads

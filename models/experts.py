@@ -33,10 +33,9 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from moe_fold.config import choice, expert_width_over_etp, require
 from moe_fold.dispatch.placement import Placement
-from moe_fold.kernels.gmm import BACKENDS as GEMM_BACKENDS
 from moe_fold.kernels.gmm import gmm
-from moe_fold.kernels.swiglu import BACKENDS as SWIGLU_BACKENDS
 from moe_fold.kernels.swiglu import swiglu
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.tensor_parallel import global_normal, init_seed, mark, shard_tp
@@ -59,16 +58,11 @@ class Experts(nn.Module):
                  swiglu_backend: str = "auto", placement: Placement | None = None):
         super().__init__()
         ep, etp = groups.size("ep"), groups.size("etp")
-        if num_experts % ep:
-            raise ValueError(f"moe.num_experts={num_experts} is not divisible by parallel.ep={ep}")
-        if ffn_hidden_size % etp:
-            raise ValueError(f"moe.ffn_hidden_size={ffn_hidden_size} is not divisible by parallel.etp={etp}")
-        if gemm_backend not in GEMM_BACKENDS:
-            raise ValueError(f"moe.gemm_backend={gemm_backend!r} must be one of {GEMM_BACKENDS}")
-        if swiglu_backend not in SWIGLU_BACKENDS:
-            raise ValueError(f"moe.swiglu_backend={swiglu_backend!r} must be one of {SWIGLU_BACKENDS}")
+        require(expert_width_over_etp, ffn_hidden_size, etp)
+        require(choice, "moe.gemm_backend", gemm_backend)
+        require(choice, "moe.swiglu_backend", swiglu_backend)
         if placement is None:
-            placement = Placement.contiguous(num_experts, ep)
+            placement = Placement.contiguous(num_experts, ep)  # checks num_experts over ep
         if placement.num_experts != num_experts or placement.ep != ep:
             raise ValueError(f"placement of {placement.num_experts} experts over ep={placement.ep} does not fit "
                              f"moe.num_experts={num_experts} over parallel.ep={ep}")

@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from moe_fold.comm import Group, copy_to_tp_region, gather_from_sequence_region, group_size
-from moe_fold.config import ModelConfig, mla_weight_shapes
-from moe_fold.parallel.context_parallel import CP_KINDS, context_parallel_attention
+from moe_fold.config import ModelConfig, choice, heads_over_tp, mla_weight_shapes, require
+from moe_fold.parallel.context_parallel import context_parallel_attention
 from moe_fold.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, global_normal, init_seed, mark,
 )
@@ -81,10 +81,8 @@ class MLAttention(nn.Module):
                  cp_group: Group = None, cp_kind: str = "ring"):
         super().__init__()
         tp = group_size(tp_group)
-        if config.num_heads % tp:
-            raise ValueError(f"model.num_heads={config.num_heads} is not divisible by tp={tp}")
-        if cp_kind not in CP_KINDS:
-            raise ValueError(f"parallel.cp_kind={cp_kind!r} must be one of {', '.join(CP_KINDS)}")
+        require(heads_over_tp, config.num_heads, config.num_kv_heads, tp)
+        require(choice, "parallel.cp_kind", cp_kind)
         self.cp_group, self.cp_kind = cp_group, cp_kind
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.num_heads = config.num_heads // tp  # local heads

@@ -37,7 +37,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from moe_fold.config import Config, overlap_problems
+from moe_fold.config import (
+    Config, gate_needs_shared_expert, moe_needs_sequence_parallel, overlap_problems, require,
+)
 from moe_fold.dispatch.dispatcher import build_dispatcher
 from moe_fold.dispatch.placement import Placement
 from moe_fold.dispatch.router import Router, RoutingStats
@@ -61,9 +63,9 @@ class MoELayer(nn.Module):
         super().__init__()
         m, moe, sp = config.model, config.moe, config.parallel.sequence_parallel
         tp = groups.size("tp")
-        if tp > 1 and not sp:
-            raise ValueError(f"parallel.tp={tp} with MoE layers requires parallel.sequence_parallel=true "
-                             f"(every token must live on exactly one rank of the tp group)")
+        require(moe_needs_sequence_parallel, tp, sp)
+        require(gate_needs_shared_expert, moe.shared_expert_gate, moe.shared_expert_ffn_hidden_size)
+        require(overlap_problems, moe)
         seed, std, name = config.train.seed, m.init_std, f"layers.{layer}"
         # Replicated over tp; under SP each tp rank's grad covers only its own tokens.
         replicated = "tp_sum" if sp else "replicated"
@@ -87,12 +89,6 @@ class MoELayer(nn.Module):
             if moe.shared_expert_gate:
                 gate = global_normal((1, m.hidden_size), std, init_seed(seed, f"{name}.shared_expert_gate"))
                 self.shared_expert_gate = mark(nn.Parameter(gate), replicated)  # [1, H]
-        elif moe.shared_expert_gate:
-            raise ValueError("moe.shared_expert_gate=true needs a shared expert "
-                             "(moe.shared_expert_ffn_hidden_size > 0, got 0)")
-        problems = overlap_problems(moe)
-        if problems:
-            raise ValueError(problems[0])
         self.shared_expert_overlap = moe.shared_expert_overlap
         self.overlap_chunks = moe.overlap_chunks
         self.last_losses: dict[str, torch.Tensor] = {}

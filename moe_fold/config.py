@@ -7,7 +7,12 @@ Sections: ``model``, ``moe``, ``parallel``, ``data``, ``optimizer``, ``train``,
 
 ``load_config(file_or_preset, overrides)`` builds a type-checked Config;
 ``validate(config, world_size)`` checks the rules between fields and raises one
-``ConfigError`` listing every violation. Derived sizes (``dp_size``, ``edp_size``,
+``ConfigError`` listing every violation. A field with choices is typed ``Literal[...]``:
+validate() reads the allowed values from the type (``choices("moe.dispatcher")`` gives them
+to other modules). A rule that a module also applies at run time is a function of
+``RULES``, which validate() and the module (through ``require``) both call. The reference
+docs/configuration.md is generated from the dataclasses and their field comments
+(``python -m moe_fold.config --reference``). Derived sizes (``dp_size``, ``edp_size``,
 ``etp_size``, ``vpp_size``, ``moe_layer_flags``, ``moe_layer_indices``, ``pp_layer_counts``) live here so every
 module uses one definition.
 """
@@ -16,45 +21,58 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
+import inspect
+import math
 import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import yaml
 
 # The signals train.exit_signals may name: those a job scheduler, a container runtime or a
 # terminal sends to end a process politely (SIGKILL and SIGSTOP cannot be caught).
 EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
-# moe.group_score: how group-limited routing ranks a group (see MoEConfig).
-GROUP_SCORES = ("topk_sum", "top2_sum", "max")
 
 @dataclass
 class ModelConfig:
+    """The transformer: sizes, attention (standard or MLA), rotary embeddings, multi-token prediction."""
+
+    # Token ids are in [0, vocab_size): the embedding and output head rows.
     vocab_size: int = 512
+    # Width of the residual stream.
     hidden_size: int = 128
+    # Transformer blocks (MTP depths not counted).
     num_layers: int = 4
+    # Query heads of each attention layer.
     num_heads: int = 4
+    # Key/value heads (grouped-query attention: num_heads is a multiple of it).
     num_kv_heads: int = 2
     # Per-head width; None means hidden_size // num_heads.
     head_dim: Optional[int] = None
     # Width of the dense SwiGLU MLP in dense (non-MoE) layers.
     ffn_hidden_size: int = 256
+    # Tokens per training sample.
     seq_length: int = 128
+    # Base of the rotary embeddings' frequencies.
     rope_theta: float = 10000.0
+    # Epsilon of every RMSNorm.
     norm_eps: float = 1e-6
     # Qwen3-style RMSNorm on each query and key head.
     qk_norm: bool = False
     # What the QK-norm normalises: head (each head, Qwen3, GLM-4.5) | projection (the whole
     # q and k projections, OLMoE; under tp the sum of squares is reduced over tp).
-    qk_norm_scope: str = "head"
+    qk_norm_scope: Literal["head", "projection"] = "head"
     # Fraction of each head's dims that rotary embeddings rotate (the first ones; GLM-4.5: 0.5).
     partial_rotary_factor: float = 1.0
     # Biases on the q, k and v projections (Qwen2-MoE).
     qkv_bias: bool = False
+    # The output head reuses the input embedding's weight.
     tie_embeddings: bool = False
+    # Standard deviation of the normal initialisation of every weight matrix.
     init_std: float = 0.02
     # Multi-token prediction (DeepSeek-V3): depth k predicts token t+1+k; 0 disables it.
     mtp_num_layers: int = 0
@@ -63,31 +81,46 @@ class ModelConfig:
 
     # Attention kind: mha (grouped-query multi-head attention) | mla (DeepSeek's multi-head
     # latent attention: low-rank query and joint key/value compression, decoupled rotary part).
-    attention: str = "mha"
-    # MLA sizes (names as in Hugging Face's DeepseekV3Config). q_lora_rank None: a full-rank query.
+    attention: Literal["mha", "mla"] = "mha"
+    # MLA (names as in Hugging Face's DeepseekV3Config): rank of the query compression; null: a
+    # full-rank query.
     q_lora_rank: Optional[int] = None
+    # MLA: rank of the joint key/value compression (required with attention=mla).
     kv_lora_rank: Optional[int] = None
+    # MLA: per-head query/key width without rotary embeddings.
     qk_nope_head_dim: Optional[int] = None
+    # MLA: per-head query/key width that rotary embeddings rotate (even).
     qk_rope_head_dim: Optional[int] = None
+    # MLA: per-head value width.
     v_head_dim: Optional[int] = None
     # The rotary dims of q and k come in interleaved pairs (x0, x1), (x2, x3)... (DeepSeek's
     # checkpoints) instead of two halves.
     rope_interleave: bool = False
     # Rotary scaling: null (none) | yarn (Peng et al. 2023, as DeepSeek-V3 uses it).
-    rope_scaling: Optional[str] = None
+    rope_scaling: Optional[Literal["yarn"]] = None
+    # YaRN: context extension factor (>= 1; required with rope_scaling=yarn).
     yarn_factor: Optional[float] = None
+    # YaRN: the context length the model was trained at before extension.
     yarn_original_max_position_embeddings: Optional[int] = None
+    # YaRN: rotations at the original context above which a dim keeps its frequency (extrapolation).
     yarn_beta_fast: float = 32.0
+    # YaRN: rotations below which a dim's frequency is divided by yarn_factor (interpolation).
     yarn_beta_slow: float = 1.0
-    # cos/sin scale mscale(yarn_mscale) / mscale(yarn_mscale_all_dim) when both are set, else
+    # YaRN: cos/sin scale mscale(yarn_mscale) / mscale(yarn_mscale_all_dim) when both are set, else
     # mscale(1); the MLA softmax scale also takes mscale(yarn_mscale_all_dim)^2 when set.
     yarn_mscale: Optional[float] = None
+    # YaRN: see yarn_mscale.
     yarn_mscale_all_dim: Optional[float] = None
 
 
 @dataclass
 class MoEConfig:
+    """The MoE layers: which layers, the experts, routing (Megatron-Core semantics), load
+    balancing, token dispatch, expert placement and kernel backends."""
+
+    # Routed experts of each MoE layer.
     num_experts: int = 8
+    # Experts each token is routed to.
     topk: int = 2
     # Width of one routed expert's SwiGLU MLP.
     ffn_hidden_size: int = 256
@@ -101,33 +134,53 @@ class MoEConfig:
     # Qwen2-MoE style sigmoid(x . w) gate on the shared expert's output.
     shared_expert_gate: bool = False
 
-    # Routing (Megatron-Core semantics).
-    score_function: str = "softmax"  # softmax | sigmoid
+    # Router scores from the logits (Megatron-Core semantics): softmax | sigmoid (DeepSeek-V3;
+    # with topk > 1 the chosen scores are normalised to sum to 1).
+    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    # softmax only: softmax over all experts, then top-k (false: top-k of the logits, then
+    # softmax over the k chosen).
     pre_softmax: bool = False
+    # Group-limited routing (DeepSeek-V3): the experts form num_groups equal groups and a
+    # token picks its experts in its best group_topk groups; null (with group_topk) is off.
     num_groups: Optional[int] = None
+    # Groups a token may pick experts from (with num_groups).
     group_topk: Optional[int] = None
     # How group-limited routing ranks a group (dispatch/router.py): topk_sum, the sum of its
     # best topk/group_topk scores (Megatron-Core); top2_sum, the sum of its best 2 whatever
     # topk is (DeepSeek-V3, GLM-4.5); max, its best score (DeepSeek-V2's group_limited_greedy).
-    group_score: str = "topk_sum"  # topk_sum | top2_sum | max
+    group_score: Literal["topk_sum", "top2_sum", "max"] = "topk_sum"
+    # Multiplies the routing probabilities (DeepSeek's routed_scaling_factor); null: 1.
     scaling_factor: Optional[float] = None
-    router_dtype: str = "float32"  # float32 | float64
+    # Dtype of the router's logits and scores, whatever train.precision is.
+    router_dtype: Literal["float32", "float64"] = "float32"
+    # Training only: the router's input times uniform noise in [1 - eps, 1 + eps]; 0: off.
     input_jitter: float = 0.0
     # Aux-loss-free load balancing: a per-expert bias used for selection only.
     expert_bias: bool = False
+    # Step of the expert-bias update: the bias of an under-loaded expert rises by this much,
+    # an over-loaded one's falls (sign of the load error).
     bias_update_rate: float = 1e-3
 
-    # Load-balancing losses; each kind is on when its coefficient is > 0.
+    # Switch-style load-balancing loss per micro-batch (Megatron-Core's aux_loss); each kind of
+    # router loss is on when its coefficient is > 0.
     aux_loss_coeff: float = 1e-2
+    # Per-sequence load-balancing loss (DeepSeek-V3).
     seq_aux_loss_coeff: float = 0.0
+    # Load-balancing loss over the whole global batch (counts summed over dp).
     global_aux_loss_coeff: float = 0.0
+    # Router z-loss: the mean squared logsumexp of the router logits.
     z_loss_coeff: float = 0.0
 
-    # Token dispatch.
-    dispatcher: str = "alltoall"  # alltoall | allgather
+    # Token dispatcher: alltoall (tokens sent to the ep ranks of their experts) | allgather (every
+    # rank gathers every token of the etp x ep group and keeps those of its experts).
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     # None means dropless; a number enables token dropping at that capacity factor.
     capacity_factor: Optional[float] = None
-    drop_policy: str = "probs"  # probs | position
+    # With a capacity: which tokens an over-full expert keeps: probs (the highest routing
+    # probabilities) | position (the first in the micro-batch).
+    drop_policy: Literal["probs", "position"] = "probs"
+    # With a capacity: every expert receives exactly its capacity of rows (padding), so the
+    # all-to-all's sizes are known without a count exchange.
     pad_to_capacity: bool = False
     # Rank-deduplicated all-to-all: a token goes once to each destination rank.
     dedup: bool = False
@@ -138,55 +191,76 @@ class MoEConfig:
     # one chunk's all-to-all overlaps another chunk's expert GEMMs; 1 = off.
     overlap_chunks: int = 1
 
-    # Expert placement (docs/placement.md). Spare expert slots per ep rank, holding copies
+    # Expert placement (docs/placement.md): spare expert slots per ep rank, holding copies
     # of the hottest experts; 0: none.
     replicas: int = 0
     # Re-place the experts from the last window's load every N steps; 0: never.
     replace_every: int = 0
 
-    # Kernel backends. ``auto`` is the rule of moe_fold.kernels.backends (device, CUDA
+    # Kernel of the experts' grouped GEMMs. ``auto`` is the rule of moe_fold.kernels.backends (device, CUDA
     # capability, train.precision): on CPU gemm torch, permute torch, swiglu cpu (C loops;
     # needs a C compiler), topk torch; on sm90/sm100 bf16 gemm torch (grouped_mm), the rest
     # triton. A run resolves ``auto`` before its ranks start and writes the names it chose
     # into its config.yaml (and the printed config). gemm: a value other than auto wins,
     # else the environment variable MOE_FOLD_GEMM_BACKEND if set, else the rule.
-    gemm_backend: str = "auto"  # auto | grouped_gemm | torch | triton | loop
-    permute_backend: str = "auto"  # auto | torch | triton
-    swiglu_backend: str = "auto"  # auto | torch | triton | cpu
+    gemm_backend: Literal["auto", "grouped_gemm", "torch", "triton", "loop"] = "auto"
+    # Kernel of the token permutation (see gemm_backend).
+    permute_backend: Literal["auto", "torch", "triton"] = "auto"
+    # Kernel of the experts' SwiGLU (see gemm_backend).
+    swiglu_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
     # The router's top-k; triton fuses plain top-k only (not num_groups or expert_bias).
-    topk_backend: str = "auto"  # auto | torch | triton
+    topk_backend: Literal["auto", "torch", "triton"] = "auto"
 
 
 @dataclass
 class ParallelConfig:
+    """The parallel layout: attention runs on tp x cp x dp x pp, the experts on etp x ep x edp x pp
+    over the same ranks (MoE parallel folding); the process groups and their overlap."""
+
+    # Tensor-parallel size (attention heads, MLP width, vocabulary split over tp ranks).
     tp: int = 1
+    # Context-parallel size (each sequence split over cp ranks).
     cp: int = 1
+    # Pipeline-parallel size (layers split into pp stages).
     pp: int = 1
+    # Expert-parallel size (each ep rank holds num_experts/ep experts).
     ep: int = 1
     # Expert-tensor parallel size; None means the same as tp.
     etp: Optional[int] = None
     # Virtual pipeline stages (model chunks) per pp rank; None means 1.
     vpp: Optional[int] = None
+    # Under tp, norms and dropout-free regions hold a 1/tp share of the tokens (required
+    # with MoE layers when tp > 1: the router sees each token once).
     sequence_parallel: bool = False
+    # How ranks map to groups: the dims tp, cp, ep, dp, pp joined by '-', leftmost varying
+    # fastest (Megatron-Core's convention); the expert layout reads etp for tp and edp for dp.
     order: str = "tp-cp-ep-dp-pp"
-    cp_kind: str = "ring"  # ring | a2a
+    # Context-parallel attention: ring (key/value blocks passed round the cp group) | a2a
+    # (all-to-all to heads split over cp, then full-sequence attention).
+    cp_kind: Literal["ring", "a2a"] = "ring"
     # Dynamic cp: parallel.cp is the largest cp group; each micro-batch's documents run on
     # sub-groups sized for them (moe_fold.training.dynamic_cp). Needs tp=1, pp=1, cp a power of 2.
     dynamic_cp: bool = False
     # Compute FLOPs per byte of cp link bandwidth: how dynamic cp's cost model charges ring traffic.
     dynamic_cp_flops_per_byte: float = 10.0
-    # auto: interleaved when vpp > 1, else 1f1b (pipeline_schedule() resolves it).
-    pp_schedule: str = "auto"  # auto | 1f1b | interleaved
+    # auto: interleaved when vpp > 1, else 1f1b (pipeline_schedule() resolves it). Interleaved
+    # needs the micro-batches of a step (global_batch_size / (micro_batch_size * dp)) to be a
+    # multiple of pp.
+    pp_schedule: Literal["auto", "1f1b", "interleaved"] = "auto"
     # Explicit number of layers on each pipeline stage; None splits evenly.
     pp_layers: Optional[list[int]] = None
-    backend: str = "auto"  # auto | gloo | nccl
+    # torch.distributed backend: auto is nccl when the ranks compute on CUDA, else gloo.
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
     # Seconds a collective may wait before the run stops with an error.
     timeout_s: float = 300.0
     # Data-parallel overlap (moe_fold.training.buckets): reduce each gradient bucket during the
     # backward of the last micro-batch, as soon as its grads are final; all-gather each
     # parameter bucket of the distributed optimizer during the next forward, waited just
-    # before the bucket's first use. Off: after the backward, and before the next step.
+    # before the bucket's first use (per model chunk under pp/vpp). Off: after the backward, and
+    # before the next step. On or off, the steps are the same bit for bit
+    # (tests/test_train.py::test_overlaps_take_the_same_steps).
     overlap_grad_reduce: bool = False
+    # See overlap_grad_reduce (needs optimizer.distributed).
     overlap_param_gather: bool = False
     # Elements per gradient bucket (and distributed-optimizer shard bucket).
     grad_bucket_numel: int = 1 << 24
@@ -194,6 +268,8 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
+    """Training and validation data, the tokenizer, and the checks made before training."""
+
     # Dataset prefix(es) (``.bin``/``.idx``) or text to tokenize; None: the demo corpus.
     path: Optional[Union[str, list[str]]] = None
     # Blend weights, one per path.
@@ -202,72 +278,117 @@ class DataConfig:
     tokenizer: str = "byte"
     # Pack whole documents into each sample and mask across document boundaries.
     packing: bool = False
+    # Where text data is tokenized to, once; later runs reuse it.
     cache_dir: str = "data_cache"
     # Validation data (train.eval_every): a dataset prefix or text like ``path``, or
     # ``valid_fraction`` of each training dataset's documents (its last ones), held out.
     valid_path: Optional[str] = None
+    # See valid_path.
     valid_fraction: float = 0.0
     # Tokenized data made elsewhere (moe_fold.data.sources): the end-of-document id of
     # formats that do not store one (Megatron, .npy/.bin token files, Hugging Face
     # input_ids; None: data.tokenizer's), and the token dtype of a raw .bin (nanoGPT: uint16).
     eod_id: Optional[int] = None
-    dtype: Optional[str] = None
+    # See eod_id: the token dtype of a raw .bin file.
+    dtype: Optional[Literal["uint8", "uint16", "int16", "uint32", "int32", "int64"]] = None
     # Column / JSONL field holding the text of a document.
     text_key: str = "text"
     # Token-id check before training: ``sampled`` (8 blocks of 2^20 tokens per dataset)
     # or ``full`` (every token); the loader also checks each sample it reads.
-    verify: str = "sampled"
+    verify: Literal["sampled", "full"] = "sampled"
 
 
 @dataclass
 class OptimizerConfig:
+    """AdamW, the learning-rate schedule, gradient clipping, the distributed optimizer."""
+
+    # AdamW: the peak learning rate (after warmup).
     lr: float = 3e-3
+    # The learning rate at the end of a cosine or WSD schedule.
     min_lr: float = 3e-4
+    # AdamW's decoupled weight decay (not applied to norms and biases).
     weight_decay: float = 0.1
+    # AdamW's first-moment decay.
     beta1: float = 0.9
+    # AdamW's second-moment decay.
     beta2: float = 0.95
+    # AdamW's denominator epsilon.
     eps: float = 1e-8
+    # Clip the global gradient norm (over every rank) to this; 0: no clipping.
     clip_grad: float = 1.0
-    schedule: str = "cosine"  # cosine | wsd | constant
+    # Learning rate after warmup: cosine (to min_lr) | wsd (warmup-stable-decay: constant,
+    # then linear to min_lr over decay_fraction of the steps) | constant.
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    # Linear warmup from 0 to lr over this many steps.
     warmup_steps: int = 10
     # Fraction of steps spent decaying at the end of a WSD schedule.
     decay_fraction: float = 0.2
-    # ZeRO-1: shard optimizer state over dp x cp (dense) and edp (experts).
+    # ZeRO-1: shard the AdamW state over dp x cp (dense) and edp (experts): each gradient bucket
+    # is reduce-scattered, a rank updates the slice it owns, and the parameters are all-gathered
+    # (the bytes of one all-reduce).
     distributed: bool = False
 
 
 @dataclass
 class TrainConfig:
+    """The run: steps and batch sizes, precision and device, recompute, checkpoints, numerics,
+    early stopping, evaluation."""
+
+    # Optimizer steps of the run.
     steps: int = 100
+    # Samples per rank in one forward/backward.
     micro_batch_size: int = 4
+    # Samples per optimizer step over all dp ranks: micro_batch_size x dp x the micro-batches
+    # each rank accumulates.
     global_batch_size: int = 16
+    # Seeds the weights (the same under every layout), the data order and the router's noise.
     seed: int = 1234
+    # Deterministic torch algorithms, so a resumed run repeats an uninterrupted one bit for
+    # bit (tests/test_train.py::test_resume_is_exact).
     deterministic: bool = False
+    # The run's folder: config.yaml, metrics.jsonl, checkpoints/, heatmaps/, plots/, wandb/.
     run_dir: str = "runs/default"
+    # Save a checkpoint every N steps (and at the last one).
     save_every: int = 50
+    # Checkpoints kept; older ones are deleted once a newer one is complete.
     keep_last: int = 2
+    # Print the step's metrics every N steps (metrics.jsonl gets every step).
     log_every: int = 1
-    precision: str = "fp32"  # fp32 | bf16-autocast | bf16
+    # fp32 | bf16-autocast (fp32 weights, bf16 matmuls) | bf16 (bf16 weights, fp32 master
+    # weights in the optimizer; on GPUs the full-size presets use it, and its expert GEMMs
+    # take torch._grouped_mm's fast path on sm90/sm100). The router computes in
+    # moe.router_dtype whatever this is.
+    precision: Literal["fp32", "bf16-autocast", "bf16"] = "fp32"
     # Where a rank computes: auto is CUDA under NCCL and, in one process, when a GPU is
     # visible and parallel.backend is not gloo; CPU otherwise (moe_fold.training.train.compute_device).
-    device: str = "auto"  # auto | cpu | cuda
+    # A choice the process cannot honour (cuda without a GPU) stops the run before any work.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     # TF32 tensor cores for float32 matmuls and convolutions on CUDA (10 mantissa bits in
     # the products, float32 accumulation); no effect on CPU.
     tf32: bool = True
-    recompute: str = "none"  # none | full | moe | expert_act
-    on_nonfinite: str = "skip"  # skip | stop
+    # Activation recompute in the backward: none | full (whole blocks) | moe (the experts and
+    # shared expert) | expert_act (the experts' SwiGLU output only).
+    recompute: Literal["none", "full", "moe", "expert_act"] = "none"
+    # A non-finite loss or grad norm takes no optimizer step; the step's forwards run again
+    # to name the first module that went non-finite; then skip (a warning, skipped and
+    # nonfinite_module in metrics.jsonl) | stop (raise before that step is saved).
+    on_nonfinite: Literal["skip", "stop"] = "skip"
     # A loss above loss_spike_factor x the median of the previous loss_spike_window
     # losses is logged as a spike (metrics.jsonl loss_spike, a warning); 0: off.
     loss_spike_factor: float = 3.0
+    # See loss_spike_factor.
     loss_spike_window: int = 20
     # Stopping early with a checkpoint of the step (moe_fold.training.stop): on one of
     # these signals, after exit_after_minutes of wall clock, after step exit_at_step.
     exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
+    # See exit_signals.
     exit_after_minutes: Optional[float] = None
+    # See exit_signals.
     exit_at_step: Optional[int] = None
     # Validation LM loss every eval_every steps and at the last one (0: never), over
     # eval_iters global batches of the validation data (data.valid_path/valid_fraction).
     eval_every: int = 0
+    # See eval_every.
     eval_iters: int = 10
     # Write checkpoints in a background thread; the step only waits for a host copy
     # (kept allocated between saves: one copy of the rank's weights and optimizer state).
@@ -276,20 +397,35 @@ class TrainConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"  # offline | online | disabled
+    """Logging to Weights & Biases (the same scalars as metrics.jsonl) and the expert-load heatmaps."""
+
+    # offline (the default; needs no network, `wandb sync RUN_DIR/wandb/offline-run-*` uploads
+    # it) | online (logs live) | disabled.
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    # The wandb project.
     project: str = "moe-fold"
+    # The wandb run name; null: wandb picks one.
     name: Optional[str] = None
+    # Write an expert-load heatmap (MoE layers x experts) to RUN_DIR/heatmaps/ every N steps.
     heatmap_every: int = 50
 
 
 @dataclass
 class InitConfig:
-    # Start from a Hugging Face model folder (config.json + safetensors).
+    """Where the weights start: fresh (the default), a Hugging Face MoE checkpoint, or a dense one upcycled."""
+
+    # Start from a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 (MTP layers
+    # included), GLM-4.5-MoE or OLMoE folder (config.json + safetensors; moe_fold.models.to_hf
+    # writes one back): the architecture and tokenizer.json (if there is one) come from the
+    # folder, the layout, data and optimizer from the config.
     from_hf: Optional[str] = None
     # Start an MoE model from a dense Hugging Face Llama, Qwen2 or Qwen3 folder: experts
     # made from the dense MLP so that step 0 computes the dense model's function
-    # (moe_fold.models.hf.upcycle); granularity G > 1 cuts the MLP into G expert slices.
+    # (moe_fold.models.hf.upcycle): attention, norms and embeddings copied, every expert a copy
+    # of the MLP; moe.num_experts, moe.topk and the layer pattern come from the config.
     upcycle_from: Optional[str] = None
+    # G > 1 cuts the dense MLP's ffn into G slices, one an expert, with the router initialised by
+    # groups of slices so that step 0 still computes the dense function.
     upcycle_granularity: int = 1
 
 
@@ -442,6 +578,7 @@ def _unknown(dotted: str, candidates: list[str], what: str) -> str:
     return f"unknown config {what} '{dotted}'; sections are: {', '.join(SECTIONS)}"
 
 
+@functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -455,6 +592,10 @@ def _coerce(value: Any, tp: Any, parse_floats: bool = True) -> Any:
     With ``parse_floats``, floats also accept strings because YAML 1.1 reads ``1e-3``
     (no dot) as a string. bool is never taken for int or float, nor int for bool."""
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        # Loading checks the type of a choice; validate() checks the value against the
+        # choices (choice_problems), with the other rules.
+        return _coerce(value, type(typing.get_args(tp)[0]), parse_floats)
     if origin is Union:
         for arm in typing.get_args(tp):
             out = _coerce(value, arm, parse_floats)
@@ -488,6 +629,8 @@ def _coerce(value: Any, tp: Any, parse_floats: bool = True) -> Any:
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return type(typing.get_args(tp)[0]).__name__
     if typing.get_origin(tp) is Union:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
@@ -635,6 +778,73 @@ def _exact_div(a: int, b: int, a_name: str, b_name: str) -> int:
 
 
 # ---------------------------------------------------------------------------
+# Rules that modules apply too: each written once, here.
+#
+# validate() checks the whole config before any rank starts. A module built from its own
+# arguments (a test, a bench, a tool) checks them with the same rule function, through
+# require(), so both paths raise one message from one definition. RULES lists those
+# functions; tests/test_rules.py checks that validate() applies every one and that no module
+# checks a config field by itself.
+
+RULES: dict[str, Callable[..., list[str]]] = {}
+
+
+def rule(fn: Callable[..., list[str]]) -> Callable[..., list[str]]:
+    """Register ``fn`` (the rule's inputs -> one message per problem found) in RULES."""
+    RULES[fn.__name__] = fn
+    return fn
+
+
+def require(check: Callable[..., list[str]], *args: Any) -> None:
+    """Raise ConfigError with what the registered rule ``check`` finds wrong with ``args``."""
+    if RULES.get(check.__name__) is not check:
+        raise TypeError(f"{check.__name__} is not a rule of moe_fold.config.RULES")
+    problems = check(*args)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _literal_choices(tp: Any) -> Optional[tuple]:
+    """The values of a ``Literal[...]`` type, also inside ``Optional[...]``; None for other types."""
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    if typing.get_origin(tp) is Union:
+        for arm in typing.get_args(tp):
+            if typing.get_origin(arm) is Literal:
+                return typing.get_args(arm)
+    return None
+
+
+def choices(dotted: str) -> tuple:
+    """The values the ``Literal`` field ``section.field`` allows, read from its type."""
+    section, _, name = dotted.partition(".")
+    allowed = _literal_choices(_field_types(SECTIONS[section]).get(name))
+    if allowed is None:
+        raise TypeError(f"config field {dotted} is not a Literal choice")
+    return allowed
+
+
+@rule
+def choice(dotted: str, value: Any) -> list[str]:
+    """``value`` is one of the choices of the ``Literal`` field ``dotted`` (or None where the
+    field is Optional)."""
+    allowed = choices(dotted)
+    section, _, name = dotted.partition(".")
+    if value is None and _coerce(None, _field_types(SECTIONS[section])[name]) is None:
+        return []
+    if isinstance(value, str) and value in allowed:
+        return []
+    return [f"{dotted}={_fmt(value)} must be one of {', '.join(allowed)}"]
+
+
+def _choice_problems(config: Config) -> list[str]:
+    """Every ``Literal`` field checked against the choices its type lists."""
+    return [problem for name, cls in SECTIONS.items() for key, tp in _field_types(cls).items()
+            if _literal_choices(tp) is not None
+            for problem in choice(f"{name}.{key}", getattr(getattr(config, name), key))]
+
+
+# ---------------------------------------------------------------------------
 # Validation of cross-field rules, before any process group exists.
 
 
@@ -648,7 +858,7 @@ def validate(config: Config, world_size: int) -> None:
     if problems:
         # The rules below do arithmetic on the fields; wrong types would only add noise.
         raise ConfigError(problems)
-    out: list[str] = []
+    out = _choice_problems(config)
     parallel_ok = _check_parallel(config, world_size, out)
     flags = _check_layer_pattern(config, out)
     any_moe = flags is None or any(flags)
@@ -688,11 +898,6 @@ def _fmt(value: Any) -> str:
     if isinstance(value, str) and (not value or value.strip() != value):
         return repr(value)
     return str(value)
-
-
-def _one_of(out: list[str], dotted: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        out.append(f"{dotted}={_fmt(value)} must be one of {', '.join(allowed)}")
 
 
 def _at_least(out: list[str], dotted: str, value: float, low: float) -> bool:
@@ -739,17 +944,9 @@ def _check_parallel(config: Config, world_size: int, out: list[str]) -> bool:
     dims = p.order.split("-")
     if sorted(dims) != sorted(["tp", "cp", "ep", "dp", "pp"]):
         out.append(f"parallel.order={_fmt(p.order)} must be a permutation of tp, cp, ep, dp, pp joined by '-'")
-    _one_of(out, "parallel.cp_kind", p.cp_kind, ("ring", "a2a"))
     if p.dynamic_cp:
-        if p.cp < 1 or p.cp & (p.cp - 1) or p.cp > 16:
-            out.append(f"parallel.dynamic_cp=true needs parallel.cp a power of two up to 16, got cp={p.cp}")
-        for name in ("tp", "pp"):
-            if getattr(p, name) != 1:
-                out.append(f"parallel.dynamic_cp=true needs parallel.{name}=1, got {getattr(p, name)} (ranks "
-                           f"hold unequal token counts under dynamic cp)")
+        out.extend(dynamic_cp_layout(p.cp, p.tp, p.pp))
         _at_least(out, "parallel.dynamic_cp_flops_per_byte", p.dynamic_cp_flops_per_byte, 0)
-    _one_of(out, "parallel.pp_schedule", p.pp_schedule, ("auto", "1f1b", "interleaved"))
-    _one_of(out, "parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _positive(out, "parallel.timeout_s", p.timeout_s)
     _at_least(out, "parallel.grad_bucket_numel", p.grad_bucket_numel, 1)
     if p.overlap_grad_reduce and config.moe.replicas > 0:
@@ -760,6 +957,34 @@ def _check_parallel(config: Config, world_size: int, out: list[str]) -> bool:
         out.append("parallel.overlap_param_gather=true needs optimizer.distributed=true (only the distributed "
                    "optimizer all-gathers parameters after its step)")
     return ok
+
+
+# Dynamic cp searches every partition of the cp group into sub-groups; partitions of 2^k
+# ranks number 1, 2, 5, 26, 677, 458330 for k = 0..5: search all up to 16.
+MAX_DYNAMIC_CP = 16
+
+
+@rule
+def dynamic_cp_layout(cp: int, tp: int, pp: int) -> list[str]:
+    """Dynamic cp splits the cp group into power-of-two sub-groups, and its ranks hold unequal
+    token counts, which tp shards and pipeline stages cannot take."""
+    out = []
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or cp & (cp - 1) or cp > MAX_DYNAMIC_CP:
+        out.append(f"parallel.dynamic_cp=true needs parallel.cp a power of two up to {MAX_DYNAMIC_CP}, "
+                   f"got cp={cp}")
+    for name, size in (("tp", tp), ("pp", pp)):
+        if size != 1:
+            out.append(f"parallel.dynamic_cp=true needs parallel.{name}=1, got {size} (ranks "
+                       f"hold unequal token counts under dynamic cp)")
+    return out
+
+
+@rule
+def upcycle_slices(granularity: int) -> list[str]:
+    """Upcycling cuts the dense MLP into granularity expert slices."""
+    out: list[str] = []
+    _at_least(out, "init.upcycle_granularity", granularity, 1)
+    return out
 
 
 def _check_layer_pattern(config: Config, out: list[str]) -> list[bool] | None:
@@ -795,7 +1020,6 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
     for name in ("rope_theta", "norm_eps", "init_std"):
         _positive(out, f"model.{name}", getattr(m, name))
     _check_mtp(config, out)
-    _one_of(out, "model.qk_norm_scope", m.qk_norm_scope, ("head", "projection"))
     if not 0 < m.partial_rotary_factor <= 1:
         out.append(f"model.partial_rotary_factor={_fmt(m.partial_rotary_factor)} must be in (0, 1]")
     elif m.partial_rotary_factor != 1 and m.attention == "mla":
@@ -820,8 +1044,7 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
     _check_attention(m, out)
     if p.tp < 1 or p.cp < 1:
         return
-    _divisible(out, "model.num_heads", m.num_heads, "parallel.tp", p.tp)
-    _divisible(out, "model.num_kv_heads", m.num_kv_heads, "parallel.tp", p.tp)
+    out.extend(heads_over_tp(m.num_heads, m.num_kv_heads, p.tp))
     _divisible(out, "model.vocab_size", m.vocab_size, "parallel.tp", p.tp)
     if any_dense:
         _divisible(out, "model.ffn_hidden_size", m.ffn_hidden_size, "parallel.tp", p.tp)
@@ -836,6 +1059,15 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
             # multiple of cp (context_parallel.a2a_kv_repeats), which divides the query heads.
             why = " (parallel.cp_kind=a2a splits each tp rank's heads over cp)"
             _divisible(out, "model.num_heads", m.num_heads, "parallel.tp*cp", p.tp * p.cp, why)
+
+
+@rule
+def heads_over_tp(num_heads: int, num_kv_heads: int, tp: int) -> list[str]:
+    """Each tp rank holds num_heads/tp query and num_kv_heads/tp key/value heads."""
+    out: list[str] = []
+    _divisible(out, "model.num_heads", num_heads, "parallel.tp", tp)
+    _divisible(out, "model.num_kv_heads", num_kv_heads, "parallel.tp", tp)
+    return out
 
 
 def _check_mtp(config: Config, out: list[str]) -> None:
@@ -855,7 +1087,6 @@ def _check_mtp(config: Config, out: list[str]) -> None:
 
 def _check_attention(m: ModelConfig, out: list[str]) -> None:
     """The attention kind, MLA's sizes and the rotary scaling."""
-    _one_of(out, "model.attention", m.attention, ("mha", "mla"))
     if m.attention == "mla":
         for name in MLA_SIZES:
             value = getattr(m, name)
@@ -887,7 +1118,6 @@ def _check_attention(m: ModelConfig, out: list[str]) -> None:
             if getattr(m, name) is not None:
                 out.append(f"model.{name}={_fmt(getattr(m, name))} is set but model.rope_scaling is null")
         return
-    _one_of(out, "model.rope_scaling", m.rope_scaling, ("yarn",))
     if m.rope_scaling != "yarn":
         return
     if m.attention != "mla":
@@ -912,14 +1142,33 @@ def _check_attention(m: ModelConfig, out: list[str]) -> None:
 
 def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
     moe, p = config.moe, config.parallel
-    _one_of(out, "moe.score_function", moe.score_function, ("softmax", "sigmoid"))
-    _one_of(out, "moe.router_dtype", moe.router_dtype, ("float32", "float64"))
-    _one_of(out, "moe.drop_policy", moe.drop_policy, ("probs", "position"))
-    _one_of(out, "moe.dispatcher", moe.dispatcher, ("alltoall", "allgather"))
-    _one_of(out, "moe.gemm_backend", moe.gemm_backend, ("auto", "grouped_gemm", "torch", "triton", "loop"))
-    _one_of(out, "moe.permute_backend", moe.permute_backend, ("auto", "torch", "triton"))
-    _one_of(out, "moe.swiglu_backend", moe.swiglu_backend, ("auto", "torch", "triton", "cpu"))
-    _one_of(out, "moe.topk_backend", moe.topk_backend, ("auto", "torch", "triton"))
+    out.extend(router_settings(moe))
+    out.extend(dispatch_modes(moe.dispatcher, moe.capacity_factor, moe.pad_to_capacity, moe.dedup))
+    out.extend(gate_needs_shared_expert(moe.shared_expert_gate, moe.shared_expert_ffn_hidden_size))
+    _at_least(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size, 0)
+    out.extend(overlap_problems(moe))
+    _check_placement(config, out)
+    if not any_moe:
+        return
+    out.extend(moe_needs_sequence_parallel(p.tp, p.sequence_parallel))
+    if _at_least(out, "moe.ffn_hidden_size", moe.ffn_hidden_size, 1) and p.tp >= 1:
+        out.extend(expert_width_over_etp(moe.ffn_hidden_size, etp_size(config), p.etp is None))
+    if moe.shared_expert_ffn_hidden_size > 0:
+        _divisible(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size,
+                   "parallel.tp", p.tp)
+    if moe.num_experts < 1:
+        out.append(f"moe.num_experts={moe.num_experts} must be >= 1 when any layer is MoE "
+                   f"(moe.moe_layer_freq={_fmt(moe.moe_layer_freq)}, moe.first_k_dense={moe.first_k_dense})")
+        return
+    out.extend(experts_over_ep(moe.num_experts, p.ep))
+    out.extend(routing_groups(moe.num_experts, moe.topk, moe.num_groups, moe.group_topk, moe.group_score))
+
+
+@rule
+def router_settings(moe: MoEConfig) -> list[str]:
+    """The router's settings that need no expert count: score function pairs, the fused
+    top-k's limits, scales and loss coefficients, the capacity factor."""
+    out = []
     if moe.topk_backend == "triton" and (moe.num_groups is not None or moe.expert_bias):
         out.append(f"moe.topk_backend=triton fuses plain top-k only; moe.num_groups={_fmt(moe.num_groups)} and "
                    f"moe.expert_bias={_fmt(moe.expert_bias)} need moe.topk_backend=torch (or auto)")
@@ -931,47 +1180,116 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
         out.append(f"moe.scaling_factor={_fmt(moe.scaling_factor)} must be > 0 when set")
     for name in ("input_jitter", "bias_update_rate", "aux_loss_coeff", "seq_aux_loss_coeff",
                  "global_aux_loss_coeff", "z_loss_coeff"):
-        _at_least(out, f"moe.{name}", getattr(moe, name), 0)
-    if moe.capacity_factor is not None and not moe.capacity_factor > 0:
-        out.append(f"moe.capacity_factor={_fmt(moe.capacity_factor)} must be > 0, or null for dropless")
-    if moe.pad_to_capacity and moe.capacity_factor is None:
+        if _at_least(out, f"moe.{name}", getattr(moe, name), 0) and not math.isfinite(getattr(moe, name)):
+            out.append(f"moe.{name}={_fmt(getattr(moe, name))} must be finite")
+    out.extend(capacity_factor_positive(moe.capacity_factor))
+    return out
+
+
+@rule
+def capacity_factor_positive(capacity_factor: Optional[float]) -> list[str]:
+    """An expert's capacity is ceil(tokens * topk / num_experts * capacity_factor)."""
+    if capacity_factor is not None and not (capacity_factor > 0 and math.isfinite(capacity_factor)):
+        return [f"moe.capacity_factor={_fmt(capacity_factor)} must be > 0, or null for dropless"]
+    return []
+
+
+@rule
+def dispatch_modes(dispatcher: str, capacity_factor: Optional[float], pad_to_capacity: bool,
+                   dedup: bool) -> list[str]:
+    """Which dispatcher runs padding to capacity and the rank-deduplicated exchange."""
+    out = []
+    if pad_to_capacity and capacity_factor is None:
         out.append("moe.pad_to_capacity=true requires moe.capacity_factor to be set, got null")
-    if moe.dedup and moe.dispatcher != "alltoall":
-        out.append(f"moe.dedup=true requires moe.dispatcher=alltoall, got {_fmt(moe.dispatcher)}")
-    if moe.pad_to_capacity and moe.dispatcher != "alltoall":
-        out.append(f"moe.pad_to_capacity=true requires moe.dispatcher=alltoall, got {_fmt(moe.dispatcher)}")
-    if moe.shared_expert_gate and not moe.shared_expert_ffn_hidden_size > 0:
-        out.append(f"moe.shared_expert_gate=true requires a shared expert (moe.shared_expert_ffn_hidden_size > 0), "
-                   f"got {_fmt(moe.shared_expert_ffn_hidden_size)}")
-    _at_least(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size, 0)
-    out.extend(overlap_problems(moe))
-    _check_placement(config, out)
-    if not any_moe:
-        return
-    if p.tp > 1 and not p.sequence_parallel:
-        out.append(f"parallel.tp={p.tp} with MoE layers requires parallel.sequence_parallel=true")
-    if _at_least(out, "moe.ffn_hidden_size", moe.ffn_hidden_size, 1):
-        if p.etp is None:
-            _divisible(out, "moe.ffn_hidden_size", moe.ffn_hidden_size, "parallel.tp", p.tp,
-                       " (parallel.etp is null, so experts are split over tp)")
-        else:
-            _divisible(out, "moe.ffn_hidden_size", moe.ffn_hidden_size, "parallel.etp", p.etp)
-    if moe.shared_expert_ffn_hidden_size > 0:
-        _divisible(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size,
-                   "parallel.tp", p.tp)
-    if moe.num_experts < 1:
-        out.append(f"moe.num_experts={moe.num_experts} must be >= 1 when any layer is MoE "
-                   f"(moe.moe_layer_freq={_fmt(moe.moe_layer_freq)}, moe.first_k_dense={moe.first_k_dense})")
-        return
-    _divisible(out, "moe.num_experts", moe.num_experts, "parallel.ep", p.ep)
-    if not 1 <= moe.topk <= moe.num_experts:
-        out.append(f"moe.topk={moe.topk} must be in [1, moe.num_experts={moe.num_experts}]")
-    _check_groups(config, out)
+    if dedup and dispatcher != "alltoall":
+        out.append(f"moe.dedup=true requires moe.dispatcher=alltoall, got {_fmt(dispatcher)}")
+    if pad_to_capacity and dispatcher != "alltoall":
+        out.append(f"moe.pad_to_capacity=true requires moe.dispatcher=alltoall, got {_fmt(dispatcher)}")
+    if dedup and pad_to_capacity:
+        out.append("moe.dedup=true cannot run with moe.pad_to_capacity=true: the padded exchange sends a fixed "
+                   "capacity of rows per expert, the deduplicated one a data-dependent number per rank")
+    return out
 
 
+@rule
+def gate_needs_shared_expert(gate: bool, shared_expert_ffn_hidden_size: int) -> list[str]:
+    """The shared expert's gate scales a shared expert's output."""
+    if gate and not shared_expert_ffn_hidden_size > 0:
+        return [f"moe.shared_expert_gate=true requires a shared expert (moe.shared_expert_ffn_hidden_size > 0), "
+                f"got {_fmt(shared_expert_ffn_hidden_size)}"]
+    return []
+
+
+@rule
+def moe_needs_sequence_parallel(tp: int, sequence_parallel: bool) -> list[str]:
+    """Under tp an MoE layer routes each token once: every token lives on one rank of the tp group."""
+    if tp > 1 and not sequence_parallel:
+        return [f"parallel.tp={tp} with MoE layers requires parallel.sequence_parallel=true"]
+    return []
+
+
+@rule
+def expert_width_over_etp(ffn_hidden_size: int, etp: int, etp_is_tp: bool = False) -> list[str]:
+    """An expert's ffn dim is split over etp (``etp_is_tp``: parallel.etp is null, so over tp)."""
+    if etp < 1 or not ffn_hidden_size % etp:
+        return []
+    if etp_is_tp:
+        return [f"moe.ffn_hidden_size={ffn_hidden_size} is not divisible by parallel.tp={etp} "
+                f"(parallel.etp is null, so experts are split over tp)"]
+    return [f"moe.ffn_hidden_size={ffn_hidden_size} is not divisible by parallel.etp={etp}"]
+
+
+@rule
+def experts_over_ep(num_experts: int, ep: int) -> list[str]:
+    """Every ep rank holds num_experts/ep experts (dispatchers, experts, placements, statistics)."""
+    if ep >= 1 and num_experts % ep:
+        return [f"moe.num_experts={num_experts} is not divisible by parallel.ep={ep}"]
+    return []
+
+
+@rule
+def routing_groups(num_experts: int, topk: int, num_groups: Optional[int], group_topk: Optional[int],
+                   group_score: str) -> list[str]:
+    """A token's topk experts exist; group-limited routing picks group_topk of num_groups
+    groups, then topk experts inside them (ranking a group by moe.group_score)."""
+    out = []
+    if not 1 <= topk <= num_experts:
+        out.append(f"moe.topk={topk} must be in [1, moe.num_experts={num_experts}]")
+    groups = num_groups
+    if (groups is None) != (group_topk is None):
+        out.append(f"moe.num_groups={_fmt(groups)} and moe.group_topk={_fmt(group_topk)} "
+                   f"must be both set or both null")
+        return out
+    if groups is None:
+        return out
+    ok = _at_least(out, "moe.num_groups", groups, 1)
+    ok &= _at_least(out, "moe.group_topk", group_topk, 1)
+    if not ok:
+        return out
+    if num_experts % groups:
+        out.append(f"moe.num_experts={num_experts} is not divisible by moe.num_groups={groups}")
+        return out
+    if group_topk > groups:
+        out.append(f"moe.group_topk={group_topk} must be <= moe.num_groups={groups}")
+        return out
+    if group_score == "topk_sum":
+        # Groups are ranked by the sum of their best topk/group_topk scores.
+        _divisible(out, "moe.topk", topk, "moe.group_topk", group_topk,
+                   " (each selected group is scored by its best topk/group_topk experts)")
+    elif group_score == "top2_sum" and num_experts // groups < 2:
+        out.append(f"moe.group_score=top2_sum needs >= 2 experts per group, got moe.num_experts/moe.num_groups="
+                   f"{num_experts // groups}")
+    reachable = group_topk * (num_experts // groups)
+    if topk > reachable:
+        out.append(f"moe.topk={topk} exceeds the {reachable} experts in the selected groups "
+                   f"(moe.group_topk={group_topk} * moe.num_experts/moe.num_groups="
+                   f"{num_experts // groups})")
+    return out
+
+
+@rule
 def overlap_problems(moe: MoEConfig) -> list[str]:
-    """What is wrong with ``moe.shared_expert_overlap`` / ``moe.overlap_chunks`` (also
-    checked by the MoE layer itself, which can be built without :func:`validate`)."""
+    """What is wrong with ``moe.shared_expert_overlap`` / ``moe.overlap_chunks``."""
     problems = []
     if moe.shared_expert_overlap and moe.shared_expert_ffn_hidden_size <= 0:
         problems.append(f"moe.shared_expert_overlap=true needs a shared expert "
@@ -991,51 +1309,34 @@ def _check_placement(config: Config, out: list[str]) -> None:
     every_ok = _at_least(out, "moe.replace_every", moe.replace_every, 0)
     if ep < 1 or moe.num_experts < 1:
         return
-    if replicas_ok and moe.replicas > 0:
-        if ep == 1:
-            out.append(f"moe.replicas={moe.replicas} needs parallel.ep > 1, got 1 (a copy of an expert lives "
-                       f"on another ep rank)")
-        elif moe.num_experts % ep == 0 and moe.replicas > moe.num_experts - moe.num_experts // ep:
-            out.append(f"moe.replicas={moe.replicas} must be <= moe.num_experts - moe.num_experts/parallel.ep="
-                       f"{moe.num_experts - moe.num_experts // ep} (a rank holds at most one copy of an expert)")
-    if every_ok and moe.replace_every > 0 and ep == 1:
-        out.append(f"moe.replace_every={moe.replace_every} needs parallel.ep > 1, got 1 (with one ep rank "
-                   f"there is nowhere to move an expert)")
+    if replicas_ok:
+        out.extend(replicas_fit(moe.num_experts, ep, moe.replicas))
+    if every_ok:
+        out.extend(replacement_has_room(moe.replace_every, ep))
 
 
-def _check_groups(config: Config, out: list[str]) -> None:
-    """Group-limited routing: pick group_topk groups, then topk experts inside them."""
-    moe = config.moe
-    groups, group_topk = moe.num_groups, moe.group_topk
-    _one_of(out, "moe.group_score", moe.group_score, GROUP_SCORES)
-    if (groups is None) != (group_topk is None):
-        out.append(f"moe.num_groups={_fmt(groups)} and moe.group_topk={_fmt(group_topk)} "
-                   f"must be both set or both null")
-        return
-    if groups is None:
-        return
-    ok = _at_least(out, "moe.num_groups", groups, 1)
-    ok &= _at_least(out, "moe.group_topk", group_topk, 1)
-    if not ok:
-        return
-    if moe.num_experts % groups:
-        out.append(f"moe.num_experts={moe.num_experts} is not divisible by moe.num_groups={groups}")
-        return
-    if group_topk > groups:
-        out.append(f"moe.group_topk={group_topk} must be <= moe.num_groups={groups}")
-        return
-    if moe.group_score == "topk_sum":
-        # Groups are ranked by the sum of their best topk/group_topk scores.
-        _divisible(out, "moe.topk", moe.topk, "moe.group_topk", group_topk,
-                   " (each selected group is scored by its best topk/group_topk experts)")
-    elif moe.group_score == "top2_sum" and moe.num_experts // groups < 2:
-        out.append(f"moe.group_score=top2_sum needs >= 2 experts per group, got moe.num_experts/moe.num_groups="
-                   f"{moe.num_experts // groups}")
-    reachable = group_topk * (moe.num_experts // groups)
-    if moe.topk > reachable:
-        out.append(f"moe.topk={moe.topk} exceeds the {reachable} experts in the selected groups "
-                   f"(moe.group_topk={group_topk} * moe.num_experts/moe.num_groups="
-                   f"{moe.num_experts // groups})")
+@rule
+def replicas_fit(num_experts: int, ep: int, replicas: int) -> list[str]:
+    """A rank's replicas spare slots hold copies of other ranks' experts, at most one copy of
+    an expert on a rank."""
+    if replicas <= 0:
+        return []
+    if ep == 1:
+        return [f"moe.replicas={replicas} needs parallel.ep > 1, got 1 (a copy of an expert lives "
+                f"on another ep rank)"]
+    if not experts_over_ep(num_experts, ep) and replicas > num_experts - num_experts // ep:
+        return [f"moe.replicas={replicas} must be <= moe.num_experts - moe.num_experts/parallel.ep="
+                f"{num_experts - num_experts // ep} (a rank holds at most one copy of an expert)"]
+    return []
+
+
+@rule
+def replacement_has_room(replace_every: int, ep: int) -> list[str]:
+    """Re-placing experts moves them between ep ranks."""
+    if replace_every > 0 and ep == 1:
+        return [f"moe.replace_every={replace_every} needs parallel.ep > 1, got 1 (with one ep rank "
+                f"there is nowhere to move an expert)"]
+    return []
 
 
 def _check_pipeline(config: Config, out: list[str]) -> None:
@@ -1068,8 +1369,10 @@ def _check_pipeline(config: Config, out: list[str]) -> None:
 
 def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[str]) -> None:
     t, p = config.train, config.parallel
-    for name in ("steps", "save_every", "keep_last", "log_every"):
-        _at_least(out, f"train.{name}", getattr(t, name), 1)
+    _at_least(out, "train.steps", t.steps, 1)
+    _at_least(out, "train.save_every", t.save_every, 1)
+    out.extend(checkpoints_kept(t.keep_last))
+    _at_least(out, "train.log_every", t.log_every, 1)
     batch_ok = _at_least(out, "train.micro_batch_size", t.micro_batch_size, 1)
     batch_ok &= _at_least(out, "train.global_batch_size", t.global_batch_size, 1)
     if batch_ok and parallel_ok:
@@ -1085,8 +1388,6 @@ def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[s
                            f"divisible by parallel.pp={p.pp} (the interleaved schedule sends the micro-batches "
                            f"round the pipeline in groups of pp; global_batch_size={t.global_batch_size}, "
                            f"micro_batch_size={t.micro_batch_size}, dp={dp})")
-    _one_of(out, "train.precision", t.precision, ("fp32", "bf16-autocast", "bf16"))
-    _one_of(out, "train.device", t.device, ("auto", "cpu", "cuda"))
     backend = config.parallel.backend
     if t.device == "cpu" and backend == "nccl":
         out.append("train.device=cpu cannot run with parallel.backend=nccl (NCCL reduces CUDA tensors only); "
@@ -1094,8 +1395,6 @@ def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[s
     if t.device == "cuda" and backend == "gloo":
         out.append("train.device=cuda cannot run with parallel.backend=gloo (gloo ranks compute on the CPU); "
                    "use parallel.backend=nccl or auto")
-    _one_of(out, "train.recompute", t.recompute, ("none", "full", "moe", "expert_act"))
-    _one_of(out, "train.on_nonfinite", t.on_nonfinite, ("skip", "stop"))
     _at_least(out, "train.loss_spike_factor", t.loss_spike_factor, 0)
     _at_least(out, "train.loss_spike_window", t.loss_spike_window, 1)
     for name in t.exit_signals:
@@ -1121,6 +1420,14 @@ def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[s
                    f"data.valid_fraction > 0")
 
 
+@rule
+def checkpoints_kept(keep_last: int) -> list[str]:
+    """A run keeps its newest keep_last checkpoints; at least the one it resumes from."""
+    out: list[str] = []
+    _at_least(out, "train.keep_last", keep_last, 1)
+    return out
+
+
 def _check_optimizer(config: Config, out: list[str]) -> None:
     o, t = config.optimizer, config.train
     if _positive(out, "optimizer.lr", o.lr) and not 0 <= o.min_lr <= o.lr:
@@ -1134,7 +1441,6 @@ def _check_optimizer(config: Config, out: list[str]) -> None:
     _at_least(out, "optimizer.weight_decay", o.weight_decay, 0)
     if _at_least(out, "optimizer.warmup_steps", o.warmup_steps, 0) and o.warmup_steps > t.steps:
         out.append(f"optimizer.warmup_steps={o.warmup_steps} must be <= train.steps={t.steps}")
-    _one_of(out, "optimizer.schedule", o.schedule, ("cosine", "wsd", "constant"))
     if not 0 < o.decay_fraction <= 1:
         out.append(f"optimizer.decay_fraction={_fmt(o.decay_fraction)} must be in (0, 1]")
 
@@ -1161,17 +1467,90 @@ def _check_data_wandb_and_init(config: Config, out: list[str]) -> None:
         out.append("data.tokenizer='' must be byte or a path to a tokenizer.json")
     if d.eod_id is not None and not 0 <= d.eod_id < config.model.vocab_size:
         out.append(f"data.eod_id={d.eod_id} must be in [0, model.vocab_size={config.model.vocab_size})")
-    if d.dtype is not None:
-        _one_of(out, "data.dtype", d.dtype, ("uint8", "uint16", "int16", "uint32", "int32", "int64"))
-    _one_of(out, "data.verify", d.verify, ("sampled", "full"))
     if not d.text_key:
         out.append("data.text_key='' must name the text column or JSONL field")
-    _one_of(out, "wandb.mode", w.mode, ("offline", "online", "disabled"))
     _at_least(out, "wandb.heatmap_every", w.heatmap_every, 1)
     init = config.init
-    _at_least(out, "init.upcycle_granularity", init.upcycle_granularity, 1)
+    out.extend(upcycle_slices(init.upcycle_granularity))
     if init.from_hf is not None and init.upcycle_from is not None:
         out.append(f"init.from_hf={init.from_hf!r} and init.upcycle_from={init.upcycle_from!r} are both set: a run "
                    f"starts from an MoE checkpoint or upcycles a dense one, not both")
     if init.upcycle_granularity != 1 and init.upcycle_from is None:
         out.append(f"init.upcycle_granularity={init.upcycle_granularity} is set but init.upcycle_from is null")
+
+
+# ---------------------------------------------------------------------------
+# The configuration reference (docs/configuration.md), generated from the dataclasses
+# above: each field's type, default and comment, so the docs cannot drift from the code.
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """Each field of the config dataclass ``cls`` -> the comment that documents it: the
+    comment lines just above it (the source is the documentation)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    comments: dict[str, str] = {}
+    above: list[str] = []
+    for line in inspect.getsource(cls).splitlines():
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("#").strip())
+            continue
+        name = text.partition(":")[0]
+        if name in fields and above:
+            comments[name] = " ".join(above)
+        above = []
+    return comments
+
+
+def _type_doc(tp: Any) -> str:
+    """A field type as the reference shows it: choices spelled out, Optional as "or null"."""
+    if typing.get_origin(tp) is Literal:
+        return " \\| ".join(f"`{v}`" for v in typing.get_args(tp))
+    if typing.get_origin(tp) is Union:
+        return " or ".join(_type_doc(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"list of {_type_doc(typing.get_args(tp)[0])}"
+    return "null" if tp is type(None) else tp.__name__
+
+
+def _default_doc(f: dataclasses.Field) -> str:
+    value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return f"`{_fmt(value)}`"
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md: one section per config dataclass, one row per field."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated from the dataclasses of moe_fold/config.py by",
+        "     `python -m moe_fold.config --reference > docs/configuration.md`: edit the field",
+        "     comments there; tests/test_config_reference.py fails when this file differs. -->",
+        "",
+        "A run is configured by a YAML file or preset (`--config`) of `section: {key: value}`",
+        "mappings, then `--set section.key=value` overrides. Loading checks each value's type;",
+        "`validate()` then checks the rules between keys and the world size, and lists every",
+        "problem (field, value, rule) before any rank starts. A key with choices takes exactly",
+        "one of the values listed.",
+        "",
+    ]
+    for name, cls in SECTIONS.items():
+        doc = inspect.cleandoc(cls.__doc__ or "")
+        lines += [f"## {name}", "", doc, "", "| key | type | default | description |", "| --- | --- | --- | --- |"]
+        comments = field_comments(cls)
+        types = _field_types(cls)
+        for f in dataclasses.fields(cls):
+            text = comments.get(f.name, "").replace("|", "\\|")
+            lines.append(f"| `{name}.{f.name}` | {_type_doc(types[f.name])} | {_default_doc(f)} | {text} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--reference"]:
+        sys.exit("usage: python -m moe_fold.config --reference > docs/configuration.md")
+    from moe_fold.config import reference_markdown as _reference  # the installed module, not __main__'s copy
+
+    sys.stdout.write(_reference())

@@ -421,15 +421,15 @@ def test_build_dispatcher_from_config():
         build_dispatcher(MoEConfig(pad_to_capacity=True), groups)
     with pytest.raises(ValueError, match="moe.dedup"):
         build_dispatcher(MoEConfig(dispatcher="allgather", dedup=True), groups)
-    with pytest.raises(ValueError, match="moe.pad_to_capacity=True needs moe.dispatcher='alltoall'"):
+    with pytest.raises(ValueError, match="moe.pad_to_capacity=true requires moe.dispatcher=alltoall, got allgather"):
         build_dispatcher(MoEConfig(dispatcher="allgather", capacity_factor=1.0, pad_to_capacity=True), groups)
-    with pytest.raises(ValueError, match="moe.dispatcher='x'"):
+    with pytest.raises(ValueError, match="moe.dispatcher=x must be one of alltoall, allgather"):
         build_dispatcher(MoEConfig(dispatcher="x"), groups)
-    with pytest.raises(ValueError, match="dedup=True does not work with mode='pad'"):
+    with pytest.raises(ValueError, match="moe.dedup=true cannot run with moe.pad_to_capacity=true"):
         AllToAllDispatcher(4, 2, groups, mode="pad", capacity_factor=1.0, dedup=True)
     with pytest.raises(ValueError, match="needs capacity_factor"):
         AllToAllDispatcher(4, 2, groups, mode="capacity")
-    with pytest.raises(ValueError, match="padding to capacity needs the all-to-all"):
+    with pytest.raises(ValueError, match="moe.pad_to_capacity=true requires moe.dispatcher=alltoall, got allgather"):
         AllGatherDispatcher(4, 2, groups, mode="pad")
 
 
@@ -446,7 +446,7 @@ def test_bad_inputs_name_the_argument():
     out = d.dispatch(x, p, m)
     with pytest.raises(ValueError, match=r"expert_output must be \[N=1, H\]"):
         d.combine(torch.randn(2, H), out.handle)
-    with pytest.raises(RankError, match="num_experts=3 is not divisible by ep=2"):
+    with pytest.raises(RankError, match="moe.num_experts=3 is not divisible by parallel.ep=2"):
         run_ranks(_three_experts_on_two_ranks, 2, timeout=60)
 
 

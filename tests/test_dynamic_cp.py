@@ -101,9 +101,9 @@ def test_zigzag_pair_counts_by_loop():
 
 
 def test_dynamic_cp_refuses_tp_and_pp():
-    with pytest.raises(ValueError, match="parallel.tp=2"):
+    with pytest.raises(ValueError, match="parallel.dynamic_cp=true needs parallel.tp=1, got 2"):
         check_dynamic_cp(ParallelLayout(4, tp=2, cp=2))
-    with pytest.raises(ValueError, match="parallel.pp=2"):
+    with pytest.raises(ValueError, match="parallel.dynamic_cp=true needs parallel.pp=1, got 2"):
         check_dynamic_cp(ParallelLayout(4, pp=2, cp=2))
     with pytest.raises(ValueError, match="power of two"):
         check_dynamic_cp(ParallelLayout(3, cp=3))

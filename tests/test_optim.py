@@ -61,7 +61,7 @@ def test_constant_schedule_and_no_warmup():
     c = _opt(schedule="constant", warmup_steps=4)
     assert [lr_at(s, c, 6) for s in range(8)] == pytest.approx([0.25, 0.5, 0.75, 1, 1, 1, 1, 1])
     assert lr_at(0, _opt(warmup_steps=0), 4) == 1.0
-    with pytest.raises(ValueError, match="optimizer.schedule='linear'"):
+    with pytest.raises(ValueError, match="optimizer.schedule=linear must be one of cosine, wsd, constant"):
         lr_at(3, _opt(schedule="linear"), 10)
     with pytest.raises(ValueError, match="step=-1"):
         lr_at(-1, _opt(), 10)

@@ -474,5 +474,5 @@ def test_forward_backward_rejects_no_micro_batches():
 
 def test_cp_kind_is_checked():
     config = _config(cp_kind="ulysses")
-    with pytest.raises(ValueError, match=r"parallel.cp_kind='ulysses' must be one of ring, a2a"):
+    with pytest.raises(ValueError, match=r"parallel.cp_kind=ulysses must be one of ring, a2a"):
         build_model(config, ProcessGroups.single_process())

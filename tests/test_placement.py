@@ -73,9 +73,10 @@ def test_placement_rejects_bad_slots(slots, message):
 
 
 def test_too_many_replicas_are_rejected():
-    with pytest.raises(ValueError, match=r"replicas=7 spare slots per rank exceed the 6 experts another rank owns"):
+    rule = r"moe.replicas=7 must be <= moe.num_experts - moe.num_experts/parallel.ep=6 \(a rank holds at most one copy"
+    with pytest.raises(ValueError, match=rule):
         Placement.contiguous(8, 4, replicas=7)
-    with pytest.raises(ValueError, match=r"replicas=7 spare slots per rank exceed the 6 experts"):
+    with pytest.raises(ValueError, match=rule):
         balanced_placement([1.0] * 8, 4, replicas=7)
 
 

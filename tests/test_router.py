@@ -197,16 +197,16 @@ def test_topk_routing_gradient(case):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(topk=9), "topk=9"),
     (dict(topk=0), "topk=0"),
-    (dict(topk=2, score="relu"), "score='relu'"),
+    (dict(topk=2, score="relu"), "moe.score_function=relu must be one of softmax, sigmoid"),
     (dict(topk=2, score="sigmoid", pre_softmax=True), "pre_softmax"),
-    (dict(topk=2, expert_bias=torch.zeros(8)), "expert_bias needs score='sigmoid'"),
+    (dict(topk=2, expert_bias=torch.zeros(8)), "moe.expert_bias=true requires moe.score_function=sigmoid"),
     (dict(topk=2, score="sigmoid", expert_bias=torch.zeros(7)), r"expert_bias must have shape \(8,\)"),
     (dict(topk=2, num_groups=3, group_topk=1), "num_groups=3"),
-    (dict(topk=2, num_groups=4), "set together"),
-    (dict(topk=3, num_groups=4, group_topk=2), "divisible by group_topk=2"),
+    (dict(topk=2, num_groups=4), "must be both set or both null"),
+    (dict(topk=3, num_groups=4, group_topk=2), "divisible by moe.group_topk=2"),
     (dict(topk=2, num_groups=4, group_topk=5), "group_topk=5"),
-    (dict(topk=6, num_groups=4, group_topk=2), "exceeds the 2 experts"),
-    (dict(topk=2, num_groups=4, group_topk=2, group_score="top3"), "group_score='top3'"),
+    (dict(topk=6, num_groups=4, group_topk=2), "moe.topk=6 exceeds the 4 experts in the selected groups"),
+    (dict(topk=2, num_groups=4, group_topk=2, group_score="top3"), "moe.group_score=top3 must be one of"),
     (dict(topk=2, num_groups=8, group_topk=2, group_score="top2_sum"), "needs >= 2 experts per group"),
     (dict(topk=5, num_groups=4, group_topk=2, group_score="max"), "topk=5 exceeds the 4 experts"),
     (dict(topk=2, scaling_factor=0.0), "scaling_factor=0.0"),
@@ -267,7 +267,7 @@ def test_capacity_keeps_gradient_of_kept_probs():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(capacity_factor=0.0), "capacity_factor=0.0"),
     (dict(capacity_factor=-1.0), "capacity_factor=-1.0"),
-    (dict(capacity_factor=1.0, policy="random"), "policy='random'"),
+    (dict(capacity_factor=1.0, policy="random"), "moe.drop_policy=random must be one of probs, position"),
 ])
 def test_apply_capacity_bad_arguments(kwargs, match):
     probs, rmap = topk_routing(torch.randn(4, 8), 2)
@@ -597,12 +597,12 @@ def test_no_losses_or_counts_outside_training_or_grad():
 
 @pytest.mark.parametrize("moe, match", [
     (dict(topk=9), "topk=9"),
-    (dict(score_function="relu"), "score='relu'"),
+    (dict(score_function="relu"), "moe.score_function=relu must be one of softmax, sigmoid"),
     (dict(num_groups=3, group_topk=1), "num_groups=3"),
-    (dict(expert_bias=True), "expert_bias needs score='sigmoid'"),
+    (dict(expert_bias=True), "moe.expert_bias=true requires moe.score_function=sigmoid"),
     (dict(capacity_factor=0.0), "capacity_factor=0.0"),
-    (dict(capacity_factor=1.0, drop_policy="random"), "moe.drop_policy='random'"),
-    (dict(router_dtype="bfloat16"), "moe.router_dtype='bfloat16'"),
+    (dict(capacity_factor=1.0, drop_policy="random"), "moe.drop_policy=random must be one of probs, position"),
+    (dict(router_dtype="bfloat16"), "moe.router_dtype=bfloat16 must be one of float32, float64"),
     (dict(aux_loss_coeff=-1.0), "moe.aux_loss_coeff=-1.0"),
     (dict(input_jitter=float("nan")), "moe.input_jitter=nan"),
 ])

@@ -33,7 +33,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-from moe_fold.config import Config, ConfigError, head_dim, moe_layer_flags
+from moe_fold.config import Config, head_dim, moe_layer_flags, require, upcycle_slices
 from moe_fold.layout import ProcessGroups
 
 from .config_map import METADATA_KEYS, HFConfigError, _check_window, _Keys, _rope_theta
@@ -126,9 +126,8 @@ def _function_preserving_problems(config: Config, granularity: int) -> list[str]
     """The settings under which the upcycled model would not compute the dense model's
     function at step 0, one line each (field, value, rule)."""
     m, moe = config.model, config.moe
-    out = []
-    if granularity < 1:
-        out.append(f"init.upcycle_granularity={granularity} must be >= 1")
+    out = upcycle_slices(granularity)
+    if out:
         return out
     if m.ffn_hidden_size % granularity:
         out.append(f"init.upcycle_granularity={granularity} must divide the dense intermediate_size="
@@ -272,8 +271,7 @@ def load_upcycled_into(model: nn.Module, path: Union[str, os.PathLike], groups: 
     upcycled weights of the dense Hugging Face folder ``path``. Each rank calls it on its
     own; no collective."""
     config: Config = model.config
-    if config.init.upcycle_granularity < 1:
-        raise ConfigError(f"init.upcycle_granularity={config.init.upcycle_granularity} must be >= 1")
+    require(upcycle_slices, config.init.upcycle_granularity)
     _dense_family(read_hf_config(path))
     with SafetensorsFolder(path) as files:
         # The expert bias (sigmoid routing) starts at zero, as in any new run.

@@ -20,6 +20,8 @@ import argparse
 import json
 import sys
 
+from moe_fold.config import choices
+
 EPILOG = """examples:
   moe-fold plan --config mixtral-8x22b --world 128 --gpu h100 --tp 2 --pp 8 --ep 8 --etp 1 --vpp 1
   moe-fold plan --config qwen2-57b-a14b --world 64 --gpu h100 --recompute none --distributed-optimizer
@@ -57,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mbs", type=int, default=None, help="micro-batch size (default: train.micro_batch_size)")
     parser.add_argument("--gbs", type=int, default=None, help="global batch size (default: train.global_batch_size)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: model.seq_length)")
-    parser.add_argument("--recompute", choices=("none", "full", "moe", "expert_act"), default=None,
+    parser.add_argument("--recompute", choices=choices("train.recompute"), default=None,
                         help="activation recompute (default: train.recompute)")
     parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                         help="shard the optimizer state over dp (default: optimizer.distributed)")

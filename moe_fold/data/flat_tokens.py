@@ -20,10 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_fold.config import choice, choices, require
 from moe_fold.data.indexed_dataset import DatasetFormatError
 
-# Integer dtypes a token file may hold (names as numpy spells them, little-endian).
-TOKEN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")
+# Integer dtypes a token file may hold (names as numpy spells them, little-endian): data.dtype's.
+TOKEN_DTYPES = choices("data.dtype")
 _SCAN_TOKENS = 1 << 24  # tokens read at a time when finding document ends
 
 
@@ -52,8 +53,7 @@ class FlatTokens:
                                          f"dtype (one of {', '.join(TOKEN_DTYPES)}; nanoGPT writes uint16). "
                                          f"It is read as one because no {self.file.with_suffix('.idx').name} "
                                          f"is beside it")
-            if dtype not in TOKEN_DTYPES:
-                raise DatasetFormatError(f"data.dtype={dtype!r} must be one of {', '.join(TOKEN_DTYPES)}")
+            require(choice, "data.dtype", dtype)
             dt = np.dtype(dtype).newbyteorder("<")
             size = self.file.stat().st_size
             if size % dt.itemsize:

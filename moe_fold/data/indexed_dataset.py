@@ -38,6 +38,8 @@ from typing import Iterable
 
 import numpy as np
 
+from moe_fold.config import choice, require
+
 MAGIC = b"MOEFIDX\x00"
 VERSION = 1
 _HEADER = struct.Struct("<8sIIQQQQQQ")
@@ -224,8 +226,7 @@ class IndexedDataset(DocumentIndex):
     format = "moefidx"
 
     def __init__(self, prefix: str | os.PathLike, verify: str = "sampled", check_blocks: int = 8):
-        if verify not in ("sampled", "full"):
-            raise ValueError(f"verify={verify!r} must be 'sampled' or 'full'")
+        require(choice, "data.verify", verify)
         self.prefix = Path(prefix)
         self.idx_file, self.bin_file = idx_path(prefix), bin_path(prefix)
         for f in (self.idx_file, self.bin_file):

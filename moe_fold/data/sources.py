@@ -27,6 +27,7 @@ from typing import Optional
 
 import numpy as np
 
+from moe_fold.config import choice, require
 from moe_fold.data.indexed_dataset import MAGIC as MOEFIDX_MAGIC
 from moe_fold.data.indexed_dataset import DatasetFormatError, IndexedDataset, idx_path
 from moe_fold.data.megatron_dataset import MAGIC as MEGATRON_MAGIC
@@ -109,8 +110,7 @@ def check_tokens(source, vocab_size: int, verify: str = "sampled", blocks: int =
     tokens (the first, the last, evenly spaced ones between): a corpus made with another
     tokenizer shows at once; ``full`` reads every token. The loader checks every sample
     it reads as well (:class:`moe_fold.data.loader.GPTDataset`)."""
-    if verify not in ("sampled", "full"):
-        raise ValueError(f"data.verify={verify!r} must be sampled or full")
+    require(choice, "data.verify", verify)
     for b in checked_blocks(source.num_tokens, verify == "full", blocks):
         start = b * CHECK_BLOCK
         block = np.asarray(source.tokens[start:start + CHECK_BLOCK])

@@ -33,13 +33,14 @@ from typing import Optional, Sequence
 import torch
 
 from moe_fold.comm import Group, all_to_all, group_rank, group_size
+from moe_fold.config import choice, choices, require
 from moe_fold.parallel.ring_attention import ring_attention
 from moe_fold.parallel.varlen import sdpa, varlen_attention
 
 __all__ = ["CP_KINDS", "zigzag_split", "zigzag_gather", "zigzag_positions",
            "a2a_kv_repeats", "context_parallel_attention"]
 
-CP_KINDS = ("ring", "a2a")
+CP_KINDS = choices("parallel.cp_kind")
 
 
 # --------------------------------------------------------------------------- zigzag layout
@@ -170,8 +171,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``doc_ids`` int64 ``[B, S]`` (the whole sequence, natural order, the same on every cp
     rank): packed documents, attention causal inside each document only (needs causal).
     """
-    if kind not in CP_KINDS:
-        raise ValueError(f"kind={kind!r} must be one of {', '.join(CP_KINDS)} (parallel.cp_kind)")
+    require(choice, "parallel.cp_kind", kind)
     _check_qkv(q, k, v)
     cp = group_size(group)
     if doc_ids is not None:

@@ -44,10 +44,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
+from moe_fold.config import choices
+
 __all__ = ["SCHEDULES", "FORWARD_UNITS", "BACKWARD_UNITS", "Step", "Message", "Exchange", "Plan",
            "check_schedule", "rank_stages", "rank_order", "make_plan"]
 
-SCHEDULES = ("1f1b", "interleaved")
+# parallel.pp_schedule's choices once auto is resolved (moe_fold.config.pipeline_schedule).
+SCHEDULES = tuple(s for s in choices("parallel.pp_schedule") if s != "auto")
 FORWARD_UNITS = 1
 BACKWARD_UNITS = 2
 

@@ -133,9 +133,8 @@ def replay(trace: LoadTrace, ep: int, replicas: int = 0, replace_every: int = 0,
     """The recorded loads through a placement policy (see the module doc): contiguous with
     ``replicas`` spare slots per rank, re-placed every ``replace_every`` steps (0: never)."""
     e = trace.num_experts
-    if e % ep:
-        raise ValueError(f"the loads have {e} experts, not divisible by parallel.ep={ep}")
     name = "static" if not replicas and not replace_every else "replicated" if replicas else "replaced"
+    # Placement.contiguous checks that the experts split over ep.
     placements = [Placement.contiguous(e, ep, replicas) for _ in range(trace.num_layers)]
     windows = [[0.0] * e for _ in range(trace.num_layers)]
     ratio, busiest, moves = [], [], 0

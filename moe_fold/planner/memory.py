@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import bisect
 
-from moe_fold.config import Config, dp_size, edp_size, etp_size, pp_layer_counts, rotary_dim
+from moe_fold.config import Config, choice, dp_size, edp_size, etp_size, pp_layer_counts, require, rotary_dim
 from moe_fold.planner.model import ParamEntry, dims, expert_rows_per_token, mla_attention_bytes, router_bytes
 
 __all__ = ["IMPLEMENTATIONS", "state_bytes", "grad_buckets", "shard_sizes", "owned_by_rank", "owned_numel", "zero_sizes",
@@ -222,10 +222,7 @@ def _router(config: Config) -> float:
 
 def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     """Bytes one rank keeps per local token for ``layer`` (see the module doc)."""
-    from moe_fold.planner.model import RECOMPUTE_MODES
-
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"train.recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}")
+    require(choice, "train.recompute", recompute)
     d, p = dims(config), config.parallel
     a, h, rb, etp = _act(config), d.hidden, router_bytes(config), etp_size(config)
     g = p.tp if p.sequence_parallel else 1

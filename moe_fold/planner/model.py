@@ -44,7 +44,8 @@ import functools
 from dataclasses import dataclass
 
 from moe_fold.config import (
-    Config, ModelConfig, MoEConfig, etp_size, head_dim, mla_weight_shapes, moe_layer_flags, pp_layer_counts, vpp_size,
+    Config, ModelConfig, MoEConfig, choice, choices, etp_size, head_dim, mla_weight_shapes, moe_layer_flags,
+    pp_layer_counts, require, vpp_size,
 )
 
 __all__ = ["Dims", "dims", "ParamEntry", "param_manifest", "stage_layers", "stage_blocks", "layer_forward_flops",
@@ -53,7 +54,7 @@ __all__ = ["Dims", "dims", "ParamEntry", "param_manifest", "stage_layers", "stag
            "mla_attention_bytes", "head_activation_bytes",
            "microbatches_in_flight", "RECOMPUTE_MODES"]
 
-RECOMPUTE_MODES = ("none", "full", "moe", "expert_act")
+RECOMPUTE_MODES = choices("train.recompute")
 
 
 @dataclass(frozen=True)
@@ -321,7 +322,8 @@ def _recomputed_forward(parts: dict[str, float], is_moe: bool, recompute: str) -
         return parts["experts"] + parts["shared"] if is_moe else 0.0
     if recompute == "expert_act":
         return parts["experts"] / 3  # fc2 is one of the expert's three H x F matmuls
-    raise ValueError(f"train.recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}")
+    require(choice, "train.recompute", recompute)
+    raise AssertionError(f"recompute mode {recompute} has no activation rule")
 
 
 def rank_flops_per_microbatch(config: Config, pp_rank: int, recompute: str) -> float:
@@ -372,8 +374,7 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     an MoE block's attention input and the experts' and shared expert's inputs;
     ``moe`` the experts' and shared expert's inputs; ``expert_act`` drops the SwiGLU output.
     """
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"train.recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}")
+    require(choice, "train.recompute", recompute)
     d, p = dims(config), config.parallel
     a, h, tp, etp = act_bytes(config), d.hidden, p.tp, etp_size(config)
     g = tp if p.sequence_parallel else 1

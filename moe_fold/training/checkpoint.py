@@ -76,7 +76,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from moe_fold.config import Config, dump_config
+from moe_fold.config import Config, checkpoints_kept, dump_config, require
 from moe_fold.layout import ProcessGroups
 from moe_fold.training.host_staging import Staged, StagingArena
 from moe_fold.training.optim import AdamW, LRScheduler
@@ -358,11 +358,16 @@ def latest_checkpoint(run_dir: Union[str, os.PathLike]) -> Optional[Path]:
 
 # --------------------------------------------------------------------------- save
 
+def _check_keep_last(keep_last: int) -> None:
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int):
+        raise ValueError(f"keep_last={keep_last!r} must be an integer (train.keep_last)")
+    require(checkpoints_kept, keep_last)
+
+
 def _check_save_args(step: int, keep_last: int, extra: dict) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an integer >= 0")
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(f"keep_last={keep_last!r} must be an integer >= 1 (train.keep_last)")
+    _check_keep_last(keep_last)
     try:
         json.dumps(extra)
     except (TypeError, ValueError) as err:
@@ -423,8 +428,7 @@ class CheckpointSaver:
 
     def __init__(self, run_dir: Union[str, os.PathLike], groups: ProcessGroups, keep_last: int,
                  async_save: bool = True, config: Optional[Config] = None, timeout_s: float = 300.0):
-        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-            raise ValueError(f"keep_last={keep_last!r} must be an integer >= 1 (train.keep_last)")
+        _check_keep_last(keep_last)
         self.run_dir, self.groups, self.keep_last = Path(run_dir), groups, keep_last
         self.async_save, self.config, self.timeout_s = async_save, config, timeout_s
         self._thread: Optional[threading.Thread] = None

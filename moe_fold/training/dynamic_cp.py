@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from moe_fold.comm import Group
-from moe_fold.config import Config, head_dim, mla_weight_shapes, moe_layer_flags
+from moe_fold.config import Config, dynamic_cp_layout, head_dim, mla_weight_shapes, moe_layer_flags, require
 from moe_fold.parallel.context_parallel import zigzag_split
 from moe_fold.data.loader import Batch
 from moe_fold.layout import ParallelLayout, ProcessGroups
@@ -52,8 +52,6 @@ __all__ = ["CostModel", "cost_model", "SubGroup", "Plan", "partitions", "schedul
            "zigzag_pair_counts",
            "check_dynamic_cp", "documents_of", "DynamicCP"]
 
-# Partitions of 2^k ranks number 1, 2, 5, 26, 677, 458330 for k = 0..5: search all up to 16.
-MAX_DYNAMIC_CP = 16
 
 
 @dataclass(frozen=True)
@@ -168,11 +166,7 @@ def _padded(tokens: int, c: int) -> int:
 
 
 def _check_cp(cp: int) -> None:
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or cp & (cp - 1):
-        raise ValueError(f"dynamic cp needs cp a power of two, got cp={cp!r}")
-    if cp > MAX_DYNAMIC_CP:
-        raise ValueError(f"dynamic cp searches every partition of the cp group; cp={cp} is above "
-                         f"the supported {MAX_DYNAMIC_CP}")
+    require(dynamic_cp_layout, cp, 1, 1)
 
 
 def partitions(cp: int, start: int = 0) -> list[tuple[tuple[int, int], ...]]:
@@ -281,13 +275,7 @@ def zigzag_pair_counts(doc_ids: torch.Tensor, cp: int) -> list[int]:
 
 def check_dynamic_cp(layout: ParallelLayout) -> None:
     """Raise ValueError when dynamic cp cannot run on ``layout``."""
-    _check_cp(layout.cp)
-    if layout.tp > 1:
-        raise ValueError(f"dynamic cp with parallel.tp={layout.tp}: tp ranks would need equal sequence "
-                         f"shards, which per-rank token counts under dynamic cp are not; use parallel.tp=1")
-    if layout.pp > 1:
-        raise ValueError(f"dynamic cp with parallel.pp={layout.pp}: pipeline stages pass activations of one "
-                         f"shape; use parallel.pp=1")
+    require(dynamic_cp_layout, layout.cp, layout.tp, layout.pp)
 
 
 def documents_of(batch: Batch) -> list[tuple[int, int]]:

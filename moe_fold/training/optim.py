@@ -46,7 +46,7 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from moe_fold.comm import Pending, all_gather_async
-from moe_fold.config import Config, OptimizerConfig
+from moe_fold.config import Config, OptimizerConfig, choice, require
 from moe_fold.layout import ProcessGroups
 from moe_fold.training.buckets import (
     ALIGN, DEFAULT_BUCKET_NUMEL, SYNC_GROUP, Bucket, GradSync, make_buckets, model_buckets,
@@ -309,7 +309,8 @@ def lr_at(step: int, config: OptimizerConfig, total_steps: int) -> float:
         if step < decay_start:
             return lr
         return lr - (lr - min_lr) * (step - decay_start) / (total_steps - decay_start)
-    raise ValueError(f"optimizer.schedule={config.schedule!r} must be one of cosine, wsd, constant")
+    require(choice, "optimizer.schedule", config.schedule)
+    raise AssertionError(f"schedule {config.schedule} has no learning-rate rule")
 
 
 class LRScheduler:

@@ -24,15 +24,16 @@ import functools
 import torch
 from torch import nn
 
+from moe_fold.config import choice, choices, require
+
 __all__ = ["PRECISIONS", "param_dtype", "autocast", "exclude_from_autocast", "MasterWeights"]
 
-PRECISIONS = ("fp32", "bf16-autocast", "bf16")
+PRECISIONS = choices("train.precision")
 
 
 def param_dtype(precision: str) -> torch.dtype:
     """The dtype the model's parameters are stored in."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"train.precision={precision!r} must be one of {', '.join(PRECISIONS)}")
+    require(choice, "train.precision", precision)
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 

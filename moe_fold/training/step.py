@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from moe_fold.comm import all_reduce_
-from moe_fold.config import Config, pipeline_schedule
+from moe_fold.config import Config, dynamic_cp_layout, pipeline_schedule, require
 from moe_fold.data.loader import Batch
 from moe_fold.dispatch.router import Router
 from moe_fold.training.dynamic_cp import DynamicCP
@@ -114,8 +114,7 @@ def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: 
         if isinstance(module, Router):
             module.grad_scale = 1.0 / m
     if dynamic_cp is not None:
-        if model.num_stages > 1:
-            raise ValueError(f"dynamic cp runs without pipeline stages; this model has {model.num_stages}")
+        require(dynamic_cp_layout, dynamic_cp.cp, 1, model.num_stages)
         placed = [dynamic_cp.shard(b) for b in microbatches]
         microbatches, docs = [p[0] for p in placed], [p[1] for p in placed]
     elif model.num_stages == 1:
