@@ -234,6 +234,12 @@ def _run_torchrun(config, resume: bool, progress: bool, agent: int | None) -> in
         print("warning: no pidfd on this system: a worker whose torchrun agent is killed (SIGKILL) will not "
               "notice it; end the workers by pid", file=sys.stderr)
 
+    if config.parallel.elastic and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
+            and os.environ.get("RANK") == "0":
+        # Seen with torch 2.13: the agents fail in the rendezvous when a node that left comes back.
+        print("warning: parallel.elastic=true with torchrun's shared store: a node that leaves is survived, but "
+              "one that comes back cannot rejoin; start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+              file=sys.stderr)
     backend = config.parallel.backend
     if backend == "auto":
         cuda = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
