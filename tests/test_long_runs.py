@@ -16,6 +16,9 @@ Real processes and real signals, as a scheduler sends them:
   by itself and ends with the uninterrupted run's losses; an agent killed by any signal
   (SIGKILL included) leaves no worker running: each watches its agent, stops after its
   step with a checkpoint and is ended within seconds.
+- Elastic torchrun (issue 28): two agents, ep=4 with parallel.elastic=true; one agent is
+  killed for good and the other goes on with ep=2 on 2 ranks; it comes back and both
+  finish with ep=4; the losses are the uninterrupted run's within the resharding tolerance.
 """
 
 from __future__ import annotations
