@@ -64,6 +64,10 @@ def _sizes(config: Config, world: int) -> dict[str, int]:
             "edp": world // (etp * p.ep * p.pp), "micro_batches": t.global_batch_size // (t.micro_batch_size * dp)}
 
 
+def _micro_batches(n: int) -> str:
+    return f"{n} micro-batch{'es' if n != 1 else ''}"
+
+
 def _describe(config: Config) -> str:
     p = config.parallel
     return f"tp={p.tp} cp={p.cp} pp={p.pp} ep={p.ep} etp={etp_size(config)}"
@@ -94,7 +98,7 @@ def choose_layout(config: Config, world_size: int) -> ElasticChoice:
         sizes = _sizes(config, world_size)
         return ElasticChoice(config, world_size, "configured",
                              f"world_size={world_size}: the configured layout ({configured}) fits: dp={sizes['dp']}, "
-                             f"edp={sizes['edp']}, {sizes['micro_batches']} micro-batches per step", ())
+                             f"edp={sizes['edp']}, {_micro_batches(sizes['micro_batches'])} per step", ())
     misfit = problem
     rejected = [f"configured ({configured}): {problem}"]
     layouts = config.parallel.elastic_layouts
@@ -115,7 +119,7 @@ def choose_layout(config: Config, world_size: int) -> ElasticChoice:
         sizes = _sizes(candidate, world_size)
         reason = (f"world_size={world_size}: the configured layout ({configured}) does not fit ({misfit}); "
                   f"took {rule} ({_describe(candidate)}), {why}: dp={sizes['dp']}, edp={sizes['edp']}, "
-                  f"{sizes['micro_batches']} micro-batches of {config.train.micro_batch_size} per step "
+                  f"{_micro_batches(sizes['micro_batches'])} of {config.train.micro_batch_size} per step "
                   f"(train.global_batch_size={config.train.global_batch_size} kept)")
         return ElasticChoice(candidate, world_size, rule, reason, tuple(rejected))
     raise ConfigError([f"parallel.elastic=true: no layout fits world_size={world_size}, neither the configured one "
