@@ -264,6 +264,12 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     # Elements per gradient bucket (and distributed-optimizer shard bucket).
     grad_bucket_numel: int = 1 << 24
+    # Elastic restarts (moe_fold.elastic, docs/reliability.md): a world the layout does not fit
+    # (a torchrun --nnodes MIN:MAX restart on fewer or more nodes) takes the first
+    # elastic_layouts entry that fits, or else the largest ep <= parallel.ep that fits.
+    elastic: bool = False
+    # Layouts to try in order, each "name=size,..." over tp cp pp ep etp, e.g. ["ep=2", "ep=1"].
+    elastic_layouts: Optional[list[str]] = None
 
 
 @dataclass
@@ -771,6 +777,23 @@ def data_paths(config: Config) -> list[str]:
     return [] if path is None else [path] if isinstance(path, str) else list(path)
 
 
+# The sizes a parallel.elastic_layouts entry may set.
+ELASTIC_SIZES = ("tp", "cp", "pp", "ep", "etp")
+
+
+def parse_elastic_layout(text: str) -> dict[str, int]:
+    """One ``parallel.elastic_layouts`` entry, ``"ep=2"`` or ``"tp=1,ep=4"``, as ``{name: size}``;
+    raises ValueError saying what is wrong."""
+    sizes: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or name not in ELASTIC_SIZES or name in sizes or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{part.strip()!r} must be name=size with a name of {', '.join(ELASTIC_SIZES)} "
+                             f"(each once) and a size >= 1")
+        sizes[name] = int(value)
+    return sizes
+
+
 def _exact_div(a: int, b: int, a_name: str, b_name: str) -> int:
     if b < 1 or a % b:
         raise ConfigError(f"{a_name}={a} is not divisible by {b_name}={b}")
@@ -953,6 +976,15 @@ def _check_parallel(config: Config, world_size: int, out: list[str]) -> bool:
         out.append(f"parallel.overlap_grad_reduce=true cannot run with moe.replicas={config.moe.replicas} yet: the "
                    f"copies of an expert sum their grads over ep after the whole backward, before the "
                    f"data-parallel reduction")
+    if p.elastic_layouts is not None:
+        if not p.elastic:
+            out.append(f"parallel.elastic_layouts={_fmt(p.elastic_layouts)} needs parallel.elastic=true "
+                       f"(the layouts are tried on a restart onto another world size only then)")
+        for i, entry in enumerate(p.elastic_layouts):
+            try:
+                parse_elastic_layout(entry)
+            except ValueError as e:
+                out.append(f"parallel.elastic_layouts[{i}]={_fmt(entry)}: {e}")
     if p.overlap_param_gather and not config.optimizer.distributed:
         out.append("parallel.overlap_param_gather=true needs optimizer.distributed=true (only the distributed "
                    "optimizer all-gathers parameters after its step)")

@@ -46,7 +46,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["RankError", "run_ranks", "keep_freed_memory", "exit_with_parent", "parent_handle"]
+__all__ = ["RankError", "run_ranks", "keep_freed_memory", "exit_with_parent", "parent_handle", "agree_on_round"]
 
 # torch.optim imports torch._dynamo on its first step (seconds); importing it once in the
 # forkserver saves that in every rank.
@@ -159,6 +159,42 @@ def exit_with_parent(gone: int, who: str = "the process that started this rank",
         os._exit(1)
 
     threading.Thread(target=watch, name="moe-fold-parent-watch", daemon=True).start()
+
+
+def agree_on_round(store, rank: int, world_size: int, timeout: datetime.timedelta, poll_s: float = 0.01) -> int:
+    """A number every rank of this start gets, unlike any earlier start's on ``store``.
+
+    torchrun's agent gives the workers of every restart the same TCP store, which still
+    holds the keys of the starts before (the gloo addresses of ranks now dead): each start
+    needs key prefixes of its own. TORCHELASTIC_RESTART_COUNT cannot name them: each agent
+    counts its own restarts, so the agent of a node that comes back (an elastic grow) says
+    0 where the others say 1. Instead rank 0 draws the next number from a counter, and
+    gives it to each rank that asks with a nonce only that process knows: stale keys of
+    earlier starts (old nonces, old numbers) are never mistaken for this start's.
+    """
+    import uuid
+
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank == 0:
+        number = store.add("moe-fold/round", 1)
+        waiting = set(range(1, world_size))
+        while waiting:
+            for r in sorted(waiting):
+                if store.check([f"moe-fold/round_{number}/ack/{r}"]):
+                    waiting.discard(r)
+                elif store.check([f"moe-fold/hello/{r}"]):
+                    # Maybe an earlier start's nonce: answering it too is harmless.
+                    store.set(f"moe-fold/reply/{store.get(f'moe-fold/hello/{r}').decode()}", str(number))
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(f"ranks {sorted(waiting)} did not join this start within {timeout}")
+            time.sleep(poll_s if waiting else 0)
+        return number
+    nonce = uuid.uuid4().hex
+    store.set(f"moe-fold/hello/{rank}", nonce)
+    store.wait([f"moe-fold/reply/{nonce}"], timeout)
+    number = int(store.get(f"moe-fold/reply/{nonce}"))
+    store.set(f"moe-fold/round_{number}/ack/{rank}", "1")
+    return number
 
 
 def _rank_main(fn, rank, world_size, store_port, threads, env, forward_signals, args, kwargs, results):

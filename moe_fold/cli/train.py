@@ -18,7 +18,11 @@ one line saying so. Exit codes: 0 finished, or stopped at a budget; 128 + the si
 after a signal (143 SIGTERM, 130 SIGINT, 138 SIGUSR1); 130 also when a second Ctrl-C
 aborted at once (no checkpoint of that step); 1 failed; 2 bad config. --resume continues
 from the newest complete checkpoint (a fresh start when there is none); under torchrun a
-restarted group (TORCHELASTIC_RESTART_COUNT > 0) always resumes.
+restarted group (TORCHELASTIC_RESTART_COUNT > 0 on any rank) always resumes.
+
+Elastic restarts (parallel.elastic=true, moe_fold.elastic): a world the configured layout
+does not fit (torchrun --nnodes MIN:MAX after a node left or came back) takes a layout
+derived from the config; rank 0 prints it and appends it to <run_dir>/elastic.jsonl.
 """
 
 from __future__ import annotations
@@ -114,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
             # The architecture comes from the dense folder, the experts' count, top-k
             # and routing from the preset or file.
             config = upcycled_config(config.init.upcycle_from, config)
+        if config.parallel.elastic:
+            # The one hook of elastic restarts: the layout for the world this start got.
+            config = _elastic_layout(config, world, rank0=torchrun is None or os.environ["RANK"] == "0")
         check_trainable(config, world)
         from moe_fold.data.sources import check_data
 
@@ -172,6 +179,29 @@ def run(args: argparse.Namespace) -> int:
     return _ended(results[0], config, err)
 
 
+def _elastic_layout(config, world: int, rank0: bool):
+    """``config`` with the layout :func:`moe_fold.elastic.choose_layout` takes for ``world``
+    ranks; on rank 0 said on stdout and appended to ``<run_dir>/elastic.jsonl`` (time, world,
+    rule, sizes, reason). Every rank chooses the same: the choice depends on the config and
+    the world only."""
+    import json
+    import time
+    from pathlib import Path
+
+    from moe_fold.elastic import choose_layout
+
+    choice = choose_layout(config, world)
+    if rank0:
+        print(f"elastic layout: {choice.reason}", flush=True)
+        run_dir = Path(config.train.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        record = {"time": time.time(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                  **choice.record()}
+        with open(run_dir / "elastic.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return choice.config
+
+
 def _ended(result, config, err) -> int:
     """The exit code of a run that returned; a run that stopped early says why, in one line."""
     if result.stop is None:
@@ -191,7 +221,7 @@ def _run_torchrun(config, resume: bool, progress: bool, agent: int | None) -> in
     import torch.distributed as dist
     from rich.console import Console
 
-    from moe_fold.launch import exit_with_parent, keep_freed_memory
+    from moe_fold.launch import agree_on_round, exit_with_parent, keep_freed_memory
     from moe_fold.training.train import compute_device, train
 
     # torchrun starts each worker in a session of its own, so nothing ends a worker whose
@@ -204,23 +234,33 @@ def _run_torchrun(config, resume: bool, progress: bool, agent: int | None) -> in
         print("warning: no pidfd on this system: a worker whose torchrun agent is killed (SIGKILL) will not "
               "notice it; end the workers by pid", file=sys.stderr)
 
+    if config.parallel.elastic and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
+            and os.environ.get("RANK") == "0":
+        # Seen with torch 2.13: the agents fail in the rendezvous when a node that left comes back.
+        print("warning: parallel.elastic=true with torchrun's shared store: a node that leaves is survived, but "
+              "one that comes back cannot rejoin; start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+              file=sys.stderr)
     backend = config.parallel.backend
     if backend == "auto":
         cuda = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
         backend = "nccl" if cuda else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    # A group that torchrun restarted (--max-restarts) continues the run: starting over would
-    # overwrite its checkpoints.
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    resume = resume or attempt > 0
     timeout = datetime.timedelta(seconds=config.parallel.timeout_s)
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    # torchrun's agent gives every attempt the same store, still holding the keys of the
-    # attempt before (the gloo addresses of ranks it killed): each attempt gets its own prefix.
-    dist.init_process_group(backend, store=dist.PrefixStore(f"moe-fold/attempt_{attempt}", store), rank=rank,
+    # torchrun's agent gives every start the same store, still holding the keys of the
+    # start before (the gloo addresses of ranks it killed): each start gets its own prefix.
+    start = agree_on_round(store, rank, world, timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"moe-fold/start_{start}", store), rank=rank,
                             world_size=world, timeout=timeout)
     try:
+        # A group that torchrun restarted (--max-restarts, or a node that left or came back)
+        # continues the run: starting over would overwrite its checkpoints. Any rank's agent
+        # having restarted counts: a node that comes back has a fresh agent, whose count is 0.
+        restarted = torch.tensor([int(resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)],
+                                 device="cuda" if backend == "nccl" else "cpu")
+        dist.all_reduce(restarted, op=dist.ReduceOp.MAX)
+        resume = bool(restarted.item())
         keep_freed_memory(compute_device(config))
         rank0 = rank == 0
         result = train(config, resume=resume, console=Console(soft_wrap=True) if rank0 else None,
