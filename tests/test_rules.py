@@ -185,6 +185,8 @@ NOT_CONFIG_RULES = {
     ("moe_fold/data/loader.py", "dataset {} was tokenized"): "what a dataset file holds",
     ("moe_fold/data/sources.py", "{}: "): "what a dataset file holds (check_data runs before spawning)",
     ("moe_fold/training/train.py", "{}; stopping"): "the step's outcome under train.on_nonfinite=stop",
+    ("moe_fold/elastic.py", "choose_layout needs parallel.elastic=true"): "a caller's mistake: the command line "
+                                                                          "calls it only for elastic runs",
 }
 
 
