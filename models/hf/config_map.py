@@ -57,7 +57,8 @@ __all__ = ["FAMILIES", "METADATA_KEYS", "HFConfigError", "hf_family", "config_fr
 
 # model_type -> the causal-LM class that reads it
 FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+            "deepseek_v3": "DeepseekV3ForCausalLM",
             "glm4_moe": "Glm4MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 
 # Keys that do not change what the network computes from token ids.
@@ -179,8 +180,8 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     if base is None:
         m.seq_length = int(keys.get("max_position_embeddings", m.seq_length))
     m.qk_norm_scope, m.partial_rotary_factor, m.mtp_num_layers = "head", 1.0, 0
-    if family == "deepseek_v3":
-        _deepseek_v3_from_hf(keys, config)
+    if family in ("deepseek_v2", "deepseek_v3"):
+        (_deepseek_v2_from_hf if family == "deepseek_v2" else _deepseek_v3_from_hf)(keys, config)
         return _finish(keys, family, config)
     # Standard attention, unscaled rotary: nothing of an MLA base config stays.
     m.attention, m.rope_interleave, m.rope_scaling = "mha", False, None
@@ -319,14 +320,15 @@ def _deepseek_rope(keys: _Keys, m) -> None:
                              f"here do not have")
 
 
-def _deepseek_v3_from_hf(keys: _Keys, config: Config) -> None:
-    m, moe = config.model, config.moe
+def _mla_from_hf(keys: _Keys, config: Config, family: str) -> None:
+    """The sizes and rotary embeddings of multi-head latent attention (DeepSeek-V2 and -V3)."""
+    m = config.model
     m.vocab_size = keys.get("vocab_size")
     m.hidden_size = keys.get("hidden_size")
     m.num_layers = keys.get("num_hidden_layers")
     m.num_heads = keys.get("num_attention_heads")
     if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
-        raise HFConfigError(keys.problems, "cannot import deepseek_v3 config")
+        raise HFConfigError(keys.problems, f"cannot import {family} config")
     kv_heads = keys.get("num_key_value_heads", m.num_heads)
     if kv_heads != m.num_heads:
         keys.problems.append(f"num_key_value_heads={kv_heads} must equal num_attention_heads={m.num_heads}: MLA "
@@ -349,25 +351,76 @@ def _deepseek_v3_from_hf(keys: _Keys, config: Config) -> None:
         if value is not None and value != expected:
             keys.problems.append(f"{key}={value} disagrees with qk_nope_head_dim={m.qk_nope_head_dim} and "
                                  f"qk_rope_head_dim={m.qk_rope_head_dim} (expected {expected})")
-    m.rope_interleave = bool(keys.get("rope_interleave", True))
     _deepseek_rope(keys, m)
     keys.must_be("hidden_act", ("silu",), "the MLPs and experts are SwiGLU (silu)")
     keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
     keys.must_be("attention_bias", (False,), "the MLA projections have no biases here")
     keys.must_be("pretraining_tp", (1,), "pretraining_tp splits the linears' math differently")
     keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
-    # Keys of the original (remote-code) DeepSeek-V3 config.json.
+    # Keys of the original (remote-code) config.json.
     keys.get("auto_map", None)
     keys.get("ep_size", None)  # the inference expert-parallel size: no effect on the math
-    keys.must_be("scoring_func", ("sigmoid",), "DeepSeek-V3 routes with sigmoid scores")
-    keys.must_be("topk_method", ("noaux_tc",), "routing is group-limited top-k with the score correction bias")
-    keys.must_be("moe_layer_freq", (1,), "every layer after first_k_dense_replace is MoE")
     alpha = keys.get("aux_loss_alpha", None)
     if alpha is not None:
         per_sequence = bool(keys.get("seq_aux", True))
+        moe = config.moe
         moe.seq_aux_loss_coeff, moe.aux_loss_coeff = (float(alpha), 0.0) if per_sequence else (0.0, float(alpha))
 
+
+def _deepseek_v3_from_hf(keys: _Keys, config: Config) -> None:
+    _mla_from_hf(keys, config, "deepseek_v3")
+    config.model.rope_interleave = bool(keys.get("rope_interleave", True))
+    keys.must_be("scoring_func", ("sigmoid",), "DeepSeek-V3 routes with sigmoid scores")
+    keys.must_be("topk_method", ("noaux_tc",), "routing is group-limited top-k with the score correction bias")
+    keys.must_be("moe_layer_freq", (1,), "every layer after first_k_dense_replace is MoE")
     _deepseek_moe_from_hf(keys, config)
+
+
+def _deepseek_v2_from_hf(keys: _Keys, config: Config) -> None:
+    """DeepSeek-V2 and V2-Lite: MLA with interleaved rotary pairs always (DeepseekV2 rotates
+    them as complex numbers); softmax over all experts, top-k of those probabilities as they
+    are (our ``pre_softmax: true``), times ``routed_scaling_factor``; ``greedy`` top-k, or
+    ``group_limited_greedy``: the ``topk_group`` groups with the highest single score first
+    (``moe.group_score: max``); ungated shared experts; the first layers dense."""
+    m, moe = config.model, config.moe
+    _mla_from_hf(keys, config, "deepseek_v2")
+    m.rope_interleave = True
+    keys.must_be("rope_interleave", (True,), "DeepSeek-V2 always rotates interleaved pairs")
+    keys.must_be("mlp_bias", (False,), "the MLPs have no biases here")
+    keys.must_be("scoring_func", ("softmax",), "DeepSeek-V2 routes with a softmax over all experts")
+    keys.must_be("moe_layer_freq", (1,), "every layer after first_k_dense_replace is MoE")
+    # transformers' DeepseekV2 never renormalises the top-k (it ignores norm_topk_prob), DeepSeek's
+    # own code does when it is true: only false means the same in both.
+    keys.must_be("norm_topk_prob", (False,), "transformers' DeepseekV2 ignores it (the top-k softmax "
+                                             "probabilities are never renormalised) while DeepSeek's code "
+                                             "renormalises; only false computes the same in both")
+    m.mtp_num_layers = 0
+    moe.num_experts = keys.get("n_routed_experts")
+    moe.ffn_hidden_size = keys.get("moe_intermediate_size")
+    moe.topk = keys.get("num_experts_per_tok")
+    moe.moe_layer_freq = 1
+    moe.first_k_dense = keys.get("first_k_dense_replace", 0)
+    moe.score_function, moe.pre_softmax, moe.expert_bias, moe.input_jitter = "softmax", True, False, 0.0
+    factor = float(keys.get("routed_scaling_factor", 1.0))
+    moe.scaling_factor = None if factor == 1.0 else factor
+    moe.shared_expert_ffn_hidden_size = int(keys.get("n_shared_experts", 0)) * int(moe.ffn_hidden_size or 0)
+    moe.shared_expert_gate = False
+    method = keys.get("topk_method", "greedy")
+    groups, group_topk = keys.get("n_group", 1), keys.get("topk_group", 1)
+    moe.group_score = "max"
+    moe.num_groups, moe.group_topk = None, None
+    if method == "group_limited_greedy" and groups != 1:
+        moe.num_groups, moe.group_topk = groups, group_topk
+        experts = moe.num_experts or 0
+        reachable = (group_topk or 0) * (experts // groups)
+        if experts and moe.topk is not None and moe.topk > reachable:
+            keys.problems.append(f"num_experts_per_tok={moe.topk} with topk_group={group_topk} is not supported: "
+                                 f"the {group_topk} selected groups hold {reachable} experts (n_routed_experts/"
+                                 f"n_group={experts // groups} each), and transformers would fill the rest with "
+                                 f"experts of the excluded groups")
+    elif method not in ("greedy", "group_limited_greedy"):
+        keys.problems.append(f"topk_method={method!r} is not supported for deepseek_v2: 'greedy' or "
+                             f"'group_limited_greedy'")
 
 
 def _deepseek_moe_from_hf(keys: _Keys, config: Config) -> None:
@@ -440,12 +493,13 @@ def _glm4_moe_from_hf(keys: _Keys, config: Config) -> None:
 
 
 def export_family(config: Config) -> str:
-    """The family a model of ``config`` exports to: DeepSeek-V3 with MLA, OLMoE with a
+    """The family a model of ``config`` exports to: DeepSeek-V2 with MLA and softmax routing,
+    DeepSeek-V3 with MLA and sigmoid, OLMoE with a
     QK-norm over the projections, GLM-4.5 with an expert bias, partial rotary or MTP,
     Qwen3-MoE with QK-norm, Qwen2-MoE with a shared expert or q|k|v biases, else Mixtral."""
     m, moe = config.model, config.moe
     if m.attention == "mla":
-        return "deepseek_v3"
+        return "deepseek_v2" if moe.score_function == "softmax" else "deepseek_v3"
     if m.qk_norm and m.qk_norm_scope == "projection":
         return "olmoe"
     if moe.expert_bias or m.partial_rotary_factor != 1.0 or m.mtp_num_layers > 0:
@@ -471,8 +525,8 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
         if condition:
             problems.append(text)
 
-    refuse(family != "deepseek_v3" and m.attention == "mla",
-           f"model.attention=mla: {family} has standard attention (DeepSeek-V3 has MLA)")
+    refuse(family not in ("deepseek_v2", "deepseek_v3") and m.attention == "mla",
+           f"model.attention=mla: {family} has standard attention (DeepSeek-V2 and -V3 have MLA)")
     refuse(family not in ("glm4_moe", "olmoe") and m.qk_norm and m.qk_norm_scope != "head",
            f"model.qk_norm_scope={m.qk_norm_scope}: {family} normalises each head (OLMoE normalises the whole "
            f"projections)")
@@ -484,6 +538,8 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
            f"GLM-4.5 have)")
     if family == "deepseek_v3":
         return _deepseek_v3_to_hf(config, flags, refuse, problems, dtype)
+    if family == "deepseek_v2":
+        return _deepseek_v2_to_hf(config, flags, refuse, problems, dtype)
     if family == "glm4_moe":
         return _glm4_moe_to_hf(config, flags, refuse, problems, dtype)
 
@@ -581,11 +637,6 @@ def _deepseek_v3_to_hf(config: Config, flags: list[bool], refuse, problems: list
     moe_keys = _deepseek_moe_to_hf(config, flags, refuse)
     if problems:
         raise HFConfigError(problems, "cannot export to deepseek_v3")
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
-    if m.rope_scaling == "yarn":
-        rope["rope_type"] = "yarn"
-        rope.update({theirs: getattr(m, ours) for theirs, ours in _YARN_KEYS.items()
-                     if getattr(m, ours) is not None})
     return {
         "architectures": [FAMILIES["deepseek_v3"]], "model_type": "deepseek_v3", "dtype": dtype,
         "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
@@ -594,7 +645,60 @@ def _deepseek_v3_to_hf(config: Config, flags: list[bool], refuse, problems: list
         "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "rope_interleave": m.rope_interleave,
         "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
         "initializer_range": m.init_std, "max_position_embeddings": m.seq_length, "attention_dropout": 0.0,
-        "attention_bias": False, "rope_parameters": rope, **moe_keys,
+        "attention_bias": False, "rope_parameters": _mla_rope(m), **moe_keys,
+    }
+
+
+def _mla_rope(m) -> dict:
+    """``rope_parameters`` of an MLA model: default or YaRN."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling == "yarn":
+        rope["rope_type"] = "yarn"
+        rope.update({theirs: getattr(m, ours) for theirs, ours in _YARN_KEYS.items()
+                     if getattr(m, ours) is not None})
+    return rope
+
+
+def _deepseek_v2_to_hf(config: Config, flags: list[bool], refuse, problems: list[str], dtype: str) -> dict:
+    m, moe = config.model, config.moe
+    k = moe.first_k_dense
+    refuse(m.attention != "mla", "model.attention=mha: DeepSeek-V2 has multi-head latent attention")
+    refuse(not m.rope_interleave, "model.rope_interleave=false: DeepSeek-V2 rotates interleaved pairs")
+    refuse(moe.score_function != "softmax", f"moe.score_function={moe.score_function}: DeepSeek-V2 routes with a "
+                                            f"softmax over all experts")
+    refuse(not moe.pre_softmax, "moe.pre_softmax=false: DeepSeek-V2 keeps the top-k of the softmax over all "
+                                "experts as they are (transformers never renormalises them)")
+    refuse(moe.expert_bias, "moe.expert_bias=true: DeepSeek-V2's router has no expert bias")
+    refuse(moe.shared_expert_gate, "moe.shared_expert_gate=true: the shared experts are not gated")
+    refuse(moe.shared_expert_ffn_hidden_size == 0 or moe.shared_expert_ffn_hidden_size % moe.ffn_hidden_size != 0,
+           f"moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size}: there are n >= 1 shared "
+           f"experts of width moe.ffn_hidden_size={moe.ffn_hidden_size}")
+    refuse(flags != [i >= k for i in range(m.num_layers)],
+           f"moe layer pattern {[int(f) for f in flags]}: the first first_k_dense={k} layers are dense and every "
+           f"later layer MoE")
+    ranked = None if moe.num_groups is None else group_ranked_scores(moe.group_score, moe.topk, moe.group_topk)
+    refuse(ranked not in (None, 1),
+           f"moe.group_score={moe.group_score} with moe.topk={moe.topk} and moe.group_topk={moe.group_topk}: "
+           f"DeepSeek-V2 ranks a group by its best score, this model by the sum of its best {ranked} "
+           f"(group_score=max, or topk_sum with topk = group_topk, can be exported)")
+    if problems:
+        raise HFConfigError(problems, "cannot export to deepseek_v2")
+    return {
+        "architectures": [FAMILIES["deepseek_v2"]], "model_type": "deepseek_v2", "dtype": dtype,
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_heads,
+        "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim,
+        "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
+        "initializer_range": m.init_std, "max_position_embeddings": m.seq_length, "attention_dropout": 0.0,
+        "attention_bias": False, "mlp_bias": False, "rope_parameters": _mla_rope(m),
+        "intermediate_size": m.ffn_hidden_size, "moe_intermediate_size": moe.ffn_hidden_size,
+        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
+        "n_shared_experts": moe.shared_expert_ffn_hidden_size // max(moe.ffn_hidden_size, 1),
+        "first_k_dense_replace": k, "norm_topk_prob": False,
+        "topk_method": "greedy" if moe.num_groups is None else "group_limited_greedy",
+        "n_group": moe.num_groups or 1, "topk_group": moe.group_topk or 1,
+        "routed_scaling_factor": moe.scaling_factor if moe.scaling_factor is not None else 1.0,
     }
 
 

@@ -19,7 +19,8 @@ dense layers' ``mlp.{gate,up,down}_proj.weight``. DeepSeek-V3's attention is
 ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``; its MoE block
 ``mlp.`` with the router's ``gate.weight`` and ``gate.e_score_correction_bias`` (our
 expert bias, a buffer), per-expert ``gate_proj``/``up_proj``/``down_proj`` and the
-ungated ``mlp.shared_experts.*``. Transformers 5 holds experts fused in
+ungated ``mlp.shared_experts.*``. DeepSeek-V2's are DeepSeek-V3's names without the
+score correction bias. Transformers 5 holds experts fused in
 memory (``mlp.experts.gate_up_proj [E, 2F, H]``, ``mlp.experts.down_proj [E, H, F]``);
 checkpoints in that form are read too. Export writes the per-expert form.
 """
@@ -313,8 +314,9 @@ def _layer_sources(config: Config, family: str, hf: str, ours: str, is_moe: bool
     out[f"{ours}mlp.router.weight"] = Take(f"{block}gate.weight")
     out[f"{ours}mlp.experts.fc1"], out[f"{ours}mlp.experts.fc2"] = _experts(
         block, family, moe.num_experts, moe.ffn_hidden_size, fused)
-    if family in ("deepseek_v3", "glm4_moe"):
-        out[f"{ours}mlp.router.expert_bias"] = Take(f"{block}gate.e_score_correction_bias")
+    if family in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
+        if family != "deepseek_v2":  # DeepSeek-V2's softmax router has no score correction bias
+            out[f"{ours}mlp.router.expert_bias"] = Take(f"{block}gate.e_score_correction_bias")
         fc1, fc2 = _swiglu(f"{hf}mlp.shared_experts.", "gate_proj", "up_proj", "down_proj",
                            moe.shared_expert_ffn_hidden_size)
         out[f"{ours}mlp.shared_expert.fc1.weight"], out[f"{ours}mlp.shared_expert.fc2.weight"] = fc1, fc2
