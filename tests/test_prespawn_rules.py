@@ -87,7 +87,11 @@ RANK_RULES = [
     ("dispatch/router.py: pre_softmax needs softmax", ["moe.score_function=sigmoid", "moe.pre_softmax=true"], 1,
      "moe.pre_softmax=true requires moe.score_function=softmax, got sigmoid"),
     ("dispatch/router.py: expert bias needs sigmoid", ["moe.expert_bias=true"], 1,
-     "moe.expert_bias=true requires moe.score_function=sigmoid, got softmax"),
+     "moe.expert_bias=true requires moe.score_function=sigmoid, got softmax (or moe.pre_softmax=true: the bias is "
+     "added to the softmax over all experts, as in ERNIE-4.5)"),
+    ("dispatch/router.py: norm_min needs pre_softmax", ["moe.topk_norm_min=1e-12"], 1,
+     "moe.topk_norm_min=1e-12 requires moe.pre_softmax=true (it renormalises the top-k of the softmax over all "
+     "experts)"),
     ("dispatch/router.py: groups set together", ["moe.num_groups=4"], 1,
      "moe.num_groups=4 and moe.group_topk=null must be both set or both null"),
     ("dispatch/router.py: group score", ["moe.num_groups=4", "moe.group_topk=2", "moe.group_score=top3"], 1,
