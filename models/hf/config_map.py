@@ -59,7 +59,8 @@ __all__ = ["FAMILIES", "METADATA_KEYS", "HFConfigError", "hf_family", "config_fr
 FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
             "deepseek_v3": "DeepseekV3ForCausalLM",
-            "glm4_moe": "Glm4MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+            "glm4_moe": "Glm4MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+            "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
 
 # Keys that do not change what the network computes from token ids.
 METADATA_KEYS = frozenset({
@@ -180,6 +181,7 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     if base is None:
         m.seq_length = int(keys.get("max_position_embeddings", m.seq_length))
     m.qk_norm_scope, m.partial_rotary_factor, m.mtp_num_layers = "head", 1.0, 0
+    moe.topk_norm_min = None  # ERNIE-4.5's alone
     if family in ("deepseek_v2", "deepseek_v3"):
         (_deepseek_v2_from_hf if family == "deepseek_v2" else _deepseek_v3_from_hf)(keys, config)
         return _finish(keys, family, config)
@@ -191,6 +193,10 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     m.yarn_beta_fast, m.yarn_beta_slow = 32.0, 1.0
     if family == "glm4_moe":
         _glm4_moe_from_hf(keys, config)
+        return _finish(keys, family, config)
+    if family == "ernie4_5_moe":
+        _ernie4_5_moe_from_hf(keys, config)
+        m.rope_interleave = True
         return _finish(keys, family, config)
 
     m.vocab_size = keys.get("vocab_size")
@@ -492,14 +498,114 @@ def _glm4_moe_from_hf(keys: _Keys, config: Config) -> None:
     _deepseek_moe_from_hf(keys, config)
 
 
+def _ernie4_5_moe_from_hf(keys: _Keys, config: Config) -> None:
+    """ERNIE-4.5-MoE: grouped-query attention with interleaved rotary pairs; layer ``i`` is
+    MoE when ``(i + 1) % moe_layer_interval == 0`` and ``moe_layer_start_index <= i <=
+    moe_layer_end_index`` (-1: the last layer); softmax over all experts, the expert bias
+    (``moe_statics.e_score_correction_bias``) added for selection only, the k chosen softmax
+    values divided by max(their sum, ``moe_norm_min``) (our ``pre_softmax``, ``expert_bias``
+    and ``topk_norm_min``); ungated shared experts of ``moe_intermediate_size`` each."""
+    m, moe = config.model, config.moe
+    m.vocab_size = keys.get("vocab_size")
+    m.hidden_size = keys.get("hidden_size")
+    m.num_layers = keys.get("num_hidden_layers")
+    m.num_heads = keys.get("num_attention_heads")
+    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
+        raise HFConfigError(keys.problems, "cannot import ernie4_5_moe config")
+    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
+    explicit_head_dim = keys.get("head_dim", None)
+    m.head_dim = int(explicit_head_dim) if explicit_head_dim is not None else m.hidden_size // m.num_heads
+    m.norm_eps = float(keys.get("rms_norm_eps", 1e-5))
+    m.tie_embeddings = bool(keys.get("tie_word_embeddings", True))
+    m.init_std = float(keys.get("initializer_range", 0.02))
+    m.ffn_hidden_size = keys.get("intermediate_size")
+    m.rope_theta = _rope_theta(keys, 5e5)
+    m.qk_norm, m.qkv_bias = False, False
+    keys.must_be("hidden_act", ("silu",), "the MLPs and experts are SwiGLU (silu)")
+    keys.must_be("use_bias", (False,), "ERNIE-4.5's use_bias puts biases on every linear (q, k, v, o and the "
+                                       "MLPs); moe-fold has q|k|v biases only")
+    keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
+    moe.num_experts = _num_experts(keys, "moe_num_experts", "num_experts")
+    topk = keys.get("num_experts_per_tok", None)
+    moe.topk = keys.get("moe_k") if topk is None else keys.get("moe_k", topk)
+    moe.ffn_hidden_size = keys.get("moe_intermediate_size")
+    moe.shared_expert_ffn_hidden_size = int(keys.get("moe_num_shared_experts", 0)) * int(moe.ffn_hidden_size or 0)
+    moe.shared_expert_gate = False
+    moe.score_function, moe.pre_softmax, moe.expert_bias, moe.input_jitter = "softmax", True, True, 0.0
+    moe.topk_norm_min = float(keys.get("moe_norm_min", 1e-12))
+    moe.num_groups, moe.group_topk, moe.group_score, moe.scaling_factor = None, None, "topk_sum", None
+    moe.aux_loss_coeff = float(keys.get("router_aux_loss_coef", 0.001))
+    moe.first_k_dense = 0
+    start, end = keys.get("moe_layer_start_index", 1), keys.get("moe_layer_end_index", -1)
+    interval = keys.get("moe_layer_interval", 1)
+    if not (isinstance(interval, int) and interval >= 1):
+        keys.problems.append(f"moe_layer_interval={interval!r} must be an integer >= 1")
+        return
+    end = m.num_layers - 1 if end == -1 else end
+    flags = [int((i + 1) % interval == 0 and start <= i <= end) for i in range(m.num_layers)]
+    moe.moe_layer_freq = 1 if all(flags) else flags
+
+
+def _ernie_layer_pattern(flags: list[bool]) -> Optional[tuple[int, int, int]]:
+    """(start, end, interval) of ERNIE-4.5 that gives the MoE layers ``flags``, None if none does."""
+    moe = [i for i, f in enumerate(flags) if f]
+    if not moe:
+        return None
+    for interval in range(1, len(flags) + 1):
+        if [bool((i + 1) % interval == 0 and moe[0] <= i <= moe[-1]) for i in range(len(flags))] == list(flags):
+            return moe[0], moe[-1], interval
+    return None
+
+
+def _ernie4_5_moe_to_hf(config: Config, flags: list[bool], refuse, problems: list[str], dtype: str) -> dict:
+    m, moe = config.model, config.moe
+    refuse(m.qk_norm, "model.qk_norm=true: ERNIE-4.5 has no QK-norm")
+    refuse(m.qkv_bias, "model.qkv_bias=true: ERNIE-4.5's use_bias would put biases on o and the MLPs too")
+    refuse(not m.rope_interleave, "model.rope_interleave=false: ERNIE-4.5 rotates interleaved pairs")
+    refuse(moe.score_function != "softmax" or not moe.pre_softmax,
+           f"moe.score_function={moe.score_function}, moe.pre_softmax={str(moe.pre_softmax).lower()}: ERNIE-4.5 "
+           f"takes the top-k of the softmax over all experts (pre_softmax)")
+    refuse(not moe.expert_bias, "moe.expert_bias=false: ERNIE-4.5's router always has its score correction bias")
+    refuse(moe.topk_norm_min is None, "moe.topk_norm_min=null: ERNIE-4.5 always renormalises the top-k "
+                                      "(over max(sum, moe_norm_min))")
+    refuse(moe.num_groups is not None, f"moe.num_groups={moe.num_groups}: ERNIE-4.5 has no group-limited routing")
+    refuse(moe.scaling_factor is not None, f"moe.scaling_factor={moe.scaling_factor}: ERNIE-4.5 does not scale probs")
+    refuse(moe.shared_expert_gate, "moe.shared_expert_gate=true: ERNIE-4.5's shared experts are not gated")
+    refuse(moe.shared_expert_ffn_hidden_size % moe.ffn_hidden_size != 0,
+           f"moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size}: there are n >= 0 shared "
+           f"experts of width moe.ffn_hidden_size={moe.ffn_hidden_size}")
+    pattern = _ernie_layer_pattern(flags)
+    refuse(pattern is None, f"moe layer pattern {[int(f) for f in flags]}: ERNIE-4.5's MoE layers are every "
+                            f"moe_layer_interval-th layer between a start and an end layer")
+    if problems:
+        raise HFConfigError(problems, "cannot export to ernie4_5_moe")
+    start, end, interval = pattern
+    return {
+        "architectures": [FAMILIES["ernie4_5_moe"]], "model_type": "ernie4_5_moe", "dtype": dtype,
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": head_dim(config),
+        "intermediate_size": m.ffn_hidden_size, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
+        "max_position_embeddings": m.seq_length, "use_bias": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "moe_num_experts": moe.num_experts, "moe_k": moe.topk, "moe_intermediate_size": moe.ffn_hidden_size,
+        "moe_num_shared_experts": moe.shared_expert_ffn_hidden_size // max(moe.ffn_hidden_size, 1),
+        "moe_layer_start_index": start, "moe_layer_end_index": end, "moe_layer_interval": interval,
+        "moe_norm_min": moe.topk_norm_min, "router_aux_loss_coef": moe.aux_loss_coeff,
+    }
+
+
 def export_family(config: Config) -> str:
     """The family a model of ``config`` exports to: DeepSeek-V2 with MLA and softmax routing,
-    DeepSeek-V3 with MLA and sigmoid, OLMoE with a
+    DeepSeek-V3 with MLA and sigmoid, ERNIE-4.5 with interleaved rotary pairs, a softmax
+    expert bias or a top-k renormalisation floor, OLMoE with a
     QK-norm over the projections, GLM-4.5 with an expert bias, partial rotary or MTP,
     Qwen3-MoE with QK-norm, Qwen2-MoE with a shared expert or q|k|v biases, else Mixtral."""
     m, moe = config.model, config.moe
     if m.attention == "mla":
         return "deepseek_v2" if moe.score_function == "softmax" else "deepseek_v3"
+    if m.rope_interleave or moe.topk_norm_min is not None or (moe.expert_bias and moe.score_function == "softmax"):
+        return "ernie4_5_moe"
     if m.qk_norm and m.qk_norm_scope == "projection":
         return "olmoe"
     if moe.expert_bias or m.partial_rotary_factor != 1.0 or m.mtp_num_layers > 0:
@@ -536,10 +642,17 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
     refuse(family not in ("deepseek_v3", "glm4_moe") and m.mtp_num_layers > 0,
            f"model.mtp_num_layers={m.mtp_num_layers}: {family} has no multi-token prediction (DeepSeek-V3 and "
            f"GLM-4.5 have)")
+    refuse(family not in ("deepseek_v2", "deepseek_v3", "ernie4_5_moe") and m.rope_interleave,
+           f"model.rope_interleave=true: {family} rotates two halves of each head (DeepSeek and ERNIE-4.5 rotate "
+           f"interleaved pairs)")
+    refuse(family != "ernie4_5_moe" and moe.topk_norm_min is not None,
+           f"moe.topk_norm_min={moe.topk_norm_min}: {family} has no renormalisation floor (ERNIE-4.5's moe_norm_min)")
     if family == "deepseek_v3":
         return _deepseek_v3_to_hf(config, flags, refuse, problems, dtype)
     if family == "deepseek_v2":
         return _deepseek_v2_to_hf(config, flags, refuse, problems, dtype)
+    if family == "ernie4_5_moe":
+        return _ernie4_5_moe_to_hf(config, flags, refuse, problems, dtype)
     if family == "glm4_moe":
         return _glm4_moe_to_hf(config, flags, refuse, problems, dtype)
 

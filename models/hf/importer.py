@@ -79,7 +79,8 @@ _ARCHITECTURE = {
               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "qk_norm_scope", "partial_rotary_factor",
               "mtp_num_layers"),
     "moe": ("num_experts", "topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate",
-            "score_function", "pre_softmax", "num_groups", "group_topk", "group_score", "scaling_factor", "expert_bias"),
+            "score_function", "pre_softmax", "num_groups", "group_topk", "group_score", "scaling_factor", "expert_bias",
+            "topk_norm_min"),
 }
 
 

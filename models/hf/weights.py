@@ -20,7 +20,8 @@ dense layers' ``mlp.{gate,up,down}_proj.weight``. DeepSeek-V3's attention is
 ``mlp.`` with the router's ``gate.weight`` and ``gate.e_score_correction_bias`` (our
 expert bias, a buffer), per-expert ``gate_proj``/``up_proj``/``down_proj`` and the
 ungated ``mlp.shared_experts.*``. DeepSeek-V2's are DeepSeek-V3's names without the
-score correction bias. Transformers 5 holds experts fused in
+score correction bias; ERNIE-4.5's MoE layers DeepSeek-V3's names, with the bias
+``mlp.moe_statics.e_score_correction_bias`` ``[1, E]``. Transformers 5 holds experts fused in
 memory (``mlp.experts.gate_up_proj [E, 2F, H]``, ``mlp.experts.down_proj [E, H, F]``);
 checkpoints in that form are read too. Export writes the per-expert form.
 """
@@ -39,7 +40,7 @@ from safetensors import SafetensorError, safe_open
 
 from moe_fold.config import Config, head_dim, moe_layer_flags
 
-__all__ = ["HFWeightError", "SafetensorsFolder", "Source", "Take", "Cat", "Stack", "Copies", "weight_sources",
+__all__ = ["HFWeightError", "SafetensorsFolder", "Source", "Take", "Cat", "Stack", "Copies", "FirstRow", "weight_sources",
            "ignorable_hf_names"]
 
 
@@ -215,7 +216,30 @@ class Copies:
         return [item for part in self.parts for item in part.split(value)]
 
 
-Source = Union[Take, Cat, Stack, Copies]
+@dataclass(frozen=True)
+class FirstRow:
+    """Our tensor is the only row of the Hugging Face tensor ``name`` ``[1, ...]`` (ERNIE-4.5
+    stores its expert bias as ``[1, E]``)."""
+
+    name: str
+
+    def names(self) -> list[str]:
+        return [self.name]
+
+    def shape(self, hf: SafetensorsFolder) -> tuple[int, ...]:
+        shape = hf.shape(self.name)
+        if not shape or shape[0] != 1:
+            raise HFWeightError(f"{self.name} has shape {list(shape)}; expected a leading dim of 1")
+        return shape[1:]
+
+    def read(self, hf: SafetensorsFolder, offsets, sizes) -> torch.Tensor:
+        return hf.read(self.name, (0,) + tuple(offsets), (1,) + tuple(sizes))[0]
+
+    def split(self, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [(self.name, value.unsqueeze(0))]
+
+
+Source = Union[Take, Cat, Stack, Copies, FirstRow]
 
 _T = (1, 0)  # Hugging Face [out, in] <-> our expert layout [in, out]
 
@@ -314,9 +338,12 @@ def _layer_sources(config: Config, family: str, hf: str, ours: str, is_moe: bool
     out[f"{ours}mlp.router.weight"] = Take(f"{block}gate.weight")
     out[f"{ours}mlp.experts.fc1"], out[f"{ours}mlp.experts.fc2"] = _experts(
         block, family, moe.num_experts, moe.ffn_hidden_size, fused)
-    if family in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
-        if family != "deepseek_v2":  # DeepSeek-V2's softmax router has no score correction bias
+    if family in ("deepseek_v2", "deepseek_v3", "glm4_moe", "ernie4_5_moe"):
+        # DeepSeek-V2's softmax router has no score correction bias; ERNIE-4.5's is [1, E].
+        if family in ("deepseek_v3", "glm4_moe"):
             out[f"{ours}mlp.router.expert_bias"] = Take(f"{block}gate.e_score_correction_bias")
+        elif family == "ernie4_5_moe":
+            out[f"{ours}mlp.router.expert_bias"] = FirstRow(f"{block}moe_statics.e_score_correction_bias")
         fc1, fc2 = _swiglu(f"{hf}mlp.shared_experts.", "gate_proj", "up_proj", "down_proj",
                            moe.shared_expert_ffn_hidden_size)
         out[f"{ours}mlp.shared_expert.fc1.weight"], out[f"{ours}mlp.shared_expert.fc2.weight"] = fc1, fc2
