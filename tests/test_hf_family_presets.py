@@ -18,7 +18,8 @@ from moe_fold.models.model import build_model
 from test_sample import GREEDY, PROMPT, _ours
 
 # preset -> the Hugging Face class its export loads as
-FAMILIES = {"deepseek-v2-lite-tiny": "DeepseekV2ForCausalLM", "ernie-4.5-tiny": "Ernie4_5_MoeForCausalLM"}
+FAMILIES = {"deepseek-v2-lite-tiny": "DeepseekV2ForCausalLM", "ernie-4.5-tiny": "Ernie4_5_MoeForCausalLM",
+            "minimax-m2-tiny": "MiniMaxM2ForCausalLM"}
 
 SMALL = ["model.num_layers=3", "model.seq_length=32", "train.steps=6", "train.save_every=6", "parallel.ep=1",
          "optimizer.warmup_steps=1", "wandb.mode=disabled", "train.micro_batch_size=2", "train.global_batch_size=4"]

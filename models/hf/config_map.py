@@ -60,7 +60,7 @@ FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
             "deepseek_v3": "DeepseekV3ForCausalLM",
             "glm4_moe": "Glm4MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-            "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
+            "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
 
 # Keys that do not change what the network computes from token ids.
 METADATA_KEYS = frozenset({
@@ -197,6 +197,9 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     if family == "ernie4_5_moe":
         _ernie4_5_moe_from_hf(keys, config)
         m.rope_interleave = True
+        return _finish(keys, family, config)
+    if family == "minimax_m2":
+        _minimax_m2_from_hf(keys, config)
         return _finish(keys, family, config)
 
     m.vocab_size = keys.get("vocab_size")
@@ -546,6 +549,89 @@ def _ernie4_5_moe_from_hf(keys: _Keys, config: Config) -> None:
     moe.moe_layer_freq = 1 if all(flags) else flags
 
 
+def _minimax_m2_from_hf(keys: _Keys, config: Config) -> None:
+    """MiniMax-M2: grouped-query attention with an RMSNorm over the whole q and k
+    projections (our ``qk_norm_scope: projection``, as OLMoE) and rotary embeddings on the
+    first ``rotary_dim`` dims of each head (``partial_rotary_factor``); every layer MoE:
+    sigmoid scores, the expert bias (``e_score_correction_bias``) added for selection only,
+    the k chosen renormalised; no shared expert."""
+    m, moe = config.model, config.moe
+    m.vocab_size = keys.get("vocab_size")
+    m.hidden_size = keys.get("hidden_size")
+    m.num_layers = keys.get("num_hidden_layers")
+    m.num_heads = keys.get("num_attention_heads")
+    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
+        raise HFConfigError(keys.problems, "cannot import minimax_m2 config")
+    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
+    m.head_dim = int(keys.get("head_dim", 128))  # MiniMaxM2Config's default, not hidden/heads
+    m.norm_eps = float(keys.get("rms_norm_eps", 1e-6))
+    m.tie_embeddings = bool(keys.get("tie_word_embeddings", False))
+    m.init_std = float(keys.get("initializer_range", 0.02))
+    m.qk_norm, m.qk_norm_scope, m.qkv_bias = True, "projection", False
+    params = keys.get("rope_parameters", {})
+    inner = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    rotary = keys.get("rotary_dim", None)
+    from_dim = rotary / m.head_dim if rotary is not None else None
+    m.partial_rotary_factor = float(inner if inner is not None else from_dim if from_dim is not None else 1.0)
+    if inner is not None and from_dim is not None and inner != from_dim:
+        keys.problems.append(f"rotary_dim={rotary} disagrees with rope_parameters.partial_rotary_factor={inner} "
+                             f"of head_dim={m.head_dim}")
+    m.rope_theta = _rope_theta(keys, 5e6, partial_rotary=True)
+    keys.must_be("hidden_act", ("silu",), "the experts are SwiGLU (silu)")
+    keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
+    keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
+    # Keys of the original (remote-code) config.json, where they say what transformers computes.
+    keys.must_be("use_qk_norm", (True,), "MiniMax-M2 normalises q and k")
+    keys.must_be("qk_norm_type", ("per_layer",), "the QK-norm spans the whole q and k projections")
+    keys.must_be("scoring_func", ("sigmoid",), "MiniMax-M2 routes with sigmoid scores")
+    keys.must_be("use_routing_bias", (True,), "the router always has its score correction bias")
+    moe.num_experts = _num_experts(keys, "num_local_experts", "num_experts")
+    moe.topk = keys.get("num_experts_per_tok")
+    moe.ffn_hidden_size = m.ffn_hidden_size = keys.get("intermediate_size")
+    moe.moe_layer_freq, moe.first_k_dense = 1, 0
+    moe.score_function, moe.pre_softmax, moe.expert_bias = "sigmoid", False, True
+    moe.num_groups, moe.group_topk, moe.group_score, moe.scaling_factor = None, None, "topk_sum", None
+    moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate = 0, False
+    moe.input_jitter = float(keys.get("router_jitter_noise", 0.0))
+    moe.aux_loss_coeff = float(keys.get("router_aux_loss_coef", 0.001))
+    if moe.topk == 1:
+        keys.problems.append("num_experts_per_tok=1 is not supported: MiniMax-M2 renormalises the top-k sigmoid "
+                             "scores (a weight of 1 for k=1), moe-fold renormalises for k > 1 only")
+
+
+def _minimax_m2_to_hf(config: Config, flags: list[bool], refuse, problems: list[str], dtype: str) -> dict:
+    m, moe = config.model, config.moe
+    refuse(not (m.qk_norm and m.qk_norm_scope == "projection"),
+           f"model.qk_norm={str(m.qk_norm).lower()}, model.qk_norm_scope={m.qk_norm_scope}: MiniMax-M2 normalises "
+           f"the whole q and k projections")
+    refuse(m.qkv_bias, "model.qkv_bias=true: MiniMax-M2 has no q|k|v biases")
+    refuse(moe.score_function != "sigmoid", f"moe.score_function={moe.score_function}: MiniMax-M2 routes with "
+                                            f"sigmoid scores")
+    refuse(not moe.expert_bias, "moe.expert_bias=false: MiniMax-M2's router always has its score correction bias")
+    refuse(moe.topk < 2, f"moe.topk={moe.topk}: MiniMax-M2 renormalises the top-k sigmoid scores, which moe-fold "
+                         f"does only for k > 1")
+    refuse(moe.num_groups is not None, f"moe.num_groups={moe.num_groups}: MiniMax-M2 has no group-limited routing")
+    refuse(moe.scaling_factor is not None, f"moe.scaling_factor={moe.scaling_factor}: MiniMax-M2 does not scale "
+                                           f"probs")
+    refuse(moe.shared_expert_ffn_hidden_size > 0,
+           f"moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size}: MiniMax-M2 has no shared expert")
+    refuse(not all(flags), f"moe layer pattern {[int(f) for f in flags]}: every MiniMax-M2 layer is MoE")
+    if problems:
+        raise HFConfigError(problems, "cannot export to minimax_m2")
+    return {
+        "architectures": [FAMILIES["minimax_m2"]], "model_type": "minimax_m2", "dtype": dtype,
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": head_dim(config),
+        "intermediate_size": moe.ffn_hidden_size, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
+        "max_position_embeddings": m.seq_length, "attention_dropout": 0.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta,
+                            "partial_rotary_factor": m.partial_rotary_factor},
+        "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
+        "router_aux_loss_coef": moe.aux_loss_coeff, "router_jitter_noise": moe.input_jitter,
+    }
+
+
 def _ernie_layer_pattern(flags: list[bool]) -> Optional[tuple[int, int, int]]:
     """(start, end, interval) of ERNIE-4.5 that gives the MoE layers ``flags``, None if none does."""
     moe = [i for i, f in enumerate(flags) if f]
@@ -598,7 +684,8 @@ def _ernie4_5_moe_to_hf(config: Config, flags: list[bool], refuse, problems: lis
 def export_family(config: Config) -> str:
     """The family a model of ``config`` exports to: DeepSeek-V2 with MLA and softmax routing,
     DeepSeek-V3 with MLA and sigmoid, ERNIE-4.5 with interleaved rotary pairs, a softmax
-    expert bias or a top-k renormalisation floor, OLMoE with a
+    expert bias or a top-k renormalisation floor, MiniMax-M2 with a QK-norm over the
+    projections and sigmoid routing, OLMoE with a
     QK-norm over the projections, GLM-4.5 with an expert bias, partial rotary or MTP,
     Qwen3-MoE with QK-norm, Qwen2-MoE with a shared expert or q|k|v biases, else Mixtral."""
     m, moe = config.model, config.moe
@@ -607,7 +694,7 @@ def export_family(config: Config) -> str:
     if m.rope_interleave or moe.topk_norm_min is not None or (moe.expert_bias and moe.score_function == "softmax"):
         return "ernie4_5_moe"
     if m.qk_norm and m.qk_norm_scope == "projection":
-        return "olmoe"
+        return "minimax_m2" if moe.score_function == "sigmoid" else "olmoe"
     if moe.expert_bias or m.partial_rotary_factor != 1.0 or m.mtp_num_layers > 0:
         return "glm4_moe"
     if m.qk_norm:
@@ -633,12 +720,12 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
 
     refuse(family not in ("deepseek_v2", "deepseek_v3") and m.attention == "mla",
            f"model.attention=mla: {family} has standard attention (DeepSeek-V2 and -V3 have MLA)")
-    refuse(family not in ("glm4_moe", "olmoe") and m.qk_norm and m.qk_norm_scope != "head",
+    refuse(family not in ("glm4_moe", "olmoe", "minimax_m2") and m.qk_norm and m.qk_norm_scope != "head",
            f"model.qk_norm_scope={m.qk_norm_scope}: {family} normalises each head (OLMoE normalises the whole "
            f"projections)")
-    refuse(family != "glm4_moe" and m.partial_rotary_factor != 1.0,
+    refuse(family not in ("glm4_moe", "minimax_m2") and m.partial_rotary_factor != 1.0,
            f"model.partial_rotary_factor={m.partial_rotary_factor}: {family} rotates the whole head (GLM-4.5 "
-           f"rotates a part)")
+           f"and MiniMax-M2 rotate a part)")
     refuse(family not in ("deepseek_v3", "glm4_moe") and m.mtp_num_layers > 0,
            f"model.mtp_num_layers={m.mtp_num_layers}: {family} has no multi-token prediction (DeepSeek-V3 and "
            f"GLM-4.5 have)")
@@ -653,6 +740,8 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
         return _deepseek_v2_to_hf(config, flags, refuse, problems, dtype)
     if family == "ernie4_5_moe":
         return _ernie4_5_moe_to_hf(config, flags, refuse, problems, dtype)
+    if family == "minimax_m2":
+        return _minimax_m2_to_hf(config, flags, refuse, problems, dtype)
     if family == "glm4_moe":
         return _glm4_moe_to_hf(config, flags, refuse, problems, dtype)
 
