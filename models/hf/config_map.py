@@ -1,6 +1,8 @@
 """Hugging Face ``config.json`` <-> our :class:`~moe_fold.config.Config`, for
-``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM`` and
-``DeepseekV3ForCausalLM``.
+``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``,
+``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``, ``Glm4MoeForCausalLM``,
+``OlmoeForCausalLM``, ``Ernie4_5_MoeForCausalLM`` and ``MiniMaxM2ForCausalLM``
+(docs/families/ has a table per family of DeepSeek-V2, ERNIE-4.5 and MiniMax-M2).
 
 Import is strict: every key of ``config.json`` is either mapped to a field of ours,
 checked to hold a value we compute the same way (``hidden_act: silu``, no rope scaling,
@@ -43,6 +45,19 @@ grouped-query attention: q|k|v biases (``attention_bias``), per-head QK-norm
 OLMoE (``OlmoeForCausalLM``): softmax top-k without renormalisation (``norm_topk_prob:
 false``, our ``pre_softmax: true``), and a QK-norm over the whole q and k projections
 (``model.qk_norm_scope: projection``); ``clip_qkv`` must be null.
+
+DeepSeek-V2 / V2-Lite: DeepSeek-V3's MLA (rotary pairs always interleaved) with softmax
+routing: the top-k of the softmax over all experts as they are (``pre_softmax: true``),
+``greedy`` or ``group_limited_greedy`` (a group ranks by its best score:
+``group_score: max``), times ``routed_scaling_factor``.
+
+ERNIE-4.5-MoE: standard attention with interleaved rotary pairs; MoE layers from a start
+to an end layer every ``moe_layer_interval``; the expert bias added to the softmax over
+all experts for the choice, the chosen probabilities divided by max(sum, ``moe_norm_min``)
+(``expert_bias`` with ``pre_softmax``, ``topk_norm_min``).
+
+MiniMax-M2: OLMoE's QK-norm over the projections, partial rotary (``rotary_dim``) and
+DeepSeek-V3's biased, renormalised sigmoid top-k without groups, every layer MoE.
 """
 
 from __future__ import annotations
