@@ -14,7 +14,9 @@ import torch
 from moe_fold.cli import main
 from moe_fold.config import load_config
 from moe_fold.layout import ProcessGroups
+from moe_fold.models.kv_cache import KVCache
 from moe_fold.models.model import build_model
+from moe_fold.models.sampling import forward_cached
 from test_sample import GREEDY, PROMPT, _ours
 
 # preset -> the Hugging Face class its export loads as
@@ -53,6 +55,14 @@ def test_trained_twin_exports_and_generates_what_sample_gives(preset, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         load_checkpoint(checkpoint, mine, None, None, mine.groups)
+    prompt = enc["input_ids"].shape[1]
     with torch.no_grad():
-        logits = mine.eval().logits(hf.sequences[:, :-1])[0, enc["input_ids"].shape[1] - 1:]  # [new, V]
+        logits = mine.eval().logits(hf.sequences[:, :-1])[0, prompt - 1:]  # [new, V]
     torch.testing.assert_close(torch.cat(hf.logits), logits, rtol=1e-4, atol=1e-4)
+    # And through the KV cache `moe-fold sample` decodes with: the prompt, then a token at a time.
+    cache = KVCache(list(range(mine.config.model.num_layers)))
+    seq = hf.sequences[:, :-1]
+    with torch.no_grad():
+        steps = [forward_cached(mine, seq[:, :prompt], cache)[:, -1:]] + [
+            forward_cached(mine, seq[:, t:t + 1], cache) for t in range(prompt, seq.shape[1])]
+    torch.testing.assert_close(torch.cat(hf.logits), torch.cat(steps, dim=1)[0], rtol=1e-4, atol=1e-4)
