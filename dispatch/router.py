@@ -59,6 +59,7 @@ def check_routing_args(
     group_score: str = "topk_sum",
     scaling_factor: Optional[float] = None,
     expert_bias: bool = False,
+    norm_min: Optional[float] = None,
 ) -> None:
     """Raise ConfigError naming the ``moe.*`` setting each argument stands for, its value and
     the rule it breaks (the rules of :func:`moe_fold.config.validate`)."""
@@ -69,7 +70,7 @@ def check_routing_args(
     require(router_settings, MoEConfig(num_experts=num_experts, topk=topk, score_function=score,
                                        pre_softmax=pre_softmax, num_groups=num_groups, group_topk=group_topk,
                                        group_score=group_score, scaling_factor=scaling_factor,
-                                       expert_bias=expert_bias))
+                                       expert_bias=expert_bias, topk_norm_min=norm_min))
     require(routing_groups, num_experts, topk, num_groups, group_topk, group_score)
 
 
@@ -109,6 +110,7 @@ def topk_routing(
     group_score: str = "topk_sum",
     scaling_factor: Optional[float] = None,
     expert_bias: Optional[torch.Tensor] = None,
+    norm_min: Optional[float] = None,
     backend: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route each token to ``topk`` experts.
@@ -126,8 +128,11 @@ def topk_routing(
             scores; ``top2_sum`` (DeepSeek-V3, GLM-4.5): the sum of its top 2 whatever topk is;
             ``max`` (DeepSeek-V2): its best score.
         scaling_factor: multiplies the final probs.
-        expert_bias: ``[E]``, sigmoid only. Selection uses ``sigmoid + bias``; the probs use
-            the unbiased sigmoid. With k > 1 sigmoid probs are normalised over the k chosen.
+        expert_bias: ``[E]``, sigmoid or pre_softmax. Selection uses ``scores + bias`` (the
+            sigmoid, or the softmax over all experts: ERNIE-4.5); the probs use the unbiased
+            scores. With k > 1 sigmoid probs are normalised over the k chosen.
+        norm_min: pre_softmax only: the k probs are renormalised, divided by
+            ``max(their sum, norm_min)`` (ERNIE-4.5's ``moe_norm_min``); None keeps them.
         backend: ``torch`` (sorts and scatters, here), ``triton`` (one fused kernel,
             :mod:`moe_fold.kernels.topk_triton`; not with groups or a bias) or ``auto``
             (:func:`moe_fold.kernels.topk.resolve_backend`: Triton on CUDA, torch on CPU).
@@ -145,10 +150,10 @@ def topk_routing(
     num_experts = logits.shape[1]
     check_routing_args(num_experts, topk, score=score, pre_softmax=pre_softmax, num_groups=num_groups,
                        group_topk=group_topk, group_score=group_score, scaling_factor=scaling_factor,
-                       expert_bias=expert_bias is not None)
+                       expert_bias=expert_bias is not None, norm_min=norm_min)
     if expert_bias is not None and tuple(expert_bias.shape) != (num_experts,):
         raise ValueError(f"expert_bias must have shape ({num_experts},), got {tuple(expert_bias.shape)}")
-    fusable = group_topk is None and expert_bias is None
+    fusable = group_topk is None and expert_bias is None and norm_min is None
     if resolve_topk_backend(backend, logits, fusable=fusable) == "triton":
         from moe_fold.kernels.topk_triton import topk_softmax_triton
 
@@ -157,21 +162,21 @@ def topk_routing(
         return (probs if scaling_factor is None else probs * scaling_factor), routing_map
     work = logits if logits.dtype == torch.float64 else logits.float()
 
-    if score == "softmax":
-        if pre_softmax:
-            probs, top = _select(torch.softmax(work, dim=-1), topk, num_groups, group_topk, group_score)
-        else:
-            top_logits, top = _select(work, topk, num_groups, group_topk, group_score)
-            probs = torch.softmax(top_logits, dim=-1)
+    if score == "softmax" and not pre_softmax:
+        top_logits, top = _select(work, topk, num_groups, group_topk, group_score)
+        probs = torch.softmax(top_logits, dim=-1)
     else:
-        scores = torch.sigmoid(work)
+        # Scores over all experts: the softmax (pre_softmax) or the sigmoid of each logit.
+        scores = torch.softmax(work, dim=-1) if score == "softmax" else torch.sigmoid(work)
         if expert_bias is not None:
             top = _select(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk, group_score)[1]
             probs = scores.gather(1, top)
         else:
             probs, top = _select(scores, topk, num_groups, group_topk, group_score)
-        if topk > 1:
+        if score == "sigmoid" and topk > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+        elif norm_min is not None:
+            probs = probs / probs.sum(dim=-1, keepdim=True).clamp(min=norm_min)
     if scaling_factor is not None:
         probs = probs * scaling_factor
 
@@ -374,7 +379,8 @@ class Router(nn.Module):
         probs, routing_map = topk_routing(
             routed_logits, cfg.topk, score=cfg.score_function, pre_softmax=cfg.pre_softmax,
             num_groups=cfg.num_groups, group_topk=cfg.group_topk, group_score=cfg.group_score,
-            scaling_factor=cfg.scaling_factor, expert_bias=self.expert_bias, backend=cfg.topk_backend)
+            scaling_factor=cfg.scaling_factor, expert_bias=self.expert_bias, norm_min=cfg.topk_norm_min,
+            backend=cfg.topk_backend)
         kept_probs, kept_map = probs, routing_map
         if cfg.capacity_factor is not None:
             kept_probs, kept_map = apply_capacity(probs, routing_map, cfg.capacity_factor, policy=cfg.drop_policy,

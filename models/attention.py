@@ -27,7 +27,7 @@ from moe_fold.parallel.varlen import Documents
 
 from .kv_cache import LayerCache, cached_attention
 from .norm import RMSNorm, ShardedRMSNorm
-from .rotary import apply_rotary
+from .rotary import apply_rotary, deinterleave
 
 
 class Attention(nn.Module):
@@ -49,6 +49,7 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(q_size, config.hidden_size, tp_group, sequence_parallel,
                                       std=std, seed=init_seed(seed, f"{name}.proj"))
         self.qk_norm = config.qk_norm
+        self.rope_interleave = config.rope_interleave  # rotary pairs interleaved (ERNIE-4.5)
         self.norm_projection = config.qk_norm and config.qk_norm_scope == "projection"
         if self.norm_projection:
             # OLMoE: one norm over all heads of q (and of k); each tp rank holds its heads' slice.
@@ -76,7 +77,7 @@ class Attention(nn.Module):
         if self.qk_norm and not self.norm_projection:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, heads, S, head_dim]
-        q, k = _rotate_part(q, cos, sin), _rotate_part(k, cos, sin)
+        q, k = _rotate_part(q, cos, sin, self.rope_interleave), _rotate_part(k, cos, sin, self.rope_interleave)
         # Query head h reads key/value head h // (heads / kv_heads), as in Hugging Face.
         # A cp group of one rank (or None) is plain causal attention over the local sequence.
         if kv_cache is not None:
@@ -88,10 +89,14 @@ class Attention(nn.Module):
         return self.proj(out)
 
 
-def _rotate_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotary embeddings on the first ``cos.shape[-1]`` dims of each head of ``x``
-    ``[B, heads, S, head_dim]``, the rest passed through (partial rotary, GLM-4.5)."""
+    ``[B, heads, S, head_dim]``, the rest passed through (partial rotary, GLM-4.5);
+    ``interleaved``: those dims come in pairs, de-interleaved first (q and k alike)."""
     width = cos.shape[-1]
+    rotated = x if width == x.shape[-1] else x[..., :width]
+    if interleaved:
+        rotated = deinterleave(rotated)
     if width == x.shape[-1]:
-        return apply_rotary(x, cos, sin)
-    return torch.cat([apply_rotary(x[..., :width], cos, sin), x[..., width:]], dim=-1)
+        return apply_rotary(rotated, cos, sin)
+    return torch.cat([apply_rotary(rotated, cos, sin), x[..., width:]], dim=-1)

@@ -128,6 +128,14 @@ class _Rotary(torch.autograd.Function):
         return out, None, None
 
 
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """``[..., (x0, x1), (x2, x3), ...]`` -> ``[..., x0, x2, ..., x1, x3, ...]``: rotary dims
+    that come in interleaved pairs (``model.rope_interleave``: DeepSeek's and ERNIE-4.5's
+    checkpoints) as the two halves :func:`apply_rotary` rotates. The same permutation of q
+    and k leaves every q.k product as it was."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[B, heads, S, head_dim]`` by ``cos``/``sin`` from :func:`rotary_cos_sin`
     (no gradient flows to them: they are functions of the positions)."""

@@ -94,7 +94,7 @@ class ModelConfig:
     # MLA: per-head value width.
     v_head_dim: Optional[int] = None
     # The rotary dims of q and k come in interleaved pairs (x0, x1), (x2, x3)... (DeepSeek's
-    # checkpoints) instead of two halves.
+    # and ERNIE-4.5's checkpoints) instead of two halves.
     rope_interleave: bool = False
     # Rotary scaling: null (none) | yarn (Peng et al. 2023, as DeepSeek-V3 uses it).
     rope_scaling: Optional[Literal["yarn"]] = None
@@ -149,13 +149,17 @@ class MoEConfig:
     # best topk/group_topk scores (Megatron-Core); top2_sum, the sum of its best 2 whatever
     # topk is (DeepSeek-V3, GLM-4.5); max, its best score (DeepSeek-V2's group_limited_greedy).
     group_score: Literal["topk_sum", "top2_sum", "max"] = "topk_sum"
+    # pre_softmax only: renormalise the top-k probs, dividing by max(their sum, this floor)
+    # (ERNIE-4.5's moe_norm_min); null keeps them as they are.
+    topk_norm_min: Optional[float] = None
     # Multiplies the routing probabilities (DeepSeek's routed_scaling_factor); null: 1.
     scaling_factor: Optional[float] = None
     # Dtype of the router's logits and scores, whatever train.precision is.
     router_dtype: Literal["float32", "float64"] = "float32"
     # Training only: the router's input times uniform noise in [1 - eps, 1 + eps]; 0: off.
     input_jitter: float = 0.0
-    # Aux-loss-free load balancing: a per-expert bias used for selection only.
+    # Aux-loss-free load balancing: a per-expert bias used for selection only (sigmoid
+    # scores, or pre_softmax softmax scores as in ERNIE-4.5).
     expert_bias: bool = False
     # Step of the expert-bias update: the bias of an under-loaded expert rises by this much,
     # an over-loaded one's falls (sign of the load error).
@@ -1143,8 +1147,6 @@ def _check_attention(m: ModelConfig, out: list[str]) -> None:
             if getattr(m, name) is not None:
                 out.append(f"model.{name}={getattr(m, name)} is an MLA size: set model.attention=mla or leave "
                            f"it null")
-    if m.rope_interleave and m.attention != "mla":
-        out.append("model.rope_interleave=true requires model.attention=mla")
     if m.rope_scaling is None:
         for name in ("yarn_factor", "yarn_original_max_position_embeddings", "yarn_mscale", "yarn_mscale_all_dim"):
             if getattr(m, name) is not None:
@@ -1204,8 +1206,19 @@ def router_settings(moe: MoEConfig) -> list[str]:
     if moe.topk_backend == "triton" and (moe.num_groups is not None or moe.expert_bias):
         out.append(f"moe.topk_backend=triton fuses plain top-k only; moe.num_groups={_fmt(moe.num_groups)} and "
                    f"moe.expert_bias={_fmt(moe.expert_bias)} need moe.topk_backend=torch (or auto)")
-    if moe.expert_bias and moe.score_function != "sigmoid":
-        out.append(f"moe.expert_bias=true requires moe.score_function=sigmoid, got {_fmt(moe.score_function)}")
+    if moe.expert_bias and not (moe.score_function == "sigmoid" or moe.pre_softmax):
+        out.append(f"moe.expert_bias=true requires moe.score_function=sigmoid, got {_fmt(moe.score_function)} (or "
+                   f"moe.pre_softmax=true: the bias is added to the softmax over all experts, as in ERNIE-4.5)")
+    # ERNIE-4.5's moe_norm_min: renormalising the top-k of the softmax over all experts.
+    if moe.topk_norm_min is not None:
+        if not moe.pre_softmax:
+            out.append(f"moe.topk_norm_min={_fmt(moe.topk_norm_min)} requires moe.pre_softmax=true (it renormalises "
+                       f"the top-k of the softmax over all experts)")
+        if not (moe.topk_norm_min > 0 and math.isfinite(moe.topk_norm_min)):
+            out.append(f"moe.topk_norm_min={_fmt(moe.topk_norm_min)} must be a finite number > 0 when set")
+        if moe.topk_backend == "triton":
+            out.append(f"moe.topk_backend=triton fuses plain top-k only; moe.topk_norm_min="
+                       f"{_fmt(moe.topk_norm_min)} needs moe.topk_backend=torch (or auto)")
     if moe.pre_softmax and moe.score_function != "softmax":
         out.append(f"moe.pre_softmax=true requires moe.score_function=softmax, got {_fmt(moe.score_function)}")
     if moe.scaling_factor is not None and not moe.scaling_factor > 0:

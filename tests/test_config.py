@@ -335,7 +335,12 @@ RULES = [
     # router options
     (["moe.score_function=tanh"], 1, ["moe.score_function=tanh must be one of softmax, sigmoid"]),
     (["moe.router_dtype=float16"], 1, ["moe.router_dtype=float16 must be one of float32, float64"]),
-    (["moe.expert_bias=true"], 1, ["moe.expert_bias=true requires moe.score_function=sigmoid, got softmax"]),
+    (["moe.expert_bias=true"], 1, ["moe.expert_bias=true requires moe.score_function=sigmoid, got softmax (or "
+                                   "moe.pre_softmax=true: the bias is added to the softmax over all experts, as in "
+                                   "ERNIE-4.5)"]),
+    (["moe.topk_norm_min=1e-12"], 1, ["moe.topk_norm_min=1e-12 requires moe.pre_softmax=true (it renormalises the "
+                                      "top-k of the softmax over all experts)"]),
+    (["moe.pre_softmax=true", "moe.topk_norm_min=0"], 1, ["moe.topk_norm_min=0.0 must be a finite number > 0 when set"]),
     (["moe.pre_softmax=true", "moe.score_function=sigmoid"], 1,
      ["moe.pre_softmax=true requires moe.score_function=softmax, got sigmoid"]),
     (["moe.scaling_factor=0"], 1, ["moe.scaling_factor=0.0 must be > 0 when set"]),
@@ -501,6 +506,8 @@ def test_rule(overrides, world_size, expected):
     (["parallel.tp=2", "moe.moe_layer_freq=0"], 2),  # dense tp without sequence parallel
     (SP2 + ["model.ffn_hidden_size=255"], 2),  # all layers MoE: the dense width is unused
     (["model.hidden_size=130", "model.head_dim=32"], 1),
+    # ERNIE-4.5's routing: the expert bias on the softmax over all experts, renormalised top-k.
+    (["moe.pre_softmax=true", "moe.expert_bias=true", "moe.topk_norm_min=1e-12"], 1),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=4", "parallel.etp=1"], 8),
     (["parallel.pp=2", "parallel.pp_layers=[1,3]"], 2),
     (["parallel.ep=4", "moe.replicas=6", "moe.replace_every=1"], 4),
@@ -532,7 +539,8 @@ def test_validate_reports_every_violation_in_one_error():
         validate(config, 4)
     assert str(info.value) == (
         "invalid config: 2 problems\n"
-        "  - moe.expert_bias=true requires moe.score_function=sigmoid, got softmax\n"
+        "  - moe.expert_bias=true requires moe.score_function=sigmoid, got softmax (or moe.pre_softmax=true: the bias "
+        "is added to the softmax over all experts, as in ERNIE-4.5)\n"
         "  - moe.num_experts=6 is not divisible by parallel.ep=4"
     )
     assert isinstance(info.value, ValueError)

@@ -75,6 +75,11 @@ CASES = {
     # OLMoE's QK-norm over the whole (tp-split) projections, GLM-4.5's partial rotary.
     "tp2-qknorm-projection-partial-rotary": (2, dict(tp=2), 2, dict(), dict(
         qk_norm=True, qk_norm_scope="projection", partial_rotary_factor=0.5)),
+    # ERNIE-4.5: interleaved rotary pairs in standard attention; the expert bias on the
+    # softmax over all experts and the top-k renormalised over max(sum, 0.5) (the "moe" key
+    # holds moe settings).
+    "family-ernie-tp2-cp2-a2a-ep2-packed": (4, dict(tp=2, cp=2, ep=2, etp=1), 2, dict(cp_kind="a2a"), dict(
+        rope_interleave=True, moe=dict(pre_softmax=True, expert_bias=True, topk_norm_min=0.5))),
 }
 
 # Documents (lengths) of each row of the packed global batch; a row's documents fill it.
@@ -83,13 +88,17 @@ ROW_DOCS = [[5, 11], [16], [3, 6, 7], [9, 7]]
 
 def _config(model=None, **parallel):
     config = Config()
+    model = dict(model or {})
+    moe = model.pop("moe", {})
     config.model = ModelConfig(**{**dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4,
                                          num_kv_heads=2, ffn_hidden_size=48, seq_length=SEQ, init_std=0.1),
-                                  **(model or {})})
+                                  **model})
     c = config.moe
     c.num_experts, c.topk, c.ffn_hidden_size = 8, 2, 32
     c.aux_loss_coeff, c.z_loss_coeff = 0.1, 0.01
     c.dispatcher, c.capacity_factor = "alltoall", None
+    for key, value in moe.items():
+        setattr(c, key, value)
     for key, value in parallel.items():
         setattr(config.parallel, key, value)
     config.train.seed = 11
@@ -347,6 +356,8 @@ def _check(names, results):
 
 # Issue 20's cases: multi-token prediction, and OLMoE's / GLM-4.5's attention variants.
 ISSUE_20 = {name for name in CASES if name.startswith("mtp-") or name == "tp2-qknorm-projection-partial-rotary"}
+# Issue 29's: the model features of the families it added (ERNIE-4.5's).
+ISSUE_20 |= {name for name in CASES if name.startswith("family-")}
 
 
 def _names(world, issue_20=False):
@@ -361,8 +372,9 @@ def test_cp_and_pp_layouts_match_single_process(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_mtp_and_attention_variants_match_single_process(world):
-    """MTP (tp+SP with etp, ring and a2a cp on packed documents, MLA, pp with vpp, ep) and
-    the projection-wide QK-norm with partial rotary under tp."""
+    """MTP (tp+SP with etp, ring and a2a cp on packed documents, MLA, pp with vpp, ep), the
+    projection-wide QK-norm with partial rotary under tp, and ERNIE-4.5's interleaved rotary
+    and softmax expert bias with a renormalisation floor under tp x cp x ep on packed documents."""
     names = _names(world, issue_20=True)
     _check(names, run_ranks(_rank, world, names, timeout=400))
 

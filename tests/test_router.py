@@ -135,6 +135,28 @@ def test_bias_changes_selection_not_probs():
     torch.testing.assert_close(probs[0, [0, 3]].double(), torch.tensor([s0, s3], dtype=torch.float64) / (s0 + s3))
 
 
+def test_softmax_bias_and_norm_min_as_ernie_routes():
+    """ERNIE-4.5: the expert bias is added to the softmax over all experts for selection;
+    the chosen softmax values are divided by max(their sum, norm_min). Against a loop."""
+    gen = torch.Generator().manual_seed(3)
+    logits, bias = torch.randn(9, 8, generator=gen) * 2, torch.randn(8, generator=gen) * 0.1
+    for norm_min in (None, 1e-12, 0.9):
+        probs, rmap = topk_routing(logits, 3, pre_softmax=True, expert_bias=bias, norm_min=norm_min,
+                                   scaling_factor=1.5)
+        for t in range(9):
+            soft = [math.exp(x) for x in logits[t].double().tolist()]
+            soft = [x / sum(soft) for x in soft]
+            chosen = sorted(range(8), key=lambda e: -(soft[e] + float(bias[e])))[:3]
+            total = sum(soft[e] for e in chosen)
+            scale = 1.0 if norm_min is None else max(total, norm_min)
+            want = [soft[e] / scale * 1.5 if e in chosen else 0.0 for e in range(8)]
+            assert rmap[t].nonzero().flatten().tolist() == sorted(chosen)
+            torch.testing.assert_close(probs[t].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6,
+                                       atol=1e-7)
+    # The bias moves the choice away from the plain top-3 on some token.
+    assert not torch.equal(rmap, topk_routing(logits, 3, pre_softmax=True)[1])
+
+
 def test_group_limited_excludes_losing_groups():
     # Group 0 holds the single best expert but group 1 has the better top-2 sum.
     logits = torch.tensor([[5.0, -5.0, 3.0, 3.0]])
@@ -200,6 +222,8 @@ def test_topk_routing_gradient(case):
     (dict(topk=2, score="relu"), "moe.score_function=relu must be one of softmax, sigmoid"),
     (dict(topk=2, score="sigmoid", pre_softmax=True), "pre_softmax"),
     (dict(topk=2, expert_bias=torch.zeros(8)), "moe.expert_bias=true requires moe.score_function=sigmoid"),
+    (dict(topk=2, norm_min=1e-12), "moe.topk_norm_min=1e-12 requires moe.pre_softmax=true"),
+    (dict(topk=2, pre_softmax=True, norm_min=0.0), "moe.topk_norm_min=0.0 must be a finite number > 0"),
     (dict(topk=2, score="sigmoid", expert_bias=torch.zeros(7)), r"expert_bias must have shape \(8,\)"),
     (dict(topk=2, num_groups=3, group_topk=1), "num_groups=3"),
     (dict(topk=2, num_groups=4), "must be both set or both null"),

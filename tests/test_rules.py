@@ -90,8 +90,12 @@ RULE_CASES = [
     ("router_settings", ["moe.score_function=sigmoid", "moe.pre_softmax=true"], 1,
      "moe.pre_softmax=true requires moe.score_function=softmax, got sigmoid"),
     ("router_settings", ["moe.expert_bias=true"], 1,
-     "moe.expert_bias=true requires moe.score_function=sigmoid, got softmax"),
+     "moe.expert_bias=true requires moe.score_function=sigmoid, got softmax (or moe.pre_softmax=true: the bias is "
+     "added to the softmax over all experts, as in ERNIE-4.5)"),
     ("router_settings", ["moe.scaling_factor=-1.0"], 1, "moe.scaling_factor=-1.0 must be > 0 when set"),
+    ("router_settings", ["moe.topk_norm_min=1e-12"], 1,
+     "moe.topk_norm_min=1e-12 requires moe.pre_softmax=true (it renormalises the top-k of the softmax over all "
+     "experts)"),
     # Passed validate() and failed in every rank's Router before the rules had one source.
     ("router_settings", ["moe.z_loss_coeff=.inf"], 1, "moe.z_loss_coeff=inf must be finite"),
     ("capacity_factor_positive", ["moe.capacity_factor=0"], 1,

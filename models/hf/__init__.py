@@ -1,5 +1,5 @@
-"""Hugging Face interop: import and export Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3,
-GLM-4.5-MoE and OLMoE checkpoints
+"""Hugging Face interop: import and export Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2,
+DeepSeek-V3, GLM-4.5-MoE, OLMoE, ERNIE-4.5-MoE and MiniMax-M2 checkpoints
 (``config.json`` + safetensors) in any parallel layout.
 
 - :func:`from_hf` ``(path, groups=None, config=None) -> model``: a model with the

@@ -1,6 +1,8 @@
 """Hugging Face ``config.json`` <-> our :class:`~moe_fold.config.Config`, for
-``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM`` and
-``DeepseekV3ForCausalLM``.
+``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``,
+``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``, ``Glm4MoeForCausalLM``,
+``OlmoeForCausalLM``, ``Ernie4_5_MoeForCausalLM`` and ``MiniMaxM2ForCausalLM``
+(docs/families/ has a table per family of DeepSeek-V2, ERNIE-4.5 and MiniMax-M2).
 
 Import is strict: every key of ``config.json`` is either mapped to a field of ours,
 checked to hold a value we compute the same way (``hidden_act: silu``, no rope scaling,
@@ -43,6 +45,19 @@ grouped-query attention: q|k|v biases (``attention_bias``), per-head QK-norm
 OLMoE (``OlmoeForCausalLM``): softmax top-k without renormalisation (``norm_topk_prob:
 false``, our ``pre_softmax: true``), and a QK-norm over the whole q and k projections
 (``model.qk_norm_scope: projection``); ``clip_qkv`` must be null.
+
+DeepSeek-V2 / V2-Lite: DeepSeek-V3's MLA (rotary pairs always interleaved) with softmax
+routing: the top-k of the softmax over all experts as they are (``pre_softmax: true``),
+``greedy`` or ``group_limited_greedy`` (a group ranks by its best score:
+``group_score: max``), times ``routed_scaling_factor``.
+
+ERNIE-4.5-MoE: standard attention with interleaved rotary pairs; MoE layers from a start
+to an end layer every ``moe_layer_interval``; the expert bias added to the softmax over
+all experts for the choice, the chosen probabilities divided by max(sum, ``moe_norm_min``)
+(``expert_bias`` with ``pre_softmax``, ``topk_norm_min``).
+
+MiniMax-M2: OLMoE's QK-norm over the projections, partial rotary (``rotary_dim``) and
+DeepSeek-V3's biased, renormalised sigmoid top-k without groups, every layer MoE.
 """
 
 from __future__ import annotations
@@ -57,8 +72,10 @@ __all__ = ["FAMILIES", "METADATA_KEYS", "HFConfigError", "hf_family", "config_fr
 
 # model_type -> the causal-LM class that reads it
 FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-            "glm4_moe": "Glm4MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+            "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+            "deepseek_v3": "DeepseekV3ForCausalLM",
+            "glm4_moe": "Glm4MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+            "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
 
 # Keys that do not change what the network computes from token ids.
 METADATA_KEYS = frozenset({
@@ -179,8 +196,9 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     if base is None:
         m.seq_length = int(keys.get("max_position_embeddings", m.seq_length))
     m.qk_norm_scope, m.partial_rotary_factor, m.mtp_num_layers = "head", 1.0, 0
-    if family == "deepseek_v3":
-        _deepseek_v3_from_hf(keys, config)
+    moe.topk_norm_min = None  # ERNIE-4.5's alone
+    if family in ("deepseek_v2", "deepseek_v3"):
+        (_deepseek_v2_from_hf if family == "deepseek_v2" else _deepseek_v3_from_hf)(keys, config)
         return _finish(keys, family, config)
     # Standard attention, unscaled rotary: nothing of an MLA base config stays.
     m.attention, m.rope_interleave, m.rope_scaling = "mha", False, None
@@ -190,6 +208,13 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     m.yarn_beta_fast, m.yarn_beta_slow = 32.0, 1.0
     if family == "glm4_moe":
         _glm4_moe_from_hf(keys, config)
+        return _finish(keys, family, config)
+    if family == "ernie4_5_moe":
+        _ernie4_5_moe_from_hf(keys, config)
+        m.rope_interleave = True
+        return _finish(keys, family, config)
+    if family == "minimax_m2":
+        _minimax_m2_from_hf(keys, config)
         return _finish(keys, family, config)
 
     m.vocab_size = keys.get("vocab_size")
@@ -319,14 +344,15 @@ def _deepseek_rope(keys: _Keys, m) -> None:
                              f"here do not have")
 
 
-def _deepseek_v3_from_hf(keys: _Keys, config: Config) -> None:
-    m, moe = config.model, config.moe
+def _mla_from_hf(keys: _Keys, config: Config, family: str) -> None:
+    """The sizes and rotary embeddings of multi-head latent attention (DeepSeek-V2 and -V3)."""
+    m = config.model
     m.vocab_size = keys.get("vocab_size")
     m.hidden_size = keys.get("hidden_size")
     m.num_layers = keys.get("num_hidden_layers")
     m.num_heads = keys.get("num_attention_heads")
     if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
-        raise HFConfigError(keys.problems, "cannot import deepseek_v3 config")
+        raise HFConfigError(keys.problems, f"cannot import {family} config")
     kv_heads = keys.get("num_key_value_heads", m.num_heads)
     if kv_heads != m.num_heads:
         keys.problems.append(f"num_key_value_heads={kv_heads} must equal num_attention_heads={m.num_heads}: MLA "
@@ -349,25 +375,76 @@ def _deepseek_v3_from_hf(keys: _Keys, config: Config) -> None:
         if value is not None and value != expected:
             keys.problems.append(f"{key}={value} disagrees with qk_nope_head_dim={m.qk_nope_head_dim} and "
                                  f"qk_rope_head_dim={m.qk_rope_head_dim} (expected {expected})")
-    m.rope_interleave = bool(keys.get("rope_interleave", True))
     _deepseek_rope(keys, m)
     keys.must_be("hidden_act", ("silu",), "the MLPs and experts are SwiGLU (silu)")
     keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
     keys.must_be("attention_bias", (False,), "the MLA projections have no biases here")
     keys.must_be("pretraining_tp", (1,), "pretraining_tp splits the linears' math differently")
     keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
-    # Keys of the original (remote-code) DeepSeek-V3 config.json.
+    # Keys of the original (remote-code) config.json.
     keys.get("auto_map", None)
     keys.get("ep_size", None)  # the inference expert-parallel size: no effect on the math
-    keys.must_be("scoring_func", ("sigmoid",), "DeepSeek-V3 routes with sigmoid scores")
-    keys.must_be("topk_method", ("noaux_tc",), "routing is group-limited top-k with the score correction bias")
-    keys.must_be("moe_layer_freq", (1,), "every layer after first_k_dense_replace is MoE")
     alpha = keys.get("aux_loss_alpha", None)
     if alpha is not None:
         per_sequence = bool(keys.get("seq_aux", True))
+        moe = config.moe
         moe.seq_aux_loss_coeff, moe.aux_loss_coeff = (float(alpha), 0.0) if per_sequence else (0.0, float(alpha))
 
+
+def _deepseek_v3_from_hf(keys: _Keys, config: Config) -> None:
+    _mla_from_hf(keys, config, "deepseek_v3")
+    config.model.rope_interleave = bool(keys.get("rope_interleave", True))
+    keys.must_be("scoring_func", ("sigmoid",), "DeepSeek-V3 routes with sigmoid scores")
+    keys.must_be("topk_method", ("noaux_tc",), "routing is group-limited top-k with the score correction bias")
+    keys.must_be("moe_layer_freq", (1,), "every layer after first_k_dense_replace is MoE")
     _deepseek_moe_from_hf(keys, config)
+
+
+def _deepseek_v2_from_hf(keys: _Keys, config: Config) -> None:
+    """DeepSeek-V2 and V2-Lite: MLA with interleaved rotary pairs always (DeepseekV2 rotates
+    them as complex numbers); softmax over all experts, top-k of those probabilities as they
+    are (our ``pre_softmax: true``), times ``routed_scaling_factor``; ``greedy`` top-k, or
+    ``group_limited_greedy``: the ``topk_group`` groups with the highest single score first
+    (``moe.group_score: max``); ungated shared experts; the first layers dense."""
+    m, moe = config.model, config.moe
+    _mla_from_hf(keys, config, "deepseek_v2")
+    m.rope_interleave = True
+    keys.must_be("rope_interleave", (True,), "DeepSeek-V2 always rotates interleaved pairs")
+    keys.must_be("mlp_bias", (False,), "the MLPs have no biases here")
+    keys.must_be("scoring_func", ("softmax",), "DeepSeek-V2 routes with a softmax over all experts")
+    keys.must_be("moe_layer_freq", (1,), "every layer after first_k_dense_replace is MoE")
+    # transformers' DeepseekV2 never renormalises the top-k (it ignores norm_topk_prob), DeepSeek's
+    # own code does when it is true: only false means the same in both.
+    keys.must_be("norm_topk_prob", (False,), "transformers' DeepseekV2 ignores it (the top-k softmax "
+                                             "probabilities are never renormalised) while DeepSeek's code "
+                                             "renormalises; only false computes the same in both")
+    m.mtp_num_layers = 0
+    moe.num_experts = keys.get("n_routed_experts")
+    moe.ffn_hidden_size = keys.get("moe_intermediate_size")
+    moe.topk = keys.get("num_experts_per_tok")
+    moe.moe_layer_freq = 1
+    moe.first_k_dense = keys.get("first_k_dense_replace", 0)
+    moe.score_function, moe.pre_softmax, moe.expert_bias, moe.input_jitter = "softmax", True, False, 0.0
+    factor = float(keys.get("routed_scaling_factor", 1.0))
+    moe.scaling_factor = None if factor == 1.0 else factor
+    moe.shared_expert_ffn_hidden_size = int(keys.get("n_shared_experts", 0)) * int(moe.ffn_hidden_size or 0)
+    moe.shared_expert_gate = False
+    method = keys.get("topk_method", "greedy")
+    groups, group_topk = keys.get("n_group", 1), keys.get("topk_group", 1)
+    moe.group_score = "max"
+    moe.num_groups, moe.group_topk = None, None
+    if method == "group_limited_greedy" and groups != 1:
+        moe.num_groups, moe.group_topk = groups, group_topk
+        experts = moe.num_experts or 0
+        reachable = (group_topk or 0) * (experts // groups)
+        if experts and moe.topk is not None and moe.topk > reachable:
+            keys.problems.append(f"num_experts_per_tok={moe.topk} with topk_group={group_topk} is not supported: "
+                                 f"the {group_topk} selected groups hold {reachable} experts (n_routed_experts/"
+                                 f"n_group={experts // groups} each), and transformers would fill the rest with "
+                                 f"experts of the excluded groups")
+    elif method not in ("greedy", "group_limited_greedy"):
+        keys.problems.append(f"topk_method={method!r} is not supported for deepseek_v2: 'greedy' or "
+                             f"'group_limited_greedy'")
 
 
 def _deepseek_moe_from_hf(keys: _Keys, config: Config) -> None:
@@ -439,15 +516,200 @@ def _glm4_moe_from_hf(keys: _Keys, config: Config) -> None:
     _deepseek_moe_from_hf(keys, config)
 
 
+def _ernie4_5_moe_from_hf(keys: _Keys, config: Config) -> None:
+    """ERNIE-4.5-MoE: grouped-query attention with interleaved rotary pairs; layer ``i`` is
+    MoE when ``(i + 1) % moe_layer_interval == 0`` and ``moe_layer_start_index <= i <=
+    moe_layer_end_index`` (-1: the last layer); softmax over all experts, the expert bias
+    (``moe_statics.e_score_correction_bias``) added for selection only, the k chosen softmax
+    values divided by max(their sum, ``moe_norm_min``) (our ``pre_softmax``, ``expert_bias``
+    and ``topk_norm_min``); ungated shared experts of ``moe_intermediate_size`` each."""
+    m, moe = config.model, config.moe
+    m.vocab_size = keys.get("vocab_size")
+    m.hidden_size = keys.get("hidden_size")
+    m.num_layers = keys.get("num_hidden_layers")
+    m.num_heads = keys.get("num_attention_heads")
+    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
+        raise HFConfigError(keys.problems, "cannot import ernie4_5_moe config")
+    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
+    explicit_head_dim = keys.get("head_dim", None)
+    m.head_dim = int(explicit_head_dim) if explicit_head_dim is not None else m.hidden_size // m.num_heads
+    m.norm_eps = float(keys.get("rms_norm_eps", 1e-5))
+    m.tie_embeddings = bool(keys.get("tie_word_embeddings", True))
+    m.init_std = float(keys.get("initializer_range", 0.02))
+    m.ffn_hidden_size = keys.get("intermediate_size")
+    m.rope_theta = _rope_theta(keys, 5e5)
+    m.qk_norm, m.qkv_bias = False, False
+    keys.must_be("hidden_act", ("silu",), "the MLPs and experts are SwiGLU (silu)")
+    keys.must_be("use_bias", (False,), "ERNIE-4.5's use_bias puts biases on every linear (q, k, v, o and the "
+                                       "MLPs); moe-fold has q|k|v biases only")
+    keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
+    moe.num_experts = _num_experts(keys, "moe_num_experts", "num_experts")
+    topk = keys.get("num_experts_per_tok", None)
+    moe.topk = keys.get("moe_k") if topk is None else keys.get("moe_k", topk)
+    moe.ffn_hidden_size = keys.get("moe_intermediate_size")
+    moe.shared_expert_ffn_hidden_size = int(keys.get("moe_num_shared_experts", 0)) * int(moe.ffn_hidden_size or 0)
+    moe.shared_expert_gate = False
+    moe.score_function, moe.pre_softmax, moe.expert_bias, moe.input_jitter = "softmax", True, True, 0.0
+    moe.topk_norm_min = float(keys.get("moe_norm_min", 1e-12))
+    moe.num_groups, moe.group_topk, moe.group_score, moe.scaling_factor = None, None, "topk_sum", None
+    moe.aux_loss_coeff = float(keys.get("router_aux_loss_coef", 0.001))
+    moe.first_k_dense = 0
+    start, end = keys.get("moe_layer_start_index", 1), keys.get("moe_layer_end_index", -1)
+    interval = keys.get("moe_layer_interval", 1)
+    if not (isinstance(interval, int) and interval >= 1):
+        keys.problems.append(f"moe_layer_interval={interval!r} must be an integer >= 1")
+        return
+    end = m.num_layers - 1 if end == -1 else end
+    flags = [int((i + 1) % interval == 0 and start <= i <= end) for i in range(m.num_layers)]
+    moe.moe_layer_freq = 1 if all(flags) else flags
+
+
+def _minimax_m2_from_hf(keys: _Keys, config: Config) -> None:
+    """MiniMax-M2: grouped-query attention with an RMSNorm over the whole q and k
+    projections (our ``qk_norm_scope: projection``, as OLMoE) and rotary embeddings on the
+    first ``rotary_dim`` dims of each head (``partial_rotary_factor``); every layer MoE:
+    sigmoid scores, the expert bias (``e_score_correction_bias``) added for selection only,
+    the k chosen renormalised; no shared expert."""
+    m, moe = config.model, config.moe
+    m.vocab_size = keys.get("vocab_size")
+    m.hidden_size = keys.get("hidden_size")
+    m.num_layers = keys.get("num_hidden_layers")
+    m.num_heads = keys.get("num_attention_heads")
+    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
+        raise HFConfigError(keys.problems, "cannot import minimax_m2 config")
+    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
+    m.head_dim = int(keys.get("head_dim", 128))  # MiniMaxM2Config's default, not hidden/heads
+    m.norm_eps = float(keys.get("rms_norm_eps", 1e-6))
+    m.tie_embeddings = bool(keys.get("tie_word_embeddings", False))
+    m.init_std = float(keys.get("initializer_range", 0.02))
+    m.qk_norm, m.qk_norm_scope, m.qkv_bias = True, "projection", False
+    params = keys.get("rope_parameters", {})
+    inner = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    rotary = keys.get("rotary_dim", None)
+    from_dim = rotary / m.head_dim if rotary is not None else None
+    m.partial_rotary_factor = float(inner if inner is not None else from_dim if from_dim is not None else 1.0)
+    if inner is not None and from_dim is not None and inner != from_dim:
+        keys.problems.append(f"rotary_dim={rotary} disagrees with rope_parameters.partial_rotary_factor={inner} "
+                             f"of head_dim={m.head_dim}")
+    m.rope_theta = _rope_theta(keys, 5e6, partial_rotary=True)
+    keys.must_be("hidden_act", ("silu",), "the experts are SwiGLU (silu)")
+    keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
+    keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
+    # Keys of the original (remote-code) config.json, where they say what transformers computes.
+    keys.must_be("use_qk_norm", (True,), "MiniMax-M2 normalises q and k")
+    keys.must_be("qk_norm_type", ("per_layer",), "the QK-norm spans the whole q and k projections")
+    keys.must_be("scoring_func", ("sigmoid",), "MiniMax-M2 routes with sigmoid scores")
+    keys.must_be("use_routing_bias", (True,), "the router always has its score correction bias")
+    moe.num_experts = _num_experts(keys, "num_local_experts", "num_experts")
+    moe.topk = keys.get("num_experts_per_tok")
+    moe.ffn_hidden_size = m.ffn_hidden_size = keys.get("intermediate_size")
+    moe.moe_layer_freq, moe.first_k_dense = 1, 0
+    moe.score_function, moe.pre_softmax, moe.expert_bias = "sigmoid", False, True
+    moe.num_groups, moe.group_topk, moe.group_score, moe.scaling_factor = None, None, "topk_sum", None
+    moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate = 0, False
+    moe.input_jitter = float(keys.get("router_jitter_noise", 0.0))
+    moe.aux_loss_coeff = float(keys.get("router_aux_loss_coef", 0.001))
+    if moe.topk == 1:
+        keys.problems.append("num_experts_per_tok=1 is not supported: MiniMax-M2 renormalises the top-k sigmoid "
+                             "scores (a weight of 1 for k=1), moe-fold renormalises for k > 1 only")
+
+
+def _minimax_m2_to_hf(config: Config, flags: list[bool], refuse, problems: list[str], dtype: str) -> dict:
+    m, moe = config.model, config.moe
+    refuse(not (m.qk_norm and m.qk_norm_scope == "projection"),
+           f"model.qk_norm={str(m.qk_norm).lower()}, model.qk_norm_scope={m.qk_norm_scope}: MiniMax-M2 normalises "
+           f"the whole q and k projections")
+    refuse(m.qkv_bias, "model.qkv_bias=true: MiniMax-M2 has no q|k|v biases")
+    refuse(moe.score_function != "sigmoid", f"moe.score_function={moe.score_function}: MiniMax-M2 routes with "
+                                            f"sigmoid scores")
+    refuse(not moe.expert_bias, "moe.expert_bias=false: MiniMax-M2's router always has its score correction bias")
+    refuse(moe.topk < 2, f"moe.topk={moe.topk}: MiniMax-M2 renormalises the top-k sigmoid scores, which moe-fold "
+                         f"does only for k > 1")
+    refuse(moe.num_groups is not None, f"moe.num_groups={moe.num_groups}: MiniMax-M2 has no group-limited routing")
+    refuse(moe.scaling_factor is not None, f"moe.scaling_factor={moe.scaling_factor}: MiniMax-M2 does not scale "
+                                           f"probs")
+    refuse(moe.shared_expert_ffn_hidden_size > 0,
+           f"moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size}: MiniMax-M2 has no shared expert")
+    refuse(not all(flags), f"moe layer pattern {[int(f) for f in flags]}: every MiniMax-M2 layer is MoE")
+    if problems:
+        raise HFConfigError(problems, "cannot export to minimax_m2")
+    return {
+        "architectures": [FAMILIES["minimax_m2"]], "model_type": "minimax_m2", "dtype": dtype,
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": head_dim(config),
+        "intermediate_size": moe.ffn_hidden_size, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
+        "max_position_embeddings": m.seq_length, "attention_dropout": 0.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta,
+                            "partial_rotary_factor": m.partial_rotary_factor},
+        "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
+        "router_aux_loss_coef": moe.aux_loss_coeff, "router_jitter_noise": moe.input_jitter,
+    }
+
+
+def _ernie_layer_pattern(flags: list[bool]) -> Optional[tuple[int, int, int]]:
+    """(start, end, interval) of ERNIE-4.5 that gives the MoE layers ``flags``, None if none does."""
+    moe = [i for i, f in enumerate(flags) if f]
+    if not moe:
+        return None
+    for interval in range(1, len(flags) + 1):
+        if [bool((i + 1) % interval == 0 and moe[0] <= i <= moe[-1]) for i in range(len(flags))] == list(flags):
+            return moe[0], moe[-1], interval
+    return None
+
+
+def _ernie4_5_moe_to_hf(config: Config, flags: list[bool], refuse, problems: list[str], dtype: str) -> dict:
+    m, moe = config.model, config.moe
+    refuse(m.qk_norm, "model.qk_norm=true: ERNIE-4.5 has no QK-norm")
+    refuse(m.qkv_bias, "model.qkv_bias=true: ERNIE-4.5's use_bias would put biases on o and the MLPs too")
+    refuse(not m.rope_interleave, "model.rope_interleave=false: ERNIE-4.5 rotates interleaved pairs")
+    refuse(moe.score_function != "softmax" or not moe.pre_softmax,
+           f"moe.score_function={moe.score_function}, moe.pre_softmax={str(moe.pre_softmax).lower()}: ERNIE-4.5 "
+           f"takes the top-k of the softmax over all experts (pre_softmax)")
+    refuse(not moe.expert_bias, "moe.expert_bias=false: ERNIE-4.5's router always has its score correction bias")
+    refuse(moe.topk_norm_min is None, "moe.topk_norm_min=null: ERNIE-4.5 always renormalises the top-k "
+                                      "(over max(sum, moe_norm_min))")
+    refuse(moe.num_groups is not None, f"moe.num_groups={moe.num_groups}: ERNIE-4.5 has no group-limited routing")
+    refuse(moe.scaling_factor is not None, f"moe.scaling_factor={moe.scaling_factor}: ERNIE-4.5 does not scale probs")
+    refuse(moe.shared_expert_gate, "moe.shared_expert_gate=true: ERNIE-4.5's shared experts are not gated")
+    refuse(moe.shared_expert_ffn_hidden_size % moe.ffn_hidden_size != 0,
+           f"moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size}: there are n >= 0 shared "
+           f"experts of width moe.ffn_hidden_size={moe.ffn_hidden_size}")
+    pattern = _ernie_layer_pattern(flags)
+    refuse(pattern is None, f"moe layer pattern {[int(f) for f in flags]}: ERNIE-4.5's MoE layers are every "
+                            f"moe_layer_interval-th layer between a start and an end layer")
+    if problems:
+        raise HFConfigError(problems, "cannot export to ernie4_5_moe")
+    start, end, interval = pattern
+    return {
+        "architectures": [FAMILIES["ernie4_5_moe"]], "model_type": "ernie4_5_moe", "dtype": dtype,
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": head_dim(config),
+        "intermediate_size": m.ffn_hidden_size, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
+        "max_position_embeddings": m.seq_length, "use_bias": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "moe_num_experts": moe.num_experts, "moe_k": moe.topk, "moe_intermediate_size": moe.ffn_hidden_size,
+        "moe_num_shared_experts": moe.shared_expert_ffn_hidden_size // max(moe.ffn_hidden_size, 1),
+        "moe_layer_start_index": start, "moe_layer_end_index": end, "moe_layer_interval": interval,
+        "moe_norm_min": moe.topk_norm_min, "router_aux_loss_coef": moe.aux_loss_coeff,
+    }
+
+
 def export_family(config: Config) -> str:
-    """The family a model of ``config`` exports to: DeepSeek-V3 with MLA, OLMoE with a
+    """The family a model of ``config`` exports to: DeepSeek-V2 with MLA and softmax routing,
+    DeepSeek-V3 with MLA and sigmoid, ERNIE-4.5 with interleaved rotary pairs, a softmax
+    expert bias or a top-k renormalisation floor, MiniMax-M2 with a QK-norm over the
+    projections and sigmoid routing, OLMoE with a
     QK-norm over the projections, GLM-4.5 with an expert bias, partial rotary or MTP,
     Qwen3-MoE with QK-norm, Qwen2-MoE with a shared expert or q|k|v biases, else Mixtral."""
     m, moe = config.model, config.moe
     if m.attention == "mla":
-        return "deepseek_v3"
+        return "deepseek_v2" if moe.score_function == "softmax" else "deepseek_v3"
+    if m.rope_interleave or moe.topk_norm_min is not None or (moe.expert_bias and moe.score_function == "softmax"):
+        return "ernie4_5_moe"
     if m.qk_norm and m.qk_norm_scope == "projection":
-        return "olmoe"
+        return "minimax_m2" if moe.score_function == "sigmoid" else "olmoe"
     if moe.expert_bias or m.partial_rotary_factor != 1.0 or m.mtp_num_layers > 0:
         return "glm4_moe"
     if m.qk_norm:
@@ -471,19 +733,30 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
         if condition:
             problems.append(text)
 
-    refuse(family != "deepseek_v3" and m.attention == "mla",
-           f"model.attention=mla: {family} has standard attention (DeepSeek-V3 has MLA)")
-    refuse(family not in ("glm4_moe", "olmoe") and m.qk_norm and m.qk_norm_scope != "head",
+    refuse(family not in ("deepseek_v2", "deepseek_v3") and m.attention == "mla",
+           f"model.attention=mla: {family} has standard attention (DeepSeek-V2 and -V3 have MLA)")
+    refuse(family not in ("glm4_moe", "olmoe", "minimax_m2") and m.qk_norm and m.qk_norm_scope != "head",
            f"model.qk_norm_scope={m.qk_norm_scope}: {family} normalises each head (OLMoE normalises the whole "
            f"projections)")
-    refuse(family != "glm4_moe" and m.partial_rotary_factor != 1.0,
+    refuse(family not in ("glm4_moe", "minimax_m2") and m.partial_rotary_factor != 1.0,
            f"model.partial_rotary_factor={m.partial_rotary_factor}: {family} rotates the whole head (GLM-4.5 "
-           f"rotates a part)")
+           f"and MiniMax-M2 rotate a part)")
     refuse(family not in ("deepseek_v3", "glm4_moe") and m.mtp_num_layers > 0,
            f"model.mtp_num_layers={m.mtp_num_layers}: {family} has no multi-token prediction (DeepSeek-V3 and "
            f"GLM-4.5 have)")
+    refuse(family not in ("deepseek_v2", "deepseek_v3", "ernie4_5_moe") and m.rope_interleave,
+           f"model.rope_interleave=true: {family} rotates two halves of each head (DeepSeek and ERNIE-4.5 rotate "
+           f"interleaved pairs)")
+    refuse(family != "ernie4_5_moe" and moe.topk_norm_min is not None,
+           f"moe.topk_norm_min={moe.topk_norm_min}: {family} has no renormalisation floor (ERNIE-4.5's moe_norm_min)")
     if family == "deepseek_v3":
         return _deepseek_v3_to_hf(config, flags, refuse, problems, dtype)
+    if family == "deepseek_v2":
+        return _deepseek_v2_to_hf(config, flags, refuse, problems, dtype)
+    if family == "ernie4_5_moe":
+        return _ernie4_5_moe_to_hf(config, flags, refuse, problems, dtype)
+    if family == "minimax_m2":
+        return _minimax_m2_to_hf(config, flags, refuse, problems, dtype)
     if family == "glm4_moe":
         return _glm4_moe_to_hf(config, flags, refuse, problems, dtype)
 
@@ -581,11 +854,6 @@ def _deepseek_v3_to_hf(config: Config, flags: list[bool], refuse, problems: list
     moe_keys = _deepseek_moe_to_hf(config, flags, refuse)
     if problems:
         raise HFConfigError(problems, "cannot export to deepseek_v3")
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
-    if m.rope_scaling == "yarn":
-        rope["rope_type"] = "yarn"
-        rope.update({theirs: getattr(m, ours) for theirs, ours in _YARN_KEYS.items()
-                     if getattr(m, ours) is not None})
     return {
         "architectures": [FAMILIES["deepseek_v3"]], "model_type": "deepseek_v3", "dtype": dtype,
         "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
@@ -594,7 +862,60 @@ def _deepseek_v3_to_hf(config: Config, flags: list[bool], refuse, problems: list
         "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "rope_interleave": m.rope_interleave,
         "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
         "initializer_range": m.init_std, "max_position_embeddings": m.seq_length, "attention_dropout": 0.0,
-        "attention_bias": False, "rope_parameters": rope, **moe_keys,
+        "attention_bias": False, "rope_parameters": _mla_rope(m), **moe_keys,
+    }
+
+
+def _mla_rope(m) -> dict:
+    """``rope_parameters`` of an MLA model: default or YaRN."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling == "yarn":
+        rope["rope_type"] = "yarn"
+        rope.update({theirs: getattr(m, ours) for theirs, ours in _YARN_KEYS.items()
+                     if getattr(m, ours) is not None})
+    return rope
+
+
+def _deepseek_v2_to_hf(config: Config, flags: list[bool], refuse, problems: list[str], dtype: str) -> dict:
+    m, moe = config.model, config.moe
+    k = moe.first_k_dense
+    refuse(m.attention != "mla", "model.attention=mha: DeepSeek-V2 has multi-head latent attention")
+    refuse(not m.rope_interleave, "model.rope_interleave=false: DeepSeek-V2 rotates interleaved pairs")
+    refuse(moe.score_function != "softmax", f"moe.score_function={moe.score_function}: DeepSeek-V2 routes with a "
+                                            f"softmax over all experts")
+    refuse(not moe.pre_softmax, "moe.pre_softmax=false: DeepSeek-V2 keeps the top-k of the softmax over all "
+                                "experts as they are (transformers never renormalises them)")
+    refuse(moe.expert_bias, "moe.expert_bias=true: DeepSeek-V2's router has no expert bias")
+    refuse(moe.shared_expert_gate, "moe.shared_expert_gate=true: the shared experts are not gated")
+    refuse(moe.shared_expert_ffn_hidden_size == 0 or moe.shared_expert_ffn_hidden_size % moe.ffn_hidden_size != 0,
+           f"moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size}: there are n >= 1 shared "
+           f"experts of width moe.ffn_hidden_size={moe.ffn_hidden_size}")
+    refuse(flags != [i >= k for i in range(m.num_layers)],
+           f"moe layer pattern {[int(f) for f in flags]}: the first first_k_dense={k} layers are dense and every "
+           f"later layer MoE")
+    ranked = None if moe.num_groups is None else group_ranked_scores(moe.group_score, moe.topk, moe.group_topk)
+    refuse(ranked not in (None, 1),
+           f"moe.group_score={moe.group_score} with moe.topk={moe.topk} and moe.group_topk={moe.group_topk}: "
+           f"DeepSeek-V2 ranks a group by its best score, this model by the sum of its best {ranked} "
+           f"(group_score=max, or topk_sum with topk = group_topk, can be exported)")
+    if problems:
+        raise HFConfigError(problems, "cannot export to deepseek_v2")
+    return {
+        "architectures": [FAMILIES["deepseek_v2"]], "model_type": "deepseek_v2", "dtype": dtype,
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_heads,
+        "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim,
+        "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
+        "initializer_range": m.init_std, "max_position_embeddings": m.seq_length, "attention_dropout": 0.0,
+        "attention_bias": False, "mlp_bias": False, "rope_parameters": _mla_rope(m),
+        "intermediate_size": m.ffn_hidden_size, "moe_intermediate_size": moe.ffn_hidden_size,
+        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
+        "n_shared_experts": moe.shared_expert_ffn_hidden_size // max(moe.ffn_hidden_size, 1),
+        "first_k_dense_replace": k, "norm_topk_prob": False,
+        "topk_method": "greedy" if moe.num_groups is None else "group_limited_greedy",
+        "n_group": moe.num_groups or 1, "topk_group": moe.group_topk or 1,
+        "routed_scaling_factor": moe.scaling_factor if moe.scaling_factor is not None else 1.0,
     }
 
 

@@ -79,7 +79,8 @@ _ARCHITECTURE = {
               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "qk_norm_scope", "partial_rotary_factor",
               "mtp_num_layers"),
     "moe": ("num_experts", "topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate",
-            "score_function", "pre_softmax", "num_groups", "group_topk", "group_score", "scaling_factor", "expert_bias"),
+            "score_function", "pre_softmax", "num_groups", "group_topk", "group_score", "scaling_factor", "expert_bias",
+            "topk_norm_min"),
 }
 
 
@@ -178,7 +179,8 @@ def from_hf(path: PathLike, groups: Optional[ProcessGroups] = None, config: Opti
             on_tensor: Optional[Callable[[str, int], None]] = None) -> nn.Module:
     """This rank's model with the weights of the Hugging Face folder ``path``
     (``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``,
-    ``DeepseekV3ForCausalLM``, ``Glm4MoeForCausalLM``, ``OlmoeForCausalLM``).
+    ``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``, ``Glm4MoeForCausalLM``,
+    ``OlmoeForCausalLM``, ``Ernie4_5_MoeForCausalLM``, ``MiniMaxM2ForCausalLM``).
 
     Returns the model; its ``.config`` is our :class:`~moe_fold.config.Config` for it.
     ``groups`` (default: one process) is the layout to shard into. ``config`` gives the

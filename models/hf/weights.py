@@ -19,7 +19,10 @@ dense layers' ``mlp.{gate,up,down}_proj.weight``. DeepSeek-V3's attention is
 ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``; its MoE block
 ``mlp.`` with the router's ``gate.weight`` and ``gate.e_score_correction_bias`` (our
 expert bias, a buffer), per-expert ``gate_proj``/``up_proj``/``down_proj`` and the
-ungated ``mlp.shared_experts.*``. Transformers 5 holds experts fused in
+ungated ``mlp.shared_experts.*``. DeepSeek-V2's are DeepSeek-V3's names without the
+score correction bias; ERNIE-4.5's MoE layers DeepSeek-V3's names, with the bias
+``mlp.moe_statics.e_score_correction_bias`` ``[1, E]``. MiniMax-M2's MoE block is
+Mixtral's, with ``block_sparse_moe.e_score_correction_bias``. Transformers 5 holds experts fused in
 memory (``mlp.experts.gate_up_proj [E, 2F, H]``, ``mlp.experts.down_proj [E, H, F]``);
 checkpoints in that form are read too. Export writes the per-expert form.
 """
@@ -38,7 +41,7 @@ from safetensors import SafetensorError, safe_open
 
 from moe_fold.config import Config, head_dim, moe_layer_flags
 
-__all__ = ["HFWeightError", "SafetensorsFolder", "Source", "Take", "Cat", "Stack", "Copies", "weight_sources",
+__all__ = ["HFWeightError", "SafetensorsFolder", "Source", "Take", "Cat", "Stack", "Copies", "FirstRow", "weight_sources",
            "ignorable_hf_names"]
 
 
@@ -214,9 +217,34 @@ class Copies:
         return [item for part in self.parts for item in part.split(value)]
 
 
-Source = Union[Take, Cat, Stack, Copies]
+@dataclass(frozen=True)
+class FirstRow:
+    """Our tensor is the only row of the Hugging Face tensor ``name`` ``[1, ...]`` (ERNIE-4.5
+    stores its expert bias as ``[1, E]``)."""
+
+    name: str
+
+    def names(self) -> list[str]:
+        return [self.name]
+
+    def shape(self, hf: SafetensorsFolder) -> tuple[int, ...]:
+        shape = hf.shape(self.name)
+        if not shape or shape[0] != 1:
+            raise HFWeightError(f"{self.name} has shape {list(shape)}; expected a leading dim of 1")
+        return shape[1:]
+
+    def read(self, hf: SafetensorsFolder, offsets, sizes) -> torch.Tensor:
+        return hf.read(self.name, (0,) + tuple(offsets), (1,) + tuple(sizes))[0]
+
+    def split(self, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [(self.name, value.unsqueeze(0))]
+
+
+Source = Union[Take, Cat, Stack, Copies, FirstRow]
 
 _T = (1, 0)  # Hugging Face [out, in] <-> our expert layout [in, out]
+# Families whose checkpoints name the MoE block block_sparse_moe and the experts w1/w3/w2.
+_MIXTRAL_NAMES = ("mixtral", "minimax_m2")
 
 
 def _swiglu(prefix: str, gate: str, up: str, down: str, ffn: int) -> tuple[Source, Source]:
@@ -229,7 +257,7 @@ def _experts(prefix: str, family: str, num_experts: int, ffn: int, fused: bool) 
     """fc1 ``[E, H, gate|up]`` and fc2 ``[E, F, H]`` of the routed experts."""
     if fused:
         return Take(f"{prefix}experts.gate_up_proj", (0, 2, 1)), Take(f"{prefix}experts.down_proj", (0, 2, 1))
-    gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    gate, up, down = ("w1", "w3", "w2") if family in _MIXTRAL_NAMES else ("gate_proj", "up_proj", "down_proj")
     fc1 = Stack(tuple(Cat(1, (Take(f"{prefix}experts.{e}.{gate}.weight", _T),
                               Take(f"{prefix}experts.{e}.{up}.weight", _T)), (ffn, ffn))
                       for e in range(num_experts)))
@@ -309,12 +337,18 @@ def _layer_sources(config: Config, family: str, hf: str, ours: str, is_moe: bool
         out[f"{ours}mlp.fc1.weight"], out[f"{ours}mlp.fc2.weight"] = fc1, fc2
         return out
     fused = f"{hf}mlp.experts.gate_up_proj" in hf_names
-    block = f"{hf}block_sparse_moe." if family == "mixtral" and not fused else f"{hf}mlp."
+    block = f"{hf}block_sparse_moe." if family in _MIXTRAL_NAMES and not fused else f"{hf}mlp."
     out[f"{ours}mlp.router.weight"] = Take(f"{block}gate.weight")
     out[f"{ours}mlp.experts.fc1"], out[f"{ours}mlp.experts.fc2"] = _experts(
         block, family, moe.num_experts, moe.ffn_hidden_size, fused)
-    if family in ("deepseek_v3", "glm4_moe"):
-        out[f"{ours}mlp.router.expert_bias"] = Take(f"{block}gate.e_score_correction_bias")
+    if family == "minimax_m2":
+        out[f"{ours}mlp.router.expert_bias"] = Take(f"{block}e_score_correction_bias")
+    if family in ("deepseek_v2", "deepseek_v3", "glm4_moe", "ernie4_5_moe"):
+        # DeepSeek-V2's softmax router has no score correction bias; ERNIE-4.5's is [1, E].
+        if family in ("deepseek_v3", "glm4_moe"):
+            out[f"{ours}mlp.router.expert_bias"] = Take(f"{block}gate.e_score_correction_bias")
+        elif family == "ernie4_5_moe":
+            out[f"{ours}mlp.router.expert_bias"] = FirstRow(f"{block}moe_statics.e_score_correction_bias")
         fc1, fc2 = _swiglu(f"{hf}mlp.shared_experts.", "gate_proj", "up_proj", "down_proj",
                            moe.shared_expert_ffn_hidden_size)
         out[f"{ours}mlp.shared_expert.fc1.weight"], out[f"{ours}mlp.shared_expert.fc2.weight"] = fc1, fc2

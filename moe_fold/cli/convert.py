@@ -2,7 +2,7 @@
 
 The direction follows INPUT:
   - a Hugging Face folder (config.json + safetensors; Mixtral, Qwen2-MoE, Qwen3-MoE,
-    DeepSeek-V3, GLM-4.5-MoE, OLMoE)
+    DeepSeek-V2, DeepSeek-V3, GLM-4.5-MoE, OLMoE, ERNIE-4.5-MoE, MiniMax-M2)
     becomes a moe-fold checkpoint at OUTPUT/checkpoints/step_000000 (OUTPUT is a run
     folder; the checkpoint has config.yaml and no optimizer state);
   - a moe-fold checkpoint (a step_* folder with index.json, or a run folder: its newest

@@ -48,8 +48,8 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ routing
     Mutant(
         "router-presoftmax-dim", ROUTER,
-        "probs, top = _select(torch.softmax(work, dim=-1), topk, num_groups, group_topk, group_score)",
-        "probs, top = _select(torch.softmax(work, dim=0), topk, num_groups, group_topk, group_score)",
+        "scores = torch.softmax(work, dim=-1) if score",
+        "scores = torch.softmax(work, dim=0) if score",
         "pre-softmax scores normalised over the tokens instead of the experts (swapped dims)",
         (f"{T_ROUTER}::test_topk_routing_matches_loop",)),
     Mutant(
