@@ -116,6 +116,16 @@ class MoEConfig:
     # Aux-loss-free load balancing: a per-expert bias used for selection only.
     expert_bias: bool = False
     bias_update_rate: float = 1e-3
+    # A learned bias on the router's logits, a linear with bias (gpt-oss).
+    router_bias: bool = False
+
+    # gpt-oss's experts (models/experts.py): biases on every routed expert's fc1 (gate|up) and fc2.
+    expert_linear_bias: bool = False
+    # The routed experts' activation: swiglu | clamped_swiglu (gpt-oss: (clamp(up) + 1) *
+    # g * sigmoid(swiglu_alpha * g), g = min(gate, swiglu_limit); kernels/swiglu.py).
+    activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     # Load-balancing losses; each kind is on when its coefficient is > 0.
     aux_loss_coeff: float = 1e-2
@@ -920,6 +930,14 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
     _one_of(out, "moe.permute_backend", moe.permute_backend, ("auto", "torch", "triton"))
     _one_of(out, "moe.swiglu_backend", moe.swiglu_backend, ("auto", "torch", "triton", "cpu"))
     _one_of(out, "moe.topk_backend", moe.topk_backend, ("auto", "torch", "triton"))
+    # gpt-oss's experts (issue 29): the clamped SwiGLU is torch ops only (kernels/swiglu.py).
+    _one_of(out, "moe.activation", moe.activation, ("swiglu", "clamped_swiglu"))
+    if moe.activation == "clamped_swiglu":
+        _positive(out, "moe.swiglu_alpha", moe.swiglu_alpha)
+        _positive(out, "moe.swiglu_limit", moe.swiglu_limit)
+        if moe.swiglu_backend not in ("auto", "torch"):
+            out.append(f"moe.swiglu_backend={_fmt(moe.swiglu_backend)} with moe.activation=clamped_swiglu: the "
+                       f"clamped SwiGLU runs on torch ops only; set moe.swiglu_backend=torch (or auto)")
     if moe.topk_backend == "triton" and (moe.num_groups is not None or moe.expert_bias):
         out.append(f"moe.topk_backend=triton fuses plain top-k only; moe.num_groups={_fmt(moe.num_groups)} and "
                    f"moe.expert_bias={_fmt(moe.expert_bias)} need moe.topk_backend=torch (or auto)")
@@ -959,6 +977,11 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
     if moe.shared_expert_ffn_hidden_size > 0:
         _divisible(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size,
                    "parallel.tp", p.tp)
+    if moe.expert_linear_bias and etp_size(config) > 1:
+        # Each etp rank adds its 1/etp slice of fc2's bias, so the etp sum adds it once.
+        etp_name = "parallel.tp" if p.etp is None else "parallel.etp"
+        _divisible(out, "model.hidden_size", config.model.hidden_size, etp_name, etp_size(config),
+                   " (moe.expert_linear_bias=true splits fc2's bias over the expert-tensor ranks)")
     if moe.num_experts < 1:
         out.append(f"moe.num_experts={moe.num_experts} must be >= 1 when any layer is MoE "
                    f"(moe.moe_layer_freq={_fmt(moe.moe_layer_freq)}, moe.first_k_dense={moe.first_k_dense})")
