@@ -50,7 +50,8 @@ class Attention(nn.Module):
                                         sequence_parallel, std=std, seed=init_seed(seed, f"{name}.qkv"),
                                         bias=config.qkv_bias)
         self.proj = RowParallelLinear(q_size, config.hidden_size, tp_group, sequence_parallel,
-                                      std=std, seed=init_seed(seed, f"{name}.proj"))
+                                      std=std, seed=init_seed(seed, f"{name}.proj"),
+                                      bias=config.attention_out_bias)  # gpt-oss: o_proj has a bias
         self.qk_norm = config.qk_norm
         self.norm_projection = config.qk_norm and config.qk_norm_scope == "projection"
         if self.norm_projection:

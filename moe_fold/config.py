@@ -54,6 +54,8 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     # Biases on the q, k and v projections (Qwen2-MoE).
     qkv_bias: bool = False
+    # A bias on attention's output projection (gpt-oss; standard attention only).
+    attention_out_bias: bool = False
     tie_embeddings: bool = False
     init_std: float = 0.02
     # Multi-token prediction (DeepSeek-V3): depth k predicts token t+1+k; 0 disables it.
@@ -83,6 +85,8 @@ class ModelConfig:
     # mscale(1); the MLA softmax scale also takes mscale(yarn_mscale_all_dim)^2 when set.
     yarn_mscale: Optional[float] = None
     yarn_mscale_all_dim: Optional[float] = None
+    # YaRN's correction range rounded to whole dims (DeepSeek-V3); false keeps it fractional (gpt-oss).
+    yarn_truncate: bool = True
 
 
 @dataclass
@@ -882,6 +886,9 @@ def _check_attention(m: ModelConfig, out: list[str]) -> None:
                        f"model.attention=mla (every head has its own key and value)")
         if m.qk_norm or m.qkv_bias:
             out.append("model.qk_norm and model.qkv_bias must be false when model.attention=mla")
+        if m.attention_out_bias:
+            out.append("model.attention_out_bias=true requires model.attention=mha (MLA's output projection has "
+                       "no bias)")
         if m.head_dim is not None:
             out.append(f"model.head_dim={m.head_dim} must be null when model.attention=mla (MLA's head widths are "
                        f"model.qk_nope_head_dim, model.qk_rope_head_dim and model.v_head_dim)")
@@ -900,8 +907,6 @@ def _check_attention(m: ModelConfig, out: list[str]) -> None:
     _one_of(out, "model.rope_scaling", m.rope_scaling, ("yarn",))
     if m.rope_scaling != "yarn":
         return
-    if m.attention != "mla":
-        out.append("model.rope_scaling=yarn requires model.attention=mla (YaRN is implemented for MLA models)")
     if m.yarn_factor is None:
         out.append("model.yarn_factor=null must be set when model.rope_scaling=yarn")
     elif not m.yarn_factor >= 1:
