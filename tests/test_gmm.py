@@ -277,3 +277,16 @@ def test_bench_gemm_prints_its_fields():
     skewed = rows[2]
     # Zipf shares 1, 1/2, 1/3, 1/4 of 48 rows floor to 23, 11, 7, 5; the remaining 2 go to expert 0.
     assert (skewed["tokens_per_expert_min"], skewed["tokens_per_expert_max"]) == (5, 25)
+
+
+def test_bench_gemm_bias_prints_the_overhead_of_the_same_backend():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "bench", "gemm.py"), "--tokens", "24", "--topk", "2", "--hidden", "16",
+           "--ffn", "8", "--experts", "4", "--repeats", "1", "--backends", "torch", "--threads", "1",
+           "--routing", "skewed", "--bias"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    plain, biased = [json.loads(line) for line in out.stdout.splitlines()]
+    assert (plain["bias"], biased["bias"], "bias_overhead" in plain) == (False, True, False)
+    assert biased["bias_overhead"] == pytest.approx(biased["ms"] / plain["ms"], rel=0.02, abs=1e-3)
+    assert biased["bias_overhead_cpu"] == pytest.approx(biased["ms_cpu"] / plain["ms_cpu"], rel=0.02, abs=1e-3)
