@@ -48,7 +48,8 @@ class ModelConfig:
     # Qwen3-style RMSNorm on each query and key head.
     qk_norm: bool = False
     # What the QK-norm normalises: head (each head, Qwen3, GLM-4.5) | projection (the whole
-    # q and k projections, OLMoE; under tp the sum of squares is reduced over tp).
+    # q and k projections, OLMoE; under tp the sum of squares is reduced over tp) | l2 (each
+    # head, no weight, after rotary, on rotary layers only: Llama-4's L2 norm).
     qk_norm_scope: str = "head"
     # Fraction of each head's dims that rotary embeddings rotate (the first ones; GLM-4.5: 0.5).
     partial_rotary_factor: float = 1.0
@@ -87,6 +88,24 @@ class ModelConfig:
     yarn_mscale_all_dim: Optional[float] = None
     # YaRN's correction range rounded to whole dims (DeepSeek-V3); false keeps it fractional (gpt-oss).
     yarn_truncate: bool = True
+
+    # Attention features (models/attention.py, docs/attention.md; mha only).
+    # Attention sinks (gpt-oss): a learned logit per query head joins each softmax denominator.
+    attention_sinks: bool = False
+    # Sliding window on the local layers: a query sees its last sliding_window keys, itself included; 0: none.
+    sliding_window: int = 0
+    # Chunked local attention on the local layers (Llama-4): a query sees only the keys of its own
+    # chunk of attention_chunk positions (positions restart in each packed document); 0: none.
+    attention_chunk: int = 0
+    # The local layers: null every layer, or one 0/1 per layer (1: sliding_window/attention_chunk applies).
+    local_attention_layers: Optional[list[int]] = None
+    # The layers with rotary embeddings: null every layer, or one 0/1 per layer (0: no rotary, NoPE).
+    rope_layers: Optional[list[int]] = None
+    # Temperature tuning on layers without rotary (Llama-4): a query at position p is multiplied by
+    # 1 + attn_temperature_scale * log1p(floor((p + 1) / attn_temperature_floor)).
+    attn_temperature_tuning: bool = False
+    attn_temperature_scale: float = 0.1
+    attn_temperature_floor: int = 8192
 
 
 @dataclass
@@ -619,6 +638,26 @@ def moe_layer_flags(config: Config) -> list[bool]:
     return [flag and i >= moe.first_k_dense for i, flag in enumerate(flags)]
 
 
+def _layer_list(m: ModelConfig, name: str) -> list[bool]:
+    """``model.<name>`` (null: every layer; else one 0/1 per layer) as one flag per layer."""
+    flags = getattr(m, name)
+    if flags is None:
+        return [True] * m.num_layers
+    if len(flags) != m.num_layers or any(f not in (0, 1) for f in flags):
+        raise ConfigError(f"model.{name}={_fmt(flags)} must be {m.num_layers} flags of 0 or 1 "
+                          f"(one per layer of model.num_layers={m.num_layers})")
+    return [f == 1 for f in flags]
+
+
+def layer_attention(m: ModelConfig, layer: int) -> tuple[int, int, bool]:
+    """``(sliding window, attention chunk, rotary?)`` of layer ``layer`` (0: none); MTP
+    depths (``layer >= num_layers``) are of the last layer's kind, as their MLP."""
+    layer = min(layer, m.num_layers - 1)
+    local = _layer_list(m, "local_attention_layers")[layer]
+    return (m.sliding_window if local else 0, m.attention_chunk if local else 0,
+            _layer_list(m, "rope_layers")[layer])
+
+
 def moe_layer_indices(config: Config) -> list[int]:
     """The MoE layers' indices, then the MTP depths' blocks as ``num_layers + k`` when they
     are MoE (they are of the last layer's kind): the rows of routing metrics and heatmaps."""
@@ -809,7 +848,8 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
     for name in ("rope_theta", "norm_eps", "init_std"):
         _positive(out, f"model.{name}", getattr(m, name))
     _check_mtp(config, out)
-    _one_of(out, "model.qk_norm_scope", m.qk_norm_scope, ("head", "projection"))
+    _one_of(out, "model.qk_norm_scope", m.qk_norm_scope, ("head", "projection", "l2"))
+    _check_attention_features(config, out)
     if not 0 < m.partial_rotary_factor <= 1:
         out.append(f"model.partial_rotary_factor={_fmt(m.partial_rotary_factor)} must be in (0, 1]")
     elif m.partial_rotary_factor != 1 and m.attention == "mla":
@@ -865,6 +905,38 @@ def _check_mtp(config: Config, out: list[str]) -> None:
     if p.dynamic_cp:
         out.append(f"model.mtp_num_layers={m.mtp_num_layers} is not supported with parallel.dynamic_cp=true "
                    f"(the MTP targets are shifted along the layout's cp shards)")
+
+
+def _check_attention_features(config: Config, out: list[str]) -> None:
+    """Sinks, sliding window, chunked attention, NoPE layers, temperature tuning."""
+    m = config.model
+    window_ok = _at_least(out, "model.sliding_window", m.sliding_window, 0)
+    chunk_ok = _at_least(out, "model.attention_chunk", m.attention_chunk, 0)
+    if window_ok and chunk_ok and m.sliding_window and m.attention_chunk:
+        out.append(f"model.sliding_window={m.sliding_window} and model.attention_chunk={m.attention_chunk}: "
+                   f"set at most one (a local layer has one kind of mask)")
+    for name in ("local_attention_layers", "rope_layers"):
+        flags = getattr(m, name)
+        if flags is not None and m.num_layers >= 1 and (
+                len(flags) != m.num_layers or any(f not in (0, 1) for f in flags)):
+            out.append(f"model.{name}={_fmt(flags)} must be {m.num_layers} flags of 0 or 1 "
+                       f"(one per layer of model.num_layers={m.num_layers})")
+    if m.local_attention_layers is not None and not (m.sliding_window or m.attention_chunk):
+        out.append(f"model.local_attention_layers={_fmt(m.local_attention_layers)} is set but "
+                   f"model.sliding_window and model.attention_chunk are 0 (no local attention)")
+    _positive(out, "model.attn_temperature_scale", m.attn_temperature_scale)
+    _at_least(out, "model.attn_temperature_floor", m.attn_temperature_floor, 1)
+    if m.attn_temperature_tuning and m.mtp_num_layers > 0:
+        out.append(f"model.attn_temperature_tuning=true is not supported with model.mtp_num_layers="
+                   f"{m.mtp_num_layers} (the MTP depths' attention gets no token positions)")
+    if m.qk_norm and m.qk_norm_scope == "l2" and m.rope_layers is not None and not any(m.rope_layers):
+        out.append("model.qk_norm_scope=l2 normalises rotary layers only, but model.rope_layers has none")
+    if m.attention == "mla":
+        for name, off in (("attention_sinks", False), ("sliding_window", 0), ("attention_chunk", 0),
+                          ("rope_layers", None), ("attn_temperature_tuning", False)):
+            if getattr(m, name) != off:
+                out.append(f"model.{name}={_fmt(getattr(m, name))} requires model.attention=mha "
+                           f"(MLA's attention does not take it)")
 
 
 def _check_attention(m: ModelConfig, out: list[str]) -> None:
