@@ -1,6 +1,6 @@
 """Hugging Face ``config.json`` <-> our :class:`~moe_fold.config.Config`, for
-``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM`` and
-``DeepseekV3ForCausalLM``.
+``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``,
+``DeepseekV3ForCausalLM``, ``Glm4MoeForCausalLM``, ``OlmoeForCausalLM`` and ``GptOssForCausalLM``.
 
 Import is strict: every key of ``config.json`` is either mapped to a field of ours,
 checked to hold a value we compute the same way (``hidden_act: silu``, no rope scaling,
@@ -43,6 +43,14 @@ grouped-query attention: q|k|v biases (``attention_bias``), per-head QK-norm
 OLMoE (``OlmoeForCausalLM``): softmax top-k without renormalisation (``norm_topk_prob:
 false``, our ``pre_softmax: true``), and a QK-norm over the whole q and k projections
 (``model.qk_norm_scope: projection``); ``clip_qkv`` must be null.
+
+gpt-oss (``GptOssForCausalLM``, docs/families/gpt-oss.md): ``attention_bias`` on q, k, v
+and o (``model.qkv_bias``, ``model.attention_out_bias``), attention sinks, a sliding window
+on the ``layer_types`` ``sliding_attention`` layers, YaRN without truncation
+(``model.yarn_truncate: false``); a router with bias and softmax over the top-k logits
+(``moe.router_bias``, ``pre_softmax: false``); experts with biases and the clamped SwiGLU
+(``moe.expert_linear_bias``, ``moe.activation: clamped_swiglu``, ``swiglu_alpha``,
+``swiglu_limit``). MXFP4 checkpoints (``quantization_config``) are refused.
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ __all__ = ["FAMILIES", "METADATA_KEYS", "HFConfigError", "hf_family", "config_fr
 # model_type -> the causal-LM class that reads it
 FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-            "glm4_moe": "Glm4MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+            "glm4_moe": "Glm4MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 # Keys that do not change what the network computes from token ids.
 METADATA_KEYS = frozenset({
@@ -179,6 +187,11 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     if base is None:
         m.seq_length = int(keys.get("max_position_embeddings", m.seq_length))
     m.qk_norm_scope, m.partial_rotary_factor, m.mtp_num_layers = "head", 1.0, 0
+    # gpt-oss's features: none of a gpt-oss base config stays in another family.
+    m.attention_out_bias, m.yarn_truncate = False, True
+    m.attention_sinks, m.sliding_window, m.local_attention_layers = False, 0, None
+    m.attention_chunk, m.rope_layers, m.attn_temperature_tuning = 0, None, False
+    moe.router_bias, moe.expert_linear_bias, moe.activation = False, False, "swiglu"
     if family == "deepseek_v3":
         _deepseek_v3_from_hf(keys, config)
         return _finish(keys, family, config)
@@ -187,7 +200,10 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                  *_YARN_KEYS.values()):
         setattr(m, name, None)
-    m.yarn_beta_fast, m.yarn_beta_slow = 32.0, 1.0
+    m.yarn_beta_fast, m.yarn_beta_slow, m.yarn_truncate = 32.0, 1.0, True
+    if family == "gpt_oss":
+        _gpt_oss_from_hf(keys, config)
+        return _finish(keys, family, config)
     if family == "glm4_moe":
         _glm4_moe_from_hf(keys, config)
         return _finish(keys, family, config)
@@ -294,11 +310,11 @@ def _deepseek_rope(keys: _Keys, m) -> None:
     for field in _YARN_KEYS.values():
         setattr(m, field, None)
     m.yarn_beta_fast, m.yarn_beta_slow = 32.0, 1.0
+    m.yarn_truncate = True
     if kind == "yarn":
         m.rope_scaling = "yarn"
-        if params.pop("truncate", True) is not True:
-            keys.problems.append("rope_parameters.truncate=false is not supported: YaRN's correction range is "
-                                 "truncated to whole dims here")
+        # false (gpt-oss): the correction range keeps its fractional ends.
+        m.yarn_truncate = bool(params.pop("truncate", True))
         if params.get("attention_factor") is not None:
             keys.problems.append(f"rope_parameters.attention_factor={params['attention_factor']!r} is not "
                                  f"supported: the attention factor is derived from factor, mscale and mscale_all_dim")
@@ -310,7 +326,7 @@ def _deepseek_rope(keys: _Keys, m) -> None:
         if m.yarn_factor is None and m.yarn_original_max_position_embeddings:
             m.yarn_factor = float(keys.get("max_position_embeddings")) / m.yarn_original_max_position_embeddings
     elif kind != "default":
-        keys.problems.append(f"rope_parameters.rope_type={kind!r} is not supported for deepseek_v3: only "
+        keys.problems.append(f"rope_parameters.rope_type={kind!r} is not supported for {keys.family}: only "
                              f"'default' and 'yarn'")
     if params.get("partial_rotary_factor", 1.0) in (None, 1.0):
         params.pop("partial_rotary_factor", None)
@@ -439,6 +455,77 @@ def _glm4_moe_from_hf(keys: _Keys, config: Config) -> None:
     _deepseek_moe_from_hf(keys, config)
 
 
+def _gpt_oss_attention_from_hf(keys: _Keys, m) -> None:
+    """gpt-oss's attention features: sinks on every layer, a sliding window of
+    ``sliding_window`` keys (the query's own included) on the ``sliding_attention`` layers
+    of ``layer_types`` (transformers' default: the even layers)."""
+    m.attention_sinks = True
+    layer_types = keys.get("layer_types", None)
+    if layer_types is None:
+        layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(m.num_layers)]
+    odd = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if odd:
+        keys.problems.append(f"layer_types has {odd}: only full_attention and sliding_attention are known")
+    if len(layer_types) != m.num_layers:
+        keys.problems.append(f"layer_types has {len(layer_types)} entries for num_hidden_layers={m.num_layers}")
+    window = keys.get("sliding_window", None)
+    flags = [int(kind == "sliding_attention") for kind in layer_types]
+    m.attention_chunk, m.rope_layers, m.attn_temperature_tuning = 0, None, False
+    if window is None or not any(flags):
+        m.sliding_window, m.local_attention_layers = 0, None
+    else:
+        m.sliding_window = int(window)
+        m.local_attention_layers = None if all(flags) else flags
+
+
+def _gpt_oss_from_hf(keys: _Keys, config: Config) -> None:
+    """gpt-oss: grouped-query attention with biases on q, k, v and o, attention sinks, a
+    sliding window on the ``sliding_attention`` layers, YaRN rotary (not truncated); every
+    layer MoE, a router with bias (softmax over the top-k logits), experts with biases and
+    the clamped SwiGLU. MXFP4-quantized checkpoints (``quantization_config``) are refused."""
+    m, moe = config.model, config.moe
+    quant = keys.get("quantization_config", None)
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        keys.problems.append(f"quantization_config (quant_method={method!r}) is not supported: moe-fold reads "
+                             f"bfloat16/float32 gpt-oss checkpoints only; dequantize first (transformers: "
+                             f"from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), then "
+                             f"save_pretrained)")
+    m.vocab_size = keys.get("vocab_size")
+    m.hidden_size = keys.get("hidden_size")
+    m.num_layers = keys.get("num_hidden_layers")
+    m.num_heads = keys.get("num_attention_heads")
+    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
+        raise HFConfigError(keys.problems, "cannot import gpt_oss config")
+    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
+    explicit_head_dim = keys.get("head_dim", None)
+    m.head_dim = int(explicit_head_dim) if explicit_head_dim is not None else m.hidden_size // m.num_heads
+    m.norm_eps = float(keys.get("rms_norm_eps", 1e-5))
+    m.tie_embeddings = bool(keys.get("tie_word_embeddings", False))
+    m.init_std = float(keys.get("initializer_range", 0.02))
+    m.qk_norm, m.partial_rotary_factor = False, 1.0
+    # attention_bias covers all four projections here (q|k|v and o).
+    m.qkv_bias = m.attention_out_bias = bool(keys.get("attention_bias", True))
+    _deepseek_rope(keys, m)
+    _gpt_oss_attention_from_hf(keys, m)
+    keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
+    keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
+    # The experts' activation is the clamped SwiGLU whatever hidden_act says (transformers ignores it too).
+    keys.get("hidden_act", None)
+    moe.num_experts = _num_experts(keys, "num_local_experts", "num_experts")
+    moe.topk = keys.get("num_experts_per_tok")
+    moe.ffn_hidden_size = keys.get("intermediate_size")
+    m.ffn_hidden_size = moe.ffn_hidden_size  # no dense layers; kept equal for a tidy config
+    moe.moe_layer_freq, moe.first_k_dense = 1, 0
+    moe.score_function, moe.pre_softmax, moe.num_groups, moe.group_topk = "softmax", False, None, None
+    moe.group_score, moe.scaling_factor, moe.expert_bias, moe.input_jitter = "topk_sum", None, False, 0.0
+    moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate = 0, False
+    moe.aux_loss_coeff = float(keys.get("router_aux_loss_coef", 0.001))
+    moe.router_bias, moe.expert_linear_bias, moe.activation = True, True, "clamped_swiglu"
+    moe.swiglu_alpha = float(keys.get("swiglu_alpha", 1.702))
+    moe.swiglu_limit = float(keys.get("swiglu_limit", 7.0))
+
+
 def export_family(config: Config) -> str:
     """The family a model of ``config`` exports to: DeepSeek-V3 with MLA, OLMoE with a
     QK-norm over the projections, GLM-4.5 with an expert bias, partial rotary or MTP,
@@ -446,6 +533,8 @@ def export_family(config: Config) -> str:
     m, moe = config.model, config.moe
     if m.attention == "mla":
         return "deepseek_v3"
+    if moe.router_bias or moe.expert_linear_bias or moe.activation == "clamped_swiglu" or m.attention_sinks:
+        return "gpt_oss"
     if m.qk_norm and m.qk_norm_scope == "projection":
         return "olmoe"
     if moe.expert_bias or m.partial_rotary_factor != 1.0 or m.mtp_num_layers > 0:
@@ -482,6 +571,25 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
     refuse(family not in ("deepseek_v3", "glm4_moe") and m.mtp_num_layers > 0,
            f"model.mtp_num_layers={m.mtp_num_layers}: {family} has no multi-token prediction (DeepSeek-V3 and "
            f"GLM-4.5 have)")
+    # gpt-oss's features: refused by every other family (issue 29).
+    if family != "gpt_oss":
+        refuse(moe.router_bias, f"moe.router_bias=true: {family}'s router has no bias (gpt-oss's has)")
+        refuse(moe.expert_linear_bias, f"moe.expert_linear_bias=true: {family}'s experts have no biases (gpt-oss's "
+                                       f"have)")
+        refuse(moe.activation != "swiglu", f"moe.activation={moe.activation}: {family}'s experts are plain SwiGLU")
+        refuse(m.attention_out_bias, f"model.attention_out_bias=true: {family}'s output projection has no bias "
+                                     f"(gpt-oss's has)")
+        refuse(m.rope_scaling == "yarn" and family != "deepseek_v3",
+               f"model.rope_scaling=yarn: {family} has unscaled rotary embeddings here")
+        refuse(m.attention_sinks, f"model.attention_sinks=true: {family} has no attention sinks (gpt-oss has)")
+        refuse(m.sliding_window > 0, f"model.sliding_window={m.sliding_window}: {family} is exported with full "
+                                     f"attention here (gpt-oss's sliding window exports)")
+        refuse(m.attention_chunk > 0, f"model.attention_chunk={m.attention_chunk}: {family} has no chunked attention")
+        refuse(m.rope_layers is not None, f"model.rope_layers is set: every {family} layer has rotary embeddings")
+        refuse(m.attn_temperature_tuning, f"model.attn_temperature_tuning=true: {family} has no temperature tuning")
+        refuse(m.qk_norm and m.qk_norm_scope == "l2", f"model.qk_norm_scope=l2: {family} has no L2 QK-norm")
+    if family == "gpt_oss":
+        return _gpt_oss_to_hf(config, flags, refuse, problems, dtype)
     if family == "deepseek_v3":
         return _deepseek_v3_to_hf(config, flags, refuse, problems, dtype)
     if family == "glm4_moe":
@@ -543,6 +651,61 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
     return hf
 
 
+def _rope_to_hf(m) -> dict:
+    """``rope_parameters``: default, or YaRN with its keys (``truncate`` only when false)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling == "yarn":
+        rope["rope_type"] = "yarn"
+        rope.update({theirs: getattr(m, ours) for theirs, ours in _YARN_KEYS.items()
+                     if getattr(m, ours) is not None})
+        if not m.yarn_truncate:
+            rope["truncate"] = False
+    return rope
+
+
+def _gpt_oss_to_hf(config: Config, flags: list[bool], refuse, problems: list[str], dtype: str) -> dict:
+    m, moe = config.model, config.moe
+    refuse(m.qk_norm, "model.qk_norm=true: gpt-oss has no QK-norm")
+    refuse(m.qkv_bias != m.attention_out_bias,
+           f"model.qkv_bias={m.qkv_bias} with model.attention_out_bias={m.attention_out_bias}: gpt-oss's "
+           f"attention_bias sets both")
+    refuse(not m.attention_sinks, "model.attention_sinks=false: gpt-oss's attention always has sinks")
+    refuse(m.attention_chunk > 0, f"model.attention_chunk={m.attention_chunk}: gpt-oss has no chunked attention")
+    refuse(m.rope_layers is not None, "model.rope_layers is set: every gpt-oss layer has rotary embeddings")
+    refuse(m.attn_temperature_tuning, "model.attn_temperature_tuning=true: gpt-oss has no temperature tuning")
+    refuse(not all(flags), f"moe layer pattern {[int(f) for f in flags]}: every gpt-oss layer is MoE")
+    refuse(moe.score_function != "softmax" or moe.pre_softmax,
+           f"moe.score_function={moe.score_function}, moe.pre_softmax={moe.pre_softmax}: gpt-oss takes the softmax "
+           f"of the top-k logits (softmax, pre_softmax=false)")
+    refuse(moe.num_groups is not None, f"moe.num_groups={moe.num_groups}: gpt-oss has no group-limited routing")
+    refuse(moe.scaling_factor is not None, f"moe.scaling_factor={moe.scaling_factor}: gpt-oss does not scale probs")
+    refuse(moe.expert_bias, "moe.expert_bias=true: gpt-oss's router has a learned bias, not an expert bias")
+    refuse(moe.shared_expert_ffn_hidden_size > 0,
+           f"moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size}: gpt-oss has no shared expert")
+    refuse(not moe.router_bias, "moe.router_bias=false: gpt-oss's router always has a bias")
+    refuse(not moe.expert_linear_bias, "moe.expert_linear_bias=false: gpt-oss's experts always have biases")
+    refuse(moe.activation != "clamped_swiglu",
+           f"moe.activation={moe.activation}: gpt-oss's experts use the clamped SwiGLU")
+    if problems:
+        raise HFConfigError(problems, "cannot export to gpt_oss")
+    local = [bool(f) for f in (m.local_attention_layers or [1] * m.num_layers)]
+    sliding = m.sliding_window > 0
+    return {
+        "architectures": [FAMILIES["gpt_oss"]], "model_type": "gpt_oss", "dtype": dtype,
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": head_dim(config),
+        "intermediate_size": moe.ffn_hidden_size, "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.topk, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
+        "max_position_embeddings": m.seq_length, "attention_dropout": 0.0, "attention_bias": m.qkv_bias,
+        "rope_parameters": _rope_to_hf(m),
+        "layer_types": ["sliding_attention" if sliding and f else "full_attention" for f in local],
+        "sliding_window": m.sliding_window if sliding else None,
+        "swiglu_alpha": moe.swiglu_alpha, "swiglu_limit": moe.swiglu_limit,
+        "router_aux_loss_coef": moe.aux_loss_coeff,
+    }
+
+
 def _deepseek_moe_to_hf(config: Config, flags: list[bool], refuse) -> dict:
     """The config.json keys of DeepSeek-V3's MoE layers and MTP (GLM-4.5's too)."""
     m, moe = config.model, config.moe
@@ -581,11 +744,7 @@ def _deepseek_v3_to_hf(config: Config, flags: list[bool], refuse, problems: list
     moe_keys = _deepseek_moe_to_hf(config, flags, refuse)
     if problems:
         raise HFConfigError(problems, "cannot export to deepseek_v3")
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
-    if m.rope_scaling == "yarn":
-        rope["rope_type"] = "yarn"
-        rope.update({theirs: getattr(m, ours) for theirs, ours in _YARN_KEYS.items()
-                     if getattr(m, ours) is not None})
+    rope = _rope_to_hf(m)
     return {
         "architectures": [FAMILIES["deepseek_v3"]], "model_type": "deepseek_v3", "dtype": dtype,
         "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,

@@ -77,9 +77,11 @@ _ARCHITECTURE = {
               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
               "rope_scaling", "yarn_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "qk_norm_scope", "partial_rotary_factor",
-              "mtp_num_layers"),
+              "mtp_num_layers", "attention_out_bias", "yarn_truncate", "attention_sinks", "sliding_window",
+              "local_attention_layers", "attention_chunk", "rope_layers", "attn_temperature_tuning"),
     "moe": ("num_experts", "topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate",
-            "score_function", "pre_softmax", "num_groups", "group_topk", "group_score", "scaling_factor", "expert_bias"),
+            "score_function", "pre_softmax", "num_groups", "group_topk", "group_score", "scaling_factor", "expert_bias",
+            "router_bias", "expert_linear_bias", "activation", "swiglu_alpha", "swiglu_limit"),
 }
 
 
@@ -178,7 +180,7 @@ def from_hf(path: PathLike, groups: Optional[ProcessGroups] = None, config: Opti
             on_tensor: Optional[Callable[[str, int], None]] = None) -> nn.Module:
     """This rank's model with the weights of the Hugging Face folder ``path``
     (``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``,
-    ``DeepseekV3ForCausalLM``, ``Glm4MoeForCausalLM``, ``OlmoeForCausalLM``).
+    ``DeepseekV3ForCausalLM``, ``Glm4MoeForCausalLM``, ``OlmoeForCausalLM``, ``GptOssForCausalLM``).
 
     Returns the model; its ``.config`` is our :class:`~moe_fold.config.Config` for it.
     ``groups`` (default: one process) is the layout to shard into. ``config`` gives the
