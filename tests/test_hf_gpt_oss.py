@@ -30,8 +30,8 @@ TOL = 1e-5
 GPT_OSS = dict(vocab_size=VOCAB, hidden_size=42, intermediate_size=22, num_hidden_layers=4, num_attention_heads=6,
                num_key_value_heads=2, head_dim=8, num_local_experts=6, num_experts_per_tok=3, sliding_window=5,
                max_position_embeddings=64, swiglu_limit=1.3, swiglu_alpha=1.702,
-               rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
-                                    original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
+               rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0,
+                                    original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
                                     truncate=False))
 
 
@@ -88,7 +88,7 @@ def test_config_mapping():
     m, moe = config.model, config.moe
     assert (m.qkv_bias, m.attention_out_bias, m.attention_sinks, m.sliding_window) == (True, True, True, 5)
     assert m.local_attention_layers == [1, 0, 1, 0]
-    assert (m.rope_scaling, m.yarn_factor, m.yarn_truncate, m.rope_theta) == ("yarn", 4.0, False, 150000.0)
+    assert (m.rope_scaling, m.yarn_factor, m.yarn_truncate, m.rope_theta) == ("yarn", 32.0, False, 150000.0)
     assert (moe.router_bias, moe.expert_linear_bias, moe.activation, moe.swiglu_limit) == (
         True, True, "clamped_swiglu", 1.3)
     assert (moe.score_function, moe.pre_softmax, moe.num_experts, moe.topk, moe.ffn_hidden_size) == (
