@@ -110,3 +110,22 @@ def test_gpt_oss_moe_config_rules():
                                           r"\(moe.expert_linear_bias=true splits fc2's bias"):
         validate(config, 5)
     validate(_config(), 1)
+
+
+def test_expert_act_recompute_gives_the_same_layer():
+    """train.recompute=expert_act recomputes the activation and fc2 (with its bias and the
+    prob applied after it) in the backward: the same output and grads, bit for bit."""
+    from moe_fold.training.train import apply_recompute
+
+    plain = MoELayer(_config(), ProcessGroups.single_process(), 1)
+    with torch.no_grad():
+        plain.router.bias.normal_(0, 0.5)
+    recomputed = copy.deepcopy(plain)
+    apply_recompute(recomputed, "expert_act")
+    x = torch.randn(19, H, generator=torch.Generator().manual_seed(4))
+    results = []
+    for layer in (plain, recomputed):
+        out = layer(x)
+        results.append([out] + list(torch.autograd.grad((out * torch.linspace(-1, 1, H)).sum(), layer.parameters())))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
