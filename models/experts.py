@@ -56,8 +56,10 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, groups: ProcessGroups,
                  *, std: float, seed: int, name: str, gemm_backend: str = "auto",
-                 swiglu_backend: str = "auto", placement: Placement | None = None):
+                 swiglu_backend: str = "auto", placement: Placement | None = None,
+                 score_on_input: bool = False):
         super().__init__()
+        self.score_on_input = score_on_input
         ep, etp = groups.size("ep"), groups.size("etp")
         if num_experts % ep:
             raise ValueError(f"moe.num_experts={num_experts} is not divisible by parallel.ep={ep}")
@@ -118,6 +120,10 @@ class Experts(nn.Module):
         when etp > 1). ``host_tokens_per_expert``: the same counts as a host list when the
         caller has them (the dispatcher does), so no GEMM backend reads the tensor back."""
         host = host_tokens_per_expert
+        if self.score_on_input:
+            # moe.score_on_input (Llama-4): expert(p * x); the same grouped GEMMs, unweighted SwiGLU.
+            tokens = tokens * probs.unsqueeze(-1).to(tokens.dtype)  # [N, H]
+            probs = torch.ones_like(probs)
         h = gmm(tokens, self.fc1, tokens_per_expert, backend=self.gemm_backend,
                 host_counts=host)  # [N, H] -> [N, 2F/etp]
         h = swiglu(h, probs, backend=self.swiglu_backend)  # [N, F/etp]

@@ -78,7 +78,7 @@ class MoELayer(nn.Module):
         self.dispatcher.set_placement(placement)
         self.experts = Experts(moe.num_experts, m.hidden_size, moe.ffn_hidden_size, groups, std=std, seed=seed,
                                name=f"{name}.experts", gemm_backend=moe.gemm_backend, swiglu_backend=moe.swiglu_backend,
-                               placement=placement)
+                               placement=placement, score_on_input=moe.score_on_input)
         self.shared_expert: Optional[MLP] = None
         self.shared_expert_gate: Optional[nn.Parameter] = None
         if moe.shared_expert_ffn_hidden_size > 0:

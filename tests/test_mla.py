@@ -75,7 +75,6 @@ def test_mla_config_rules(change, message):
 
 @pytest.mark.parametrize("change,message", [
     (dict(kv_lora_rank=16), "model.kv_lora_rank=16 is an MLA size: set model.attention=mla or leave it null"),
-    (dict(rope_interleave=True), "model.rope_interleave=true requires model.attention=mla"),
     (dict(rope_scaling="yarn", yarn_factor=2.0, yarn_original_max_position_embeddings=8),
      "model.rope_scaling=yarn requires model.attention=mla (YaRN is implemented for MLA models)"),
 ])
