@@ -121,3 +121,39 @@ def test_import_under_layouts(tmp_path, sizes):
         if "tp" in sizes:  # the export gathered from the tp x ep shards writes the same tensors
             a, b = _tensors(tmp_path / case), _tensors(tmp_path / "out" / case)
             assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), case
+
+
+# --------------------------------------------------------------------------- a trained preset exported
+
+def test_trained_preset_exports_and_generates_what_sample_gives(tmp_path):
+    """llama4-tiny trained 12 steps from the preset (chunks of 8, temperature floor 4, so
+    both act inside the 32 tokens sampled), converted by the CLI: transformers'
+    AutoTokenizer + AutoModelForCausalLM.generate give ``moe-fold sample``'s greedy tokens."""
+    import warnings
+    from pathlib import Path
+
+    from moe_fold.cli import main
+    from moe_fold.config import load_config
+    from moe_fold.data.hf_tokenizer import prompt_ids
+    from moe_fold.data.tokenizer import load_tokenizer
+    from moe_fold.training.train import train
+    from test_sample import GREEDY, PROMPT, _ours
+
+    config = load_config("llama4-tiny", [
+        "model.hidden_size=64", "model.seq_length=64", "model.attention_chunk=8", "model.attn_temperature_floor=4",
+        "train.steps=12", "train.save_every=12", "train.micro_batch_size=4", "train.global_batch_size=8",
+        "optimizer.lr=1e-2", "optimizer.warmup_steps=1", "wandb.mode=disabled", "parallel.ep=1",
+        f"train.run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"])
+    checkpoint = Path(train(config, progress=False).checkpoint)
+    out = tmp_path / "hf"
+    assert main(["convert", str(checkpoint), str(out), "--no-progress"]) == 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(model) is transformers.Llama4ForCausalLM
+    enc = tokenizer(PROMPT, return_tensors="pt")
+    assert enc["input_ids"][0].tolist() == prompt_ids(load_tokenizer("byte"), PROMPT)
+    hf = model.generate(**enc, max_new_tokens=GREEDY["max_new_tokens"], do_sample=False)
+    new = hf[0, enc["input_ids"].shape[1]:].tolist()
+    assert new == _ours(checkpoint, "byte", GREEDY)[0]

@@ -12,11 +12,11 @@ from moe_fold.training.train import train
 
 WORLDS = {"mixtral-8x7b": 64, "mixtral-8x22b": 128, "qwen2-57b-a14b": 64, "qwen3-30b-a3b": 8,
           "deepseek-v3": 1024, "mixtral-tiny": 4, "qwen2-moe-tiny": 1, "qwen3-moe-tiny": 1,
-          "deepseek-tiny": 1, "deepseek-v3-tiny": 1}
+          "deepseek-tiny": 1, "deepseek-v3-tiny": 1, "llama4-scout": 64, "llama4-tiny": 1}
 
 # Published sizes in billions (total, active per token): model cards / reports.
 PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141.0, 39.0), "qwen2-57b-a14b": (57.4, 14.2),
-             "qwen3-30b-a3b": (30.5, 3.3), "deepseek-v3": (671.0, 37.0)}
+             "qwen3-30b-a3b": (30.5, 3.3), "deepseek-v3": (671.0, 37.0), "llama4-scout": (109.0, 17.0)}
 
 
 def test_every_preset_is_listed_and_validates():
@@ -31,7 +31,7 @@ def _counts(name: str) -> tuple[float, float, float]:
     m, moe = c.model, c.moe
     H, hd = m.hidden_size, head_dim(c)
     attn = H * m.num_heads * hd * 2 + 2 * H * m.num_kv_heads * hd + 2 * H  # q, o, k, v, two norms
-    if m.qk_norm:
+    if m.qk_norm and m.qk_norm_scope != "l2":  # Llama-4's L2 QK-norm has no weights
         attn += 2 * hd
     if m.attention == "mla":  # the linears, the latents' norms, two block norms
         attn = sum(a * b for a, b in mla_weight_shapes(m).values()) + (m.q_lora_rank or 0) + m.kv_lora_rank + 2 * H
@@ -89,7 +89,7 @@ def test_deepseek_v3_mtp_module_is_the_published_14b():
 
 
 @pytest.mark.parametrize("name", ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-tiny",
-                                  "deepseek-v3-tiny"])
+                                  "deepseek-v3-tiny", "llama4-tiny"])
 def test_tiny_presets_train(tmp_path, name):
     config = load_config(name, [f"train.run_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
                                 "parallel.ep=1", "model.seq_length=32", "train.steps=4", "optimizer.warmup_steps=1",
