@@ -38,7 +38,7 @@ from moe_fold.parallel.varlen import Documents, chunk_doc_ids
 
 from .kv_cache import LayerCache, cached_attention
 from .norm import RMSNorm, ShardedRMSNorm
-from .rotary import apply_rotary
+from .rotary import apply_rotary, deinterleave
 
 
 class Attention(nn.Module):
@@ -64,6 +64,7 @@ class Attention(nn.Module):
                                       std=std, seed=init_seed(seed, f"{name}.proj"),
                                       bias=config.attention_out_bias)  # gpt-oss: o_proj has a bias
         self.window, self.chunk, self.rope = layer_attention(config, layer)
+        self.rope_interleave = config.rope_interleave
         self.qk_norm = config.qk_norm and config.qk_norm_scope != "l2"
         self.norm_projection = config.qk_norm and config.qk_norm_scope == "projection"
         # Llama-4: an unweighted RMS ("L2") norm of each head after rotary, on rotary layers only.
@@ -106,6 +107,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, heads, S, head_dim]
         if self.rope:
+            if self.rope_interleave:
+                # The same permutation of q's and k's dims: the scores do not change.
+                q, k = _deinterleave_part(q, cos.shape[-1]), _deinterleave_part(k, cos.shape[-1])
             q, k = _rotate_part(q, cos, sin), _rotate_part(k, cos, sin)
         if self.l2_norm_eps is not None:
             q, k = _l2_norm(q, self.l2_norm_eps), _l2_norm(k, self.l2_norm_eps)
@@ -156,6 +160,13 @@ def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     (float64 for float64 inputs), no weight."""
     xf = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _deinterleave_part(x: torch.Tensor, width: int) -> torch.Tensor:
+    """The first ``width`` (rotary) dims of each head of ``x`` de-interleaved (:func:`deinterleave`)."""
+    if width == x.shape[-1]:
+        return deinterleave(x)
+    return torch.cat([deinterleave(x[..., :width]), x[..., width:]], dim=-1)
 
 
 def _rotate_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

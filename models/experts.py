@@ -68,8 +68,10 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, groups: ProcessGroups,
                  *, std: float, seed: int, name: str, gemm_backend: str = "auto",
                  swiglu_backend: str = "auto", placement: Placement | None = None, linear_bias: bool = False,
-                 activation: str = "swiglu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
+                 activation: str = "swiglu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                 score_on_input: bool = False):
         super().__init__()
+        self.score_on_input = score_on_input
         ep, etp = groups.size("ep"), groups.size("etp")
         if num_experts % ep:
             raise ValueError(f"moe.num_experts={num_experts} is not divisible by parallel.ep={ep}")
@@ -154,8 +156,17 @@ class Experts(nn.Module):
         each, an int tensor), ``probs [N]`` -> ``[N, H]``, prob-weighted (an etp partial sum
         when etp > 1). ``host_tokens_per_expert``: the same counts as a host list when the
         caller has them (the dispatcher does), so no GEMM backend reads the tensor back."""
+        tokens, probs = self.scaled_input(tokens, probs)
         h = self.fc1_forward(tokens, tokens_per_expert, host_tokens_per_expert)  # [N, 2F/etp]
         return self.act_fc2(h, tokens_per_expert, probs, host_tokens_per_expert)  # [N, H]
+
+    def scaled_input(self, tokens: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tokens, probs)`` as the experts take them: unchanged, or with
+        ``moe.score_on_input`` (Llama-4) ``expert(p * x)``: the rows scaled by their prob and
+        the probs that weight the output all ones (the same grouped GEMMs)."""
+        if not self.score_on_input:
+            return tokens, probs
+        return tokens * probs.unsqueeze(-1).to(tokens.dtype), torch.ones_like(probs)  # [N, H], [N]
 
     def fc1_forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor,
                     host_tokens_per_expert: Optional[Sequence[int]] = None) -> torch.Tensor:

@@ -47,7 +47,7 @@ from moe_fold.parallel.varlen import Documents
 
 from .kv_cache import LayerCache, cached_attention
 from .norm import RMSNorm
-from .rotary import apply_rotary, yarn_of
+from .rotary import apply_rotary, deinterleave, yarn_of
 
 __all__ = ["MLAttention"]
 
@@ -61,11 +61,6 @@ class _ReplicatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight)
-
-
-def _deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """``[..., (x0, x1), (x2, x3), ...]`` -> ``[..., x0, x2, ..., x1, x3, ...]``."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
 class MLAttention(nn.Module):
@@ -148,7 +143,7 @@ class MLAttention(nn.Module):
         k_nope, v = kv.view(S, B, self.num_heads, -1).split([self.nope, self.v_dim], dim=-1)
         k_rope = k_rope.unsqueeze(2)  # [S, B, 1, rope]
         if self.rope_interleave:
-            q_rope, k_rope = _deinterleave(q_rope), _deinterleave(k_rope)
+            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         q_nope, q_rope, k_nope, k_rope, v = (t.permute(1, 2, 0, 3) for t in (q_nope, q_rope, k_nope, k_rope, v))
         q_rope, k_rope = apply_rotary(q_rope, cos, sin), apply_rotary(k_rope, cos, sin)  # [B, heads|1, S, rope]
         q = torch.cat([q_nope, q_rope], dim=-1)  # [B, heads, S, nope + rope]

@@ -81,7 +81,8 @@ class MoELayer(nn.Module):
         self.experts = Experts(moe.num_experts, m.hidden_size, moe.ffn_hidden_size, groups, std=std, seed=seed,
                                name=f"{name}.experts", gemm_backend=moe.gemm_backend, swiglu_backend=moe.swiglu_backend,
                                placement=placement, linear_bias=moe.expert_linear_bias, activation=moe.activation,
-                               swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit)
+                               swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit,
+                               score_on_input=moe.score_on_input)
         self.shared_expert: Optional[MLP] = None
         self.shared_expert_gate: Optional[nn.Parameter] = None
         if moe.shared_expert_ffn_hidden_size > 0:

@@ -137,3 +137,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     (no gradient flows to them: they are functions of the positions)."""
     cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads
     return _Rotary.apply(x, cos.detach(), sin.detach())
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """``[..., (x0, x1), (x2, x3), ...]`` -> ``[..., x0, x2, ..., x1, x3, ...]``: rotary dims
+    stored in interleaved pairs (``model.rope_interleave``) to the two halves
+    :func:`apply_rotary` rotates."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)

@@ -74,7 +74,7 @@ class ModelConfig:
     qk_rope_head_dim: Optional[int] = None
     v_head_dim: Optional[int] = None
     # The rotary dims of q and k come in interleaved pairs (x0, x1), (x2, x3)... (DeepSeek's
-    # checkpoints) instead of two halves.
+    # and Llama-4's checkpoints) instead of two halves.
     rope_interleave: bool = False
     # Rotary scaling: null (none) | yarn (Peng et al. 2023, as DeepSeek-V3 uses it).
     rope_scaling: Optional[str] = None
@@ -136,6 +136,9 @@ class MoEConfig:
     scaling_factor: Optional[float] = None
     router_dtype: str = "float32"  # float32 | float64
     input_jitter: float = 0.0
+    # Llama-4: the router's prob scales each routed expert's input, expert(p * x), instead of its
+    # output, p * expert(x) (the same for a linear expert, not for SwiGLU).
+    score_on_input: bool = False
     # Aux-loss-free load balancing: a per-expert bias used for selection only.
     expert_bias: bool = False
     bias_update_rate: float = 1e-3
@@ -969,8 +972,6 @@ def _check_attention(m: ModelConfig, out: list[str]) -> None:
             if getattr(m, name) is not None:
                 out.append(f"model.{name}={getattr(m, name)} is an MLA size: set model.attention=mla or leave "
                            f"it null")
-    if m.rope_interleave and m.attention != "mla":
-        out.append("model.rope_interleave=true requires model.attention=mla")
     if m.rope_scaling is None:
         for name in ("yarn_factor", "yarn_original_max_position_embeddings", "yarn_mscale", "yarn_mscale_all_dim"):
             if getattr(m, name) is not None:

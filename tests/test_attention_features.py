@@ -180,3 +180,30 @@ def test_chunk_doc_ids_cut_documents_at_in_document_chunks():
     assert len(set(ids[0].tolist())) == 4
     plain = chunk_doc_ids(None, 2, 7, 3, torch.device("cpu"))
     assert plain[0].tolist() == [0, 0, 0, 1, 1, 1, 2] and len(set(plain.flatten().tolist())) == 6
+
+
+# --------------------------------------------------------------------------- sampling (KV cache)
+
+@pytest.mark.parametrize("features", [
+    dict(attention_sinks=True, sliding_window=3, local_attention_layers=[1, 0]),
+    dict(attention_chunk=5, local_attention_layers=[1, 0], rope_layers=[1, 0], qk_norm=True, qk_norm_scope="l2",
+         attn_temperature_tuning=True, attn_temperature_floor=3)], ids=["gptoss", "llama4"])
+def test_cached_decode_equals_full_forward(features):
+    """Prefill 7 tokens, then one at a time: the cached path's window, chunks, sinks and
+    temperature give one full forward's logits."""
+    from moe_fold.config import load_config
+    from moe_fold.layout import ProcessGroups
+    from moe_fold.models.kv_cache import KVCache
+    from moe_fold.models.model import build_model
+    from moe_fold.models.sampling import forward_cached
+    overrides = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in features.items()]
+    config = load_config("mixtral-tiny", ["parallel.ep=1", "model.num_layers=2", "moe.router_dtype=float64",
+                                          *overrides])
+    model = build_model(config, ProcessGroups.single_process()).double().eval()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model.logits(ids)  # [2, 16, V]
+    cache = KVCache([0, 1])
+    steps = [forward_cached(model, ids[:, :7], cache)] + [forward_cached(model, ids[:, t:t + 1], cache)
+                                                          for t in range(7, 16)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-10, atol=1e-10)

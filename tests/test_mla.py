@@ -77,7 +77,6 @@ def test_mla_config_rules(change, message):
 
 @pytest.mark.parametrize("change,message", [
     (dict(kv_lora_rank=16), "model.kv_lora_rank=16 is an MLA size: set model.attention=mla or leave it null"),
-    (dict(rope_interleave=True), "model.rope_interleave=true requires model.attention=mla"),
 ])
 def test_mha_refuses_mla_settings(change, message):
     assert message in _problems(**change)

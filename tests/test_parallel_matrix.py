@@ -42,6 +42,10 @@ from test_mla import MLA_MODEL
 
 VOCAB, HIDDEN, LAYERS, SEQ, BATCH, STEPS, LR, MAX_NORM = 64, 32, 4, 16, 4, 3, 1e-2, 0.5
 
+GPTOSS_ATTENTION = dict(attention_sinks=True, sliding_window=5, local_attention_layers=[1, 0, 1, 0])
+LLAMA4_ATTENTION = dict(attention_chunk=6, local_attention_layers=[1, 1, 1, 0], rope_layers=[1, 1, 1, 0],
+                        qk_norm=True, qk_norm_scope="l2", attn_temperature_tuning=True, attn_temperature_floor=4)
+
 # name -> (world, layout sizes, micro-batches per rank, parallel config, model overrides).
 # tp > 1 implies SP; etp defaults to tp.
 CASES = {
@@ -75,6 +79,15 @@ CASES = {
     # OLMoE's QK-norm over the whole (tp-split) projections, GLM-4.5's partial rotary.
     "tp2-qknorm-projection-partial-rotary": (2, dict(tp=2), 2, dict(), dict(
         qk_norm=True, qk_norm_scope="projection", partial_rotary_factor=0.5)),
+    # Issue 29's attention features: gpt-oss's sinks with sliding and full layers alternating,
+    # Llama-4's chunked layers, NoPE layer, L2 QK-norm and temperature tuning (floor 4, so the
+    # factor changes inside these short sequences).
+    "attn-gptoss-cp2-ring-packed": (2, dict(cp=2), 2, dict(cp_kind="ring"), GPTOSS_ATTENTION),
+    "attn-gptoss-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), GPTOSS_ATTENTION),
+    "attn-llama4-cp2-a2a-ep2-packed": (2, dict(cp=2, ep=2), 2, dict(cp_kind="a2a"), LLAMA4_ATTENTION),
+    "attn-gptoss-cp2-a2a-tp2-packed": (4, dict(cp=2, tp=2), 2, dict(cp_kind="a2a"), GPTOSS_ATTENTION),
+    "attn-llama4-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), LLAMA4_ATTENTION),
+    "attn-llama4-tp2-ep2-etp1-dp2": (4, dict(tp=2, ep=2, etp=1), 2, dict(), LLAMA4_ATTENTION),
 }
 
 # Documents (lengths) of each row of the packed global batch; a row's documents fill it.
@@ -349,8 +362,12 @@ def _check(names, results):
 ISSUE_20 = {name for name in CASES if name.startswith("mtp-") or name == "tp2-qknorm-projection-partial-rotary"}
 
 
-def _names(world, issue_20=False):
-    return [name for name, case in CASES.items() if case[0] == world and (name in ISSUE_20) == issue_20]
+ISSUE_29 = {name for name in CASES if name.startswith("attn-")}
+
+
+def _names(world, issue_20=False, issue_29=False):
+    return [name for name, case in CASES.items()
+            if case[0] == world and (name in ISSUE_20) == issue_20 and (name in ISSUE_29) == issue_29]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -364,6 +381,15 @@ def test_mtp_and_attention_variants_match_single_process(world):
     """MTP (tp+SP with etp, ring and a2a cp on packed documents, MLA, pp with vpp, ep) and
     the projection-wide QK-norm with partial rotary under tp."""
     names = _names(world, issue_20=True)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_new_attention_features_match_single_process(world):
+    """Sinks with sliding/full layers, and Llama-4's chunked + NoPE + L2 QK-norm +
+    temperature tuning, under ring and a2a cp (packed documents), tp + SP, pp and ep."""
+    names = _names(world, issue_29=True)
     _check(names, run_ranks(_rank, world, names, timeout=400))
 
 

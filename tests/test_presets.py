@@ -12,11 +12,13 @@ from moe_fold.training.train import train
 
 WORLDS = {"mixtral-8x7b": 64, "mixtral-8x22b": 128, "qwen2-57b-a14b": 64, "qwen3-30b-a3b": 8,
           "deepseek-v3": 1024, "mixtral-tiny": 4, "qwen2-moe-tiny": 1, "qwen3-moe-tiny": 1,
-          "deepseek-tiny": 1, "deepseek-v3-tiny": 1, "gpt-oss-20b": 8, "gpt-oss-tiny": 1}
+          "deepseek-tiny": 1, "deepseek-v3-tiny": 1, "llama4-scout": 64, "llama4-tiny": 1, "gpt-oss-20b": 8,
+          "gpt-oss-tiny": 1}
 
 # Published sizes in billions (total, active per token): model cards / reports.
 PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141.0, 39.0), "qwen2-57b-a14b": (57.4, 14.2),
-             "qwen3-30b-a3b": (30.5, 3.3), "deepseek-v3": (671.0, 37.0), "gpt-oss-20b": (20.91, 3.61)}
+             "qwen3-30b-a3b": (30.5, 3.3), "deepseek-v3": (671.0, 37.0), "llama4-scout": (109.0, 17.0),
+             "gpt-oss-20b": (20.91, 3.61)}
 # Whose published active count leaves out the input embedding (a lookup, no FLOPs): the
 # gpt-oss model card's 3.61B active of gpt-oss-20b.
 ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b"}
@@ -34,7 +36,7 @@ def _counts(name: str) -> tuple[float, float, float]:
     m, moe = c.model, c.moe
     H, hd = m.hidden_size, head_dim(c)
     attn = H * m.num_heads * hd * 2 + 2 * H * m.num_kv_heads * hd + 2 * H  # q, o, k, v, two norms
-    if m.qk_norm:
+    if m.qk_norm and m.qk_norm_scope != "l2":  # Llama-4's L2 QK-norm has no weights
         attn += 2 * hd
     # gpt-oss: q|k|v and o biases, one sink per head.
     attn += (m.num_heads + 2 * m.num_kv_heads) * hd * m.qkv_bias + H * m.attention_out_bias
@@ -98,7 +100,7 @@ def test_deepseek_v3_mtp_module_is_the_published_14b():
 
 
 @pytest.mark.parametrize("name", ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-tiny",
-                                  "deepseek-v3-tiny", "gpt-oss-tiny"])
+                                  "deepseek-v3-tiny", "llama4-tiny", "gpt-oss-tiny"])
 def test_tiny_presets_train(tmp_path, name):
     config = load_config(name, [f"train.run_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
                                 "parallel.ep=1", "model.seq_length=32", "train.steps=4", "optimizer.warmup_steps=1",

@@ -44,6 +44,13 @@ OLMoE (``OlmoeForCausalLM``): softmax top-k without renormalisation (``norm_topk
 false``, our ``pre_softmax: true``), and a QK-norm over the whole q and k projections
 (``model.qk_norm_scope: projection``); ``clip_qkv`` must be null.
 
+Llama-4 text (``Llama4ForCausalLM``, docs/families/llama4.md): top-1 sigmoid routing whose
+prob scales the expert's input (``moe.score_on_input``), an ungated shared expert of the
+experts' width, MoE on ``moe_layers``, chunked attention on the ``chunked_attention``
+layers (``model.attention_chunk``, ``model.local_attention_layers``), no rotary where
+``no_rope_layers`` is 0 (``model.rope_layers``), rotary in interleaved pairs, the
+unweighted L2 QK-norm (``model.qk_norm_scope: l2``) and temperature tuning.
+
 gpt-oss (``GptOssForCausalLM``, docs/families/gpt-oss.md): ``attention_bias`` on q, k, v
 and o (``model.qkv_bias``, ``model.attention_out_bias``), attention sinks, a sliding window
 on the ``layer_types`` ``sliding_attention`` layers, YaRN without truncation
@@ -66,7 +73,8 @@ __all__ = ["FAMILIES", "METADATA_KEYS", "HFConfigError", "hf_family", "config_fr
 # model_type -> the causal-LM class that reads it
 FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-            "glm4_moe": "Glm4MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+            "glm4_moe": "Glm4MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+            "llama4_text": "Llama4ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 # Keys that do not change what the network computes from token ids.
 METADATA_KEYS = frozenset({
@@ -187,10 +195,9 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     if base is None:
         m.seq_length = int(keys.get("max_position_embeddings", m.seq_length))
     m.qk_norm_scope, m.partial_rotary_factor, m.mtp_num_layers = "head", 1.0, 0
+    _reset_attention_features(config)
     # gpt-oss's features: none of a gpt-oss base config stays in another family.
     m.attention_out_bias, m.yarn_truncate = False, True
-    m.attention_sinks, m.sliding_window, m.local_attention_layers = False, 0, None
-    m.attention_chunk, m.rope_layers, m.attn_temperature_tuning = 0, None, False
     moe.router_bias, moe.expert_linear_bias, moe.activation = False, False, "swiglu"
     if family == "deepseek_v3":
         _deepseek_v3_from_hf(keys, config)
@@ -206,6 +213,9 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
         return _finish(keys, family, config)
     if family == "glm4_moe":
         _glm4_moe_from_hf(keys, config)
+        return _finish(keys, family, config)
+    if family == "llama4_text":
+        _llama4_text_from_hf(keys, config)
         return _finish(keys, family, config)
 
     m.vocab_size = keys.get("vocab_size")
@@ -277,6 +287,83 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
             keys.must_be("attention_bias", (False,), "attention projections have no biases here (q|k|v bias is "
                                                      "Qwen2-MoE's qkv_bias; the output projection has none)")
     return _finish(keys, family, config)
+
+
+def _reset_attention_features(config: Config) -> None:
+    """Nothing of a base config's attention features or expert-input scaling stays: the
+    importing family sets what it has."""
+    m = config.model
+    m.attention_sinks, m.sliding_window, m.attention_chunk = False, 0, 0
+    m.local_attention_layers, m.rope_layers = None, None
+    m.attn_temperature_tuning, m.attn_temperature_scale, m.attn_temperature_floor = False, 0.1, 8192
+    config.moe.score_on_input = False
+
+
+def _llama4_text_from_hf(keys: _Keys, config: Config) -> None:
+    m, moe = config.model, config.moe
+    m.vocab_size = keys.get("vocab_size")
+    m.hidden_size = keys.get("hidden_size")
+    m.num_layers = keys.get("num_hidden_layers")
+    m.num_heads = keys.get("num_attention_heads")
+    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
+        raise HFConfigError(keys.problems, "cannot import llama4_text config")
+    L = m.num_layers
+    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
+    explicit_head_dim = keys.get("head_dim", None)
+    m.head_dim = int(explicit_head_dim) if explicit_head_dim is not None else m.hidden_size // m.num_heads
+    m.norm_eps = float(keys.get("rms_norm_eps", 1e-5))
+    m.tie_embeddings = bool(keys.get("tie_word_embeddings", False))
+    m.init_std = float(keys.get("initializer_range", 0.02))
+    m.rope_theta = _rope_theta(keys, 500000.0)  # refuses Scout's llama3 rope scaling
+    m.rope_interleave = True  # Llama-4 rotates (x0, x1), (x2, x3)... as complex numbers
+    m.ffn_hidden_size = keys.get("intermediate_size_mlp")
+    m.qkv_bias = False
+    m.qk_norm = bool(keys.get("use_qk_norm", True))
+    m.qk_norm_scope = "l2"
+    keys.must_be("hidden_act", ("silu",), "the MLPs and experts are SwiGLU (silu)")
+    keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
+    keys.must_be("attention_bias", (False,), "attention projections have no biases here")
+    keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
+    keys.get("for_llm_compressor", None)  # a quantisation-tooling flag: no effect on the math
+    # Rotary on the layers where no_rope_layers is 1 (its default: every no_rope_layer_interval-th layer is NoPE).
+    interval = keys.get("no_rope_layer_interval", 4)
+    rope = keys.get("no_rope_layers", None) or [int((i + 1) % interval != 0) for i in range(L)]
+    if len(rope) != L or any(f not in (0, 1) for f in rope):
+        keys.problems.append(f"no_rope_layers={rope!r} must be {L} flags of 0 or 1")
+    m.rope_layers = None if all(rope) else [int(f) for f in rope]
+    # Chunked attention on the chunked_attention layers (default: the rotary layers).
+    layer_types = keys.get("layer_types", None) or ["chunked_attention" if f else "full_attention" for f in rope]
+    odd = sorted(set(layer_types) - {"full_attention", "chunked_attention"})
+    if odd or len(layer_types) != L:
+        keys.problems.append(f"layer_types={layer_types!r} must be {L} of full_attention and chunked_attention")
+    chunk = keys.get("attention_chunk_size", None)
+    local = [int(t == "chunked_attention") for t in layer_types]
+    if any(local) and chunk is None:
+        keys.problems.append("layer_types has chunked_attention layers but attention_chunk_size is null")
+    if any(local) and chunk is not None:
+        m.attention_chunk = int(chunk)
+        m.local_attention_layers = None if all(local) else local
+    m.attn_temperature_tuning = bool(keys.get("attn_temperature_tuning", True))
+    m.attn_temperature_floor = int(keys.get("floor_scale", 8192))
+    m.attn_temperature_scale = float(keys.get("attn_scale", 0.1))
+
+    moe.num_experts = keys.get("num_local_experts")
+    moe.topk = keys.get("num_experts_per_tok", 1)
+    if moe.topk != 1:
+        keys.problems.append(f"num_experts_per_tok={moe.topk} is not supported: Llama-4 keeps each expert's sigmoid "
+                             f"as it is, moe-fold renormalises sigmoid probs over k > 1 experts")
+    moe.ffn_hidden_size = keys.get("intermediate_size")
+    moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate = moe.ffn_hidden_size, False
+    moe.score_function, moe.pre_softmax, moe.expert_bias, moe.score_on_input = "sigmoid", False, False, True
+    moe.num_groups, moe.group_topk, moe.group_score, moe.scaling_factor, moe.first_k_dense = None, None, "topk_sum", None, 0
+    moe.aux_loss_coeff = float(keys.get("router_aux_loss_coef", 0.001))
+    moe.input_jitter = float(keys.get("router_jitter_noise", 0.0))
+    step = keys.get("interleave_moe_layer_step", 1)
+    moe_layers = keys.get("moe_layers", None)
+    if moe_layers is None:
+        moe_layers = list(range(step - 1, L, step)) if isinstance(step, int) and step >= 1 else []
+    flags = [int(i in set(moe_layers)) for i in range(L)]
+    moe.moe_layer_freq = 1 if all(flags) else flags
 
 
 def _finish(keys: _Keys, family: str, config: Config) -> Config:
@@ -470,7 +557,6 @@ def _gpt_oss_attention_from_hf(keys: _Keys, m) -> None:
         keys.problems.append(f"layer_types has {len(layer_types)} entries for num_hidden_layers={m.num_layers}")
     window = keys.get("sliding_window", None)
     flags = [int(kind == "sliding_attention") for kind in layer_types]
-    m.attention_chunk, m.rope_layers, m.attn_temperature_tuning = 0, None, False
     if window is None or not any(flags):
         m.sliding_window, m.local_attention_layers = 0, None
     else:
@@ -529,10 +615,13 @@ def _gpt_oss_from_hf(keys: _Keys, config: Config) -> None:
 def export_family(config: Config) -> str:
     """The family a model of ``config`` exports to: DeepSeek-V3 with MLA, OLMoE with a
     QK-norm over the projections, GLM-4.5 with an expert bias, partial rotary or MTP,
-    Qwen3-MoE with QK-norm, Qwen2-MoE with a shared expert or q|k|v biases, else Mixtral."""
+    Qwen3-MoE with QK-norm, Qwen2-MoE with a shared expert or q|k|v biases, Llama-4 with
+    expert-input scaling, chunked attention or the L2 QK-norm, else Mixtral."""
     m, moe = config.model, config.moe
     if m.attention == "mla":
         return "deepseek_v3"
+    if moe.score_on_input or m.attention_chunk or (m.qk_norm and m.qk_norm_scope == "l2"):
+        return "llama4_text"
     if moe.router_bias or moe.expert_linear_bias or moe.activation == "clamped_swiglu" or m.attention_sinks:
         return "gpt_oss"
     if m.qk_norm and m.qk_norm_scope == "projection":
@@ -562,7 +651,7 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
 
     refuse(family != "deepseek_v3" and m.attention == "mla",
            f"model.attention=mla: {family} has standard attention (DeepSeek-V3 has MLA)")
-    refuse(family not in ("glm4_moe", "olmoe") and m.qk_norm and m.qk_norm_scope != "head",
+    refuse(family not in ("glm4_moe", "olmoe", "llama4_text") and m.qk_norm and m.qk_norm_scope != "head",
            f"model.qk_norm_scope={m.qk_norm_scope}: {family} normalises each head (OLMoE normalises the whole "
            f"projections)")
     refuse(family != "glm4_moe" and m.partial_rotary_factor != 1.0,
@@ -571,7 +660,7 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
     refuse(family not in ("deepseek_v3", "glm4_moe") and m.mtp_num_layers > 0,
            f"model.mtp_num_layers={m.mtp_num_layers}: {family} has no multi-token prediction (DeepSeek-V3 and "
            f"GLM-4.5 have)")
-    # gpt-oss's features: refused by every other family (issue 29).
+    # gpt-oss's features (issue 29): refused by every other family.
     if family != "gpt_oss":
         refuse(moe.router_bias, f"moe.router_bias=true: {family}'s router has no bias (gpt-oss's has)")
         refuse(moe.expert_linear_bias, f"moe.expert_linear_bias=true: {family}'s experts have no biases (gpt-oss's "
@@ -581,15 +670,17 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
                                      f"(gpt-oss's has)")
         refuse(m.rope_scaling == "yarn" and family != "deepseek_v3",
                f"model.rope_scaling=yarn: {family} has unscaled rotary embeddings here")
-        refuse(m.attention_sinks, f"model.attention_sinks=true: {family} has no attention sinks (gpt-oss has)")
-        refuse(m.sliding_window > 0, f"model.sliding_window={m.sliding_window}: {family} is exported with full "
-                                     f"attention here (gpt-oss's sliding window exports)")
-        refuse(m.attention_chunk > 0, f"model.attention_chunk={m.attention_chunk}: {family} has no chunked attention")
-        refuse(m.rope_layers is not None, f"model.rope_layers is set: every {family} layer has rotary embeddings")
-        refuse(m.attn_temperature_tuning, f"model.attn_temperature_tuning=true: {family} has no temperature tuning")
-        refuse(m.qk_norm and m.qk_norm_scope == "l2", f"model.qk_norm_scope=l2: {family} has no L2 QK-norm")
     if family == "gpt_oss":
         return _gpt_oss_to_hf(config, flags, refuse, problems, dtype)
+    if family == "llama4_text":
+        return _llama4_text_to_hf(config, flags, refuse, problems, dtype)
+    # Issue 29's attention features and expert-input scaling: only Llama-4 (below) holds some.
+    for name, off in (("attention_sinks", False), ("sliding_window", 0), ("attention_chunk", 0),
+                      ("rope_layers", None), ("attn_temperature_tuning", False)):
+        refuse(getattr(m, name) != off, f"model.{name}={getattr(m, name)!r}: {family} has no such attention setting")
+    refuse(moe.score_on_input, f"moe.score_on_input=true: {family} scales each expert's output by its prob")
+    refuse(m.rope_interleave and family != "deepseek_v3",
+           f"model.rope_interleave=true: {family} rotates two halves of each head")
     if family == "deepseek_v3":
         return _deepseek_v3_to_hf(config, flags, refuse, problems, dtype)
     if family == "glm4_moe":
@@ -673,6 +764,8 @@ def _gpt_oss_to_hf(config: Config, flags: list[bool], refuse, problems: list[str
     refuse(m.attention_chunk > 0, f"model.attention_chunk={m.attention_chunk}: gpt-oss has no chunked attention")
     refuse(m.rope_layers is not None, "model.rope_layers is set: every gpt-oss layer has rotary embeddings")
     refuse(m.attn_temperature_tuning, "model.attn_temperature_tuning=true: gpt-oss has no temperature tuning")
+    refuse(m.rope_interleave, "model.rope_interleave=true: gpt-oss rotates two halves of each head")
+    refuse(moe.score_on_input, "moe.score_on_input=true: gpt-oss scales each expert's output by its prob")
     refuse(not all(flags), f"moe layer pattern {[int(f) for f in flags]}: every gpt-oss layer is MoE")
     refuse(moe.score_function != "softmax" or moe.pre_softmax,
            f"moe.score_function={moe.score_function}, moe.pre_softmax={moe.pre_softmax}: gpt-oss takes the softmax "
@@ -703,6 +796,47 @@ def _gpt_oss_to_hf(config: Config, flags: list[bool], refuse, problems: list[str
         "sliding_window": m.sliding_window if sliding else None,
         "swiglu_alpha": moe.swiglu_alpha, "swiglu_limit": moe.swiglu_limit,
         "router_aux_loss_coef": moe.aux_loss_coeff,
+    }
+
+
+def _llama4_text_to_hf(config: Config, flags: list[bool], refuse, problems: list[str], dtype: str) -> dict:
+    m, moe = config.model, config.moe
+    rope = [1] * m.num_layers if m.rope_layers is None else list(m.rope_layers)
+    local = [1] * m.num_layers if m.local_attention_layers is None else list(m.local_attention_layers)
+    refuse(moe.score_function != "sigmoid" or moe.topk != 1,
+           f"moe.score_function={moe.score_function} with moe.topk={moe.topk}: Llama-4 routes each token to "
+           f"its top-1 expert by sigmoid")
+    refuse(not moe.score_on_input, "moe.score_on_input=false: Llama-4 scales each expert's input by its prob")
+    for name, off in (("expert_bias", False), ("num_groups", None), ("scaling_factor", None),
+                      ("shared_expert_gate", False), ("pre_softmax", False)):
+        refuse(getattr(moe, name) != off, f"moe.{name}={getattr(moe, name)!r}: Llama-4's router has no such setting")
+    refuse(moe.shared_expert_ffn_hidden_size != moe.ffn_hidden_size,
+           f"moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size}: Llama-4's shared expert is "
+           f"as wide as its experts (moe.ffn_hidden_size={moe.ffn_hidden_size})")
+    refuse(m.qkv_bias, "model.qkv_bias=true: Llama-4's attention projections have no biases")
+    refuse(m.qk_norm and m.qk_norm_scope != "l2",
+           f"model.qk_norm_scope={m.qk_norm_scope}: Llama-4's QK-norm is the unweighted L2 norm after rotary")
+    refuse(not m.rope_interleave and any(rope), "model.rope_interleave=false: Llama-4 rotates interleaved pairs")
+    refuse(m.attention_sinks, "model.attention_sinks=true: Llama-4 has no attention sinks")
+    refuse(m.sliding_window != 0, f"model.sliding_window={m.sliding_window}: Llama-4's local layers are chunked")
+    if problems:
+        raise HFConfigError(problems, "cannot export to llama4_text")
+    chunked = [bool(m.attention_chunk) and f == 1 for f in local]
+    return {
+        "architectures": [FAMILIES["llama4_text"]], "model_type": "llama4_text", "dtype": dtype,
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": head_dim(config),
+        "intermediate_size": moe.ffn_hidden_size, "intermediate_size_mlp": m.ffn_hidden_size,
+        "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
+        "initializer_range": m.init_std, "max_position_embeddings": m.seq_length, "attention_dropout": 0.0,
+        "attention_bias": False, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "num_local_experts": moe.num_experts, "num_experts_per_tok": 1, "router_aux_loss_coef": moe.aux_loss_coeff,
+        "router_jitter_noise": moe.input_jitter, "moe_layers": [i for i, f in enumerate(flags) if f],
+        "interleave_moe_layer_step": 1, "use_qk_norm": m.qk_norm, "no_rope_layers": rope,
+        "attention_chunk_size": m.attention_chunk or None,
+        "layer_types": ["chunked_attention" if c else "full_attention" for c in chunked],
+        "attn_temperature_tuning": m.attn_temperature_tuning, "floor_scale": m.attn_temperature_floor,
+        "attn_scale": m.attn_temperature_scale,
     }
 
 

@@ -344,9 +344,12 @@ def _layer_sources(config: Config, family: str, hf: str, ours: str, is_moe: bool
         out[f"{ours}attn.sinks"] = Take(f"{attn}sinks")  # gpt-oss: one logit per query head
     if m.qkv_bias:
         out[f"{ours}attn.qkv.bias"] = Cat(0, tuple(Take(f"{attn}{p}_proj.bias") for p in "qkv"), (q, kv, kv))
-    if m.qk_norm:
+    if m.qk_norm and m.qk_norm_scope != "l2":  # Llama-4's L2 norm has no weight
         out[f"{ours}attn.q_norm.weight"] = Take(f"{attn}q_norm.weight")
         out[f"{ours}attn.k_norm.weight"] = Take(f"{attn}k_norm.weight")
+    if family == "llama4_text":
+        out.update(_llama4_mlp_sources(config, f"{hf}feed_forward.", f"{ours}mlp.", is_moe))
+        return out
     if not is_moe:
         fc1, fc2 = _swiglu(f"{hf}mlp.", "gate_proj", "up_proj", "down_proj", m.ffn_hidden_size)
         out[f"{ours}mlp.fc1.weight"], out[f"{ours}mlp.fc2.weight"] = fc1, fc2
@@ -380,6 +383,20 @@ def _gpt_oss_moe(hf: str, ours: str) -> dict[str, Source]:
             f"{ours}experts.fc1_bias": Halves(Take(f"{hf}experts.gate_up_proj_bias"), 1),  # [E, 2F]
             f"{ours}experts.fc2": Take(f"{hf}experts.down_proj"),  # [E, F, H]
             f"{ours}experts.fc2_bias": Take(f"{hf}experts.down_proj_bias")}  # [E, H]
+
+
+def _llama4_mlp_sources(config: Config, hf: str, ours: str, is_moe: bool) -> dict[str, Source]:
+    """Llama-4's ``feed_forward.``: a dense SwiGLU, or the router, the experts stored fused
+    in our own layout (``experts.gate_up_proj [E, H, gate|up]``, ``experts.down_proj
+    [E, F, H]``) and the ungated shared expert."""
+    if not is_moe:
+        fc1, fc2 = _swiglu(hf, "gate_proj", "up_proj", "down_proj", config.model.ffn_hidden_size)
+        return {f"{ours}fc1.weight": fc1, f"{ours}fc2.weight": fc2}
+    fc1, fc2 = _swiglu(f"{hf}shared_expert.", "gate_proj", "up_proj", "down_proj",
+                       config.moe.shared_expert_ffn_hidden_size)
+    return {f"{ours}router.weight": Take(f"{hf}router.weight"),
+            f"{ours}experts.fc1": Take(f"{hf}experts.gate_up_proj"), f"{ours}experts.fc2": Take(f"{hf}experts.down_proj"),
+            f"{ours}shared_expert.fc1.weight": fc1, f"{ours}shared_expert.fc2.weight": fc2}
 
 
 def ignorable_hf_names(config: Config, hf_names: frozenset) -> set[str]:

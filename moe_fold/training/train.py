@@ -168,6 +168,7 @@ def _experts_act_recomputed(experts: nn.Module) -> Callable:
         def act_fc2(h, tokens_per_expert, probs):
             return experts.act_fc2(h, tokens_per_expert, probs, host_tokens_per_expert)
 
+        tokens, probs = experts.scaled_input(tokens, probs)
         h = experts.fc1_forward(tokens, tokens_per_expert, host_tokens_per_expert)  # [N, 2F/etp]
         return checkpoint(act_fc2, h, tokens_per_expert, probs, use_reentrant=False)  # [N, H]
     return forward
