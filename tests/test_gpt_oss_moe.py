@@ -112,14 +112,19 @@ def test_gpt_oss_moe_config_rules():
     validate(_config(), 1)
 
 
-def test_expert_act_recompute_gives_the_same_layer():
+@pytest.mark.parametrize("moe", [{}, dict(router_bias=False, expert_linear_bias=False, activation="swiglu",
+                                          score_on_input=True, score_function="sigmoid", topk=1)],
+                         ids=["gpt_oss", "score_on_input"])
+def test_expert_act_recompute_gives_the_same_layer(moe):
     """train.recompute=expert_act recomputes the activation and fc2 (with its bias and the
-    prob applied after it) in the backward: the same output and grads, bit for bit."""
+    prob applied after it; or with the prob on the input, Llama-4) in the backward: the same
+    output and grads, bit for bit."""
     from moe_fold.training.train import apply_recompute
 
-    plain = MoELayer(_config(), ProcessGroups.single_process(), 1)
-    with torch.no_grad():
-        plain.router.bias.normal_(0, 0.5)
+    plain = MoELayer(_config(**moe), ProcessGroups.single_process(), 1)
+    if plain.router.bias is not None:
+        with torch.no_grad():
+            plain.router.bias.normal_(0, 0.5)
     recomputed = copy.deepcopy(plain)
     apply_recompute(recomputed, "expert_act")
     x = torch.randn(19, H, generator=torch.Generator().manual_seed(4))
