@@ -145,8 +145,7 @@ def _import_export(rank, world_size, sizes, path, out_dir):
     return logits
 
 
-@pytest.mark.parametrize("sizes", [pytest.param(dict(tp=2, ep=2), marks=pytest.mark.slow, id="tp2_ep2"),
-                                   pytest.param(dict(pp=2, cp=2), id="pp2_cp2")])
+@pytest.mark.parametrize("sizes", [dict(tp=2, ep=2), dict(pp=2, cp=2)], ids=["tp2_ep2", "pp2_cp2"])
 def test_import_under_layouts(tmp_path, sizes):
     refs, paths = saved_with_logits(tmp_path, {"gpt_oss": hf_model()}, token_ids())
     results = run_ranks(_import_export, 4, sizes, paths["gpt_oss"], str(tmp_path / "out"), timeout=240)
