@@ -160,8 +160,9 @@ def _rope_theta(keys: _Keys, default: float, partial_rotary: bool = False) -> fl
 def _check_window(keys: _Keys, seq_length: int, sliding_layers: bool) -> None:
     window = keys.get("sliding_window", None)
     if sliding_layers and window is not None and window < seq_length:
-        keys.problems.append(f"sliding_window={window} is smaller than model.seq_length={seq_length}: sliding-window "
-                             f"attention is not implemented (a window >= the sequence is plain causal attention)")
+        keys.problems.append(f"sliding_window={window} is smaller than model.seq_length={seq_length}: this importer "
+                             f"does not map {keys.family}'s sliding window to model.sliding_window (a window >= the "
+                             f"sequence is plain causal attention)")
 
 
 def _num_experts(keys: _Keys, name: str, alias: str) -> Optional[int]:
