@@ -342,7 +342,8 @@ def _llama4_text_from_hf(keys: _Keys, config: Config) -> None:
     moe.ffn_hidden_size = keys.get("intermediate_size")
     moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate = moe.ffn_hidden_size, False
     moe.score_function, moe.pre_softmax, moe.expert_bias, moe.score_on_input = "sigmoid", False, False, True
-    moe.num_groups, moe.group_topk, moe.group_score, moe.scaling_factor, moe.first_k_dense = None, None, "topk_sum", None, 0
+    moe.num_groups, moe.group_topk, moe.group_score = None, None, "topk_sum"
+    moe.scaling_factor, moe.first_k_dense = None, 0
     moe.aux_loss_coeff = float(keys.get("router_aux_loss_coef", 0.001))
     moe.input_jitter = float(keys.get("router_jitter_noise", 0.0))
     step = keys.get("interleave_moe_layer_step", 1)
