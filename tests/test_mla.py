@@ -68,6 +68,9 @@ def test_mla_config_validates():
     (dict(yarn_beta_slow=0.0), "model.yarn_beta_slow=0.0 must be > 0"),
     (dict(yarn_mscale_all_dim=-1.0), "model.yarn_mscale_all_dim=-1.0 must be >= 0"),
     (dict(rope_scaling=None), "model.yarn_factor=2.0 is set but model.rope_scaling is null"),
+    (dict(attention_sinks=True), "model.attention_sinks=true requires model.attention=mha (MLA's attention does not "
+                                 "take it)"),
+    (dict(sliding_window=4), "model.sliding_window=4 requires model.attention=mha (MLA's attention does not take it)"),
 ])
 def test_mla_config_rules(change, message):
     assert message in _problems(**{**MLA_MODEL, **change})
