@@ -207,3 +207,22 @@ def test_cached_decode_equals_full_forward(features):
     steps = [forward_cached(model, ids[:, :7], cache)] + [forward_cached(model, ids[:, t:t + 1], cache)
                                                           for t in range(7, 16)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-10, atol=1e-10)
+
+
+# --------------------------------------------------------------------------- the CUDA kernel
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["window-docs-sinks", "window"])
+def test_cuda_flex_window_and_sinks_equal_masked_softmax(case):
+    """The compiled flex kernel with the window term and sinks, forward and backward (head
+    width 32: flex's kernels want at least 16), against the float64 reference on CPU."""
+    docs, window, chunk, with_sinks = CASES[case]
+    q, k, v, sinks = _qkv(d=32, seed=4)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=q.dtype)
+    gpu = [t.to("cuda", torch.float32).requires_grad_() for t in (q, k, v, sinks)]
+    ids = _doc_ids(ROW_DOCS).cuda() if docs else None
+    out = context_parallel_attention(*gpu[:3], None, doc_ids=ids, window=window,
+                                     sinks=gpu[3] if with_sinks else None)
+    grads = torch.autograd.grad(out, gpu if with_sinks else gpu[:3], dout.to("cuda", torch.float32))
+    for got, expected in zip([out, *grads], _expected(case, q, k, v, sinks, dout)):
+        torch.testing.assert_close(got.double().cpu(), expected, rtol=2e-3, atol=2e-3)

@@ -70,6 +70,9 @@ def test_mla_config_validates():
     (dict(rope_scaling=None), "model.yarn_factor=2.0 is set but model.rope_scaling is null"),
     (dict(attention_out_bias=True),
      "model.attention_out_bias=true requires model.attention=mha (MLA's output projection has no bias)"),
+    (dict(attention_sinks=True), "model.attention_sinks=true requires model.attention=mha (MLA's attention does not "
+                                 "take it)"),
+    (dict(sliding_window=4), "model.sliding_window=4 requires model.attention=mha (MLA's attention does not take it)"),
 ])
 def test_mla_config_rules(change, message):
     assert message in _problems(**{**MLA_MODEL, **change})

@@ -168,8 +168,9 @@ def _rope_theta(keys: _Keys, default: float, partial_rotary: bool = False) -> fl
 def _check_window(keys: _Keys, seq_length: int, sliding_layers: bool) -> None:
     window = keys.get("sliding_window", None)
     if sliding_layers and window is not None and window < seq_length:
-        keys.problems.append(f"sliding_window={window} is smaller than model.seq_length={seq_length}: sliding-window "
-                             f"attention is not implemented (a window >= the sequence is plain causal attention)")
+        keys.problems.append(f"sliding_window={window} is smaller than model.seq_length={seq_length}: this importer "
+                             f"does not map {keys.family}'s sliding window to model.sliding_window (a window >= the "
+                             f"sequence is plain causal attention)")
 
 
 def _num_experts(keys: _Keys, name: str, alias: str) -> Optional[int]:
@@ -355,7 +356,8 @@ def _llama4_text_from_hf(keys: _Keys, config: Config) -> None:
     moe.ffn_hidden_size = keys.get("intermediate_size")
     moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate = moe.ffn_hidden_size, False
     moe.score_function, moe.pre_softmax, moe.expert_bias, moe.score_on_input = "sigmoid", False, False, True
-    moe.num_groups, moe.group_topk, moe.group_score, moe.scaling_factor, moe.first_k_dense = None, None, "topk_sum", None, 0
+    moe.num_groups, moe.group_topk, moe.group_score = None, None, "topk_sum"
+    moe.scaling_factor, moe.first_k_dense = None, 0
     moe.aux_loss_coeff = float(keys.get("router_aux_loss_coef", 0.001))
     moe.input_jitter = float(keys.get("router_jitter_noise", 0.0))
     step = keys.get("interleave_moe_layer_step", 1)

@@ -395,7 +395,8 @@ def _llama4_mlp_sources(config: Config, hf: str, ours: str, is_moe: bool) -> dic
     fc1, fc2 = _swiglu(f"{hf}shared_expert.", "gate_proj", "up_proj", "down_proj",
                        config.moe.shared_expert_ffn_hidden_size)
     return {f"{ours}router.weight": Take(f"{hf}router.weight"),
-            f"{ours}experts.fc1": Take(f"{hf}experts.gate_up_proj"), f"{ours}experts.fc2": Take(f"{hf}experts.down_proj"),
+            f"{ours}experts.fc1": Take(f"{hf}experts.gate_up_proj"),
+            f"{ours}experts.fc2": Take(f"{hf}experts.down_proj"),
             f"{ours}shared_expert.fc1.weight": fc1, f"{ours}shared_expert.fc2.weight": fc2}
 
 

@@ -18,6 +18,12 @@ same document (and only j <= i on a causal block)". Two kernels do it:
   and backward: 721 ms for one masked call, 83 ms for one call per document (see
   docs/performance.md). Reading the ids on the host costs nothing on a CPU.
 
+A sliding window and attention sinks (docs/attention.md) add a term to the same mask
+(:func:`_mask_mod`, which compares the tokens' sequence positions) and a column to each
+row's denominator (:func:`apply_sinks`). :func:`masked_block_attention` runs them: flex off
+the CPU; on CPU :func:`math_block_attention`, the same mask rule evaluated densely under
+autograd (flex has no CPU backward, aten's CPU flash kernel takes no window).
+
 Backward of a ring block needs the grads of the block given the FINAL output and
 log-sum-exp of the row (over all blocks). ``flex_attention`` has no backward that takes
 them, so :func:`flex_block_backward` recomputes the block under autograd and backpropagates

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from moe_fold.comm import Group
 from moe_fold.parallel import document_attention
 
-__all__ = ["Documents", "doc_ids_from_cu_seqlens", "chunk_doc_ids", "segment_bounds", "pad_head", "sdpa", "varlen_attention",
-           "router_token_mask"]
+__all__ = ["Documents", "doc_ids_from_cu_seqlens", "chunk_doc_ids", "segment_bounds", "pad_head", "sdpa",
+           "varlen_attention", "router_token_mask"]
 
 
 @dataclass
