@@ -109,8 +109,8 @@ def test_bias_half_dtypes_and_grad_of_sum(backend, dtype):
     _check(backend, [9, 9], 16, 32, True, torch.float32, grad_kind="sum", with_bias=True)
 
 
-def test_bias_with_device_counts_reads_nothing_back_and_bad_bias_raises():
-    # Counts as an int tensor on x's device: the gather takes output_size, no .tolist().
+def test_bias_with_tensor_counts_and_bad_bias_raises():
+    # Counts as an int tensor (the torch backend gathers by them with output_size) match a list on loop.
     x, w, bias = torch.randn(7, 4), torch.randn(2, 4, 3), torch.randn(2, 3)
     counts = torch.tensor([5, 2])
     torch.testing.assert_close(gmm(x, w, counts, backend="torch", bias=bias),
