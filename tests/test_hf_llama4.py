@@ -108,7 +108,6 @@ def test_export_refuses_what_the_family_cannot_hold(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sizes", [dict(tp=2, ep=2), dict(pp=2, cp=2)], ids=["tp2_ep2", "pp2_cp2"])
 def test_import_under_layouts(tmp_path, sizes):
     refs, paths = saved_with_logits(tmp_path, {case: hf_model(case) for case in CASES}, token_ids())

@@ -384,7 +384,6 @@ def test_mtp_and_attention_variants_match_single_process(world):
     _check(names, run_ranks(_rank, world, names, timeout=400))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_new_attention_features_match_single_process(world):
     """Sinks with sliding/full layers, and Llama-4's chunked + NoPE + L2 QK-norm +
