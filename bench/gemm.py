@@ -1,7 +1,7 @@
 """Grouped GEMM benchmark: the expert MLP GEMMs (fc1 and fc2, forward and backward) per backend.
 
     python bench/gemm.py [--tokens 2048 --hidden 256 --ffn 256 --experts 8 --topk 2
-                          --backends auto,torch,loop --repeats 7 --routing balanced,skewed]
+                          --backends auto,torch,loop --repeats 7 --routing balanced,skewed --bias]
 
 Prints one JSON line per (backend, routing). The workload is the six GEMMs of a SwiGLU
 expert MLP over ``tokens * topk`` routed rows: fc1 ``[E, H, 2F]`` and fc2 ``[E, F, H]``,
@@ -12,6 +12,11 @@ interleaved, round after round, and medians are reported because the machine is 
 ``ms_cpu`` / ``ratio_to_dense_cpu`` are the same from process CPU time, which a loaded
 machine disturbs less. ``path`` names the op the ``torch`` backend ran (``bmm`` for equal
 groups on CPU, else ``grouped_mm``; see kernels/gmm_torch.py), null for other backends.
+
+``--bias`` also times every backend with per-expert biases on fc1 and fc2 (gpt-oss's
+experts; their grads included) in the same rounds, and prints those lines with
+``"bias": true`` and ``bias_overhead``, the biased time over the same backend's unbiased
+time (CPU time in ``bias_overhead_cpu``).
 """
 
 import argparse
@@ -53,8 +58,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_step(backend, counts, x, h, w1, w2, g1, g2):
-    """One forward + backward of fc1 and fc2; ``backend`` None is the dense reference.
+def make_step(backend, counts, x, h, w1, w2, g1, g2, b1=None, b2=None):
+    """One forward + backward of fc1 and fc2; ``backend`` None is the dense reference;
+    ``b1 [E, 2F]``, ``b2 [E, H]``: per-expert biases (their grads are computed too).
 
     autograd.grad returns the gradients instead of accumulating them into ``.grad``, so
     only the GEMMs (and the backend's own overhead) are timed."""
@@ -68,10 +74,12 @@ def make_step(backend, counts, x, h, w1, w2, g1, g2):
 
     else:
 
+        wrt = [x, h, w1, w2] + ([b1, b2] if b1 is not None else [])
+
         def step():
-            y1 = gmm(x, w1, counts, backend=backend)  # [rows, H] -> [rows, 2F]
-            y2 = gmm(h, w2, counts, backend=backend)  # [rows, F] -> [rows, H]
-            torch.autograd.grad([y1, y2], [x, h, w1, w2], [g1, g2])
+            y1 = gmm(x, w1, counts, backend=backend, bias=b1)  # [rows, H] -> [rows, 2F]
+            y2 = gmm(h, w2, counts, backend=backend, bias=b2)  # [rows, F] -> [rows, H]
+            torch.autograd.grad([y1, y2], wrt, [g1, g2])
 
     return step
 
@@ -89,6 +97,7 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--bias", action="store_true", help="also time each backend with per-expert biases")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -106,11 +115,14 @@ def main(argv=None) -> None:
     x, h = rand(rows, hd, grad=True), rand(rows, f, grad=True)
     w1, w2 = rand(e, hd, 2 * f, grad=True), rand(e, f, hd, grad=True)
     g1, g2 = rand(rows, 2 * f), rand(rows, hd)
+    b1, b2 = rand(e, 2 * f, grad=True), rand(e, hd, grad=True)
 
     for routing in args.routing.split(","):
         counts = routing_counts(rows, e, routing)
         steps = {"dense": make_step(None, counts, x, h, w1, w2, g1, g2)}
         steps.update({b: make_step(b, counts, x, h, w1, w2, g1, g2) for b in backends})
+        if args.bias:
+            steps.update({f"{b}+bias": make_step(b, counts, x, h, w1, w2, g1, g2, b1, b2) for b in backends})
         times = {name: [] for name in steps}
         cpu_times = {name: [] for name in steps}
         for name, step in steps.items():  # warm-up: caches, allocator, Triton compilation
@@ -125,13 +137,19 @@ def main(argv=None) -> None:
                 cpu_times[name].append(time.process_time() - c0)
         ms_dense = statistics.median(times["dense"]) * 1e3
         cpu_ms_dense = statistics.median(cpu_times["dense"]) * 1e3
-        for b in backends:
-            ms = statistics.median(times[b]) * 1e3
-            cpu_ms = statistics.median(cpu_times[b]) * 1e3
+        for b, biased in [(b, biased) for b in backends for biased in ([False, True] if args.bias else [False])]:
+            name = f"{b}+bias" if biased else b
+            ms = statistics.median(times[name]) * 1e3
+            cpu_ms = statistics.median(cpu_times[name]) * 1e3
             resolved = resolve_backend(b, x)
+            extra = {}
+            if biased:
+                extra = {"bias_overhead": round(ms / (statistics.median(times[b]) * 1e3), 3),
+                         "bias_overhead_cpu": round(cpu_ms / (statistics.median(cpu_times[b]) * 1e3), 3)}
             print(json.dumps({
                 "bench": "gemm",
                 "backend": b,
+                "bias": biased,
                 "resolved": resolved,
                 "path": torch_path(x, counts) if resolved == "torch" else None,
                 "routing": routing,
@@ -156,6 +174,7 @@ def main(argv=None) -> None:
                 "ms_dense_cpu": round(cpu_ms_dense, 3),
                 "ratio_to_dense_cpu": round(cpu_ms_dense / cpu_ms, 3),
                 "rounds": args.repeats,
+                **extra,
             }), flush=True)
 
 

@@ -312,6 +312,8 @@ class Router(nn.Module):
         self.dtype = _ROUTER_DTYPES[config.router_dtype]
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
         nn.init.normal_(self.weight, std=init_std)
+        # gpt-oss: the router is a linear with bias (moe.router_bias).
+        self.bias = nn.Parameter(torch.zeros(config.num_experts)) if config.router_bias else None
         # Set by the training loop: the factor its main loss gets per micro-batch.
         self.grad_scale = 1.0
         self.collect_stats = True
@@ -369,6 +371,8 @@ class Router(nn.Module):
             hidden = hidden * torch.empty_like(hidden).uniform_(1.0 - eps, 1.0 + eps)
         # [T, H] x [E, H]^T -> [T, E]
         logits = hidden.to(self.dtype) @ self.weight.to(self.dtype).t()
+        if self.bias is not None:
+            logits = logits + self.bias.to(self.dtype)  # [E] on every token
 
         with_losses = self.training and torch.is_grad_enabled()
         losses: dict[str, torch.Tensor] = {}

@@ -256,7 +256,11 @@ def resolve_config(config, device: torch.device):
             if env not in OPS["gemm"]:
                 problems.append(f"{setting} is not a grouped GEMM backend; allowed: auto, {', '.join(OPS['gemm'])}")
                 continue
-        if value == "auto":
+        if value == "auto" and op == "swiglu" and moe.activation == "clamped_swiglu":
+            # gpt-oss's clamped SwiGLU is torch ops only (kernels/swiglu.py).
+            name = "torch"
+            setting += " (clamped_swiglu runs on torch)"
+        elif value == "auto":
             name = choose_for(op, device, dtypes[op], topk_fusable=fusable)
             setting += f" (chose {name} for {device} {str(dtypes[op]).replace('torch.', '')})"
         else:

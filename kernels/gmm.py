@@ -1,7 +1,8 @@
 """Grouped GEMM: the one interface every expert layer uses, with a switch between backends.
 
 ``gmm(x, w, tokens_per_expert)`` multiplies the rows of ``x`` that belong to expert ``e``
-(rows are grouped expert-major) by ``w[e]``. Backends:
+(rows are grouped expert-major) by ``w[e]``; with ``bias[E, M]`` each row also gets its
+expert's bias row (gpt-oss's experts). Backends:
 
 - ``grouped_gemm``: the grouped-gemm package (CUDA, bfloat16; ``pip install 'moe-fold[gpu]'``);
 - ``torch``: ``torch.nn.functional.grouped_mm`` (CPU and CUDA), or ``torch.bmm`` on CPU
@@ -9,6 +10,11 @@
 - ``triton``: our Triton kernels (CUDA, or the CPU interpreter with TRITON_INTERPRET=1);
 - ``loop``: one matmul per expert, the reference;
 - ``auto``: the rule of :mod:`moe_fold.kernels.backends` by device, capability and dtype.
+
+The bias: ``loop`` adds ``bias[e]`` inside its per-expert loop (the reference); every other
+backend adds it after its GEMM as one fused op for all experts, a gather of the bias rows
+by the group sizes (``repeat_interleave`` with ``output_size``, so device counts are not
+read back) and one add; its backward is one index_add, the per-expert sum of the rows.
 
 The choice, first that is set and not ``auto``: the ``backend`` argument (the config key
 ``moe.gemm_backend``), the environment variable MOE_FOLD_GEMM_BACKEND, the rule. A backend
@@ -71,6 +77,22 @@ def _check_operands(x: torch.Tensor, w: torch.Tensor, trans_b: bool) -> None:
         raise ValueError(f"gmm: x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) must share dtype and device")
 
 
+def _check_bias(bias: torch.Tensor, w: torch.Tensor, trans_b: bool) -> None:
+    m = w.shape[1] if trans_b else w.shape[2]
+    if tuple(bias.shape) != (w.shape[0], m):
+        raise ValueError(f"gmm: bias{tuple(bias.shape)} must be [E, M] = [{w.shape[0]}, {m}] for w{tuple(w.shape)}"
+                         f"{' (trans_b=True)' if trans_b else ''}")
+    if bias.dtype != w.dtype or bias.device != w.device:
+        raise ValueError(f"gmm: bias ({bias.dtype}, {bias.device}) must share w's dtype and device "
+                         f"({w.dtype}, {w.device})")
+
+
+def _add_group_bias(out: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``out[N, M] + bias[E, M]`` gathered by group: row ``r`` of group ``e`` gets ``bias[e]``.
+    One gather and one add whatever E is; ``output_size`` keeps device counts on the device."""
+    return out + bias.repeat_interleave(counts, dim=0, output_size=out.shape[0])  # [E, M] -> [N, M]
+
+
 def _autocast_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Under ``torch.autocast`` the grouped GEMM is a matmul like ``F.linear``: both
     operands go to the autocast dtype (differentiably, so ``w``'s grad keeps ``w``'s
@@ -94,8 +116,10 @@ def gmm(
     trans_b: bool = False,
     backend: str | None = None,
     host_counts: Sequence[int] | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Grouped GEMM: ``x[N, K]`` times ``w[E, K, M]`` (``w[E, M, K]`` with ``trans_b``) -> ``[N, M]``.
+    """Grouped GEMM: ``x[N, K]`` times ``w[E, K, M]`` (``w[E, M, K]`` with ``trans_b``) -> ``[N, M]``,
+    plus ``bias[e]`` on the rows of group ``e`` when ``bias [E, M]`` is given.
 
     Rows of ``x`` are grouped expert-major: the first ``tokens_per_expert[0]`` rows go to
     expert 0, and so on; any group may be empty. ``tokens_per_expert`` is a list of ints or
@@ -107,10 +131,14 @@ def gmm(
     them, so that no synchronisation happens. Gradients flow to ``x`` and ``w``.
 
     Under ``torch.autocast`` both operands are cast to the autocast dtype first, as
-    ``F.linear`` casts its input and weight.
+    ``F.linear`` casts its input and weight (and the bias with them).
     """
+    if bias is not None:
+        _, bias = _autocast_operands(x, bias)
     x, w = _autocast_operands(x, w)
     _check_operands(x, w, trans_b)
+    if bias is not None:
+        _check_bias(bias, w, trans_b)
     name = resolve_backend(backend, x)
     n, e = x.shape[0], w.shape[0]
     if isinstance(tokens_per_expert, torch.Tensor):
@@ -141,18 +169,25 @@ def gmm(
         if name == "loop":
             from .gmm_loop import gmm_loop
 
-            return gmm_loop(x, w, host, trans_b)
+            return gmm_loop(x, w, host, trans_b, bias)
         if name == "grouped_gemm":
             from .gmm_grouped_gemm import gmm_grouped_gemm
 
             # The package reads the counts on the host: a host tensor, no device copy.
-            return gmm_grouped_gemm(x, w, torch.tensor(host, dtype=torch.int64), trans_b)
+            out = gmm_grouped_gemm(x, w, torch.tensor(host, dtype=torch.int64), trans_b)
+        else:
+            if counts_t is None:
+                counts_t = torch.tensor(host, dtype=torch.int64, device=x.device)
+            if name == "torch":
+                from .gmm_torch import gmm_torch
+
+                out = gmm_torch(x, w, counts_t, trans_b, host)
+            else:
+                from .gmm_triton import gmm_triton
+
+                out = gmm_triton(x, w, counts_t, trans_b)
+        if bias is None:
+            return out
         if counts_t is None:
             counts_t = torch.tensor(host, dtype=torch.int64, device=x.device)
-        if name == "torch":
-            from .gmm_torch import gmm_torch
-
-            return gmm_torch(x, w, counts_t, trans_b, host)
-        from .gmm_triton import gmm_triton
-
-        return gmm_triton(x, w, counts_t, trans_b)
+        return _add_group_bias(out, bias, counts_t.to(device=x.device))

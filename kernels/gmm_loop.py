@@ -5,13 +5,16 @@ Plain torch ops, so autograd, every dtype and every device come for free."""
 import torch
 
 
-def gmm_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int], trans_b: bool) -> torch.Tensor:
+def gmm_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int], trans_b: bool,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x[N, K]`` grouped expert-major by ``counts`` times ``w[E, K, M]`` (``w[E, M, K]``
-    with ``trans_b``) -> ``[N, M]``."""
+    with ``trans_b``) -> ``[N, M]``, plus ``bias[e]`` (``bias [E, M]``) on group ``e``'s rows."""
     # unbind, not w[e]: the backward of one unbind stacks the E gradients once, where E
     # selects would each scatter into a zero tensor the size of w.
     # Empty groups still multiply a [0, K] block, so w.grad has zeros there rather than None.
     outs = []
-    for rows, we in zip(torch.split(x, counts), w.unbind(0)):
-        outs.append(rows @ (we.t() if trans_b else we))  # [n_e, K] -> [n_e, M]
+    biases = bias.unbind(0) if bias is not None else [None] * w.shape[0]
+    for rows, we, be in zip(torch.split(x, counts), w.unbind(0), biases):
+        out = rows @ (we.t() if trans_b else we)  # [n_e, K] -> [n_e, M]
+        outs.append(out if be is None else out + be)
     return torch.cat(outs)

@@ -15,6 +15,12 @@ polynomial, so its numerics differ from torch's by rounding) and ``auto``, the d
 the rule of :mod:`moe_fold.kernels.backends`, ``cpu`` for CPU tensors and ``triton`` on
 CUDA (sm80+). ``auto`` never falls back in silence: on a CPU without a C compiler it raises
 and says to install one or to name ``torch`` (config key ``moe.swiglu_backend``).
+
+:func:`clamped_swiglu` is gpt-oss's activation (``moe.activation: clamped_swiglu``), on the
+same ``[gate | up]`` halves: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``
+with ``g = min(gate, limit)``. It is written in torch ops only (autograd gives its
+backward), so it runs under the ``torch`` backend name alone: the config refuses another
+``moe.swiglu_backend`` with it, and ``auto`` resolves to ``torch``.
 """
 from typing import Optional
 
@@ -108,6 +114,26 @@ class _SwiGLU(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             grad_probs = None
         return grad_x, grad_probs, None
+
+
+def clamped_swiglu(x: torch.Tensor, probs: Optional[torch.Tensor] = None, *, alpha: float,
+                   limit: float) -> torch.Tensor:
+    """``x[..., 2F] = [gate | up]``, ``probs[...]`` or None -> ``[..., F]`` =
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) * probs``, ``g = min(gate, limit)``
+    (transformers' GptOssExperts, whose checkpoints interleave gate and up: the importer
+    de-interleaves them into these halves). bf16/fp16 are computed in float32, rounded once."""
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"x must be [..., 2F] with an even last dim ([gate | up]), got shape {tuple(x.shape)}")
+    if probs is not None and probs.shape != x.shape[:-1]:
+        raise ValueError(f"probs shape {tuple(probs.shape)} must be {tuple(x.shape[:-1])} (one prob per row of x)")
+    cd = _compute_dtype(x.dtype)
+    gate, up = x.to(cd).chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    out = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    if probs is not None:
+        out = out * probs.to(cd).unsqueeze(-1)
+    return out.to(x.dtype)
 
 
 def resolve_backend(backend: str, x: torch.Tensor) -> str:

@@ -13,6 +13,17 @@ Weights (``[in, out]`` per expert, the layout the grouped GEMM multiplies as is)
   partial sum; the dispatcher's combine adds the etp shards (reduce-scatter), so no
   communication happens here.
 
+gpt-oss's experts (``moe.expert_linear_bias``, ``moe.activation: clamped_swiglu``) add
+``fc1_bias [E_local, 2F/etp]`` (sharded like fc1's columns) and ``fc2_bias [E_local, H/etp]``
+inside the grouped GEMMs (:func:`moe_fold.kernels.gmm.gmm`'s ``bias``), and weight the
+rows by their prob after fc2, ``(act @ fc2 + fc2_bias) * prob`` as transformers does
+(the prob cannot go inside the activation: it must scale the bias too). fc2's output is
+an etp partial sum, so its bias must be added once over etp, not etp times: etp rank
+``t`` holds and adds columns ``[t*H/etp, (t+1)*H/etp)`` of it (zeros elsewhere), and the
+combine's sum over etp assembles the whole bias. Each bias slice's grad is then complete
+on its own rank, like any etp shard. Biases draw from their own seeds like the weights
+(transformers starts them at zero; a checkpoint import overwrites them anyway).
+
 Every global expert ``g`` draws its global weights from its own seed (the run seed and
 ``<name>.<g>.fc1`` / ``.fc2``) before the ep rank keeps its experts and the etp rank its
 slice: every layout of one config holds the same global weights.
@@ -33,10 +44,10 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from moe_fold.config import choice, expert_width_over_etp, require
+from moe_fold.config import activation_backend, choice, expert_bias_over_etp, expert_width_over_etp, require
 from moe_fold.dispatch.placement import Placement
 from moe_fold.kernels.gmm import gmm
-from moe_fold.kernels.swiglu import swiglu
+from moe_fold.kernels.swiglu import clamped_swiglu, swiglu
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.tensor_parallel import global_normal, init_seed, mark, shard_tp
 
@@ -55,12 +66,18 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, groups: ProcessGroups,
                  *, std: float, seed: int, name: str, gemm_backend: str = "auto",
-                 swiglu_backend: str = "auto", placement: Placement | None = None):
+                 swiglu_backend: str = "auto", placement: Placement | None = None, linear_bias: bool = False,
+                 activation: str = "swiglu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                 score_on_input: bool = False):
         super().__init__()
+        self.score_on_input = score_on_input
         ep, etp = groups.size("ep"), groups.size("etp")
         require(expert_width_over_etp, ffn_hidden_size, etp)
         require(choice, "moe.gemm_backend", gemm_backend)
         require(choice, "moe.swiglu_backend", swiglu_backend)
+        require(choice, "moe.activation", activation)
+        require(activation_backend, activation, swiglu_backend)
+        require(expert_bias_over_etp, linear_bias, hidden_size, etp)
         if placement is None:
             placement = Placement.contiguous(num_experts, ep)  # checks num_experts over ep
         if placement.num_experts != num_experts or placement.ep != ep:
@@ -71,7 +88,9 @@ class Experts(nn.Module):
         self.num_local_experts = placement.slots_per_rank
         self.gemm_backend = gemm_backend
         self.swiglu_backend = swiglu_backend
+        self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit
         etp_rank = groups.rank_in("etp")
+        self.hidden_size, self.etp_rank = hidden_size, etp_rank
         F = ffn_hidden_size
         fc1, fc2 = [], []
         for g in placement.rank_slots(self.ep_rank):
@@ -81,7 +100,22 @@ class Experts(nn.Module):
             fc2.append(shard_tp(full2, 0, [F], etp_rank, etp))  # [F/etp, H]
         self.fc1 = self._expert_param(torch.stack(fc1), 2, [F, F])  # [E_local, H, 2F/etp]
         self.fc2 = self._expert_param(torch.stack(fc2), 1, [F])  # [E_local, F/etp, H]
+        self.fc1_bias: Optional[nn.Parameter] = None
+        self.fc2_bias: Optional[nn.Parameter] = None
+        if linear_bias:
+            b1, b2 = [], []
+            for g in placement.rank_slots(self.ep_rank):
+                full_b1 = global_normal((2 * F,), std, init_seed(seed, f"{name}.{g}.fc1_bias"))  # [gate|up]
+                full_b2 = global_normal((hidden_size,), std, init_seed(seed, f"{name}.{g}.fc2_bias"))  # [H]
+                b1.append(shard_tp(full_b1, 0, [F, F], etp_rank, etp))  # [2F/etp]
+                b2.append(shard_tp(full_b2, 0, [hidden_size], etp_rank, etp))  # [H/etp]
+            self.fc1_bias = self._expert_param(torch.stack(b1), 1, [F, F])  # [E_local, 2F/etp]
+            self.fc2_bias = self._expert_param(torch.stack(b2), 1, [hidden_size])  # [E_local, H/etp]
         self.set_placement(placement)
+
+    def expert_params(self) -> list[nn.Parameter]:
+        """Every per-expert parameter (dim 0 = local expert slots): fc1, fc2 and their biases."""
+        return [p for p in (self.fc1, self.fc2, self.fc1_bias, self.fc2_bias) if p is not None]
 
     def set_placement(self, placement: Placement) -> None:
         """Record ``placement`` on the module and its parameters (the weights themselves
@@ -92,7 +126,7 @@ class Experts(nn.Module):
         self.placement = placement
         start = self.ep_rank * self.num_local_experts
         replicated = [e for e, n in enumerate(placement.num_copies()) if n > 1]
-        for param in (self.fc1, self.fc2):
+        for param in self.expert_params():
             param.num_experts = self.num_experts
             param.slot_experts = list(placement.rank_slots(self.ep_rank))
             param.slot_primary = [placement.primary(start + i) for i in range(self.num_local_experts)]
@@ -111,8 +145,41 @@ class Experts(nn.Module):
         each, an int tensor), ``probs [N]`` -> ``[N, H]``, prob-weighted (an etp partial sum
         when etp > 1). ``host_tokens_per_expert``: the same counts as a host list when the
         caller has them (the dispatcher does), so no GEMM backend reads the tensor back."""
+        tokens, probs = self.scaled_input(tokens, probs)
+        h = self.fc1_forward(tokens, tokens_per_expert, host_tokens_per_expert)  # [N, 2F/etp]
+        return self.act_fc2(h, tokens_per_expert, probs, host_tokens_per_expert)  # [N, H]
+
+    def scaled_input(self, tokens: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tokens, probs)`` as the experts take them: unchanged, or with
+        ``moe.score_on_input`` (Llama-4) ``expert(p * x)``: the rows scaled by their prob and
+        the probs that weight the output all ones (the same grouped GEMMs)."""
+        if not self.score_on_input:
+            return tokens, probs
+        return tokens * probs.unsqueeze(-1).to(tokens.dtype), torch.ones_like(probs)  # [N, H], [N]
+
+    def fc1_forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor,
+                    host_tokens_per_expert: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """``tokens [N, H]`` -> fc1's output ``[N, 2F/etp]`` (``[gate | up]``, biased if any)."""
+        return gmm(tokens, self.fc1, tokens_per_expert, backend=self.gemm_backend,
+                   host_counts=host_tokens_per_expert, bias=self.fc1_bias)
+
+    def act_fc2(self, h: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
+                host_tokens_per_expert: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """fc1's output ``h [N, 2F/etp]`` -> the activation -> fc2 -> ``[N, H]``, prob-weighted
+        (an etp partial sum when etp > 1)."""
         host = host_tokens_per_expert
-        h = gmm(tokens, self.fc1, tokens_per_expert, backend=self.gemm_backend,
-                host_counts=host)  # [N, H] -> [N, 2F/etp]
-        h = swiglu(h, probs, backend=self.swiglu_backend)  # [N, F/etp]
-        return gmm(h, self.fc2, tokens_per_expert, backend=self.gemm_backend, host_counts=host)  # [N, H]
+        # Without an fc2 bias the prob rides inside the activation (one pass fewer);
+        # with one it must scale the bias too, so it is applied after fc2.
+        inner = probs if self.fc2_bias is None else None
+        if self.activation == "clamped_swiglu":
+            act = clamped_swiglu(h, inner, alpha=self.swiglu_alpha, limit=self.swiglu_limit)  # [N, F/etp]
+        else:
+            act = swiglu(h, inner, backend=self.swiglu_backend)  # [N, F/etp]
+        if self.fc2_bias is None:
+            return gmm(act, self.fc2, tokens_per_expert, backend=self.gemm_backend, host_counts=host)  # [N, H]
+        # This etp rank's slice of the bias in its columns, zeros elsewhere: the etp sum adds it once.
+        width = self.fc2_bias.shape[1]
+        start = self.etp_rank * width
+        bias = torch.nn.functional.pad(self.fc2_bias, (start, self.hidden_size - start - width))  # [E_local, H]
+        out = gmm(act, self.fc2, tokens_per_expert, backend=self.gemm_backend, host_counts=host, bias=bias)
+        return out * probs.to(out.dtype).unsqueeze(-1)  # [N, H]

@@ -76,13 +76,16 @@ class Block(nn.Module):
         if m.attention == "mla":
             self.attn = MLAttention(m, groups.tp, sp, **where)
         else:
-            self.attn = Attention(m, head_dim(config), groups.tp, sp, **where)
+            self.attn = Attention(m, head_dim(config), groups.tp, sp, **where, layer=layer)
         self.mlp_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind)
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                docs: Optional[Documents] = None, kv_cache: Optional[LayerCache] = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, docs, kv_cache)  # [S_local, B, H]
+                docs: Optional[Documents] = None, kv_cache: Optional[LayerCache] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # positions (those of cos/sin): only temperature tuning reads them, which MLA has not.
+        extra = {"positions": positions} if isinstance(self.attn, Attention) else {}
+        x = x + self.attn(self.attn_norm(x), cos, sin, docs, kv_cache, **extra)  # [S_local, B, H]
         h = self.mlp_norm(x).flatten(0, 1)  # [S_local*B, H]
         if isinstance(self.mlp, MoELayer):
             s_local, batch = x.shape[0], x.shape[1]
@@ -251,7 +254,7 @@ class Transformer(nn.Module):
         if self.stages[chunk] == 0:
             x = self.embed(input_ids.t())  # [S_local, B, H]
         for i in self.stage_layer_ids[chunk]:
-            x = self.layers[i](x, cos, sin, docs)
+            x = self.layers[i](x, cos, sin, docs, positions=positions)
         return x
 
     def _whole_model_positions(self, what: str, input_ids: torch.Tensor,

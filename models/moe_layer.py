@@ -74,13 +74,17 @@ class MoELayer(nn.Module):
             # The router draws from torch's global generator; redraw from a layout-free seed.
             self.router.weight.copy_(global_normal(self.router.weight.shape, std, init_seed(seed, f"{name}.router")))
         mark(self.router.weight, replicated)
+        if self.router.bias is not None:
+            mark(self.router.bias, replicated)  # gpt-oss's router bias: like the weight
         self.dispatcher = build_dispatcher(moe, groups)
         # moe.replicas spare slots per ep rank hold copies of other ranks' experts from the start.
         placement = Placement.contiguous(moe.num_experts, groups.size("ep"), moe.replicas)
         self.dispatcher.set_placement(placement)
         self.experts = Experts(moe.num_experts, m.hidden_size, moe.ffn_hidden_size, groups, std=std, seed=seed,
                                name=f"{name}.experts", gemm_backend=moe.gemm_backend, swiglu_backend=moe.swiglu_backend,
-                               placement=placement)
+                               placement=placement, linear_bias=moe.expert_linear_bias, activation=moe.activation,
+                               swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit,
+                               score_on_input=moe.score_on_input)
         self.shared_expert: Optional[MLP] = None
         self.shared_expert_gate: Optional[nn.Parameter] = None
         if moe.shared_expert_ffn_hidden_size > 0:

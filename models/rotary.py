@@ -35,6 +35,8 @@ class YaRN:
     beta_slow: float = 1.0
     mscale: Optional[float] = None
     mscale_all_dim: Optional[float] = None
+    # Round the correction range out to whole dims (DeepSeek-V3); gpt-oss keeps it fractional.
+    truncate: bool = True
 
     def attention_factor(self) -> float:
         """The scale of cos and sin."""
@@ -58,8 +60,10 @@ class YaRN:
             return dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
                 2 * math.log(theta))
 
-        low = max(math.floor(correction_dim(self.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(self.beta_slow)), dim - 1)
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001  # a ramp of zero width
         ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
@@ -76,7 +80,7 @@ def yarn_of(m: ModelConfig) -> Optional[YaRN]:
     if m.rope_scaling != "yarn":
         return None
     return YaRN(m.yarn_factor, m.yarn_original_max_position_embeddings, m.yarn_beta_fast, m.yarn_beta_slow,
-                m.yarn_mscale, m.yarn_mscale_all_dim)
+                m.yarn_mscale, m.yarn_mscale_all_dim, m.yarn_truncate)
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
@@ -130,7 +134,7 @@ class _Rotary(torch.autograd.Function):
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
     """``[..., (x0, x1), (x2, x3), ...]`` -> ``[..., x0, x2, ..., x1, x3, ...]``: rotary dims
-    that come in interleaved pairs (``model.rope_interleave``: DeepSeek's and ERNIE-4.5's
+    that come in interleaved pairs (``model.rope_interleave``: DeepSeek's, ERNIE-4.5's and Llama-4's
     checkpoints) as the two halves :func:`apply_rotary` rotates. The same permutation of q
     and k leaves every q.k product as it was."""
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)

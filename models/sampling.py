@@ -95,7 +95,7 @@ def forward_cached(model, ids: torch.Tensor, cache: KVCache) -> Optional[torch.T
             x = recv((padded // tp, batch, config.model.hidden_size), dtype, _pp_peer(model, stage - 1),
                      device=ids.device)
         for i in model.stage_layer_ids[chunk]:
-            x = model.layers[i](x, cos, sin, kv_cache=cache[i])
+            x = model.layers[i](x, cos, sin, kv_cache=cache[i], positions=positions)
         if stage < last:
             send(x, _pp_peer(model, stage + 1))
     cache.truncate(start + n)

@@ -64,12 +64,15 @@ class ModelConfig:
     # Qwen3-style RMSNorm on each query and key head.
     qk_norm: bool = False
     # What the QK-norm normalises: head (each head, Qwen3, GLM-4.5) | projection (the whole
-    # q and k projections, OLMoE; under tp the sum of squares is reduced over tp).
-    qk_norm_scope: Literal["head", "projection"] = "head"
+    # q and k projections, OLMoE; under tp the sum of squares is reduced over tp) | l2 (each
+    # head, no weight, after rotary, on rotary layers only: Llama-4's L2 norm).
+    qk_norm_scope: Literal["head", "projection", "l2"] = "head"
     # Fraction of each head's dims that rotary embeddings rotate (the first ones; GLM-4.5: 0.5).
     partial_rotary_factor: float = 1.0
     # Biases on the q, k and v projections (Qwen2-MoE).
     qkv_bias: bool = False
+    # A bias on attention's output projection (gpt-oss; standard attention only).
+    attention_out_bias: bool = False
     # The output head reuses the input embedding's weight.
     tie_embeddings: bool = False
     # Standard deviation of the normal initialisation of every weight matrix.
@@ -93,8 +96,8 @@ class ModelConfig:
     qk_rope_head_dim: Optional[int] = None
     # MLA: per-head value width.
     v_head_dim: Optional[int] = None
-    # The rotary dims of q and k come in interleaved pairs (x0, x1), (x2, x3)... (DeepSeek's
-    # and ERNIE-4.5's checkpoints) instead of two halves.
+    # The rotary dims of q and k come in interleaved pairs (x0, x1), (x2, x3)... (DeepSeek's,
+    # ERNIE-4.5's and Llama-4's checkpoints) instead of two halves.
     rope_interleave: bool = False
     # Rotary scaling: null (none) | yarn (Peng et al. 2023, as DeepSeek-V3 uses it).
     rope_scaling: Optional[Literal["yarn"]] = None
@@ -111,6 +114,26 @@ class ModelConfig:
     yarn_mscale: Optional[float] = None
     # YaRN: see yarn_mscale.
     yarn_mscale_all_dim: Optional[float] = None
+    # YaRN's correction range rounded to whole dims (DeepSeek-V3); false keeps it fractional (gpt-oss).
+    yarn_truncate: bool = True
+
+    # Attention features (models/attention.py, docs/attention.md; mha only).
+    # Attention sinks (gpt-oss): a learned logit per query head joins each softmax denominator.
+    attention_sinks: bool = False
+    # Sliding window on the local layers: a query sees its last sliding_window keys, itself included; 0: none.
+    sliding_window: int = 0
+    # Chunked local attention on the local layers (Llama-4): a query sees only the keys of its own
+    # chunk of attention_chunk positions (positions restart in each packed document); 0: none.
+    attention_chunk: int = 0
+    # The local layers: null every layer, or one 0/1 per layer (1: sliding_window/attention_chunk applies).
+    local_attention_layers: Optional[list[int]] = None
+    # The layers with rotary embeddings: null every layer, or one 0/1 per layer (0: no rotary, NoPE).
+    rope_layers: Optional[list[int]] = None
+    # Temperature tuning on layers without rotary (Llama-4): a query at position p is multiplied by
+    # 1 + attn_temperature_scale * log1p(floor((p + 1) / attn_temperature_floor)).
+    attn_temperature_tuning: bool = False
+    attn_temperature_scale: float = 0.1
+    attn_temperature_floor: int = 8192
 
 
 @dataclass
@@ -158,12 +181,25 @@ class MoEConfig:
     router_dtype: Literal["float32", "float64"] = "float32"
     # Training only: the router's input times uniform noise in [1 - eps, 1 + eps]; 0: off.
     input_jitter: float = 0.0
+    # Llama-4: the router's prob scales each routed expert's input, expert(p * x), instead of its
+    # output, p * expert(x) (the same for a linear expert, not for SwiGLU).
+    score_on_input: bool = False
     # Aux-loss-free load balancing: a per-expert bias used for selection only (sigmoid
     # scores, or pre_softmax softmax scores as in ERNIE-4.5).
     expert_bias: bool = False
     # Step of the expert-bias update: the bias of an under-loaded expert rises by this much,
     # an over-loaded one's falls (sign of the load error).
     bias_update_rate: float = 1e-3
+    # A learned bias on the router's logits, a linear with bias (gpt-oss).
+    router_bias: bool = False
+
+    # gpt-oss's experts (models/experts.py): biases on every routed expert's fc1 (gate|up) and fc2.
+    expert_linear_bias: bool = False
+    # The routed experts' activation: swiglu | clamped_swiglu (gpt-oss: (clamp(up) + 1) *
+    # g * sigmoid(swiglu_alpha * g), g = min(gate, swiglu_limit); kernels/swiglu.py).
+    activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     # Switch-style load-balancing loss per micro-batch (Megatron-Core's aux_loss); each kind of
     # router loss is on when its coefficient is > 0.
@@ -758,6 +794,26 @@ def moe_layer_flags(config: Config) -> list[bool]:
     return [flag and i >= moe.first_k_dense for i, flag in enumerate(flags)]
 
 
+def _layer_list(m: ModelConfig, name: str) -> list[bool]:
+    """``model.<name>`` (null: every layer; else one 0/1 per layer) as one flag per layer."""
+    flags = getattr(m, name)
+    if flags is None:
+        return [True] * m.num_layers
+    if len(flags) != m.num_layers or any(f not in (0, 1) for f in flags):
+        raise ConfigError(f"model.{name}={_fmt(flags)} must be {m.num_layers} flags of 0 or 1 "
+                          f"(one per layer of model.num_layers={m.num_layers})")
+    return [f == 1 for f in flags]
+
+
+def layer_attention(m: ModelConfig, layer: int) -> tuple[int, int, bool]:
+    """``(sliding window, attention chunk, rotary?)`` of layer ``layer`` (0: none); MTP
+    depths (``layer >= num_layers``) are of the last layer's kind, as their MLP."""
+    layer = min(layer, m.num_layers - 1)
+    local = _layer_list(m, "local_attention_layers")[layer]
+    return (m.sliding_window if local else 0, m.attention_chunk if local else 0,
+            _layer_list(m, "rope_layers")[layer])
+
+
 def moe_layer_indices(config: Config) -> list[int]:
     """The MoE layers' indices, then the MTP depths' blocks as ``num_layers + k`` when they
     are MoE (they are of the last layer's kind): the rows of routing metrics and heatmaps."""
@@ -1056,6 +1112,7 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
     for name in ("rope_theta", "norm_eps", "init_std"):
         _positive(out, f"model.{name}", getattr(m, name))
     _check_mtp(config, out)
+    _check_attention_features(config, out)
     if not 0 < m.partial_rotary_factor <= 1:
         out.append(f"model.partial_rotary_factor={_fmt(m.partial_rotary_factor)} must be in (0, 1]")
     elif m.partial_rotary_factor != 1 and m.attention == "mla":
@@ -1121,6 +1178,38 @@ def _check_mtp(config: Config, out: list[str]) -> None:
                    f"(the MTP targets are shifted along the layout's cp shards)")
 
 
+def _check_attention_features(config: Config, out: list[str]) -> None:
+    """Sinks, sliding window, chunked attention, NoPE layers, temperature tuning."""
+    m = config.model
+    window_ok = _at_least(out, "model.sliding_window", m.sliding_window, 0)
+    chunk_ok = _at_least(out, "model.attention_chunk", m.attention_chunk, 0)
+    if window_ok and chunk_ok and m.sliding_window and m.attention_chunk:
+        out.append(f"model.sliding_window={m.sliding_window} and model.attention_chunk={m.attention_chunk}: "
+                   f"set at most one (a local layer has one kind of mask)")
+    for name in ("local_attention_layers", "rope_layers"):
+        flags = getattr(m, name)
+        if flags is not None and m.num_layers >= 1 and (
+                len(flags) != m.num_layers or any(f not in (0, 1) for f in flags)):
+            out.append(f"model.{name}={_fmt(flags)} must be {m.num_layers} flags of 0 or 1 "
+                       f"(one per layer of model.num_layers={m.num_layers})")
+    if m.local_attention_layers is not None and not (m.sliding_window or m.attention_chunk):
+        out.append(f"model.local_attention_layers={_fmt(m.local_attention_layers)} is set but "
+                   f"model.sliding_window and model.attention_chunk are 0 (no local attention)")
+    _positive(out, "model.attn_temperature_scale", m.attn_temperature_scale)
+    _at_least(out, "model.attn_temperature_floor", m.attn_temperature_floor, 1)
+    if m.attn_temperature_tuning and m.mtp_num_layers > 0:
+        out.append(f"model.attn_temperature_tuning=true is not supported with model.mtp_num_layers="
+                   f"{m.mtp_num_layers} (the MTP depths' attention gets no token positions)")
+    if m.qk_norm and m.qk_norm_scope == "l2" and m.rope_layers is not None and not any(m.rope_layers):
+        out.append("model.qk_norm_scope=l2 normalises rotary layers only, but model.rope_layers has none")
+    if m.attention == "mla":
+        for name, off in (("attention_sinks", False), ("sliding_window", 0), ("attention_chunk", 0),
+                          ("rope_layers", None), ("attn_temperature_tuning", False)):
+            if getattr(m, name) != off:
+                out.append(f"model.{name}={_fmt(getattr(m, name))} requires model.attention=mha "
+                           f"(MLA's attention does not take it)")
+
+
 def _check_attention(m: ModelConfig, out: list[str]) -> None:
     """The attention kind, MLA's sizes and the rotary scaling."""
     if m.attention == "mla":
@@ -1139,6 +1228,9 @@ def _check_attention(m: ModelConfig, out: list[str]) -> None:
                        f"model.attention=mla (every head has its own key and value)")
         if m.qk_norm or m.qkv_bias:
             out.append("model.qk_norm and model.qkv_bias must be false when model.attention=mla")
+        if m.attention_out_bias:
+            out.append("model.attention_out_bias=true requires model.attention=mha (MLA's output projection has "
+                       "no bias)")
         if m.head_dim is not None:
             out.append(f"model.head_dim={m.head_dim} must be null when model.attention=mla (MLA's head widths are "
                        f"model.qk_nope_head_dim, model.qk_rope_head_dim and model.v_head_dim)")
@@ -1154,8 +1246,6 @@ def _check_attention(m: ModelConfig, out: list[str]) -> None:
         return
     if m.rope_scaling != "yarn":
         return
-    if m.attention != "mla":
-        out.append("model.rope_scaling=yarn requires model.attention=mla (YaRN is implemented for MLA models)")
     if m.yarn_factor is None:
         out.append("model.yarn_factor=null must be set when model.rope_scaling=yarn")
     elif not m.yarn_factor >= 1:
@@ -1179,6 +1269,10 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
     out.extend(router_settings(moe))
     out.extend(dispatch_modes(moe.dispatcher, moe.capacity_factor, moe.pad_to_capacity, moe.dedup))
     out.extend(gate_needs_shared_expert(moe.shared_expert_gate, moe.shared_expert_ffn_hidden_size))
+    if moe.activation == "clamped_swiglu":
+        _positive(out, "moe.swiglu_alpha", moe.swiglu_alpha)
+        _positive(out, "moe.swiglu_limit", moe.swiglu_limit)
+    out.extend(activation_backend(moe.activation, moe.swiglu_backend))
     _at_least(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size, 0)
     out.extend(overlap_problems(moe))
     _check_placement(config, out)
@@ -1190,6 +1284,8 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
     if moe.shared_expert_ffn_hidden_size > 0:
         _divisible(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size,
                    "parallel.tp", p.tp)
+    out.extend(expert_bias_over_etp(moe.expert_linear_bias, config.model.hidden_size, etp_size(config),
+                                    p.etp is None))
     if moe.num_experts < 1:
         out.append(f"moe.num_experts={moe.num_experts} must be >= 1 when any layer is MoE "
                    f"(moe.moe_layer_freq={_fmt(moe.moe_layer_freq)}, moe.first_k_dense={moe.first_k_dense})")
@@ -1282,6 +1378,24 @@ def expert_width_over_etp(ffn_hidden_size: int, etp: int, etp_is_tp: bool = Fals
         return [f"moe.ffn_hidden_size={ffn_hidden_size} is not divisible by parallel.tp={etp} "
                 f"(parallel.etp is null, so experts are split over tp)"]
     return [f"moe.ffn_hidden_size={ffn_hidden_size} is not divisible by parallel.etp={etp}"]
+
+
+@rule
+def activation_backend(activation: str, swiglu_backend: str) -> list[str]:
+    """gpt-oss's clamped SwiGLU runs on torch ops only (kernels/swiglu.py)."""
+    if activation == "clamped_swiglu" and swiglu_backend not in ("auto", "torch"):
+        return [f"moe.swiglu_backend={_fmt(swiglu_backend)} with moe.activation=clamped_swiglu: the clamped SwiGLU "
+                f"runs on torch ops only; set moe.swiglu_backend=torch (or auto)"]
+    return []
+
+
+@rule
+def expert_bias_over_etp(linear_bias: bool, hidden_size: int, etp: int, etp_is_tp: bool = False) -> list[str]:
+    """Each etp rank adds its 1/etp slice of fc2's bias, so the etp sum adds it once."""
+    if not linear_bias or etp <= 1 or not hidden_size % etp:
+        return []
+    return [f"model.hidden_size={hidden_size} is not divisible by {'parallel.tp' if etp_is_tp else 'parallel.etp'}="
+            f"{etp} (moe.expert_linear_bias=true splits fc2's bias over the expert-tensor ranks)"]
 
 
 @rule

@@ -260,7 +260,24 @@ RULES = [
      ["model.mtp_num_layers=1 is not supported with parallel.dynamic_cp=true (the MTP targets are shifted "
       "along the layout's cp shards)"]),
     # partial rotary and the QK-norm's scope
-    (["model.qk_norm_scope=heads"], 1, ["model.qk_norm_scope=heads must be one of head, projection"]),
+    (["model.qk_norm_scope=heads"], 1, ["model.qk_norm_scope=heads must be one of head, projection, l2"]),
+    # attention features (issue 29): sinks, sliding window, chunks, NoPE, temperature tuning
+    (["model.sliding_window=-1"], 1, ["model.sliding_window=-1 must be >= 0"]),
+    (["model.sliding_window=4", "model.attention_chunk=8"], 1,
+     ["model.sliding_window=4 and model.attention_chunk=8: set at most one (a local layer has one kind of mask)"]),
+    (["model.local_attention_layers=[1, 0]"], 1,
+     ["model.local_attention_layers=[1, 0] must be 4 flags of 0 or 1 (one per layer of model.num_layers=4)",
+      "model.local_attention_layers=[1, 0] is set but model.sliding_window and model.attention_chunk are 0 "
+      "(no local attention)"]),
+    (["model.rope_layers=[1, 1, 2, 0]"], 1,
+     ["model.rope_layers=[1, 1, 2, 0] must be 4 flags of 0 or 1 (one per layer of model.num_layers=4)"]),
+    (["model.attn_temperature_floor=0", "model.attn_temperature_scale=0"], 1,
+     ["model.attn_temperature_scale=0.0 must be > 0", "model.attn_temperature_floor=0 must be >= 1"]),
+    (["model.attn_temperature_tuning=true", "model.mtp_num_layers=1"], 1,
+     ["model.attn_temperature_tuning=true is not supported with model.mtp_num_layers=1 (the MTP depths' "
+      "attention gets no token positions)"]),
+    (["model.qk_norm=true", "model.qk_norm_scope=l2", "model.rope_layers=[0, 0, 0, 0]"], 1,
+     ["model.qk_norm_scope=l2 normalises rotary layers only, but model.rope_layers has none"]),
     (["model.partial_rotary_factor=0"], 1, ["model.partial_rotary_factor=0.0 must be in (0, 1]"]),
     (["model.partial_rotary_factor=1.5"], 1, ["model.partial_rotary_factor=1.5 must be in (0, 1]"]),
     (["model.partial_rotary_factor=0.3"], 1,

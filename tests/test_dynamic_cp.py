@@ -141,8 +141,16 @@ def _dynamic_rank(rank, world, ep, model_overrides=None):
     return {"loss": loss.item() / world, "grads": _global_grads(model, groups), "plans": plans}
 
 
-@pytest.mark.parametrize("world,ep,model_overrides", [(2, 2, None), (4, 4, None), (2, 2, MLA_MODEL)],
-                         ids=["cp2", "cp4", "mla-cp2"])
+# Issue 29's attention features on this 2-layer model: gpt-oss's (sinks, a sliding layer and
+# a full one) and Llama-4's (a chunked rotary layer, a NoPE layer with temperature tuning).
+GPTOSS_2 = dict(attention_sinks=True, sliding_window=3, local_attention_layers=[1, 0])
+LLAMA4_2 = dict(attention_chunk=4, local_attention_layers=[1, 0], rope_layers=[1, 0], qk_norm=True,
+                qk_norm_scope="l2", attn_temperature_tuning=True, attn_temperature_floor=2)
+
+
+@pytest.mark.parametrize("world,ep,model_overrides", [(2, 2, None), (4, 4, None), (2, 2, MLA_MODEL),
+                                                      (2, 2, GPTOSS_2), (2, 2, LLAMA4_2)],
+                         ids=["cp2", "cp4", "mla-cp2", "gptoss-attention-cp2", "llama4-attention-cp2"])
 def test_dynamic_cp_equals_one_process(world, ep, model_overrides):
     results = run_ranks(_dynamic_rank, world, ep, model_overrides, timeout=240)
     loss, grads = _reference(model_overrides)

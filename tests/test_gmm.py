@@ -29,26 +29,30 @@ CASES = [
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def _reference(x, w, counts, trans_b):
-    """Forward and grads of (y * g).sum() in float64, one expert at a time."""
+def _reference(x, w, counts, trans_b, bias=None):
+    """Forward and grads of (y * g).sum() in float64, one expert at a time (bias[e] added
+    to expert e's rows when given)."""
     x = x.double().detach().requires_grad_()
     w = w.double().detach().requires_grad_()
+    b = None if bias is None else bias.double().detach().requires_grad_()
     ys, start = [], 0
     for e, n in enumerate(counts):
         we = w[e].t() if trans_b else w[e]
-        ys.append(x[start : start + n] @ we)
+        y = x[start : start + n] @ we
+        ys.append(y if b is None else y + b[e])
         start += n
-    return torch.cat(ys), x, w
+    return torch.cat(ys), x, w, b
 
 
-def _check(backend, counts, k, m, trans_b, dtype, grad_kind="random"):
+def _check(backend, counts, k, m, trans_b, dtype, grad_kind="random", with_bias=False):
     torch.manual_seed(0)
     n, e = sum(counts), len(counts)
     x = torch.randn(n, k, device=DEVICE).to(dtype).requires_grad_()
     w_shape = (e, m, k) if trans_b else (e, k, m)
     w = (torch.randn(w_shape, device=DEVICE) / k**0.5).to(dtype).requires_grad_()
-    y = gmm(x, w, torch.tensor(counts), trans_b=trans_b, backend=backend)
-    y_ref, x_ref, w_ref = _reference(x, w, counts, trans_b)
+    bias = torch.randn(e, m, device=DEVICE).to(dtype).requires_grad_() if with_bias else None
+    y = gmm(x, w, torch.tensor(counts), trans_b=trans_b, backend=backend, bias=bias)
+    y_ref, x_ref, w_ref, b_ref = _reference(x, w, counts, trans_b, bias)
     assert y.shape == (n, m) and y.dtype == dtype
     if grad_kind == "sum":
         y.sum().backward()
@@ -62,6 +66,9 @@ def _check(backend, counts, k, m, trans_b, dtype, grad_kind="random"):
     torch.testing.assert_close(y.double(), y_ref, atol=tol * k**0.5, rtol=tol)
     torch.testing.assert_close(x.grad.double(), x_ref.grad, atol=tol * m**0.5, rtol=tol)
     torch.testing.assert_close(w.grad.double(), w_ref.grad, atol=tol * max(n, 1) ** 0.5 * 2, rtol=tol)
+    if with_bias:
+        # An expert with no rows gets a zero bias grad, not None.
+        torch.testing.assert_close(bias.grad.double(), b_ref.grad, atol=tol * max(n, 1) ** 0.5, rtol=tol)
 
 
 @pytest.mark.parametrize("trans_b", [False, True])
@@ -85,6 +92,33 @@ def test_grad_of_sum(backend, counts):
     # The gradient of .sum() is an expanded tensor with zero strides.
     _check(backend, counts, 16, 32, False, torch.float32, grad_kind="sum")
     _check(backend, counts, 24, 40, True, torch.float32, grad_kind="sum")
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("counts,k,m", CASES)
+@pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
+def test_bias_float32(backend, counts, k, m, trans_b):
+    # gpt-oss's biased experts: bias[e] on group e's rows, its grad the sum of those rows' dy.
+    _check(backend, counts, k, m, trans_b, torch.float32, with_bias=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
+def test_bias_half_dtypes_and_grad_of_sum(backend, dtype):
+    _check(backend, [6, 0, 19, 2], 24, 40, False, dtype, with_bias=True)
+    _check(backend, [9, 9], 16, 32, True, torch.float32, grad_kind="sum", with_bias=True)
+
+
+def test_bias_with_tensor_counts_and_bad_bias_raises():
+    # Counts as an int tensor (the torch backend gathers by them with output_size) match a list on loop.
+    x, w, bias = torch.randn(7, 4), torch.randn(2, 4, 3), torch.randn(2, 3)
+    counts = torch.tensor([5, 2])
+    torch.testing.assert_close(gmm(x, w, counts, backend="torch", bias=bias),
+                               gmm(x, w, [5, 2], backend="loop", bias=bias), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"bias\(3, 3\) must be \[E, M\] = \[2, 3\]"):
+        gmm(x, w, counts, backend="torch", bias=torch.randn(3, 3))
+    with pytest.raises(ValueError, match="bias .*torch.float64.* must share w's dtype"):
+        gmm(x, w, counts, backend="loop", bias=bias.double())
 
 
 def test_torch_backend_path_choice():
@@ -135,6 +169,7 @@ def test_torch_bmm_path_grads_to_one_operand_only():
 @pytest.mark.parametrize("counts,k,m", CASES)
 def test_grouped_gemm(counts, k, m, trans_b):
     _check("grouped_gemm", counts, k, m, trans_b, torch.bfloat16)
+    _check("grouped_gemm", counts, k, m, trans_b, torch.bfloat16, with_bias=True)
 
 
 @pytest.mark.parametrize("counts", [[4, 0, 7], [5, 5, 5]])
@@ -242,3 +277,16 @@ def test_bench_gemm_prints_its_fields():
     skewed = rows[2]
     # Zipf shares 1, 1/2, 1/3, 1/4 of 48 rows floor to 23, 11, 7, 5; the remaining 2 go to expert 0.
     assert (skewed["tokens_per_expert_min"], skewed["tokens_per_expert_max"]) == (5, 25)
+
+
+def test_bench_gemm_bias_prints_the_overhead_of_the_same_backend():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "bench", "gemm.py"), "--tokens", "24", "--topk", "2", "--hidden", "16",
+           "--ffn", "8", "--experts", "4", "--repeats", "1", "--backends", "torch", "--threads", "1",
+           "--routing", "skewed", "--bias"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    plain, biased = [json.loads(line) for line in out.stdout.splitlines()]
+    assert (plain["bias"], biased["bias"], "bias_overhead" in plain) == (False, True, False)
+    assert biased["bias_overhead"] == pytest.approx(biased["ms"] / plain["ms"], rel=0.02, abs=1e-3)
+    assert biased["bias_overhead_cpu"] == pytest.approx(biased["ms_cpu"] / plain["ms_cpu"], rel=0.02, abs=1e-3)

@@ -57,6 +57,11 @@ def _config(family, sp=False, **moe):
         c.shared_expert_ffn_hidden_size, c.shared_expert_gate = 40, True
         c.moe_layer_freq = [0, 1]  # a dense layer, then an MoE layer
         c.z_loss_coeff = 0.05
+    if family == "gptoss":
+        # gpt-oss's MoE side: router bias, biased experts (fc2's bias split over etp), the
+        # clamped SwiGLU with a limit small enough to clamp some of these activations.
+        c.router_bias, c.expert_linear_bias = True, True
+        c.activation, c.swiglu_alpha, c.swiglu_limit = "clamped_swiglu", 1.702, 0.3
     if family.startswith("mla"):
         # DeepSeek-V3's shape: MLA, a dense first layer, sigmoid scores with expert bias,
         # group-limited top-2 (4 groups, the best 1), scaling, an ungated shared expert.
@@ -153,12 +158,15 @@ CASES = {
     # gathered), tp without SP (dense layers only), ep, etp.
     "mla-tp2": (2, dict(tp=2), "mla", {}),
     "mla-dense-tp2-no-sp": (2, dict(tp=2), "mla-dense", {}),
+    "gptoss-ep2": (2, dict(ep=2), "gptoss", {}),
     # 4 ranks
     "ep4": (4, dict(ep=4), "mixtral", {}),
     "mla-tp2-ep2": (4, dict(tp=2, ep=2, etp=1), "mla", {}),
     "mla-etp2-ep2": (4, dict(tp=2, ep=2, etp=2), "mla", {}),
     "tp2-ep2": (4, dict(tp=2, ep=2, etp=1), "mixtral", {}),
     "etp2-ep2": (4, dict(tp=2, ep=2, etp=2), "mixtral", {}),
+    "gptoss-etp2-ep2": (4, dict(tp=2, ep=2, etp=2), "gptoss", {}),
+    "gptoss-tp2-ep2": (4, dict(tp=2, ep=2, etp=1), "gptoss", {}),
     "dp4-ep2-edp2": (4, dict(ep=2), "mixtral", {}),
     "qwen2-ep4": (4, dict(ep=4), "qwen2", {}),
     "qwen2-tp2-ep2": (4, dict(tp=2, ep=2, etp=1), "qwen2", {}),

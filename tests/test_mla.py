@@ -68,6 +68,11 @@ def test_mla_config_validates():
     (dict(yarn_beta_slow=0.0), "model.yarn_beta_slow=0.0 must be > 0"),
     (dict(yarn_mscale_all_dim=-1.0), "model.yarn_mscale_all_dim=-1.0 must be >= 0"),
     (dict(rope_scaling=None), "model.yarn_factor=2.0 is set but model.rope_scaling is null"),
+    (dict(attention_out_bias=True),
+     "model.attention_out_bias=true requires model.attention=mha (MLA's output projection has no bias)"),
+    (dict(attention_sinks=True), "model.attention_sinks=true requires model.attention=mha (MLA's attention does not "
+                                 "take it)"),
+    (dict(sliding_window=4), "model.sliding_window=4 requires model.attention=mha (MLA's attention does not take it)"),
 ])
 def test_mla_config_rules(change, message):
     assert message in _problems(**{**MLA_MODEL, **change})
@@ -75,8 +80,6 @@ def test_mla_config_rules(change, message):
 
 @pytest.mark.parametrize("change,message", [
     (dict(kv_lora_rank=16), "model.kv_lora_rank=16 is an MLA size: set model.attention=mla or leave it null"),
-    (dict(rope_scaling="yarn", yarn_factor=2.0, yarn_original_max_position_embeddings=8),
-     "model.rope_scaling=yarn requires model.attention=mla (YaRN is implemented for MLA models)"),
 ])
 def test_mha_refuses_mla_settings(change, message):
     assert message in _problems(**change)
@@ -86,13 +89,16 @@ def test_mha_refuses_mla_settings(change, message):
     dict(factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
     dict(factor=4.0, original_max_position_embeddings=16, beta_fast=16, beta_slow=2, mscale=0.9, mscale_all_dim=0.6),
     dict(factor=8.0, original_max_position_embeddings=64),
+    # gpt-oss's: the correction range not truncated to whole dims.
+    dict(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, truncate=False),
 ])
 def test_yarn_matches_transformers(params):
     hf = transformers.DeepseekV3Config(qk_rope_head_dim=64, max_position_embeddings=64 * 4096,
                                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, **params))
     inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
     ours = YaRN(params["factor"], params["original_max_position_embeddings"], params.get("beta_fast", 32),
-                params.get("beta_slow", 1), params.get("mscale"), params.get("mscale_all_dim"))
+                params.get("beta_slow", 1), params.get("mscale"), params.get("mscale_all_dim"),
+                params.get("truncate", True))
     torch.testing.assert_close(ours.inv_freq(64, 10000.0), inv_freq, rtol=1e-6, atol=0)
     assert ours.attention_factor() == pytest.approx(factor, rel=1e-12)
 

@@ -42,6 +42,10 @@ from test_mla import MLA_MODEL
 
 VOCAB, HIDDEN, LAYERS, SEQ, BATCH, STEPS, LR, MAX_NORM = 64, 32, 4, 16, 4, 3, 1e-2, 0.5
 
+GPTOSS_ATTENTION = dict(attention_sinks=True, sliding_window=5, local_attention_layers=[1, 0, 1, 0])
+LLAMA4_ATTENTION = dict(attention_chunk=6, local_attention_layers=[1, 1, 1, 0], rope_layers=[1, 1, 1, 0],
+                        qk_norm=True, qk_norm_scope="l2", attn_temperature_tuning=True, attn_temperature_floor=4)
+
 # name -> (world, layout sizes, micro-batches per rank, parallel config, model overrides).
 # tp > 1 implies SP; etp defaults to tp.
 CASES = {
@@ -80,6 +84,15 @@ CASES = {
     # holds moe settings).
     "family-ernie-tp2-cp2-a2a-ep2-packed": (4, dict(tp=2, cp=2, ep=2, etp=1), 2, dict(cp_kind="a2a"), dict(
         rope_interleave=True, moe=dict(pre_softmax=True, expert_bias=True, topk_norm_min=0.5))),
+    # Issue 29's attention features: gpt-oss's sinks with sliding and full layers alternating,
+    # Llama-4's chunked layers, NoPE layer, L2 QK-norm and temperature tuning (floor 4, so the
+    # factor changes inside these short sequences).
+    "attn-gptoss-cp2-ring-packed": (2, dict(cp=2), 2, dict(cp_kind="ring"), GPTOSS_ATTENTION),
+    "attn-gptoss-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), GPTOSS_ATTENTION),
+    "attn-llama4-cp2-a2a-ep2-packed": (2, dict(cp=2, ep=2), 2, dict(cp_kind="a2a"), LLAMA4_ATTENTION),
+    "attn-gptoss-cp2-a2a-tp2-packed": (4, dict(cp=2, tp=2), 2, dict(cp_kind="a2a"), GPTOSS_ATTENTION),
+    "attn-llama4-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), LLAMA4_ATTENTION),
+    "attn-llama4-tp2-ep2-etp1-dp2": (4, dict(tp=2, ep=2, etp=1), 2, dict(), LLAMA4_ATTENTION),
 }
 
 # Documents (lengths) of each row of the packed global batch; a row's documents fill it.
@@ -360,8 +373,12 @@ ISSUE_20 = {name for name in CASES if name.startswith("mtp-") or name == "tp2-qk
 ISSUE_20 |= {name for name in CASES if name.startswith("family-")}
 
 
-def _names(world, issue_20=False):
-    return [name for name, case in CASES.items() if case[0] == world and (name in ISSUE_20) == issue_20]
+ISSUE_29 = {name for name in CASES if name.startswith("attn-")}
+
+
+def _names(world, issue_20=False, issue_29=False):
+    return [name for name, case in CASES.items()
+            if case[0] == world and (name in ISSUE_20) == issue_20 and (name in ISSUE_29) == issue_29]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -376,6 +393,14 @@ def test_mtp_and_attention_variants_match_single_process(world):
     projection-wide QK-norm with partial rotary under tp, and ERNIE-4.5's interleaved rotary
     and softmax expert bias with a renormalisation floor under tp x cp x ep on packed documents."""
     names = _names(world, issue_20=True)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_new_attention_features_match_single_process(world):
+    """Sinks with sliding/full layers, and Llama-4's chunked + NoPE + L2 QK-norm +
+    temperature tuning, under ring and a2a cp (packed documents), tp + SP, pp and ep."""
+    names = _names(world, issue_29=True)
     _check(names, run_ranks(_rank, world, names, timeout=400))
 
 

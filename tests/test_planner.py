@@ -183,6 +183,17 @@ def test_params_equal_single_process_model(preset):
     assert sum(e.numel for e in param_manifest(config)) == sum(q.numel() for q in model.parameters())
 
 
+def test_params_with_attention_sinks_equal_single_process_model():
+    """Attention sinks (issue 29) are one tp-split logit per query head in every layer."""
+    from moe_fold.models.model import build_model
+
+    config = load_config("mixtral-tiny", ["parallel.ep=1", "model.attention_sinks=true", "model.sliding_window=8"])
+    model = build_model(config, ProcessGroups.single_process())
+    real = [(n, q.numel(), q.parallel) for n, q in model.named_parameters()]
+    assert any(n.endswith("attn.sinks") for n, _, _ in real)
+    assert [(e.name, e.numel, e.kind) for e in param_manifest(config)] == real
+
+
 def _mtp_params_rank(rank: int, world: int, overrides: list[str]) -> list:
     from moe_fold.models.model import build_model
 

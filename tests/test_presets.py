@@ -13,16 +13,19 @@ from moe_fold.training.train import train
 WORLDS = {"mixtral-8x7b": 64, "mixtral-8x22b": 128, "qwen2-57b-a14b": 64, "qwen3-30b-a3b": 8,
           "deepseek-v3": 1024, "mixtral-tiny": 4, "qwen2-moe-tiny": 1, "qwen3-moe-tiny": 1,
           "deepseek-tiny": 1, "deepseek-v3-tiny": 1, "deepseek-v2-lite": 8, "deepseek-v2-lite-tiny": 1,
-          "ernie-4.5-21b-a3b": 8, "ernie-4.5-tiny": 1, "minimax-m2": 128, "minimax-m2-tiny": 1}
+          "ernie-4.5-21b-a3b": 8, "ernie-4.5-tiny": 1, "minimax-m2": 128, "minimax-m2-tiny": 1,
+          "llama4-scout": 64, "llama4-tiny": 1, "gpt-oss-20b": 8, "gpt-oss-tiny": 1}
 
 # Published sizes in billions (total, active per token): model cards / reports.
 PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141.0, 39.0), "qwen2-57b-a14b": (57.4, 14.2),
              "qwen3-30b-a3b": (30.5, 3.3), "deepseek-v3": (671.0, 37.0), "deepseek-v2-lite": (15.7, 2.4),
-             "ernie-4.5-21b-a3b": (21, 3), "minimax-m2": (230.0, 10.0)}
+             "ernie-4.5-21b-a3b": (21, 3), "minimax-m2": (230.0, 10.0), "llama4-scout": (109.0, 17.0),
+             "gpt-oss-20b": (20.91, 3.61)}
 
-# The DeepSeek-V2 report counts a token's activated parameters without the input embedding
-# (a lookup): 2.66B with it, 2.45B without, for V2-Lite's 2.4B (where the embedding is 8%).
-ACTIVE_WITHOUT_INPUT_EMBEDDING = {"deepseek-v2-lite"}
+# Whose published active count leaves out the input embedding (a lookup, no FLOPs): the
+# DeepSeek-V2 report's 2.4B of V2-Lite (2.66B with it, 2.45B without; the embedding is 8%)
+# and the gpt-oss model card's 3.61B active of gpt-oss-20b.
+ACTIVE_WITHOUT_INPUT_EMBEDDING = {"deepseek-v2-lite", "gpt-oss-20b"}
 # MiniMax counts M2's 10B active parameters without the embedding and the head: 9.8B
 # without them, 11.0B with them (they are 1.2B of it).
 ACTIVE_WITHOUT_EMBEDDING_AND_HEAD = {"minimax-m2"}
@@ -42,8 +45,11 @@ def _counts(name: str) -> tuple[float, float, float]:
     m, moe = c.model, c.moe
     H, hd = m.hidden_size, head_dim(c)
     attn = H * m.num_heads * hd * 2 + 2 * H * m.num_kv_heads * hd + 2 * H  # q, o, k, v, two norms
-    if m.qk_norm:
+    if m.qk_norm and m.qk_norm_scope != "l2":  # Llama-4's L2 QK-norm has no weights
         attn += 2 * hd
+    # gpt-oss: q|k|v and o biases, one sink per head.
+    attn += (m.num_heads + 2 * m.num_kv_heads) * hd * m.qkv_bias + H * m.attention_out_bias
+    attn += m.num_heads * m.attention_sinks
     if m.attention == "mla":  # the linears, the latents' norms, two block norms
         attn = sum(a * b for a, b in mla_weight_shapes(m).values()) + (m.q_lora_rank or 0) + m.kv_lora_rank + 2 * H
     embed = m.vocab_size * H * (1 if m.tie_embeddings else 2) + H
@@ -52,8 +58,8 @@ def _counts(name: str) -> tuple[float, float, float]:
     for is_moe in moe_layer_flags(c):
         if is_moe:
             shared = 3 * H * moe.shared_expert_ffn_hidden_size + (H if moe.shared_expert_gate else 0)
-            router = moe.num_experts * H
-            expert = 3 * H * moe.ffn_hidden_size
+            router = moe.num_experts * (H + moe.router_bias)
+            expert = 3 * H * moe.ffn_hidden_size + (2 * moe.ffn_hidden_size + H) * moe.expert_linear_bias
             total += moe.num_experts * expert + shared + router
             active += moe.topk * expert + shared + router
             no_attn += moe.num_experts * expert + shared + router
@@ -110,7 +116,7 @@ def test_deepseek_v3_mtp_module_is_the_published_14b():
 
 @pytest.mark.parametrize("name", ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-tiny",
                                   "deepseek-v3-tiny", "deepseek-v2-lite-tiny", "ernie-4.5-tiny",
-                                  "minimax-m2-tiny"])
+                                  "minimax-m2-tiny", "llama4-tiny", "gpt-oss-tiny"])
 def test_tiny_presets_train(tmp_path, name):
     config = load_config(name, [f"train.run_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
                                 "parallel.ep=1", "model.seq_length=32", "train.steps=4", "optimizer.warmup_steps=1",

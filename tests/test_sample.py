@@ -62,6 +62,20 @@ def bpe_run(tmp_path_factory) -> Path:
                       "model.vocab_size=320")
 
 
+@pytest.fixture(scope="module")
+def gpt_oss_run(tmp_path_factory) -> Path:
+    """gpt-oss-tiny trained 12 steps from the command line on 2 ranks (ep 2): sinks, a
+    sliding window shorter than the prompt plus the new tokens, biased experts."""
+    root = tmp_path_factory.mktemp("gpt_oss_run")
+    sets = [f"train.run_dir={root / 'run'}", f"data.cache_dir={root / 'cache'}", "model.num_layers=2",
+            "model.local_attention_layers=[1, 0]", "model.sliding_window=8", "model.seq_length=64",
+            "train.micro_batch_size=4", "train.global_batch_size=8", "optimizer.lr=1e-2", "optimizer.warmup_steps=1",
+            "wandb.mode=disabled", "parallel.ep=2", "train.steps=12", "train.save_every=12"]
+    argv = ["train", "--config", "gpt-oss-tiny", "--nproc", "2", "--no-progress"]
+    assert main(argv + [arg for value in sets for arg in ("--set", value)]) == 0
+    return root / "run" / "checkpoints" / "step_000012"
+
+
 def _ours(checkpoint: Path, spec: str, options: dict, nproc: int = 1, layout: tuple[str, ...] = ()) -> list[list[int]]:
     """The tokens ``moe-fold sample`` generates, per rank."""
     config = sample_config(load_config(checkpoint / "config.yaml", list(layout)), nproc)
@@ -155,12 +169,13 @@ def test_byte_tokenizer_json_is_the_byte_tokenizer():
         assert tok.decode(ids) == ours.decode(ids), ids
 
 
-@pytest.mark.parametrize("which", ["byte", "bpe"])
-def test_exported_model_generates_what_sample_gives(which, byte_run, bpe_run, tmp_path):
+@pytest.mark.parametrize("which", ["byte", "bpe", "gpt_oss"])
+def test_exported_model_generates_what_sample_gives(which, request, tmp_path):
     """convert -> AutoTokenizer + AutoModelForCausalLM.generate: the same prompt ids, the
-    same greedy tokens (and logits) as ``moe-fold sample``, the same decoded text."""
+    same greedy tokens (and logits) as ``moe-fold sample``, the same decoded text (for
+    gpt_oss: a GptOssForCausalLM, its sliding window and sinks included)."""
     transformers = pytest.importorskip("transformers")
-    checkpoint = byte_run if which == "byte" else bpe_run
+    checkpoint = request.getfixturevalue(f"{which}_run")
     spec = load_config(checkpoint / "config.yaml").data.tokenizer
     out = tmp_path / "hf"
     assert main(["convert", str(checkpoint), str(out), "--no-progress"]) == 0

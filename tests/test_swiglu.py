@@ -257,3 +257,48 @@ def test_cpu_backend_thread_pool_works_in_a_forked_child():
     finally:
         torch.set_num_threads(before)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _gpt_oss_gate(gate, up, alpha, limit):
+    """transformers' GptOssExperts._apply_gate itself, fed its interleaved layout."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    interleaved = torch.stack([gate, up], dim=-1).flatten(-2)  # [..., F, 2] -> [..., 2F]: g0 u0 g1 u1 ...
+    return GptOssExperts._apply_gate(SimpleNamespace(alpha=alpha, limit=limit), interleaved)
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_clamped_swiglu_matches_transformers_gpt_oss(with_probs):
+    from moe_fold.kernels.swiglu import clamped_swiglu
+
+    torch.manual_seed(0)
+    # Wide enough that both clamps bite (|x| up to ~20 against limit 7) on both sides.
+    x = torch.randn(13, 2 * 11, dtype=torch.float64) * 8
+    probs = torch.rand(13, dtype=torch.float64) if with_probs else None
+    gate, up = x.chunk(2, dim=-1)
+    assert (gate > 7).any() and (up < -7).any() and (up > 7).any()
+    ref = _gpt_oss_gate(gate, up, 1.702, 7.0)
+    if with_probs:
+        ref = ref * probs[:, None]
+    torch.testing.assert_close(clamped_swiglu(x, probs, alpha=1.702, limit=7.0), ref, rtol=0, atol=1e-12)
+    # Gradients of x (and probs) in float64 against finite differences, clamps included.
+    xg = x.clone().requires_grad_()
+    pg = None if probs is None else probs.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, p: clamped_swiglu(a, p, alpha=1.702, limit=7.0), (xg, pg))
+
+
+def test_clamped_swiglu_bf16_rounds_once_and_bad_shapes_raise():
+    from moe_fold.kernels.swiglu import clamped_swiglu
+
+    torch.manual_seed(1)
+    x = torch.randn(5, 8) * 4
+    out = clamped_swiglu(x.bfloat16(), alpha=1.5, limit=3.0)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, clamped_swiglu(x.bfloat16().float(), alpha=1.5, limit=3.0).bfloat16(),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="even last dim"):
+        clamped_swiglu(torch.randn(3, 5), alpha=1.0, limit=1.0)
+    with pytest.raises(ValueError, match=r"probs shape \(4,\) must be \(3,\)"):
+        clamped_swiglu(torch.randn(3, 4), torch.rand(4), alpha=1.0, limit=1.0)

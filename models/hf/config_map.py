@@ -1,8 +1,8 @@
 """Hugging Face ``config.json`` <-> our :class:`~moe_fold.config.Config`, for
 ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``,
 ``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``, ``Glm4MoeForCausalLM``,
-``OlmoeForCausalLM``, ``Ernie4_5_MoeForCausalLM`` and ``MiniMaxM2ForCausalLM``
-(docs/families/ has a table per family of DeepSeek-V2, ERNIE-4.5 and MiniMax-M2).
+``OlmoeForCausalLM``, ``Ernie4_5_MoeForCausalLM``, ``MiniMaxM2ForCausalLM``,
+``Llama4ForCausalLM`` and ``GptOssForCausalLM`` (docs/families/ has a table per family).
 
 Import is strict: every key of ``config.json`` is either mapped to a field of ours,
 checked to hold a value we compute the same way (``hidden_act: silu``, no rope scaling,
@@ -58,6 +58,21 @@ all experts for the choice, the chosen probabilities divided by max(sum, ``moe_n
 
 MiniMax-M2: OLMoE's QK-norm over the projections, partial rotary (``rotary_dim``) and
 DeepSeek-V3's biased, renormalised sigmoid top-k without groups, every layer MoE.
+
+Llama-4 text (``Llama4ForCausalLM``, docs/families/llama4.md): top-1 sigmoid routing whose
+prob scales the expert's input (``moe.score_on_input``), an ungated shared expert of the
+experts' width, MoE on ``moe_layers``, chunked attention on the ``chunked_attention``
+layers (``model.attention_chunk``, ``model.local_attention_layers``), no rotary where
+``no_rope_layers`` is 0 (``model.rope_layers``), rotary in interleaved pairs, the
+unweighted L2 QK-norm (``model.qk_norm_scope: l2``) and temperature tuning.
+
+gpt-oss (``GptOssForCausalLM``, docs/families/gpt-oss.md): ``attention_bias`` on q, k, v
+and o (``model.qkv_bias``, ``model.attention_out_bias``), attention sinks, a sliding window
+on the ``layer_types`` ``sliding_attention`` layers, YaRN without truncation
+(``model.yarn_truncate: false``); a router with bias and softmax over the top-k logits
+(``moe.router_bias``, ``pre_softmax: false``); experts with biases and the clamped SwiGLU
+(``moe.expert_linear_bias``, ``moe.activation: clamped_swiglu``, ``swiglu_alpha``,
+``swiglu_limit``). MXFP4 checkpoints (``quantization_config``) are refused.
 """
 
 from __future__ import annotations
@@ -75,7 +90,8 @@ FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
             "deepseek_v3": "DeepseekV3ForCausalLM",
             "glm4_moe": "Glm4MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-            "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
+            "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
+            "llama4_text": "Llama4ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 # Keys that do not change what the network computes from token ids.
 METADATA_KEYS = frozenset({
@@ -169,8 +185,9 @@ def _rope_theta(keys: _Keys, default: float, partial_rotary: bool = False) -> fl
 def _check_window(keys: _Keys, seq_length: int, sliding_layers: bool) -> None:
     window = keys.get("sliding_window", None)
     if sliding_layers and window is not None and window < seq_length:
-        keys.problems.append(f"sliding_window={window} is smaller than model.seq_length={seq_length}: sliding-window "
-                             f"attention is not implemented (a window >= the sequence is plain causal attention)")
+        keys.problems.append(f"sliding_window={window} is smaller than model.seq_length={seq_length}: this importer "
+                             f"does not map {keys.family}'s sliding window to model.sliding_window (a window >= the "
+                             f"sequence is plain causal attention)")
 
 
 def _num_experts(keys: _Keys, name: str, alias: str) -> Optional[int]:
@@ -197,6 +214,10 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
         m.seq_length = int(keys.get("max_position_embeddings", m.seq_length))
     m.qk_norm_scope, m.partial_rotary_factor, m.mtp_num_layers = "head", 1.0, 0
     moe.topk_norm_min = None  # ERNIE-4.5's alone
+    _reset_attention_features(config)
+    # gpt-oss's features: none of a gpt-oss base config stays in another family.
+    m.attention_out_bias, m.yarn_truncate = False, True
+    moe.router_bias, moe.expert_linear_bias, moe.activation = False, False, "swiglu"
     if family in ("deepseek_v2", "deepseek_v3"):
         (_deepseek_v2_from_hf if family == "deepseek_v2" else _deepseek_v3_from_hf)(keys, config)
         return _finish(keys, family, config)
@@ -205,9 +226,15 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                  *_YARN_KEYS.values()):
         setattr(m, name, None)
-    m.yarn_beta_fast, m.yarn_beta_slow = 32.0, 1.0
+    m.yarn_beta_fast, m.yarn_beta_slow, m.yarn_truncate = 32.0, 1.0, True
+    if family == "gpt_oss":
+        _gpt_oss_from_hf(keys, config)
+        return _finish(keys, family, config)
     if family == "glm4_moe":
         _glm4_moe_from_hf(keys, config)
+        return _finish(keys, family, config)
+    if family == "llama4_text":
+        _llama4_text_from_hf(keys, config)
         return _finish(keys, family, config)
     if family == "ernie4_5_moe":
         _ernie4_5_moe_from_hf(keys, config)
@@ -288,6 +315,84 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     return _finish(keys, family, config)
 
 
+def _reset_attention_features(config: Config) -> None:
+    """Nothing of a base config's attention features or expert-input scaling stays: the
+    importing family sets what it has."""
+    m = config.model
+    m.attention_sinks, m.sliding_window, m.attention_chunk = False, 0, 0
+    m.local_attention_layers, m.rope_layers = None, None
+    m.attn_temperature_tuning, m.attn_temperature_scale, m.attn_temperature_floor = False, 0.1, 8192
+    config.moe.score_on_input = False
+
+
+def _llama4_text_from_hf(keys: _Keys, config: Config) -> None:
+    m, moe = config.model, config.moe
+    m.vocab_size = keys.get("vocab_size")
+    m.hidden_size = keys.get("hidden_size")
+    m.num_layers = keys.get("num_hidden_layers")
+    m.num_heads = keys.get("num_attention_heads")
+    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
+        raise HFConfigError(keys.problems, "cannot import llama4_text config")
+    L = m.num_layers
+    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
+    explicit_head_dim = keys.get("head_dim", None)
+    m.head_dim = int(explicit_head_dim) if explicit_head_dim is not None else m.hidden_size // m.num_heads
+    m.norm_eps = float(keys.get("rms_norm_eps", 1e-5))
+    m.tie_embeddings = bool(keys.get("tie_word_embeddings", False))
+    m.init_std = float(keys.get("initializer_range", 0.02))
+    m.rope_theta = _rope_theta(keys, 500000.0)  # refuses Scout's llama3 rope scaling
+    m.rope_interleave = True  # Llama-4 rotates (x0, x1), (x2, x3)... as complex numbers
+    m.ffn_hidden_size = keys.get("intermediate_size_mlp")
+    m.qkv_bias = False
+    m.qk_norm = bool(keys.get("use_qk_norm", True))
+    m.qk_norm_scope = "l2"
+    keys.must_be("hidden_act", ("silu",), "the MLPs and experts are SwiGLU (silu)")
+    keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
+    keys.must_be("attention_bias", (False,), "attention projections have no biases here")
+    keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
+    keys.get("for_llm_compressor", None)  # a quantisation-tooling flag: no effect on the math
+    # Rotary on the layers where no_rope_layers is 1 (its default: every no_rope_layer_interval-th layer is NoPE).
+    interval = keys.get("no_rope_layer_interval", 4)
+    rope = keys.get("no_rope_layers", None) or [int((i + 1) % interval != 0) for i in range(L)]
+    if len(rope) != L or any(f not in (0, 1) for f in rope):
+        keys.problems.append(f"no_rope_layers={rope!r} must be {L} flags of 0 or 1")
+    m.rope_layers = None if all(rope) else [int(f) for f in rope]
+    # Chunked attention on the chunked_attention layers (default: the rotary layers).
+    layer_types = keys.get("layer_types", None) or ["chunked_attention" if f else "full_attention" for f in rope]
+    odd = sorted(set(layer_types) - {"full_attention", "chunked_attention"})
+    if odd or len(layer_types) != L:
+        keys.problems.append(f"layer_types={layer_types!r} must be {L} of full_attention and chunked_attention")
+    chunk = keys.get("attention_chunk_size", None)
+    local = [int(t == "chunked_attention") for t in layer_types]
+    if any(local) and chunk is None:
+        keys.problems.append("layer_types has chunked_attention layers but attention_chunk_size is null")
+    if any(local) and chunk is not None:
+        m.attention_chunk = int(chunk)
+        m.local_attention_layers = None if all(local) else local
+    m.attn_temperature_tuning = bool(keys.get("attn_temperature_tuning", True))
+    m.attn_temperature_floor = int(keys.get("floor_scale", 8192))
+    m.attn_temperature_scale = float(keys.get("attn_scale", 0.1))
+
+    moe.num_experts = keys.get("num_local_experts")
+    moe.topk = keys.get("num_experts_per_tok", 1)
+    if moe.topk != 1:
+        keys.problems.append(f"num_experts_per_tok={moe.topk} is not supported: Llama-4 keeps each expert's sigmoid "
+                             f"as it is, moe-fold renormalises sigmoid probs over k > 1 experts")
+    moe.ffn_hidden_size = keys.get("intermediate_size")
+    moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate = moe.ffn_hidden_size, False
+    moe.score_function, moe.pre_softmax, moe.expert_bias, moe.score_on_input = "sigmoid", False, False, True
+    moe.num_groups, moe.group_topk, moe.group_score = None, None, "topk_sum"
+    moe.scaling_factor, moe.first_k_dense = None, 0
+    moe.aux_loss_coeff = float(keys.get("router_aux_loss_coef", 0.001))
+    moe.input_jitter = float(keys.get("router_jitter_noise", 0.0))
+    step = keys.get("interleave_moe_layer_step", 1)
+    moe_layers = keys.get("moe_layers", None)
+    if moe_layers is None:
+        moe_layers = list(range(step - 1, L, step)) if isinstance(step, int) and step >= 1 else []
+    flags = [int(i in set(moe_layers)) for i in range(L)]
+    moe.moe_layer_freq = 1 if all(flags) else flags
+
+
 def _finish(keys: _Keys, family: str, config: Config) -> Config:
     """Refuse the keys nobody read, then every problem found."""
     unknown = keys.unknown()
@@ -319,11 +424,11 @@ def _deepseek_rope(keys: _Keys, m) -> None:
     for field in _YARN_KEYS.values():
         setattr(m, field, None)
     m.yarn_beta_fast, m.yarn_beta_slow = 32.0, 1.0
+    m.yarn_truncate = True
     if kind == "yarn":
         m.rope_scaling = "yarn"
-        if params.pop("truncate", True) is not True:
-            keys.problems.append("rope_parameters.truncate=false is not supported: YaRN's correction range is "
-                                 "truncated to whole dims here")
+        # false (gpt-oss): the correction range keeps its fractional ends.
+        m.yarn_truncate = bool(params.pop("truncate", True))
         if params.get("attention_factor") is not None:
             keys.problems.append(f"rope_parameters.attention_factor={params['attention_factor']!r} is not "
                                  f"supported: the attention factor is derived from factor, mscale and mscale_all_dim")
@@ -335,7 +440,7 @@ def _deepseek_rope(keys: _Keys, m) -> None:
         if m.yarn_factor is None and m.yarn_original_max_position_embeddings:
             m.yarn_factor = float(keys.get("max_position_embeddings")) / m.yarn_original_max_position_embeddings
     elif kind != "default":
-        keys.problems.append(f"rope_parameters.rope_type={kind!r} is not supported for deepseek_v3: only "
+        keys.problems.append(f"rope_parameters.rope_type={kind!r} is not supported for {keys.family}: only "
                              f"'default' and 'yarn'")
     if params.get("partial_rotary_factor", 1.0) in (None, 1.0):
         params.pop("partial_rotary_factor", None)
@@ -696,16 +801,91 @@ def _ernie4_5_moe_to_hf(config: Config, flags: list[bool], refuse, problems: lis
     }
 
 
+def _gpt_oss_attention_from_hf(keys: _Keys, m) -> None:
+    """gpt-oss's attention features: sinks on every layer, a sliding window of
+    ``sliding_window`` keys (the query's own included) on the ``sliding_attention`` layers
+    of ``layer_types`` (transformers' default: the even layers)."""
+    m.attention_sinks = True
+    layer_types = keys.get("layer_types", None)
+    if layer_types is None:
+        layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(m.num_layers)]
+    odd = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if odd:
+        keys.problems.append(f"layer_types has {odd}: only full_attention and sliding_attention are known")
+    if len(layer_types) != m.num_layers:
+        keys.problems.append(f"layer_types has {len(layer_types)} entries for num_hidden_layers={m.num_layers}")
+    window = keys.get("sliding_window", None)
+    flags = [int(kind == "sliding_attention") for kind in layer_types]
+    if window is None or not any(flags):
+        m.sliding_window, m.local_attention_layers = 0, None
+    else:
+        m.sliding_window = int(window)
+        m.local_attention_layers = None if all(flags) else flags
+
+
+def _gpt_oss_from_hf(keys: _Keys, config: Config) -> None:
+    """gpt-oss: grouped-query attention with biases on q, k, v and o, attention sinks, a
+    sliding window on the ``sliding_attention`` layers, YaRN rotary (not truncated); every
+    layer MoE, a router with bias (softmax over the top-k logits), experts with biases and
+    the clamped SwiGLU. MXFP4-quantized checkpoints (``quantization_config``) are refused."""
+    m, moe = config.model, config.moe
+    quant = keys.get("quantization_config", None)
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        keys.problems.append(f"quantization_config (quant_method={method!r}) is not supported: moe-fold reads "
+                             f"bfloat16/float32 gpt-oss checkpoints only; dequantize first (transformers: "
+                             f"from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), then "
+                             f"save_pretrained)")
+    m.vocab_size = keys.get("vocab_size")
+    m.hidden_size = keys.get("hidden_size")
+    m.num_layers = keys.get("num_hidden_layers")
+    m.num_heads = keys.get("num_attention_heads")
+    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
+        raise HFConfigError(keys.problems, "cannot import gpt_oss config")
+    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
+    explicit_head_dim = keys.get("head_dim", None)
+    m.head_dim = int(explicit_head_dim) if explicit_head_dim is not None else m.hidden_size // m.num_heads
+    m.norm_eps = float(keys.get("rms_norm_eps", 1e-5))
+    m.tie_embeddings = bool(keys.get("tie_word_embeddings", False))
+    m.init_std = float(keys.get("initializer_range", 0.02))
+    m.qk_norm, m.partial_rotary_factor = False, 1.0
+    # attention_bias covers all four projections here (q|k|v and o).
+    m.qkv_bias = m.attention_out_bias = bool(keys.get("attention_bias", True))
+    _deepseek_rope(keys, m)
+    _gpt_oss_attention_from_hf(keys, m)
+    keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
+    keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
+    # The experts' activation is the clamped SwiGLU whatever hidden_act says (transformers ignores it too).
+    keys.get("hidden_act", None)
+    moe.num_experts = _num_experts(keys, "num_local_experts", "num_experts")
+    moe.topk = keys.get("num_experts_per_tok")
+    moe.ffn_hidden_size = keys.get("intermediate_size")
+    m.ffn_hidden_size = moe.ffn_hidden_size  # no dense layers; kept equal for a tidy config
+    moe.moe_layer_freq, moe.first_k_dense = 1, 0
+    moe.score_function, moe.pre_softmax, moe.num_groups, moe.group_topk = "softmax", False, None, None
+    moe.group_score, moe.scaling_factor, moe.expert_bias, moe.input_jitter = "topk_sum", None, False, 0.0
+    moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate = 0, False
+    moe.aux_loss_coeff = float(keys.get("router_aux_loss_coef", 0.001))
+    moe.router_bias, moe.expert_linear_bias, moe.activation = True, True, "clamped_swiglu"
+    moe.swiglu_alpha = float(keys.get("swiglu_alpha", 1.702))
+    moe.swiglu_limit = float(keys.get("swiglu_limit", 7.0))
+
+
 def export_family(config: Config) -> str:
     """The family a model of ``config`` exports to: DeepSeek-V2 with MLA and softmax routing,
     DeepSeek-V3 with MLA and sigmoid, ERNIE-4.5 with interleaved rotary pairs, a softmax
     expert bias or a top-k renormalisation floor, MiniMax-M2 with a QK-norm over the
     projections and sigmoid routing, OLMoE with a
     QK-norm over the projections, GLM-4.5 with an expert bias, partial rotary or MTP,
-    Qwen3-MoE with QK-norm, Qwen2-MoE with a shared expert or q|k|v biases, else Mixtral."""
+    Qwen3-MoE with QK-norm, Qwen2-MoE with a shared expert or q|k|v biases, Llama-4 with
+    expert-input scaling, chunked attention or the L2 QK-norm, else Mixtral."""
     m, moe = config.model, config.moe
     if m.attention == "mla":
         return "deepseek_v2" if moe.score_function == "softmax" else "deepseek_v3"
+    if moe.score_on_input or m.attention_chunk or (m.qk_norm and m.qk_norm_scope == "l2"):
+        return "llama4_text"
+    if moe.router_bias or moe.expert_linear_bias or moe.activation == "clamped_swiglu" or m.attention_sinks:
+        return "gpt_oss"
     if m.rope_interleave or moe.topk_norm_min is not None or (moe.expert_bias and moe.score_function == "softmax"):
         return "ernie4_5_moe"
     if m.qk_norm and m.qk_norm_scope == "projection":
@@ -735,7 +915,7 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
 
     refuse(family not in ("deepseek_v2", "deepseek_v3") and m.attention == "mla",
            f"model.attention=mla: {family} has standard attention (DeepSeek-V2 and -V3 have MLA)")
-    refuse(family not in ("glm4_moe", "olmoe", "minimax_m2") and m.qk_norm and m.qk_norm_scope != "head",
+    refuse(family not in ("glm4_moe", "olmoe", "minimax_m2", "llama4_text") and m.qk_norm and m.qk_norm_scope != "head",
            f"model.qk_norm_scope={m.qk_norm_scope}: {family} normalises each head (OLMoE normalises the whole "
            f"projections)")
     refuse(family not in ("glm4_moe", "minimax_m2") and m.partial_rotary_factor != 1.0,
@@ -744,11 +924,30 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
     refuse(family not in ("deepseek_v3", "glm4_moe") and m.mtp_num_layers > 0,
            f"model.mtp_num_layers={m.mtp_num_layers}: {family} has no multi-token prediction (DeepSeek-V3 and "
            f"GLM-4.5 have)")
-    refuse(family not in ("deepseek_v2", "deepseek_v3", "ernie4_5_moe") and m.rope_interleave,
-           f"model.rope_interleave=true: {family} rotates two halves of each head (DeepSeek and ERNIE-4.5 rotate "
-           f"interleaved pairs)")
+    refuse(family not in ("deepseek_v2", "deepseek_v3", "ernie4_5_moe", "llama4_text") and m.rope_interleave,
+           f"model.rope_interleave=true: {family} rotates two halves of each head (DeepSeek, ERNIE-4.5 and Llama-4 "
+           f"rotate interleaved pairs)")
     refuse(family != "ernie4_5_moe" and moe.topk_norm_min is not None,
            f"moe.topk_norm_min={moe.topk_norm_min}: {family} has no renormalisation floor (ERNIE-4.5's moe_norm_min)")
+    # gpt-oss's features: refused by every other family.
+    if family != "gpt_oss":
+        refuse(moe.router_bias, f"moe.router_bias=true: {family}'s router has no bias (gpt-oss's has)")
+        refuse(moe.expert_linear_bias, f"moe.expert_linear_bias=true: {family}'s experts have no biases (gpt-oss's "
+                                       f"have)")
+        refuse(moe.activation != "swiglu", f"moe.activation={moe.activation}: {family}'s experts are plain SwiGLU")
+        refuse(m.attention_out_bias, f"model.attention_out_bias=true: {family}'s output projection has no bias "
+                                     f"(gpt-oss's has)")
+        refuse(m.rope_scaling == "yarn" and family not in ("deepseek_v2", "deepseek_v3"),
+               f"model.rope_scaling=yarn: {family} has unscaled rotary embeddings here")
+    if family == "gpt_oss":
+        return _gpt_oss_to_hf(config, flags, refuse, problems, dtype)
+    if family == "llama4_text":
+        return _llama4_text_to_hf(config, flags, refuse, problems, dtype)
+    # The attention features and expert-input scaling: only Llama-4 and gpt-oss (above) hold them.
+    for name, off in (("attention_sinks", False), ("sliding_window", 0), ("attention_chunk", 0),
+                      ("rope_layers", None), ("attn_temperature_tuning", False)):
+        refuse(getattr(m, name) != off, f"model.{name}={getattr(m, name)!r}: {family} has no such attention setting")
+    refuse(moe.score_on_input, f"moe.score_on_input=true: {family} scales each expert's output by its prob")
     if family == "deepseek_v3":
         return _deepseek_v3_to_hf(config, flags, refuse, problems, dtype)
     if family == "deepseek_v2":
@@ -816,6 +1015,104 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
     return hf
 
 
+def _rope_to_hf(m) -> dict:
+    """``rope_parameters``: default, or YaRN with its keys (``truncate`` only when false)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling == "yarn":
+        rope["rope_type"] = "yarn"
+        rope.update({theirs: getattr(m, ours) for theirs, ours in _YARN_KEYS.items()
+                     if getattr(m, ours) is not None})
+        if not m.yarn_truncate:
+            rope["truncate"] = False
+    return rope
+
+
+def _gpt_oss_to_hf(config: Config, flags: list[bool], refuse, problems: list[str], dtype: str) -> dict:
+    m, moe = config.model, config.moe
+    refuse(m.qk_norm, "model.qk_norm=true: gpt-oss has no QK-norm")
+    refuse(m.qkv_bias != m.attention_out_bias,
+           f"model.qkv_bias={m.qkv_bias} with model.attention_out_bias={m.attention_out_bias}: gpt-oss's "
+           f"attention_bias sets both")
+    refuse(not m.attention_sinks, "model.attention_sinks=false: gpt-oss's attention always has sinks")
+    refuse(m.attention_chunk > 0, f"model.attention_chunk={m.attention_chunk}: gpt-oss has no chunked attention")
+    refuse(m.rope_layers is not None, "model.rope_layers is set: every gpt-oss layer has rotary embeddings")
+    refuse(m.attn_temperature_tuning, "model.attn_temperature_tuning=true: gpt-oss has no temperature tuning")
+    refuse(m.rope_interleave, "model.rope_interleave=true: gpt-oss rotates two halves of each head")
+    refuse(moe.score_on_input, "moe.score_on_input=true: gpt-oss scales each expert's output by its prob")
+    refuse(not all(flags), f"moe layer pattern {[int(f) for f in flags]}: every gpt-oss layer is MoE")
+    refuse(moe.score_function != "softmax" or moe.pre_softmax,
+           f"moe.score_function={moe.score_function}, moe.pre_softmax={moe.pre_softmax}: gpt-oss takes the softmax "
+           f"of the top-k logits (softmax, pre_softmax=false)")
+    refuse(moe.num_groups is not None, f"moe.num_groups={moe.num_groups}: gpt-oss has no group-limited routing")
+    refuse(moe.scaling_factor is not None, f"moe.scaling_factor={moe.scaling_factor}: gpt-oss does not scale probs")
+    refuse(moe.expert_bias, "moe.expert_bias=true: gpt-oss's router has a learned bias, not an expert bias")
+    refuse(moe.shared_expert_ffn_hidden_size > 0,
+           f"moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size}: gpt-oss has no shared expert")
+    refuse(not moe.router_bias, "moe.router_bias=false: gpt-oss's router always has a bias")
+    refuse(not moe.expert_linear_bias, "moe.expert_linear_bias=false: gpt-oss's experts always have biases")
+    refuse(moe.activation != "clamped_swiglu",
+           f"moe.activation={moe.activation}: gpt-oss's experts use the clamped SwiGLU")
+    if problems:
+        raise HFConfigError(problems, "cannot export to gpt_oss")
+    local = [bool(f) for f in (m.local_attention_layers or [1] * m.num_layers)]
+    sliding = m.sliding_window > 0
+    return {
+        "architectures": [FAMILIES["gpt_oss"]], "model_type": "gpt_oss", "dtype": dtype,
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": head_dim(config),
+        "intermediate_size": moe.ffn_hidden_size, "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.topk, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
+        "max_position_embeddings": m.seq_length, "attention_dropout": 0.0, "attention_bias": m.qkv_bias,
+        "rope_parameters": _rope_to_hf(m),
+        "layer_types": ["sliding_attention" if sliding and f else "full_attention" for f in local],
+        "sliding_window": m.sliding_window if sliding else None,
+        "swiglu_alpha": moe.swiglu_alpha, "swiglu_limit": moe.swiglu_limit,
+        "router_aux_loss_coef": moe.aux_loss_coeff,
+    }
+
+
+def _llama4_text_to_hf(config: Config, flags: list[bool], refuse, problems: list[str], dtype: str) -> dict:
+    m, moe = config.model, config.moe
+    rope = [1] * m.num_layers if m.rope_layers is None else list(m.rope_layers)
+    local = [1] * m.num_layers if m.local_attention_layers is None else list(m.local_attention_layers)
+    refuse(moe.score_function != "sigmoid" or moe.topk != 1,
+           f"moe.score_function={moe.score_function} with moe.topk={moe.topk}: Llama-4 routes each token to "
+           f"its top-1 expert by sigmoid")
+    refuse(not moe.score_on_input, "moe.score_on_input=false: Llama-4 scales each expert's input by its prob")
+    for name, off in (("expert_bias", False), ("num_groups", None), ("scaling_factor", None),
+                      ("shared_expert_gate", False), ("pre_softmax", False)):
+        refuse(getattr(moe, name) != off, f"moe.{name}={getattr(moe, name)!r}: Llama-4's router has no such setting")
+    refuse(moe.shared_expert_ffn_hidden_size != moe.ffn_hidden_size,
+           f"moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size}: Llama-4's shared expert is "
+           f"as wide as its experts (moe.ffn_hidden_size={moe.ffn_hidden_size})")
+    refuse(m.qkv_bias, "model.qkv_bias=true: Llama-4's attention projections have no biases")
+    refuse(m.qk_norm and m.qk_norm_scope != "l2",
+           f"model.qk_norm_scope={m.qk_norm_scope}: Llama-4's QK-norm is the unweighted L2 norm after rotary")
+    refuse(not m.rope_interleave and any(rope), "model.rope_interleave=false: Llama-4 rotates interleaved pairs")
+    refuse(m.attention_sinks, "model.attention_sinks=true: Llama-4 has no attention sinks")
+    refuse(m.sliding_window != 0, f"model.sliding_window={m.sliding_window}: Llama-4's local layers are chunked")
+    if problems:
+        raise HFConfigError(problems, "cannot export to llama4_text")
+    chunked = [bool(m.attention_chunk) and f == 1 for f in local]
+    return {
+        "architectures": [FAMILIES["llama4_text"]], "model_type": "llama4_text", "dtype": dtype,
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": head_dim(config),
+        "intermediate_size": moe.ffn_hidden_size, "intermediate_size_mlp": m.ffn_hidden_size,
+        "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
+        "initializer_range": m.init_std, "max_position_embeddings": m.seq_length, "attention_dropout": 0.0,
+        "attention_bias": False, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "num_local_experts": moe.num_experts, "num_experts_per_tok": 1, "router_aux_loss_coef": moe.aux_loss_coeff,
+        "router_jitter_noise": moe.input_jitter, "moe_layers": [i for i, f in enumerate(flags) if f],
+        "interleave_moe_layer_step": 1, "use_qk_norm": m.qk_norm, "no_rope_layers": rope,
+        "attention_chunk_size": m.attention_chunk or None,
+        "layer_types": ["chunked_attention" if c else "full_attention" for c in chunked],
+        "attn_temperature_tuning": m.attn_temperature_tuning, "floor_scale": m.attn_temperature_floor,
+        "attn_scale": m.attn_temperature_scale,
+    }
+
+
 def _deepseek_moe_to_hf(config: Config, flags: list[bool], refuse) -> dict:
     """The config.json keys of DeepSeek-V3's MoE layers and MTP (GLM-4.5's too)."""
     m, moe = config.model, config.moe
@@ -868,11 +1165,7 @@ def _deepseek_v3_to_hf(config: Config, flags: list[bool], refuse, problems: list
 
 def _mla_rope(m) -> dict:
     """``rope_parameters`` of an MLA model: default or YaRN."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
-    if m.rope_scaling == "yarn":
-        rope["rope_type"] = "yarn"
-        rope.update({theirs: getattr(m, ours) for theirs, ours in _YARN_KEYS.items()
-                     if getattr(m, ours) is not None})
+    rope = _rope_to_hf(m)
     return rope
 
 

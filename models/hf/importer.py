@@ -77,10 +77,13 @@ _ARCHITECTURE = {
               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
               "rope_scaling", "yarn_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "qk_norm_scope", "partial_rotary_factor",
-              "mtp_num_layers"),
+              "mtp_num_layers", "attention_sinks", "sliding_window", "attention_chunk", "local_attention_layers",
+              "rope_layers", "attn_temperature_tuning", "attn_temperature_scale", "attn_temperature_floor",
+              "attention_out_bias", "yarn_truncate"),
     "moe": ("num_experts", "topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate",
             "score_function", "pre_softmax", "num_groups", "group_topk", "group_score", "scaling_factor", "expert_bias",
-            "topk_norm_min"),
+            "topk_norm_min", "score_on_input", "router_bias", "expert_linear_bias", "activation", "swiglu_alpha",
+            "swiglu_limit"),
 }
 
 
@@ -180,7 +183,8 @@ def from_hf(path: PathLike, groups: Optional[ProcessGroups] = None, config: Opti
     """This rank's model with the weights of the Hugging Face folder ``path``
     (``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``,
     ``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``, ``Glm4MoeForCausalLM``,
-    ``OlmoeForCausalLM``, ``Ernie4_5_MoeForCausalLM``, ``MiniMaxM2ForCausalLM``).
+    ``OlmoeForCausalLM``, ``Ernie4_5_MoeForCausalLM``, ``MiniMaxM2ForCausalLM``,
+    ``GptOssForCausalLM``, ``Llama4ForCausalLM``).
 
     Returns the model; its ``.config`` is our :class:`~moe_fold.config.Config` for it.
     ``groups`` (default: one process) is the layout to shard into. ``config`` gives the

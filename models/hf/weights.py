@@ -22,7 +22,11 @@ expert bias, a buffer), per-expert ``gate_proj``/``up_proj``/``down_proj`` and t
 ungated ``mlp.shared_experts.*``. DeepSeek-V2's are DeepSeek-V3's names without the
 score correction bias; ERNIE-4.5's MoE layers DeepSeek-V3's names, with the bias
 ``mlp.moe_statics.e_score_correction_bias`` ``[1, E]``. MiniMax-M2's MoE block is
-Mixtral's, with ``block_sparse_moe.e_score_correction_bias``. Transformers 5 holds experts fused in
+Mixtral's, with ``block_sparse_moe.e_score_correction_bias``. gpt-oss:
+``self_attn.{q,k,v,o}_proj.bias``, ``self_attn.sinks``, ``mlp.router.{weight,bias}`` and its
+experts fused as ``[in, out]`` (``mlp.experts.gate_up_proj [E, H, 2F]`` with gate and up
+interleaved, de-interleaved by :class:`Halves`, ``gate_up_proj_bias``, ``down_proj [E, F, H]``,
+``down_proj_bias``), read and written in that form. Transformers 5 holds experts fused in
 memory (``mlp.experts.gate_up_proj [E, 2F, H]``, ``mlp.experts.down_proj [E, H, F]``);
 checkpoints in that form are read too. Export writes the per-expert form.
 """
@@ -240,7 +244,42 @@ class FirstRow:
         return [(self.name, value.unsqueeze(0))]
 
 
-Source = Union[Take, Cat, Stack, Copies, FirstRow]
+@dataclass(frozen=True)
+class Halves:
+    """Our tensor is ``part`` with the pairs along ``dim`` split into two halves: ours =
+    ``[part[even] | part[odd]]`` along ``dim`` (gpt-oss interleaves gate and up columns,
+    ``g0 u0 g1 u1 ...``; ours are ``[gate | up]``). A read takes the whole of ``dim`` (a
+    rank's columns of one half are every other column of theirs) and the box of the rest."""
+
+    part: object
+    dim: int
+
+    def names(self) -> list[str]:
+        return self.part.names()
+
+    def shape(self, hf: SafetensorsFolder) -> tuple[int, ...]:
+        shape = self.part.shape(hf)
+        if shape[self.dim] % 2:
+            raise HFWeightError(f"{', '.join(self.names())} has {shape[self.dim]} interleaved gate/up entries along "
+                                f"dim {self.dim}; an even number is needed")
+        return shape
+
+    def _order(self, n: int) -> torch.Tensor:
+        return torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])  # ours[i] = theirs[order[i]]
+
+    def read(self, hf: SafetensorsFolder, offsets, sizes) -> torch.Tensor:
+        n = self.part.shape(hf)[self.dim]
+        off, size = list(offsets), list(sizes)
+        off[self.dim], size[self.dim] = 0, n
+        whole = self.part.read(hf, tuple(off), tuple(size)).index_select(self.dim, self._order(n))
+        return whole.narrow(self.dim, offsets[self.dim], sizes[self.dim])
+
+    def split(self, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        n = value.shape[self.dim]
+        return self.part.split(value.index_select(self.dim, torch.argsort(self._order(n))))
+
+
+Source = Union[Take, Cat, Stack, Copies, FirstRow, Halves]
 
 _T = (1, 0)  # Hugging Face [out, in] <-> our expert layout [in, out]
 # Families whose checkpoints name the MoE block block_sparse_moe and the experts w1/w3/w2.
@@ -327,14 +366,24 @@ def _layer_sources(config: Config, family: str, hf: str, ours: str, is_moe: bool
     else:
         out[f"{ours}attn.qkv.weight"] = Cat(0, tuple(Take(f"{attn}{p}_proj.weight") for p in "qkv"), (q, kv, kv))
         out[f"{ours}attn.proj.weight"] = Take(f"{attn}o_proj.weight")
+    if m.attention_out_bias:
+        out[f"{ours}attn.proj.bias"] = Take(f"{attn}o_proj.bias")
+    if m.attention_sinks:
+        out[f"{ours}attn.sinks"] = Take(f"{attn}sinks")  # gpt-oss: one logit per query head
     if m.qkv_bias:
         out[f"{ours}attn.qkv.bias"] = Cat(0, tuple(Take(f"{attn}{p}_proj.bias") for p in "qkv"), (q, kv, kv))
-    if m.qk_norm:
+    if m.qk_norm and m.qk_norm_scope != "l2":  # Llama-4's L2 norm has no weight
         out[f"{ours}attn.q_norm.weight"] = Take(f"{attn}q_norm.weight")
         out[f"{ours}attn.k_norm.weight"] = Take(f"{attn}k_norm.weight")
+    if family == "llama4_text":
+        out.update(_llama4_mlp_sources(config, f"{hf}feed_forward.", f"{ours}mlp.", is_moe))
+        return out
     if not is_moe:
         fc1, fc2 = _swiglu(f"{hf}mlp.", "gate_proj", "up_proj", "down_proj", m.ffn_hidden_size)
         out[f"{ours}mlp.fc1.weight"], out[f"{ours}mlp.fc2.weight"] = fc1, fc2
+        return out
+    if family == "gpt_oss":
+        out.update(_gpt_oss_moe(f"{hf}mlp.", f"{ours}mlp."))
         return out
     fused = f"{hf}mlp.experts.gate_up_proj" in hf_names
     block = f"{hf}block_sparse_moe." if family in _MIXTRAL_NAMES and not fused else f"{hf}mlp."
@@ -358,6 +407,31 @@ def _layer_sources(config: Config, family: str, hf: str, ours: str, is_moe: bool
         out[f"{ours}mlp.shared_expert.fc1.weight"], out[f"{ours}mlp.shared_expert.fc2.weight"] = fc1, fc2
         out[f"{ours}mlp.shared_expert_gate"] = Take(f"{hf}mlp.shared_expert_gate.weight")
     return out
+
+
+def _gpt_oss_moe(hf: str, ours: str) -> dict[str, Source]:
+    """gpt-oss's MoE block: a router with bias, and experts stored fused as ``[in, out]``
+    (our layout) with biases, gate and up interleaved in ``gate_up_proj`` and its bias."""
+    return {f"{ours}router.weight": Take(f"{hf}router.weight"), f"{ours}router.bias": Take(f"{hf}router.bias"),
+            f"{ours}experts.fc1": Halves(Take(f"{hf}experts.gate_up_proj"), 2),  # [E, H, 2F]
+            f"{ours}experts.fc1_bias": Halves(Take(f"{hf}experts.gate_up_proj_bias"), 1),  # [E, 2F]
+            f"{ours}experts.fc2": Take(f"{hf}experts.down_proj"),  # [E, F, H]
+            f"{ours}experts.fc2_bias": Take(f"{hf}experts.down_proj_bias")}  # [E, H]
+
+
+def _llama4_mlp_sources(config: Config, hf: str, ours: str, is_moe: bool) -> dict[str, Source]:
+    """Llama-4's ``feed_forward.``: a dense SwiGLU, or the router, the experts stored fused
+    in our own layout (``experts.gate_up_proj [E, H, gate|up]``, ``experts.down_proj
+    [E, F, H]``) and the ungated shared expert."""
+    if not is_moe:
+        fc1, fc2 = _swiglu(hf, "gate_proj", "up_proj", "down_proj", config.model.ffn_hidden_size)
+        return {f"{ours}fc1.weight": fc1, f"{ours}fc2.weight": fc2}
+    fc1, fc2 = _swiglu(f"{hf}shared_expert.", "gate_proj", "up_proj", "down_proj",
+                       config.moe.shared_expert_ffn_hidden_size)
+    return {f"{ours}router.weight": Take(f"{hf}router.weight"),
+            f"{ours}experts.fc1": Take(f"{hf}experts.gate_up_proj"),
+            f"{ours}experts.fc2": Take(f"{hf}experts.down_proj"),
+            f"{ours}shared_expert.fc1.weight": fc1, f"{ours}shared_expert.fc2.weight": fc2}
 
 
 def ignorable_hf_names(config: Config, hf_names: frozenset) -> set[str]:

@@ -34,11 +34,12 @@ import torch
 
 from moe_fold.comm import Group, all_to_all, group_rank, group_size
 from moe_fold.config import choice, choices, require
+from moe_fold.parallel.document_attention import apply_sinks, masked_block_attention
 from moe_fold.parallel.ring_attention import ring_attention
 from moe_fold.parallel.varlen import sdpa, varlen_attention
 
 __all__ = ["CP_KINDS", "zigzag_split", "zigzag_gather", "zigzag_positions",
-           "a2a_kv_repeats", "context_parallel_attention"]
+           "a2a_kv_repeats", "context_parallel_attention", "local_masked_attention"]
 
 CP_KINDS = choices("parallel.cp_kind")
 
@@ -127,13 +128,17 @@ def _heads_to_seq(y: torch.Tensor, group: Group, cp: int) -> torch.Tensor:
     return all_to_all(y, None, None, group).transpose(0, 1)  # [H, B, S/cp, D] -> [B, H, S/cp, D]
 
 
-def _a2a_attention(q, k, v, group, causal, scale, doc_ids):
+def _a2a_attention(q, k, v, group, causal, scale, doc_ids, window, sinks):
     cp = group_size(group)
     repeats = a2a_kv_repeats(q.shape[1], k.shape[1], cp)
     if repeats > 1:
         k, v = k.repeat_interleave(repeats, 1), v.repeat_interleave(repeats, 1)
     q, k, v = (_seq_to_heads(t, group, cp) for t in (q, k, v))  # [B, H/cp, S, D]
-    if doc_ids is not None:
+    if window or sinks is not None:
+        # This rank holds query head block group_rank(group) (see _seq_to_heads).
+        sinks = None if sinks is None else sinks.chunk(cp)[group_rank(group)]
+        out = local_masked_attention(q, k, v, doc_ids, scale, window, sinks)
+    elif doc_ids is not None:
         out = varlen_attention(q, k, v, doc_ids, scale)
     else:
         out = sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
@@ -160,7 +165,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, *,
                                kind: str = "ring", causal: bool = True,
                                scale: Optional[float] = None,
-                               doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                               doc_ids: Optional[torch.Tensor] = None, window: int = 0,
+                               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention over a sequence sharded across the cp ``group`` in the zigzag layout.
 
     q/k ``[B, Hq|Hkv, S_local, D]``, v ``[B, Hkv, S_local, Dv]`` (Hq a multiple of Hkv; query
@@ -170,6 +176,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``1/sqrt(D)``. ``group`` None or of size 1: plain SDPA on the local (whole) sequence.
     ``doc_ids`` int64 ``[B, S]`` (the whole sequence, natural order, the same on every cp
     rank): packed documents, attention causal inside each document only (needs causal).
+    ``window`` (> 0, needs causal): a query sees only its last ``window`` keys (itself
+    included); ``sinks [Hq]`` (the local query heads): attention sinks
+    (:func:`moe_fold.parallel.document_attention.apply_sinks`). Both run on every kind.
     """
     require(choice, "parallel.cp_kind", kind)
     _check_qkv(q, k, v)
@@ -180,7 +189,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if tuple(doc_ids.shape) != (q.shape[0], q.shape[2] * cp):
             raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)}; expected [B, S_local*cp] = "
                              f"{(q.shape[0], q.shape[2] * cp)}")
+    if window and not causal:
+        raise ValueError(f"window={window} (sliding window) needs causal=True")
     if cp == 1:
+        if window or sinks is not None:
+            return local_masked_attention(q, k, v, doc_ids, scale, window, sinks)
         if doc_ids is not None:
             return varlen_attention(q, k, v, doc_ids, scale)
         return sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
@@ -192,5 +205,24 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if doc_ids is not None:
             shards = torch.stack([zigzag_split(doc_ids, r, cp, dim=1)
                                   for r in range(cp)]).to(q.device)  # [cp, B, S_local]
-        return ring_attention(q, k, v, group, causal=causal, scale=scale, doc_shards=shards)
-    return _a2a_attention(q, k, v, group, causal, scale, doc_ids)
+        pos_shards = None
+        if window or sinks is not None:
+            pos_shards = torch.stack([zigzag_positions(q.shape[2] * cp, r, cp, device=q.device) for r in range(cp)])
+        return ring_attention(q, k, v, group, causal=causal, scale=scale, doc_shards=shards, window=window,
+                              sinks=sinks, pos_shards=pos_shards)
+    return _a2a_attention(q, k, v, group, causal, scale, doc_ids, window, sinks)
+
+
+def local_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: Optional[torch.Tensor],
+                           scale: Optional[float], window: int, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Causal attention over a whole (natural order) sequence with a sliding window and/or
+    sinks, inside documents when ``doc_ids [B, S]`` is given: one
+    :func:`~moe_fold.parallel.document_attention.masked_block_attention` call, sinks applied
+    through its differentiable log-sum-exp. q/k/v as in :func:`context_parallel_attention`
+    with cp 1 -> ``[B, Hq, S, Dv]``."""
+    positions = torch.arange(q.shape[2], device=q.device)
+    out, lse = masked_block_attention(q, k, v, doc_ids, doc_ids, True, scale, pos_q=positions, pos_k=positions,
+                                      window=window)
+    if sinks is not None:
+        out, _ = apply_sinks(out, lse, sinks)
+    return out.to(q.dtype)

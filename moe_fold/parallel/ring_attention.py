@@ -171,12 +171,23 @@ def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
     return x[:, :, rows]
 
 
+def _masked_args(doc_shards, positions, window, rank, src, rows, kv_rows):
+    """The document ids and :func:`document_attention._mask_mod` keywords of one ring block
+    in masked mode (a sliding window or sinks): the causal mask compares the tokens' zigzag
+    positions, so it holds on every block, not only the diagonal one."""
+    docs = (None, None) if doc_shards is None else (doc_shards[rank][:, rows], doc_shards[src][:, kv_rows])
+    return docs, dict(pos_q=positions[rank][rows], pos_k=positions[src][kv_rows], window=window)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, doc_shards):
+    def forward(ctx, q, k, v, group, causal, scale, doc_shards, pos_shards, window, sinks):
         cp, rank, nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
         flex = document_attention.document_kernel(q.device) == "flex"
+        # Masked mode: every block through masked_block_attention (window and/or sinks).
+        masked_mode = bool(window) or sinks is not None
+        positions = pos_shards
         out = lse = None
         kb, vb = k, v
         for i in range(cp):
@@ -184,7 +195,10 @@ class _RingAttention(torch.autograd.Function):
             rows, kv_rows, masked = _step_blocks(i, src, rank, c, causal)
             bq, bk, bv = _rows(q, rows), _rows(kb, kv_rows), _rows(vb, kv_rows)
             pieces = None
-            if doc_shards is None:
+            if masked_mode:
+                docs, win = _masked_args(doc_shards, positions, window, rank, src, rows, kv_rows)
+                blk_out, blk_lse = document_attention.masked_block_attention(bq, bk, bv, *docs, causal, scale, **win)
+            elif doc_shards is None:
                 blk_out, blk_lse = block_attention_forward(bq, bk, bv, masked, scale)
             elif flex:  # one call: the document mask skips blocks without a shared document
                 blk_out, blk_lse = document_attention.flex_block_attention(
@@ -201,14 +215,19 @@ class _RingAttention(torch.autograd.Function):
                     [("send", kb, nxt), ("send", vb, nxt),
                      ("recv", (kb.shape, kb.dtype), prv), ("recv", (vb.shape, vb.dtype), prv)],
                     group, device=q.device)
+        if sinks is not None:
+            # The sink joins each row's denominator once, after all blocks; the backward then
+            # runs on these final statistics (document_attention.masked_block_backward).
+            out, lse = document_attention.apply_sinks(out, lse, sinks.detach())
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.causal, ctx.scale, ctx.doc_shards = group, causal, scale, doc_shards
+        ctx.window, ctx.masked_mode, ctx.positions = window, masked_mode, positions
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group, causal, scale = ctx.group, ctx.causal, ctx.scale
         cp, rank, nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
@@ -226,8 +245,11 @@ class _RingAttention(torch.autograd.Function):
             rows, kv_rows, masked = _step_blocks(i, src, rank, c, causal)
             args = (_rows(dout, rows), _rows(q, rows), _rows(kb, kv_rows), _rows(vb, kv_rows),
                     _rows(out, rows), _rows(lse, rows))
-            if doc_shards is None or flex:
-                if doc_shards is None:
+            if ctx.masked_mode or doc_shards is None or flex:
+                if ctx.masked_mode:
+                    docs, win = _masked_args(doc_shards, ctx.positions, ctx.window, rank, src, rows, kv_rows)
+                    bq, bk, bv = document_attention.masked_block_backward(*args, *docs, causal, scale, **win)
+                elif doc_shards is None:
                     bq, bk, bv = block_attention_backward(*args, masked, scale)
                 else:
                     bq, bk, bv = document_attention.flex_block_backward(
@@ -250,17 +272,29 @@ class _RingAttention(torch.autograd.Function):
             [("send", dk, nxt), ("send", dv, nxt),
              ("recv", (dk.shape, dk.dtype), prv), ("recv", (dv.shape, dv.dtype), prv)],
             group, device=q.device)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dsinks = None
+        if sinks is not None:
+            # d lse'/d sink = p_sink; d out'/d lse' = -out': d sink = -sum(p_sink * rowsum(dO * out')),
+            # this rank's rows only (the grad sync sums the cp ranks).
+            p_sink = (sinks.to(lse.dtype).view(1, -1, 1) - lse).exp()  # [B, Hq, S_local]
+            dsinks = -(p_sink * (dout.to(acc) * out.to(acc)).sum(-1)).sum((0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, dsinks
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                    causal: bool = True, scale: Optional[float] = None,
-                   doc_shards: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   doc_shards: Optional[torch.Tensor] = None, window: int = 0,
+                   sinks: Optional[torch.Tensor] = None, pos_shards: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Ring attention over ``group`` (size >= 2) for zigzag-sharded q ``[B, Hq, S_local, D]``,
     k ``[B, Hkv, S_local, D]`` and v ``[B, Hkv, S_local, Dv]``; returns this rank's output
     ``[B, Hq, S_local, Dv]``.
     ``doc_shards`` ``[cp, B, S_local]``: the document ids of every cp rank's shard (packed
-    sequences); attention stays inside each document.
+    sequences); attention stays inside each document. ``window`` (> 0): a sliding window
+    of that many keys (needs causal); ``sinks [Hq]``: attention sinks
+    (:func:`moe_fold.parallel.document_attention.apply_sinks`). Either runs every block
+    through :func:`moe_fold.parallel.document_attention.masked_block_attention`, with
+    ``pos_shards [cp, S_local]``: every cp rank's tokens' sequence indices (its zigzag
+    positions), which the masks compare.
 
     Callers normally go through :func:`moe_fold.parallel.context_parallel.context_parallel_attention`,
     which validates the shapes and sends a group of one rank to plain attention.
@@ -275,4 +309,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     if doc_shards is not None and tuple(doc_shards.shape) != (group_size(group), q.shape[0], q.shape[2]):
         raise ValueError(f"doc_shards has shape {tuple(doc_shards.shape)}; expected [cp, B, S_local] = "
                          f"{(group_size(group), q.shape[0], q.shape[2])}")
-    return _RingAttention.apply(q, k, v, group, causal, float(scale), doc_shards)
+    if (window or sinks is not None) and (not causal or pos_shards is None):
+        raise ValueError("ring_attention: a sliding window or sinks need causal=True and pos_shards")
+    return _RingAttention.apply(q, k, v, group, causal, float(scale), doc_shards, pos_shards, int(window), sinks)

@@ -151,23 +151,30 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """``y = x W^T`` (no bias) with W's input features split over tp; the partial outputs
-    are summed over tp. Input ``[S, ..., in/tp]``; output ``[S_local, ..., out]``."""
+    """``y = x W^T (+ b)`` with W's input features split over tp; the partial outputs
+    are summed over tp. Input ``[S, ..., in/tp]``; output ``[S_local, ..., out]``.
+    ``bias`` (zeros at init; gpt-oss's attention output) is added once, after the sum; it
+    is replicated over tp, and under SP each rank's grad covers its own tokens (``tp_sum``)."""
 
     def __init__(self, in_features: int, out_features: int, tp_group: Group, sequence_parallel: bool,
-                 *, std: float, seed: int):
+                 *, std: float, seed: int, bias: bool = False):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         full = global_normal((out_features, in_features), std, seed)  # [out, in]
         local = shard_tp(full, 1, [in_features], group_rank(tp_group), group_size(tp_group))
         self.weight = mark(nn.Parameter(local), "tp", 1, [in_features])  # [out, in/tp]
+        self.bias = None
+        if bias:
+            self.bias = mark(nn.Parameter(torch.zeros(out_features)), "tp_sum" if sequence_parallel else "replicated")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)  # partial sum over this rank's input features
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_region(y, self.tp_group, dim=0)  # [S, ...] -> [S/tp, ...]
-        return reduce_from_tp_region(y, self.tp_group)
+            y = reduce_scatter_to_sequence_region(y, self.tp_group, dim=0)  # [S, ...] -> [S/tp, ...]
+        else:
+            y = reduce_from_tp_region(y, self.tp_group)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):

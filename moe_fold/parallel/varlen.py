@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from moe_fold.comm import Group
 from moe_fold.parallel import document_attention
 
-__all__ = ["Documents", "doc_ids_from_cu_seqlens", "segment_bounds", "pad_head", "sdpa", "varlen_attention",
-           "router_token_mask"]
+__all__ = ["Documents", "doc_ids_from_cu_seqlens", "chunk_doc_ids", "segment_bounds", "pad_head", "sdpa",
+           "varlen_attention", "router_token_mask"]
 
 
 @dataclass
@@ -71,6 +71,26 @@ def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) 
     lengths = cu[1:] - cu[:-1]
     ids = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)  # [B*S]
     return ids.view(batch, seq_len)
+
+
+def chunk_doc_ids(doc_ids: Optional[torch.Tensor], batch: int, seq_len: int, chunk: int,
+                  device: torch.device) -> torch.Tensor:
+    """Chunked local attention (Llama-4) as documents: ids ``[batch, seq_len]`` equal iff two
+    tokens share a document (``doc_ids [batch, seq_len]``; None: each row is one) and the
+    chunk of ``chunk`` positions they fall in, positions counted from their document's
+    start (the positions the loader gives packed documents). Every document path (varlen,
+    ring, a2a, dynamic cp) then runs chunked attention as it is."""
+    idx = torch.arange(seq_len, device=device).expand(batch, seq_len)  # [B, S]
+    if doc_ids is None:
+        docs, pos = torch.arange(batch, device=device).view(batch, 1).expand(batch, seq_len), idx
+    else:
+        docs = doc_ids.to(device)
+        start = torch.ones_like(docs, dtype=torch.bool)
+        start[:, 1:] = docs[:, 1:] != docs[:, :-1]
+        # Each token's document start: the last start at or before it.
+        pos = idx - torch.cummax(torch.where(start, idx, 0), dim=1).values
+    per_doc = -(-seq_len // chunk)  # chunks a document of the row can have, at most
+    return docs * per_doc + torch.div(pos, chunk, rounding_mode="floor")
 
 
 def segment_bounds(doc_ids: torch.Tensor) -> list[int]:

@@ -80,6 +80,12 @@ class Dims:
     moe_flags: tuple[bool, ...]
     mtp: int = 0
     qk_norm_scope: str = "head"
+    # Attention sinks (model.attention_sinks): one logit per query head, split over tp.
+    sinks: bool = False
+    # gpt-oss: a bias on attention's output projection, on the router, on every expert's fc1 and fc2.
+    out_bias: bool = False
+    router_bias: bool = False
+    expert_linear_bias: bool = False
     # Spare expert slots per ep rank (moe.replicas): copies held besides the E/ep experts.
     replicas: int = 0
     # Multi-head latent attention: its linears' global [out, in] shapes (None: standard
@@ -131,7 +137,9 @@ def dims(config: Config) -> Dims:
                 shared_ffn=moe.shared_expert_ffn_hidden_size, shared_gate=moe.shared_expert_gate,
                 qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, tied=m.tie_embeddings,
                 moe_flags=flags + flags[-1:] * m.mtp_num_layers, mtp=m.mtp_num_layers,
-                qk_norm_scope=m.qk_norm_scope, replicas=moe.replicas, **_mla_dims(m))
+                qk_norm_scope=m.qk_norm_scope, sinks=m.attention_sinks, replicas=moe.replicas,
+                out_bias=m.attention_out_bias, router_bias=moe.router_bias,
+                expert_linear_bias=moe.expert_linear_bias, **_mla_dims(m))
 
 
 def _mla_dims(m: ModelConfig) -> dict:
@@ -154,14 +162,18 @@ def _attention_params(d: Dims, pre: str, tp: int, replicated: str) -> list[tuple
             else:
                 out.append((f"{pre}.attn.{name}.weight", rows * cols // tp, "tp"))
         return out
-    out = [(f"{pre}.attn.qkv.weight", (d.q_size + 2 * d.kv_size) * d.hidden // tp, "tp")]
+    # A module's own parameters come before its children's: the sinks first.
+    out = [(f"{pre}.attn.sinks", d.heads // tp, "tp")] if d.sinks else []
+    out.append((f"{pre}.attn.qkv.weight", (d.q_size + 2 * d.kv_size) * d.hidden // tp, "tp"))
     if d.qkv_bias:
         out.append((f"{pre}.attn.qkv.bias", (d.q_size + 2 * d.kv_size) // tp, "tp"))
     out.append((f"{pre}.attn.proj.weight", d.hidden * d.q_size // tp, "tp"))
+    if d.out_bias:  # added once after the tp sum: replicated (a partial grad under SP)
+        out.append((f"{pre}.attn.proj.bias", d.hidden, replicated))
     if d.qk_norm and d.qk_norm_scope == "projection":  # OLMoE: the whole q and k, split over tp
         out.append((f"{pre}.attn.q_norm.weight", d.q_size // tp, "tp"))
         out.append((f"{pre}.attn.k_norm.weight", d.kv_size // tp, "tp"))
-    elif d.qk_norm:
+    elif d.qk_norm and d.qk_norm_scope != "l2":  # Llama-4's L2 norm has no weight
         # Each tp rank normalises its own heads, so the grads are partial over tp.
         out.append((f"{pre}.attn.q_norm.weight", d.head_dim, "tp_sum"))
         out.append((f"{pre}.attn.k_norm.weight", d.head_dim, "tp_sum"))
@@ -220,8 +232,13 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
             if d.shared_ffn > 0 and d.shared_gate:
                 add(f"{pre}.mlp.shared_expert_gate", d.hidden, replicated)
             add(f"{pre}.mlp.router.weight", d.experts * d.hidden, replicated)
+            if d.router_bias:
+                add(f"{pre}.mlp.router.bias", d.experts, replicated)
             add(f"{pre}.mlp.experts.fc1", local * d.hidden * 2 * d.expert_ffn // etp, "expert")
             add(f"{pre}.mlp.experts.fc2", local * d.expert_ffn * d.hidden // etp, "expert")
+            if d.expert_linear_bias:  # fc1's bias split like its columns, fc2's over H
+                add(f"{pre}.mlp.experts.fc1_bias", local * 2 * d.expert_ffn // etp, "expert")
+                add(f"{pre}.mlp.experts.fc2_bias", local * d.hidden // etp, "expert")
             if d.shared_ffn > 0:
                 add(f"{pre}.mlp.shared_expert.fc1.weight", 2 * d.shared_ffn * d.hidden // tp, "tp")
                 add(f"{pre}.mlp.shared_expert.fc2.weight", d.hidden * d.shared_ffn // tp, "tp")

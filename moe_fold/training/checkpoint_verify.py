@@ -27,7 +27,7 @@ from moe_fold.training.checkpoint import CheckpointError, file_problem, read_ind
 
 __all__ = ["CheckpointReport", "verify_checkpoint"]
 
-_EXPERT_TENSOR = re.compile(r"(?:model|optim/exp_avg|optim/exp_avg_sq)/layers\.(\d+)\.mlp\.experts\.(fc1|fc2)")
+_EXPERT_TENSOR = re.compile(r"(?:model|optim/exp_avg|optim/exp_avg_sq)/layers\.(\d+)\.mlp\.experts\.(fc1|fc2|fc1_bias|fc2_bias)")
 
 
 @dataclass
@@ -111,8 +111,10 @@ def _expected_expert_tensors(report: CheckpointReport, index: dict) -> Optional[
     prefixes = ["model/"]
     if index.get("optimizer") is not None:
         prefixes += ["optim/exp_avg/", "optim/exp_avg_sq/"]
+    # gpt-oss's experts also hold per-expert biases (moe.expert_linear_bias).
+    fcs = ("fc1", "fc2", "fc1_bias", "fc2_bias") if config.moe.expert_linear_bias else ("fc1", "fc2")
     return {f"{prefix}layers.{layer}.mlp.experts.{fc}": layer
-            for layer in report.moe_layers for prefix in prefixes for fc in ("fc1", "fc2")}
+            for layer in report.moe_layers for prefix in prefixes for fc in fcs}
 
 
 def _check_experts(report: CheckpointReport, index: dict) -> None:

@@ -119,7 +119,7 @@ def move_experts(layers: list[MoELayer], placement: Placement, groups: ProcessGr
     old = layers[0].placement
     tensors, moments = [], []
     for layer in layers:
-        for p in (layer.experts.fc1, layer.experts.fc2):
+        for p in layer.experts.expert_params():
             tensors.append(p.data)
             if p.grad is not None:
                 tensors.append(p.grad)

@@ -163,17 +163,13 @@ def _wrap(module: nn.Module, method: str = "forward") -> None:
 
 
 def _experts_act_recomputed(experts: nn.Module) -> Callable:
-    from moe_fold.kernels.gmm import gmm
-    from moe_fold.kernels.swiglu import swiglu
-
     def forward(tokens, tokens_per_expert, probs, host_tokens_per_expert=None):
         # The host counts ride in the closure, so the recompute in backward reads nothing back.
         def act_fc2(h, tokens_per_expert, probs):
-            return gmm(swiglu(h, probs, backend=experts.swiglu_backend), experts.fc2, tokens_per_expert,
-                       backend=experts.gemm_backend, host_counts=host_tokens_per_expert)
+            return experts.act_fc2(h, tokens_per_expert, probs, host_tokens_per_expert)
 
-        h = gmm(tokens, experts.fc1, tokens_per_expert, backend=experts.gemm_backend,
-                host_counts=host_tokens_per_expert)  # [N, 2F/etp]
+        tokens, probs = experts.scaled_input(tokens, probs)
+        h = experts.fc1_forward(tokens, tokens_per_expert, host_tokens_per_expert)  # [N, 2F/etp]
         return checkpoint(act_fc2, h, tokens_per_expert, probs, use_reentrant=False)  # [N, H]
     return forward
 

@@ -185,10 +185,23 @@ MUTANTS: list[Mutant] = [
         ("tests/test_permute.py::test_permute_padded_layout",)),
     Mutant(
         "expert-probs-dropped", "models/experts.py",
-        "h = swiglu(h, probs, backend=self.swiglu_backend)  # [N, F/etp]",
-        "h = swiglu(h, torch.ones_like(probs), backend=self.swiglu_backend)  # [N, F/etp]",
+        "inner = probs if self.fc2_bias is None else None",
+        "inner = torch.ones_like(probs) if self.fc2_bias is None else None",
         "expert outputs not weighted by their routing probs before the combine (a dropped term)",
         ("tests/test_moe_layer.py::test_layer_matches_loop_reference_forward_and_backward",)),
+    Mutant(
+        "expert-bias-etp-repeated", "models/experts.py",
+        "start = self.etp_rank * width",
+        "start = 0",
+        "every etp rank adds its fc2 bias slice into the first columns: the bias lands in the wrong "
+        "columns and the etp sum adds it etp times there",
+        ("tests/test_layout_invariance.py::test_layouts_match_single_process[4]",)),
+    Mutant(
+        "gmm-bias-group-order", "kernels/gmm.py",
+        "return out + bias.repeat_interleave(counts, dim=0, output_size=out.shape[0])",
+        "return out + bias.flip(0).repeat_interleave(counts, dim=0, output_size=out.shape[0])",
+        "per-expert biases gathered in the wrong expert order",
+        ("tests/test_gmm.py::test_bias_with_tensor_counts_and_bad_bias_raises",)),
     # ------------------------------------------------------------------ context parallel, rotary
     Mutant(
         "zigzag-mirror", CP,
