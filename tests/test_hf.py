@@ -210,17 +210,20 @@ def _refused_config(tmp_path, case, edit, base=None):
     return str(err.value)
 
 
-def test_sliding_window_shorter_than_the_sequence_is_refused(tmp_path):
-    ref_model = save_hf("mixtral_gqa", tmp_path / "hf", model_kwargs=dict(sliding_window=16))
-    with pytest.raises(HFConfigError) as err:
-        from_hf(tmp_path / "hf")  # model.seq_length = max_position_embeddings = 64
-    assert "sliding_window=16" in str(err.value) and "model.seq_length=64" in str(err.value)
-    # A window covering the whole sequence is plain causal attention.
-    base = Config()
-    base.model.seq_length = 16
-    model = from_hf(tmp_path / "hf", config=base)
+def test_mixtral_sliding_window_imports_and_exports(tmp_path):
+    """A window shorter than the sequence is model.sliding_window on every layer (issue 29):
+    transformers' logits, and the export writes the window back."""
+    ref_model = save_hf("mixtral_gqa", tmp_path / "hf", model_kwargs=dict(sliding_window=5))
+    model = from_hf(tmp_path / "hf")  # model.seq_length = max_position_embeddings = 64
+    assert (model.config.model.sliding_window, model.config.model.local_attention_layers) == (5, None)
     ids = token_ids()
     assert max_diff(our_logits(model, ids), hf_logits(ref_model, ids)) <= TOL
+    to_hf(model, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == 5
+    # A window covering the whole training sequence (12 <= 5 is false, 4 is) stays unset.
+    base = Config()
+    base.model.seq_length = 4
+    assert from_hf(tmp_path / "hf", config=base).config.model.sliding_window == 0
 
 
 def test_qwen_sliding_window_is_refused_only_when_used(tmp_path):

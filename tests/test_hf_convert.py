@@ -77,10 +77,10 @@ def test_refusals(tmp_path, capsys):
     assert "neither a Hugging Face folder" in capsys.readouterr().err
     save_hf("mixtral_gqa", tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config["sliding_window"] = 8
+    config["hidden_act"] = "gelu"
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     assert cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
-    assert "sliding_window=8" in capsys.readouterr().err
+    assert "hidden_act='gelu'" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 

@@ -279,7 +279,11 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
         moe.moe_layer_freq = 1
         moe.pre_softmax = False
         moe.input_jitter = float(keys.get("router_jitter_noise", 0.0))
-        _check_window(keys, m.seq_length, sliding_layers=True)
+        # Mixtral slides every layer's window (i - j < sliding_window, as model.sliding_window);
+        # a window covering model.seq_length changes nothing in training and stays unset.
+        window = keys.get("sliding_window", None)
+        if window is not None and window < m.seq_length:
+            m.sliding_window = int(window)
     else:
         moe.num_experts = _num_experts(keys, "num_experts", "num_local_experts")
         # OLMoE's experts are its intermediate_size wide (every layer is MoE).
@@ -946,7 +950,9 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
     # The attention features and expert-input scaling: only Llama-4 and gpt-oss (above) hold them.
     for name, off in (("attention_sinks", False), ("sliding_window", 0), ("attention_chunk", 0),
                       ("rope_layers", None), ("attn_temperature_tuning", False)):
-        refuse(getattr(m, name) != off, f"model.{name}={getattr(m, name)!r}: {family} has no such attention setting")
+        if not (name == "sliding_window" and family == "mixtral"):
+            refuse(getattr(m, name) != off, f"model.{name}={getattr(m, name)!r}: {family} has no such attention "
+                                            f"setting")
     refuse(moe.score_on_input, f"moe.score_on_input=true: {family} scales each expert's output by its prob")
     if family == "deepseek_v3":
         return _deepseek_v3_to_hf(config, flags, refuse, problems, dtype)
@@ -983,6 +989,8 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
                f"head_dim={head_dim(config)}: OLMoE's heads span model.hidden_size={m.hidden_size} exactly")
     if family == "mixtral":
         refuse(not all(flags), f"moe layer pattern {[int(f) for f in flags]}: every Mixtral layer is MoE")
+        refuse(m.local_attention_layers is not None,
+               f"model.local_attention_layers={m.local_attention_layers}: Mixtral's sliding window is on every layer")
         refuse(moe.pre_softmax, "moe.pre_softmax=true: Mixtral renormalises the top-k probabilities")
     if problems:
         raise HFConfigError(problems, f"cannot export to {family}")
@@ -998,7 +1006,8 @@ def config_to_hf(config: Config, family: Optional[str] = None, dtype: str = "flo
         "num_experts_per_tok": moe.topk, "router_aux_loss_coef": moe.aux_loss_coeff,
     }
     if family == "mixtral":
-        hf.update(num_local_experts=moe.num_experts, router_jitter_noise=moe.input_jitter, sliding_window=None)
+        hf.update(num_local_experts=moe.num_experts, router_jitter_noise=moe.input_jitter,
+                  sliding_window=m.sliding_window or None)
         return hf
     hf.update(num_experts=moe.num_experts, moe_intermediate_size=moe.ffn_hidden_size,
               norm_topk_prob=not moe.pre_softmax, decoder_sparse_step=1,
