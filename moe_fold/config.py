@@ -132,7 +132,9 @@ class ModelConfig:
     # Temperature tuning on layers without rotary (Llama-4): a query at position p is multiplied by
     # 1 + attn_temperature_scale * log1p(floor((p + 1) / attn_temperature_floor)).
     attn_temperature_tuning: bool = False
+    # Temperature tuning: the scale of the log term (Llama-4's attn_scale).
     attn_temperature_scale: float = 0.1
+    # Temperature tuning: positions per step of the floor (Llama-4's floor_scale).
     attn_temperature_floor: int = 8192
 
 
@@ -198,7 +200,9 @@ class MoEConfig:
     # The routed experts' activation: swiglu | clamped_swiglu (gpt-oss: (clamp(up) + 1) *
     # g * sigmoid(swiglu_alpha * g), g = min(gate, swiglu_limit); kernels/swiglu.py).
     activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    # clamped_swiglu: the gate's sigmoid slope (gpt-oss's alpha).
     swiglu_alpha: float = 1.702
+    # clamped_swiglu: the gate is clamped above, and up to +-, this limit.
     swiglu_limit: float = 7.0
 
     # Switch-style load-balancing loss per micro-batch (Megatron-Core's aux_loss); each kind of

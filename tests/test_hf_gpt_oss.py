@@ -129,7 +129,7 @@ def test_export_refuses_what_the_family_cannot_hold(tmp_path):
     with pytest.raises(HFConfigError) as err:
         to_hf(model, tmp_path / "out", family="mixtral")
     for field in ("moe.router_bias=true", "moe.expert_linear_bias=true", "moe.activation=clamped_swiglu",
-                  "model.attention_out_bias=true", "model.attention_sinks=True", "model.sliding_window=5",
+                  "model.attention_out_bias=true", "model.attention_sinks=True", "model.local_attention_layers=[1, 0, 1, 0]",
                   "model.rope_scaling=yarn"):
         assert field in str(err.value), field
     assert not (tmp_path / "out").exists()

@@ -98,6 +98,13 @@ RULE_CASES = [
      "experts)"),
     # Passed validate() and failed in every rank's Router before the rules had one source.
     ("router_settings", ["moe.z_loss_coeff=.inf"], 1, "moe.z_loss_coeff=inf must be finite"),
+    ("activation_backend", ["moe.activation=clamped_swiglu", "moe.swiglu_backend=cpu"], 1,
+     "moe.swiglu_backend=cpu with moe.activation=clamped_swiglu: the clamped SwiGLU runs on torch ops only; set "
+     "moe.swiglu_backend=torch (or auto)"),
+    ("expert_bias_over_etp", ["moe.expert_linear_bias=true", "model.hidden_size=66", "parallel.etp=4",
+                              "parallel.ep=4"], 4,
+     "model.hidden_size=66 is not divisible by parallel.etp=4 (moe.expert_linear_bias=true splits fc2's bias over "
+     "the expert-tensor ranks)"),
     ("capacity_factor_positive", ["moe.capacity_factor=0"], 1,
      "moe.capacity_factor=0.0 must be > 0, or null for dropless"),
     ("routing_groups", ["moe.num_groups=4"], 1,
@@ -189,6 +196,8 @@ NOT_CONFIG_RULES = {
     ("moe_fold/data/loader.py", "dataset {} was tokenized"): "what a dataset file holds",
     ("moe_fold/data/sources.py", "{}: "): "what a dataset file holds (check_data runs before spawning)",
     ("moe_fold/training/train.py", "{}; stopping"): "the step's outcome under train.on_nonfinite=stop",
+    ("models/attention.py", "model.attn_temperature_tuning=true: the attention needs"): "a caller that gives no "
+                                                                                        "token positions",
     ("moe_fold/elastic.py", "choose_layout needs parallel.elastic=true"): "a caller's mistake: the command line "
                                                                           "calls it only for elastic runs",
 }
