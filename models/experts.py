@@ -41,6 +41,8 @@ from moe_fold.kernels.swiglu import swiglu
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.tensor_parallel import global_normal, init_seed, mark, shard_tp
 
+from .recompute import recomputed
+
 __all__ = ["Experts"]
 
 
@@ -77,6 +79,9 @@ class Experts(nn.Module):
         self.num_local_experts = placement.slots_per_rank
         self.gemm_backend = gemm_backend
         self.swiglu_backend = swiglu_backend
+        # What the backward runs again (train.recompute, models/recompute.py): "none",
+        # "all" (the whole forward) or "activation" (the SwiGLU and fc2).
+        self.recompute = "none"
         etp_rank = groups.rank_in("etp")
         F = ffn_hidden_size
         fc1, fc2 = [], []
@@ -117,8 +122,21 @@ class Experts(nn.Module):
         each, an int tensor), ``probs [N]`` -> ``[N, H]``, prob-weighted (an etp partial sum
         when etp > 1). ``host_tokens_per_expert``: the same counts as a host list when the
         caller has them (the dispatcher does), so no GEMM backend reads the tensor back."""
-        host = host_tokens_per_expert
+        if self.recompute == "all":
+            return recomputed(self._grouped_mlp, tokens, tokens_per_expert, probs, host_tokens_per_expert)
+        return self._grouped_mlp(tokens, tokens_per_expert, probs, host_tokens_per_expert)
+
+    def _grouped_mlp(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
+                     host: Optional[Sequence[int]]) -> torch.Tensor:
         h = gmm(tokens, self.fc1, tokens_per_expert, backend=self.gemm_backend,
                 host_counts=host)  # [N, H] -> [N, 2F/etp]
+        if self.recompute == "activation":
+            # Only h and the inputs are kept; the host counts ride along as they are (a
+            # list, not a tensor), so the recompute in backward reads nothing back.
+            return recomputed(self._activation_fc2, h, tokens_per_expert, probs, host)
+        return self._activation_fc2(h, tokens_per_expert, probs, host)
+
+    def _activation_fc2(self, h: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
+                        host: Optional[Sequence[int]]) -> torch.Tensor:
         h = swiglu(h, probs, backend=self.swiglu_backend)  # [N, F/etp]
         return gmm(h, self.fc2, tokens_per_expert, backend=self.gemm_backend, host_counts=host)  # [N, H]

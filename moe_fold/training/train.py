@@ -62,7 +62,6 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, ConfigError, dump_config, validate
@@ -72,8 +71,8 @@ from moe_fold.training.numerics import LossSpikes, first_nonfinite_module
 from moe_fold.training.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
 from moe_fold.training.stop import ExitSignals, Stop, StopRule
 
-__all__ = ["TrainResult", "check_trainable", "resolve_backends", "set_tf32", "train", "apply_recompute",
-           "build_groups", "read_metrics"]
+__all__ = ["TrainResult", "check_trainable", "resolve_backends", "set_tf32", "train", "build_groups",
+           "read_metrics"]
 
 
 @dataclass
@@ -113,69 +112,6 @@ def build_groups(config: Config) -> ProcessGroups:
     # torch gives new groups its 30-minute default, not the world's: a rank that hangs
     # would hold its peers in an all-to-all that long.
     return create_process_groups(layout, timeout=datetime.timedelta(seconds=p.timeout_s))
-
-
-# --------------------------------------------------------------------------- recompute
-
-def apply_recompute(model: nn.Module, mode: str) -> None:
-    """Activation recompute (``train.recompute``), by wrapping forwards in
-    ``torch.utils.checkpoint`` (non-reentrant):
-
-    - ``full``: every dense block whole; in an MoE block the attention (after its norm)
-      and the MoE layer's expert computation (routed experts and shared expert). The
-      router and the dispatcher stay outside: the router counts tokens for the expert
-      bias and the global aux loss as a side effect of its forward, which a second
-      forward would count twice (and recomputing the dispatcher would redo its
-      all-to-alls).
-    - ``moe``: the MoE layers' expert computation only (routed and shared experts; with
-      ``moe.shared_expert_overlap`` the shared expert's two halves each, keeping the
-      SwiGLU output between them).
-    - ``expert_act``: inside the routed experts, the SwiGLU activation and the fc2 GEMM
-      that consumes it, so the activation output ``[rows, F]`` is not kept (fc1's output
-      is); the backward recomputes the activation and fc2's forward.
-    """
-    if mode == "none":
-        return
-    from moe_fold.models.experts import Experts
-    from moe_fold.models.model import Block
-    from moe_fold.models.moe_layer import MoELayer
-
-    for module in model.modules():
-        if mode == "full" and isinstance(module, Block):
-            _wrap(module.attn if isinstance(module.mlp, MoELayer) else module)
-        if mode in ("full", "moe") and isinstance(module, Experts):
-            _wrap(module)
-        if mode in ("full", "moe") and isinstance(module, MoELayer) and module.shared_expert is not None:
-            if module.shared_expert_overlap:
-                # The layer runs the halves apart (under the dispatch and the combine): each
-                # is recomputed on its own, and the SwiGLU output between them is kept.
-                _wrap(module.shared_expert, "activation")
-                _wrap(module.shared_expert.fc2)
-            else:
-                _wrap(module.shared_expert)
-        if mode == "expert_act" and isinstance(module, Experts):
-            module.forward = _experts_act_recomputed(module)
-
-
-def _wrap(module: nn.Module, method: str = "forward") -> None:
-    run = getattr(module, method)
-    setattr(module, method, lambda *args, **kwargs: checkpoint(run, *args, use_reentrant=False, **kwargs))
-
-
-def _experts_act_recomputed(experts: nn.Module) -> Callable:
-    from moe_fold.kernels.gmm import gmm
-    from moe_fold.kernels.swiglu import swiglu
-
-    def forward(tokens, tokens_per_expert, probs, host_tokens_per_expert=None):
-        # The host counts ride in the closure, so the recompute in backward reads nothing back.
-        def act_fc2(h, tokens_per_expert, probs):
-            return gmm(swiglu(h, probs, backend=experts.swiglu_backend), experts.fc2, tokens_per_expert,
-                       backend=experts.gemm_backend, host_counts=host_tokens_per_expert)
-
-        h = gmm(tokens, experts.fc1, tokens_per_expert, backend=experts.gemm_backend,
-                host_counts=host_tokens_per_expert)  # [N, 2F/etp]
-        return checkpoint(act_fc2, h, tokens_per_expert, probs, use_reentrant=False)  # [N, H]
-    return forward
 
 
 # --------------------------------------------------------------------------- the loop
@@ -328,7 +264,6 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     state_model = master.master if master else model
     if t.precision == "bf16-autocast":
         exclude_from_autocast(model, device)
-    apply_recompute(model, t.recompute)
     p = config.parallel
     # Under bf16 the model's grads feed the float32 masters' buckets (cast, then reduced),
     # and the distributed optimizer copies each master bucket into the model once current.
