@@ -30,6 +30,7 @@ BUCKETS = "moe_fold/training/buckets.py"
 OPTIM = "moe_fold/training/optim.py"
 CHECKPOINT = "moe_fold/training/checkpoint.py"
 TRAIN = "moe_fold/training/train.py"
+RUN_SETUP = "moe_fold/training/run_setup.py"
 LOADER = "moe_fold/data/loader.py"
 REPLACE = "moe_fold/training/replace.py"
 MTP = "models/mtp.py"
@@ -372,13 +373,13 @@ MUTANTS: list[Mutant] = [
         "verify counts the expert rows of a missing or corrupt file as present",
         ("tests/test_checkpoint_verify.py::test_a_lost_expert_shard_is_reported_and_refused_by_export",)),
     Mutant(
-        "resume-data-position", TRAIN,
-        "            loader.load_state_dict(extra[\"data\"])\n",
+        "resume-data-position", RUN_SETUP,
+        "            run.loader.load_state_dict(extra[\"data\"])\n",
         "",
         "a resumed run starts the data over from sample 0 instead of the saved position",
         ("tests/test_train.py::test_resume_is_exact[fp32]",)),
     Mutant(
-        "resume-bf16-model-stale", TRAIN,
+        "resume-bf16-model-stale", RUN_SETUP,
         "            if master is not None:\n                master.master_to_model()\n",
         "",
         "a resumed bf16 run loads the float32 masters but computes with the bf16 model's initial weights",
@@ -448,10 +449,10 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ precision
     Mutant(
         "bf16-model-not-updated", TRAIN,
-        "            if finite and master is not None and not optimizer.distributed:\n"
-        "                master.master_to_model()\n",
-        "            if finite and master is not None and not optimizer.distributed:\n"
-        "                pass\n",
+        "    if finite and run.master is not None and not optimizer.distributed:\n"
+        "        run.master.master_to_model()\n",
+        "    if finite and run.master is not None and not optimizer.distributed:\n"
+        "        pass\n",
         "bf16: the optimizer steps the float32 masters but the bf16 model that computes is never refreshed",
         ("tests/test_train.py::test_bf16_keeps_float32_masters_and_tracks_fp32",)),
     Mutant(
