@@ -505,4 +505,27 @@ MUTANTS: list[Mutant] = [
         "num_rows=None)  # [T, H] -> [N, H]",
         "permute counts its rows with nonzero (a second host sync per MoE layer forward)",
         ("tests/test_host_syncs.py::test_moe_layer_syncs_once_per_forward_and_never_in_backward",)),
+    # ------------------------------------------------------------------ the loop's parts (issue 31)
+    Mutant(
+        "save-not-on-stop", "moe_fold/training/periodic.py",
+        "    return record.stop is not None\n",
+        "    return False\n",
+        "a run stopped early (signal, budget) writes no checkpoint of its last step",
+        ("tests/test_periodic.py::test_save_checkpoint_when_due_with_the_data_position_and_placement",)),
+    Mutant(
+        "replace-after-log", TRAIN,
+        "        ReplaceExperts(run.replacer, run.optimizer),\n"
+        "        WatchLossSpikes(t.loss_spike_factor, t.loss_spike_window, warn=rank == 0),\n"
+        "        LogStep(logger, run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),\n",
+        "        WatchLossSpikes(t.loss_spike_factor, t.loss_spike_window, warn=rank == 0),\n"
+        "        LogStep(logger, run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),\n"
+        "        ReplaceExperts(run.replacer, run.optimizer),\n",
+        "the periodic actions out of order: the step is logged before the re-placement adds what moved",
+        ("tests/test_replace.py::test_replacing_under_bf16_keeps_the_losses_bit_for_bit",)),
+    Mutant(
+        "expert-act-not-recomputed", "models/experts.py",
+        "        if self.recompute == \"activation\":\n",
+        "        if self.recompute == \"activations\":\n",
+        "train.recompute=expert_act silently keeps the SwiGLU output (a setting name the module does not honour)",
+        ("tests/test_train.py::test_recompute_modes_keep_fewer_activations",)),
 ]
