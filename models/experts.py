@@ -51,6 +51,8 @@ from moe_fold.kernels.swiglu import clamped_swiglu, swiglu
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.tensor_parallel import global_normal, init_seed, mark, shard_tp
 
+from .recompute import recomputed
+
 __all__ = ["Experts"]
 
 
@@ -89,6 +91,9 @@ class Experts(nn.Module):
         self.gemm_backend = gemm_backend
         self.swiglu_backend = swiglu_backend
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit
+        # What the backward runs again (train.recompute, models/recompute.py): "none",
+        # "all" (the whole forward) or "activation" (the SwiGLU and fc2).
+        self.recompute = "none"
         etp_rank = groups.rank_in("etp")
         self.hidden_size, self.etp_rank = hidden_size, etp_rank
         F = ffn_hidden_size
@@ -146,8 +151,9 @@ class Experts(nn.Module):
         when etp > 1). ``host_tokens_per_expert``: the same counts as a host list when the
         caller has them (the dispatcher does), so no GEMM backend reads the tensor back."""
         tokens, probs = self.scaled_input(tokens, probs)
-        h = self.fc1_forward(tokens, tokens_per_expert, host_tokens_per_expert)  # [N, 2F/etp]
-        return self.act_fc2(h, tokens_per_expert, probs, host_tokens_per_expert)  # [N, H]
+        if self.recompute == "all":
+            return recomputed(self._grouped_mlp, tokens, tokens_per_expert, probs, host_tokens_per_expert)
+        return self._grouped_mlp(tokens, tokens_per_expert, probs, host_tokens_per_expert)
 
     def scaled_input(self, tokens: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(tokens, probs)`` as the experts take them: unchanged, or with
@@ -156,6 +162,15 @@ class Experts(nn.Module):
         if not self.score_on_input:
             return tokens, probs
         return tokens * probs.unsqueeze(-1).to(tokens.dtype), torch.ones_like(probs)  # [N, H], [N]
+
+    def _grouped_mlp(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
+                     host: Optional[Sequence[int]]) -> torch.Tensor:
+        h = self.fc1_forward(tokens, tokens_per_expert, host)  # [N, H] -> [N, 2F/etp]
+        if self.recompute == "activation":
+            # Only h and the inputs are kept; the host counts ride along as they are (a
+            # list, not a tensor), so the recompute in backward reads nothing back.
+            return recomputed(self.act_fc2, h, tokens_per_expert, probs, host)
+        return self.act_fc2(h, tokens_per_expert, probs, host)
 
     def fc1_forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor,
                     host_tokens_per_expert: Optional[Sequence[int]] = None) -> torch.Tensor:

@@ -49,12 +49,14 @@ from moe_fold.parallel.tensor_parallel import (
 from moe_fold.parallel.varlen import Documents, doc_ids_from_cu_seqlens, router_token_mask
 
 from .attention import Attention
+from .experts import Experts
 from .kv_cache import LayerCache
 from .mla import MLAttention
 from .mlp import MLP
 from .moe_layer import MoELayer
 from .mtp import MTP, MTPTargets, mtp_targets
 from .norm import RMSNorm
+from .recompute import recomputed
 from .rotary import rotary_cos_sin, yarn_of
 
 
@@ -79,13 +81,25 @@ class Block(nn.Module):
             self.attn = Attention(m, head_dim(config), groups.tp, sp, **where, layer=layer)
         self.mlp_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind)
         self.mlp = mlp
+        # What the backward runs again (train.recompute, models/recompute.py): "none",
+        # "all" (the whole block) or "attention" (the attention after its norm).
+        self.recompute = "none"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: Optional[Documents] = None, kv_cache: Optional[LayerCache] = None,
                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.recompute == "all":
+            return recomputed(self._residuals, x, cos, sin, docs, kv_cache, positions)
+        return self._residuals(x, cos, sin, docs, kv_cache, positions)
+
+    def _residuals(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Optional[Documents],
+                   kv_cache: Optional[LayerCache], positions: Optional[torch.Tensor]) -> torch.Tensor:
         # positions (those of cos/sin): only temperature tuning reads them, which MLA has not.
         extra = {"positions": positions} if isinstance(self.attn, Attention) else {}
-        x = x + self.attn(self.attn_norm(x), cos, sin, docs, kv_cache, **extra)  # [S_local, B, H]
+        if self.recompute == "attention":
+            x = x + recomputed(self.attn, self.attn_norm(x), cos, sin, docs, kv_cache, **extra)  # [S_local, B, H]
+        else:
+            x = x + self.attn(self.attn_norm(x), cos, sin, docs, kv_cache, **extra)  # [S_local, B, H]
         h = self.mlp_norm(x).flatten(0, 1)  # [S_local*B, H]
         if isinstance(self.mlp, MoELayer):
             s_local, batch = x.shape[0], x.shape[1]
@@ -359,6 +373,48 @@ class Transformer(nn.Module):
 
 def build_model(config: Config, groups: ProcessGroups) -> Transformer:
     """This rank's part of the model of ``config`` in the layout of ``groups``
-    (``ProcessGroups.single_process()`` for the one-process model). Under pp with tied
-    embeddings every rank must call it (it creates the embedding group)."""
-    return Transformer(config, groups)
+    (``ProcessGroups.single_process()`` for the one-process model), recomputing what
+    ``train.recompute`` says. Under pp with tied embeddings every rank must call it (it
+    creates the embedding group)."""
+    model = Transformer(config, groups)
+    set_recompute(model, config.train.recompute)
+    return model
+
+
+# train.recompute -> the recompute attribute of: a dense block, an MoE block, the routed
+# experts, a shared expert (whose "all" is "halves" when the MoE layer overlaps them).
+_RECOMPUTE = {
+    "none": ("none", "none", "none", "none"),
+    "full": ("all", "attention", "all", "all"),
+    "moe": ("none", "none", "all", "all"),
+    "expert_act": ("none", "none", "activation", "none"),
+}
+
+
+def set_recompute(model: nn.Module, mode: str) -> None:
+    """Set the recompute attributes (:mod:`moe_fold.models.recompute`) of every module of
+    ``model`` (a whole model or any part, e.g. one MoE layer) for ``train.recompute=mode``:
+
+    - ``none``: nothing is recomputed;
+    - ``full``: every dense block whole; in an MoE block the attention (after its norm)
+      and the MoE layer's expert computation (routed experts and shared expert). The
+      router and the dispatcher stay outside: the router counts tokens for the expert
+      bias and the global aux loss as a side effect of its forward, which a second
+      forward would count twice (and recomputing the dispatcher would redo its
+      all-to-alls);
+    - ``moe``: the MoE layers' expert computation only (routed and shared experts; with
+      ``moe.shared_expert_overlap`` the shared expert's two halves each, keeping the
+      SwiGLU output between them);
+    - ``expert_act``: inside the routed experts, the SwiGLU activation and the fc2 GEMM
+      that consumes it.
+    """
+    dense_block, moe_block, experts, shared = _RECOMPUTE[mode]  # a mode config.validate accepts
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.recompute = moe_block if isinstance(module.mlp, MoELayer) else dense_block
+        if isinstance(module, Experts):
+            module.recompute = experts
+        if isinstance(module, MoELayer) and module.shared_expert is not None:
+            # With the overlap the layer runs the halves apart (under the dispatch and the
+            # combine): each is recomputed on its own.
+            module.shared_expert.recompute = "halves" if shared == "all" and module.shared_expert_overlap else shared

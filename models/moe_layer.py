@@ -147,7 +147,7 @@ class MoELayer(nn.Module):
                                 sent.host_tokens_per_local_expert)  # [N_chunk, H]
             combines.append(self.dispatcher.combine_start(rows, sent.handle))
         # Under the last chunk's combine: the shared expert's second half.
-        shared = self._gated(hidden, self.shared_expert.fc2(act)) if overlap_shared else None  # [T_local, H]
+        shared = self._gated(hidden, self.shared_expert.project(act)) if overlap_shared else None  # [T_local, H]
         out = torch.cat([pending.wait() for pending in combines])  # n x [T_chunk, H] -> [T_local, H]
         if self.shared_expert is not None:
             out = out + (shared if overlap_shared else self._gated(hidden, self.shared_expert(hidden)))

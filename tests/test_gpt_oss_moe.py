@@ -119,14 +119,14 @@ def test_expert_act_recompute_gives_the_same_layer(moe):
     """train.recompute=expert_act recomputes the activation and fc2 (with its bias and the
     prob applied after it; or with the prob on the input, Llama-4) in the backward: the same
     output and grads, bit for bit."""
-    from moe_fold.training.train import apply_recompute
+    from moe_fold.models.model import set_recompute
 
     plain = MoELayer(_config(**moe), ProcessGroups.single_process(), 1)
     if plain.router.bias is not None:
         with torch.no_grad():
             plain.router.bias.normal_(0, 0.5)
     recomputed = copy.deepcopy(plain)
-    apply_recompute(recomputed, "expert_act")
+    set_recompute(recomputed, "expert_act")
     x = torch.randn(19, H, generator=torch.Generator().manual_seed(4))
     results = []
     for layer in (plain, recomputed):

@@ -365,12 +365,12 @@ def test_recompute_covers_the_overlapped_shared_expert(overlap):
     """train.recompute=moe recomputes the shared expert also when the overlap runs its
     halves apart: the same grads, and of the shared expert's ``[T, SHARED]`` tensors (gate,
     up, their SwiGLU) at most the SwiGLU output between the halves is kept."""
-    from moe_fold.training.train import apply_recompute
+    from moe_fold.models.model import set_recompute
 
     def kept_and_grads(recompute):
         layer = MoELayer(_config(shared_expert_ffn_hidden_size=SHARED, shared_expert_overlap=overlap),
                          ProcessGroups.single_process(), 1)
-        apply_recompute(layer, recompute)
+        set_recompute(layer, recompute)
         shapes = []
         x = _inputs(5).requires_grad_()
         with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):

@@ -81,7 +81,6 @@ def _step(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict:
     from moe_fold.models.model import build_model
     from moe_fold.training.optim import apply_gradients, build_optimizer
     from moe_fold.training.precision import MasterWeights
-    from moe_fold.training.train import apply_recompute
 
     out = {}
     for preset, layout, precision in cases:
@@ -94,7 +93,6 @@ def _step(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict:
         master = None
         if precision == "bf16":
             master = MasterWeights(model.to(torch.bfloat16), build_model(config, groups))
-        apply_recompute(model, config.train.recompute)
         state_model = master.master if master else model
         optimizer = build_optimizer(state_model, config.optimizer, groups)
         gen = torch.Generator().manual_seed(7 + groups.rank_in("dp"))
@@ -182,12 +180,12 @@ def test_activation_bytes_within_15_percent(measured, preset, layout, precision)
 def test_recompute_activation_bytes(monkeypatch, preset, recompute):
     """One process, fp32: what the checkpoints keep (their tensor inputs) plus what
     autograd saves outside them."""
-    from moe_fold.training import train
+    from moe_fold.models import recompute as recompute_module
     from moe_fold.models.model import build_model
 
     config = _config(preset, "one", "fp32", recompute)
     kept = {}
-    real = train.checkpoint
+    real = recompute_module.checkpoint
 
     def recorded(fn, *args, **kwargs):
         for t in args:
@@ -195,10 +193,9 @@ def test_recompute_activation_bytes(monkeypatch, preset, recompute):
                 kept[t.untyped_storage().data_ptr()] = t
         return real(fn, *args, **kwargs)
 
-    monkeypatch.setattr(train, "checkpoint", recorded)
+    monkeypatch.setattr(recompute_module, "checkpoint", recorded)
     torch.manual_seed(0)
-    model = build_model(config, ProcessGroups.single_process())
-    train.apply_recompute(model, recompute)
+    model = build_model(config, ProcessGroups.single_process())  # recomputing config.train.recompute
     m = config.model
     ids = torch.randint(0, m.vocab_size, (config.train.micro_batch_size, m.seq_length),
                         generator=torch.Generator().manual_seed(7))

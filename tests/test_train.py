@@ -277,20 +277,46 @@ def test_recompute_modes_give_the_same_steps(tmp_path, cache_dir):
         assert runs[mode][1] == pytest.approx(runs["none"][1], rel=1e-5), mode
 
 
+def test_recompute_is_a_property_of_the_modules(cache_dir):
+    """build_model sets each module's recompute attribute from train.recompute, and no
+    module's forward is replaced on the instance."""
+    from moe_fold.layout import ProcessGroups
+    from moe_fold.models.experts import Experts
+    from moe_fold.models.mlp import MLP
+    from moe_fold.models.model import Block, build_model
+
+    def settings(mode, *extra):
+        model = build_model(small_config("unused", cache_dir, f"train.recompute={mode}", "moe.first_k_dense=1",
+                                         "moe.shared_expert_ffn_hidden_size=32", *extra),
+                            ProcessGroups.single_process())
+        assert not [name for name, m in model.named_modules() if "forward" in vars(m)], mode
+        return {name: m.recompute for name, m in model.named_modules() if isinstance(m, (Block, Experts, MLP))}
+
+    def expect(dense_block, moe_block, experts, shared):
+        return {"layers.0": dense_block, "layers.0.mlp": "none", "layers.1": moe_block,
+                "layers.1.mlp.experts": experts, "layers.1.mlp.shared_expert": shared}
+
+    assert settings("expert_act") == expect("none", "none", "activation", "none")
+    assert settings("none") == expect("none", "none", "none", "none")
+    assert settings("moe") == expect("none", "none", "all", "all")
+    assert settings("moe", "moe.shared_expert_overlap=true") == expect("none", "none", "all", "halves")
+    # An MoE block recomputes its attention only: the router stays outside.
+    assert settings("full") == expect("all", "attention", "all", "all")
+
+
 def test_recompute_modes_keep_fewer_activations(cache_dir):
     """Bytes of the tensors autograd keeps for backward over one forward (a recomputed
     region keeps only its inputs): full < moe < none and expert_act < none."""
     from moe_fold.data.loader import DataLoader, dataset_from_config
     from moe_fold.layout import ProcessGroups
-    from moe_fold.models.model import build_model
-    from moe_fold.training.train import apply_recompute
+    from moe_fold.models.model import build_model, set_recompute
 
     cfg = small_config("unused", cache_dir, "moe.shared_expert_ffn_hidden_size=32")
     batch = next(iter(DataLoader(dataset_from_config(cfg), 2, 2)))
     kept = {}
     for mode in ("none", "full", "moe", "expert_act"):
         model = build_model(cfg, ProcessGroups.single_process())
-        apply_recompute(model, mode)
+        set_recompute(model, mode)
         seen = {}
 
         def pack(t):

@@ -63,7 +63,7 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
 - Per micro-batch and model chunk: rotary cos and sin, ``2 (s/cp) d_rot a`` (``d_rot``
   the head width, ``qk_rope_head_dim`` under MLA).
 
-Recompute (:func:`moe_fold.training.train.apply_recompute`, non-reentrant checkpoints keep their
+Recompute (:func:`moe_fold.models.model.set_recompute`, non-reentrant checkpoints keep their
 inputs): ``full`` keeps only a dense block's input ``aH``; an MoE block keeps its attention
 input (the attention norm's output ``aH``) with the attention norm itself, and the MoE
 layer as with ``moe``. ``moe`` keeps the experts'

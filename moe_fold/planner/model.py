@@ -32,7 +32,7 @@ with flash attention (q, k, v, output and the fp32 log-sum-exp; no ``s x s`` sco
 no dropout. Where moe-fold differs from Megatron it is modelled as moe-fold does it: a
 column-parallel linear under sequence parallelism keeps its GATHERED input (autograd
 saves it) instead of re-gathering it in the backward, so that input costs ``tp`` times
-Korthikanti's ``2sbh/t``. Recompute (``train.recompute``, :func:`moe_fold.training.train.apply_recompute`)
+Korthikanti's ``2sbh/t``. Recompute (``train.recompute``, :func:`moe_fold.models.model.set_recompute`)
 keeps only the inputs of the recomputed parts.
 These are the Megatron reference figures (``Assumptions.implementation="megatron"``);
 what moe-fold's own layers keep is :mod:`moe_fold.planner.memory`.
@@ -328,7 +328,7 @@ def model_flops_per_step(config: Config) -> float:
 
 def _recomputed_forward(parts: dict[str, float], is_moe: bool, recompute: str) -> float:
     """Forward FLOPs run again in the backward under ``recompute`` (what
-    :func:`moe_fold.training.train.apply_recompute` wraps; the router never reruns)."""
+    :func:`moe_fold.models.model.set_recompute` marks; the router never reruns)."""
     if recompute == "none":
         return 0.0
     if recompute == "full":

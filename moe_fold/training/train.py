@@ -39,6 +39,14 @@ Checkpoints every ``train.save_every`` steps and at the last one go through a
 error before it leaves. Validation (``train.eval_every``, :mod:`moe_fold.training.evaluate`)
 writes its own rows to metrics.jsonl without changing the training data order or RNG.
 
+How the code reads (:func:`_train`, top to bottom): :func:`_prepare_process` (checks,
+device, torch's settings, process groups); :mod:`moe_fold.training.run_setup` builds the
+run's collaborators (:func:`~moe_fold.training.run_setup.set_up_run`), loads what it starts
+from (:func:`~moe_fold.training.run_setup.load_start_state`) and opens its logger; then per
+step :func:`_seed_step`, :func:`run_step` (a :class:`~moe_fold.training.periodic.StepRecord`)
+and the ordered periodic actions of :mod:`moe_fold.training.periodic` (re-place, loss
+spikes, log, evaluate, stop, save).
+
 Entry points: :func:`train` (one rank; torch.distributed already initialised, or a single
 process), :func:`check_trainable` (rules of the loop on top of
 :func:`moe_fold.config.validate`, checked before any rank starts) and
@@ -57,23 +65,27 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from moe_fold.comm import all_reduce_
-from moe_fold.config import Config, ConfigError, dump_config, validate
+from moe_fold.config import Config, ConfigError, validate
 from moe_fold.kernels.backends import resolve_config
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
-from moe_fold.training.numerics import LossSpikes, first_nonfinite_module
-from moe_fold.training.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
+from moe_fold.training.numerics import first_nonfinite_module
+from moe_fold.training.periodic import (
+    Action, CheckStop, Evaluate, LogStep, ReplaceExperts, SaveCheckpoint, StepRecord, WatchLossSpikes, at_step,
+    every_n_steps, stopping,
+)
+from moe_fold.training.precision import autocast
+from moe_fold.training.run_setup import Run, load_start_state, set_up_run, start_logging
 from moe_fold.training.stop import ExitSignals, Stop, StopRule
 
-__all__ = ["TrainResult", "check_trainable", "resolve_backends", "set_tf32", "train", "apply_recompute",
-           "build_groups", "read_metrics"]
+__all__ = ["TrainResult", "check_trainable", "resolve_backends", "set_tf32", "train", "run_step", "build_groups",
+           "read_metrics"]
 
 
 @dataclass
@@ -89,6 +101,13 @@ class TrainResult:
     wandb_dir: Optional[str] = None
     plots: list[str] = field(default_factory=list)  # <run_dir>/plots/*.png rank 0 wrote ([] elsewhere)
     stop: Optional[Stop] = None  # why the run ended before train.steps (None: it did not)
+
+    def add(self, record: StepRecord) -> None:
+        """Count in a step that ran, once its periodic actions are done."""
+        self.losses.append(record.loss)
+        if record.checkpoint is not None:
+            self.checkpoint = record.checkpoint
+        self.stop = record.stop
 
 
 def check_trainable(config: Config, world_size: int) -> None:
@@ -113,65 +132,6 @@ def build_groups(config: Config) -> ProcessGroups:
     # torch gives new groups its 30-minute default, not the world's: a rank that hangs
     # would hold its peers in an all-to-all that long.
     return create_process_groups(layout, timeout=datetime.timedelta(seconds=p.timeout_s))
-
-
-# --------------------------------------------------------------------------- recompute
-
-def apply_recompute(model: nn.Module, mode: str) -> None:
-    """Activation recompute (``train.recompute``), by wrapping forwards in
-    ``torch.utils.checkpoint`` (non-reentrant):
-
-    - ``full``: every dense block whole; in an MoE block the attention (after its norm)
-      and the MoE layer's expert computation (routed experts and shared expert). The
-      router and the dispatcher stay outside: the router counts tokens for the expert
-      bias and the global aux loss as a side effect of its forward, which a second
-      forward would count twice (and recomputing the dispatcher would redo its
-      all-to-alls).
-    - ``moe``: the MoE layers' expert computation only (routed and shared experts; with
-      ``moe.shared_expert_overlap`` the shared expert's two halves each, keeping the
-      SwiGLU output between them).
-    - ``expert_act``: inside the routed experts, the SwiGLU activation and the fc2 GEMM
-      that consumes it, so the activation output ``[rows, F]`` is not kept (fc1's output
-      is); the backward recomputes the activation and fc2's forward.
-    """
-    if mode == "none":
-        return
-    from moe_fold.models.experts import Experts
-    from moe_fold.models.model import Block
-    from moe_fold.models.moe_layer import MoELayer
-
-    for module in model.modules():
-        if mode == "full" and isinstance(module, Block):
-            _wrap(module.attn if isinstance(module.mlp, MoELayer) else module)
-        if mode in ("full", "moe") and isinstance(module, Experts):
-            _wrap(module)
-        if mode in ("full", "moe") and isinstance(module, MoELayer) and module.shared_expert is not None:
-            if module.shared_expert_overlap:
-                # The layer runs the halves apart (under the dispatch and the combine): each
-                # is recomputed on its own, and the SwiGLU output between them is kept.
-                _wrap(module.shared_expert, "activation")
-                _wrap(module.shared_expert.fc2)
-            else:
-                _wrap(module.shared_expert)
-        if mode == "expert_act" and isinstance(module, Experts):
-            module.forward = _experts_act_recomputed(module)
-
-
-def _wrap(module: nn.Module, method: str = "forward") -> None:
-    run = getattr(module, method)
-    setattr(module, method, lambda *args, **kwargs: checkpoint(run, *args, use_reentrant=False, **kwargs))
-
-
-def _experts_act_recomputed(experts: nn.Module) -> Callable:
-    def forward(tokens, tokens_per_expert, probs, host_tokens_per_expert=None):
-        # The host counts ride in the closure, so the recompute in backward reads nothing back.
-        def act_fc2(h, tokens_per_expert, probs):
-            return experts.act_fc2(h, tokens_per_expert, probs, host_tokens_per_expert)
-
-        tokens, probs = experts.scaled_input(tokens, probs)
-        h = experts.fc1_forward(tokens, tokens_per_expert, host_tokens_per_expert)  # [N, 2F/etp]
-        return checkpoint(act_fc2, h, tokens_per_expert, probs, use_reentrant=False)  # [N, H]
-    return forward
 
 
 # --------------------------------------------------------------------------- the loop
@@ -226,25 +186,6 @@ def _seed_step(config: Config, step: int, rank: int) -> None:
     torch.manual_seed((config.train.seed * 1_000_003 + step) * 4099 + rank)
 
 
-def _barrier(groups: ProcessGroups) -> None:
-    if groups.layout.world_size > 1:
-        dist.barrier()
-
-
-def _dataset(config: Config, groups: ProcessGroups, build: Optional[Callable] = None):
-    """``build(config)`` (default: the training dataset): rank 0 tokenizes the corpus into
-    the cache (when needed) first; the others then find it built."""
-    from moe_fold.data.loader import dataset_from_config
-
-    build = build or dataset_from_config
-    if groups.rank == 0:
-        dataset = build(config)
-    _barrier(groups)
-    if groups.rank != 0:
-        dataset = build(config)
-    return dataset
-
-
 def train(config: Config, resume: bool = False, console: Any = None, progress: bool = True,
           stop_at: Optional[int] = None) -> TrainResult:
     """Run ``config`` on this rank; see the module docstring.
@@ -274,16 +215,49 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
 
 def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: Optional[int],
            signals: ExitSignals, began: float) -> TrainResult:
-    from moe_fold.data.loader import DataLoader
-    from moe_fold.training.metrics import MetricsLogger, MTPCollector, RoutingCollector
-    from moe_fold.models.model import build_model
-    from moe_fold.training.optim import apply_gradients, build_grad_sync, build_optimizer, build_scheduler
-    from moe_fold.training.step import forward_backward
     from moe_fold.training.checkpoint import CheckpointSaver
 
+    config, device, groups = _prepare_process(config)
+    run = set_up_run(config, device, groups)
+    start_step, checkpoint_path = load_start_state(run, resume)
+    logger = start_logging(run, console, progress, start_step, resumed_from=checkpoint_path)
+    result = TrainResult(first_step=start_step + 1, run_dir=str(run.run_dir), checkpoint=checkpoint_path)
+    t, rank = config.train, groups.rank
+    run.model.train()
+    begin = time.perf_counter()
+    last_step = t.steps if stop_at is None else min(stop_at, t.steps)
+    stops = StopRule(config, signals, device, groups.layout.world_size, began)
+    # A signal or budget before the first step: no step, and nothing new to save.
+    result.stop = stops.check(start_step, after_a_step=False)
+    saver = CheckpointSaver(run.run_dir, groups, t.keep_last, async_save=t.async_save, config=config,
+                            timeout_s=config.parallel.timeout_s)
+    # After each step, in this order (moe_fold/training/periodic.py says how to add one).
+    actions: list[Action] = [
+        ReplaceExperts(run.replacer, run.optimizer),
+        WatchLossSpikes(t.loss_spike_factor, t.loss_spike_window, warn=rank == 0),
+        LogStep(logger, run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),
+        Evaluate(t.eval_every, t.steps, lambda: _evaluate(run), logger),
+        CheckStop(stops, console if rank == 0 else None),
+        SaveCheckpoint(run, saver, when=[every_n_steps(t.save_every), at_step(last_step), stopping]),
+    ]
+    with _closing(run, logger, saver):
+        for step in range(start_step + 1, last_step + 1) if result.stop is None else ():
+            _seed_step(config, step, rank)
+            record = run_step(run, step)
+            for action in actions:
+                action(record)
+            result.add(record)
+            if record.stop is not None:
+                break
+    return _finish(run, logger, result, began_at=begin, console=console)
+
+
+def _prepare_process(config: Config) -> tuple[Config, torch.device, ProcessGroups]:
+    """Check ``config`` (:func:`check_trainable`), choose the device, switch torch's
+    process-wide settings (determinism, TF32), resolve the kernel backends and build this
+    rank's process groups."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     check_trainable(config, world)
-    t = config.train
     device = compute_device(config)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -292,212 +266,113 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     # What ran is what the run's config.yaml and printout say (a no-op when the command
     # line already resolved it before starting the ranks).
     config = resolve_backends(config, device)
-    groups = build_groups(config)
-    rank = groups.rank
-    run_dir = Path(t.run_dir)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    return config, device, build_groups(config)
 
-    dataset = _dataset(config, groups)
-    dynamic_cp = None
-    if config.parallel.dynamic_cp and groups.size("cp") > 1:
-        from moe_fold.training.dynamic_cp import DynamicCP, cost_model
 
-        # Static cp's memory: a micro-batch's tokens over the cp group.
-        dynamic_cp = DynamicCP(groups, cost_model(config),
-                               capacity=t.micro_batch_size * config.model.seq_length // groups.size("cp"))
-    # Under dynamic cp every cp rank takes its group's whole micro-batches and keeps its share.
-    cp_rank, cp_size = (0, 1) if dynamic_cp is not None else (groups.rank_in("cp"), groups.size("cp"))
-    loader = DataLoader(dataset, t.global_batch_size, t.micro_batch_size, dp_rank=groups.rank_in("dp"),
-                        dp_size=groups.size("dp"), cp_rank=cp_rank, cp_size=cp_size)
-    valid_dataset = None
-    if t.eval_every > 0:
-        from moe_fold.data.loader import validation_dataset_from_config
+def run_step(run: Run, step: int) -> StepRecord:
+    """One optimizer step of ``run`` on the next global batch: the micro-batches' forward
+    and backward, the global-batch loss (all-reduced over dp x cp), then the optimizer step
+    (gradient reduction, clipping, AdamW) or, on a non-finite loss or gradient norm, the
+    non-finite path (no optimizer step; :func:`_diagnose_nonfinite`); the LR schedule steps
+    and the collectors close the step. Returns the step's record. A collective: every
+    rank runs it for every step (the caller seeds the step first, :func:`_seed_step`)."""
+    # Imported here, not above: tests swap forward_backward on its module to plant faults.
+    from moe_fold.training.optim import apply_gradients
+    from moe_fold.training.step import forward_backward
 
-        valid_dataset = _dataset(config, groups, validation_dataset_from_config)
-    torch.manual_seed(t.seed)
-    model = build_model(config, groups).to(device)
-    master = None
-    if t.precision == "bf16":
-        master = MasterWeights(model.to(param_dtype(t.precision)), build_model(config, groups).to(device))
-    # What the optimizer updates and checkpoints hold: the float32 masters under bf16.
-    state_model = master.master if master else model
-    if t.precision == "bf16-autocast":
-        exclude_from_autocast(model, device)
-    apply_recompute(model, t.recompute)
-    p = config.parallel
-    # Under bf16 the model's grads feed the float32 masters' buckets (cast, then reduced),
-    # and the distributed optimizer copies each master bucket into the model once current.
-    sources = {m: q for q, m in master.pairs} if master is not None else None
-    optimizer = build_optimizer(state_model, config.optimizer, groups, bucket_numel=p.grad_bucket_numel,
-                                overlap_param_gather=p.overlap_param_gather, compute_model=model, targets=sources)
-    grad_sync = build_grad_sync(state_model, optimizer, groups, bucket_numel=p.grad_bucket_numel,
-                                overlap=p.overlap_grad_reduce, sources=sources)
-    scheduler = build_scheduler(optimizer, config)
-    collector = RoutingCollector(model, config)
-    mtp_collector = MTPCollector(model, config)
-    replacer = None
-    if config.moe.replace_every > 0 or config.moe.replicas > 0:
-        from moe_fold.training.replace import ExpertReplacer
+    config, groups, optimizer = run.config, run.groups, run.optimizer
+    began = time.perf_counter()
+    micro_batches = [b.to(run.device) for b in run.loader.global_batch()]
+    run.collector.start_step()
+    run.mtp_collector.start_step()
+    losses = forward_backward(run.model, micro_batches, groups, config, forward_context=run.forward_context,
+                              dynamic_cp=run.dynamic_cp, grad_sync=run.grad_sync)
+    lm_loss = losses.sum()
+    all_reduce_(lm_loss, groups.dp_cp)
+    lm = (lm_loss / groups.size("dp_cp")).item()
+    lr = run.scheduler.get_last_lr()
+    if math.isfinite(lm):
+        grad_norm = apply_gradients(run.train_params, optimizer, groups, config.optimizer.clip_grad,
+                                    grad_sync=run.grad_sync)
+    else:
+        # No step; the loss is global, so every rank does the same: it completes the
+        # reductions posted during the backward (the collectives must match) and
+        # leaves the grads to be zeroed.
+        run.grad_sync.finish()
+        grad_norm = torch.tensor(float("nan"))
+    # One read of the norm serves the check and the record.
+    norm = grad_norm.item()
+    finite = math.isfinite(lm) and math.isfinite(norm)
+    if finite and run.master is not None and not optimizer.distributed:
+        run.master.master_to_model()
+    where = None if finite else _diagnose_nonfinite(run, step, micro_batches, lm, norm)
+    optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    routing = run.collector.finish_step(groups)
+    mtp = run.mtp_collector.finish_step(groups)
+    return StepRecord(step, loss=lm + routing.pop("weighted_loss", 0.0) + mtp.pop("weighted_loss"), lm_loss=lm,
+                      grad_norm=norm, lr=lr, skipped=not finite, nonfinite_module=where, routing=routing, mtp=mtp,
+                      began=began)
 
-        replacer = ExpertReplacer(config, [state_model] + ([model] if master else []), groups, optimizer,
-                                  collector.moe_layers)
 
-    @contextlib.contextmanager
-    def forward_context() -> Iterator[None]:
-        with autocast(t.precision, device), collector.recording(), mtp_collector.recording():
-            yield
+def _diagnose_nonfinite(run: Run, step: int, micro_batches: list, lm: float, norm: float) -> Optional[str]:
+    """A non-finite step: name the first module whose output went non-finite
+    (:func:`_first_nonfinite`, a collective), then raise (``train.on_nonfinite=stop``)
+    or warn on rank 0 and return that module's name (``skip``; None: the forward ran
+    again is finite)."""
+    where = _first_nonfinite(run.model, micro_batches, run.groups, run.config, run.device, run.dynamic_cp)
+    problem = (f"step {step}: loss {lm}, gradient norm {norm}; first non-finite output: "
+               f"{where or 'none (the forward ran again is finite)'}")
+    if run.config.train.on_nonfinite == "stop":
+        raise FloatingPointError(f"{problem}; stopping (train.on_nonfinite=stop)")
+    if run.groups.rank == 0:
+        warnings.warn(f"{problem}; step skipped (train.on_nonfinite=skip)", stacklevel=3)
+    return where
 
-    start_step = 0
-    checkpoint_path: Optional[str] = None
-    if resume:
-        from moe_fold.training.checkpoint import load_checkpoint, load_newest_intact
 
-        # A damaged newest checkpoint is moved aside and the one before it loaded.
-        loaded = load_newest_intact(
-            run_dir, lambda path: load_checkpoint(path, state_model, optimizer, scheduler, groups), groups)
-        if loaded is not None:
-            found, extra = loaded
-            if master is not None:
-                master.master_to_model()
-            start_step = int(extra["step"])
-            loader.load_state_dict(extra["data"])
-            if replacer is not None and "experts" in extra:
-                replacer.load_state_dict(extra["experts"])
-            checkpoint_path = str(found)
-    if start_step == 0 and config.init.from_hf is not None:
-        from moe_fold.models.hf.importer import load_hf_into
+def _evaluate(run: Run) -> dict[str, float]:
+    """The validation loss of ``run``'s model (:mod:`moe_fold.training.evaluate`)."""
+    from moe_fold.training.evaluate import evaluate
 
-        with torch.no_grad():
-            load_hf_into(state_model, config.init.from_hf, groups)
-        if master is not None:
-            master.master_to_model()
-    if start_step == 0 and config.init.upcycle_from is not None:
-        from moe_fold.models.hf.upcycle import load_upcycled_into
+    return evaluate(run.model, run.valid_dataset, run.groups, run.config, run.device, run.dynamic_cp)
 
-        with torch.no_grad():
-            load_upcycled_into(state_model, config.init.upcycle_from, groups)
-        if master is not None:
-            master.master_to_model()
-    if rank == 0:
-        # Only now: a resume that fails on its checkpoint leaves the run folder as it was.
-        dump_config(config, run_dir / "config.yaml")
-    logger = MetricsLogger(config, groups, console=console if rank == 0 else None, progress=progress,
-                           start_step=start_step)
-    if rank == 0 and console is not None:
-        logger.print_start(world, resumed_from=checkpoint_path)
 
-    result = TrainResult(first_step=start_step + 1, run_dir=str(run_dir), checkpoint=checkpoint_path)
-    tokens_per_step = t.global_batch_size * config.model.seq_length
-    model.train()
-    begin = time.perf_counter()
-    train_params = list(state_model.parameters())
-    last_step = t.steps if stop_at is None else min(stop_at, t.steps)
-    spikes = LossSpikes(t.loss_spike_factor, t.loss_spike_window)
-    stops = StopRule(config, signals, device, world, began)
-    # A signal or budget before the first step: no step, and nothing new to save.
-    stop = stops.check(start_step, after_a_step=False)
-    saver = CheckpointSaver(run_dir, groups, t.keep_last, async_save=t.async_save, config=config,
-                            timeout_s=config.parallel.timeout_s)
+@contextlib.contextmanager
+def _closing(run: Run, logger: Any, saver: Any) -> Iterator[None]:
+    """Around the steps: every rank leaves with the last checkpoint complete on disk (a
+    stop's included); on an error, a background write still finishes (or fails) before
+    leaving, so no process exits believing in a checkpoint that is half written. The
+    logger and the collectors close either way."""
     finished = False
     try:
-        for step in range(start_step + 1, last_step + 1) if stop is None else ():
-            step_begin = time.perf_counter()
-            _seed_step(config, step, rank)
-            micro_batches = [b.to(device) for b in loader.global_batch()]
-            collector.start_step()
-            mtp_collector.start_step()
-            losses = forward_backward(model, micro_batches, groups, config, forward_context=forward_context,
-                                      dynamic_cp=dynamic_cp, grad_sync=grad_sync)
-            lm_loss = losses.sum()
-            all_reduce_(lm_loss, groups.dp_cp)
-            lm = (lm_loss / groups.size("dp_cp")).item()
-            lr = scheduler.get_last_lr()
-            if math.isfinite(lm):
-                grad_norm = apply_gradients(train_params, optimizer, groups, config.optimizer.clip_grad,
-                                            grad_sync=grad_sync)
-            else:
-                # No step; the loss is global, so every rank does the same: it completes the
-                # reductions posted during the backward (the collectives must match) and
-                # leaves the grads to be zeroed.
-                grad_sync.finish()
-                grad_norm = torch.tensor(float("nan"))
-            # One read of the norm serves the check and the record.
-            norm = grad_norm.item()
-            finite = math.isfinite(lm) and math.isfinite(norm)
-            if finite and master is not None and not optimizer.distributed:
-                master.master_to_model()
-            nonfinite = {}
-            if not finite:
-                where = _first_nonfinite(model, micro_batches, groups, config, device, dynamic_cp)
-                problem = (f"step {step}: loss {lm}, gradient norm {norm}; first non-finite output: "
-                           f"{where or 'none (the forward ran again is finite)'}")
-                if t.on_nonfinite == "stop":
-                    raise FloatingPointError(f"{problem}; stopping (train.on_nonfinite=stop)")
-                if rank == 0:
-                    warnings.warn(f"{problem}; step skipped (train.on_nonfinite=skip)", stacklevel=2)
-                nonfinite = {"nonfinite_module": where}
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            routing = collector.finish_step(groups)
-            mtp = mtp_collector.finish_step(groups)
-            if replacer is not None:
-                optimizer.wait_params()  # the replacer moves expert weights
-                routing.update(replacer.after_step(step, routing["expert_load"]))
-            seconds = time.perf_counter() - step_begin
-            loss = lm + routing.pop("weighted_loss", 0.0) + mtp.pop("weighted_loss")
-            median = spikes.median()
-            spike = spikes.check(loss)
-            if spike and rank == 0:
-                warnings.warn(f"step {step}: loss spike: {loss:.6g} > train.loss_spike_factor={t.loss_spike_factor} "
-                              f"x {median:.6g}, the median of the previous {t.loss_spike_window} losses", stacklevel=2)
-            record = {"step": step, "loss": loss, "lm_loss": lm, "grad_norm": norm, "lr": lr,
-                      "tokens_per_s": tokens_per_step / seconds, "skipped": not finite, "loss_spike": spike,
-                      **nonfinite, **routing, **mtp}
-            logger.log(record, collector)
-            result.losses.append(record["loss"])
-            # Validation: its own loader and a forked RNG, so training is unchanged.
-            if valid_dataset is not None and (step % t.eval_every == 0 or step == t.steps):
-                from moe_fold.training.evaluate import evaluate
-
-                logger.log_eval({"step": step, **evaluate(model, valid_dataset, groups, config, device, dynamic_cp)})
-            stop = stops.check(step)
-            if stop is not None and rank == 0 and console is not None:
-                console.print(f"stopping after step {step}: {stop.reason}; writing its checkpoint")
-            if step % t.save_every == 0 or step == last_step or stop is not None:
-                optimizer.wait_params()  # the checkpoint reads the parameters
-                extra = {"step": step, "data": loader.state_dict()}
-                if replacer is not None:
-                    extra["experts"] = replacer.state_dict()
-                checkpoint_path = str(saver.save(step, state_model, optimizer, scheduler, extra))
-                result.checkpoint = checkpoint_path
-            if stop is not None:
-                break
-        # Every rank returns with the last checkpoint complete on disk (a stop's included).
+        yield
         saver.wait(collective=True)
         finished = True
     finally:
         if not finished:
-            # An error: still let a background write finish (or fail) before leaving, so no
-            # process exits believing in a checkpoint that is half written.
             with contextlib.suppress(Exception):
                 saver.wait()
         logger.close()
-        collector.close()
-        mtp_collector.close()
-    optimizer.wait_params()  # the caller gets current parameters
-    result.seconds = time.perf_counter() - begin
+        run.collector.close()
+        run.mtp_collector.close()
+
+
+def _finish(run: Run, logger: Any, result: TrainResult, began_at: float, console: Any) -> TrainResult:
+    """Fill ``result`` in once the steps are done (timing, final loss, wandb folder), and
+    on rank 0 write the run's plots and print its summary."""
+    run.optimizer.wait_params()  # the caller gets current parameters
+    result.seconds = time.perf_counter() - began_at
     steps_run = len(result.losses)
+    tokens_per_step = run.config.train.global_batch_size * run.config.model.seq_length
     result.tokens_per_s = steps_run * tokens_per_step / result.seconds if steps_run else 0.0
     result.final_loss = result.losses[-1] if result.losses else float("nan")
     result.wandb_dir = logger.wandb_dir
-    result.stop = stop
-    if rank == 0:
+    if run.groups.rank == 0:
         from moe_fold.training.plots import write_run_plots
 
-        result.plots = [str(p) for p in write_run_plots(run_dir)]
-    if rank == 0 and console is not None:
-        logger.print_summary(result)
+        result.plots = [str(p) for p in write_run_plots(run.run_dir)]
+        if console is not None:
+            logger.print_summary(result)
     return result
 
 

@@ -30,6 +30,7 @@ BUCKETS = "moe_fold/training/buckets.py"
 OPTIM = "moe_fold/training/optim.py"
 CHECKPOINT = "moe_fold/training/checkpoint.py"
 TRAIN = "moe_fold/training/train.py"
+RUN_SETUP = "moe_fold/training/run_setup.py"
 LOADER = "moe_fold/data/loader.py"
 REPLACE = "moe_fold/training/replace.py"
 MTP = "models/mtp.py"
@@ -385,13 +386,13 @@ MUTANTS: list[Mutant] = [
         "verify counts the expert rows of a missing or corrupt file as present",
         ("tests/test_checkpoint_verify.py::test_a_lost_expert_shard_is_reported_and_refused_by_export",)),
     Mutant(
-        "resume-data-position", TRAIN,
-        "            loader.load_state_dict(extra[\"data\"])\n",
+        "resume-data-position", RUN_SETUP,
+        "            run.loader.load_state_dict(extra[\"data\"])\n",
         "",
         "a resumed run starts the data over from sample 0 instead of the saved position",
         ("tests/test_train.py::test_resume_is_exact[fp32]",)),
     Mutant(
-        "resume-bf16-model-stale", TRAIN,
+        "resume-bf16-model-stale", RUN_SETUP,
         "            if master is not None:\n                master.master_to_model()\n",
         "",
         "a resumed bf16 run loads the float32 masters but computes with the bf16 model's initial weights",
@@ -461,10 +462,10 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ precision
     Mutant(
         "bf16-model-not-updated", TRAIN,
-        "            if finite and master is not None and not optimizer.distributed:\n"
-        "                master.master_to_model()\n",
-        "            if finite and master is not None and not optimizer.distributed:\n"
-        "                pass\n",
+        "    if finite and run.master is not None and not optimizer.distributed:\n"
+        "        run.master.master_to_model()\n",
+        "    if finite and run.master is not None and not optimizer.distributed:\n"
+        "        pass\n",
         "bf16: the optimizer steps the float32 masters but the bf16 model that computes is never refreshed",
         ("tests/test_train.py::test_bf16_keeps_float32_masters_and_tracks_fp32",)),
     Mutant(
@@ -517,4 +518,27 @@ MUTANTS: list[Mutant] = [
         "num_rows=None)  # [T, H] -> [N, H]",
         "permute counts its rows with nonzero (a second host sync per MoE layer forward)",
         ("tests/test_host_syncs.py::test_moe_layer_syncs_once_per_forward_and_never_in_backward",)),
+    # ------------------------------------------------------------------ the loop's parts (issue 31)
+    Mutant(
+        "save-not-on-stop", "moe_fold/training/periodic.py",
+        "    return record.stop is not None\n",
+        "    return False\n",
+        "a run stopped early (signal, budget) writes no checkpoint of its last step",
+        ("tests/test_periodic.py::test_save_checkpoint_when_due_with_the_data_position_and_placement",)),
+    Mutant(
+        "replace-after-log", TRAIN,
+        "        ReplaceExperts(run.replacer, run.optimizer),\n"
+        "        WatchLossSpikes(t.loss_spike_factor, t.loss_spike_window, warn=rank == 0),\n"
+        "        LogStep(logger, run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),\n",
+        "        WatchLossSpikes(t.loss_spike_factor, t.loss_spike_window, warn=rank == 0),\n"
+        "        LogStep(logger, run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),\n"
+        "        ReplaceExperts(run.replacer, run.optimizer),\n",
+        "the periodic actions out of order: the step is logged before the re-placement adds what moved",
+        ("tests/test_replace.py::test_replacing_under_bf16_keeps_the_losses_bit_for_bit",)),
+    Mutant(
+        "expert-act-not-recomputed", "models/experts.py",
+        "        if self.recompute == \"activation\":\n",
+        "        if self.recompute == \"activations\":\n",
+        "train.recompute=expert_act silently keeps the SwiGLU output (a setting name the module does not honour)",
+        ("tests/test_train.py::test_recompute_modes_keep_fewer_activations",)),
 ]

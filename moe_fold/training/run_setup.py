@@ -1,0 +1,205 @@
+"""Setting up a training run on this rank: everything the loop uses, built once before
+the first step (:func:`set_up_run`), and the weights and data position it starts from
+(:func:`load_start_state`: a resumed checkpoint, a Hugging Face folder, or a dense folder
+upcycled into experts).
+
+The order of the set-up is part of the run's numerics: the model is built right after
+``torch.manual_seed(train.seed)`` (its routers draw from torch's generator), and rank 0
+builds the data caches before the others read them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_fold.config import Config, dump_config
+from moe_fold.layout import ProcessGroups
+from moe_fold.training.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
+
+__all__ = ["Run", "set_up_run", "load_start_state", "load_state", "start_logging"]
+
+
+@dataclass
+class Run:
+    """The collaborators of one training run on this rank (built by :func:`set_up_run`)."""
+    config: Config  # validated, kernel backends resolved
+    device: torch.device
+    groups: ProcessGroups
+    run_dir: Path
+    loader: Any  # moe_fold.data.loader.DataLoader: this rank's micro-batches of each global batch
+    valid_dataset: Any  # the validation dataset (train.eval_every > 0), else None
+    dynamic_cp: Any  # moe_fold.training.dynamic_cp.DynamicCP under parallel.dynamic_cp with cp > 1, else None
+    model: nn.Module  # the model that computes (bf16 under train.precision=bf16)
+    master: Optional[MasterWeights]  # its float32 masters under bf16, else None
+    state_model: nn.Module  # what the optimizer updates and checkpoints hold: the masters, or the model
+    optimizer: Any  # moe_fold.training.optim.AdamW
+    grad_sync: Any  # the gradient reduction (moe_fold.training.optim.build_grad_sync)
+    scheduler: Any  # the LR schedule
+    collector: Any  # moe_fold.training.metrics.RoutingCollector
+    mtp_collector: Any  # moe_fold.training.metrics.MTPCollector
+    replacer: Any  # moe_fold.training.replace.ExpertReplacer (moe.replace_every or moe.replicas), else None
+
+    @property
+    def train_params(self) -> list[nn.Parameter]:
+        """The parameters the optimizer steps (and whose gradient norm is clipped)."""
+        return list(self.state_model.parameters())
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """What a training forward runs in: the precision's autocast, with the routing and
+        MTP collectors recording."""
+        with autocast(self.config.train.precision, self.device), self.collector.recording(), \
+                self.mtp_collector.recording():
+            yield
+
+
+def set_up_run(config: Config, device: torch.device, groups: ProcessGroups) -> Run:
+    """Build this rank's data loaders, model (and float32 masters under bf16), optimizer,
+    gradient reduction, LR schedule, collectors and expert replacer for ``config`` (already
+    validated, backends resolved) on ``device`` in the layout of ``groups``. A collective
+    where the data caches are built (rank 0 first) and where the model is (pp)."""
+    # Imported here, not above: tests swap build_model on its module to plant faults.
+    from moe_fold.data.loader import DataLoader
+    from moe_fold.models.model import build_model
+    from moe_fold.training.metrics import MTPCollector, RoutingCollector
+    from moe_fold.training.optim import build_grad_sync, build_optimizer, build_scheduler
+
+    t, p = config.train, config.parallel
+    run_dir = Path(t.run_dir)
+    if groups.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    dataset = _dataset(config, groups)
+    dynamic_cp = None
+    if p.dynamic_cp and groups.size("cp") > 1:
+        from moe_fold.training.dynamic_cp import DynamicCP, cost_model
+
+        # Static cp's memory: a micro-batch's tokens over the cp group.
+        dynamic_cp = DynamicCP(groups, cost_model(config),
+                               capacity=t.micro_batch_size * config.model.seq_length // groups.size("cp"))
+    # Under dynamic cp every cp rank takes its group's whole micro-batches and keeps its share.
+    cp_rank, cp_size = (0, 1) if dynamic_cp is not None else (groups.rank_in("cp"), groups.size("cp"))
+    loader = DataLoader(dataset, t.global_batch_size, t.micro_batch_size, dp_rank=groups.rank_in("dp"),
+                        dp_size=groups.size("dp"), cp_rank=cp_rank, cp_size=cp_size)
+    valid_dataset = None
+    if t.eval_every > 0:
+        from moe_fold.data.loader import validation_dataset_from_config
+
+        valid_dataset = _dataset(config, groups, validation_dataset_from_config)
+    torch.manual_seed(t.seed)
+    model = build_model(config, groups).to(device)
+    master = None
+    if t.precision == "bf16":
+        master = MasterWeights(model.to(param_dtype(t.precision)), build_model(config, groups).to(device))
+    state_model = master.master if master else model
+    if t.precision == "bf16-autocast":
+        exclude_from_autocast(model, device)
+    # Under bf16 the model's grads feed the float32 masters' buckets (cast, then reduced),
+    # and the distributed optimizer copies each master bucket into the model once current.
+    sources = {m: q for q, m in master.pairs} if master is not None else None
+    optimizer = build_optimizer(state_model, config.optimizer, groups, bucket_numel=p.grad_bucket_numel,
+                                overlap_param_gather=p.overlap_param_gather, compute_model=model, targets=sources)
+    grad_sync = build_grad_sync(state_model, optimizer, groups, bucket_numel=p.grad_bucket_numel,
+                                overlap=p.overlap_grad_reduce, sources=sources)
+    scheduler = build_scheduler(optimizer, config)
+    collector = RoutingCollector(model, config)
+    mtp_collector = MTPCollector(model, config)
+    replacer = None
+    if config.moe.replace_every > 0 or config.moe.replicas > 0:
+        from moe_fold.training.replace import ExpertReplacer
+
+        replacer = ExpertReplacer(config, [state_model] + ([model] if master else []), groups, optimizer,
+                                  collector.moe_layers)
+    return Run(config, device, groups, run_dir, loader, valid_dataset, dynamic_cp, model, master, state_model,
+               optimizer, grad_sync, scheduler, collector, mtp_collector, replacer)
+
+
+def load_start_state(run: Run, resume: bool) -> tuple[int, Optional[str]]:
+    """Load what the run starts from; returns ``(start_step, checkpoint)``: the steps
+    already done and the checkpoint resumed from (``(0, None)`` for a fresh run).
+
+    ``resume``: the newest intact checkpoint of ``train.run_dir`` (:func:`load_state`; a
+    damaged newer one is moved aside, :func:`~moe_fold.training.checkpoint.load_newest_intact`),
+    or a fresh start when there is none. A fresh start loads ``init.from_hf`` (a Hugging
+    Face folder) or ``init.upcycle_from`` (a dense folder upcycled into experts) when set."""
+    config, master = run.config, run.master
+    start_step, checkpoint_path = 0, None
+    if resume:
+        from moe_fold.training.checkpoint import load_newest_intact
+
+        loaded = load_newest_intact(run.run_dir, lambda path: load_state(run, path), run.groups)
+        if loaded is not None:
+            found, extra = loaded
+            start_step, checkpoint_path = int(extra["step"]), str(found)
+    if start_step == 0 and config.init.from_hf is not None:
+        from moe_fold.models.hf.importer import load_hf_into
+
+        with torch.no_grad():
+            load_hf_into(run.state_model, config.init.from_hf, run.groups)
+        if master is not None:
+            master.master_to_model()
+    if start_step == 0 and config.init.upcycle_from is not None:
+        from moe_fold.models.hf.upcycle import load_upcycled_into
+
+        with torch.no_grad():
+            load_upcycled_into(run.state_model, config.init.upcycle_from, run.groups)
+        if master is not None:
+            master.master_to_model()
+    return start_step, checkpoint_path
+
+
+def load_state(run: Run, path) -> dict:
+    """Load checkpoint ``path`` into ``run`` (a resume, or a rollback): weights, optimizer,
+    schedule, data position and expert placement; returns the checkpoint's extra state."""
+    from moe_fold.training.checkpoint import load_checkpoint
+
+    run.optimizer.wait_params()  # a parameter all-gather in flight would overwrite the loaded values
+    extra = load_checkpoint(path, run.state_model, run.optimizer, run.scheduler, run.groups)
+    if run.master is not None:
+        run.master.master_to_model()
+    run.loader.load_state_dict(extra["data"])
+    if run.replacer is not None and "experts" in extra:
+        run.replacer.load_state_dict(extra["experts"])
+    return extra
+
+
+def start_logging(run: Run, console: Any, progress: bool, start_step: int, resumed_from: Optional[str]) -> Any:
+    """Rank 0 writes the run's config.yaml (only now: a resume that fails on its checkpoint
+    leaves the run folder as it was) and prints the run's start to ``console`` (None: no
+    output). Returns the :class:`moe_fold.training.metrics.MetricsLogger` of the run
+    (metrics.jsonl, wandb, the console; active on rank 0)."""
+    from moe_fold.training.metrics import MetricsLogger
+
+    rank = run.groups.rank
+    if rank == 0:
+        dump_config(run.config, run.run_dir / "config.yaml")
+    logger = MetricsLogger(run.config, run.groups, console=console if rank == 0 else None, progress=progress,
+                           start_step=start_step)
+    if rank == 0 and console is not None:
+        logger.print_start(run.groups.layout.world_size, resumed_from=resumed_from)
+    return logger
+
+
+def _barrier(groups: ProcessGroups) -> None:
+    if groups.layout.world_size > 1:
+        dist.barrier()
+
+
+def _dataset(config: Config, groups: ProcessGroups, build: Optional[Callable] = None):
+    """``build(config)`` (default: the training dataset): rank 0 tokenizes the corpus into
+    the cache (when needed) first; the others then find it built."""
+    from moe_fold.data.loader import dataset_from_config
+
+    build = build or dataset_from_config
+    if groups.rank == 0:
+        dataset = build(config)
+    _barrier(groups)
+    if groups.rank != 0:
+        dataset = build(config)
+    return dataset
