@@ -68,7 +68,10 @@ from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, ConfigError, dump_config, validate
 from moe_fold.kernels.backends import resolve_config
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
+from moe_fold.training.cadence import Cadence
+from moe_fold.training.faults import FaultPlan
 from moe_fold.training.numerics import LossSpikes, first_nonfinite_module
+from moe_fold.training.rollback import Rollbacks
 from moe_fold.training.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
 from moe_fold.training.stop import ExitSignals, Stop, StopRule
 
@@ -352,20 +355,33 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
         with autocast(t.precision, device), collector.recording(), mtp_collector.recording():
             yield
 
+    spikes = LossSpikes(t.loss_spike_factor, t.loss_spike_window)
+    # Rollback (issue 28): the skip set, the spike window and the last good checkpoint.
+    rollbacks = Rollbacks(config, groups, loader, spikes, resume)
+    faults = FaultPlan.from_env()  # MOE_FOLD_FAULTS: test and bench fault injection
+
+    def load_state(path) -> dict:
+        """Load checkpoint ``path`` into the run (a resume, or a rollback); its extra state."""
+        from moe_fold.training.checkpoint import load_checkpoint
+
+        optimizer.wait_params()  # a parameter all-gather in flight would overwrite the loaded values
+        extra = load_checkpoint(path, state_model, optimizer, scheduler, groups)
+        if master is not None:
+            master.master_to_model()
+        loader.load_state_dict(extra["data"])
+        if replacer is not None and "experts" in extra:
+            replacer.load_state_dict(extra["experts"])
+        rollbacks.load_state_dict(extra)
+        return extra
+
     start_step = 0
     checkpoint_path: Optional[str] = None
     if resume:
-        from moe_fold.training.checkpoint import latest_checkpoint, load_checkpoint
+        from moe_fold.training.checkpoint import latest_checkpoint
 
         found = latest_checkpoint(run_dir)
         if found is not None:
-            extra = load_checkpoint(found, state_model, optimizer, scheduler, groups)
-            if master is not None:
-                master.master_to_model()
-            start_step = int(extra["step"])
-            loader.load_state_dict(extra["data"])
-            if replacer is not None and "experts" in extra:
-                replacer.load_state_dict(extra["experts"])
+            start_step = int(load_state(found)["step"])
             checkpoint_path = str(found)
     if start_step == 0 and config.init.from_hf is not None:
         from moe_fold.models.hf.importer import load_hf_into
@@ -395,15 +411,20 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     begin = time.perf_counter()
     train_params = list(state_model.parameters())
     last_step = t.steps if stop_at is None else min(stop_at, t.steps)
-    spikes = LossSpikes(t.loss_spike_factor, t.loss_spike_window)
     stops = StopRule(config, signals, device, world, began)
+    cadence = Cadence(config, device, world)
+    if cadence.timed:
+        logger.log_event({"step": start_step, "event": "save_interval", "save_interval_s": cadence.interval_s},
+                         cadence.describe())
     # A signal or budget before the first step: no step, and nothing new to save.
     stop = stops.check(start_step, after_a_step=False)
     saver = CheckpointSaver(run_dir, groups, t.keep_last, async_save=t.async_save, config=config,
                             timeout_s=config.parallel.timeout_s)
     finished = False
     try:
-        for step in range(start_step + 1, last_step + 1) if stop is None else ():
+        step = start_step
+        while stop is None and step < last_step:  # a while loop: a rollback sets step back
+            step += 1
             step_begin = time.perf_counter()
             _seed_step(config, step, rank)
             micro_batches = [b.to(device) for b in loader.global_batch()]
@@ -413,6 +434,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                                       dynamic_cp=dynamic_cp, grad_sync=grad_sync)
             lm_loss = losses.sum()
             all_reduce_(lm_loss, groups.dp_cp)
+            lm_loss = faults.apply(lm_loss, step, loader.last_batch)
             lm = (lm_loss / groups.size("dp_cp")).item()
             lr = scheduler.get_last_lr()
             if math.isfinite(lm):
@@ -436,8 +458,10 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                            f"{where or 'none (the forward ran again is finite)'}")
                 if t.on_nonfinite == "stop":
                     raise FloatingPointError(f"{problem}; stopping (train.on_nonfinite=stop)")
-                if rank == 0:
+                if rank == 0 and t.on_nonfinite == "skip":
                     warnings.warn(f"{problem}; step skipped (train.on_nonfinite=skip)", stacklevel=2)
+                if rank == 0 and t.on_nonfinite == "rollback":
+                    warnings.warn(problem, stacklevel=2)
                 nonfinite = {"nonfinite_module": where}
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
@@ -453,11 +477,19 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             if spike and rank == 0:
                 warnings.warn(f"step {step}: loss spike: {loss:.6g} > train.loss_spike_factor={t.loss_spike_factor} "
                               f"x {median:.6g}, the median of the previous {t.loss_spike_window} losses", stacklevel=2)
+            if spike and t.on_loss_spike == "stop":
+                raise FloatingPointError(f"step {step}: loss spike: {loss:.6g} > train.loss_spike_factor="
+                                         f"{t.loss_spike_factor} x {median:.6g}; stopping (train.on_loss_spike=stop)")
             record = {"step": step, "loss": loss, "lm_loss": lm, "grad_norm": norm, "lr": lr,
                       "tokens_per_s": tokens_per_step / seconds, "skipped": not finite, "loss_spike": spike,
                       **nonfinite, **routing, **mtp}
             logger.log(record, collector)
             result.losses.append(record["loss"])
+            why = rollbacks.reason(finite, spike)
+            if why is not None:
+                step = rollbacks.roll_back(step, why, saver, load_state, logger)
+                del result.losses[step - start_step:]  # the steps undone
+                continue
             # Validation: its own loader and a forked RNG, so training is unchanged.
             if valid_dataset is not None and (step % t.eval_every == 0 or step == t.steps):
                 from moe_fold.training.evaluate import evaluate
@@ -466,12 +498,15 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             stop = stops.check(step)
             if stop is not None and rank == 0 and console is not None:
                 console.print(f"stopping after step {step}: {stop.reason}; writing its checkpoint")
-            if step % t.save_every == 0 or step == last_step or stop is not None:
+            # cadence.due first: with a clock on it is a collective every step
+            if cadence.due(step) or step == last_step or stop is not None:
                 optimizer.wait_params()  # the checkpoint reads the parameters
-                extra = {"step": step, "data": loader.state_dict()}
+                extra = {"step": step, "data": loader.state_dict(), **rollbacks.state_dict()}
                 if replacer is not None:
                     extra["experts"] = replacer.state_dict()
+                save_begin = time.perf_counter()
                 checkpoint_path = str(saver.save(step, state_model, optimizer, scheduler, extra))
+                _saved(cadence, rollbacks, logger, step, time.perf_counter() - save_begin)
                 result.checkpoint = checkpoint_path
             if stop is not None:
                 break
@@ -501,6 +536,18 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     if rank == 0 and console is not None:
         logger.print_summary(result)
     return result
+
+
+def _saved(cadence: Cadence, rollbacks: Rollbacks, logger, step: int, stall_s: float) -> None:
+    """After the save of ``step``, which blocked the loop ``stall_s`` seconds: the
+    cadence re-estimates its interval (logged with the stall when a clock is on; printed
+    when first known) and the checkpoint becomes the one a rollback returns to."""
+    known = cadence.interval_s is not None
+    cadence.saved(stall_s)
+    rollbacks.saved(step)
+    if cadence.timed:
+        logger.log_event({"step": step, "event": "save_interval", "save_stall_s": stall_s,
+                          "save_interval_s": cadence.interval_s}, None if known else cadence.describe())
 
 
 def _first_nonfinite(model: nn.Module, micro_batches: list, groups: ProcessGroups, config: Config,
