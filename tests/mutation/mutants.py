@@ -373,14 +373,15 @@ MUTANTS: list[Mutant] = [
         ("tests/test_checkpoint_verify.py::test_a_lost_expert_shard_is_reported_and_refused_by_export",)),
     Mutant(
         "resume-data-position", TRAIN,
-        "            loader.load_state_dict(extra[\"data\"])\n",
+        "        loader.load_state_dict(extra[\"data\"])\n",
         "",
         "a resumed run starts the data over from sample 0 instead of the saved position",
         ("tests/test_train.py::test_resume_is_exact[fp32]",)),
     Mutant(
         "resume-bf16-model-stale", TRAIN,
-        "            if master is not None:\n                master.master_to_model()\n",
-        "",
+        "        extra = load_checkpoint(path, state_model, optimizer, scheduler, groups)\n"
+        "        if master is not None:\n            master.master_to_model()\n",
+        "        extra = load_checkpoint(path, state_model, optimizer, scheduler, groups)\n",
         "a resumed bf16 run loads the float32 masters but computes with the bf16 model's initial weights",
         ("tests/test_train.py::test_resume_is_exact[bf16]",)),
     Mutant(
