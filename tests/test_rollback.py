@@ -13,6 +13,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import statistics
+import warnings
 
 import pytest
 import torch
@@ -132,12 +135,20 @@ def test_rollback_equals_a_run_that_never_saw_the_batches(tmp_path, cache_dir):
     skips them again from skipped_batches.json."""
     steps = ["train.steps=8", "train.save_every=3"]
     run, ref = tmp_path / "run", tmp_path / "ref"
-    with pytest.warns(UserWarning, match=r"step 5: non-finite loss or gradient norm \(train.on_nonfinite=rollback\); "
-                                         r"global batches \[4\] recorded in .*skipped_batches.json; rolled back to "
-                                         r"step 3"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         result = _train(small_config(run, cache_dir, *steps, *ROLLBACK), "nan@batch=4,spike@batch=6")
     reference = _train(small_config(ref, cache_dir, *steps, "train.skip_batches=[4, 6]"))
     assert len(result.losses) == 8 and result.losses == reference.losses
+    messages = [str(w.message) for w in caught]
+    assert any(re.fullmatch(r"step 5: non-finite loss or gradient norm \(train.on_nonfinite=rollback\); global "
+                            r"batches \[4\] recorded in .*skipped_batches.json; rolled back to step 3 \(.* s\)", m)
+               for m in messages), messages
+    # The spike is judged against the window of the steps that stand (3, 4, 5 of the
+    # reference), restored from the checkpoint: not against the undone steps'.
+    median = statistics.median(reference.losses[2:5])
+    assert any(m.startswith("step 6: loss spike: ") and f"x {median:.6g}, the median of the previous 3" in m
+               for m in messages), (median, messages)
     assert all(math.isfinite(x) for x in result.losses)
 
     # metrics.jsonl: the bad steps, a rollback row after each, then the steps run again.
