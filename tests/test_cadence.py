@@ -77,7 +77,7 @@ def test_young_daly_measures_first_then_follows_the_stalls():
     assert cadence.due(3)
     cadence.saved(8.0)  # median(2, 8) = 5: sqrt(2 * 5 * 3600) = 189.7 s
     assert cadence.interval_s == pytest.approx(math.sqrt(36000.0))
-    for stall in (0.5, 0.5, 0.5, 0.5):  # the window keeps the last STALLS_KEPT: 8, 0.5 x 4
+    for stall in (8.0, 0.5, 0.5, 0.5):  # the window keeps the last STALLS_KEPT: 8, 8, 0.5 x 3 (not the 2)
         cadence.saved(stall)
     assert STALLS_KEPT == 5 and cadence.interval_s == pytest.approx(60.0)  # median 0.5: sqrt(3600)
     assert "interval 60.0 s from a stall of 0.500 s" in cadence.describe()

@@ -253,6 +253,19 @@ def test_rollback_on_four_ranks_with_ep_and_dp_equals_the_run_without_the_batche
     got = run_ranks(_rank_train, 4, run, timeout=300, env={ENV: "nan@batch=3,spike@batch=6"})
     want = run_ranks(_rank_train, 4, ref, timeout=300, env={ENV: ""})
     assert len(got[0]) == 8 and all(losses == want[0] for losses in got + want)
+    # Placement does not change the losses (dropless): the re-placements themselves must
+    # match, which needs the checkpoint's placement and load window back after a rollback.
+    def standing(run_dir) -> dict[int, dict]:
+        rows = {}
+        for r in read_metrics(run_dir):
+            if "loss" in r:
+                rows[r["step"]] = r  # a step run again after a rollback replaces the undone one
+        return rows
+
+    mine, theirs = standing(tmp_path / "run"), standing(tmp_path / "ref")
+    assert sorted(mine) == list(range(1, 9))
+    assert any("placement" in r for r in theirs.values())
+    assert all(mine[s].get("placement") == theirs[s].get("placement") for s in theirs)
     events = _events(tmp_path / "run")
     assert [e["skipped_batches"] for e in events] == [[3], [6]]
     assert json.loads((tmp_path / "run" / SKIP_FILE).read_text())["skipped_batches"] == [3, 6]
