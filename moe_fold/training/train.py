@@ -27,13 +27,19 @@ step's forwards run again under hooks to name the first module whose output went
 non-finite (:mod:`moe_fold.training.numerics`); then the run goes on (``train.on_nonfinite=skip``:
 a warning, ``skipped``/``nonfinite_module`` in metrics.jsonl) or raises before that step
 is saved (``stop``). A loss above ``train.loss_spike_factor`` x the median of the previous
-``train.loss_spike_window`` losses is logged as ``loss_spike`` with a warning.
+``train.loss_spike_window`` losses is logged as ``loss_spike`` with a warning
+(``train.on_loss_spike=stop`` raises). With ``train.on_nonfinite=rollback`` or
+``train.on_loss_spike=rollback`` the bad step is undone instead: the last checkpoint is
+loaded again (``load_state`` in ``_train``, the resume path) and the batches that caused it are
+skipped for good (:mod:`moe_fold.training.rollback`).
 Stopping early (a signal of ``train.exit_signals``, ``train.exit_after_minutes``,
 ``train.exit_at_step``): after each step the ranks agree whether to stop there
 (:mod:`moe_fold.training.stop`), and then write that step's checkpoint.
 docs/reliability.md lists every fault and what happens.
 
-Checkpoints every ``train.save_every`` steps and at the last one go through a
+Checkpoints every ``train.save_every`` steps (and by the clock with
+``train.save_every_minutes`` or ``train.expected_mtbf_minutes``: :mod:`moe_fold.training.cadence`)
+and at the last one go through a
 :class:`moe_fold.training.checkpoint.CheckpointSaver` (in the background with
 ``train.async_save``); the run waits for the last write before it returns, and on an
 error before it leaves. Validation (``train.eval_every``, :mod:`moe_fold.training.evaluate`)
@@ -71,8 +77,8 @@ from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.training.cadence import Cadence
 from moe_fold.training.faults import FaultPlan
 from moe_fold.training.numerics import LossSpikes, first_nonfinite_module
-from moe_fold.training.rollback import Rollbacks
 from moe_fold.training.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
+from moe_fold.training.rollback import Rollbacks
 from moe_fold.training.stop import ExitSignals, Stop, StopRule
 
 __all__ = ["TrainResult", "check_trainable", "resolve_backends", "set_tf32", "train", "apply_recompute",
