@@ -242,11 +242,13 @@ def _rank_train(rank, world_size, config):
 
 
 @pytest.mark.slow
-def test_rollback_on_four_ranks_with_ep_and_dp_equals_the_run_without_the_batches(tmp_path, cache_dir):
-    """4 ranks, ep 2 (dp 4, edp 2), expert re-placement every 2 steps, asynchronous saves and
-    the Young/Daly clock (a collective each step): a NaN on batch 3 and a spike on batch 6
-    roll back and skip them; every rank's losses equal the 4-rank run that skips batches 3 and 6."""
-    common = ["parallel.ep=2", "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=8",
+@pytest.mark.parametrize("layout", [["parallel.ep=2"], ["parallel.ep=2", "parallel.pp=2"]], ids=["ep2xdp4", "pp2xep2xdp2"])
+def test_rollback_on_four_ranks_with_ep_and_dp_equals_the_run_without_the_batches(tmp_path, cache_dir, layout):
+    """4 ranks, ep 2 (dp 4, edp 2; or pp 2 with dp 2), expert re-placement every 2 steps,
+    asynchronous saves and the Young/Daly clock (a collective each step): a NaN on batch 3
+    and a spike on batch 6 roll back and skip them; every rank's losses equal the 4-rank
+    run that skips batches 3 and 6."""
+    common = [*layout, "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=8",
               "train.save_every=2", "moe.replace_every=2", "train.async_save=true", "train.expected_mtbf_minutes=0.01"]
     run = small_config(tmp_path / "run", cache_dir, *common, *ROLLBACK)
     ref = small_config(tmp_path / "ref", cache_dir, *common, "train.skip_batches=[3, 6]")
