@@ -421,13 +421,30 @@ class TrainConfig:
     recompute: Literal["none", "full", "moe", "expert_act"] = "none"
     # A non-finite loss or grad norm takes no optimizer step; the step's forwards run again
     # to name the first module that went non-finite; then skip (a warning, skipped and
-    # nonfinite_module in metrics.jsonl) | stop (raise before that step is saved).
-    on_nonfinite: Literal["skip", "stop"] = "skip"
+    # nonfinite_module in metrics.jsonl) | stop (raise before that step is saved) | rollback
+    # (load the last checkpoint again and skip the batches that caused it:
+    # moe_fold.training.rollback).
+    on_nonfinite: Literal["skip", "stop", "rollback"] = "skip"
     # A loss above loss_spike_factor x the median of the previous loss_spike_window
     # losses is logged as a spike (metrics.jsonl loss_spike, a warning); 0: off.
     loss_spike_factor: float = 3.0
     # See loss_spike_factor.
     loss_spike_window: int = 20
+    # What a spike does besides being logged: nothing (log), end the run (stop), or roll back.
+    on_loss_spike: Literal["log", "stop", "rollback"] = "log"
+    # Rollback (moe_fold.training.rollback): the last checkpoint is loaded again and the
+    # rollback_skip_batches global batches up to the bad step's are skipped for good;
+    # more than max_rollbacks rollbacks to the same checkpoint end the run.
+    rollback_skip_batches: int = 1
+    # See rollback_skip_batches.
+    max_rollbacks: int = 3
+    # Global batches (0-based, in the order of the data) the run never trains on.
+    skip_batches: list[int] = field(default_factory=list)
+    # A save also every save_every_minutes, or every sqrt(2 x measured save stall x
+    # expected_mtbf_minutes) (Young/Daly; moe_fold.training.cadence); None: steps only.
+    save_every_minutes: Optional[float] = None
+    # See save_every_minutes: the expected minutes between failures of the job.
+    expected_mtbf_minutes: Optional[float] = None
     # Stopping early with a checkpoint of the step (moe_fold.training.stop): on one of
     # these signals, after exit_after_minutes of wall clock, after step exit_at_step.
     exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
@@ -1560,6 +1577,23 @@ def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[s
                    "use parallel.backend=nccl or auto")
     _at_least(out, "train.loss_spike_factor", t.loss_spike_factor, 0)
     _at_least(out, "train.loss_spike_window", t.loss_spike_window, 1)
+    # Rollback and checkpoint cadence (issue 28).
+    if t.on_loss_spike != "log" and t.loss_spike_factor == 0:
+        out.append(f"train.on_loss_spike={t.on_loss_spike} needs spike detection, but train.loss_spike_factor=0 "
+                   f"turns it off")
+    _at_least(out, "train.rollback_skip_batches", t.rollback_skip_batches, 1)
+    _at_least(out, "train.max_rollbacks", t.max_rollbacks, 1)
+    for batch in t.skip_batches:
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
+            out.append(f"train.skip_batches: {_fmt(batch)} is not a global batch index (an integer >= 0)")
+    if t.save_every_minutes is not None:
+        _positive(out, "train.save_every_minutes", t.save_every_minutes)
+    if t.expected_mtbf_minutes is not None:
+        _positive(out, "train.expected_mtbf_minutes", t.expected_mtbf_minutes)
+    if t.save_every_minutes is not None and t.expected_mtbf_minutes is not None:
+        out.append(f"train.save_every_minutes={_fmt(t.save_every_minutes)} and train.expected_mtbf_minutes="
+                   f"{_fmt(t.expected_mtbf_minutes)} both set the time between saves (fixed, or derived from the "
+                   f"failure rate); set one")
     for name in t.exit_signals:
         if name not in EXIT_SIGNALS:
             out.append(f"train.exit_signals: {_fmt(name)} is not a signal a run can stop on; "

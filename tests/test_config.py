@@ -469,7 +469,7 @@ RULES = [
     (["train.device=cuda", "parallel.backend=gloo"], 1,
      ["train.device=cuda cannot run with parallel.backend=gloo (gloo ranks compute on the CPU); use "
       "parallel.backend=nccl or auto"]),
-    (["train.on_nonfinite=ignore"], 1, ["train.on_nonfinite=ignore must be one of skip, stop"]),
+    (["train.on_nonfinite=ignore"], 1, ["train.on_nonfinite=ignore must be one of skip, stop, rollback"]),
     (["train.exit_signals=[SIGTERM, SIGKILL]"], 1,
      ["train.exit_signals: SIGKILL is not a signal a run can stop on; use SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP"]),
     (["train.exit_after_minutes=0"], 1, ["train.exit_after_minutes=0.0 must be > 0"]),

@@ -14,8 +14,9 @@ import pytest
 
 from moe_fold.training.periodic import (
     CheckStop, Evaluate, LogStep, ReplaceExperts, SaveCheckpoint, StepRecord, WatchLossSpikes, at_step,
-    every_n_steps, stopping,
+    stopping,
 )
+from moe_fold.training.numerics import LossSpikes
 from moe_fold.training.stop import Stop
 
 
@@ -61,7 +62,7 @@ def test_replace_experts_waits_for_the_parameters_then_adds_what_moved():
 
 
 def test_watch_loss_spikes_flags_and_warns_above_factor_times_the_median():
-    watch = WatchLossSpikes(factor=2.0, window=2, warn=True)
+    watch = WatchLossSpikes(LossSpikes(factor=2.0, window=2), warn=True)
     flags = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -72,13 +73,18 @@ def test_watch_loss_spikes_flags_and_warns_above_factor_times_the_median():
     assert flags == [False, False, False, True]
     assert [str(w.message) for w in caught] == [
         "step 4: loss spike: 5 > train.loss_spike_factor=2.0 x 1.45, the median of the previous 2 losses"]
-    quiet = WatchLossSpikes(factor=2.0, window=1, warn=False)
+    quiet = WatchLossSpikes(LossSpikes(factor=2.0, window=1), warn=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quiet(record(1, 1.0))
         r = record(2, 3.0)
         quiet(r)
     assert r.loss_spike
+    # train.on_loss_spike=stop: raise before the step is saved.
+    stopping_watch = WatchLossSpikes(LossSpikes(factor=2.0, window=1), warn=False, stop=True)
+    stopping_watch(record(1, 1.0))
+    with pytest.raises(FloatingPointError, match=r"step 2: loss spike: 3 > .*; stopping \(train.on_loss_spike=stop\)"):
+        stopping_watch(record(2, 3.0))
 
 
 def test_log_step_times_the_step_and_logs_its_row():
@@ -126,7 +132,7 @@ def test_save_checkpoint_when_due_with_the_data_position_and_placement(with_repl
                           replacer=SimpleNamespace(state_dict=lambda: {"0": [[0, 1]]}) if with_replacer else None,
                           state_model="model", scheduler="scheduler")
     saver = SimpleNamespace(save=lambda step, *args: calls.append(("save", step, *args)) or f"ckpt/step_{step}")
-    save = SaveCheckpoint(run, saver, when=[every_n_steps(3), at_step(5), stopping])
+    save = SaveCheckpoint(run, saver, when=[lambda record: record.step % 3 == 0, at_step(5), stopping])
     records = [record(step) for step in range(1, 6)]
     records[0].stop = Stop(1, "train.exit_at_step=1 reached", 0)
     for r in records:

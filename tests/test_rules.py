@@ -196,6 +196,9 @@ NOT_CONFIG_RULES = {
     ("moe_fold/data/loader.py", "dataset {} was tokenized"): "what a dataset file holds",
     ("moe_fold/data/sources.py", "{}: "): "what a dataset file holds (check_data runs before spawning)",
     ("moe_fold/training/train.py", "{}; stopping"): "the step's outcome under train.on_nonfinite=stop",
+    ("moe_fold/training/periodic.py", "{}; stopping"): "the step's outcome under train.on_loss_spike=stop",
+    ("moe_fold/training/rollback.py", "{}; this is rollback"): "the run's outcome: rollbacks past "
+                                                               "train.max_rollbacks",
     ("models/attention.py", "model.attn_temperature_tuning=true: the attention needs"): "a caller that gives no "
                                                                                         "token positions",
     ("moe_fold/elastic.py", "choose_layout needs parallel.elastic=true"): "a caller's mistake: the command line "

@@ -313,7 +313,12 @@ class DataLoader:
     """``batches`` with a position that checkpoints: ``state_dict()`` is
     ``{"consumed_samples": n}``, the samples all dp ranks have taken so far (the same
     number on every rank); ``load_state_dict`` resumes at exactly that sample. With
-    ``cp_size > 1`` each batch is this cp rank's zigzag share (``Batch.cp_slice``)."""
+    ``cp_size > 1`` each batch is this cp rank's zigzag share (``Batch.cp_slice``).
+
+    Global batch ``g`` (0-based) is samples ``[g * global_batch_size, (g + 1) *
+    global_batch_size)``; :meth:`global_batch` passes over those in ``skip`` (their samples
+    count as consumed: the position stays a sample count), and :attr:`last_batch` is the
+    index of the one it returned last (-1 before any)."""
 
     def __init__(self, dataset: GPTDataset | BlendedDataset, global_batch_size: int, micro_batch_size: int,
                  dp_rank: int = 0, dp_size: int = 1, consumed_samples: int = 0, cp_rank: int = 0,
@@ -326,6 +331,8 @@ class DataLoader:
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.consumed_samples = consumed_samples
         self.num_micro_batches = global_batch_size // (micro_batch_size * dp_size)
+        self.skip: set[int] = set()  # global batches never returned (train.skip_batches, rollbacks)
+        self.last_batch = -1
 
     def __iter__(self) -> Iterator[Batch]:
         it = batches(self.dataset, self.global_batch_size, self.micro_batch_size, self.dp_rank, self.dp_size,
@@ -335,7 +342,14 @@ class DataLoader:
             yield batch.cp_slice(self.cp_rank, self.cp_size) if self.cp_size > 1 else batch
 
     def global_batch(self) -> list[Batch]:
-        """The next ``num_micro_batches`` micro-batches: this rank's share of one step."""
+        """The next ``num_micro_batches`` micro-batches: this rank's share of one step
+        (of the next global batch not in ``skip``)."""
+        if self.skip and self.consumed_samples % self.global_batch_size:
+            raise ValueError(f"consumed_samples={self.consumed_samples} is not at a global batch boundary "
+                             f"(a multiple of global_batch_size={self.global_batch_size})")
+        while self.consumed_samples // self.global_batch_size in self.skip:
+            self.consumed_samples += self.global_batch_size
+        self.last_batch = self.consumed_samples // self.global_batch_size
         it = iter(self)
         return [next(it) for _ in range(self.num_micro_batches)]
 

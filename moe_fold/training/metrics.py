@@ -329,6 +329,16 @@ class MetricsLogger:
                                f"lr {record['lr']:.2e} grad_norm {record['grad_norm']:.3f} "
                                f"tokens/s {record['tokens_per_s']:.0f}")
 
+    def log_event(self, record: dict, message: Optional[str] = None) -> None:
+        """A row of metrics.jsonl that is not a step's (``step`` and the event's fields: a
+        rollback, the checkpoint interval in use), and ``message`` on the console."""
+        if not self.active:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if message is not None and self.console is not None:
+            self.console.print(message, markup=False, highlight=False)
+
     def log_eval(self, record: dict) -> None:
         """A validation row (``step``, ``valid_loss``, ``valid_ppl``, ``valid_tokens``):
         its own line of metrics.jsonl, the same scalars to wandb at that step, and a line

@@ -12,9 +12,11 @@ The loop's list (:func:`moe_fold.training.train._train`)::
     ReplaceExperts   moe.replace_every: re-place the experts from the window's load
     WatchLossSpikes  train.loss_spike_factor: flag (and warn of) a loss spike
     LogStep          the step's row of metrics.jsonl, wandb, the console
+    RollBack         train.on_nonfinite / on_loss_spike=rollback: undo a bad step
     Evaluate         train.eval_every: the validation loss
     CheckStop        a signal, train.exit_after_minutes, train.exit_at_step
-    SaveCheckpoint   train.save_every, the last step, and a stop
+    SaveCheckpoint   train.save_every (and the clock: moe_fold.training.cadence), the last
+                     step, and a stop
 
 Adding an action is one line in that list, at the place its order asks for: before
 ``LogStep`` to put a field in the step's row, before ``SaveCheckpoint`` to change what is
@@ -32,8 +34,8 @@ from typing import Any, Callable, Optional
 from moe_fold.training.numerics import LossSpikes
 from moe_fold.training.stop import Stop, StopRule
 
-__all__ = ["StepRecord", "Action", "ReplaceExperts", "WatchLossSpikes", "LogStep", "Evaluate", "CheckStop",
-           "SaveCheckpoint", "every_n_steps", "at_step", "stopping"]
+__all__ = ["StepRecord", "Action", "ReplaceExperts", "WatchLossSpikes", "LogStep", "RollBack", "Evaluate",
+           "CheckStop", "SaveCheckpoint", "at_step", "stopping"]
 
 
 @dataclass
@@ -54,6 +56,7 @@ class StepRecord:
     seconds: Optional[float] = None  # LogStep: the step's wall time, re-placement included
     stop: Optional[Stop] = None  # CheckStop: the run stops after this step
     checkpoint: Optional[str] = None  # SaveCheckpoint: the checkpoint written after this step
+    rolled_back_to: Optional[int] = None  # RollBack: the step undone, the run goes on after this one
     extra: dict = field(default_factory=dict)  # an action's own fields for the step's row
 
     def row(self, tokens_per_step: int) -> dict:
@@ -84,20 +87,41 @@ class ReplaceExperts:
 
 class WatchLossSpikes:
     """A loss above ``train.loss_spike_factor`` x the median of the previous
-    ``train.loss_spike_window`` losses: ``loss_spike`` on the record, and a warning where
-    ``warn`` (rank 0)."""
+    ``train.loss_spike_window`` losses (``spikes``, the run's window): ``loss_spike`` on the
+    record, and a warning where ``warn`` (rank 0); ``stop`` (``train.on_loss_spike=stop``):
+    raise before the step is saved."""
 
-    def __init__(self, factor: float, window: int, warn: bool):
-        self.spikes = LossSpikes(factor, window)
-        self.factor, self.window, self.warn = factor, window, warn
+    def __init__(self, spikes: LossSpikes, warn: bool, stop: bool = False):
+        self.spikes = spikes
+        self.warn, self.stop = warn, stop
 
     def __call__(self, record: StepRecord) -> None:
         median = self.spikes.median()
         record.loss_spike = self.spikes.check(record.loss)
-        if record.loss_spike and self.warn:
-            warnings.warn(f"step {record.step}: loss spike: {record.loss:.6g} > train.loss_spike_factor="
-                          f"{self.factor} x {median:.6g}, the median of the previous {self.window} losses",
-                          stacklevel=2)
+        if not record.loss_spike:
+            return
+        problem = (f"step {record.step}: loss spike: {record.loss:.6g} > train.loss_spike_factor="
+                   f"{self.spikes.factor} x {median:.6g}, the median of the previous {self.spikes.history.maxlen} losses")
+        if self.stop:
+            raise FloatingPointError(f"{problem}; stopping (train.on_loss_spike=stop)")
+        if self.warn:
+            warnings.warn(problem, stacklevel=2)
+
+
+class RollBack:
+    """``train.on_nonfinite=rollback``, ``train.on_loss_spike=rollback``: after a bad step
+    is logged, the last checkpoint is loaded again (``load``) and the batches that caused it
+    are skipped for good (:class:`moe_fold.training.rollback.Rollbacks`); the step to go on
+    from goes on the record (``rolled_back_to``) and the loop undoes the steps after it. A
+    collective when it rolls back: the loss and grad norm it judges are global."""
+
+    def __init__(self, rollbacks: Any, saver: Any, load: Callable[[Any], dict], logger: Any):
+        self.rollbacks, self.saver, self.load, self.logger = rollbacks, saver, load, logger
+
+    def __call__(self, record: StepRecord) -> None:
+        why = self.rollbacks.reason(not record.skipped, record.loss_spike)
+        if why is not None:
+            record.rolled_back_to = self.rollbacks.roll_back(record.step, why, self.saver, self.load, self.logger)
 
 
 class LogStep:
@@ -142,11 +166,6 @@ class CheckStop:
             self.console.print(f"stopping after step {record.step}: {record.stop.reason}; writing its checkpoint")
 
 
-def every_n_steps(n: int) -> Callable[[StepRecord], bool]:
-    """Due every ``n`` steps (``train.save_every``)."""
-    return lambda record: record.step % n == 0
-
-
 def at_step(last: int) -> Callable[[StepRecord], bool]:
     """Due at step ``last`` (the last step this run takes)."""
     return lambda record: record.step == last
@@ -159,22 +178,28 @@ def stopping(record: StepRecord) -> bool:
 
 class SaveCheckpoint:
     """After a step where any of ``when`` is true: the checkpoint of the step (weights,
-    optimizer, schedule, data position, expert placement) through ``saver`` (a
-    :class:`moe_fold.training.checkpoint.CheckpointSaver`, in the background with
-    ``train.async_save``); its path goes on the record. ``run``: the
+    optimizer, schedule, data position, expert placement, and ``extra_state()``) through
+    ``saver`` (a :class:`moe_fold.training.checkpoint.CheckpointSaver`, in the background
+    with ``train.async_save``); its path goes on the record, and ``on_saved(step, stall_s)``
+    hears how long the save blocked the loop. ``run``: the
     :class:`moe_fold.training.run_setup.Run` whose state is saved."""
 
-    def __init__(self, run: Any, saver: Any, when: list[Callable[[StepRecord], bool]]):
+    def __init__(self, run: Any, saver: Any, when: list[Callable[[StepRecord], bool]],
+                 extra_state: Callable[[], dict] = dict, on_saved: Callable[[int, float], None] = lambda s, t: None):
         self.run = run
         self.saver = saver
         self.when = when
+        self.extra_state, self.on_saved = extra_state, on_saved
 
     def __call__(self, record: StepRecord) -> None:
-        if not any(due(record) for due in self.when):
+        # Every predicate is asked, in order (a clock's is a collective every step).
+        if not [due(record) for due in self.when].count(True):
             return
         run = self.run
         run.optimizer.wait_params()  # the checkpoint reads the parameters
-        extra = {"step": record.step, "data": run.loader.state_dict()}
+        extra = {"step": record.step, "data": run.loader.state_dict(), **self.extra_state()}
         if run.replacer is not None:
             extra["experts"] = run.replacer.state_dict()
+        began = time.perf_counter()
         record.checkpoint = str(self.saver.save(record.step, run.state_model, run.optimizer, run.scheduler, extra))
+        self.on_saved(record.step, time.perf_counter() - began)

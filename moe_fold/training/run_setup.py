@@ -21,7 +21,10 @@ from torch import nn
 
 from moe_fold.config import Config, dump_config
 from moe_fold.layout import ProcessGroups
+from moe_fold.training.faults import FaultPlan
+from moe_fold.training.numerics import LossSpikes
 from moe_fold.training.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
+from moe_fold.training.rollback import Rollbacks
 
 __all__ = ["Run", "set_up_run", "load_start_state", "load_state", "start_logging"]
 
@@ -45,6 +48,9 @@ class Run:
     collector: Any  # moe_fold.training.metrics.RoutingCollector
     mtp_collector: Any  # moe_fold.training.metrics.MTPCollector
     replacer: Any  # moe_fold.training.replace.ExpertReplacer (moe.replace_every or moe.replicas), else None
+    spikes: LossSpikes  # the loss-spike window (train.loss_spike_factor, loss_spike_window)
+    rollbacks: Rollbacks  # what a bad step does and the batches skipped (moe_fold.training.rollback)
+    faults: FaultPlan  # faults injected by tests and benches (MOE_FOLD_FAULTS), else none
 
     @property
     def train_params(self) -> list[nn.Parameter]:
@@ -60,11 +66,12 @@ class Run:
             yield
 
 
-def set_up_run(config: Config, device: torch.device, groups: ProcessGroups) -> Run:
+def set_up_run(config: Config, device: torch.device, groups: ProcessGroups, resume: bool = False) -> Run:
     """Build this rank's data loaders, model (and float32 masters under bf16), optimizer,
-    gradient reduction, LR schedule, collectors and expert replacer for ``config`` (already
-    validated, backends resolved) on ``device`` in the layout of ``groups``. A collective
-    where the data caches are built (rank 0 first) and where the model is (pp)."""
+    gradient reduction, LR schedule, collectors, expert replacer and rollback policy for
+    ``config`` (already validated, backends resolved) on ``device`` in the layout of
+    ``groups``; ``resume``: the run continues one (its skipped batches stay skipped). A
+    collective where the data caches are built (rank 0 first) and where the model is (pp)."""
     # Imported here, not above: tests swap build_model on its module to plant faults.
     from moe_fold.data.loader import DataLoader
     from moe_fold.models.model import build_model
@@ -116,8 +123,11 @@ def set_up_run(config: Config, device: torch.device, groups: ProcessGroups) -> R
 
         replacer = ExpertReplacer(config, [state_model] + ([model] if master else []), groups, optimizer,
                                   collector.moe_layers)
+    spikes = LossSpikes(t.loss_spike_factor, t.loss_spike_window)
+    rollbacks = Rollbacks(config, groups, loader, spikes, resume)
     return Run(config, device, groups, run_dir, loader, valid_dataset, dynamic_cp, model, master, state_model,
-               optimizer, grad_sync, scheduler, collector, mtp_collector, replacer)
+               optimizer, grad_sync, scheduler, collector, mtp_collector, replacer, spikes, rollbacks,
+               FaultPlan.from_env())
 
 
 def load_start_state(run: Run, resume: bool) -> tuple[int, Optional[str]]:
@@ -156,7 +166,8 @@ def load_start_state(run: Run, resume: bool) -> tuple[int, Optional[str]]:
 
 def load_state(run: Run, path) -> dict:
     """Load checkpoint ``path`` into ``run`` (a resume, or a rollback): weights, optimizer,
-    schedule, data position and expert placement; returns the checkpoint's extra state."""
+    schedule, data position, expert placement, skipped batches and the loss-spike window;
+    returns the checkpoint's extra state."""
     from moe_fold.training.checkpoint import load_checkpoint
 
     run.optimizer.wait_params()  # a parameter all-gather in flight would overwrite the loaded values
@@ -166,6 +177,7 @@ def load_state(run: Run, path) -> dict:
     run.loader.load_state_dict(extra["data"])
     if run.replacer is not None and "experts" in extra:
         run.replacer.load_state_dict(extra["experts"])
+    run.rollbacks.load_state_dict(extra)  # the batches skipped so far, the spike window
     return extra
 
 

@@ -75,13 +75,15 @@ from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, ConfigError, validate
 from moe_fold.kernels.backends import resolve_config
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
+from moe_fold.training.cadence import Cadence, start_cadence
 from moe_fold.training.numerics import first_nonfinite_module
 from moe_fold.training.periodic import (
-    Action, CheckStop, Evaluate, LogStep, ReplaceExperts, SaveCheckpoint, StepRecord, WatchLossSpikes, at_step,
-    every_n_steps, stopping,
+    Action, CheckStop, Evaluate, LogStep, ReplaceExperts, RollBack, SaveCheckpoint, StepRecord, WatchLossSpikes,
+    at_step, stopping,
 )
 from moe_fold.training.precision import autocast
-from moe_fold.training.run_setup import Run, load_start_state, set_up_run, start_logging
+from moe_fold.training.rollback import Rollbacks
+from moe_fold.training.run_setup import Run, load_start_state, load_state, set_up_run, start_logging
 from moe_fold.training.stop import ExitSignals, Stop, StopRule
 
 __all__ = ["TrainResult", "check_trainable", "resolve_backends", "set_tf32", "train", "run_step", "build_groups",
@@ -218,7 +220,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     from moe_fold.training.checkpoint import CheckpointSaver
 
     config, device, groups = _prepare_process(config)
-    run = set_up_run(config, device, groups)
+    run = set_up_run(config, device, groups, resume)
     start_step, checkpoint_path = load_start_state(run, resume)
     logger = start_logging(run, console, progress, start_step, resumed_from=checkpoint_path)
     result = TrainResult(first_step=start_step + 1, run_dir=str(run.run_dir), checkpoint=checkpoint_path)
@@ -231,25 +233,46 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     result.stop = stops.check(start_step, after_a_step=False)
     saver = CheckpointSaver(run.run_dir, groups, t.keep_last, async_save=t.async_save, config=config,
                             timeout_s=config.parallel.timeout_s)
+    cadence = start_cadence(config, device, groups.layout.world_size, logger, start_step)
     # After each step, in this order (moe_fold/training/periodic.py says how to add one).
     actions: list[Action] = [
         ReplaceExperts(run.replacer, run.optimizer),
-        WatchLossSpikes(t.loss_spike_factor, t.loss_spike_window, warn=rank == 0),
+        WatchLossSpikes(run.spikes, warn=rank == 0, stop=t.on_loss_spike == "stop"),
         LogStep(logger, run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),
+        RollBack(run.rollbacks, saver, lambda path: load_state(run, path), logger),
         Evaluate(t.eval_every, t.steps, lambda: _evaluate(run), logger),
         CheckStop(stops, console if rank == 0 else None),
-        SaveCheckpoint(run, saver, when=[every_n_steps(t.save_every), at_step(last_step), stopping]),
+        SaveCheckpoint(run, saver, when=[lambda r: cadence.due(r.step), at_step(last_step), stopping],
+                       extra_state=run.rollbacks.state_dict,
+                       on_saved=lambda step, stall: _saved(cadence, run.rollbacks, logger, step, stall)),
     ]
     with _closing(run, logger, saver):
-        for step in range(start_step + 1, last_step + 1) if result.stop is None else ():
+        step = start_step
+        while result.stop is None and step < last_step:  # a while loop: a rollback sets step back
+            step += 1
             _seed_step(config, step, rank)
             record = run_step(run, step)
             for action in actions:
                 action(record)
+                if record.rolled_back_to is not None:
+                    break  # the step is undone: no later action sees it
             result.add(record)
-            if record.stop is not None:
-                break
+            if record.rolled_back_to is not None:
+                step = record.rolled_back_to
+                del result.losses[step - start_step:]  # the steps undone
     return _finish(run, logger, result, began_at=begin, console=console)
+
+
+def _saved(cadence: Cadence, rollbacks: Rollbacks, logger: Any, step: int, stall_s: float) -> None:
+    """After the save of ``step``, which blocked the loop ``stall_s`` seconds: the
+    cadence re-estimates its interval (logged with the stall when a clock is on; printed
+    when first known) and the checkpoint becomes the one a rollback returns to."""
+    known = cadence.interval_s is not None
+    cadence.saved(stall_s)
+    rollbacks.saved(step)
+    if cadence.timed:
+        logger.log_event({"step": step, "event": "save_interval", "save_stall_s": stall_s,
+                          "save_interval_s": cadence.interval_s}, None if known else cadence.describe())
 
 
 def _prepare_process(config: Config) -> tuple[Config, torch.device, ProcessGroups]:
@@ -289,6 +312,7 @@ def run_step(run: Run, step: int) -> StepRecord:
                               dynamic_cp=run.dynamic_cp, grad_sync=run.grad_sync)
     lm_loss = losses.sum()
     all_reduce_(lm_loss, groups.dp_cp)
+    lm_loss = run.faults.apply(lm_loss, step, run.loader.last_batch)  # MOE_FOLD_FAULTS (tests, benches)
     lm = (lm_loss / groups.size("dp_cp")).item()
     lr = run.scheduler.get_last_lr()
     if math.isfinite(lm):
@@ -323,10 +347,12 @@ def _diagnose_nonfinite(run: Run, step: int, micro_batches: list, lm: float, nor
     where = _first_nonfinite(run.model, micro_batches, run.groups, run.config, run.device, run.dynamic_cp)
     problem = (f"step {step}: loss {lm}, gradient norm {norm}; first non-finite output: "
                f"{where or 'none (the forward ran again is finite)'}")
-    if run.config.train.on_nonfinite == "stop":
+    mode = run.config.train.on_nonfinite
+    if mode == "stop":
         raise FloatingPointError(f"{problem}; stopping (train.on_nonfinite=stop)")
-    if run.groups.rank == 0:
-        warnings.warn(f"{problem}; step skipped (train.on_nonfinite=skip)", stacklevel=3)
+    if run.groups.rank == 0:  # a rollback (periodic.RollBack) says what it undoes
+        warnings.warn(f"{problem}; step skipped (train.on_nonfinite=skip)" if mode == "skip" else problem,
+                      stacklevel=3)
     return where
 
 

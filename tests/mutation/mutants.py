@@ -34,6 +34,8 @@ RUN_SETUP = "moe_fold/training/run_setup.py"
 LOADER = "moe_fold/data/loader.py"
 REPLACE = "moe_fold/training/replace.py"
 MTP = "models/mtp.py"
+ROLLBACK = "moe_fold/training/rollback.py"
+CADENCE = "moe_fold/training/cadence.py"
 
 T_ROUTER = "tests/test_router.py"
 T_ROUTER_PARALLEL = "tests/test_router_parallel.py::test_router_layout_invariance"
@@ -44,6 +46,8 @@ T_ZERO = "tests/test_optim.py::test_distributed_optimizer_and_overlap_equal_plai
 T_ROUND_TRIP = "tests/test_checkpoint.py::test_round_trip_is_bit_exact_and_training_continues_identically"
 T_LOADER = "tests/test_data_loader.py"
 T_PLACEMENT = "tests/test_placement.py"
+T_ROLLBACK = "tests/test_rollback.py"
+T_CADENCE = "tests/test_cadence.py"
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ routing
@@ -387,13 +391,13 @@ MUTANTS: list[Mutant] = [
         ("tests/test_checkpoint_verify.py::test_a_lost_expert_shard_is_reported_and_refused_by_export",)),
     Mutant(
         "resume-data-position", RUN_SETUP,
-        "            run.loader.load_state_dict(extra[\"data\"])\n",
+        "    run.loader.load_state_dict(extra[\"data\"])\n",
         "",
         "a resumed run starts the data over from sample 0 instead of the saved position",
         ("tests/test_train.py::test_resume_is_exact[fp32]",)),
     Mutant(
         "resume-bf16-model-stale", RUN_SETUP,
-        "            if master is not None:\n                master.master_to_model()\n",
+        "    if run.master is not None:\n        run.master.master_to_model()\n",
         "",
         "a resumed bf16 run loads the float32 masters but computes with the bf16 model's initial weights",
         ("tests/test_train.py::test_resume_is_exact[bf16]",)),
@@ -528,9 +532,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "replace-after-log", TRAIN,
         "        ReplaceExperts(run.replacer, run.optimizer),\n"
-        "        WatchLossSpikes(t.loss_spike_factor, t.loss_spike_window, warn=rank == 0),\n"
+        "        WatchLossSpikes(run.spikes, warn=rank == 0, stop=t.on_loss_spike == \"stop\"),\n"
         "        LogStep(logger, run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),\n",
-        "        WatchLossSpikes(t.loss_spike_factor, t.loss_spike_window, warn=rank == 0),\n"
+        "        WatchLossSpikes(run.spikes, warn=rank == 0, stop=t.on_loss_spike == \"stop\"),\n"
         "        LogStep(logger, run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),\n"
         "        ReplaceExperts(run.replacer, run.optimizer),\n",
         "the periodic actions out of order: the step is logged before the re-placement adds what moved",
@@ -541,4 +545,66 @@ MUTANTS: list[Mutant] = [
         "        if self.recompute == \"activations\":\n",
         "train.recompute=expert_act silently keeps the SwiGLU output (a setting name the module does not honour)",
         ("tests/test_train.py::test_recompute_modes_keep_fewer_activations",)),
+    # ------------------------------------------------------------------ rollback and cadence (issue 28)
+    Mutant(
+        "rollback-skips-first-batch", ROLLBACK,
+        "skipped = run[-self.skip_count:]",
+        "skipped = run[:self.skip_count]",
+        "a rollback skips the first batch after the checkpoint instead of the bad step's",
+        (f"{T_ROLLBACK}::test_rollback_equals_a_run_that_never_saw_the_batches",)),
+    Mutant(
+        "rollback-window-kept", ROLLBACK,
+        "        self.spikes.history.clear()\n        self.spikes.history.extend(extra.get(\"loss_window\", []))\n",
+        "",
+        "a rollback keeps the undone steps' losses in the spike window",
+        (f"{T_ROLLBACK}::test_rollback_equals_a_run_that_never_saw_the_batches",)),
+    Mutant(
+        "rollback-limit-off-by-one", ROLLBACK,
+        "if count > self.limit:",
+        "if count >= self.limit:",
+        "train.max_rollbacks=N stops at the N-th rollback instead of the one after",
+        (f"{T_ROLLBACK}::test_repeated_rollbacks_to_one_checkpoint_stop_at_the_limit",)),
+    Mutant(
+        "rollback-resume-ignores-file", ROLLBACK,
+        "read_skipped_batches(t.run_dir) if resume else ([], [])",
+        "([], [])",
+        "a resume forgets the batches a rollback skipped after the last checkpoint",
+        (f"{T_ROLLBACK}::test_rollback_before_the_first_checkpoint_stops_and_resume_starts_without_the_batch",
+         f"{T_ROLLBACK}::test_rollback_equals_a_run_that_never_saw_the_batches")),
+    Mutant(
+        "rollback-losses-off-by-one", TRAIN,
+        "del result.losses[step - start_step:]",
+        "del result.losses[step - start_step + 1:]",
+        "the result keeps the loss of the checkpoint's step twice after a rollback",
+        (f"{T_ROLLBACK}::test_rollback_equals_a_run_that_never_saw_the_batches",)),
+    Mutant(
+        "rollback-placement-not-restored", RUN_SETUP,
+        "    if run.replacer is not None and \"experts\" in extra:\n        run.replacer.load_state_dict(extra[\"experts\"])\n",
+        "",
+        "a rollback (and a resume) keeps the expert placement of the bad step, not the checkpoint's",
+        (f"{T_ROLLBACK}::test_rollback_on_four_ranks_with_ep_and_dp_equals_the_run_without_the_batches",)),
+    Mutant(
+        "loader-skips-one-of-a-run", LOADER,
+        "while self.consumed_samples // self.global_batch_size in self.skip:",
+        "if self.consumed_samples // self.global_batch_size in self.skip:",
+        "two skipped global batches in a row: the second is trained on",
+        (f"{T_ROLLBACK}::test_loader_passes_over_skipped_global_batches",)),
+    Mutant(
+        "young-daly-without-2", CADENCE,
+        "return math.sqrt(2.0 * stall_s * mtbf_s)",
+        "return math.sqrt(stall_s * mtbf_s)",
+        "the Young/Daly interval without its factor 2",
+        (f"{T_CADENCE}::test_young_daly_interval",)),
+    Mutant(
+        "cadence-clock-not-reset", CADENCE,
+        "        self.last_save = self.clock()\n",
+        "",
+        "the time between saves counted from the start of the run, not from the last save",
+        (f"{T_CADENCE}::test_fixed_minutes_add_saves_between_the_steps",)),
+    Mutant(
+        "cadence-all-stalls", CADENCE,
+        "self.stalls: deque[float] = deque(maxlen=STALLS_KEPT)",
+        "self.stalls: deque[float] = deque()",
+        "the stall estimate never forgets the first save (which also allocates the host buffer)",
+        (f"{T_CADENCE}::test_young_daly_measures_first_then_follows_the_stalls",)),
 ]

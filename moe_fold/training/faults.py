@@ -1,0 +1,71 @@
+"""Deterministic fault injection for tests and benches: ``MOE_FOLD_FAULTS``.
+
+A bad step is hard to provoke on purpose with real data, so the loop reads a plan from
+the environment variable ``MOE_FOLD_FAULTS`` (inherited by every rank, whether started
+by ``--nproc``, torchrun or a test's spawn): comma-separated items ``KIND@WHERE=N``.
+
+- ``KIND``: ``nan`` or ``inf`` (the step's global loss becomes non-finite: no optimizer
+  step, as for any non-finite loss; ``train.on_nonfinite`` decides the rest) or
+  ``spike`` (the step's global LM loss is multiplied by :data:`SPIKE_FACTOR`; the
+  gradients and the update are the real ones, so ``train.on_loss_spike`` decides whether
+  the step stands);
+- ``WHERE``: ``step=N`` (the N-th optimizer step, again each time the run reaches it:
+  a fault a rollback cannot get past) or ``batch=N`` (global batch N, 0-based: a bad
+  batch, gone once it is skipped).
+
+Example: ``MOE_FOLD_FAULTS=nan@batch=5,spike@step=9``. The fault is applied on every rank
+to the loss after its reduction, so every rank sees the same value, as with a real one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+
+__all__ = ["ENV", "SPIKE_FACTOR", "Fault", "FaultPlan"]
+
+ENV = "MOE_FOLD_FAULTS"
+SPIKE_FACTOR = 100.0
+_ITEM = re.compile(r"(nan|inf|spike)@(step|batch)=(\d+)")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # nan | inf | spike
+    where: str  # step | batch
+    at: int
+
+
+class FaultPlan:
+    """The faults of ``MOE_FOLD_FAULTS`` (none when it is unset or empty)."""
+
+    def __init__(self, faults: tuple[Fault, ...] = ()):
+        self.faults = faults
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "FaultPlan":
+        """Parse the plan; ValueError naming the variable, the item and the rule."""
+        text = (os.environ if environ is None else environ).get(ENV, "").strip()
+        faults = []
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            match = _ITEM.fullmatch(item)
+            if match is None:
+                raise ValueError(f"{ENV}={text!r}: item {item!r} is not KIND@WHERE=N with KIND nan, inf or spike, "
+                                 f"WHERE step or batch, N an integer >= 0 (e.g. nan@batch=5)")
+            faults.append(Fault(match[1], match[2], int(match[3])))
+        return cls(tuple(faults))
+
+    def apply(self, loss: torch.Tensor, step: int, batch: int) -> torch.Tensor:
+        """``loss`` (the step's reduced loss) as the plan makes it at ``step``, global ``batch``."""
+        for fault in self.faults:
+            if fault.at != (step if fault.where == "step" else batch):
+                continue
+            if fault.kind == "spike":
+                loss = loss * SPIKE_FACTOR
+            else:
+                loss = torch.full_like(loss, float(fault.kind))
+        return loss
