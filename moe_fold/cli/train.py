@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue from the newest complete checkpoint in train.run_dir (a fresh start when "
                              "there is none)")
     parser.add_argument("--no-progress", action="store_true", help="print one line per step instead of a bar")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="with --nproc: when a rank fails, dies or hangs (train.hang_timeout_s), start the ranks "
+                             "again from the newest checkpoint, up to N times (torchrun's --max-restarts)")
 
 
 def _torchrun_world() -> int | None:
@@ -98,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.nproc is not None and args.nproc < 1:
         err.print(f"error: --nproc={args.nproc} must be >= 1")
+        return 2
+    if args.max_restarts < 0 or (args.max_restarts and (args.nproc or 1) < 2):
+        err.print(f"error: --max-restarts={args.max_restarts} must be >= 0 and needs --nproc 2 or more (torchrun "
+                  f"has its own --max-restarts)")
         return 2
     world = torchrun or args.nproc or 1
     try:
@@ -151,20 +158,33 @@ def run(args: argparse.Namespace) -> int:
         return _ended(train(config, resume=args.resume, console=Console(soft_wrap=True), progress=progress),
                       config, err)
     import signal
+    import time
 
     from moe_fold.launch import RankError, run_ranks
+    from moe_fold.training.heartbeat import read_report
 
     # Idle OpenMP threads spin on the cores the other ranks compute on; libgomp reads this
     # when it loads, so it must be in the environment before the rank processes start.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     threads = max(1, (os.cpu_count() or 1) // world)
+    resume = args.resume
     try:
-        results = run_ranks(_rank_main, world, config, args.resume, progress, timeout=7 * 24 * 3600.0,
-                            threads=threads, env={"MOE_FOLD_PG_TIMEOUT": str(int(config.parallel.timeout_s))},
-                            forward_signals=[signal.Signals[name] for name in config.train.exit_signals])
-    except RankError as e:
-        err.print(f"error: training failed: {e}", markup=False, highlight=False)
-        return 1
+        for attempt in range(args.max_restarts + 1):
+            began = time.time()
+            try:
+                results = run_ranks(_rank_main, world, config, resume, progress, timeout=7 * 24 * 3600.0,
+                                    threads=threads, env={"MOE_FOLD_PG_TIMEOUT": str(int(config.parallel.timeout_s))},
+                                    forward_signals=[signal.Signals[name] for name in config.train.exit_signals])
+                break
+            except RankError as e:
+                hang = read_report(config.train.run_dir, since=began)
+                err.print(f"error: training failed: {hang or e}", markup=False, highlight=False)
+                if attempt == args.max_restarts:
+                    return 1
+                # As torchrun's restarted groups do: continue from the newest checkpoint.
+                resume = True
+                err.print(f"restarting the {world} ranks ({attempt + 1} of --max-restarts={args.max_restarts}) "
+                          f"from the newest checkpoint in {config.train.run_dir}", markup=False, highlight=False)
     except KeyboardInterrupt:
         err.print(f"aborted: Ctrl-C killed the {world} ranks; the newest checkpoint in "
                   f"{config.train.run_dir} is the one to --resume from", markup=False, highlight=False)

@@ -68,6 +68,7 @@ from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, ConfigError, dump_config, validate
 from moe_fold.kernels.backends import resolve_config
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
+from moe_fold.training.heartbeat import Heartbeat
 from moe_fold.training.numerics import LossSpikes, first_nonfinite_module
 from moe_fold.training.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
 from moe_fold.training.stop import ExitSignals, Stop, StopRule
@@ -401,9 +402,12 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     stop = stops.check(start_step, after_a_step=False)
     saver = CheckpointSaver(run_dir, groups, t.keep_last, async_save=t.async_save, config=config,
                             timeout_s=config.parallel.timeout_s)
+    # Hang detection: one beat as each phase begins (moe_fold.training.heartbeat).
+    heartbeat = Heartbeat.for_run(config, rank, world)
     finished = False
     try:
         for step in range(start_step + 1, last_step + 1) if stop is None else ():
+            heartbeat.beat(step, "step")
             step_begin = time.perf_counter()
             _seed_step(config, step, rank)
             micro_batches = [b.to(device) for b in loader.global_batch()]
@@ -445,6 +449,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             mtp = mtp_collector.finish_step(groups)
             if replacer is not None:
                 optimizer.wait_params()  # the replacer moves expert weights
+                heartbeat.beat(step, "replace")
                 routing.update(replacer.after_step(step, routing["expert_load"]))
             seconds = time.perf_counter() - step_begin
             loss = lm + routing.pop("weighted_loss", 0.0) + mtp.pop("weighted_loss")
@@ -462,11 +467,13 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             if valid_dataset is not None and (step % t.eval_every == 0 or step == t.steps):
                 from moe_fold.training.evaluate import evaluate
 
+                heartbeat.beat(step, "eval")
                 logger.log_eval({"step": step, **evaluate(model, valid_dataset, groups, config, device, dynamic_cp)})
             stop = stops.check(step)
             if stop is not None and rank == 0 and console is not None:
                 console.print(f"stopping after step {step}: {stop.reason}; writing its checkpoint")
             if step % t.save_every == 0 or step == last_step or stop is not None:
+                heartbeat.beat(step, "save")
                 optimizer.wait_params()  # the checkpoint reads the parameters
                 extra = {"step": step, "data": loader.state_dict()}
                 if replacer is not None:
@@ -475,10 +482,12 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                 result.checkpoint = checkpoint_path
             if stop is not None:
                 break
+        heartbeat.beat(start_step + len(result.losses), "finish")
         # Every rank returns with the last checkpoint complete on disk (a stop's included).
         saver.wait(collective=True)
         finished = True
     finally:
+        heartbeat.close()
         if not finished:
             # An error: still let a background write finish (or fail) before leaving, so no
             # process exits believing in a checkpoint that is half written.
