@@ -124,7 +124,8 @@ SLOW, HANG_TIMEOUT = 7.0, 2.0
 
 def _slow_phases_then_train(rank, world_size, config, slow_step):
     """Rank 1 sleeps SLOW seconds in the first step, the first and second saves, the first
-    evaluation and the first re-placement, and in step ``slow_step`` (0: none)."""
+    evaluation and the first re-placement (step 5, moe.replace_every=5), and in step
+    ``slow_step``."""
     import moe_fold.training.evaluate as evaluate
     import moe_fold.training.step as step_module
     from moe_fold.training.checkpoint import CheckpointSaver
@@ -146,7 +147,7 @@ def _slow_phases_then_train(rank, world_size, config, slow_step):
     step_module.forward_backward = slowed("step", step_module.forward_backward, {1, slow_step})
     CheckpointSaver.save = slowed("save", CheckpointSaver.save, {1, 2})
     evaluate.evaluate = slowed("eval", evaluate.evaluate, {1})
-    ExpertReplacer.after_step = slowed("replace", ExpertReplacer.after_step, {1})
+    ExpertReplacer.after_step = slowed("replace", ExpertReplacer.after_step, {5})  # called every step
     return train(config).losses
 
 

@@ -18,7 +18,8 @@ one line saying so. Exit codes: 0 finished, or stopped at a budget; 128 + the si
 after a signal (143 SIGTERM, 130 SIGINT, 138 SIGUSR1); 130 also when a second Ctrl-C
 aborted at once (no checkpoint of that step); 1 failed; 2 bad config. --resume continues
 from the newest complete checkpoint (a fresh start when there is none); under torchrun a
-restarted group (TORCHELASTIC_RESTART_COUNT > 0) always resumes.
+restarted group (TORCHELASTIC_RESTART_COUNT > 0) always resumes, and so does a group that
+--nproc N --max-restarts M starts again after a rank failed, died or hung (moe_fold.training.heartbeat).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ EPILOG = """examples:
   moe-fold train --config mixtral-tiny --nproc 4 --set train.steps=300 --set parallel.ep=4
   moe-fold train --config mixtral-tiny --nproc 4 --resume      # continue train.run_dir
   moe-fold train --config mixtral-tiny --resume --set train.exit_after_minutes=230   # a job's time limit
+  moe-fold train --config mixtral-tiny --nproc 4 --max-restarts 3 --set train.hang_timeout_s=60
+      a rank that fails, dies or makes no progress for 60 s: named, stacks in <run_dir>/hang/, the ranks
+      restarted from the newest checkpoint (up to 3 times)
   moe-fold train --config mixtral-tiny --nproc 4 --set parallel.ep=4 --set moe.replace_every=50 --set moe.replicas=1
       experts move to where the load is, the hottest with a copy (docs/placement.md)
   moe-fold train --config my.yaml --set wandb.mode=disabled --set train.run_dir=runs/exp1
@@ -44,7 +48,8 @@ presets: mixtral-8x7b mixtral-8x22b qwen2-57b-a14b qwen3-30b-a3b deepseek-v3
 SIGTERM, SIGINT (Ctrl-C) or SIGUSR1 (train.exit_signals) stop every rank after the same step,
 with its checkpoint; a second Ctrl-C aborts at once.
 exit codes: 0 done, or train.exit_after_minutes / train.exit_at_step reached; 128 + the signal
-after a stop signal (143 SIGTERM, 130 SIGINT, 138 SIGUSR1); 1 failed; 2 bad config
+after a stop signal (143 SIGTERM, 130 SIGINT, 138 SIGUSR1); 1 failed (a rank ended by the hang
+watch exits 75; the launcher then exits 1); 2 bad config
 """
 
 
@@ -107,6 +112,14 @@ def run(args: argparse.Namespace) -> int:
                   f"has its own --max-restarts)")
         return 2
     world = torchrun or args.nproc or 1
+    if torchrun is None and world > 1:
+        from moe_fold.launch import start_forkserver
+
+        # Idle OpenMP threads spin on the cores the other ranks compute on; libgomp reads this
+        # when it loads (in the forkserver), so it must be in the environment before it starts.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # Its imports (torch) run while this process loads its own and checks the config.
+        start_forkserver()
     try:
         config = load_config(args.config, args.overrides)
         if config.init.from_hf is not None:
@@ -163,9 +176,6 @@ def run(args: argparse.Namespace) -> int:
     from moe_fold.launch import RankError, run_ranks
     from moe_fold.training.heartbeat import read_report
 
-    # Idle OpenMP threads spin on the cores the other ranks compute on; libgomp reads this
-    # when it loads, so it must be in the environment before the rank processes start.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     threads = max(1, (os.cpu_count() or 1) // world)
     resume = args.resume
     try:

@@ -449,7 +449,8 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             mtp = mtp_collector.finish_step(groups)
             if replacer is not None:
                 optimizer.wait_params()  # the replacer moves expert weights
-                heartbeat.beat(step, "replace")
+                if replacer.every and step % replacer.every == 0:  # a re-placement step
+                    heartbeat.beat(step, "replace")
                 routing.update(replacer.after_step(step, routing["expert_load"]))
             seconds = time.perf_counter() - step_begin
             loss = lm + routing.pop("weighted_loss", 0.0) + mtp.pop("weighted_loss")
