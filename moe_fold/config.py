@@ -452,6 +452,10 @@ class TrainConfig:
     exit_after_minutes: Optional[float] = None
     # See exit_signals.
     exit_at_step: Optional[int] = None
+    # Hang detection (moe_fold.training.heartbeat): seconds a step may go without progress before
+    # the rank is named, stacks are written and the job exits 75 to be restarted. None: 10 x the
+    # longest recent step, at least 30 s; 0: off. Below parallel.timeout_s.
+    hang_timeout_s: Optional[float] = None
     # Validation LM loss every eval_every steps and at the last one (0: never), over
     # eval_iters global batches of the validation data (data.valid_path/valid_fraction).
     eval_every: int = 0
@@ -1602,6 +1606,12 @@ def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[s
         _positive(out, "train.exit_after_minutes", t.exit_after_minutes)
     if t.exit_at_step is not None:
         _at_least(out, "train.exit_at_step", t.exit_at_step, 1)
+    if t.hang_timeout_s is not None:
+        if t.hang_timeout_s < 0:
+            out.append(f"train.hang_timeout_s={_fmt(t.hang_timeout_s)} must be >= 0 (0: off, unset: derived)")
+        elif t.hang_timeout_s >= config.parallel.timeout_s:
+            out.append(f"train.hang_timeout_s={_fmt(t.hang_timeout_s)} must be below parallel.timeout_s="
+                       f"{_fmt(config.parallel.timeout_s)}: the collective timeout would fire first")
     _at_least(out, "train.eval_every", t.eval_every, 0)
     _at_least(out, "train.eval_iters", t.eval_iters, 1)
     d = config.data

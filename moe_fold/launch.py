@@ -46,7 +46,8 @@ import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["RankError", "run_ranks", "keep_freed_memory", "exit_with_parent", "parent_handle", "agree_on_round"]
+__all__ = ["RankError", "run_ranks", "start_forkserver", "keep_freed_memory", "exit_with_parent", "parent_handle",
+           "agree_on_round"]
 
 # torch.optim imports torch._dynamo on its first step (seconds); importing it once in the
 # forkserver saves that in every rank.
@@ -120,6 +121,16 @@ def _context() -> mp.context.BaseContext:
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORKSERVER_BLOCKS)
     return ctx
+
+
+def start_forkserver() -> None:
+    """Start the forkserver that :func:`run_ranks` forks its ranks from, now, without waiting
+    for it: its imports (torch, seconds) then overlap what the caller does before
+    :func:`run_ranks` (``moe-fold train --nproc``: its own imports, the config and the data
+    checks) instead of following them. The environment the ranks need at import (e.g.
+    ``OMP_WAIT_POLICY``) must be set before. A no-op when it runs already; :func:`run_ranks`
+    starts it when nobody did."""
+    _context()
 
 
 # How long a rank told to stop because its parent is gone may take to finish its step and
@@ -233,6 +244,11 @@ _PEER_FAILURE_MARKS = ("Connection closed by peer", "Connection reset by peer", 
                        "Broken pipe", "timed out", "timeout caused pair closure")
 
 
+def _root_failures(failures: dict[int, str]) -> list[int]:
+    """The ranks whose traceback is their own error, not a peer's going away."""
+    return [r for r, tb in sorted(failures.items()) if not any(m.lower() in tb.lower() for m in _PEER_FAILURE_MARKS)]
+
+
 def _first_failure(procs, outputs, failures, world_size) -> RankError:
     died = [r for r, p in enumerate(procs)
             if r not in outputs and r not in failures and p.exitcode not in (None, 0)]
@@ -241,7 +257,7 @@ def _first_failure(procs, outputs, failures, world_size) -> RankError:
         others = "".join(f"\n--- rank {o} then failed:\n{tb}" for o, tb in sorted(failures.items()))
         return RankError(r, f"rank {r} of {world_size} died with exit code {procs[r].exitcode} "
                             f"before returning a result{others}")
-    root = [r for r, tb in sorted(failures.items()) if not any(m.lower() in tb.lower() for m in _PEER_FAILURE_MARKS)]
+    root = _root_failures(failures)
     silent = [r for r, p in enumerate(procs) if r not in outputs and r not in failures and p.exitcode is None]
     if not root and silent:
         # Every failure is a peer's (a collective timed out or lost its connection) and
@@ -335,10 +351,16 @@ def run_ranks(
             # A rank that exits non-zero after its result came (its forkserver gone) has not failed.
             if failures or any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r not in outputs):
                 # When one rank fails its peers soon fail too, inside a collective; wait
-                # a moment so the report can name the rank that failed first.
+                # a moment so the report can name the rank that failed first. Not when a rank
+                # failed of its own error (nothing later names an earlier one) or every rank
+                # has ended (nothing more to hear): a restart (--max-restarts) waits on this.
                 settle = time.monotonic() + 2.0
-                while time.monotonic() < settle and len(outputs) + len(failures) < world_size:
+                while (time.monotonic() < settle and len(outputs) + len(failures) < world_size
+                       and not _root_failures(failures)
+                       and any(p.exitcode is None for r, p in enumerate(procs) if r not in outputs and r not in failures)):
                     receive(0.1)
+                while receive(0.05):  # what ended ranks sent before they ended
+                    pass
                 raise _first_failure(procs, outputs, failures, world_size)
             if receive(0.2):
                 continue

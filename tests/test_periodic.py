@@ -50,10 +50,11 @@ def test_row_is_the_metrics_line():
 def test_replace_experts_waits_for_the_parameters_then_adds_what_moved():
     calls = Calls()
     optimizer = SimpleNamespace(wait_params=calls.method("wait_params"))
-    replacer = SimpleNamespace(after_step=calls.method("after_step", {"replace_moves": 2}))
+    replacer = SimpleNamespace(after_step=calls.method("after_step", {"replace_moves": 2}), every=2)
     r = record(4)
-    ReplaceExperts(replacer, optimizer)(r)
-    assert calls == [("wait_params",), ("after_step", 4, [[3, 1]])]
+    ReplaceExperts(replacer, optimizer, beat=calls.method("beat"))(r)
+    # A re-placement step (4 of every 2) tells the hang detection first.
+    assert calls == [("wait_params",), ("beat", 4, "replace"), ("after_step", 4, [[3, 1]])]
     assert r.routing["replace_moves"] == 2 and r.routing["aux_loss"] == 0.25
     # Without a replacer: nothing, not even the wait.
     calls.clear()

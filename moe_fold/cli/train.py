@@ -18,7 +18,9 @@ one line saying so. Exit codes: 0 finished, or stopped at a budget; 128 + the si
 after a signal (143 SIGTERM, 130 SIGINT, 138 SIGUSR1); 130 also when a second Ctrl-C
 aborted at once (no checkpoint of that step); 1 failed; 2 bad config. --resume continues
 from the newest complete checkpoint (a fresh start when there is none); under torchrun a
-restarted group (TORCHELASTIC_RESTART_COUNT > 0 on any rank) always resumes.
+restarted group (TORCHELASTIC_RESTART_COUNT > 0 on any rank) always resumes, and so does a
+group that --nproc N --max-restarts M starts again after a rank failed, died or hung
+(moe_fold.training.heartbeat).
 
 Elastic restarts (parallel.elastic=true, moe_fold.elastic): a world the configured layout
 does not fit (torchrun --nnodes MIN:MAX after a node left or came back) takes a layout
@@ -37,6 +39,9 @@ EPILOG = """examples:
   moe-fold train --config mixtral-tiny --nproc 4 --set train.steps=300 --set parallel.ep=4
   moe-fold train --config mixtral-tiny --nproc 4 --resume      # continue train.run_dir
   moe-fold train --config mixtral-tiny --resume --set train.exit_after_minutes=230   # a job's time limit
+  moe-fold train --config mixtral-tiny --nproc 4 --max-restarts 3 --set train.hang_timeout_s=60
+      a rank that fails, dies or makes no progress for 60 s: named, stacks in <run_dir>/hang/, the ranks
+      restarted from the newest checkpoint (up to 3 times)
   moe-fold train --config mixtral-tiny --nproc 4 --set parallel.ep=4 --set moe.replace_every=50 --set moe.replicas=1
       experts move to where the load is, the hottest with a copy (docs/placement.md)
   moe-fold train --config my.yaml --set wandb.mode=disabled --set train.run_dir=runs/exp1
@@ -48,7 +53,8 @@ presets: mixtral-8x7b mixtral-8x22b qwen2-57b-a14b qwen3-30b-a3b deepseek-v3
 SIGTERM, SIGINT (Ctrl-C) or SIGUSR1 (train.exit_signals) stop every rank after the same step,
 with its checkpoint; a second Ctrl-C aborts at once.
 exit codes: 0 done, or train.exit_after_minutes / train.exit_at_step reached; 128 + the signal
-after a stop signal (143 SIGTERM, 130 SIGINT, 138 SIGUSR1); 1 failed; 2 bad config
+after a stop signal (143 SIGTERM, 130 SIGINT, 138 SIGUSR1); 1 failed (a rank ended by the hang
+watch exits 75; the launcher then exits 1); 2 bad config
 """
 
 
@@ -64,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue from the newest complete checkpoint in train.run_dir (a fresh start when "
                              "there is none)")
     parser.add_argument("--no-progress", action="store_true", help="print one line per step instead of a bar")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="with --nproc: when a rank fails, dies or hangs (train.hang_timeout_s), start the ranks "
+                             "again from the newest checkpoint, up to N times (torchrun's --max-restarts)")
 
 
 def _torchrun_world() -> int | None:
@@ -103,7 +112,19 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         err.print(f"error: --nproc={args.nproc} must be >= 1")
         return 2
+    if args.max_restarts < 0 or (args.max_restarts and (args.nproc or 1) < 2):
+        err.print(f"error: --max-restarts={args.max_restarts} must be >= 0 and needs --nproc 2 or more (torchrun "
+                  f"has its own --max-restarts)")
+        return 2
     world = torchrun or args.nproc or 1
+    if torchrun is None and world > 1:
+        from moe_fold.launch import start_forkserver
+
+        # Idle OpenMP threads spin on the cores the other ranks compute on; libgomp reads this
+        # when it loads (in the forkserver), so it must be in the environment before it starts.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # Its imports (torch) run while this process loads its own and checks the config.
+        start_forkserver()
     try:
         config = load_config(args.config, args.overrides)
         if config.init.from_hf is not None:
@@ -158,20 +179,30 @@ def run(args: argparse.Namespace) -> int:
         return _ended(train(config, resume=args.resume, console=Console(soft_wrap=True), progress=progress),
                       config, err)
     import signal
+    import time
 
     from moe_fold.launch import RankError, run_ranks
+    from moe_fold.training.heartbeat import read_report
 
-    # Idle OpenMP threads spin on the cores the other ranks compute on; libgomp reads this
-    # when it loads, so it must be in the environment before the rank processes start.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     threads = max(1, (os.cpu_count() or 1) // world)
+    resume = args.resume
     try:
-        results = run_ranks(_rank_main, world, config, args.resume, progress, timeout=7 * 24 * 3600.0,
-                            threads=threads, env={"MOE_FOLD_PG_TIMEOUT": str(int(config.parallel.timeout_s))},
-                            forward_signals=[signal.Signals[name] for name in config.train.exit_signals])
-    except RankError as e:
-        err.print(f"error: training failed: {e}", markup=False, highlight=False)
-        return 1
+        for attempt in range(args.max_restarts + 1):
+            began = time.time()
+            try:
+                results = run_ranks(_rank_main, world, config, resume, progress, timeout=7 * 24 * 3600.0,
+                                    threads=threads, env={"MOE_FOLD_PG_TIMEOUT": str(int(config.parallel.timeout_s))},
+                                    forward_signals=[signal.Signals[name] for name in config.train.exit_signals])
+                break
+            except RankError as e:
+                hang = read_report(config.train.run_dir, since=began)
+                err.print(f"error: training failed: {hang or e}", markup=False, highlight=False)
+                if attempt == args.max_restarts:
+                    return 1
+                # As torchrun's restarted groups do: continue from the newest checkpoint.
+                resume = True
+                err.print(f"restarting the {world} ranks ({attempt + 1} of --max-restarts={args.max_restarts}) "
+                          f"from the newest checkpoint in {config.train.run_dir}", markup=False, highlight=False)
     except KeyboardInterrupt:
         err.print(f"aborted: Ctrl-C killed the {world} ranks; the newest checkpoint in "
                   f"{config.train.run_dir} is the one to --resume from", markup=False, highlight=False)

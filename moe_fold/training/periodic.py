@@ -70,18 +70,26 @@ class StepRecord:
 Action = Callable[[StepRecord], None]
 
 
+def _no_beat(step: int, phase: str) -> None:
+    """No hang detection (:class:`moe_fold.training.heartbeat.Heartbeat` ``.beat`` otherwise):
+    the actions that may take longer than a step say so as they begin."""
+
+
 class ReplaceExperts:
     """``moe.replace_every``: the replacer adds the step's expert load to its window and,
     on a re-placement step, moves the experts; what moved joins the step's routing fields."""
 
-    def __init__(self, replacer: Any, optimizer: Any):
+    def __init__(self, replacer: Any, optimizer: Any, beat: Callable[[int, str], None] = _no_beat):
         self.replacer = replacer  # moe_fold.training.replace.ExpertReplacer; None: nothing to do
         self.optimizer = optimizer
+        self.beat = beat  # hang detection: a re-placement is a phase of its own
 
     def __call__(self, record: StepRecord) -> None:
         if self.replacer is None:
             return
         self.optimizer.wait_params()  # the replacer moves expert weights
+        if self.replacer.every and record.step % self.replacer.every == 0:  # a re-placement step
+            self.beat(record.step, "replace")
         record.routing.update(self.replacer.after_step(record.step, record.routing["expert_load"]))
 
 
@@ -142,13 +150,16 @@ class Evaluate:
     ``evaluate()`` (the validation loss: its own loader and a forked RNG, so training is
     unchanged) goes to its own row. A collective: every rank runs it at the same steps."""
 
-    def __init__(self, every: int, final_step: int, evaluate: Callable[[], dict], logger: Any):
+    def __init__(self, every: int, final_step: int, evaluate: Callable[[], dict], logger: Any,
+                 beat: Callable[[int, str], None] = _no_beat):
         self.every, self.final_step = every, final_step
         self.evaluate = evaluate
         self.logger = logger
+        self.beat = beat
 
     def __call__(self, record: StepRecord) -> None:
         if self.every > 0 and (record.step % self.every == 0 or record.step == self.final_step):
+            self.beat(record.step, "eval")
             self.logger.log_eval({"step": record.step, **self.evaluate()})
 
 
@@ -185,16 +196,18 @@ class SaveCheckpoint:
     :class:`moe_fold.training.run_setup.Run` whose state is saved."""
 
     def __init__(self, run: Any, saver: Any, when: list[Callable[[StepRecord], bool]],
-                 extra_state: Callable[[], dict] = dict, on_saved: Callable[[int, float], None] = lambda s, t: None):
+                 extra_state: Callable[[], dict] = dict, on_saved: Callable[[int, float], None] = lambda s, t: None,
+                 beat: Callable[[int, str], None] = _no_beat):
         self.run = run
         self.saver = saver
         self.when = when
-        self.extra_state, self.on_saved = extra_state, on_saved
+        self.extra_state, self.on_saved, self.beat = extra_state, on_saved, beat
 
     def __call__(self, record: StepRecord) -> None:
         # Every predicate is asked, in order (a clock's is a collective every step).
         if not [due(record) for due in self.when].count(True):
             return
+        self.beat(record.step, "save")
         run = self.run
         run.optimizer.wait_params()  # the checkpoint reads the parameters
         extra = {"step": record.step, "data": run.loader.state_dict(), **self.extra_state()}

@@ -76,6 +76,7 @@ from moe_fold.config import Config, ConfigError, validate
 from moe_fold.kernels.backends import resolve_config
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.training.cadence import Cadence, start_cadence
+from moe_fold.training.heartbeat import Heartbeat
 from moe_fold.training.numerics import first_nonfinite_module
 from moe_fold.training.periodic import (
     Action, CheckStop, Evaluate, LogStep, ReplaceExperts, RollBack, SaveCheckpoint, StepRecord, WatchLossSpikes,
@@ -234,22 +235,26 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     saver = CheckpointSaver(run.run_dir, groups, t.keep_last, async_save=t.async_save, config=config,
                             timeout_s=config.parallel.timeout_s)
     cadence = start_cadence(config, device, groups.layout.world_size, logger, start_step)
+    # Hang detection: one beat as each phase begins (moe_fold.training.heartbeat).
+    heartbeat = Heartbeat.for_run(config, rank, groups.layout.world_size)
     # After each step, in this order (moe_fold/training/periodic.py says how to add one).
     actions: list[Action] = [
-        ReplaceExperts(run.replacer, run.optimizer),
+        ReplaceExperts(run.replacer, run.optimizer, beat=heartbeat.beat),
         WatchLossSpikes(run.spikes, warn=rank == 0, stop=t.on_loss_spike == "stop"),
         LogStep(logger, run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),
         RollBack(run.rollbacks, saver, lambda path: load_state(run, path), logger),
-        Evaluate(t.eval_every, t.steps, lambda: _evaluate(run), logger),
+        Evaluate(t.eval_every, t.steps, lambda: _evaluate(run), logger, beat=heartbeat.beat),
         CheckStop(stops, console if rank == 0 else None),
         SaveCheckpoint(run, saver, when=[lambda r: cadence.due(r.step), at_step(last_step), stopping],
                        extra_state=run.rollbacks.state_dict,
-                       on_saved=lambda step, stall: _saved(cadence, run.rollbacks, logger, step, stall)),
+                       on_saved=lambda step, stall: _saved(cadence, run.rollbacks, logger, step, stall),
+                       beat=heartbeat.beat),
     ]
-    with _closing(run, logger, saver):
+    with _closing(run, logger, saver, heartbeat):
         step = start_step
         while result.stop is None and step < last_step:  # a while loop: a rollback sets step back
             step += 1
+            heartbeat.beat(step, "step")
             _seed_step(config, step, rank)
             record = run_step(run, step)
             for action in actions:
@@ -260,6 +265,7 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
             if record.rolled_back_to is not None:
                 step = record.rolled_back_to
                 del result.losses[step - start_step:]  # the steps undone
+        heartbeat.beat(step, "finish")
     return _finish(run, logger, result, began_at=begin, console=console)
 
 
@@ -364,17 +370,18 @@ def _evaluate(run: Run) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _closing(run: Run, logger: Any, saver: Any) -> Iterator[None]:
+def _closing(run: Run, logger: Any, saver: Any, heartbeat: Any) -> Iterator[None]:
     """Around the steps: every rank leaves with the last checkpoint complete on disk (a
     stop's included); on an error, a background write still finishes (or fails) before
     leaving, so no process exits believing in a checkpoint that is half written. The
-    logger and the collectors close either way."""
+    logger, the collectors and the heartbeat close either way."""
     finished = False
     try:
         yield
         saver.wait(collective=True)
         finished = True
     finally:
+        heartbeat.close()
         if not finished:
             with contextlib.suppress(Exception):
                 saver.wait()

@@ -531,12 +531,12 @@ MUTANTS: list[Mutant] = [
         ("tests/test_periodic.py::test_save_checkpoint_when_due_with_the_data_position_and_placement",)),
     Mutant(
         "replace-after-log", TRAIN,
-        "        ReplaceExperts(run.replacer, run.optimizer),\n"
+        "        ReplaceExperts(run.replacer, run.optimizer, beat=heartbeat.beat),\n"
         "        WatchLossSpikes(run.spikes, warn=rank == 0, stop=t.on_loss_spike == \"stop\"),\n"
         "        LogStep(logger, run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),\n",
         "        WatchLossSpikes(run.spikes, warn=rank == 0, stop=t.on_loss_spike == \"stop\"),\n"
         "        LogStep(logger, run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),\n"
-        "        ReplaceExperts(run.replacer, run.optimizer),\n",
+        "        ReplaceExperts(run.replacer, run.optimizer, beat=heartbeat.beat),\n",
         "the periodic actions out of order: the step is logged before the re-placement adds what moved",
         ("tests/test_replace.py::test_replacing_under_bf16_keeps_the_losses_bit_for_bit",)),
     Mutant(
