@@ -259,7 +259,8 @@ def main() -> None:
             print(f"{str(tree):<{width}} " + " ".join(f"{medians[tree][p]:>12.3f}" for p in PHASES))
         for tree in trees[1:]:
             print(f"{'ratio ' + tree.name + '/this':<{width}} "
-                  + " ".join(f"{medians[tree][p] / medians[ROOT][p]:>12.2f}" for p in PHASES))
+                  + " ".join(f"{medians[tree][p] / medians[ROOT][p]:>12.2f}" if medians[ROOT][p] else f"{'-':>12}"
+                             for p in PHASES))
         for tree in trees:
             print(json.dumps({"bench": "restart_cost", "tree": str(tree), "warm": args.warm, "nproc": args.nproc, "preset": args.preset,
                               "rounds": args.rounds, **{f"{p.replace(' ', '_').replace('+', '_')}_s":

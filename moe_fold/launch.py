@@ -46,8 +46,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["RankError", "run_ranks", "start_forkserver", "keep_freed_memory", "exit_with_parent", "parent_handle",
-           "agree_on_round"]
+__all__ = ["RankError", "run_ranks", "keep_freed_memory", "exit_with_parent", "parent_handle", "agree_on_round"]
 
 # torch.optim imports torch._dynamo on its first step (seconds); importing it once in the
 # forkserver saves that in every rank.
@@ -121,16 +120,6 @@ def _context() -> mp.context.BaseContext:
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORKSERVER_BLOCKS)
     return ctx
-
-
-def start_forkserver() -> None:
-    """Start the forkserver that :func:`run_ranks` forks its ranks from, now, without waiting
-    for it: its imports (torch, seconds) then overlap what the caller does before
-    :func:`run_ranks` (``moe-fold train --nproc``: its own imports, the config and the data
-    checks) instead of following them. The environment the ranks need at import (e.g.
-    ``OMP_WAIT_POLICY``) must be set before. A no-op when it runs already; :func:`run_ranks`
-    starts it when nobody did."""
-    _context()
 
 
 # How long a rank told to stop because its parent is gone may take to finish its step and

@@ -231,6 +231,8 @@ def test_sigstopped_rank_is_named_in_seconds_and_the_restart_finishes_exactly(tm
     assert sorted(p.name for p in folder.iterdir()) == ["report.json", "report.txt", "stacks_rank_00000.txt"]
     stacks = (folder / "stacks_rank_00000.txt").read_text()
     assert "Thread" in stacks and "moe_fold/training/heartbeat.py" in stacks and "train.py" in stacks, stacks
+    # The restart continued from a checkpoint (a fresh start would give the same losses).
+    assert f"resumed from {run_dir}/checkpoints/step_" in " ".join(out.split()), out[-3000:]
     assert _losses(run_dir) == _losses(tmp_path / "straight")
     assert [s for s, _ in _losses(run_dir)] == list(range(1, steps + 1))
     assert not Path(f"/proc/{rank1}").exists() or Path(f"/proc/{rank1}/stat").read_text().split()[2] == "Z"

@@ -117,14 +117,6 @@ def run(args: argparse.Namespace) -> int:
                   f"has its own --max-restarts)")
         return 2
     world = torchrun or args.nproc or 1
-    if torchrun is None and world > 1:
-        from moe_fold.launch import start_forkserver
-
-        # Idle OpenMP threads spin on the cores the other ranks compute on; libgomp reads this
-        # when it loads (in the forkserver), so it must be in the environment before it starts.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        # Its imports (torch) run while this process loads its own and checks the config.
-        start_forkserver()
     try:
         config = load_config(args.config, args.overrides)
         if config.init.from_hf is not None:
@@ -184,6 +176,9 @@ def run(args: argparse.Namespace) -> int:
     from moe_fold.launch import RankError, run_ranks
     from moe_fold.training.heartbeat import read_report
 
+    # Idle OpenMP threads spin on the cores the other ranks compute on; libgomp reads this
+    # when it loads, so it must be in the environment before the rank processes start.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     threads = max(1, (os.cpu_count() or 1) // world)
     resume = args.resume
     try:
