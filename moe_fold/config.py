@@ -1015,6 +1015,13 @@ def _at_least(out: list[str], dotted: str, value: float, low: float) -> bool:
     return True
 
 
+def _minimum(dotted: str, value: float, low: float) -> list[str]:
+    """A one-field rule: its problem when ``value`` is below ``low`` (none when it is not)."""
+    out: list[str] = []
+    _at_least(out, dotted, value, low)
+    return out
+
+
 def _positive(out: list[str], dotted: str, value: float) -> bool:
     if not value > 0:
         out.append(f"{dotted}={_fmt(value)} must be > 0")
@@ -1093,9 +1100,7 @@ def order_is_permutation(order: str) -> list[str]:
 @rule
 def bucket_size(grad_bucket_numel: int) -> list[str]:
     """A gradient bucket holds at least one element."""
-    out: list[str] = []
-    _at_least(out, "parallel.grad_bucket_numel", grad_bucket_numel, 1)
-    return out
+    return _minimum("parallel.grad_bucket_numel", grad_bucket_numel, 1)
 
 
 @rule
@@ -1130,9 +1135,7 @@ def dynamic_cp_layout(cp: int, tp: int, pp: int) -> list[str]:
 @rule
 def upcycle_slices(granularity: int) -> list[str]:
     """Upcycling cuts the dense MLP into granularity expert slices."""
-    out: list[str] = []
-    _at_least(out, "init.upcycle_granularity", granularity, 1)
-    return out
+    return _minimum("init.upcycle_granularity", granularity, 1)
 
 
 def _check_layer_pattern(config: Config, out: list[str]) -> list[bool] | None:
@@ -1748,9 +1751,7 @@ def spike_detection(factor: float, window: int) -> list[str]:
 @rule
 def checkpoints_kept(keep_last: int) -> list[str]:
     """A run keeps its newest keep_last checkpoints; at least the one it resumes from."""
-    out: list[str] = []
-    _at_least(out, "train.keep_last", keep_last, 1)
-    return out
+    return _minimum("train.keep_last", keep_last, 1)
 
 
 def _check_optimizer(config: Config, out: list[str]) -> None:
@@ -1781,9 +1782,7 @@ def adamw_settings(beta1: float, beta2: float, eps: float, weight_decay: float) 
 @rule
 def grad_clip(clip_grad: float) -> list[str]:
     """The global grad norm is clipped to clip_grad (0: no clipping)."""
-    out: list[str] = []
-    _at_least(out, "optimizer.clip_grad", clip_grad, 0)
-    return out
+    return _minimum("optimizer.clip_grad", clip_grad, 0)
 
 
 def _check_data_wandb_and_init(config: Config, out: list[str]) -> None:
