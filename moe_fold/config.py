@@ -1625,7 +1625,8 @@ def pipeline_split(num_layers: int, pp: int, vpp: int, pp_layers: Optional[list[
     for i, n in enumerate(pp_layers):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             out.append(f"parallel.pp_layers[{i}]={_fmt(n)} must be >= 1")
-    if sum(pp_layers) != num_layers:
+    # (A direct caller may pass what is not a number: then there is no sum to compare.)
+    if all(isinstance(n, int) for n in pp_layers) and sum(pp_layers) != num_layers:
         out.append(f"parallel.pp_layers={_fmt(list(pp_layers))} sums to {sum(pp_layers)}, "
                    f"expected model.num_layers={num_layers}")
     return out
