@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_fold.comm import Group, group_size
+from moe_fold.config import dense_width_over_tp, require
 from moe_fold.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_seed
 
 from .recompute import recomputed
@@ -20,8 +21,7 @@ class MLP(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, tp_group: Group, sequence_parallel: bool,
                  *, std: float, seed: int, name: str):
         super().__init__()
-        if ffn_hidden_size % group_size(tp_group):
-            raise ValueError(f"ffn_hidden_size={ffn_hidden_size} is not divisible by tp={group_size(tp_group)}")
+        require(dense_width_over_tp, ffn_hidden_size, group_size(tp_group))
         self.fc1 = ColumnParallelLinear(hidden_size, [ffn_hidden_size, ffn_hidden_size], tp_group,
                                         sequence_parallel, std=std, seed=init_seed(seed, f"{name}.fc1"))
         self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, tp_group, sequence_parallel,

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from moe_fold.config import ModelConfig
+from moe_fold.config import ModelConfig, require, rotary_pairs
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,7 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
     """cos and sin for ``positions`` ``[S]`` or ``[B, S]`` -> ``[S, head_dim]`` or
     ``[B, S, head_dim]``, computed in float32 and returned in ``dtype``; ``head_dim`` is
     the width of the rotated part, ``yarn`` an optional frequency scaling."""
-    if head_dim % 2:
-        raise ValueError(f"head_dim={head_dim} must be even for rotary embeddings")
+    require(rotary_pairs, head_dim)
     if yarn is None:
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device,
                                                 dtype=torch.float32) / head_dim)  # [head_dim/2]

@@ -1015,6 +1015,13 @@ def _at_least(out: list[str], dotted: str, value: float, low: float) -> bool:
     return True
 
 
+def _minimum(dotted: str, value: float, low: float) -> list[str]:
+    """A one-field rule: its problem when ``value`` is below ``low`` (none when it is not)."""
+    out: list[str] = []
+    _at_least(out, dotted, value, low)
+    return out
+
+
 def _positive(out: list[str], dotted: str, value: float) -> bool:
     if not value > 0:
         out.append(f"{dotted}={_fmt(value)} must be > 0")
@@ -1037,26 +1044,15 @@ def _check_parallel(config: Config, world_size: int, out: list[str]) -> bool:
         if getattr(p, name) is not None:
             ok &= _at_least(out, f"parallel.{name}", getattr(p, name), 1)
     if ok:
-        attn = p.tp * p.cp * p.pp
-        if world_size % attn:
-            out.append(f"world_size={world_size} is not divisible by parallel.tp*cp*pp={attn} "
-                       f"(tp={p.tp}, cp={p.cp}, pp={p.pp})")
-            ok = False
-        etp = etp_size(config)
-        expert = etp * p.ep * p.pp
-        if world_size % expert:
-            etp_text = f"etp={etp}" if p.etp is not None else f"etp=null -> tp={etp}"
-            out.append(f"world_size={world_size} is not divisible by parallel.etp*ep*pp={expert} "
-                       f"({etp_text}, ep={p.ep}, pp={p.pp})")
-            ok = False
-    dims = p.order.split("-")
-    if sorted(dims) != sorted(["tp", "cp", "ep", "dp", "pp"]):
-        out.append(f"parallel.order={_fmt(p.order)} must be a permutation of tp, cp, ep, dp, pp joined by '-'")
+        layout_problems = world_fits_layouts(world_size, p.tp, p.cp, p.pp, p.ep, p.etp)
+        out.extend(layout_problems)
+        ok = not layout_problems
+    out.extend(order_is_permutation(p.order))
     if p.dynamic_cp:
         out.extend(dynamic_cp_layout(p.cp, p.tp, p.pp))
         _at_least(out, "parallel.dynamic_cp_flops_per_byte", p.dynamic_cp_flops_per_byte, 0)
     _positive(out, "parallel.timeout_s", p.timeout_s)
-    _at_least(out, "parallel.grad_bucket_numel", p.grad_bucket_numel, 1)
+    out.extend(bucket_size(p.grad_bucket_numel))
     if p.overlap_grad_reduce and config.moe.replicas > 0:
         out.append(f"parallel.overlap_grad_reduce=true cannot run with moe.replicas={config.moe.replicas} yet: the "
                    f"copies of an expert sum their grads over ep after the whole backward, before the "
@@ -1070,10 +1066,50 @@ def _check_parallel(config: Config, world_size: int, out: list[str]) -> bool:
                 parse_elastic_layout(entry)
             except ValueError as e:
                 out.append(f"parallel.elastic_layouts[{i}]={_fmt(entry)}: {e}")
-    if p.overlap_param_gather and not config.optimizer.distributed:
-        out.append("parallel.overlap_param_gather=true needs optimizer.distributed=true (only the distributed "
-                   "optimizer all-gathers parameters after its step)")
+    out.extend(param_gather_needs_distributed(p.overlap_param_gather, config.optimizer.distributed))
     return ok
+
+
+@rule
+def world_fits_layouts(world_size: int, tp: int, cp: int, pp: int, ep: int, etp: Optional[int]) -> list[str]:
+    """The world is whole attention layouts (tp*cp*pp) and whole expert layouts (etp*ep*pp;
+    etp null: tp). Sizes below 1 are reported by the size checks, not here."""
+    if min(world_size, tp, cp, pp, ep, tp if etp is None else etp) < 1:
+        return []
+    out = []
+    if world_size % (tp * cp * pp):
+        out.append(f"world_size={world_size} is not divisible by parallel.tp*cp*pp={tp * cp * pp} "
+                   f"(tp={tp}, cp={cp}, pp={pp})")
+    expert_tp = tp if etp is None else etp
+    if world_size % (expert_tp * ep * pp):
+        etp_text = f"etp={etp}" if etp is not None else f"etp=null -> tp={tp}"
+        out.append(f"world_size={world_size} is not divisible by parallel.etp*ep*pp={expert_tp * ep * pp} "
+                   f"({etp_text}, ep={ep}, pp={pp})")
+    return out
+
+
+@rule
+def order_is_permutation(order: str) -> list[str]:
+    """parallel.order names every dimension once (the layout itself also takes an order that
+    leaves out dimensions of size 1: moe_fold/layout.py, for tools that build one directly)."""
+    if not isinstance(order, str) or sorted(order.split("-")) != sorted(["tp", "cp", "ep", "dp", "pp"]):
+        return [f"parallel.order={_fmt(order)} must be a permutation of tp, cp, ep, dp, pp joined by '-'"]
+    return []
+
+
+@rule
+def bucket_size(grad_bucket_numel: int) -> list[str]:
+    """A gradient bucket holds at least one element."""
+    return _minimum("parallel.grad_bucket_numel", grad_bucket_numel, 1)
+
+
+@rule
+def param_gather_needs_distributed(overlap_param_gather: bool, distributed: bool) -> list[str]:
+    """Only the distributed optimizer all-gathers parameters after its step."""
+    if overlap_param_gather and not distributed:
+        return ["parallel.overlap_param_gather=true needs optimizer.distributed=true (only the distributed "
+                "optimizer all-gathers parameters after its step)"]
+    return []
 
 
 # Dynamic cp searches every partition of the cp group into sub-groups; partitions of 2^k
@@ -1099,9 +1135,7 @@ def dynamic_cp_layout(cp: int, tp: int, pp: int) -> list[str]:
 @rule
 def upcycle_slices(granularity: int) -> list[str]:
     """Upcycling cuts the dense MLP into granularity expert slices."""
-    out: list[str] = []
-    _at_least(out, "init.upcycle_granularity", granularity, 1)
-    return out
+    return _minimum("init.upcycle_granularity", granularity, 1)
 
 
 def _check_layer_pattern(config: Config, out: list[str]) -> list[bool] | None:
@@ -1156,22 +1190,19 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
     if m.attention != "mla" and m.head_dim is None and m.hidden_size % m.num_heads:
         out.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads} "
                    f"(required when model.head_dim is null)")
-    elif m.attention != "mla" and head_dim(config) % 2:
-        what = "model.head_dim" if m.head_dim is not None else "model.hidden_size/num_heads"
-        out.append(f"{what}={head_dim(config)} must be even (rotary embeddings rotate pairs of dimensions)")
+    elif m.attention != "mla":
+        out.extend(rotary_pairs(head_dim(config), "model.head_dim" if m.head_dim is not None
+                                else "model.hidden_size/num_heads"))
     _check_attention(m, out)
     if p.tp < 1 or p.cp < 1:
         return
     out.extend(heads_over_tp(m.num_heads, m.num_kv_heads, p.tp))
-    _divisible(out, "model.vocab_size", m.vocab_size, "parallel.tp", p.tp)
+    out.extend(vocab_over_tp(m.vocab_size, p.tp))
     if any_dense:
-        _divisible(out, "model.ffn_hidden_size", m.ffn_hidden_size, "parallel.tp", p.tp)
-    if p.sequence_parallel and p.tp > 1:
-        _divisible(out, "model.seq_length", m.seq_length, "parallel.tp*cp", p.tp * p.cp,
-                   " (parallel.sequence_parallel=true splits each cp shard of the sequence over tp)")
+        out.extend(dense_width_over_tp(m.ffn_hidden_size, p.tp))
+    out.extend(sequence_over_tp(m.seq_length, p.tp, p.cp, p.sequence_parallel))
+    out.extend(sequence_over_cp(m.seq_length, p.cp))
     if p.cp > 1:
-        _divisible(out, "model.seq_length", m.seq_length, "2*parallel.cp", 2 * p.cp,
-                   " (context parallel splits the sequence into 2*cp chunks)")
         if p.cp_kind == "a2a":
             # Kv heads need only divide by tp: a2a repeats each tp rank's kv heads up to a
             # multiple of cp (context_parallel.a2a_kv_repeats), which divides the query heads.
@@ -1185,6 +1216,50 @@ def heads_over_tp(num_heads: int, num_kv_heads: int, tp: int) -> list[str]:
     out: list[str] = []
     _divisible(out, "model.num_heads", num_heads, "parallel.tp", tp)
     _divisible(out, "model.num_kv_heads", num_kv_heads, "parallel.tp", tp)
+    return out
+
+
+@rule
+def rotary_pairs(width: int, dotted: str = "model.head_dim") -> list[str]:
+    """Rotary embeddings rotate pairs of dimensions: the rotated width is even."""
+    if width % 2:
+        return [f"{dotted}={width} must be even (rotary embeddings rotate pairs of dimensions)"]
+    return []
+
+
+@rule
+def vocab_over_tp(vocab_size: int, tp: int) -> list[str]:
+    """Each tp rank holds vocab_size/tp rows of the embedding and the output layer."""
+    out: list[str] = []
+    _divisible(out, "model.vocab_size", vocab_size, "parallel.tp", tp)
+    return out
+
+
+@rule
+def dense_width_over_tp(ffn_hidden_size: int, tp: int) -> list[str]:
+    """Each tp rank holds ffn_hidden_size/tp columns of a dense MLP."""
+    out: list[str] = []
+    _divisible(out, "model.ffn_hidden_size", ffn_hidden_size, "parallel.tp", tp)
+    return out
+
+
+@rule
+def sequence_over_tp(seq_length: int, tp: int, cp: int, sequence_parallel: bool) -> list[str]:
+    """Sequence parallelism splits each cp shard of the sequence over tp."""
+    out: list[str] = []
+    if sequence_parallel and tp > 1:
+        _divisible(out, "model.seq_length", seq_length, "parallel.tp*cp", tp * cp,
+                   " (parallel.sequence_parallel=true splits each cp shard of the sequence over tp)")
+    return out
+
+
+@rule
+def sequence_over_cp(seq_length: int, cp: int) -> list[str]:
+    """Context parallelism cuts the sequence into 2*cp chunks (the zigzag layout)."""
+    out: list[str] = []
+    if cp > 1:
+        _divisible(out, "model.seq_length", seq_length, "2*parallel.cp", 2 * cp,
+                   " (context parallel splits the sequence into 2*cp chunks)")
     return out
 
 
@@ -1527,28 +1602,58 @@ def _check_pipeline(config: Config, out: list[str]) -> None:
     p, m = config.parallel, config.model
     if p.pp < 1 or (p.vpp is not None and p.vpp < 1) or m.num_layers < 1:
         return
-    vpp = vpp_size(config)
-    chunks = p.pp * vpp
-    if p.pp_layers is None:
-        if m.num_layers % chunks:
-            out.append(f"model.num_layers={m.num_layers} is not divisible by parallel.pp*vpp={chunks} "
+    out.extend(pipeline_split(m.num_layers, p.pp, vpp_size(config), p.pp_layers))
+    if vpp_size(config) > 1 and p.pp == 1:
+        # Only a run's config: the schedules themselves run vpp chunks on one rank (their tests do).
+        out.append(f"parallel.vpp={vpp_size(config)} requires parallel.pp > 1, got 1")
+    out.extend(schedule_chunks(p.pp_schedule, p.vpp))
+
+
+@rule
+def pipeline_split(num_layers: int, pp: int, vpp: int, pp_layers: Optional[list[int]]) -> list[str]:
+    """The layers split over the pp*vpp model chunks: evenly, or as parallel.pp_layers says."""
+    chunks = pp * vpp
+    out = []
+    if pp_layers is None:
+        if num_layers % chunks:
+            out.append(f"model.num_layers={num_layers} is not divisible by parallel.pp*vpp={chunks} "
                        f"(set parallel.pp_layers to split the layers unevenly)")
-    else:
-        if len(p.pp_layers) != chunks:
-            out.append(f"parallel.pp_layers has {len(p.pp_layers)} entries, expected one per model chunk "
-                       f"(parallel.pp*vpp={chunks})")
-        for i, n in enumerate(p.pp_layers):
-            if n < 1:
-                out.append(f"parallel.pp_layers[{i}]={n} must be >= 1")
-        if sum(p.pp_layers) != m.num_layers:
-            out.append(f"parallel.pp_layers={_fmt(p.pp_layers)} sums to {sum(p.pp_layers)}, "
-                       f"expected model.num_layers={m.num_layers}")
-    if vpp > 1 and p.pp == 1:
-        out.append(f"parallel.vpp={vpp} requires parallel.pp > 1, got 1")
-    if vpp > 1 and p.pp_schedule == "1f1b":
-        out.append(f"parallel.vpp={vpp} requires parallel.pp_schedule=interleaved (or auto), got 1f1b")
-    if p.pp_schedule == "interleaved" and vpp == 1:
-        out.append(f"parallel.pp_schedule=interleaved requires parallel.vpp > 1, got {_fmt(p.vpp)}")
+        return out
+    if len(pp_layers) != chunks:
+        out.append(f"parallel.pp_layers has {len(pp_layers)} entries, expected one per model chunk "
+                   f"(parallel.pp*vpp={chunks})")
+    for i, n in enumerate(pp_layers):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            out.append(f"parallel.pp_layers[{i}]={_fmt(n)} must be >= 1")
+    # (A direct caller may pass what is not a number: then there is no sum to compare.)
+    if all(isinstance(n, int) for n in pp_layers) and sum(pp_layers) != num_layers:
+        out.append(f"parallel.pp_layers={_fmt(list(pp_layers))} sums to {sum(pp_layers)}, "
+                   f"expected model.num_layers={num_layers}")
+    return out
+
+
+@rule
+def schedule_chunks(schedule: str, vpp: Optional[int]) -> list[str]:
+    """Several model chunks per rank (vpp > 1) need the interleaved schedule, and it needs them;
+    ``schedule`` is parallel.pp_schedule (auto allowed), ``vpp`` parallel.vpp (null: 1)."""
+    chunks = 1 if vpp is None else vpp
+    out = []
+    if chunks > 1 and schedule == "1f1b":
+        out.append(f"parallel.vpp={chunks} requires parallel.pp_schedule=interleaved (or auto), got 1f1b")
+    if schedule == "interleaved" and chunks == 1:
+        out.append(f"parallel.pp_schedule=interleaved requires parallel.vpp > 1, got {_fmt(vpp)}")
+    return out
+
+
+@rule
+def interleaved_micro_batches(micro_batches: int, pp: int, how: str = "") -> list[str]:
+    """The interleaved schedule sends the micro-batches round the pipeline in groups of pp;
+    ``how`` says where the count comes from (the batch sizes), for the message."""
+    if micro_batches % pp:
+        return [f"train.global_batch_size/(micro_batch_size*dp)={micro_batches} micro-batches is not divisible by "
+                f"parallel.pp={pp} (the interleaved schedule sends the micro-batches round the pipeline in groups "
+                f"of pp{how})"]
+    return []
 
 
 def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[str]) -> None:
@@ -1561,17 +1666,12 @@ def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[s
     batch_ok &= _at_least(out, "train.global_batch_size", t.global_batch_size, 1)
     if batch_ok and parallel_ok:
         dp = world_size // (p.tp * p.cp * p.pp)
-        if t.global_batch_size % (t.micro_batch_size * dp):
-            out.append(f"train.global_batch_size={t.global_batch_size} is not divisible by "
-                       f"train.micro_batch_size*dp={t.micro_batch_size * dp} "
-                       f"(micro_batch_size={t.micro_batch_size}, dp=world_size/(tp*cp*pp)={dp})")
-        elif p.pp > 1 and pipeline_schedule(config) == "interleaved":
-            micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
-            if micro_batches % p.pp:
-                out.append(f"train.global_batch_size/(micro_batch_size*dp)={micro_batches} micro-batches is not "
-                           f"divisible by parallel.pp={p.pp} (the interleaved schedule sends the micro-batches "
-                           f"round the pipeline in groups of pp; global_batch_size={t.global_batch_size}, "
-                           f"micro_batch_size={t.micro_batch_size}, dp={dp})")
+        batch_problems = batch_over_dp(t.global_batch_size, t.micro_batch_size, dp)
+        out.extend(batch_problems)
+        if not batch_problems and p.pp > 1 and pipeline_schedule(config) == "interleaved":
+            out.extend(interleaved_micro_batches(
+                t.global_batch_size // (t.micro_batch_size * dp), p.pp,
+                f"; global_batch_size={t.global_batch_size}, micro_batch_size={t.micro_batch_size}, dp={dp}"))
     backend = config.parallel.backend
     if t.device == "cpu" and backend == "nccl":
         out.append("train.device=cpu cannot run with parallel.backend=nccl (NCCL reduces CUDA tensors only); "
@@ -1579,8 +1679,7 @@ def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[s
     if t.device == "cuda" and backend == "gloo":
         out.append("train.device=cuda cannot run with parallel.backend=gloo (gloo ranks compute on the CPU); "
                    "use parallel.backend=nccl or auto")
-    _at_least(out, "train.loss_spike_factor", t.loss_spike_factor, 0)
-    _at_least(out, "train.loss_spike_window", t.loss_spike_window, 1)
+    out.extend(spike_detection(t.loss_spike_factor, t.loss_spike_window))
     # Rollback and checkpoint cadence (issue 28).
     if t.on_loss_spike != "log" and t.loss_spike_factor == 0:
         out.append(f"train.on_loss_spike={t.on_loss_spike} needs spike detection, but train.loss_spike_factor=0 "
@@ -1628,28 +1727,63 @@ def _check_train(config: Config, world_size: int, parallel_ok: bool, out: list[s
 
 
 @rule
+def batch_over_dp(global_batch_size: int, micro_batch_size: int, dp: int) -> list[str]:
+    """A global batch is whole micro-batches on every dp rank."""
+    if global_batch_size % (micro_batch_size * dp):
+        return [f"train.global_batch_size={global_batch_size} is not divisible by "
+                f"train.micro_batch_size*dp={micro_batch_size * dp} "
+                f"(micro_batch_size={micro_batch_size}, dp=world_size/(tp*cp*pp)={dp})"]
+    return []
+
+
+@rule
+def spike_detection(factor: float, window: int) -> list[str]:
+    """A loss spike is a loss above factor x the median of the previous window losses
+    (factor 0: off)."""
+    out: list[str] = []
+    _at_least(out, "train.loss_spike_factor", factor, 0)
+    if isinstance(window, bool) or not isinstance(window, int):
+        out.append(f"train.loss_spike_window={_fmt(window)} must be an integer >= 1")
+    else:
+        _at_least(out, "train.loss_spike_window", window, 1)
+    return out
+
+
+@rule
 def checkpoints_kept(keep_last: int) -> list[str]:
     """A run keeps its newest keep_last checkpoints; at least the one it resumes from."""
-    out: list[str] = []
-    _at_least(out, "train.keep_last", keep_last, 1)
-    return out
+    return _minimum("train.keep_last", keep_last, 1)
 
 
 def _check_optimizer(config: Config, out: list[str]) -> None:
     o, t = config.optimizer, config.train
     if _positive(out, "optimizer.lr", o.lr) and not 0 <= o.min_lr <= o.lr:
         out.append(f"optimizer.min_lr={_fmt(o.min_lr)} must be in [0, optimizer.lr={_fmt(o.lr)}]")
-    for name in ("beta1", "beta2"):
-        value = getattr(o, name)
-        if not 0 <= value < 1:
-            out.append(f"optimizer.{name}={_fmt(value)} must be in [0, 1)")
-    _positive(out, "optimizer.eps", o.eps)
-    _at_least(out, "optimizer.clip_grad", o.clip_grad, 0)
-    _at_least(out, "optimizer.weight_decay", o.weight_decay, 0)
+    out.extend(adamw_settings(o.beta1, o.beta2, o.eps, o.weight_decay))
+    out.extend(grad_clip(o.clip_grad))
     if _at_least(out, "optimizer.warmup_steps", o.warmup_steps, 0) and o.warmup_steps > t.steps:
         out.append(f"optimizer.warmup_steps={o.warmup_steps} must be <= train.steps={t.steps}")
     if not 0 < o.decay_fraction <= 1:
         out.append(f"optimizer.decay_fraction={_fmt(o.decay_fraction)} must be in (0, 1]")
+
+
+@rule
+def adamw_settings(beta1: float, beta2: float, eps: float, weight_decay: float) -> list[str]:
+    """AdamW's moment decays, its denominator's epsilon and its decoupled weight decay.
+    (The learning rate is set by the schedule at every step, between min_lr and lr.)"""
+    out = []
+    for name, value in (("beta1", beta1), ("beta2", beta2)):
+        if not 0 <= value < 1:
+            out.append(f"optimizer.{name}={_fmt(value)} must be in [0, 1)")
+    _positive(out, "optimizer.eps", eps)
+    _at_least(out, "optimizer.weight_decay", weight_decay, 0)
+    return out
+
+
+@rule
+def grad_clip(clip_grad: float) -> list[str]:
+    """The global grad norm is clipped to clip_grad (0: no clipping)."""
+    return _minimum("optimizer.clip_grad", clip_grad, 0)
 
 
 def _check_data_wandb_and_init(config: Config, out: list[str]) -> None:

@@ -18,6 +18,8 @@ import datetime
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from moe_fold.config import require, world_fits_layouts
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
@@ -111,16 +113,13 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen dataclass: derived fields are set once, here
+        for name in ("world_size", "tp", "cp", "pp", "ep"):
+            _positive_int(name, getattr(self, name))
+        if self.etp is not None:
+            _positive_int("etp", self.etp)
+        require(world_fits_layouts, self.world_size, self.tp, self.cp, self.pp, self.ep, self.etp)
         if self.etp is None:
             set_(self, "etp", self.tp)
-        for name in ("world_size", "tp", "cp", "pp", "ep", "etp"):
-            _positive_int(name, getattr(self, name))
-        if self.world_size % (self.tp * self.cp * self.pp):
-            raise ValueError(f"world_size={self.world_size} is not divisible by "
-                             f"tp*cp*pp={self.tp * self.cp * self.pp}")
-        if self.world_size % (self.etp * self.ep * self.pp):
-            raise ValueError(f"world_size={self.world_size} is not divisible by "
-                             f"etp*ep*pp={self.etp * self.ep * self.pp}")
         set_(self, "dp", self.world_size // (self.tp * self.cp * self.pp))
         set_(self, "edp", self.world_size // (self.etp * self.ep * self.pp))
 

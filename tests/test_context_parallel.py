@@ -94,7 +94,7 @@ def test_zigzag_split_and_the_data_loader_give_the_written_layout(seq, cp):
 
 
 def test_zigzag_errors():
-    with pytest.raises(ValueError, match="divisible by 2\\*cp_size=4"):
+    with pytest.raises(ValueError, match="model.seq_length=6 is not divisible by 2\\*parallel.cp=4"):
         zigzag_split(torch.zeros(6), 0, 2, dim=0)
     with pytest.raises(ValueError, match="cp_rank=2"):
         zigzag_positions(8, 2, 2)

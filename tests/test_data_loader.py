@@ -3,6 +3,8 @@ seeded shuffle, dp sharding, exact resume, blending proportions, cp zigzag slice
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -159,7 +161,9 @@ def test_resume_equals_straight_iteration(stream_dataset):
                 assert torch.equal(getattr(b, field), getattr(full[k], field))
     with pytest.raises(ValueError, match=r"start_sample=3 must be a multiple of micro_batch_size\*dp=4"):
         next(batches(ds, gbs, mbs, 0, dp, start_sample=3))
-    with pytest.raises(ValueError, match=r"global_batch_size=6 is not divisible by micro_batch_size\*dp=4"):
+    with pytest.raises(ValueError, match=re.escape("train.global_batch_size=6 is not divisible by "
+                                                   "train.micro_batch_size*dp=4 (micro_batch_size=2, "
+                                                   "dp=world_size/(tp*cp*pp)=2)")):
         DataLoader(ds, 6, mbs, 0, dp)
 
 
@@ -224,8 +228,8 @@ def test_zigzag_slices_reassemble(cp):
         out[:, pos] = local
     assert torch.equal(out, tokens)
     if cp > 1:
-        with pytest.raises(ValueError, match=r"sequence length 25 \(dim 1\) must be divisible by 2\*cp_size="
-                           + str(2 * cp)):
+        with pytest.raises(ValueError, match=re.escape(f"model.seq_length=25 is not divisible by 2*parallel.cp={2 * cp} "
+                                                       f"(context parallel splits the sequence into 2*cp chunks)")):
             cp_zigzag_slice(torch.zeros(1, 25), 0, cp)
     else:
         assert cp_zigzag_slice(torch.zeros(1, 25), 0, 1)[1].tolist() == list(range(25))
@@ -269,7 +273,7 @@ def test_loader_cp_ranks_share_each_batch(stream_dataset):
             for r in range(2):
                 whole[:, zigzag_positions(16, r, 2)] = getattr(parts[r][k], field)
             assert torch.equal(whole, getattr(batch, field))
-    with pytest.raises(ValueError, match=r"sequence length 16 \(dim 0\) must be divisible by 2\*cp_size=6"):
+    with pytest.raises(ValueError, match=re.escape("model.seq_length=16 is not divisible by 2*parallel.cp=6")):
         DataLoader(ds, 4, 2, cp_rank=0, cp_size=3)
 
 

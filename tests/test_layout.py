@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from moe_fold.config import ConfigError
 from moe_fold.launch import run_ranks
 from moe_fold.layout import GROUP_NAMES, ORDER_NAMES, ParallelLayout, ProcessGroups, create_process_groups
 
@@ -250,10 +251,11 @@ def test_world12_construction_succeeds_exactly_when_sizes_divide():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(world_size=8, tp=3), "world_size=8 is not divisible by tp*cp*pp=3"),
-    (dict(world_size=8, tp=2, cp=2, pp=4), "world_size=8 is not divisible by tp*cp*pp=16"),
-    (dict(world_size=8, tp=2, ep=8), "world_size=8 is not divisible by etp*ep*pp=16"),
-    (dict(world_size=12, ep=5), "world_size=12 is not divisible by etp*ep*pp=5"),
+    (dict(world_size=8, tp=3, etp=1), "world_size=8 is not divisible by parallel.tp*cp*pp=3 (tp=3, cp=1, pp=1)"),
+    (dict(world_size=8, tp=2, cp=2, pp=4), "world_size=8 is not divisible by parallel.tp*cp*pp=16 (tp=2, cp=2, pp=4)"),
+    (dict(world_size=8, tp=2, ep=8),
+     "world_size=8 is not divisible by parallel.etp*ep*pp=16 (etp=null -> tp=2, ep=8, pp=1)"),
+    (dict(world_size=12, ep=5), "world_size=12 is not divisible by parallel.etp*ep*pp=5 (etp=null -> tp=1, ep=5, pp=1)"),
     (dict(world_size=0), "world_size=0 must be a positive integer"),
     (dict(world_size=8, ep=0), "ep=0 must be a positive integer"),
     (dict(world_size=8, etp=-2), "etp=-2 must be a positive integer"),
@@ -269,7 +271,9 @@ def test_world12_construction_succeeds_exactly_when_sizes_divide():
 def test_refused_layouts(kwargs, message):
     with pytest.raises(ValueError) as err:
         ParallelLayout(**kwargs)
-    assert str(err.value) == message
+    # A rule of the config registry raises a ConfigError listing its problems (one here).
+    problems = err.value.problems if isinstance(err.value, ConfigError) else [str(err.value)]
+    assert problems == [message]
 
 
 def test_bad_names_and_ranks():
@@ -392,8 +396,12 @@ def test_cli_prints_both_layouts(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--world", "8", "--tp", "3"], "world_size=8 is not divisible by tp*cp*pp=3"),
-    (["--world", "8", "--tp", "2", "--ep", "8"], "world_size=8 is not divisible by etp*ep*pp=16"),
+    (["--world", "8", "--tp", "3"], "invalid config: 2 problems\n"
+                                    "  - world_size=8 is not divisible by parallel.tp*cp*pp=3 (tp=3, cp=1, pp=1)\n"
+                                    "  - world_size=8 is not divisible by parallel.etp*ep*pp=3 "
+                                    "(etp=null -> tp=3, ep=1, pp=1)"),
+    (["--world", "8", "--tp", "2", "--ep", "8"], "invalid config: 1 problem\n  - world_size=8 is not divisible by "
+                                                 "parallel.etp*ep*pp=16 (etp=null -> tp=2, ep=8, pp=1)"),
     (["--world", "8", "--tp", "2", "--pp", "2", "--ep", "2", "--etp", "1", "--order", "tp-pp-cp-ep-dp"],
      "order='tp-pp-cp-ep-dp' gives different pp groups in the attention layout (first [0, 2]) and the "
      "expert layout (first [0, 1]); they must be the same: put pp last in the order"),

@@ -307,7 +307,7 @@ def test_chunk_count_must_fit_the_schedule():
     with pytest.raises(ValueError, match="chunks is empty"):
         run_schedule([], _microbatches(1, 0), groups, tensor_shape=(BATCH, SEQ, HIDDEN))
     two = [ToyChunk([0], True, False, 0.5), ToyChunk([1], False, True, 0.5)]
-    with pytest.raises(ValueError, match=r"vpp=2 requires schedule='interleaved'"):
+    with pytest.raises(ValueError, match=r"parallel.vpp=2 requires parallel.pp_schedule=interleaved \(or auto\), got 1f1b"):
         run_schedule(two, _microbatches(1, 0), groups, tensor_shape=(BATCH, SEQ, HIDDEN), loss_fn=_loss_fn(1))
 
 
@@ -328,10 +328,11 @@ def test_stage_layers_even_and_explicit():
 
 
 @pytest.mark.parametrize("args,message", [
-    ((7, 2, 1, None), r"num_layers=7 is not divisible by pp\*vpp=2"),
-    ((8, 2, 2, [4, 4]), r"pp_layers=\[4, 4\] has 2 entries, expected one per virtual stage \(pp\*vpp=4\)"),
-    ((8, 2, 1, [3, 4]), r"pp_layers=\[3, 4\] sums to 7, expected num_layers=8"),
-    ((8, 2, 1, [0, 8]), r"pp_layers=\[0, 8\]: every entry must be an integer >= 1"),
+    ((7, 2, 1, None), r"model.num_layers=7 is not divisible by parallel.pp\*vpp=2 \(set parallel.pp_layers to "
+                      r"split the layers unevenly\)"),
+    ((8, 2, 2, [4, 4]), r"parallel.pp_layers has 2 entries, expected one per model chunk \(parallel.pp\*vpp=4\)"),
+    ((8, 2, 1, [3, 4]), r"parallel.pp_layers=\[3, 4\] sums to 7, expected model.num_layers=8"),
+    ((8, 2, 1, [0, 8]), r"parallel.pp_layers\[0\]=0 must be >= 1"),
     ((8, 0, 1, None), r"pp=0 must be a positive integer"),
 ])
 def test_stage_layers_errors(args, message):
@@ -343,10 +344,12 @@ def test_stage_layers_errors(args, message):
 
 @pytest.mark.parametrize("args,message", [
     (("gpipe", 2, 1, 4), r"schedule='gpipe' must be one of 1f1b, interleaved"),
-    (("1f1b", 2, 2, 4), r"vpp=2 requires schedule='interleaved'"),
-    (("interleaved", 2, 1, 4), r"schedule='interleaved' requires vpp >= 2 model chunks per rank, got vpp=1"),
+    (("1f1b", 2, 2, 4), r"parallel.vpp=2 requires parallel.pp_schedule=interleaved \(or auto\), got 1f1b"),
+    (("interleaved", 2, 1, 4), r"parallel.pp_schedule=interleaved requires parallel.vpp > 1, got 1"),
     (("1f1b", 2, 1, 0), r"num_microbatches=0 must be a positive integer"),
-    (("interleaved", 4, 2, 6), r"requires num_microbatches divisible by pp: num_microbatches=6, pp=4"),
+    (("interleaved", 4, 2, 6), r"train.global_batch_size/\(micro_batch_size\*dp\)=6 micro-batches is not "
+                               r"divisible by parallel.pp=4 \(the interleaved schedule sends the micro-batches "
+                               r"round the pipeline in groups of pp\)"),
 ])
 def test_check_schedule_errors(args, message):
     with pytest.raises(ValueError, match=message):

@@ -104,7 +104,7 @@ def test_loss_spikes_against_the_median_of_the_window():
     # medians: -, -, -, 1.2, 1.2, 2.0, 2.0, 2.5, 2.5 (the NaN does not join the window)
     assert flags == [False, False, False, True, False, False, False, False, True]
     assert not any(LossSpikes(0, 1).check(x) for x in (1.0, 100.0))
-    with pytest.raises(ValueError, match="window=0 must be an integer >= 1"):
+    with pytest.raises(ValueError, match="train.loss_spike_window=0 must be >= 1"):
         LossSpikes(2.0, 0)
 
 

@@ -125,64 +125,51 @@ RULE_CASES = [
      "moe.replicas=1 needs parallel.ep > 1, got 1 (a copy of an expert lives on another ep rank)"),
     ("replacement_has_room", ["moe.replace_every=10"], 1,
      "moe.replace_every=10 needs parallel.ep > 1, got 1 (with one ep rank there is nowhere to move an expert)"),
-]
-
-# Modules that still check a config value in their own words (shape and argument checks of
-# tensor-parallel layers, collectives, pipelines, the optimizer), not yet moved into the
-# registry: pinned here so that validate() keeps refusing what they would refuse at run time.
-# (where the rank raises, overrides, world size, the pre-spawn message)
-NOT_YET_IN_THE_REGISTRY = [
-    ("models/rotary.py: head_dim even", ["model.head_dim=15"], 1,
+    ("rotary_pairs", ["model.head_dim=15"], 1,
      "model.head_dim=15 must be even (rotary embeddings rotate pairs of dimensions)"),
-    ("models/mlp.py: dense ffn % tp", SP2 + ["moe.moe_layer_freq=0", "model.ffn_hidden_size=255"], 2,
+    ("dense_width_over_tp", SP2 + ["moe.moe_layer_freq=0", "model.ffn_hidden_size=255"], 2,
      "model.ffn_hidden_size=255 is not divisible by parallel.tp=2"),
-    ("moe_fold/parallel/tensor_parallel.py: vocab % tp", SP2 + ["model.vocab_size=263"], 2,
-     "model.vocab_size=263 is not divisible by parallel.tp=2"),
-    ("moe_fold/comm.py: reduce_scatter, sequence % tp under SP", SP2 + ["model.seq_length=127"], 2,
+    ("vocab_over_tp", SP2 + ["model.vocab_size=263"], 2, "model.vocab_size=263 is not divisible by parallel.tp=2"),
+    ("sequence_over_tp", SP2 + ["model.seq_length=127"], 2,
      "model.seq_length=127 is not divisible by parallel.tp*cp=2 "
      "(parallel.sequence_parallel=true splits each cp shard of the sequence over tp)"),
-    ("moe_fold/parallel/context_parallel.py: sequence % 2cp", ["parallel.cp=2", "model.seq_length=126"], 2,
-     "model.seq_length=126 is not divisible by 2*parallel.cp=4 "
-     "(context parallel splits the sequence into 2*cp chunks)"),
-    ("moe_fold/parallel/pipeline.py: layers % pp*vpp", ["parallel.pp=3"], 3,
+    ("sequence_over_cp", ["parallel.cp=2", "model.seq_length=126"], 2,
+     "model.seq_length=126 is not divisible by 2*parallel.cp=4 (context parallel splits the sequence into 2*cp chunks)"),
+    ("pipeline_split", ["parallel.pp=3"], 3,
      "model.num_layers=4 is not divisible by parallel.pp*vpp=3 (set parallel.pp_layers to split the layers unevenly)"),
-    ("moe_fold/parallel/pipeline.py: pp_layers sum", ["parallel.pp=2", "parallel.pp_layers=[2,3]"], 2,
+    ("pipeline_split", ["parallel.pp=2", "parallel.pp_layers=[2,3]"], 2,
      "parallel.pp_layers=[2, 3] sums to 5, expected model.num_layers=4"),
-    ("moe_fold/parallel/pipeline_schedules.py: vpp needs interleaved",
-     ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=1f1b"], 2,
+    ("pipeline_split", ["parallel.pp=2", "parallel.pp_layers=[4]"], 2,
+     "parallel.pp_layers has 1 entries, expected one per model chunk (parallel.pp*vpp=2)"),
+    ("schedule_chunks", ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=1f1b"], 2,
      "parallel.vpp=2 requires parallel.pp_schedule=interleaved (or auto), got 1f1b"),
-    ("moe_fold/parallel/pipeline_schedules.py: interleaved needs vpp",
-     ["parallel.pp=2", "parallel.pp_schedule=interleaved"], 2,
+    ("schedule_chunks", ["parallel.pp=2", "parallel.pp_schedule=interleaved"], 2,
      "parallel.pp_schedule=interleaved requires parallel.vpp > 1, got null"),
-    ("moe_fold/parallel/pipeline_schedules.py: interleaved micro-batches % pp",
-     ["model.num_layers=8", "parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=1",
-      "train.global_batch_size=3"], 2,
+    ("interleaved_micro_batches", ["model.num_layers=8", "parallel.pp=2", "parallel.vpp=2",
+                                   "train.micro_batch_size=1", "train.global_batch_size=3"], 2,
      "train.global_batch_size/(micro_batch_size*dp)=3 micro-batches is not divisible by parallel.pp=2 (the "
      "interleaved schedule sends the micro-batches round the pipeline in groups of pp; global_batch_size=3, "
      "micro_batch_size=1, dp=1)"),
-    ("moe_fold/layout.py: world % tp*cp*pp", ["parallel.cp=3", "model.seq_length=126"], 4,
+    ("world_fits_layouts", ["parallel.cp=3", "model.seq_length=126"], 4,
      "world_size=4 is not divisible by parallel.tp*cp*pp=3 (tp=1, cp=3, pp=1)"),
-    ("moe_fold/layout.py: order", ["parallel.order=tp-cp-dp-pp"], 1,
+    ("world_fits_layouts", ["parallel.ep=3"], 4,
+     "world_size=4 is not divisible by parallel.etp*ep*pp=3 (etp=null -> tp=1, ep=3, pp=1)"),
+    ("order_is_permutation", ["parallel.order=tp-cp-dp-pp"], 1,
      "parallel.order=tp-cp-dp-pp must be a permutation of tp, cp, ep, dp, pp joined by '-'"),
-    ("moe_fold/data/loader.py: global batch % micro*dp", ["train.global_batch_size=6"], 1,
+    ("batch_over_dp", ["train.global_batch_size=6"], 1,
      "train.global_batch_size=6 is not divisible by train.micro_batch_size*dp=4 (micro_batch_size=4, "
      "dp=world_size/(tp*cp*pp)=1)"),
-    ("moe_fold/training/optim.py: lr", ["optimizer.lr=0"], 1, "optimizer.lr=0.0 must be > 0"),
-    ("moe_fold/training/optim.py: betas", ["optimizer.beta2=1.0"], 1, "optimizer.beta2=1.0 must be in [0, 1)"),
-    ("moe_fold/training/optim.py: eps", ["optimizer.eps=0"], 1, "optimizer.eps=0.0 must be > 0"),
-    ("moe_fold/training/optim.py: weight decay", ["optimizer.weight_decay=-0.1"], 1,
-     "optimizer.weight_decay=-0.1 must be >= 0"),
-    ("moe_fold/training/optim.py: clip", ["optimizer.clip_grad=-1.0"], 1, "optimizer.clip_grad=-1.0 must be >= 0"),
-    ("moe_fold/training/optim.py: parameter gather needs the distributed optimizer",
-     ["parallel.overlap_param_gather=true"], 1,
+    ("adamw_settings", ["optimizer.beta2=1.0"], 1, "optimizer.beta2=1.0 must be in [0, 1)"),
+    ("adamw_settings", ["optimizer.beta1=-0.1"], 1, "optimizer.beta1=-0.1 must be in [0, 1)"),
+    ("adamw_settings", ["optimizer.eps=0"], 1, "optimizer.eps=0.0 must be > 0"),
+    ("adamw_settings", ["optimizer.weight_decay=-0.1"], 1, "optimizer.weight_decay=-0.1 must be >= 0"),
+    ("grad_clip", ["optimizer.clip_grad=-1.0"], 1, "optimizer.clip_grad=-1.0 must be >= 0"),
+    ("param_gather_needs_distributed", ["parallel.overlap_param_gather=true"], 1,
      "parallel.overlap_param_gather=true needs optimizer.distributed=true (only the distributed optimizer "
      "all-gathers parameters after its step)"),
-    ("moe_fold/training/buckets.py: bucket size", ["parallel.grad_bucket_numel=0"], 1,
-     "parallel.grad_bucket_numel=0 must be >= 1"),
-    ("moe_fold/training/numerics.py: spike factor", ["train.loss_spike_factor=-1.0"], 1,
-     "train.loss_spike_factor=-1.0 must be >= 0"),
-    ("moe_fold/training/numerics.py: spike window", ["train.loss_spike_window=0"], 1,
-     "train.loss_spike_window=0 must be >= 1"),
+    ("bucket_size", ["parallel.grad_bucket_numel=0"], 1, "parallel.grad_bucket_numel=0 must be >= 1"),
+    ("spike_detection", ["train.loss_spike_factor=-1.0"], 1, "train.loss_spike_factor=-1.0 must be >= 0"),
+    ("spike_detection", ["train.loss_spike_window=0"], 1, "train.loss_spike_window=0 must be >= 1"),
 ]
 
 # Raises in the package whose message names a config field's value but that check no rule
@@ -236,12 +223,6 @@ def test_validate_applies_the_registered_rule(monkeypatch, rule, overrides, worl
 
 def test_every_registered_rule_has_a_case():
     assert set(RULES) == {r[0] for r in RULE_CASES}
-
-
-@pytest.mark.parametrize("where, overrides, world, message", NOT_YET_IN_THE_REGISTRY,
-                         ids=[r[0] for r in NOT_YET_IN_THE_REGISTRY])
-def test_run_time_checks_outside_the_registry_fail_before_spawning(where, overrides, world, message):
-    assert message in _problems(overrides, world)
 
 
 def test_a_module_applies_the_one_rule():
@@ -387,3 +368,64 @@ def test_vpp_alone_selects_interleaved():
     assert config.parallel.pp_schedule == "auto" and pipeline_schedule(config) == "interleaved"
     config.parallel.vpp = None
     assert pipeline_schedule(config) == "1f1b"
+
+
+def _module_refusals():
+    """(a module built from bad direct arguments, the registered rule's message for them)."""
+    import torch
+
+    from moe_fold.data.loader import batches
+    from moe_fold.layout import ParallelLayout, ProcessGroups
+    from moe_fold.models.mlp import MLP
+    from moe_fold.models.rotary import rotary_cos_sin
+    from moe_fold.parallel.context_parallel import zigzag_split
+    from moe_fold.parallel.pipeline import stage_layers
+    from moe_fold.parallel.pipeline_schedules import check_schedule
+    from moe_fold.parallel.tensor_parallel import VocabParallelEmbedding
+    from moe_fold.training.buckets import make_buckets
+    from moe_fold.training.numerics import LossSpikes
+    from moe_fold.training.optim import AdamW, apply_gradients
+
+    one = ProcessGroups.single_process()
+    param = [torch.nn.Parameter(torch.ones(1))]
+    c = config_module
+    return [
+        (lambda: rotary_cos_sin(torch.arange(4), 7, 1e4), c.rotary_pairs(7)),
+        (lambda: zigzag_split(torch.zeros(6), 0, 2, dim=0), c.sequence_over_cp(6, 2)),
+        (lambda: stage_layers(7, 2), c.pipeline_split(7, 2, 1, None)),
+        (lambda: stage_layers(8, 2, 1, [3, 4]), c.pipeline_split(8, 2, 1, [3, 4])),
+        (lambda: check_schedule("1f1b", 2, 2, 4), c.schedule_chunks("1f1b", 2)),
+        (lambda: check_schedule("interleaved", 2, 1, 4), c.schedule_chunks("interleaved", 1)),
+        (lambda: check_schedule("interleaved", 4, 2, 6), c.interleaved_micro_batches(6, 4)),
+        (lambda: ParallelLayout(world_size=6, ep=4), c.world_fits_layouts(6, 1, 1, 1, 4, None)),
+        (lambda: next(batches(None, 6, 2, 0, 2)), c.batch_over_dp(6, 2, 2)),
+        (lambda: AdamW(param, betas=(0.9, 1.0)), c.adamw_settings(0.9, 1.0, 1e-8, 0.0)),
+        (lambda: AdamW(param, overlap_param_gather=True), c.param_gather_needs_distributed(True, False)),
+        (lambda: AdamW(param, bucket_numel=0), c.bucket_size(0)),
+        (lambda: make_buckets([param], one, bucket_numel=0), c.bucket_size(0)),
+        (lambda: apply_gradients([], AdamW(param), one, -1.0), c.grad_clip(-1.0)),
+        (lambda: LossSpikes(2.0, 0), c.spike_detection(2.0, 0)),
+        (lambda: LossSpikes(-1.0, 3), c.spike_detection(-1.0, 3)),
+    ]
+
+
+def test_modules_refuse_bad_arguments_with_the_rules_message(monkeypatch):
+    """A module built on its own from bad arguments raises the registered rule's problems."""
+    from moe_fold.layout import ProcessGroups
+    from moe_fold.models import mlp
+    from moe_fold.parallel import tensor_parallel
+
+    for build, rule_problems in _module_refusals():
+        with pytest.raises(ConfigError) as info:
+            build()
+        assert info.value.problems == rule_problems
+    # The tp-sharded layers, on a tp group said to have 2 ranks (the rule runs before any shard).
+    one = ProcessGroups.single_process()
+    monkeypatch.setattr(mlp, "group_size", lambda group: 2)
+    with pytest.raises(ConfigError) as info:
+        mlp.MLP(8, 13, one.tp, False, std=0.1, seed=0, name="m")
+    assert info.value.problems == config_module.dense_width_over_tp(13, 2)
+    monkeypatch.setattr(tensor_parallel, "group_size", lambda group: 2)
+    with pytest.raises(ConfigError) as info:
+        tensor_parallel.VocabParallelEmbedding(11, 8, one.tp, False, std=0.1, seed=0)
+    assert info.value.problems == config_module.vocab_over_tp(11, 2)

@@ -38,7 +38,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from moe_fold.config import Config
+from moe_fold.config import Config, batch_over_dp, require
 from moe_fold.parallel.context_parallel import zigzag_positions, zigzag_split
 from moe_fold.data.indexed_dataset import IndexedDataset
 from moe_fold.data.sources import check_block, open_tokens
@@ -287,9 +287,9 @@ def _check_sharding(global_batch_size: int, micro_batch_size: int, dp_rank: int,
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
     step = micro_batch_size * dp_size
-    if global_batch_size < 1 or global_batch_size % step:
-        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by "
-                         f"micro_batch_size*dp={step} (micro_batch_size={micro_batch_size}, dp={dp_size})")
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size={global_batch_size} must be >= 1")
+    require(batch_over_dp, global_batch_size, micro_batch_size, dp_size)
     if start_sample < 0 or start_sample % step:
         raise ValueError(f"start_sample={start_sample} must be a multiple of micro_batch_size*dp={step} "
                          f"(a resume point between micro-batch steps)")

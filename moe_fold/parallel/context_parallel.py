@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from moe_fold.comm import Group, all_to_all, group_rank, group_size
-from moe_fold.config import choice, choices, require
+from moe_fold.config import choice, choices, require, sequence_over_cp
 from moe_fold.parallel.document_attention import apply_sinks, masked_block_attention
 from moe_fold.parallel.ring_attention import ring_attention
 from moe_fold.parallel.varlen import sdpa, varlen_attention
@@ -61,10 +61,8 @@ def zigzag_split(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> t
     _check_cp(cp_rank, cp_size)
     if cp_size == 1:
         return x
+    require(sequence_over_cp, x.shape[dim], cp_size)
     n = 2 * cp_size
-    if x.shape[dim] % n:
-        raise ValueError(f"zigzag_split: sequence length {x.shape[dim]} (dim {dim}) must be "
-                         f"divisible by 2*cp_size={n}")
     chunks = x.chunk(n, dim)
     return torch.cat([chunks[cp_rank], chunks[n - 1 - cp_rank]], dim)
 

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_fold.comm import all_reduce_, batch_send_recv
+from moe_fold.config import pipeline_split, require
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.pipeline_schedules import Exchange, check_schedule, make_plan
 
@@ -63,21 +64,9 @@ def stage_layers(num_layers: int, pp: int, vpp: int = 1,
     for name, value in (("num_layers", num_layers), ("pp", pp), ("vpp", vpp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
+    require(pipeline_split, num_layers, pp, vpp, pp_layers)
     stages = pp * vpp
-    if pp_layers is None:
-        if num_layers % stages:
-            raise ValueError(f"num_layers={num_layers} is not divisible by pp*vpp={stages}; "
-                             f"pass pp_layers to split the layers unevenly")
-        counts = [num_layers // stages] * stages
-    else:
-        counts = list(pp_layers)
-        if len(counts) != stages:
-            raise ValueError(f"pp_layers={counts} has {len(counts)} entries, expected one per virtual "
-                             f"stage (pp*vpp={stages})")
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
-            raise ValueError(f"pp_layers={counts}: every entry must be an integer >= 1")
-        if sum(counts) != num_layers:
-            raise ValueError(f"pp_layers={counts} sums to {sum(counts)}, expected num_layers={num_layers}")
+    counts = [num_layers // stages] * stages if pp_layers is None else list(pp_layers)
     out, first = [], 0
     for n in counts:
         out.append(list(range(first, first + n)))

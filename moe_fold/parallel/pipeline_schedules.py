@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from moe_fold.config import choices
+from moe_fold.config import choices, interleaved_micro_batches, require, schedule_chunks
 
 __all__ = ["SCHEDULES", "FORWARD_UNITS", "BACKWARD_UNITS", "Step", "Message", "Exchange", "Plan",
            "check_schedule", "rank_stages", "rank_order", "make_plan"]
@@ -116,15 +116,9 @@ def check_schedule(schedule: str, pp: int, vpp: int, num_microbatches: int) -> N
     for name, value in (("pp", pp), ("vpp", vpp), ("num_microbatches", num_microbatches)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
-    if schedule == "1f1b" and vpp != 1:
-        raise ValueError(f"vpp={vpp} requires schedule='interleaved'; 1f1b runs one model chunk per rank")
+    require(schedule_chunks, schedule, vpp)
     if schedule == "interleaved":
-        if vpp < 2:
-            raise ValueError(f"schedule='interleaved' requires vpp >= 2 model chunks per rank, got vpp={vpp}")
-        if num_microbatches % pp:
-            raise ValueError(f"schedule='interleaved' requires num_microbatches divisible by pp: "
-                             f"num_microbatches={num_microbatches}, pp={pp} (micro-batches go round the "
-                             f"pipeline in groups of pp)")
+        require(interleaved_micro_batches, num_microbatches, pp)
 
 
 def rank_stages(pp: int, vpp: int, rank: int) -> list[int]:

@@ -45,6 +45,7 @@ from moe_fold.comm import (
     Group, all_reduce, copy_to_tp_region, gather_from_sequence_region, group_rank, group_size,
     reduce_from_tp_region, reduce_scatter_to_sequence_region,
 )
+from moe_fold.config import require, vocab_over_tp
 
 __all__ = [
     "PARALLEL_KINDS", "init_seed", "global_normal", "mark", "shard_tp", "unshard_tp",
@@ -186,6 +187,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
+        require(vocab_over_tp, vocab_size, group_size(tp_group))
         full = global_normal((vocab_size, hidden_size), std, seed)  # [V, H]
         local = shard_tp(full, 0, [vocab_size], group_rank(tp_group), group_size(tp_group))
         self.weight = mark(nn.Parameter(local), "tp", 0, [vocab_size])  # [V/tp, H]

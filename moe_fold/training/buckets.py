@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from moe_fold.comm import Pending, all_reduce_async_, reduce_scatter_async
+from moe_fold.config import bucket_size, require
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.tensor_parallel import PARALLEL_KINDS
 from moe_fold.training.wait_timer import WaitTimer
@@ -161,8 +162,7 @@ def make_buckets(chunks: Sequence[Sequence[nn.Parameter]], groups: ProcessGroups
     """The buckets of ``chunks`` (parameters per model chunk, in model order) in the order
     of the module doc; ``deferred`` parameters (a pipeline's tied embedding) come last.
     ``shard``: cut each bucket between the ranks of its group (the distributed optimizer)."""
-    if bucket_numel < 1:
-        raise ValueError(f"bucket_numel={bucket_numel} must be >= 1")
+    require(bucket_size, bucket_numel)
     later = {id(p) for p in deferred}
     order = [(c, [p for p in reversed(chunks[c]) if id(p) not in later]) for c in reversed(range(len(chunks)))]
     order.append((None, list(reversed(list(deferred)))))

@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from moe_fold.config import require, spike_detection
+
 __all__ = ["first_nonfinite_module", "LossSpikes"]
 
 
@@ -67,10 +69,7 @@ class LossSpikes:
     (judged once ``window`` losses are there); ``factor`` 0 turns it off."""
 
     def __init__(self, factor: float, window: int):
-        if not factor >= 0:
-            raise ValueError(f"factor={factor!r} must be >= 0 (0 turns spike detection off)")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window={window!r} must be an integer >= 1")
+        require(spike_detection, factor, window)
         self.factor = factor
         self.history: deque[float] = deque(maxlen=window)
 

@@ -46,7 +46,9 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from moe_fold.comm import Pending, all_gather_async
-from moe_fold.config import Config, OptimizerConfig, choice, require
+from moe_fold.config import (
+    Config, OptimizerConfig, adamw_settings, bucket_size, choice, grad_clip, param_gather_needs_distributed, require,
+)
 from moe_fold.layout import ProcessGroups
 from moe_fold.training.buckets import (
     ALIGN, DEFAULT_BUCKET_NUMEL, SYNC_GROUP, Bucket, GradSync, make_buckets, model_buckets,
@@ -138,19 +140,11 @@ class AdamW(torch.optim.Optimizer):
                  targets: Optional[dict[nn.Parameter, nn.Parameter]] = None):
         if not lr >= 0:
             raise ValueError(f"lr={lr!r} must be >= 0")
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"betas={betas!r} must both be in [0, 1)")
-        if not eps > 0:
-            raise ValueError(f"eps={eps!r} must be > 0")
-        if not weight_decay >= 0:
-            raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
+        require(adamw_settings, betas[0], betas[1], eps, weight_decay)
         if distributed and groups is None:
             raise ValueError("distributed=True needs groups (the ProcessGroups to shard over)")
-        if overlap_param_gather and not distributed:
-            raise ValueError("overlap_param_gather=True needs distributed=True (only the distributed optimizer "
-                             "all-gathers parameters)")
-        if bucket_numel < 1:
-            raise ValueError(f"bucket_numel={bucket_numel} must be >= 1")
+        require(param_gather_needs_distributed, overlap_param_gather, distributed)
+        require(bucket_size, bucket_numel)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.groups = groups if groups is not None else ProcessGroups.single_process()
         self.distributed = distributed
@@ -395,8 +389,7 @@ def apply_gradients(params: Iterable[nn.Parameter], optimizer: AdamW, groups: Pr
     on every rank, as the norm is global); the grads are left as they are for the caller to
     zero. With the distributed optimizer only the owned ranges of the grads are reduced,
     clipped and read."""
-    if not clip_grad >= 0:
-        raise ValueError(f"clip_grad={clip_grad!r} must be >= 0 (0 turns clipping off)")
+    require(grad_clip, clip_grad)
     params = [p for p in params if p.requires_grad]
     if grad_sync is None:
         buckets = optimizer.buckets if optimizer.distributed else make_buckets([params], groups)
