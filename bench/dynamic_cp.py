@@ -219,7 +219,8 @@ def main(argv=None) -> None:
             "static_ms": ms["static_ms"], "dynamic_ms": ms["dynamic_ms"],
             "time_ratio": ms["static_ms"] / ms["dynamic_ms"],
             "static_cp_bytes": t["static_cp_bytes"], "dynamic_cp_bytes": t["dynamic_cp_bytes"],
-            "static_padding_tokens": int(sum(int((~b.token_mask).sum()) for b in batches)),
+            # A batch without padding has no mask (the loader's None).
+            "static_padding_tokens": int(sum(int((~b.token_mask).sum()) for b in batches if b.token_mask is not None)),
             "dynamic_padding_tokens": dynamic_padding, "plan_sizes": sizes, "flops_per_byte": args.flops_per_byte, "threads": args.threads,
         }), flush=True)
 
