@@ -62,6 +62,25 @@ def test_beats_measure_each_phase_until_the_next_beat(monkeypatch):
                                                                        "budget_s": 30.0}
 
 
+def test_a_beat_never_fails_the_step_when_the_store_is_gone(capsys):
+    """The torchrun agent (or the launcher) died and took its store along: the ranks are
+    stopping with a checkpoint (test_long_runs.py::test_workers_of_a_dead_torchrun_agent_stop_within_seconds),
+    so a beat says once that the watch is off and lets the save go on."""
+    class GoneStore:
+        calls = 0
+
+        def set(self, key, value):
+            GoneStore.calls += 1
+            raise RuntimeError("Connection reset by peer")
+
+    beat = Heartbeat(None, 0, 2, Path("unused"), hang_timeout_s=None, first_budget_s=300.0)
+    beat.store = GoneStore()  # no watcher thread
+    beat.beat(4, "step")
+    beat.beat(4, "save")
+    assert GoneStore.calls == 1  # tried once, then off
+    assert capsys.readouterr().err.count("hang watch off: the store is gone") == 1
+
+
 def test_config_rules():
     from moe_fold.config import ConfigError, load_config, validate
 

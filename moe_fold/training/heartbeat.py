@@ -111,6 +111,7 @@ class Heartbeat:
         self._closed = threading.Event()
         self._alive = 0  # this rank's alive counter (the watcher thread's)
         self._thread: Optional[threading.Thread] = None
+        self._store_lost = False  # a beat found the store gone
         if self.store is not None:
             self._thread = threading.Thread(target=self._watch, name="moe-fold-hang-watch", daemon=True)
             self._thread.start()
@@ -147,9 +148,18 @@ class Heartbeat:
             self.durations.setdefault(self._phase[1], collections.deque(maxlen=WINDOW)).append(now - self._since)
         self._phase, self._since = (step, phase), now
         self._seq += 1
-        if self.store is not None:
+        if self.store is None or self._store_lost:
+            return
+        try:
             self.store.set(_progress_key(self.rank), json.dumps(
                 {"seq": self._seq, "step": step, "phase": phase, "budget_s": self.budget(phase)}))
+        except Exception as e:
+            # The store is gone with the launcher or agent that held it: the run is stopping
+            # on its own (launch.exit_with_parent), and a stop still saves its checkpoint, so
+            # a beat never fails the step; nothing watches any more.
+            self._store_lost = True
+            print(f"moe-fold: rank {self.rank}: hang watch off: the store is gone ({type(e).__name__}: {e})",
+                  file=sys.stderr)
 
     def close(self) -> None:
         """This rank is done: its watcher stops and its neighbour stops expecting beats."""
