@@ -45,7 +45,10 @@ layout, the rollback, the requeues), and the largest relative difference over th
 from that one is within the resharding tolerance 1e-5 (as
 ``tests/test_train.py::test_resume_under_other_layouts`` and the elastic test, 80 steps).
 Reported beside: the largest over the whole run and per 500 steps (rounding differences
-of another layout grow as training goes on: see docs/reliability.md).
+of another layout grow as training goes on: see docs/reliability.md). The exact check: a
+replay of the same layouts without faults (``layout_segments``: one ``--nproc W`` run per
+stretch of the standing steps, ``--resume`` after the first) must give every step's loss
+bit for bit.
 
 Prints a table and JSON lines: one per fault (``{"bench": "goodput", "fault": ...}``) and
 a summary (``{"bench": "goodput", "summary": true, ...}``).
@@ -439,6 +442,47 @@ def compare_losses(final: dict[int, dict], ref: dict[int, float], rows: list, st
     return changed, before, horizon, worst, drift
 
 
+def layout_segments(rows: list, starts: list[dict], last: int) -> list[tuple[int, int, int]]:
+    """The layouts the standing steps were trained on: ``(world_size, ep, last step)`` per
+    stretch, in order. Start k (a row of elastic.jsonl) trained from the step after the one
+    it resumed from (its first row's step - 1) to the last step it logged before the next
+    start; a later start that resumed from an earlier checkpoint trains those steps again,
+    and its layout is the one that stands."""
+    steps = [(t, r["step"]) for t, r in rows if "event" not in r and "loss" in r]
+    owner: dict[int, tuple[int, int]] = {}
+    times = [s["time"] for s in starts] + [float("inf")]
+    for k, start in enumerate(starts):
+        mine = [step for t, step in steps if times[k] < t < times[k + 1]]
+        if mine:
+            for step in range(mine[0], max(mine) + 1):
+                owner[step] = (start["world_size"], start["ep"])
+    segments: list[tuple[int, int, int]] = []
+    for step in range(1, last + 1):
+        if segments and segments[-1][:2] == owner[step]:
+            segments[-1] = (*owner[step], step)
+        else:
+            segments.append((*owner[step], step))
+    return segments
+
+
+def replay(work: Path, cache_dir: Path, segments: list[tuple[int, int, int]], nan_batch: int) -> dict[int, float]:
+    """The same layouts as the faulted run, without faults: one ``moe-fold train --nproc W``
+    run per stretch (``--resume`` after the first), each ending with a checkpoint of its
+    last step; its losses must equal the faulted run's bit for bit."""
+    run_dir = work / "replay"
+    for i, (world, ep, end) in enumerate(segments):
+        sets = [*CONFIG, f"parallel.ep={ep}", f"train.run_dir={run_dir}", f"data.cache_dir={cache_dir}",
+                f"train.steps={end}", f"train.save_every={end}", f"train.skip_batches=[{nan_batch}]"]
+        command = [sys.executable, "-m", "moe_fold.cli", "train", "--config", "mixtral-tiny", "--no-progress",
+                   "--nproc", str(world), *(["--resume"] if i else []), *[a for s in sets for a in ("--set", s)]]
+        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+        if done.returncode != 0:
+            raise SystemExit(f"the replay's run to step {end} on {world} ranks failed (exit {done.returncode}):\n"
+                             f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return {s: r["loss"] for s, r in _final_steps(run_dir).items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10.0, help="the job's length (the faults are spread over it)")
@@ -467,6 +511,9 @@ def main() -> None:
         useful = sum(TOKENS_PER_STEP / r["tokens_per_s"] for r in final.values())
         ref = reference(work, result["cache_dir"], last, args.nan_batch)
         changed, before, horizon, worst, drift = compare_losses(final, ref, result["rows"], result["starts"])
+        segments = layout_segments(result["rows"], result["starts"], last)
+        replayed = replay(work, result["cache_dir"], segments, args.nan_batch)
+        not_replayed = [s for s in final if replayed.get(s) != final[s]["loss"]]
         # Where the wall time went: the first start, each fault's recovery, and the rest
         # (healthy running: step time that counts, and the loop's time between steps).
         first_step = min(t for t, r in result["rows"] if "event" not in r and "loss" in r)
@@ -481,6 +528,7 @@ def main() -> None:
                    "first_step_on_another_world": changed, "steps_not_bit_identical_before_it": len(before),
                    "max_rel_loss_diff_100_steps_after_it": horizon, "tolerance": 1e-5,
                    "max_rel_loss_diff": worst, "max_rel_loss_diff_per_500_steps": drift,
+                   "layouts": [list(x) for x in segments], "steps_not_bit_identical_to_the_replay": len(not_replayed),
                    "nan_batch": args.nan_batch, "starts": len(result["starts"]),
                    "end_agent_codes": result["end_codes"], "cpus": os.cpu_count(),
                    "loadavg_1m": os.getloadavg()[0]}
@@ -501,10 +549,13 @@ def main() -> None:
         for f in faults:
             print(json.dumps({"bench": "goodput", **f}))
         print(json.dumps(summary))
-        if missing or before or horizon > 1e-5:
+        print(f"against a replay of the same layouts without faults {segments} (world, ep, last step): "
+              f"{len(not_replayed)} of {len(final)} steps differ (bit for bit)")
+        if missing or before or horizon > 1e-5 or not_replayed:
             raise SystemExit(f"the faulted run does not match: missing steps {missing}, steps not bit identical on the "
                              f"configured layout {before[:10]}, max relative loss difference {horizon:.2e} over the 100 "
-                             f"steps after the first change of world (tolerance 1e-5); run folder {result['run_dir']}")
+                             f"steps after the first change of world (tolerance 1e-5), steps not bit identical to the same layouts' replay "
+                             f"{not_replayed[:10]}; run folder {result['run_dir']}")
     finally:
         if tmp is not None:
             tmp.cleanup()
