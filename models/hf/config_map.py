@@ -197,6 +197,29 @@ def _num_experts(keys: _Keys, name: str, alias: str) -> Optional[int]:
     return keys.get(name) if value is None else keys.get(name, value)
 
 
+def _common_sizes(keys: _Keys, m, family: str, *, norm_eps: float = 1e-5, tie: bool = False) -> None:
+    """The sizes every family names alike: vocabulary, width, layers and query heads (a
+    config without them is refused at once: nothing else can be read), the norm's epsilon,
+    tied embeddings and the init std (``norm_eps`` and ``tie``: the family's defaults)."""
+    m.vocab_size = keys.get("vocab_size")
+    m.hidden_size = keys.get("hidden_size")
+    m.num_layers = keys.get("num_hidden_layers")
+    m.num_heads = keys.get("num_attention_heads")
+    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
+        raise HFConfigError(keys.problems, f"cannot import {family} config")
+    m.norm_eps = float(keys.get("rms_norm_eps", norm_eps))
+    m.tie_embeddings = bool(keys.get("tie_word_embeddings", tie))
+    m.init_std = float(keys.get("initializer_range", 0.02))
+
+
+def _attention_heads(keys: _Keys, m, head_dim: Optional[int] = None) -> None:
+    """Grouped-query attention's key/value heads (default: one per query head) and the
+    head width (default ``head_dim``, else hidden_size / num_heads)."""
+    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
+    explicit = keys.get("head_dim", head_dim)
+    m.head_dim = int(explicit) if explicit is not None else m.hidden_size // m.num_heads
+
+
 def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
     """Our Config for the Hugging Face config ``hf`` (a parsed ``config.json``).
 
@@ -244,20 +267,10 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
         _minimax_m2_from_hf(keys, config)
         return _finish(keys, family, config)
 
-    m.vocab_size = keys.get("vocab_size")
-    m.hidden_size = keys.get("hidden_size")
-    m.num_layers = keys.get("num_hidden_layers")
-    m.num_heads = keys.get("num_attention_heads")
-    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
-    m.norm_eps = float(keys.get("rms_norm_eps", 1e-5 if family == "mixtral" else 1e-6))
-    m.tie_embeddings = bool(keys.get("tie_word_embeddings", False))
-    m.init_std = float(keys.get("initializer_range", 0.02))
+    _common_sizes(keys, m, family, norm_eps=1e-5 if family == "mixtral" else 1e-6)
+    _attention_heads(keys, m)
     m.rope_theta = _rope_theta(keys, 1e6 if family == "mixtral" else 1e4)
     m.ffn_hidden_size = keys.get("intermediate_size")
-    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
-        raise HFConfigError(problems, f"cannot import {family} config")
-    explicit_head_dim = keys.get("head_dim", None)
-    m.head_dim = int(explicit_head_dim) if explicit_head_dim is not None else m.hidden_size // m.num_heads
     keys.must_be("hidden_act", ("silu",), "the MLPs and experts are SwiGLU (silu)")
     keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
     keys.must_be("mlp_bias", (False,), "the MLPs have no biases here")
@@ -331,19 +344,9 @@ def _reset_attention_features(config: Config) -> None:
 
 def _llama4_text_from_hf(keys: _Keys, config: Config) -> None:
     m, moe = config.model, config.moe
-    m.vocab_size = keys.get("vocab_size")
-    m.hidden_size = keys.get("hidden_size")
-    m.num_layers = keys.get("num_hidden_layers")
-    m.num_heads = keys.get("num_attention_heads")
-    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
-        raise HFConfigError(keys.problems, "cannot import llama4_text config")
+    _common_sizes(keys, m, "llama4_text")
     L = m.num_layers
-    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
-    explicit_head_dim = keys.get("head_dim", None)
-    m.head_dim = int(explicit_head_dim) if explicit_head_dim is not None else m.hidden_size // m.num_heads
-    m.norm_eps = float(keys.get("rms_norm_eps", 1e-5))
-    m.tie_embeddings = bool(keys.get("tie_word_embeddings", False))
-    m.init_std = float(keys.get("initializer_range", 0.02))
+    _attention_heads(keys, m)
     m.rope_theta = _rope_theta(keys, 500000.0)  # refuses Scout's llama3 rope scaling
     m.rope_interleave = True  # Llama-4 rotates (x0, x1), (x2, x3)... as complex numbers
     m.ffn_hidden_size = keys.get("intermediate_size_mlp")
@@ -456,20 +459,12 @@ def _deepseek_rope(keys: _Keys, m) -> None:
 def _mla_from_hf(keys: _Keys, config: Config, family: str) -> None:
     """The sizes and rotary embeddings of multi-head latent attention (DeepSeek-V2 and -V3)."""
     m = config.model
-    m.vocab_size = keys.get("vocab_size")
-    m.hidden_size = keys.get("hidden_size")
-    m.num_layers = keys.get("num_hidden_layers")
-    m.num_heads = keys.get("num_attention_heads")
-    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
-        raise HFConfigError(keys.problems, f"cannot import {family} config")
+    _common_sizes(keys, m, family, norm_eps=1e-6)
     kv_heads = keys.get("num_key_value_heads", m.num_heads)
     if kv_heads != m.num_heads:
         keys.problems.append(f"num_key_value_heads={kv_heads} must equal num_attention_heads={m.num_heads}: MLA "
                              f"gives every head its own key and value")
     m.num_kv_heads, m.head_dim = m.num_heads, None
-    m.norm_eps = float(keys.get("rms_norm_eps", 1e-6))
-    m.tie_embeddings = bool(keys.get("tie_word_embeddings", False))
-    m.init_std = float(keys.get("initializer_range", 0.02))
     m.ffn_hidden_size = keys.get("intermediate_size")
     m.qk_norm, m.qkv_bias = False, False
     m.attention = "mla"
@@ -596,18 +591,8 @@ def _deepseek_moe_from_hf(keys: _Keys, config: Config) -> None:
 
 def _glm4_moe_from_hf(keys: _Keys, config: Config) -> None:
     m = config.model
-    m.vocab_size = keys.get("vocab_size")
-    m.hidden_size = keys.get("hidden_size")
-    m.num_layers = keys.get("num_hidden_layers")
-    m.num_heads = keys.get("num_attention_heads")
-    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
-        raise HFConfigError(keys.problems, "cannot import glm4_moe config")
-    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
-    explicit_head_dim = keys.get("head_dim", None)
-    m.head_dim = int(explicit_head_dim) if explicit_head_dim is not None else m.hidden_size // m.num_heads
-    m.norm_eps = float(keys.get("rms_norm_eps", 1e-5))
-    m.tie_embeddings = bool(keys.get("tie_word_embeddings", False))
-    m.init_std = float(keys.get("initializer_range", 0.02))
+    _common_sizes(keys, m, "glm4_moe")
+    _attention_heads(keys, m)
     m.ffn_hidden_size = keys.get("intermediate_size")
     m.qkv_bias = bool(keys.get("attention_bias", False))
     m.qk_norm = bool(keys.get("use_qk_norm", False))
@@ -633,18 +618,8 @@ def _ernie4_5_moe_from_hf(keys: _Keys, config: Config) -> None:
     values divided by max(their sum, ``moe_norm_min``) (our ``pre_softmax``, ``expert_bias``
     and ``topk_norm_min``); ungated shared experts of ``moe_intermediate_size`` each."""
     m, moe = config.model, config.moe
-    m.vocab_size = keys.get("vocab_size")
-    m.hidden_size = keys.get("hidden_size")
-    m.num_layers = keys.get("num_hidden_layers")
-    m.num_heads = keys.get("num_attention_heads")
-    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
-        raise HFConfigError(keys.problems, "cannot import ernie4_5_moe config")
-    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
-    explicit_head_dim = keys.get("head_dim", None)
-    m.head_dim = int(explicit_head_dim) if explicit_head_dim is not None else m.hidden_size // m.num_heads
-    m.norm_eps = float(keys.get("rms_norm_eps", 1e-5))
-    m.tie_embeddings = bool(keys.get("tie_word_embeddings", True))
-    m.init_std = float(keys.get("initializer_range", 0.02))
+    _common_sizes(keys, m, "ernie4_5_moe", tie=True)
+    _attention_heads(keys, m)
     m.ffn_hidden_size = keys.get("intermediate_size")
     m.rope_theta = _rope_theta(keys, 5e5)
     m.qk_norm, m.qkv_bias = False, False
@@ -680,17 +655,8 @@ def _minimax_m2_from_hf(keys: _Keys, config: Config) -> None:
     sigmoid scores, the expert bias (``e_score_correction_bias``) added for selection only,
     the k chosen renormalised; no shared expert."""
     m, moe = config.model, config.moe
-    m.vocab_size = keys.get("vocab_size")
-    m.hidden_size = keys.get("hidden_size")
-    m.num_layers = keys.get("num_hidden_layers")
-    m.num_heads = keys.get("num_attention_heads")
-    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
-        raise HFConfigError(keys.problems, "cannot import minimax_m2 config")
-    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
-    m.head_dim = int(keys.get("head_dim", 128))  # MiniMaxM2Config's default, not hidden/heads
-    m.norm_eps = float(keys.get("rms_norm_eps", 1e-6))
-    m.tie_embeddings = bool(keys.get("tie_word_embeddings", False))
-    m.init_std = float(keys.get("initializer_range", 0.02))
+    _common_sizes(keys, m, "minimax_m2", norm_eps=1e-6)
+    _attention_heads(keys, m, head_dim=128)  # MiniMaxM2Config's default, not hidden/heads
     m.qk_norm, m.qk_norm_scope, m.qkv_bias = True, "projection", False
     params = keys.get("rope_parameters", {})
     inner = params.get("partial_rotary_factor") if isinstance(params, dict) else None
@@ -840,18 +806,8 @@ def _gpt_oss_from_hf(keys: _Keys, config: Config) -> None:
                              f"bfloat16/float32 gpt-oss checkpoints only; dequantize first (transformers: "
                              f"from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), then "
                              f"save_pretrained)")
-    m.vocab_size = keys.get("vocab_size")
-    m.hidden_size = keys.get("hidden_size")
-    m.num_layers = keys.get("num_hidden_layers")
-    m.num_heads = keys.get("num_attention_heads")
-    if None in (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads):
-        raise HFConfigError(keys.problems, "cannot import gpt_oss config")
-    m.num_kv_heads = keys.get("num_key_value_heads", m.num_heads)
-    explicit_head_dim = keys.get("head_dim", None)
-    m.head_dim = int(explicit_head_dim) if explicit_head_dim is not None else m.hidden_size // m.num_heads
-    m.norm_eps = float(keys.get("rms_norm_eps", 1e-5))
-    m.tie_embeddings = bool(keys.get("tie_word_embeddings", False))
-    m.init_std = float(keys.get("initializer_range", 0.02))
+    _common_sizes(keys, m, "gpt_oss")
+    _attention_heads(keys, m)
     m.qk_norm, m.partial_rotary_factor = False, 1.0
     # attention_bias covers all four projections here (q|k|v and o).
     m.qkv_bias = m.attention_out_bias = bool(keys.get("attention_bias", True))
