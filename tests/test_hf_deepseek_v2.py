@@ -13,14 +13,12 @@ import torch
 import transformers
 
 from moe_fold.config import load_config
-from moe_fold.launch import run_ranks
-from moe_fold.layout import ParallelLayout, create_process_groups
 from moe_fold.models import from_hf, to_hf
-from moe_fold.models.hf import HFConfigError, config_from_hf, export_family
-from test_hf_deepseek_v3 import (_gathered_logits, _tensors, hf_logits, max_diff, randomize, saved_with_logits,
-                                 token_ids)
+from moe_fold.models.hf import HFConfigError, config_from_hf
+from hf_family_checks import check_import_and_round_trip, check_layouts
+from test_hf_deepseek_v3 import randomize, token_ids
 
-VOCAB, TOL = 70, 1e-5
+VOCAB = 70
 
 # Odd sizes: 6 heads, hidden 42, kv rank 10, qk 6+4, v 5; 8 experts of 22.
 COMMON = dict(vocab_size=VOCAB, hidden_size=42, intermediate_size=50, moe_intermediate_size=22, num_hidden_layers=4,
@@ -52,23 +50,7 @@ def hf_model(case: str, seed: int = 0):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_import_matches_transformers_and_export_round_trips(case, tmp_path):
-    ids = token_ids()
-    ref_model = hf_model(case)
-    ref_model.save_pretrained(tmp_path / "hf")
-    ref = hf_logits(ref_model, ids)
-    model = from_hf(tmp_path / "hf")
-    assert export_family(model.config) == "deepseek_v2"
-    diff = max_diff(model.eval().logits(ids), ref)
-    print(f"deepseek_v2 {case}: max abs logit diff vs transformers {diff:.3g}")
-    assert diff <= TOL
-    to_hf(model, tmp_path / "out")
-    a, b = _tensors(tmp_path / "hf"), _tensors(tmp_path / "out")
-    assert set(a) == set(b)
-    for key in a:
-        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", experts_implementation="eager").eval()
-    assert type(back).__name__ == "DeepseekV2ForCausalLM"
-    assert max_diff(hf_logits(back, ids), ref) <= TOL
+    check_import_and_round_trip(hf_model(case), "deepseek_v2", tmp_path, case)
 
 
 def test_config_mapping():
@@ -171,24 +153,6 @@ def test_export_takes_only_what_deepseek_v2_ranks_alike(tmp_path):
 
 # --------------------------------------------------------------------------- layouts
 
-def _import_export(rank, world_size, sizes, paths, out_dir):
-    groups = create_process_groups(ParallelLayout(world_size, **sizes))
-    results = {}
-    for case, path in paths.items():
-        model = from_hf(path, groups).eval()
-        results[case] = _gathered_logits(model, groups, token_ids())
-        to_hf(model, f"{out_dir}/{case}")
-    return results
-
-
 @pytest.mark.parametrize("sizes", [dict(tp=2, ep=2), dict(pp=2, cp=2)], ids=["tp2_ep2", "pp2_cp2"])
 def test_import_under_layouts(tmp_path, sizes):
-    refs, paths = saved_with_logits(tmp_path, {case: hf_model(case) for case in CASES}, token_ids())
-    results = run_ranks(_import_export, 4, sizes, paths, str(tmp_path / "out"), timeout=240)
-    for case, ref in refs.items():
-        for rank, result in enumerate(results):
-            diff = max_diff(result[case], ref)
-            print(f"deepseek_v2 {sizes} {case} rank {rank}: max abs logit diff vs transformers {diff:.3g}")
-            assert diff <= TOL
-        a, b = _tensors(tmp_path / case), _tensors(tmp_path / "out" / case)
-        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), case
+    check_layouts({case: hf_model(case) for case in CASES}, "deepseek_v2", sizes, tmp_path)

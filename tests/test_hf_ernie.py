@@ -17,14 +17,11 @@ import torch
 import transformers
 
 from moe_fold.config import load_config
-from moe_fold.launch import run_ranks
-from moe_fold.layout import ParallelLayout, create_process_groups
 from moe_fold.models import from_hf, to_hf
-from moe_fold.models.hf import HFConfigError, config_from_hf, export_family
-from test_hf_deepseek_v3 import (VOCAB, _gathered_logits, _tensors, hf_logits, max_diff, randomize,
-                                 saved_with_logits, token_ids)
+from moe_fold.models.hf import HFConfigError, config_from_hf
+from hf_family_checks import check_import_and_round_trip, check_layouts
+from test_hf_deepseek_v3 import VOCAB, randomize
 
-TOL = 1e-5
 
 # Odd sizes: vocab 70, 6 heads of 8 over 2 kv heads (hidden 48), dense width 50, experts of 22.
 COMMON = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=50, moe_intermediate_size=22,
@@ -63,24 +60,8 @@ def hf_model(case: str, seed: int = 0):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_import_matches_transformers_and_export_round_trips(case, tmp_path):
-    ids = token_ids()
-    ref_model = hf_model(case)
-    ref_model.save_pretrained(tmp_path / "hf")
-    ref = hf_logits(ref_model, ids)
-    model = from_hf(tmp_path / "hf")
-    assert export_family(model.config) == "ernie4_5_moe"
+    model = check_import_and_round_trip(hf_model(case), "ernie4_5_moe", tmp_path, case)
     assert model.layers[1].mlp.router.expert_bias.abs().sum() > 0
-    diff = max_diff(model.eval().logits(ids), ref)
-    print(f"ernie4_5_moe {case}: max abs logit diff vs transformers {diff:.3g}")
-    assert diff <= TOL
-    to_hf(model, tmp_path / "out")
-    a, b = _tensors(tmp_path / "hf"), _tensors(tmp_path / "out")
-    assert set(a) == set(b)
-    for key in a:
-        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", experts_implementation="eager").eval()
-    assert type(back).__name__ == "Ernie4_5_MoeForCausalLM"
-    assert max_diff(hf_logits(back, ids), ref) <= TOL
 
 
 def test_config_mapping():
@@ -149,24 +130,6 @@ def test_export_refuses_what_ernie_cannot_hold(tmp_path):
 
 # --------------------------------------------------------------------------- layouts
 
-def _import_export(rank, world_size, sizes, paths, out_dir):
-    groups = create_process_groups(ParallelLayout(world_size, **sizes))
-    results = {}
-    for case, path in paths.items():
-        model = from_hf(path, groups).eval()
-        results[case] = _gathered_logits(model, groups, token_ids())
-        to_hf(model, f"{out_dir}/{case}")
-    return results
-
-
 @pytest.mark.parametrize("sizes", [dict(tp=2, ep=2), dict(pp=2, cp=2)], ids=["tp2_ep2", "pp2_cp2"])
 def test_import_under_layouts(tmp_path, sizes):
-    refs, paths = saved_with_logits(tmp_path, {case: hf_model(case) for case in CASES}, token_ids())
-    results = run_ranks(_import_export, 4, sizes, paths, str(tmp_path / "out"), timeout=240)
-    for case, ref in refs.items():
-        for rank, result in enumerate(results):
-            diff = max_diff(result[case], ref)
-            print(f"ernie4_5_moe {sizes} {case} rank {rank}: max abs logit diff vs transformers {diff:.3g}")
-            assert diff <= TOL
-        a, b = _tensors(tmp_path / case), _tensors(tmp_path / "out" / case)
-        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), case
+    check_layouts({case: hf_model(case) for case in CASES}, "ernie4_5_moe", sizes, tmp_path)
