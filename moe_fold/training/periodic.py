@@ -204,8 +204,8 @@ class SaveCheckpoint:
         self.extra_state, self.on_saved, self.beat = extra_state, on_saved, beat
 
     def __call__(self, record: StepRecord) -> None:
-        # Every predicate is asked, in order (a clock's is a collective every step).
-        if not [due(record) for due in self.when].count(True):
+        # Every predicate is asked, in order (no short cut: a clock's is a collective every step).
+        if not any([due(record) for due in self.when]):
             return
         self.beat(record.step, "save")
         run = self.run
