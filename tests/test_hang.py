@@ -7,6 +7,7 @@
   the uninterrupted run's losses bit for bit.
 - Legitimately long phases (the first step, a checkpoint save, an evaluation, a
   re-placement) do not fire it; the same delay in an ordinary step does.
+- The lowest live rank on a stopped rank's host kills it (SIGKILL), only that process.
 - The diagnosis names a stopped rank (its watcher thread is silent) rather than the live
   ranks that wait for it, and, when every rank is alive, the least advanced one.
 - Budgets: what the module docstring promises.
@@ -133,6 +134,39 @@ def test_diagnosis_with_every_rank_alive_names_the_least_advanced(monkeypatch):
     assert text.startswith("hang: rank 1 of 4 made no progress since step 7 (step); every rank is alive")
 
 
+# --------------------------------------------------------------------------- killing a stopped rank
+
+def _stopped_child():
+    child = subprocess.Popen(["sleep", "60"])
+    os.kill(child.pid, signal.SIGSTOP)
+    return child
+
+
+def test_the_lowest_live_rank_on_its_host_kills_a_stopped_rank():
+    """A SIGSTOPped process ends only by SIGKILL (torchrun's agent would wait 30 s after
+    its SIGTERM): the lowest live rank on the stopped rank's host kills it; another live
+    rank, a rank on another host, or a pid that now names another process (its start time
+    differs) does not."""
+    child = _stopped_child()
+    try:
+        me = hb.this_process()
+        victim = {"host": me["host"], "pid": child.pid, "start": hb._start_time(child.pid)}
+        report = {"stalled": [2], "frozen": True, "live": [0, 1, 3]}
+        elsewhere = {0: {**me, "host": "other-host"}, 1: me, 2: victim, 3: me}
+        assert hb.kill_stopped(report, elsewhere, me=3) == []  # rank 1 is the lowest on the host
+        assert hb.kill_stopped(report, elsewhere, me=0) == []  # not rank 0's host
+        assert hb.kill_stopped(report, {**elsewhere, 2: {**victim, "start": "1"}}, me=1) == []  # pid reused
+        assert hb.kill_stopped({**report, "frozen": False}, elsewhere, me=1) == []  # alive: it waits, no kill
+        assert child.poll() is None
+        [line] = hb.kill_stopped(report, elsewhere, me=1)
+        assert line == f"rank 1 killed stopped rank 2 (pid {child.pid} on {me['host']}) with SIGKILL"
+        assert child.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
 # --------------------------------------------------------------------------- long phases
 
 # Sleeps of SLOW seconds on rank 1, each well over the steps' budget (train.hang_timeout_s).
@@ -244,6 +278,8 @@ def test_sigstopped_rank_is_named_in_seconds_and_the_restart_finishes_exactly(tm
     assert (f"error: training failed: hang: rank 1 of 2 made no progress since step {last} "
             f"({report['beats']['1']['phase']}); it is not running") in message, err
     assert "restarting the 2 ranks (1 of --max-restarts=1) from the newest checkpoint" in message, err
+    # Rank 0, on the same host, killed it (torchrun's agent would wait 30 s after a SIGTERM).
+    assert f"moe-fold: hang: rank 0 killed stopped rank 1 (pid {rank1} on " in err, err
     assert hang_timeout - 2 < detected < hang_timeout + 15, detected
     folder = report_file.parent
     assert folder.name == f"step_{last:06d}"

@@ -41,8 +41,16 @@ all threads) to ``<run_dir>/hang/step_<S>/stacks_rank_<R>.txt``, the rank that d
 writes ``report.txt`` there and prints it to stderr, and once every live rank has written
 its stacks (at most :data:`DUMP_WAIT_S`), each exits with :data:`HANG_EXIT_CODE`, so that
 torchrun (``--max-restarts``) or ``moe-fold train --nproc --max-restarts`` restarts the
-group from its newest checkpoint. A stopped rank cannot write its own stacks (none of its
-threads runs): the launcher kills it (SIGKILL) with the rest of the group.
+group from its newest checkpoint.
+
+A stopped rank cannot write its own stacks (none of its threads runs), and it cannot end
+on a SIGTERM either: torchrun's agent, stopping its workers, would wait its fixed 30 s
+grace before the SIGKILL that ends it. So every rank publishes its process (host, pid and
+start time) in the store when its watch begins, and the lowest live rank on the same host
+as a stopped one kills it (SIGKILL) before exiting, once the pid is still that process
+(same start time): the agent then finds every worker ended and restarts at once. A stopped
+rank with no live rank on its host (its whole host stopped or gone) is left to its
+launcher.
 
 The store is the process group's (``torch.distributed``'s default store): under
 ``--nproc`` it lives in the launcher, under torchrun in the agent, so a stopped rank does
@@ -56,13 +64,15 @@ import collections
 import faulthandler
 import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["Heartbeat", "HANG_EXIT_CODE", "POLL_S", "FLOOR_S", "FACTOR", "read_report"]
+__all__ = ["Heartbeat", "HANG_EXIT_CODE", "kill_stopped", "this_process", "POLL_S", "FLOOR_S", "FACTOR", "read_report"]
 
 # The exit code of a rank ended by the watch: EX_TEMPFAIL of sysexits.h ("temporary
 # failure, retry"): what a restart is for.
@@ -89,6 +99,50 @@ def _alive_key(rank: int) -> str:
     return f"{_PREFIX}/alive/{rank}"
 
 
+def _process_key(rank: int) -> str:
+    return f"{_PREFIX}/process/{rank}"
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """A process's start time (clock ticks since boot, field 22 of /proc/PID/stat): with
+    the pid, it names one process (a pid can be reused, the pair cannot). None where
+    there is no /proc or no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def this_process() -> dict:
+    """What another rank needs to kill this process if it stops: host, pid, start time."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+
+
+def kill_stopped(report: dict, processes: dict[int, dict], me: int) -> list[str]:
+    """SIGKILL to each stopped rank of ``report`` (``frozen``) that rank ``me`` is the
+    lowest live rank on the host of (``processes``: rank -> :func:`this_process` of that
+    rank), once its pid still names the same process (its start time). Returns one line
+    per process killed."""
+    if not report["frozen"]:
+        return []
+    said = []
+    for rank in report["stalled"]:
+        victim = processes.get(rank)
+        if victim is None:
+            continue
+        neighbours = [r for r in report["live"] if processes.get(r, {}).get("host") == victim["host"]]
+        if not neighbours or min(neighbours) != me:
+            continue  # another host's, or another live rank's to kill
+        if victim["start"] is None or _start_time(victim["pid"]) != victim["start"]:
+            continue  # no way to tell it is still that process: left to the launcher
+        try:
+            os.kill(victim["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        said.append(f"rank {me} killed stopped rank {rank} (pid {victim['pid']} on {victim['host']}) with SIGKILL")
+    return said
+
+
 class Heartbeat:
     """One rank's beats and watcher thread (see the module docstring).
 
@@ -113,6 +167,7 @@ class Heartbeat:
         self._thread: Optional[threading.Thread] = None
         self._store_lost = False  # a beat found the store gone
         if self.store is not None:
+            self.store.set(_process_key(rank), json.dumps(this_process()))
             self._thread = threading.Thread(target=self._watch, name="moe-fold-hang-watch", daemon=True)
             self._thread.start()
 
@@ -242,6 +297,10 @@ class Heartbeat:
             (folder / "report.txt").write_text(text + "\n")
             (folder / "report.json").write_text(json.dumps(report, indent=1) + "\n")
             print(f"moe-fold: {text}", file=sys.stderr, flush=True)
+        processes = {r: json.loads(self.store.get(_process_key(r))) for r in range(self.world_size)
+                     if self.store.check([_process_key(r)])}
+        for line in kill_stopped(report, processes, self.rank):
+            print(f"moe-fold: hang: {line}", file=sys.stderr, flush=True)
         self.store.add(_DUMPED_KEY, 1)
         deadline = time.monotonic() + DUMP_WAIT_S
         while self.store.add(_DUMPED_KEY, 0) < len(report["live"]) and time.monotonic() < deadline:
