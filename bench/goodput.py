@@ -6,7 +6,7 @@ schedule, and recovery that is automatic throughout.
 The job: two torchrun "nodes" of 2 workers each on 127.0.0.1 (c10d rendezvous,
 ``--nnodes 1:2``, ``--max-restarts 20``, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so that a
 lost node can rejoin), ``parallel.elastic=true``, ``parallel.ep=4``,
-``train.deterministic=true``, ``train.on_nonfinite=rollback``, ``train.hang_timeout_s=10``,
+``train.deterministic=true``, ``train.on_nonfinite=rollback``, ``train.hang_timeout_s=5``,
 checkpoints on the Young/Daly clock (``train.expected_mtbf_minutes`` = the schedule's mean
 time between faults), every launch with ``--resume``, in a temporary run folder. The model
 is the reliability tests' small Mixtral (2 MoE layers of 8 experts), 8 samples a step.
@@ -17,9 +17,10 @@ recovered from the one before and made 3 new steps):
 - ``nan``: ``MOE_FOLD_FAULTS=nan@batch=N`` in every worker's environment from the start;
   the step on global batch N has a non-finite loss and is rolled back in-process;
 - ``kill9`` (0.10): SIGKILL to one worker of the first node; torchrun restarts the group;
-- ``sigstop`` (0.22): SIGSTOP to one worker of the second node; the hang watch names it and
-  the live ranks exit 75; the stopped worker is killed by its own torchrun agent (SIGTERM,
-  then SIGKILL after the agent's 30 s grace): the harness only watches that it is gone;
+- ``sigstop`` (0.22): SIGSTOP to one worker of the second node; the hang watch names it,
+  the lowest live rank on its host kills it (SIGKILL: torchrun's agent would wait 30 s
+  after a SIGTERM a stopped process cannot act on) and the live ranks exit 75; the
+  harness only watches that it is gone;
 - ``requeue`` (0.36): SIGTERM to both agents (the whole job, as SLURM at a time limit or a
   preemption); the workers stop after one step with its checkpoint; the harness starts the
   same two commands again (the requeue);
@@ -80,6 +81,11 @@ CONFIG = [
     "wandb.mode=disabled", "parallel.ep=4", "parallel.timeout_s=60", "train.on_nonfinite=rollback",
     "train.log_every=50",
 ]
+# The rendezvous settings of an elastic job (docs/reliability.md, "Elastic restarts"):
+# torch's defaults keep a dead node in the finished round until 3 keep-alives of 5 s
+# are missed, then wait 30 s for late nodes; here a node is dead after 3 x 2 s and a
+# round closes 5 s after the minimum of nodes joined.
+RDZV_CONF = "keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=5"
 TOKENS_PER_STEP = 8 * 16  # global_batch_size x seq_length
 MAX_STEPS = 1_000_000  # the job is ended by the harness's SIGTERM
 # (fault, fraction of --minutes); nan is in the environment from the start.
@@ -198,7 +204,7 @@ class Job:
         self.launches += 1
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
                    "--max-restarts", "20", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
-                   "--rdzv-id", "goodput", "--rdzv-conf", f"is_host={str(node == 'a').lower()},last_call_timeout=10",
+                   "--rdzv-id", "goodput", "--rdzv-conf", f"is_host={str(node == 'a').lower()},{RDZV_CONF}",
                    "-m", "moe_fold.cli", "train", "--config", "mixtral-tiny", "--no-progress", "--resume",
                    *[a for s in self.sets for a in ("--set", s)]]
         log = open(self.work / f"agent_{node}_{self.launches}.log", "w")
@@ -275,7 +281,7 @@ def run_schedule(args, work: Path) -> dict:
     run_dir, cache_dir = work / "run", work / "cache"
     seconds = args.minutes * 60
     sets = [*CONFIG, f"train.run_dir={run_dir}", f"data.cache_dir={cache_dir}", f"train.steps={MAX_STEPS}",
-            f"train.save_every={MAX_STEPS}", "parallel.elastic=true", "train.hang_timeout_s=10",
+            f"train.save_every={MAX_STEPS}", "parallel.elastic=true", "train.hang_timeout_s=5",
             f"train.expected_mtbf_minutes={args.minutes / (len(SCHEDULE) + 1):.3g}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "MOE_FOLD_FAULTS": f"nan@batch={args.nan_batch}"}
@@ -305,8 +311,8 @@ def run_schedule(args, work: Path) -> dict:
                 fault["victim_rank"] = _rank_of(victim)
                 fault["time"] = time.time()
                 os.kill(victim, signal.SIGSTOP)
-                # The harness does not kill it: its agent must (SIGTERM, then SIGKILL after 30 s).
-                _wait("the stopped worker to be killed by its agent", lambda: not _alive(victim), job, timeout=240)
+                # The harness does not kill it: the job must (a live rank on its host, else its agent).
+                _wait("the stopped worker to be killed", lambda: not _alive(victim), job, timeout=240)
                 fault["stopped_worker_gone_s"] = round(time.time() - fault["time"], 1)
                 reports = sorted(run_dir.glob("hang/step_*/report.json"), key=lambda p: p.stat().st_mtime)
                 if reports:
@@ -314,7 +320,10 @@ def run_schedule(args, work: Path) -> dict:
                     fault["hang_report_s"] = round(reports[-1].stat().st_mtime - fault["time"], 1)
                     fault["hang_report"] = {k: report.get(k) for k in ("stalled", "frozen", "detected_by", "silent_s")}
                     fault["named_the_stopped_rank"] = report.get("stalled") == [fault["victim_rank"]]
-                fault["detail"] = f"SIGSTOP to worker pid {victim} of node b; killed by torchrun's agent of node b"
+                killers = [line for log in sorted(job.work.glob("agent_*.log")) for line in log.read_text().splitlines()
+                           if f"killed stopped rank {fault['victim_rank']} (pid {victim} " in line]
+                fault["detail"] = (f"SIGSTOP to worker pid {victim} of node b; "
+                                   + (killers[0].split("hang: ", 1)[-1] if killers else "killed by its torchrun agent"))
             elif kind in ("requeue", "corrupt"):
                 fault["time"] = time.time()
                 codes = job.terminate()
