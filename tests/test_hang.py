@@ -63,6 +63,33 @@ def test_beats_measure_each_phase_until_the_next_beat(monkeypatch):
                                                                        "budget_s": 30.0}
 
 
+def test_step_beats_are_written_at_most_every_poll_and_the_watcher_writes_the_newest(monkeypatch):
+    """Many short steps put one write a second on the store, not one per step; a change of
+    phase is written at once; the watcher's tick writes the newest beat still held."""
+    now = [100.0]
+    monkeypatch.setattr(hb.time, "monotonic", lambda: now[0])
+    writes = []
+
+    class Store(dist.HashStore):
+        def set(self, key, value):
+            writes.append(json.loads(value)["seq"]) if "progress" in key else None
+            super().set(key, value)
+
+    store = Store()
+    beat = Heartbeat(None, 1, 2, Path("unused"), hang_timeout_s=5.0, first_budget_s=300.0)
+    beat.store = store  # written to, but no watcher thread
+    for step in range(1, 21):  # 20 steps of 125 ms
+        beat.beat(step, "step")
+        now[0] += 0.125
+    assert writes == [1, 9, 17]  # the first, then one every POLL_S
+    beat._tick()  # the watcher thread, a tick later: the newest beat goes out
+    assert writes == [1, 9, 17, 20] and json.loads(store.get("moe-fold/heartbeat/progress/1"))["step"] == 20
+    beat._tick()
+    assert writes == [1, 9, 17, 20]  # nothing new to write
+    beat.beat(20, "save")  # a new phase: at once
+    assert writes == [1, 9, 17, 20, 21]
+
+
 def test_a_beat_never_fails_the_step_when_the_store_is_gone(capsys):
     """The torchrun agent (or the launcher) died and took its store along: the ranks are
     stopping with a checkpoint (test_long_runs.py::test_workers_of_a_dead_torchrun_agent_stop_within_seconds),
