@@ -404,12 +404,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The rendezvous settings docs/reliability.md ("Elastic restarts") gives for an elastic job,
+# as bench/goodput.py runs it: a dead node is dropped after 3 keep-alives of 2 s missed,
+# and a round closes 5 s after its minimum of nodes joined (torch: 3 x 5 s and 30 s).
+RDZV_CONF = "keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=5"
+
+
 def _elastic_agent(port: int, host: bool, run_dir: Path, cache_dir: str) -> subprocess.Popen:
     """One torchrun "node": 2 workers, 1 to 2 nodes, c10d rendezvous on 127.0.0.1. The
     first agent hosts the rendezvous store (is_host), so it must be the one that survives."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
                "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "elastic-test", "--rdzv-conf", f"is_host={str(host).lower()},last_call_timeout=10",
+               "--rdzv-id", "elastic-test", "--rdzv-conf", f"is_host={str(host).lower()},{RDZV_CONF}",
                "-m", "moe_fold.cli", "train", "--config", "mixtral-tiny", "--no-progress",
                *_set(overrides(run_dir, cache_dir, *ELASTIC, "parallel.elastic=true"))]
     # torch's shared rendezvous store cannot take back a node that left (its agent waits for
