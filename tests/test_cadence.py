@@ -101,3 +101,41 @@ def test_saves_follow_the_clock_in_a_run(tmp_path, cache_dir):
     stalls = [r["save_stall_s"] for r in rows[1:]]
     assert rows[1]["save_interval_s"] == pytest.approx(math.sqrt(2 * stalls[0] * 60000.0))
     assert rows[2]["save_interval_s"] == pytest.approx(math.sqrt(2 * (stalls[0] + stalls[1]) / 2 * 60000.0))
+
+
+def _vote_in_the_stop_check(rank, world_size):
+    """Rank 0's clock is due at step 1, rank 1's is not: after the stop check both save
+    step 1, and the decision cost no all-reduce of its own."""
+    import time as _time
+
+    import torch.distributed as dist
+
+    from moe_fold.training import stop as stop_module
+    from moe_fold.training.stop import ExitSignals, StopRule
+
+    clock = FakeClock()
+    config = load_config("mixtral-tiny", ["train.save_every=1000", "train.save_every_minutes=1"])
+    cadence = Cadence(config, torch.device("cpu"), world_size, clock=clock)
+    clock.now += 61.0 if rank == 0 else 1.0
+    calls = []
+    real = stop_module.all_reduce_
+    stop_module.all_reduce_ = lambda t, group, op="sum": (calls.append(t.tolist()), real(t, group, op=op))
+    import moe_fold.training.cadence as cadence_module
+    cadence_module.all_reduce_ = stop_module.all_reduce_
+    with ExitSignals([]) as signals:
+        rule = StopRule(config, signals, torch.device("cpu"), world_size, _time.monotonic(), votes=[cadence])
+        stop = rule.check(1)
+    due = cadence.due(1)
+    again = cadence.due(1)  # not agreed for this step any more: a collective of its own
+    dist.barrier()
+    return stop, due, again, calls
+
+
+def test_the_clock_rides_in_the_stop_checks_all_reduce():
+    from moe_fold.launch import run_ranks
+
+    for rank, (stop, due, again, calls) in enumerate(run_ranks(_vote_in_the_stop_check, 2)):
+        assert stop is None and due is True and again is True
+        # One all-reduce for the stop check carrying [signal, budget, clock], then the second
+        # due()'s own one-flag all-reduce.
+        assert calls == [[0, 0, int(rank == 0)], [int(rank == 0)]], calls

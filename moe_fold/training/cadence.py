@@ -19,8 +19,11 @@ Either clock adds to the step rule, never replaces it: a step is saved when
 before). A run that should save by time alone sets ``save_every`` beyond ``steps``.
 
 The ranks must save at the same step, but their clocks and stalls differ: with a clock on,
-:meth:`Cadence.due` is a collective (a max all-reduce of one flag over the world each
-step), so a save is due on every rank once it is due on one.
+a save is due on every rank once it is due on one. The cadence is a
+:class:`~moe_fold.training.stop.StepVote` of the loop's stop check, whose all-reduce after
+each step carries this rank's answer too (:meth:`Cadence.vote`, :meth:`Cadence.agreed`);
+:meth:`Cadence.due` then reads the agreed answer, and only for a step the stop check did
+not see is it a collective of its own (a max all-reduce of one flag over the world).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class Cadence:
         self.device, self.world_size, self.clock = device, world_size, clock
         self.stalls: deque[float] = deque(maxlen=STALLS_KEPT)
         self.last_save = clock()
+        self._agreed: Optional[tuple[int, bool]] = None  # (step, the world's answer) from the stop check
 
     @property
     def timed(self) -> bool:
@@ -88,9 +92,21 @@ class Cadence:
         interval = self.interval_s
         return interval is not None and self.clock() - self.last_save >= interval
 
+    def vote(self, step: int) -> bool:
+        """This rank's answer for ``step``, for the stop check's all-reduce (StepVote)."""
+        return self.due_here(step)
+
+    def agreed(self, step: int, answer: bool) -> None:
+        """The world's answer for ``step`` (StepVote), which :meth:`due` returns."""
+        self._agreed = (step, answer)
+
     def due(self, step: int) -> bool:
-        """Whether ``step`` is saved, the same answer on every rank (a collective when
-        :attr:`timed`: every rank must call it after every step)."""
+        """Whether ``step`` is saved, the same answer on every rank: the one agreed in the
+        stop check after ``step`` (:meth:`agreed`), else, when :attr:`timed`, a collective
+        (every rank must then call it after every step)."""
+        agreed, self._agreed = self._agreed, None  # read once: a step run again after a rollback votes again
+        if agreed is not None and agreed[0] == step:
+            return agreed[1]
         due = self.due_here(step)
         if self.timed and self.world_size > 1:
             flag = torch.full((1,), int(due), dtype=torch.int64, device=self.device)

@@ -204,7 +204,7 @@ class SaveCheckpoint:
         self.extra_state, self.on_saved, self.beat = extra_state, on_saved, beat
 
     def __call__(self, record: StepRecord) -> None:
-        # Every predicate is asked, in order (no short cut: a clock's is a collective every step).
+        # Every predicate is asked, in order (no short cut: a clock's may be a collective).
         if not any([due(record) for due in self.when]):
             return
         self.beat(record.step, "save")

@@ -14,6 +14,9 @@ The ranks agree (:meth:`StopRule.check`, a collective): after each step one all-
 (max) of two numbers over the world, the signal a rank received and whether its clock
 passed the budget. A signal that reached one rank only, or clocks that differ by a step,
 still stop every rank after the same step; that step's checkpoint is then written by all.
+Other decisions every rank must take alike after a step ride in the same all-reduce
+(:class:`StepVote`: the checkpoint clock of :mod:`moe_fold.training.cadence`), so a step
+has one such collective and one read of its result, not one per decision.
 
 A second Ctrl-C aborts at once: once a signal is noted, SIGINT has its default action again
 (the process ends; a shell reports exit code 130), without a checkpoint of the step.
@@ -31,7 +34,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,7 +42,7 @@ import torch.distributed as dist
 from moe_fold.comm import all_reduce_
 from moe_fold.config import Config
 
-__all__ = ["ExitSignals", "Stop", "StopRule"]
+__all__ = ["ExitSignals", "Stop", "StopRule", "StepVote"]
 
 
 @dataclass(frozen=True)
@@ -91,11 +94,22 @@ class ExitSignals:
         self._previous = {}
 
 
+class StepVote(Protocol):
+    """A yes/no decision after a step that every rank must take alike, agreed in
+    :meth:`StopRule.check`'s all-reduce: :meth:`vote` gives this rank's answer, then
+    :meth:`agreed` hears the world's (yes when any rank said yes)."""
+
+    def vote(self, step: int) -> bool: ...
+
+    def agreed(self, step: int, answer: bool) -> None: ...
+
+
 class StopRule:
-    """Decides after each step whether the run stops there (see the module docstring)."""
+    """Decides after each step whether the run stops there (see the module docstring);
+    ``votes`` ride in the same all-reduce (:class:`StepVote`)."""
 
     def __init__(self, config: Config, signals: ExitSignals, device: torch.device, world_size: int,
-                 began: float):
+                 began: float, votes: Sequence[StepVote] = ()):
         self.steps = config.train.steps
         self.minutes = config.train.exit_after_minutes
         self.at_step = config.train.exit_at_step
@@ -103,6 +117,7 @@ class StopRule:
         self.device = device
         self.world_size = world_size
         self.began = began  # time.monotonic() when the run started
+        self.votes = list(votes)
 
     def check(self, step: int, after_a_step: bool = True) -> Optional[Stop]:
         """A collective: every rank calls it after each step (and once before the first,
@@ -112,12 +127,17 @@ class StopRule:
         timed_out = (after_a_step and self.minutes is not None
                      and time.monotonic() - self.began >= 60.0 * self.minutes)
         signum, timed_out = self.signals.received, int(timed_out)
+        votes = [int(v.vote(step)) for v in self.votes]
         if self.world_size > 1:
             # Filled on the device (a list copied from the host would block it), read once.
-            flags = torch.zeros(2, dtype=torch.int64, device=self.device)
+            flags = torch.zeros(2 + len(votes), dtype=torch.int64, device=self.device)
             flags[0], flags[1] = signum, timed_out
+            for i, answer in enumerate(votes):
+                flags[2 + i] = answer
             all_reduce_(flags, dist.group.WORLD, op="max")
-            signum, timed_out = flags.tolist()
+            signum, timed_out, *votes = flags.tolist()
+        for voter, answer in zip(self.votes, votes):
+            voter.agreed(step, bool(answer))
         if step >= self.steps:  # the run is complete: nothing to stop
             return None
         if signum:

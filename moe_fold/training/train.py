@@ -229,12 +229,13 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
     run.model.train()
     begin = time.perf_counter()
     last_step = t.steps if stop_at is None else min(stop_at, t.steps)
-    stops = StopRule(config, signals, device, groups.layout.world_size, began)
+    cadence = start_cadence(config, device, groups.layout.world_size, logger, start_step)
+    # The checkpoint clock's decision rides in the stop check's all-reduce: one per step.
+    stops = StopRule(config, signals, device, groups.layout.world_size, began, votes=[cadence])
     # A signal or budget before the first step: no step, and nothing new to save.
     result.stop = stops.check(start_step, after_a_step=False)
     saver = CheckpointSaver(run.run_dir, groups, t.keep_last, async_save=t.async_save, config=config,
                             timeout_s=config.parallel.timeout_s)
-    cadence = start_cadence(config, device, groups.layout.world_size, logger, start_step)
     # Hang detection: one beat as each phase begins (moe_fold.training.heartbeat).
     heartbeat = Heartbeat.for_run(config, rank, groups.layout.world_size)
     # After each step, in this order (moe_fold/training/periodic.py says how to add one).
