@@ -320,8 +320,9 @@ def run_schedule(args, work: Path) -> dict:
                     fault["hang_report_s"] = round(reports[-1].stat().st_mtime - fault["time"], 1)
                     fault["hang_report"] = {k: report.get(k) for k in ("stalled", "frozen", "detected_by", "silent_s")}
                     fault["named_the_stopped_rank"] = report.get("stalled") == [fault["victim_rank"]]
-                killers = [line for log in sorted(job.work.glob("agent_*.log")) for line in log.read_text().splitlines()
-                           if f"killed stopped rank {fault['victim_rank']} (pid {victim} " in line]
+                killed = f"killed stopped rank {fault['victim_rank']} (pid {victim} "
+                killers = [line for log in sorted(job.work.glob("agent_*.log"))
+                           for line in log.read_text().splitlines() if killed in line]
                 fault["detail"] = (f"SIGSTOP to worker pid {victim} of node b; "
                                    + (killers[0].split("hang: ", 1)[-1] if killers else "killed by its torchrun agent"))
             elif kind in ("requeue", "corrupt"):

@@ -168,7 +168,7 @@ class Heartbeat:
         self._since = 0.0  # time.monotonic() of the last beat
         self._closed = threading.Event()
         self._lock = threading.Lock()  # the beat to write: the loop's and the watcher's
-        self._unwritten: Optional[str] = None  # the newest beat, while not yet in the store
+        self._unwritten: Optional[tuple[str, str]] = None  # (phase, beat) of the newest, while not yet stored
         self._written: tuple[str, float] = ("", 0.0)  # phase and time.monotonic() of the last write
         self._alive = 0  # this rank's alive counter (the watcher thread's)
         self._thread: Optional[threading.Thread] = None
@@ -216,10 +216,10 @@ class Heartbeat:
         value = json.dumps({"seq": self._seq, "step": step, "phase": phase, "budget_s": budget})
         try:
             with self._lock:
-                self._unwritten = value
+                self._unwritten = (phase, value)
                 last_phase, last_time = self._written
                 if phase != last_phase or now - last_time >= min(POLL_S, budget / 4):
-                    self._write_beat(phase, now)
+                    self._write_beat(now)
         except Exception as e:
             # The store is gone with the launcher or agent that held it: the run is stopping
             # on its own (launch.exit_with_parent), and a stop still saves its checkpoint, so
@@ -228,9 +228,10 @@ class Heartbeat:
             print(f"moe-fold: rank {self.rank}: hang watch off: the store is gone ({type(e).__name__}: {e})",
                   file=sys.stderr)
 
-    def _write_beat(self, phase: str, now: float) -> None:
+    def _write_beat(self, now: float) -> None:
         """Store the newest beat (the caller holds ``_lock``)."""
-        self.store.set(_progress_key(self.rank), self._unwritten)
+        phase, value = self._unwritten
+        self.store.set(_progress_key(self.rank), value)
         self._unwritten, self._written = None, (phase, now)
 
     def close(self) -> None:
@@ -278,7 +279,7 @@ class Heartbeat:
         self.store.set(_alive_key(self.rank), str(self._alive))
         with self._lock:
             if self._unwritten is not None:
-                self._write_beat(self._written[0], time.monotonic())
+                self._write_beat(time.monotonic())
 
     def _read(self, key: str) -> Optional[str]:
         return self.store.get(key).decode() if self.store.check([key]) else None
