@@ -16,10 +16,11 @@ from test_hf_deepseek_v3 import _gathered_logits, _tensors, hf_logits, max_diff,
 TOL = 1e-5
 
 
-def check_import_and_round_trip(ref_model, family: str, tmp_path, label: str):
+def check_import_and_round_trip(ref_model, family: str, tmp_path, label: str, **load):
     """``ref_model`` (a transformers model of ``family``) saved, imported on one process:
     logits within TOL of transformers', exported back to identical tensors, and the export
-    loads in transformers with the same logits. Returns the imported model."""
+    loads in transformers (``from_pretrained(..., **load)``) with the same logits. Returns
+    the imported model."""
     ids = token_ids()
     ref_model.save_pretrained(tmp_path / "hf")
     ref = hf_logits(ref_model, ids)
@@ -33,7 +34,8 @@ def check_import_and_round_trip(ref_model, family: str, tmp_path, label: str):
     assert set(a) == set(b)
     for key in a:
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", experts_implementation="eager").eval()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", **{"experts_implementation": "eager",
+                                                                                   **load}).eval()
     assert type(back).__name__ == type(ref_model).__name__
     assert max_diff(hf_logits(back, ids), ref) <= TOL
     return model

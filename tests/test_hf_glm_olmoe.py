@@ -16,12 +16,10 @@ import torch
 import transformers
 
 from moe_fold.config import ConfigError
-from moe_fold.launch import run_ranks
-from moe_fold.layout import ParallelLayout, create_process_groups
 from moe_fold.models import from_hf, to_hf
-from moe_fold.models.hf import HFConfigError, config_from_hf, export_family
-from test_hf_deepseek_v3 import (BATCH, SEQ, TOL, VOCAB, _gathered_logits, _tensors, hf_logits, max_diff,
-                                 randomize, saved_with_logits, token_ids)
+from moe_fold.models.hf import HFConfigError, config_from_hf
+from hf_family_checks import check_import_and_round_trip, check_layouts
+from test_hf_deepseek_v3 import VOCAB, randomize
 
 # Odd sizes: vocab 70, 6 heads of 8 over 2 kv heads (hidden 48), ffn 50, experts of 22.
 GLM = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=50, moe_intermediate_size=22, num_hidden_layers=4,
@@ -56,22 +54,7 @@ def hf_model(case: str, seed: int = 0, **overrides):
 @pytest.mark.parametrize("case, overrides", [("glm4_moe", {}), ("glm4_moe", dict(num_experts_per_tok=3)),
                                              ("olmoe", {})], ids=["glm4_moe", "glm4_moe_k3", "olmoe"])
 def test_import_matches_transformers_and_export_round_trips(case, overrides, tmp_path):
-    ids = token_ids()
-    ref_model = hf_model(case, **overrides)
-    ref_model.save_pretrained(tmp_path / "hf")
-    ref = hf_logits(ref_model, ids)
-    model = from_hf(tmp_path / "hf")
-    assert export_family(model.config) == case
-    diff = max_diff(model.eval().logits(ids), ref)
-    print(f"{case}: max abs logit diff vs transformers {diff:.3g}")
-    assert diff <= TOL
-    to_hf(model, tmp_path / "out")
-    a, b = _tensors(tmp_path / "hf"), _tensors(tmp_path / "out")
-    assert set(a) == set(b)
-    for key in a:
-        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-    back = CASES[case][1].from_pretrained(tmp_path / "out", experts_implementation="eager").eval()
-    assert max_diff(hf_logits(back, ids), ref) <= TOL
+    check_import_and_round_trip(hf_model(case, **overrides), case, tmp_path, label=case)
 
 
 def test_config_mapping():
@@ -127,26 +110,6 @@ def test_export_refuses_what_the_family_cannot_hold(tmp_path):
 
 # --------------------------------------------------------------------------- layouts
 
-def _import_export(rank, world_size, sizes, paths, out_dir):
-    groups = create_process_groups(ParallelLayout(world_size, **sizes))
-    results = {}
-    for case, path in paths.items():
-        model = from_hf(path, groups).eval()
-        results[case] = _gathered_logits(model, groups, token_ids())
-        if sizes.get("pp", 1) == 1:
-            to_hf(model, f"{out_dir}/{case}")
-    return results
-
-
 @pytest.mark.parametrize("sizes", [dict(tp=2, ep=2), dict(pp=2, cp=2)], ids=["tp2_ep2", "pp2_cp2"])
 def test_import_under_layouts(tmp_path, sizes):
-    refs, paths = saved_with_logits(tmp_path, {case: hf_model(case) for case in CASES}, token_ids())
-    results = run_ranks(_import_export, 4, sizes, paths, str(tmp_path / "out"), timeout=240)
-    for case, ref in refs.items():
-        for rank, result in enumerate(results):
-            diff = max_diff(result[case], ref)
-            print(f"{sizes} {case} rank {rank}: max abs logit diff vs transformers {diff:.3g}")
-            assert diff <= TOL
-        if "tp" in sizes:  # the export gathered from the tp x ep shards writes the same tensors
-            a, b = _tensors(tmp_path / case), _tensors(tmp_path / "out" / case)
-            assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), case
+    check_layouts({case: hf_model(case) for case in CASES}, "glm4_moe/olmoe", sizes, tmp_path)

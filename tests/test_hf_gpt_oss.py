@@ -17,12 +17,10 @@ import torch
 import transformers
 
 from moe_fold.config import ConfigError
-from moe_fold.launch import run_ranks
-from moe_fold.layout import ParallelLayout, create_process_groups
 from moe_fold.models import from_hf, to_hf
-from moe_fold.models.hf import HFConfigError, config_from_hf, export_family
-from test_hf_deepseek_v3 import (SEQ, VOCAB, _gathered_logits, _tensors, hf_logits, max_diff, randomize,
-                                 saved_with_logits, token_ids)
+from moe_fold.models.hf import HFConfigError, config_from_hf
+from hf_family_checks import check_import_and_round_trip, check_layouts
+from test_hf_deepseek_v3 import VOCAB, hf_logits, max_diff, randomize, token_ids
 
 TOL = 1e-5
 # Odd sizes: vocab 70, hidden 42, 6 heads of 8 over 2 kv heads (q width 48 != hidden), 6 experts
@@ -48,23 +46,7 @@ def hf_model(seed: int = 0, **overrides):
 
 
 def test_import_matches_transformers_and_export_round_trips(tmp_path):
-    ids = token_ids()
-    ref_model = hf_model()
-    ref_model.save_pretrained(tmp_path / "hf")
-    ref = hf_logits(ref_model, ids)
-    model = from_hf(tmp_path / "hf")
-    assert export_family(model.config) == "gpt_oss"
-    diff = max_diff(model.eval().logits(ids), ref)
-    print(f"gpt_oss: max abs logit diff vs transformers {diff:.3g}")
-    assert diff <= TOL
-    to_hf(model, tmp_path / "out")
-    a, b = _tensors(tmp_path / "hf"), _tensors(tmp_path / "out")
-    assert set(a) == set(b)
-    for key in a:
-        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", experts_implementation="eager",
-                                                             attn_implementation="eager").eval()
-    assert max_diff(hf_logits(back, ids), ref) <= TOL
+    check_import_and_round_trip(hf_model(), "gpt_oss", tmp_path, label="gpt_oss", attn_implementation="eager")
 
 
 def test_every_feature_changes_the_logits(tmp_path):
@@ -137,22 +119,6 @@ def test_export_refuses_what_the_family_cannot_hold(tmp_path):
 
 # --------------------------------------------------------------------------- layouts
 
-def _import_export(rank, world_size, sizes, path, out_dir):
-    groups = create_process_groups(ParallelLayout(world_size, **sizes))
-    model = from_hf(path, groups).eval()
-    logits = _gathered_logits(model, groups, token_ids())
-    to_hf(model, out_dir)
-    return logits
-
-
 @pytest.mark.parametrize("sizes", [dict(tp=2, ep=2), dict(pp=2, cp=2)], ids=["tp2_ep2", "pp2_cp2"])
 def test_import_under_layouts(tmp_path, sizes):
-    refs, paths = saved_with_logits(tmp_path, {"gpt_oss": hf_model()}, token_ids())
-    results = run_ranks(_import_export, 4, sizes, paths["gpt_oss"], str(tmp_path / "out"), timeout=240)
-    for rank, logits in enumerate(results):
-        diff = max_diff(logits, refs["gpt_oss"])
-        print(f"{sizes} gpt_oss rank {rank}: max abs logit diff vs transformers {diff:.3g}")
-        assert diff <= TOL
-    # The export gathered from the layout's shards writes the same tensors.
-    a, b = _tensors(tmp_path / "gpt_oss"), _tensors(tmp_path / "out")
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    check_layouts({"gpt_oss": hf_model()}, "gpt_oss", sizes, tmp_path)

@@ -17,11 +17,10 @@ import torch
 import transformers
 
 from moe_fold.config import ConfigError
-from moe_fold.launch import run_ranks
 from moe_fold.models import from_hf, to_hf
 from moe_fold.models.hf import HFConfigError, config_from_hf, export_family
-from test_hf_deepseek_v3 import TOL, VOCAB, _tensors, hf_logits, max_diff, randomize, saved_with_logits, token_ids
-from test_hf_glm_olmoe import _import_export
+from hf_family_checks import check_layouts
+from test_hf_deepseek_v3 import VOCAB, _tensors, hf_logits, max_diff, randomize, token_ids
 
 # Odd sizes: vocab 70, 6 heads of 8 over 2 kv heads (hidden 42), dense ffn 50, experts of 22.
 LLAMA4 = dict(vocab_size=VOCAB, hidden_size=42, intermediate_size=22, intermediate_size_mlp=50, num_hidden_layers=4,
@@ -110,16 +109,7 @@ def test_export_refuses_what_the_family_cannot_hold(tmp_path):
 
 @pytest.mark.parametrize("sizes", [dict(tp=2, ep=2), dict(pp=2, cp=2)], ids=["tp2_ep2", "pp2_cp2"])
 def test_import_under_layouts(tmp_path, sizes):
-    refs, paths = saved_with_logits(tmp_path, {case: hf_model(case) for case in CASES}, token_ids())
-    results = run_ranks(_import_export, 4, sizes, paths, str(tmp_path / "out"), timeout=240)
-    for case, ref in refs.items():
-        for rank, result in enumerate(results):
-            diff = max_diff(result[case], ref)
-            print(f"{sizes} {case} rank {rank}: max abs logit diff vs transformers {diff:.3g}")
-            assert diff <= 1e-5
-        if "tp" in sizes:  # the export gathered from the tp x ep shards writes the same tensors
-            a, b = _tensors(tmp_path / case), _tensors(tmp_path / "out" / case)
-            assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), case
+    check_layouts({case: hf_model(case) for case in CASES}, "llama4_text", sizes, tmp_path)
 
 
 # --------------------------------------------------------------------------- a trained preset exported
