@@ -134,6 +134,11 @@ def _rank_of(pid: int) -> int:
     return int([e for e in env if e.startswith(b"RANK=")][0][5:])
 
 
+def _common_prefix(a: bytes, b: bytes) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 class Metrics:
     """Tails ``<run_dir>/metrics.jsonl`` (rewritten shorter by each resume) and notes when
     each row arrived: ``rows``, a list of ``(time.time(), row)`` in arrival order."""
@@ -141,8 +146,7 @@ class Metrics:
     def __init__(self, run_dir: Path):
         self.path = run_dir / "metrics.jsonl"
         self.rows: list[tuple[float, dict]] = []
-        self._offset = 0
-        self._partial = ""
+        self._seen = b""  # the file's bytes read so far
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -155,21 +159,26 @@ class Metrics:
 
     def poll(self) -> None:
         try:
-            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                f.seek(max(0, len(self._seen) - 4096))
+                tail = f.read()
+                if tail.startswith(self._seen[-4096:]):  # appended to: the new bytes follow
+                    new = tail[min(len(self._seen), 4096):]
+                else:
+                    # A resume rewrote the file: the rows up to its checkpoint (a prefix of
+                    # what was read), then maybe already rows of its own, which are new.
+                    f.seek(0)
+                    data = f.read()
+                    kept = self._seen.rfind(b"\n", 0, _common_prefix(data, self._seen)) + 1
+                    self._seen = data[:kept]
+                    new = data[kept:]
         except FileNotFoundError:
             return
-        if size < self._offset:  # a resume kept only the rows up to its checkpoint
-            self._offset, self._partial = size, ""
-            return
-        with open(self.path) as f:
-            f.seek(self._offset)
-            text = f.read()
-        self._offset += len(text.encode())
+        new = new[:new.rfind(b"\n") + 1]  # whole rows only
+        self._seen += new
         now = time.time()
-        lines = (self._partial + text).split("\n")
-        self._partial = lines.pop()
         with self._lock:
-            self.rows += [(now, json.loads(line)) for line in lines if line.strip()]
+            self.rows += [(now, json.loads(line)) for line in new.decode().split("\n") if line.strip()]
 
     def snapshot(self) -> list[tuple[float, dict]]:
         with self._lock:
@@ -414,19 +423,24 @@ def _final_steps(run_dir: Path) -> dict[int, dict]:
     return final
 
 
-def reference(work: Path, cache_dir: Path, steps: int, nan_batch: int) -> dict[int, float]:
-    """The uninterrupted 4-rank run of the same config, without the skipped batch."""
-    run_dir = work / "reference"
-    sets = [*CONFIG, f"train.run_dir={run_dir}", f"data.cache_dir={cache_dir}", f"train.steps={steps}",
-            f"train.save_every={steps}", f"train.skip_batches=[{nan_batch}]"]
+def _plain_run(run_dir: Path, cache_dir: Path, world: int, ep: int, end: int, resume: bool, nan_batch: int,
+               what: str) -> None:
+    """``moe-fold train --nproc world`` of the same config without faults, to step ``end``
+    (its checkpoint written there), with the skipped batch skipped from the start."""
+    sets = [*CONFIG, f"parallel.ep={ep}", f"train.run_dir={run_dir}", f"data.cache_dir={cache_dir}",
+            f"train.steps={end}", f"train.save_every={end}", f"train.skip_batches=[{nan_batch}]"]
     command = [sys.executable, "-m", "moe_fold.cli", "train", "--config", "mixtral-tiny", "--no-progress",
-               "--nproc", "4", *[a for s in sets for a in ("--set", s)]]
+               "--nproc", str(world), *(["--resume"] if resume else []), *[a for s in sets for a in ("--set", s)]]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     if done.returncode != 0:
-        raise SystemExit(f"the reference run failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n"
-                         f"{done.stderr[-4000:]}")
-    return {s: r["loss"] for s, r in _final_steps(run_dir).items()}
+        raise SystemExit(f"{what} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+
+
+def reference(work: Path, cache_dir: Path, steps: int, nan_batch: int) -> dict[int, float]:
+    """The uninterrupted 4-rank run of the same config, without the skipped batch."""
+    _plain_run(work / "reference", cache_dir, 4, 4, steps, False, nan_batch, "the reference run")
+    return {s: r["loss"] for s, r in _final_steps(work / "reference").items()}
 
 
 def compare_losses(final: dict[int, dict], ref: dict[int, float], rows: list, starts: list[dict]):
@@ -481,15 +495,8 @@ def replay(work: Path, cache_dir: Path, segments: list[tuple[int, int, int]], na
     last step; its losses must equal the faulted run's bit for bit."""
     run_dir = work / "replay"
     for i, (world, ep, end) in enumerate(segments):
-        sets = [*CONFIG, f"parallel.ep={ep}", f"train.run_dir={run_dir}", f"data.cache_dir={cache_dir}",
-                f"train.steps={end}", f"train.save_every={end}", f"train.skip_batches=[{nan_batch}]"]
-        command = [sys.executable, "-m", "moe_fold.cli", "train", "--config", "mixtral-tiny", "--no-progress",
-                   "--nproc", str(world), *(["--resume"] if i else []), *[a for s in sets for a in ("--set", s)]]
-        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
-                              env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
-        if done.returncode != 0:
-            raise SystemExit(f"the replay's run to step {end} on {world} ranks failed (exit {done.returncode}):\n"
-                             f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        _plain_run(run_dir, cache_dir, world, ep, end, i > 0, nan_batch,
+                   f"the replay's run to step {end} on {world} ranks")
     return {s: r["loss"] for s, r in _final_steps(run_dir).items()}
 
 
