@@ -202,7 +202,7 @@ def gpu_table(by_gpu: dict, markdown: bool = False) -> str:
             return ["0", "", "", ""]
         return [str(e["rows"]), f"{100 * e['median_abs_error']:.1f}%", f"{100 * e['worst_abs_error']:.1f}%",
                 f"{100 * e['mean_error']:+.1f}%"]
-    head = ["GPU", "held-out rows", "median |error|", "worst", "mean", "calibration rows", "median |error|", "worst",
+    head = ["GPU", "held-out rows", "median abs error", "worst", "mean", "calibration rows", "median abs error", "worst",
             "mean"]
     body = [[gpu.upper(), *cell(e["held_out"]), *cell(e["calibration"])] for gpu, e in by_gpu.items()]
     if markdown:
