@@ -127,8 +127,9 @@ def _print_plan(console, plan) -> None:
     c = plan.compute
     if c.get("model") == "shapes":
         console.print(f"compute: each kernel timed from its shape (moe_fold.planner.compute_time): large-GEMM "
-                      f"efficiency {c['matmul_efficiency']:.3f}, {c['elementwise_passes']:g} element-wise passes per "
-                      f"layer, {c['attention_kernel']} attention, {c['gemm_dtype']} GEMMs")
+                      f"efficiency {c['matmul_efficiency']:.3f} times k/(k + {c['gemm_k_overhead']:g}), "
+                      f"{c['elementwise_passes']:g} element-wise passes per layer, {c['attention_kernel']} attention, "
+                      f"{c['gemm_dtype']} GEMMs")
     elif c:
         console.print(f"compute: FLOPs at {c['matmul_efficiency']:.2f} x peak (flat model)")
     if plan.routing:
