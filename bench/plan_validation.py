@@ -21,10 +21,12 @@ published and predicted MFU on model FLOPs (:func:`moe_fold.planner.model.model_
 over world x dense BF16 peak).
 
 The kernel figures (:data:`moe_fold.planner.estimate.CALIBRATED_EFFICIENCY`, the large-GEMM
-efficiency of each GPU, and ``CALIBRATED["elementwise_passes"]``, shared) are fitted only on
-the rows whose ``calibration`` column says ``yes`` (``--fit`` refits them there and prints
-them); every other row is held out. The summary prints the median and the worst absolute relative error over the
-held-out rows.
+efficiency of each GPU, and ``CALIBRATED["elementwise_passes"]`` and
+``CALIBRATED["gemm_k_overhead"]``, shared) are fitted only on the rows whose ``calibration``
+column says ``yes`` (``--fit`` refits them there and prints them); every other row is held
+out. The summary prints the error by GPU generation, held-out and calibration rows apart
+(each generation has its own efficiency), then per source. Each row is planned by
+:func:`moe_fold.planner.precedent.row_plan`, as ``moe-fold plan --row ID`` plans it: one MFU.
 
 Rows become configs with :func:`moe_fold.planner.precedent.row_config` (GPT rows as dense
 moe-fold models with the FLOPs of GPT's MLP).
