@@ -1,0 +1,126 @@
+"""The chunked gated delta rule and the causal conv1d against a float64 token-by-token
+reference, forward and gradients, with and without packed documents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_fold.kernels.gated_delta import causal_conv1d, chunk_gated_delta_rule
+from tests.float64_reference import assert_close_to_float64
+
+
+def recurrent_reference(q, k, v, g, beta, resets=None, initial_state=None):
+    """The recurrence one token at a time (the definition the chunked form must equal)."""
+    B, H, S, dk = k.shape
+    state = q.new_zeros(B, H, dk, v.shape[-1]) if initial_state is None else initial_state.clone()
+    outs = []
+    for t in range(S):
+        if resets is not None:
+            state = state * (~resets[:, t]).to(state.dtype)[:, None, None, None]
+        state = state * g[:, :, t].exp()[..., None, None]
+        kt, vt, bt = k[:, :, t], v[:, :, t], beta[:, :, t]
+        delta = (vt - torch.einsum("bhkv,bhk->bhv", state, kt)) * bt[..., None]
+        state = state + kt[..., None] * delta[..., None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, t]))
+    return torch.stack(outs, dim=2), state
+
+
+def conv_reference(x, weight, doc_ids=None):
+    """Each token's window read element by element, zero outside its document."""
+    S, B, C = x.shape
+    K = weight.shape[1]
+    out = torch.zeros_like(x)
+    for t in range(S):
+        for i in range(K):
+            src = t - (K - 1) + i
+            if src < 0:
+                continue
+            keep = torch.ones(B, dtype=x.dtype) if doc_ids is None else (doc_ids[:, src] == doc_ids[:, t]).to(x.dtype)
+            out[t] += weight[:, i] * x[src] * keep[:, None]
+    return out
+
+
+def _inputs(B=2, H=3, S=37, dk=5, dv=7, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(B, H, S, dk, generator=gen, dtype=torch.float64), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, H, S, dk, generator=gen, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, H, S, dv, generator=gen, dtype=torch.float64)
+    g = -torch.rand(B, H, S, generator=gen, dtype=torch.float64) * 0.7
+    beta = torch.rand(B, H, S, generator=gen, dtype=torch.float64)
+    return [t.requires_grad_() for t in (q, k, v, g, beta)]
+
+
+def _resets(B, S, starts):
+    resets = torch.zeros(B, S, dtype=torch.bool)
+    for b, cols in enumerate(starts):
+        resets[b, cols] = True
+    return resets
+
+
+def _check(got, want, grads_got, grads_want):
+    assert_close_to_float64(got, want, rtol=1e-5, atol=1e-6)
+    for name, a, b in zip("qkvgb", grads_got, grads_want):
+        assert_close_to_float64(a, b, rtol=1e-4, atol=1e-5, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 16, 64])
+@pytest.mark.parametrize("packed", [False, True])
+def test_chunked_equals_recurrent_forward_and_grads(chunk, packed):
+    inputs = _inputs()
+    B, S = inputs[0].shape[0], inputs[0].shape[2]
+    # Starts inside a chunk, on a chunk edge (16) and at the last token.
+    resets = _resets(B, S, [[0, 5, 16, 36], [0, 9, 10, 30]]) if packed else None
+    init = torch.randn(B, 3, 5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    want, want_state = recurrent_reference(*inputs, resets=resets, initial_state=init)
+    probe = torch.randn_like(want)
+    grads_want = torch.autograd.grad((want * probe).sum() + want_state.sum(), inputs)
+
+    f32 = [t.detach().float().requires_grad_() for t in inputs]
+    got, got_state = chunk_gated_delta_rule(*f32, resets=resets, initial_state=init.float(), chunk_size=chunk)
+    grads_got = torch.autograd.grad((got * probe.float()).sum() + got_state.sum(), f32)
+    _check(got, want, grads_got, grads_want)
+    assert_close_to_float64(got_state, want_state.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_packed_equals_each_document_alone():
+    """A packed row gives each document what the recurrence gives it run alone from a
+    zero state."""
+    q, k, v, g, beta = (t.detach().float() for t in _inputs(B=1, S=30))
+    bounds = [0, 7, 19, 30]
+    resets = _resets(1, 30, [bounds[:-1]])
+    packed, _ = chunk_gated_delta_rule(q, k, v, g, beta, resets=resets, chunk_size=8)
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        alone, _ = chunk_gated_delta_rule(*(t[:, :, lo:hi] for t in (q, k, v, g, beta)), chunk_size=8)
+        torch.testing.assert_close(packed[:, :, lo:hi], alone, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_causal_conv1d(packed):
+    gen = torch.Generator().manual_seed(1)
+    S, B, C, K = 13, 2, 6, 4
+    x = torch.randn(S, B, C, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(C, K, dtype=torch.float64, generator=gen, requires_grad=True)
+    doc_ids = None
+    if packed:
+        doc_ids = torch.tensor([[0] * 4 + [1] * 6 + [2] * 3, [3] * 1 + [4] * 12])
+    want = conv_reference(x, w, doc_ids)
+    hist_ids = None if doc_ids is None else torch.cat([doc_ids[:, :1].expand(B, K - 1) - 100, doc_ids], 1)
+    got = causal_conv1d(x.float(), w.float(), doc_ids=hist_ids)
+    assert_close_to_float64(got, want.detach())
+    probe = torch.randn_like(want)
+    gw = torch.autograd.grad((want * probe).sum(), (x, w))
+    xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    gg = torch.autograd.grad((causal_conv1d(xf, wf, doc_ids=hist_ids) * probe.float()).sum(), (xf, wf))
+    for a, b in zip(gg, gw):
+        assert_close_to_float64(a, b)
+
+
+def test_causal_conv1d_history_continues_the_sequence():
+    """Split in two with the first part's tail as history: the same as one pass."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(11, 2, 5, generator=gen)
+    w = torch.randn(5, 4, generator=gen)
+    whole = causal_conv1d(x, w)
+    second = causal_conv1d(x[6:], w, history=x[3:6])
+    torch.testing.assert_close(second, whole[6:])
