@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from moe_fold.comm import all_reduce_, gather_from_tp_region
-from moe_fold.config import Config, head_dim, moe_layer_flags, rotary_dim, vpp_size
+from moe_fold.config import Config, head_dim, layer_mixer, moe_layer_flags, rotary_dim, vpp_size
 from moe_fold.dispatch.aux_losses import attach_loss
 from moe_fold.parallel.context_parallel import zigzag_positions
 from moe_fold.layout import ProcessGroups
@@ -50,6 +50,7 @@ from moe_fold.parallel.varlen import Documents, doc_ids_from_cu_seqlens, router_
 
 from .attention import Attention
 from .experts import Experts
+from .gated_deltanet import GatedDeltaNet
 from .kv_cache import LayerCache
 from .mla import MLAttention
 from .mlp import MLP
@@ -72,14 +73,17 @@ class Block(nn.Module):
         m, sp = config.model, config.parallel.sequence_parallel
         # Under SP each tp rank normalises a different slice of the sequence.
         norm_kind = "tp_sum" if sp else "replicated"
-        self.attn_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind)
-        where = dict(seed=config.train.seed, name=f"layers.{layer}.attn", cp_group=groups.cp,
-                     cp_kind=config.parallel.cp_kind)
-        if m.attention == "mla":
+        self.attn_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind, m.norm_zero_centred)
+        where = dict(seed=config.train.seed, name=f"layers.{layer}.attn", cp_group=groups.cp)
+        if layer_mixer(m, layer) == "gated_deltanet":
+            self.attn = GatedDeltaNet(m, groups.tp, sp, **where)
+        elif m.attention == "mla":
+            where["cp_kind"] = config.parallel.cp_kind
             self.attn = MLAttention(m, groups.tp, sp, **where)
         else:
+            where["cp_kind"] = config.parallel.cp_kind
             self.attn = Attention(m, head_dim(config), groups.tp, sp, **where, layer=layer)
-        self.mlp_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind)
+        self.mlp_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind, m.norm_zero_centred)
         self.mlp = mlp
         # What the backward runs again (train.recompute, models/recompute.py): "none",
         # "all" (the whole block) or "attention" (the attention after its norm).
@@ -217,7 +221,7 @@ class Transformer(nn.Module):
         self.norm: Optional[RMSNorm] = None
         self.lm_head: Optional[ColumnParallelLinear] = None
         if last:
-            self.norm = RMSNorm(m.hidden_size, m.norm_eps, "tp_sum" if sp else "replicated")
+            self.norm = RMSNorm(m.hidden_size, m.norm_eps, "tp_sum" if sp else "replicated", m.norm_zero_centred)
             # Tied: the head is the embedding's own parameter (same vocab split over tp).
             tied = self.embed.weight if m.tie_embeddings else None
             self.lm_head = ColumnParallelLinear(m.hidden_size, m.vocab_size, groups.tp, sp, std=m.init_std,
