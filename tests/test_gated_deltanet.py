@@ -124,3 +124,97 @@ def test_causal_conv1d_history_continues_the_sequence():
     whole = causal_conv1d(x, w)
     second = causal_conv1d(x[6:], w, history=x[3:6])
     torch.testing.assert_close(second, whole[6:])
+
+
+def _hf_qwen3_next_config():
+    from transformers import Qwen3NextConfig
+    return Qwen3NextConfig(vocab_size=32, hidden_size=20, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                           linear_key_head_dim=6, linear_value_head_dim=5, linear_conv_kernel_dim=4,
+                           layer_types=["linear_attention", "full_attention"], rms_norm_eps=1e-6)
+
+
+def _our_config():
+    from moe_fold.config import ModelConfig
+    return ModelConfig(hidden_size=20, num_heads=4, num_kv_heads=2, head_dim=8, partial_rotary_factor=0.25,
+                       linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=6, linear_value_head_dim=5,
+                       linear_conv_kernel=4, linear_chunk_size=4, attn_output_gate=True, norm_zero_centred=True,
+                       qk_norm=True, norm_eps=1e-6)
+
+
+def _by_key_head(w, nk, sizes):
+    """Hugging Face groups the fused rows by key head ([q_h, k_h, v_h.., z_h..] per head h);
+    ours are part-major ([q, k, v, z]): the same rows regrouped."""
+    per_head = w.view(nk, sum(sizes), -1).split(sizes, dim=1)
+    return torch.cat([p.reshape(-1, w.shape[-1]) for p in per_head])
+
+
+def test_gated_deltanet_equals_transformers_qwen3_next():
+    """Our layer with Qwen3-Next's weights gives transformers' Qwen3NextGatedDeltaNet output."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+    from moe_fold.models.gated_deltanet import GatedDeltaNet
+    torch.manual_seed(0)
+    hf = Qwen3NextGatedDeltaNet(_hf_qwen3_next_config(), 0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    ours = GatedDeltaNet(_our_config(), None, False, seed=0, name="l")
+    nk, dk, r, dv = 2, 6, 2, 5
+    with torch.no_grad():
+        ours.in_proj.weight.copy_(torch.cat([
+            _by_key_head(hf.in_proj_qkvz.weight, nk, [dk, dk, r * dv, r * dv]),
+            _by_key_head(hf.in_proj_ba.weight, nk, [r, r])]))
+        ours.conv_weight.copy_(hf.conv1d.weight.squeeze(1))
+        ours.A_log.copy_(hf.A_log)
+        ours.dt_bias.copy_(hf.dt_bias)
+        ours.norm_weight.copy_(hf.norm.weight)
+        ours.out_proj.weight.copy_(hf.out_proj.weight)
+    x = torch.randn(2, 13, 20)
+    want = hf(x)
+    got = ours(x.transpose(0, 1), None, None).transpose(0, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gated_attention_and_zero_centred_norm_equal_transformers_qwen3_next():
+    """Our attention with the output gate and zero-centred QK-norms gives transformers'
+    Qwen3NextAttention output; our zero-centred RMSNorm its Qwen3NextRMSNorm."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        Qwen3NextAttention, Qwen3NextRMSNorm, Qwen3NextRotaryEmbedding)
+    from moe_fold.models.attention import Attention
+    from moe_fold.models.norm import RMSNorm
+    from moe_fold.models.rotary import rotary_cos_sin
+    torch.manual_seed(1)
+    config = _hf_qwen3_next_config()
+    config._attn_implementation = "eager"
+    hf = Qwen3NextAttention(config, 1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    ours = Attention(_our_config(), 8, None, False, seed=0, name="l", layer=1)
+    heads, hd = 4, 8
+    with torch.no_grad():
+        q, gate = hf.q_proj.weight.view(heads, 2, hd, -1).unbind(1)  # per head: q rows, then gate rows
+        ours.qkv.weight.copy_(torch.cat([q.reshape(-1, 20), gate.reshape(-1, 20), hf.k_proj.weight,
+                                         hf.v_proj.weight]))
+        ours.proj.weight.copy_(hf.o_proj.weight)
+        ours.q_norm.weight.copy_(hf.q_norm.weight)
+        ours.k_norm.weight.copy_(hf.k_norm.weight)
+    S = 11
+    x = torch.randn(2, S, 20)
+    positions = torch.arange(S)[None].expand(2, -1)
+    cos_sin = Qwen3NextRotaryEmbedding(config)(x, positions)
+    mask = torch.full((S, S), float("-inf")).triu(1)[None, None]
+    want, _ = hf(x, cos_sin, mask)
+    # Qwen3-Next rotates the first quarter of each head.
+    rope = config.rope_parameters
+    cos, sin = rotary_cos_sin(torch.arange(S), int(hd * rope["partial_rotary_factor"]), rope["rope_theta"],
+                              torch.float32, None)
+    got = ours(x.transpose(0, 1), cos, sin).transpose(0, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    norm_hf = Qwen3NextRMSNorm(20, 1e-6)
+    norm = RMSNorm(20, 1e-6, zero_centred=True)
+    with torch.no_grad():
+        norm_hf.weight.normal_()
+        norm.weight.copy_(norm_hf.weight)
+    torch.testing.assert_close(norm(x), norm_hf(x))
