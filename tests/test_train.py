@@ -117,6 +117,37 @@ def test_mtp_loss_per_depth_in_metrics_and_under_pp(tmp_path, cache_dir):
     assert one.losses == [r["loss"] for r in ref]
 
 
+def _checkpoint_tensors(run_dir) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    (folder,) = sorted((Path(run_dir) / "checkpoints").iterdir())[-1:]
+    with safe_open(str(folder / "rank_00000.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def test_metrics_off_take_the_same_steps(tmp_path, cache_dir):
+    """Collectors only read: a run without the routing metrics (``train(..., metrics=False)``)
+    takes the steps of one with them, bit for bit: every step's loss, and every weight,
+    expert bias and optimizer moment of the last checkpoint. The expert bias, the global
+    aux loss and an MTP depth are on: the routing state the step changes, and the losses it
+    adds to the LM loss."""
+    extra = ["train.steps=3", "train.save_every=3", "moe.score_function=sigmoid", "moe.expert_bias=true",
+             "moe.bias_update_rate=0.01",
+             "moe.global_aux_loss_coeff=0.01", "model.mtp_num_layers=1"]
+    on = train(small_config(tmp_path / "on", cache_dir, *extra))
+    off = train(small_config(tmp_path / "off", cache_dir, *extra), metrics=False)
+    assert on.losses == off.losses and len(on.losses) == 3
+    a, b = _checkpoint_tensors(tmp_path / "on"), _checkpoint_tensors(tmp_path / "off")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    biases = [k for k in a if "router.expert_bias" in k]
+    assert biases and all(a[k].abs().sum() > 0 for k in biases)  # the bias moved
+    ran, bare = read_metrics(tmp_path / "on"), read_metrics(tmp_path / "off")
+    # Without metrics the rows keep the step's own fields, not the collector's.
+    assert [r["loss"] for r in bare] == off.losses and all("expert_load" not in r for r in bare)
+    assert all(r["aux_loss"] == s["aux_loss"] and r["mtp_loss"] == s["mtp_loss"] for r, s in zip(ran, bare))
+    assert all("expert_load" in r for r in ran)
+
+
 # --------------------------------------------------------------------------- resume
 
 def _train_each(rank, world_size, configs):
