@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from moe_fold.config import Config, ConfigError, etp_size, parse_elastic_layout, validate
 
-__all__ = ["ElasticChoice", "choose_layout", "elastic_hint"]
+__all__ = ["ElasticChoice", "choose_layout", "elastic_hint", "with_elastic_hint"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,18 @@ def elastic_hint(config: Config, world_size: int) -> str | None:
     except ConfigError:
         return None
     sizes = choice.sizes()
-    return (f"parallel.elastic=true would run world_size={world_size} with {choice.rule} ({_describe(choice.config)}): "
+    return (f"parallel.elastic=true would take {choice.rule} ({_describe(choice.config)}) here: "
             f"dp={sizes['dp']}, edp={sizes['edp']}, {_micro_batches(sizes['micro_batches'])} per step "
-            f"(--set parallel.elastic=true; or set parallel.* to a layout that fits)")
+            f"(--set parallel.elastic=true, or set those sizes)")
+
+
+def with_elastic_hint(error: ConfigError, config: Config, world_size: int) -> ConfigError:
+    """``error`` (``config`` refused for ``world_size``) with :func:`elastic_hint` added to
+    its world-size problems (on a line of its own when the misfit is elsewhere); ``error``
+    itself when there is no hint."""
+    hint = elastic_hint(config, world_size)
+    if hint is None:
+        return error
+    ours = f"world_size={world_size} "
+    problems = [f"{p}; {hint}" if p.startswith(ours) else p for p in error.problems]
+    return ConfigError(problems if problems != error.problems else [*problems, hint])

@@ -141,7 +141,13 @@ def run(args: argparse.Namespace) -> int:
         if config.parallel.elastic:
             # The one hook of elastic restarts: the layout for the world this start got.
             config = _elastic_layout(config, world, rank0=torchrun is None or os.environ["RANK"] == "0")
-        check_trainable(config, world)
+        try:
+            check_trainable(config, world)
+        except ConfigError as e:
+            from moe_fold.elastic import with_elastic_hint
+
+            # A world the layout does not fit: name the layout parallel.elastic=true would take.
+            raise with_elastic_hint(e, config, world) from None
         from moe_fold.data.sources import check_data
 
         # A damaged or mismatched dataset fails here, before any rank starts.

@@ -22,6 +22,7 @@ from torch import nn
 from moe_fold.config import Config, dump_config
 from moe_fold.dispatch.router import Router
 from moe_fold.layout import ProcessGroups
+from moe_fold.models.model import Transformer
 from moe_fold.models.model import build_model as build_transformer
 from moe_fold.training.faults import FaultPlan
 from moe_fold.training.numerics import LossSpikes
@@ -31,7 +32,9 @@ from moe_fold.training.step import forward_backward as step_forward_backward
 from moe_fold.training.step_losses import StepLosses
 
 if TYPE_CHECKING:
-    from moe_fold.data.loader import DataLoader
+    from rich.console import Console
+
+    from moe_fold.data.loader import BlendedDataset, DataLoader, GPTDataset
     from moe_fold.training.buckets import GradSync
     from moe_fold.training.dynamic_cp import DynamicCP
     from moe_fold.training.metrics import MetricsLogger, RoutingCollector
@@ -49,9 +52,9 @@ class Run:
     groups: ProcessGroups
     run_dir: Path
     loader: DataLoader  # this rank's micro-batches of each global batch
-    valid_dataset: Any  # the validation dataset (train.eval_every > 0; any dataset format), else None
+    valid_dataset: Optional[GPTDataset | BlendedDataset]  # the validation data (train.eval_every > 0)
     dynamic_cp: Optional[DynamicCP]  # under parallel.dynamic_cp with cp > 1
-    model: nn.Module  # the model that computes (bf16 under train.precision=bf16)
+    model: Transformer  # the model that computes (bf16 under train.precision=bf16)
     master: Optional[MasterWeights]  # its float32 masters under bf16, else None
     state_model: nn.Module  # what the optimizer updates and checkpoints hold: the masters, or the model
     optimizer: AdamW
@@ -210,7 +213,7 @@ def load_state(run: Run, path) -> dict:
     return extra
 
 
-def start_logging(run: Run, console: Any, progress: bool, start_step: int, resumed_from: Optional[str],
+def start_logging(run: Run, console: Optional[Console], progress: bool, start_step: int, resumed_from: Optional[str],
                   defaults: Optional[Config] = None) -> MetricsLogger:
     """Rank 0 writes the run's config.yaml (only now: a resume that fails on its checkpoint
     leaves the run folder as it was) and prints the run's start to ``console`` (None: no

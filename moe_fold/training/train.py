@@ -74,7 +74,6 @@ from torch import nn
 from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, ConfigError, validate
 from moe_fold.dispatch.router import Router
-from moe_fold.elastic import elastic_hint
 from moe_fold.kernels.backends import resolve_config
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model as build_transformer
@@ -125,16 +124,8 @@ class TrainResult:
 
 
 def check_trainable(config: Config, world_size: int) -> None:
-    """``validate`` plus what the loop itself cannot do yet; raises ConfigError. A layout
-    that does not fit the world also names the one ``parallel.elastic=true`` would take
-    (:func:`moe_fold.elastic.elastic_hint`)."""
-    try:
-        validate(config, world_size)
-    except ConfigError as e:
-        hint = elastic_hint(config, world_size)
-        if hint is None:
-            raise
-        raise ConfigError([*e.problems, hint]) from None
+    """``validate`` plus what the loop itself cannot do yet; raises ConfigError."""
+    validate(config, world_size)
     problems = []
     if config.moe.seq_aux_loss_coeff > 0 and config.parallel.dynamic_cp:
         # Dynamic cp concatenates documents of different samples on one row, so the
