@@ -10,8 +10,9 @@ and the routers' ``grad_scale = 1/num_microbatches``, are documented there). The
 the backward with ``parallel.overlap_grad_reduce``, :mod:`moe_fold.training.buckets`), clips
 the global norm and steps AdamW (whose parameter all-gathers, with
 ``parallel.overlap_param_gather``, complete during the next forward); the LR schedule
-steps, and the routers close their step (``Router.finish_step``: expert-bias update,
-``global_aux`` reset).
+steps, and the routers close their step (:func:`close_routers`: expert-bias update,
+``global_aux`` reset). The step's loss is the LM loss plus the auxiliary and MTP losses
+it weighs in (:mod:`moe_fold.training.step_losses`); the routing metrics only read.
 
 Determinism: with ``train.deterministic`` torch uses deterministic algorithms, and the
 random state is re-seeded from ``(train.seed, step, rank)`` at the start of every step,
