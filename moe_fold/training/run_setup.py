@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -92,7 +92,7 @@ class Run:
 
 def set_up_run(config: Config, device: torch.device, groups: ProcessGroups, resume: bool = False, *,
                metrics: bool = True, faults: FaultPlan = FaultPlan(),
-               build_model: Callable[[Config, ProcessGroups], nn.Module] = build_transformer,
+               build_model: Callable[[Config, ProcessGroups], Transformer] = build_transformer,
                forward_backward: Callable = step_forward_backward) -> Run:
     """Build this rank's data loaders, model (and float32 masters under bf16), optimizer,
     gradient reduction, LR schedule, step losses, routing collector, expert replacer and
@@ -218,7 +218,8 @@ def start_logging(run: Run, console: Optional[Console], progress: bool, start_st
     """Rank 0 writes the run's config.yaml (only now: a resume that fails on its checkpoint
     leaves the run folder as it was) and prints the run's start to ``console`` (None: no
     output): the config's changes to ``defaults`` (the preset or file the run came from;
-    None: the dataclasses' defaults) and the layouts. Returns the :class:`moe_fold.training.metrics.MetricsLogger` of the run
+    None: the dataclasses' defaults) and the layouts. Returns the
+    :class:`moe_fold.training.metrics.MetricsLogger` of the run
     (metrics.jsonl, wandb, the console; active on rank 0)."""
     from moe_fold.training.metrics import MetricsLogger
 

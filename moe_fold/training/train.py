@@ -77,6 +77,7 @@ from moe_fold.config import Config, ConfigError, validate
 from moe_fold.dispatch.router import Router
 from moe_fold.kernels.backends import resolve_config
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
+from moe_fold.models.model import Transformer
 from moe_fold.models.model import build_model as build_transformer
 from moe_fold.training.cadence import start_cadence
 from moe_fold.training.checkpoint import CheckpointSaver
@@ -206,7 +207,7 @@ def _seed_step(config: Config, step: int, rank: int) -> None:
 def train(config: Config, resume: bool = False, console: Optional[Console] = None, progress: bool = True,
           stop_at: Optional[int] = None, *, defaults: Optional[Config] = None, metrics: bool = True,
           faults: FaultPlan = FaultPlan(),
-          build_model: Callable[[Config, ProcessGroups], nn.Module] = build_transformer,
+          build_model: Callable[[Config, ProcessGroups], Transformer] = build_transformer,
           forward_backward: Callable = step_forward_backward) -> TrainResult:
     """Run ``config`` on this rank; see the module docstring.
 
@@ -262,11 +263,12 @@ def _train(run: Run, resume: bool, console: Optional[Console], progress: bool, s
                             timeout_s=config.parallel.timeout_s)
     # Hang detection: one beat as each phase begins (moe_fold.training.heartbeat).
     heartbeat = Heartbeat.for_run(config, rank, groups.layout.world_size)
+    tokens_per_step = t.global_batch_size * config.model.seq_length
     # After each step, in this order (moe_fold/training/periodic.py says how to add one).
     actions: list[Action] = [
         ReplaceExperts(replacer=run.replacer, optimizer=run.optimizer, beat=heartbeat.beat),
         WatchLossSpikes(spikes=run.spikes, warn=rank == 0, stop=t.on_loss_spike == "stop"),
-        LogStep(logger=logger, collector=run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),
+        LogStep(logger=logger, collector=run.collector, tokens_per_step=tokens_per_step),
         RollBack(run=run, saver=saver, logger=logger),
         Evaluate(run=run, logger=logger, beat=heartbeat.beat),
         CheckStop(stops=stops, console=console if rank == 0 else None),

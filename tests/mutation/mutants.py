@@ -533,9 +533,9 @@ MUTANTS: list[Mutant] = [
         "replace-after-log", TRAIN,
         "        ReplaceExperts(replacer=run.replacer, optimizer=run.optimizer, beat=heartbeat.beat),\n"
         "        WatchLossSpikes(spikes=run.spikes, warn=rank == 0, stop=t.on_loss_spike == \"stop\"),\n"
-        "        LogStep(logger=logger, collector=run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),\n",
+        "        LogStep(logger=logger, collector=run.collector, tokens_per_step=tokens_per_step),\n",
         "        WatchLossSpikes(spikes=run.spikes, warn=rank == 0, stop=t.on_loss_spike == \"stop\"),\n"
-        "        LogStep(logger=logger, collector=run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),\n"
+        "        LogStep(logger=logger, collector=run.collector, tokens_per_step=tokens_per_step),\n"
         "        ReplaceExperts(replacer=run.replacer, optimizer=run.optimizer, beat=heartbeat.beat),\n",
         "the periodic actions out of order: the step is logged before the re-placement adds what moved",
         ("tests/test_replace.py::test_replacing_under_bf16_keeps_the_losses_bit_for_bit",)),
