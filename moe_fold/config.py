@@ -255,6 +255,12 @@ class MoEConfig:
     # The router's top-k; triton fuses plain top-k only (not num_groups or expert_bias).
     topk_backend: Literal["auto", "torch", "triton"] = "auto"
 
+    # Router replay (docs/routes.md): force every token's experts to those recorded in
+    # PATH, a route trace (a run folder or its routes/ folder) or a routes file of the
+    # inference format; gating weights come from the current router's scores at those
+    # experts. None: the router chooses.
+    router_replay: Optional[str] = None
+
 
 @dataclass
 class ParallelConfig:
@@ -464,6 +470,11 @@ class TrainConfig:
     # Write checkpoints in a background thread; the step only waits for a host copy
     # (kept allocated between saves: one copy of the rank's weights and optimizer state).
     async_save: bool = True
+
+    # Route traces (docs/routes.md): every N steps, each MoE layer's route of every token
+    # (experts, probabilities, dropped), keyed by sample and position, into
+    # run_dir/routes/step_N/; 0: off.
+    route_trace_every: int = 0
 
 
 @dataclass
@@ -977,8 +988,25 @@ def validate(config: Config, world_size: int) -> None:
     _check_train(config, world_size, parallel_ok, out)
     _check_optimizer(config, out)
     _check_data_wandb_and_init(config, out)
+    out.extend(route_problems(config))
     if out:
         raise ConfigError(out)
+
+
+def route_problems(config: Config) -> list[str]:
+    """The rules of route traces and router replay (docs/routes.md)."""
+    out: list[str] = []
+    t, moe = config.train, config.moe
+    _at_least(out, "train.route_trace_every", t.route_trace_every, 0)
+    for dotted, value, on in (("train.route_trace_every", t.route_trace_every, t.route_trace_every > 0),
+                              ("moe.router_replay", moe.router_replay, moe.router_replay is not None)):
+        if on and config.parallel.dynamic_cp:
+            out.append(f"{dotted}={_fmt(value)} cannot run with parallel.dynamic_cp=true: dynamic cp moves "
+                       f"tokens between ranks by document, so a token's place in the data is not known where "
+                       f"it is routed")
+    if moe.router_replay is not None and not moe.router_replay.strip():
+        out.append(f"moe.router_replay={_fmt(moe.router_replay)} must name a route trace or a routes file")
+    return out
 
 
 def _type_problems(config: Config) -> list[str]:
