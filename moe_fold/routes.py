@@ -207,6 +207,8 @@ def diff(run_a: str | Path, run_b: str | Path, step: Optional[int] = None, top: 
         for j, layer in enumerate(a.layers):
             change = (_dense(a, j) - _dense(b, j)).abs().amax(dim=1)  # [N]
             for t in torch.topk(change, min(top, len(change))).indices.tolist():
+                if change[t] == 0:
+                    break
                 largest.append((s, layer, int(a.sample[t]), int(a.position[t]), a.experts[t, j].tolist(),
                                 b.experts[t, j].tolist(), float(change[t])))
     largest = sorted(largest, key=lambda r: -r[-1])[:top]
@@ -219,7 +221,8 @@ def format_diff(d: RouteDiff) -> str:
     for s in d.steps:
         lines.append(f"{s:>4}  " + "  ".join(f"{x:>9.4f}" for x in d.differing[s]))
     lines.append("first apart: never" if d.first is None else f"first apart: step {d.first[0]}, layer {d.first[1]}")
-    lines.append("largest probability changes (step layer sample position experts_a experts_b max|dp|):")
+    lines.append("largest probability changes (step layer sample position experts_a experts_b max|dp|):"
+                 + ("" if d.largest else " none"))
     for s, layer, sample, pos, ea, eb, change in d.largest:
         lines.append(f"  {s} {layer} {sample} {pos} {ea} {eb} {change:.3e}")
     return "\n".join(lines)
