@@ -37,7 +37,17 @@ from moe_fold.models.moe_layer import MoELayer
 from moe_fold.parallel.context_parallel import zigzag_positions
 from moe_fold.routes import RouteSignature, expert_dtype, load_replay, step_dir
 
-__all__ = ["token_keys", "route_signature", "main_routers", "RouteRecorder", "RouteReplayer", "RouteActions"]
+__all__ = ["local_positions", "token_keys", "route_signature", "main_routers", "RouteRecorder", "RouteReplayer", "RouteActions"]
+
+
+def local_positions(groups: ProcessGroups, config: Config) -> torch.Tensor:
+    """``[S_local]`` int64: the sequence positions of this rank's share of every row, in
+    the order its MoE layers see them."""
+    S, cp, tp = config.model.seq_length, groups.size("cp"), groups.size("tp")
+    positions = zigzag_positions(S, groups.rank_in("cp"), cp)  # [S/cp]
+    if config.parallel.sequence_parallel and tp > 1:
+        positions = positions.chunk(tp)[groups.rank_in("tp")]  # [S/cp/tp]
+    return positions
 
 
 def token_keys(batch: Batch, groups: ProcessGroups, config: Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,10 +55,7 @@ def token_keys(batch: Batch, groups: ProcessGroups, config: Config) -> tuple[tor
     in the order its MoE layers see them."""
     if batch.sample_ids is None:
         raise ValueError("route traces and router replay need the loader's sample ids (Batch.sample_ids)")
-    S, cp, tp = config.model.seq_length, groups.size("cp"), groups.size("tp")
-    positions = zigzag_positions(S, groups.rank_in("cp"), cp)  # [S/cp]
-    if config.parallel.sequence_parallel and tp > 1:
-        positions = positions.chunk(tp)[groups.rank_in("tp")]  # [S/cp/tp]
+    positions = local_positions(groups, config)
     B = batch.sample_ids.shape[0]
     # [S_local, B] flattened, sequence first
     return batch.sample_ids.repeat(positions.shape[0]), positions.repeat_interleave(B)
@@ -146,12 +153,13 @@ class RouteReplayer:
         return hook
 
     def start_step(self, step: int, microbatches: Sequence[Batch]) -> None:
+        positions = local_positions(self.groups, self.config)  # [S_local]
         for b in microbatches:
-            sample, position = token_keys(b, self.groups, self.config)
+            if b.sample_ids is None:
+                raise ValueError("router replay needs the loader's sample ids (Batch.sample_ids)")
             recorded = torch.stack([self.routes.of(s, step) for s in b.sample_ids.tolist()])  # [B, S, L, k]
-            index = {s: j for j, s in enumerate(b.sample_ids.tolist())}
-            rows = torch.tensor([index[s] for s in sample.tolist()])
-            forced = recorded[rows, position]  # [T_local, L, k]
+            # [B, S_local, L, k] -> [S_local, B, L, k] -> [T_local, L, k], the MoE layers' order
+            forced = recorded[:, positions].transpose(0, 1).flatten(0, 1)
             for layer, queue in self._queues.items():
                 queue.append(forced[:, self.column[layer]].to(self.device, non_blocking=True))
 
