@@ -1,9 +1,9 @@
 """Batch dependence on the CPU: how much a sequence's routes and logits, and a row's
 result in each kernel, change with the other rows computed beside it.
 
-    python bench/batch_invariance.py [--preset mixtral-tiny] [--threads N] [--rows 1024]
+    python bench/batch_invariance.py [--preset mixtral-tiny] [--threads N] [--rows 1024] [--rounds 5]
 
-Measurements only: moe-fold has no batch-invariant mode yet (docs/routes.md). Output:
+Output:
 
 - one JSON line per kernel (``mm``/``linear`` at several hidden sizes, the expert
   grouped GEMM of each CPU backend, RMSNorm, softmax, SDPA): the row counts ``M`` in
@@ -11,7 +11,11 @@ Measurements only: moe-fold has no batch-invariant mode yet (docs/routes.md). Ou
   and the largest absolute difference;
 - one JSON line per GEMM backend (``moe.gemm_backend``) of the preset's model (one
   process, float32): sequence 0 alone and among 1, 3 and 7 others, the largest logit
-  difference and whether its routes (every MoE layer's expert set per token) are equal.
+  difference and whether its routes (every MoE layer's expert set per token) are equal,
+  with ``train.batch_invariant`` off and on;
+- the cost of the mode: one training forward and backward of a micro-batch of the preset,
+  mode on against off, interleaved over ``--rounds`` rounds, medians of wall and process
+  CPU time (``overhead``: on / off - 1).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -86,36 +92,72 @@ def kernels(rows: int) -> list[dict]:
     return out
 
 
-def model_rows(preset: str) -> list[dict]:
+def _model(preset: str, backend: str, invariant: bool):
     from moe_fold.models.model import build_model
 
+    config = load_config(preset, ["parallel.ep=1", f"moe.gemm_backend={backend}", "moe.swiglu_backend=torch",
+                                  "moe.topk_backend=torch", "moe.permute_backend=torch",
+                                  f"train.batch_invariant={str(invariant).lower()}"])
+    torch.manual_seed(0)
+    return config, build_model(config, ProcessGroups.single_process())
+
+
+def model_rows(preset: str) -> list[dict]:
     from moe_fold.kernels.gmm import available_backends
 
     out = []
-    for backend in [b for b in available_backends("cpu") if b != "auto"]:
-        config = load_config(preset, ["parallel.ep=1", f"moe.gemm_backend={backend}", "moe.swiglu_backend=torch",
-                                      "moe.topk_backend=torch", "moe.permute_backend=torch"])
-        torch.manual_seed(0)
-        model = build_model(config, ProcessGroups.single_process()).eval()
-        S = config.model.seq_length
-        ids = torch.randint(0, config.model.vocab_size, (8, S), generator=torch.Generator().manual_seed(1))
-        seen: list = []
-        for block in model.layers:
-            block.mlp.router.register_forward_hook(lambda m, a, o: seen.append(o.routing_map))
+    for backend in [b for b in available_backends("cpu") if b in ("torch", "loop")]:
+        for invariant in (False, True):
+            config, model = _model(preset, backend, invariant)
+            model.eval()
+            S = config.model.seq_length
+            ids = torch.randint(0, config.model.vocab_size, (8, S), generator=torch.Generator().manual_seed(1))
+            seen: list = []
+            for block in model.layers:
+                block.mlp.router.register_forward_hook(lambda m, a, o: seen.append(o.routing_map))
 
-        def run(b: int):
-            seen.clear()
-            with torch.no_grad():
-                logits = model.logits(ids[:b])[0]
-            return logits, [r.view(S, b, -1)[:, 0] for r in seen]
+            def run(b: int):
+                seen.clear()
+                with torch.no_grad():
+                    logits = model.logits(ids[:b])[0]
+                return logits, [r.view(S, b, -1)[:, 0] for r in seen]
 
-        alone, alone_routes = run(1)
-        for b in (2, 4, 8):
-            logits, found = run(b)
-            out.append({"bench": "batch_invariance", "model": preset, "gemm_backend": backend, "batch": b,
-                        "max_abs_logit_diff_vs_alone": (logits - alone).abs().max().item(),
-                        "routes_equal": all(torch.equal(a, c) for a, c in zip(alone_routes, found))})
+            alone, alone_routes = run(1)
+            for b in (2, 4, 8):
+                logits, found = run(b)
+                out.append({"bench": "batch_invariance", "model": preset, "gemm_backend": backend,
+                            "batch_invariant": invariant, "batch": b,
+                            "max_abs_logit_diff_vs_alone": (logits - alone).abs().max().item(),
+                            "routes_equal": all(torch.equal(a, c) for a, c in zip(alone_routes, found))})
     return out
+
+
+def cost(preset: str, rounds: int) -> list[dict]:
+    """A training forward and backward of one micro-batch, mode on against off."""
+    models = {inv: _model(preset, "auto", inv) for inv in (False, True)}
+    config = models[False][0]
+    B, S = config.train.micro_batch_size, config.model.seq_length
+    ids = torch.randint(0, config.model.vocab_size, (B, S + 1), generator=torch.Generator().manual_seed(2))
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        model(ids[:, :-1], ids[:, 1:]).backward()
+
+    wall = {inv: [] for inv in models}
+    cpu = {inv: [] for inv in models}
+    for inv, (_, model) in models.items():
+        model.train()
+        step(model)
+    for _ in range(rounds):
+        for inv, (_, model) in models.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            step(model)
+            wall[inv].append(time.perf_counter() - w0)
+            cpu[inv].append(time.process_time() - c0)
+    med = {inv: (statistics.median(wall[inv]), statistics.median(cpu[inv])) for inv in models}
+    return [{"bench": "batch_invariance", "cost": True, "model": preset, "micro_batch": B,
+             "off_ms": med[False][0] * 1e3, "on_ms": med[True][0] * 1e3,
+             "overhead": med[True][0] / med[False][0] - 1, "overhead_cpu": med[True][1] / med[False][1] - 1}]
 
 
 def main() -> None:
@@ -123,10 +165,11 @@ def main() -> None:
     p.add_argument("--preset", default="mixtral-tiny")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--rows", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    for row in kernels(args.rows) + model_rows(args.preset):
+    for row in kernels(args.rows) + model_rows(args.preset) + cost(args.preset, args.rounds):
         print(json.dumps({**row, "threads": torch.get_num_threads()}))
 
 

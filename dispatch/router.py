@@ -179,7 +179,7 @@ def topk_routing(
         scores = torch.softmax(work, dim=-1) if score == "softmax" else torch.sigmoid(work)
         if forced is not None:
             top = forced
-            probs = scores.gather(1, top)
+            probs = scores.gather(1, forced)
         elif expert_bias is not None:
             top = _select(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk, group_score)[1]
             probs = scores.gather(1, top)

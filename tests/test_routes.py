@@ -5,6 +5,7 @@ experts under any layout (from a trace or from transformers), bad routes are ref
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -270,3 +271,49 @@ def test_trace_of_another_model_is_refused_before_training(tmp_path, cache_dir):
     rec = _run(tmp_path, cache_dir, "rec", "train.steps=1", TRACE, "moe.num_experts=4")
     with pytest.raises(ValueError, match=r"moe.router_replay=.*num_experts=4 but moe.num_experts=8"):
         _run(tmp_path, cache_dir, "rep", "train.steps=1", f"moe.router_replay={rec}")
+
+
+# --------------------------------------------------------------------------- batch invariance
+
+@pytest.mark.parametrize("backend", ["torch", "loop"])
+def test_batch_invariant_sequence_alone_equals_among_others(backend):
+    """train.batch_invariant: sequence 0's logits and routes, alone and among 1, 3 and 7
+    other sequences, are the same bits (every GEMM backend that runs on the CPU; its
+    experts' GEMMs see a multiple of 16 rows)."""
+    from moe_fold.config import load_config
+    from moe_fold.models.model import build_model
+
+    config = load_config("mixtral-tiny", ["parallel.ep=1", f"moe.gemm_backend={backend}", "moe.swiglu_backend=torch",
+                                          "train.batch_invariant=true"])
+    torch.manual_seed(0)
+    model = build_model(config, ProcessGroups.single_process()).eval()
+    S = config.model.seq_length
+    ids = torch.randint(0, config.model.vocab_size, (8, S), generator=torch.Generator().manual_seed(1))
+    seen = []
+    for block in model.layers:
+        block.mlp.router.register_forward_hook(lambda m, a, out: seen.append(out.routing_map))
+
+    def sequence_zero(batch: int):
+        seen.clear()
+        with torch.no_grad():
+            logits = model.logits(ids[:batch])[0]
+        return logits, [r.view(S, batch, -1)[:, 0] for r in seen]
+
+    alone, alone_routes = sequence_zero(1)
+    for batch in (2, 4, 8):
+        logits, found = sequence_zero(batch)
+        assert torch.equal(logits, alone), (batch, (logits - alone).abs().max().item())
+        assert all(torch.equal(a, b) for a, b in zip(found, alone_routes))
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("moe.capacity_factor=1.0", "train.batch_invariant=true cannot run with moe.capacity_factor=1.0"),
+    ("moe.gemm_backend=triton", "needs moe.gemm_backend torch, loop or auto (on CPU), got triton"),
+    ("model.seq_length=40", "multiple of 16, got 40 / 1"),
+], ids=["capacity", "backend", "rows"])
+def test_batch_invariant_refusals(setting, message):
+    from moe_fold.config import ConfigError, load_config, validate
+
+    config = load_config("mixtral-tiny", ["parallel.ep=1", "train.batch_invariant=true", setting])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(config, 1)

@@ -458,6 +458,11 @@ class TrainConfig:
     # (experts, probabilities, dropped), keyed by sample and position, into
     # run_dir/routes/step_N/; 0: off.
     route_trace_every: int = 0
+    # A sequence's routes and logits do not depend on the other sequences of its
+    # micro-batch nor on the micro-batch size (docs/routes.md, "Batch invariance"): every
+    # expert's rows are padded to a multiple of 16 for its GEMMs. CPU only, gemm_backend
+    # torch or loop, no capacity dropping.
+    batch_invariant: bool = False
 
 
 @dataclass

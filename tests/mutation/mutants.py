@@ -622,4 +622,11 @@ MUTANTS: list[Mutant] = [
         "    positions = torch.arange(positions.shape[0]) + groups.rank * positions.shape[0]\n",
         "a route keyed by the rank's own token order instead of the token's place in the sequence",
         ("tests/test_routes.py::test_trace_reads_the_same_under_any_layout",)),
+    Mutant(
+        "batch-invariant-no-padding", "models/experts.py",
+        "        m = self.row_multiple\n",
+        "        m = 1\n",
+        "train.batch_invariant without the row padding: an expert's GEMM reduces a row in an order that "
+        "depends on how many rows the other sequences sent it",
+        ("tests/test_routes.py::test_batch_invariant_sequence_alone_equals_among_others",)),
 ]
