@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_fold.config import Config, dump_config
+from moe_fold.config import Config, dump_config, moe_layer_indices
 from moe_fold.dispatch.router import Router
 from moe_fold.layout import ProcessGroups
 from moe_fold.models.model import Transformer
@@ -28,6 +28,7 @@ from moe_fold.training.faults import FaultPlan
 from moe_fold.training.numerics import LossSpikes
 from moe_fold.training.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
 from moe_fold.training.rollback import Rollbacks
+from moe_fold.training.routes import RouteActions
 from moe_fold.training.step import forward_backward as step_forward_backward
 from moe_fold.training.step_losses import StepLosses
 
@@ -68,6 +69,7 @@ class Run:
     rollbacks: Rollbacks  # what a bad step does and the batches skipped (moe_fold.training.rollback)
     faults: FaultPlan  # faults to inject (tests, the goodput bench); FaultPlan(): none
     forward_backward: Callable  # one global batch's forward and backward (moe_fold.training.step)
+    routes: RouteActions  # route traces and router replay
 
     @property
     def train_params(self) -> list[nn.Parameter]:
@@ -159,7 +161,8 @@ def set_up_run(config: Config, device: torch.device, groups: ProcessGroups, resu
                routers=[m for m in model.modules() if isinstance(m, Router)], losses=StepLosses(model, config),
                collector=collector, replacer=replacer, spikes=spikes,
                rollbacks=Rollbacks(config, groups, loader, spikes, resume), faults=faults,
-               forward_backward=forward_backward)
+               forward_backward=forward_backward,
+               routes=RouteActions.build(model, config, groups, run_dir, moe_layer_indices(config)))
 
 
 def load_start_state(run: Run, resume: bool) -> tuple[int, Optional[str]]:
