@@ -64,15 +64,43 @@ def expert_weights(e: int):
     return torch.randn(H, F, generator=gen) / H ** 0.5, torch.randn(F, H, generator=gen) / F ** 0.5
 
 
+class OrderedMatmul(torch.autograd.Function):
+    """``x @ w`` for a constant ``w``, as the left-to-right sum over k of ``x[:, k] *
+    w[k]``: elementwise products and additions, each rounded once in IEEE float32 by any
+    CPU, ISA or vector width, whatever the memory alignment; the backward is the same sum
+    with ``w.t()``. No BLAS call: a GEMM's summation order is the library's choice (MKL's
+    sgemm picks its kernel by CPU and by the operands' alignment), so it could differ
+    between the dispatcher's rows and the reference's."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        return ordered_sum(x, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        return ordered_sum(grad, w.t()), None
+
+
+def ordered_sum(x, w):
+    out = x[:, :1] * w[:1]
+    for k in range(1, w.shape[0]):
+        out = out + x[:, k:k + 1] * w[k:k + 1]
+    return out
+
+
 def expert_fn(x, e, etp_rank=0, etp=1):
     """Expert e's output for rows x, from the etp shard ``etp_rank`` of its inner dim.
-    One row at a time: a row's result then does not depend on which other rows share
-    its batch (a matmul's summation order can change with its row count), so the
-    dispatchers and the reference see bit-identical expert rows."""
+    One row at a time, and its products summed in a fixed order (:class:`OrderedMatmul`):
+    a row's result then depends on that row alone, not on the rows that share its batch,
+    their count or where they lie in memory, so the dispatchers and the reference see
+    bit-identical expert rows on any machine."""
     a, b = expert_weights(e)
     shard = slice(etp_rank * F // etp, (etp_rank + 1) * F // etp)
-    rows = [torch.tanh(row @ a[:, shard]) @ b[shard] for row in x.split(1)]
-    return torch.cat(rows) if rows else torch.tanh(x @ a[:, shard]) @ b[shard]  # no row: x stays in the graph
+    a, b = a[:, shard], b[shard]
+    rows = [OrderedMatmul.apply(torch.tanh(OrderedMatmul.apply(row, a)), b) for row in x.split(1)]
+    return torch.cat(rows) if rows else OrderedMatmul.apply(torch.tanh(OrderedMatmul.apply(x, a)), b)  # no row: x stays in the graph
 
 
 def global_data(case: Case):
