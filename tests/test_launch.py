@@ -1,5 +1,6 @@
 """The multi-rank harness itself: results, errors, dead ranks, timeouts, no leftovers."""
 
+import contextlib
 import os
 import signal
 import threading
@@ -105,9 +106,15 @@ def test_forwarded_signal_reaches_every_rank_once_in_its_own_process_group():
 
 
 def _sleep_then_report(rank, world_size, marker):
-    open(f"{marker}.{rank}", "w").write(str(os.getpid()))
+    # Written whole, then renamed: the test never reads a half-written pid.
+    open(f"{marker}.{rank}.tmp", "w").write(str(os.getpid()))
+    os.replace(f"{marker}.{rank}.tmp", f"{marker}.{rank}")
     time.sleep(600)
 
+
+# How long a rank may take to exit once its launcher is gone: far below the 600 s sleep,
+# far above the few seconds it takes on a busy machine.
+EXIT_BOUND_S = 60.0
 
 _LAUNCHER = """
 import sys
@@ -119,8 +126,12 @@ run_ranks(_sleep_then_report, 2, sys.argv[1], timeout=600)
 
 
 def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
-    """SIGKILL to a process inside run_ranks: its ranks exit within seconds (each watches
-    its parent), and so does the forkserver."""
+    """SIGKILL to a process inside run_ranks: its ranks exit (each watches its parent), and
+    so does the forkserver, long before the 600 s they would otherwise sleep. Each exit is
+    awaited on a pidfd (readable once the process has ended), so a loaded machine only
+    makes them late; the bound, EXIT_BOUND_S, is a tenth of the sleep they would finish
+    without the watch."""
+    import select
     import subprocess
     import sys
     from pathlib import Path
@@ -130,25 +141,30 @@ def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 120
     while not all(Path(f"{marker}.{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+        assert proc.poll() is None, f"the launcher ended with {proc.returncode} before its ranks started"
         time.sleep(0.05)
     ranks = [int(Path(f"{marker}.{r}").read_text()) for r in range(2)]
     forkserver = int(Path(f"/proc/{ranks[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    handles = {}
+    for pid in ranks + [forkserver]:
+        with contextlib.suppress(ProcessLookupError):  # gone already: nothing to wait for
+            handles[pid] = os.pidfd_open(pid)
+    killed_at = time.monotonic()
     proc.kill()
     proc.wait()
-
-    def running(pid):
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-
-    deadline = time.monotonic() + 10
-    while any(running(p) for p in ranks + [forkserver]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [p for p in ranks + [forkserver] if running(p)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert left == []
+    try:
+        while handles and time.monotonic() < killed_at + EXIT_BOUND_S:
+            ready, _, _ = select.select(list(handles.values()), [], [], killed_at + EXIT_BOUND_S - time.monotonic())
+            for pid in [p for p, fd in handles.items() if fd in ready]:
+                os.close(handles.pop(pid))
+        left = sorted(handles)
+    finally:
+        for pid, fd in handles.items():  # still running after the bound: the test fails, nothing stays behind
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            os.close(fd)
+    print(f"ranks and forkserver gone {time.monotonic() - killed_at:.1f} s after the launcher's SIGKILL")
+    assert left == [], f"still running {EXIT_BOUND_S} s after their launcher was killed: {left}"
 
 
 # A parent that starts a child and waits; the child watches it with a clean stop first
