@@ -54,7 +54,7 @@ def exact_tests(claims: Path = CLAIMS) -> list[str]:
     found: list[str] = []
     for line in claims.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 4 or not line.startswith("|") or not EXACT.search(cells[-1]):
+        if len(cells) < 4 or not line.startswith("|") or not EXACT.search(cells[3]):
             continue
         current = None
         for m in TEST_ID.finditer(cells[2]):
