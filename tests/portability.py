@@ -8,7 +8,7 @@ a bit-for-bit tolerance once per setting and prints whether each passed::
 
     .venv/bin/python -m tests.portability                 # every variant, every exact test
     .venv/bin/python -m tests.portability --list          # the variants and the tests
-    .venv/bin/python -m tests.portability -k dispatch     # tests whose id contains "dispatch"
+    .venv/bin/python -m tests.portability -k dispatch -k replace   # ids containing either
     .venv/bin/python -m tests.portability --variant MKL_CBWR=COMPATIBLE --variant default
 
 Not part of the default suite (pytest collects ``test_*.py`` only; this file has no test),
@@ -147,13 +147,14 @@ def table(tests: list[str], columns: list[tuple[str, dict[str, str]]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.portability", description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the variants and the tests, run nothing")
-    parser.add_argument("-k", dest="keyword", help="only the tests whose node id contains this text")
+    parser.add_argument("-k", dest="keywords", action="append", default=[],
+                        help="only the tests whose node id contains this text; repeatable (any of them)")
     parser.add_argument("--variant", action="append", default=[],
                         help="a variant by name (default, MKL_CBWR=AVX2, ATEN_CPU_CAPABILITY=avx2, ...); repeatable")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per variant's pytest run")
     args = parser.parse_args(argv)
 
-    tests = [t for t in exact_tests() if args.keyword is None or args.keyword in t]
+    tests = [t for t in exact_tests() if not args.keywords or any(k in t for k in args.keywords)]
     chosen = variants()
     if args.variant:
         unknown = sorted(set(args.variant) - {name for name, _ in chosen})
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--variant {unknown[0]} is not one of {', '.join(name for name, _ in chosen)}")
         chosen = [(name, env) for name, env in chosen if name in args.variant]
     if not tests:
-        parser.error(f"-k {args.keyword} matches no exact test of docs/claims.md")
+        parser.error(f"-k {' / '.join(args.keywords)} matches no exact test of docs/claims.md")
     if args.list:
         print("\n".join(name for name, _ in chosen))
         print("\n".join(tests))
@@ -175,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"{name}: running {len(tests)} tests ...", file=sys.stderr, flush=True)
         columns.append((name, run_variant(tests, env, args.timeout)))
+        bad = [f"{t}: {s}" for t, s in columns[-1][1].items() if s not in ("pass", "skip")]
+        print(f"{name}: " + ("every test passed" if not bad else "; ".join(bad)), file=sys.stderr, flush=True)
     print(table(tests, columns))
     for line in skipped:
         print(line)
