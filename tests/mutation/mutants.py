@@ -71,7 +71,7 @@ MUTANTS: list[Mutant] = [
         "a group scored by its best expert only, not the sum of its top topk/group_topk (or top 2)",
         (f"{T_ROUTER}::test_topk_routing_matches_loop",)),
     Mutant(
-        "router-group-score-top2-as-megatron", "moe_fold/config.py",
+        "router-group-score-top2-as-megatron", "moe_fold/config/derived.py",
         '''return {"topk_sum": topk // group_topk, "top2_sum": 2, "max": 1}[group_score]''',
         '''return {"topk_sum": topk // group_topk, "top2_sum": topk // group_topk, "max": 1}[group_score]''',
         "DeepSeek-V3's top2_sum ranks a group by its best topk/group_topk scores (Megatron-Core's rule), "
