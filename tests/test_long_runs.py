@@ -105,7 +105,7 @@ def _alive(pid: int) -> bool:
 
 # How long processes may take to end after what should end them: seconds when idle, more
 # on a busy machine, still far below the hundreds of seconds left of their runs.
-GONE_WITHIN_S = 30
+GONE_WITHIN_S = 60
 
 
 def _kill(pid: int) -> None:
