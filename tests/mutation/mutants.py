@@ -77,7 +77,7 @@ MUTANTS: list[Mutant] = [
         "DeepSeek-V3's top2_sum ranks a group by its best topk/group_topk scores (Megatron-Core's rule), "
         "which differs from transformers when num_experts_per_tok != 2 x topk_group",
         (f"{T_ROUTER}::test_group_score_by_hand",
-         "tests/test_hf_deepseek_v3.py::test_import_matches_transformers_and_export_round_trips")),
+         "tests/test_hf_families.py::test_import_matches_transformers_and_export_round_trips[deepseek_v3-groups_k3]")),
     Mutant(
         "router-sigmoid-norm-dim", ROUTER,
         "probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)",
