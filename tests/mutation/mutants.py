@@ -77,7 +77,7 @@ MUTANTS: list[Mutant] = [
         "DeepSeek-V3's top2_sum ranks a group by its best topk/group_topk scores (Megatron-Core's rule), "
         "which differs from transformers when num_experts_per_tok != 2 x topk_group",
         (f"{T_ROUTER}::test_group_score_by_hand",
-         "tests/test_hf_deepseek_v3.py::test_import_matches_transformers_and_export_round_trips")),
+         "tests/test_hf_families.py::test_import_matches_transformers_and_export_round_trips[deepseek_v3-groups_k3]")),
     Mutant(
         "router-sigmoid-norm-dim", ROUTER,
         "probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)",
@@ -531,14 +531,21 @@ MUTANTS: list[Mutant] = [
         ("tests/test_periodic.py::test_save_checkpoint_when_due_with_the_data_position_and_placement",)),
     Mutant(
         "replace-after-log", TRAIN,
-        "        ReplaceExperts(run.replacer, run.optimizer, beat=heartbeat.beat),\n"
-        "        WatchLossSpikes(run.spikes, warn=rank == 0, stop=t.on_loss_spike == \"stop\"),\n"
-        "        LogStep(logger, run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),\n",
-        "        WatchLossSpikes(run.spikes, warn=rank == 0, stop=t.on_loss_spike == \"stop\"),\n"
-        "        LogStep(logger, run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),\n"
-        "        ReplaceExperts(run.replacer, run.optimizer, beat=heartbeat.beat),\n",
+        "        ReplaceExperts(replacer=run.replacer, optimizer=run.optimizer, beat=heartbeat.beat),\n"
+        "        WatchLossSpikes(spikes=run.spikes, warn=rank == 0, stop=t.on_loss_spike == \"stop\"),\n"
+        "        LogStep(logger=logger, collector=run.collector, tokens_per_step=tokens_per_step),\n",
+        "        WatchLossSpikes(spikes=run.spikes, warn=rank == 0, stop=t.on_loss_spike == \"stop\"),\n"
+        "        LogStep(logger=logger, collector=run.collector, tokens_per_step=tokens_per_step),\n"
+        "        ReplaceExperts(replacer=run.replacer, optimizer=run.optimizer, beat=heartbeat.beat),\n",
         "the periodic actions out of order: the step is logged before the re-placement adds what moved",
         ("tests/test_replace.py::test_replacing_under_bf16_keeps_the_losses_bit_for_bit",)),
+    Mutant(
+        "routers-closed-through-collector", TRAIN,
+        "    step_losses = run.losses.finish_step(groups, close_routers(run.routers))\n",
+        "    step_losses = run.losses.finish_step(groups, close_routers(\n"
+        "        [router for _, router in run.collector.routers] if run.collector is not None else []))\n",
+        "the step closes the routers the metrics collector found: without metrics the expert bias never moves",
+        ("tests/test_train.py::test_metrics_off_take_the_same_steps",)),
     Mutant(
         "expert-act-not-recomputed", "models/experts.py",
         "        if self.recompute == \"activation\":\n",
@@ -607,4 +614,26 @@ MUTANTS: list[Mutant] = [
         "self.stalls: deque[float] = deque()",
         "the stall estimate never forgets the first save (which also allocates the host buffer)",
         (f"{T_CADENCE}::test_young_daly_measures_first_then_follows_the_stalls",)),
+    Mutant(
+        "replay-skips-a-layer", "moe_fold/training/routes.py",
+        "            if queue:\n                return args, {**kwargs, \"forced\": queue.popleft()}\n",
+        "            if queue and layer == 1:\n                queue.popleft()\n                return None\n"
+        "            if queue:\n                return args, {**kwargs, \"forced\": queue.popleft()}\n",
+        "router replay ignored for one layer: layer 1 routes by its own router",
+        ("tests/test_routes.py::test_replay_routes_from_transformers",
+         "tests/test_routes.py::test_replay_forces_routes_under_another_layout")),
+    Mutant(
+        "route-keyed-by-rank", "moe_fold/training/routes.py",
+        "    B = batch.sample_ids.shape[0]\n",
+        "    B = batch.sample_ids.shape[0]\n"
+        "    positions = torch.arange(positions.shape[0]) + groups.rank * positions.shape[0]\n",
+        "a route keyed by the rank's own token order instead of the token's place in the sequence",
+        ("tests/test_routes.py::test_trace_reads_the_same_under_any_layout",)),
+    Mutant(
+        "batch-invariant-no-padding", "models/experts.py",
+        "        m = self.row_multiple\n",
+        "        m = 1\n",
+        "train.batch_invariant without the row padding: an expert's GEMM reduces a row in an order that "
+        "depends on how many rows the other sequences sent it",
+        ("tests/test_routes.py::test_batch_invariant_sequence_alone_equals_among_others",)),
 ]
