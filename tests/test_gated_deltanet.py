@@ -218,3 +218,42 @@ def test_gated_attention_and_zero_centred_norm_equal_transformers_qwen3_next():
         norm_hf.weight.normal_()
         norm.weight.copy_(norm_hf.weight)
     torch.testing.assert_close(norm(x), norm_hf(x))
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("layer_types", ["gated_deltanet", "attention", "attention", "attention"], "no family here exports Gated DeltaNet"),
+    ("attn_output_gate", True, "attention has no output gate"),
+    ("norm_zero_centred", True, "RMSNorm weights are not zero-centred"),
+])
+def test_export_refuses_qwen3_next_layers(field, value, why):
+    """No registered family holds these layers yet: export refuses, naming the field."""
+    from moe_fold.config import Config
+    from moe_fold.models.hf.config_map import HFConfigError, config_to_hf
+    config = Config()
+    setattr(config.model, field, value)
+    with pytest.raises(HFConfigError, match=f"model.{field}=.*{why}"):
+        config_to_hf(config)
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (dict(layer_types=["gated_deltanet"]), "model.layer_types has 1 entries; it must have one per layer"),
+    (dict(layer_types=["mamba"] * 4), "model.layer_types[0]='mamba' must be one of attention, gated_deltanet"),
+    (dict(layer_types=["gated_deltanet"] * 4, linear_num_value_heads=3),
+     "model.linear_num_value_heads=3 must be a multiple of model.linear_num_key_heads=2"),
+])
+def test_layer_type_rules(overrides, problem):
+    from moe_fold.config import Config, ConfigError, validate
+    config = Config()
+    for key, value in overrides.items():
+        setattr(config.model, key, value)
+    with pytest.raises(ConfigError) as err:
+        validate(config, 1)
+    assert problem in str(err.value)
+
+
+def test_cp_segments_must_hold_the_conv_window():
+    from moe_fold.config import Config, ConfigError, validate
+    config = Config()
+    config.model.layer_types, config.model.seq_length, config.parallel.cp = ["gated_deltanet"] * 4, 8, 4
+    with pytest.raises(ConfigError, match="gives 1 tokens each; Gated DeltaNet's conv window needs at least"):
+        validate(config, 4)
