@@ -52,6 +52,9 @@ class BuildError(RuntimeError):
 
 
 def _cache_dir() -> Path:
+    # Where this machine keeps compiled code, like TRITON_CACHE_DIR: it places a file and
+    # cannot change what runs (the name hashes the source, compiler, flags and CPU), and a
+    # probe needs it before any config exists.
     return Path(os.environ.get("MOE_FOLD_CACHE_DIR", Path.home() / ".cache" / "moe_fold"))
 
 
@@ -68,6 +71,7 @@ def _cpu_identity() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL:
+    # The C toolchain's own convention (third-party configuration), as make and setuptools read it.
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise BuildError(f"swiglu backend 'cpu' needs a C compiler: {compiler!r} (the CC environment "
