@@ -27,6 +27,7 @@ import torch.distributed as dist
 from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, ModelConfig, OptimizerConfig, ParallelConfig
 from moe_fold.data.loader import Batch
+from moe_fold.dispatch.router import Router
 from moe_fold.training.grads import clip_grad_norm_, sync_grads
 from moe_fold.launch import run_ranks
 from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
@@ -468,6 +469,23 @@ def test_pipeline_stage_refuses_whole_model_calls():
         model(b.tokens, b.labels)
     with pytest.raises(RuntimeError, match=r"Transformer.logits runs a whole model"):
         model.logits(b.tokens)
+
+
+def test_every_router_forward_of_a_step_gets_the_micro_batch_share():
+    """forward_backward hands every router forward of its step, the MTP depths' too, the
+    share 1/m of each of its m micro-batches (the factor on the router losses' gradients)."""
+    config = _config(dict(mtp_num_layers=1))
+    model = build_model(config, ProcessGroups.single_process())
+    seen = []
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.register_forward_pre_hook(lambda m, args, kwargs: seen.append((m, kwargs["loss_scale"])),
+                                             with_kwargs=True)
+    forward_backward(model, _micro_batches(0, 1, 4), ProcessGroups.single_process(), config)
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    assert len(routers) == LAYERS + 1 and model.mtp is not None
+    assert sorted(id(m) for m, _ in seen) == sorted(id(m) for m in routers for _ in range(4))
+    assert {scale for _, scale in seen} == {0.25}
 
 
 def test_forward_backward_one_process_is_the_hand_loop():
