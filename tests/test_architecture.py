@@ -97,7 +97,7 @@ def test_every_module_belongs_to_a_known_package():
     # The config package's modules (moe_fold.config.rules.moe, ...) count as moe_fold.config.
     top_level = sorted({".".join(m.split(".")[:2]) for m in modules if package_of(m) == "core" and m != "moe_fold"})
     assert top_level == ["moe_fold.comm", "moe_fold.config", "moe_fold.elastic", "moe_fold.launch",
-                         "moe_fold.layout"], top_level
+                         "moe_fold.layout", "moe_fold.routes"], top_level
 
 
 def test_moe_fold_top_level_holds_at_most_ten_modules():

@@ -194,6 +194,10 @@ NOT_CONFIG_RULES = {
                                                                                         "token positions",
     ("moe_fold/elastic.py", "choose_layout needs parallel.elastic=true"): "a caller's mistake: the command line "
                                                                           "calls it only for elastic runs",
+    ("moe_fold/routes.py", "{}: "): "what a routes file holds, against the model that replays it",
+    ("moe_fold/routes.py", "moe.router_replay={} has no routes for sample"): "what a routes file holds",
+    ("models/hf/routes.py", "routes_from_transformers: {} routes with"): "what a transformers model's router "
+                                                                          "does",
 }
 
 

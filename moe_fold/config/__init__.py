@@ -29,7 +29,7 @@ from .derived import (ELASTIC_SIZES, MLA_SIZES, data_paths, dp_size, edp_size, e
                       parse_elastic_layout, pipeline_schedule, pp_layer_counts, rotary_dim, vpp_size)
 from .load import config_from_dict, config_to_dict, dump_config, list_presets, load_config, presets_dir, resolve_source
 from .reference import field_comments, reference_markdown
-from .rules import (MAX_DYNAMIC_CP, RULES, activation_backend, adamw_settings, batch_over_dp, bucket_size,
+from .rules import (BATCH_INVARIANT_ROWS, MAX_DYNAMIC_CP, RULES, activation_backend, adamw_settings, batch_over_dp, bucket_size,
                     capacity_factor_positive, checkpoints_kept, choice, choices, dense_width_over_tp, dispatch_modes,
                     dynamic_cp_layout, expert_bias_over_etp, expert_width_over_etp, experts_over_ep,
                     gate_needs_shared_expert, grad_clip, heads_over_tp, interleaved_micro_batches,
@@ -46,7 +46,7 @@ from .rules.common import _literal_choices  # noqa: F401,E402
 from .schema import _field_types  # noqa: F401,E402
 
 __all__ = [
-    "Config", "ConfigError", "DataConfig", "ELASTIC_SIZES", "EXIT_SIGNALS", "InitConfig", "MAX_DYNAMIC_CP",
+    "BATCH_INVARIANT_ROWS", "Config", "ConfigError", "DataConfig", "ELASTIC_SIZES", "EXIT_SIGNALS", "InitConfig", "MAX_DYNAMIC_CP",
     "MLA_SIZES", "MoEConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RULES", "SECTIONS",
     "TrainConfig", "WandbConfig", "activation_backend", "adamw_settings", "batch_over_dp", "bucket_size",
     "capacity_factor_positive", "checkpoints_kept", "choice", "choices", "config_from_dict", "config_to_dict",

@@ -238,6 +238,12 @@ class MoEConfig:
     # The router's top-k; triton fuses plain top-k only (not num_groups or expert_bias).
     topk_backend: Literal["auto", "torch", "triton"] = "auto"
 
+    # Router replay (docs/routes.md): force every token's experts to those recorded in
+    # PATH, a route trace (a run folder or its routes/ folder) or a routes file of the
+    # inference format; gating weights come from the current router's scores at those
+    # experts. None: the router chooses.
+    router_replay: Optional[str] = None
+
 
 @dataclass
 class ParallelConfig:
@@ -447,6 +453,16 @@ class TrainConfig:
     # Write checkpoints in a background thread; the step only waits for a host copy
     # (kept allocated between saves: one copy of the rank's weights and optimizer state).
     async_save: bool = True
+
+    # Route traces (docs/routes.md): every N steps, each MoE layer's route of every token
+    # (experts, probabilities, dropped), keyed by sample and position, into
+    # run_dir/routes/step_N/; 0: off.
+    route_trace_every: int = 0
+    # A sequence's routes and logits do not depend on the other sequences of its
+    # micro-batch nor on the micro-batch size (docs/routes.md, "Batch invariance"): every
+    # expert's rows are padded to a multiple of 16 for its GEMMs. CPU only, gemm_backend
+    # torch or loop, no capacity dropping.
+    batch_invariant: bool = False
 
 
 @dataclass

@@ -2,8 +2,9 @@
 them all before any process group exists.
 
 By concern: parallel.py (layouts, the pipeline), model.py, moe.py, train.py (the run, the
-optimizer, wandb, initialisation) and data.py; common.py holds the registry ``RULES`` of
-the rules that modules apply too (through ``require``) and the helpers every rule uses.
+optimizer, wandb, initialisation), data.py and routes.py (route traces, router replay);
+common.py holds the registry ``RULES`` of the rules that modules apply too (through
+``require``) and the helpers every rule uses.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .moe import (_check_layer_pattern, _check_moe, activation_backend, capacity
                   expert_bias_over_etp, expert_width_over_etp, experts_over_ep, gate_needs_shared_expert,
                   moe_needs_sequence_parallel, overlap_problems, replacement_has_room, replicas_fit, router_settings,
                   routing_groups)
+from .routes import BATCH_INVARIANT_ROWS, _check_routes
 from .parallel import (MAX_DYNAMIC_CP, _check_parallel, _check_pipeline, bucket_size, dynamic_cp_layout,
                        interleaved_micro_batches, order_is_permutation, param_gather_needs_distributed,
                        pipeline_split, schedule_chunks, world_fits_layouts)
@@ -24,7 +26,7 @@ from .train import (_check_optimizer, _check_train, _check_wandb_and_init, adamw
                     checkpoints_kept, grad_clip, spike_detection, upcycle_slices)
 
 __all__ = [
-    "MAX_DYNAMIC_CP", "RULES", "activation_backend", "adamw_settings", "batch_over_dp", "bucket_size",
+    "BATCH_INVARIANT_ROWS", "MAX_DYNAMIC_CP", "RULES", "activation_backend", "adamw_settings", "batch_over_dp", "bucket_size",
     "capacity_factor_positive", "checkpoints_kept", "choice", "choices", "dense_width_over_tp", "dispatch_modes",
     "dynamic_cp_layout", "expert_bias_over_etp", "expert_width_over_etp", "experts_over_ep",
     "gate_needs_shared_expert", "grad_clip", "heads_over_tp", "interleaved_micro_batches",
@@ -58,5 +60,6 @@ def validate(config: Config, world_size: int) -> None:
     _check_optimizer(config, out)
     _check_data(config, out)
     _check_wandb_and_init(config, out)
+    _check_routes(config, out)
     if out:
         raise ConfigError(out)
