@@ -133,7 +133,7 @@ def problem(backend: str, device: torch.device) -> Optional[str]:
 
     ``torch`` and ``loop`` always run. Answered once per process and device."""
     if backend == "triton":
-        # Triton's own switch (third-party configuration), not a choice of ours.
+        # Environment: Triton's own switch to its CPU interpreter.
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
         if device.type != "cuda" and not interpret:
             return f"Triton runs on CUDA tensors, or on the CPU interpreter with TRITON_INTERPRET=1 (got {device})"
@@ -231,8 +231,9 @@ _FIXES = {
 
 def resolve_config(config, device: torch.device):
     """``config`` with every ``moe.*_backend`` that is ``auto`` replaced by the backend the
-    rule chooses for ``device`` and ``train.precision``, so that the run's saved and printed config names what ran. Raises ConfigError, one line
-    per backend that cannot run on ``device`` (the field, the value, why, the fix)."""
+    rule chooses for ``device`` and ``train.precision``, so that the run's saved and printed
+    config names what ran. Raises ConfigError, one line per backend that cannot run on
+    ``device`` (the field, the value, why, the fix)."""
     import dataclasses
 
     from moe_fold.config import ConfigError

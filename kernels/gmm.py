@@ -17,8 +17,9 @@ by the group sizes (``repeat_interleave`` with ``output_size``, so device counts
 read back) and one add; its backward is one index_add, the per-expert sum of the rows.
 
 The choice: the ``backend`` argument (the config key ``moe.gemm_backend``) unless it is
-``auto`` (or None), else the rule. A backend that cannot run here (a grouped_gemm that does not import or whose first call fails, Triton
-on CPU without the interpreter) raises, naming why.
+``auto`` (or None), else the rule. A backend that cannot run here (a grouped_gemm that does
+not import or whose first call fails, Triton on CPU without the interpreter) raises, naming
+why.
 """
 
 from typing import Sequence

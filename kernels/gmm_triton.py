@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
-# Triton's own switch (third-party configuration): the interpreter needs the upcast above.
+# Environment: Triton's own switch to its CPU interpreter, read as Triton does.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
