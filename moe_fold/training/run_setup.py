@@ -26,7 +26,7 @@ from moe_fold.training.numerics import LossSpikes
 from moe_fold.training.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
 from moe_fold.training.rollback import Rollbacks
 
-__all__ = ["Run", "set_up_run", "load_start_state", "load_state", "start_logging"]
+__all__ = ["Run", "set_up_run", "build_trainable", "load_start_state", "load_state", "start_logging"]
 
 
 @dataclass
@@ -72,11 +72,9 @@ def set_up_run(config: Config, device: torch.device, groups: ProcessGroups, resu
     ``config`` (already validated, backends resolved) on ``device`` in the layout of
     ``groups``; ``resume``: the run continues one (its skipped batches stay skipped). A
     collective where the data caches are built (rank 0 first) and where the model is (pp)."""
-    # Imported here, not above: tests swap build_model on its module to plant faults.
     from moe_fold.data.loader import DataLoader
-    from moe_fold.models.model import build_model
     from moe_fold.training.metrics import MTPCollector, RoutingCollector
-    from moe_fold.training.optim import build_grad_sync, build_optimizer, build_scheduler
+    from moe_fold.training.optim import build_scheduler
 
     t, p = config.train, config.parallel
     run_dir = Path(t.run_dir)
@@ -99,6 +97,35 @@ def set_up_run(config: Config, device: torch.device, groups: ProcessGroups, resu
         from moe_fold.data.loader import validation_dataset_from_config
 
         valid_dataset = _dataset(config, groups, validation_dataset_from_config)
+    model, master, state_model, optimizer, grad_sync = build_trainable(config, device, groups)
+    scheduler = build_scheduler(optimizer, config)
+    collector = RoutingCollector(model, config)
+    mtp_collector = MTPCollector(model, config)
+    replacer = None
+    if config.moe.replace_every > 0 or config.moe.replicas > 0:
+        from moe_fold.training.replace import ExpertReplacer
+
+        replacer = ExpertReplacer(config, [state_model] + ([model] if master else []), groups, optimizer,
+                                  collector.moe_layers)
+    spikes = LossSpikes(t.loss_spike_factor, t.loss_spike_window)
+    rollbacks = Rollbacks(config, groups, loader, spikes, resume)
+    return Run(config, device, groups, run_dir, loader, valid_dataset, dynamic_cp, model, master, state_model,
+               optimizer, grad_sync, scheduler, collector, mtp_collector, replacer, spikes, rollbacks,
+               FaultPlan.from_env())
+
+
+def build_trainable(config: Config, device: torch.device, groups: ProcessGroups
+                    ) -> tuple[nn.Module, Optional[MasterWeights], nn.Module, Any, Any]:
+    """This rank's model (bf16 under ``train.precision=bf16``), its float32 masters (else
+    None), the model the optimizer steps (the masters, or the model), the optimizer and the
+    gradient reduction: what :func:`set_up_run` trains and the dry run
+    (:mod:`moe_fold.training.dryrun`) measures. Seeds torch with ``train.seed`` first (the
+    routers draw from torch's generator)."""
+    # Imported here, not above: tests swap build_model on its module to plant faults.
+    from moe_fold.models.model import build_model
+    from moe_fold.training.optim import build_grad_sync, build_optimizer
+
+    t, p = config.train, config.parallel
     torch.manual_seed(t.seed)
     model = build_model(config, groups).to(device)
     master = None
@@ -114,20 +141,7 @@ def set_up_run(config: Config, device: torch.device, groups: ProcessGroups, resu
                                 overlap_param_gather=p.overlap_param_gather, compute_model=model, targets=sources)
     grad_sync = build_grad_sync(state_model, optimizer, groups, bucket_numel=p.grad_bucket_numel,
                                 overlap=p.overlap_grad_reduce, sources=sources)
-    scheduler = build_scheduler(optimizer, config)
-    collector = RoutingCollector(model, config)
-    mtp_collector = MTPCollector(model, config)
-    replacer = None
-    if config.moe.replace_every > 0 or config.moe.replicas > 0:
-        from moe_fold.training.replace import ExpertReplacer
-
-        replacer = ExpertReplacer(config, [state_model] + ([model] if master else []), groups, optimizer,
-                                  collector.moe_layers)
-    spikes = LossSpikes(t.loss_spike_factor, t.loss_spike_window)
-    rollbacks = Rollbacks(config, groups, loader, spikes, resume)
-    return Run(config, device, groups, run_dir, loader, valid_dataset, dynamic_cp, model, master, state_model,
-               optimizer, grad_sync, scheduler, collector, mtp_collector, replacer, spikes, rollbacks,
-               FaultPlan.from_env())
+    return model, master, state_model, optimizer, grad_sync
 
 
 def load_start_state(run: Run, resume: bool) -> tuple[int, Optional[str]]:
