@@ -24,7 +24,8 @@ must agree on).
 Values do not exist, so the one data-dependent quantity, routing, is set by a rule
 (:mod:`moe_fold.dispatch.planned_routing`: balanced, Zipf, one expert, a starved ep
 rank), handed to every dispatcher as its count reader. Other host reads of a value
-(the loss, the gradient norm, a finiteness check) read 1.0, or True. Kernel backends
+(the loss, the gradient norm, a finiteness check) read 1.0, or True. Unmasked attention
+runs as the fused (flash) kernel a GPU runs (:func:`_fused_attention`). Kernel backends
 are the torch ones (the GPU kernels do not run on meta tensors): their memory is what
 the torch implementations allocate. The routing statistics of metrics.jsonl are not
 collected (their all-reduce is not traced).
@@ -41,6 +42,7 @@ from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_fold.comm import all_reduce_
@@ -273,20 +275,56 @@ class _Tracer(TorchDispatchMode):
               "alltoall_base": "all_to_all", "allgather": "all_gather_list"}.get(name, name)
         self.collectives.append(Collective(op, group, n, int(sent), ranks, peer, shape))
 
-    def replay(self, kinds: dict[int, str]) -> dict[str, int]:
-        """The most bytes of each kind alive at once (``kinds``: serial -> kind; the rest
-        are activations), and the peak of the total."""
+    def replay(self, kinds: dict[int, str], step_start: int) -> dict[str, int]:
+        """The most bytes of each kind alive at once during the step (``kinds``: serial ->
+        kind; what the step makes and is none of them is activations), and the peak of the
+        total. Of the build, only what outlives it counts (buffers as weights): a GPU run
+        builds on the host."""
         live = dict.fromkeys(MEMORY_KINDS, 0)
+        alive: dict[int, int] = {}
+        for serial, delta in self.events[:step_start]:
+            if delta > 0:
+                alive[serial] = delta
+            else:
+                alive.pop(serial, None)
+        for serial, nbytes in alive.items():
+            live[kinds.get(serial, "weights")] += nbytes
         most = dict(live)
-        total = peak = 0
-        for serial, delta in self.events:
-            kind = kinds.get(serial, "activations")
+        total = peak = sum(live.values())
+        for serial, delta in self.events[step_start:]:
+            kind = kinds.get(serial, "activations" if serial not in alive else "weights")
             live[kind] += delta
             total += delta
             if delta > 0:
                 most[kind] = max(most[kind], live[kind])
                 peak = max(peak, total)
         return dict(most, peak=peak)
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+@contextlib.contextmanager
+def _fused_attention() -> Iterator[None]:
+    """Unmasked SDPA on meta tensors as the fused (flash) kernel a GPU runs: what it saves
+    for the backward is q, k, v, the output and the log-sum-exp. On meta, torch would take
+    its math path, which keeps the whole ``[B, heads, S, S]`` score matrix. The function
+    itself is swapped for the step (not a torch-function mode): activation checkpoints
+    recompute in the backward, where no mode of the forward is active."""
+    sdpa = F.scaled_dot_product_attention
+
+    def fused(*args, **kwargs):
+        a = dict(zip(_SDPA_ARGS, args), **kwargs)
+        if a["query"].is_meta and a.get("attn_mask") is None and not a.get("dropout_p"):
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                a["query"], a["key"], a["value"], 0.0, bool(a.get("is_causal")), False, scale=a.get("scale"))[0]
+        return sdpa(*args, **kwargs)
+
+    F.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
 
 
 # --------------------------------------------------------------------------- set-up
@@ -385,7 +423,8 @@ def trace_rank(config: Config, world: int, rank: int, routing: PlannedRouting,
             dynamic_cp = DynamicCP(groups, cost_model(config), capacity=t.micro_batch_size * config.model.seq_length
                                    // layout.cp)
         model.train()
-        with tracer:
+        step_start = len(tracer.events)
+        with tracer, _fused_attention():
             losses = forward_backward(model, micro_batches, groups, config, dynamic_cp=dynamic_cp, grad_sync=grad_sync)
             grads()
             all_reduce_(losses.sum(), groups.dp_cp)
@@ -397,7 +436,7 @@ def trace_rank(config: Config, world: int, rank: int, routing: PlannedRouting,
             optimizer.zero_grad(set_to_none=True)
         for h in hooks:
             h.remove()
-        memory = tracer.replay(kinds)
+        memory = tracer.replay(kinds, step_start)
         coords = layout.coords(rank)
         local_params = sum(q.numel() for q in model.parameters())
     return RankTrace(rank, coords["pp"], coords, local_params, memory, tracer.collectives)
