@@ -112,6 +112,7 @@ def topk_routing(
     expert_bias: Optional[torch.Tensor] = None,
     norm_min: Optional[float] = None,
     backend: str = "torch",
+    forced: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route each token to ``topk`` experts.
 
@@ -139,6 +140,10 @@ def topk_routing(
             Both give the same experts (ties to the lower index) and probs and gradients
             within float rounding (tests/test_router.py::test_triton_topk_equals_the_torch_path,
             rtol 1e-6 in float32).
+        forced: ``[T, topk]`` int64, router replay: these experts instead of the selection
+            (groups and the expert bias choose nothing then); the probs are the scores at
+            them, computed as for a selection (Megatron-Core's router replay), so the
+            router keeps its gradient.
 
     Returns:
         ``probs [T, E]`` (float32, or float64 for float64 logits; zero off the chosen
@@ -153,7 +158,7 @@ def topk_routing(
                        expert_bias=expert_bias is not None, norm_min=norm_min)
     if expert_bias is not None and tuple(expert_bias.shape) != (num_experts,):
         raise ValueError(f"expert_bias must have shape ({num_experts},), got {tuple(expert_bias.shape)}")
-    fusable = group_topk is None and expert_bias is None and norm_min is None
+    fusable = group_topk is None and expert_bias is None and norm_min is None and forced is None
     if resolve_topk_backend(backend, logits, fusable=fusable) == "triton":
         from moe_fold.kernels.topk_triton import topk_softmax_triton
 
@@ -163,12 +168,19 @@ def topk_routing(
     work = logits if logits.dtype == torch.float64 else logits.float()
 
     if score == "softmax" and not pre_softmax:
-        top_logits, top = _select(work, topk, num_groups, group_topk, group_score)
+        if forced is not None:
+            top = forced
+            top_logits = work.gather(1, top)
+        else:
+            top_logits, top = _select(work, topk, num_groups, group_topk, group_score)
         probs = torch.softmax(top_logits, dim=-1)
     else:
         # Scores over all experts: the softmax (pre_softmax) or the sigmoid of each logit.
         scores = torch.softmax(work, dim=-1) if score == "softmax" else torch.sigmoid(work)
-        if expert_bias is not None:
+        if forced is not None:
+            top = forced
+            probs = scores.gather(1, forced)
+        elif expert_bias is not None:
             top = _select(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk, group_score)[1]
             probs = scores.gather(1, top)
         else:
@@ -266,6 +278,10 @@ class RouterOutput:
     logits: torch.Tensor
     # [E] int64: this rank's assignments per expert, what the dispatcher moves.
     tokens_per_expert: torch.Tensor
+    # [T, E] the router's choice before capacity dropping (the same tensors as probs and
+    # routing_map without capacity): what route traces record.
+    routed_probs: torch.Tensor
+    routed_map: torch.Tensor
     # Detached micro-batch values without coefficients, for logging: "aux", "seq_aux",
     # "z" (whole micro-batch over tp x cp) and "global_aux" (over tp x dp x cp, with the
     # step's running counts, i.e. the value the gradient follows); only the enabled ones.
@@ -347,6 +363,7 @@ class Router(nn.Module):
         loss_mask: Optional[torch.Tensor] = None,
         seq_ids: Optional[torch.Tensor] = None,
         num_seqs: Optional[int] = None,
+        forced: Optional[torch.Tensor] = None,
     ) -> RouterOutput:
         """Route this rank's tokens.
 
@@ -358,6 +375,8 @@ class Router(nn.Module):
                 micro-batch; needed when ``seq_aux_loss_coeff > 0``. Under SP/CP every rank
                 of a tp x cp group holds a slice of each of the same ``num_seqs`` sequences.
             num_seqs: number of sequences in the micro-batch (the same on the tp x cp group).
+            forced: ``[T, topk]`` int64, router replay: each token's experts (see
+                :func:`topk_routing`); capacity and the losses then follow them.
         """
         cfg = self.config
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
@@ -384,7 +403,7 @@ class Router(nn.Module):
             routed_logits, cfg.topk, score=cfg.score_function, pre_softmax=cfg.pre_softmax,
             num_groups=cfg.num_groups, group_topk=cfg.group_topk, group_score=cfg.group_score,
             scaling_factor=cfg.scaling_factor, expert_bias=self.expert_bias, norm_min=cfg.topk_norm_min,
-            backend=cfg.topk_backend)
+            backend=cfg.topk_backend, forced=forced)
         kept_probs, kept_map = probs, routing_map
         if cfg.capacity_factor is not None:
             kept_probs, kept_map = apply_capacity(probs, routing_map, cfg.capacity_factor, policy=cfg.drop_policy,
@@ -412,7 +431,7 @@ class Router(nn.Module):
                 real = loss_mask.unsqueeze(1)
                 routed_counts, kept_counts = (routing_map & real).sum(dim=0), (routed_and_kept & real).sum(dim=0)
             stats = routing_stats(routed_counts, kept_counts, self.groups.size("ep"))
-        return RouterOutput(kept_probs, kept_map, routed_logits, tokens_per_expert, losses, stats)
+        return RouterOutput(kept_probs, kept_map, routed_logits, tokens_per_expert, probs, routing_map, losses, stats)
 
     def _attach_z_loss(self, logits, loss_mask, losses):
         cfg = self.config
