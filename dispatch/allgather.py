@@ -61,7 +61,8 @@ class AllGatherDispatcher(TokenDispatcher):
         handle = AllGatherHandle(num_tokens=tokens.shape[0])
         # [1 + ep*S]: this rank's tokens, then its routed pairs per slot (expert by default).
         num_tokens = torch.full((1,), tokens.shape[0], dtype=torch.int64, device=tokens.device)
-        g, dev = self._gather_counts(torch.cat([num_tokens, routing_map.sum(dim=0)]), handle.wire)
+        g, dev = self._gather_counts(torch.cat([num_tokens, routing_map.sum(dim=0)]), handle.wire, "tokens+slots",
+                                     tokens.shape[0])
         handle.sizes = [row[0] for etp_rows in g for row in etp_rows]
         mine = slice(1 + self.local_expert_start, 1 + self.local_expert_start + self.num_local_experts)
         handle.tokens_per_local_expert = [sum(col) for col in zip(*(row[mine] for etp_rows in g for row in etp_rows))]

@@ -132,6 +132,10 @@ class AllToAllDispatcher(TokenDispatcher):
         """Rows per expert and source rank in the padded mode."""
         return expert_capacity(num_tokens, self.num_experts, self.topk, self.capacity_factor)
 
+    def _capacity(self, num_tokens: int) -> Optional[int]:
+        """Rows per slot the router keeps (the capacity mode), None when dropless."""
+        return None if self.mode == "dropless" else self.capacity(num_tokens)
+
     # ------------------------------------------------------------------ dispatch
 
     def dispatch_preprocess(self, tokens, probs, routing_map):
@@ -153,7 +157,8 @@ class AllToAllDispatcher(TokenDispatcher):
 
         el = self.num_local_experts
         counts = routing_map.sum(dim=0)  # [E] routed tokens per expert
-        g, dev = self._gather_counts(counts, handle.wire)  # [ep][etp][E] host ints, [ep, etp, E] on the device
+        g, dev = self._gather_counts(counts, handle.wire, "slots", tokens.shape[0],
+                                     self._capacity(tokens.shape[0]))  # [ep][etp][E] host ints, [ep, etp, E] on the device
         mine = slice(self.local_expert_start, self.local_expert_start + el)
         handle.input_splits = [sum(g[self.ep_rank][self.etp_rank][j * el:(j + 1) * el]) for j in range(self.ep)]
         handle.output_splits = [sum(g[j][self.etp_rank][mine]) for j in range(self.ep)]
@@ -283,7 +288,8 @@ class AllToAllDispatcher(TokenDispatcher):
         # One count exchange carries both the per-expert counts (for the experts) and
         # the per-rank row counts (for the splits).
         counts = torch.cat([routing_map.sum(dim=0), rank_map.sum(dim=0)])  # [ep*S + ep]
-        g, dev = self._gather_counts(counts, handle.wire)  # [ep][etp][ep*S + ep], and [ep, etp, ep*S + ep]
+        g, dev = self._gather_counts(counts, handle.wire, "slots+ranks", num_tokens,
+                                     self._capacity(num_tokens))  # [ep][etp][ep*S + ep], and [ep, etp, ep*S + ep]
         rows = [[g[j][t][self.num_slots + self.ep_rank] for t in range(self.etp)] for j in range(ep)]
         handle.input_splits = g[self.ep_rank][self.etp_rank][self.num_slots:]
         handle.output_splits = [rows[j][self.etp_rank] for j in range(ep)]

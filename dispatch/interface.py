@@ -63,6 +63,7 @@ import torch
 
 from moe_fold import comm
 from moe_fold.dispatch.placement import Placement, slot_routing
+from moe_fold.dispatch.planned_routing import read_gathered
 from moe_fold.kernels.permute import BACKENDS as PERMUTE_BACKENDS
 
 if TYPE_CHECKING:
@@ -175,6 +176,9 @@ class TokenDispatcher(ABC):
             raise ValueError(f"the etp_ep group does not list ranks etp-fastest (rank "
                              f"{groups.rank_in('etp_ep')} in it, ep rank {self.ep_rank}, etp rank "
                              f"{self.etp_rank}); the layout order must put tp before ep")
+        # How the count exchange is read: the gathered counts themselves, or a routing
+        # rule's counts (dispatch/planned_routing.py, the dry run's tensors carry no values).
+        self.read_counts = read_gathered
         # Placement.contiguous checks that num_experts splits over ep.
         self.set_placement(placement if placement is not None else Placement.contiguous(num_experts, self.ep))
 
@@ -295,15 +299,18 @@ class TokenDispatcher(ABC):
             raise ValueError(f"expert_output must be [N={handle.num_rows}, H] (one row per dispatched row), "
                              f"got shape {tuple(expert_output.shape)}")
 
-    def _gather_counts(self, counts: torch.Tensor, wire: WireBytes) -> tuple[list[list[list[int]]], torch.Tensor]:
+    def _gather_counts(self, counts: torch.Tensor, wire: WireBytes, columns: str, num_tokens: int,
+                       capacity: Optional[int] = None) -> tuple[list[list[list[int]]], torch.Tensor]:
         """All-gather ``counts[C]`` (int64, on the tokens' device) over the etp x ep group;
         returns them as a host list ``[ep][etp][C]`` and as the device tensor ``[ep, etp, C]``.
-        The list is the dispatcher's one host synchronisation; sizes that kernels need on
-        the device are taken from the tensor, never copied back from the list."""
+        The list is the dispatcher's one host synchronisation (through :attr:`read_counts`;
+        ``columns`` says what the C columns hold, ``num_tokens`` and ``capacity`` this
+        rank's tokens and the slots' capacity); sizes that kernels need on the device are
+        taken from the tensor, never copied back from the list."""
         row = counts.unsqueeze(0)  # [1, C]
         wire.meta += comm.all_gather_bytes(row, self.groups.etp_ep)
         gathered = comm.all_gather(row, self.groups.etp_ep)  # [1, C] -> [etp*ep, C]
-        flat = gathered.tolist()
+        flat = self.read_counts(gathered, columns, num_tokens, self.topk, self.ep, capacity)
         host = [[flat[j * self.etp + t] for t in range(self.etp)] for j in range(self.ep)]
         return host, gathered.view(self.ep, self.etp, -1)
 

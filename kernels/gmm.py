@@ -22,6 +22,7 @@ not import or whose first call fails, Triton on CPU without the interpreter) rai
 why.
 """
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -91,7 +92,8 @@ def _autocast_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, 
     operands go to the autocast dtype (differentiably, so ``w``'s grad keeps ``w``'s
     dtype), and the backends run outside autocast on operands that already agree."""
     device_type = x.device.type
-    if not torch.is_autocast_enabled(device_type):
+    # A device without autocast (the dry run's meta tensors) never autocasts.
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
         return x, w
     dtype = torch.get_autocast_dtype(device_type)
 
@@ -158,7 +160,8 @@ def gmm(
         _check_counts(host, n, e)
 
     # The backends see operands of one dtype: autocast must not recast inside them.
-    with torch.autocast(x.device.type, enabled=False):
+    with torch.autocast(x.device.type, enabled=False) if torch.amp.is_autocast_available(x.device.type) \
+            else contextlib.nullcontext():
         if name == "loop":
             from .gmm_loop import gmm_loop
 
