@@ -44,7 +44,7 @@ from moe_fold import comm
 from moe_fold.config import capacity_factor_positive, dispatch_modes, require
 from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, counted, expert_major_order
 from moe_fold.dispatch.placement import Placement, expert_order
-from moe_fold.dispatch.router import expert_capacity
+from moe_fold.dispatch.router import capacity_of
 from moe_fold.kernels.permute import permute, permute_padded, sort_chunks, unpermute
 
 if TYPE_CHECKING:
@@ -129,8 +129,9 @@ class AllToAllDispatcher(TokenDispatcher):
             sorted(range(self.num_slots), key=self._expert_order.__getitem__)
 
     def capacity(self, num_tokens: int) -> int:
-        """Rows per expert and source rank in the padded mode."""
-        return expert_capacity(num_tokens, self.num_experts, self.topk, self.capacity_factor)
+        """Rows per expert and source rank in the padded mode (the factor was checked when
+        the dispatcher was built)."""
+        return capacity_of(num_tokens, self.num_experts, self.topk, self.capacity_factor)
 
     # ------------------------------------------------------------------ dispatch
 
