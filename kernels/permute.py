@@ -72,7 +72,7 @@ def routing_indices(routing_map: torch.Tensor, num_rows: Optional[int] = None
     else:
         # A wrong count would silently cut or pad the rows: checked on the device.
         torch._assert_async(routing_map.sum() == num_rows,
-                            f"permute: num_rows={num_rows} differs from the routed pairs of routing_map")
+                            "permute: num_rows differs from the routed pairs of routing_map")
         nz = routing_map.t().nonzero_static(size=num_rows)  # [N, 2]
     sorted_indices = nz[:, 1].contiguous()
     flat_index = sorted_indices * num_experts + nz[:, 0]
@@ -142,6 +142,15 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor,
     _check_routing(tokens, routing_map, probs)
     if num_rows is not None and num_rows < 0:
         raise ValueError(f"num_rows={num_rows} must be >= 0")
+    return permuted_rows(tokens, routing_map, probs, num_rows=num_rows, backend=backend)
+
+
+def permuted_rows(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor], *,
+                  num_rows: Optional[int] = None, backend: str
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """:func:`permute` of arguments already checked, ``backend`` a name of
+    :data:`BACKENDS` (``auto`` is resolved by the op): tensor work only, what a dispatcher's
+    forward calls."""
     sorted_indices, flat_index = routing_indices(routing_map, num_rows)
     permuted_probs = None if probs is None else _gather_probs(probs, flat_index)
     permuted = gather_op(tokens, sorted_indices, False, backend)
@@ -161,6 +170,12 @@ def permute_padded(tokens: torch.Tensor, routing_map: torch.Tensor,
     """
     backend = resolve_backend(backend, tokens)
     _check_routing(tokens, routing_map, probs)
+    return padded_rows(tokens, routing_map, probs, capacity, backend=backend)
+
+
+def padded_rows(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor], capacity: int, *,
+                backend: str) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """:func:`permute_padded` of arguments already checked (see :func:`permuted_rows`)."""
     sorted_indices, flat_index = padded_indices(routing_map, capacity)
     permuted_probs = None if probs is None else _gather_probs(probs, flat_index)
     permuted = gather_op(tokens, sorted_indices, True, backend)
@@ -187,6 +202,12 @@ def unpermute(permuted: torch.Tensor, sorted_indices: torch.Tensor, num_tokens: 
     if probs is not None and probs.shape != (permuted.shape[0],):
         raise ValueError(f"probs shape {tuple(probs.shape)} must be "
                          f"[{permuted.shape[0]}] (one per permuted row)")
+    return unpermute_op(permuted, sorted_indices, num_tokens, probs, backend)
+
+
+def unpermuted(permuted: torch.Tensor, sorted_indices: torch.Tensor, num_tokens: int, *,
+               probs: Optional[torch.Tensor] = None, backend: str) -> torch.Tensor:
+    """:func:`unpermute` of arguments already checked (see :func:`permuted_rows`)."""
     return unpermute_op(permuted, sorted_indices, num_tokens, probs, backend)
 
 
@@ -231,8 +252,9 @@ def gather_op(tokens: torch.Tensor, sorted_indices: torch.Tensor, padded: bool, 
     """Permute forward as one op the compiler does not look into: ``tokens [T, H]`` ->
     ``[N, H]``, row ``i`` being ``tokens[sorted_indices[i]]`` (a zero row at the sentinel
     ``T`` when ``padded``). Its backward sums each token's rows (:func:`unpermute_op`)
-    rather than autograd's row-by-row ``index_add_``."""
-    if backend == "triton":
+    rather than autograd's row-by-row ``index_add_``. ``backend`` may be ``auto`` (the
+    device rule, resolved from the tokens' device like any kernel dispatch)."""
+    if backends.resolve("permute", backend, tokens) == "triton":
         from .permute_triton import gather_rows
         return gather_rows(tokens, sorted_indices)
     return _take_with_sentinel(tokens, sorted_indices, padded)
@@ -262,7 +284,7 @@ def unpermute_op(permuted: torch.Tensor, sorted_indices: torch.Tensor, num_token
                  probs: Optional[torch.Tensor], backend: str) -> torch.Tensor:
     """Unpermute as one op: ``permuted [N, H]`` -> ``[num_tokens, H]``, each row weighted
     by its prob if given and added to its token (the sentinel ``num_tokens`` adds nothing)."""
-    if backend == "triton":
+    if backends.resolve("permute", backend, permuted) == "triton":
         from .permute_triton import unpermute_rows
         return unpermute_rows(permuted, sorted_indices, num_tokens, probs)
     return _sum_rows_per_token(permuted, sorted_indices, num_tokens, probs).to(permuted.dtype)
@@ -279,7 +301,7 @@ def unpermute_backward_op(grad: torch.Tensor, sorted_indices: torch.Tensor, perm
                           backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The grads of :func:`unpermute_op`'s rows and probs (an empty tensor when not
     ``want_probs``)."""
-    if backend == "triton":
+    if backends.resolve("permute", backend, grad) == "triton":
         from .permute_triton import unpermute_rows_backward
         grad_rows, grad_probs = unpermute_rows_backward(grad, sorted_indices, permuted, probs, want_probs)
     else:
@@ -429,5 +451,11 @@ def sort_chunks(x: torch.Tensor, split_sizes: Union[Sequence[int], torch.Tensor]
     if not isinstance(order, torch.Tensor) and sorted(order) != list(range(len(order))):
         raise ValueError(f"order={list(order)} is not a permutation of "
                          f"0..{len(order) - 1}")
-    index = chunk_gather_index(sizes, order_t, x.shape[0])
+    return chunks_sorted(x, sizes, order_t, backend=backend)
+
+
+def chunks_sorted(x: torch.Tensor, split_sizes: torch.Tensor, order: torch.Tensor, *, backend: str) -> torch.Tensor:
+    """:func:`sort_chunks` of int64 tensors on ``x``'s device and a concrete ``backend``:
+    tensor work only, what a dispatcher's forward calls."""
+    index = chunk_gather_index(split_sizes, order, x.shape[0])
     return _RowPermutation.apply(x, index, backend == "triton")
