@@ -220,7 +220,8 @@ def gmm_op(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, host_counts: 
         if name == "torch":
             from .gmm_torch import gmm_torch
 
-            return gmm_torch(x, w, counts, trans_b, host_counts)
+            # grouped_mm pads rows narrower than 16 bytes; an op's output has one layout.
+            return gmm_torch(x, w, counts, trans_b, host_counts).contiguous()
         from .gmm_triton import gmm_triton
 
         return gmm_triton(x, w, counts, trans_b)
@@ -250,7 +251,7 @@ def gmm_wgrad(x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, host_coun
         if name == "torch":
             from .gmm_torch import gmm_torch_wgrad
 
-            return gmm_torch_wgrad(x, dy, counts, trans_b, host_counts)
+            return gmm_torch_wgrad(x, dy, counts, trans_b, host_counts).contiguous()
         from .gmm_triton import gmm_triton_wgrad
 
         return gmm_triton_wgrad(x, dy, counts, trans_b)

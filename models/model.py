@@ -394,6 +394,20 @@ _RECOMPUTE = {
 }
 
 
+def compile_blocks(model: nn.Module) -> None:
+    """``train.compile=blocks``: compile every :class:`Block` of ``model`` (MTP depths
+    included) in place, each on its own with ``fullgraph=True`` (a graph break is an error,
+    not a silent fallback), as torchtitan compiles its TransformerBlocks. Parameter names
+    and the module tree stay as they are, so checkpoints, gradient buckets and the
+    pipeline see the same model. The dropless MoE layer's per-expert counts become unbacked
+    symbolic sizes: the caller runs the model under
+    ``torch._dynamo.config.patch(capture_scalar_outputs=True)``
+    (:func:`moe_fold.training.train.train` does)."""
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.compile(fullgraph=True)
+
+
 def set_recompute(model: nn.Module, mode: str) -> None:
     """Set the recompute attributes (:mod:`moe_fold.models.recompute`) of every module of
     ``model`` (a whole model or any part, e.g. one MoE layer) for ``train.recompute=mode``:

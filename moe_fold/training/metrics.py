@@ -99,7 +99,11 @@ class RoutingCollector(_HookCollector):
         moe = config.moe
         # Which losses the routers compute: each kind is on when its coefficient is > 0.
         self.kinds = [k for k in _KINDS if getattr(moe, _COEFF[k]) > 0]
-        self._hooks = [m.register_forward_hook(self._hook(row), with_kwargs=True) for row, m in self.routers]
+        # Each hook's row is a one-element index tensor, not a Python int: under
+        # train.compile=blocks the blocks share one compiled forward, which an int would
+        # specialise per layer (and a 0-d tensor index would read back to the host).
+        self._hooks = [m.register_forward_hook(self._hook(torch.tensor([row], device=self.device)),
+                                               with_kwargs=True) for row, m in self.routers]
         self.layer_metrics: dict[str, float] = {}
         self.expert_load: list[list[int]] = []
         self.start_step()
@@ -114,7 +118,7 @@ class RoutingCollector(_HookCollector):
         self._loss_sums = torch.zeros(L, len(_KINDS), **zeros)
         self._calls = torch.zeros(L, **zeros)
 
-    def _hook(self, row: int):
+    def _hook(self, row: torch.Tensor):
         def hook(module, args, kwargs, output):
             if not self._recording:
                 return

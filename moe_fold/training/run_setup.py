@@ -74,7 +74,7 @@ def set_up_run(config: Config, device: torch.device, groups: ProcessGroups, resu
     collective where the data caches are built (rank 0 first) and where the model is (pp)."""
     # Imported here, not above: tests swap build_model on its module to plant faults.
     from moe_fold.data.loader import DataLoader
-    from moe_fold.models.model import build_model
+    from moe_fold.models.model import build_model, compile_blocks
     from moe_fold.training.metrics import MTPCollector, RoutingCollector
     from moe_fold.training.optim import build_grad_sync, build_optimizer, build_scheduler
 
@@ -101,6 +101,8 @@ def set_up_run(config: Config, device: torch.device, groups: ProcessGroups, resu
         valid_dataset = _dataset(config, groups, validation_dataset_from_config)
     torch.manual_seed(t.seed)
     model = build_model(config, groups).to(device)
+    if t.compile == "blocks":
+        compile_blocks(model)
     master = None
     if t.precision == "bf16":
         master = MasterWeights(model.to(param_dtype(t.precision)), build_model(config, groups).to(device))

@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 from torch import nn
 
@@ -209,7 +210,9 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
     previous_fp32 = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
     began = time.monotonic()
     try:
-        with ExitSignals(config.train.exit_signals) as signals:
+        # train.compile=blocks: the dropless layer's counts trace as unbacked sizes.
+        compiling = torch._dynamo.config.patch(capture_scalar_outputs=config.train.compile == "blocks")
+        with ExitSignals(config.train.exit_signals) as signals, compiling:
             return _train(config, resume, console, progress, stop_at, signals, began)
     finally:
         torch.use_deterministic_algorithms(previous)
