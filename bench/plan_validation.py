@@ -21,10 +21,12 @@ published and predicted MFU on model FLOPs (:func:`moe_fold.planner.model.model_
 over world x dense BF16 peak).
 
 The kernel figures (:data:`moe_fold.planner.estimate.CALIBRATED_EFFICIENCY`, the large-GEMM
-efficiency of each GPU, and ``CALIBRATED["elementwise_passes"]``, shared) are fitted only on
-the rows whose ``calibration`` column says ``yes`` (``--fit`` refits them there and prints
-them); every other row is held out. The summary prints the median and the worst absolute relative error over the
-held-out rows.
+efficiency of each GPU, and ``CALIBRATED["elementwise_passes"]`` and
+``CALIBRATED["gemm_k_overhead"]``, shared) are fitted only on the rows whose ``calibration``
+column says ``yes`` (``--fit`` refits them there and prints them); every other row is held
+out. The summary prints the error by GPU generation, held-out and calibration rows apart
+(each generation has its own efficiency), then per source. Each row is planned by
+:func:`moe_fold.planner.precedent.row_plan`, as ``moe-fold plan --row ID`` plans it: one MFU.
 
 Rows become configs with :func:`moe_fold.planner.precedent.row_config` (GPT rows as dense
 moe-fold models with the FLOPs of GPT's MLP).
@@ -46,12 +48,15 @@ from typing import Optional
 
 from moe_fold.config import Config
 from moe_fold.planner.estimate import (
-    BORROWED_EFFICIENCY, CALIBRATED, CALIBRATED_EFFICIENCY, Assumptions, Plan, estimate,
+    BORROWED_EFFICIENCY, CALIBRATED, CALIBRATED_EFFICIENCY, Assumptions, Plan,
 )
 from moe_fold.planner.hardware import get_gpu
 from moe_fold.planner.model import dims, layer_forward_flops, model_flops_per_step
-from moe_fold.planner.precedent import PUBLISHED, read_published as read_rows, row_config
+from moe_fold.planner.precedent import PUBLISHED, read_published as read_rows, row_config, row_plan
+from moe_fold.planner.precedent import row_assumptions as precedent_assumptions
 METRICS = ("tflops_recompute", "model_tflops", "mfu")
+# The per-tile reduction overhead k0 the fit tries (elements of k; compute_time.gemm_seconds).
+K_OVERHEAD_GRID = (0.0, 256.0, 512.0, 1024.0)
 
 
 def row_assumptions(row: dict, kernels: dict) -> Assumptions:
@@ -61,15 +66,15 @@ def row_assumptions(row: dict, kernels: dict) -> Assumptions:
     if "flat" in kernels:
         e = kernels["flat"][row["gpu"]] if isinstance(kernels["flat"], dict) else kernels["flat"]
         return Assumptions(matmul_efficiency=e, overlap=row["dp_overlap"], implementation="megatron")
-    return Assumptions(compute_model="shapes", matmul_efficiency=kernels["efficiency"][row["gpu"]],
-                       elementwise_passes=kernels["elementwise_passes"], overlap=row["dp_overlap"],
-                       implementation="megatron", attention_kernel=row["attention_kernel"],
-                       gemm_dtype="fp8" if row["precision"] == "fp8" else "bf16")
+    return precedent_assumptions(row, matmul_efficiency=kernels["efficiency"][row["gpu"]],
+                                 elementwise_passes=kernels["elementwise_passes"],
+                                 gemm_k_overhead=kernels["gemm_k_overhead"])
 
 
 def calibrated_kernels() -> dict:
     """The figures the planner ships (:data:`moe_fold.planner.estimate.CALIBRATED`)."""
-    return {"efficiency": dict(CALIBRATED_EFFICIENCY), "elementwise_passes": CALIBRATED["elementwise_passes"]}
+    return {"efficiency": dict(CALIBRATED_EFFICIENCY), "elementwise_passes": CALIBRATED["elementwise_passes"],
+            "gemm_k_overhead": CALIBRATED["gemm_k_overhead"]}
 
 
 def metric_flops(config: Config, metric: str) -> float:
@@ -90,7 +95,7 @@ def predict(row: dict, kernels: Optional[dict] = None) -> dict:
     config = row_config(row)
     gpu = get_gpu(row["gpu"])
     world = int(row["world"])
-    plan: Plan = estimate(config, world, gpu, row_assumptions(row, kernels))
+    plan: Plan = row_plan(row, row_assumptions(row, kernels))
     numerator = metric_flops(config, row["metric"])
     model = model_flops_per_step(config)
     published = float(row["published"])
@@ -106,10 +111,21 @@ def predict(row: dict, kernels: Optional[dict] = None) -> dict:
             "time": {k: round(v, 4) for k, v in plan.time.items()}}
 
 
+def _errors(errors: list[float]) -> dict:
+    if not errors:
+        return {"rows": 0}
+    return {"rows": len(errors), "median_abs_error": statistics.median(map(abs, errors)),
+            "worst_abs_error": max(map(abs, errors)), "mean_error": statistics.mean(errors)}
+
+
 def summary(results: list[dict]) -> dict:
-    """Held-out error over all rows, and per source (``by_source``: rows, median and worst
-    absolute error, mean error of each source's held-out rows)."""
+    """Held-out error over all rows; per GPU generation (``by_gpu``: its held-out rows and,
+    apart, its calibration rows: count, median and worst absolute error, mean error), since
+    each generation has its own fitted efficiency; and per source (``by_source``, held-out)."""
     held = [abs(r["error"]) for r in results if not r["fit"]]
+    by_gpu = {gpu: {"held_out": _errors([r["error"] for r in results if r["gpu"] == gpu and not r["fit"]]),
+                    "calibration": _errors([r["error"] for r in results if r["gpu"] == gpu and r["fit"]])}
+              for gpu in dict.fromkeys(r["gpu"] for r in results)}
     by_source = {}
     for source in dict.fromkeys(r["source"] for r in results if not r["fit"]):
         errors = [r["error"] for r in results if not r["fit"] and r["source"] == source]
@@ -119,7 +135,7 @@ def summary(results: list[dict]) -> dict:
             "calibration_rows": sum(r["fit"] for r in results), "held_out_rows": len(held),
             "held_out_median_abs_error": statistics.median(held), "held_out_worst_abs_error": max(held),
             "held_out_mean_error": statistics.mean(r["error"] for r in results if not r["fit"]),
-            "by_source": by_source}
+            "by_gpu": by_gpu, "by_source": by_source}
 
 
 def fit(rows: list[dict], flat: bool = False) -> dict:
@@ -134,37 +150,39 @@ def fit(rows: list[dict], flat: bool = False) -> dict:
     gpus = sorted({r["gpu"] for r in calibration})
     shipped = calibrated_kernels()
 
-    def loss(gpu: str, e: float, passes: float) -> float:
-        kernels = {"efficiency": dict(shipped["efficiency"], **{gpu: e}), "elementwise_passes": passes}
+    def loss(gpu: str, e: float, passes: float, k0: float) -> float:
+        kernels = {"efficiency": dict(shipped["efficiency"], **{gpu: e}), "elementwise_passes": passes,
+                   "gemm_k_overhead": k0}
         if flat:
             kernels = {"flat": kernels["efficiency"]}
         return sum(math.log(1 + predict(r, kernels)["error"]) ** 2 for r in calibration if r["gpu"] == gpu)
 
-    def best_efficiency(gpu: str, passes: float) -> tuple[float, float]:
+    def best_efficiency(gpu: str, passes: float, k0: float) -> tuple[float, float]:
         lo, hi = 0.2, 1.0
         golden = (math.sqrt(5) - 1) / 2
         for _ in range(14):
             a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
-            if loss(gpu, a, passes) < loss(gpu, b, passes):
+            if loss(gpu, a, passes, k0) < loss(gpu, b, passes, k0):
                 hi = b
             else:
                 lo = a
         e = round((lo + hi) / 2, 3)
-        return e, loss(gpu, e, passes)
+        return e, loss(gpu, e, passes, k0)
 
     best = None
-    for passes in [0] if flat else range(0, 61, 10):
-        fitted = {gpu: best_efficiency(gpu, passes) for gpu in gpus}
-        total = sum(l for _, l in fitted.values())
-        if best is None or total < best[0]:
-            best = (total, passes, {gpu: e for gpu, (e, _) in fitted.items()})
-    _, passes, efficiency = best
+    for k0 in [0.0] if flat else K_OVERHEAD_GRID:
+        for passes in [0] if flat else range(0, 61, 10):
+            fitted = {gpu: best_efficiency(gpu, passes, k0) for gpu in gpus}
+            total = sum(l for _, l in fitted.values())
+            if best is None or total < best[0]:
+                best = (total, passes, k0, {gpu: e for gpu, (e, _) in fitted.items()})
+    _, passes, k0, efficiency = best
     efficiency = dict(shipped["efficiency"], **efficiency)
     for gpu, source in BORROWED_EFFICIENCY.items():  # no published row of their own
         efficiency[gpu] = efficiency[source]
     if flat:
         return {"flat": efficiency}
-    return {"efficiency": efficiency, "elementwise_passes": float(passes)}
+    return {"efficiency": efficiency, "elementwise_passes": float(passes), "gemm_k_overhead": k0}
 
 
 def table(results: list[dict]) -> str:
@@ -177,6 +195,22 @@ def table(results: list[dict]) -> str:
                      f"{100 * r['published_mfu']:>6.1f}% {100 * r['predicted_mfu']:>7.1f}% "
                      f"{'fit' if r['fit'] else 'held-out':>9}")
     return "\n".join(lines)
+
+
+def gpu_table(by_gpu: dict, markdown: bool = False) -> str:
+    """The error by GPU generation, held-out and calibration rows apart."""
+    def cell(e: dict) -> list[str]:
+        if not e["rows"]:
+            return ["0", "", "", ""]
+        return [str(e["rows"]), f"{100 * e['median_abs_error']:.1f}%", f"{100 * e['worst_abs_error']:.1f}%",
+                f"{100 * e['mean_error']:+.1f}%"]
+    head = ["GPU", "held-out rows", "median abs error", "worst", "mean", "calibration rows", "median abs error", "worst",
+            "mean"]
+    body = [[gpu.upper(), *cell(e["held_out"]), *cell(e["calibration"])] for gpu, e in by_gpu.items()]
+    if markdown:
+        return "\n".join("| " + " | ".join(line) + " |" for line in [head, ["---"] * len(head), *body])
+    widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [head, *body])
 
 
 def markdown(results: list[dict]) -> str:
@@ -214,6 +248,8 @@ def main(argv=None) -> dict:
     out = dict(summary(results), kernels=kernels)
     if args.markdown:
         print(markdown(results))
+        print()
+        print(gpu_table(out["by_gpu"], markdown=True))
     elif args.json:
         for r in results:
             print(json.dumps(r))
@@ -223,9 +259,10 @@ def main(argv=None) -> dict:
                   else "moe_fold.planner.estimate.CALIBRATED")
         print(f"kernel figures ({origin}): {kernels}")
         print(table(results))
-        print(f"held-out rows: {out['held_out_rows']} of {out['rows']} ({out['sources']} sources); "
-              f"median |error| {100 * out['held_out_median_abs_error']:.1f}%, worst "
-              f"{100 * out['held_out_worst_abs_error']:.1f}%, mean error {100 * out['held_out_mean_error']:+.1f}%")
+        print(gpu_table(out["by_gpu"]))
+        print(f"all GPUs pooled (read the table above instead): {out['held_out_rows']} held-out rows of "
+              f"{out['rows']} ({out['sources']} sources), median |error| {100 * out['held_out_median_abs_error']:.1f}%, "
+              f"worst {100 * out['held_out_worst_abs_error']:.1f}%, mean error {100 * out['held_out_mean_error']:+.1f}%")
         for source, e in out["by_source"].items():
             print(f"  {source}: {e['rows']} held-out rows, median |error| {100 * e['median_abs_error']:.1f}%, "
                   f"worst {100 * e['worst_abs_error']:.1f}%, mean {100 * e['mean_error']:+.1f}%")

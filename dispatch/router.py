@@ -114,6 +114,7 @@ def topk_routing(
     expert_bias: Optional[torch.Tensor] = None,
     norm_min: Optional[float] = None,
     backend: str = "torch",
+    forced: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route each token to ``topk`` experts.
 
@@ -141,6 +142,10 @@ def topk_routing(
             Both give the same experts (ties to the lower index) and probs and gradients
             within float rounding (tests/test_router.py::test_triton_topk_equals_the_torch_path,
             rtol 1e-6 in float32).
+        forced: ``[T, topk]`` int64, router replay: these experts instead of the selection
+            (groups and the expert bias choose nothing then); the probs are the scores at
+            them, computed as for a selection (Megatron-Core's router replay), so the
+            router keeps its gradient.
 
     Returns:
         ``probs [T, E]`` (float32, or float64 for float64 logits; zero off the chosen
@@ -155,35 +160,43 @@ def topk_routing(
                        expert_bias=expert_bias is not None, norm_min=norm_min)
     if expert_bias is not None and tuple(expert_bias.shape) != (num_experts,):
         raise ValueError(f"expert_bias must have shape ({num_experts},), got {tuple(expert_bias.shape)}")
-    fusable = group_topk is None and expert_bias is None and norm_min is None
+    fusable = group_topk is None and expert_bias is None and norm_min is None and forced is None
     ranked = group_ranked_scores(group_score, topk, group_topk) if group_topk is not None else 0
     return routed(logits, topk, score=score, pre_softmax=pre_softmax, num_groups=num_groups, group_topk=group_topk,
                   ranked=ranked, scaling_factor=scaling_factor, expert_bias=expert_bias, norm_min=norm_min,
-                  backend=build_topk_backend(backend, fusable=fusable))
+                  backend=build_topk_backend(backend, fusable=fusable), forced=forced)
 
 
 def routed(logits: torch.Tensor, topk: int, *, score: str, pre_softmax: bool, num_groups: Optional[int],
            group_topk: Optional[int], ranked: int, scaling_factor: Optional[float],
            expert_bias: Optional[torch.Tensor], norm_min: Optional[float],
-           backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+           backend: str, forced: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`topk_routing` with every argument already checked and ``backend`` from
     :func:`moe_fold.kernels.topk.build_backend`: tensor work only, what :class:`Router`'s
     forward calls. ``ranked``: the best scores that rank a group (ignored without groups).
     Plain top-k is one op (:func:`moe_fold.kernels.topk.topk_scores`, the Triton kernel or
-    torch); groups, a bias or a renormalisation floor run the torch ops here."""
-    if group_topk is None and expert_bias is None and norm_min is None:
+    torch); groups, a bias, a renormalisation floor or replayed experts (``forced``) run
+    the torch ops here."""
+    if group_topk is None and expert_bias is None and norm_min is None and forced is None:
         # The op computes in float32 (float64 for float64 logits), like `work` below.
         probs, routing_map = topk_scores(logits, topk, score, pre_softmax, backend)
         return (probs if scaling_factor is None else probs * scaling_factor), routing_map
     work = logits if logits.dtype == torch.float64 else logits.float()
 
     if score == "softmax" and not pre_softmax:
-        top_logits, top = _select(work, topk, num_groups, group_topk, ranked)
+        if forced is not None:
+            top = forced
+            top_logits = work.gather(1, top)
+        else:
+            top_logits, top = _select(work, topk, num_groups, group_topk, ranked)
         probs = torch.softmax(top_logits, dim=-1)
     else:
         # Scores over all experts: the softmax (pre_softmax) or the sigmoid of each logit.
         scores = torch.softmax(work, dim=-1) if score == "softmax" else torch.sigmoid(work)
-        if expert_bias is not None:
+        if forced is not None:
+            top = forced
+            probs = scores.gather(1, forced)
+        elif expert_bias is not None:
             top = _select(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk, ranked)[1]
             probs = scores.gather(1, top)
         else:
@@ -292,6 +305,10 @@ class RouterOutput:
     logits: torch.Tensor
     # [E] int64: this rank's assignments per expert, what the dispatcher moves.
     tokens_per_expert: torch.Tensor
+    # [T, E] the router's choice before capacity dropping (the same tensors as probs and
+    # routing_map without capacity): what route traces record.
+    routed_probs: torch.Tensor
+    routed_map: torch.Tensor
     # Detached micro-batch values without coefficients, for logging: "aux", "seq_aux",
     # "z" (whole micro-batch over tp x cp) and "global_aux" (over tp x dp x cp, with the
     # step's running counts, i.e. the value the gradient follows); only the enabled ones.
@@ -379,6 +396,7 @@ class Router(nn.Module):
         loss_mask: Optional[torch.Tensor] = None,
         seq_ids: Optional[torch.Tensor] = None,
         num_seqs: Optional[int] = None,
+        forced: Optional[torch.Tensor] = None,
     ) -> RouterOutput:
         """Route this rank's tokens.
 
@@ -390,6 +408,8 @@ class Router(nn.Module):
                 micro-batch; needed when ``seq_aux_loss_coeff > 0``. Under SP/CP every rank
                 of a tp x cp group holds a slice of each of the same ``num_seqs`` sequences.
             num_seqs: number of sequences in the micro-batch (the same on the tp x cp group).
+            forced: ``[T, topk]`` int64, router replay: each token's experts (see
+                :func:`topk_routing`); capacity and the losses then follow them.
         """
         cfg = self.config
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
@@ -416,7 +436,7 @@ class Router(nn.Module):
             routed_logits, cfg.topk, score=cfg.score_function, pre_softmax=cfg.pre_softmax,
             num_groups=cfg.num_groups, group_topk=cfg.group_topk, ranked=self._ranked,
             scaling_factor=cfg.scaling_factor, expert_bias=self.expert_bias, norm_min=cfg.topk_norm_min,
-            backend=self.topk_backend)
+            backend=self.topk_backend, forced=forced)
         kept_probs, kept_map = probs, routing_map
         if cfg.capacity_factor is not None:
             capacity = min(capacity_of(num_tokens, cfg.num_experts, cfg.topk, cfg.capacity_factor), num_tokens)
@@ -445,7 +465,7 @@ class Router(nn.Module):
                 real = loss_mask.unsqueeze(1)
                 routed_counts, kept_counts = (routing_map & real).sum(dim=0), (routed_and_kept & real).sum(dim=0)
             stats = load_stats(routed_counts, kept_counts, self.groups.size("ep"))
-        return RouterOutput(kept_probs, kept_map, routed_logits, tokens_per_expert, losses, stats)
+        return RouterOutput(kept_probs, kept_map, routed_logits, tokens_per_expert, probs, routing_map, losses, stats)
 
     def _attach_z_loss(self, logits, loss_mask, losses):
         cfg = self.config

@@ -71,8 +71,11 @@ class Experts(nn.Module):
                  *, std: float, seed: int, name: str, gemm_backend: str = "auto",
                  swiglu_backend: str = "auto", placement: Placement | None = None, linear_bias: bool = False,
                  activation: str = "swiglu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
-                 score_on_input: bool = False):
+                 score_on_input: bool = False, row_multiple: int = 0):
         super().__init__()
+        # > 0: every expert's rows padded to a multiple of this for the GEMMs, so a row's
+        # bits do not depend on how many other rows its expert got (train.batch_invariant).
+        self.row_multiple = row_multiple
         self.score_on_input = score_on_input
         ep, etp = groups.size("ep"), groups.size("etp")
         require(expert_width_over_etp, ffn_hidden_size, etp)
@@ -153,9 +156,32 @@ class Experts(nn.Module):
         when etp > 1). ``host_tokens_per_expert``: the same counts as a host list when the
         caller has them (the dispatcher does), so no GEMM backend reads the tensor back."""
         tokens, probs = self.scaled_input(tokens, probs)
+        if self.row_multiple:
+            return self._padded(tokens, tokens_per_expert, probs, host_tokens_per_expert)
         if self.recompute == "all":
             return recomputed(self._grouped_mlp, tokens, tokens_per_expert, probs, host_tokens_per_expert)
         return self._grouped_mlp(tokens, tokens_per_expert, probs, host_tokens_per_expert)
+
+    def _padded(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
+                host: Optional[Sequence[int]]) -> torch.Tensor:
+        """:meth:`forward` with each expert's rows padded by zero rows to a multiple of
+        ``row_multiple``: a CPU GEMM gives a row the same bits for any such row count."""
+        counts = [int(c) for c in (host if host is not None else tokens_per_expert.tolist())]
+        m = self.row_multiple
+        padded = [-(-c // m) * m for c in counts]
+        starts = torch.tensor([0] + padded[:-1]).cumsum(0).tolist()
+        # Where each real row goes in the padded rows: [N]
+        dest = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)] +
+                         [torch.zeros(0, dtype=torch.int64)]).to(tokens.device)
+        rows = sum(padded)
+        x = tokens.new_zeros(rows, tokens.shape[1]).index_put((dest,), tokens)  # [N, H] -> [N_padded, H]
+        p = probs.new_zeros(rows).index_put((dest,), probs)  # [N_padded]
+        counts_t = torch.tensor(padded, dtype=tokens_per_expert.dtype, device=tokens_per_expert.device)
+        if self.recompute == "all":
+            out = recomputed(self._grouped_mlp, x, counts_t, p, padded)
+        else:
+            out = self._grouped_mlp(x, counts_t, p, padded)
+        return out[dest]  # [N_padded, H] -> [N, H]
 
     def scaled_input(self, tokens: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(tokens, probs)`` as the experts take them: unchanged, or with

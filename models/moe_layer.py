@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from moe_fold.config import (
-    Config, gate_needs_shared_expert, moe_needs_sequence_parallel, overlap_problems, require,
+    BATCH_INVARIANT_ROWS, Config, gate_needs_shared_expert, moe_needs_sequence_parallel, overlap_problems, require,
 )
 from moe_fold.dispatch.dispatcher import build_dispatcher
 from moe_fold.dispatch.placement import Placement
@@ -84,7 +84,8 @@ class MoELayer(nn.Module):
                                name=f"{name}.experts", gemm_backend=moe.gemm_backend, swiglu_backend=moe.swiglu_backend,
                                placement=placement, linear_bias=moe.expert_linear_bias, activation=moe.activation,
                                swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit,
-                               score_on_input=moe.score_on_input)
+                               score_on_input=moe.score_on_input,
+                               row_multiple=BATCH_INVARIANT_ROWS if config.train.batch_invariant else 0)
         self.shared_expert: Optional[MLP] = None
         self.shared_expert_gate: Optional[nn.Parameter] = None
         if moe.shared_expert_ffn_hidden_size > 0:

@@ -3,6 +3,7 @@ import dataclasses
 import pytest
 
 import moe_fold.config as config_module
+import moe_fold.config.load as config_load
 from moe_fold.config import (
     Config,
     ConfigError,
@@ -90,7 +91,7 @@ def test_yaml_errors(tmp_path):
 
 def test_presets(tmp_path, monkeypatch):
     (tmp_path / "mixtral-tiny.yaml").write_text("moe:\n  num_experts: 4\n")
-    monkeypatch.setattr(config_module, "presets_dir", lambda: tmp_path)
+    monkeypatch.setattr(config_load, "presets_dir", lambda: tmp_path)
     assert list_presets() == ["mixtral-tiny"]
     assert load_config("mixtral-tiny", ["moe.topk=1"]).moe.num_experts == 4
     assert load_problems("mixtral-tiyn") == [

@@ -25,7 +25,7 @@ def test_every_field_has_a_comment():
     for name, cls in SECTIONS.items():
         comments = field_comments(cls)
         missing += [f"{name}.{f.name}" for f in dataclasses.fields(cls) if not comments.get(f.name)]
-    assert not missing, f"add a comment above each of these fields in moe_fold/config.py: {missing}"
+    assert not missing, f"add a comment above each of these fields in moe_fold/config/schema.py: {missing}"
 
 
 def test_reference_rows_show_type_choices_default_and_comment():

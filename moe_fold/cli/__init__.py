@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("moe_fold.cli.convert", "convert between Hugging Face model folders and moe-fold checkpoints"),
     "checkpoint": ("moe_fold.cli.checkpoint", "verify checkpoints: files against the manifest, every expert present"),
     "sample": ("moe_fold.cli.sample", "generate text from a checkpoint (greedy or sampled, with a KV cache)"),
+    "routes": ("moe_fold.cli.routes", "compare two runs' route traces: where their tokens' experts part"),
     "plot": ("moe_fold.cli.plot", "draw a run's loss, learning rate, grad norm, throughput and expert load as PNGs"),
 }
 

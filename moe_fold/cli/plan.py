@@ -34,6 +34,7 @@ EPILOG = """examples:
   moe-fold plan --config mixtral-8x7b --world 64 --loads runs/mixtral-8x7b --loads-steps 1000:2000
   moe-fold plan --config mixtral-8x7b --world 128 --loads runs/mixtral-8x7b --search --top 5
   moe-fold plan --config mixtral-8x7b --world 64 --compute-model flat --efficiency 0.7
+  moe-fold plan --row liu25-mixtral-8x22b-folding
 
 Step time: by default each kernel is timed from its shape with the efficiency fitted for the
 GPU on published measurements (bench/plan_validation.py, docs/planner.md); --efficiency
@@ -43,15 +44,23 @@ routing: the busiest ep rank's rows under the static placement, re-placement
 (moe.replace_every), copies (moe.replicas) and capacity factors, what each does to the step
 and the busiest rank's memory, and the policy recommended; --search ranks layouts on them.
 
+--row ID plans one row of the published measurements exactly as bench/plan_validation.py does
+(moe_fold.planner.precedent.row_plan): the same MFU. Without it, sizes not given come from the
+config: a preset's own recompute, optimizer and overlap switches can differ from a paper's run.
+
 An impossible layout prints the rules it breaks and exits with code 2.
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
-    parser.add_argument("--config", required=True, help="preset name or YAML path")
-    parser.add_argument("--world", type=int, required=True, help="number of GPUs")
-    parser.add_argument("--gpu", default="h100", help="h100 | h200 | b200 (default h100)")
+    parser.add_argument("--config", default=None, help="preset name or YAML path (required unless --row)")
+    parser.add_argument("--world", type=int, default=None, help="number of GPUs (required unless --row)")
+    parser.add_argument("--gpu", default=None, help="h100 | h200 | b200 | a100 | v100 (default h100, or the row's)")
+    parser.add_argument("--row", default=None, metavar="ID",
+                        help="plan a row of the published measurements (bench/published, --published): its model, "
+                             "world, GPU, layout, batch, recompute, overlap, attention kernel and precision, as "
+                             "bench/plan_validation.py predicts it; the flags given here override the row's")
     for name, what in (("tp", "tensor parallel size"), ("cp", "context parallel size"),
                        ("pp", "pipeline parallel size"), ("ep", "expert parallel size"),
                        ("etp", "expert tensor parallel size"), ("vpp", "model chunks per pp rank")):
@@ -80,10 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--published", default=None, metavar="DIR",
                         help="published measurements for the closest precedent (default: the checkout's "
                              "bench/published)")
-    parser.add_argument("--implementation", choices=("moe-fold", "megatron"), default="moe-fold",
+    parser.add_argument("--implementation", choices=("moe-fold", "megatron"), default=None,
                         help="whose memory footprint: moe-fold's own (default) or Megatron-LM's "
                              "(fused kernels, 18 bytes/parameter mixed-precision Adam)")
-    parser.add_argument("--overlap", choices=("moe-fold", "megatron", "none"), default="moe-fold",
+    parser.add_argument("--overlap", choices=("moe-fold", "megatron", "none"), default=None,
                         help="data-parallel traffic hidden behind compute: moe-fold (default: what the config's "
                              "parallel.overlap_grad_reduce / overlap_param_gather switch on), megatron (both, as "
                              "Megatron-LM's --overlap-grad-reduce --overlap-param-gather) or none")
@@ -118,8 +127,9 @@ def _print_plan(console, plan) -> None:
     c = plan.compute
     if c.get("model") == "shapes":
         console.print(f"compute: each kernel timed from its shape (moe_fold.planner.compute_time): large-GEMM "
-                      f"efficiency {c['matmul_efficiency']:.3f}, {c['elementwise_passes']:g} element-wise passes per "
-                      f"layer, {c['attention_kernel']} attention, {c['gemm_dtype']} GEMMs")
+                      f"efficiency {c['matmul_efficiency']:.3f} times k/(k + {c['gemm_k_overhead']:g}), "
+                      f"{c['elementwise_passes']:g} element-wise passes per layer, {c['attention_kernel']} attention, "
+                      f"{c['gemm_dtype']} GEMMs")
     elif c:
         console.print(f"compute: FLOPs at {c['matmul_efficiency']:.2f} x peak (flat model)")
     if plan.routing:
@@ -223,21 +233,16 @@ def _loads_window(text):
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from moe_fold.config import ConfigError, load_config
-    from moe_fold.planner.estimate import Assumptions, calibrated, estimate, search, with_layout
+    from moe_fold.config import ConfigError
+    from moe_fold.planner.estimate import search, with_layout
     from moe_fold.planner.hardware import get_gpu
     from moe_fold.planner.precedent import closest, read_published
 
     try:
-        gpu = get_gpu(args.gpu)
-        common = dict(overlap=args.overlap, implementation=args.implementation,
-                      gemm_dtype="fp8" if args.fp8 else "bf16")
-        if args.compute_model == "shapes":
-            assumptions = calibrated(args.gpu, **common, **({} if args.efficiency is None
-                                                             else {"matmul_efficiency": args.efficiency}))
-        else:
-            assumptions = Assumptions(matmul_efficiency=0.7 if args.efficiency is None else args.efficiency, **common)
-        config = load_config(args.config, [f"train.precision={args.precision}", *args.set])
+        published = read_published(args.published)
+        config, world, gpu_name, assumptions = _inputs(args, published)
+        args.world, args.gpu = world, gpu_name
+        gpu = get_gpu(gpu_name)
         config = with_layout(config, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp,
                              mbs=args.mbs, gbs=args.gbs, seq=args.seq, recompute=args.recompute,
                              distributed=args.distributed_optimizer)
@@ -258,7 +263,6 @@ def run(args: argparse.Namespace) -> int:
             if trace is not None:
                 report = analyse(config, args.world, gpu, assumptions, trace, every)
             plans = [_estimate_with_loads(config, args.world, gpu, assumptions, trace)]
-        published = read_published(args.published)
     except (ConfigError, ValueError) as e:
         print(f"moe-fold plan: error: {e}", file=sys.stderr)
         return 2
@@ -292,6 +296,43 @@ def run(args: argparse.Namespace) -> int:
     if report is not None:
         _print_loads(console, report)
     return 0
+
+
+def _inputs(args: argparse.Namespace, published: list[dict]):
+    """(config, world, GPU key, assumptions) from the command line, or from ``--row`` with
+    the command line's flags over the row's (moe_fold.planner.precedent.row_plan's inputs)."""
+    from moe_fold.config import load_config
+    from moe_fold.planner.estimate import Assumptions, calibrated
+    from moe_fold.planner.hardware import get_gpu
+    from moe_fold.planner.precedent import find_row, row_assumptions, row_config
+
+    given = {k: v for k, v in (("overlap", args.overlap), ("implementation", args.implementation)) if v is not None}
+    if args.fp8:
+        given["gemm_dtype"] = "fp8"
+    if args.efficiency is not None:
+        given["matmul_efficiency"] = args.efficiency
+    if args.row is not None:
+        if args.config is not None:
+            raise ValueError(f"--row={args.row!r} names its own model: drop --config={args.config!r}")
+        if args.compute_model != "shapes":
+            raise ValueError("--row plans with the calibrated shape model: drop --compute-model flat")
+        row = find_row(published, args.row)
+        config = row_config(row, tuple(args.set))
+        world = args.world if args.world is not None else int(row["world"])
+        gpu = (args.gpu if args.gpu is not None else row["gpu"]).lower()
+        get_gpu(gpu)
+        return config, world, gpu, row_assumptions(dict(row, gpu=gpu), **given)
+    if args.config is None or args.world is None:
+        raise ValueError("--config and --world are required (or --row ID to plan a published row)")
+    gpu = args.gpu if args.gpu is not None else "h100"
+    get_gpu(gpu)  # an unknown GPU is named before anything is calibrated for it
+    common = dict({"overlap": "moe-fold", "implementation": "moe-fold", "gemm_dtype": "bf16"}, **given)
+    if args.compute_model == "shapes":
+        assumptions = calibrated(gpu, **common)
+    else:
+        assumptions = Assumptions(**{"matmul_efficiency": 0.7, **common})
+    config = load_config(args.config, [f"train.precision={args.precision}", *args.set])
+    return config, args.world, gpu, assumptions
 
 
 def _estimate_with_loads(config, world, gpu, assumptions, trace):

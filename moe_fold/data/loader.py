@@ -242,34 +242,41 @@ class Batch:
     cu_seqlens: torch.Tensor
     # bool [B, S]: real input tokens (False: padding); None: every token is real.
     token_mask: Optional[torch.Tensor] = None
+    # int64 [B]: each row's global sample number, its place in the run's data stream (the
+    # same under any layout); None for batches not made by the loader.
+    sample_ids: Optional[torch.Tensor] = None
 
     def to(self, device: torch.device | str) -> "Batch":
-        """Every tensor on ``device`` but ``cu_seqlens``, which stays on the host: it is read
-        there (validated and turned into document ids, :meth:`Transformer.documents
-        <moe_fold.models.model.Transformer.documents>`; dynamic cp's plan), and reading it
-        on a GPU would block the host every micro-batch."""
+        """Every tensor on ``device`` but ``cu_seqlens`` and ``sample_ids``, which stay on the
+        host: ``cu_seqlens`` is read there (validated and turned into document ids,
+        :meth:`Transformer.documents <moe_fold.models.model.Transformer.documents>`; dynamic
+        cp's plan), and reading it on a GPU would block the host every micro-batch;
+        ``sample_ids`` only key route traces, which are written from the host."""
         def move(name: str, x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return x if x is None or name == "cu_seqlens" else x.to(device, non_blocking=True)
+            return x if x is None or name in ("cu_seqlens", "sample_ids") else x.to(device, non_blocking=True)
 
         return Batch(*(move(f.name, getattr(self, f.name)) for f in fields(self)))
 
     def cp_slice(self, cp_rank: int, cp_size: int) -> "Batch":
         """This cp rank's zigzag share of every [B, S] field: [B, S] -> [B, S/cp].
-        ``cu_seqlens`` keeps describing the whole sequence."""
+        ``cu_seqlens`` and ``sample_ids`` keep describing the whole sequences."""
         mask = None if self.token_mask is None else zigzag_split(self.token_mask, cp_rank, cp_size, dim=1)
         return Batch(*(zigzag_split(x, cp_rank, cp_size, dim=1)
-                       for x in (self.tokens, self.labels, self.loss_mask, self.positions)), self.cu_seqlens, mask)
+                       for x in (self.tokens, self.labels, self.loss_mask, self.positions)), self.cu_seqlens, mask,
+                     self.sample_ids)
 
 
-def collate(samples: Sequence[Sample]) -> Batch:
+def collate(samples: Sequence[Sample], sample_ids: Optional[Sequence[int]] = None) -> Batch:
+    """``samples`` as one micro-batch; ``sample_ids``: their global sample numbers."""
     tokens = torch.from_numpy(np.stack([s.tokens for s in samples]))  # [B, S+1]
     S = tokens.shape[1] - 1
     cu = np.concatenate([s.cu_seqlens[:-1] + b * S for b, s in enumerate(samples)] + [[len(samples) * S]])
+    ids = None if sample_ids is None else torch.tensor(list(sample_ids), dtype=torch.int64)
     return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(),
                  torch.from_numpy(np.stack([s.loss_mask for s in samples])),
                  torch.from_numpy(np.stack([s.positions for s in samples])),
                  torch.from_numpy(cu.astype(np.int32)),
-                 _token_mask(samples, S))
+                 _token_mask(samples, S), ids)
 
 
 def _token_mask(samples: Sequence[Sample], S: int) -> Optional[torch.Tensor]:
@@ -305,7 +312,8 @@ def batches(dataset: GPTDataset | BlendedDataset, global_batch_size: int, micro_
     step = micro_batch_size * dp_size
     first = start_sample + dp_rank * micro_batch_size
     while True:
-        yield collate([dataset[first + m] for m in range(micro_batch_size)])
+        ids = range(first, first + micro_batch_size)
+        yield collate([dataset[i] for i in ids], ids)
         first += step
 
 

@@ -9,14 +9,21 @@ GEMMs cost what they cost, and one pair of constants holds across models and lay
 - a GEMM ``[m, k] x [k, n]`` (2mkn FLOPs) runs in ``max(2mkn / (peak e q), B / hbm)``: ``e``
   (``Assumptions.matmul_efficiency``) is what a large, tile-aligned GEMM reaches; ``q =
   mn / (ceil(m/128) 128 ceil(n/128) 128)`` is the share of the 128 x 128 output tiles that
-  holds real rows and columns (tile quantization: a 200-row expert runs 256 rows); ``B =
-  a (mk + kn + mn)`` the bytes it must read and write (roofline: a GEMM with a small side is
-  bound by HBM). Every forward GEMM has two backward GEMMs of the same FLOPs, the input
+  holds real rows and columns (tile quantization: a 200-row expert runs 256 rows); the
+  compute term is scaled by ``(k + k0)/k``: every output tile pays a fixed prologue and
+  epilogue (loading its first operand tiles, writing and converting its output) worth ``k0``
+  of the reduction dimension, so a GEMM with a short ``k`` (a narrow expert's second GEMM, an
+  etp-split expert) reaches less of ``e`` (``k0``, ``Assumptions.gemm_k_overhead``, is fitted
+  with ``e``); ``B = a (mk + kn + mn)`` the bytes it must read and write (roofline: a GEMM
+  with a small side is bound by HBM). Every forward GEMM has two backward GEMMs of the same FLOPs, the input
   gradient ``[m, n] x [n, k]`` and the weight gradient ``[k, m] x [m, n]``; recompute reruns
   the forward GEMMs of what it recomputes (the parts of
   :func:`moe_fold.planner.model._recomputed_forward`);
 - the attention core: ``flash`` kernels compute only the causal half of the ``s x s``
-  products the FLOPs count (:mod:`moe_fold.planner.model`) at the GEMM rate; ``unfused``
+  products the FLOPs count (:mod:`moe_fold.planner.model`), forward (and recompute) at
+  ``peak x gpu.flash_forward`` and backward (twice the products) at ``peak x
+  gpu.flash_backward``, the kernel benchmarks' shares of :mod:`moe_fold.planner.hardware`,
+  not the GEMM efficiency: a flash kernel is not a GEMM; ``unfused``
   kernels (Megatron-LM 2019 and 2021) compute all of them as batched GEMMs and move the
   ``b heads s s`` scores through HBM: written by the first GEMM, read and written by the
   softmax, read by the second, and twice that backward (12 passes);
@@ -61,13 +68,13 @@ _DISPATCH_PASSES = 8
 
 
 def gemm_seconds(m: float, k: float, n: float, peak: float, efficiency: float, hbm_bw: float,
-                 operand_bytes: float, out_bytes: float) -> float:
+                 operand_bytes: float, out_bytes: float, k_overhead: float = 0.0) -> float:
     """Seconds of one ``[m, k] x [k, n]`` GEMM (see the module doc)."""
     if m <= 0 or k <= 0 or n <= 0:
         return 0.0
     tiles = math.ceil(m / TILE) * TILE * math.ceil(n / TILE) * TILE
     quantized = m * n / tiles
-    compute = 2 * m * k * n / (peak * efficiency * quantized)
+    compute = 2 * m * k * n / (peak * efficiency * quantized) * (k + k_overhead) / k
     memory = (operand_bytes * (m * k + k * n) + out_bytes * m * n) / hbm_bw
     return max(compute, memory)
 
@@ -81,7 +88,7 @@ def _training_gemm(m: float, k: float, n: float, count: float, rerun: bool, rate
 
 def microbatch_compute(config: Config, pp_rank: int, recompute: str, gpu: GPU, efficiency: float,
                        elementwise_passes: float, attention: str = "flash", gemm_dtype: str = "bf16",
-                       expert_rows: Optional[Sequence[float]] = None) -> dict[str, float]:
+                       expert_rows: Optional[Sequence[float]] = None, k_overhead: float = 0.0) -> dict[str, float]:
     """Seconds one rank of stage ``pp_rank`` computes for one micro-batch, forward, backward
     and recompute, by part: ``gemm`` (linear layers, dense and shared), ``experts``,
     ``attention`` (the core), ``elementwise``; and ``total``. ``expert_rows``: per MoE
@@ -90,6 +97,9 @@ def microbatch_compute(config: Config, pp_rank: int, recompute: str, gpu: GPU, e
         raise ValueError(f"attention={attention!r} must be one of {', '.join(ATTENTION_KERNELS)}")
     if gemm_dtype not in GEMM_DTYPES:
         raise ValueError(f"gemm_dtype={gemm_dtype!r} must be one of {', '.join(GEMM_DTYPES)}")
+    if attention == "flash" and not (gpu.flash_forward and gpu.flash_backward):
+        raise ValueError(f"attention='flash' needs a flash attention kernel; {gpu.name} has none listed "
+                         "(use the unfused kernel)")
     d, p = dims(config), config.parallel
     a = act_bytes(config)
     tp, cp, etp = p.tp, p.cp, etp_size(config)
@@ -105,7 +115,7 @@ def microbatch_compute(config: Config, pp_rank: int, recompute: str, gpu: GPU, e
         linear_peak, operand = gpu.peak_flops, a
 
     def linear(m, k, n):
-        seconds = gemm_seconds(m, k, n, linear_peak, efficiency, gpu.hbm_bw, operand, a)
+        seconds = gemm_seconds(m, k, n, linear_peak, efficiency, gpu.hbm_bw, operand, a, k_overhead)
         if gemm_dtype == "fp8":  # the input is cast to FP8 first: read 2 bytes, write 1
             seconds += (a + 1) * m * k / gpu.hbm_bw
         return seconds
@@ -139,7 +149,12 @@ def microbatch_compute(config: Config, pp_rank: int, recompute: str, gpu: GPU, e
         flops = 2 * tokens * d.seq * heads * (qk + v)  # forward, full s x s, as the FLOPs count it
         passes = 3 + full  # forward, backward (2x), recompute
         if attention == "flash":
-            out["attention"] += passes * 0.5 * flops / (gpu.peak_flops * efficiency)
+            # The causal half of the counted products, at the flash kernel's own rates
+            # (hardware.GPU.flash_forward / flash_backward): forward and recompute once each,
+            # the backward's two products.
+            causal = 0.5 * flops
+            out["attention"] += (1 + full) * causal / (gpu.peak_flops * gpu.flash_forward) \
+                + 2 * causal / (gpu.peak_flops * gpu.flash_backward)
         else:
             scores = config.train.micro_batch_size * heads * (d.seq / cp) * d.seq * a
             out["attention"] += passes * flops / (gpu.peak_flops * efficiency) \

@@ -124,6 +124,9 @@ class Assumptions:
     elementwise_passes: float = 0.0
     attention_kernel: str = "flash"
     gemm_dtype: str = "bf16"
+    # "shapes" only: the reduction length each GEMM output tile pays on top of its own k for
+    # its prologue and epilogue (compute_time.gemm_seconds: compute x (k + k0)/k).
+    gemm_k_overhead: float = 0.0
 
     def __post_init__(self):
         if not 0 < self.matmul_efficiency <= 1:
@@ -136,6 +139,8 @@ class Assumptions:
             raise ValueError(f"compute_model={self.compute_model!r} must be one of {', '.join(COMPUTE_MODELS)}")
         if self.elementwise_passes < 0:
             raise ValueError(f"elementwise_passes={self.elementwise_passes} must be >= 0")
+        if self.gemm_k_overhead < 0:
+            raise ValueError(f"gemm_k_overhead={self.gemm_k_overhead} must be >= 0")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel={self.attention_kernel!r} must be one of {', '.join(ATTENTION_KERNELS)}")
         if self.gemm_dtype not in GEMM_DTYPES:
@@ -149,10 +154,10 @@ class Assumptions:
 # --fit prints them; docs/planner.md has the table): Assumptions(**CALIBRATED, ...).
 # The achieved/peak FLOP/s of a large GEMM differs by GPU generation, so it is fitted per GPU
 # (H200 shares H100's GH100 compute; B200 has no published row yet and borrows H100's).
-FITTED_EFFICIENCY = {"v100": 0.381, "a100": 0.706, "h100": 0.501}
+FITTED_EFFICIENCY = {"v100": 0.516, "a100": 0.863, "h100": 0.636}
 BORROWED_EFFICIENCY = {"h200": "h100", "b200": "h100"}
 CALIBRATED_EFFICIENCY = {**FITTED_EFFICIENCY, **{gpu: FITTED_EFFICIENCY[src] for gpu, src in BORROWED_EFFICIENCY.items()}}
-CALIBRATED = {"compute_model": "shapes", "elementwise_passes": 30.0}
+CALIBRATED = {"compute_model": "shapes", "elementwise_passes": 30.0, "gemm_k_overhead": 1024.0}
 
 
 def calibrated(gpu: str, **overrides) -> Assumptions:
@@ -390,7 +395,8 @@ def _stage_compute(config: Config, r: int, gpu: GPU, assumptions: Assumptions, r
     if assumptions.compute_model == "shapes":
         seconds = microbatch_compute(config, r, t.recompute, gpu, assumptions.matmul_efficiency,
                                      assumptions.elementwise_passes, assumptions.attention_kernel,
-                                     assumptions.gemm_dtype, expert_rows=factors)["total"]
+                                     assumptions.gemm_dtype, expert_rows=factors,
+                                     k_overhead=assumptions.gemm_k_overhead)["total"]
     else:
         seconds = flops / rate
         if factors:
@@ -528,7 +534,8 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
                      "ep_a2a_exposed_s": micro * comm_micro.get("ep", 0.0)},
         compute={"model": assumptions.compute_model, "matmul_efficiency": assumptions.matmul_efficiency,
                  **({"elementwise_passes": assumptions.elementwise_passes, "attention_kernel":
-                     assumptions.attention_kernel, "gemm_dtype": assumptions.gemm_dtype}
+                     assumptions.attention_kernel, "gemm_dtype": assumptions.gemm_dtype,
+                     "gemm_k_overhead": assumptions.gemm_k_overhead}
                     if assumptions.compute_model == "shapes" else {})},
         routing={"busiest_over_mean_time": list(skew.time), "busiest_over_mean_peak": list(skew.peak)}
         if skewed else {})

@@ -24,6 +24,17 @@ each way).
   data type at https://glennklockwood.com/garden/processors/B200). Memory: the B200 die
   carries 192 GB; DGX B200 exposes 1,440 GB for 8 GPUs, 180 GB each, which we use.
 
+Flash attention (``flash_forward``, ``flash_backward``: the share of ``peak_flops`` a fused
+attention kernel reaches on the causal products it computes, head dim 128, BF16). H100 and
+H200: FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608) reaches 590 TFLOP/s forward at
+sequence 4,096 and head dim 128 (PyTorch benchmark commit ff65cb67, the FA3 paper's shapes),
+0.60 of 989, and up to 740 (75%) at 16K; its backward runs at about 0.7 of its forward
+throughput in the paper's figures: 0.42. cuDNN's fused attention, which Transformer Engine
+runs on Hopper, is of the same order. A100: FlashAttention-2 (Dao 2023, arXiv 2307.08691)
+reaches "50-73% of the theoretical maximum FLOPs/s" forward and about 0.45 backward.
+B200: no published training-kernel figure here; it takes H100's shares (an assumption). V100
+has no flash kernel (FlashAttention needs sm80+): a plan that asks for one is refused.
+
 Inter-node network, an assumption stated here once for H100, H200 and B200: one 400 Gb/s
 InfiniBand NIC per GPU (ConnectX-7, as in DGX H100, DGX H200 and DGX B200), 50 GB/s each
 way; V100 and A100 get their DGX systems' NICs above. An 800 Gb/s (ConnectX-8) B200 system
@@ -55,16 +66,25 @@ class GPU:
     # Dense FP8 tensor-core peak, FLOP/s (0: the GPU has no FP8 tensor cores). Used for the
     # linear layers' GEMMs when a plan assumes FP8 training; the MFU denominator stays BF16's.
     fp8_flops: float = 0.0
+    # What a fused (flash) attention kernel reaches of peak_flops on the products it really
+    # computes, forward and backward (0: no flash kernel for this GPU). Kernel benchmarks,
+    # not fitted on training runs: see the module doc.
+    flash_forward: float = 0.0
+    flash_backward: float = 0.0
 
 
 GB = 1e9
 
 GPUS: dict[str, GPU] = {
     "v100": GPU("V100 SXM2 32GB (DGX-2H)", 125e12, 32 * GB, 0.9e12, 150 * GB, 6.25 * GB, gpus_per_node=16),
-    "a100": GPU("A100 SXM4 80GB", 312e12, 80 * GB, 2.039e12, 300 * GB, 25 * GB),
-    "h100": GPU("H100 SXM 80GB", 989e12, 80 * GB, 3.35e12, 450 * GB, 50 * GB, fp8_flops=1979e12),
-    "h200": GPU("H200 SXM 141GB", 989e12, 141 * GB, 4.8e12, 450 * GB, 50 * GB, fp8_flops=1979e12),
-    "b200": GPU("B200 (HGX) 180GB", 2250e12, 180 * GB, 8.0e12, 900 * GB, 50 * GB),
+    "a100": GPU("A100 SXM4 80GB", 312e12, 80 * GB, 2.039e12, 300 * GB, 25 * GB,
+                flash_forward=0.60, flash_backward=0.45),
+    "h100": GPU("H100 SXM 80GB", 989e12, 80 * GB, 3.35e12, 450 * GB, 50 * GB, fp8_flops=1979e12,
+                flash_forward=0.60, flash_backward=0.42),
+    "h200": GPU("H200 SXM 141GB", 989e12, 141 * GB, 4.8e12, 450 * GB, 50 * GB, fp8_flops=1979e12,
+                flash_forward=0.60, flash_backward=0.42),
+    "b200": GPU("B200 (HGX) 180GB", 2250e12, 180 * GB, 8.0e12, 900 * GB, 50 * GB,
+                flash_forward=0.60, flash_backward=0.42),
 }
 
 

@@ -272,7 +272,7 @@ def analyse(config, world: int, gpu, assumptions, trace: LoadTrace, replace_ever
             experts_s = plan.microbatches * microbatch_compute(
                 candidate, r, candidate.train.recompute, gpu, assumptions.matmul_efficiency,
                 assumptions.elementwise_passes, assumptions.attention_kernel, assumptions.gemm_dtype,
-                expert_rows=routing.stage(candidate, r, "time"))["experts"]
+                expert_rows=routing.stage(candidate, r, "time"), k_overhead=assumptions.gemm_k_overhead)["experts"]
         dropped = statistics.mean(x for step in policy.dropped for x in step) if policy.dropped else 0.0
         rows.append({
             "policy": name, "changes": changes,

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Optional
 
 from moe_fold.config import Config, load_config
-from moe_fold.planner.estimate import model_params, with_layout
+from moe_fold.planner.estimate import Assumptions, Plan, calibrated, estimate, model_params, with_layout
+from moe_fold.planner.hardware import get_gpu
 
-__all__ = ["PUBLISHED", "read_published", "row_config", "closest"]
+__all__ = ["PUBLISHED", "read_published", "find_row", "row_config", "row_assumptions", "row_plan", "closest"]
 
 # The checkout's table; an installed package without the checkout has none (the CLI says so).
 PUBLISHED = Path(__file__).resolve().parents[2] / "bench" / "published"
@@ -45,10 +46,20 @@ def read_published(folder: Optional[str | Path] = None) -> list[dict]:
     return rows
 
 
-def row_config(row: dict) -> Config:
-    """The moe-fold config of a published row (see the module doc)."""
+def find_row(rows: list[dict], row_id: str) -> dict:
+    """The row whose ``id`` is ``row_id``; a ValueError naming the known ids otherwise."""
+    for row in rows:
+        if row["id"] == row_id:
+            return row
+    raise ValueError(f"--row={row_id!r} is not a row of the published measurements; known: "
+                     f"{', '.join(r['id'] for r in rows) or 'none (no published folder)'}")
+
+
+def row_config(row: dict, extra_sets: tuple[str, ...] = ()) -> Config:
+    """The moe-fold config of a published row (see the module doc), with ``extra_sets``
+    (``--set`` style overrides) applied after the row's own."""
     spec = row["config"]
-    sets = [s for s in (row.get("set") or "").split(";") if s]
+    sets = [s for s in (row.get("set") or "").split(";") if s] + list(extra_sets)
     if spec.startswith("gpt:"):
         fields = dict(kv.split("=") for kv in spec[4:].split(","))
         h, layers, heads = int(fields["hidden"]), int(fields["layers"]), int(fields["heads"])
@@ -67,6 +78,23 @@ def row_config(row: dict) -> Config:
                          distributed=row["distributed_optimizer"] == "true")
     config.parallel.sequence_parallel = row["sequence_parallel"] == "true"
     return config
+
+
+def row_assumptions(row: dict, **overrides) -> Assumptions:
+    """The shipped :func:`moe_fold.planner.estimate.calibrated` figures for the row's GPU,
+    with what the row ran: its data-parallel overlap, its attention kernel, its GEMM dtype,
+    and Megatron-LM's memory footprint (the papers' code); ``overrides`` last."""
+    ran = {"overlap": row["dp_overlap"], "implementation": "megatron", "attention_kernel": row["attention_kernel"],
+           "gemm_dtype": "fp8" if row["precision"] == "fp8" else "bf16"}
+    return calibrated(row["gpu"], **{**ran, **overrides})
+
+
+def row_plan(row: dict, assumptions: Optional[Assumptions] = None) -> Plan:
+    """The plan of a published row: its config, world and GPU under ``assumptions`` (default
+    :func:`row_assumptions`). ``moe-fold plan --row`` and ``bench/plan_validation.py`` both
+    call this, so they print one MFU for one row."""
+    return estimate(row_config(row), int(row["world"]), get_gpu(row["gpu"]),
+                    row_assumptions(row) if assumptions is None else assumptions)
 
 
 @functools.lru_cache(maxsize=256)

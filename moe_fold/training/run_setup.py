@@ -51,6 +51,7 @@ class Run:
     spikes: LossSpikes  # the loss-spike window (train.loss_spike_factor, loss_spike_window)
     rollbacks: Rollbacks  # what a bad step does and the batches skipped (moe_fold.training.rollback)
     faults: FaultPlan  # faults injected by tests and benches (MOE_FOLD_FAULTS), else none
+    routes: Any  # moe_fold.training.routes.RouteActions: route traces and router replay
 
     @property
     def train_params(self) -> list[nn.Parameter]:
@@ -77,6 +78,7 @@ def set_up_run(config: Config, device: torch.device, groups: ProcessGroups, resu
     from moe_fold.models.model import build_model, compile_blocks
     from moe_fold.training.metrics import MTPCollector, RoutingCollector
     from moe_fold.training.optim import build_grad_sync, build_optimizer, build_scheduler
+    from moe_fold.training.routes import RouteActions
 
     t, p = config.train, config.parallel
     run_dir = Path(t.run_dir)
@@ -129,7 +131,7 @@ def set_up_run(config: Config, device: torch.device, groups: ProcessGroups, resu
     rollbacks = Rollbacks(config, groups, loader, spikes, resume)
     return Run(config, device, groups, run_dir, loader, valid_dataset, dynamic_cp, model, master, state_model,
                optimizer, grad_sync, scheduler, collector, mtp_collector, replacer, spikes, rollbacks,
-               FaultPlan.from_env())
+               FaultPlan.from_env(), RouteActions.build(model, config, groups, run_dir, collector.moe_layers))
 
 
 def load_start_state(run: Run, resume: bool) -> tuple[int, Optional[str]]:

@@ -318,8 +318,10 @@ def run_step(run: Run, step: int) -> StepRecord:
     micro_batches = [b.to(run.device) for b in run.loader.global_batch()]
     run.collector.start_step()
     run.mtp_collector.start_step()
+    run.routes.start_step(step, micro_batches)
     losses = forward_backward(run.model, micro_batches, groups, config, forward_context=run.forward_context,
                               dynamic_cp=run.dynamic_cp, grad_sync=run.grad_sync)
+    run.routes.finish_step(step)
     lm_loss = losses.sum()
     all_reduce_(lm_loss, groups.dp_cp)
     lm_loss = run.faults.apply(lm_loss, step, run.loader.last_batch)  # MOE_FOLD_FAULTS (tests, benches)

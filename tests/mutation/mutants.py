@@ -71,7 +71,7 @@ MUTANTS: list[Mutant] = [
         "a group scored by its best expert only, not the sum of its top topk/group_topk (or top 2)",
         (f"{T_ROUTER}::test_topk_routing_matches_loop",)),
     Mutant(
-        "router-group-score-top2-as-megatron", "moe_fold/config.py",
+        "router-group-score-top2-as-megatron", "moe_fold/config/derived.py",
         '''return {"topk_sum": topk // group_topk, "top2_sum": 2, "max": 1}[group_score]''',
         '''return {"topk_sum": topk // group_topk, "top2_sum": topk // group_topk, "max": 1}[group_score]''',
         "DeepSeek-V3's top2_sum ranks a group by its best topk/group_topk scores (Megatron-Core's rule), "
@@ -607,4 +607,26 @@ MUTANTS: list[Mutant] = [
         "self.stalls: deque[float] = deque()",
         "the stall estimate never forgets the first save (which also allocates the host buffer)",
         (f"{T_CADENCE}::test_young_daly_measures_first_then_follows_the_stalls",)),
+    Mutant(
+        "replay-skips-a-layer", "moe_fold/training/routes.py",
+        "            if queue:\n                return args, {**kwargs, \"forced\": queue.popleft()}\n",
+        "            if queue and layer == 1:\n                queue.popleft()\n                return None\n"
+        "            if queue:\n                return args, {**kwargs, \"forced\": queue.popleft()}\n",
+        "router replay ignored for one layer: layer 1 routes by its own router",
+        ("tests/test_routes.py::test_replay_routes_from_transformers",
+         "tests/test_routes.py::test_replay_forces_routes_under_another_layout")),
+    Mutant(
+        "route-keyed-by-rank", "moe_fold/training/routes.py",
+        "    B = batch.sample_ids.shape[0]\n",
+        "    B = batch.sample_ids.shape[0]\n"
+        "    positions = torch.arange(positions.shape[0]) + groups.rank * positions.shape[0]\n",
+        "a route keyed by the rank's own token order instead of the token's place in the sequence",
+        ("tests/test_routes.py::test_trace_reads_the_same_under_any_layout",)),
+    Mutant(
+        "batch-invariant-no-padding", "models/experts.py",
+        "        m = self.row_multiple\n",
+        "        m = 1\n",
+        "train.batch_invariant without the row padding: an expert's GEMM reduces a row in an order that "
+        "depends on how many rows the other sequences sent it",
+        ("tests/test_routes.py::test_batch_invariant_sequence_alone_equals_among_others",)),
 ]

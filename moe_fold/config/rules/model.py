@@ -1,0 +1,213 @@
+"""Rules of the model: sizes, heads and widths over tp and cp, MTP, attention features,
+MLA and the rotary scaling."""
+
+from __future__ import annotations
+
+from ..derived import MLA_SIZES, head_dim
+from ..schema import Config, ModelConfig, _fmt
+from .common import _at_least, _divisible, _positive, rule
+
+
+def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
+    m, p = config.model, config.parallel
+    sizes_ok = True
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "seq_length"):
+        sizes_ok &= _at_least(out, f"model.{name}", getattr(m, name), 1)
+    if m.head_dim is not None:
+        _at_least(out, "model.head_dim", m.head_dim, 1)
+    if any_dense:
+        _at_least(out, "model.ffn_hidden_size", m.ffn_hidden_size, 1)
+    for name in ("rope_theta", "norm_eps", "init_std"):
+        _positive(out, f"model.{name}", getattr(m, name))
+    _check_mtp(config, out)
+    _check_attention_features(config, out)
+    if not 0 < m.partial_rotary_factor <= 1:
+        out.append(f"model.partial_rotary_factor={_fmt(m.partial_rotary_factor)} must be in (0, 1]")
+    elif m.partial_rotary_factor != 1 and m.attention == "mla":
+        out.append(f"model.partial_rotary_factor={_fmt(m.partial_rotary_factor)} must be 1 when model.attention=mla "
+                   f"(MLA's rotary part is model.qk_rope_head_dim)")
+    elif (m.partial_rotary_factor != 1 and m.attention != "mla" and m.num_heads >= 1
+          and (m.head_dim is not None or m.hidden_size % m.num_heads == 0)):
+        width = head_dim(config) * m.partial_rotary_factor
+        if width != int(width) or int(width) % 2 or int(width) < 2:
+            out.append(f"model.partial_rotary_factor={_fmt(m.partial_rotary_factor)} of head_dim={head_dim(config)} "
+                       f"gives {width:g} rotary dims: it must be a positive even integer")
+    if not sizes_ok:
+        return
+    if m.num_heads % m.num_kv_heads:
+        out.append(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
+    if m.attention != "mla" and m.head_dim is None and m.hidden_size % m.num_heads:
+        out.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads} "
+                   f"(required when model.head_dim is null)")
+    elif m.attention != "mla":
+        out.extend(rotary_pairs(head_dim(config), "model.head_dim" if m.head_dim is not None
+                                else "model.hidden_size/num_heads"))
+    _check_attention(m, out)
+    if p.tp < 1 or p.cp < 1:
+        return
+    out.extend(heads_over_tp(m.num_heads, m.num_kv_heads, p.tp))
+    out.extend(vocab_over_tp(m.vocab_size, p.tp))
+    if any_dense:
+        out.extend(dense_width_over_tp(m.ffn_hidden_size, p.tp))
+    out.extend(sequence_over_tp(m.seq_length, p.tp, p.cp, p.sequence_parallel))
+    out.extend(sequence_over_cp(m.seq_length, p.cp))
+    if p.cp > 1:
+        if p.cp_kind == "a2a":
+            # Kv heads need only divide by tp: a2a repeats each tp rank's kv heads up to a
+            # multiple of cp (context_parallel.a2a_kv_repeats), which divides the query heads.
+            why = " (parallel.cp_kind=a2a splits each tp rank's heads over cp)"
+            _divisible(out, "model.num_heads", m.num_heads, "parallel.tp*cp", p.tp * p.cp, why)
+
+
+@rule
+def heads_over_tp(num_heads: int, num_kv_heads: int, tp: int) -> list[str]:
+    """Each tp rank holds num_heads/tp query and num_kv_heads/tp key/value heads."""
+    out: list[str] = []
+    _divisible(out, "model.num_heads", num_heads, "parallel.tp", tp)
+    _divisible(out, "model.num_kv_heads", num_kv_heads, "parallel.tp", tp)
+    return out
+
+
+@rule
+def rotary_pairs(width: int, dotted: str = "model.head_dim") -> list[str]:
+    """Rotary embeddings rotate pairs of dimensions: the rotated width is even."""
+    if width % 2:
+        return [f"{dotted}={width} must be even (rotary embeddings rotate pairs of dimensions)"]
+    return []
+
+
+@rule
+def vocab_over_tp(vocab_size: int, tp: int) -> list[str]:
+    """Each tp rank holds vocab_size/tp rows of the embedding and the output layer."""
+    out: list[str] = []
+    _divisible(out, "model.vocab_size", vocab_size, "parallel.tp", tp)
+    return out
+
+
+@rule
+def dense_width_over_tp(ffn_hidden_size: int, tp: int) -> list[str]:
+    """Each tp rank holds ffn_hidden_size/tp columns of a dense MLP."""
+    out: list[str] = []
+    _divisible(out, "model.ffn_hidden_size", ffn_hidden_size, "parallel.tp", tp)
+    return out
+
+
+@rule
+def sequence_over_tp(seq_length: int, tp: int, cp: int, sequence_parallel: bool) -> list[str]:
+    """Sequence parallelism splits each cp shard of the sequence over tp."""
+    out: list[str] = []
+    if sequence_parallel and tp > 1:
+        _divisible(out, "model.seq_length", seq_length, "parallel.tp*cp", tp * cp,
+                   " (parallel.sequence_parallel=true splits each cp shard of the sequence over tp)")
+    return out
+
+
+@rule
+def sequence_over_cp(seq_length: int, cp: int) -> list[str]:
+    """Context parallelism cuts the sequence into 2*cp chunks (the zigzag layout)."""
+    out: list[str] = []
+    if cp > 1:
+        _divisible(out, "model.seq_length", seq_length, "2*parallel.cp", 2 * cp,
+                   " (context parallel splits the sequence into 2*cp chunks)")
+    return out
+
+
+def _check_mtp(config: Config, out: list[str]) -> None:
+    m, p = config.model, config.parallel
+    if not _at_least(out, "model.mtp_num_layers", m.mtp_num_layers, 0):
+        return
+    _at_least(out, "model.mtp_loss_weight", m.mtp_loss_weight, 0)
+    if m.mtp_num_layers == 0:
+        return
+    if m.seq_length >= 1 and m.mtp_num_layers >= m.seq_length:
+        out.append(f"model.mtp_num_layers={m.mtp_num_layers} must be < model.seq_length={m.seq_length} "
+                   f"(depth k predicts token t+1+k inside the sequence)")
+    if p.dynamic_cp:
+        out.append(f"model.mtp_num_layers={m.mtp_num_layers} is not supported with parallel.dynamic_cp=true "
+                   f"(the MTP targets are shifted along the layout's cp shards)")
+
+
+def _check_attention_features(config: Config, out: list[str]) -> None:
+    """Sinks, sliding window, chunked attention, NoPE layers, temperature tuning."""
+    m = config.model
+    window_ok = _at_least(out, "model.sliding_window", m.sliding_window, 0)
+    chunk_ok = _at_least(out, "model.attention_chunk", m.attention_chunk, 0)
+    if window_ok and chunk_ok and m.sliding_window and m.attention_chunk:
+        out.append(f"model.sliding_window={m.sliding_window} and model.attention_chunk={m.attention_chunk}: "
+                   f"set at most one (a local layer has one kind of mask)")
+    for name in ("local_attention_layers", "rope_layers"):
+        flags = getattr(m, name)
+        if flags is not None and m.num_layers >= 1 and (
+                len(flags) != m.num_layers or any(f not in (0, 1) for f in flags)):
+            out.append(f"model.{name}={_fmt(flags)} must be {m.num_layers} flags of 0 or 1 "
+                       f"(one per layer of model.num_layers={m.num_layers})")
+    if m.local_attention_layers is not None and not (m.sliding_window or m.attention_chunk):
+        out.append(f"model.local_attention_layers={_fmt(m.local_attention_layers)} is set but "
+                   f"model.sliding_window and model.attention_chunk are 0 (no local attention)")
+    _positive(out, "model.attn_temperature_scale", m.attn_temperature_scale)
+    _at_least(out, "model.attn_temperature_floor", m.attn_temperature_floor, 1)
+    if m.attn_temperature_tuning and m.mtp_num_layers > 0:
+        out.append(f"model.attn_temperature_tuning=true is not supported with model.mtp_num_layers="
+                   f"{m.mtp_num_layers} (the MTP depths' attention gets no token positions)")
+    if m.qk_norm and m.qk_norm_scope == "l2" and m.rope_layers is not None and not any(m.rope_layers):
+        out.append("model.qk_norm_scope=l2 normalises rotary layers only, but model.rope_layers has none")
+    if m.attention == "mla":
+        for name, off in (("attention_sinks", False), ("sliding_window", 0), ("attention_chunk", 0),
+                          ("rope_layers", None), ("attn_temperature_tuning", False)):
+            if getattr(m, name) != off:
+                out.append(f"model.{name}={_fmt(getattr(m, name))} requires model.attention=mha "
+                           f"(MLA's attention does not take it)")
+
+
+def _check_attention(m: ModelConfig, out: list[str]) -> None:
+    """The attention kind, MLA's sizes and the rotary scaling."""
+    if m.attention == "mla":
+        for name in MLA_SIZES:
+            value = getattr(m, name)
+            if value is None:
+                out.append(f"model.{name}=null must be set when model.attention=mla")
+            else:
+                _at_least(out, f"model.{name}", value, 1)
+        if m.q_lora_rank is not None:
+            _at_least(out, "model.q_lora_rank", m.q_lora_rank, 1)
+        if m.qk_rope_head_dim is not None and m.qk_rope_head_dim % 2:
+            out.append(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (rotary pairs)")
+        if m.num_kv_heads != m.num_heads:
+            out.append(f"model.num_kv_heads={m.num_kv_heads} must equal model.num_heads={m.num_heads} when "
+                       f"model.attention=mla (every head has its own key and value)")
+        if m.qk_norm or m.qkv_bias:
+            out.append("model.qk_norm and model.qkv_bias must be false when model.attention=mla")
+        if m.attention_out_bias:
+            out.append("model.attention_out_bias=true requires model.attention=mha (MLA's output projection has "
+                       "no bias)")
+        if m.head_dim is not None:
+            out.append(f"model.head_dim={m.head_dim} must be null when model.attention=mla (MLA's head widths are "
+                       f"model.qk_nope_head_dim, model.qk_rope_head_dim and model.v_head_dim)")
+    elif m.attention == "mha":
+        for name in ("q_lora_rank",) + MLA_SIZES:
+            if getattr(m, name) is not None:
+                out.append(f"model.{name}={getattr(m, name)} is an MLA size: set model.attention=mla or leave "
+                           f"it null")
+    if m.rope_scaling is None:
+        for name in ("yarn_factor", "yarn_original_max_position_embeddings", "yarn_mscale", "yarn_mscale_all_dim"):
+            if getattr(m, name) is not None:
+                out.append(f"model.{name}={_fmt(getattr(m, name))} is set but model.rope_scaling is null")
+        return
+    if m.rope_scaling != "yarn":
+        return
+    if m.yarn_factor is None:
+        out.append("model.yarn_factor=null must be set when model.rope_scaling=yarn")
+    elif not m.yarn_factor >= 1:
+        out.append(f"model.yarn_factor={_fmt(m.yarn_factor)} must be >= 1")
+    if m.yarn_original_max_position_embeddings is None:
+        out.append("model.yarn_original_max_position_embeddings=null must be set when model.rope_scaling=yarn")
+    else:
+        _at_least(out, "model.yarn_original_max_position_embeddings", m.yarn_original_max_position_embeddings, 1)
+    _positive(out, "model.yarn_beta_fast", m.yarn_beta_fast)
+    _positive(out, "model.yarn_beta_slow", m.yarn_beta_slow)
+    if not m.yarn_beta_fast >= m.yarn_beta_slow:
+        out.append(f"model.yarn_beta_fast={_fmt(m.yarn_beta_fast)} must be >= "
+                   f"model.yarn_beta_slow={_fmt(m.yarn_beta_slow)}")
+    for name in ("yarn_mscale", "yarn_mscale_all_dim"):
+        if getattr(m, name) is not None:
+            _at_least(out, f"model.{name}", getattr(m, name), 0)
