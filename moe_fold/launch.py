@@ -76,11 +76,9 @@ def keep_freed_memory(device) -> bool:
     MoE-layer step (bench/moe_layer.py, 4096x512x1024x8x2). With mmap off and the heap
     never trimmed, the pages stay mapped: no faults after the first step. The price is
     that the process keeps its peak heap, which a training loop reaches every step
-    anyway. ``MOE_FOLD_KEEP_FREED_MEMORY=0`` turns it off.
+    anyway.
     """
     if getattr(device, "type", str(device).split(":")[0]) != "cpu":
-        return False
-    if os.environ.get("MOE_FOLD_KEEP_FREED_MEMORY", "1") == "0":
         return False
     import ctypes
 
@@ -216,6 +214,10 @@ def _rank_main(fn, rank, world_size, store_port, threads, env, forward_signals, 
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=float(env.get("MOE_FOLD_PG_TIMEOUT", "120"))))
         try:
+            # A rank whose side of gloo's connections is up may run a short fn and exit
+            # while a slower peer still completes its handshake, which then fails with
+            # "Connection closed by peer": no rank starts fn before every rank's is up.
+            dist.barrier()
             out = fn(rank, world_size, *args, **kwargs)
         finally:
             dist.destroy_process_group()
