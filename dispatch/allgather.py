@@ -24,7 +24,7 @@ import torch
 
 from moe_fold import comm
 from moe_fold.config import dispatch_modes, require
-from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, WireBytes, counted
+from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, WireBytes
 from moe_fold.dispatch.placement import Placement
 from moe_fold.kernels.permute import permuted_rows, unpermuted
 
@@ -72,18 +72,18 @@ class AllGatherDispatcher(TokenDispatcher):
 
     def dispatch_communicate(self, x, meta, handle):
         group, wire = self.groups.etp_ep, handle.wire
-        x, sent = counted(comm.all_gather, x, group, handle.sizes)  # [T, H] -> [sum(T), H]
-        wire.dispatch += sent
-        meta, sent = counted(comm.all_gather, meta, group, handle.sizes)  # [T, 2E] -> [sum(T), 2E]
-        wire.meta += sent
+        wire.dispatch += comm.all_gather_bytes(x, group)
+        wire.meta += comm.all_gather_bytes(meta, group)
+        x = comm.all_gather(x, group, handle.sizes)  # [T, H] -> [sum(T), H]
+        meta = comm.all_gather(meta, group, handle.sizes)  # [T, 2E] -> [sum(T), 2E]
         return x, meta
 
     def dispatch_communicate_start(self, x, meta, handle):
         group, wire = self.groups.etp_ep, handle.wire
-        rows, sent = counted(comm.all_gather_start, x, group, handle.sizes)
-        wire.dispatch += sent
-        meta, sent = counted(comm.all_gather_start, meta, group, handle.sizes)
-        wire.meta += sent
+        wire.dispatch += comm.all_gather_bytes(x, group)
+        wire.meta += comm.all_gather_bytes(meta, group)
+        rows = comm.all_gather_start(x, group, handle.sizes)
+        meta = comm.all_gather_start(meta, group, handle.sizes)
         return comm.Pending(None, lambda: (rows.wait(), meta.wait()))
 
     def dispatch_postprocess(self, x, meta, handle):
@@ -99,13 +99,13 @@ class AllGatherDispatcher(TokenDispatcher):
                          backend=self.permute_backend)  # [N, H] -> [sum(T), H]
 
     def combine_communicate(self, x, handle):
-        x, sent = counted(comm.reduce_scatter, x, self.groups.etp_ep, handle.sizes)  # -> [T, H]
-        handle.wire.combine += sent
+        handle.wire.combine += comm.reduce_scatter_bytes(x, self.groups.etp_ep, handle.sizes)
+        x = comm.reduce_scatter(x, self.groups.etp_ep, handle.sizes)  # -> [T, H]
         return x
 
     def combine_communicate_start(self, x, handle):
-        back, sent = counted(comm.reduce_scatter_start, x, self.groups.etp_ep, handle.sizes)
-        handle.wire.combine += sent
+        handle.wire.combine += comm.reduce_scatter_bytes(x, self.groups.etp_ep, handle.sizes)
+        back = comm.reduce_scatter_start(x, self.groups.etp_ep, handle.sizes)
         return comm.Pending(None, back.wait)
 
     def combine_postprocess(self, x, handle):

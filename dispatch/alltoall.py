@@ -42,7 +42,7 @@ import torch
 
 from moe_fold import comm
 from moe_fold.config import capacity_factor_positive, dispatch_modes, require
-from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, WireBytes, counted, expert_major_order
+from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, WireBytes, expert_major_order
 from moe_fold.dispatch.placement import Placement, expert_order
 from moe_fold.dispatch.router import capacity_of
 from moe_fold.kernels.permute import chunks_sorted, padded_rows, permuted_rows, unpermuted
@@ -196,29 +196,30 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def dispatch_communicate(self, x, probs, handle):
         groups, wire = self.groups, handle.wire
-        x, sent = counted(comm.all_to_all, x, handle.output_splits, handle.input_splits, groups.ep)
-        wire.dispatch += sent
-        probs, sent = counted(comm.all_to_all, probs, handle.output_splits, handle.input_splits, groups.ep)
-        wire.meta += sent
+        wire.dispatch += comm.all_to_all_bytes(x, handle.input_splits, groups.ep)
+        wire.meta += comm.all_to_all_bytes(probs, handle.input_splits, groups.ep)
+        x = comm.all_to_all(x, handle.output_splits, handle.input_splits, groups.ep)
+        probs = comm.all_to_all(probs, handle.output_splits, handle.input_splits, groups.ep)
         return self._gather_over_etp(x, probs, handle)
 
     def dispatch_communicate_start(self, x, probs, handle):
         # Only the all-to-all over ep is in flight: the all-gather over etp sends what it
         # received, so it runs inside wait().
         groups, wire = self.groups, handle.wire
-        rows, sent = counted(comm.all_to_all_start, x, handle.output_splits, handle.input_splits, groups.ep)
-        wire.dispatch += sent
-        meta, sent = counted(comm.all_to_all_start, probs, handle.output_splits, handle.input_splits, groups.ep)
-        wire.meta += sent
+        wire.dispatch += comm.all_to_all_bytes(x, handle.input_splits, groups.ep)
+        wire.meta += comm.all_to_all_bytes(probs, handle.input_splits, groups.ep)
+        rows = comm.all_to_all_start(x, handle.output_splits, handle.input_splits, groups.ep)
+        meta = comm.all_to_all_start(probs, handle.output_splits, handle.input_splits, groups.ep)
         return comm.Pending(None, lambda: self._gather_over_etp(rows.wait(), meta.wait(), handle))
 
     def _gather_over_etp(self, x, probs, handle):
         groups, wire = self.groups, handle.wire
-        x, sent = counted(comm.all_gather, x, groups.etp, handle.etp_splits)
+        sent = comm.all_gather_bytes(x, groups.etp)
         wire.dispatch += sent
         wire.dispatch_etp += sent
-        probs, sent = counted(comm.all_gather, probs, groups.etp, handle.etp_splits)
-        wire.meta += sent
+        wire.meta += comm.all_gather_bytes(probs, groups.etp)
+        x = comm.all_gather(x, groups.etp, handle.etp_splits)
+        probs = comm.all_gather(probs, groups.etp, handle.etp_splits)
         return x, probs
 
     def dispatch_postprocess(self, x, probs, handle):
@@ -249,21 +250,21 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def combine_communicate(self, x, handle):
         x = self._reduce_scatter_over_etp(x, handle)
-        x, sent = counted(comm.all_to_all, x, handle.input_splits, handle.output_splits, self.groups.ep)
-        handle.wire.combine += sent
-        return x
+        handle.wire.combine += comm.all_to_all_bytes(x, handle.output_splits, self.groups.ep)
+        return comm.all_to_all(x, handle.input_splits, handle.output_splits, self.groups.ep)
 
     def combine_communicate_start(self, x, handle):
         # The reduce-scatter over etp makes what the all-to-all sends: it runs before the post.
         x = self._reduce_scatter_over_etp(x, handle)
-        back, sent = counted(comm.all_to_all_start, x, handle.input_splits, handle.output_splits, self.groups.ep)
-        handle.wire.combine += sent
+        handle.wire.combine += comm.all_to_all_bytes(x, handle.output_splits, self.groups.ep)
+        back = comm.all_to_all_start(x, handle.input_splits, handle.output_splits, self.groups.ep)
         return comm.Pending(None, back.wait)
 
     def _reduce_scatter_over_etp(self, x, handle):
-        x, sent = counted(comm.reduce_scatter, x, self.groups.etp, handle.etp_splits)
+        sent = comm.reduce_scatter_bytes(x, self.groups.etp, handle.etp_splits)
         handle.wire.combine += sent
         handle.wire.combine_etp += sent
+        x = comm.reduce_scatter(x, self.groups.etp, handle.etp_splits)
         return x
 
     def combine_postprocess(self, x, handle):

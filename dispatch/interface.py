@@ -43,8 +43,9 @@ forward was posted. The results, the bytes and the order of every collective wit
 group are those of the blocking calls.
 
 Wire accounting: every handle carries a :class:`WireBytes` with the bytes this rank
-sent in that dispatch and combine, measured with :func:`moe_fold.comm.count_bytes`
-around each collective.
+sent in that dispatch and combine: each collective's bytes by the byte rule of
+:mod:`moe_fold.comm` (:func:`~moe_fold.comm.all_to_all_bytes` and its siblings), from the
+call's own arguments, so nothing is read from the process-wide counter.
 
 Implementations: :class:`~moe_fold.dispatch.alltoall.AllToAllDispatcher` and
 :class:`~moe_fold.dispatch.allgather.AllGatherDispatcher`;
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
     from moe_fold.layout import ProcessGroups
 
 __all__ = ["WireBytes", "DispatchOutput", "Handle", "TokenDispatcher", "MODES",
-           "expert_major_order", "counted"]
+           "expert_major_order"]
 
 
 @dataclass
@@ -138,13 +139,6 @@ def expert_major_order(etp: int, ep: int, num_local_experts: int, inverse: bool 
                 for t in range(etp) for j in range(ep) for le in range(num_local_experts)]
     return [(t * ep + j) * num_local_experts + le
             for le in range(num_local_experts) for j in range(ep) for t in range(etp)]
-
-
-def counted(fn, *args, **kwargs) -> tuple[Any, int]:
-    """Run one collective ``fn(*args, **kwargs)``; return its result and the bytes it sent."""
-    with comm.count_bytes() as sent:
-        out = fn(*args, **kwargs)
-    return out, sum(sent.values())
 
 
 class TokenDispatcher(ABC):
@@ -307,8 +301,9 @@ class TokenDispatcher(ABC):
         returns them as a host list ``[ep][etp][C]`` and as the device tensor ``[ep, etp, C]``.
         The list is the dispatcher's one host synchronisation; sizes that kernels need on
         the device are taken from the tensor, never copied back from the list."""
-        gathered, sent = counted(comm.all_gather, counts.unsqueeze(0), self.groups.etp_ep)  # [1, C] -> [etp*ep, C]
-        wire.meta += sent
+        row = counts.unsqueeze(0)  # [1, C]
+        wire.meta += comm.all_gather_bytes(row, self.groups.etp_ep)
+        gathered = comm.all_gather(row, self.groups.etp_ep)  # [1, C] -> [etp*ep, C]
         flat = gathered.tolist()
         host = [[flat[j * self.etp + t] for t in range(self.etp)] for j in range(self.ep)]
         return host, gathered.view(self.ep, self.etp, -1)

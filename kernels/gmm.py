@@ -16,20 +16,18 @@ backend adds it after its GEMM as one fused op for all experts, a gather of the 
 by the group sizes (``repeat_interleave`` with ``output_size``, so device counts are not
 read back) and one add; its backward is one index_add, the per-expert sum of the rows.
 
-The choice, first that is set and not ``auto``: the ``backend`` argument (the config key
-``moe.gemm_backend``), the environment variable MOE_FOLD_GEMM_BACKEND, the rule. A backend
-that cannot run here (a grouped_gemm that does not import or whose first call fails, Triton
-on CPU without the interpreter) raises, naming why.
+The choice: the ``backend`` argument (the config key ``moe.gemm_backend``) unless it is
+``auto`` (or None), else the rule. A backend that cannot run here (a grouped_gemm that does
+not import or whose first call fails, Triton on CPU without the interpreter) raises, naming
+why.
 """
 
-import os
 from typing import Optional, Sequence
 
 import torch
 
 from . import backends
 
-ENV_VAR = backends.GEMM_ENV_VAR
 BACKENDS = ("auto",) + backends.OPS["gemm"]
 
 
@@ -41,9 +39,9 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
 
 
 def resolve_backend(backend: str | None, x: torch.Tensor) -> str:
-    """The concrete backend for ``x``: ``backend`` unless it is None or ``auto``, else
-    MOE_FOLD_GEMM_BACKEND unless unset or ``auto``, else the device rule
-    (:func:`moe_fold.kernels.backends.choose`). Raises if that backend cannot run here."""
+    """The concrete backend for ``x``: ``backend`` unless it is None or ``auto``, else the
+    device rule (:func:`moe_fold.kernels.backends.choose`). Raises if that backend cannot
+    run here."""
     return backends.resolve("gemm", build_backend(backend), x)
 
 
@@ -164,16 +162,11 @@ def gmm(
 
 def build_backend(backend: str | None) -> str:
     """What an expert layer built with ``moe.gemm_backend=backend`` passes to
-    :func:`grouped_mm`: the name checked and MOE_FOLD_GEMM_BACKEND read once, when the
-    module is built; ``auto`` is left to the op, which resolves it by the operands' device."""
-    source, name = "backend", backend
-    if name is None or name == "auto":
-        env = os.environ.get(ENV_VAR)
-        if env:
-            source, name = ENV_VAR, env
-    name = name or "auto"
+    :func:`grouped_mm`: the name, checked once when the module is built; ``auto`` (or None)
+    is left to the op, which resolves it by the operands' device."""
+    name = backend or "auto"
     if name not in BACKENDS:
-        raise ValueError(f"gmm: {source}={name!r} is not a grouped GEMM backend; allowed: {', '.join(BACKENDS)}")
+        raise ValueError(f"gmm: backend={name!r} is not a grouped GEMM backend; allowed: {', '.join(BACKENDS)}")
     return name
 
 

@@ -92,7 +92,7 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.ep_rank = groups.rank_in("ep")
         self.num_local_experts = placement.slots_per_rank
-        # MOE_FOLD_GEMM_BACKEND is read here, once; auto is resolved by the op from the device.
+        # Checked here, once; auto is resolved by the op from the operands' device.
         self.gemm_backend = build_gemm_backend(gemm_backend)
         self.swiglu_backend = swiglu_backend
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit

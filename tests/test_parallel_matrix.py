@@ -14,7 +14,7 @@ and pp) and gradient norms.
 The reference runs the same global batch on one process as the layout's ``dp x m``
 micro-batches (the router's losses are per micro-batch and per dp rank, see
 tests/test_layout_invariance.py), accumulating grads by hand with the router's
-``grad_scale = 1/(dp*m)`` and the main loss normalised by the global count of unmasked
+``loss_scale = 1/(dp*m)`` and the main loss normalised by the global count of unmasked
 tokens. The loss mask leaves out a different number of tokens in every row, so cp and dp
 ranks hold unequal counts and the normalisation is tested for exactness.
 """
@@ -32,11 +32,11 @@ from moe_fold.training.grads import clip_grad_norm_, sync_grads
 from moe_fold.launch import run_ranks
 from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
-from moe_fold.models.moe_layer import MoELayer
 from moe_fold.parallel.sharding import full_tensor, shard_info
 from moe_fold.training.optim import AdamW, apply_gradients, build_grad_sync, build_optimizer, param_groups
 from moe_fold.training.step import forward_backward
 from pipeline_union import unite_over_pp
+from router_outputs import max_dropped_fraction, router_outputs
 from test_layout_invariance import _global_grads
 from test_mla import MLA_MODEL
 
@@ -210,7 +210,8 @@ def _train_layout(model, groups, config, micro_batches):
     out = {"losses": [], "norms": []}
     for step in range(STEPS):
         opt.zero_grad()
-        losses = forward_backward(model, micro_batches, groups, config)
+        with router_outputs(model) as seen:
+            losses = forward_backward(model, micro_batches, groups, config)
         sync_grads(model.parameters(), groups)
         if step == 0:
             out["grads"] = _pp_gathered(model, groups)
@@ -220,8 +221,7 @@ def _train_layout(model, groups, config, micro_batches):
         opt.step()
     out["tied_diff"] = _tied_copies_differ(model, groups)
     out["stages"] = model.stages
-    out["dropped"] = max([m.last_stats.dropped_fraction.item() for m in model.modules() if isinstance(m, MoELayer)],
-                         default=0.0)
+    out["dropped"] = max_dropped_fraction(seen)  # the last step's forwards
     return out
 
 
@@ -312,9 +312,6 @@ def _reference(name):
         mtp = [model.mtp_targets(b.tokens, b.labels, b.loss_mask, d) for b, d in zip(micro, docs)]
         for t in mtp:
             t.num_tokens = sum(u.mask.sum(dim=(1, 2)) for u in mtp)
-    for module in model.modules():
-        if isinstance(module, Router):
-            module.grad_scale = 1.0 / num_micro
     opt = AdamW(param_groups(model, 0.1), lr=LR)
     out = {"losses": [], "norms": []}
     for step in range(STEPS):
@@ -322,7 +319,7 @@ def _reference(name):
         loss = 0.0
         for b, d, t in zip(micro, docs, mtp):
             mb_loss = model(b.tokens, b.labels, positions=b.positions, loss_mask=b.loss_mask,
-                            num_loss_tokens=num_loss_tokens, docs=d, mtp=t)
+                            num_loss_tokens=num_loss_tokens, docs=d, mtp=t, loss_scale=1.0 / num_micro)
             mb_loss.backward()
             loss += mb_loss.item()
         if step == 0:
@@ -474,6 +471,23 @@ def test_pipeline_stage_refuses_whole_model_calls():
         model.logits(b.tokens)
 
 
+def test_every_router_forward_of_a_step_gets_the_micro_batch_share():
+    """forward_backward hands every router forward of its step, the MTP depths' too, the
+    share 1/m of each of its m micro-batches (the factor on the router losses' gradients)."""
+    config = _config(dict(mtp_num_layers=1))
+    model = build_model(config, ProcessGroups.single_process())
+    seen = []
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.register_forward_pre_hook(lambda m, args, kwargs: seen.append((m, kwargs["loss_scale"])),
+                                             with_kwargs=True)
+    forward_backward(model, _micro_batches(0, 1, 4), ProcessGroups.single_process(), config)
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    assert len(routers) == LAYERS + 1 and model.mtp is not None
+    assert sorted(id(m) for m, _ in seen) == sorted(id(m) for m in routers for _ in range(4))
+    assert {scale for _, scale in seen} == {0.25}
+
+
 def test_forward_backward_one_process_is_the_hand_loop():
     """pp = 1: forward_backward's losses and grads equal the loop with the global token
     count and the router's 1/m written out here."""
@@ -482,13 +496,10 @@ def test_forward_backward_one_process_is_the_hand_loop():
     a = build_model(config, ProcessGroups.single_process())
     losses = forward_backward(a, micro, ProcessGroups.single_process(), config)
     b = build_model(config, ProcessGroups.single_process())
-    for module in b.modules():
-        if isinstance(module, Router):
-            module.grad_scale = 0.5
     n = sum(mb.loss_mask.sum() for mb in micro)
     expected = []
     for mb in micro:
-        loss = b(mb.tokens, mb.labels, loss_mask=mb.loss_mask, num_loss_tokens=n)
+        loss = b(mb.tokens, mb.labels, loss_mask=mb.loss_mask, num_loss_tokens=n, loss_scale=0.5)
         loss.backward()
         expected.append(loss.item())
     assert losses.dtype == torch.float64 and losses.shape == (2,)
