@@ -426,6 +426,10 @@ class TrainConfig:
     # TF32 tensor cores for float32 matmuls and convolutions on CUDA (10 mantissa bits in
     # the products, float32 accumulation); no effect on CPU.
     tf32: bool = True
+    # torch.compile: none (eager) | blocks (every transformer block compiled on its own with
+    # fullgraph=True, as torchtitan does; data-dependent sizes become unbacked symbolic
+    # sizes). See docs/gpu.md, "Compiled blocks".
+    compile: Literal["none", "blocks"] = "none"
     # Activation recompute in the backward: none | full (whole blocks) | moe (the experts and
     # shared expert) | expert_act (the experts' SwiGLU output only).
     recompute: Literal["none", "full", "moe", "expert_act"] = "none"
