@@ -197,6 +197,9 @@ LOOP_SYNCS = [
     ("TensorBase.item", "moe_fold/training/train.py"),
     # the step's routing statistics, packed in one tensor, for metrics.jsonl
     ("TensorBase.cpu", "moe_fold/training/metrics.py"),
+    # the step's router losses, packed in one tensor: the step computes the loss it reports
+    # (lm loss + weighted router losses) itself, so that no metric takes part in it
+    ("TensorBase.cpu", "moe_fold/training/step_losses.py"),
 ]
 
 
@@ -211,7 +214,7 @@ def _per_step(tmp_path, cache_dir, steps):
 
 def test_training_loop_syncs_per_step(tmp_path, cache_dir):
     """A step of train() (4 micro-batches, 2 MoE layers, every router loss on): the MoE
-    layers' one sync each per micro-batch, and the loop's own four reads (LOOP_SYNCS), no
+    layers' one sync each per micro-batch, and the loop's own five reads (LOOP_SYNCS), no
     more. Measured as the difference between a 3-step and a 2-step run, so set-up and the
     final checkpoint cancel out."""
     step = _per_step(tmp_path, cache_dir, 3) - _per_step(tmp_path, cache_dir, 2)

@@ -209,12 +209,12 @@ def test_cpu_backend_builds_once_into_the_cache(monkeypatch, tmp_path):
     swiglu_cpu._library.cache_clear()
     try:
         swiglu(torch.randn(2, 4), backend="cpu")
-        (built,) = tmp_path.iterdir()
+        (built,) = (tmp_path / "moe_fold").iterdir()
         assert built.name.startswith("swiglu_cpu-") and built.suffix == ".so"
         stamp = built.stat().st_mtime_ns
         swiglu_cpu._library.cache_clear()
         swiglu(torch.randn(2, 4), backend="cpu")
-        assert [p.name for p in tmp_path.iterdir()] == [built.name] and built.stat().st_mtime_ns == stamp
+        assert [p.name for p in (tmp_path / "moe_fold").iterdir()] == [built.name] and built.stat().st_mtime_ns == stamp
     finally:
         swiglu_cpu._library.cache_clear()
 
