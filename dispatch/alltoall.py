@@ -42,10 +42,10 @@ import torch
 
 from moe_fold import comm
 from moe_fold.config import capacity_factor_positive, dispatch_modes, require
-from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, counted, expert_major_order
+from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, WireBytes, expert_major_order
 from moe_fold.dispatch.placement import Placement, expert_order
-from moe_fold.dispatch.router import expert_capacity
-from moe_fold.kernels.permute import permute, permute_padded, sort_chunks, unpermute
+from moe_fold.dispatch.router import capacity_of
+from moe_fold.kernels.permute import chunks_sorted, padded_rows, permuted_rows, unpermuted
 
 if TYPE_CHECKING:
     from moe_fold.layout import ProcessGroups
@@ -129,13 +129,18 @@ class AllToAllDispatcher(TokenDispatcher):
             sorted(range(self.num_slots), key=self._expert_order.__getitem__)
 
     def capacity(self, num_tokens: int) -> int:
-        """Rows per expert and source rank in the padded mode."""
-        return expert_capacity(num_tokens, self.num_experts, self.topk, self.capacity_factor)
+        """Rows per expert and source rank in the padded mode (the factor was checked when
+        the dispatcher was built)."""
+        return capacity_of(num_tokens, self.num_experts, self.topk, self.capacity_factor)
+
+    def _capacity(self, num_tokens: int) -> Optional[int]:
+        """Rows per slot the router keeps (the capacity mode), None when dropless."""
+        return None if self.mode == "dropless" else self.capacity(num_tokens)
 
     # ------------------------------------------------------------------ dispatch
 
     def dispatch_preprocess(self, tokens, probs, routing_map):
-        handle = AllToAllHandle(num_tokens=tokens.shape[0])
+        handle = AllToAllHandle(num_tokens=tokens.shape[0], wire=WireBytes())
         if self.dedup:
             return self._dedup_preprocess(tokens, probs, routing_map, handle)
         device = tokens.device
@@ -153,7 +158,8 @@ class AllToAllDispatcher(TokenDispatcher):
 
         el = self.num_local_experts
         counts = routing_map.sum(dim=0)  # [E] routed tokens per expert
-        g, dev = self._gather_counts(counts, handle.wire)  # [ep][etp][E] host ints, [ep, etp, E] on the device
+        g, dev = self._gather_counts(counts, handle.wire, "slots", tokens.shape[0],
+                                     self._capacity(tokens.shape[0]))  # [ep][etp][E] host ints, [ep, etp, E] on the device
         mine = slice(self.local_expert_start, self.local_expert_start + el)
         handle.input_splits = [sum(g[self.ep_rank][self.etp_rank][j * el:(j + 1) * el]) for j in range(self.ep)]
         handle.output_splits = [sum(g[j][self.etp_rank][mine]) for j in range(self.ep)]
@@ -180,44 +186,45 @@ class AllToAllDispatcher(TokenDispatcher):
             cols = self._on_device("_expert_order", routing_map.device)
             routing_map, probs = routing_map.index_select(1, cols), probs.index_select(1, cols)
         if capacity is None:
-            x, p, handle.sorted_indices = permute(tokens, routing_map, probs, backend=self.permute_backend,
+            x, p, handle.sorted_indices = permuted_rows(tokens, routing_map, probs, backend=self.permute_backend,
                                                   num_rows=num_rows)
         else:
-            x, p, handle.sorted_indices = permute_padded(tokens, routing_map, probs, capacity,
+            x, p, handle.sorted_indices = padded_rows(tokens, routing_map, probs, capacity,
                                                          backend=self.permute_backend)
         if self._expert_order is not None:
             handle.slot_sizes = slot_sizes
             expert_sizes = slot_sizes.index_select(0, cols)
             slot_order = self._on_device("_slot_order", x.device)
-            x = sort_chunks(x, expert_sizes, slot_order, backend=self.permute_backend)
-            p = sort_chunks(p, expert_sizes, slot_order, backend=self.permute_backend)
+            x = chunks_sorted(x, expert_sizes, slot_order, backend=self.permute_backend)
+            p = chunks_sorted(p, expert_sizes, slot_order, backend=self.permute_backend)
         return x, p
 
     def dispatch_communicate(self, x, probs, handle):
         groups, wire = self.groups, handle.wire
-        x, sent = counted(comm.all_to_all, x, handle.output_splits, handle.input_splits, groups.ep)
-        wire.dispatch += sent
-        probs, sent = counted(comm.all_to_all, probs, handle.output_splits, handle.input_splits, groups.ep)
-        wire.meta += sent
+        wire.dispatch += comm.all_to_all_bytes(x, handle.input_splits, groups.ep)
+        wire.meta += comm.all_to_all_bytes(probs, handle.input_splits, groups.ep)
+        x = comm.all_to_all(x, handle.output_splits, handle.input_splits, groups.ep)
+        probs = comm.all_to_all(probs, handle.output_splits, handle.input_splits, groups.ep)
         return self._gather_over_etp(x, probs, handle)
 
     def dispatch_communicate_start(self, x, probs, handle):
         # Only the all-to-all over ep is in flight: the all-gather over etp sends what it
         # received, so it runs inside wait().
         groups, wire = self.groups, handle.wire
-        rows, sent = counted(comm.all_to_all_start, x, handle.output_splits, handle.input_splits, groups.ep)
-        wire.dispatch += sent
-        meta, sent = counted(comm.all_to_all_start, probs, handle.output_splits, handle.input_splits, groups.ep)
-        wire.meta += sent
+        wire.dispatch += comm.all_to_all_bytes(x, handle.input_splits, groups.ep)
+        wire.meta += comm.all_to_all_bytes(probs, handle.input_splits, groups.ep)
+        rows = comm.all_to_all_start(x, handle.output_splits, handle.input_splits, groups.ep)
+        meta = comm.all_to_all_start(probs, handle.output_splits, handle.input_splits, groups.ep)
         return comm.Pending(None, lambda: self._gather_over_etp(rows.wait(), meta.wait(), handle))
 
     def _gather_over_etp(self, x, probs, handle):
         groups, wire = self.groups, handle.wire
-        x, sent = counted(comm.all_gather, x, groups.etp, handle.etp_splits)
+        sent = comm.all_gather_bytes(x, groups.etp)
         wire.dispatch += sent
         wire.dispatch_etp += sent
-        probs, sent = counted(comm.all_gather, probs, groups.etp, handle.etp_splits)
-        wire.meta += sent
+        wire.meta += comm.all_gather_bytes(probs, groups.etp)
+        x = comm.all_gather(x, groups.etp, handle.etp_splits)
+        probs = comm.all_gather(probs, groups.etp, handle.etp_splits)
         return x, probs
 
     def dispatch_postprocess(self, x, probs, handle):
@@ -225,8 +232,8 @@ class AllToAllDispatcher(TokenDispatcher):
             x, probs = self._dedup_postprocess(x, probs, handle)
         elif self._sorts:
             order = self._on_device("_order", x.device)
-            x = sort_chunks(x, handle.chunk_sizes, order, backend=self.permute_backend)
-            probs = sort_chunks(probs, handle.chunk_sizes, order, backend=self.permute_backend)
+            x = chunks_sorted(x, handle.chunk_sizes, order, backend=self.permute_backend)
+            probs = chunks_sorted(probs, handle.chunk_sizes, order, backend=self.permute_backend)
         return x, probs, handle.device_tokens_per_local_expert, handle.tokens_per_local_expert
 
     # ------------------------------------------------------------------ combine
@@ -234,43 +241,43 @@ class AllToAllDispatcher(TokenDispatcher):
     def combine_preprocess(self, x, handle):
         if self.dedup:
             # Sum each received token's expert outputs here, so one row goes back.
-            x = unpermute(x, handle.local_indices, handle.num_received,
+            x = unpermuted(x, handle.local_indices, handle.num_received,
                           backend=self.permute_backend)  # [N, H] -> [R, H]
             if self.etp > 1:
                 sizes = handle.chunk_sizes.index_select(0, self._on_device("_rank_order", x.device))
-                x = sort_chunks(x, sizes, self._on_device("_rank_inverse_order", x.device),
+                x = chunks_sorted(x, sizes, self._on_device("_rank_inverse_order", x.device),
                                 backend=self.permute_backend)
             return x
         if self._sorts:
-            x = sort_chunks(x, handle.sorted_chunk_sizes, self._on_device("_inverse_order", x.device),
+            x = chunks_sorted(x, handle.sorted_chunk_sizes, self._on_device("_inverse_order", x.device),
                             backend=self.permute_backend)
         return x
 
     def combine_communicate(self, x, handle):
         x = self._reduce_scatter_over_etp(x, handle)
-        x, sent = counted(comm.all_to_all, x, handle.input_splits, handle.output_splits, self.groups.ep)
-        handle.wire.combine += sent
-        return x
+        handle.wire.combine += comm.all_to_all_bytes(x, handle.output_splits, self.groups.ep)
+        return comm.all_to_all(x, handle.input_splits, handle.output_splits, self.groups.ep)
 
     def combine_communicate_start(self, x, handle):
         # The reduce-scatter over etp makes what the all-to-all sends: it runs before the post.
         x = self._reduce_scatter_over_etp(x, handle)
-        back, sent = counted(comm.all_to_all_start, x, handle.input_splits, handle.output_splits, self.groups.ep)
-        handle.wire.combine += sent
+        handle.wire.combine += comm.all_to_all_bytes(x, handle.output_splits, self.groups.ep)
+        back = comm.all_to_all_start(x, handle.input_splits, handle.output_splits, self.groups.ep)
         return comm.Pending(None, back.wait)
 
     def _reduce_scatter_over_etp(self, x, handle):
-        x, sent = counted(comm.reduce_scatter, x, self.groups.etp, handle.etp_splits)
+        sent = comm.reduce_scatter_bytes(x, self.groups.etp, handle.etp_splits)
         handle.wire.combine += sent
         handle.wire.combine_etp += sent
+        x = comm.reduce_scatter(x, self.groups.etp, handle.etp_splits)
         return x
 
     def combine_postprocess(self, x, handle):
         if handle.slot_sizes is not None:
             # Slot-major -> expert-major, the order the rows were gathered in (_permute).
-            x = sort_chunks(x, handle.slot_sizes, self._on_device("_expert_order", x.device),
+            x = chunks_sorted(x, handle.slot_sizes, self._on_device("_expert_order", x.device),
                             backend=self.permute_backend)
-        return unpermute(x, handle.sorted_indices, handle.num_tokens,
+        return unpermuted(x, handle.sorted_indices, handle.num_tokens,
                          backend=self.permute_backend)  # [N, H] -> [T, H]
 
     # ------------------------------------------------------------------ dedup
@@ -282,7 +289,8 @@ class AllToAllDispatcher(TokenDispatcher):
         # One count exchange carries both the per-expert counts (for the experts) and
         # the per-rank row counts (for the splits).
         counts = torch.cat([routing_map.sum(dim=0), rank_map.sum(dim=0)])  # [ep*S + ep]
-        g, dev = self._gather_counts(counts, handle.wire)  # [ep][etp][ep*S + ep], and [ep, etp, ep*S + ep]
+        g, dev = self._gather_counts(counts, handle.wire, "slots+ranks", num_tokens,
+                                     self._capacity(num_tokens))  # [ep][etp][ep*S + ep], and [ep, etp, ep*S + ep]
         rows = [[g[j][t][self.num_slots + self.ep_rank] for t in range(self.etp)] for j in range(ep)]
         handle.input_splits = g[self.ep_rank][self.etp_rank][self.num_slots:]
         handle.output_splits = [rows[j][self.etp_rank] for j in range(ep)]
@@ -297,7 +305,7 @@ class AllToAllDispatcher(TokenDispatcher):
         handle.device_tokens_per_local_expert = dev[:, :, mine].sum(dim=(0, 1))
 
         # [T, H] -> [R, H]: one row per (token, destination rank), destination-major.
-        x, _, handle.sorted_indices = permute(tokens, rank_map, None, backend=self.permute_backend,
+        x, _, handle.sorted_indices = permuted_rows(tokens, rank_map, None, backend=self.permute_backend,
                                               num_rows=sum(handle.input_splits))
         dest = torch.repeat_interleave(torch.arange(ep, device=tokens.device),
                                        dev[self.ep_rank, self.etp_rank, self.num_slots:],
@@ -313,10 +321,10 @@ class AllToAllDispatcher(TokenDispatcher):
         if self.etp > 1:
             # [etp][ep] -> [ep][etp], so the expanded rows come out in the plain mode's order.
             order = self._on_device("_rank_order", x.device)
-            x = sort_chunks(x, handle.chunk_sizes, order, backend=self.permute_backend)
-            meta = sort_chunks(meta, handle.chunk_sizes, order, backend=self.permute_backend)
+            x = chunks_sorted(x, handle.chunk_sizes, order, backend=self.permute_backend)
+            meta = chunks_sorted(meta, handle.chunk_sizes, order, backend=self.permute_backend)
         row_probs, row_map = meta[:, :el], meta[:, el:] > 0.5
         # [R, H] -> [N, H]: one row per (token, local expert), local-expert-major.
-        x, probs, handle.local_indices = permute(x, row_map, row_probs, backend=self.permute_backend,
+        x, probs, handle.local_indices = permuted_rows(x, row_map, row_probs, backend=self.permute_backend,
                                                  num_rows=sum(handle.tokens_per_local_expert))
         return x, probs

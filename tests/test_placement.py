@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import test_layout_invariance as li
 import test_parallel_matrix as pm
+from router_outputs import max_dropped_fraction, router_outputs
 from moe_fold.comm import all_reduce, all_reduce_
 from moe_fold.dispatch.placement import Placement, balanced_placement, expert_order, rank_loads, slot_routing
 from moe_fold.launch import run_ranks
@@ -194,18 +195,17 @@ LI_CASES = {
 def _li_train(model, groups, micro_batches):
     """tests/test_layout_invariance.py's ``_train`` with placement-aware grad gathering."""
     opt = torch.optim.AdamW(model.parameters(), lr=li.LR, weight_decay=0.1)
-    for layer in li._moe_layers(model):
-        layer.router.grad_scale = 1.0 / len(micro_batches)
     num_tokens = sum(ids.numel() for ids, _ in micro_batches) * groups.size("dp_cp")
     losses, out, dropped = [], {}, 0.0
     for step in range(li.STEPS):
         opt.zero_grad()
         loss = 0.0
         for ids, labels in micro_batches:
-            mb_loss = model(ids, labels, num_loss_tokens=num_tokens)
+            with router_outputs(model) as seen:
+                mb_loss = model(ids, labels, num_loss_tokens=num_tokens, loss_scale=1.0 / len(micro_batches))
             mb_loss.backward()
             loss += mb_loss.detach()
-            dropped = max([dropped] + [layer.last_stats.dropped_fraction.item() for layer in li._moe_layers(model)])
+            dropped = max(dropped, max_dropped_fraction(seen))
         sync_grads(model.parameters(), groups)
         if step == 0:
             out["grads"] = _global_grads(model, groups)

@@ -5,7 +5,7 @@ Per step, every rank takes its micro-batches of the global batch
 same ones) and runs their forward and backward with :func:`moe_fold.training.step.forward_backward`
 (one after another letting the grads add up, or the pipeline schedule under pp; the loss
 scaling that makes the summed grads the exact gradient of the global-batch mean loss,
-and the routers' ``grad_scale = 1/num_microbatches``, are documented there). Then
+and the routers' ``loss_scale = 1/num_microbatches``, are documented there). Then
 :func:`moe_fold.training.optim.apply_gradients` completes the gradient reduction (posted during
 the backward with ``parallel.overlap_grad_reduce``, :mod:`moe_fold.training.buckets`), clips
 the global norm and steps AdamW (whose parameter all-gathers, with
@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 from torch import nn
 
@@ -175,7 +176,7 @@ def compute_device(config: Config) -> torch.device:
 
 
 def resolve_backends(config: Config, device: Optional[torch.device] = None) -> Config:
-    """``config`` with each ``moe.*_backend`` that is ``auto`` (and MOE_FOLD_GEMM_BACKEND)
+    """``config`` with each ``moe.*_backend`` that is ``auto``
     resolved for ``device`` (default: the one this process trains on) and
     ``train.precision`` by :func:`moe_fold.kernels.backends.resolve_config`; raises
     ConfigError naming each backend that cannot run there."""
@@ -237,7 +238,9 @@ def train(config: Config, resume: bool = False, console: Optional[Console] = Non
     previous_fp32 = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
     began = time.monotonic()
     try:
-        with ExitSignals(config.train.exit_signals) as signals:
+        # train.compile=blocks: the dropless layer's counts trace as unbacked sizes.
+        compiling = torch._dynamo.config.patch(capture_scalar_outputs=config.train.compile == "blocks")
+        with ExitSignals(config.train.exit_signals) as signals, compiling:
             config, device, groups = _prepare_process(config)
             run = set_up_run(config, device, groups, resume, metrics=metrics, faults=faults, build_model=build_model,
                              forward_backward=forward_backward)

@@ -122,6 +122,18 @@ MUTANTS: list[Mutant] = [
         "the global aux loss share not scaled by dp, although its loss spans the dp ranks",
         (T_ROUTER_PARALLEL,)),
     Mutant(
+        "step-router-loss-scale", "moe_fold/training/step.py",
+        "                             loss_scale=1.0 / m)",
+        "                             loss_scale=1.0)",
+        "the router losses' gradients not divided over the step's micro-batches (counted m times over)",
+        ("tests/test_parallel_matrix.py::test_forward_backward_one_process_is_the_hand_loop",)),
+    Mutant(
+        "mtp-router-loss-scale", MTP,
+        "        return self.block(x, cos, sin, docs, loss_scale=loss_scale)",
+        "        return self.block(x, cos, sin, docs)",
+        "an MTP depth's router takes its losses at full weight in every micro-batch of a step",
+        ("tests/test_parallel_matrix.py::test_every_router_forward_of_a_step_gets_the_micro_batch_share",)),
+    Mutant(
         "router-bias-counts-group", ROUTER,
         "all_reduce_(counts, self.groups.tp_dp_cp)",
         "all_reduce_(counts, self.groups.tp_cp)",
@@ -163,8 +175,8 @@ MUTANTS: list[Mutant] = [
         (f"{T_DISPATCH}::test_four_ranks",)),
     Mutant(
         "a2a-combine-order", ALLTOALL,
-        "x = sort_chunks(x, handle.sorted_chunk_sizes, self._on_device(\"_inverse_order\", x.device),",
-        "x = sort_chunks(x, handle.sorted_chunk_sizes, self._on_device(\"_order\", x.device),",
+        "x = chunks_sorted(x, handle.sorted_chunk_sizes, self._on_device(\"_inverse_order\", x.device),",
+        "x = chunks_sorted(x, handle.sorted_chunk_sizes, self._on_device(\"_order\", x.device),",
         "combine sorts the expert outputs back with the forward chunk order, not its inverse",
         # The 2- and 4-rank layouts have self-inverse chunk orders (2 x 2, 2 x 2 x 2): only
         # ep 8 with 2 local experts, or ep 4 x etp 2, tells the order from its inverse.
@@ -499,8 +511,8 @@ MUTANTS: list[Mutant] = [
         ("tests/test_checkpoint_verify.py::test_same_size_damage_to_any_file_is_named_at_load_and_by_verify",)),
     Mutant(
         "combine-relative-error", ALLTOALL,
-        "        return unpermute(x, handle.sorted_indices, handle.num_tokens,\n",
-        "        return (1 + 1e-6) * unpermute(x, handle.sorted_indices, handle.num_tokens,\n",
+        "        return unpermuted(x, handle.sorted_indices, handle.num_tokens,\n",
+        "        return (1 + 1e-6) * unpermuted(x, handle.sorted_indices, handle.num_tokens,\n",
         "every combine off by 1e-6 relative (dispatch compared at atol = rtol = 0 catches it)",
         (f"{T_DISPATCH}::test_two_ranks",)),
     # ------------------------------------------------------------------ GPU readiness (issue 26)
