@@ -44,7 +44,7 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 __all__ = ["RankError", "run_ranks", "keep_freed_memory", "exit_with_parent", "parent_handle", "agree_on_round"]
 
@@ -121,7 +121,8 @@ def _context() -> mp.context.BaseContext:
 
 
 # How long a rank told to stop because its parent is gone may take to finish its step and
-# save it before it is ended anyway (it may be blocked in a collective with a dead peer).
+# save it before it is ended anyway (it may be blocked in a collective with a dead peer),
+# unless the caller derives a longer grace from the rank's own step and save times.
 PARENT_GONE_GRACE_S = 5.0
 
 
@@ -136,7 +137,8 @@ def parent_handle() -> Optional[int]:
 
 
 def exit_with_parent(gone: int, who: str = "the process that started this rank",
-                     stop_signal: Optional[int] = None, grace_s: float = PARENT_GONE_GRACE_S) -> None:
+                     stop_signal: Optional[int] = None,
+                     grace_s: Union[float, Callable[[], float]] = PARENT_GONE_GRACE_S) -> None:
     """End this process when its parent is gone: ``gone``, a file descriptor readable from
     then on (:func:`parent_handle`, or the sentinel of a multiprocessing child).
 
@@ -144,16 +146,22 @@ def exit_with_parent(gone: int, who: str = "the process that started this rank",
     first sends it to this process, so that a run stops after its current step with that
     step's checkpoint (:mod:`moe_fold.training.stop`), and exits ``grace_s`` later if it is
     still running: a rank blocked in a collective whose peer is gone must not hang.
+    ``grace_s`` may be a function, asked again while the watch waits, so that the grace
+    follows the run's measured step and save times (a loaded machine's step plus save can
+    outlast any fixed grace, and the rank would be ended with its checkpoint half written).
     """
+    grace = grace_s if callable(grace_s) else (lambda: grace_s)
 
     def watch():
         mp.connection.wait([gone])
         if stop_signal is not None:
             with contextlib.suppress(OSError):  # stderr may have gone with the parent
                 os.write(2, f"moe-fold: {who} is gone: stopping this rank ({signal.Signals(stop_signal).name}), "
-                            f"ended in {grace_s:g} s if it is still running\n".encode())
+                            f"ended in {grace():.3g} s if it is still running\n".encode())
+            sent = time.monotonic()
             os.kill(os.getpid(), stop_signal)
-            time.sleep(grace_s)
+            while (left := grace() - (time.monotonic() - sent)) > 0:
+                time.sleep(min(left, 0.5))
         os._exit(1)
 
     threading.Thread(target=watch, name="moe-fold-parent-watch", daemon=True).start()

@@ -51,6 +51,18 @@ def test_budgets_first_phases_get_the_collective_timeout_then_measured_ones():
     assert explicit.budget("eval") == 70.0
 
 
+
+def test_stop_grace_covers_the_longest_step_and_save_measured():
+    """A torchrun worker whose agent is gone gets, to finish its step and save, the factor
+    times its longest step plus its longest save: never less than the floor, and other
+    phases (an eval) do not count."""
+    beat = Heartbeat(None, 0, 1, Path("unused"), hang_timeout_s=None, first_budget_s=300.0)
+    assert beat.stop_grace_s(5.0) == 5.0  # nothing measured yet: the floor
+    beat.durations = {"step": [0.5, 4.0, 1.0], "save": [3.0, 0.5], "eval": [70.0]}
+    assert beat.stop_grace_s(5.0) == hb.STOP_GRACE_FACTOR * (4.0 + 3.0)
+    beat.durations = {"step": [0.2], "save": [0.1]}
+    assert beat.stop_grace_s(5.0) == 5.0
+
 def test_beats_measure_each_phase_until_the_next_beat(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(hb.time, "monotonic", lambda: now[0])

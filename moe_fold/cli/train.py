@@ -267,15 +267,20 @@ def _run_torchrun(config, resume: bool, progress: bool, agent: int | None, fault
     import torch.distributed as dist
     from rich.console import Console
 
-    from moe_fold.launch import agree_on_round, exit_with_parent, keep_freed_memory
+    from moe_fold.launch import PARENT_GONE_GRACE_S, agree_on_round, exit_with_parent, keep_freed_memory
     from moe_fold.training.train import compute_device, train
 
     # torchrun starts each worker in a session of its own, so nothing ends a worker whose
     # agent was killed (SIGKILL, OOM killer): it would train on, writing into the run folder.
-    # The watch stops it after its step (the first exit signal) and ends it soon after.
+    # The watch stops it after its step (the first exit signal) and ends it once a step and
+    # a save could have finished, as measured on this worker (the floor until there is a
+    # measurement): a worker ended in the middle of its save would lose that checkpoint.
     stop = signal.Signals[config.train.exit_signals[0]] if config.train.exit_signals else None
+    heartbeats = []
     if agent is not None:
-        exit_with_parent(agent, who=f"the torchrun agent (pid {os.getppid()})", stop_signal=stop)
+        exit_with_parent(agent, who=f"the torchrun agent (pid {os.getppid()})", stop_signal=stop,
+                         grace_s=lambda: max([h.stop_grace_s(PARENT_GONE_GRACE_S) for h in heartbeats],
+                                             default=PARENT_GONE_GRACE_S))
     elif int(os.environ.get("LOCAL_RANK", "0")) == 0:
         print("warning: no pidfd on this system: a worker whose torchrun agent is killed (SIGKILL) will not "
               "notice it; end the workers by pid", file=sys.stderr)
@@ -310,7 +315,8 @@ def _run_torchrun(config, resume: bool, progress: bool, agent: int | None, fault
         keep_freed_memory(compute_device(config))
         rank0 = rank == 0
         result = train(config, resume=resume, console=Console(soft_wrap=True) if rank0 else None,
-                       progress=progress and sys.stdout.isatty(), faults=faults, defaults=defaults)
+                       progress=progress and sys.stdout.isatty(), faults=faults, defaults=defaults,
+                       on_heartbeat=heartbeats.append)
     finally:
         dist.destroy_process_group()
     if not rank0:

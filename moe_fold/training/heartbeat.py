@@ -89,6 +89,8 @@ FACTOR = 10.0
 WINDOW = 20
 # How long a live rank waits, after writing its stacks, for the other live ranks' stacks.
 DUMP_WAIT_S = 10.0
+# A rank told to stop may take this many times its longest recent step plus save.
+STOP_GRACE_FACTOR = 3.0
 
 _PREFIX = "moe-fold/heartbeat"
 _HANG_KEY = f"{_PREFIX}/hang"
@@ -191,6 +193,16 @@ class Heartbeat:
                    config.parallel.timeout_s)
 
     # ------------------------------------------------------------------ the beating side
+
+    def stop_grace_s(self, floor_s: float) -> float:
+        """Seconds a rank told to stop may take to finish its step and save that step's
+        checkpoint: STOP_GRACE_FACTOR x (its longest recent step + its longest recent
+        save), at least ``floor_s``. Only finished phases count, so a rank hung in one
+        still gets a finite grace. Safe to call from another thread."""
+        def longest(phase):
+            return max(list(self.durations.get(phase, ())), default=0.0)
+
+        return max(floor_s, STOP_GRACE_FACTOR * (longest("step") + longest("save")))
 
     def budget(self, phase: str) -> float:
         """Seconds ``phase`` may last before this rank counts as stalled."""

@@ -209,7 +209,8 @@ def train(config: Config, resume: bool = False, console: Optional[Console] = Non
           stop_at: Optional[int] = None, *, defaults: Optional[Config] = None, metrics: bool = True,
           faults: FaultPlan = FaultPlan(),
           build_model: Callable[[Config, ProcessGroups], Transformer] = build_transformer,
-          forward_backward: Callable = step_forward_backward) -> TrainResult:
+          forward_backward: Callable = step_forward_backward,
+          on_heartbeat: Optional[Callable[[Heartbeat], None]] = None) -> TrainResult:
     """Run ``config`` on this rank; see the module docstring.
 
     ``resume`` continues from the latest checkpoint in ``train.run_dir`` (a fresh start
@@ -229,7 +230,9 @@ def train(config: Config, resume: bool = False, console: Optional[Console] = Non
     The run's collaborators: ``metrics=False`` leaves out the routing metrics (the steps
     are the same, bit for bit); ``faults`` (:class:`moe_fold.training.faults.FaultPlan`)
     injects faults; ``build_model`` and ``forward_backward`` replace the model builder and
-    the step's forward and backward (:func:`moe_fold.training.run_setup.set_up_run`)."""
+    the step's forward and backward (:func:`moe_fold.training.run_setup.set_up_run`);
+    ``on_heartbeat`` is given the run's :class:`Heartbeat` once it exists (its measured
+    step and save times give a torchrun worker's stop grace: ``cli/train.py``)."""
     # train.deterministic and train.tf32 switch torch's process-wide settings for the run only.
     previous = torch.are_deterministic_algorithms_enabled()
     previous_fp32 = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
@@ -241,14 +244,15 @@ def train(config: Config, resume: bool = False, console: Optional[Console] = Non
             config, device, groups = _prepare_process(config)
             run = set_up_run(config, device, groups, resume, metrics=metrics, faults=faults, build_model=build_model,
                              forward_backward=forward_backward)
-            return _train(run, resume, console, progress, stop_at, signals, began, defaults)
+            return _train(run, resume, console, progress, stop_at, signals, began, defaults, on_heartbeat)
     finally:
         torch.use_deterministic_algorithms(previous)
         torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = previous_fp32
 
 
 def _train(run: Run, resume: bool, console: Optional[Console], progress: bool, stop_at: Optional[int],
-           signals: ExitSignals, began: float, defaults: Optional[Config]) -> TrainResult:
+           signals: ExitSignals, began: float, defaults: Optional[Config],
+           on_heartbeat: Optional[Callable[[Heartbeat], None]] = None) -> TrainResult:
     config, groups, device = run.config, run.groups, run.device
     start_step, checkpoint_path = load_start_state(run, resume)
     logger = start_logging(run, console, progress, start_step, resumed_from=checkpoint_path, defaults=defaults)
@@ -266,6 +270,8 @@ def _train(run: Run, resume: bool, console: Optional[Console], progress: bool, s
                             timeout_s=config.parallel.timeout_s)
     # Hang detection: one beat as each phase begins (moe_fold.training.heartbeat).
     heartbeat = Heartbeat.for_run(config, rank, groups.layout.world_size)
+    if on_heartbeat is not None:
+        on_heartbeat(heartbeat)
     tokens_per_step = t.global_batch_size * config.model.seq_length
     # After each step, in this order (moe_fold/training/periodic.py says how to add one).
     actions: list[Action] = [
