@@ -11,7 +11,7 @@ joined: ``tests/test_hf_deepseek_v3._gathered_logits``); the number is the large
 absolute difference over every rank, token and vocabulary entry. A layout a family
 cannot run prints the rule that refuses it instead of a number.
 
-    python bench/hf_logits.py [--markdown FILE] [--timeout 600]
+    python -m bench.hf_logits [--markdown FILE] [--timeout 600]
 
 One JSON line per (family, case, layout): ``{"bench": "hf_logits", "family", "case",
 "sizes", "layout", "max_abs_diff"}`` (or ``"refused": "<the error>"`` in place of
@@ -27,8 +27,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-# The model builders live with the tests, which import each other by module name.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP workers starve a small shared CPU
 
 import torch  # noqa: E402
@@ -39,15 +37,15 @@ from moe_fold.layout import ParallelLayout, create_process_groups  # noqa: E402
 from moe_fold.models import from_hf  # noqa: E402
 from moe_fold.models.hf import HFConfigError, hf_config  # noqa: E402
 
-import test_hf  # noqa: E402
-import test_hf_deepseek_v2  # noqa: E402
-import test_hf_deepseek_v3  # noqa: E402
-import test_hf_ernie  # noqa: E402
-import test_hf_glm_olmoe  # noqa: E402
-import test_hf_gpt_oss  # noqa: E402
-import test_hf_llama4  # noqa: E402
-import test_hf_minimax_m2  # noqa: E402
-from test_hf_deepseek_v3 import _gathered_logits, hf_logits, max_diff, token_ids  # noqa: E402
+from tests.models.hf import test_importer as test_hf  # noqa: E402
+from tests.models.hf import test_deepseek_v2 as test_hf_deepseek_v2  # noqa: E402
+from tests.models.hf import test_deepseek_v3 as test_hf_deepseek_v3  # noqa: E402
+from tests.models.hf import test_ernie as test_hf_ernie  # noqa: E402
+from tests.models.hf import test_glm_olmoe as test_hf_glm_olmoe  # noqa: E402
+from tests.models.hf import test_gpt_oss as test_hf_gpt_oss  # noqa: E402
+from tests.models.hf import test_llama4 as test_hf_llama4  # noqa: E402
+from tests.models.hf import test_minimax_m2 as test_hf_minimax_m2  # noqa: E402
+from tests.models.hf.test_deepseek_v3 import _gathered_logits, hf_logits, max_diff, token_ids  # noqa: E402
 
 LAYOUTS = {"1 process": None, "tp2 x ep2 (etp 2)": dict(tp=2, ep=2), "pp2 x cp2": dict(pp=2, cp=2)}
 
