@@ -7,6 +7,7 @@ inputs) within 15% on every rank and 1% on the mean of the ranks."""
 from __future__ import annotations
 
 import weakref
+from typing import Optional
 
 import pytest
 import torch
@@ -50,10 +51,11 @@ class _Box:
         self.tensor = tensor
 
 
-def saved_activation_bytes(model: torch.nn.Module, forward) -> tuple[int, torch.Tensor]:
+def saved_activation_bytes(model: torch.nn.Module, forward, kept: Optional[dict] = None) -> tuple[int, torch.Tensor]:
     """Bytes of the storages autograd keeps for the backward after ``forward()`` (its
     result is returned too): every storage once, parameters' storages left out, tensors
-    saved by graph parts already freed left out."""
+    saved by graph parts already freed left out. ``kept``: more tensors held for the
+    backward outside autograd's saved tensors (its values read after ``forward()``)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     boxes = []
 
@@ -65,11 +67,8 @@ def saved_activation_bytes(model: torch.nn.Module, forward) -> tuple[int, torch.
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
         out = forward()
     storages = {}
-    for ref in boxes:
-        box = ref()
-        if box is None:
-            continue
-        s = box.tensor.untyped_storage()
+    for t in [ref().tensor for ref in boxes if ref() is not None] + list((kept or {}).values()):
+        s = t.untyped_storage()
         if s.data_ptr() not in params:
             storages[s.data_ptr()] = s.nbytes()
     return sum(storages.values()), out
@@ -199,22 +198,7 @@ def test_recompute_activation_bytes(monkeypatch, preset, recompute):
     m = config.model
     ids = torch.randint(0, m.vocab_size, (config.train.micro_batch_size, m.seq_length),
                         generator=torch.Generator().manual_seed(7))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-    boxes = []
-
-    def pack(t):
-        box = _Box(t)
-        boxes.append(weakref.ref(box))
-        return box
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
-        loss = model(ids, ids, loss_mask=torch.ones(ids.shape))
-    for t in [ref().tensor for ref in boxes if ref() is not None] + list(kept.values()):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            saved[s.data_ptr()] = s.nbytes()
-    measured = sum(saved.values())
+    measured, loss = saved_activation_bytes(model, lambda: model(ids, ids, loss_mask=torch.ones(ids.shape)), kept)
     planned = activation_bytes(config, 0)
     # One process: no routing imbalance between ranks, the figure is the code's (1%: the
     # losses' scalars).

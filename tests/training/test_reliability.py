@@ -129,6 +129,17 @@ def _set(values: list[str]) -> list[str]:
     return [a for v in values for a in ("--set", v)]
 
 
+def _two_ranks_past_a_checkpoint(run_dir: Path, cache_dir: Path, *settings: str):
+    """`moe-fold train --nproc 2` with ``settings`` started, once its first checkpoint and
+    metrics.jsonl exist: the launcher's process and the pids of ranks 0 and 1. A long
+    schedule, so the run is surely still going when the test acts on a rank."""
+    metrics = run_dir / "metrics.jsonl"
+    proc = subprocess.Popen(_cli("--nproc", "2", *_set(overrides(run_dir, cache_dir, *settings, "train.steps=1000"))),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    _wait_for(lambda: latest_checkpoint(run_dir) is not None and metrics.exists(), 240, "the first checkpoint", proc)
+    return proc, _rank_pids(proc.pid, metrics)
+
+
 @pytest.mark.slow
 def test_killed_rank_stops_the_run_with_its_name_and_resume_is_exact(tmp_path, cache_dir):
     """SIGKILL to rank 1 of a 2-rank run (ep2): the parent exits with code 1 within
@@ -142,12 +153,7 @@ def test_killed_rank_stops_the_run_with_its_name_and_resume_is_exact(tmp_path, c
     assert straight.returncode == 0, straight.stderr
 
     run_dir = tmp_path / "killed"
-    metrics = run_dir / "metrics.jsonl"
-    # A long schedule, so the run is surely still going when the kill comes.
-    proc = subprocess.Popen(_cli("--nproc", "2", *_set(overrides(run_dir, cache_dir, *layout, "train.steps=1000"))),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
-    _wait_for(lambda: latest_checkpoint(run_dir) is not None and metrics.exists(), 240, "the first checkpoint", proc)
-    _, rank1 = _rank_pids(proc.pid, metrics)
+    proc, (_, rank1) = _two_ranks_past_a_checkpoint(run_dir, cache_dir, *layout)
     os.kill(rank1, signal.SIGKILL)
     killed_at = time.monotonic()
     try:
@@ -202,14 +208,9 @@ def test_stopped_rank_ends_the_run_within_parallel_timeout_s(tmp_path, cache_dir
 
     timeout_s = 20
     run_dir = tmp_path / "run"
-    metrics = run_dir / "metrics.jsonl"
     dataset_from_config(small_config(run_dir, cache_dir))  # the corpus cached: no rank waits on it
-    proc = subprocess.Popen(_cli("--nproc", "2", *_set(overrides(run_dir, cache_dir, "parallel.ep=2",
-                                                                 f"parallel.timeout_s={timeout_s}",
-                                                                 "train.steps=1000"))),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
-    _wait_for(lambda: latest_checkpoint(run_dir) is not None and metrics.exists(), 240, "the first checkpoint", proc)
-    rank0, rank1 = _rank_pids(proc.pid, metrics)
+    proc, (rank0, rank1) = _two_ranks_past_a_checkpoint(run_dir, cache_dir, "parallel.ep=2",
+                                                        f"parallel.timeout_s={timeout_s}")
     os.kill(rank1, signal.SIGSTOP)
     stopped_at = time.monotonic()
     try:
