@@ -14,7 +14,7 @@ is the reliability tests' small Mixtral (2 MoE layers of 8 experts), 8 samples a
 The schedule (times are fractions of ``--minutes``; a fault waits until the run has
 recovered from the one before and made 3 new steps):
 
-- ``nan``: ``MOE_FOLD_FAULTS=nan@batch=N`` in every worker's environment from the start;
+- ``nan``: ``--faults nan@batch=N`` on every worker's command line from the start;
   the step on global batch N has a non-finite loss and is rolled back in-process;
 - ``kill9`` (0.10): SIGKILL to one worker of the first node; torchrun restarts the group;
 - ``sigstop`` (0.22): SIGSTOP to one worker of the second node; the hang watch names it,
@@ -88,7 +88,7 @@ CONFIG = [
 RDZV_CONF = "keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=5"
 TOKENS_PER_STEP = 8 * 16  # global_batch_size x seq_length
 MAX_STEPS = 1_000_000  # the job is ended by the harness's SIGTERM
-# (fault, fraction of --minutes); nan is in the environment from the start.
+# (fault, fraction of --minutes); nan is on the workers' command line from the start.
 SCHEDULE = [("kill9", 0.10), ("sigstop", 0.22), ("requeue", 0.36), ("node_loss", 0.48), ("node_return", 0.60),
             ("corrupt", 0.75)]
 
@@ -200,8 +200,9 @@ class Metrics:
 class Job:
     """The two torchrun agents, started as a scheduler would (each in a session of its own)."""
 
-    def __init__(self, work: Path, run_dir: Path, cache_dir: Path, sets: list[str], env: dict):
+    def __init__(self, work: Path, run_dir: Path, cache_dir: Path, sets: list[str], env: dict, faults: str):
         self.work, self.run_dir, self.cache_dir, self.sets, self.env = work, run_dir, cache_dir, sets, env
+        self.faults = faults  # the workers' --faults plan
         self.port = 0
         self.agents: dict[str, subprocess.Popen] = {}
         self.launches = 0
@@ -215,7 +216,7 @@ class Job:
                    "--max-restarts", "20", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
                    "--rdzv-id", "goodput", "--rdzv-conf", f"is_host={str(node == 'a').lower()},{RDZV_CONF}",
                    "-m", "moe_fold.cli", "train", "--config", "mixtral-tiny", "--no-progress", "--resume",
-                   *[a for s in self.sets for a in ("--set", s)]]
+                   "--faults", self.faults, *[a for s in self.sets for a in ("--set", s)]]
         log = open(self.work / f"agent_{node}_{self.launches}.log", "w")
         self.agents[node] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
                                              start_new_session=True)
@@ -293,8 +294,8 @@ def run_schedule(args, work: Path) -> dict:
             f"train.save_every={MAX_STEPS}", "parallel.elastic=true", "train.hang_timeout_s=5",
             f"train.expected_mtbf_minutes={args.minutes / (len(SCHEDULE) + 1):.3g}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "MOE_FOLD_FAULTS": f"nan@batch={args.nan_batch}"}
-    job = Job(work, run_dir, cache_dir, sets, env)
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    job = Job(work, run_dir, cache_dir, sets, env, faults=f"nan@batch={args.nan_batch}")
     metrics = Metrics(run_dir)
     faults: list[dict] = []
     began = time.time()
@@ -407,7 +408,7 @@ def analyse(result: dict, nan_batch: int) -> list[dict]:
             new = [tt for tt, rr in rows[k + 1:] if "event" not in rr and rr.get("step") == b]
             out.insert(0, {"fault": "nan", "steps_lost": b - s, "restarts": 0,
                            "recover_s": round(new[0] - prev[-1], 1) if prev and new else None,
-                           "detail": f"MOE_FOLD_FAULTS=nan@batch={nan_batch}: step {b} rolled back to step {s} "
+                           "detail": f"--faults nan@batch={nan_batch}: step {b} rolled back to step {s} "
                                      f"in {r.get('rollback_seconds', float('nan')):.2f} s",
                            "t_s": round(prev[-1] - result["began"], 1) if prev else None})
     return out

@@ -7,7 +7,7 @@ imported with ``moe_fold.models.from_hf`` on 1 process, on 4 gloo ranks under tp
 (etp 2, the default etp = tp) and under pp2 x cp2, and the logits of the same token ids
 (batch 2 x 12 tokens, float32) compared with transformers' forward. Under a layout the
 full logits are gathered on every rank (pipeline stages in turn, tp and zigzag cp shards
-joined: ``tests/test_hf_deepseek_v3._gathered_logits``); the number is the largest
+joined: ``tests/helpers/hf_family_checks.gathered_logits``); the number is the largest
 absolute difference over every rank, token and vocabulary entry. A layout a family
 cannot run prints the rule that refuses it instead of a number.
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -38,14 +37,9 @@ from moe_fold.models import from_hf  # noqa: E402
 from moe_fold.models.hf import HFConfigError, hf_config  # noqa: E402
 
 from tests.models.hf import test_importer as test_hf  # noqa: E402
-from tests.models.hf import test_deepseek_v2 as test_hf_deepseek_v2  # noqa: E402
-from tests.models.hf import test_deepseek_v3 as test_hf_deepseek_v3  # noqa: E402
-from tests.models.hf import test_ernie as test_hf_ernie  # noqa: E402
-from tests.models.hf import test_glm_olmoe as test_hf_glm_olmoe  # noqa: E402
-from tests.models.hf import test_gpt_oss as test_hf_gpt_oss  # noqa: E402
-from tests.models.hf import test_llama4 as test_hf_llama4  # noqa: E402
-from tests.models.hf import test_minimax_m2 as test_hf_minimax_m2  # noqa: E402
-from tests.models.hf.test_deepseek_v3 import _gathered_logits, hf_logits, max_diff, token_ids  # noqa: E402
+from tests.helpers.hf_family_checks import gathered_logits as _gathered_logits, max_diff, token_ids  # noqa: E402
+from tests.models.hf.test_importer import hf_logits  # noqa: E402
+from tests.models.hf.test_families import SPECS, model_of  # noqa: E402
 
 LAYOUTS = {"1 process": None, "tp2 x ep2 (etp 2)": dict(tp=2, ep=2), "pp2 x cp2": dict(pp=2, cp=2)}
 
@@ -73,16 +67,9 @@ BUILDERS = {
                   for case in ("qwen2_shared_dense", "qwen2_sparse_step_norm")},
     "qwen3_moe": {case: (lambda case=case: _eager(test_hf.hf_model(case, **_ODD_QWEN3)))
                   for case in ("qwen3_norm_topk", "qwen3_no_norm_tied")},
-    "deepseek_v3": {case: (lambda case=case: test_hf_deepseek_v3.hf_model(case)) for case in test_hf_deepseek_v3.CASES},
-    "glm4_moe": {"glm4_moe": lambda: test_hf_glm_olmoe.hf_model("glm4_moe"),
-                 # num_experts_per_tok 3 != 2 x topk_group: a group ranks by its best 2 scores.
-                 "glm4_moe_k3": lambda: test_hf_glm_olmoe.hf_model("glm4_moe", num_experts_per_tok=3)},
-    "olmoe": {"olmoe": lambda: test_hf_glm_olmoe.hf_model("olmoe")},
-    "deepseek_v2": {case: (lambda case=case: test_hf_deepseek_v2.hf_model(case)) for case in test_hf_deepseek_v2.CASES},
-    "ernie4_5_moe": {case: (lambda case=case: test_hf_ernie.hf_model(case)) for case in test_hf_ernie.CASES},
-    "minimax_m2": {case: (lambda case=case: test_hf_minimax_m2.hf_model(case)) for case in test_hf_minimax_m2.CASES},
-    "llama4_text": {case: (lambda case=case: _eager(test_hf_llama4.hf_model(case))) for case in test_hf_llama4.CASES},
-    "gpt_oss": {"gpt_oss": lambda: test_hf_gpt_oss.hf_model()},
+    # The other families: the cases of tests/models/hf/test_families.py.
+    **{family: {case: (lambda family=family, case=case: _eager(model_of(family, case))) for case in spec.cases}
+       for family, spec in SPECS.items() if family not in ("mixtral", "qwen2_moe", "qwen3_moe")},
 }
 
 # What refuses a model or a layout before any work: the rule's message is the result.

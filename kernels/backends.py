@@ -137,6 +137,7 @@ def problem(backend: str, device: torch.device) -> Optional[str]:
 
     ``torch`` and ``loop`` always run. Answered once per process and device."""
     if backend == "triton":
+        # Environment: Triton's own switch to its CPU interpreter.
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
         if device.type != "cuda" and not interpret:
             return f"Triton runs on CUDA tensors, or on the CPU interpreter with TRITON_INTERPRET=1 (got {device})"

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+# Environment: Triton's own switch to its CPU interpreter, read as Triton does.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 

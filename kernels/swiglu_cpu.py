@@ -7,7 +7,7 @@ input once. bench/moe_layer.py's fc1 output ``[8192, 2048]``, float32, 2 threads
 forward 4 ms and backward 9 ms against 6 and 19-25 ms.
 
 Build: ``cc -O3 -march=native`` (the machine that runs is the machine that compiles) into
-``$MOE_FOLD_CACHE_DIR`` (default ``~/.cache/moe_fold``), named by a hash of the source, the
+``$XDG_CACHE_HOME/moe_fold`` (default ``~/.cache/moe_fold``), named by a hash of the source, the
 compiler, the flags and the CPU, written to a temporary name and renamed, so concurrent ranks
 never load a half-written library. The compiler is ``$CC`` or ``cc``. Whether it builds
 and runs here is :func:`moe_fold.kernels.backends.problem` (``cpu``), which raises with
@@ -52,7 +52,8 @@ class BuildError(RuntimeError):
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("MOE_FOLD_CACHE_DIR", Path.home() / ".cache" / "moe_fold"))
+    # Environment: the user's cache folder (the XDG convention pip, torch and Triton follow).
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moe_fold"
 
 
 def _cpu_identity() -> str:
@@ -68,6 +69,7 @@ def _cpu_identity() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL:
+    # Environment: the C toolchain's convention for the compiler to use.
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise BuildError(f"swiglu backend 'cpu' needs a C compiler: {compiler!r} (the CC environment "

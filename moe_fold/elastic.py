@@ -21,7 +21,8 @@ a world where global/(micro*dp) is not whole fits no layout. Nothing is chosen s
 the caller prints :attr:`ElasticChoice.reason` and logs :meth:`ElasticChoice.record`
 (``moe_fold.cli.train``: ``<run_dir>/elastic.jsonl``). When nothing fits, ConfigError
 lists why each candidate failed. Without ``parallel.elastic`` a world the config does not
-fit fails in ``validate`` as it always did.
+fit fails in ``validate``, and :func:`elastic_hint` names the layout ``parallel.elastic=true``
+would take there.
 
 Pure arithmetic over the config; the checkpoint loads under any layout
 (:mod:`moe_fold.training.checkpoint`), so the run continues where it stopped.
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 from moe_fold.config import Config, ConfigError, etp_size, parse_elastic_layout, validate
 
-__all__ = ["ElasticChoice", "choose_layout"]
+__all__ = ["ElasticChoice", "choose_layout", "elastic_hint", "with_elastic_hint"]
 
 
 @dataclass(frozen=True)
@@ -124,3 +125,31 @@ def choose_layout(config: Config, world_size: int) -> ElasticChoice:
         return ElasticChoice(candidate, world_size, rule, reason, tuple(rejected))
     raise ConfigError([f"parallel.elastic=true: no layout fits world_size={world_size}, neither the configured one "
                        f"nor {tried}:", *rejected])
+
+
+def elastic_hint(config: Config, world_size: int) -> str | None:
+    """For a config without ``parallel.elastic`` whose layout does not fit ``world_size``:
+    one line naming the layout ``parallel.elastic=true`` would take there (None when the
+    configured layout fits, or no layout would)."""
+    if config.parallel.elastic or _first_problem(config, world_size) is None:
+        return None
+    try:
+        choice = choose_layout(_with(config, elastic=True), world_size)
+    except ConfigError:
+        return None
+    sizes = choice.sizes()
+    return (f"parallel.elastic=true would take {choice.rule} ({_describe(choice.config)}) here: "
+            f"dp={sizes['dp']}, edp={sizes['edp']}, {_micro_batches(sizes['micro_batches'])} per step "
+            f"(--set parallel.elastic=true, or set those sizes)")
+
+
+def with_elastic_hint(error: ConfigError, config: Config, world_size: int) -> ConfigError:
+    """``error`` (``config`` refused for ``world_size``) with :func:`elastic_hint` added to
+    its world-size problems (on a line of its own when the misfit is elsewhere); ``error``
+    itself when there is no hint."""
+    hint = elastic_hint(config, world_size)
+    if hint is None:
+        return error
+    ours = f"world_size={world_size} "
+    problems = [f"{p}; {hint}" if p.startswith(ours) else p for p in error.problems]
+    return ConfigError(problems if problems != error.problems else [*problems, hint])

@@ -76,11 +76,9 @@ def keep_freed_memory(device) -> bool:
     MoE-layer step (bench/moe_layer.py, 4096x512x1024x8x2). With mmap off and the heap
     never trimmed, the pages stay mapped: no faults after the first step. The price is
     that the process keeps its peak heap, which a training loop reaches every step
-    anyway. ``MOE_FOLD_KEEP_FREED_MEMORY=0`` turns it off.
+    anyway.
     """
     if getattr(device, "type", str(device).split(":")[0]) != "cpu":
-        return False
-    if os.environ.get("MOE_FOLD_KEEP_FREED_MEMORY", "1") == "0":
         return False
     import ctypes
 

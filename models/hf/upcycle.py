@@ -36,9 +36,10 @@ from torch import nn
 from moe_fold.config import Config, head_dim, moe_layer_flags, require, upcycle_slices
 from moe_fold.layout import ProcessGroups
 
-from .config_map import METADATA_KEYS, HFConfigError, _check_window, _Keys, _rope_theta
+from .families.base import METADATA_KEYS, HFConfigError, Keys, check_window, rope_theta, swiglu
 from .importer import hf_tokenizer, read_hf_config, read_sources_into
-from .weights import Cat, SafetensorsFolder, Source, Stack, Take, _swiglu, ignorable_hf_names
+from .sources import Cat, SafetensorsFolder, Source, Stack, Take
+from .weights import ignorable_hf_names
 
 __all__ = ["DENSE_FAMILIES", "upcycled_config", "upcycle_sources", "load_upcycled_into"]
 
@@ -70,7 +71,7 @@ def upcycled_config(path: Union[str, os.PathLike], base: Config) -> Config:
     hf = read_hf_config(path)
     family = _dense_family(hf)
     problems: list[str] = []
-    keys = _Keys(hf, family, problems)
+    keys = Keys(hf, family, problems)
     config = copy.deepcopy(base)
     config.init.upcycle_from = str(path)
     m, moe = config.model, config.moe
@@ -87,7 +88,7 @@ def upcycled_config(path: Union[str, os.PathLike], base: Config) -> Config:
     m.norm_eps = float(keys.get("rms_norm_eps", 1e-6))
     m.tie_embeddings = bool(keys.get("tie_word_embeddings", False))
     m.init_std = float(keys.get("initializer_range", 0.02))
-    m.rope_theta = _rope_theta(keys, 1e4)
+    m.rope_theta = rope_theta(keys, 1e4)
     m.qk_norm, m.qkv_bias = family == "qwen3", family == "qwen2"
     keys.must_be("hidden_act", ("silu",), "the MLPs and experts are SwiGLU (silu)")
     keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
@@ -104,7 +105,7 @@ def upcycled_config(path: Union[str, os.PathLike], base: Config) -> Config:
         layer_types = keys.get("layer_types", None)
         if layer_types is not None:
             sliding = sliding and "sliding_attention" in layer_types
-        _check_window(keys, m.seq_length, sliding_layers=sliding)
+        check_window(keys, m.seq_length, sliding_layers=sliding)
     keys.used |= {"problem_type"} | METADATA_KEYS
     unknown = keys.unknown()
     if unknown:
@@ -248,7 +249,7 @@ def upcycle_sources(config: Config) -> dict[str, Source]:
             out[f"{ours}attn.q_norm.weight"] = Take(f"{attn}q_norm.weight")
             out[f"{ours}attn.k_norm.weight"] = Take(f"{attn}k_norm.weight")
         if not is_moe:
-            out[f"{ours}mlp.fc1.weight"], out[f"{ours}mlp.fc2.weight"] = _swiglu(
+            out[f"{ours}mlp.fc1.weight"], out[f"{ours}mlp.fc2.weight"] = swiglu(
                 mlp, "gate_proj", "up_proj", "down_proj", m.ffn_hidden_size)
             continue
         out[f"{ours}mlp.router.weight"] = Given(_router(config, i, granularity), f"{ours}mlp.router.weight")

@@ -7,7 +7,8 @@ Three ways to run:
     (the ranks read RANK, WORLD_SIZE, MASTER_ADDR, ... from the environment)
 
 The config is validated for the world size before any rank starts; a bad config prints
-every problem and exits with code 2. Rank 0 prints the config and both layouts, a
+every problem and exits with code 2. Rank 0 prints what the --set overrides change in the
+preset or file (the whole config is the run's config.yaml) and both layouts, a
 progress bar, and a summary; the run folder (train.run_dir) gets config.yaml,
 metrics.jsonl, checkpoints, heatmaps and (wandb.mode offline/online) the wandb run.
 
@@ -73,13 +74,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="with --nproc: when a rank fails, dies or hangs (train.hang_timeout_s), start the ranks "
                              "again from the newest checkpoint, up to N times (torchrun's --max-restarts)")
+    parser.add_argument("--faults", default="", metavar="PLAN",
+                        help="inject faults to test the recovery paths, e.g. nan@batch=5,spike@step=9 "
+                             "(moe_fold.training.faults: nan, inf or spike at a step or a global batch)")
 
 
 def _torchrun_world() -> int | None:
     return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
 
 
-def _rank_main(rank: int, world_size: int, config, resume: bool, progress: bool):
+def _rank_main(rank: int, world_size: int, config, resume: bool, progress: bool, faults, defaults):
     """One spawned rank (module level so the forkserver can import it)."""
     from rich.console import Console
 
@@ -89,13 +93,14 @@ def _rank_main(rank: int, world_size: int, config, resume: bool, progress: bool)
     # Each rank is its own process: the parent's setting does not reach it.
     keep_freed_memory(compute_device(config))
     console = Console(soft_wrap=True) if rank == 0 else None
-    return train(config, resume=resume, console=console, progress=progress)
+    return train(config, resume=resume, console=console, progress=progress, faults=faults, defaults=defaults)
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from moe_fold.config import ConfigError, load_config
+    from moe_fold.training.faults import FaultPlan
     from moe_fold.training.train import check_trainable, resolve_backends
 
     err = Console(stderr=True, soft_wrap=True)
@@ -118,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     world = torchrun or args.nproc or 1
     try:
+        faults = FaultPlan.parse(args.faults)
         config = load_config(args.config, args.overrides)
+        defaults = load_config(args.config)  # what the first screen shows the changes to
         if config.init.from_hf is not None:
             from moe_fold.models.hf import hf_config
 
@@ -134,7 +141,13 @@ def run(args: argparse.Namespace) -> int:
         if config.parallel.elastic:
             # The one hook of elastic restarts: the layout for the world this start got.
             config = _elastic_layout(config, world, rank0=torchrun is None or os.environ["RANK"] == "0")
-        check_trainable(config, world)
+        try:
+            check_trainable(config, world)
+        except ConfigError as e:
+            from moe_fold.elastic import with_elastic_hint
+
+            # A world the layout does not fit: name the layout parallel.elastic=true would take.
+            raise with_elastic_hint(e, config, world) from None
         from moe_fold.data.sources import check_data
 
         # A damaged or mismatched dataset fails here, before any rank starts.
@@ -148,6 +161,11 @@ def run(args: argparse.Namespace) -> int:
             config = resolve_backends(config, torch.device("cpu") if world > 1 else None)
     except (ValueError, OSError) as e:  # ConfigError, HFConfigError, DatasetFormatError, unreadable files
         err.print(f"error: {e}", markup=False, highlight=False)
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if torchrun is not None else 0
+        if restarts:
+            # Under torchrun --nnodes MIN:MAX a node that left restarts the survivors in a smaller world.
+            err.print(f"torchrun restarted the workers (restart {restarts}) in a world of {world} ranks: a node left "
+                      f"or came back", markup=False, highlight=False)
         return 2
     if torchrun is None and world > 1 and config.train.device == "cuda":
         err.print(f"error: train.device=cuda cannot run on the gloo ranks of --nproc={world} (they compute on the "
@@ -155,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     progress = not args.no_progress
     if torchrun is not None:
-        return _run_torchrun(config, args.resume, progress, agent)
+        return _run_torchrun(config, args.resume, progress, agent, faults, defaults)
     if world == 1:
         from moe_fold.launch import keep_freed_memory
         from moe_fold.training.train import compute_device, train
@@ -168,8 +186,8 @@ def run(args: argparse.Namespace) -> int:
         # A CPU training step allocates the same large tensors every step: keep their pages
         # mapped (spawned ranks and torchrun workers do it once their device is known).
         keep_freed_memory(device)
-        return _ended(train(config, resume=args.resume, console=Console(soft_wrap=True), progress=progress),
-                      config, err)
+        return _ended(train(config, resume=args.resume, console=Console(soft_wrap=True), progress=progress,
+                            faults=faults, defaults=defaults), config, err)
     import signal
     import time
 
@@ -185,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
         for attempt in range(args.max_restarts + 1):
             began = time.time()
             try:
-                results = run_ranks(_rank_main, world, config, resume, progress, timeout=7 * 24 * 3600.0,
+                results = run_ranks(_rank_main, world, config, resume, progress, faults, defaults,
+                                    timeout=7 * 24 * 3600.0,
                                     threads=threads, env={"MOE_FOLD_PG_TIMEOUT": str(int(config.parallel.timeout_s))},
                                     forward_signals=[signal.Signals[name] for name in config.train.exit_signals])
                 break
@@ -237,9 +256,10 @@ def _ended(result, config, err) -> int:
     return result.stop.exit_code
 
 
-def _run_torchrun(config, resume: bool, progress: bool, agent: int | None) -> int:
+def _run_torchrun(config, resume: bool, progress: bool, agent: int | None, faults, defaults) -> int:
     """One torchrun worker. ``agent``: a handle on its torchrun agent (launch.parent_handle,
-    None where the system offers none)."""
+    None where the system offers none); ``faults``: the --faults plan; ``defaults``: the
+    config the first screen shows the changes to."""
     import datetime
     import signal
 
@@ -290,7 +310,7 @@ def _run_torchrun(config, resume: bool, progress: bool, agent: int | None) -> in
         keep_freed_memory(compute_device(config))
         rank0 = rank == 0
         result = train(config, resume=resume, console=Console(soft_wrap=True) if rank0 else None,
-                       progress=progress and sys.stdout.isatty())
+                       progress=progress and sys.stdout.isatty(), faults=faults, defaults=defaults)
     finally:
         dist.destroy_process_group()
     if not rank0:

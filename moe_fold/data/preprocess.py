@@ -123,7 +123,8 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 
 def _init_worker(spec: str, threads: int) -> None:
     global _WORKER_TOKENIZER
-    # Each worker gets its share of the cores for tokenizers' own threads (read on first use).
+    # Environment: each worker gets its share of the cores for tokenizers' own (Rayon)
+    # threads, which Rayon reads on first use.
     os.environ["RAYON_NUM_THREADS"] = str(threads)
     from moe_fold.data.tokenizer import load_tokenizer
 

@@ -1,8 +1,9 @@
-"""Deterministic fault injection for tests and benches: ``MOE_FOLD_FAULTS``.
+"""Deterministic fault injection for tests and benches: a :class:`FaultPlan`.
 
-A bad step is hard to provoke on purpose with real data, so the loop reads a plan from
-the environment variable ``MOE_FOLD_FAULTS`` (inherited by every rank, whether started
-by ``--nproc``, torchrun or a test's spawn): comma-separated items ``KIND@WHERE=N``.
+A bad step is hard to provoke on purpose with real data, so a run can be handed a plan
+(``train(config, faults=FaultPlan.parse(...))``, or ``moe-fold train --faults PLAN``,
+which every rank parses, whether started by ``--nproc`` or torchrun): comma-separated
+items ``KIND@WHERE=N``.
 
 - ``KIND``: ``nan`` or ``inf`` (the step's global loss becomes non-finite: no optimizer
   step, as for any non-finite loss; ``train.on_nonfinite`` decides the rest) or
@@ -13,22 +14,19 @@ by ``--nproc``, torchrun or a test's spawn): comma-separated items ``KIND@WHERE=
   a fault a rollback cannot get past) or ``batch=N`` (global batch N, 0-based: a bad
   batch, gone once it is skipped).
 
-Example: ``MOE_FOLD_FAULTS=nan@batch=5,spike@step=9``. The fault is applied on every rank
+Example: ``--faults nan@batch=5,spike@step=9``. The fault is applied on every rank
 to the loss after its reduction, so every rank sees the same value, as with a real one.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 import torch
 
-__all__ = ["ENV", "SPIKE_FACTOR", "Fault", "FaultPlan"]
+__all__ = ["SPIKE_FACTOR", "Fault", "FaultPlan"]
 
-ENV = "MOE_FOLD_FAULTS"
 SPIKE_FACTOR = 100.0
 _ITEM = re.compile(r"(nan|inf|spike)@(step|batch)=(\d+)")
 
@@ -41,20 +39,21 @@ class Fault:
 
 
 class FaultPlan:
-    """The faults of ``MOE_FOLD_FAULTS`` (none when it is unset or empty)."""
+    """Faults to inject into a run (``FaultPlan()``: none)."""
 
     def __init__(self, faults: tuple[Fault, ...] = ()):
         self.faults = faults
 
     @classmethod
-    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "FaultPlan":
-        """Parse the plan; ValueError naming the variable, the item and the rule."""
-        text = (os.environ if environ is None else environ).get(ENV, "").strip()
+    def parse(cls, text: str, name: str = "--faults") -> "FaultPlan":
+        """The plan written as ``text`` (empty: none); ValueError naming ``name`` (where
+        the text came from), the item and the rule."""
+        text = text.strip()
         faults = []
         for item in filter(None, (part.strip() for part in text.split(","))):
             match = _ITEM.fullmatch(item)
             if match is None:
-                raise ValueError(f"{ENV}={text!r}: item {item!r} is not KIND@WHERE=N with KIND nan, inf or spike, "
+                raise ValueError(f"{name}={text!r}: item {item!r} is not KIND@WHERE=N with KIND nan, inf or spike, "
                                  f"WHERE step or batch, N an integer >= 0 (e.g. nan@batch=5)")
             faults.append(Fault(match[1], match[2], int(match[3])))
         return cls(tuple(faults))

@@ -1,21 +1,26 @@
 """What a training run reports: ``<run_dir>/metrics.jsonl``, wandb, the console.
 
 :class:`RoutingCollector` watches every :class:`~moe_fold.dispatch.router.Router` of a
-model through a forward hook (the router's output carries its loss values and load
-statistics), adds them up over a step's micro-batches and reduces them over the ranks:
+model through a forward hook (the router's output carries its load statistics), adds them
+up over a step's micro-batches and reduces them over the ranks. It only reads: a run
+without it (``train(..., metrics=False)``) takes the same steps, bit for bit
+(tests/training/test_train.py::test_metrics_off_take_the_same_steps).
 
 - ``expert_load``: per MoE layer (in layer order), the assignments each expert kept in the global batch
   (all tokens of all micro-batches on all ranks), ``[layers][experts]``;
-- ``dropped_fraction``: assignments dropped by capacity / assignments routed, all layers;
+- ``dropped_fraction``: assignments dropped by capacity / assignments routed, all layers.
+
+The step itself (:mod:`moe_fold.training.step_losses`) adds its loss fields:
+
 - ``aux_loss``: per layer, the load-balancing losses that are enabled (``aux`` +
   ``seq_aux`` + ``global_aux``, without coefficients), mean over micro-batches and dp
   ranks, then mean over layers (``global_aux`` is the step's exact value from
   ``Router.finish_step``); ``z_loss`` the same for the z-loss. null when no layer has
   that loss enabled.
 - ``mtp_loss``: with multi-token prediction (``model.mtp_num_layers`` = D), one value per
-  depth, each depth's mean cross-entropy over the global batch (:class:`MTPCollector`);
-  null without MTP. The MTP depths' MoE blocks report their routing as layers
-  ``num_layers + k`` (the index DeepSeek-V3 checkpoints give them).
+  depth, each depth's mean cross-entropy over the global batch; null without MTP. The MTP
+  depths' MoE blocks report their routing as layers ``num_layers + k`` (the index
+  DeepSeek-V3 checkpoints give them).
 - the step's ``loss`` is ``lm_loss`` plus these losses times their coefficients, summed
   over layers, plus ``model.mtp_loss_weight`` times the mean of ``mtp_loss``: the
   objective the gradient follows.
@@ -46,41 +51,23 @@ from torch import nn
 from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, config_to_dict, dp_size, edp_size, etp_size, moe_layer_indices
 from moe_fold.layout import ProcessGroups
+from moe_fold.training.step_losses import StepLossValues
 from moe_fold.training.plots import write_heatmap
 
-__all__ = ["RoutingCollector", "MTPCollector", "MetricsLogger", "read_wandb_history"]
-
-_BALANCING = ("aux", "seq_aux", "global_aux")
-_COEFF = {"aux": "aux_loss_coeff", "seq_aux": "seq_aux_loss_coeff", "global_aux": "global_aux_loss_coeff",
-          "z": "z_loss_coeff"}
-_KINDS = ("aux", "seq_aux", "z")  # per micro-batch values; global_aux comes from finish_step
+__all__ = ["RoutingCollector", "MetricsLogger", "config_changes", "read_wandb_history"]
 
 
-class _HookCollector:
-    """What both collectors share: forward hooks on the model that add to the step's
-    numbers only inside :meth:`recording` (the training step's forward, not a recompute's
-    second call), removed by :meth:`close`."""
+def config_changes(config: Config, defaults: Config) -> dict[str, Any]:
+    """``section.field`` -> value of every field where ``config`` differs from ``defaults``,
+    in the config's order."""
+    base = config_to_dict(defaults)
+    return {f"{section}.{key}": value for section, fields in config_to_dict(config).items()
+            for key, value in fields.items() if base[section][key] != value}
 
-    _recording = False
-    _hooks: list  # each collector's __init__ registers its hooks here
-
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        """Let the hooks count the forwards run inside."""
-        self._recording = True
-        try:
-            yield
-        finally:
-            self._recording = False
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-
-class RoutingCollector(_HookCollector):
-    """Per-step routing numbers of every router in ``model``; see the module docstring.
+class RoutingCollector:
+    """Per-step routing numbers of every router in ``model``; see the module docstring. It
+    only reads: the step closes the routers (expert-bias update, ``global_aux``) and
+    computes the losses (:class:`~moe_fold.training.step_losses.StepLosses`) before it.
 
     Rows are indexed by the model's MoE layers in order (all of them, also those on other
     pipeline stages: a stage fills its own rows and the reduction over pp fills the rest).
@@ -96,13 +83,21 @@ class RoutingCollector(_HookCollector):
         L = config.model.num_layers
         self.routers = [(slot[layer_index(n, L)], m) for n, m in model.named_modules() if isinstance(m, Router)]
         self.device = next(model.parameters()).device
-        moe = config.moe
-        # Which losses the routers compute: each kind is on when its coefficient is > 0.
-        self.kinds = [k for k in _KINDS if getattr(moe, _COEFF[k]) > 0]
+        self._recording = False
         self._hooks = [m.register_forward_hook(self._hook(row), with_kwargs=True) for row, m in self.routers]
         self.layer_metrics: dict[str, float] = {}
         self.expert_load: list[list[int]] = []
         self.start_step()
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Let the hooks count the forwards run inside (the training step's, not a
+        recompute's second call)."""
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
 
     def start_step(self) -> None:
         L, E = len(self.moe_layers), self.config.moe.num_experts
@@ -111,8 +106,6 @@ class RoutingCollector(_HookCollector):
         zeros = dict(dtype=torch.float64, device=self.device)
         self._kept = torch.zeros(L, E, **zeros)  # [L, E]
         self._routed = torch.zeros(L, **zeros)
-        self._loss_sums = torch.zeros(L, len(_KINDS), **zeros)
-        self._calls = torch.zeros(L, **zeros)
 
     def _hook(self, row: int):
         def hook(module, args, kwargs, output):
@@ -126,47 +119,29 @@ class RoutingCollector(_HookCollector):
             else:
                 self._kept[row] += output.routing_map.sum(dim=0).double()
             self._routed[row] += num_tokens * module.config.topk
-            self._calls[row] += 1
-            for k, kind in enumerate(_KINDS):
-                if kind in output.losses:
-                    self._loss_sums[row, k] += output.losses[kind].detach().double()
         return hook
 
-    def finish_step(self, groups: ProcessGroups) -> dict[str, Any]:
-        """Close the routers' step (expert bias update, global aux) and reduce this step's
-        numbers over the ranks. Every rank must call it; returns the record fields."""
+    def finish_step(self, groups: ProcessGroups, losses: StepLossValues) -> dict[str, Any]:
+        """Reduce this step's counts over the ranks and read the expert biases (as the
+        step left them); ``losses``: the step's loss values, for the per-layer metrics.
+        Every rank must call it; returns the record fields."""
         L, E = self._kept.shape
         if L == 0:
             self.layer_metrics, self.expert_load = {}, []
-            return {"aux_loss": None, "z_loss": None, "dropped_fraction": 0.0, "expert_load": []}
-        # Values that are the same on every rank of tp x dp x cp enter divided by its size,
-        # so that one sum over it (and over pp, which holds other layers) gives them back.
+            return {"dropped_fraction": 0.0, "expert_load": []}
+        # A bias is the same on every rank of tp x dp x cp: it enters divided by its size,
+        # so that one sum over it (and over pp, which holds other layers) gives it back.
         same = 1.0 / groups.size("tp_dp_cp")
-        global_aux = torch.zeros(L, dtype=torch.float64, device=self.device)
         bias_norm = torch.zeros(L, dtype=torch.float64, device=self.device)
         for row, router in self.routers:
-            out = router.finish_step()
-            if "global_aux" in out:
-                global_aux[row] = out["global_aux"].double() * same
             if router.expert_bias is not None:
                 bias_norm[row] = router.expert_bias.double().norm() * same
-        # Counts add up over the ranks that route distinct tokens (tp x dp x cp); a loss
-        # value is already over tp x cp, so its mean over dp is its sum over tp x dp x cp
-        # times ``same``.
-        means = self._loss_sums / self._calls.clamp(min=1).unsqueeze(1) * same
-        packed = torch.cat([self._kept.flatten(), self._routed, means.flatten(), global_aux, bias_norm])
+        # Counts add up over the ranks that route distinct tokens (tp x dp x cp).
+        packed = torch.cat([self._kept.flatten(), self._routed, bias_norm])
         all_reduce_(packed, groups.tp_dp_cp)
         all_reduce_(packed, groups.pp)
-        kept, routed, means, global_aux, bias_norm = packed.cpu().split([L * E, L, L * len(_KINDS), L, L])
+        kept, routed, bias_norm = packed.cpu().split([L * E, L, L])
         kept = kept.view(L, E)
-        means = means.view(L, len(_KINDS))
-
-        moe = self.config.moe
-        values = {kind: means[:, _KINDS.index(kind)] for kind in self.kinds}
-        if moe.global_aux_loss_coeff > 0:
-            values["global_aux"] = global_aux
-        balancing = [values[k] for k in _BALANCING if k in values]
-        weighted = sum(float(getattr(moe, _COEFF[k])) * float(v.sum()) for k, v in values.items())
         dropped = 1.0 - float(kept.sum()) / max(float(routed.sum()), 1.0)
         self.expert_load = [[int(round(x)) for x in row] for row in kept.tolist()]
 
@@ -178,55 +153,20 @@ class RoutingCollector(_HookCollector):
             metrics[f"{prefix}/mean_load"] = float(row.mean())
             metrics[f"{prefix}/max_over_mean_load"] = float(row.max() / row.mean()) if row.mean() > 0 else 1.0
             metrics[f"{prefix}/dropped_fraction"] = 1.0 - float(row.sum()) / max(float(routed[i]), 1.0)
-            for kind, v in values.items():
+            for kind, v in losses.per_layer.items():
                 metrics[f"{prefix}/{kind}_loss"] = float(v[i])
-            if moe.expert_bias:
+            if self.config.moe.expert_bias:
                 metrics[f"{prefix}/expert_bias_norm"] = float(bias_norm[i])
             if E <= 64:
                 for e in range(E):
                     metrics[f"{prefix}/tokens_expert{e}"] = float(row[e])
         self.layer_metrics = metrics
-        return {
-            "aux_loss": float(sum(balancing).mean()) if balancing else None,
-            "z_loss": float(values["z"].mean()) if "z" in values else None,
-            "dropped_fraction": dropped,
-            "expert_load": self.expert_load,
-            "weighted_loss": weighted,
-        }
+        return {"dropped_fraction": dropped, "expert_load": self.expert_load}
 
-
-class MTPCollector(_HookCollector):
-    """Each MTP depth's loss over a step: a forward hook on the model's
-    :class:`~moe_fold.models.mtp.MTP` (on the last pipeline stage) adds up the ``[D]``
-    depth losses it returns per micro-batch (each scaled so that the sum over
-    micro-batches, averaged over dp x cp, is the depth's global-batch mean)."""
-
-    def __init__(self, model: nn.Module, config: Config):
-        self.depths = config.model.mtp_num_layers
-        self.weight = config.model.mtp_loss_weight
-        self.device = next(model.parameters()).device
-        mtp = getattr(model, "mtp", None)
-        self._hooks = [mtp.register_forward_hook(self._hook)] if mtp is not None else []
-        self.start_step()
-
-    def start_step(self) -> None:
-        self._sums = torch.zeros(self.depths, dtype=torch.float64, device=self.device)
-
-    def _hook(self, module, args, output) -> None:
-        if self._recording:
-            self._sums += output.detach().double()
-
-    def finish_step(self, groups: ProcessGroups) -> dict[str, Any]:
-        """``mtp_loss`` (one value per depth, or None without MTP) and ``weighted_loss``,
-        its contribution to the step's loss. Every rank must call it."""
-        if self.depths == 0:
-            return {"mtp_loss": None, "weighted_loss": 0.0}
-        sums = self._sums.clone()
-        all_reduce_(sums, groups.dp_cp)
-        all_reduce_(sums, groups.pp)  # only the last stage holds the depths
-        values = (sums / groups.size("dp_cp")).tolist()
-        return {"mtp_loss": values, "weighted_loss": self.weight * sum(values) / self.depths}
-
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
 
 # --------------------------------------------------------------------------- the logger
@@ -272,6 +212,7 @@ class MetricsLogger:
         id_file = self.run_dir / "wandb_id.txt"
         run_id = id_file.read_text().strip() if resume and id_file.exists() else runid.generate_id()
         id_file.write_text(run_id)
+        # Environment: wandb's own switch for its start-up banner (unless the user set it).
         os.environ.setdefault("WANDB_SILENT", "true")
         self._run = wandb.init(project=w.project, name=w.name or self.run_dir.name, mode=w.mode,
                                dir=str(self.run_dir), id=run_id, resume="allow", config=config_to_dict(self.config),
@@ -290,13 +231,15 @@ class MetricsLogger:
                                              loss="-", valid="-", tps="-")
         self._progress.start()
 
-    def print_start(self, world_size: int, resumed_from: Optional[str]) -> None:
-        """The resolved config and both layouts of the world."""
-        import yaml
-
+    def print_start(self, world_size: int, resumed_from: Optional[str], defaults: Config) -> None:
+        """What the run's config changes in ``defaults`` (the preset or file it came from,
+        with the ``--set`` overrides and the resolved kernel backends; the whole config is
+        the run's config.yaml) and both layouts of the world."""
+        changes = config_changes(self.config, defaults)
         c = self.console
-        c.print("[bold]config[/bold]")
-        c.print(yaml.safe_dump(config_to_dict(self.config), sort_keys=False).rstrip(), markup=False, highlight=False)
+        c.print(f"[bold]config[/bold] ({len(changes)} changed; all of it: {self.run_dir / 'config.yaml'})")
+        for key, value in changes.items():
+            c.print(f"  {key}: {value}", markup=False, highlight=False)
         p = self.config.parallel
         dp = dp_size(self.config, world_size)
         edp = edp_size(self.config, world_size)
@@ -307,7 +250,8 @@ class MetricsLogger:
                 f"{world_size} ranks  groups ep: {layout.groups('ep')} edp: {layout.groups('edp')}")
         c.print(f"run dir: {self.run_dir}" + (f"  (resumed from {resumed_from})" if resumed_from else ""))
 
-    def log(self, record: dict, collector: RoutingCollector) -> None:
+    def log(self, record: dict, collector: Optional[RoutingCollector]) -> None:
+        """The step's row; ``collector``: its per-layer metrics and heatmaps (None: none)."""
         if not self.active:
             return
         step = record["step"]
@@ -317,9 +261,9 @@ class MetricsLogger:
             scalars = {k: v for k, v in record.items()
                        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
             scalars.update({f"mtp/depth{k + 1}_loss": v for k, v in enumerate(record.get("mtp_loss") or [])})
-            self._run.log({**scalars, **collector.layer_metrics}, step=step)
+            self._run.log({**scalars, **(collector.layer_metrics if collector is not None else {})}, step=step)
         last = step == self.config.train.steps
-        if collector.expert_load and (step % self.config.wandb.heatmap_every == 0 or last):
+        if collector is not None and collector.expert_load and (step % self.config.wandb.heatmap_every == 0 or last):
             self._heatmap(step, collector.expert_load)
         if self._progress is not None:
             self._progress.update(self._task, completed=step, loss=f"{record['loss']:.4f}",

@@ -29,10 +29,21 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from moe_fold.training.numerics import LossSpikes
 from moe_fold.training.stop import Stop, StopRule
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from moe_fold.training.cadence import Cadence
+    from moe_fold.training.checkpoint import CheckpointSaver
+    from moe_fold.training.metrics import MetricsLogger, RoutingCollector
+    from moe_fold.training.optim import AdamW
+    from moe_fold.training.replace import ExpertReplacer
+    from moe_fold.training.rollback import Rollbacks
+    from moe_fold.training.run_setup import Run
 
 __all__ = ["StepRecord", "Action", "ReplaceExperts", "WatchLossSpikes", "LogStep", "RollBack", "Evaluate",
            "CheckStop", "SaveCheckpoint", "at_step", "stopping"]
@@ -42,14 +53,14 @@ __all__ = ["StepRecord", "Action", "ReplaceExperts", "WatchLossSpikes", "LogStep
 class StepRecord:
     """One optimizer step: what the step measured, then what the periodic actions added."""
     step: int
-    loss: float  # lm_loss plus the routers' and MTP's weighted losses
+    loss: float  # lm_loss plus the routers' and MTP's weighted losses (the step computes it)
     lm_loss: float  # the global batch's mean LM loss
     grad_norm: float  # the global gradient norm before clipping (NaN when the loss was not finite)
     lr: float  # the rate this step used
     skipped: bool  # a non-finite loss or gradient norm: no optimizer step was taken
     nonfinite_module: Optional[str]  # on a skipped step: the first module whose output went non-finite
+    losses: dict  # the step's loss fields: aux_loss, z_loss, mtp_loss (StepLossValues.fields)
     routing: dict  # the routing collector's fields (RoutingCollector.finish_step) and the re-placement's
-    mtp: dict  # the MTP collector's fields (MTPCollector.finish_step)
     began: float  # time.perf_counter() when the step began
     # Written by the actions:
     loss_spike: bool = False  # WatchLossSpikes
@@ -64,7 +75,7 @@ class StepRecord:
         nonfinite = {"nonfinite_module": self.nonfinite_module} if self.skipped else {}
         return {"step": self.step, "loss": self.loss, "lm_loss": self.lm_loss, "grad_norm": self.grad_norm,
                 "lr": self.lr, "tokens_per_s": tokens_per_step / self.seconds, "skipped": self.skipped,
-                "loss_spike": self.loss_spike, **nonfinite, **self.routing, **self.mtp, **self.extra}
+                "loss_spike": self.loss_spike, **nonfinite, **self.losses, **self.routing, **self.extra}
 
 
 Action = Callable[[StepRecord], None]
@@ -79,8 +90,9 @@ class ReplaceExperts:
     """``moe.replace_every``: the replacer adds the step's expert load to its window and,
     on a re-placement step, moves the experts; what moved joins the step's routing fields."""
 
-    def __init__(self, replacer: Any, optimizer: Any, beat: Callable[[int, str], None] = _no_beat):
-        self.replacer = replacer  # moe_fold.training.replace.ExpertReplacer; None: nothing to do
+    def __init__(self, *, replacer: Optional[ExpertReplacer], optimizer: AdamW,
+                 beat: Callable[[int, str], None] = _no_beat):
+        self.replacer = replacer  # None: nothing to do
         self.optimizer = optimizer
         self.beat = beat  # hang detection: a re-placement is a phase of its own
 
@@ -99,7 +111,7 @@ class WatchLossSpikes:
     record, and a warning where ``warn`` (rank 0); ``stop`` (``train.on_loss_spike=stop``):
     raise before the step is saved."""
 
-    def __init__(self, spikes: LossSpikes, warn: bool, stop: bool = False):
+    def __init__(self, *, spikes: LossSpikes, warn: bool, stop: bool = False):
         self.spikes = spikes
         self.warn, self.stop = warn, stop
 
@@ -118,26 +130,31 @@ class WatchLossSpikes:
 
 class RollBack:
     """``train.on_nonfinite=rollback``, ``train.on_loss_spike=rollback``: after a bad step
-    is logged, the last checkpoint is loaded again (``load``) and the batches that caused it
-    are skipped for good (:class:`moe_fold.training.rollback.Rollbacks`); the step to go on
-    from goes on the record (``rolled_back_to``) and the loop undoes the steps after it. A
-    collective when it rolls back: the loss and grad norm it judges are global."""
+    is logged, the last checkpoint is loaded into ``run`` again
+    (:func:`moe_fold.training.run_setup.load_state`) and the batches that caused it are
+    skipped for good (``run.rollbacks``, :class:`moe_fold.training.rollback.Rollbacks`); the
+    step to go on from goes on the record (``rolled_back_to``) and the loop undoes the steps
+    after it. A collective when it rolls back: the loss and grad norm it judges are global."""
 
-    def __init__(self, rollbacks: Any, saver: Any, load: Callable[[Any], dict], logger: Any):
-        self.rollbacks, self.saver, self.load, self.logger = rollbacks, saver, load, logger
+    def __init__(self, *, run: Run, saver: CheckpointSaver, logger: MetricsLogger):
+        self.run, self.saver, self.logger = run, saver, logger
 
     def __call__(self, record: StepRecord) -> None:
-        why = self.rollbacks.reason(not record.skipped, record.loss_spike)
+        from moe_fold.training.run_setup import load_state
+
+        rollbacks = self.run.rollbacks
+        why = rollbacks.reason(not record.skipped, record.loss_spike)
         if why is not None:
-            record.rolled_back_to = self.rollbacks.roll_back(record.step, why, self.saver, self.load, self.logger)
+            record.rolled_back_to = rollbacks.roll_back(record.step, why, self.saver,
+                                                        lambda path: load_state(self.run, path), self.logger)
 
 
 class LogStep:
     """The step's row: metrics.jsonl, wandb and the console (:class:`MetricsLogger`)."""
 
-    def __init__(self, logger: Any, collector: Any, tokens_per_step: int):
-        self.logger = logger  # moe_fold.training.metrics.MetricsLogger
-        self.collector = collector  # its per-layer routing metrics and heatmaps
+    def __init__(self, *, logger: MetricsLogger, collector: Optional[RoutingCollector], tokens_per_step: int):
+        self.logger = logger
+        self.collector = collector  # its per-layer routing metrics and heatmaps (None: no routing metrics)
         self.tokens_per_step = tokens_per_step
 
     def __call__(self, record: StepRecord) -> None:
@@ -146,28 +163,28 @@ class LogStep:
 
 
 class Evaluate:
-    """``train.eval_every``: every ``every`` steps (0: never) and at ``final_step`` (``train.steps``),
-    ``evaluate()`` (the validation loss: its own loader and a forked RNG, so training is
-    unchanged) goes to its own row. A collective: every rank runs it at the same steps."""
+    """``train.eval_every``: every that many steps (0: never) and at ``train.steps``, the
+    validation loss of ``run``'s model (:meth:`Run.validation_loss`: its own loader and a
+    forked RNG, so training is unchanged) goes to its own row. A collective: every rank
+    runs it at the same steps."""
 
-    def __init__(self, every: int, final_step: int, evaluate: Callable[[], dict], logger: Any,
-                 beat: Callable[[int, str], None] = _no_beat):
-        self.every, self.final_step = every, final_step
-        self.evaluate = evaluate
+    def __init__(self, *, run: Run, logger: MetricsLogger, beat: Callable[[int, str], None] = _no_beat):
+        self.run = run
+        self.every, self.final_step = run.config.train.eval_every, run.config.train.steps
         self.logger = logger
         self.beat = beat
 
     def __call__(self, record: StepRecord) -> None:
         if self.every > 0 and (record.step % self.every == 0 or record.step == self.final_step):
             self.beat(record.step, "eval")
-            self.logger.log_eval({"step": record.step, **self.evaluate()})
+            self.logger.log_eval({"step": record.step, **self.run.validation_loss()})
 
 
 class CheckStop:
     """Whether the run stops after this step (:class:`moe_fold.training.stop.StopRule`, a
     collective: the same answer on every rank); said on ``console`` (rank 0's, or None)."""
 
-    def __init__(self, stops: StopRule, console: Any):
+    def __init__(self, *, stops: StopRule, console: Optional[Console]):
         self.stops = stops
         self.console = console
 
@@ -188,31 +205,42 @@ def stopping(record: StepRecord) -> bool:
 
 
 class SaveCheckpoint:
-    """After a step where any of ``when`` is true: the checkpoint of the step (weights,
-    optimizer, schedule, data position, expert placement, and ``extra_state()``) through
-    ``saver`` (a :class:`moe_fold.training.checkpoint.CheckpointSaver`, in the background
-    with ``train.async_save``); its path goes on the record, and ``on_saved(step, stall_s)``
-    hears how long the save blocked the loop. ``run``: the
-    :class:`moe_fold.training.run_setup.Run` whose state is saved."""
+    """After a step where ``cadence`` (:class:`moe_fold.training.cadence.Cadence`: every
+    ``train.save_every`` steps, or its clock) or any of ``when`` is due: the checkpoint of
+    ``run``'s step (weights, optimizer, schedule, data position, expert placement, and the
+    rollback state) through ``saver`` (a :class:`moe_fold.training.checkpoint.CheckpointSaver`,
+    in the background with ``train.async_save``); its path goes on the record. Then the
+    cadence hears how long the save blocked the loop (logged with the stall when a clock is
+    on; its interval printed when first known) and the checkpoint becomes the one a
+    rollback returns to."""
 
-    def __init__(self, run: Any, saver: Any, when: list[Callable[[StepRecord], bool]],
-                 extra_state: Callable[[], dict] = dict, on_saved: Callable[[int, float], None] = lambda s, t: None,
-                 beat: Callable[[int, str], None] = _no_beat):
+    def __init__(self, *, run: Run, saver: CheckpointSaver, cadence: Cadence, logger: MetricsLogger,
+                 when: list[Callable[[StepRecord], bool]], beat: Callable[[int, str], None] = _no_beat):
         self.run = run
         self.saver = saver
+        self.cadence, self.logger = cadence, logger
         self.when = when
-        self.extra_state, self.on_saved, self.beat = extra_state, on_saved, beat
+        self.beat = beat
 
     def __call__(self, record: StepRecord) -> None:
-        # Every predicate is asked, in order (no short cut: a clock's may be a collective).
-        if not any([due(record) for due in self.when]):
+        # Every predicate is asked, in order (no short cut: the clock's is a collective).
+        if not any([self.cadence.due(record.step)] + [due(record) for due in self.when]):
             return
         self.beat(record.step, "save")
         run = self.run
         run.optimizer.wait_params()  # the checkpoint reads the parameters
-        extra = {"step": record.step, "data": run.loader.state_dict(), **self.extra_state()}
+        extra = {"step": record.step, "data": run.loader.state_dict(), **run.rollbacks.state_dict()}
         if run.replacer is not None:
             extra["experts"] = run.replacer.state_dict()
         began = time.perf_counter()
         record.checkpoint = str(self.saver.save(record.step, run.state_model, run.optimizer, run.scheduler, extra))
-        self.on_saved(record.step, time.perf_counter() - began)
+        self._saved(record.step, time.perf_counter() - began)
+
+    def _saved(self, step: int, stall_s: float) -> None:
+        cadence = self.cadence
+        known = cadence.interval_s is not None
+        cadence.saved(stall_s)
+        self.run.rollbacks.saved(step)
+        if cadence.timed:
+            self.logger.log_event({"step": step, "event": "save_interval", "save_stall_s": stall_s,
+                                   "save_interval_s": cadence.interval_s}, None if known else cadence.describe())

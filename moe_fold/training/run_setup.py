@@ -13,72 +13,101 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_fold.config import Config, dump_config
+from moe_fold.config import Config, dump_config, moe_layer_indices
+from moe_fold.dispatch.router import Router
 from moe_fold.layout import ProcessGroups
+from moe_fold.models.model import Transformer
+from moe_fold.models.model import build_model as build_transformer
 from moe_fold.training.faults import FaultPlan
 from moe_fold.training.numerics import LossSpikes
 from moe_fold.training.precision import MasterWeights, autocast, exclude_from_autocast, param_dtype
 from moe_fold.training.rollback import Rollbacks
+from moe_fold.training.routes import RouteActions
+from moe_fold.training.step import forward_backward as step_forward_backward
+from moe_fold.training.step_losses import StepLosses
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from moe_fold.data.loader import BlendedDataset, DataLoader, GPTDataset
+    from moe_fold.training.buckets import GradSync
+    from moe_fold.training.dynamic_cp import DynamicCP
+    from moe_fold.training.metrics import MetricsLogger, RoutingCollector
+    from moe_fold.training.optim import AdamW, LRScheduler
+    from moe_fold.training.replace import ExpertReplacer
 
 __all__ = ["Run", "set_up_run", "load_start_state", "load_state", "start_logging"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """The collaborators of one training run on this rank (built by :func:`set_up_run`)."""
     config: Config  # validated, kernel backends resolved
     device: torch.device
     groups: ProcessGroups
     run_dir: Path
-    loader: Any  # moe_fold.data.loader.DataLoader: this rank's micro-batches of each global batch
-    valid_dataset: Any  # the validation dataset (train.eval_every > 0), else None
-    dynamic_cp: Any  # moe_fold.training.dynamic_cp.DynamicCP under parallel.dynamic_cp with cp > 1, else None
-    model: nn.Module  # the model that computes (bf16 under train.precision=bf16)
+    loader: DataLoader  # this rank's micro-batches of each global batch
+    valid_dataset: Optional[GPTDataset | BlendedDataset]  # the validation data (train.eval_every > 0)
+    dynamic_cp: Optional[DynamicCP]  # under parallel.dynamic_cp with cp > 1
+    model: Transformer  # the model that computes (bf16 under train.precision=bf16)
     master: Optional[MasterWeights]  # its float32 masters under bf16, else None
     state_model: nn.Module  # what the optimizer updates and checkpoints hold: the masters, or the model
-    optimizer: Any  # moe_fold.training.optim.AdamW
-    grad_sync: Any  # the gradient reduction (moe_fold.training.optim.build_grad_sync)
-    scheduler: Any  # the LR schedule
-    collector: Any  # moe_fold.training.metrics.RoutingCollector
-    mtp_collector: Any  # moe_fold.training.metrics.MTPCollector
-    replacer: Any  # moe_fold.training.replace.ExpertReplacer (moe.replace_every or moe.replicas), else None
+    optimizer: AdamW
+    grad_sync: GradSync  # the gradient reduction
+    scheduler: LRScheduler
+    routers: list[Router]  # every router of the model: the step closes their step (expert bias, global aux)
+    losses: StepLosses  # the step's auxiliary and MTP loss values
+    collector: Optional[RoutingCollector]  # routing metrics (also the load re-placement reads), else None
+    replacer: Optional[ExpertReplacer]  # moe.replace_every or moe.replicas
     spikes: LossSpikes  # the loss-spike window (train.loss_spike_factor, loss_spike_window)
     rollbacks: Rollbacks  # what a bad step does and the batches skipped (moe_fold.training.rollback)
-    faults: FaultPlan  # faults injected by tests and benches (MOE_FOLD_FAULTS), else none
-    routes: Any  # moe_fold.training.routes.RouteActions: route traces and router replay
+    faults: FaultPlan  # faults to inject (tests, the goodput bench); FaultPlan(): none
+    forward_backward: Callable  # one global batch's forward and backward (moe_fold.training.step)
+    routes: RouteActions  # route traces and router replay
 
     @property
     def train_params(self) -> list[nn.Parameter]:
         """The parameters the optimizer steps (and whose gradient norm is clipped)."""
         return list(self.state_model.parameters())
 
+    def validation_loss(self) -> dict[str, float]:
+        """The validation loss of the model (:func:`moe_fold.training.evaluate.evaluate`;
+        a collective)."""
+        from moe_fold.training.evaluate import evaluate
+
+        return evaluate(self.model, self.valid_dataset, self.groups, self.config, self.device, self.dynamic_cp)
+
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
-        """What a training forward runs in: the precision's autocast, with the routing and
-        MTP collectors recording."""
-        with autocast(self.config.train.precision, self.device), self.collector.recording(), \
-                self.mtp_collector.recording():
+        """What a training forward runs in: the precision's autocast, with the step's
+        losses and the routing metrics recording."""
+        with autocast(self.config.train.precision, self.device), self.losses.recording(), \
+                self.collector.recording() if self.collector is not None else contextlib.nullcontext():
             yield
 
 
-def set_up_run(config: Config, device: torch.device, groups: ProcessGroups, resume: bool = False) -> Run:
+def set_up_run(config: Config, device: torch.device, groups: ProcessGroups, resume: bool = False, *,
+               metrics: bool = True, faults: FaultPlan = FaultPlan(),
+               build_model: Callable[[Config, ProcessGroups], Transformer] = build_transformer,
+               forward_backward: Callable = step_forward_backward) -> Run:
     """Build this rank's data loaders, model (and float32 masters under bf16), optimizer,
-    gradient reduction, LR schedule, collectors, expert replacer and rollback policy for
-    ``config`` (already validated, backends resolved) on ``device`` in the layout of
-    ``groups``; ``resume``: the run continues one (its skipped batches stay skipped). A
-    collective where the data caches are built (rank 0 first) and where the model is (pp)."""
-    # Imported here, not above: tests swap build_model on its module to plant faults.
+    gradient reduction, LR schedule, step losses, routing collector, expert replacer and
+    rollback policy for ``config`` (already validated, backends resolved) on ``device`` in
+    the layout of ``groups``; ``resume``: the run continues one (its skipped batches stay
+    skipped). ``metrics=False``: no routing collector unless re-placement reads its load.
+    ``faults``, ``build_model`` (``(config, groups) -> model``) and ``forward_backward``
+    (:func:`moe_fold.training.step.forward_backward`'s signature) are the run's
+    collaborators: tests and benches pass their own. A collective where the data caches
+    are built (rank 0 first) and where the model is (pp)."""
     from moe_fold.data.loader import DataLoader
-    from moe_fold.models.model import build_model
-    from moe_fold.training.metrics import MTPCollector, RoutingCollector
+    from moe_fold.training.metrics import RoutingCollector
     from moe_fold.training.optim import build_grad_sync, build_optimizer, build_scheduler
-    from moe_fold.training.routes import RouteActions
 
     t, p = config.train, config.parallel
     run_dir = Path(t.run_dir)
@@ -116,20 +145,24 @@ def set_up_run(config: Config, device: torch.device, groups: ProcessGroups, resu
                                 overlap_param_gather=p.overlap_param_gather, compute_model=model, targets=sources)
     grad_sync = build_grad_sync(state_model, optimizer, groups, bucket_numel=p.grad_bucket_numel,
                                 overlap=p.overlap_grad_reduce, sources=sources)
-    scheduler = build_scheduler(optimizer, config)
-    collector = RoutingCollector(model, config)
-    mtp_collector = MTPCollector(model, config)
+    replaces = config.moe.replace_every > 0 or config.moe.replicas > 0
+    collector = RoutingCollector(model, config) if metrics or replaces else None
     replacer = None
-    if config.moe.replace_every > 0 or config.moe.replicas > 0:
+    if replaces:
         from moe_fold.training.replace import ExpertReplacer
 
         replacer = ExpertReplacer(config, [state_model] + ([model] if master else []), groups, optimizer,
                                   collector.moe_layers)
     spikes = LossSpikes(t.loss_spike_factor, t.loss_spike_window)
-    rollbacks = Rollbacks(config, groups, loader, spikes, resume)
-    return Run(config, device, groups, run_dir, loader, valid_dataset, dynamic_cp, model, master, state_model,
-               optimizer, grad_sync, scheduler, collector, mtp_collector, replacer, spikes, rollbacks,
-               FaultPlan.from_env(), RouteActions.build(model, config, groups, run_dir, collector.moe_layers))
+    return Run(config=config, device=device, groups=groups, run_dir=run_dir, loader=loader,
+               valid_dataset=valid_dataset, dynamic_cp=dynamic_cp, model=model, master=master,
+               state_model=state_model, optimizer=optimizer, grad_sync=grad_sync,
+               scheduler=build_scheduler(optimizer, config),
+               routers=[m for m in model.modules() if isinstance(m, Router)], losses=StepLosses(model, config),
+               collector=collector, replacer=replacer, spikes=spikes,
+               rollbacks=Rollbacks(config, groups, loader, spikes, resume), faults=faults,
+               forward_backward=forward_backward,
+               routes=RouteActions.build(model, config, groups, run_dir, moe_layer_indices(config)))
 
 
 def load_start_state(run: Run, resume: bool) -> tuple[int, Optional[str]]:
@@ -183,10 +216,13 @@ def load_state(run: Run, path) -> dict:
     return extra
 
 
-def start_logging(run: Run, console: Any, progress: bool, start_step: int, resumed_from: Optional[str]) -> Any:
+def start_logging(run: Run, console: Optional[Console], progress: bool, start_step: int, resumed_from: Optional[str],
+                  defaults: Optional[Config] = None) -> MetricsLogger:
     """Rank 0 writes the run's config.yaml (only now: a resume that fails on its checkpoint
     leaves the run folder as it was) and prints the run's start to ``console`` (None: no
-    output). Returns the :class:`moe_fold.training.metrics.MetricsLogger` of the run
+    output): the config's changes to ``defaults`` (the preset or file the run came from;
+    None: the dataclasses' defaults) and the layouts. Returns the
+    :class:`moe_fold.training.metrics.MetricsLogger` of the run
     (metrics.jsonl, wandb, the console; active on rank 0)."""
     from moe_fold.training.metrics import MetricsLogger
 
@@ -196,7 +232,8 @@ def start_logging(run: Run, console: Any, progress: bool, start_step: int, resum
     logger = MetricsLogger(run.config, run.groups, console=console if rank == 0 else None, progress=progress,
                            start_step=start_step)
     if rank == 0 and console is not None:
-        logger.print_start(run.groups.layout.world_size, resumed_from=resumed_from)
+        logger.print_start(run.groups.layout.world_size, resumed_from=resumed_from,
+                           defaults=Config() if defaults is None else defaults)
     return logger
 
 

@@ -10,8 +10,9 @@ and the routers' ``grad_scale = 1/num_microbatches``, are documented there). The
 the backward with ``parallel.overlap_grad_reduce``, :mod:`moe_fold.training.buckets`), clips
 the global norm and steps AdamW (whose parameter all-gathers, with
 ``parallel.overlap_param_gather``, complete during the next forward); the LR schedule
-steps, and the routers close their step (``Router.finish_step``: expert-bias update,
-``global_aux`` reset).
+steps, and the routers close their step (:func:`close_routers`: expert-bias update,
+``global_aux`` reset). The step's loss is the LM loss plus the auxiliary and MTP losses
+it weighs in (:mod:`moe_fold.training.step_losses`); the routing metrics only read.
 
 Determinism: with ``train.deterministic`` torch uses deterministic algorithms, and the
 random state is re-seeded from ``(train.seed, step, rank)`` at the start of every step,
@@ -65,7 +66,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -73,19 +74,30 @@ from torch import nn
 
 from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, ConfigError, validate
+from moe_fold.dispatch.router import Router
 from moe_fold.kernels.backends import resolve_config
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
-from moe_fold.training.cadence import Cadence, start_cadence
+from moe_fold.models.model import Transformer
+from moe_fold.models.model import build_model as build_transformer
+from moe_fold.training.cadence import start_cadence
+from moe_fold.training.checkpoint import CheckpointSaver
+from moe_fold.training.faults import FaultPlan
 from moe_fold.training.heartbeat import Heartbeat
 from moe_fold.training.numerics import first_nonfinite_module
+from moe_fold.training.optim import apply_gradients
 from moe_fold.training.periodic import (
     Action, CheckStop, Evaluate, LogStep, ReplaceExperts, RollBack, SaveCheckpoint, StepRecord, WatchLossSpikes,
     at_step, stopping,
 )
 from moe_fold.training.precision import autocast
-from moe_fold.training.rollback import Rollbacks
-from moe_fold.training.run_setup import Run, load_start_state, load_state, set_up_run, start_logging
+from moe_fold.training.run_setup import Run, load_start_state, set_up_run, start_logging
+from moe_fold.training.step import forward_backward as step_forward_backward
 from moe_fold.training.stop import ExitSignals, Stop, StopRule
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from moe_fold.training.metrics import MetricsLogger
 
 __all__ = ["TrainResult", "check_trainable", "resolve_backends", "set_tf32", "train", "run_step", "build_groups",
            "read_metrics"]
@@ -158,6 +170,7 @@ def compute_device(config: Config) -> torch.device:
     if distributed and cuda != (backend == "nccl"):
         raise ConfigError([f"train.device={setting} computes on {'CUDA' if cuda else 'the CPU'}, but the process "
                            f"group is {backend}: NCCL reduces CUDA tensors, gloo runs CPU ranks"])
+    # Environment: the launcher's (torchrun's) LOCAL_RANK names this rank's GPU.
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
 
 
@@ -181,6 +194,8 @@ def set_tf32(config: Config, device: torch.device) -> None:
 def _set_determinism(config: Config, device: torch.device) -> None:
     if config.train.deterministic:
         if device.type == "cuda":
+            # Environment: cuBLAS reads it to make its reductions deterministic (torch's
+            # deterministic mode asks for it).
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
 
@@ -189,8 +204,11 @@ def _seed_step(config: Config, step: int, rank: int) -> None:
     torch.manual_seed((config.train.seed * 1_000_003 + step) * 4099 + rank)
 
 
-def train(config: Config, resume: bool = False, console: Any = None, progress: bool = True,
-          stop_at: Optional[int] = None) -> TrainResult:
+def train(config: Config, resume: bool = False, console: Optional[Console] = None, progress: bool = True,
+          stop_at: Optional[int] = None, *, defaults: Optional[Config] = None, metrics: bool = True,
+          faults: FaultPlan = FaultPlan(),
+          build_model: Callable[[Config, ProcessGroups], Transformer] = build_transformer,
+          forward_backward: Callable = step_forward_backward) -> TrainResult:
     """Run ``config`` on this rank; see the module docstring.
 
     ``resume`` continues from the latest checkpoint in ``train.run_dir`` (a fresh start
@@ -202,28 +220,35 @@ def train(config: Config, resume: bool = False, console: Any = None, progress: b
     with ``init.from_hf`` starts from that Hugging Face folder's weights, one with
     ``init.upcycle_from`` from a dense folder's weights upcycled into experts (the config
     must come from :func:`moe_fold.models.hf.upcycle.upcycled_config`). Rank 0 prints to
-    ``console`` (a rich Console; None: no output) and writes ``metrics.jsonl`` and the
-    wandb run. Returns the same :class:`TrainResult` on every rank."""
+    ``console`` (a rich Console; None: no output): first the config's changes to
+    ``defaults`` (the preset or file it came from; None: the dataclasses' defaults) and
+    the layouts; it writes ``metrics.jsonl`` and the wandb run. Returns the same
+    :class:`TrainResult` on every rank.
+
+    The run's collaborators: ``metrics=False`` leaves out the routing metrics (the steps
+    are the same, bit for bit); ``faults`` (:class:`moe_fold.training.faults.FaultPlan`)
+    injects faults; ``build_model`` and ``forward_backward`` replace the model builder and
+    the step's forward and backward (:func:`moe_fold.training.run_setup.set_up_run`)."""
     # train.deterministic and train.tf32 switch torch's process-wide settings for the run only.
     previous = torch.are_deterministic_algorithms_enabled()
     previous_fp32 = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
     began = time.monotonic()
     try:
         with ExitSignals(config.train.exit_signals) as signals:
-            return _train(config, resume, console, progress, stop_at, signals, began)
+            config, device, groups = _prepare_process(config)
+            run = set_up_run(config, device, groups, resume, metrics=metrics, faults=faults, build_model=build_model,
+                             forward_backward=forward_backward)
+            return _train(run, resume, console, progress, stop_at, signals, began, defaults)
     finally:
         torch.use_deterministic_algorithms(previous)
         torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = previous_fp32
 
 
-def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: Optional[int],
-           signals: ExitSignals, began: float) -> TrainResult:
-    from moe_fold.training.checkpoint import CheckpointSaver
-
-    config, device, groups = _prepare_process(config)
-    run = set_up_run(config, device, groups, resume)
+def _train(run: Run, resume: bool, console: Optional[Console], progress: bool, stop_at: Optional[int],
+           signals: ExitSignals, began: float, defaults: Optional[Config]) -> TrainResult:
+    config, groups, device = run.config, run.groups, run.device
     start_step, checkpoint_path = load_start_state(run, resume)
-    logger = start_logging(run, console, progress, start_step, resumed_from=checkpoint_path)
+    logger = start_logging(run, console, progress, start_step, resumed_from=checkpoint_path, defaults=defaults)
     result = TrainResult(first_step=start_step + 1, run_dir=str(run.run_dir), checkpoint=checkpoint_path)
     t, rank = config.train, groups.rank
     run.model.train()
@@ -238,17 +263,16 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                             timeout_s=config.parallel.timeout_s)
     # Hang detection: one beat as each phase begins (moe_fold.training.heartbeat).
     heartbeat = Heartbeat.for_run(config, rank, groups.layout.world_size)
+    tokens_per_step = t.global_batch_size * config.model.seq_length
     # After each step, in this order (moe_fold/training/periodic.py says how to add one).
     actions: list[Action] = [
-        ReplaceExperts(run.replacer, run.optimizer, beat=heartbeat.beat),
-        WatchLossSpikes(run.spikes, warn=rank == 0, stop=t.on_loss_spike == "stop"),
-        LogStep(logger, run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),
-        RollBack(run.rollbacks, saver, lambda path: load_state(run, path), logger),
-        Evaluate(t.eval_every, t.steps, lambda: _evaluate(run), logger, beat=heartbeat.beat),
-        CheckStop(stops, console if rank == 0 else None),
-        SaveCheckpoint(run, saver, when=[lambda r: cadence.due(r.step), at_step(last_step), stopping],
-                       extra_state=run.rollbacks.state_dict,
-                       on_saved=lambda step, stall: _saved(cadence, run.rollbacks, logger, step, stall),
+        ReplaceExperts(replacer=run.replacer, optimizer=run.optimizer, beat=heartbeat.beat),
+        WatchLossSpikes(spikes=run.spikes, warn=rank == 0, stop=t.on_loss_spike == "stop"),
+        LogStep(logger=logger, collector=run.collector, tokens_per_step=tokens_per_step),
+        RollBack(run=run, saver=saver, logger=logger),
+        Evaluate(run=run, logger=logger, beat=heartbeat.beat),
+        CheckStop(stops=stops, console=console if rank == 0 else None),
+        SaveCheckpoint(run=run, saver=saver, cadence=cadence, logger=logger, when=[at_step(last_step), stopping],
                        beat=heartbeat.beat),
     ]
     with _closing(run, logger, saver, heartbeat):
@@ -268,18 +292,6 @@ def _train(config: Config, resume: bool, console: Any, progress: bool, stop_at: 
                 del result.losses[step - start_step:]  # the steps undone
         heartbeat.beat(step, "finish")
     return _finish(run, logger, result, began_at=begin, console=console)
-
-
-def _saved(cadence: Cadence, rollbacks: Rollbacks, logger: Any, step: int, stall_s: float) -> None:
-    """After the save of ``step``, which blocked the loop ``stall_s`` seconds: the
-    cadence re-estimates its interval (logged with the stall when a clock is on; printed
-    when first known) and the checkpoint becomes the one a rollback returns to."""
-    known = cadence.interval_s is not None
-    cadence.saved(stall_s)
-    rollbacks.saved(step)
-    if cadence.timed:
-        logger.log_event({"step": step, "event": "save_interval", "save_stall_s": stall_s,
-                          "save_interval_s": cadence.interval_s}, None if known else cadence.describe())
 
 
 def _prepare_process(config: Config) -> tuple[Config, torch.device, ProcessGroups]:
@@ -304,24 +316,24 @@ def run_step(run: Run, step: int) -> StepRecord:
     and backward, the global-batch loss (all-reduced over dp x cp), then the optimizer step
     (gradient reduction, clipping, AdamW) or, on a non-finite loss or gradient norm, the
     non-finite path (no optimizer step; :func:`_diagnose_nonfinite`); the LR schedule steps
-    and the collectors close the step. Returns the step's record. A collective: every
-    rank runs it for every step (the caller seeds the step first, :func:`_seed_step`)."""
-    # Imported here, not above: tests swap forward_backward on its module to plant faults.
-    from moe_fold.training.optim import apply_gradients
-    from moe_fold.training.step import forward_backward
-
+    and the routers close their step (:func:`close_routers`). Every change to the training
+    state happens here or in a periodic action, none in a collector. Returns the step's
+    record, whose ``loss`` the step computes (:mod:`moe_fold.training.step_losses`). A
+    collective: every rank runs it for every step (the caller seeds the step first,
+    :func:`_seed_step`)."""
     config, groups, optimizer = run.config, run.groups, run.optimizer
     began = time.perf_counter()
     micro_batches = [b.to(run.device) for b in run.loader.global_batch()]
-    run.collector.start_step()
-    run.mtp_collector.start_step()
+    run.losses.start_step()
+    if run.collector is not None:
+        run.collector.start_step()
     run.routes.start_step(step, micro_batches)
-    losses = forward_backward(run.model, micro_batches, groups, config, forward_context=run.forward_context,
-                              dynamic_cp=run.dynamic_cp, grad_sync=run.grad_sync)
+    losses = run.forward_backward(run.model, micro_batches, groups, config, forward_context=run.forward_context,
+                                  dynamic_cp=run.dynamic_cp, grad_sync=run.grad_sync)
     run.routes.finish_step(step)
     lm_loss = losses.sum()
     all_reduce_(lm_loss, groups.dp_cp)
-    lm_loss = run.faults.apply(lm_loss, step, run.loader.last_batch)  # MOE_FOLD_FAULTS (tests, benches)
+    lm_loss = run.faults.apply(lm_loss, step, run.loader.last_batch)
     lm = (lm_loss / groups.size("dp_cp")).item()
     lr = run.scheduler.get_last_lr()
     if math.isfinite(lm):
@@ -341,11 +353,22 @@ def run_step(run: Run, step: int) -> StepRecord:
     where = None if finite else _diagnose_nonfinite(run, step, micro_batches, lm, norm)
     optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
-    routing = run.collector.finish_step(groups)
-    mtp = run.mtp_collector.finish_step(groups)
-    return StepRecord(step, loss=lm + routing.pop("weighted_loss", 0.0) + mtp.pop("weighted_loss"), lm_loss=lm,
-                      grad_norm=norm, lr=lr, skipped=not finite, nonfinite_module=where, routing=routing, mtp=mtp,
-                      began=began)
+    step_losses = run.losses.finish_step(groups, close_routers(run.routers))
+    routing = run.collector.finish_step(groups, step_losses) if run.collector is not None else {}
+    return StepRecord(step, loss=lm + step_losses.weighted, lm_loss=lm, grad_norm=norm, lr=lr, skipped=not finite,
+                      nonfinite_module=where, losses=step_losses.fields(), routing=routing, began=began)
+
+
+def close_routers(routers: list[Router]) -> dict[Router, torch.Tensor]:
+    """Close the step of every router (:meth:`Router.finish_step`): the expert-bias update
+    from the step's counts and the step's exact ``global_aux``, which it returns per router
+    (routers without that loss left out). Runs after the optimizer step, on every rank."""
+    closed = {}
+    for router in routers:
+        out = router.finish_step()
+        if "global_aux" in out:
+            closed[router] = out["global_aux"]
+    return closed
 
 
 def _diagnose_nonfinite(run: Run, step: int, micro_batches: list, lm: float, norm: float) -> Optional[str]:
@@ -353,7 +376,7 @@ def _diagnose_nonfinite(run: Run, step: int, micro_batches: list, lm: float, nor
     (:func:`_first_nonfinite`, a collective), then raise (``train.on_nonfinite=stop``)
     or warn on rank 0 and return that module's name (``skip``; None: the forward ran
     again is finite)."""
-    where = _first_nonfinite(run.model, micro_batches, run.groups, run.config, run.device, run.dynamic_cp)
+    where = _first_nonfinite(run, micro_batches)
     problem = (f"step {step}: loss {lm}, gradient norm {norm}; first non-finite output: "
                f"{where or 'none (the forward ran again is finite)'}")
     mode = run.config.train.on_nonfinite
@@ -365,15 +388,8 @@ def _diagnose_nonfinite(run: Run, step: int, micro_batches: list, lm: float, nor
     return where
 
 
-def _evaluate(run: Run) -> dict[str, float]:
-    """The validation loss of ``run``'s model (:mod:`moe_fold.training.evaluate`)."""
-    from moe_fold.training.evaluate import evaluate
-
-    return evaluate(run.model, run.valid_dataset, run.groups, run.config, run.device, run.dynamic_cp)
-
-
 @contextlib.contextmanager
-def _closing(run: Run, logger: Any, saver: Any, heartbeat: Any) -> Iterator[None]:
+def _closing(run: Run, logger: MetricsLogger, saver: CheckpointSaver, heartbeat: Heartbeat) -> Iterator[None]:
     """Around the steps: every rank leaves with the last checkpoint complete on disk (a
     stop's included); on an error, a background write still finishes (or fails) before
     leaving, so no process exits believing in a checkpoint that is half written. The
@@ -389,11 +405,13 @@ def _closing(run: Run, logger: Any, saver: Any, heartbeat: Any) -> Iterator[None
             with contextlib.suppress(Exception):
                 saver.wait()
         logger.close()
-        run.collector.close()
-        run.mtp_collector.close()
+        run.losses.close()
+        if run.collector is not None:
+            run.collector.close()
 
 
-def _finish(run: Run, logger: Any, result: TrainResult, began_at: float, console: Any) -> TrainResult:
+def _finish(run: Run, logger: MetricsLogger, result: TrainResult, began_at: float,
+            console: Optional[Console]) -> TrainResult:
     """Fill ``result`` in once the steps are done (timing, final loss, wandb folder), and
     on rank 0 write the run's plots and print its summary."""
     run.optimizer.wait_params()  # the caller gets current parameters
@@ -412,19 +430,18 @@ def _finish(run: Run, logger: Any, result: TrainResult, began_at: float, console
     return result
 
 
-def _first_nonfinite(model: nn.Module, micro_batches: list, groups: ProcessGroups, config: Config,
-                     device: torch.device, dynamic_cp) -> Optional[str]:
+def _first_nonfinite(run: Run, micro_batches: list) -> Optional[str]:
     """The first module whose output is non-finite when the step's forwards run again
     (:func:`moe_fold.training.numerics.first_nonfinite_module`; a collective: every rank runs its
     part, pipeline stages included), named with its rank when there are several; None
     when every output is finite (the non-finite values arose in the backward)."""
-    from moe_fold.training.step import forward_backward
+    config, groups, device = run.config, run.groups, run.device
 
-    def run():
-        forward_backward(model, micro_batches, groups, config, forward_only=True, dynamic_cp=dynamic_cp,
-                         forward_context=lambda: autocast(config.train.precision, device))
+    def forwards():
+        run.forward_backward(run.model, micro_batches, groups, config, forward_only=True, dynamic_cp=run.dynamic_cp,
+                             forward_context=lambda: autocast(config.train.precision, device))
 
-    found = first_nonfinite_module(model, run)
+    found = first_nonfinite_module(run.model, forwards)
     world = groups.layout.world_size
     if world == 1:
         return found[0] if found else None

@@ -129,7 +129,7 @@ def _fake_compiler(tmp_path: Path, forward_body: str) -> str:
 
 
 def test_c_swiglu_whose_call_gives_a_wrong_answer_is_unavailable(tmp_path, monkeypatch, fresh_probes):
-    monkeypatch.setenv("MOE_FOLD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", _fake_compiler(tmp_path, "((float *)out)[0] = 42.0f;"))
     reason = backends.problem("cpu", torch.device("cpu"))
     assert reason == "RuntimeError: the C SwiGLU returned [[42.0]] for silu(0) * 3, not 0"
@@ -191,7 +191,7 @@ def test_gemm_precedence_config_over_environment_over_rule(monkeypatch):
 
 def test_no_compiler_is_an_error_naming_the_field_and_the_fix(monkeypatch, tmp_path, fresh_probes):
     monkeypatch.setenv("CC", "no-such-compiler-moe-fold")
-    monkeypatch.setenv("MOE_FOLD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("MOE_FOLD_GEMM_BACKEND", raising=False)
     with pytest.raises(ConfigError) as info:
         backends.resolve_config(_cfg(), torch.device("cpu"))
@@ -208,7 +208,7 @@ def test_cli_stops_before_any_rank_without_a_compiler(monkeypatch, tmp_path, cap
     from moe_fold.cli import main
 
     monkeypatch.setenv("CC", "no-such-compiler-moe-fold")
-    monkeypatch.setenv("MOE_FOLD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     run_dir = tmp_path / "run"
     code = main(["train", "--config", "mixtral-tiny", "--nproc", "2", "--set", f"train.run_dir={run_dir}",
                  "--set", "wandb.mode=disabled"])

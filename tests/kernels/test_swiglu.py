@@ -185,7 +185,7 @@ def test_auto_picks_cpu_on_cpu_and_without_a_compiler_says_how_to_fix(monkeypatc
 
     assert resolve_backend("auto", torch.zeros(1, 2)) == "cpu"
     monkeypatch.setenv("CC", "no-such-compiler-moe-fold")
-    monkeypatch.setenv("MOE_FOLD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     swiglu_cpu._library.cache_clear()
     backends._probe.cache_clear()
     try:
@@ -205,7 +205,7 @@ def test_auto_picks_cpu_on_cpu_and_without_a_compiler_says_how_to_fix(monkeypatc
 def test_cpu_backend_builds_once_into_the_cache(monkeypatch, tmp_path):
     from moe_fold.kernels import swiglu_cpu
 
-    monkeypatch.setenv("MOE_FOLD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     swiglu_cpu._library.cache_clear()
     try:
         swiglu(torch.randn(2, 4), backend="cpu")

@@ -4,7 +4,7 @@ the DeepSeek-V3 report, and the attention kernels with a value head width differ
 from the query/key one (what MLA needs from the cp paths). Layouts (tp + SP, cp ring and
 a2a with packed documents, pp with vpp, ep, etp, dynamic cp) are in the layout-invariance
 tests, which run MLA_MODEL beside standard attention; Hugging Face DeepSeek-V3 in
-tests/models/hf/test_deepseek_v3.py."""
+tests/models/hf/test_families.py."""
 
 import math
 

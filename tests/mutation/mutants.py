@@ -77,7 +77,7 @@ MUTANTS: list[Mutant] = [
         "DeepSeek-V3's top2_sum ranks a group by its best topk/group_topk scores (Megatron-Core's rule), "
         "which differs from transformers when num_experts_per_tok != 2 x topk_group",
         (f"{T_ROUTER}::test_group_score_by_hand",
-         "tests/models/hf/test_deepseek_v3.py::test_import_matches_transformers_and_export_round_trips")),
+         "tests/models/hf/test_families.py::test_import_matches_transformers_and_export_round_trips[deepseek_v3-groups_k3]")),
     Mutant(
         "router-sigmoid-norm-dim", ROUTER,
         "probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)",
@@ -531,14 +531,21 @@ MUTANTS: list[Mutant] = [
         ("tests/training/test_periodic.py::test_save_checkpoint_when_due_with_the_data_position_and_placement",)),
     Mutant(
         "replace-after-log", TRAIN,
-        "        ReplaceExperts(run.replacer, run.optimizer, beat=heartbeat.beat),\n"
-        "        WatchLossSpikes(run.spikes, warn=rank == 0, stop=t.on_loss_spike == \"stop\"),\n"
-        "        LogStep(logger, run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),\n",
-        "        WatchLossSpikes(run.spikes, warn=rank == 0, stop=t.on_loss_spike == \"stop\"),\n"
-        "        LogStep(logger, run.collector, tokens_per_step=t.global_batch_size * config.model.seq_length),\n"
-        "        ReplaceExperts(run.replacer, run.optimizer, beat=heartbeat.beat),\n",
+        "        ReplaceExperts(replacer=run.replacer, optimizer=run.optimizer, beat=heartbeat.beat),\n"
+        "        WatchLossSpikes(spikes=run.spikes, warn=rank == 0, stop=t.on_loss_spike == \"stop\"),\n"
+        "        LogStep(logger=logger, collector=run.collector, tokens_per_step=tokens_per_step),\n",
+        "        WatchLossSpikes(spikes=run.spikes, warn=rank == 0, stop=t.on_loss_spike == \"stop\"),\n"
+        "        LogStep(logger=logger, collector=run.collector, tokens_per_step=tokens_per_step),\n"
+        "        ReplaceExperts(replacer=run.replacer, optimizer=run.optimizer, beat=heartbeat.beat),\n",
         "the periodic actions out of order: the step is logged before the re-placement adds what moved",
         ("tests/training/test_replace.py::test_replacing_under_bf16_keeps_the_losses_bit_for_bit",)),
+    Mutant(
+        "routers-closed-through-collector", TRAIN,
+        "    step_losses = run.losses.finish_step(groups, close_routers(run.routers))\n",
+        "    step_losses = run.losses.finish_step(groups, close_routers(\n"
+        "        [router for _, router in run.collector.routers] if run.collector is not None else []))\n",
+        "the step closes the routers the metrics collector found: without metrics the expert bias never moves",
+        ("tests/training/test_train.py::test_metrics_off_take_the_same_steps",)),
     Mutant(
         "expert-act-not-recomputed", "models/experts.py",
         "        if self.recompute == \"activation\":\n",

@@ -83,18 +83,15 @@ def mallopt(monkeypatch):
     libc.mallopt = fake
     real = ctypes.CDLL  # other libraries (the C SwiGLU the backend probe builds) load as usual
     monkeypatch.setattr(ctypes, "CDLL", lambda name, *args, **kwargs: libc if name is None else real(name, *args, **kwargs))
-    monkeypatch.delenv("MOE_FOLD_KEEP_FREED_MEMORY", raising=False)
     return fake
 
 
-def test_malloc_policy_for_cpu_ranks_only(mallopt, monkeypatch):
+def test_malloc_policy_for_cpu_ranks_only(mallopt):
     assert launch.keep_freed_memory(torch.device("cuda", 0)) is False
     assert launch.keep_freed_memory("cuda:1") is False
     assert mallopt.calls == []  # a GPU worker's heap is left to shrink
     assert launch.keep_freed_memory(torch.device("cpu")) is True
     assert mallopt.calls == [(-4, 0), (-1, 2 ** 31 - 1)]  # M_MMAP_MAX 0, M_TRIM_THRESHOLD never
-    monkeypatch.setenv("MOE_FOLD_KEEP_FREED_MEMORY", "0")
-    assert launch.keep_freed_memory("cpu") is False and len(mallopt.calls) == 2
 
 
 @pytest.mark.parametrize("cuda, overrides, kept", [

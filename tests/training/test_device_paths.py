@@ -125,21 +125,22 @@ def test_moe_layer_collectives_get_device_tensors():
 
 
 def _train_rank(rank, world_size, config):
-    import moe_fold.training.optim as optim
-    import moe_fold.training.step as step
+    import moe_fold.training.train as train_module
     from moe_fold.training.metrics import RoutingCollector
     from moe_fold.training.replace import ExpertReplacer
+    from moe_fold.training.step import forward_backward
+    from moe_fold.training.step_losses import StepLosses
     from moe_fold.training.stop import StopRule
 
     # Everything a step runs, from the forward to the re-placement; not the model's
     # construction or the checkpoint (they build their own tensors on the host on purpose).
-    step.forward_backward = _guarded(step.forward_backward)
-    optim.apply_gradients = _guarded(optim.apply_gradients)
-    for cls, name in ((RoutingCollector, "finish_step"), (ExpertReplacer, "after_step"), (StopRule, "check")):
+    train_module.apply_gradients = _guarded(train_module.apply_gradients)
+    for cls, name in ((StepLosses, "finish_step"), (RoutingCollector, "finish_step"), (ExpertReplacer, "after_step"),
+                      (StopRule, "check")):
         setattr(cls, name, _guarded(getattr(cls, name)))
     seen = []
     with collectives_on(torch.device("cpu"), seen):
-        result = train(config, progress=False)
+        result = train(config, progress=False, forward_backward=_guarded(forward_backward))
     return sorted(set(seen)), result.losses
 
 

@@ -207,9 +207,9 @@ def _slow_phases_then_train(rank, world_size, config, slow_step):
     evaluation and the first re-placement (step 5, moe.replace_every=5), and in step
     ``slow_step``."""
     import moe_fold.training.evaluate as evaluate
-    import moe_fold.training.step as step_module
     from moe_fold.training.checkpoint import CheckpointSaver
     from moe_fold.training.replace import ExpertReplacer
+    from moe_fold.training.step import forward_backward
     from moe_fold.training.train import train
 
     calls: dict[str, int] = {}
@@ -224,11 +224,10 @@ def _slow_phases_then_train(rank, world_size, config, slow_step):
             return fn(*args, **kwargs)
         return run
 
-    step_module.forward_backward = slowed("step", step_module.forward_backward, {1, slow_step})
     CheckpointSaver.save = slowed("save", CheckpointSaver.save, {1, 2})
     evaluate.evaluate = slowed("eval", evaluate.evaluate, {1})
     ExpertReplacer.after_step = slowed("replace", ExpertReplacer.after_step, {5})  # called every step
-    return train(config).losses
+    return train(config, forward_backward=slowed("step", forward_backward, {1, slow_step})).losses
 
 
 @pytest.mark.slow

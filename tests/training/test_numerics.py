@@ -4,24 +4,23 @@ checkpoints stay finite) or stops the run before anything of that step is saved 
 the message and metrics.jsonl name the first module whose output went non-finite. A loss
 above train.loss_spike_factor x the running median is flagged (loss_spike, a warning).
 
-Faults are injected by wrapping the model the loop builds (hooks keyed on the loop's
-step), so the loop itself runs unchanged."""
+Faults are injected by the collaborators handed to ``train``: a model builder that hooks
+the model, keyed on the step a wrapped forward-backward counts; the loop runs unchanged."""
 
 from __future__ import annotations
 
 import math
 import warnings
-from contextlib import contextmanager
 
 import pytest
 import torch
 from safetensors import safe_open
 
-import moe_fold.models.model as model_module
-import moe_fold.training.train as train_module
 from moe_fold.config import load_config
 from moe_fold.launch import RankError, run_ranks
+from moe_fold.models.model import build_model
 from moe_fold.training.numerics import LossSpikes, first_nonfinite_module
+from moe_fold.training.step import forward_backward
 from moe_fold.training.train import read_metrics, train
 
 SMALL = [
@@ -36,18 +35,19 @@ def small_config(run_dir, cache_dir, *extra):
     return load_config("mixtral-tiny", SMALL + [f"train.run_dir={run_dir}", f"data.cache_dir={cache_dir}", *extra])
 
 
-@contextmanager
-def faults(plan: dict, rank: int = 0):
-    """``plan``: {step: [(rank, module name, kind)]}, kind ``nan_output`` (the module's
+def faults(plan: dict, rank: int = 0) -> dict:
+    """The collaborators that plant ``plan`` in a run (``train(config, **faults(plan))``):
+    ``plan`` is {step: [(rank, module name, kind)]}, kind ``nan_output`` (the module's
     output becomes NaN), ``inf_grad`` (the gradient reaching the module's output becomes
     inf; the forward stays finite) or ``scale_output`` (x10: a loss spike when the module
-    is the model, whose output is the loss)."""
+    is the model, whose output is the loss). The step is counted by the training
+    forward-backwards (a fresh run, no rollback)."""
     current = {"step": 0}
-    seed_step, build_model = train_module._seed_step, model_module.build_model
 
-    def seed(config, step, r):
-        current["step"] = step
-        seed_step(config, step, r)
+    def stepping(*args, forward_only=False, **kwargs):
+        if not forward_only:  # not the diagnosis's forwards of a non-finite step
+            current["step"] += 1
+        return forward_backward(*args, forward_only=forward_only, **kwargs)
 
     def hook(name: str, kind: str):
         def fire(module, args, output):
@@ -71,11 +71,7 @@ def faults(plan: dict, rank: int = 0):
                     modules[name].register_forward_hook(hook(name, kind))
         return model
 
-    train_module._seed_step, model_module.build_model = seed, build
-    try:
-        yield
-    finally:
-        train_module._seed_step, model_module.build_model = seed_step, build_model
+    return {"build_model": build, "forward_backward": stepping}
 
 
 def _weights(path) -> dict[str, torch.Tensor]:
@@ -113,9 +109,9 @@ def test_nonfinite_forward_and_gradient_skip_their_steps(tmp_path, cache_dir):
     both steps are skipped with a warning; the weights saved after them are those of the
     step before, every checkpoint is finite, and the other steps train normally."""
     plan = {3: [(0, "layers.1.attn", "nan_output")], 5: [(0, "layers.0.mlp", "inf_grad")]}
-    with faults(plan), warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = train(small_config(tmp_path, cache_dir, "train.steps=6"))
+        result = train(small_config(tmp_path, cache_dir, "train.steps=6"), **faults(plan))
     records = read_metrics(tmp_path)
     assert [r["skipped"] for r in records] == [False, False, True, False, True, False]
     assert records[2]["nonfinite_module"] == "layers.1.attn" and math.isnan(records[2]["loss"])
@@ -142,9 +138,9 @@ def test_nonfinite_forward_and_gradient_skip_their_steps(tmp_path, cache_dir):
 
 
 def test_nonfinite_stops_before_saving_when_configured(tmp_path, cache_dir):
-    with faults({3: [(0, "layers.1.attn", "nan_output")]}):
-        with pytest.raises(FloatingPointError) as err:
-            train(small_config(tmp_path, cache_dir, "train.steps=5", "train.on_nonfinite=stop"))
+    with pytest.raises(FloatingPointError) as err:
+        train(small_config(tmp_path, cache_dir, "train.steps=5", "train.on_nonfinite=stop"),
+              **faults({3: [(0, "layers.1.attn", "nan_output")]}))
     assert str(err.value) == ("step 3: loss nan, gradient norm nan; first non-finite output: layers.1.attn; "
                               "stopping (train.on_nonfinite=stop)")
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
@@ -153,9 +149,9 @@ def test_nonfinite_stops_before_saving_when_configured(tmp_path, cache_dir):
 
 def test_loss_spike_is_flagged_in_metrics_and_warned(tmp_path, cache_dir):
     """The loss x10 at step 5 (factor 3, window 3): flagged there only."""
-    with faults({5: [(0, "", "scale_output")]}), pytest.warns(UserWarning) as caught:
+    with pytest.warns(UserWarning) as caught:
         train(small_config(tmp_path, cache_dir, "train.steps=6", "train.loss_spike_factor=3",
-                           "train.loss_spike_window=3"))
+                           "train.loss_spike_window=3"), **faults({5: [(0, "", "scale_output")]}))
     records = read_metrics(tmp_path)
     assert [r["loss_spike"] for r in records] == [False, False, False, False, True, False]
     previous = sorted(r["loss"] for r in records[1:4])
@@ -165,8 +161,7 @@ def test_loss_spike_is_flagged_in_metrics_and_warned(tmp_path, cache_dir):
 
 
 def _train_with_faults(rank, world_size, config, plan):
-    with faults(plan, rank):
-        return train(config)
+    return train(config, **faults(plan, rank))
 
 
 @pytest.mark.slow

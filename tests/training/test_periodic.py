@@ -22,7 +22,8 @@ from moe_fold.training.stop import Stop
 
 def record(step: int = 1, loss: float = 2.0, **fields) -> StepRecord:
     base = dict(lm_loss=1.5, grad_norm=0.5, lr=1e-3, skipped=False, nonfinite_module=None,
-                routing={"aux_loss": 0.25, "expert_load": [[3, 1]]}, mtp={"mtp_loss": None}, began=0.0)
+                losses={"aux_loss": 0.25, "z_loss": None, "mtp_loss": None}, routing={"expert_load": [[3, 1]]},
+                began=0.0)
     base.update(fields)
     return StepRecord(step, loss, **base)
 
@@ -39,7 +40,7 @@ def test_row_is_the_metrics_line():
     r.seconds = 0.5
     row = r.row(tokens_per_step=100)
     assert list(row) == ["step", "loss", "lm_loss", "grad_norm", "lr", "tokens_per_s", "skipped", "loss_spike",
-                         "nonfinite_module", "aux_loss", "expert_load", "mtp_loss", "rolled_back"]
+                         "nonfinite_module", "aux_loss", "z_loss", "mtp_loss", "expert_load", "rolled_back"]
     assert row["tokens_per_s"] == 200 and row["step"] == 3 and row["nonfinite_module"] == "layers.0.attn"
     # A finite step's row has no nonfinite_module field.
     finite = record(4)
@@ -52,18 +53,18 @@ def test_replace_experts_waits_for_the_parameters_then_adds_what_moved():
     optimizer = SimpleNamespace(wait_params=calls.method("wait_params"))
     replacer = SimpleNamespace(after_step=calls.method("after_step", {"replace_moves": 2}), every=2)
     r = record(4)
-    ReplaceExperts(replacer, optimizer, beat=calls.method("beat"))(r)
+    ReplaceExperts(replacer=replacer, optimizer=optimizer, beat=calls.method("beat"))(r)
     # A re-placement step (4 of every 2) tells the hang detection first.
     assert calls == [("wait_params",), ("beat", 4, "replace"), ("after_step", 4, [[3, 1]])]
-    assert r.routing["replace_moves"] == 2 and r.routing["aux_loss"] == 0.25
+    assert r.routing == {"expert_load": [[3, 1]], "replace_moves": 2}
     # Without a replacer: nothing, not even the wait.
     calls.clear()
-    ReplaceExperts(None, optimizer)(record(5))
+    ReplaceExperts(replacer=None, optimizer=optimizer)(record(5))
     assert calls == []
 
 
 def test_watch_loss_spikes_flags_and_warns_above_factor_times_the_median():
-    watch = WatchLossSpikes(LossSpikes(factor=2.0, window=2), warn=True)
+    watch = WatchLossSpikes(spikes=LossSpikes(factor=2.0, window=2), warn=True)
     flags = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -74,7 +75,7 @@ def test_watch_loss_spikes_flags_and_warns_above_factor_times_the_median():
     assert flags == [False, False, False, True]
     assert [str(w.message) for w in caught] == [
         "step 4: loss spike: 5 > train.loss_spike_factor=2.0 x 1.45, the median of the previous 2 losses"]
-    quiet = WatchLossSpikes(LossSpikes(factor=2.0, window=1), warn=False)
+    quiet = WatchLossSpikes(spikes=LossSpikes(factor=2.0, window=1), warn=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quiet(record(1, 1.0))
@@ -82,7 +83,7 @@ def test_watch_loss_spikes_flags_and_warns_above_factor_times_the_median():
         quiet(r)
     assert r.loss_spike
     # train.on_loss_spike=stop: raise before the step is saved.
-    stopping_watch = WatchLossSpikes(LossSpikes(factor=2.0, window=1), warn=False, stop=True)
+    stopping_watch = WatchLossSpikes(spikes=LossSpikes(factor=2.0, window=1), warn=False, stop=True)
     stopping_watch(record(1, 1.0))
     with pytest.raises(FloatingPointError, match=r"step 2: loss spike: 3 > .*; stopping \(train.on_loss_spike=stop\)"):
         stopping_watch(record(2, 3.0))
@@ -92,7 +93,7 @@ def test_log_step_times_the_step_and_logs_its_row():
     rows = []
     logger = SimpleNamespace(log=lambda row, collector: rows.append((row, collector)))
     r = record(2, began=time.perf_counter())
-    LogStep(logger, "collector", tokens_per_step=64)(r)
+    LogStep(logger=logger, collector="collector", tokens_per_step=64)(r)
     assert r.seconds > 0
     (row, collector), = rows
     assert collector == "collector" and row == r.row(64)
@@ -101,12 +102,16 @@ def test_log_step_times_the_step_and_logs_its_row():
 def test_evaluate_every_n_steps_and_at_the_final_step():
     rows = []
     logger = SimpleNamespace(log_eval=rows.append)
-    every_2 = Evaluate(2, final_step=5, evaluate=lambda: {"valid_loss": 1.0}, logger=logger)
+    def run(every: int, validation_loss):
+        return SimpleNamespace(config=SimpleNamespace(train=SimpleNamespace(eval_every=every, steps=5)),
+                               validation_loss=validation_loss)
+
+    every_2 = Evaluate(run=run(2, lambda: {"valid_loss": 1.0}), logger=logger)
     for step in range(1, 6):
         every_2(record(step))
     assert rows == [{"step": s, "valid_loss": 1.0} for s in (2, 4, 5)]
     rows.clear()
-    never = Evaluate(0, final_step=5, evaluate=lambda: pytest.fail("evaluated with eval_every=0"), logger=logger)
+    never = Evaluate(run=run(0, lambda: pytest.fail("evaluated with eval_every=0")), logger=logger)
     for step in range(1, 6):
         never(record(step))
     assert rows == []
@@ -116,13 +121,13 @@ def test_check_stop_notes_the_stop_and_says_so():
     said = []
     stop = Stop(3, "SIGTERM received", 143)
     stops = SimpleNamespace(check=lambda step: stop if step == 3 else None)
-    check = CheckStop(stops, SimpleNamespace(print=said.append))
+    check = CheckStop(stops=stops, console=SimpleNamespace(print=said.append))
     first, third = record(1), record(3)
     check(first)
     check(third)
     assert first.stop is None and third.stop is stop
     assert said == ["stopping after step 3: SIGTERM received; writing its checkpoint"]
-    CheckStop(stops, None)(record(3))  # other ranks: no console, no output
+    CheckStop(stops=stops, console=None)(record(3))  # other ranks: no console, no output
 
 
 @pytest.mark.parametrize("with_replacer", [False, True])
@@ -131,16 +136,21 @@ def test_save_checkpoint_when_due_with_the_data_position_and_placement(with_repl
     run = SimpleNamespace(optimizer=SimpleNamespace(wait_params=calls.method("wait_params")),
                           loader=SimpleNamespace(state_dict=lambda: {"consumed_samples": 8}),
                           replacer=SimpleNamespace(state_dict=lambda: {"0": [[0, 1]]}) if with_replacer else None,
+                          rollbacks=SimpleNamespace(state_dict=lambda: {"skipped": []}, saved=calls.method("rolls")),
                           state_model="model", scheduler="scheduler")
     saver = SimpleNamespace(save=lambda step, *args: calls.append(("save", step, *args)) or f"ckpt/step_{step}")
-    save = SaveCheckpoint(run, saver, when=[lambda record: record.step % 3 == 0, at_step(5), stopping])
+    cadence = SimpleNamespace(due=lambda step: step % 3 == 0, interval_s=None, timed=False,
+                              saved=lambda stall: calls.append(("cadence", stall >= 0)))
+    save = SaveCheckpoint(run=run, saver=saver, cadence=cadence, logger=None, when=[at_step(5), stopping])
     records = [record(step) for step in range(1, 6)]
     records[0].stop = Stop(1, "train.exit_at_step=1 reached", 0)
     for r in records:
         save(r)
     assert [r.checkpoint for r in records] == ["ckpt/step_1", None, "ckpt/step_3", None, "ckpt/step_5"]
-    extra = {"step": 1, "data": {"consumed_samples": 8}}
+    extra = {"step": 1, "data": {"consumed_samples": 8}, "skipped": []}
     if with_replacer:
         extra["experts"] = {"0": [[0, 1]]}
-    assert calls[:2] == [("wait_params",), ("save", 1, "model", run.optimizer, "scheduler", extra)]
+    # After the save: the cadence hears its stall, the rollbacks the step to return to.
+    assert calls[:4] == [("wait_params",), ("save", 1, "model", run.optimizer, "scheduler", extra), ("cadence", True),
+                         ("rolls", 1)]
     assert [c[1] for c in calls if c[0] == "save"] == [1, 3, 5]

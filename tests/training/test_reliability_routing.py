@@ -80,9 +80,7 @@ def _biased_build(bias: list[float]):
 
 
 def _train_biased(rank, world_size, config, bias):
-    if bias is not None:
-        model_module.build_model = _biased_build(bias)
-    return train(config)
+    return train(config, build_model=_biased_build(bias)) if bias is not None else train(config)
 
 
 def _initial_experts(config) -> dict[str, torch.Tensor]:
@@ -121,14 +119,8 @@ def _final_experts(run_dir) -> dict[str, torch.Tensor]:
 def test_training_on_extreme_routing_matches_one_process(tmp_path, case, extra, bias, used):
     cache = f"data.cache_dir={tmp_path / 'cache'}"
     one_cfg = load_config("mixtral-tiny", SMALL + extra + [f"train.run_dir={tmp_path / 'one'}", cache])
-    build = model_module.build_model
-    if bias is not None:
-        model_module.build_model = _biased_build(bias)
-    try:
-        one = train(one_cfg)
-        initial = _initial_experts(one_cfg)
-    finally:
-        model_module.build_model = build
+    one = train(one_cfg, build_model=_biased_build(bias)) if bias is not None else train(one_cfg)
+    initial = _initial_experts(one_cfg)
     two_cfg = load_config("mixtral-tiny", SMALL + extra + [f"train.run_dir={tmp_path / 'two'}", cache,
                                                            "parallel.ep=2"])
     two = run_ranks(_train_biased, 2, two_cfg, bias, timeout=240)

@@ -4,15 +4,14 @@ that caused the fault, for good (``skipped_batches.json``, the checkpoints' extr
 
 The reference for every rollback is a run told from the start to skip the same global
 batches (``train.skip_batches``): the losses after the rollback must equal it exactly
-(``train.deterministic``, the same layout). Faults are injected through ``MOE_FOLD_FAULTS``
-(:mod:`moe_fold.training.faults`): ``batch=N`` is a bad batch (gone once skipped),
+(``train.deterministic``, the same layout). Faults are injected by a ``FaultPlan`` handed
+to ``train`` (:mod:`moe_fold.training.faults`): ``batch=N`` is a bad batch (gone once skipped),
 ``step=N`` a fault that comes back at that step whatever the batch."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import statistics
 import warnings
@@ -25,7 +24,7 @@ from moe_fold.config import ConfigError, load_config, validate
 from moe_fold.data.loader import DataLoader, Sample
 from moe_fold.launch import RankError, run_ranks
 from moe_fold.training.checkpoint import read_index
-from moe_fold.training.faults import ENV, SPIKE_FACTOR, Fault, FaultPlan
+from moe_fold.training.faults import SPIKE_FACTOR, Fault, FaultPlan
 from moe_fold.training.rollback import SKIP_FILE, RollbackError
 from moe_fold.training.train import read_metrics, train
 
@@ -46,16 +45,8 @@ def small_config(run_dir, cache_dir, *extra):
 
 
 def _train(config, faults: str = "", resume: bool = False):
-    """One process, with ``MOE_FOLD_FAULTS=faults`` for the run only."""
-    previous = os.environ.get(ENV)
-    os.environ[ENV] = faults
-    try:
-        return train(config, resume=resume)
-    finally:
-        if previous is None:
-            del os.environ[ENV]
-        else:
-            os.environ[ENV] = previous
+    """One process, with the fault plan ``faults``."""
+    return train(config, resume=resume, faults=FaultPlan.parse(faults))
 
 
 def _events(run_dir, kind="rollback") -> list[dict]:
@@ -70,16 +61,16 @@ def _model_weights(checkpoint) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- units
 
 def test_fault_plan_parses_and_applies():
-    plan = FaultPlan.from_env({ENV: " nan@batch=5, spike@step=2,inf@step=3 "})
+    plan = FaultPlan.parse(" nan@batch=5, spike@step=2,inf@step=3 ")
     assert plan.faults == (Fault("nan", "batch", 5), Fault("spike", "step", 2), Fault("inf", "step", 3))
     loss = torch.tensor(2.0)
     assert math.isnan(plan.apply(loss, step=9, batch=5).item())
     assert plan.apply(loss, step=2, batch=0).item() == 2.0 * SPIKE_FACTOR
     assert plan.apply(loss, step=3, batch=0).item() == math.inf
     assert plan.apply(loss, step=5, batch=2).item() == 2.0  # step 5 is not batch 5
-    assert FaultPlan.from_env({}).faults == () and FaultPlan.from_env({ENV: ""}).faults == ()
-    with pytest.raises(ValueError, match=r"MOE_FOLD_FAULTS='nan@batch=5,oops': item 'oops' is not KIND@WHERE=N"):
-        FaultPlan.from_env({ENV: "nan@batch=5,oops"})
+    assert FaultPlan().faults == () and FaultPlan.parse("").faults == ()
+    with pytest.raises(ValueError, match=r"--faults='nan@batch=5,oops': item 'oops' is not KIND@WHERE=N"):
+        FaultPlan.parse("nan@batch=5,oops")
 
 
 class _Numbered:
@@ -237,8 +228,8 @@ def test_loss_spike_stop_and_log(tmp_path, cache_dir):
 
 # --------------------------------------------------------------------------- several ranks
 
-def _rank_train(rank, world_size, config):
-    return train(config).losses
+def _rank_train(rank, world_size, config, faults=""):
+    return train(config, faults=FaultPlan.parse(faults)).losses
 
 
 @pytest.mark.slow
@@ -252,8 +243,8 @@ def test_rollback_on_four_ranks_with_ep_and_dp_equals_the_run_without_the_batche
               "train.save_every=2", "moe.replace_every=2", "train.async_save=true", "train.expected_mtbf_minutes=0.01"]
     run = small_config(tmp_path / "run", cache_dir, *common, *ROLLBACK)
     ref = small_config(tmp_path / "ref", cache_dir, *common, "train.skip_batches=[3, 6]")
-    got = run_ranks(_rank_train, 4, run, timeout=300, env={ENV: "nan@batch=3,spike@batch=6"})
-    want = run_ranks(_rank_train, 4, ref, timeout=300, env={ENV: ""})
+    got = run_ranks(_rank_train, 4, run, "nan@batch=3,spike@batch=6", timeout=300)
+    want = run_ranks(_rank_train, 4, ref, timeout=300)
     assert len(got[0]) == 8 and all(losses == want[0] for losses in got + want)
     # Placement does not change the losses (dropless): the re-placements themselves must
     # match, which needs the checkpoint's placement and load window back after a rollback.

@@ -90,3 +90,37 @@ def test_a_nonfinite_step_takes_no_optimizer_step(tmp_path, cache_dir, on_nonfin
     # The data and the schedule move on: the next step takes the next global batch.
     assert run.loader.consumed_samples == run.config.train.global_batch_size
     assert run.scheduler.state_dict() == {"step": 1}
+
+
+def _untyped_or_positional(cls) -> list[str]:
+    """The constructor parameters of ``cls`` that can be passed by position or are typed
+    ``Any`` (annotations are read as written: ``from __future__ import annotations``)."""
+    import inspect
+
+    out = []
+    for name, p in list(inspect.signature(cls.__init__).parameters.items())[1:]:
+        if p.kind is not inspect.Parameter.KEYWORD_ONLY:
+            out.append(f"{cls.__name__}.{name} is not keyword-only")
+        if p.annotation is inspect.Parameter.empty:
+            out.append(f"{cls.__name__}.{name} is untyped")
+        elif "Any" in str(p.annotation):
+            out.append(f"{cls.__name__}.{name}: {p.annotation}")
+    return out
+
+
+def test_run_and_the_periodic_actions_are_typed_and_built_by_keyword():
+    """Collaborators have their real types (no ``Any`` with the type in a comment) and are
+    built by keyword, so a reader (and a type checker) can follow each one."""
+    from moe_fold.training.periodic import (
+        CheckStop, Evaluate, LogStep, ReplaceExperts, RollBack, SaveCheckpoint, WatchLossSpikes,
+    )
+    from moe_fold.training.run_setup import Run
+
+    classes = [Run, ReplaceExperts, WatchLossSpikes, LogStep, RollBack, Evaluate, CheckStop, SaveCheckpoint]
+    assert [problem for cls in classes for problem in _untyped_or_positional(cls)] == []
+    # The check itself: a positional, untyped collaborator is reported.
+    class Planted:
+        def __init__(self, run, *, logger: Any):  # noqa: F821 (an annotation, never evaluated)
+            pass
+    assert _untyped_or_positional(Planted) == ["Planted.run is not keyword-only", "Planted.run is untyped",
+                                               "Planted.logger: Any"]

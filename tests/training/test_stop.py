@@ -247,11 +247,11 @@ def test_killed_launcher_leaves_no_process_and_no_writer(tmp_path, cache_dir):
 
 # --------------------------------------------------------------------------- budgets, one process
 
-def test_budgets_and_a_signal_stop_with_a_checkpoint_and_resume_is_exact(tmp_path, cache_dir, monkeypatch):
+def test_budgets_and_a_signal_stop_with_a_checkpoint_and_resume_is_exact(tmp_path, cache_dir):
     """4 steps straight equal: the CLI stopped by train.exit_at_step=1 (exit 0, one line);
     SIGUSR1 during step 2 (a stop after step 2); train.exit_after_minutes (after step 3,
     the first check); a resume that skips two partial checkpoints of later steps."""
-    import moe_fold.training.step as step_module
+    from moe_fold.training.step import forward_backward
 
     run_dir = tmp_path / "run"
 
@@ -269,16 +269,12 @@ def test_budgets_and_a_signal_stop_with_a_checkpoint_and_resume_is_exact(tmp_pat
     again = train(config("train.exit_at_step=1"), resume=True)  # already there: no step
     assert again.losses == [] and again.stop == Stop(1, "train.exit_at_step=1 reached", 0)
 
-    forward_backward = step_module.forward_backward
-
     def signalled_in_step_2(*args, **kwargs):
         if len(read_metrics(run_dir)) == 1:
             signal.raise_signal(signal.SIGUSR1)
         return forward_backward(*args, **kwargs)
 
-    monkeypatch.setattr(step_module, "forward_backward", signalled_in_step_2)
-    signalled = train(config(), resume=True)
-    monkeypatch.undo()
+    signalled = train(config(), resume=True, forward_backward=signalled_in_step_2)
     assert signalled.stop == Stop(2, "SIGUSR1 received", 128 + signal.SIGUSR1)
     assert Path(signalled.checkpoint).name == "step_000002" and len(signalled.losses) == 1
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # the handler lived for the run only

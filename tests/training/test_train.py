@@ -117,6 +117,37 @@ def test_mtp_loss_per_depth_in_metrics_and_under_pp(tmp_path, cache_dir):
     assert one.losses == [r["loss"] for r in ref]
 
 
+def _checkpoint_tensors(run_dir) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    (folder,) = sorted((Path(run_dir) / "checkpoints").iterdir())[-1:]
+    with safe_open(str(folder / "rank_00000.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def test_metrics_off_take_the_same_steps(tmp_path, cache_dir):
+    """Collectors only read: a run without the routing metrics (``train(..., metrics=False)``)
+    takes the steps of one with them, bit for bit: every step's loss, and every weight,
+    expert bias and optimizer moment of the last checkpoint. The expert bias, the global
+    aux loss and an MTP depth are on: the routing state the step changes, and the losses it
+    adds to the LM loss."""
+    extra = ["train.steps=3", "train.save_every=3", "moe.score_function=sigmoid", "moe.expert_bias=true",
+             "moe.bias_update_rate=0.01",
+             "moe.global_aux_loss_coeff=0.01", "model.mtp_num_layers=1"]
+    on = train(small_config(tmp_path / "on", cache_dir, *extra))
+    off = train(small_config(tmp_path / "off", cache_dir, *extra), metrics=False)
+    assert on.losses == off.losses and len(on.losses) == 3
+    a, b = _checkpoint_tensors(tmp_path / "on"), _checkpoint_tensors(tmp_path / "off")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    biases = [k for k in a if "router.expert_bias" in k]
+    assert biases and all(a[k].abs().sum() > 0 for k in biases)  # the bias moved
+    ran, bare = read_metrics(tmp_path / "on"), read_metrics(tmp_path / "off")
+    # Without metrics the rows keep the step's own fields, not the collector's.
+    assert [r["loss"] for r in bare] == off.losses and all("expert_load" not in r for r in bare)
+    assert all(r["aux_loss"] == s["aux_loss"] and r["mtp_loss"] == s["mtp_loss"] for r, s in zip(ran, bare))
+    assert all("expert_load" in r for r in ran)
+
+
 # --------------------------------------------------------------------------- resume
 
 def _train_each(rank, world_size, configs):
@@ -397,6 +428,10 @@ def _refused(capsys, monkeypatch, argv: list[str]) -> str:
     (["--config", "mixtral-tiny", "--nproc", "4", "--set", "parallel.ep=3"],
      "moe.num_experts=8 is not divisible by parallel.ep=3"),
     (["--config", "mixtral-tiny", "--nproc", "3"], "world_size=3 is not divisible by parallel.etp*ep*pp=2"),
+    # The fix named: the layout parallel.elastic=true would take.
+    (["--config", "mixtral-tiny", "--nproc", "2", "--set", "parallel.ep=4"],
+     "world_size=2 is not divisible by parallel.etp*ep*pp=4 (etp=null -> tp=1, ep=4, pp=1); parallel.elastic=true "
+     "would take largest ep (tp=1 cp=1 pp=1 ep=2 etp=1) here: dp=2, edp=1, 2 micro-batches per step"),
     (["--config", "mixtral-tiny", "--set", "moe.topk=9", "--nproc", "2"],
      "moe.topk=9 must be in [1, moe.num_experts=8]"),
     (["--config", "mixtral-tiny", "--set", "train.stepz=3"],
@@ -411,15 +446,36 @@ def test_cli_refuses_bad_configs_before_spawning(capsys, monkeypatch, argv, mess
     assert message in " ".join(err.split()), err
 
 
+def test_cli_under_a_restarted_torchrun_names_the_fitting_layout(capsys, monkeypatch):
+    """A torchrun worker restarted in a smaller world (a node left) whose layout no longer
+    fits: the error names the layout parallel.elastic=true would take, and says that
+    torchrun restarted it in that world."""
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("TORCHELASTIC_RESTART_COUNT", "1")):
+        monkeypatch.setenv(name, value)
+    err = " ".join(_refused(capsys, monkeypatch, ["--config", "mixtral-tiny", "--set", "parallel.ep=4"]).split())
+    assert "parallel.elastic=true would take largest ep (tp=1 cp=1 pp=1 ep=2 etp=1) here" in err, err
+    assert "torchrun restarted the workers (restart 1) in a world of 2 ranks: a node left or came back" in err, err
+
+
 def test_cli_trains_and_resumes(tmp_path, cache_dir, capsys):
-    """`moe-fold train` in one process: config and layouts printed, a summary, then
-    `--resume` continues the run folder from its checkpoint."""
+    """`moe-fold train` in one process: the config's changes to the preset (the --set
+    overrides and the resolved kernel backends, not the whole config) and the layouts
+    printed, a summary, then `--resume` continues the run folder from its checkpoint."""
     argv = ["train", "--config", "mixtral-tiny", "--no-progress", "--set", "parallel.ep=1", "--set", "model.seq_length=32",
             "--set", f"train.run_dir={tmp_path}", "--set", f"data.cache_dir={cache_dir}", "--set", "wandb.mode=disabled",
             "--set", "optimizer.warmup_steps=1"]
     assert cli.main(argv + ["--set", "train.steps=2"]) == 0
-    out = " ".join(capsys.readouterr().out.split())
-    for text in ("num_experts: 8", "attention layout tp=1 x cp=1 x dp=1 x pp=1 = 1 ranks",
+    printed = capsys.readouterr().out
+    screen = printed.split("attention layout")[0].splitlines()
+    changed = {line.split(":")[0].strip() for line in screen[1:]}
+    assert screen[0] == f"config ({len(changed)} changed; all of it: {tmp_path}/config.yaml)", screen
+    overridden = {a.split("=")[0] for a in argv if "=" in a} | {"train.steps"}
+    assert overridden - {"parallel.ep"} <= changed  # mixtral-tiny has ep 2; 1 is a change
+    assert changed - overridden <= {f"moe.{k}_backend" for k in ("gemm", "permute", "swiglu", "topk")}
+    assert len(screen) == 1 + len(changed) and "num_experts" not in printed
+    assert load_config(str(tmp_path / "config.yaml")).moe.num_experts == 8  # the whole config is in the run folder
+    out = " ".join(printed.split())
+    for text in ("attention layout tp=1 x cp=1 x dp=1 x pp=1 = 1 ranks",
                  "expert layout etp=1 x ep=1 x edp=1 x pp=1 = 1 ranks", "step 2/2 loss", "final loss",
                  f"checkpoint {tmp_path}/checkpoints/step_000002", "wandb disabled"):
         assert text in out, text

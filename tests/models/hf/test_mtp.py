@@ -17,9 +17,11 @@ import transformers
 from safetensors.torch import save_file
 
 from moe_fold.models import from_hf, to_hf
-from tests.models.hf.test_deepseek_v3 import (CASES as DEEPSEEK_CASES, COMMON as DEEPSEEK, SEQ, TOL, _tensors, max_diff,
-                                 randomize, token_ids)
-from tests.models.hf.test_glm_olmoe import GLM
+from tests.helpers.hf_family_checks import SEQ, max_diff, randomize, tensors as _tensors, token_ids
+from tests.models.hf.test_families import DEEPSEEK_V3 as DEEPSEEK, GLM, SPECS
+
+TOL = 1e-4
+DEEPSEEK_CASES = SPECS["deepseek_v3"].cases
 
 FAMILIES = {
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
@@ -126,7 +128,7 @@ def test_checkpoint_without_mtp_tensors_imports_without_mtp(tmp_path):
 
 def _import_export(rank, world_size, sizes, paths, out_dir):
     from moe_fold.layout import ParallelLayout, create_process_groups
-    from tests.models.hf.test_deepseek_v3 import _gathered_logits
+    from tests.helpers.hf_family_checks import gathered_logits as _gathered_logits
 
     groups = create_process_groups(ParallelLayout(world_size, **sizes))
     results = {}
