@@ -214,6 +214,10 @@ def _rank_main(fn, rank, world_size, store_port, threads, env, forward_signals, 
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=float(env.get("MOE_FOLD_PG_TIMEOUT", "120"))))
         try:
+            # A rank whose side of gloo's connections is up may run a short fn and exit
+            # while a slower peer still completes its handshake, which then fails with
+            # "Connection closed by peer": no rank starts fn before every rank's is up.
+            dist.barrier()
             out = fn(rank, world_size, *args, **kwargs)
         finally:
             dist.destroy_process_group()

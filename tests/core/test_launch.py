@@ -1,5 +1,6 @@
 """The multi-rank harness itself: results, errors, dead ranks, timeouts, no leftovers."""
 
+import contextlib
 import os
 import signal
 import threading
@@ -107,9 +108,39 @@ def test_forwarded_signal_reaches_every_rank_once_in_its_own_process_group():
 
 
 def _sleep_then_report(rank, world_size, marker):
-    open(f"{marker}.{rank}", "w").write(str(os.getpid()))
+    # Written whole, then renamed: the test never reads a half-written pid.
+    open(f"{marker}.{rank}.tmp", "w").write(str(os.getpid()))
+    os.replace(f"{marker}.{rank}.tmp", f"{marker}.{rank}")
     time.sleep(600)
 
+
+# How long a rank may take to exit once its launcher is gone: far below the 600 s sleep,
+# far above the few seconds it takes on a busy machine.
+EXIT_BOUND_S = 60.0
+
+
+def _wait_gone(pids, bound_s, since):
+    """The pids of ``pids`` still running ``bound_s`` seconds after ``since`` (a
+    time.monotonic()), each awaited on a pidfd (readable once the process has ended, so no
+    poll interval and no pid reuse); those still running are then killed through their
+    pidfd. A process already gone when it is looked at counts as gone."""
+    import select
+
+    handles = {}
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            handles[pid] = os.pidfd_open(pid)
+    try:
+        while handles and time.monotonic() < since + bound_s:
+            ready, _, _ = select.select(list(handles.values()), [], [], max(0.0, since + bound_s - time.monotonic()))
+            for pid in [p for p, fd in handles.items() if fd in ready]:
+                os.close(handles.pop(pid))
+        return sorted(handles)
+    finally:
+        for fd in handles.values():  # still running after the bound: the test fails, nothing stays behind
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            os.close(fd)
 
 _LAUNCHER = """
 from moe_fold.launch import run_ranks
@@ -119,8 +150,11 @@ run_ranks(_sleep_then_report, 2, sys.argv[1], timeout=600)
 
 
 def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
-    """SIGKILL to a process inside run_ranks: its ranks exit within seconds (each watches
-    its parent), and so does the forkserver."""
+    """SIGKILL to a process inside run_ranks: its ranks exit (each watches its parent), and
+    so does the forkserver, long before the 600 s they would otherwise sleep. Each exit is
+    awaited on a pidfd (readable once the process has ended), so a loaded machine only
+    makes them late; the bound, EXIT_BOUND_S, is a tenth of the sleep they would finish
+    without the watch. A pid is taken before the kill, so a rank already gone is no race."""
     import subprocess
     import sys
     from pathlib import Path
@@ -130,25 +164,16 @@ def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     deadline = time.monotonic() + 120
     while not all(Path(f"{marker}.{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+        assert proc.poll() is None, f"the launcher ended with {proc.returncode} before its ranks started"
         time.sleep(0.05)
     ranks = [int(Path(f"{marker}.{r}").read_text()) for r in range(2)]
     forkserver = int(Path(f"/proc/{ranks[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    killed_at = time.monotonic()
     proc.kill()
     proc.wait()
-
-    def running(pid):
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-
-    deadline = time.monotonic() + 10
-    while any(running(p) for p in ranks + [forkserver]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [p for p in ranks + [forkserver] if running(p)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert left == []
+    left = _wait_gone(ranks + [forkserver], EXIT_BOUND_S, killed_at)
+    print(f"ranks and forkserver gone {time.monotonic() - killed_at:.1f} s after the launcher's SIGKILL")
+    assert left == [], f"still running {EXIT_BOUND_S} s after their launcher was killed: {left}"
 
 
 # A parent that starts a child and waits; the child watches it with a clean stop first
@@ -160,7 +185,8 @@ from moe_fold.launch import exit_with_parent, parent_handle
 gone = parent_handle()
 signal.signal(signal.SIGUSR1, lambda *_: open(sys.argv[1] + ".stop", "w").close())
 exit_with_parent(gone, who="the test's parent", stop_signal=signal.SIGUSR1, grace_s=float(sys.argv[2]))
-open(sys.argv[1] + ".pid", "w").write(str(os.getpid()))
+open(sys.argv[1] + ".pid.tmp", "w").write(str(os.getpid()))
+os.replace(sys.argv[1] + ".pid.tmp", sys.argv[1] + ".pid")  # whole, never half-written
 time.sleep(600)
 """
 _PARENT = """
@@ -186,25 +212,19 @@ def test_a_watched_process_is_told_to_stop_then_ended_when_its_parent_is_killed(
         while not Path(marker + ".pid").exists() and time.monotonic() < deadline:
             time.sleep(0.02)
         child = int(Path(marker + ".pid").read_text())
+        killed = time.monotonic()  # before the kill: the child cannot start its grace earlier
         parent.kill()
         parent.wait()
-        killed = time.monotonic()
-
-        def running(pid):
-            try:
-                return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-            except FileNotFoundError:
-                return False
-
-        while running(child) and time.monotonic() < killed + 10:
-            time.sleep(0.02)
+        left = _wait_gone([child], grace + EXIT_BOUND_S, killed)
         took = time.monotonic() - killed
-        assert not running(child), "the child outlived its parent by 10 s"
+        assert left == [], f"the child outlived its parent by {grace + EXIT_BOUND_S} s"
         assert Path(marker + ".stop").exists(), "the child was never told to stop"
-        assert grace <= took < grace + 3, took  # not before its grace: it had a chance to stop cleanly
+        # Not before its grace: it had a chance to stop cleanly; then ended, not left to
+        # sleep its 600 s (a busy machine only makes the end late).
+        assert grace <= took < grace + EXIT_BOUND_S, took
     finally:
         for pid in [child] if child else []:
-            if Path(f"/proc/{pid}").exists():
+            with contextlib.suppress(ProcessLookupError):  # it may end between any check and the kill
                 os.kill(pid, signal.SIGKILL)
         if parent.poll() is None:
             parent.kill()

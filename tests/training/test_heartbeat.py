@@ -15,10 +15,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -204,8 +206,9 @@ SLOW, HANG_TIMEOUT = 7.0, 2.0
 
 def _slow_phases_then_train(rank, world_size, config, slow_step):
     """Rank 1 sleeps SLOW seconds in the first step, the first and second saves, the first
-    evaluation and the first re-placement (step 5, moe.replace_every=5), and in step
-    ``slow_step``."""
+    evaluation and the first re-placement (step 5, moe.replace_every=5); in step
+    ``slow_step`` it stalls until the watch ends the run (however long a loaded machine
+    takes to notice: a fixed sleep there would let a late detection miss the step)."""
     import moe_fold.training.evaluate as evaluate
     from moe_fold.training.checkpoint import CheckpointSaver
     from moe_fold.training.replace import ExpertReplacer
@@ -214,28 +217,30 @@ def _slow_phases_then_train(rank, world_size, config, slow_step):
 
     calls: dict[str, int] = {}
 
-    def slowed(name, fn, which):
+    def slowed(name, fn, which, stall=frozenset()):
         def run(*args, **kwargs):
             # Training steps only: evaluation runs forward_backward too, forward_only.
             if not kwargs.get("forward_only"):
                 calls[name] = calls.get(name, 0) + 1
                 if rank == 1 and calls[name] in which:
                     time.sleep(SLOW)
+                if rank == 1 and calls[name] in stall:
+                    threading.Event().wait()  # until the hang watch ends this process
             return fn(*args, **kwargs)
         return run
 
     CheckpointSaver.save = slowed("save", CheckpointSaver.save, {1, 2})
     evaluate.evaluate = slowed("eval", evaluate.evaluate, {1})
     ExpertReplacer.after_step = slowed("replace", ExpertReplacer.after_step, {5})  # called every step
-    return train(config, forward_backward=slowed("step", forward_backward, {1, slow_step})).losses
+    return train(config, forward_backward=slowed("step", forward_backward, {1}, stall={slow_step})).losses
 
 
 @pytest.mark.slow
 def test_long_first_step_save_eval_and_replacement_do_not_fire_but_a_long_step_does(tmp_path, cache_dir):
     """hang_timeout_s=2 s; rank 1 spends 7 s in the first step, in the first two saves (at
     steps 3 and 6), in the first evaluation (step 4) and the first re-placement (step 5):
-    none is named. The same delay in step 8, an ordinary one, is: the one report of the
-    run is of step 8."""
+    none is named. A stall in step 8, an ordinary one, is: the one report of the run is of
+    step 8, after at least the 2 s budget of silence."""
     from moe_fold.data.loader import dataset_from_config
     from moe_fold.launch import RankError, run_ranks
 
@@ -252,6 +257,8 @@ def test_long_first_step_save_eval_and_replacement_do_not_fire_but_a_long_step_d
     # step 8, both alive.
     assert report.startswith("hang: rank 0 of 2 made no progress since step 8 (step); "
                              "rank 1 of 2 made no progress since step 8 (step); every rank is alive"), report
+    detected = json.loads((tmp_path / "hang" / "step_000008" / "report.json").read_text())
+    assert detected["budget_s"] == HANG_TIMEOUT and detected["silent_s"] >= HANG_TIMEOUT, detected
     assert [r["step"] for r in read_metrics(tmp_path) if "lm_loss" in r] == list(range(1, 8))
     for r in (0, 1):
         stacks = (tmp_path / "hang" / "step_000008" / f"stacks_rank_{r:05d}.txt").read_text()
@@ -292,7 +299,8 @@ def test_sigstopped_rank_is_named_in_seconds_and_the_restart_finishes_exactly(tm
     finally:
         if proc.poll() is None:
             for pid in (rank0, rank1, proc.pid):
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # one may have ended meanwhile
+                    os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 0, err
     [report_file] = (run_dir / "hang").glob("step_*/report.json")
     report = json.loads(report_file.read_text())

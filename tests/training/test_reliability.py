@@ -17,6 +17,7 @@ tests/dispatch/test_dispatcher.py and test_reliability_*.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -217,7 +218,8 @@ def test_stopped_rank_ends_the_run_within_parallel_timeout_s(tmp_path, cache_dir
         out, err = proc.communicate(timeout=timeout_s + 60)
     except subprocess.TimeoutExpired:
         for pid in (rank0, rank1, proc.pid):  # the ranks hold the output pipes open
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # one may have ended meanwhile
+                os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise AssertionError(f"still running {timeout_s + 60} s after the stop:\n{out[-2000:]}\n{err[-4000:]}")
     waited = time.monotonic() - stopped_at
