@@ -143,6 +143,7 @@ def _wait_gone(pids, bound_s, since):
             os.close(fd)
 
 _LAUNCHER = """
+import sys
 from moe_fold.launch import run_ranks
 from tests.core.test_launch import _sleep_then_report
 run_ranks(_sleep_then_report, 2, sys.argv[1], timeout=600)
