@@ -20,7 +20,7 @@ from moe_fold.parallel import document_attention
 from moe_fold.parallel.context_parallel import context_parallel_attention, zigzag_gather, zigzag_split
 from moe_fold.parallel.document_attention import flex_block_attention, math_block_attention
 from moe_fold.parallel.varlen import chunk_doc_ids
-from tests.parallel.test_document_attention import doc_ids_of
+from tests.parallel.test_document_attention import doc_ids_of, use_flex_path
 
 S, B = 16, 2
 ROW_DOCS = [[5, 11], [3, 6, 7]]
@@ -58,11 +58,8 @@ def _qkv(hq=4, hkv=2, d=8, seed=0):
 
 
 def _use(kernel, monkeypatch=None):
-    if kernel == "cpu":
-        return
-    setter = monkeypatch.setattr if monkeypatch else (lambda obj, name, value: setattr(obj, name, value))
-    setter(document_attention, "document_kernel", lambda device: "flex")
-    setter(document_attention, "flex_block_attention", math_block_attention)
+    if kernel != "cpu":
+        use_flex_path(math_block_attention, monkeypatch)
 
 
 # name -> (documents?, window, chunk, sinks?)

@@ -52,13 +52,18 @@ def dense_block_attention(q, k, v, doc_q, doc_k, causal, scale=None):
     return out.to(q.dtype), lse
 
 
-def _use(kernel, monkeypatch=None):
-    """Run the ``kernel`` path of the device rule on CPU (``flex_math``: see the module doc)."""
-    if kernel == "cpu_flash":
-        return
+def use_flex_path(block, monkeypatch=None):
+    """The device rule's flex path on CPU, with ``block`` as the per-block attention
+    (through ``monkeypatch``, or for the rest of a rank's process without one)."""
     setter = monkeypatch.setattr if monkeypatch else (lambda obj, name, value: setattr(obj, name, value))
     setter(document_attention, "document_kernel", lambda device: "flex")
-    setter(document_attention, "flex_block_attention", dense_block_attention)
+    setter(document_attention, "flex_block_attention", block)
+
+
+def _use(kernel, monkeypatch=None):
+    """Run the ``kernel`` path of the device rule on CPU (``flex_math``: see the module doc)."""
+    if kernel != "cpu_flash":
+        use_flex_path(dense_block_attention, monkeypatch)
 
 
 def doc_ids_of(row_docs, seq):

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from moe_fold.config import Config
 from moe_fold.models import from_hf, to_hf
 from moe_fold.models.hf import HFConfigError, HFWeightError, config_from_hf, hf_config, read_hf_config
+from tests.helpers.hf_family_checks import hf_logits, randomize
 
 VOCAB, SEQ, BATCH, TOL = 64, 12, 2, 1e-4
 
@@ -47,14 +48,7 @@ def hf_model(case: str, seed: int = 0, **overrides):
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-            else:
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-    return model
+    return randomize(model, seed)
 
 
 def save_hf(case: str, path, **kwargs):
@@ -68,10 +62,6 @@ def token_ids(seed: int = 1) -> torch.Tensor:
 
 
 @torch.no_grad()
-def hf_logits(model, ids):
-    return model(ids).logits.float()
-
-
 @torch.no_grad()
 def our_logits(model, ids):
     return model.eval().logits(ids)
