@@ -116,10 +116,6 @@ def build(args):
     groups = ProcessGroups.single_process()
     torch.manual_seed(config.train.seed)
     model = build_model(config, groups).train()
-    for layer in model.layers:
-        router = getattr(layer.mlp, "router", None)
-        if router is not None:
-            router.grad_scale = 1.0
     optimizer = build_optimizer(model, config.optimizer, groups)
     batch = next(iter(DataLoader(dataset_from_config(config), args.micro_batch, args.micro_batch)))
     return config, groups, model, optimizer, batch

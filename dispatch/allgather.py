@@ -24,7 +24,7 @@ import torch
 
 from moe_fold import comm
 from moe_fold.config import dispatch_modes, require
-from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, counted
+from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher
 from moe_fold.dispatch.placement import Placement
 from moe_fold.kernels.permute import permute, unpermute
 
@@ -61,7 +61,8 @@ class AllGatherDispatcher(TokenDispatcher):
         handle = AllGatherHandle(num_tokens=tokens.shape[0])
         # [1 + ep*S]: this rank's tokens, then its routed pairs per slot (expert by default).
         num_tokens = torch.full((1,), tokens.shape[0], dtype=torch.int64, device=tokens.device)
-        g, dev = self._gather_counts(torch.cat([num_tokens, routing_map.sum(dim=0)]), handle.wire)
+        g, dev = self._gather_counts(torch.cat([num_tokens, routing_map.sum(dim=0)]), handle.wire, "tokens+slots",
+                                     tokens.shape[0])
         handle.sizes = [row[0] for etp_rows in g for row in etp_rows]
         mine = slice(1 + self.local_expert_start, 1 + self.local_expert_start + self.num_local_experts)
         handle.tokens_per_local_expert = [sum(col) for col in zip(*(row[mine] for etp_rows in g for row in etp_rows))]
@@ -72,18 +73,18 @@ class AllGatherDispatcher(TokenDispatcher):
 
     def dispatch_communicate(self, x, meta, handle):
         group, wire = self.groups.etp_ep, handle.wire
-        x, sent = counted(comm.all_gather, x, group, handle.sizes)  # [T, H] -> [sum(T), H]
-        wire.dispatch += sent
-        meta, sent = counted(comm.all_gather, meta, group, handle.sizes)  # [T, 2E] -> [sum(T), 2E]
-        wire.meta += sent
+        wire.dispatch += comm.all_gather_bytes(x, group)
+        wire.meta += comm.all_gather_bytes(meta, group)
+        x = comm.all_gather(x, group, handle.sizes)  # [T, H] -> [sum(T), H]
+        meta = comm.all_gather(meta, group, handle.sizes)  # [T, 2E] -> [sum(T), 2E]
         return x, meta
 
     def dispatch_communicate_start(self, x, meta, handle):
         group, wire = self.groups.etp_ep, handle.wire
-        rows, sent = counted(comm.all_gather_start, x, group, handle.sizes)
-        wire.dispatch += sent
-        meta, sent = counted(comm.all_gather_start, meta, group, handle.sizes)
-        wire.meta += sent
+        wire.dispatch += comm.all_gather_bytes(x, group)
+        wire.meta += comm.all_gather_bytes(meta, group)
+        rows = comm.all_gather_start(x, group, handle.sizes)
+        meta = comm.all_gather_start(meta, group, handle.sizes)
         return comm.Pending(None, lambda: (rows.wait(), meta.wait()))
 
     def dispatch_postprocess(self, x, meta, handle):
@@ -99,13 +100,13 @@ class AllGatherDispatcher(TokenDispatcher):
                          backend=self.permute_backend)  # [N, H] -> [sum(T), H]
 
     def combine_communicate(self, x, handle):
-        x, sent = counted(comm.reduce_scatter, x, self.groups.etp_ep, handle.sizes)  # -> [T, H]
-        handle.wire.combine += sent
+        handle.wire.combine += comm.reduce_scatter_bytes(x, self.groups.etp_ep, handle.sizes)
+        x = comm.reduce_scatter(x, self.groups.etp_ep, handle.sizes)  # -> [T, H]
         return x
 
     def combine_communicate_start(self, x, handle):
-        back, sent = counted(comm.reduce_scatter_start, x, self.groups.etp_ep, handle.sizes)
-        handle.wire.combine += sent
+        handle.wire.combine += comm.reduce_scatter_bytes(x, self.groups.etp_ep, handle.sizes)
+        back = comm.reduce_scatter_start(x, self.groups.etp_ep, handle.sizes)
         return comm.Pending(None, back.wait)
 
     def combine_postprocess(self, x, handle):

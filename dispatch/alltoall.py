@@ -42,7 +42,7 @@ import torch
 
 from moe_fold import comm
 from moe_fold.config import capacity_factor_positive, dispatch_modes, require
-from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, counted, expert_major_order
+from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, expert_major_order
 from moe_fold.dispatch.placement import Placement, expert_order
 from moe_fold.dispatch.router import expert_capacity
 from moe_fold.kernels.permute import permute, permute_padded, sort_chunks, unpermute
@@ -132,6 +132,10 @@ class AllToAllDispatcher(TokenDispatcher):
         """Rows per expert and source rank in the padded mode."""
         return expert_capacity(num_tokens, self.num_experts, self.topk, self.capacity_factor)
 
+    def _capacity(self, num_tokens: int) -> Optional[int]:
+        """Rows per slot the router keeps (the capacity mode), None when dropless."""
+        return None if self.mode == "dropless" else self.capacity(num_tokens)
+
     # ------------------------------------------------------------------ dispatch
 
     def dispatch_preprocess(self, tokens, probs, routing_map):
@@ -153,7 +157,8 @@ class AllToAllDispatcher(TokenDispatcher):
 
         el = self.num_local_experts
         counts = routing_map.sum(dim=0)  # [E] routed tokens per expert
-        g, dev = self._gather_counts(counts, handle.wire)  # [ep][etp][E] host ints, [ep, etp, E] on the device
+        g, dev = self._gather_counts(counts, handle.wire, "slots", tokens.shape[0],
+                                     self._capacity(tokens.shape[0]))  # [ep][etp][E] host ints, [ep, etp, E] on the device
         mine = slice(self.local_expert_start, self.local_expert_start + el)
         handle.input_splits = [sum(g[self.ep_rank][self.etp_rank][j * el:(j + 1) * el]) for j in range(self.ep)]
         handle.output_splits = [sum(g[j][self.etp_rank][mine]) for j in range(self.ep)]
@@ -195,29 +200,30 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def dispatch_communicate(self, x, probs, handle):
         groups, wire = self.groups, handle.wire
-        x, sent = counted(comm.all_to_all, x, handle.output_splits, handle.input_splits, groups.ep)
-        wire.dispatch += sent
-        probs, sent = counted(comm.all_to_all, probs, handle.output_splits, handle.input_splits, groups.ep)
-        wire.meta += sent
+        wire.dispatch += comm.all_to_all_bytes(x, handle.input_splits, groups.ep)
+        wire.meta += comm.all_to_all_bytes(probs, handle.input_splits, groups.ep)
+        x = comm.all_to_all(x, handle.output_splits, handle.input_splits, groups.ep)
+        probs = comm.all_to_all(probs, handle.output_splits, handle.input_splits, groups.ep)
         return self._gather_over_etp(x, probs, handle)
 
     def dispatch_communicate_start(self, x, probs, handle):
         # Only the all-to-all over ep is in flight: the all-gather over etp sends what it
         # received, so it runs inside wait().
         groups, wire = self.groups, handle.wire
-        rows, sent = counted(comm.all_to_all_start, x, handle.output_splits, handle.input_splits, groups.ep)
-        wire.dispatch += sent
-        meta, sent = counted(comm.all_to_all_start, probs, handle.output_splits, handle.input_splits, groups.ep)
-        wire.meta += sent
+        wire.dispatch += comm.all_to_all_bytes(x, handle.input_splits, groups.ep)
+        wire.meta += comm.all_to_all_bytes(probs, handle.input_splits, groups.ep)
+        rows = comm.all_to_all_start(x, handle.output_splits, handle.input_splits, groups.ep)
+        meta = comm.all_to_all_start(probs, handle.output_splits, handle.input_splits, groups.ep)
         return comm.Pending(None, lambda: self._gather_over_etp(rows.wait(), meta.wait(), handle))
 
     def _gather_over_etp(self, x, probs, handle):
         groups, wire = self.groups, handle.wire
-        x, sent = counted(comm.all_gather, x, groups.etp, handle.etp_splits)
+        sent = comm.all_gather_bytes(x, groups.etp)
         wire.dispatch += sent
         wire.dispatch_etp += sent
-        probs, sent = counted(comm.all_gather, probs, groups.etp, handle.etp_splits)
-        wire.meta += sent
+        wire.meta += comm.all_gather_bytes(probs, groups.etp)
+        x = comm.all_gather(x, groups.etp, handle.etp_splits)
+        probs = comm.all_gather(probs, groups.etp, handle.etp_splits)
         return x, probs
 
     def dispatch_postprocess(self, x, probs, handle):
@@ -248,21 +254,21 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def combine_communicate(self, x, handle):
         x = self._reduce_scatter_over_etp(x, handle)
-        x, sent = counted(comm.all_to_all, x, handle.input_splits, handle.output_splits, self.groups.ep)
-        handle.wire.combine += sent
-        return x
+        handle.wire.combine += comm.all_to_all_bytes(x, handle.output_splits, self.groups.ep)
+        return comm.all_to_all(x, handle.input_splits, handle.output_splits, self.groups.ep)
 
     def combine_communicate_start(self, x, handle):
         # The reduce-scatter over etp makes what the all-to-all sends: it runs before the post.
         x = self._reduce_scatter_over_etp(x, handle)
-        back, sent = counted(comm.all_to_all_start, x, handle.input_splits, handle.output_splits, self.groups.ep)
-        handle.wire.combine += sent
+        handle.wire.combine += comm.all_to_all_bytes(x, handle.output_splits, self.groups.ep)
+        back = comm.all_to_all_start(x, handle.input_splits, handle.output_splits, self.groups.ep)
         return comm.Pending(None, back.wait)
 
     def _reduce_scatter_over_etp(self, x, handle):
-        x, sent = counted(comm.reduce_scatter, x, self.groups.etp, handle.etp_splits)
+        sent = comm.reduce_scatter_bytes(x, self.groups.etp, handle.etp_splits)
         handle.wire.combine += sent
         handle.wire.combine_etp += sent
+        x = comm.reduce_scatter(x, self.groups.etp, handle.etp_splits)
         return x
 
     def combine_postprocess(self, x, handle):
@@ -282,7 +288,8 @@ class AllToAllDispatcher(TokenDispatcher):
         # One count exchange carries both the per-expert counts (for the experts) and
         # the per-rank row counts (for the splits).
         counts = torch.cat([routing_map.sum(dim=0), rank_map.sum(dim=0)])  # [ep*S + ep]
-        g, dev = self._gather_counts(counts, handle.wire)  # [ep][etp][ep*S + ep], and [ep, etp, ep*S + ep]
+        g, dev = self._gather_counts(counts, handle.wire, "slots+ranks", num_tokens,
+                                     self._capacity(num_tokens))  # [ep][etp][ep*S + ep], and [ep, etp, ep*S + ep]
         rows = [[g[j][t][self.num_slots + self.ep_rank] for t in range(self.etp)] for j in range(ep)]
         handle.input_splits = g[self.ep_rank][self.etp_rank][self.num_slots:]
         handle.output_splits = [rows[j][self.etp_rank] for j in range(ep)]

@@ -43,8 +43,9 @@ forward was posted. The results, the bytes and the order of every collective wit
 group are those of the blocking calls.
 
 Wire accounting: every handle carries a :class:`WireBytes` with the bytes this rank
-sent in that dispatch and combine, measured with :func:`moe_fold.comm.count_bytes`
-around each collective.
+sent in that dispatch and combine: each collective's bytes by the byte rule of
+:mod:`moe_fold.comm` (:func:`~moe_fold.comm.all_to_all_bytes` and its siblings), from the
+call's own arguments, so nothing is read from the process-wide counter.
 
 Implementations: :class:`~moe_fold.dispatch.alltoall.AllToAllDispatcher` and
 :class:`~moe_fold.dispatch.allgather.AllGatherDispatcher`;
@@ -62,13 +63,14 @@ import torch
 
 from moe_fold import comm
 from moe_fold.dispatch.placement import Placement, slot_routing
+from moe_fold.dispatch.planned_routing import read_gathered
 from moe_fold.kernels.permute import BACKENDS as PERMUTE_BACKENDS
 
 if TYPE_CHECKING:
     from moe_fold.layout import ProcessGroups
 
 __all__ = ["WireBytes", "DispatchOutput", "Handle", "TokenDispatcher", "MODES",
-           "expert_major_order", "counted"]
+           "expert_major_order"]
 
 
 @dataclass
@@ -139,13 +141,6 @@ def expert_major_order(etp: int, ep: int, num_local_experts: int, inverse: bool 
             for le in range(num_local_experts) for j in range(ep) for t in range(etp)]
 
 
-def counted(fn, *args, **kwargs) -> tuple[Any, int]:
-    """Run one collective ``fn(*args, **kwargs)``; return its result and the bytes it sent."""
-    with comm.count_bytes() as sent:
-        out = fn(*args, **kwargs)
-    return out, sum(sent.values())
-
-
 class TokenDispatcher(ABC):
     """Base class: input checks, the three-step dispatch and combine, wire accounting.
 
@@ -181,6 +176,9 @@ class TokenDispatcher(ABC):
             raise ValueError(f"the etp_ep group does not list ranks etp-fastest (rank "
                              f"{groups.rank_in('etp_ep')} in it, ep rank {self.ep_rank}, etp rank "
                              f"{self.etp_rank}); the layout order must put tp before ep")
+        # How the count exchange is read: the gathered counts themselves, or a routing
+        # rule's counts (dispatch/planned_routing.py, the dry run's tensors carry no values).
+        self.read_counts = read_gathered
         # Placement.contiguous checks that num_experts splits over ep.
         self.set_placement(placement if placement is not None else Placement.contiguous(num_experts, self.ep))
 
@@ -301,14 +299,18 @@ class TokenDispatcher(ABC):
             raise ValueError(f"expert_output must be [N={handle.num_rows}, H] (one row per dispatched row), "
                              f"got shape {tuple(expert_output.shape)}")
 
-    def _gather_counts(self, counts: torch.Tensor, wire: WireBytes) -> tuple[list[list[list[int]]], torch.Tensor]:
+    def _gather_counts(self, counts: torch.Tensor, wire: WireBytes, columns: str, num_tokens: int,
+                       capacity: Optional[int] = None) -> tuple[list[list[list[int]]], torch.Tensor]:
         """All-gather ``counts[C]`` (int64, on the tokens' device) over the etp x ep group;
         returns them as a host list ``[ep][etp][C]`` and as the device tensor ``[ep, etp, C]``.
-        The list is the dispatcher's one host synchronisation; sizes that kernels need on
-        the device are taken from the tensor, never copied back from the list."""
-        gathered, sent = counted(comm.all_gather, counts.unsqueeze(0), self.groups.etp_ep)  # [1, C] -> [etp*ep, C]
-        wire.meta += sent
-        flat = gathered.tolist()
+        The list is the dispatcher's one host synchronisation (through :attr:`read_counts`;
+        ``columns`` says what the C columns hold, ``num_tokens`` and ``capacity`` this
+        rank's tokens and the slots' capacity); sizes that kernels need on the device are
+        taken from the tensor, never copied back from the list."""
+        row = counts.unsqueeze(0)  # [1, C]
+        wire.meta += comm.all_gather_bytes(row, self.groups.etp_ep)
+        gathered = comm.all_gather(row, self.groups.etp_ep)  # [1, C] -> [etp*ep, C]
+        flat = self.read_counts(gathered, columns, num_tokens, self.topk, self.ep, capacity)
         host = [[flat[j * self.etp + t] for t in range(self.etp)] for j in range(self.ep)]
         return host, gathered.view(self.ep, self.etp, -1)
 

@@ -302,11 +302,11 @@ class Router(nn.Module):
     ``z``) or tp x dp x cp (``global_aux``, expert bias) with a plain all-reduce; each rank
     back-propagates its own share of a loss. The gradient each rank attaches assumes the
     project's rule (docs/architecture.md, "Parallel folding"): router grads are summed over
-    tp and averaged over dp x cp,
-    and the training loop multiplies each micro-batch's main loss by :attr:`grad_scale`
-    (1/num_microbatches) before backward. So a share is scaled by cp (by dp x cp for
-    ``global_aux``, whose loss spans dp), and the gradients equal those of one process
-    running the same global batch.
+    tp and averaged over dp x cp, and each micro-batch's main loss carries its share of
+    the step's mean, which the training step passes to every forward as ``loss_scale``
+    (1/num_microbatches). So a share is scaled by cp (by dp x cp for ``global_aux``, whose
+    loss spans dp), and the gradients equal those of one process running the same global
+    batch.
 
     Per optimizer step the training loop calls :meth:`finish_step` once, after the last
     backward: it updates the expert bias and closes the ``global_aux`` accumulation.
@@ -330,8 +330,6 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, std=init_std)
         # gpt-oss: the router is a linear with bias (moe.router_bias).
         self.bias = nn.Parameter(torch.zeros(config.num_experts)) if config.router_bias else None
-        # Set by the training loop: the factor its main loss gets per micro-batch.
-        self.grad_scale = 1.0
         self.collect_stats = True
         E = config.num_experts
         if config.expert_bias:
@@ -364,6 +362,7 @@ class Router(nn.Module):
         seq_ids: Optional[torch.Tensor] = None,
         num_seqs: Optional[int] = None,
         forced: Optional[torch.Tensor] = None,
+        loss_scale: float = 1.0,
     ) -> RouterOutput:
         """Route this rank's tokens.
 
@@ -377,6 +376,8 @@ class Router(nn.Module):
             num_seqs: number of sequences in the micro-batch (the same on the tp x cp group).
             forced: ``[T, topk]`` int64, router replay: each token's experts (see
                 :func:`topk_routing`); capacity and the losses then follow them.
+            loss_scale: the factor on the gradients of the router losses: the micro-batch's
+                share of the step (1/num_microbatches, from the training step).
         """
         cfg = self.config
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
@@ -397,7 +398,7 @@ class Router(nn.Module):
         losses: dict[str, torch.Tensor] = {}
         routed_logits = logits
         if with_losses and cfg.z_loss_coeff > 0:
-            routed_logits = self._attach_z_loss(logits, loss_mask, losses)
+            routed_logits = self._attach_z_loss(logits, loss_mask, losses, loss_scale)
 
         probs, routing_map = topk_routing(
             routed_logits, cfg.topk, score=cfg.score_function, pre_softmax=cfg.pre_softmax,
@@ -410,7 +411,7 @@ class Router(nn.Module):
                                                   pad_to_capacity=cfg.pad_to_capacity, topk=cfg.topk)
         if with_losses and (cfg.aux_loss_coeff > 0 or cfg.seq_aux_loss_coeff > 0 or cfg.global_aux_loss_coeff > 0):
             kept_probs = self._attach_balancing_losses(kept_probs, logits, routing_map, loss_mask,
-                                                       seq_ids, num_seqs, losses)
+                                                       seq_ids, num_seqs, losses, loss_scale)
 
         routed_counts = routing_map.sum(dim=0)
         if cfg.capacity_factor is None:
@@ -433,7 +434,7 @@ class Router(nn.Module):
             stats = routing_stats(routed_counts, kept_counts, self.groups.size("ep"))
         return RouterOutput(kept_probs, kept_map, routed_logits, tokens_per_expert, probs, routing_map, losses, stats)
 
-    def _attach_z_loss(self, logits, loss_mask, losses):
+    def _attach_z_loss(self, logits, loss_mask, losses, loss_scale):
         cfg = self.config
         local_sum = z_loss(logits, loss_mask, 1)
         with torch.no_grad():
@@ -444,10 +445,10 @@ class Router(nn.Module):
             all_reduce_(packed, self.groups.tp_cp)
         share = local_sum / packed[0].clamp(min=1).to(local_sum.dtype)
         losses["z"] = (packed[1] / packed[0].clamp(min=1)).to(logits.dtype)
-        scale = cfg.z_loss_coeff * self.grad_scale * self.groups.size("cp")
+        scale = cfg.z_loss_coeff * loss_scale * self.groups.size("cp")
         return attach_loss(logits, share, scale)
 
-    def _attach_balancing_losses(self, probs, logits, routing_map, loss_mask, seq_ids, num_seqs, losses):
+    def _attach_balancing_losses(self, probs, logits, routing_map, loss_mask, seq_ids, num_seqs, losses, loss_scale):
         cfg = self.config
         E, k = cfg.num_experts, cfg.topk
         scores = aux_loss_scores(logits, cfg.score_function)
@@ -511,7 +512,7 @@ class Router(nn.Module):
             dp = self.groups.size("dp")
             total = total + cfg.global_aux_loss_coeff * cp * dp * load_balancing_loss(scores, running, n, k)
             losses["global_aux"] = load_balancing_loss(p.view(1, E), running, n, k).to(scores.dtype)
-        return attach_loss(probs, total, self.grad_scale)
+        return attach_loss(probs, total, loss_scale)
 
     def finish_step(self) -> dict[str, torch.Tensor]:
         """Close one optimizer step: update the expert bias, return the step's exact

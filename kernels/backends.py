@@ -51,9 +51,7 @@ way it is not chosen, and naming it gives that reason.
 
 A training run resolves every ``moe.*_backend=auto`` once, for its device and
 ``train.precision``, before its ranks start (:func:`resolve_config`), and saves the names in
-its config.yaml. For the GEMM the order is: ``moe.gemm_backend`` when not ``auto``, then the
-environment variable MOE_FOLD_GEMM_BACKEND, then the rule (the same order as ``gmm``'s
-``backend`` argument).
+its config.yaml. The config (and ``--set moe.<op>_backend=``) is the one way to choose.
 """
 
 from __future__ import annotations
@@ -68,8 +66,6 @@ from moe_fold.config import choices
 
 # The backends of each op: the choices of moe.<op>_backend other than auto.
 OPS: dict[str, tuple[str, ...]] = {op: choices(f"moe.{op}_backend")[1:] for op in ("gemm", "permute", "swiglu", "topk")}
-# Overrides moe.gemm_backend=auto (and gmm's backend=None/auto): see gmm.resolve_backend.
-GEMM_ENV_VAR = "MOE_FOLD_GEMM_BACKEND"
 # Optional packages the rule looks at: chosen when they run, skipped otherwise.
 EXTRAS = ("grouped_gemm",)
 GPU_INSTALL = "pip install 'moe-fold[gpu]' (the grouped_gemm package, built against this torch; needs CUDA)"
@@ -235,9 +231,9 @@ _FIXES = {
 
 def resolve_config(config, device: torch.device):
     """``config`` with every ``moe.*_backend`` that is ``auto`` replaced by the backend the
-    rule chooses for ``device`` and ``train.precision`` (gemm: MOE_FOLD_GEMM_BACKEND first),
-    so that the run's saved and printed config names what ran. Raises ConfigError, one line
-    per backend that cannot run on ``device`` (the field, the value, why, the fix)."""
+    rule chooses for ``device`` and ``train.precision``, so that the run's saved and printed
+    config names what ran. Raises ConfigError, one line per backend that cannot run on
+    ``device`` (the field, the value, why, the fix)."""
     import dataclasses
 
     from moe_fold.config import ConfigError
@@ -251,12 +247,6 @@ def resolve_config(config, device: torch.device):
     for op, field in CONFIG_FIELDS.items():
         value = getattr(moe, field)
         setting = f"moe.{field}={value}"
-        env = os.environ.get(GEMM_ENV_VAR) if op == "gemm" and value == "auto" else None
-        if env and env != "auto":
-            value, setting = env, f"{GEMM_ENV_VAR}={env} (over moe.gemm_backend=auto)"
-            if env not in OPS["gemm"]:
-                problems.append(f"{setting} is not a grouped GEMM backend; allowed: auto, {', '.join(OPS['gemm'])}")
-                continue
         if value == "auto" and op == "swiglu" and moe.activation == "clamped_swiglu":
             # gpt-oss's clamped SwiGLU is torch ops only (kernels/swiglu.py).
             name = "torch"

@@ -16,20 +16,19 @@ backend adds it after its GEMM as one fused op for all experts, a gather of the 
 by the group sizes (``repeat_interleave`` with ``output_size``, so device counts are not
 read back) and one add; its backward is one index_add, the per-expert sum of the rows.
 
-The choice, first that is set and not ``auto``: the ``backend`` argument (the config key
-``moe.gemm_backend``), the environment variable MOE_FOLD_GEMM_BACKEND, the rule. A backend
-that cannot run here (a grouped_gemm that does not import or whose first call fails, Triton
-on CPU without the interpreter) raises, naming why.
+The choice: the ``backend`` argument (the config key ``moe.gemm_backend``) unless it is
+``auto`` (or None), else the rule. A backend that cannot run here (a grouped_gemm that does
+not import or whose first call fails, Triton on CPU without the interpreter) raises, naming
+why.
 """
 
-import os
+import contextlib
 from typing import Sequence
 
 import torch
 
 from . import backends
 
-ENV_VAR = backends.GEMM_ENV_VAR
 BACKENDS = ("auto",) + backends.OPS["gemm"]
 
 
@@ -41,17 +40,12 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
 
 
 def resolve_backend(backend: str | None, x: torch.Tensor) -> str:
-    """The concrete backend for ``x``: ``backend`` unless it is None or ``auto``, else
-    MOE_FOLD_GEMM_BACKEND unless unset or ``auto``, else the device rule
-    (:func:`moe_fold.kernels.backends.choose`). Raises if that backend cannot run here."""
-    source, name = "backend", backend
-    if name is None or name == "auto":
-        env = os.environ.get(ENV_VAR)
-        if env:
-            source, name = ENV_VAR, env
-    name = name or "auto"
+    """The concrete backend for ``x``: ``backend`` unless it is None or ``auto``, else the
+    device rule (:func:`moe_fold.kernels.backends.choose`). Raises if that backend cannot
+    run here."""
+    name = backend or "auto"
     if name not in BACKENDS:
-        raise ValueError(f"gmm: {source}={name!r} is not a grouped GEMM backend; allowed: {', '.join(BACKENDS)}")
+        raise ValueError(f"gmm: backend={name!r} is not a grouped GEMM backend; allowed: {', '.join(BACKENDS)}")
     return backends.resolve("gemm", name, x)
 
 
@@ -98,7 +92,8 @@ def _autocast_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, 
     operands go to the autocast dtype (differentiably, so ``w``'s grad keeps ``w``'s
     dtype), and the backends run outside autocast on operands that already agree."""
     device_type = x.device.type
-    if not torch.is_autocast_enabled(device_type):
+    # A device without autocast (the dry run's meta tensors) never autocasts.
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
         return x, w
     dtype = torch.get_autocast_dtype(device_type)
 
@@ -165,7 +160,8 @@ def gmm(
         _check_counts(host, n, e)
 
     # The backends see operands of one dtype: autocast must not recast inside them.
-    with torch.autocast(x.device.type, enabled=False):
+    with torch.autocast(x.device.type, enabled=False) if torch.amp.is_autocast_available(x.device.type) \
+            else contextlib.nullcontext():
         if name == "loop":
             from .gmm_loop import gmm_loop
 

@@ -217,6 +217,12 @@ def _sum_rows_per_token(rows: torch.Tensor, sorted_indices: torch.Tensor,
     sync is needed.
     """
     acc = _acc_dtype(rows.dtype)
+    if rows.device.type == "meta":
+        # Meta tensors (the dry run) have no sparse kernels: the same sums, sizes and
+        # output through index_add_.
+        weighted = rows.to(acc) if weights is None else rows.to(acc) * weights.to(acc).unsqueeze(1)
+        out = rows.new_zeros((num_tokens + 1, rows.shape[1]), dtype=acc)
+        return out.index_add_(0, sorted_indices, weighted)[:num_tokens]
     n = sorted_indices.numel()
     order, crow = rows_by_token(sorted_indices, num_tokens)
     values = torch.ones(n, dtype=acc, device=rows.device) if weights is None \
@@ -294,6 +300,12 @@ def _gather_grad_rows(grad: torch.Tensor, sorted_indices: torch.Tensor,
         grad_rows.zero_()
         if grad_probs is not None:
             grad_probs.zero_()
+    elif grad.device.type == "meta":
+        # The row chunks serve a CPU's caches; meta tensors (the dry run) take one pass.
+        torch.index_select(grad, 0, index, out=grad_rows)
+        if grad_probs is not None:
+            torch.sum(grad_rows.to(acc) * permuted.to(acc), dim=1, out=grad_probs)
+        grad_rows.mul_(scale.unsqueeze(1).to(grad_rows.dtype))
     else:
         chunk = max(16, _CHUNK_BYTES // max(1, hidden * grad.element_size()))
         # mul into a reused buffer + sum measured 1.6x faster than linalg.vecdot here.

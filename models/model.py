@@ -87,13 +87,16 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: Optional[Documents] = None, kv_cache: Optional[LayerCache] = None,
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                positions: Optional[torch.Tensor] = None, loss_scale: float = 1.0) -> torch.Tensor:
+        """``loss_scale``: the factor on the router losses' gradients, this micro-batch's
+        share of the training step (:meth:`moe_fold.dispatch.router.Router.forward`)."""
         if self.recompute == "all":
-            return recomputed(self._residuals, x, cos, sin, docs, kv_cache, positions)
-        return self._residuals(x, cos, sin, docs, kv_cache, positions)
+            return recomputed(self._residuals, x, cos, sin, docs, kv_cache, positions, loss_scale)
+        return self._residuals(x, cos, sin, docs, kv_cache, positions, loss_scale)
 
     def _residuals(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Optional[Documents],
-                   kv_cache: Optional[LayerCache], positions: Optional[torch.Tensor]) -> torch.Tensor:
+                   kv_cache: Optional[LayerCache], positions: Optional[torch.Tensor],
+                   loss_scale: float) -> torch.Tensor:
         # positions (those of cos/sin): only temperature tuning reads them, which MLA has not.
         extra = {"positions": positions} if isinstance(self.attn, Attention) else {}
         if self.recompute == "attention":
@@ -109,7 +112,7 @@ class Block(nn.Module):
             # seq_aux_loss counts per sample too).
             seq_ids = torch.arange(batch, device=h.device).repeat(s_local)  # [S_local*B]
             loss_mask = docs.token_mask if docs is not None else None
-            h = self.mlp(h, loss_mask=loss_mask, seq_ids=seq_ids, num_seqs=batch)
+            h = self.mlp(h, loss_mask=loss_mask, seq_ids=seq_ids, num_seqs=batch, loss_scale=loss_scale)
         else:
             h = self.mlp(h)
         return x + h.reshape(x.shape)
@@ -259,16 +262,17 @@ class Transformer(nn.Module):
 
     def _chunk_hidden(self, chunk: int, x: Optional[torch.Tensor], input_ids: torch.Tensor,
                       positions: torch.Tensor, docs: Optional[Documents] = None,
-                      rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                      rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                      loss_scale: float = 1.0) -> torch.Tensor:
         """The hidden states ``[S_local, B, H]`` after chunk ``chunk``'s layers; stage 0
         embeds ``input_ids`` ``[B, S_local]``, the others start from ``x``. ``rotary``:
         the ``(cos, sin)`` of ``positions`` when the caller made them (the MTP depths
-        reuse them)."""
+        reuse them). ``loss_scale``: see :meth:`forward`."""
         cos, sin = rotary if rotary is not None else self._rotary(positions)
         if self.stages[chunk] == 0:
             x = self.embed(input_ids.t())  # [S_local, B, H]
         for i in self.stage_layer_ids[chunk]:
-            x = self.layers[i](x, cos, sin, docs, positions=positions)
+            x = self.layers[i](x, cos, sin, docs, positions=positions, loss_scale=loss_scale)
         return x
 
     def _whole_model_positions(self, what: str, input_ids: torch.Tensor,
@@ -287,7 +291,8 @@ class Transformer(nn.Module):
 
     def _loss(self, x: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
               num_loss_tokens: Optional[Union[float, torch.Tensor]], input_ids: torch.Tensor,
-              rotary: tuple, docs: Optional[Documents], mtp: Optional[MTPTargets]) -> torch.Tensor:
+              rotary: tuple, docs: Optional[Documents], mtp: Optional[MTPTargets],
+              loss_scale: float) -> torch.Tensor:
         """The LM loss of the last hidden states ``x``; with MTP, the depths' weighted loss
         rides on it through autograd (:func:`~moe_fold.dispatch.aux_losses.attach_loss`), so
         the value returned stays the LM loss."""
@@ -296,7 +301,7 @@ class Transformer(nn.Module):
             return loss
         if mtp is None:
             mtp = self.mtp_targets(input_ids, labels, loss_mask, docs)
-        depth_losses = self.mtp(x, self.embed, mtp, *rotary, docs, self._token_loss)  # [D]
+        depth_losses = self.mtp(x, self.embed, mtp, *rotary, docs, self._token_loss, loss_scale)  # [D]
         m = self.config.model
         return attach_loss(loss, depth_losses.sum(), m.mtp_loss_weight / m.mtp_num_layers)
 
@@ -330,7 +335,8 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None,
                 num_loss_tokens: Optional[Union[float, torch.Tensor]] = None,
-                docs: Optional[Documents] = None, mtp: Optional[MTPTargets] = None) -> torch.Tensor:
+                docs: Optional[Documents] = None, mtp: Optional[MTPTargets] = None,
+                loss_scale: float = 1.0) -> torch.Tensor:
         """This rank's loss for ``input_ids``/``labels`` ``[B, S_local]`` (labels already shifted;
         under cp this rank's zigzag shard of each sequence).
 
@@ -342,6 +348,9 @@ class Transformer(nn.Module):
         ``docs``: packed documents (:meth:`documents`); None: one sequence per row.
         ``mtp``: the MTP depths' targets (:meth:`mtp_targets`, with the global batch's
         counts); None: built here, counted over this micro-batch.
+        ``loss_scale``: the factor on the router losses' gradients, this micro-batch's share
+        of the step (``1/num_microbatches``, passed by
+        :func:`moe_fold.training.step.forward_backward`); 1 for a single micro-batch.
 
         The result is ``sum(token losses * mask) * (dp*cp) / num_loss_tokens``: averaging
         it, and its grads, over dp x cp (what ``moe_fold.training.grads.sync_grads`` does) gives the
@@ -351,13 +360,14 @@ class Transformer(nn.Module):
         """
         positions = self._whole_model_positions("forward", input_ids, positions)
         rotary = self._rotary(positions)
-        x = self._chunk_hidden(0, None, input_ids, positions, docs, rotary)
-        return self._loss(x, labels, loss_mask, num_loss_tokens, input_ids, rotary, docs, mtp)
+        x = self._chunk_hidden(0, None, input_ids, positions, docs, rotary, loss_scale)
+        return self._loss(x, labels, loss_mask, num_loss_tokens, input_ids, rotary, docs, mtp, loss_scale)
 
     def chunk_forward(self, chunk: int, x: Optional[torch.Tensor], input_ids: torch.Tensor, labels: torch.Tensor,
                       positions: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
                       num_loss_tokens: Optional[Union[float, torch.Tensor]] = None,
-                      docs: Optional[Documents] = None, mtp: Optional[MTPTargets] = None) -> torch.Tensor:
+                      docs: Optional[Documents] = None, mtp: Optional[MTPTargets] = None,
+                      loss_scale: float = 1.0) -> torch.Tensor:
         """Virtual stage ``stages[chunk]`` of one micro-batch (fields as in :meth:`forward`).
 
         The first stage embeds ``input_ids`` (``x`` is ignored); the others take the hidden
@@ -365,9 +375,9 @@ class Transformer(nn.Module):
         the hidden states for the next stage, or on the last stage the loss of
         :meth:`forward`."""
         rotary = self._rotary(positions)
-        x = self._chunk_hidden(chunk, x, input_ids, positions, docs, rotary)
+        x = self._chunk_hidden(chunk, x, input_ids, positions, docs, rotary, loss_scale)
         if self.stages[chunk] == self.num_stages - 1:
-            return self._loss(x, labels, loss_mask, num_loss_tokens, input_ids, rotary, docs, mtp)
+            return self._loss(x, labels, loss_mask, num_loss_tokens, input_ids, rotary, docs, mtp, loss_scale)
         return x
 
 

@@ -42,7 +42,7 @@ from moe_fold.config import (
 )
 from moe_fold.dispatch.dispatcher import build_dispatcher
 from moe_fold.dispatch.placement import Placement
-from moe_fold.dispatch.router import Router, RoutingStats
+from moe_fold.dispatch.router import Router
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.tensor_parallel import global_normal, init_seed, mark
 
@@ -55,8 +55,9 @@ __all__ = ["MoELayer"]
 class MoELayer(nn.Module):
     """Layer ``layer``'s MoE MLP in the layout of ``groups``; see the module docstring.
 
-    After each forward, :attr:`last_losses` and :attr:`last_stats` hold that forward's
-    router loss values and load statistics (detached, for logging).
+    Its router's loss values and load statistics are what ``self.router`` returns
+    (:class:`~moe_fold.dispatch.router.RouterOutput`): a forward hook on the router reads
+    them, as :class:`moe_fold.training.metrics.RoutingCollector` does.
     """
 
     def __init__(self, config: Config, groups: ProcessGroups, layer: int):
@@ -96,8 +97,6 @@ class MoELayer(nn.Module):
                 self.shared_expert_gate = mark(nn.Parameter(gate), replicated)  # [1, H]
         self.shared_expert_overlap = moe.shared_expert_overlap
         self.overlap_chunks = moe.overlap_chunks
-        self.last_losses: dict[str, torch.Tensor] = {}
-        self.last_stats: Optional[RoutingStats] = None
 
     @property
     def placement(self) -> Placement:
@@ -111,15 +110,16 @@ class MoELayer(nn.Module):
         self.experts.set_placement(placement)
 
     def forward(self, hidden: torch.Tensor, *, loss_mask: Optional[torch.Tensor] = None,
-                seq_ids: Optional[torch.Tensor] = None, num_seqs: Optional[int] = None) -> torch.Tensor:
+                seq_ids: Optional[torch.Tensor] = None, num_seqs: Optional[int] = None,
+                loss_scale: float = 1.0) -> torch.Tensor:
         """This rank's tokens ``hidden [T_local, H]`` -> ``[T_local, H]``.
 
-        ``loss_mask``, ``seq_ids`` and ``num_seqs`` go to :meth:`Router.forward` (padding
-        left out of the losses; per-sequence aux loss). :class:`~moe_fold.models.model.Block`
+        ``loss_mask``, ``seq_ids``, ``num_seqs`` and ``loss_scale`` go to
+        :meth:`Router.forward` (padding left out of the losses; per-sequence aux loss; the
+        factor on the router losses' gradients). :class:`~moe_fold.models.model.Block`
         passes ``seq_ids[t] = t % B``, the sample of token ``t`` in the ``[S_local, B]`` order,
         and ``num_seqs = B``."""
-        routing = self.router(hidden, loss_mask=loss_mask, seq_ids=seq_ids, num_seqs=num_seqs)
-        self.last_losses, self.last_stats = routing.losses, routing.stats
+        routing = self.router(hidden, loss_mask=loss_mask, seq_ids=seq_ids, num_seqs=num_seqs, loss_scale=loss_scale)
         if self.shared_expert_overlap or self.overlap_chunks > 1:
             return self._overlapped(hidden, routing.probs, routing.routing_map)
         sent = self.dispatcher.dispatch(hidden, routing.probs, routing.routing_map)  # [N, H] by local expert

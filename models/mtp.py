@@ -112,10 +112,11 @@ class MTPLayer(nn.Module):
         self.norm = RMSNorm(m.hidden_size, m.norm_eps, kind)
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                docs: Optional[Documents]) -> torch.Tensor:
-        """``h`` (depth k-1) and ``emb`` (tokens t+k) ``[S_local, B, H]`` -> ``h^k`` ``[S_local, B, H]``."""
+                docs: Optional[Documents], loss_scale: float = 1.0) -> torch.Tensor:
+        """``h`` (depth k-1) and ``emb`` (tokens t+k) ``[S_local, B, H]`` -> ``h^k`` ``[S_local, B, H]``;
+        ``loss_scale`` as in :meth:`moe_fold.models.model.Transformer.forward`."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))  # [S, B, 2H] -> [S, B, H]
-        return self.block(x, cos, sin, docs)
+        return self.block(x, cos, sin, docs, loss_scale=loss_scale)
 
 
 class MTP(nn.Module):
@@ -135,14 +136,15 @@ class MTP(nn.Module):
 
     def forward(self, h: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor], targets: MTPTargets,
                 cos: torch.Tensor, sin: torch.Tensor, docs: Optional[Documents],
-                loss: Callable[..., torch.Tensor]) -> torch.Tensor:
+                loss: Callable[..., torch.Tensor], loss_scale: float = 1.0) -> torch.Tensor:
         """``h`` ``[S_local, B, H]``: the main model's last hidden states (before its norm);
         ``embed(ids [S, B])`` the shared embedding; ``loss(normed [S_local, B, H], labels
         [B, S_local], mask, num_tokens)`` the main model's scaled cross-entropy through the
-        shared head. Returns ``[D]``: depth k's loss at row k-1."""
+        shared head; ``loss_scale`` goes to the depths' routers. Returns ``[D]``: depth k's
+        loss at row k-1."""
         out = []
         for k, layer in enumerate(self.children()):
-            h = layer(h, embed(targets.tokens[k].t()), cos, sin, docs)  # [S_local, B, H]
+            h = layer(h, embed(targets.tokens[k].t()), cos, sin, docs, loss_scale)  # [S_local, B, H]
             count = None if targets.num_tokens is None else targets.num_tokens[k]
             out.append(loss(layer.norm(h), targets.labels[k], targets.mask[k], count))
         return torch.stack(out)

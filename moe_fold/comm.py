@@ -44,8 +44,14 @@ row (slice along the split dim):
   counterparts count by the rule of the collective they run, and pure slicing counts 0;
 - groups of size 1 and ``None`` count 0.
 
+:func:`all_to_all_bytes`, :func:`all_gather_bytes` and :func:`reduce_scatter_bytes` are
+these rules as functions of a call's arguments: the counter adds what they return, and
+the token dispatchers record it on their handles (``Handle.wire``), so the library's own
+accounting never reads the counter.
+
 The counter is process-wide state on purpose: it is instrumentation read by benchmarks
-and the planner, never an input to any computation.
+and the planner's tests, never an input to any computation, and the installed package
+never reads it (tests/meta/test_architecture.py).
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ __all__ = [
     "send", "recv", "batch_send_recv",
     "Pending", "all_reduce_async_", "reduce_scatter_async", "all_gather_async", "all_to_all_async",
     "all_to_all_start", "all_gather_start", "reduce_scatter_start",
-    "bytes_sent", "reset_bytes", "count_bytes",
+    "bytes_sent", "reset_bytes", "count_bytes", "all_to_all_bytes", "all_gather_bytes", "reduce_scatter_bytes",
 ]
 
 Group = Optional[dist.ProcessGroup]
@@ -105,6 +111,30 @@ def _nbytes(x: torch.Tensor) -> int:
 
 def _ring_bytes(nbytes: int, n: int) -> int:
     return 2 * (n - 1) * nbytes // n
+
+
+def all_to_all_bytes(x: torch.Tensor, input_split_sizes: Optional[Sequence[int]], group: Group) -> int:
+    """The bytes this rank sends in :func:`all_to_all` of ``x`` (every row not its own)."""
+    if not _active(group):
+        return 0
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    own = x.shape[0] // n if input_split_sizes is None else int(input_split_sizes[me])
+    return (x.shape[0] - own) * x.element_size() * math.prod(x.shape[1:])
+
+
+def all_gather_bytes(x: torch.Tensor, group: Group) -> int:
+    """The bytes this rank sends in :func:`all_gather` of ``x`` (its shard to every other rank)."""
+    return _nbytes(x) * (dist.get_world_size(group) - 1) if _active(group) else 0
+
+
+def reduce_scatter_bytes(x: torch.Tensor, group: Group, sizes: Optional[Sequence[int]] = None,
+                         dim: int = 0) -> int:
+    """The bytes this rank sends in :func:`reduce_scatter` of ``x`` (every slice not its own)."""
+    if not _active(group) or x.shape[dim] == 0:
+        return 0
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    own = x.shape[dim] // n if sizes is None else int(sizes[me])
+    return (x.shape[dim] - own) * (_nbytes(x) // x.shape[dim])
 
 
 def bytes_sent() -> dict[str, int]:
@@ -153,11 +183,10 @@ def _post_all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
                      async_op: bool) -> tuple[Optional[dist.Work], Callable[[], torch.Tensor]]:
     """Post the all-to-all of ``x`` along dim 0 and count its bytes; returns the work (None
     when not ``async_op``) and the function that returns the received rows once it is done."""
-    n, me = dist.get_world_size(group), dist.get_rank(group)
+    n = dist.get_world_size(group)
     x = x.contiguous()
     if x.dim() == 0:
         raise ValueError("all_to_all: the input must have at least one dim (rows along dim 0)")
-    row = x.element_size() * math.prod(x.shape[1:])
     if input_split_sizes is None:
         if x.shape[0] % n:
             raise ValueError(f"all_to_all: input rows {x.shape[0]} not divisible by group size {n} "
@@ -175,7 +204,7 @@ def _post_all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
         out_rows = sum(output_split_sizes)
     out = x.new_empty((out_rows,) + tuple(x.shape[1:]))
     work = dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
-    _count(group, (x.shape[0] - input_split_sizes[me]) * row)
+    _count(group, all_to_all_bytes(x, input_split_sizes, group))
     return work, lambda: out
 
 
@@ -216,7 +245,7 @@ def _raw_all_gather(x: torch.Tensor, sizes: Optional[list[int]], dim: int,
     """Concatenate every rank's ``x`` along ``dim``."""
     x0 = x.movedim(dim, 0).contiguous()  # [s, ...rest]
     _, finish = _post_all_gather(x0, sizes, group, async_op=False)
-    _count(group, _nbytes(x0) * (dist.get_world_size(group) - 1))
+    _count(group, all_gather_bytes(x0, group))
     return finish().movedim(0, dim)
 
 
@@ -252,7 +281,7 @@ def _raw_reduce_scatter(x: torch.Tensor, sizes: Optional[list[int]], dim: int,
     x0 = x.movedim(dim, 0).contiguous()  # [total, ...rest]
     _, finish = _post_reduce_scatter(x0, sizes, group, async_op=False)
     out = finish()
-    _count(group, _nbytes(x0) - _nbytes(out))
+    _count(group, reduce_scatter_bytes(x0, group, sizes))
     return out.movedim(0, dim)
 
 
@@ -597,8 +626,7 @@ def reduce_scatter_async(x: torch.Tensor, group: Group, sizes: Optional[list[int
         return Pending(None, lambda: x)
     x0 = x.contiguous()
     work, finish = _post_reduce_scatter(x0, sizes, group, async_op=True)
-    own = x0.shape[0] // dist.get_world_size(group) if sizes is None else int(sizes[dist.get_rank(group)])
-    _count(group, (x0.shape[0] - own) * _nbytes(x0) // max(x0.shape[0], 1))
+    _count(group, reduce_scatter_bytes(x0, group, sizes))
     return Pending(work, finish)
 
 
@@ -609,7 +637,7 @@ def all_gather_async(x: torch.Tensor, group: Group, sizes: Optional[list[int]] =
         return Pending(None, lambda: x)
     x0 = x.contiguous()
     work, finish = _post_all_gather(x0, sizes, group, async_op=True)
-    _count(group, _nbytes(x0) * (dist.get_world_size(group) - 1))
+    _count(group, all_gather_bytes(x0, group))
     return Pending(work, finish)
 
 

@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "layout": ("moe_fold.cli.layout", "print the attention and expert layouts of a world"),
     "data": ("moe_fold.cli.data", "turn text into a tokenized, memory-mapped dataset"),
     "plan": ("moe_fold.cli.plan", "estimate memory, FLOPs, communication, step time and MFU of a layout"),
+    "dryrun": ("moe_fold.cli.dryrun", "build ranks of a job of any size with the real code, step once on meta "
+                                      "tensors: memory by kind, every collective"),
     "train": ("moe_fold.cli.train", "train a model from a preset or YAML config (local ranks or torchrun)"),
     "convert": ("moe_fold.cli.convert", "convert between Hugging Face model folders and moe-fold checkpoints"),
     "checkpoint": ("moe_fold.cli.checkpoint", "verify checkpoints: files against the manifest, every expert present"),

@@ -228,8 +228,8 @@ class MoEConfig:
     # capability, train.precision): on CPU gemm torch, permute torch, swiglu cpu (C loops;
     # needs a C compiler), topk torch; on sm90/sm100 bf16 gemm torch (grouped_mm), the rest
     # triton. A run resolves ``auto`` before its ranks start and writes the names it chose
-    # into its config.yaml (and the printed config). gemm: a value other than auto wins,
-    # else the environment variable MOE_FOLD_GEMM_BACKEND if set, else the rule.
+    # into its config.yaml (and the printed config). The config (``--set``) is the one way
+    # to choose.
     gemm_backend: Literal["auto", "grouped_gemm", "torch", "triton", "loop"] = "auto"
     # Kernel of the token permutation (see gemm_backend).
     permute_backend: Literal["auto", "torch", "triton"] = "auto"

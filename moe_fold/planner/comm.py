@@ -300,5 +300,8 @@ def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Opt
     out["pp"] += _all_reduce(4, p.pp)  # ... of every stage
     d = dims(config)
     if (d.tied or d.mtp > 0) and p.pp > 1 and pp_rank in (0, p.pp - 1):
-        out["embedding"] += _all_reduce(GRAD_BYTES * d.vocab * d.hidden // p.tp, 2)
+        # The model's own grad is summed (pipeline.all_reduce_embedding_grads), in its dtype:
+        # bf16 under train.precision=bf16, not the float32 of the buckets.
+        model_grad_bytes = 2 if config.train.precision == "bf16" else 4
+        out["embedding"] += _all_reduce(model_grad_bytes * d.vocab * d.hidden // p.tp, 2)
     return {k: v for k, v in out.items() if v}

@@ -80,7 +80,7 @@ from moe_fold.planner.model import (
 
 __all__ = ["OVERLAPS", "COMPUTE_MODELS", "CALIBRATED", "CALIBRATED_EFFICIENCY", "FITTED_EFFICIENCY", "calibrated",
            "Assumptions", "Plan", "RoutingSkew", "overlaps", "estimate",
-           "search", "model_params", "with_layout", "activation_bytes", "busiest_owned_numel"]
+           "search", "model_params", "with_layout", "activation_bytes", "busiest_owned_numel", "stage_memory"]
 
 # Kinds whose traffic happens per micro-batch, on the critical path.
 _CRITICAL = ("tp", "cp", "ep", "etp", "etp_ep", "tp_cp", "tp_dp_cp", "pp")
@@ -297,6 +297,17 @@ def _memory(config: Config, world: int, pp_rank: int, micro: int, assumptions: A
             "optimizer_not_distributed": full, "optimizer_distributed": sharded}
 
 
+def stage_memory(config: Config, world: int, pp_rank: int, assumptions: Assumptions = Assumptions()
+                 ) -> dict[str, float]:
+    """Bytes per rank of pipeline stage ``pp_rank`` by kind (as ``moe-fold plan``'s
+    ``memory``), and ``params``: the parameters the rank holds."""
+    t = config.train
+    micro = t.global_batch_size // (t.micro_batch_size * dp_size(config, world))
+    manifest = param_manifest(config, pp_rank)
+    return dict(_memory(config, world, pp_rank, micro, assumptions, manifest),
+                params=sum(e.numel for e in manifest))
+
+
 def overlaps(config: Config, assumptions: Assumptions) -> tuple[bool, bool]:
     """Whether the step time hides the gradient reduction, and the parameter all-gather,
     behind compute (:attr:`Assumptions.overlap`). The gather exists only with the
@@ -348,7 +359,10 @@ def _memory_moe_fold(config: Config, world: int, pp_rank: int, micro: int, assum
     state = sharded if config.optimizer.distributed else full
     activations = activation_bytes(config, pp_rank) * microbatches_in_flight(config, pp_rank, micro)
     weights = state["weights"] + state["master_weights"]
-    grads = state["grads"] + state["main_grads"]
+    # The gradient reduction frees each bf16 grad as it writes the float32 main grad
+    # (GradSync.wait, bucket by bucket): the two never all live at once, and the most
+    # alive is the main grads' (moe-fold dryrun measures it).
+    grads = max(state["grads"], state["main_grads"])
     total = weights + grads + state["optimizer"] + activations + assumptions.memory_overhead
     return {"weights": weights, "grads": grads, "optimizer": state["optimizer"], "activations": activations,
             "overhead": assumptions.memory_overhead, "total": total,

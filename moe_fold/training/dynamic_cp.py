@@ -344,8 +344,9 @@ class DynamicCP:
                 parts[name].append(torch.zeros(pad, dtype=flat[name].dtype, device=device))
             parts["positions"].append(torch.arange(pad, dtype=flat["positions"].dtype, device=device))
         seq = {name: torch.cat(p).unsqueeze(0) for name, p in parts.items()}  # [1, L]
-        doc_ids = torch.repeat_interleave(torch.arange(len(runs), device=device),
-                                          torch.tensor(runs, device=device)).unsqueeze(0)  # [1, L]
+        # output_size: the length is known here; without it the device would be read back.
+        doc_ids = torch.repeat_interleave(torch.arange(len(runs), device=device), torch.tensor(runs, device=device),
+                                          output_size=total + pad).unsqueeze(0)  # [1, L]
         real = torch.arange(total + pad, device=device) < total
         cu = torch.tensor(np.concatenate([[0], np.cumsum(runs)]), dtype=torch.int32, device=device)
         i = self.cp_rank - group.start

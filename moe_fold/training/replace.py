@@ -94,9 +94,9 @@ def _move_rows(tensors: list[torch.Tensor], old: Placement, new: Placement, grou
         for i, j in local:
             out[i] = rows[j]
         send_rows = rows[[j for d in sends for j in d]]  # [sent slots, ...], destination-major
-        with comm.count_bytes() as counted:
-            got = comm.all_to_all(send_rows, [len(r) for r in recvs], [len(d) for d in sends], groups.ep)
-        sent += sum(counted.values())
+        splits = [len(d) for d in sends]
+        sent += comm.all_to_all_bytes(send_rows, splits, groups.ep)
+        got = comm.all_to_all(send_rows, [len(r) for r in recvs], splits, groups.ep)
         out[[i for r in recvs for i in r]] = got
         offset = 0
         for t in same:

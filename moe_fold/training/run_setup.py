@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from moe_fold.training.optim import AdamW, LRScheduler
     from moe_fold.training.replace import ExpertReplacer
 
-__all__ = ["Run", "set_up_run", "load_start_state", "load_state", "start_logging"]
+__all__ = ["Run", "set_up_run", "build_trainable", "load_start_state", "load_state", "start_logging"]
 
 
 @dataclass(kw_only=True)
@@ -107,7 +107,7 @@ def set_up_run(config: Config, device: torch.device, groups: ProcessGroups, resu
     are built (rank 0 first) and where the model is (pp)."""
     from moe_fold.data.loader import DataLoader
     from moe_fold.training.metrics import RoutingCollector
-    from moe_fold.training.optim import build_grad_sync, build_optimizer, build_scheduler
+    from moe_fold.training.optim import build_scheduler
 
     t, p = config.train, config.parallel
     run_dir = Path(t.run_dir)
@@ -130,21 +130,7 @@ def set_up_run(config: Config, device: torch.device, groups: ProcessGroups, resu
         from moe_fold.data.loader import validation_dataset_from_config
 
         valid_dataset = _dataset(config, groups, validation_dataset_from_config)
-    torch.manual_seed(t.seed)
-    model = build_model(config, groups).to(device)
-    master = None
-    if t.precision == "bf16":
-        master = MasterWeights(model.to(param_dtype(t.precision)), build_model(config, groups).to(device))
-    state_model = master.master if master else model
-    if t.precision == "bf16-autocast":
-        exclude_from_autocast(model, device)
-    # Under bf16 the model's grads feed the float32 masters' buckets (cast, then reduced),
-    # and the distributed optimizer copies each master bucket into the model once current.
-    sources = {m: q for q, m in master.pairs} if master is not None else None
-    optimizer = build_optimizer(state_model, config.optimizer, groups, bucket_numel=p.grad_bucket_numel,
-                                overlap_param_gather=p.overlap_param_gather, compute_model=model, targets=sources)
-    grad_sync = build_grad_sync(state_model, optimizer, groups, bucket_numel=p.grad_bucket_numel,
-                                overlap=p.overlap_grad_reduce, sources=sources)
+    model, master, state_model, optimizer, grad_sync = build_trainable(config, device, groups, build_model)
     replaces = config.moe.replace_every > 0 or config.moe.replicas > 0
     collector = RoutingCollector(model, config) if metrics or replaces else None
     replacer = None
@@ -163,6 +149,35 @@ def set_up_run(config: Config, device: torch.device, groups: ProcessGroups, resu
                rollbacks=Rollbacks(config, groups, loader, spikes, resume), faults=faults,
                forward_backward=forward_backward,
                routes=RouteActions.build(model, config, groups, run_dir, moe_layer_indices(config)))
+
+
+def build_trainable(config: Config, device: torch.device, groups: ProcessGroups,
+                    build_model: Callable[[Config, ProcessGroups], Transformer] = build_transformer
+                    ) -> tuple[nn.Module, Optional[MasterWeights], nn.Module, "AdamW", "GradSync"]:
+    """This rank's model (bf16 under ``train.precision=bf16``), its float32 masters (else
+    None), the model the optimizer steps (the masters, or the model), the optimizer and the
+    gradient reduction: what :func:`set_up_run` trains and the dry run
+    (:mod:`moe_fold.training.dryrun`) measures. Seeds torch with ``train.seed`` first (the
+    routers draw from torch's generator)."""
+    from moe_fold.training.optim import build_grad_sync, build_optimizer
+
+    t, p = config.train, config.parallel
+    torch.manual_seed(t.seed)
+    model = build_model(config, groups).to(device)
+    master = None
+    if t.precision == "bf16":
+        master = MasterWeights(model.to(param_dtype(t.precision)), build_model(config, groups).to(device))
+    state_model = master.master if master else model
+    if t.precision == "bf16-autocast":
+        exclude_from_autocast(model, device)
+    # Under bf16 the model's grads feed the float32 masters' buckets (cast, then reduced),
+    # and the distributed optimizer copies each master bucket into the model once current.
+    sources = {m: q for q, m in master.pairs} if master is not None else None
+    optimizer = build_optimizer(state_model, config.optimizer, groups, bucket_numel=p.grad_bucket_numel,
+                                overlap_param_gather=p.overlap_param_gather, compute_model=model, targets=sources)
+    grad_sync = build_grad_sync(state_model, optimizer, groups, bucket_numel=p.grad_bucket_numel,
+                                overlap=p.overlap_grad_reduce, sources=sources)
+    return model, master, state_model, optimizer, grad_sync
 
 
 def load_start_state(run: Run, resume: bool) -> tuple[int, Optional[str]]:

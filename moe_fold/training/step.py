@@ -10,8 +10,9 @@ stage reads the positions and the last one the labels). Then:
   micro-batch; one all-reduce over dp x cp), so the grads summed over micro-batches and
   averaged over dp x cp (:func:`moe_fold.training.grads.sync_grads`) are the exact gradient of the
   global-batch mean loss (:meth:`Transformer.forward`).
-- Routers: ``grad_scale = 1/num_microbatches``, so the aux and z losses, attached per
-  micro-batch through autograd, are the mean over the step's micro-batches.
+- Routers: every forward gets ``loss_scale = 1/num_microbatches``, so the aux and z
+  losses, attached per micro-batch through autograd, are the mean over the step's
+  micro-batches.
 - pp = 1: the micro-batches one after another, grads accumulating. pp > 1: the
   pipeline schedule ``parallel.pp_schedule`` over this rank's model chunks
   (:func:`moe_fold.parallel.pipeline.run_schedule`; ``interleaved`` with ``parallel.vpp`` chunks).
@@ -41,7 +42,6 @@ from torch import nn
 from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, dynamic_cp_layout, pipeline_schedule, require
 from moe_fold.data.loader import Batch
-from moe_fold.dispatch.router import Router
 from moe_fold.training.dynamic_cp import DynamicCP
 from moe_fold.layout import ProcessGroups
 from moe_fold.models.model import Transformer
@@ -57,17 +57,18 @@ class _Chunk(nn.Module):
     the first stage gets the :class:`Batch` itself, every stage gets it as ``batch``."""
 
     def __init__(self, model: Transformer, chunk: int, num_loss_tokens: torch.Tensor,
-                 forward_context: Callable[[], ContextManager]):
+                 forward_context: Callable[[], ContextManager], loss_scale: float):
         super().__init__()
         self.model, self.chunk = model, chunk
         self.num_loss_tokens, self.forward_context = num_loss_tokens, forward_context
+        self.loss_scale = loss_scale
 
     def forward(self, x, batch: Batch, mtp: Optional[MTPTargets] = None) -> torch.Tensor:
         hidden = None if isinstance(x, Batch) else x  # [S_local, B, H] from the stage before
         with self.forward_context():
             return self.model.chunk_forward(self.chunk, hidden, batch.tokens, batch.labels, batch.positions,
                                             batch.loss_mask, self.num_loss_tokens, docs=_documents(self.model, batch),
-                                            mtp=mtp)
+                                            mtp=mtp, loss_scale=self.loss_scale)
 
 
 def _documents(model: Transformer, batch: Batch):
@@ -110,9 +111,6 @@ def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: 
     if not microbatches:
         raise ValueError("microbatches is empty; pass this rank's micro-batches of the global batch")
     m = len(microbatches)
-    for module in model.modules():
-        if isinstance(module, Router):
-            module.grad_scale = 1.0 / m
     if dynamic_cp is not None:
         require(dynamic_cp_layout, dynamic_cp.cp, 1, model.num_stages)
         placed = [dynamic_cp.shard(b) for b in microbatches]
@@ -134,7 +132,8 @@ def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: 
         for i, (b, d) in enumerate(zip(microbatches, docs)):
             with torch.set_grad_enabled(not forward_only), forward_context():
                 loss = model(b.tokens, b.labels, positions=b.positions, loss_mask=b.loss_mask,
-                             num_loss_tokens=num_loss_tokens, docs=d, mtp=mtp[i] if mtp else None)
+                             num_loss_tokens=num_loss_tokens, docs=d, mtp=mtp[i] if mtp else None,
+                             loss_scale=1.0 / m)
             if not forward_only:
                 with backward_of(i, 0):
                     loss.backward()
@@ -144,7 +143,7 @@ def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: 
     batch, seq = microbatches[0].tokens.shape
     if config.parallel.sequence_parallel:
         seq //= groups.size("tp")
-    chunks = [_Chunk(model, c, num_loss_tokens, forward_context) for c in range(len(model.stages))]
+    chunks = [_Chunk(model, c, num_loss_tokens, forward_context, 1.0 / m) for c in range(len(model.stages))]
     # The schedule hands each chunk its micro-batch; the last stage's MTP targets go with it.
     index = {id(b): i for i, b in enumerate(microbatches)}
 

@@ -5,7 +5,7 @@ Per step, every rank takes its micro-batches of the global batch
 same ones) and runs their forward and backward with :func:`moe_fold.training.step.forward_backward`
 (one after another letting the grads add up, or the pipeline schedule under pp; the loss
 scaling that makes the summed grads the exact gradient of the global-batch mean loss,
-and the routers' ``grad_scale = 1/num_microbatches``, are documented there). Then
+and the routers' ``loss_scale = 1/num_microbatches``, are documented there). Then
 :func:`moe_fold.training.optim.apply_gradients` completes the gradient reduction (posted during
 the backward with ``parallel.overlap_grad_reduce``, :mod:`moe_fold.training.buckets`), clips
 the global norm and steps AdamW (whose parameter all-gathers, with
@@ -175,7 +175,7 @@ def compute_device(config: Config) -> torch.device:
 
 
 def resolve_backends(config: Config, device: Optional[torch.device] = None) -> Config:
-    """``config`` with each ``moe.*_backend`` that is ``auto`` (and MOE_FOLD_GEMM_BACKEND)
+    """``config`` with each ``moe.*_backend`` that is ``auto``
     resolved for ``device`` (default: the one this process trains on) and
     ``train.precision`` by :func:`moe_fold.kernels.backends.resolve_config`; raises
     ConfigError naming each backend that cannot run there."""

@@ -1,4 +1,4 @@
-"""Host synchronisations, counted on the CPU by what is called (moe_fold/host_syncs.py):
+"""Host synchronisations, counted on the CPU by what is called (tests/helpers/host_syncs.py):
 the counter itself (each kind of blocking call counted once, harmless calls not, forward
 and backward), the MoE layer's budget (at most one per forward, none in backward, for
 every dispatcher, mode and ep 1 / ep 2), and the training loop's per-step count."""
@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_fold.host_syncs import count_host_syncs
 from moe_fold.kernels import backends
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.moe_layer import MoELayer
 from moe_fold.training.train import train
 
+from tests.helpers.host_syncs import count_host_syncs
 from tests.models.test_moe_layer import SHARED, _config, _inputs
 from tests.training.test_train import small_config
 

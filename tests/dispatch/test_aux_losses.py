@@ -83,7 +83,7 @@ def _record_seq_aux(model):
     for block in model.layers:
         if isinstance(block.mlp, MoELayer):
             seen = []
-            block.mlp.register_forward_hook(lambda m, args, out, seen=seen: seen.append(m.last_losses["seq_aux"].item()))
+            block.mlp.router.register_forward_hook(lambda m, args, out, seen=seen: seen.append(out.losses["seq_aux"].item()))
             values.append(seen)
     return values
 
@@ -112,19 +112,20 @@ def test_seq_aux_equals_per_sample_formula():
     b = _rows(0, len(ROWS))
     groups = ProcessGroups.single_process()
     models = {coeff: build_model(_config(coeff), groups) for coeff in (COEFF, 0.0)}
-    inputs = []
+    inputs, outputs = [], []
     for block in models[COEFF].layers:
         block.mlp.router.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach().clone()))
+        block.mlp.router.register_forward_hook(lambda m, args, out: outputs.append(out))
     for model in models.values():
         docs = model.documents(b.cu_seqlens, b.token_mask, tuple(b.tokens.shape))
         model(b.tokens, b.labels, loss_mask=b.loss_mask, docs=docs).backward()
 
     layers = list(models[COEFF].layers)
-    assert len(inputs) == len(layers) == 2
-    for block, hidden in zip(layers, inputs):
+    assert len(inputs) == len(outputs) == len(layers) == 2
+    for block, hidden, routing in zip(layers, inputs, outputs):
         weight = block.mlp.router.weight.detach()
         want = _formula(hidden, weight, b.token_mask, len(ROWS))
-        torch.testing.assert_close(block.mlp.last_losses["seq_aux"], want, rtol=1e-5, atol=0)
+        torch.testing.assert_close(routing.losses["seq_aux"], want, rtol=1e-5, atol=0)
         # Not the batch-level loss under another name: samples are balanced one by one.
         whole = _formula(hidden, weight, b.token_mask.t().reshape(1, -1), 1)
         assert abs(whole.item() - want.item()) > 1e-3

@@ -554,9 +554,8 @@ def test_global_aux_gradient_uses_running_counts():
     cfg = dict(topk=2, global_aux_loss_coeff=0.5)
     h = torch.randn(12, 16)
     router = make_router(**cfg)
-    router.grad_scale = 0.5
     for chunk in h.chunk(2):
-        router(chunk).probs.sum().backward()
+        router(chunk, loss_scale=0.5).probs.sum().backward()
     W = router.weight.detach().double().requires_grad_(True)  # the reference in float64
     seen = []
     for chunk in h.double().chunk(2):
@@ -570,13 +569,12 @@ def test_global_aux_gradient_uses_running_counts():
     assert_close_to_float64(router.weight.grad, W.grad)
 
 
-def test_grad_scale_averages_microbatches_like_one_batch():
-    # aux on two micro-batches with grad_scale 1/2 = the mean of their two gradients.
+def test_loss_scale_averages_microbatches_like_one_batch():
+    # aux on two micro-batches with loss_scale 1/2 = the mean of their two gradients.
     h = torch.randn(12, 16)
     router = make_router(topk=2, aux_loss_coeff=0.3)
-    router.grad_scale = 0.5
     for chunk in h.chunk(2):
-        (0.5 * router(chunk).probs.sum()).backward()
+        (0.5 * router(chunk, loss_scale=0.5).probs.sum()).backward()
     grads = []
     for chunk in h.chunk(2):
         r = make_router(topk=2, aux_loss_coeff=0.3)

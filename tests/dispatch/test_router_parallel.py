@@ -57,12 +57,11 @@ def flat(x):
 def run_microbatches(router, hidden, target, mask, mb_ids, pos, grad_scale, cp):
     """Forward + backward of the given micro-batches; returns the per-micro-batch loss values
     and the gradient of every hidden token (the [len(mb_ids), B, len(pos), H] layout)."""
-    router.grad_scale = grad_scale
     values, hidden_grads = [], []
     for m in mb_ids:
         h = flat(hidden[m][:, pos]).clone().requires_grad_(True)
         out = router(h, loss_mask=flat(mask[m][:, pos]), seq_ids=torch.arange(B).repeat_interleave(len(pos)),
-                     num_seqs=B)
+                     num_seqs=B, loss_scale=grad_scale)
         main = (out.probs * flat(target[m][:, pos])).sum() / (B * S)
         (grad_scale * cp * main).backward()
         values.append({k: float(v) for k, v in out.losses.items()})
@@ -201,7 +200,6 @@ def _reference_merged(batch):
     hidden, target, mask = batch
     router = make_router(ProcessGroups.single_process(), **GLOBAL)
     n = hidden.shape[1]
-    router.grad_scale = 1.0
     h = hidden[0].reshape(-1, H).clone().requires_grad_(True)
     out = router(h, loss_mask=mask[0].reshape(-1))
     # The merged micro-batch holds n sequences: its mean is over n * S tokens.

@@ -1,6 +1,5 @@
 """Kernel backends: the ``auto`` rule's table, availability (imports and a tiny call runs),
-and how a run resolves, records and overrides its backends (config keys,
-MOE_FOLD_GEMM_BACKEND, train.tf32)."""
+and how a run resolves, records and overrides its backends (config keys, train.tf32)."""
 
 from __future__ import annotations
 
@@ -162,8 +161,7 @@ def _cfg(*overrides):
     return load_config("mixtral-tiny", ["wandb.mode=disabled", "parallel.ep=1", *overrides])
 
 
-def test_resolve_config_names_what_auto_means_on_cpu(monkeypatch):
-    monkeypatch.delenv("MOE_FOLD_GEMM_BACKEND", raising=False)
+def test_resolve_config_names_what_auto_means_on_cpu():
     config = _cfg()
     assert (config.moe.gemm_backend, config.moe.permute_backend, config.moe.swiglu_backend,
             config.moe.topk_backend) == ("auto",) * 4
@@ -175,24 +173,16 @@ def test_resolve_config_names_what_auto_means_on_cpu(monkeypatch):
     assert (moe.gemm_backend, moe.swiglu_backend) == ("torch", "torch")
 
 
-def test_gemm_precedence_config_over_environment_over_rule(monkeypatch):
+def test_gemm_backend_comes_from_the_config_or_the_rule():
     cpu = torch.device("cpu")
-    monkeypatch.setenv("MOE_FOLD_GEMM_BACKEND", "loop")
-    assert backends.resolve_config(_cfg(), cpu).moe.gemm_backend == "loop"
+    assert backends.resolve_config(_cfg("moe.gemm_backend=loop"), cpu).moe.gemm_backend == "loop"
     assert backends.resolve_config(_cfg("moe.gemm_backend=torch"), cpu).moe.gemm_backend == "torch"
-    monkeypatch.setenv("MOE_FOLD_GEMM_BACKEND", "auto")
     assert backends.resolve_config(_cfg(), cpu).moe.gemm_backend == "torch"
-    monkeypatch.setenv("MOE_FOLD_GEMM_BACKEND", "cutlass")
-    with pytest.raises(ConfigError) as info:
-        backends.resolve_config(_cfg(), cpu)
-    assert info.value.problems == ["MOE_FOLD_GEMM_BACKEND=cutlass (over moe.gemm_backend=auto) is not a grouped "
-                                   "GEMM backend; allowed: auto, grouped_gemm, torch, triton, loop"]
 
 
 def test_no_compiler_is_an_error_naming_the_field_and_the_fix(monkeypatch, tmp_path, fresh_probes):
     monkeypatch.setenv("CC", "no-such-compiler-moe-fold")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv("MOE_FOLD_GEMM_BACKEND", raising=False)
     with pytest.raises(ConfigError) as info:
         backends.resolve_config(_cfg(), torch.device("cpu"))
     (line,) = info.value.problems
@@ -237,18 +227,13 @@ def _calls(monkeypatch, module, name):
     return calls
 
 
-@pytest.mark.parametrize("env, key, ran", [(None, "auto", "torch"), ("loop", "auto", "loop"),
-                                           ("loop", "torch", "torch")])
-def test_training_runs_and_records_the_resolved_backends(tmp_path, cache_dir, monkeypatch, env, key, ran):
-    """MOE_FOLD_GEMM_BACKEND reaches training (it was ignored); moe.gemm_backend other than
-    auto wins over it; the run's config.yaml names what ran."""
+@pytest.mark.parametrize("key, ran", [("auto", "torch"), ("loop", "loop"), ("torch", "torch")])
+def test_training_runs_and_records_the_resolved_backends(tmp_path, cache_dir, monkeypatch, key, ran):
+    """moe.gemm_backend (``--set``) chooses the backend that runs in training; the run's
+    config.yaml names what ran."""
     from moe_fold.kernels import gmm_loop, gmm_torch
     from moe_fold.training.train import train
 
-    if env is None:
-        monkeypatch.delenv("MOE_FOLD_GEMM_BACKEND", raising=False)
-    else:
-        monkeypatch.setenv("MOE_FOLD_GEMM_BACKEND", env)
     loop_calls = _calls(monkeypatch, gmm_loop, "gmm_loop")
     torch_calls = _calls(monkeypatch, gmm_torch, "gmm_torch")
     config = load_config("mixtral-tiny", SMALL + [f"train.run_dir={tmp_path}", f"data.cache_dir={cache_dir}",

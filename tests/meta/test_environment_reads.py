@@ -28,7 +28,6 @@ ALLOWED = {
     "LOCAL_RANK": "torchrun's: the worker's GPU",
     "TORCHELASTIC_RESTART_COUNT": "torchrun's: a restarted group resumes",
     "TORCHELASTIC_USE_AGENT_STORE": "torchrun's: the shared store elastic rejoins cannot use",
-    "MOE_FOLD_GEMM_BACKEND": "bypasses moe.gemm_backend: goes with the grouped GEMM's environment switch",
 }
 # Whole-environment uses: the launcher hands its ranks the environment its caller asked for.
 WHOLE = {"moe_fold/launch.py"}

@@ -21,6 +21,7 @@ from moe_fold.models.moe_layer import MoELayer
 from moe_fold.parallel.tensor_parallel import unshard_tp
 
 from tests.helpers.float64_reference import assert_close_to_float64
+from tests.helpers.router_outputs import router_outputs
 
 H, FFN, SHARED, E, K, T = 16, 12, 20, 8, 2, 24
 
@@ -173,9 +174,11 @@ def test_aux_and_z_loss_gradients_reach_the_router():
     aux, z = 0.3, 0.05
     layer = MoELayer(_config(aux_loss_coeff=aux, z_loss_coeff=z), ProcessGroups.single_process(), 0)
     x = _inputs(1)
-    out = layer(x)
+    with router_outputs(layer) as seen:
+        out = layer(x)
     (out * torch.linspace(-1, 1, H)).sum().backward()
     got = layer.router.weight.grad.clone()
+    ((_, routing),) = seen
 
     w = layer.router.weight.detach().requires_grad_()
     layer.router.weight.grad = None
@@ -188,8 +191,8 @@ def test_aux_and_z_loss_gradients_reach_the_router():
     zl = (torch.logsumexp(logits, dim=-1) ** 2).mean()
     (main + aux * balance + z * zl).backward()
     torch.testing.assert_close(got, w.grad, rtol=1e-4, atol=1e-7)
-    torch.testing.assert_close(layer.last_losses["aux"], balance.detach(), rtol=1e-5, atol=0)
-    torch.testing.assert_close(layer.last_losses["z"], zl.detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(routing.losses["aux"], balance.detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(routing.losses["z"], zl.detach(), rtol=1e-5, atol=0)
 
 
 def _layer_ref_with_router(layer, x, logits):
@@ -210,7 +213,9 @@ def test_capacity_drops_the_right_tokens(policy, pad):
     layer = MoELayer(_config(capacity_factor=cf, drop_policy=policy, pad_to_capacity=pad),
                      ProcessGroups.single_process(), 0)
     x = _inputs(2)
-    out = layer(x)
+    with router_outputs(layer) as seen:
+        out = layer(x)
+    ((_, routing),) = seen
     # Expert e keeps ceil(T*k/E*cf) of its tokens: the highest probs or the earliest.
     capacity = math.ceil(T * K / E * cf)
     logits = (x @ layer.router.weight.t()).detach()
@@ -226,7 +231,7 @@ def test_capacity_drops_the_right_tokens(policy, pad):
     routed = probs > 0
     assert kept.sum() < routed.sum()  # something was dropped
     torch.testing.assert_close(out, _layer_ref(layer, x, kept), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(layer.last_stats.dropped_fraction.float(),
+    torch.testing.assert_close(routing.stats.dropped_fraction.float(),
                                1 - kept.sum().float() / routed.sum(), rtol=1e-6, atol=0)
 
 
@@ -304,12 +309,15 @@ def _name(settings):
 
 
 def _layer_run(config, x):
-    """Output, input grad and parameter grads of layer 1 of ``config`` on ``x``."""
+    """Layer 1 of ``config``, its router's output, and the layer's output, input grad and
+    parameter grads on ``x``."""
     layer = MoELayer(config, ProcessGroups.single_process(), 1)
     x = x.clone().requires_grad_()
-    out = layer(x)
+    with router_outputs(layer) as seen:
+        out = layer(x)
     (out * torch.linspace(-1, 1, H)).sum().backward()
-    return layer, out.detach(), x.grad, {name: p.grad for name, p in layer.named_parameters()}
+    ((_, routing),) = seen
+    return layer, routing, out.detach(), x.grad, {name: p.grad for name, p in layer.named_parameters()}
 
 
 @pytest.mark.parametrize("overlap, moe", COMBINATIONS, ids=[f"{_name(o)}-{_name(m)}" for o, m in COMBINATIONS])
@@ -320,11 +328,11 @@ def test_overlap_gives_the_layer_without_overlap(overlap, moe):
     Capacity 0.75 drops tokens, which the chunks must not change: routing is per layer."""
     x = _inputs(4)
     shared = dict(shared_expert_ffn_hidden_size=SHARED, shared_expert_gate=True)
-    base, out, x_grad, grads = _layer_run(_config(**shared, **moe), x)
-    layer, got, got_x_grad, got_grads = _layer_run(_config(**shared, **moe, **overlap), x)
+    _, base, out, x_grad, grads = _layer_run(_config(**shared, **moe), x)
+    layer, routing, got, got_x_grad, got_grads = _layer_run(_config(**shared, **moe, **overlap), x)
     if "capacity_factor" in moe:
-        assert 0 < base.last_stats.dropped_fraction < 1
-    torch.testing.assert_close(layer.last_stats.dropped_fraction, base.last_stats.dropped_fraction, rtol=0, atol=0)
+        assert 0 < base.stats.dropped_fraction < 1
+    torch.testing.assert_close(routing.stats.dropped_fraction, base.stats.dropped_fraction, rtol=0, atol=0)
     tol = dict(rtol=0, atol=0) if overlap.get("overlap_chunks", 1) == 1 else dict(rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(got, out, **tol)
     torch.testing.assert_close(got_x_grad, x_grad, **tol)

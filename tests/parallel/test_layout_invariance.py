@@ -13,7 +13,7 @@ The reference. The router's losses are computed per micro-batch: over the tokens
 tp x cp group, i.e. one dp rank's share of the global batch (Router docstring). So the
 one-process reference of a layout with data-parallel size D runs the same global batch
 as D micro-batches, the dp shards in rank order, accumulating grads with the router's
-``grad_scale = 1/D`` and the main loss normalised by the global token count, which is
+``loss_scale = 1/D`` and the main loss normalised by the global token count, which is
 exactly what the training loop does with D micro-batches. Dropless routing is the same
 whether the batch is split or not; the load-balancing loss is not (it is not linear in
 the counts), hence D.
@@ -40,6 +40,7 @@ from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
 from moe_fold.models.moe_layer import MoELayer
 from moe_fold.parallel.tensor_parallel import unshard_tp
+from tests.helpers.router_outputs import max_dropped_fraction, router_outputs
 from tests.helpers.compare import assert_run_matches
 from tests.models.test_mla import MLA_MODEL
 
@@ -112,26 +113,24 @@ def _global_grads(model, groups):
     return out
 
 
-def _train(model, groups, micro_batches, global_grads=_global_grads):
+def _train(model, groups, micro_batches):
     """STEPS AdamW steps over ``micro_batches`` (one per dp rank here, D in the reference):
-    losses, the first step's global grads (gathered by ``global_grads``) and grad norm,
-    whether capacity dropped tokens."""
+    losses, the first step's global grads and grad norm, whether capacity dropped tokens."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    for layer in _moe_layers(model):
-        layer.router.grad_scale = 1.0 / len(micro_batches)
     num_tokens = sum(ids.numel() for ids, _ in micro_batches) * groups.size("dp_cp")
     losses, out, dropped = [], {}, 0.0
     for step in range(STEPS):
         opt.zero_grad()
         loss = 0.0
         for ids, labels in micro_batches:
-            mb_loss = model(ids, labels, num_loss_tokens=num_tokens)
+            with router_outputs(model) as seen:
+                mb_loss = model(ids, labels, num_loss_tokens=num_tokens, loss_scale=1.0 / len(micro_batches))
             mb_loss.backward()
             loss += mb_loss.detach()
-            dropped = max([dropped] + [layer.last_stats.dropped_fraction.item() for layer in _moe_layers(model)])
+            dropped = max(dropped, max_dropped_fraction(seen))
         sync_grads(model.parameters(), groups)
         if step == 0:
-            out["grads"] = global_grads(model, groups)
+            out["grads"] = _global_grads(model, groups)
             out["norm"] = grad_norm(model.parameters(), groups).item()
         losses.append((all_reduce(loss, groups.dp_cp) / groups.size("dp_cp")).item())
         opt.step()

@@ -14,7 +14,7 @@ and pp) and gradient norms.
 The reference runs the same global batch on one process as the layout's ``dp x m``
 micro-batches (the router's losses are per micro-batch and per dp rank, see
 tests/parallel/test_layout_invariance.py), accumulating grads by hand with the router's
-``grad_scale = 1/(dp*m)`` and the main loss normalised by the global count of unmasked
+``loss_scale = 1/(dp*m)`` and the main loss normalised by the global count of unmasked
 tokens. The loss mask leaves out a different number of tokens in every row, so cp and dp
 ranks hold unequal counts and the normalisation is tested for exactness.
 """
@@ -27,17 +27,16 @@ import torch.distributed as dist
 from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, ModelConfig, OptimizerConfig, ParallelConfig
 from moe_fold.data.loader import Batch
-from moe_fold.dispatch.router import Router
 from moe_fold.training.grads import clip_grad_norm_, sync_grads
 from moe_fold.launch import run_ranks
 from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
-from moe_fold.models.moe_layer import MoELayer
 from moe_fold.parallel.sharding import full_tensor, shard_info
 from moe_fold.training.optim import AdamW, apply_gradients, build_grad_sync, build_optimizer, param_groups
 from moe_fold.training.step import forward_backward
 from tests.helpers.compare import assert_run_matches
 from tests.helpers.pipeline_union import unite_over_pp
+from tests.helpers.router_outputs import max_dropped_fraction, router_outputs
 from tests.parallel.test_layout_invariance import _global_grads
 from tests.models.test_mla import MLA_MODEL
 
@@ -211,7 +210,8 @@ def _train_layout(model, groups, config, micro_batches):
     out = {"losses": [], "norms": []}
     for step in range(STEPS):
         opt.zero_grad()
-        losses = forward_backward(model, micro_batches, groups, config)
+        with router_outputs(model) as seen:
+            losses = forward_backward(model, micro_batches, groups, config)
         sync_grads(model.parameters(), groups)
         if step == 0:
             out["grads"] = _pp_gathered(model, groups)
@@ -221,8 +221,7 @@ def _train_layout(model, groups, config, micro_batches):
         opt.step()
     out["tied_diff"] = _tied_copies_differ(model, groups)
     out["stages"] = model.stages
-    out["dropped"] = max([m.last_stats.dropped_fraction.item() for m in model.modules() if isinstance(m, MoELayer)],
-                         default=0.0)
+    out["dropped"] = max_dropped_fraction(seen)  # the last step's forwards
     return out
 
 
@@ -313,9 +312,6 @@ def _reference(name):
         mtp = [model.mtp_targets(b.tokens, b.labels, b.loss_mask, d) for b, d in zip(micro, docs)]
         for t in mtp:
             t.num_tokens = sum(u.mask.sum(dim=(1, 2)) for u in mtp)
-    for module in model.modules():
-        if isinstance(module, Router):
-            module.grad_scale = 1.0 / num_micro
     opt = AdamW(param_groups(model, 0.1), lr=LR)
     out = {"losses": [], "norms": []}
     for step in range(STEPS):
@@ -323,7 +319,7 @@ def _reference(name):
         loss = 0.0
         for b, d, t in zip(micro, docs, mtp):
             mb_loss = model(b.tokens, b.labels, positions=b.positions, loss_mask=b.loss_mask,
-                            num_loss_tokens=num_loss_tokens, docs=d, mtp=t)
+                            num_loss_tokens=num_loss_tokens, docs=d, mtp=t, loss_scale=1.0 / num_micro)
             mb_loss.backward()
             loss += mb_loss.item()
         if step == 0:

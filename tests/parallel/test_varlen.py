@@ -23,6 +23,7 @@ from moe_fold.training.step import forward_backward
 from moe_fold.parallel.varlen import doc_ids_from_cu_seqlens, segment_bounds, varlen_attention
 
 from tests.data.test_preprocess import write_indexed_dataset
+from tests.helpers.router_outputs import router_outputs
 from tests.models.test_mla import MLA_MODEL
 
 S, B = 16, 2
@@ -244,13 +245,15 @@ def _step_values(batch):
     torch.manual_seed(0)
     config = _config()
     model = build_model(config, ProcessGroups.single_process())
-    losses = forward_backward(model, [batch], ProcessGroups.single_process(), config)
+    with router_outputs(model) as seen:
+        losses = forward_backward(model, [batch], ProcessGroups.single_process(), config)
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    assert [router for router, _ in seen] == [layer.router for layer in layers]
     return {
         "loss": losses.sum(),
         "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-        "router": [{k: v.clone() for k, v in layer.last_losses.items()} for layer in layers],
-        "stats": [layer.last_stats.tokens_per_expert.clone() for layer in layers],
+        "router": [{k: v.clone() for k, v in out.losses.items()} for _, out in seen],
+        "stats": [out.stats.tokens_per_expert.clone() for _, out in seen],
         "bias_counts": [layer.router._bias_counts.clone() for layer in layers],
     }
 

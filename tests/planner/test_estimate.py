@@ -13,6 +13,8 @@ from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.planner.comm import Routing, step_bytes, uniform_routing
 from moe_fold.planner.model import param_manifest
 
+from tests.helpers.router_outputs import router_outputs
+
 # Two layouts of world 4 with every group kind the MoE step uses:
 # "etp2": tp 2 (SP), ep 2, etp 2 -> dp 2, edp 1; distributed optimizer; qk-norm, a gated
 #         shared expert, z-loss and the global aux loss; one dense and one MoE layer; one
@@ -62,7 +64,6 @@ def _train_step(rank: int, world: int, names: list[str]) -> dict:
     apply_gradients) per layout, inside the byte counter; also this rank's parameters
     and the per-expert token counts of every MoE layer and micro-batch."""
     from moe_fold.models.model import build_model
-    from moe_fold.models.moe_layer import MoELayer
     from moe_fold.training.optim import apply_gradients, build_optimizer
 
     out = {}
@@ -86,9 +87,9 @@ def _train_step(rank: int, world: int, names: list[str]) -> dict:
                     # without the per-micro-batch all-reduce (training counts once per step).
                     mtp = model.mtp_targets(ids, ids, None, None)
                     mtp.num_tokens = mtp.mask.sum(dim=(1, 2)) * groups.size("dp")
-                loss = model(ids, ids, mtp=mtp)
-                counts.append([m.last_stats.tokens_per_expert.tolist()
-                               for m in model.modules() if isinstance(m, MoELayer)])
+                with router_outputs(model) as seen:
+                    loss = model(ids, ids, mtp=mtp)
+                counts.append([out.stats.tokens_per_expert.tolist() for _, out in seen])
                 loss.backward()
             apply_gradients(list(model.parameters()), optimizer, groups, config.optimizer.clip_grad)
         params = [(n, q.numel(), q.parallel) for n, q in model.named_parameters()]

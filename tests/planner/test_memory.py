@@ -220,10 +220,11 @@ def test_plan_command_names_the_implementation(capsys):
     assert "megatron's footprint" in capsys.readouterr().out
     assert main(args + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    # bf16 with masters: 2 + 4 bytes of weights, 2 + 4 of grads per local parameter
+    # bf16 with masters: 2 + 4 bytes of weights per local parameter; of grads the float32
+    # main grads' 4 (the bf16 grads die as they are made: tests/training/test_dryrun.py measures it)
     local = out["params"]["rank_max"]
     assert out["implementation"] == "moe-fold"
-    assert out["memory"]["weights"] == 6 * local and out["memory"]["grads"] == 6 * local
+    assert out["memory"]["weights"] == 6 * local and out["memory"]["grads"] == 4 * local
     assert out["memory"]["master_weights"] == 4 * local
 
 

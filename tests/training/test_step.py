@@ -1,5 +1,6 @@
 """forward_backward on one process: its losses and grads are the loop over micro-batches
-with the global batch's token count and the router's 1/m written out by hand. The same
+with the global batch's token count and the router's 1/m written out by hand, and
+every router forward of a step (the MTP depths' too) given that 1/m. The same
 step on every layout against one process: tests/parallel/test_parallel_matrix.py."""
 
 import pytest
@@ -9,7 +10,24 @@ from moe_fold.dispatch.router import Router
 from moe_fold.layout import ProcessGroups
 from moe_fold.models.model import build_model
 from moe_fold.training.step import forward_backward
-from tests.parallel.test_parallel_matrix import _config, _micro_batches
+from tests.parallel.test_parallel_matrix import LAYERS, _config, _micro_batches
+
+
+def test_every_router_forward_of_a_step_gets_the_micro_batch_share():
+    """forward_backward hands every router forward of its step, the MTP depths' too, the
+    share 1/m of each of its m micro-batches (the factor on the router losses' gradients)."""
+    config = _config(dict(mtp_num_layers=1))
+    model = build_model(config, ProcessGroups.single_process())
+    seen = []
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.register_forward_pre_hook(lambda m, args, kwargs: seen.append((m, kwargs["loss_scale"])),
+                                             with_kwargs=True)
+    forward_backward(model, _micro_batches(0, 1, 4), ProcessGroups.single_process(), config)
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    assert len(routers) == LAYERS + 1 and model.mtp is not None
+    assert sorted(id(m) for m, _ in seen) == sorted(id(m) for m in routers for _ in range(4))
+    assert {scale for _, scale in seen} == {0.25}
 
 
 def test_forward_backward_one_process_is_the_hand_loop():
@@ -20,13 +38,10 @@ def test_forward_backward_one_process_is_the_hand_loop():
     a = build_model(config, ProcessGroups.single_process())
     losses = forward_backward(a, micro, ProcessGroups.single_process(), config)
     b = build_model(config, ProcessGroups.single_process())
-    for module in b.modules():
-        if isinstance(module, Router):
-            module.grad_scale = 0.5
     n = sum(mb.loss_mask.sum() for mb in micro)
     expected = []
     for mb in micro:
-        loss = b(mb.tokens, mb.labels, loss_mask=mb.loss_mask, num_loss_tokens=n)
+        loss = b(mb.tokens, mb.labels, loss_mask=mb.loss_mask, num_loss_tokens=n, loss_scale=0.5)
         loss.backward()
         expected.append(loss.item())
     assert losses.dtype == torch.float64 and losses.shape == (2,)

@@ -1,4 +1,6 @@
-"""Count, on any device, the calls that would make the host wait for a GPU.
+"""Count, on any device, the calls that would make the host wait for a GPU: a test
+helper, outside the installed package, since it patches torch's autograd engine while it
+counts (the installed package never imports tests/: tests/meta/test_architecture.py).
 
 On a GPU the host queues kernels and runs ahead; a call that needs a value the device
 computes (``.item()``, ``.tolist()``, an output whose size depends on the data, a copy to
