@@ -126,13 +126,13 @@ MUTANTS: list[Mutant] = [
         "                             loss_scale=1.0 / m)",
         "                             loss_scale=1.0)",
         "the router losses' gradients not divided over the step's micro-batches (counted m times over)",
-        ("tests/parallel/test_parallel_matrix.py::test_forward_backward_one_process_is_the_hand_loop",)),
+        ("tests/training/test_step.py::test_forward_backward_one_process_is_the_hand_loop",)),
     Mutant(
         "mtp-router-loss-scale", MTP,
         "        return self.block(x, cos, sin, docs, loss_scale=loss_scale)",
         "        return self.block(x, cos, sin, docs)",
         "an MTP depth's router takes its losses at full weight in every micro-batch of a step",
-        ("tests/parallel/test_parallel_matrix.py::test_every_router_forward_of_a_step_gets_the_micro_batch_share",)),
+        ("tests/training/test_step.py::test_every_router_forward_of_a_step_gets_the_micro_batch_share",)),
     Mutant(
         "router-bias-counts-group", ROUTER,
         "all_reduce_(counts, self.groups.tp_dp_cp)",
