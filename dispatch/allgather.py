@@ -24,9 +24,9 @@ import torch
 
 from moe_fold import comm
 from moe_fold.config import dispatch_modes, require
-from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher
+from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, WireBytes
 from moe_fold.dispatch.placement import Placement
-from moe_fold.kernels.permute import permute, unpermute
+from moe_fold.kernels.permute import permuted_rows, unpermuted
 
 if TYPE_CHECKING:
     from moe_fold.layout import ProcessGroups
@@ -58,7 +58,7 @@ class AllGatherDispatcher(TokenDispatcher):
         self.mode = mode
 
     def dispatch_preprocess(self, tokens, probs, routing_map):
-        handle = AllGatherHandle(num_tokens=tokens.shape[0])
+        handle = AllGatherHandle(num_tokens=tokens.shape[0], wire=WireBytes())
         # [1 + ep*S]: this rank's tokens, then its routed pairs per slot (expert by default).
         num_tokens = torch.full((1,), tokens.shape[0], dtype=torch.int64, device=tokens.device)
         g, dev = self._gather_counts(torch.cat([num_tokens, routing_map.sum(dim=0)]), handle.wire, "tokens+slots",
@@ -91,12 +91,12 @@ class AllGatherDispatcher(TokenDispatcher):
         e, mine = self.num_slots, slice(self.local_expert_start, self.local_expert_start + self.num_local_experts)
         local_probs = meta[:, :e][:, mine]  # [sum(T), E_local]
         local_map = meta[:, e:][:, mine] > 0.5
-        x, probs, handle.sorted_indices = permute(x, local_map, local_probs, backend=self.permute_backend,
+        x, probs, handle.sorted_indices = permuted_rows(x, local_map, local_probs, backend=self.permute_backend,
                                                   num_rows=sum(handle.tokens_per_local_expert))  # [sum(T), H] -> [N, H]
         return x, probs, handle.device_tokens_per_local_expert, handle.tokens_per_local_expert
 
     def combine_preprocess(self, x, handle):
-        return unpermute(x, handle.sorted_indices, sum(handle.sizes),
+        return unpermuted(x, handle.sorted_indices, sum(handle.sizes),
                          backend=self.permute_backend)  # [N, H] -> [sum(T), H]
 
     def combine_communicate(self, x, handle):

@@ -42,10 +42,10 @@ import torch
 
 from moe_fold import comm
 from moe_fold.config import capacity_factor_positive, dispatch_modes, require
-from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, expert_major_order
+from moe_fold.dispatch.interface import MODES, Handle, TokenDispatcher, WireBytes, expert_major_order
 from moe_fold.dispatch.placement import Placement, expert_order
-from moe_fold.dispatch.router import expert_capacity
-from moe_fold.kernels.permute import permute, permute_padded, sort_chunks, unpermute
+from moe_fold.dispatch.router import capacity_of
+from moe_fold.kernels.permute import chunks_sorted, padded_rows, permuted_rows, unpermuted
 
 if TYPE_CHECKING:
     from moe_fold.layout import ProcessGroups
@@ -129,8 +129,9 @@ class AllToAllDispatcher(TokenDispatcher):
             sorted(range(self.num_slots), key=self._expert_order.__getitem__)
 
     def capacity(self, num_tokens: int) -> int:
-        """Rows per expert and source rank in the padded mode."""
-        return expert_capacity(num_tokens, self.num_experts, self.topk, self.capacity_factor)
+        """Rows per expert and source rank in the padded mode (the factor was checked when
+        the dispatcher was built)."""
+        return capacity_of(num_tokens, self.num_experts, self.topk, self.capacity_factor)
 
     def _capacity(self, num_tokens: int) -> Optional[int]:
         """Rows per slot the router keeps (the capacity mode), None when dropless."""
@@ -139,7 +140,7 @@ class AllToAllDispatcher(TokenDispatcher):
     # ------------------------------------------------------------------ dispatch
 
     def dispatch_preprocess(self, tokens, probs, routing_map):
-        handle = AllToAllHandle(num_tokens=tokens.shape[0])
+        handle = AllToAllHandle(num_tokens=tokens.shape[0], wire=WireBytes())
         if self.dedup:
             return self._dedup_preprocess(tokens, probs, routing_map, handle)
         device = tokens.device
@@ -185,17 +186,17 @@ class AllToAllDispatcher(TokenDispatcher):
             cols = self._on_device("_expert_order", routing_map.device)
             routing_map, probs = routing_map.index_select(1, cols), probs.index_select(1, cols)
         if capacity is None:
-            x, p, handle.sorted_indices = permute(tokens, routing_map, probs, backend=self.permute_backend,
+            x, p, handle.sorted_indices = permuted_rows(tokens, routing_map, probs, backend=self.permute_backend,
                                                   num_rows=num_rows)
         else:
-            x, p, handle.sorted_indices = permute_padded(tokens, routing_map, probs, capacity,
+            x, p, handle.sorted_indices = padded_rows(tokens, routing_map, probs, capacity,
                                                          backend=self.permute_backend)
         if self._expert_order is not None:
             handle.slot_sizes = slot_sizes
             expert_sizes = slot_sizes.index_select(0, cols)
             slot_order = self._on_device("_slot_order", x.device)
-            x = sort_chunks(x, expert_sizes, slot_order, backend=self.permute_backend)
-            p = sort_chunks(p, expert_sizes, slot_order, backend=self.permute_backend)
+            x = chunks_sorted(x, expert_sizes, slot_order, backend=self.permute_backend)
+            p = chunks_sorted(p, expert_sizes, slot_order, backend=self.permute_backend)
         return x, p
 
     def dispatch_communicate(self, x, probs, handle):
@@ -231,8 +232,8 @@ class AllToAllDispatcher(TokenDispatcher):
             x, probs = self._dedup_postprocess(x, probs, handle)
         elif self._sorts:
             order = self._on_device("_order", x.device)
-            x = sort_chunks(x, handle.chunk_sizes, order, backend=self.permute_backend)
-            probs = sort_chunks(probs, handle.chunk_sizes, order, backend=self.permute_backend)
+            x = chunks_sorted(x, handle.chunk_sizes, order, backend=self.permute_backend)
+            probs = chunks_sorted(probs, handle.chunk_sizes, order, backend=self.permute_backend)
         return x, probs, handle.device_tokens_per_local_expert, handle.tokens_per_local_expert
 
     # ------------------------------------------------------------------ combine
@@ -240,15 +241,15 @@ class AllToAllDispatcher(TokenDispatcher):
     def combine_preprocess(self, x, handle):
         if self.dedup:
             # Sum each received token's expert outputs here, so one row goes back.
-            x = unpermute(x, handle.local_indices, handle.num_received,
+            x = unpermuted(x, handle.local_indices, handle.num_received,
                           backend=self.permute_backend)  # [N, H] -> [R, H]
             if self.etp > 1:
                 sizes = handle.chunk_sizes.index_select(0, self._on_device("_rank_order", x.device))
-                x = sort_chunks(x, sizes, self._on_device("_rank_inverse_order", x.device),
+                x = chunks_sorted(x, sizes, self._on_device("_rank_inverse_order", x.device),
                                 backend=self.permute_backend)
             return x
         if self._sorts:
-            x = sort_chunks(x, handle.sorted_chunk_sizes, self._on_device("_inverse_order", x.device),
+            x = chunks_sorted(x, handle.sorted_chunk_sizes, self._on_device("_inverse_order", x.device),
                             backend=self.permute_backend)
         return x
 
@@ -274,9 +275,9 @@ class AllToAllDispatcher(TokenDispatcher):
     def combine_postprocess(self, x, handle):
         if handle.slot_sizes is not None:
             # Slot-major -> expert-major, the order the rows were gathered in (_permute).
-            x = sort_chunks(x, handle.slot_sizes, self._on_device("_expert_order", x.device),
+            x = chunks_sorted(x, handle.slot_sizes, self._on_device("_expert_order", x.device),
                             backend=self.permute_backend)
-        return unpermute(x, handle.sorted_indices, handle.num_tokens,
+        return unpermuted(x, handle.sorted_indices, handle.num_tokens,
                          backend=self.permute_backend)  # [N, H] -> [T, H]
 
     # ------------------------------------------------------------------ dedup
@@ -304,7 +305,7 @@ class AllToAllDispatcher(TokenDispatcher):
         handle.device_tokens_per_local_expert = dev[:, :, mine].sum(dim=(0, 1))
 
         # [T, H] -> [R, H]: one row per (token, destination rank), destination-major.
-        x, _, handle.sorted_indices = permute(tokens, rank_map, None, backend=self.permute_backend,
+        x, _, handle.sorted_indices = permuted_rows(tokens, rank_map, None, backend=self.permute_backend,
                                               num_rows=sum(handle.input_splits))
         dest = torch.repeat_interleave(torch.arange(ep, device=tokens.device),
                                        dev[self.ep_rank, self.etp_rank, self.num_slots:],
@@ -320,10 +321,10 @@ class AllToAllDispatcher(TokenDispatcher):
         if self.etp > 1:
             # [etp][ep] -> [ep][etp], so the expanded rows come out in the plain mode's order.
             order = self._on_device("_rank_order", x.device)
-            x = sort_chunks(x, handle.chunk_sizes, order, backend=self.permute_backend)
-            meta = sort_chunks(meta, handle.chunk_sizes, order, backend=self.permute_backend)
+            x = chunks_sorted(x, handle.chunk_sizes, order, backend=self.permute_backend)
+            meta = chunks_sorted(meta, handle.chunk_sizes, order, backend=self.permute_backend)
         row_probs, row_map = meta[:, :el], meta[:, el:] > 0.5
         # [R, H] -> [N, H]: one row per (token, local expert), local-expert-major.
-        x, probs, handle.local_indices = permute(x, row_map, row_probs, backend=self.permute_backend,
+        x, probs, handle.local_indices = permuted_rows(x, row_map, row_probs, backend=self.permute_backend,
                                                  num_rows=sum(handle.tokens_per_local_expert))
         return x, probs

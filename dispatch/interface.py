@@ -56,7 +56,7 @@ section.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -119,7 +119,8 @@ class Handle:
     """State of one dispatch, read by its combine. Subclasses add their own fields."""
 
     num_tokens: int
-    wire: WireBytes = field(default_factory=WireBytes)
+    # Passed by the dispatcher (a default factory is a call the compiler cannot trace).
+    wire: WireBytes
     # Rows handed to the experts; combine expects as many.
     num_rows: int = 0
 

@@ -29,17 +29,19 @@ from torch import nn
 
 from moe_fold.comm import all_reduce_
 from moe_fold.config import (
-    MoEConfig, capacity_factor_positive, choice, choices, group_ranked_scores, require, router_settings,
-    routing_groups,
+    MoEConfig, capacity_factor_positive, choice, choices, experts_over_ep, group_ranked_scores, require,
+    router_settings, routing_groups,
 )
 from moe_fold.dispatch.aux_losses import attach_loss, aux_loss_scores, load_balancing_loss, z_loss
-from moe_fold.dispatch.routing_stats import RoutingStats, routing_stats
-from moe_fold.kernels.topk import resolve_backend as resolve_topk_backend
+from moe_fold.dispatch.routing_stats import RoutingStats, load_stats, routing_stats
+from moe_fold.kernels.topk import build_backend as build_topk_backend
+from moe_fold.kernels.topk import topk_scores
 from moe_fold.layout import ProcessGroups
 
 __all__ = [
     "SCORE_FUNCTIONS", "DROP_POLICIES",
-    "check_routing_args", "topk_routing", "expert_capacity", "apply_capacity", "updated_expert_bias",
+    "check_routing_args", "topk_routing", "routed", "expert_capacity", "capacity_of", "apply_capacity",
+    "kept_within", "updated_expert_bias",
     "aux_loss_scores", "load_balancing_loss", "z_loss", "attach_loss", "RoutingStats", "routing_stats",
     "Router", "RouterOutput",
 ]
@@ -81,14 +83,14 @@ def _stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def _select(scores: torch.Tensor, topk: int, num_groups: Optional[int],
-            group_topk: Optional[int], group_score: str = "topk_sum") -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k values and expert indices per token, optionally limited to the best groups."""
+            group_topk: Optional[int], ranked: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k values and expert indices per token, optionally limited to the best groups.
+    A group's rank is the sum of its best ``ranked`` scores (max: the best one;
+    :func:`moe_fold.config.group_ranked_scores` of ``moe.group_score``)."""
     if group_topk is None:
         return _stable_topk(scores, topk)
     num_tokens, num_experts = scores.shape
     per_group = num_experts // num_groups
-    # A group's rank is the sum of its best `ranked` scores (max: the best one).
-    ranked = group_ranked_scores(group_score, topk, group_topk)
     # [T, E] -> [T, groups, E/groups] -> [T, groups]
     group_scores = _stable_topk(scores.view(num_tokens, num_groups, per_group), ranked)[0].sum(-1)
     best = _stable_topk(group_scores, group_topk)[1]
@@ -159,11 +161,25 @@ def topk_routing(
     if expert_bias is not None and tuple(expert_bias.shape) != (num_experts,):
         raise ValueError(f"expert_bias must have shape ({num_experts},), got {tuple(expert_bias.shape)}")
     fusable = group_topk is None and expert_bias is None and norm_min is None and forced is None
-    if resolve_topk_backend(backend, logits, fusable=fusable) == "triton":
-        from moe_fold.kernels.topk_triton import topk_softmax_triton
+    ranked = group_ranked_scores(group_score, topk, group_topk) if group_topk is not None else 0
+    return routed(logits, topk, score=score, pre_softmax=pre_softmax, num_groups=num_groups, group_topk=group_topk,
+                  ranked=ranked, scaling_factor=scaling_factor, expert_bias=expert_bias, norm_min=norm_min,
+                  backend=build_topk_backend(backend, fusable=fusable), forced=forced)
 
-        # The kernel computes in float32 (float64 for float64 logits), like `work` below.
-        probs, routing_map = topk_softmax_triton(logits, topk, score=score, pre_softmax=pre_softmax)
+
+def routed(logits: torch.Tensor, topk: int, *, score: str, pre_softmax: bool, num_groups: Optional[int],
+           group_topk: Optional[int], ranked: int, scaling_factor: Optional[float],
+           expert_bias: Optional[torch.Tensor], norm_min: Optional[float],
+           backend: str, forced: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`topk_routing` with every argument already checked and ``backend`` from
+    :func:`moe_fold.kernels.topk.build_backend`: tensor work only, what :class:`Router`'s
+    forward calls. ``ranked``: the best scores that rank a group (ignored without groups).
+    Plain top-k is one op (:func:`moe_fold.kernels.topk.topk_scores`, the Triton kernel or
+    torch); groups, a bias, a renormalisation floor or replayed experts (``forced``) run
+    the torch ops here."""
+    if group_topk is None and expert_bias is None and norm_min is None and forced is None:
+        # The op computes in float32 (float64 for float64 logits), like `work` below.
+        probs, routing_map = topk_scores(logits, topk, score, pre_softmax, backend)
         return (probs if scaling_factor is None else probs * scaling_factor), routing_map
     work = logits if logits.dtype == torch.float64 else logits.float()
 
@@ -172,7 +188,7 @@ def topk_routing(
             top = forced
             top_logits = work.gather(1, top)
         else:
-            top_logits, top = _select(work, topk, num_groups, group_topk, group_score)
+            top_logits, top = _select(work, topk, num_groups, group_topk, ranked)
         probs = torch.softmax(top_logits, dim=-1)
     else:
         # Scores over all experts: the softmax (pre_softmax) or the sigmoid of each logit.
@@ -181,10 +197,10 @@ def topk_routing(
             top = forced
             probs = scores.gather(1, forced)
         elif expert_bias is not None:
-            top = _select(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk, group_score)[1]
+            top = _select(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk, ranked)[1]
             probs = scores.gather(1, top)
         else:
-            probs, top = _select(scores, topk, num_groups, group_topk, group_score)
+            probs, top = _select(scores, topk, num_groups, group_topk, ranked)
         if score == "sigmoid" and topk > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
         elif norm_min is not None:
@@ -204,6 +220,11 @@ def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_facto
     if not isinstance(capacity_factor, (int, float)) or isinstance(capacity_factor, bool):
         raise ValueError(f"capacity_factor={capacity_factor!r} must be a number")
     require(capacity_factor_positive, capacity_factor)
+    return capacity_of(num_tokens, num_experts, topk, capacity_factor)
+
+
+def capacity_of(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
+    """:func:`expert_capacity` of a factor already checked: arithmetic only, for forwards."""
     return math.ceil((num_tokens * topk / num_experts) * capacity_factor)
 
 
@@ -240,7 +261,13 @@ def apply_capacity(
         if num_tokens and not bool((per_token == topk).all()):
             raise ValueError("routing_map rows choose different numbers of experts; pass topk=")
     capacity = min(expert_capacity(num_tokens, num_experts, topk, capacity_factor), num_tokens)
+    return kept_within(probs, routing_map, capacity, policy=policy, pad_to_capacity=pad_to_capacity)
 
+
+def kept_within(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int, *, policy: str,
+                pad_to_capacity: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_capacity` with ``capacity`` (at most T) given and the arguments already
+    checked: tensor work only, what :class:`Router`'s forward calls."""
     # Routed tokens sort before the others (probs are >= 0 > -1); the stable sort keeps
     # equal keys in token order.
     if policy == "probs":
@@ -322,8 +349,14 @@ class Router(nn.Module):
         require(router_settings, config)
         require(routing_groups, config.num_experts, config.topk, config.num_groups, config.group_topk,
                 config.group_score)
+        require(experts_over_ep, config.num_experts, groups.size("ep"))
         self.config = config
         self.groups = groups
+        # Resolved here so that a forward only does tensor work (nothing of the config's rules).
+        self._ranked = (group_ranked_scores(config.group_score, config.topk, config.group_topk)
+                        if config.group_topk is not None else 0)
+        fusable = config.num_groups is None and not config.expert_bias and config.topk_norm_min is None
+        self.topk_backend = build_topk_backend(config.topk_backend, fusable=fusable)
         self.hidden_size = hidden_size
         self.dtype = _ROUTER_DTYPES[config.router_dtype]
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
@@ -400,15 +433,16 @@ class Router(nn.Module):
         if with_losses and cfg.z_loss_coeff > 0:
             routed_logits = self._attach_z_loss(logits, loss_mask, losses, loss_scale)
 
-        probs, routing_map = topk_routing(
+        probs, routing_map = routed(
             routed_logits, cfg.topk, score=cfg.score_function, pre_softmax=cfg.pre_softmax,
-            num_groups=cfg.num_groups, group_topk=cfg.group_topk, group_score=cfg.group_score,
+            num_groups=cfg.num_groups, group_topk=cfg.group_topk, ranked=self._ranked,
             scaling_factor=cfg.scaling_factor, expert_bias=self.expert_bias, norm_min=cfg.topk_norm_min,
-            backend=cfg.topk_backend, forced=forced)
+            backend=self.topk_backend, forced=forced)
         kept_probs, kept_map = probs, routing_map
         if cfg.capacity_factor is not None:
-            kept_probs, kept_map = apply_capacity(probs, routing_map, cfg.capacity_factor, policy=cfg.drop_policy,
-                                                  pad_to_capacity=cfg.pad_to_capacity, topk=cfg.topk)
+            capacity = min(capacity_of(num_tokens, cfg.num_experts, cfg.topk, cfg.capacity_factor), num_tokens)
+            kept_probs, kept_map = kept_within(probs, routing_map, capacity, policy=cfg.drop_policy,
+                                               pad_to_capacity=cfg.pad_to_capacity)
         if with_losses and (cfg.aux_loss_coeff > 0 or cfg.seq_aux_loss_coeff > 0 or cfg.global_aux_loss_coeff > 0):
             kept_probs = self._attach_balancing_losses(kept_probs, logits, routing_map, loss_mask,
                                                        seq_ids, num_seqs, losses, loss_scale)
@@ -431,7 +465,7 @@ class Router(nn.Module):
                 # Statistics describe real tokens; padding is routed but not counted.
                 real = loss_mask.unsqueeze(1)
                 routed_counts, kept_counts = (routing_map & real).sum(dim=0), (routed_and_kept & real).sum(dim=0)
-            stats = routing_stats(routed_counts, kept_counts, self.groups.size("ep"))
+            stats = load_stats(routed_counts, kept_counts, self.groups.size("ep"))
         return RouterOutput(kept_probs, kept_map, routed_logits, tokens_per_expert, probs, routing_map, losses, stats)
 
     def _attach_z_loss(self, logits, loss_mask, losses, loss_scale):

@@ -13,7 +13,7 @@ import torch
 
 from moe_fold.config import experts_over_ep, require
 
-__all__ = ["RoutingStats", "routing_stats"]
+__all__ = ["RoutingStats", "routing_stats", "load_stats"]
 
 
 @dataclass
@@ -42,6 +42,13 @@ def routing_stats(routed_per_expert: torch.Tensor, kept_per_expert: torch.Tensor
     if ep < 1:
         raise ValueError(f"ep={ep} must be >= 1")
     require(experts_over_ep, num_experts, ep)
+    return load_stats(routed_per_expert, kept_per_expert, ep)
+
+
+def load_stats(routed_per_expert: torch.Tensor, kept_per_expert: torch.Tensor, ep: int) -> RoutingStats:
+    """:func:`routing_stats` of counts already known to fit (E over ep checked when the
+    router was built): tensor work only, what a forward calls."""
+    num_experts = routed_per_expert.shape[0]
     routed = routed_per_expert.double()
     kept = kept_per_expert.double()
     total = routed.sum()

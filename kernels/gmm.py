@@ -23,7 +23,7 @@ why.
 """
 
 import contextlib
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -43,10 +43,7 @@ def resolve_backend(backend: str | None, x: torch.Tensor) -> str:
     """The concrete backend for ``x``: ``backend`` unless it is None or ``auto``, else the
     device rule (:func:`moe_fold.kernels.backends.choose`). Raises if that backend cannot
     run here."""
-    name = backend or "auto"
-    if name not in BACKENDS:
-        raise ValueError(f"gmm: backend={name!r} is not a grouped GEMM backend; allowed: {', '.join(BACKENDS)}")
-    return backends.resolve("gemm", name, x)
+    return backends.resolve("gemm", build_backend(backend), x)
 
 
 def _check_counts(counts: Sequence[int], n: int, e: int) -> None:
@@ -158,32 +155,126 @@ def gmm(
         counts_t = None
     if host is not None:
         _check_counts(host, n, e)
+    if counts_t is None:
+        # Backends that read the counts on the device get them there; the others on the host.
+        on_device = name in ("torch", "triton")
+        counts_t = torch.tensor(host, dtype=torch.int64, device=x.device if on_device else "cpu")
+    return grouped_mm(x, w, counts_t, host, trans_b=trans_b, backend=name, bias=bias)
 
-    # The backends see operands of one dtype: autocast must not recast inside them.
+
+def build_backend(backend: str | None) -> str:
+    """What an expert layer built with ``moe.gemm_backend=backend`` passes to
+    :func:`grouped_mm`: the name, checked once when the module is built; ``auto`` (or None)
+    is left to the op, which resolves it by the operands' device."""
+    name = backend or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"gmm: backend={name!r} is not a grouped GEMM backend; allowed: {', '.join(BACKENDS)}")
+    return name
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, host_counts: Sequence[int] | None, *,
+               trans_b: bool = False, backend: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`gmm` with the arguments already checked and ``counts`` an int64 tensor (on
+    ``x``'s device for the torch and Triton backends): tensor work only, what a forward
+    calls. The product is one op, ``moe_fold::gmm`` (:func:`gmm_op`); the bias is added
+    after it in torch ops."""
+    if bias is not None:
+        _, bias = _autocast_operands(x, bias)
+    x, w = _autocast_operands(x, w)
+    host = None if host_counts is None else list(host_counts)
+    out = gmm_op(x, w, counts, host, trans_b, backend)
+    if bias is None:
+        return out
+    return _add_group_bias(out, bias, counts.to(device=x.device))
+
+
+def _host(counts: torch.Tensor, host_counts: list[int] | None) -> list[int]:
+    return host_counts if host_counts is not None else counts.tolist()
+
+
+@torch.library.custom_op("moe_fold::gmm", mutates_args=())
+def gmm_op(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, host_counts: Optional[list[int]],
+           trans_b: bool, backend: str) -> torch.Tensor:
+    """The grouped product as one op the compiler does not look into: ``x [N, K]`` by
+    groups of ``counts`` rows times ``w [E, K, M]`` (``[E, M, K]`` with ``trans_b``) ->
+    ``[N, M]``. ``backend`` may be ``auto``: the device rule, resolved from the operands'
+    device like any kernel dispatch. Its fake kernel takes every dtype (the compiler never
+    meets torch._grouped_mm's bfloat16-only meta check)."""
+    name = backends.resolve("gemm", backend, x)
+    # The operands already agree: autocast must not recast inside the backends.
     with torch.autocast(x.device.type, enabled=False) if torch.amp.is_autocast_available(x.device.type) \
             else contextlib.nullcontext():
         if name == "loop":
             from .gmm_loop import gmm_loop
 
-            return gmm_loop(x, w, host, trans_b, bias)
+            return gmm_loop(x, w, _host(counts, host_counts), trans_b)
         if name == "grouped_gemm":
             from .gmm_grouped_gemm import gmm_grouped_gemm
 
             # The package reads the counts on the host: a host tensor, no device copy.
-            out = gmm_grouped_gemm(x, w, torch.tensor(host, dtype=torch.int64), trans_b)
-        else:
-            if counts_t is None:
-                counts_t = torch.tensor(host, dtype=torch.int64, device=x.device)
-            if name == "torch":
-                from .gmm_torch import gmm_torch
+            return gmm_grouped_gemm(x, w, torch.tensor(_host(counts, host_counts), dtype=torch.int64), trans_b)
+        if name == "torch":
+            from .gmm_torch import gmm_torch
 
-                out = gmm_torch(x, w, counts_t, trans_b, host)
-            else:
-                from .gmm_triton import gmm_triton
+            # grouped_mm pads rows narrower than 16 bytes; an op's output has one layout.
+            return gmm_torch(x, w, counts, trans_b, host_counts).contiguous()
+        from .gmm_triton import gmm_triton
 
-                out = gmm_triton(x, w, counts_t, trans_b)
-        if bias is None:
-            return out
-        if counts_t is None:
-            counts_t = torch.tensor(host, dtype=torch.int64, device=x.device)
-        return _add_group_bias(out, bias, counts_t.to(device=x.device))
+        return gmm_triton(x, w, counts, trans_b)
+
+
+@gmm_op.register_fake
+def _(x, w, counts, host_counts, trans_b, backend):
+    return x.new_empty(x.shape[0], w.shape[1] if trans_b else w.shape[2])
+
+
+@torch.library.custom_op("moe_fold::gmm_wgrad", mutates_args=())
+def gmm_wgrad(x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, host_counts: Optional[list[int]],
+              trans_b: bool, backend: str) -> torch.Tensor:
+    """The weight gradient of :func:`gmm_op`: per group ``x^T dy`` -> ``[E, K, M]``
+    (``dy^T x`` -> ``[E, M, K]`` with ``trans_b``), on the same backend."""
+    name = backends.resolve("gemm", backend, x)
+    with torch.autocast(x.device.type, enabled=False):
+        if name == "loop":
+            from .gmm_loop import gmm_loop_wgrad
+
+            return gmm_loop_wgrad(x, dy, _host(counts, host_counts), trans_b)
+        if name == "grouped_gemm":
+            from .gmm_grouped_gemm import gmm_grouped_gemm_wgrad
+
+            return gmm_grouped_gemm_wgrad(x, dy, torch.tensor(_host(counts, host_counts), dtype=torch.int64),
+                                          trans_b)
+        if name == "torch":
+            from .gmm_torch import gmm_torch_wgrad
+
+            return gmm_torch_wgrad(x, dy, counts, trans_b, host_counts).contiguous()
+        from .gmm_triton import gmm_triton_wgrad
+
+        return gmm_triton_wgrad(x, dy, counts, trans_b)
+
+
+@gmm_wgrad.register_fake
+def _(x, dy, counts, host_counts, trans_b, backend):
+    e = counts.shape[0]
+    return x.new_empty(e, dy.shape[1], x.shape[1]) if trans_b else x.new_empty(e, x.shape[1], dy.shape[1])
+
+
+def _gmm_setup(ctx, inputs, output):
+    x, w, counts, host_counts, trans_b, backend = inputs
+    ctx.save_for_backward(x, w, counts)
+    ctx.args = (host_counts, trans_b, backend)
+
+
+def _gmm_backward(ctx, dy):
+    x, w, counts = ctx.saved_tensors
+    host_counts, trans_b, backend = ctx.args
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        # dx is the grouped product of dy and w transposed: the forward op itself.
+        dx = gmm_op(dy, w, counts, host_counts, not trans_b, backend)  # [N, M] -> [N, K]
+    if ctx.needs_input_grad[1]:
+        dw = gmm_wgrad(x, dy, counts, host_counts, trans_b, backend)
+    return dx, dw, None, None, None, None
+
+
+gmm_op.register_autograd(_gmm_backward, setup_context=_gmm_setup)

@@ -25,3 +25,16 @@ def gmm_grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, tra
 
         return gmm_loop(x, w, counts.tolist(), trans_b)
     return ops.gmm(x.contiguous(), w.contiguous(), counts, trans_b)
+
+
+def gmm_grouped_gemm_wgrad(x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, trans_b: bool) -> torch.Tensor:
+    """The weight gradient of :func:`gmm_grouped_gemm`, as the package's own backward
+    computes it (``trans_a`` over each group's rows); ``counts`` on the host."""
+    from grouped_gemm import backend
+
+    if x.shape[0] == 0:
+        from .gmm_loop import gmm_loop_wgrad
+
+        return gmm_loop_wgrad(x, dy, counts.tolist(), trans_b)
+    lhs, rhs = (dy, x) if trans_b else (x, dy)
+    return backend.gmm(lhs.contiguous(), rhs.contiguous(), counts, trans_a=True, trans_b=False)

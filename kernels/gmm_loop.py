@@ -18,3 +18,10 @@ def gmm_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int], trans_b: bool,
         out = rows @ (we.t() if trans_b else we)  # [n_e, K] -> [n_e, M]
         outs.append(out if be is None else out + be)
     return torch.cat(outs)
+
+
+def gmm_loop_wgrad(x: torch.Tensor, dy: torch.Tensor, counts: list[int], trans_b: bool) -> torch.Tensor:
+    """The weight gradient of :func:`gmm_loop`, one matmul per group: ``[E, K, M]``
+    (``[E, M, K]`` with ``trans_b``); an empty group gets zeros."""
+    pairs = zip(torch.split(x, counts), torch.split(dy, counts))
+    return torch.stack([(d.t() @ rows) if trans_b else (rows.t() @ d) for rows, d in pairs])

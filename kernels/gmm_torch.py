@@ -133,3 +133,24 @@ def gmm_torch(
         return _BatchedMM.apply(x, w, trans_b)
     offs = torch.cumsum(counts.to(device=x.device), 0, dtype=torch.int32)  # [E] group ends
     return _GroupedMM.apply(x, w, offs, trans_b)
+
+
+def gmm_torch_wgrad(
+    x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, trans_b: bool, host_counts: list[int] | None = None
+) -> torch.Tensor:
+    """The weight gradient of :func:`gmm_torch` (the same bmm or grouped_mm path):
+    ``[E, K, M]`` (``[E, M, K]`` with ``trans_b``)."""
+    check_torch_dtype(x)
+    e = counts.shape[0]
+    if torch_path(x, host_counts) == "bmm":
+        xb = x.reshape(e, x.shape[0] // e, x.shape[1])  # [N, K] -> [E, n, K]
+        dyb = dy.reshape(e, dy.shape[0] // e, dy.shape[1])  # [N, M] -> [E, n, M]
+        if trans_b:
+            return torch.bmm(dyb.transpose(1, 2), xb)  # [E, M, K]
+        return torch.bmm(xb.transpose(1, 2), dyb)  # [E, K, M]
+    offs = torch.cumsum(counts.to(device=x.device), 0, dtype=torch.int32)  # [E] group ends
+    x, dy = _aligned(x), _aligned(dy)
+    # 2-D x 2-D form: the contraction runs over each group's rows.
+    if trans_b:
+        return F.grouped_mm(dy.t(), x, offs=offs)  # [M, N] x [N, K] -> [E, M, K]
+    return F.grouped_mm(x.t(), dy, offs=offs)  # [K, N] x [N, M] -> [E, K, M]

@@ -187,3 +187,11 @@ def gmm_triton(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, trans_b: 
             "set before import to run the Triton CPU interpreter (slow; for tests)"
         )
     return _TritonGMM.apply(x, w, counts, trans_b)
+
+
+def gmm_triton_wgrad(x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, trans_b: bool) -> torch.Tensor:
+    """The weight gradient of :func:`gmm_triton`: ``[E, K, M]`` (``[E, M, K]`` with ``trans_b``)."""
+    counts = counts.to(device=x.device, dtype=torch.int64)
+    ends = torch.cumsum(counts, 0)
+    starts = ends - counts
+    return _outer_gemm(dy, x, starts, ends) if trans_b else _outer_gemm(x, dy, starts, ends)

@@ -72,7 +72,7 @@ def routing_indices(routing_map: torch.Tensor, num_rows: Optional[int] = None
     else:
         # A wrong count would silently cut or pad the rows: checked on the device.
         torch._assert_async(routing_map.sum() == num_rows,
-                            f"permute: num_rows={num_rows} differs from the routed pairs of routing_map")
+                            "permute: num_rows differs from the routed pairs of routing_map")
         nz = routing_map.t().nonzero_static(size=num_rows)  # [N, 2]
     sorted_indices = nz[:, 1].contiguous()
     flat_index = sorted_indices * num_experts + nz[:, 0]
@@ -142,13 +142,18 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor,
     _check_routing(tokens, routing_map, probs)
     if num_rows is not None and num_rows < 0:
         raise ValueError(f"num_rows={num_rows} must be >= 0")
+    return permuted_rows(tokens, routing_map, probs, num_rows=num_rows, backend=backend)
+
+
+def permuted_rows(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor], *,
+                  num_rows: Optional[int] = None, backend: str
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """:func:`permute` of arguments already checked, ``backend`` a name of
+    :data:`BACKENDS` (``auto`` is resolved by the op): tensor work only, what a dispatcher's
+    forward calls."""
     sorted_indices, flat_index = routing_indices(routing_map, num_rows)
     permuted_probs = None if probs is None else _gather_probs(probs, flat_index)
-    if backend == "triton":
-        from .permute_triton import gather_rows
-        permuted = gather_rows(tokens, sorted_indices)
-    else:
-        permuted = _GatherTokens.apply(tokens, sorted_indices, False)
+    permuted = gather_op(tokens, sorted_indices, False, backend)
     return permuted, permuted_probs, sorted_indices
 
 
@@ -165,13 +170,15 @@ def permute_padded(tokens: torch.Tensor, routing_map: torch.Tensor,
     """
     backend = resolve_backend(backend, tokens)
     _check_routing(tokens, routing_map, probs)
+    return padded_rows(tokens, routing_map, probs, capacity, backend=backend)
+
+
+def padded_rows(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor], capacity: int, *,
+                backend: str) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """:func:`permute_padded` of arguments already checked (see :func:`permuted_rows`)."""
     sorted_indices, flat_index = padded_indices(routing_map, capacity)
     permuted_probs = None if probs is None else _gather_probs(probs, flat_index)
-    if backend == "triton":
-        from .permute_triton import gather_rows
-        permuted = gather_rows(tokens, sorted_indices)
-    else:
-        permuted = _GatherTokens.apply(tokens, sorted_indices, True)
+    permuted = gather_op(tokens, sorted_indices, True, backend)
     return permuted, permuted_probs, sorted_indices
 
 
@@ -195,10 +202,13 @@ def unpermute(permuted: torch.Tensor, sorted_indices: torch.Tensor, num_tokens: 
     if probs is not None and probs.shape != (permuted.shape[0],):
         raise ValueError(f"probs shape {tuple(probs.shape)} must be "
                          f"[{permuted.shape[0]}] (one per permuted row)")
-    if backend == "triton":
-        from .permute_triton import unpermute_rows
-        return unpermute_rows(permuted, sorted_indices, num_tokens, probs)
-    return _UnpermuteTokens.apply(permuted, sorted_indices, num_tokens, probs)
+    return unpermute_op(permuted, sorted_indices, num_tokens, probs, backend)
+
+
+def unpermuted(permuted: torch.Tensor, sorted_indices: torch.Tensor, num_tokens: int, *,
+               probs: Optional[torch.Tensor] = None, backend: str) -> torch.Tensor:
+    """:func:`unpermute` of arguments already checked (see :func:`permuted_rows`)."""
+    return unpermute_op(permuted, sorted_indices, num_tokens, probs, backend)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -243,39 +253,89 @@ def _take_with_sentinel(src: torch.Tensor, index: torch.Tensor, padded: bool
     return src.index_select(0, index)  # [T(+1), H] -> [N, H]
 
 
-class _GatherTokens(torch.autograd.Function):
-    """Permute forward (a row gather) whose backward sums each token's rows with
-    the sparse product instead of autograd's row-by-row ``index_add_``."""
-
-    @staticmethod
-    def forward(ctx, tokens, sorted_indices, padded):
-        ctx.save_for_backward(sorted_indices)
-        ctx.num_tokens = tokens.shape[0]
-        return _take_with_sentinel(tokens, sorted_indices, padded)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (sorted_indices,) = ctx.saved_tensors
-        grad_tokens = _sum_rows_per_token(grad, sorted_indices, ctx.num_tokens, None)
-        return grad_tokens.to(grad.dtype), None, None
+@torch.library.custom_op("moe_fold::gather_rows", mutates_args=())
+def gather_op(tokens: torch.Tensor, sorted_indices: torch.Tensor, padded: bool, backend: str) -> torch.Tensor:
+    """Permute forward as one op the compiler does not look into: ``tokens [T, H]`` ->
+    ``[N, H]``, row ``i`` being ``tokens[sorted_indices[i]]`` (a zero row at the sentinel
+    ``T`` when ``padded``). Its backward sums each token's rows (:func:`unpermute_op`)
+    rather than autograd's row-by-row ``index_add_``. ``backend`` may be ``auto`` (the
+    device rule, resolved from the tokens' device like any kernel dispatch)."""
+    if backends.resolve("permute", backend, tokens) == "triton":
+        from .permute_triton import gather_rows
+        return gather_rows(tokens, sorted_indices)
+    return _take_with_sentinel(tokens, sorted_indices, padded)
 
 
-class _UnpermuteTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, permuted, sorted_indices, num_tokens, probs):
-        # The rows themselves are needed only for the grad of the probs.
-        ctx.save_for_backward(permuted if probs is not None else None, sorted_indices,
-                              probs)
-        out = _sum_rows_per_token(permuted, sorted_indices, num_tokens, probs)
-        return out.to(permuted.dtype)
+@gather_op.register_fake
+def _(tokens, sorted_indices, padded, backend):
+    return tokens.new_empty(sorted_indices.shape[0], tokens.shape[1])
 
-    @staticmethod
-    def backward(ctx, grad):
-        permuted, sorted_indices, probs = ctx.saved_tensors
-        want_probs = probs is not None and ctx.needs_input_grad[3]
-        grad_rows, grad_probs = _gather_grad_rows(grad.contiguous(), sorted_indices,
-                                                  permuted, probs, want_probs)
-        return grad_rows, None, None, grad_probs
+
+def _gather_setup(ctx, inputs, output):
+    tokens, sorted_indices, padded, backend = inputs
+    ctx.save_for_backward(sorted_indices)
+    ctx.num_tokens, ctx.backend = tokens.shape[0], backend
+
+
+def _gather_backward(ctx, grad):
+    (sorted_indices,) = ctx.saved_tensors
+    return unpermute_op(grad, sorted_indices, ctx.num_tokens, None, ctx.backend), None, None, None
+
+
+gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+@torch.library.custom_op("moe_fold::unpermute_rows", mutates_args=())
+def unpermute_op(permuted: torch.Tensor, sorted_indices: torch.Tensor, num_tokens: int,
+                 probs: Optional[torch.Tensor], backend: str) -> torch.Tensor:
+    """Unpermute as one op: ``permuted [N, H]`` -> ``[num_tokens, H]``, each row weighted
+    by its prob if given and added to its token (the sentinel ``num_tokens`` adds nothing)."""
+    if backends.resolve("permute", backend, permuted) == "triton":
+        from .permute_triton import unpermute_rows
+        return unpermute_rows(permuted, sorted_indices, num_tokens, probs)
+    return _sum_rows_per_token(permuted, sorted_indices, num_tokens, probs).to(permuted.dtype)
+
+
+@unpermute_op.register_fake
+def _(permuted, sorted_indices, num_tokens, probs, backend):
+    return permuted.new_empty(num_tokens, permuted.shape[1])
+
+
+@torch.library.custom_op("moe_fold::unpermute_rows_backward", mutates_args=())
+def unpermute_backward_op(grad: torch.Tensor, sorted_indices: torch.Tensor, permuted: Optional[torch.Tensor],
+                          probs: Optional[torch.Tensor], want_probs: bool,
+                          backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grads of :func:`unpermute_op`'s rows and probs (an empty tensor when not
+    ``want_probs``)."""
+    if backends.resolve("permute", backend, grad) == "triton":
+        from .permute_triton import unpermute_rows_backward
+        grad_rows, grad_probs = unpermute_rows_backward(grad, sorted_indices, permuted, probs, want_probs)
+    else:
+        grad_rows, grad_probs = _gather_grad_rows(grad.contiguous(), sorted_indices, permuted, probs, want_probs)
+    return grad_rows, (grad_probs if grad_probs is not None else grad.new_empty(0))
+
+
+@unpermute_backward_op.register_fake
+def _(grad, sorted_indices, permuted, probs, want_probs, backend):
+    rows = grad.new_empty(sorted_indices.shape[0], grad.shape[1])
+    return rows, (torch.empty_like(probs) if want_probs and probs is not None else grad.new_empty(0))
+
+
+def _unpermute_setup(ctx, inputs, output):
+    permuted, sorted_indices, num_tokens, probs, backend = inputs
+    # The rows themselves are needed only for the grad of the probs.
+    ctx.save_for_backward(permuted if probs is not None else None, sorted_indices, probs)
+    ctx.backend = backend
+
+
+def _unpermute_backward(ctx, grad):
+    permuted, sorted_indices, probs = ctx.saved_tensors
+    want_probs = probs is not None and ctx.needs_input_grad[3]
+    grad_rows, grad_probs = unpermute_backward_op(grad, sorted_indices, permuted, probs, want_probs, ctx.backend)
+    return grad_rows, None, None, (grad_probs if want_probs else None), None
+
+
+unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
 
 
 def _gather_grad_rows(grad: torch.Tensor, sorted_indices: torch.Tensor,
@@ -403,5 +463,11 @@ def sort_chunks(x: torch.Tensor, split_sizes: Union[Sequence[int], torch.Tensor]
     if not isinstance(order, torch.Tensor) and sorted(order) != list(range(len(order))):
         raise ValueError(f"order={list(order)} is not a permutation of "
                          f"0..{len(order) - 1}")
-    index = chunk_gather_index(sizes, order_t, x.shape[0])
+    return chunks_sorted(x, sizes, order_t, backend=backend)
+
+
+def chunks_sorted(x: torch.Tensor, split_sizes: torch.Tensor, order: torch.Tensor, *, backend: str) -> torch.Tensor:
+    """:func:`sort_chunks` of int64 tensors on ``x``'s device and a concrete ``backend``:
+    tensor work only, what a dispatcher's forward calls."""
+    index = chunk_gather_index(split_sizes, order, x.shape[0])
     return _RowPermutation.apply(x, index, backend == "triton")

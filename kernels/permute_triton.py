@@ -125,49 +125,26 @@ def _sum_rows(src: torch.Tensor, rows: torch.Tensor, row_ptr: torch.Tensor,
     return out
 
 
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tokens, sorted_indices):
-        ctx.save_for_backward(sorted_indices)
-        ctx.num_tokens = tokens.shape[0]
-        return _gather(tokens, sorted_indices)[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        (sorted_indices,) = ctx.saved_tensors
-        rows, row_ptr = rows_by_token(sorted_indices, ctx.num_tokens)
-        return _sum_rows(grad, rows, row_ptr, ctx.num_tokens, None), None
-
-
 def gather_rows(tokens: torch.Tensor, sorted_indices: torch.Tensor) -> torch.Tensor:
     """Permute forward: ``tokens[sorted_indices]`` with zero rows at the sentinel;
-    ``[T, H] -> [N, H]``. The backward sums each token's rows without atomics."""
-    return _GatherRows.apply(tokens, sorted_indices)
-
-
-class _UnpermuteRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, permuted, sorted_indices, num_tokens, probs):
-        rows, row_ptr = rows_by_token(sorted_indices, num_tokens)
-        ctx.save_for_backward(permuted, sorted_indices, probs)
-        return _sum_rows(permuted, rows, row_ptr, num_tokens, probs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        permuted, sorted_indices, probs = ctx.saved_tensors
-        want_probs = probs is not None and ctx.needs_input_grad[3]
-        grad_rows, grad_probs = _gather(grad, sorted_indices, probs,
-                                        permuted if want_probs else None)
-        if grad_probs is not None:
-            grad_probs = grad_probs.to(probs.dtype)
-        return grad_rows, None, None, grad_probs
+    ``[T, H] -> [N, H]`` (no autograd: :mod:`moe_fold.kernels.permute`'s op carries it)."""
+    return _gather(tokens, sorted_indices)[0]
 
 
 def unpermute_rows(permuted: torch.Tensor, sorted_indices: torch.Tensor,
                    num_tokens: int, probs: Optional[torch.Tensor]) -> torch.Tensor:
-    """Unpermute forward: ``[N, H] -> [T, H]``, rows weighted by probs and summed per
-    token in one pass; the backward gathers and computes the prob grads in one pass."""
-    return _UnpermuteRows.apply(permuted, sorted_indices, num_tokens, probs)
+    """Unpermute forward, and the permute's backward: ``[N, H] -> [T, H]``, rows weighted
+    by probs and summed per token in one pass, without atomics."""
+    rows, row_ptr = rows_by_token(sorted_indices, num_tokens)
+    return _sum_rows(permuted, rows, row_ptr, num_tokens, probs)
+
+
+def unpermute_rows_backward(grad: torch.Tensor, sorted_indices: torch.Tensor, permuted: Optional[torch.Tensor],
+                            probs: Optional[torch.Tensor], want_probs: bool
+                            ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Unpermute backward: the rows' and the probs' grads in one pass."""
+    grad_rows, grad_probs = _gather(grad, sorted_indices, probs, permuted if want_probs else None)
+    return grad_rows, (grad_probs.to(probs.dtype) if grad_probs is not None else None)
 
 
 def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -80,40 +80,70 @@ def swiglu_backward_torch(grad: torch.Tensor, x: torch.Tensor,
     return grad_x.to(x.dtype).view(x.shape), grad_probs
 
 
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, probs, backend):
-        ctx.save_for_backward(x, probs)
-        ctx.backend = backend
-        if backend == "triton":
-            from .swiglu_triton import swiglu_forward_triton
-            return swiglu_forward_triton(x, probs)
-        if backend == "cpu":
-            from .swiglu_cpu import swiglu_forward_cpu
-            width = x.shape[-1]
-            return swiglu_forward_cpu(x.reshape(-1, width), None if probs is None else probs.reshape(-1)
-                                      ).view(*x.shape[:-1], width // 2)
-        return swiglu_forward_torch(x, probs)
+@torch.library.custom_op("moe_fold::swiglu", mutates_args=())
+def swiglu_op(x: torch.Tensor, probs: Optional[torch.Tensor], backend: str) -> torch.Tensor:
+    """``silu(gate) * up * probs`` as one op the compiler does not look into; ``backend``
+    may be ``auto`` (the device rule, resolved from ``x``'s device like any kernel
+    dispatch). No argument checks: :func:`swiglu` makes them."""
+    name = backends.resolve("swiglu", backend, x)
+    if name == "triton":
+        from .swiglu_triton import swiglu_forward_triton
+        return swiglu_forward_triton(x, probs)
+    if name == "cpu":
+        from .swiglu_cpu import swiglu_forward_cpu
+        width = x.shape[-1]
+        return swiglu_forward_cpu(x.reshape(-1, width), None if probs is None else probs.reshape(-1)
+                                  ).view(*x.shape[:-1], width // 2)
+    return swiglu_forward_torch(x, probs)
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, probs = ctx.saved_tensors
-        if ctx.backend == "triton":
-            from .swiglu_triton import swiglu_backward_triton
-            grad_x, grad_probs = swiglu_backward_triton(grad, x, probs)
-        elif ctx.backend == "cpu":
-            from .swiglu_cpu import swiglu_backward_cpu
-            width = x.shape[-1]
-            grad_x, grad_probs = swiglu_backward_cpu(
-                grad.reshape(-1, width // 2), x.reshape(-1, width), None if probs is None else probs.reshape(-1),
-                want_probs=ctx.needs_input_grad[1])
-            grad_x = grad_x.view(x.shape)
-            grad_probs = None if grad_probs is None else grad_probs.view(probs.shape)
-        else:
-            grad_x, grad_probs = swiglu_backward_torch(grad, x, probs)
-        if not ctx.needs_input_grad[1]:
-            grad_probs = None
-        return grad_x, grad_probs, None
+
+@swiglu_op.register_fake
+def _(x, probs, backend):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@torch.library.custom_op("moe_fold::swiglu_backward", mutates_args=())
+def swiglu_backward_op(grad: torch.Tensor, x: torch.Tensor, probs: Optional[torch.Tensor], want_probs: bool,
+                       backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grads of ``x`` and ``probs`` (an empty tensor when not ``want_probs``)."""
+    name = backends.resolve("swiglu", backend, x)
+    if name == "triton":
+        from .swiglu_triton import swiglu_backward_triton
+        grad_x, grad_probs = swiglu_backward_triton(grad, x, probs)
+    elif name == "cpu":
+        from .swiglu_cpu import swiglu_backward_cpu
+        width = x.shape[-1]
+        grad_x, grad_probs = swiglu_backward_cpu(
+            grad.reshape(-1, width // 2), x.reshape(-1, width), None if probs is None else probs.reshape(-1),
+            want_probs=want_probs)
+        grad_x = grad_x.view(x.shape)
+        grad_probs = None if grad_probs is None else grad_probs.view(probs.shape)
+    else:
+        grad_x, grad_probs = swiglu_backward_torch(grad, x, probs)
+    if not want_probs or grad_probs is None:
+        grad_probs = x.new_empty(0)
+    return grad_x, grad_probs
+
+
+@swiglu_backward_op.register_fake
+def _(grad, x, probs, want_probs, backend):
+    return torch.empty_like(x), (torch.empty_like(probs) if want_probs and probs is not None else x.new_empty(0))
+
+
+def _swiglu_setup(ctx, inputs, output):
+    x, probs, backend = inputs
+    ctx.save_for_backward(x, probs)
+    ctx.backend = backend
+
+
+def _swiglu_backward(ctx, grad):
+    x, probs = ctx.saved_tensors
+    want_probs = probs is not None and ctx.needs_input_grad[1]
+    grad_x, grad_probs = swiglu_backward_op(grad, x, probs, want_probs, ctx.backend)
+    return grad_x, (grad_probs if want_probs else None), None
+
+
+swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 
 
 def clamped_swiglu(x: torch.Tensor, probs: Optional[torch.Tensor] = None, *, alpha: float,
@@ -155,4 +185,4 @@ def swiglu(x: torch.Tensor, probs: Optional[torch.Tensor] = None, *,
     if probs is not None and probs.shape != x.shape[:-1]:
         raise ValueError(f"probs shape {tuple(probs.shape)} must be {tuple(x.shape[:-1])} "
                          f"(one prob per row of x)")
-    return _SwiGLU.apply(x, probs, backend)
+    return swiglu_op(x, probs, backend)

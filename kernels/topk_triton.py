@@ -141,14 +141,27 @@ class _TopkRouting(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_probs, _grad_map):
         logits, probs, routing = ctx.saved_tensors
-        grad = grad_probs.contiguous()
-        grad_logits = torch.empty_like(logits)
-        if logits.shape[0]:
-            _topk_bwd_kernel[(logits.shape[0],)](
-                grad, logits, probs, routing, grad_logits, logits.shape[1],
-                grad.stride(0), logits.stride(0), probs.stride(0), routing.stride(0),
-                grad_logits.stride(0), **ctx.meta)
-        return grad_logits, None, None, None
+        return _backward(grad_probs, logits, probs, routing, ctx.meta), None, None, None
+
+
+def _backward(grad_probs: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, routing: torch.Tensor,
+              meta: dict) -> torch.Tensor:
+    grad = grad_probs.contiguous()
+    grad_logits = torch.empty_like(logits)
+    if logits.shape[0]:
+        _topk_bwd_kernel[(logits.shape[0],)](
+            grad, logits, probs, routing, grad_logits, logits.shape[1],
+            grad.stride(0), logits.stride(0), probs.stride(0), routing.stride(0),
+            grad_logits.stride(0), **meta)
+    return grad_logits
+
+
+def topk_backward_triton(grad_probs: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor,
+                         routing_map: torch.Tensor, topk: int, score: str, pre_softmax: bool) -> torch.Tensor:
+    """The logits' gradient of :func:`topk_softmax_triton` from ``grad_probs [T, E]``."""
+    logits = logits.contiguous()
+    return _backward(grad_probs, logits, probs.contiguous(), routing_map.contiguous().view(torch.int8),
+                     _meta(logits, topk, score, pre_softmax))
 
 
 def topk_softmax_triton(logits: torch.Tensor, topk: int, *, score: str = "softmax",

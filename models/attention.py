@@ -54,7 +54,10 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads // tp  # local key/value heads
         q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
         std = config.init_std
-        self.qkv = ColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size], tp_group,
+        # Qwen3-Next's output gate: one more part, after q, of the fused projection.
+        self.gate_size = q_size // tp if config.attn_output_gate else 0
+        parts = [q_size, q_size, kv_size, kv_size] if config.attn_output_gate else [q_size, kv_size, kv_size]
+        self.qkv = ColumnParallelLinear(config.hidden_size, parts, tp_group,
                                         sequence_parallel, std=std, seed=init_seed(seed, f"{name}.qkv"),
                                         bias=config.qkv_bias)
         self.proj = RowParallelLinear(q_size, config.hidden_size, tp_group, sequence_parallel,
@@ -81,8 +84,8 @@ class Attention(nn.Module):
             self.k_norm = ShardedRMSNorm(kv_size, config.norm_eps, tp_group)
         elif self.qk_norm:
             # Every tp rank holds different heads, so these grads are partial over tp.
-            self.q_norm = RMSNorm(head_dim, config.norm_eps, "tp_sum")
-            self.k_norm = RMSNorm(head_dim, config.norm_eps, "tp_sum")
+            self.q_norm = RMSNorm(head_dim, config.norm_eps, "tp_sum", config.norm_zero_centred)
+            self.k_norm = RMSNorm(head_dim, config.norm_eps, "tp_sum", config.norm_zero_centred)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: Optional[Documents] = None, kv_cache: Optional[LayerCache] = None,
@@ -93,8 +96,12 @@ class Attention(nn.Module):
         one causal sequence per row). ``kv_cache`` (sampling, no cp): the tokens before
         these, whose keys and values it holds; these tokens' keys and values are added.
         ``positions`` ``[S]`` or ``[B, S]`` (those of cos/sin): needed by temperature tuning only."""
-        qkv = self.qkv(x)  # [S, B, (heads + 2*kv_heads) * head_dim]
+        qkv = self.qkv(x)  # [S, B, (heads + 2*kv_heads) * head_dim], the gate's heads after q's
         S, B = qkv.shape[:2]
+        gate = None
+        if self.gate_size:
+            q_part, gate, kv_part = qkv.split([self.gate_size, self.gate_size, qkv.shape[-1] - 2 * self.gate_size], -1)
+            qkv = torch.cat([q_part, kv_part], dim=-1)
         if self.norm_projection:
             q, k, v = qkv.split([self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2, dim=-1)
             qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
@@ -120,6 +127,8 @@ class Attention(nn.Module):
             out = context_parallel_attention(q, k, v, group, kind=self.cp_kind, doc_ids=doc_ids,
                                              window=self.window, sinks=self.sinks)  # [B, heads, S, hd]
         out = out.permute(2, 0, 1, 3).reshape(S, B, self.num_heads * self.head_dim)  # [S, B, heads*hd]
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.proj(out)
 
     def _tune_temperature(self, q: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:

@@ -46,8 +46,9 @@ from torch import nn
 
 from moe_fold.config import activation_backend, choice, expert_bias_over_etp, expert_width_over_etp, require
 from moe_fold.dispatch.placement import Placement
-from moe_fold.kernels.gmm import gmm
-from moe_fold.kernels.swiglu import clamped_swiglu, swiglu
+from moe_fold.kernels.gmm import build_backend as build_gemm_backend
+from moe_fold.kernels.gmm import grouped_mm
+from moe_fold.kernels.swiglu import clamped_swiglu, swiglu_op
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.tensor_parallel import global_normal, init_seed, mark, shard_tp
 
@@ -91,7 +92,8 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.ep_rank = groups.rank_in("ep")
         self.num_local_experts = placement.slots_per_rank
-        self.gemm_backend = gemm_backend
+        # Checked here, once; auto is resolved by the op from the operands' device.
+        self.gemm_backend = build_gemm_backend(gemm_backend)
         self.swiglu_backend = swiglu_backend
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit
         # What the backward runs again (train.recompute, models/recompute.py): "none",
@@ -201,8 +203,8 @@ class Experts(nn.Module):
     def fc1_forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor,
                     host_tokens_per_expert: Optional[Sequence[int]] = None) -> torch.Tensor:
         """``tokens [N, H]`` -> fc1's output ``[N, 2F/etp]`` (``[gate | up]``, biased if any)."""
-        return gmm(tokens, self.fc1, tokens_per_expert, backend=self.gemm_backend,
-                   host_counts=host_tokens_per_expert, bias=self.fc1_bias)
+        return grouped_mm(tokens, self.fc1, tokens_per_expert, host_tokens_per_expert, backend=self.gemm_backend,
+                          bias=self.fc1_bias)
 
     def act_fc2(self, h: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
                 host_tokens_per_expert: Optional[Sequence[int]] = None) -> torch.Tensor:
@@ -215,12 +217,12 @@ class Experts(nn.Module):
         if self.activation == "clamped_swiglu":
             act = clamped_swiglu(h, inner, alpha=self.swiglu_alpha, limit=self.swiglu_limit)  # [N, F/etp]
         else:
-            act = swiglu(h, inner, backend=self.swiglu_backend)  # [N, F/etp]
+            act = swiglu_op(h, inner, self.swiglu_backend)  # [N, F/etp]
         if self.fc2_bias is None:
-            return gmm(act, self.fc2, tokens_per_expert, backend=self.gemm_backend, host_counts=host)  # [N, H]
+            return grouped_mm(act, self.fc2, tokens_per_expert, host, backend=self.gemm_backend)  # [N, H]
         # This etp rank's slice of the bias in its columns, zeros elsewhere: the etp sum adds it once.
         width = self.fc2_bias.shape[1]
         start = self.etp_rank * width
         bias = torch.nn.functional.pad(self.fc2_bias, (start, self.hidden_size - start - width))  # [E_local, H]
-        out = gmm(act, self.fc2, tokens_per_expert, backend=self.gemm_backend, host_counts=host, bias=bias)
+        out = grouped_mm(act, self.fc2, tokens_per_expert, host, backend=self.gemm_backend, bias=bias)
         return out * probs.to(out.dtype).unsqueeze(-1)  # [N, H]

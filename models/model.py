@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from moe_fold.comm import all_reduce_, gather_from_tp_region
-from moe_fold.config import Config, head_dim, moe_layer_flags, rotary_dim, vpp_size
+from moe_fold.config import Config, head_dim, layer_mixer, moe_layer_flags, require, rotary_dim, rotary_pairs, vpp_size
 from moe_fold.dispatch.aux_losses import attach_loss
 from moe_fold.parallel.context_parallel import zigzag_positions
 from moe_fold.layout import ProcessGroups
@@ -50,6 +50,7 @@ from moe_fold.parallel.varlen import Documents, doc_ids_from_cu_seqlens, router_
 
 from .attention import Attention
 from .experts import Experts
+from .gated_deltanet import GatedDeltaNet
 from .kv_cache import LayerCache
 from .mla import MLAttention
 from .mlp import MLP
@@ -57,7 +58,7 @@ from .moe_layer import MoELayer
 from .mtp import MTP, MTPTargets, mtp_targets
 from .norm import RMSNorm
 from .recompute import recomputed
-from .rotary import rotary_cos_sin, yarn_of
+from .rotary import cos_sin, yarn_of
 
 
 class Block(nn.Module):
@@ -72,14 +73,17 @@ class Block(nn.Module):
         m, sp = config.model, config.parallel.sequence_parallel
         # Under SP each tp rank normalises a different slice of the sequence.
         norm_kind = "tp_sum" if sp else "replicated"
-        self.attn_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind)
-        where = dict(seed=config.train.seed, name=f"layers.{layer}.attn", cp_group=groups.cp,
-                     cp_kind=config.parallel.cp_kind)
-        if m.attention == "mla":
+        self.attn_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind, m.norm_zero_centred)
+        where = dict(seed=config.train.seed, name=f"layers.{layer}.attn", cp_group=groups.cp)
+        if layer_mixer(m, layer) == "gated_deltanet":
+            self.attn = GatedDeltaNet(m, groups.tp, sp, **where)
+        elif m.attention == "mla":
+            where["cp_kind"] = config.parallel.cp_kind
             self.attn = MLAttention(m, groups.tp, sp, **where)
         else:
+            where["cp_kind"] = config.parallel.cp_kind
             self.attn = Attention(m, head_dim(config), groups.tp, sp, **where, layer=layer)
-        self.mlp_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind)
+        self.mlp_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind, m.norm_zero_centred)
         self.mlp = mlp
         # What the backward runs again (train.recompute, models/recompute.py): "none",
         # "all" (the whole block) or "attention" (the attention after its norm).
@@ -198,6 +202,9 @@ class Transformer(nn.Module):
         m, sp, seed = config.model, config.parallel.sequence_parallel, config.train.seed
         self.config = config
         self.groups = groups
+        # The rotary setup, checked once here: a forward does tensor work only.
+        self.rotary_dim, self.yarn = rotary_dim(config), yarn_of(m)
+        require(rotary_pairs, self.rotary_dim)
         pp = groups.size("pp")
         vpp = vpp_size(config) if pp > 1 else 1
         layers_of = stage_layers(m.num_layers, pp, vpp, config.parallel.pp_layers if pp > 1 else None)
@@ -220,7 +227,7 @@ class Transformer(nn.Module):
         self.norm: Optional[RMSNorm] = None
         self.lm_head: Optional[ColumnParallelLinear] = None
         if last:
-            self.norm = RMSNorm(m.hidden_size, m.norm_eps, "tp_sum" if sp else "replicated")
+            self.norm = RMSNorm(m.hidden_size, m.norm_eps, "tp_sum" if sp else "replicated", m.norm_zero_centred)
             # Tied: the head is the embedding's own parameter (same vocab split over tp).
             tied = self.embed.weight if m.tie_embeddings else None
             self.lm_head = ColumnParallelLinear(m.hidden_size, m.vocab_size, groups.tp, sp, std=m.init_std,
@@ -235,7 +242,7 @@ class Transformer(nn.Module):
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = next(self.parameters()).dtype
         m = self.config.model
-        return rotary_cos_sin(positions, rotary_dim(self.config), m.rope_theta, dtype, yarn_of(m))
+        return cos_sin(positions, self.rotary_dim, m.rope_theta, dtype, self.yarn)
 
     def _default_positions(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[S_local]``: this rank's zigzag shard of ``0..S-1`` (``arange`` without cp)."""
@@ -399,6 +406,20 @@ _RECOMPUTE = {
     "moe": ("none", "none", "all", "all"),
     "expert_act": ("none", "none", "activation", "none"),
 }
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """``train.compile=blocks``: compile every :class:`Block` of ``model`` (MTP depths
+    included) in place, each on its own with ``fullgraph=True`` (a graph break is an error,
+    not a silent fallback), as torchtitan compiles its TransformerBlocks. Parameter names
+    and the module tree stay as they are, so checkpoints, gradient buckets and the
+    pipeline see the same model. The dropless MoE layer's per-expert counts become unbacked
+    symbolic sizes: the caller runs the model under
+    ``torch._dynamo.config.patch(capture_scalar_outputs=True)``
+    (:func:`moe_fold.training.train.train` does)."""
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.compile(fullgraph=True)
 
 
 def set_recompute(model: nn.Module, mode: str) -> None:

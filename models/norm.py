@@ -43,15 +43,20 @@ class RMSNorm(nn.Module):
     (see :mod:`moe_fold.parallel.tensor_parallel`): ``"replicated"`` when every tp rank normalises
     the same rows, ``"tp_sum"`` when each rank normalises different rows (its sequence
     shard under SP, or its own heads for QK-norm).
+
+    ``zero_centred`` (Qwen3-Next): the weight is stored as an offset from 1, starting at 0,
+    and the norm multiplies by ``1 + weight``.
     """
 
-    def __init__(self, dim: int, eps: float, parallel: str = "replicated"):
+    def __init__(self, dim: int, eps: float, parallel: str = "replicated", zero_centred: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = mark(nn.Parameter(torch.ones(dim)), parallel)
+        self.zero_centred = zero_centred
+        self.weight = mark(nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim)), parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNorm.apply(x, self.weight, self.eps)
+        weight = 1 + self.weight if self.zero_centred else self.weight
+        return _RMSNorm.apply(x, weight, self.eps)
 
 
 class ShardedRMSNorm(nn.Module):

@@ -90,6 +90,13 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
     ``[B, S, head_dim]``, computed in float32 and returned in ``dtype``; ``head_dim`` is
     the width of the rotated part, ``yarn`` an optional frequency scaling."""
     require(rotary_pairs, head_dim)
+    return cos_sin(positions, head_dim, theta, dtype, yarn)
+
+
+def cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+            yarn: Optional[YaRN]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotary_cos_sin` of a ``head_dim`` already checked (when the model was built):
+    tensor work only, what a forward calls."""
     if yarn is None:
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device,
                                                 dtype=torch.float32) / head_dim)  # [head_dim/2]

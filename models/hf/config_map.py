@@ -119,6 +119,13 @@ FEATURE_USE: dict[str, tuple[Callable[[Config], bool], Callable[[Config, str], s
                          ("rope_layers", None), ("attn_temperature_tuning", False))},
     "score_on_input": (lambda c: c.moe.score_on_input,
                        lambda c, f: f"moe.score_on_input=true: {f} scales each expert's output by its prob"),
+    "layer_types": (lambda c: c.model.layer_types is not None and set(c.model.layer_types) != {"attention"},
+                    lambda c, f: f"model.layer_types={c.model.layer_types}: {f} has attention on every layer "
+                                 f"(no family here exports Gated DeltaNet layers yet)"),
+    "attn_output_gate": (lambda c: c.model.attn_output_gate,
+                         lambda c, f: f"model.attn_output_gate=true: {f}'s attention has no output gate"),
+    "norm_zero_centred": (lambda c: c.model.norm_zero_centred,
+                          lambda c, f: f"model.norm_zero_centred=true: {f}'s RMSNorm weights are not zero-centred"),
 }
 
 

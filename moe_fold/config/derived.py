@@ -114,6 +114,14 @@ def layer_attention(m: ModelConfig, layer: int) -> tuple[int, int, bool]:
             _layer_list(m, "rope_layers")[layer])
 
 
+def layer_mixer(m: ModelConfig, layer: int) -> str:
+    """The mixer of layer ``layer``: ``model.layer_types[layer]``, attention when unset;
+    MTP depths (``layer >= num_layers``) use attention, as Qwen3-Next's do."""
+    if m.layer_types is None or layer >= m.num_layers:
+        return "attention"
+    return m.layer_types[layer]
+
+
 def moe_layer_indices(config: Config) -> list[int]:
     """The MoE layers' indices, then the MTP depths' blocks as ``num_layers + k`` when they
     are MoE (they are of the last layer's kind): the rows of routing metrics and heatmaps."""

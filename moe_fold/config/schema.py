@@ -120,6 +120,27 @@ class ModelConfig:
     # Temperature tuning: positions per step of the floor (Llama-4's floor_scale).
     attn_temperature_floor: int = 8192
 
+    # Layer types (models/gated_deltanet.py; Qwen3-Next).
+    # Each layer's mixer: null attention on every layer, or one name per layer: attention |
+    # gated_deltanet (Gated DeltaNet linear attention).
+    layer_types: Optional[list[str]] = None
+    # A sigmoid gate on every attention head's output, projected with the query (Qwen3-Next; mha only).
+    attn_output_gate: bool = False
+    # RMSNorm weights are zero-centred: a norm multiplies by 1 + weight, which starts at 0 (Qwen3-Next).
+    norm_zero_centred: bool = False
+    # Gated DeltaNet: query and key heads.
+    linear_num_key_heads: int = 2
+    # Gated DeltaNet: value heads (a multiple of linear_num_key_heads; each has its own state).
+    linear_num_value_heads: int = 4
+    # Gated DeltaNet: per-head query and key width.
+    linear_key_head_dim: int = 32
+    # Gated DeltaNet: per-head value width.
+    linear_value_head_dim: int = 32
+    # Gated DeltaNet: taps of the depthwise causal conv1d on q, k and v.
+    linear_conv_kernel: int = 4
+    # Gated DeltaNet: tokens per chunk of the chunked delta rule (a speed knob; results do not depend on it).
+    linear_chunk_size: int = 64
+
 
 @dataclass
 class MoEConfig:
@@ -405,6 +426,10 @@ class TrainConfig:
     # TF32 tensor cores for float32 matmuls and convolutions on CUDA (10 mantissa bits in
     # the products, float32 accumulation); no effect on CPU.
     tf32: bool = True
+    # torch.compile: none (eager) | blocks (every transformer block compiled on its own with
+    # fullgraph=True, as torchtitan does; data-dependent sizes become unbacked symbolic
+    # sizes). See docs/gpu.md, "Compiled blocks".
+    compile: Literal["none", "blocks"] = "none"
     # Activation recompute in the backward: none | full (whole blocks) | moe (the experts and
     # shared expert) | expert_act (the experts' SwiGLU output only).
     recompute: Literal["none", "full", "moe", "expert_act"] = "none"

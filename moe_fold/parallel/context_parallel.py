@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from moe_fold.comm import Group, all_to_all, group_rank, group_size
-from moe_fold.config import choice, choices, require, sequence_over_cp
+from moe_fold.config import choices, require, sequence_over_cp
 from moe_fold.parallel.document_attention import apply_sinks, masked_block_attention
 from moe_fold.parallel.ring_attention import ring_attention
 from moe_fold.parallel.varlen import sdpa, varlen_attention
@@ -178,7 +178,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     included); ``sinks [Hq]`` (the local query heads): attention sinks
     (:func:`moe_fold.parallel.document_attention.apply_sinks`). Both run on every kind.
     """
-    require(choice, "parallel.cp_kind", kind)
+    if kind not in CP_KINDS:
+        raise ValueError(f"parallel.cp_kind={kind} must be one of {', '.join(CP_KINDS)}")
     _check_qkv(q, k, v)
     cp = group_size(group)
     if doc_ids is not None:

@@ -84,7 +84,11 @@ class RoutingCollector:
         self.routers = [(slot[layer_index(n, L)], m) for n, m in model.named_modules() if isinstance(m, Router)]
         self.device = next(model.parameters()).device
         self._recording = False
-        self._hooks = [m.register_forward_hook(self._hook(row), with_kwargs=True) for row, m in self.routers]
+        # Each hook's row is a one-element index tensor, not a Python int: under
+        # train.compile=blocks the blocks share one compiled forward, which an int would
+        # specialise per layer (and a 0-d tensor index would read back to the host).
+        self._hooks = [m.register_forward_hook(self._hook(torch.tensor([row], device=self.device)),
+                                               with_kwargs=True) for row, m in self.routers]
         self.layer_metrics: dict[str, float] = {}
         self.expert_load: list[list[int]] = []
         self.start_step()
@@ -107,7 +111,7 @@ class RoutingCollector:
         self._kept = torch.zeros(L, E, **zeros)  # [L, E]
         self._routed = torch.zeros(L, **zeros)
 
-    def _hook(self, row: int):
+    def _hook(self, row: torch.Tensor):
         def hook(module, args, kwargs, output):
             if not self._recording:
                 return

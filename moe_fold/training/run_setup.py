@@ -22,7 +22,7 @@ from torch import nn
 from moe_fold.config import Config, dump_config, moe_layer_indices
 from moe_fold.dispatch.router import Router
 from moe_fold.layout import ProcessGroups
-from moe_fold.models.model import Transformer
+from moe_fold.models.model import Transformer, compile_blocks
 from moe_fold.models.model import build_model as build_transformer
 from moe_fold.training.faults import FaultPlan
 from moe_fold.training.numerics import LossSpikes
@@ -164,6 +164,8 @@ def build_trainable(config: Config, device: torch.device, groups: ProcessGroups,
     t, p = config.train, config.parallel
     torch.manual_seed(t.seed)
     model = build_model(config, groups).to(device)
+    if t.compile == "blocks":
+        compile_blocks(model)
     master = None
     if t.precision == "bf16":
         master = MasterWeights(model.to(param_dtype(t.precision)), build_model(config, groups).to(device))

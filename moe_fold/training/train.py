@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 from torch import nn
 
@@ -234,7 +235,9 @@ def train(config: Config, resume: bool = False, console: Optional[Console] = Non
     previous_fp32 = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
     began = time.monotonic()
     try:
-        with ExitSignals(config.train.exit_signals) as signals:
+        # train.compile=blocks: the dropless layer's counts trace as unbacked sizes.
+        compiling = torch._dynamo.config.patch(capture_scalar_outputs=config.train.compile == "blocks")
+        with ExitSignals(config.train.exit_signals) as signals, compiling:
             config, device, groups = _prepare_process(config)
             run = set_up_run(config, device, groups, resume, metrics=metrics, faults=faults, build_model=build_model,
                              forward_backward=forward_backward)

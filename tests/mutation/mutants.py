@@ -175,8 +175,8 @@ MUTANTS: list[Mutant] = [
         (f"{T_DISPATCH}::test_four_ranks",)),
     Mutant(
         "a2a-combine-order", ALLTOALL,
-        "x = sort_chunks(x, handle.sorted_chunk_sizes, self._on_device(\"_inverse_order\", x.device),",
-        "x = sort_chunks(x, handle.sorted_chunk_sizes, self._on_device(\"_order\", x.device),",
+        "x = chunks_sorted(x, handle.sorted_chunk_sizes, self._on_device(\"_inverse_order\", x.device),",
+        "x = chunks_sorted(x, handle.sorted_chunk_sizes, self._on_device(\"_order\", x.device),",
         "combine sorts the expert outputs back with the forward chunk order, not its inverse",
         # The 2- and 4-rank layouts have self-inverse chunk orders (2 x 2, 2 x 2 x 2): only
         # ep 8 with 2 local experts, or ep 4 x etp 2, tells the order from its inverse.
@@ -511,8 +511,8 @@ MUTANTS: list[Mutant] = [
         ("tests/training/test_checkpoint_verify.py::test_same_size_damage_to_any_file_is_named_at_load_and_by_verify",)),
     Mutant(
         "combine-relative-error", ALLTOALL,
-        "        return unpermute(x, handle.sorted_indices, handle.num_tokens,\n",
-        "        return (1 + 1e-6) * unpermute(x, handle.sorted_indices, handle.num_tokens,\n",
+        "        return unpermuted(x, handle.sorted_indices, handle.num_tokens,\n",
+        "        return (1 + 1e-6) * unpermuted(x, handle.sorted_indices, handle.num_tokens,\n",
         "every combine off by 1e-6 relative (dispatch compared at atol = rtol = 0 catches it)",
         (f"{T_DISPATCH}::test_two_ranks",)),
     # ------------------------------------------------------------------ GPU readiness (issue 26)

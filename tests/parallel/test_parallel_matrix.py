@@ -34,7 +34,6 @@ from moe_fold.models.model import build_model
 from moe_fold.parallel.sharding import full_tensor, shard_info
 from moe_fold.training.optim import AdamW, apply_gradients, build_grad_sync, build_optimizer, param_groups
 from moe_fold.training.step import forward_backward
-from tests.helpers.compare import assert_run_matches
 from tests.helpers.pipeline_union import unite_over_pp
 from tests.helpers.router_outputs import max_dropped_fraction, router_outputs
 from tests.parallel.test_layout_invariance import _global_grads
@@ -45,6 +44,11 @@ VOCAB, HIDDEN, LAYERS, SEQ, BATCH, STEPS, LR, MAX_NORM = 64, 32, 4, 16, 4, 3, 1e
 GPTOSS_ATTENTION = dict(attention_sinks=True, sliding_window=5, local_attention_layers=[1, 0, 1, 0])
 LLAMA4_ATTENTION = dict(attention_chunk=6, local_attention_layers=[1, 1, 1, 0], rope_layers=[1, 1, 1, 0],
                         qk_norm=True, qk_norm_scope="l2", attn_temperature_tuning=True, attn_temperature_floor=4)
+
+QWEN3_NEXT_LAYERS = dict(layer_types=["gated_deltanet", "gated_deltanet", "gated_deltanet", "attention"],
+                         attn_output_gate=True, norm_zero_centred=True, qk_norm=True, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=6, linear_value_head_dim=5,
+                         linear_conv_kernel=4, linear_chunk_size=3)
 
 # name -> (world, layout sizes, micro-batches per rank, parallel config, model overrides).
 # tp > 1 implies SP; etp defaults to tp.
@@ -93,6 +97,13 @@ CASES = {
     "attn-gptoss-cp2-a2a-tp2-packed": (4, dict(cp=2, tp=2), 2, dict(cp_kind="a2a"), GPTOSS_ATTENTION),
     "attn-llama4-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), LLAMA4_ATTENTION),
     "attn-llama4-tp2-ep2-etp1-dp2": (4, dict(tp=2, ep=2, etp=1), 2, dict(), LLAMA4_ATTENTION),
+    # Qwen3-Next's layers: Gated DeltaNet in three of four layers (state and conv window
+    # passed along cp in sequence order, reset at documents), gated attention in the fourth,
+    # zero-centred norms.
+    "gdn-cp2-ring-packed": (2, dict(cp=2), 2, dict(cp_kind="ring"), QWEN3_NEXT_LAYERS),
+    "gdn-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), QWEN3_NEXT_LAYERS),
+    "gdn-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), QWEN3_NEXT_LAYERS),
+    "gdn-tp2-cp2-a2a-ep2-packed": (4, dict(tp=2, cp=2, ep=2, etp=1), 2, dict(cp_kind="a2a"), QWEN3_NEXT_LAYERS),
 }
 
 # Documents (lengths) of each row of the packed global batch; a row's documents fill it.
@@ -336,9 +347,29 @@ def _check(names, results):
         ref = _reference(name)
         assert ref["norms"][0] > MAX_NORM, f"{name}: clipping is not exercised"
         assert ref["losses"][-1] < ref["losses"][0], name
+        # The Gated DeltaNet model is sensitive to rounding: its gated norm rescales each
+        # head's small output to unit RMS (init grad norm ~200), so float32 sums in another
+        # order (SP's reduce-scatter, cp's composed segment states) move its grads by ~1e-5 of
+        # their largest, though its layers under tp and cp equal one process to 1e-14 in
+        # float64 (tests/parallel/test_gated_deltanet_cp.py). And Adam's first step moves every weight
+        # by lr times its grad's sign, flipping on grads below 1e-7, so later steps differ by
+        # ~1e-2 between any two float32 orders: only its first step is compared, with a
+        # tolerance scaled to each tensor's largest grad (a state not passed along cp is off
+        # by ~1e-1).
+        gdn = name in LAYER_TYPES
+        steps, rtol = (1, 1e-4) if gdn else (STEPS, 1e-5)
         for rank, per_rank in enumerate(results):
             got, where = per_rank[i], f"{name} rank {rank}"
-            assert_run_matches(got, ref, where, norm="norms")
+            assert got["grads"].keys() == ref["grads"].keys(), where
+            for pname, g in ref["grads"].items():
+                assert np.abs(g).max() > 0, f"{where}: reference grad {pname} is zero"
+                atol = 1e-4 * float(np.abs(g).max()) if gdn else 2e-6
+                torch.testing.assert_close(torch.from_numpy(got["grads"][pname]), torch.from_numpy(g),
+                                           rtol=1e-4, atol=atol, msg=lambda m: f"{where} grad {pname}: {m}")
+            torch.testing.assert_close(got["norms"][:steps], ref["norms"][:steps], rtol=rtol, atol=0,
+                                       msg=lambda m: f"{where} grad norms: {m}")
+            torch.testing.assert_close(got["losses"][:steps], ref["losses"][:steps], rtol=rtol, atol=0,
+                                       msg=lambda m: f"{where} losses: {m}")
             assert got["tied_diff"] == 0.0, f"{where}: tied embedding copies drifted apart"
             # the MoE overlap cases skip the loop's variants; tests/dispatch/test_placement.py checks its runs without them
             loop = got.get("loop", {})
@@ -349,9 +380,9 @@ def _check(names, results):
                 for pname, value in loop[off]["params"].items():
                     assert (loop[on]["params"][pname] == value).all(), f"{where} {on} {pname}"
             for variant, run in loop.items():
-                torch.testing.assert_close(run["norms"], ref["norms"], rtol=1e-5, atol=0,
+                torch.testing.assert_close(run["norms"][:steps], ref["norms"][:steps], rtol=rtol, atol=0,
                                            msg=lambda m: f"{where} {variant} grad norms: {m}")
-                torch.testing.assert_close(run["losses"], ref["losses"], rtol=1e-5, atol=0,
+                torch.testing.assert_close(run["losses"][:steps], ref["losses"][:steps], rtol=rtol, atol=0,
                                            msg=lambda m: f"{where} {variant} losses: {m}")
                 assert run["tied_diff"] == 0.0, f"{where} {variant}: tied embedding copies drifted apart"
 
@@ -365,9 +396,13 @@ ISSUE_20 |= {name for name in CASES if name.startswith("family-")}
 ISSUE_29 = {name for name in CASES if name.startswith("attn-")}
 
 
-def _names(world, issue_20=False, issue_29=False):
+LAYER_TYPES = {name for name in CASES if name.startswith("gdn-")}
+
+
+def _names(world, issue_20=False, issue_29=False, layer_types=False):
     return [name for name, case in CASES.items()
-            if case[0] == world and (name in ISSUE_20) == issue_20 and (name in ISSUE_29) == issue_29]
+            if case[0] == world and (name in ISSUE_20) == issue_20 and (name in ISSUE_29) == issue_29
+            and (name in LAYER_TYPES) == layer_types]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -390,6 +425,14 @@ def test_new_attention_features_match_single_process(world):
     """Sinks with sliding/full layers, and Llama-4's chunked + NoPE + L2 QK-norm +
     temperature tuning, under ring and a2a cp (packed documents), tp + SP, pp and ep."""
     names = _names(world, issue_29=True)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gated_deltanet_layers_match_single_process(world):
+    """Qwen3-Next's layer types (Gated DeltaNet, gated attention, zero-centred norms) under
+    cp (ring and a2a, packed documents), tp + SP, pp and ep."""
+    names = _names(world, layer_types=True)
     _check(names, run_ranks(_rank, world, names, timeout=400))
 
 

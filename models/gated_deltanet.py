@@ -1,0 +1,173 @@
+"""Gated DeltaNet (Yang et al. 2024) as Qwen3-Next uses it: a linear-attention mixer with a
+recurrent state per value head.
+
+Per token: one projection gives q, k (``linear_num_key_heads`` heads of
+``linear_key_head_dim``), v and the output gate z (``linear_num_value_heads`` heads of
+``linear_value_head_dim``), the write strength b and the decay input a (one per value
+head); q|k|v pass a depthwise causal conv1d and SiLU; q and k are L2-normalised (q also
+scaled by ``dk**-0.5``); ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``;
+the gated delta rule (:mod:`moe_fold.kernels.gated_delta`) runs with a key head serving
+``value_heads / key_heads`` consecutive value heads; its output is RMS-normalised per
+head, times a weight and ``silu(z)``, and projected back.
+
+Under tp each rank owns whole key heads with their value heads (every part of the input
+projection, the conv channels, ``A_log`` and ``dt_bias`` are split the same way); the
+recurrence is per head, so it needs no tp communication. Under cp the layer keeps the
+zigzag split and passes conv windows and states along the segments in sequence order
+(:mod:`moe_fold.parallel.recurrent_cp`). Packed documents reset the conv window and the
+state at every document start.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_fold.comm import Group, group_rank, group_size
+from moe_fold.config import ModelConfig, linear_heads_over_tp, require
+from moe_fold.kernels.gated_delta import causal_conv1d, chunk_gated_delta_rule
+from moe_fold.parallel.recurrent_cp import conv_histories, local_segments, start_states
+from moe_fold.parallel.tensor_parallel import (
+    ColumnParallelLinear, RowParallelLinear, global_normal, init_seed, mark, shard_tp,
+)
+from moe_fold.parallel.varlen import Documents
+
+from .kv_cache import LayerCache
+
+
+class GatedDeltaNet(nn.Module):
+    """``x [S_local, B, H] -> [S_local, B, H]``.
+
+    Parameters (global shapes): ``in_proj.weight [2*nk*dk + 2*nv*dv + 2*nv, H]`` (rows
+    q|k|v|z|b|a), ``conv.weight [2*nk*dk + nv*dv, K]`` (channels q|k|v), ``A_log [nv]``,
+    ``dt_bias [nv]``, ``norm.weight [dv]``, ``out_proj.weight [H, nv*dv]``.
+    """
+
+    def __init__(self, config: ModelConfig, tp_group: Group, sequence_parallel: bool, *, seed: int, name: str,
+                 cp_group: Group = None):
+        super().__init__()
+        tp, rank = group_size(tp_group), group_rank(tp_group)
+        require(linear_heads_over_tp, config.linear_num_key_heads, config.linear_num_value_heads, tp)
+        nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
+        self.nk, self.nv = nk // tp, nv // tp  # local heads
+        self.cp_group = cp_group
+        self.eps = config.norm_eps
+        self.chunk_size = config.linear_chunk_size
+        std = config.init_std
+        key, value = nk * self.dk, nv * self.dv
+        self.in_proj = ColumnParallelLinear(config.hidden_size, [key, key, value, value, nv, nv], tp_group,
+                                            sequence_parallel, std=std, seed=init_seed(seed, f"{name}.in_proj"))
+        conv_parts = [key, key, value]
+        conv = global_normal([sum(conv_parts), config.linear_conv_kernel], config.linear_conv_kernel ** -0.5,
+                             init_seed(seed, f"{name}.conv"))
+        self.conv_weight = mark(nn.Parameter(shard_tp(conv, 0, conv_parts, rank, tp)), "tp", 0, conv_parts)
+        # Decay rates exp(A_log) spread over [1, 16], as Mamba2 and Qwen3-Next draw them.
+        a = torch.rand(nv, generator=torch.Generator().manual_seed(init_seed(seed, f"{name}.A_log"))) * 15 + 1
+        self.A_log = mark(nn.Parameter(shard_tp(a.log(), 0, [nv], rank, tp)), "tp", 0, [nv])
+        self.dt_bias = mark(nn.Parameter(torch.ones(nv // tp)), "tp", 0, [nv])
+        # One norm weight over a head's dims, shared by every head: partial over tp.
+        self.norm_weight = mark(nn.Parameter(torch.ones(self.dv)), "tp_sum")
+        self.out_proj = RowParallelLinear(value, config.hidden_size, tp_group, sequence_parallel,
+                                          std=std, seed=init_seed(seed, f"{name}.out_proj"))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Optional[Documents] = None,
+                kv_cache: Optional[LayerCache] = None) -> torch.Tensor:
+        """``x [S_local, B, H] -> [S_local, B, H]``, as attention is called (rotary ``cos``/``sin``
+        unused: the recurrence orders tokens itself). ``kv_cache`` must be None: these layers
+        keep no key/value cache."""
+        if kv_cache is not None:
+            raise ValueError("a Gated DeltaNet layer keeps a recurrent state, not a key/value cache: "
+                             "cached sampling is not supported for model.layer_types with gated_deltanet")
+        group = self.cp_group if docs is None else docs.cp_group
+        doc_ids = None if docs is None else docs.doc_ids  # [B, S_seq], natural order
+        key, value = self.nk * self.dk, self.nv * self.dv
+        q, k, v, z, b, a = self.in_proj(x).split([key, key, value, value, self.nv, self.nv], dim=-1)
+        S, B = q.shape[:2]
+        segments = local_segments(S, group)
+        qkv = F.silu(self._conv(torch.cat([q, k, v], dim=-1), segments, doc_ids, group))  # [S, B, 2key+value]
+        q, k, v = qkv.split([key, key, value], dim=-1)
+        # The recurrence runs in float32 (float64 for a float64 model), as fla's kernels do.
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        q = _l2_normalize(q.reshape(S, B, self.nk, self.dk).to(work)) * self.dk ** -0.5
+        k = _l2_normalize(k.reshape(S, B, self.nk, self.dk).to(work))
+        # A key head serves value_heads / key_heads consecutive value heads.
+        q, k = (t.repeat_interleave(self.nv // self.nk, dim=2) for t in (q, k))  # [S, B, nv, dk]
+        v = v.reshape(S, B, self.nv, self.dv)
+        beta = b.to(work).sigmoid()  # [S, B, nv]
+        g = -self.A_log.to(work).exp() * F.softplus(a.to(work) + self.dt_bias)  # [S, B, nv]
+        q, k, v = (t.permute(1, 2, 0, 3).to(work) for t in (q, k, v))  # [B, nv, S, d]
+        beta, g = beta.permute(1, 2, 0), g.permute(1, 2, 0)  # [B, nv, S]
+        o = self._recurrence(q, k, v, g, beta, segments, doc_ids, group)  # [B, nv, S, dv]
+        o = o.permute(2, 0, 1, 3)  # [S, B, nv, dv]
+        z = z.reshape(S, B, self.nv, self.dv)
+        normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (self.norm_weight * normed.to(x.dtype)).to(work) * F.silu(z.to(work))
+        return self.out_proj(out.to(x.dtype).reshape(S, B, value))
+
+    def _conv(self, x: torch.Tensor, segments: list, doc_ids: Optional[torch.Tensor], group: Group) -> torch.Tensor:
+        """The causal conv of each local segment, its window reaching into the segment
+        before (another rank's under cp), never across a document start."""
+        K = self.conv_weight.shape[1]
+        tails = torch.stack([_tail(x[lo:hi], K - 1) for lo, hi, _ in segments])  # [n, K-1, B, C]
+        histories = conv_histories(tails, group)
+        outs = []
+        for (lo, hi, index), history in zip(segments, histories):
+            ids = None if doc_ids is None else _window_ids(doc_ids, index * (hi - lo), hi - lo, K - 1)
+            outs.append(causal_conv1d(x[lo:hi], self.conv_weight, history, ids))
+        return torch.cat(outs, dim=0)
+
+    def _recurrence(self, q, k, v, g, beta, segments: list, doc_ids: Optional[torch.Tensor],
+                    group: Group) -> torch.Tensor:
+        """The gated delta rule over this rank's segments, each from the state the
+        segments before it leave (a prefix scan over cp)."""
+        parts = [tuple(t[:, :, lo:hi] for t in (q, k, v, g, beta)) for lo, hi, _ in segments]
+        resets = [None if doc_ids is None else _resets(doc_ids, index * (hi - lo), hi - lo)
+                  for lo, hi, index in segments]
+        if group_size(group) == 1:
+            return chunk_gated_delta_rule(*parts[0], resets=resets[0], chunk_size=self.chunk_size)[0]
+        eye = torch.eye(self.dk, dtype=q.dtype, device=q.device).expand(q.shape[0], self.nv, -1, -1)
+        writes, transitions = [], []
+        for (qs, ks, vs, gs, bs), r in zip(parts, resets):
+            writes.append(chunk_gated_delta_rule(qs, ks, vs, gs, bs, r, chunk_size=self.chunk_size)[1])
+            # The map's linear part: the end state from the identity, nothing written.
+            zero_v = vs.new_zeros(*vs.shape[:-1], self.dk)
+            transitions.append(chunk_gated_delta_rule(qs, ks, zero_v, gs, bs, r, eye, self.chunk_size)[1])
+        starts = start_states(torch.stack(transitions), torch.stack(writes), group)
+        return torch.cat([chunk_gated_delta_rule(*p, resets=r, initial_state=s, chunk_size=self.chunk_size)[0]
+                          for p, r, s in zip(parts, resets, starts)], dim=2)
+
+
+def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + 1e-6)`` over the head dim, as fla and Qwen3-Next do."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+def _tail(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The last ``n`` rows of ``x [S, ...]``, zero-padded in front when S < n."""
+    if x.shape[0] >= n:
+        return x[x.shape[0] - n:]
+    return torch.cat([x.new_zeros(n - x.shape[0], *x.shape[1:]), x])
+
+
+def _window_ids(doc_ids: torch.Tensor, start: int, length: int, back: int) -> torch.Tensor:
+    """Documents of positions ``start-back .. start+length-1`` ``[B, back+length]``;
+    positions before the sequence get ids of their own (-1, -2, ...), no document's."""
+    before = max(0, back - start)
+    ids = doc_ids[:, start - back + before:start + length]
+    if before:
+        own = -torch.arange(before, 0, -1, device=doc_ids.device).expand(doc_ids.shape[0], -1)
+        ids = torch.cat([own, ids], dim=1)
+    return ids
+
+
+def _resets(doc_ids: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """bool ``[B, length]``: a document starts at this position (its id differs from the
+    position before; position 0 always starts one)."""
+    ids = doc_ids[:, start:start + length]
+    prev = doc_ids[:, start - 1:start + length - 1] if start else torch.cat(
+        [ids[:, :1] - 1, ids[:, :-1]], dim=1)
+    return ids != prev

@@ -1,0 +1,114 @@
+"""Gated DeltaNet under context parallelism: each rank keeps its zigzag segments, the conv
+windows and the recurrent states pass along the segments in sequence order
+(moe_fold/parallel/recurrent_cp.py); the outputs, the input gradients and the summed
+parameter gradients equal one process's, with and without packed documents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_fold.config import ModelConfig
+from moe_fold.launch import run_ranks
+from moe_fold.models.gated_deltanet import GatedDeltaNet
+from moe_fold.parallel.context_parallel import zigzag_gather, zigzag_split
+from moe_fold.parallel.varlen import Documents
+
+S, B, H = 24, 2, 20
+
+
+def _config() -> ModelConfig:
+    # Odd sizes; chunks of 4 cut the cp4 segments (3 tokens) and the documents unevenly.
+    return ModelConfig(hidden_size=H, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=6,
+                       linear_value_head_dim=5, linear_conv_kernel=4, linear_chunk_size=4, init_std=0.2)
+
+
+def _doc_ids() -> torch.Tensor:
+    # Row 0: starts mid-segment and on segment edges; row 1: one document.
+    lengths = [[5, 1, 6, 9, 3], [24]]
+    ids, nxt = [], 0
+    for row in lengths:
+        ids.append(torch.repeat_interleave(torch.arange(nxt, nxt + len(row)), torch.tensor(row)))
+        nxt += len(row)
+    return torch.stack(ids)
+
+
+def _data():
+    gen = torch.Generator().manual_seed(7)
+    return torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
+
+
+def _run(layer: GatedDeltaNet, x: torch.Tensor, probe: torch.Tensor, docs):
+    x = x.clone().requires_grad_()
+    out = layer(x, None, None, docs)
+    (out * probe).sum().backward()
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    return out.detach(), x.grad, grads
+
+
+def _rank(rank, world_size, packed):
+    group = dist.new_group(list(range(world_size)), group_desc="cp")
+    layer = GatedDeltaNet(_config(), None, False, seed=3, name="layers.0.attn", cp_group=group)
+    x, probe = (zigzag_split(t, rank, world_size, dim=0) for t in _data())
+    docs = Documents(_doc_ids(), group) if packed else None
+    return _run(layer, x, probe, docs)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("packed", [False, True])
+def test_cp_equals_one_process(cp, packed):
+    layer = GatedDeltaNet(_config(), None, False, seed=3, name="layers.0.attn")
+    x, probe = _data()
+    want_out, want_dx, want_grads = _run(layer, x, probe, Documents(_doc_ids(), None) if packed else None)
+    per_rank = run_ranks(_rank, cp, packed, timeout=120)
+    out = zigzag_gather([r[0] for r in per_rank], dim=0)
+    dx = zigzag_gather([r[1] for r in per_rank], dim=0)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx, want_dx, rtol=1e-5, atol=1e-6)
+    for name, want in want_grads.items():
+        got = sum(r[2][name] for r in per_rank)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"grad of {name}: {m}")
+    print(f"cp{cp} packed={packed}: max |out diff| {float((out - want_out).abs().max()):.2e}, "
+          f"max |dx diff| {float((dx - want_dx).abs().max()):.2e}")
+
+
+def test_packed_layer_equals_each_document_alone():
+    """One process: a packed row's outputs are those of each document run alone."""
+    layer = GatedDeltaNet(_config(), None, False, seed=3, name="layers.0.attn")
+    x, _ = _data()
+    ids = _doc_ids()
+    with torch.no_grad():
+        packed = layer(x, None, None, Documents(ids, None))
+        for doc in ids[0].unique():
+            cols = (ids[0] == doc).nonzero().flatten()
+            alone = layer(x[cols, :1], None, None)
+            torch.testing.assert_close(packed[cols, :1], alone, rtol=1e-5, atol=1e-6)
+
+
+def _rank64(rank, world_size, split):
+    group = dist.new_group(list(range(world_size)), group_desc=split)
+    tp, cp = (group, None) if split == "tp" else (None, group)
+    layer = GatedDeltaNet(_config(), tp, False, seed=3, name="layers.0.attn", cp_group=cp).double()
+    x, probe = (t.double() for t in _data())
+    if split == "cp":
+        x, probe = (zigzag_split(t, rank, world_size, dim=0) for t in (x, probe))
+    return _run(layer, x, probe, Documents(_doc_ids(), cp))
+
+
+@pytest.mark.parametrize("split", ["tp", "cp"])
+def test_tp_and_cp_equal_one_process_in_float64(split):
+    """In float64 the tp (heads split) and cp (segments in order) layers are one process's
+    to rounding: the float32 layout matrix's differences are float32's."""
+    layer = GatedDeltaNet(_config(), None, False, seed=3, name="layers.0.attn").double()
+    x, probe = (t.double() for t in _data())
+    want_out, want_dx, _ = _run(layer, x, probe, Documents(_doc_ids(), None))
+    per_rank = run_ranks(_rank64, 2, split, timeout=120)
+    if split == "cp":
+        out = zigzag_gather([r[0] for r in per_rank], dim=0)
+        dx = zigzag_gather([r[1] for r in per_rank], dim=0)
+    else:
+        # tp without SP: every rank holds the whole output and (all-reduced) input grad.
+        out, dx = per_rank[0][0], per_rank[0][1]
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dx, want_dx, rtol=1e-12, atol=1e-12)
