@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_fold.kernels.gated_delta import causal_conv1d, chunk_gated_delta_rule
-from tests.float64_reference import assert_close_to_float64
+from tests.helpers.float64_reference import assert_close_to_float64
 
 
 def recurrent_reference(q, k, v, g, beta, resets=None, initial_state=None):
