@@ -1,6 +1,6 @@
 """Data benchmark: how fast text becomes tokens, and whether loading could ever slow training.
 
-    python bench/data.py [--mb 8] [--bpe-vocab 4096] [--workers 1,2] [--rounds 3]
+    python -m bench.data [--mb 8] [--bpe-vocab 4096] [--workers 1,2] [--rounds 3]
                          [--loader-batches 200] [--train-steps 6] [--no-train]
 
 Corpus: the demo corpus (the standard library's ``.py`` files, on every machine) written
@@ -48,8 +48,6 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def parse_args() -> argparse.Namespace:

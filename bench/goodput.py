@@ -44,7 +44,7 @@ config without faults and with ``train.skip_batches=[N]`` gives every step's los
 world (the node loss) is bit identical to the reference (the restarts on the configured
 layout, the rollback, the requeues), and the largest relative difference over the 100 steps
 from that one is within the resharding tolerance 1e-5 (as
-``tests/test_train.py::test_resume_under_other_layouts`` and the elastic test, 80 steps).
+``tests/training/test_train.py::test_resume_under_other_layouts`` and the elastic test, 80 steps).
 Reported beside: the largest over the whole run and per 500 steps (rounding differences
 of another layout grow as training goes on: see docs/reliability.md). The exact check: a
 replay of the same layouts without faults (``layout_segments``: one ``--nproc W`` run per

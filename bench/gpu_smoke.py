@@ -1,13 +1,13 @@
 """The GPU proof in one command: the gpu tests, the kernel benches and one MoE layer on
 the GPU, summed up in one table (docs/gpu.md says what each row means).
 
-    python bench/gpu_smoke.py [--shapes 8192x2048x1024x8x2,8192x2048x512x64x8] [--rounds 7]
+    python -m bench.gpu_smoke [--shapes 8192x2048x1024x8x2,8192x2048x512x64x8] [--rounds 7]
                               [--skip-tests] [--skip-benches]
 
 Rows: the device; torch, triton, CUDA and driver versions; the backend each kernel's
 ``auto`` resolves to for bfloat16 and float32 inputs (``resolve_backend`` of each module
 of :data:`BACKEND_MODULES`); pass/fail of each group of gpu tests (``pytest -m gpu``, run
-compiled in a process of their own: tests/gpu_support.py); bench/gemm.py and
+compiled in a process of their own: tests/helpers/gpu_support.py); bench/gemm.py and
 bench/permute.py on the GPU in bfloat16; and per MoE layer shape (``tokens x hidden x
 ffn x experts x topk``, bfloat16, :func:`bench.moe_layer.build_ours`): the host
 synchronisations of one forward and of its backward, counted by
@@ -36,10 +36,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
 
-import gpu_support  # noqa: E402
+from tests.helpers import gpu_support  # noqa: E402
 import torch  # noqa: E402
 
 # Kernel -> the module whose resolve_backend(backend, x) says what "auto" runs.

@@ -7,11 +7,11 @@ imported with ``moe_fold.models.from_hf`` on 1 process, on 4 gloo ranks under tp
 (etp 2, the default etp = tp) and under pp2 x cp2, and the logits of the same token ids
 (batch 2 x 12 tokens, float32) compared with transformers' forward. Under a layout the
 full logits are gathered on every rank (pipeline stages in turn, tp and zigzag cp shards
-joined: ``tests/hf_family_checks.gathered_logits``); the number is the largest
+joined: ``tests/helpers/hf_family_checks.gathered_logits``); the number is the largest
 absolute difference over every rank, token and vocabulary entry. A layout a family
 cannot run prints the rule that refuses it instead of a number.
 
-    python bench/hf_logits.py [--markdown FILE] [--timeout 600]
+    python -m bench.hf_logits [--markdown FILE] [--timeout 600]
 
 One JSON line per (family, case, layout): ``{"bench": "hf_logits", "family", "case",
 "sizes", "layout", "max_abs_diff"}`` (or ``"refused": "<the error>"`` in place of
@@ -23,12 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-# The model builders live with the tests, which import each other by module name.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP workers starve a small shared CPU
 
 import torch  # noqa: E402
@@ -39,10 +36,10 @@ from moe_fold.layout import ParallelLayout, create_process_groups  # noqa: E402
 from moe_fold.models import from_hf  # noqa: E402
 from moe_fold.models.hf import HFConfigError, hf_config  # noqa: E402
 
-import test_hf  # noqa: E402
-from hf_family_checks import gathered_logits as _gathered_logits, max_diff, token_ids  # noqa: E402
-from test_hf import hf_logits  # noqa: E402
-from test_hf_families import SPECS, model_of  # noqa: E402
+from tests.models.hf import test_importer as test_hf  # noqa: E402
+from tests.helpers.hf_family_checks import gathered_logits as _gathered_logits, max_diff, token_ids  # noqa: E402
+from tests.models.hf.test_importer import hf_logits  # noqa: E402
+from tests.models.hf.test_families import SPECS, model_of  # noqa: E402
 
 LAYOUTS = {"1 process": None, "tp2 x ep2 (etp 2)": dict(tp=2, ep=2), "pp2 x cp2": dict(pp=2, cp=2)}
 
@@ -70,7 +67,7 @@ BUILDERS = {
                   for case in ("qwen2_shared_dense", "qwen2_sparse_step_norm")},
     "qwen3_moe": {case: (lambda case=case: _eager(test_hf.hf_model(case, **_ODD_QWEN3)))
                   for case in ("qwen3_norm_topk", "qwen3_no_norm_tied")},
-    # The other families: the cases of tests/test_hf_families.py.
+    # The other families: the cases of tests/models/hf/test_families.py.
     **{family: {case: (lambda family=family, case=case: _eager(model_of(family, case))) for case in spec.cases}
        for family, spec in SPECS.items() if family not in ("mixtral", "qwen2_moe", "qwen3_moe")},
 }

@@ -140,7 +140,7 @@ def topk_routing(
             :mod:`moe_fold.kernels.topk_triton`; not with groups or a bias) or ``auto``
             (:func:`moe_fold.kernels.topk.resolve_backend`: Triton on CUDA, torch on CPU).
             Both give the same experts (ties to the lower index) and probs and gradients
-            within float rounding (tests/test_router.py::test_triton_topk_equals_the_torch_path,
+            within float rounding (tests/dispatch/test_router.py::test_triton_topk_equals_the_torch_path,
             rtol 1e-6 in float32).
         forced: ``[T, topk]`` int64, router replay: these experts instead of the selection
             (groups and the expert bias choose nothing then); the probs are the scores at

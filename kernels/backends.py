@@ -10,7 +10,7 @@ that delegates here):
 
 :func:`choose` is the rule: device type, CUDA capability, dtype and the optional extras
 that run here in, one backend out, nothing else read. The table it gives (pinned by
-tests/test_backends.py)::
+tests/kernels/test_backends.py)::
 
     device            dtype        gemm                         permute  swiglu  topk
     cpu               f32/bf16/f16 torch                        torch    cpu     torch

@@ -17,7 +17,7 @@ experts of 256 rows on average, CPU-time ratio_to_dense of fc1 [256 -> 1024] / f
 grouped_mm 0.68 / 0.85; 1.25x, 0.68 / 0.60 vs 0.67 / 0.86; the MoE layer benchmark's own
 counts (largest 1.25x) in two padded levels (every group to 260 rows, the overflow of 4
 groups to 59; 7% padding) 0.64 / 0.66 vs 0.62 / 0.82. Results equal grouped_mm's within
-float rounding (tests/test_gmm.py).
+float rounding (tests/kernels/test_gmm.py).
 
 grouped_mm has layout rules that the other backends do not:
 

@@ -51,7 +51,7 @@ accounting never reads the counter.
 
 The counter is process-wide state on purpose: it is instrumentation read by benchmarks
 and the planner's tests, never an input to any computation, and the installed package
-never reads it (tests/test_architecture.py).
+never reads it (tests/meta/test_architecture.py).
 """
 
 from __future__ import annotations

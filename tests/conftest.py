@@ -1,12 +1,10 @@
 import os
 import sys
 
-# Tests import helpers from this folder.
-sys.path.insert(0, os.path.dirname(__file__))
 # This process runs on the CPU (Triton interpreted, CUDA hidden: a GPU host gives CI's
 # results) or, with MOE_FOLD_TESTS_ON_GPU=1, runs the gpu-marked tests only (Triton
-# compiled): gpu_support.py. Set before torch and triton are imported.
-import gpu_support  # noqa: E402
+# compiled): tests/helpers/gpu_support.py. Set before torch and triton are imported.
+from tests.helpers import gpu_support  # noqa: E402
 
 gpu_support.pin_process(os.environ)
 # Idle OpenMP workers that spin while they wait starve the busy thread on a small shared

@@ -40,7 +40,7 @@ from .rules import (BATCH_INVARIANT_ROWS, MAX_DYNAMIC_CP, RULES, activation_back
 from .schema import (EXIT_SIGNALS, SECTIONS, Config, ConfigError, DataConfig, InitConfig, MoEConfig, ModelConfig,
                      OptimizerConfig, ParallelConfig, TrainConfig, WandbConfig)
 
-# Private helpers that tests/test_rules.py imports from here: a section's field types and
+# Private helpers that tests/config/test_rules.py imports from here: a section's field types and
 # a Literal field's choices.
 from .rules.common import _literal_choices  # noqa: F401,E402
 from .schema import _field_types  # noqa: F401,E402

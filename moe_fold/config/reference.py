@@ -53,7 +53,7 @@ def reference_markdown() -> str:
         "",
         "<!-- Generated from the dataclasses of moe_fold/config/schema.py by",
         "     `python -m moe_fold.config --reference > docs/configuration.md`: edit the field",
-        "     comments there; tests/test_config_reference.py fails when this file differs. -->",
+        "     comments there; tests/config/test_reference.py fails when this file differs. -->",
         "",
         "A run is configured by a YAML file or preset (`--config`) of `section: {key: value}`",
         "mappings, then `--set section.key=value` overrides. Loading checks each value's type;",

@@ -312,7 +312,7 @@ class ParallelConfig:
     # parameter bucket of the distributed optimizer during the next forward, waited just
     # before the bucket's first use (per model chunk under pp/vpp). Off: after the backward, and
     # before the next step. On or off, the steps are the same bit for bit
-    # (tests/test_train.py::test_overlaps_take_the_same_steps).
+    # (tests/training/test_train.py::test_overlaps_take_the_same_steps).
     overlap_grad_reduce: bool = False
     # See overlap_grad_reduce (needs optimizer.distributed).
     overlap_param_gather: bool = False
@@ -404,7 +404,7 @@ class TrainConfig:
     # Seeds the weights (the same under every layout), the data order and the router's noise.
     seed: int = 1234
     # Deterministic torch algorithms, so a resumed run repeats an uninterrupted one bit for
-    # bit (tests/test_train.py::test_resume_is_exact).
+    # bit (tests/training/test_train.py::test_resume_is_exact).
     deterministic: bool = False
     # The run's folder: config.yaml, metrics.jsonl, checkpoints/, heatmaps/, plots/, wandb/.
     run_dir: str = "runs/default"

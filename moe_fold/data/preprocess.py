@@ -5,7 +5,7 @@ The reading process streams the inputs (a JSONL line, a Parquet batch, a text fi
 time, never a whole compressed file) and cuts them into work units of at most
 ``_UNIT_DOCS`` documents and ``_UNIT_BYTES`` bytes. The cuts depend on the inputs alone,
 and results are written in the order the units were read, so the output is the same
-bytes for any number of workers (``tests/test_data_formats.py``). Workers parse the JSON
+bytes for any number of workers (``tests/data/test_sources.py``). Workers parse the JSON
 and tokenize (Hugging Face ``tokenizers`` batch encoding); at most ``2 * workers`` units
 are in flight, so memory stays bounded whatever the corpus size.
 

@@ -4,7 +4,7 @@
 model through a forward hook (the router's output carries its load statistics), adds them
 up over a step's micro-batches and reduces them over the ranks. It only reads: a run
 without it (``train(..., metrics=False)``) takes the same steps, bit for bit
-(tests/test_train.py::test_metrics_off_take_the_same_steps).
+(tests/training/test_train.py::test_metrics_off_take_the_same_steps).
 
 - ``expert_load``: per MoE layer (in layer order), the assignments each expert kept in the global batch
   (all tokens of all micro-batches on all ranks), ``[layers][experts]``;

@@ -99,7 +99,7 @@ def adamw_update_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
     parameters or slices of them, see :data:`ALIGN`), through torch's public functional
     ``torch.optim.adamw.adamw(fused=True)``: the kernel ``torch.optim.AdamW(fused=True)``
     runs, so the numbers match it bit for bit
-    (``tests/test_optim.py::test_adamw_equals_torch_adamw_bit_for_bit``). ``step`` counts
+    (``tests/training/test_optim.py::test_adamw_equals_torch_adamw_bit_for_bit``). ``step`` counts
     updates including this one (1 on the first)."""
     by_device: dict[torch.device, list[int]] = {}
     for i, p in enumerate(params):

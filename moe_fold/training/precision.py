@@ -4,7 +4,7 @@
 - ``bf16-autocast``: float32 parameters; matmuls run in bfloat16 under
   ``torch.autocast`` (CPU and CUDA). The experts' grouped GEMM
   (:func:`moe_fold.kernels.gmm.gmm`) casts its operands as ``F.linear`` does, whatever the
-  backend (tests/test_device_paths.py).
+  backend (tests/training/test_device_paths.py).
 - ``bf16``: bfloat16 parameters and activations, float32 *master* weights that the
   optimizer updates (:class:`MasterWeights`). The gradient sync and clipping run on the
   float32 copies of the grads, so the all-reduce sums in float32.

@@ -17,7 +17,7 @@ step ``b`` has been logged:
 
 The steps after ``s`` are then those of a run that never saw the skipped batches:
 ``train.skip_batches`` lists global batches to skip from the start, which is how the tests
-build that reference run (tests/test_rollback.py).
+build that reference run (tests/training/test_rollback.py).
 
 Why from disk, not from the asynchronous saver's host copy: that copy holds only the
 pieces this rank *writes* (one replica of each element over the whole world: a dp replica

@@ -37,17 +37,17 @@ MTP = "models/mtp.py"
 ROLLBACK = "moe_fold/training/rollback.py"
 CADENCE = "moe_fold/training/cadence.py"
 
-T_ROUTER = "tests/test_router.py"
-T_ROUTER_PARALLEL = "tests/test_router_parallel.py::test_router_layout_invariance"
-T_DISPATCH = "tests/test_dispatch.py"
-T_PIPELINE = "tests/test_pipeline.py"
-T_GRADS = "tests/test_grads.py::test_sync_and_norm_match_one_process"
-T_ZERO = "tests/test_optim.py::test_distributed_optimizer_and_overlap_equal_plain_adamw"
-T_ROUND_TRIP = "tests/test_checkpoint.py::test_round_trip_is_bit_exact_and_training_continues_identically"
-T_LOADER = "tests/test_data_loader.py"
-T_PLACEMENT = "tests/test_placement.py"
-T_ROLLBACK = "tests/test_rollback.py"
-T_CADENCE = "tests/test_cadence.py"
+T_ROUTER = "tests/dispatch/test_router.py"
+T_ROUTER_PARALLEL = "tests/dispatch/test_router_parallel.py::test_router_layout_invariance"
+T_DISPATCH = "tests/dispatch/test_dispatcher.py"
+T_PIPELINE = "tests/parallel/test_pipeline.py"
+T_GRADS = "tests/training/test_grads.py::test_sync_and_norm_match_one_process"
+T_ZERO = "tests/training/test_optim.py::test_distributed_optimizer_and_overlap_equal_plain_adamw"
+T_ROUND_TRIP = "tests/training/test_checkpoint.py::test_round_trip_is_bit_exact_and_training_continues_identically"
+T_LOADER = "tests/data/test_loader.py"
+T_PLACEMENT = "tests/dispatch/test_placement.py"
+T_ROLLBACK = "tests/training/test_rollback.py"
+T_CADENCE = "tests/training/test_cadence.py"
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ routing
@@ -77,7 +77,7 @@ MUTANTS: list[Mutant] = [
         "DeepSeek-V3's top2_sum ranks a group by its best topk/group_topk scores (Megatron-Core's rule), "
         "which differs from transformers when num_experts_per_tok != 2 x topk_group",
         (f"{T_ROUTER}::test_group_score_by_hand",
-         "tests/test_hf_families.py::test_import_matches_transformers_and_export_round_trips[deepseek_v3-groups_k3]")),
+         "tests/models/hf/test_families.py::test_import_matches_transformers_and_export_round_trips[deepseek_v3-groups_k3]")),
     Mutant(
         "router-sigmoid-norm-dim", ROUTER,
         "probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)",
@@ -126,13 +126,13 @@ MUTANTS: list[Mutant] = [
         "                             loss_scale=1.0 / m)",
         "                             loss_scale=1.0)",
         "the router losses' gradients not divided over the step's micro-batches (counted m times over)",
-        ("tests/test_parallel_matrix.py::test_forward_backward_one_process_is_the_hand_loop",)),
+        ("tests/training/test_step.py::test_forward_backward_one_process_is_the_hand_loop",)),
     Mutant(
         "mtp-router-loss-scale", MTP,
         "        return self.block(x, cos, sin, docs, loss_scale=loss_scale)",
         "        return self.block(x, cos, sin, docs)",
         "an MTP depth's router takes its losses at full weight in every micro-batch of a step",
-        ("tests/test_parallel_matrix.py::test_every_router_forward_of_a_step_gets_the_micro_batch_share",)),
+        ("tests/training/test_step.py::test_every_router_forward_of_a_step_gets_the_micro_batch_share",)),
     Mutant(
         "router-bias-counts-group", ROUTER,
         "all_reduce_(counts, self.groups.tp_dp_cp)",
@@ -199,63 +199,63 @@ MUTANTS: list[Mutant] = [
         "pos = torch.cumsum(routing_map, dim=0) - 1  # [T, E]: rank within the expert",
         "pos = torch.cumsum(routing_map, dim=0)  # [T, E]: rank within the expert",
         "padded layout: a token's slot counts itself (1-based), so each expert's rows shift by one",
-        ("tests/test_permute.py::test_permute_padded_layout",)),
+        ("tests/kernels/test_permute.py::test_permute_padded_layout",)),
     Mutant(
         "expert-probs-dropped", "models/experts.py",
         "inner = probs if self.fc2_bias is None else None",
         "inner = torch.ones_like(probs) if self.fc2_bias is None else None",
         "expert outputs not weighted by their routing probs before the combine (a dropped term)",
-        ("tests/test_moe_layer.py::test_layer_matches_loop_reference_forward_and_backward",)),
+        ("tests/models/test_moe_layer.py::test_layer_matches_loop_reference_forward_and_backward",)),
     Mutant(
         "expert-bias-etp-repeated", "models/experts.py",
         "start = self.etp_rank * width",
         "start = 0",
         "every etp rank adds its fc2 bias slice into the first columns: the bias lands in the wrong "
         "columns and the etp sum adds it etp times there",
-        ("tests/test_layout_invariance.py::test_layouts_match_single_process[4]",)),
+        ("tests/parallel/test_layout_invariance.py::test_layouts_match_single_process[4]",)),
     Mutant(
         "gmm-bias-group-order", "kernels/gmm.py",
         "return out + bias.repeat_interleave(counts, dim=0, output_size=out.shape[0])",
         "return out + bias.flip(0).repeat_interleave(counts, dim=0, output_size=out.shape[0])",
         "per-expert biases gathered in the wrong expert order",
-        ("tests/test_gmm.py::test_bias_with_tensor_counts_and_bad_bias_raises",)),
+        ("tests/kernels/test_gmm.py::test_bias_with_tensor_counts_and_bad_bias_raises",)),
     # ------------------------------------------------------------------ context parallel, rotary
     Mutant(
         "zigzag-mirror", CP,
         "return torch.cat([chunks[cp_rank], chunks[n - 1 - cp_rank]], dim)",
         "return torch.cat([chunks[cp_rank], chunks[cp_rank + cp_size]], dim)",
         "cp rank r takes chunks r and r+cp (striped) instead of r and 2cp-1-r (zigzag)",
-        ("tests/test_context_parallel.py::test_zigzag_split_takes_chunks_r_and_mirror",)),
+        ("tests/parallel/test_context_parallel.py::test_zigzag_split_takes_chunks_r_and_mirror",)),
     Mutant(
         "zigzag-gather-late-chunks", CP,
         "return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)",
         "return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim)",
         "gathering zigzag shards puts the late chunks in rank order instead of reversed",
-        ("tests/test_context_parallel.py::test_context_parallel_matches_full_attention",)),
+        ("tests/parallel/test_context_parallel.py::test_context_parallel_matches_full_attention",)),
     Mutant(
         "a2a-heads-to-seq-order", CP,
         "y = torch.cat([zigzag_split(y, r, cp, dim=2) for r in range(cp)])  # [cp*H/cp, B, S/cp, D]",
         "y = torch.cat([zigzag_split(y, r, cp, dim=2) for r in reversed(range(cp))])  # [cp*H/cp, B, S/cp, D]",
         "a2a (Ulysses) cp: the outputs go back to the cp ranks in reverse order",
-        ("tests/test_context_parallel.py::test_context_parallel_matches_full_attention",)),
+        ("tests/parallel/test_context_parallel.py::test_context_parallel_matches_full_attention",)),
     Mutant(
         "rotary-default-positions", "models/model.py",
         "return zigzag_positions(input_ids.shape[1] * cp, self.groups.rank_in(\"cp\"), cp, device=input_ids.device)",
         "return torch.arange(input_ids.shape[1], device=input_ids.device)",
         "under cp the default rotary positions are 0..S_local-1, not the rank's zigzag positions",
-        ("tests/test_stack.py::test_context_parallel_default_positions_are_the_rank_zigzag_shard",)),
+        ("tests/models/test_model.py::test_context_parallel_default_positions_are_the_rank_zigzag_shard",)),
     Mutant(
         "rotary-backward-sign", "models/rotary.py",
         "out[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=-1.0)",
         "out[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=1.0)",
         "the hand-written rotary backward rotates by +angle instead of the transpose (-angle)",
-        ("tests/test_norm.py::test_rotary_equals_rotate_half_formula_and_its_autograd",)),
+        ("tests/models/test_norm.py::test_rotary_equals_rotate_half_formula_and_its_autograd",)),
     Mutant(
         "loss-scale-dp", "models/model.py",
         "return losses.sum() * (dp_cp / num_loss_tokens)",
         "return losses.sum() / num_loss_tokens",
         "the per-rank loss not scaled by dp x cp, while the grads are averaged over dp x cp",
-        ("tests/test_stack.py::test_layouts_match_single_process",)),
+        ("tests/models/test_model.py::test_layouts_match_single_process",)),
     Mutant(
         "pp-tied-grads-not-summed", "moe_fold/parallel/pipeline.py",
         "    all_reduce_(weight.grad, group)\n",
@@ -305,19 +305,19 @@ MUTANTS: list[Mutant] = [
         "        all_reduce_(packed, groups.etp_ep)\n",
         "        all_reduce_(packed, groups.ep)\n",
         "grad norm: per-expert squares summed over ep only, missing the etp shards' parts",
-        ("tests/test_layout_invariance.py::test_layouts_match_single_process",)),
+        ("tests/parallel/test_layout_invariance.py::test_layouts_match_single_process",)),
     Mutant(
         "norm-pp-dropped", GRADS,
         "return all_reduce_(total.clone(), groups.pp).sqrt()",
         "return total.sqrt()",
         "grad norm not summed over the pipeline stages: each stage clips by its own norm",
-        ("tests/test_placement.py::test_any_placement_matches_single_process_under_pp",)),
+        ("tests/dispatch/test_placement.py::test_any_placement_matches_single_process_under_pp",)),
     Mutant(
         "norm-tied-copy-counted", GRADS,
         "params = [p for p in params if not getattr(p, \"tied_copy\", False)]",
         "params = list(params)",
         "grad norm under pp counts the last stage's copy of a tied embedding a second time",
-        ("tests/test_parallel_matrix.py::test_cp_and_pp_layouts_match_single_process",)),
+        ("tests/parallel/test_parallel_matrix.py::test_cp_and_pp_layouts_match_single_process",)),
     Mutant(
         "zero-norm-replicated-repeat", GRADS,
         "(repeated and s.param.parallel == \"replicated\")",
@@ -360,7 +360,7 @@ MUTANTS: list[Mutant] = [
         "return lr * (step + 1) / w",
         "return lr * step / w",
         "warm-up starts at lr 0: the first optimizer step does not move",
-        ("tests/test_optim.py::test_cosine_schedule_hand_computed",)),
+        ("tests/training/test_optim.py::test_cosine_schedule_hand_computed",)),
     # ------------------------------------------------------------------ checkpoints, resume, data position
     Mutant(
         "ckpt-step-count", CHECKPOINT,
@@ -380,7 +380,7 @@ MUTANTS: list[Mutant] = [
         "out[box(_sub(lo, piece[\"offsets\"]), size)] = value",
         "loading under another layout places a piece's overlap at its offset within the piece, "
         "not within the box asked for",
-        ("tests/test_checkpoint.py::test_checkpoint_saved_under_one_layout_loads_under_another",)),
+        ("tests/training/test_checkpoint.py::test_checkpoint_saved_under_one_layout_loads_under_another",)),
     Mutant(
         "ckpt-tied-written-twice", CHECKPOINT,
         "entries.append(_Entry(f\"model/{name}\", p.detach(), tuple(p.shape), info, 0, p.numel(),\n"
@@ -388,31 +388,31 @@ MUTANTS: list[Mutant] = [
         "entries.append(_Entry(f\"model/{name}\", p.detach(), tuple(p.shape), info, 0, p.numel(),\n"
         "                              info.writer))",
         "under pp both stages write the tied embedding (the last stage's copy must only load it)",
-        ("tests/test_checkpoint.py::test_pipeline_checkpoint_writes_a_tied_embedding_once_and_refuses_other_models",)),
+        ("tests/training/test_checkpoint.py::test_pipeline_checkpoint_writes_a_tied_embedding_once_and_refuses_other_models",)),
     Mutant(
         "ckpt-verify-no-checksum", "moe_fold/training/checkpoint_verify.py",
         "problem = file_problem(report.path / name, record, checksum=checksums)",
         "problem = file_problem(report.path / name, record, checksum=False)",
         "`moe-fold checkpoint verify` checks sizes only, so a same-size corruption passes",
-        ("tests/test_checkpoint_verify.py::test_a_flipped_byte_is_named_at_load_and_by_verify",)),
+        ("tests/training/test_checkpoint_verify.py::test_a_flipped_byte_is_named_at_load_and_by_verify",)),
     Mutant(
         "ckpt-verify-bad-file-covers", "moe_fold/training/checkpoint_verify.py",
         "        if piece[\"file\"] in bad_files:\n            continue\n",
         "",
         "verify counts the expert rows of a missing or corrupt file as present",
-        ("tests/test_checkpoint_verify.py::test_a_lost_expert_shard_is_reported_and_refused_by_export",)),
+        ("tests/training/test_checkpoint_verify.py::test_a_lost_expert_shard_is_reported_and_refused_by_export",)),
     Mutant(
         "resume-data-position", RUN_SETUP,
         "    run.loader.load_state_dict(extra[\"data\"])\n",
         "",
         "a resumed run starts the data over from sample 0 instead of the saved position",
-        ("tests/test_train.py::test_resume_is_exact[fp32]",)),
+        ("tests/training/test_train.py::test_resume_is_exact[fp32]",)),
     Mutant(
         "resume-bf16-model-stale", RUN_SETUP,
         "    if run.master is not None:\n        run.master.master_to_model()\n",
         "",
         "a resumed bf16 run loads the float32 masters but computes with the bf16 model's initial weights",
-        ("tests/test_train.py::test_resume_is_exact[bf16]",)),
+        ("tests/training/test_train.py::test_resume_is_exact[bf16]",)),
     Mutant(
         "packed-loss-mask-boundary", LOADER,
         "loss_mask[ends[ends <= S] - 1] = 0  # the label after a part's last token is another part",
@@ -430,7 +430,7 @@ MUTANTS: list[Mutant] = [
         "            self.consumed_samples += self.micro_batch_size * self.dp_size\n",
         "            self.consumed_samples += self.micro_batch_size\n",
         "the checkpointed data position counts this rank's samples, not every dp rank's",
-        (f"{T_LOADER}::test_resume_equals_straight_iteration", "tests/test_train.py::test_resume_is_exact[fp32]")),
+        (f"{T_LOADER}::test_resume_equals_straight_iteration", "tests/training/test_train.py::test_resume_is_exact[fp32]")),
     Mutant(
         "data-epoch-reshuffle", LOADER,
         "j = int(self._perm(i // self.num_samples)[i % self.num_samples])",
@@ -455,26 +455,26 @@ MUTANTS: list[Mutant] = [
         "            self.window = window\n",
         "            pass\n",
         "a resumed run forgets the re-placement load window, so it picks other placements than a straight run",
-        ("tests/test_replace.py::test_resume_across_a_move_is_exact_and_checkpoints_load_anywhere",)),
+        ("tests/training/test_replace.py::test_resume_across_a_move_is_exact_and_checkpoints_load_anywhere",)),
     # ------------------------------------------------------------------ multi-token prediction
     Mutant(
         "mtp-document-boundary", MTP,
         "same_doc = docs[:, k:] == docs[:, :S - k]  # [B, S-k]",
         "same_doc = docs[:, k:] == docs[:, k:]  # [B, S-k]",
         "MTP targets cross into the next packed document (the same-document mask dropped)",
-        ("tests/test_mtp.py::test_shift_stays_in_the_row_and_the_document",)),
+        ("tests/models/test_mtp.py::test_shift_stays_in_the_row_and_the_document",)),
     Mutant(
         "mtp-depth-mean", "models/model.py",
         "return attach_loss(loss, depth_losses.sum(), m.mtp_loss_weight / m.mtp_num_layers)",
         "return attach_loss(loss, depth_losses.sum(), m.mtp_loss_weight)",
         "the MTP loss sums the depths without dividing by their number (a missing scale)",
-        ("tests/test_mtp.py::test_objective_is_deepseek_v3_formula",)),
+        ("tests/models/test_mtp.py::test_objective_is_deepseek_v3_formula",)),
     Mutant(
         "mtp-cp-natural-order", MTP,
         "local = zigzag_gather(shards, dim=2)  # [3, B, S]",
         "local = torch.cat(shards, dim=2)  # [3, B, S]",
         "MTP shifts under cp on the shards concatenated in rank order, not the zigzag-gathered sequence",
-        ("tests/test_parallel_matrix.py::test_mtp_and_attention_variants_match_single_process",)),
+        ("tests/parallel/test_parallel_matrix.py::test_mtp_and_attention_variants_match_single_process",)),
     # ------------------------------------------------------------------ precision
     Mutant(
         "bf16-model-not-updated", TRAIN,
@@ -483,32 +483,32 @@ MUTANTS: list[Mutant] = [
         "    if finite and run.master is not None and not optimizer.distributed:\n"
         "        pass\n",
         "bf16: the optimizer steps the float32 masters but the bf16 model that computes is never refreshed",
-        ("tests/test_train.py::test_bf16_keeps_float32_masters_and_tracks_fp32",)),
+        ("tests/training/test_train.py::test_bf16_keeps_float32_masters_and_tracks_fp32",)),
     Mutant(
         "autocast-router", "moe_fold/training/precision.py",
         "            module.forward = outside(module.forward)\n",
         "            pass\n",
         "under bf16 autocast the router's matmul runs in bf16 (its logits must stay float32)",
-        ("tests/test_train.py::test_bf16_autocast_tracks_fp32",)),
+        ("tests/training/test_train.py::test_bf16_autocast_tracks_fp32",)),
     Mutant(
         "autocast-combine", "moe_fold/training/precision.py",
         "            dispatcher.combine = outside(dispatcher.combine)\n",
         "            pass\n",
         "under bf16 autocast the MoE combine runs inside autocast (it must sum expert rows in float32)",
-        ("tests/test_train.py::test_bf16_autocast_tracks_fp32",)),
+        ("tests/training/test_train.py::test_bf16_autocast_tracks_fp32",)),
     # ------------------------------------------------------------------ issue 27's planted bugs
     Mutant(
         "bf16-masters-rounded", "moe_fold/training/precision.py",
         "            p.copy_(m)\n",
         "            p.copy_(m)\n            m.copy_(p)\n",
         "bf16: the float32 masters are rounded to bf16 after every step (they become copies of the model)",
-        ("tests/test_train.py::test_bf16_keeps_float32_masters_and_tracks_fp32",)),
+        ("tests/training/test_train.py::test_bf16_keeps_float32_masters_and_tracks_fp32",)),
     Mutant(
         "ckpt-load-checksums-shards-only", CHECKPOINT,
         "        problem = file_problem(path, record)\n",
         "        problem = file_problem(path, record, checksum=name.endswith(\".safetensors\"))\n",
         "loading checks sha256 for the shard files only (random states, config.yaml and the index trusted)",
-        ("tests/test_checkpoint_verify.py::test_same_size_damage_to_any_file_is_named_at_load_and_by_verify",)),
+        ("tests/training/test_checkpoint_verify.py::test_same_size_damage_to_any_file_is_named_at_load_and_by_verify",)),
     Mutant(
         "combine-relative-error", ALLTOALL,
         "        return unpermuted(x, handle.sorted_indices, handle.num_tokens,\n",
@@ -521,26 +521,26 @@ MUTANTS: list[Mutant] = [
         "num_tokens = torch.full((1,), tokens.shape[0], dtype=torch.int64, device=tokens.device)",
         "num_tokens = torch.tensor([tokens.shape[0]], dtype=torch.int64)",
         "the all-gather dispatcher's token count built on the host: NCCL cannot gather it",
-        ("tests/test_device_paths.py::test_moe_layer_collectives_get_device_tensors",)),
+        ("tests/training/test_device_paths.py::test_moe_layer_collectives_get_device_tensors",)),
     Mutant(
         "gmm-autocast-not-cast", "kernels/gmm.py",
-        "    x, w = _autocast_operands(x, w)\n",
-        "",
+        "    x, w = _autocast_operands(x, w)\n    host = None if host_counts is None else list(host_counts)\n",
+        "    host = None if host_counts is None else list(host_counts)\n",
         "the grouped GEMM ignores autocast: bf16 activations meet float32 weights",
-        ("tests/test_device_paths.py::test_gmm_under_autocast_is_the_gemm_of_cast_operands",)),
+        ("tests/training/test_device_paths.py::test_gmm_under_autocast_is_the_gemm_of_cast_operands",)),
     Mutant(
         "permute-row-count-synced", ALLTOALL,
         "num_rows=sum(handle.input_splits))  # [T, H] -> [N, H]",
         "num_rows=None)  # [T, H] -> [N, H]",
         "permute counts its rows with nonzero (a second host sync per MoE layer forward)",
-        ("tests/test_host_syncs.py::test_moe_layer_syncs_once_per_forward_and_never_in_backward",)),
+        ("tests/core/test_host_syncs.py::test_moe_layer_syncs_once_per_forward_and_never_in_backward",)),
     # ------------------------------------------------------------------ the loop's parts (issue 31)
     Mutant(
         "save-not-on-stop", "moe_fold/training/periodic.py",
         "    return record.stop is not None\n",
         "    return False\n",
         "a run stopped early (signal, budget) writes no checkpoint of its last step",
-        ("tests/test_periodic.py::test_save_checkpoint_when_due_with_the_data_position_and_placement",)),
+        ("tests/training/test_periodic.py::test_save_checkpoint_when_due_with_the_data_position_and_placement",)),
     Mutant(
         "replace-after-log", TRAIN,
         "        ReplaceExperts(replacer=run.replacer, optimizer=run.optimizer, beat=heartbeat.beat),\n"
@@ -550,20 +550,20 @@ MUTANTS: list[Mutant] = [
         "        LogStep(logger=logger, collector=run.collector, tokens_per_step=tokens_per_step),\n"
         "        ReplaceExperts(replacer=run.replacer, optimizer=run.optimizer, beat=heartbeat.beat),\n",
         "the periodic actions out of order: the step is logged before the re-placement adds what moved",
-        ("tests/test_replace.py::test_replacing_under_bf16_keeps_the_losses_bit_for_bit",)),
+        ("tests/training/test_replace.py::test_replacing_under_bf16_keeps_the_losses_bit_for_bit",)),
     Mutant(
         "routers-closed-through-collector", TRAIN,
         "    step_losses = run.losses.finish_step(groups, close_routers(run.routers))\n",
         "    step_losses = run.losses.finish_step(groups, close_routers(\n"
         "        [router for _, router in run.collector.routers] if run.collector is not None else []))\n",
         "the step closes the routers the metrics collector found: without metrics the expert bias never moves",
-        ("tests/test_train.py::test_metrics_off_take_the_same_steps",)),
+        ("tests/training/test_train.py::test_metrics_off_take_the_same_steps",)),
     Mutant(
         "expert-act-not-recomputed", "models/experts.py",
         "        if self.recompute == \"activation\":\n",
         "        if self.recompute == \"activations\":\n",
         "train.recompute=expert_act silently keeps the SwiGLU output (a setting name the module does not honour)",
-        ("tests/test_train.py::test_recompute_modes_keep_fewer_activations",)),
+        ("tests/training/test_train.py::test_recompute_modes_keep_fewer_activations",)),
     # ------------------------------------------------------------------ rollback and cadence (issue 28)
     Mutant(
         "rollback-skips-first-batch", ROLLBACK,
@@ -632,20 +632,20 @@ MUTANTS: list[Mutant] = [
         "            if queue and layer == 1:\n                queue.popleft()\n                return None\n"
         "            if queue:\n                return args, {**kwargs, \"forced\": queue.popleft()}\n",
         "router replay ignored for one layer: layer 1 routes by its own router",
-        ("tests/test_routes.py::test_replay_routes_from_transformers",
-         "tests/test_routes.py::test_replay_forces_routes_under_another_layout")),
+        ("tests/core/test_routes.py::test_replay_routes_from_transformers",
+         "tests/core/test_routes.py::test_replay_forces_routes_under_another_layout")),
     Mutant(
         "route-keyed-by-rank", "moe_fold/training/routes.py",
         "    B = batch.sample_ids.shape[0]\n",
         "    B = batch.sample_ids.shape[0]\n"
         "    positions = torch.arange(positions.shape[0]) + groups.rank * positions.shape[0]\n",
         "a route keyed by the rank's own token order instead of the token's place in the sequence",
-        ("tests/test_routes.py::test_trace_reads_the_same_under_any_layout",)),
+        ("tests/core/test_routes.py::test_trace_reads_the_same_under_any_layout",)),
     Mutant(
         "batch-invariant-no-padding", "models/experts.py",
         "        m = self.row_multiple\n",
         "        m = 1\n",
         "train.batch_invariant without the row padding: an expert's GEMM reduces a row in an order that "
         "depends on how many rows the other sequences sent it",
-        ("tests/test_routes.py::test_batch_invariant_sequence_alone_equals_among_others",)),
+        ("tests/core/test_routes.py::test_batch_invariant_sequence_alone_equals_among_others",)),
 ]

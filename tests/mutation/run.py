@@ -6,15 +6,15 @@ keeps that check alive after the test was written: every mutant in ``mutants.py`
 small plausible bug (an off-by-one in a split, a reduction over the wrong group, a
 dropped scale, swapped dims) together with the tests that must fail when it is there.
 It runs on demand, not in the default suite (the whole list takes minutes); the default
-suite only checks that the list has not rotted (``tests/test_mutation_anchors.py``).
+suite only checks that the list has not rotted (``tests/meta/test_mutation_anchors.py``).
 
 Run it from the repository root, on a clean tree (it refuses to run while a file it
 would mutate has uncommitted changes)::
 
-    .venv/bin/python tests/mutation/run.py                  # every mutant
-    .venv/bin/python tests/mutation/run.py --list           # what there is
-    .venv/bin/python tests/mutation/run.py --only router-group-blocks --only zigzag-mirror
-    .venv/bin/python tests/mutation/run.py --clean --only ID  # the tests must pass unmutated first
+    .venv/bin/python -m tests.mutation.run               # every mutant
+    .venv/bin/python -m tests.mutation.run --list           # what there is
+    .venv/bin/python -m tests.mutation.run --only router-group-blocks --only zigzag-mirror
+    .venv/bin/python -m tests.mutation.run --clean --only ID  # the tests must pass unmutated first
     .venv/bin/python -m tests.mutation.run --timeout 300    # per mutant, in seconds
 
 Per mutant it writes the mutated file, runs ``pytest -x`` on the mutant's test node ids in
@@ -39,7 +39,7 @@ occur exactly once in the file: take a whole line or two, with enough context), 
 ``tests`` (pytest node ids, fastest first: ``-x`` stops at the first failure) that must
 fail. Then run ``--only ID``: a mutant that survives is a finding, so strengthen the test
 (or add one) until it is killed rather than drop the mutant. When the code under a
-mutant changes, ``tests/test_mutation_anchors.py`` fails in the default suite; move the
+mutant changes, ``tests/meta/test_mutation_anchors.py`` fails in the default suite; move the
 snippet to the new code and run ``--only ID`` again.
 """
 
@@ -58,10 +58,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
+from tests.mutation.mutants import MUTANTS, Mutant
 
-from mutation.mutants import MUTANTS, Mutant  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 KILLED, SURVIVED, MISSING, AMBIGUOUS, TIMEOUT, ERROR = (
     "killed", "SURVIVED", "ANCHOR-MISSING", "ANCHOR-AMBIGUOUS", "TIMEOUT", "ERROR")

@@ -3,7 +3,7 @@
 A rule that modules apply too is written once, as a function registered in ``RULES`` by
 ``@rule``: validate() checks the whole config before any rank starts, and a module built
 from its own arguments (a test, a bench, a tool) checks them with the same function through
-``require()``, so both paths raise one message from one definition. tests/test_rules.py
+``require()``, so both paths raise one message from one definition. tests/config/test_rules.py
 checks that validate() applies every one and that no module checks a config field by itself.
 """
 

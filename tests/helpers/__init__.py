@@ -1,0 +1,1 @@
+"""Code the tests share: references, harness pieces and family checks (not collected)."""
