@@ -157,7 +157,7 @@ def gmm(
         _check_counts(host, n, e)
     if counts_t is None:
         # Backends that read the counts on the device get them there; the others on the host.
-        on_device = name in ("torch", "triton")
+        on_device = name not in ("loop", "grouped_gemm")
         counts_t = torch.tensor(host, dtype=torch.int64, device=x.device if on_device else "cpu")
     return grouped_mm(x, w, counts_t, host, trans_b=trans_b, backend=name, bias=bias)
 

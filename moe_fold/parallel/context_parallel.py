@@ -179,7 +179,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (:func:`moe_fold.parallel.document_attention.apply_sinks`). Both run on every kind.
     """
     if kind not in CP_KINDS:
-        raise ValueError(f"parallel.cp_kind={kind} must be one of {', '.join(CP_KINDS)}")
+        # An argument check of this function (the config's parallel.cp_kind is checked by
+        # its rule when the model is built); a constant to the compiler.
+        raise ValueError(f"context_parallel_attention: kind={kind!r} is not one of {', '.join(CP_KINDS)}")
     _check_qkv(q, k, v)
     cp = group_size(group)
     if doc_ids is not None:

@@ -158,7 +158,7 @@ def test_single_rank_is_plain_causal_attention():
 
 def test_argument_errors():
     q, k = torch.zeros(1, 4, 8, 2), torch.zeros(1, 3, 8, 2)
-    with pytest.raises(ValueError, match="parallel.cp_kind=ulysses must be one of ring, a2a"):
+    with pytest.raises(ValueError, match="kind=.ulysses. is not one of ring, a2a"):
         context_parallel_attention(q, q, q, None, kind="ulysses")
     with pytest.raises(ValueError, match="multiple of kv heads 3"):
         context_parallel_attention(q, k, k, None)
