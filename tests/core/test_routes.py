@@ -123,6 +123,20 @@ def test_replay_forces_routes_under_another_layout(tmp_path, cache_dir):
     assert d.first is None, d.differing
 
 
+def test_replay_forces_routes_under_the_allgather_dispatcher(tmp_path, cache_dir):
+    """The forcing happens in the router, before any dispatcher: a run of another learning
+    rate on 2 ranks (ep2, the all-gather dispatcher) replays a one-process trace exactly."""
+    steps = "train.steps=2"
+    rec = _run(tmp_path, cache_dir, "rec", steps, TRACE)
+    allgather = ["moe.dispatcher=allgather", "parallel.ep=2"]
+    free = _run(tmp_path, cache_dir, "free", steps, TRACE, "optimizer.lr=0.01", *allgather, world=2)
+    assert routes.diff(rec, free).first is not None
+    forced = _run(tmp_path, cache_dir, "forced", steps, TRACE, "optimizer.lr=0.01", f"moe.router_replay={rec}",
+                  *allgather, world=2)
+    d = routes.diff(rec, forced)
+    assert d.first is None, d.differing
+
+
 def test_replay_capacity_follows_the_replayed_choice(tmp_path, cache_dir):
     """With capacity dropping, a replaying run drops what the recording run dropped."""
     cap = ["moe.capacity_factor=1.0"]

@@ -633,7 +633,8 @@ MUTANTS: list[Mutant] = [
         "            if queue:\n                return args, {**kwargs, \"forced\": queue.popleft()}\n",
         "router replay ignored for one layer: layer 1 routes by its own router",
         ("tests/core/test_routes.py::test_replay_routes_from_transformers",
-         "tests/core/test_routes.py::test_replay_forces_routes_under_another_layout")),
+         "tests/core/test_routes.py::test_replay_forces_routes_under_another_layout",
+         "tests/core/test_routes.py::test_replay_forces_routes_under_the_allgather_dispatcher")),
     Mutant(
         "route-keyed-by-rank", "moe_fold/training/routes.py",
         "    B = batch.sample_ids.shape[0]\n",
