@@ -152,7 +152,7 @@ def _assert_equal_within(got, want, dtype):
 
 
 def _compiled_equals_eager(routing, dtype, backend):
-    layer = MoELayer(_config(**ROUTING[routing], aux_loss_coeff=0.01, z_loss_coeff=0.001), _groups(), 0).to(dtype)
+    layer = MoELayer(_config(**{"aux_loss_coeff": 0.01, "z_loss_coeff": 0.001, **ROUTING[routing]}), _groups(), 0).to(dtype)
     x, kwargs = _layer_inputs(dtype)
     want = _forward_backward(layer, x, kwargs)
     dynamo.reset()
