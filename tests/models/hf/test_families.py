@@ -324,6 +324,18 @@ def test_deepseek_v2_released_lite_config_imports_to_our_preset():
     assert imported.moe.seq_aux_loss_coeff == 0.001 and imported.moe.aux_loss_coeff == 0.0
 
 
+def _routed_as_its_config(model, ids):
+    """Logits of a model built anew from ``model.config`` with ``model``'s weights: a router
+    resolves its options when it is built, so a config changed afterwards routes only in a
+    model built from it."""
+    from moe_fold.layout import ProcessGroups
+    from moe_fold.models.model import build_model
+
+    fresh = build_model(copy.deepcopy(model.config), ProcessGroups.single_process())
+    fresh.load_state_dict(model.state_dict())
+    return fresh.eval().logits(ids)
+
+
 def test_deepseek_v2_export_takes_only_what_it_ranks_alike(tmp_path):
     """transformers ranks a group by its best score: Megatron-Core's topk_sum exports when
     topk = group_topk (the same ranking); a renormalised top-k, an expert bias or another
@@ -334,7 +346,7 @@ def test_deepseek_v2_export_takes_only_what_it_ranks_alike(tmp_path):
     want = model.logits(ids)
     moe = model.config.moe
     moe.group_score = "top2_sum"
-    assert not torch.equal(model.logits(ids), want)  # the router reads the config: top2_sum routes otherwise
+    assert not torch.equal(_routed_as_its_config(model, ids), want)  # top2_sum routes otherwise
     with pytest.raises(HFConfigError, match=r"moe.group_score=top2_sum with moe.topk=3 and moe.group_topk=2: "
                                             r"DeepSeek-V2 ranks a group by its best score, this model by the sum "
                                             r"of its best 2"):
@@ -349,9 +361,9 @@ def test_deepseek_v2_export_takes_only_what_it_ranks_alike(tmp_path):
     assert not (tmp_path / "out").exists()
     # topk_sum with topk = group_topk ranks by the best score too: exported, same logits back.
     moe.topk, moe.group_score = 2, "topk_sum"
-    two = model.logits(ids)
+    two = _routed_as_its_config(model, ids)
     moe.group_score = "max"
-    assert torch.equal(model.logits(ids), two)
+    assert torch.equal(_routed_as_its_config(model, ids), two)
     moe.group_score = "topk_sum"
     to_hf(model, tmp_path / "megatron")
     assert torch.equal(from_hf(tmp_path / "megatron").eval().logits(ids), two)
@@ -446,11 +458,11 @@ def test_deepseek_v3_export_takes_the_group_scores_it_ranks_alike(tmp_path):
     ids = token_ids()
     want = model.logits(ids)
     model.config.moe.group_score = "topk_sum"  # topk 4, group_topk 2: the best 2 scores
-    assert torch.equal(model.logits(ids), want)
+    assert torch.equal(_routed_as_its_config(model, ids), want)
     to_hf(model, tmp_path / "megatron")
     assert torch.equal(from_hf(tmp_path / "megatron").eval().logits(ids), want)
     model.config.moe.group_score = "max"
-    assert not torch.equal(model.logits(ids), want)  # the router reads the config: max routes otherwise
+    assert not torch.equal(_routed_as_its_config(model, ids), want)  # max routes otherwise
     with pytest.raises(HFConfigError, match=r"moe.group_score=max with moe.topk=4 and moe.group_topk=2: .* "
                                             r"rank a group by the sum of its best 2 scores, this model by its best 1"):
         to_hf(model, tmp_path / "max")
