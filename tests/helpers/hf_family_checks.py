@@ -192,7 +192,9 @@ def _import_export(rank, world_size, sizes, paths, out_dir, count):
 
 def check_layouts(ref_models: dict, family: str, sizes: dict, tmp_path, count_reads: bool = False) -> None:
     """Each of ``ref_models`` (case -> transformers model) imported on 4 ranks under
-    ``sizes``: every rank's gathered logits within TOL of transformers', and the export
+    ``sizes``: every rank's gathered logits within TOL x max(1, max |logit|) of
+    transformers' (relative: a layout reorders float32 sums, and the scalar ATen path,
+    ATEN_CPU_CAPABILITY=default, measured 1.31e-5 on logits of a few units), and the export
     written from the shards equal to the saved tensors. ``count_reads``: also every local
     element read exactly once (a rank reads only its slices of the safetensors files)."""
     refs, paths = saved_with_logits(tmp_path, ref_models, token_ids())
@@ -201,7 +203,7 @@ def check_layouts(ref_models: dict, family: str, sizes: dict, tmp_path, count_re
         for rank, result in enumerate(results):
             diff = max_diff(result[case]["logits"], ref)
             print(f"{family} {sizes} {case} rank {rank}: max abs logit diff vs transformers {diff:.3g}")
-            assert diff <= TOL
+            assert diff <= TOL * max(1.0, float(ref.abs().max())), (case, rank, diff)
             if count_reads:
                 assert result[case]["read"] == result[case]["local"], (case, rank)
         a, b = tensors(tmp_path / case), tensors(tmp_path / "out" / case)
