@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from moe_fold.config import choices
+from moe_fold.cli.plan import add_layout_arguments
 
 EPILOG = """examples:
   moe-fold dryrun --config mixtral-8x22b --world 128
@@ -35,17 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.add_argument("--config", required=True, help="preset name or YAML path")
     parser.add_argument("--world", type=int, required=True, help="number of GPUs (ranks) of the job")
-    for name, what in (("tp", "tensor parallel size"), ("cp", "context parallel size"),
-                       ("pp", "pipeline parallel size"), ("ep", "expert parallel size"),
-                       ("etp", "expert tensor parallel size"), ("vpp", "model chunks per pp rank")):
-        parser.add_argument(f"--{name}", type=int, default=None, help=f"{what} (default: the config's)")
-    parser.add_argument("--mbs", type=int, default=None, help="micro-batch size (default: train.micro_batch_size)")
-    parser.add_argument("--gbs", type=int, default=None, help="global batch size (default: train.global_batch_size)")
-    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: model.seq_length)")
-    parser.add_argument("--recompute", choices=choices("train.recompute"), default=None,
-                        help="activation recompute (default: train.recompute)")
-    parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
-                        help="shard the optimizer state over dp (default: optimizer.distributed)")
+    add_layout_arguments(parser)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (repeatable)")
     parser.add_argument("--ranks", default=None, metavar="R,R,...",

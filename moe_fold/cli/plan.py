@@ -52,15 +52,8 @@ An impossible layout prints the rules it breaks and exits with code 2.
 """
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EPILOG
-    parser.add_argument("--config", default=None, help="preset name or YAML path (required unless --row)")
-    parser.add_argument("--world", type=int, default=None, help="number of GPUs (required unless --row)")
-    parser.add_argument("--gpu", default=None, help="h100 | h200 | b200 | a100 | v100 (default h100, or the row's)")
-    parser.add_argument("--row", default=None, metavar="ID",
-                        help="plan a row of the published measurements (bench/published, --published): its model, "
-                             "world, GPU, layout, batch, recompute, overlap, attention kernel and precision, as "
-                             "bench/plan_validation.py predicts it; the flags given here override the row's")
+def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    """The layout and batch flags that ``plan`` and ``dryrun`` share (each overrides its key)."""
     for name, what in (("tp", "tensor parallel size"), ("cp", "context parallel size"),
                        ("pp", "pipeline parallel size"), ("ep", "expert parallel size"),
                        ("etp", "expert tensor parallel size"), ("vpp", "model chunks per pp rank")):
@@ -72,6 +65,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="activation recompute (default: train.recompute)")
     parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                         help="shard the optimizer state over dp (default: optimizer.distributed)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.add_argument("--config", default=None, help="preset name or YAML path (required unless --row)")
+    parser.add_argument("--world", type=int, default=None, help="number of GPUs (required unless --row)")
+    parser.add_argument("--gpu", default=None, help="h100 | h200 | b200 | a100 | v100 (default h100, or the row's)")
+    parser.add_argument("--row", default=None, metavar="ID",
+                        help="plan a row of the published measurements (bench/published, --published): its model, "
+                             "world, GPU, layout, batch, recompute, overlap, attention kernel and precision, as "
+                             "bench/plan_validation.py predicts it; the flags given here override the row's")
+    add_layout_arguments(parser)
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="training precision to plan for (default bf16)")
     parser.add_argument("--efficiency", type=float, default=None,
