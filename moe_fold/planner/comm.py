@@ -17,7 +17,12 @@ Per micro-batch and layer (``X`` the bytes of one ``[s/cp, b, H]`` activation):
   (attention; dense MLP; shared expert), 2 for the embedding and 2 for the head; plus the
   vocab-parallel cross entropy's three float32 ``[s/cp, b]`` all-reduces. Without SP: one
   all-reduce of ``X`` per linear (backward for column, forward for row). Recompute reruns
-  the forward collectives of what it recomputes. moe-fold keeps the gathered input for
+  the forward collectives of what it recomputes, up to the last op whose saved tensors the
+  backward needs (torch's non-reentrant checkpoints stop there): a checkpoint ending in a
+  row-parallel linear does not redo its reduce-scatter (all-reduce without SP), so a
+  recomputed attention (MLA: its latents' gathers) or shared expert reruns only its
+  gather, and a dense block under ``full`` also the attention's reduce-scatter before its
+  MLP. moe-fold keeps the gathered input for
   the weight gradient, so unlike Megatron the backward does not all-gather it again.
 - ep (all-to-all dispatcher): dispatch sends ``sent`` rows and combine sends back the
   ``received`` ones, both again in the backward: ``2 (sent + received) H a`` bytes, plus
@@ -152,22 +157,28 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
     x = b * s * d.hidden * a  # one [s/cp, b, H] activation
     out: dict[str, float] = defaultdict(float)
 
-    def pair(forward_only: bool = False) -> float:
+    def pair() -> float:
         """A column-parallel linear followed by a row-parallel one."""
-        if sp:
-            return (2 if forward_only else 4) * _share(x, tp)
-        return _all_reduce(x, tp) * (1 if forward_only else 2)
+        return 4 * _share(x, tp) if sp else 2 * _all_reduce(x, tp)
 
-    def attention(forward_only: bool = False) -> float:
-        """The attention's tp traffic. MLA enters the tp region with its latents (q's, or
-        the hidden states without q_lora_rank, the kv latent and the rotary key), not the
-        hidden states, and leaves it like any row-parallel linear."""
-        if not d.mla:
-            return pair(forward_only)
-        latents = b * s * ((d.q_lora or d.hidden) + d.kv_lora + d.rope_dim) * a
+    # MLA enters the tp region with its latents (q's, or the hidden states without
+    # q_lora_rank, the kv latent and the rotary key), not the hidden states, and leaves it
+    # like any row-parallel linear.
+    entered = b * s * ((d.q_lora or d.hidden) + d.kv_lora + d.rope_dim) * a if d.mla else x
+
+    def attention() -> float:
+        """The attention's tp traffic, forward and backward."""
         if sp:
-            return (1 if forward_only else 2) * (_share(latents, tp) + _share(x, tp))
-        return _all_reduce(x, tp) + (0 if forward_only else _all_reduce(latents, tp))
+            return 2 * (_share(entered, tp) + _share(x, tp))
+        return _all_reduce(x, tp) + _all_reduce(entered, tp)
+
+    def recomputed(enters: float, leaves: bool) -> float:
+        """A recomputed column/row region's forward collectives: the gather of its
+        ``enters`` bytes (none without SP: the copy into the region is the identity
+        forward), and its reduce-scatter (all-reduce) only when ``leaves``: a saved tensor
+        after it is recomputed too."""
+        gather = _share(enters, tp) if sp else 0
+        return gather + ((_share(x, tp) if sp else _all_reduce(x, tp)) if leaves else 0)
 
     norm_projection = d.qk_norm and config.model.qk_norm_scope == "projection"
     layers = stage_blocks(config, pp_rank)  # the MTP depths' blocks too, on the last stage
@@ -187,9 +198,11 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
             if not is_moe or d.shared_ffn > 0:
                 out["tp"] += pair()  # dense MLP or shared expert
             if recompute == "full":
-                out["tp"] += attention(forward_only=True)
+                # A dense block is one checkpoint: its MLP's input follows the attention's
+                # reduce-scatter. An MoE block's attention is a checkpoint of its own.
+                out["tp"] += recomputed(entered, leaves=not is_moe)
             if (recompute == "full" or (recompute == "moe" and is_moe)) and (not is_moe or d.shared_ffn > 0):
-                out["tp"] += pair(forward_only=True)
+                out["tp"] += recomputed(x, leaves=False)
         embeddings = (pp_rank == 0) + (d.mtp if last else 0)
         heads = (1 + d.mtp) if last else 0
         out["tp"] += embeddings * (2 * _share(x, tp) if sp else _all_reduce(x, tp))
