@@ -22,7 +22,7 @@ Per micro-batch and layer (``X`` the bytes of one ``[s/cp, b, H]`` activation):
   row-parallel linear does not redo its reduce-scatter (all-reduce without SP), so a
   recomputed attention (MLA: its latents' gathers) or shared expert reruns only its
   gather, and a dense block under ``full`` also the attention's reduce-scatter before its
-  MLP. moe-fold keeps the gathered input for
+  MLP (Megatron's reentrant checkpoints rerun all of it). moe-fold keeps the gathered input for
   the weight gradient, so unlike Megatron the backward does not all-gather it again.
 - ep (all-to-all dispatcher): dispatch sends ``sent`` rows and combine sends back the
   ``received`` ones, both again in the backward: ``2 (sent + received) H a`` bytes, plus
@@ -145,10 +145,13 @@ def moe_layer_bytes(config: Config, routing: Routing) -> dict[str, float]:
 
 
 def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: str,
-                     routing: Optional[Sequence[Routing]] = None) -> dict[str, float]:
+                     routing: Optional[Sequence[Routing]] = None,
+                     implementation: str = "moe-fold") -> dict[str, float]:
     """Bytes one rank of stage ``pp_rank`` sends for one micro-batch, forward and backward,
-    per group kind. ``routing``: one :class:`Routing` per MoE layer of the stage, in layer
-    order (default :func:`uniform_routing` for each)."""
+    per group kind. ``implementation``: ``moe-fold`` (non-reentrant checkpoints, which
+    stop their recompute at the last saved tensor) or ``megatron`` (its reentrant
+    checkpoints rerun the whole region). ``routing``: one :class:`Routing` per MoE layer of
+    the stage, in layer order (default :func:`uniform_routing` for each)."""
     d, p, moe = dims(config), config.parallel, config.moe
     tp, cp = p.tp, p.cp
     sp = p.sequence_parallel and tp > 1
@@ -197,12 +200,13 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
                 out["tp"] += (4 + 2 * (recompute == "full")) * _all_reduce(b * s * 4, tp)
             if not is_moe or d.shared_ffn > 0:
                 out["tp"] += pair()  # dense MLP or shared expert
+            whole = implementation == "megatron"
             if recompute == "full":
                 # A dense block is one checkpoint: its MLP's input follows the attention's
                 # reduce-scatter. An MoE block's attention is a checkpoint of its own.
-                out["tp"] += recomputed(entered, leaves=not is_moe)
+                out["tp"] += recomputed(entered, leaves=whole or not is_moe)
             if (recompute == "full" or (recompute == "moe" and is_moe)) and (not is_moe or d.shared_ffn > 0):
-                out["tp"] += recomputed(x, leaves=False)
+                out["tp"] += recomputed(x, leaves=whole)
         embeddings = (pp_rank == 0) + (d.mtp if last else 0)
         heads = (1 + d.mtp) if last else 0
         out["tp"] += embeddings * (2 * _share(x, tp) if sp else _all_reduce(x, tp))
@@ -266,8 +270,9 @@ def _cp_attention_bytes(config: Config) -> tuple[float, float]:
 def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Optional[str] = None,
                distributed: Optional[bool] = None,
                routing: Optional[Sequence[Sequence[Routing]]] = None,
-               shard_ranks: Optional[dict[str, int]] = None) -> dict[str, float]:
-    """Bytes one rank of stage ``pp_rank`` sends in one training step, per group kind.
+               shard_ranks: Optional[dict[str, int]] = None, implementation: str = "moe-fold") -> dict[str, float]:
+    """Bytes one rank of stage ``pp_rank`` sends in one training step, per group kind
+    (``implementation``: see :func:`microbatch_bytes`).
 
     ``recompute`` and ``distributed`` default to ``train.recompute`` and
     ``optimizer.distributed``. ``routing``: per micro-batch, one :class:`Routing` per MoE
@@ -285,7 +290,7 @@ def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Opt
     out: dict[str, float] = defaultdict(float)
     for i in range(micro):
         for kind, nbytes in microbatch_bytes(config, world_size, pp_rank, recompute,
-                                             None if routing is None else routing[i]).items():
+                                             None if routing is None else routing[i], implementation).items():
             out[kind] += nbytes
 
     sizes = {"dp_cp": dp * p.cp, "tp_dp_cp": p.tp * dp * p.cp, "edp": edp}

@@ -533,7 +533,8 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
         factors = skew.stage(config, r, "time") if skewed else None
         compute_s, flops = _stage_compute(config, r, gpu, assumptions, rate, factors)
         sent = microbatch_bytes(config, world, r, t.recompute,
-                                _skewed_routing(config, factors) if factors is not None else None)
+                                _skewed_routing(config, factors) if factors is not None else None,
+                                assumptions.implementation)
         comm = {k: _seconds(k, sent[k], links, gpu) for k in sent if k in _CRITICAL}
         if assumptions.overlap == "megatron" and v > 1:
             # Megatron's interleaved schedule posts its sends and receives behind the
@@ -548,7 +549,7 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
     per_micro, flops_micro, comm_micro, r_slow, a2a_micro, compute_micro = slowest
 
     routing = [_skewed_routing(config, skew.stage(config, r_slow, "time"))] * micro if skewed else None
-    step = step_bytes(config, world, r_slow, routing=routing)
+    step = step_bytes(config, world, r_slow, routing=routing, implementation=assumptions.implementation)
     grad_overlap, gather_overlap = overlaps(config, assumptions)
     # What one micro-batch's backward (about 2/3 of its FLOPs) and forward (1/3) on the
     # slowest stage leave to hide the gradient reduction and the parameter gather behind.
@@ -558,7 +559,8 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
         if kind not in step:
             continue
         nbytes = step[kind] - (micro * microbatch_bytes(config, world, r_slow, t.recompute,
-                                                        routing[0] if routing else None).get(kind, 0))
+                                                        routing[0] if routing else None,
+                                                        assumptions.implementation).get(kind, 0))
         n = 2 if kind == "embedding" else len(layout.groups(_GROUP_OF[kind])[0])
         seconds = _seconds(kind, nbytes, links, gpu)
         # Of the bytes: the all-reduce's, or the reduce-scatter's and the all-gather's halves.
