@@ -122,7 +122,7 @@ class RoutingCollector:
                 self._kept[row] += output.stats.tokens_per_expert.detach().double()
             else:
                 self._kept[row] += output.routing_map.sum(dim=0).double()
-            self._routed[row] += num_tokens * module.config.topk
+            self._routed[row] += num_tokens * module.topk
         return hook
 
     def finish_step(self, groups: ProcessGroups, losses: StepLossValues) -> dict[str, Any]:
