@@ -111,14 +111,14 @@ MUTANTS: list[Mutant] = [
         (T_ROUTER_PARALLEL,)),
     Mutant(
         "router-aux-cp-scale", ROUTER,
-        "total = total + cfg.aux_loss_coeff * cp * load_balancing_loss(scores, c, n, k)",
-        "total = total + cfg.aux_loss_coeff * load_balancing_loss(scores, c, n, k)",
+        "total = total + self.aux_loss_coeff * cp * load_balancing_loss(scores, c, n, k)",
+        "total = total + self.aux_loss_coeff * load_balancing_loss(scores, c, n, k)",
         "the aux-loss gradient share not scaled by cp (grads are averaged over dp x cp afterwards)",
         (T_ROUTER_PARALLEL,)),
     Mutant(
         "router-global-aux-dp-scale", ROUTER,
-        "total = total + cfg.global_aux_loss_coeff * cp * dp * load_balancing_loss(scores, running, n, k)",
-        "total = total + cfg.global_aux_loss_coeff * cp * load_balancing_loss(scores, running, n, k)",
+        "total = total + self.global_aux_loss_coeff * cp * dp * load_balancing_loss(scores, running, n, k)",
+        "total = total + self.global_aux_loss_coeff * cp * load_balancing_loss(scores, running, n, k)",
         "the global aux loss share not scaled by dp, although its loss spans the dp ranks",
         (T_ROUTER_PARALLEL,)),
     Mutant(
@@ -465,8 +465,8 @@ MUTANTS: list[Mutant] = [
         ("tests/models/test_mtp.py::test_shift_stays_in_the_row_and_the_document",)),
     Mutant(
         "mtp-depth-mean", "models/model.py",
-        "return attach_loss(loss, depth_losses.sum(), m.mtp_loss_weight / m.mtp_num_layers)",
-        "return attach_loss(loss, depth_losses.sum(), m.mtp_loss_weight)",
+        "self.mtp_loss_factor = m.mtp_loss_weight / m.mtp_num_layers if m.mtp_num_layers > 0 else 0.0",
+        "self.mtp_loss_factor = m.mtp_loss_weight if m.mtp_num_layers > 0 else 0.0",
         "the MTP loss sums the depths without dividing by their number (a missing scale)",
         ("tests/models/test_mtp.py::test_objective_is_deepseek_v3_formula",)),
     Mutant(
