@@ -58,7 +58,7 @@ BLOCKING = {
     "bincount": lambda: torch.bincount(x.long().flatten()),
     "bool-mask index": lambda: x[mask],
     "bool-mask assign": lambda: x.clone().__setitem__(mask, 0.0),
-    "repeat_interleave": lambda: torch.repeat_interleave(torch.arange(2), torch.full((2,), 2)),
+    "repeat_interleave": lambda: torch.repeat_interleave(x.long()[0, :2], torch.full((2,), 2, device=x.device)),
     "tensor(data, device)": lambda: torch.tensor([1, 2], device=x.device),
     "as_tensor(data, device)": lambda: torch.as_tensor([1, 2], device=x.device),
     "new_tensor": lambda: x.new_tensor([1.0]),
@@ -80,6 +80,9 @@ HARMLESS = {
     "shape": lambda: (x.shape[0], x.numel(), len(x), x.dim()),
     "where(cond, a, b)": lambda: torch.where(mask, x, 0.0),
     "to a dtype": lambda: x.to(torch.float64).to(x.device),
+    "non-blocking copy to the device": lambda: torch.tensor([1, 2]).to(x.device, non_blocking=True),
+    "data-sized ops on host data": lambda: (torch.tensor([0, 1, 2]).nonzero(), torch.tensor([1.0, 2.0])[
+        torch.tensor([True, False])], torch.repeat_interleave(torch.arange(2), torch.tensor([2, 1]))),
 }
 
 

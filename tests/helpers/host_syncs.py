@@ -20,19 +20,40 @@ What counts (one per call):
   ``unique``, ``unique_consecutive``, ``masked_select``, ``bincount``, indexing or assigning
   with a boolean mask, ``repeat_interleave`` of tensor repeats without ``output_size``;
 - copies from the host to the device: ``torch.tensor`` / ``as_tensor`` / ``asarray`` /
-  ``Tensor.new_tensor`` of Python data onto a device (any ``device=`` other than the string
-  ``"cpu"``), and ``.to(...)`` of a *host tensor* (one such a factory made without a device,
-  or ``.cpu()`` made, or an op made from host tensors only);
+  ``Tensor.new_tensor`` of Python data onto a device (any ``device=`` other than the host),
+  and a blocking ``.to(device)`` of a host tensor (a ``non_blocking=True`` one is queued);
 - ``torch.cuda.synchronize``, ``torch.distributed.barrier`` and the object collectives
   (``all_gather_object``, ``broadcast_object_list`` ...), which pickle through the device.
 
-Reads of host tensors are free and not counted. A collective whose split sizes are a
-Python list costs nothing more by itself: the read that produced the list is counted.
+Host tensors and device tensors. On a CPU every tensor is in host memory, so the counter
+tracks where each tensor made inside the block *would* live on a GPU, and counts a read
+only of a tensor the device computed:
 
-Limits: it sees Python-level torch calls (TorchFunctionMode), forward and backward (the
-autograd engine is run with the mode active, see ``_engine_run_backward`` below), not what
-C++ kernels do inside; ``.to(torch.device("cpu"))`` is not told apart from ``.to(x.device)``
-(write ``.cpu()`` or ``.to("cpu")`` for a deliberate copy to the host).
+- host: what a factory makes without a device (torch's default device, the host:
+  ``torch.arange(n)``, and from Python or numpy data ``torch.tensor(list)``,
+  ``torch.from_numpy``, ``torch.frombuffer``: the loader's ``cu_seqlens``, tokens and
+  masks), or with a host device (``"cpu"``, or the ``.device`` of
+  a host tensor: ``torch.arange(n, device=cu_seqlens.device)``); ``.cpu()`` and
+  ``.to(host)`` results; and whatever an op makes from host tensors only. Their reads,
+  and the data-sized ops on them (``nonzero``, ``repeat_interleave``, a bool mask), are
+  free and not counted;
+- device: everything else, among them every tensor made before the block (parameters,
+  inputs, buffers): the counter cannot trace their origin, so it takes them for device
+  tensors and counts their reads. Make host data inside the block to have it seen as such;
+- a ``.to(device)`` of a host tensor makes a device tensor (on a CPU the copy is elided
+  and torch returns the tensor itself; the counter hands back an alias, which it tracks
+  as a device tensor).
+
+A collective whose split sizes are a Python list costs nothing more by itself: the read
+that produced the list is counted.
+
+Limits: it sees Python-level torch calls (TorchFunctionMode; ``from_numpy`` and
+``frombuffer``, which take no tensor, are patched), forward and backward (the autograd
+engine is run with the mode active, see ``_engine_run_backward`` below), not what C++
+kernels do inside, nor calls on other threads; a host tensor used as an operand of a
+device op (an implicit copy) is not counted; a ``torch.device("cpu")`` made from scratch
+is not told apart from the compute device's (write ``"cpu"``, ``.cpu()`` or a host
+tensor's ``.device`` for the host).
 """
 
 from __future__ import annotations
@@ -200,6 +221,8 @@ class _Counter(TorchFunctionMode):
         if func is _T.to:
             target = _to_device(args, kwargs)
             return self._is_host_device(target) or (target is None and self._is_host(args[0]))
+        if not _tensors(args, kwargs):
+            return device is None  # a factory without a device: torch's default, the host
         return self._all_host(args, kwargs)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
