@@ -478,10 +478,10 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ precision
     Mutant(
         "bf16-model-not-updated", TRAIN,
-        "    if finite and run.master is not None and not optimizer.distributed:\n"
-        "        run.master.master_to_model()\n",
-        "    if finite and run.master is not None and not optimizer.distributed:\n"
-        "        pass\n",
+        "        if run.master is not None and not optimizer.distributed:\n"
+        "            run.master.master_to_model()\n",
+        "        if run.master is not None and not optimizer.distributed:\n"
+        "            pass\n",
         "bf16: the optimizer steps the float32 masters but the bf16 model that computes is never refreshed",
         ("tests/training/test_train.py::test_bf16_keeps_float32_masters_and_tracks_fp32",)),
     Mutant(
