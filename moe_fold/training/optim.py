@@ -5,7 +5,9 @@ One step of training, after the backward passes of every micro-batch of the glob
 (their grads add up: that is gradient accumulation, with the loss scaled as
 ``Transformer.forward`` documents), is :func:`apply_gradients`: ``sync_grads`` makes every
 grad the global-batch gradient, ``clip_grad_norm_`` clips by the norm of the whole model,
-then :meth:`AdamW.step` updates. The scheduler's ``step()`` follows.
+then :meth:`AdamW.step` updates. The scheduler's ``step()`` follows. The training step
+calls the first two alone (:func:`reduce_gradients`, which leaves the norm on the device)
+and steps once its one host read finds the loss and the norm finite.
 
 :class:`AdamW` computes exactly what ``torch.optim.AdamW(fused=True)`` computes: one call
 of torch's fused multi-tensor kernel per parameter group (:func:`adamw_update_`). On CPU it
