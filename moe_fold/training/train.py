@@ -329,10 +329,10 @@ def run_step(run: Run, step: int) -> StepRecord:
     and clipping, the routers' step closed (:func:`close_routers`), one host read of the
     step's scalars, then AdamW or, on a non-finite loss or gradient norm, the non-finite
     path (no optimizer step; :func:`_diagnose_nonfinite`); the LR schedule steps. Every
-    change to the training state happens here or in a periodic action, none in a collector. Returns the step's
-    record, whose ``loss`` the step computes (:mod:`moe_fold.training.step_losses`). A
-    collective: every rank runs it for every step (the caller seeds the step first,
-    :func:`_seed_step`)."""
+    change to the training state happens here or in a periodic action, none in a
+    collector. Returns the step's record, whose ``loss`` the step computes
+    (:mod:`moe_fold.training.step_losses`). A collective: every rank runs it for every
+    step (the caller seeds the step first, :func:`_seed_step`)."""
     config, groups, optimizer = run.config, run.groups, run.optimizer
     began = time.perf_counter()
     micro_batches = [b.to(run.device) for b in run.loader.global_batch()]
