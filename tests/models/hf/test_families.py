@@ -69,6 +69,11 @@ GLM = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=50, moe_intermedi
            attention_bias=True, use_qk_norm=True, max_position_embeddings=64, num_mtp_layers=0,
            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
 
+_HYBRID = dict(vocab_size=VOCAB, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+               num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=22,
+               shared_expert_intermediate_size=30, linear_num_key_heads=2, linear_num_value_heads=6,
+               linear_key_head_dim=6, linear_value_head_dim=5, linear_conv_kernel_dim=4, max_position_embeddings=64)
+
 SPECS = {
     "mixtral": Spec("MixtralConfig", "MixtralForCausalLM", dict(_ODD, num_local_experts=4),
                     {"mixtral_gqa": dict(rope_theta=5e5)}),
@@ -158,6 +163,25 @@ SPECS = {
                                               original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
                                               truncate=False)),
                     {"gpt_oss": {}}, eager_attention=True),
+    # Qwen3-Next: 2 key heads of 6 over 6 value heads of 5 (3 per key head), conv of 4 taps; gated
+    # attention of 6 heads of 8 over 2 kv heads, rotary on the first 2 dims (0.25); 4 experts of 22
+    # and a gated shared expert of 30. Zero-centred norms; matrices N(0, 0.1): at 0.2 float32
+    # itself strays 1.4e-4 (transformers) and 2.3e-4 (ours) from a float64 forward of this model.
+    "qwen3_next": Spec("Qwen3NextConfig", "Qwen3NextForCausalLM", _HYBRID, {
+        # Three Gated DeltaNet layers, then gated attention; layer 1 dense; renormalised top-k.
+        "qwen3_next": dict(intermediate_size=50, mlp_only_layers=[1], norm_topk_prob=True),
+        # Attention first and third, every layer MoE, top-k of the full softmax, tied, rotary on half.
+        "qwen3_next_mixed": dict(layer_types=["full_attention", "linear_attention", "full_attention",
+                                              "linear_attention"], norm_topk_prob=False, tie_word_embeddings=True,
+                                 rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                                      partial_rotary_factor=0.5))},
+        matrix_std=0.1, zero_centred=True),
+    # Qwen3.5's text model: Qwen3-Next's layers, every layer MoE, renormalised top-k; separate
+    # q|k|v, z, b and a projections; exported when asked by name. 4 value heads (2 per key
+    # head): with 6, transformers' float32 logits stray 5.9e-5 from a float64 forward (ours 1.7e-5).
+    "qwen3_5_moe": Spec("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _HYBRID,
+                        {"qwen3_5_moe": dict(linear_num_value_heads=4)},
+                        matrix_std=0.1, zero_centred=True, exported_by_default=False),
 }
 
 
@@ -191,7 +215,8 @@ IMPORTED = {"deepseek_v3": _mla_read, "ernie4_5_moe": _expert_bias_read(1), "min
 @pytest.mark.parametrize("family, case", CASES, ids=[f"{f}-{c}" for f, c in CASES])
 def test_import_matches_transformers_and_export_round_trips(family, case, tmp_path):
     spec = SPECS[family]
-    model = check_import_and_round_trip(hf_model(spec, case), family, tmp_path, case, **spec.load_kwargs())
+    model = check_import_and_round_trip(hf_model(spec, case), family, tmp_path, case, spec.exported_by_default,
+                                        **spec.load_kwargs())
     if family in IMPORTED:
         assert IMPORTED[family](model, case)
 
