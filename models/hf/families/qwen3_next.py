@@ -51,14 +51,15 @@ def hybrid_from_hf(keys: Keys, config: Config, family: str, *, rope_extra: tuple
     m.rope_theta = rope_theta(keys, 1e4, partial_rotary=True)
     keys.must_be("hidden_act", ("silu",), "the MLPs, experts and the Gated DeltaNet conv use SiLU here")
     keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
+    keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
     keys.must_be("attention_bias", (False,), f"{family}'s attention projections have no biases here")
     m.qk_norm, m.qk_norm_scope, m.qkv_bias = True, "head", False
     m.attn_output_gate, m.norm_zero_centred = True, True
     for ours, (theirs, default) in _LINEAR.items():
         setattr(m, ours, int(keys.get(theirs, default)))
     types = keys.get("layer_types", None)
+    interval = keys.get("full_attention_interval", 4)  # the pattern when layer_types is not given
     if types is None:
-        interval = keys.get("full_attention_interval", 4)
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(m.num_layers)]
     odd = sorted(set(types) - set(LAYER_TYPES))
     if odd:
@@ -76,6 +77,7 @@ def hybrid_from_hf(keys: Keys, config: Config, family: str, *, rope_extra: tuple
 def from_hf(keys: Keys, config: Config) -> None:
     hybrid_from_hf(keys, config, "qwen3_next")
     config.model.ffn_hidden_size = keys.get("intermediate_size", 5632)
+    keys.must_be("use_sliding_window", (False,), "Qwen3-Next's attention layers are full attention")
     standard.qwen_moe_layers_from_hf(keys, config)
 
 
