@@ -30,7 +30,8 @@ LAYER_TYPES = {"linear_attention": "gated_deltanet", "full_attention": "attentio
 _TO_HF = {ours: theirs for theirs, ours in LAYER_TYPES.items()}
 
 # Gated DeltaNet: our field -> (its key, transformers' default)
-_LINEAR = {"linear_num_key_heads": ("linear_num_key_heads", 16), "linear_num_value_heads": ("linear_num_value_heads", 32),
+_LINEAR = {"linear_num_key_heads": ("linear_num_key_heads", 16),
+           "linear_num_value_heads": ("linear_num_value_heads", 32),
            "linear_key_head_dim": ("linear_key_head_dim", 128), "linear_value_head_dim": ("linear_value_head_dim", 128),
            "linear_conv_kernel": ("linear_conv_kernel_dim", 4)}
 
