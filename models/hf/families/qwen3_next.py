@@ -1,4 +1,4 @@
-"""Qwen3-Next (``Qwen3NextForCausalLM``, docs/families/qwen3_next.md): Gated DeltaNet layers
+"""Qwen3-Next (``Qwen3NextForCausalLM``, docs/families/qwen3-next.md): Gated DeltaNet layers
 (``linear_attention``) and gated full attention (``full_attention``) in ``layer_types``;
 zero-centred RMSNorms; a per-head QK-norm and rotary on the first ``partial_rotary_factor``
 of each head; Qwen's MoE layer pattern with a gated shared expert.
