@@ -475,7 +475,7 @@ def test_router_losses_and_gradient_match_reference(score, extra):
 
     W = router.weight.detach().clone().requires_grad_(True)
     hr = h.clone().requires_grad_(True)
-    logits, ref = reference_losses(W, hr, router.config, mask, seq_ids.tolist(), 3)
+    logits, ref = reference_losses(W, hr, router, mask, seq_ids.tolist(), 3)
     probs, rmap = topk_routing(logits, 2, score=score, expert_bias=bias, **routing)
     total = (probs * g).sum() + 0.1 * ref["aux"] + 0.2 * ref["seq_aux"] + 0.05 * ref["z"]
     total.backward()

@@ -111,14 +111,14 @@ MUTANTS: list[Mutant] = [
         (T_ROUTER_PARALLEL,)),
     Mutant(
         "router-aux-cp-scale", ROUTER,
-        "total = total + cfg.aux_loss_coeff * cp * load_balancing_loss(scores, c, n, k)",
-        "total = total + cfg.aux_loss_coeff * load_balancing_loss(scores, c, n, k)",
+        "total = total + self.aux_loss_coeff * cp * load_balancing_loss(scores, c, n, k)",
+        "total = total + self.aux_loss_coeff * load_balancing_loss(scores, c, n, k)",
         "the aux-loss gradient share not scaled by cp (grads are averaged over dp x cp afterwards)",
         (T_ROUTER_PARALLEL,)),
     Mutant(
         "router-global-aux-dp-scale", ROUTER,
-        "total = total + cfg.global_aux_loss_coeff * cp * dp * load_balancing_loss(scores, running, n, k)",
-        "total = total + cfg.global_aux_loss_coeff * cp * load_balancing_loss(scores, running, n, k)",
+        "total = total + self.global_aux_loss_coeff * cp * dp * load_balancing_loss(scores, running, n, k)",
+        "total = total + self.global_aux_loss_coeff * cp * load_balancing_loss(scores, running, n, k)",
         "the global aux loss share not scaled by dp, although its loss spans the dp ranks",
         (T_ROUTER_PARALLEL,)),
     Mutant(
@@ -465,8 +465,8 @@ MUTANTS: list[Mutant] = [
         ("tests/models/test_mtp.py::test_shift_stays_in_the_row_and_the_document",)),
     Mutant(
         "mtp-depth-mean", "models/model.py",
-        "return attach_loss(loss, depth_losses.sum(), m.mtp_loss_weight / m.mtp_num_layers)",
-        "return attach_loss(loss, depth_losses.sum(), m.mtp_loss_weight)",
+        "self.mtp_loss_factor = m.mtp_loss_weight / m.mtp_num_layers if m.mtp_num_layers > 0 else 0.0",
+        "self.mtp_loss_factor = m.mtp_loss_weight if m.mtp_num_layers > 0 else 0.0",
         "the MTP loss sums the depths without dividing by their number (a missing scale)",
         ("tests/models/test_mtp.py::test_objective_is_deepseek_v3_formula",)),
     Mutant(
@@ -478,10 +478,10 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ precision
     Mutant(
         "bf16-model-not-updated", TRAIN,
-        "    if finite and run.master is not None and not optimizer.distributed:\n"
-        "        run.master.master_to_model()\n",
-        "    if finite and run.master is not None and not optimizer.distributed:\n"
-        "        pass\n",
+        "        if run.master is not None and not optimizer.distributed:\n"
+        "            run.master.master_to_model()\n",
+        "        if run.master is not None and not optimizer.distributed:\n"
+        "            pass\n",
         "bf16: the optimizer steps the float32 masters but the bf16 model that computes is never refreshed",
         ("tests/training/test_train.py::test_bf16_keeps_float32_masters_and_tracks_fp32",)),
     Mutant(
@@ -553,11 +553,17 @@ MUTANTS: list[Mutant] = [
         ("tests/training/test_replace.py::test_replacing_under_bf16_keeps_the_losses_bit_for_bit",)),
     Mutant(
         "routers-closed-through-collector", TRAIN,
-        "    step_losses = run.losses.finish_step(groups, close_routers(run.routers))\n",
-        "    step_losses = run.losses.finish_step(groups, close_routers(\n"
-        "        [router for _, router in run.collector.routers] if run.collector is not None else []))\n",
+        "    closed = close_routers(run.routers)\n",
+        "    closed = close_routers([router for _, router in run.collector.routers] if run.collector is not None\n"
+        "                           else [])\n",
         "the step closes the routers the metrics collector found: without metrics the expert bias never moves",
         ("tests/training/test_train.py::test_metrics_off_take_the_same_steps",)),
+    Mutant(
+        "step-reads-the-norm-again", TRAIN,
+        "    if finite:\n        optimizer.step()\n",
+        "    if finite and torch.isfinite(grad_norm):\n        optimizer.step()\n",
+        "the step checks the gradient norm on the device again: a second host sync per step",
+        ("tests/core/test_host_syncs.py::test_a_static_shape_step_reads_the_host_once",)),
     Mutant(
         "expert-act-not-recomputed", "models/experts.py",
         "        if self.recompute == \"activation\":\n",
