@@ -678,4 +678,10 @@ MUTANTS: list[Mutant] = [
         "    return float(moe.topk)\n",
         "the planner counts a token's slots on zero experts as expert rows",
         ("tests/planner/test_estimate.py::test_zero_experts_by_hand",)),
+    Mutant(
+        "zero-experts-counted-dropped", "moe_fold/training/metrics.py",
+        "        dropped = 1.0 - float(kept.sum() + zero.sum()) / max(float(routed.sum()), 1.0)\n",
+        "        dropped = 1.0 - float(kept.sum()) / max(float(routed.sum()), 1.0)\n",
+        "the slots on zero experts reported as dropped by capacity",
+        ("tests/training/test_metrics.py::test_zero_expert_assignments_are_neither_loads_nor_drops",)),
 ]
