@@ -7,6 +7,10 @@ the ep ranks that own their experts and back (docs/architecture.md, "One MoE lay
 load-balancing and z losses ride on the router's probs through autograd, so nothing is
 returned besides the hidden states.
 
+Zero-computation experts (LongCat-Flash, ``moe.zero_experts``): the router picks among
+held and zero experts, and hands the dispatcher the held ones only; a slot on a zero expert
+adds the token times its gate weight here, without leaving the rank.
+
 The shared expert (Qwen2-MoE, DeepSeek) is a dense SwiGLU :class:`~moe_fold.models.mlp.MLP`
 of width ``moe.shared_expert_ffn_hidden_size`` that every token goes through; it is
 tensor-parallel like the dense MLP (column/row-parallel, the sequence gathered over tp
