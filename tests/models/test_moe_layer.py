@@ -528,6 +528,29 @@ def test_zero_experts_match_longcat_written_out_forward_and_backward():
     assert grads[1].abs().mean() > 1e-5  # the router learns from the zero experts' weights too
 
 
+def test_zero_experts_give_transformers_longcat_flash_moe():
+    """The same weights in transformers' ``LongcatFlashMoE`` (its router's classifier and
+    score-correction bias, its experts' gate_up and down projections, the zero experts'
+    rows of gate_up unused) give the layer's output."""
+    import transformers
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMoE
+
+    hf_config = transformers.LongcatFlashConfig(hidden_size=H, expert_ffn_hidden_size=FFN, n_routed_experts=E,
+                                                zero_expert_num=ZERO, num_experts_per_tok=ZK,
+                                                routed_scaling_factor=ZSCALE, num_layers=1, num_attention_heads=2)
+    layer = _zero_layer(ProcessGroups.single_process())
+    hf = LongcatFlashMoE(hf_config).float()
+    with torch.no_grad():
+        hf.router.classifier.weight.copy_(layer.router.weight)
+        hf.router.e_score_correction_bias.copy_(layer.router.expert_bias)
+        hf.experts.gate_up_proj.normal_()
+        hf.experts.gate_up_proj[:E].copy_(layer.experts.fc1.transpose(1, 2))  # [E, H, 2F] -> [E, 2F, H]
+        hf.experts.down_proj.copy_(layer.experts.fc2.transpose(1, 2))  # [E, F, H] -> [E, H, F]
+    x = _inputs(5)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), hf(x.unsqueeze(0))[0], rtol=1e-5, atol=1e-6)
+
+
 def _zero_experts_rank(rank, world_size, moe):
     """ep2 over two ranks: each rank's tokens through the layer, with what its dispatcher
     sent (rows to each ep rank, bytes of token rows) and its router's choice."""

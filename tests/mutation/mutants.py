@@ -679,6 +679,12 @@ MUTANTS: list[Mutant] = [
         "the planner counts a token's slots on zero experts as expert rows",
         ("tests/planner/test_estimate.py::test_zero_experts_by_hand",)),
     Mutant(
+        "zero-expert-outputs-nothing", "models/moe_layer.py",
+        "            out = out + (hidden * routing.zero_probs.unsqueeze(1)).to(out.dtype)\n",
+        "            out = out + 0 * (hidden * routing.zero_probs.unsqueeze(1)).to(out.dtype)\n",
+        "a zero-computation expert read as one that outputs zeros instead of its input",
+        ("tests/models/test_moe_layer.py::test_zero_experts_give_transformers_longcat_flash_moe",)),
+    Mutant(
         "zero-experts-counted-dropped", "moe_fold/training/metrics.py",
         "        dropped = 1.0 - float(kept.sum() + zero.sum()) / max(float(routed.sum()), 1.0)\n",
         "        dropped = 1.0 - float(kept.sum()) / max(float(routed.sum()), 1.0)\n",
