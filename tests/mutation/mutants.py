@@ -98,8 +98,8 @@ MUTANTS: list[Mutant] = [
         (f"{T_ROUTER}::test_topk_routing_matches_loop",)),
     Mutant(
         "router-bias-update-sign", ROUTER,
-        "offset = counts.mean() - counts",
-        "offset = counts - counts.mean()",
+        "step = rate * torch.sign(counts.mean() - counts)",
+        "step = rate * torch.sign(counts - counts.mean())",
         "expert-bias step with the sign flipped: busy experts get more tokens, not fewer",
         (f"{T_ROUTER}::test_updated_expert_bias_by_hand",)),
     Mutant(
