@@ -205,7 +205,7 @@ def _mlp(config: Config, ffn: int, g: int) -> float:
 
 def _router(config: Config) -> float:
     d, moe, rb = dims(config), config.moe, router_bytes(config)
-    e, k = d.experts, d.topk
+    e, k = d.experts + d.zero_experts, d.topk
     out = rb * d.hidden + 8 * e
     if moe.score_function == "softmax":
         out += rb * (e if moe.pre_softmax else k)

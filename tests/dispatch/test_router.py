@@ -316,6 +316,17 @@ def test_updated_expert_bias_by_hand():
     assert torch.equal(updated_expert_bias(bias, torch.full((4,), 3), 0.1), bias)
 
 
+def test_updated_expert_bias_leaves_zero_experts_and_aims_held_ones_at_the_all_column_mean():
+    """LongCat-Flash: the last zero_experts columns keep their bias; a held expert steps by
+    the sign of (mean over every column - its count), so held experts above their share
+    E / (E + Z) of the assignments fall even when they are below the held-only mean."""
+    bias = torch.tensor([0.5, 0.0, -0.5, 0.0, 0.25, -0.25])
+    counts = torch.tensor([10, 2, 6, 5, 1, 0])  # mean over all 6 columns 4; over the 4 held 5.75
+    got = updated_expert_bias(bias, counts, 0.1, zero_experts=2)
+    want = [0.5 - 0.1, 0.0 + 0.1, -0.5 - 0.1, 0.0 - 0.1, 0.25, -0.25]
+    torch.testing.assert_close(got, torch.tensor(want))
+
+
 # --------------------------------------------------------------------------- losses
 
 def ref_scores(logits, score):
