@@ -131,7 +131,7 @@ def test_rows() -> tuple[list[tuple[str, str]], bool, str]:
 
 
 def _bench_lines(script: str, args: list[str]) -> list[dict]:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", f"bench.{script.removesuffix('.py')}", *args], cwd=ROOT,
                           env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
