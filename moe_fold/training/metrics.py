@@ -53,7 +53,7 @@ from torch import nn
 from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, config_to_dict, dp_size, edp_size, etp_size, moe_layer_indices
 from moe_fold.layout import ProcessGroups
-from moe_fold.training.step_losses import StepLossValues
+from moe_fold.training.step_losses import StepLossValues, router_rows
 from moe_fold.training.plots import write_heatmap
 
 __all__ = ["RoutingCollector", "MetricsLogger", "config_changes", "read_wandb_history"]
@@ -76,14 +76,9 @@ class RoutingCollector:
     """
 
     def __init__(self, model: nn.Module, config: Config):
-        from moe_fold.dispatch.router import Router
-        from moe_fold.models.model import layer_index
-
         self.config = config
         self.moe_layers = moe_layer_indices(config)
-        slot = {layer: k for k, layer in enumerate(self.moe_layers)}
-        L = config.model.num_layers
-        self.routers = [(slot[layer_index(n, L)], m) for n, m in model.named_modules() if isinstance(m, Router)]
+        self.routers = router_rows(model, config)
         self.device = next(model.parameters()).device
         self._recording = False
         # Each hook's row is a one-element index tensor, not a Python int: under

@@ -8,7 +8,7 @@ import torch
 
 from moe_fold.config import MoEConfig
 from moe_fold.dispatch.router import (
-    Router, apply_capacity, attach_loss, aux_loss_scores, expert_capacity, load_balancing_loss, routing_stats,
+    Router, apply_capacity, attach_loss, aux_loss_scores, expert_capacity, load_balancing_loss,
     topk_routing, updated_expert_bias, z_loss,
 )
 from moe_fold.layout import ProcessGroups
@@ -413,17 +413,6 @@ def test_loss_functions_bad_arguments():
         load_balancing_loss(torch.rand(2, 3), torch.ones(3), 2, 4)
     with pytest.raises(ValueError, match="must be a scalar"):
         attach_loss(torch.ones(2), torch.ones(2), 1.0)
-
-
-def test_routing_stats_by_hand():
-    routed = torch.tensor([6, 2, 0, 4])
-    kept = torch.tensor([4, 2, 0, 4])
-    s = routing_stats(routed, kept, ep=2)
-    assert float(s.dropped_fraction) == pytest.approx(2 / 12)
-    assert float(s.expert_load_ratio) == pytest.approx(4 / 2.5)
-    assert float(s.ep_load_ratio) == pytest.approx(6 / 5)
-    with pytest.raises(ValueError, match="ep=3"):
-        routing_stats(routed, kept, ep=3)
 
 
 # --------------------------------------------------------------------------- Router module
