@@ -30,7 +30,7 @@ from torch import nn
 from moe_fold.comm import all_reduce_
 from moe_fold.config import (
     MoEConfig, capacity_factor_positive, choice, choices, experts_over_ep, group_ranked_scores, require,
-    router_settings, routing_groups,
+    router_settings, routing_groups, zero_expert_settings,
 )
 from moe_fold.dispatch.aux_losses import attach_loss, aux_loss_scores, load_balancing_loss, z_loss
 from moe_fold.dispatch.routing_stats import RoutingStats, load_stats, routing_stats
@@ -281,32 +281,40 @@ def kept_within(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int, *
     return probs * kept, kept
 
 
-def updated_expert_bias(expert_bias: torch.Tensor, tokens_per_expert: torch.Tensor, rate: float) -> torch.Tensor:
+def updated_expert_bias(expert_bias: torch.Tensor, tokens_per_expert: torch.Tensor, rate: float,
+                        zero_experts: int = 0) -> torch.Tensor:
     """One aux-loss-free balancing step: ``b + rate * sign(mean(count) - count)``.
 
     ``tokens_per_expert`` must already be summed over every rank that shares the router
-    (tp x dp x cp) and over the step's micro-batches.
+    (tp x dp x cp) and over the step's micro-batches. The last ``zero_experts`` columns
+    are zero-computation experts (LongCat-Flash): their bias stays, and every held expert
+    aims at the mean over all columns, so at balance a share ``E / (E + Z)`` of the
+    assignments reaches held experts (LongCat's budget of ``topk * E / (E + Z)`` computed
+    experts per token on average).
     """
     counts = tokens_per_expert.to(torch.float64)
-    offset = counts.mean() - counts
-    return expert_bias + (rate * torch.sign(offset)).to(expert_bias.dtype)
+    step = rate * torch.sign(counts.mean() - counts)
+    if zero_experts:
+        step[counts.shape[0] - zero_experts:] = 0.0
+    return expert_bias + step.to(expert_bias.dtype)
 
 
 # --------------------------------------------------------------------------- the module
 
 @dataclass
 class RouterOutput:
-    # [T, E] routing weights, zero off the kept experts; the load-balancing losses ride on
-    # it (see attach_loss), so it must feed the expert outputs.
+    # [T, E] routing weights of the held experts, zero off the kept ones; the load-balancing
+    # losses ride on it (see attach_loss), so it must feed the expert outputs.
     probs: torch.Tensor
-    # [T, E] bool, after capacity dropping (with pad_to_capacity: exactly capacity per expert).
+    # [T, E] bool, after capacity dropping (with pad_to_capacity: exactly capacity per
+    # expert): what the dispatcher moves, never a zero expert.
     routing_map: torch.Tensor
-    # [T, E] in the router dtype, z-loss attached.
+    # [T, E + Z] in the router dtype, z-loss attached (Z = moe.zero_experts).
     logits: torch.Tensor
-    # [E] int64: this rank's assignments per expert, what the dispatcher moves.
+    # [E] int64: this rank's assignments per held expert, what the dispatcher moves.
     tokens_per_expert: torch.Tensor
-    # [T, E] the router's choice before capacity dropping (the same tensors as probs and
-    # routing_map without capacity): what route traces record.
+    # [T, E + Z] the router's choice before capacity dropping (without capacity and zero
+    # experts, the same tensors as probs and routing_map): what route traces record.
     routed_probs: torch.Tensor
     routed_map: torch.Tensor
     # Detached micro-batch values without coefficients, for logging: "aux", "seq_aux",
@@ -314,6 +322,9 @@ class RouterOutput:
     # step's running counts, i.e. the value the gradient follows); only the enabled ones.
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
     stats: Optional[RoutingStats] = None
+    # [T] with moe.zero_experts: each token's summed gate weight on zero experts, the factor
+    # on its own input that the MoE layer adds where the token is; None without.
+    zero_probs: Optional[torch.Tensor] = None
 
 
 _ROUTER_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -348,7 +359,8 @@ class Router(nn.Module):
             require(choice, dotted, getattr(config, dotted.partition(".")[2]))
         require(router_settings, config)
         require(routing_groups, config.num_experts, config.topk, config.num_groups, config.group_topk,
-                config.group_score)
+                config.group_score, config.zero_experts)
+        require(zero_expert_settings, config)
         require(experts_over_ep, config.num_experts, groups.size("ep"))
         self.groups = groups
         # The options a forward uses, as plain attributes: a forward reads no config object.
@@ -368,12 +380,15 @@ class Router(nn.Module):
         self.topk_backend = build_topk_backend(config.topk_backend, fusable=fusable)
         self.hidden_size = hidden_size
         self.dtype = _ROUTER_DTYPES[config.router_dtype]
-        self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
+        # Zero experts are router columns after the held experts (LongCat-Flash): scored,
+        # biased and balanced like them, never dispatched.
+        self.zero_experts = config.zero_experts
+        E = self.num_columns = config.num_experts + config.zero_experts
+        self.weight = nn.Parameter(torch.empty(E, hidden_size))
         nn.init.normal_(self.weight, std=init_std)
         # gpt-oss: the router is a linear with bias (moe.router_bias).
-        self.bias = nn.Parameter(torch.zeros(config.num_experts)) if config.router_bias else None
+        self.bias = nn.Parameter(torch.zeros(E)) if config.router_bias else None
         self.collect_stats = True
-        E = config.num_experts
         if config.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E))
             self.register_buffer("_bias_counts", torch.zeros(E, dtype=torch.float64), persistent=False)
@@ -455,7 +470,7 @@ class Router(nn.Module):
             kept_probs = self._attach_balancing_losses(kept_probs, logits, routing_map, loss_mask,
                                                        seq_ids, num_seqs, losses, loss_scale)
 
-        routed_counts = routing_map.sum(dim=0)
+        routed_counts = routing_map.sum(dim=0)  # [E + Z]
         if self.capacity_factor is None:
             routed_and_kept, kept_counts, tokens_per_expert = routing_map, routed_counts, routed_counts
         else:
@@ -473,8 +488,18 @@ class Router(nn.Module):
                 # Statistics describe real tokens; padding is routed but not counted.
                 real = loss_mask.unsqueeze(1)
                 routed_counts, kept_counts = (routing_map & real).sum(dim=0), (routed_and_kept & real).sum(dim=0)
-            stats = load_stats(routed_counts, kept_counts, self.groups.size("ep"))
-        return RouterOutput(kept_probs, kept_map, routed_logits, tokens_per_expert, probs, routing_map, losses, stats)
+            held = self.num_experts
+            stats = load_stats(routed_counts[:held], kept_counts[:held], self.groups.size("ep"),
+                               routed_counts[held:].sum())
+        zero_probs = None
+        if self.zero_experts:
+            # A zero expert returns its input: the layer adds input x gate weight where the
+            # token is. [T, E + Z] -> [T, E] held experts (dispatched) and [T] zero weights.
+            held = self.num_experts
+            zero_probs = kept_probs[:, held:].sum(dim=1)
+            kept_probs, kept_map, tokens_per_expert = kept_probs[:, :held], kept_map[:, :held], tokens_per_expert[:held]
+        return RouterOutput(kept_probs, kept_map, routed_logits, tokens_per_expert, probs, routing_map, losses, stats,
+                            zero_probs)
 
     def _attach_z_loss(self, logits, loss_mask, losses, loss_scale):
         local_sum = z_loss(logits, loss_mask, 1)
@@ -490,7 +515,8 @@ class Router(nn.Module):
         return attach_loss(logits, share, scale)
 
     def _attach_balancing_losses(self, probs, logits, routing_map, loss_mask, seq_ids, num_seqs, losses, loss_scale):
-        E, k = self.num_experts, self.topk
+        # Every router column, zero experts included: balance pushes them to an equal share.
+        E, k = self.num_columns, self.topk
         scores = aux_loss_scores(logits, self.score_function)
         if self.group_topk is not None or self.expert_bias is not None:
             # Megatron counts f_i from the plain top-k of these scores, without groups or bias.
@@ -560,7 +586,7 @@ class Router(nn.Module):
         rank, so it does not depend on how the global batch was split), reset the counts."""
         out = {}
         if self._ga_microbatches:
-            E, k = self.num_experts, self.topk
+            E, k = self.num_columns, self.topk
             out["global_aux"] = load_balancing_loss(self._ga_prob_sums.view(1, E), self._ga_counts,
                                                     self._ga_tokens, k)
         self._ga_counts.zero_()
@@ -580,5 +606,6 @@ class Router(nn.Module):
             raise ValueError("update_expert_bias needs moe.expert_bias=True")
         counts = self._bias_counts.clone()
         all_reduce_(counts, self.groups.tp_dp_cp)
-        self.expert_bias.copy_(updated_expert_bias(self.expert_bias, counts, self.bias_update_rate))
+        self.expert_bias.copy_(updated_expert_bias(self.expert_bias, counts, self.bias_update_rate,
+                                                   self.zero_experts))
         self._bias_counts.zero_()

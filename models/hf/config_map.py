@@ -43,7 +43,7 @@ def _reset_family_fields(config: Config) -> None:
     """Nothing of a base config's family-specific fields stays: the importing family sets
     what it has (MLA, YaRN, the attention features, expert-input scaling, gpt-oss's biases
     and activation, ERNIE-4.5's renormalisation floor, MTP, partial rotary, Qwen3-Next's
-    layer types, output gate and zero-centred norms)."""
+    layer types, output gate and zero-centred norms, zero experts)."""
     m, moe = config.model, config.moe
     m.qk_norm_scope, m.partial_rotary_factor, m.mtp_num_layers = "head", 1.0, 0
     moe.topk_norm_min = None
@@ -51,6 +51,7 @@ def _reset_family_fields(config: Config) -> None:
     m.local_attention_layers, m.rope_layers = None, None
     m.attn_temperature_tuning, m.attn_temperature_scale, m.attn_temperature_floor = False, 0.1, 8192
     moe.score_on_input = False
+    moe.zero_experts = 0
     m.attention_out_bias = False
     moe.router_bias, moe.expert_linear_bias, moe.activation = False, False, "swiglu"
     m.attention, m.rope_interleave, m.rope_scaling = "mha", False, None
@@ -121,6 +122,8 @@ FEATURE_USE: dict[str, tuple[Callable[[Config], bool], Callable[[Config, str], s
                                        f"setting"))
        for name, off in (("attention_sinks", False), ("sliding_window", 0), ("attention_chunk", 0),
                          ("rope_layers", None), ("attn_temperature_tuning", False))},
+    "zero_experts": (lambda c: c.moe.zero_experts > 0,
+                     lambda c, f: f"moe.zero_experts={c.moe.zero_experts}: {f} has no zero-computation experts"),
     "score_on_input": (lambda c: c.moe.score_on_input,
                        lambda c, f: f"moe.score_on_input=true: {f} scales each expert's output by its prob"),
     "layer_types": (lambda c: c.model.layer_types is not None and set(c.model.layer_types) != {"attention"},

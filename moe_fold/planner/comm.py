@@ -64,7 +64,7 @@ from typing import Optional, Sequence
 
 from moe_fold.config import Config, dp_size, edp_size, etp_size, vpp_size
 from moe_fold.planner.memory import grad_buckets, shard_sizes
-from moe_fold.planner.model import act_bytes, dims, param_manifest, router_bytes, stage_blocks
+from moe_fold.planner.model import act_bytes, dims, held_rows_per_token, param_manifest, router_bytes, stage_blocks
 
 __all__ = ["GRAD_BYTES", "Routing", "uniform_routing", "moe_layer_bytes", "microbatch_bytes",
            "step_bytes"]
@@ -116,10 +116,13 @@ def uniform_routing(config: Config) -> Routing:
         cap = math.ceil((tokens * d.topk / d.experts) * moe.capacity_factor)
         rows, meta = cap * d.experts, rb
     elif moe.dedup:
-        rows = tokens * ep * (1 - math.comb(d.experts - local, d.topk) / math.comb(d.experts, d.topk))
+        # Expert sets drawn over every router column, zero experts included (held by no rank).
+        columns = d.experts + d.zero_experts
+        rows = tokens * ep * (1 - math.comb(columns - local, d.topk) / math.comb(columns, d.topk))
         meta = 2 * local * rb
     else:
-        rows, meta = tokens * d.topk, rb
+        # Slots on zero experts stay where the token is: no row leaves.
+        rows, meta = tokens * held_rows_per_token(config), rb
     off = rows * (ep - 1) / ep
     return Routing(sent=off, received=off, held=rows, held_etp=rows * etp, meta=meta)
 
@@ -225,7 +228,7 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
             layer_bytes[r] = moe_layer_bytes(config, r)
         for kind, nbytes in layer_bytes[r].items():
             out[kind] += nbytes
-        stats = 8 * (2 * d.experts + 1)  # counts, tokens, prob sums (float64)
+        stats = 8 * (2 * (d.experts + d.zero_experts) + 1)  # counts, tokens, prob sums (float64), every column
         if moe.aux_loss_coeff > 0:
             out["tp_cp"] += _all_reduce(stats, tp * cp)
         if moe.z_loss_coeff > 0:

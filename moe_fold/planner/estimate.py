@@ -75,7 +75,7 @@ from moe_fold.planner.hardware import GPU
 from moe_fold.planner.moe_overlap import exposed_ep_seconds
 from moe_fold.planner import memory as planner_memory
 from moe_fold.planner.model import (
-    act_bytes, dims, head_activation_bytes, layer_activation_bytes, microbatches_in_flight,
+    act_bytes, dims, head_activation_bytes, held_rows_per_token, layer_activation_bytes, microbatches_in_flight,
     ParamEntry, layer_forward_flops, model_flops_per_step, mtp_activation_bytes, param_manifest,
     rank_flops_per_microbatch, stage_blocks,
 )
@@ -239,7 +239,8 @@ def model_params(config: Config) -> dict[str, float]:
     total = sum(e.numel for e in manifest)
     experts = sum(e.numel for e in manifest if e.kind == "expert")
     moe = config.moe
-    activated = total - experts + (experts * moe.topk / moe.num_experts if moe.num_experts else 0)
+    # Slots on zero experts activate nothing: held_rows_per_token experts' worth.
+    activated = total - experts + (experts * held_rows_per_token(config) / moe.num_experts if moe.num_experts else 0)
     return {"total": total, "experts": experts, "activated": activated}
 
 

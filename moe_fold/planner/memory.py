@@ -210,7 +210,7 @@ def _mlp(config: Config, ffn: int, g: int) -> float:
 
 def _router(config: Config) -> float:
     d, moe, rb = dims(config), config.moe, router_bytes(config)
-    e, k = d.experts, d.topk
+    e, k = d.experts + d.zero_experts, d.topk
     out = rb * d.hidden
     fused = moe.group_topk is None and not moe.expert_bias and moe.topk_norm_min is None
     if fused:

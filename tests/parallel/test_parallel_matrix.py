@@ -52,6 +52,11 @@ QWEN3_NEXT_LAYERS = dict(layer_types=["gated_deltanet", "gated_deltanet", "gated
                          linear_num_value_heads=4, linear_key_head_dim=6, linear_value_head_dim=5,
                          linear_conv_kernel=4, linear_chunk_size=3)
 
+# LongCat-Flash's router: 4 zero-computation experts after the 8 held ones, top-3 of the
+# softmax over all 12 plus the expert bias, scaled weights (the bias's update across ranks:
+# tests/dispatch/test_router_parallel.py).
+LONGCAT_ZERO = dict(moe=dict(zero_experts=4, topk=3, pre_softmax=True, expert_bias=True, scaling_factor=1.5))
+
 # name -> (world, layout sizes, micro-batches per rank, parallel config, model overrides).
 # tp > 1 implies SP; etp defaults to tp.
 CASES = {
@@ -106,6 +111,10 @@ CASES = {
     "gdn-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), QWEN3_NEXT_LAYERS),
     "gdn-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), QWEN3_NEXT_LAYERS),
     "gdn-tp2-cp2-a2a-ep2-packed": (4, dict(tp=2, cp=2, ep=2, etp=1), 2, dict(cp_kind="a2a"), QWEN3_NEXT_LAYERS),
+    # Zero-computation experts (LongCat-Flash): never dispatched, added where the token is.
+    "zero-ep2": (2, dict(ep=2), 2, dict(), LONGCAT_ZERO),
+    "zero-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_ZERO),
+    "zero-tp2-ep2-etp1-dp2-packed": (4, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_ZERO),
 }
 
 # Documents (lengths) of each row of the packed global batch; a row's documents fill it.
@@ -411,10 +420,13 @@ ISSUE_29 = {name for name in CASES if name.startswith("attn-")}
 LAYER_TYPES = {name for name in CASES if name.startswith("gdn-")}
 
 
-def _names(world, issue_20=False, issue_29=False, layer_types=False):
+ZERO_EXPERTS = {name for name in CASES if name.startswith("zero-")}
+
+
+def _names(world, issue_20=False, issue_29=False, layer_types=False, zero_experts=False):
     return [name for name, case in CASES.items()
             if case[0] == world and (name in ISSUE_20) == issue_20 and (name in ISSUE_29) == issue_29
-            and (name in LAYER_TYPES) == layer_types]
+            and (name in LAYER_TYPES) == layer_types and (name in ZERO_EXPERTS) == zero_experts]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -445,6 +457,14 @@ def test_gated_deltanet_layers_match_single_process(world):
     """Qwen3-Next's layer types (Gated DeltaNet, gated attention, zero-centred norms) under
     cp (ring and a2a, packed documents), tp + SP, pp and ep."""
     names = _names(world, layer_types=True)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_experts_match_single_process(world):
+    """LongCat-Flash's zero-computation experts (with its softmax expert bias and scaling)
+    under ep, tp + SP with ep over the tp ranks, and dp on packed documents."""
+    names = _names(world, zero_experts=True)
     _check(names, run_ranks(_rank, world, names, timeout=400))
 
 

@@ -41,6 +41,7 @@ FEATURES = frozenset({
     "attention_sinks", "sliding_window", "attention_chunk", "rope_layers", "attn_temperature_tuning",
     "score_on_input",  # the routing prob scales the expert's input
     "layer_types", "attn_output_gate", "norm_zero_centred",  # Qwen3-Next's layers (Gated DeltaNet)
+    "zero_experts",  # LongCat-Flash's zero-computation experts
 })
 
 _REQUIRED = object()
