@@ -287,10 +287,11 @@ def test_zero_experts_by_hand():
                                               "experts": 288, "shared": 208}
     # the router grows by 4*8 = 32 -> 1712; activated 1712 - 576 + 1/4 of the experts (144)
     assert model_params(config) == {"total": 1712, "experts": 576, "activated": 1280}
-    # Activations: one expert row fewer (its kept bytes, 56 here, and the dispatcher's 24),
-    # the router's 4 more columns (int64 counts 8*4, the aux loss's float32 scores 4*4).
+    # Activations: one expert row fewer (its kept bytes, 56 here, and the dispatcher's 16),
+    # the router's 4 more columns (the top-k op's float32 logits and probs and bool map,
+    # 9*4, the aux loss's float32 scores 4*4).
     assert held_row_bytes(plain, "none") == 56
-    assert layer_activation_bytes(config, 1, "none") == layer_activation_bytes(plain, 1, "none") - (56 + 24) + 48
+    assert layer_activation_bytes(config, 1, "none") == layer_activation_bytes(plain, 1, "none") - (56 + 16) + 52
     # ep 2: a token's one held row leaves for the other rank half the time: 1 row sent and
     # 1 received per rank (2 tokens), each way, of H*a = 16 bytes, probs 4 bytes each way.
     config = _hand_config(tp=2, ep=2, etp=1, sequence_parallel=True)
