@@ -44,7 +44,7 @@ import functools
 from dataclasses import dataclass
 
 from moe_fold.config import (
-    Config, ModelConfig, MoEConfig, choice, choices, etp_size, head_dim, mla_weight_shapes, moe_layer_flags,
+    Config, ModelConfig, MoEConfig, choice, choices, etp_size, head_dim, layer_mixer, mla_weight_shapes, moe_layer_flags,
     pp_layer_counts, require, vpp_size,
 )
 
@@ -98,6 +98,28 @@ class Dims:
     qk_head: int = 0
     v_head: int = 0
     rope_dim: int = 0
+    # Gated attention (model.attn_output_gate): q_proj also gives a sigmoid gate of q's width.
+    output_gate: bool = False
+    # The Gated DeltaNet blocks (model.layer_types; block indices as moe_flags) and their
+    # sizes: key and value heads, their widths, and the short conv's kernel.
+    deltanet: frozenset[int] = frozenset()
+    lin_key_heads: int = 0
+    lin_value_heads: int = 0
+    lin_key_dim: int = 0
+    lin_value_dim: int = 0
+    lin_conv: int = 0
+    lin_chunk: int = 0
+
+    @property
+    def lin_in_size(self) -> int:
+        """Gated DeltaNet's input projection width: q, k, v, the output gate z, beta and a."""
+        return (2 * self.lin_key_heads * self.lin_key_dim + 2 * self.lin_value_heads * self.lin_value_dim
+                + 2 * self.lin_value_heads)
+
+    @property
+    def lin_conv_size(self) -> int:
+        """The channels of Gated DeltaNet's short conv: q, k and v."""
+        return 2 * self.lin_key_heads * self.lin_key_dim + self.lin_value_heads * self.lin_value_dim
 
     @property
     def q_size(self) -> int:
@@ -141,7 +163,17 @@ def dims(config: Config) -> Dims:
                 moe_flags=flags + flags[-1:] * m.mtp_num_layers, mtp=m.mtp_num_layers,
                 qk_norm_scope=m.qk_norm_scope, sinks=m.attention_sinks, replicas=moe.replicas,
                 out_bias=m.attention_out_bias, router_bias=moe.router_bias, zero_experts=moe.zero_experts,
-                expert_linear_bias=moe.expert_linear_bias, **_mla_dims(m))
+                expert_linear_bias=moe.expert_linear_bias, output_gate=m.attn_output_gate,
+                **_mla_dims(m), **_deltanet_dims(m))
+
+
+def _deltanet_dims(m: ModelConfig) -> dict:
+    layers = frozenset(i for i in range(m.num_layers) if layer_mixer(m, i) == "gated_deltanet")
+    if not layers:
+        return {}
+    return dict(deltanet=layers, lin_key_heads=m.linear_num_key_heads, lin_value_heads=m.linear_num_value_heads,
+                lin_key_dim=m.linear_key_head_dim, lin_value_dim=m.linear_value_head_dim,
+                lin_conv=m.linear_conv_kernel, lin_chunk=m.linear_chunk_size)
 
 
 def _mla_dims(m: ModelConfig) -> dict:
@@ -150,6 +182,18 @@ def _mla_dims(m: ModelConfig) -> dict:
     shapes = tuple((name, out, inp) for name, (out, inp) in mla_weight_shapes(m).items())
     return dict(mla=shapes, q_lora=m.q_lora_rank or 0, kv_lora=m.kv_lora_rank,
                 qk_head=m.qk_nope_head_dim + m.qk_rope_head_dim, v_head=m.v_head_dim, rope_dim=m.qk_rope_head_dim)
+
+
+def _deltanet_params(d: Dims, pre: str, tp: int) -> list[tuple[str, int, str]]:
+    """One Gated DeltaNet layer's parameters on one tp rank (heads split over tp; the
+    norm's weight is shared by every head, so its grad is partial over tp)."""
+    value = d.lin_value_heads * d.lin_value_dim
+    return [(f"{pre}.attn.conv_weight", d.lin_conv_size * d.lin_conv // tp, "tp"),
+            (f"{pre}.attn.A_log", d.lin_value_heads // tp, "tp"),
+            (f"{pre}.attn.dt_bias", d.lin_value_heads // tp, "tp"),
+            (f"{pre}.attn.norm_weight", d.lin_value_dim, "tp_sum"),
+            (f"{pre}.attn.in_proj.weight", d.lin_in_size * d.hidden // tp, "tp"),
+            (f"{pre}.attn.out_proj.weight", d.hidden * value // tp, "tp")]
 
 
 def _attention_params(d: Dims, pre: str, tp: int, replicated: str) -> list[tuple[str, int, str]]:
@@ -166,9 +210,10 @@ def _attention_params(d: Dims, pre: str, tp: int, replicated: str) -> list[tuple
         return out
     # A module's own parameters come before its children's: the sinks first.
     out = [(f"{pre}.attn.sinks", d.heads // tp, "tp")] if d.sinks else []
-    out.append((f"{pre}.attn.qkv.weight", (d.q_size + 2 * d.kv_size) * d.hidden // tp, "tp"))
+    q_out = 2 * d.q_size if d.output_gate else d.q_size  # the gate comes out of the q projection
+    out.append((f"{pre}.attn.qkv.weight", (q_out + 2 * d.kv_size) * d.hidden // tp, "tp"))
     if d.qkv_bias:
-        out.append((f"{pre}.attn.qkv.bias", (d.q_size + 2 * d.kv_size) // tp, "tp"))
+        out.append((f"{pre}.attn.qkv.bias", (q_out + 2 * d.kv_size) // tp, "tp"))
     out.append((f"{pre}.attn.proj.weight", d.hidden * d.q_size // tp, "tp"))
     if d.out_bias:  # added once after the tp sum: replicated (a partial grad under SP)
         out.append((f"{pre}.attn.proj.bias", d.hidden, replicated))
@@ -225,7 +270,8 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
 
     def block(pre: str, i: int) -> None:
         add(f"{pre}.attn_norm.weight", d.hidden, replicated)
-        for entry in _attention_params(d, pre, tp, replicated):
+        mixer = _deltanet_params(d, pre, tp) if i in d.deltanet else _attention_params(d, pre, tp, replicated)
+        for entry in mixer:
             add(*entry)
         add(f"{pre}.mlp_norm.weight", d.hidden, replicated)
         if d.moe_flags[i]:
@@ -296,11 +342,24 @@ def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None
     ``shared`` (shared expert and its gate)."""
     d = dims(config)
     h = d.hidden
-    if d.mla:
-        projections = sum(2 * rows * cols for _, rows, cols in d.mla)
+    if layer in d.deltanet:
+        value = d.lin_value_heads * d.lin_value_dim
+        projections = 2 * h * d.lin_in_size + 2 * value * h
+        # The chunked gated delta rule, per value head and token: scores and context within
+        # its chunk of C tokens (counted in full, as attention's core is), and three
+        # products with the dk x dv state (its read by q, its read by k for the delta, its
+        # update). The short conv and the gates are element-wise.
+        core = d.lin_value_heads * (2 * d.lin_chunk * (d.lin_key_dim + d.lin_value_dim)
+                                    + 6 * d.lin_key_dim * d.lin_value_dim)
     else:
-        projections = 2 * h * (d.q_size + 2 * d.kv_size) + 2 * d.q_size * h
-    out = {"attention": projections, "core": 2 * d.seq * (d.q_size + d.out_size),
+        if d.mla:
+            projections = sum(2 * rows * cols for _, rows, cols in d.mla)
+        else:
+            projections = 2 * h * (d.q_size + 2 * d.kv_size) + 2 * d.q_size * h
+        if d.output_gate:  # the sigmoid gate's columns of the q projection
+            projections += 2 * h * d.q_size
+        core = 2 * d.seq * (d.q_size + d.out_size)
+    out = {"attention": projections, "core": core,
            "mlp": 0.0, "router": 0.0, "experts": 0.0, "shared": 0.0}
     if d.moe_flags[layer]:
         rows = expert_rows_per_token(config) if rows_per_token is None else rows_per_token
