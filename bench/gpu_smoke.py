@@ -14,10 +14,14 @@ synchronisations of one forward and of its backward, counted by
 ``torch.cuda.set_sync_debug_mode`` (each CUDA call that blocks the host), and the ms of
 forward + backward against the same expert GEMMs done by ``torch._grouped_mm`` on equal
 groups (``dense``: the grouped GEMM FLOPs with no routing, permutation or imbalance),
-``overhead_vs_dense`` = ours / dense. Times are CUDA-event medians over ``--rounds``.
+``overhead_vs_dense`` = ours / dense; compiled blocks (``train.compile=blocks``) of
+mixtral-tiny against eager (:func:`compiled_block_rows`); and the first shape's MoE layer,
+padded to static shapes, captured forward and backward in one CUDA graph and replayed
+against eager (:func:`cuda_graph_rows`). Times are CUDA-event medians over ``--rounds``.
 
-Exit code: 0 every test passed, 1 a test group failed (the table is printed all the
-same), 2 no CUDA device: nothing is run, and the reason is printed.
+Exit code: 0 every test passed and every compiled or replayed row equalled eager, 1 one
+did not (the table is printed all the same), 2 no CUDA device: nothing is run, and the
+reason is printed.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Callable, Optional
@@ -236,6 +241,163 @@ def moe_layer_rows(shapes: list[dict], rounds: int) -> list[tuple[str, str]]:
     return rows
 
 
+# The issue's tolerances for compiled against eager: relative to the largest magnitude.
+COMPILE_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _worst(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The largest difference over the tensors, each relative to its largest magnitude."""
+    return max(float((g.float() - w.float()).abs().max()) / max(float(w.float().abs().max()), 1e-6)
+               for g, w in zip(got, want))
+
+
+def _model_step(model, batch: dict) -> list[torch.Tensor]:
+    """The loss of one forward + backward of ``model`` on ``batch``, then every gradient
+    (taken and cleared)."""
+    loss = model(**batch)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return [loss.detach(), *grads]
+
+
+def compiled_block_rows(rounds: int) -> tuple[list[tuple[str, str]], bool]:
+    """``train.compile=blocks`` on CUDA (:func:`moe_fold.models.model.compile_blocks`: every
+    block ``fullgraph=True``, Inductor): mixtral-tiny's forward + backward, dropless and padded
+    MoE, in float32 and bfloat16. The loss and every gradient against an eager build of the
+    same weights, within the issue's tolerances; the first compiled call's seconds; ms of
+    eager and compiled. Returns the rows and whether every one held."""
+    rows, ok = [], True
+    routings = {"dropless": [], "padded": ["moe.capacity_factor=1.0", "moe.pad_to_capacity=true"]}
+    for routing, extra in routings.items():
+        for label, dtype in DTYPES.items():
+            try:
+                cells, held = _compiled_blocks(extra, dtype, rounds)
+            except Exception as e:  # noqa: BLE001 - the row reports it
+                cells, held = f"FAIL {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", False
+            ok &= held
+            rows.append((f"compiled blocks mixtral-tiny {routing} {label} fwd+bwd", cells))
+    return rows, ok
+
+
+def _compiled_blocks(extra: list[str], dtype: torch.dtype, rounds: int) -> tuple[str, bool]:
+    import torch._dynamo as dynamo
+
+    from moe_fold.config import load_config
+    from moe_fold.kernels.backends import resolve_config
+    from moe_fold.layout import ProcessGroups
+    from moe_fold.models.model import build_model, compile_blocks
+
+    config = resolve_config(load_config("mixtral-tiny", ["model.seq_length=128", *extra]), torch.device("cuda"))
+    # Two builds of one config: every parameter is drawn from its own seed, so the same weights.
+    eager = build_model(config, ProcessGroups.single_process()).to("cuda", dtype)
+    compiled = build_model(config, ProcessGroups.single_process()).to("cuda", dtype)
+    gen = torch.Generator().manual_seed(3)
+    B, S = 4, config.model.seq_length
+    tokens = torch.randint(0, config.model.vocab_size, (B, S + 1), generator=gen).cuda()
+    batch = dict(input_ids=tokens[:, :-1], labels=tokens[:, 1:], positions=torch.arange(S, device="cuda").expand(B, S),
+                 loss_mask=torch.ones(B, S, device="cuda"), num_loss_tokens=float(B * S))
+    want = _model_step(eager, batch)
+    dynamo.reset()
+    # The dropless layer's per-expert counts trace as unbacked sizes (as train() runs it).
+    with dynamo.config.patch(capture_scalar_outputs=True):
+        compile_blocks(compiled)
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        got = _model_step(compiled, batch)
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - began
+        worst = _worst(got, want)
+        held = len(got) == len(want) and worst <= COMPILE_TOL[dtype]
+        eager_ms = cuda_ms(lambda: _model_step(eager, batch), rounds)
+        compiled_ms = cuda_ms(lambda: _model_step(compiled, batch), rounds)
+    return (f"{'PASS' if held else 'FAIL'} worst relative difference {worst:.2e} over the loss and "
+            f"{len(want) - 1} grads (tolerance {COMPILE_TOL[dtype]:g}); first call {compile_s:.1f} s; "
+            f"eager {eager_ms:.3f} ms, compiled {compiled_ms:.3f} ms, ratio {compiled_ms / eager_ms:.2f}"), held
+
+
+def cuda_graph_rows(shape: dict, rounds: int) -> tuple[list[tuple[str, str]], bool]:
+    """One padded MoE layer step (``moe.pad_to_capacity``: static shapes, no host sync)
+    captured whole in one CUDA graph, forward and backward, and replayed on a new input:
+    its output and every gradient against eager on that input (bfloat16's default
+    tolerances of ``torch.testing.assert_close``), the host syncs of a replay, ms of eager
+    and of a replay (:func:`_graphed_layer_step`). Returns the row and whether the replay
+    equalled eager."""
+    name = "x".join(str(shape[k]) for k in ("tokens", "hidden", "ffn", "experts", "topk"))
+    row = f"cuda graph / padded MoE layer {name} bf16 fwd+bwd"
+    try:
+        cells, held = _graphed_layer_step(shape, rounds)
+    except Exception as e:  # noqa: BLE001 - the row reports it (a capture that meets a sync raises)
+        cells, held = f"FAIL {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", False
+    return [(row, cells)], held
+
+
+def _graphed_layer_step(shape: dict, rounds: int) -> tuple[str, bool]:
+    """The capture as torch.cuda.graphs' whole-network example does it: warm-up on a side
+    stream, grads set to None before the capture so that the graph allocates and owns them,
+    and static buffers for the input (a replay reads ``static_x``: new data is copied in)."""
+    from bench.moe_layer import build_ours
+
+    layer = build_ours(shape, capacity_factor=1.0, pad_to_capacity=True).to("cuda", torch.bfloat16)
+    gen = torch.Generator().manual_seed(4)
+    captured_x, fresh_x, grad = (torch.randn(shape["tokens"], shape["hidden"], generator=gen).to("cuda", torch.bfloat16)
+                                 for _ in range(3))
+    params = list(layer.parameters())
+    static_x = captured_x.clone().requires_grad_()
+
+    def step():
+        layer(static_x).backward(grad)
+
+    def taken(out: torch.Tensor) -> list[torch.Tensor]:
+        return [out.detach().clone(), static_x.grad.clone(), *(p.grad.clone() for p in params if p.grad is not None)]
+
+    def cleared():
+        layer.zero_grad(set_to_none=True)
+        static_x.grad = None
+
+    # Eager on the new input first, grads from None, as the graph makes them.
+    with torch.no_grad():
+        static_x.copy_(fresh_x)
+    cleared()
+    out = layer(static_x)
+    out.backward(grad)
+    want = taken(out)
+    eager_ms = cuda_ms(lambda: (cleared(), step()), rounds)
+    # Warm-up on a side stream: lazy initialisation, workspaces and autotuning happen
+    # outside the capture.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            cleared()
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.no_grad():
+        static_x.copy_(captured_x)
+    cleared()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x)
+        static_out.backward(grad)
+    with torch.no_grad():
+        static_x.copy_(fresh_x)  # replays read the static buffer: new data goes into it
+    graph.replay()
+    torch.cuda.synchronize()
+    got = taken(static_out)
+    try:
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+        verdict = "PASS"
+    except AssertionError as e:
+        verdict = f"FAIL {str(e).splitlines()[0]}"
+    syncs = count_host_syncs(graph.replay)
+    replay_ms = cuda_ms(graph.replay, rounds)
+    bitwise = all(torch.equal(a, b) for a, b in zip(got, want))
+    return (f"{verdict}: replay {'equals eager bit for bit' if bitwise else 'within tolerance of eager'} "
+            f"(output, input grad, {len(params)} weight grads); host syncs per replay {syncs}; "
+            f"eager {eager_ms:.3f} ms, replay {replay_ms:.3f} ms"), verdict == "PASS"
+
+
 def render(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [f"| {'row'.ljust(width)} | result |", f"|{'-' * (width + 2)}|--------|"]
@@ -268,10 +430,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.skip_benches:
         rows += kernel_bench_rows()
     rows += moe_layer_rows(shapes, args.rounds)
+    compiled, compiled_ok = compiled_block_rows(args.rounds)
+    graphed, graphed_ok = cuda_graph_rows(shapes[0], args.rounds)
+    rows += compiled + graphed
     print(render(rows))
     if not ok:
         print(f"\ngpu tests failed; pytest's output ends with:\n{output[-6000:]}", file=sys.stderr)
-    return 0 if ok else 1
+    return 0 if ok and compiled_ok and graphed_ok else 1
 
 
 if __name__ == "__main__":

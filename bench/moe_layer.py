@@ -50,6 +50,8 @@ or more each step, which costs whoever allocates the largest tensors (docs/perfo
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import json
 import os
@@ -79,11 +81,13 @@ def parse_shape(text: str) -> dict:
     return dict(tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, topk=topk)
 
 
-def build_ours(shape: dict, seed: int = 0, groups: ProcessGroups | None = None) -> MoELayer:
+def build_ours(shape: dict, seed: int = 0, groups: ProcessGroups | None = None, **moe) -> MoELayer:
+    """Our MoE layer of ``shape``; ``moe``: other ``moe.*`` settings (e.g. ``pad_to_capacity``)."""
     config = Config()
     config.model = ModelConfig(hidden_size=shape["hidden"], init_std=0.02)
     m = config.moe
     m.num_experts, m.topk, m.ffn_hidden_size, m.aux_loss_coeff = shape["experts"], shape["topk"], shape["ffn"], 0.0
+    config.moe = dataclasses.replace(m, **moe)  # an unknown name is a TypeError
     config.train.seed = seed
     return MoELayer(config, groups or ProcessGroups.single_process(), 0)
 

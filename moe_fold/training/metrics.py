@@ -106,7 +106,7 @@ class RoutingCollector:
     def start_step(self) -> None:
         L, E = len(self.moe_layers), self.config.moe.num_experts
         # On the model's device: the hooks add to them without a host sync per layer
-        # (on a GPU each would stall the kernel queue); finish_step reads them once.
+        # (on a GPU each would stall the kernel queue); the step reads them once.
         zeros = dict(dtype=torch.float64, device=self.device)
         self._kept = torch.zeros(L, E, **zeros)  # [L, E]
         self._routed = torch.zeros(L, **zeros)
@@ -125,14 +125,12 @@ class RoutingCollector:
             self._routed[row] += num_tokens * module.config.topk
         return hook
 
-    def finish_step(self, groups: ProcessGroups, losses: StepLossValues) -> dict[str, Any]:
-        """Reduce this step's counts over the ranks and read the expert biases (as the
-        step left them); ``losses``: the step's loss values, for the per-layer metrics.
-        Every rank must call it; returns the record fields."""
+    def reduce(self, groups: ProcessGroups) -> torch.Tensor:
+        """This step's counts reduced over the ranks and the expert biases' norms (as the
+        step left them), packed on the device and not read: ``[L * E + 2 * L]`` float64
+        (:meth:`read` takes them once on the host; the step copies them there with its
+        own scalars, in one read). Every rank must call it."""
         L, E = self._kept.shape
-        if L == 0:
-            self.layer_metrics, self.expert_load = {}, []
-            return {"dropped_fraction": 0.0, "expert_load": []}
         # A bias is the same on every rank of tp x dp x cp: it enters divided by its size,
         # so that one sum over it (and over pp, which holds other layers) gives it back.
         same = 1.0 / groups.size("tp_dp_cp")
@@ -142,9 +140,19 @@ class RoutingCollector:
                 bias_norm[row] = router.expert_bias.double().norm() * same
         # Counts add up over the ranks that route distinct tokens (tp x dp x cp).
         packed = torch.cat([self._kept.flatten(), self._routed, bias_norm])
-        all_reduce_(packed, groups.tp_dp_cp)
-        all_reduce_(packed, groups.pp)
-        kept, routed, bias_norm = packed.cpu().split([L * E, L, L])
+        if L:
+            all_reduce_(packed, groups.tp_dp_cp)
+            all_reduce_(packed, groups.pp)
+        return packed
+
+    def read(self, packed: torch.Tensor, losses: StepLossValues) -> dict[str, Any]:
+        """The record fields from :meth:`reduce`'s tensor, copied to the host; ``losses``:
+        the step's loss values, for the per-layer metrics."""
+        L, E = self._kept.shape
+        if L == 0:
+            self.layer_metrics, self.expert_load = {}, []
+            return {"dropped_fraction": 0.0, "expert_load": []}
+        kept, routed, bias_norm = packed.split([L * E, L, L])
         kept = kept.view(L, E)
         dropped = 1.0 - float(kept.sum()) / max(float(routed.sum()), 1.0)
         self.expert_load = [[int(round(x)) for x in row] for row in kept.tolist()]

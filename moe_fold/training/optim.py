@@ -5,7 +5,9 @@ One step of training, after the backward passes of every micro-batch of the glob
 (their grads add up: that is gradient accumulation, with the loss scaled as
 ``Transformer.forward`` documents), is :func:`apply_gradients`: ``sync_grads`` makes every
 grad the global-batch gradient, ``clip_grad_norm_`` clips by the norm of the whole model,
-then :meth:`AdamW.step` updates. The scheduler's ``step()`` follows.
+then :meth:`AdamW.step` updates. The scheduler's ``step()`` follows. The training step
+calls the first two alone (:func:`reduce_gradients`, which leaves the norm on the device)
+and steps once its one host read finds the loss and the norm finite.
 
 :class:`AdamW` computes exactly what ``torch.optim.AdamW(fused=True)`` computes: one call
 of torch's fused multi-tensor kernel per parameter group (:func:`adamw_update_`). On CPU it
@@ -60,7 +62,7 @@ from moe_fold.training.wait_timer import WaitTimer
 
 __all__ = [
     "SHARD_GROUP", "ALIGN", "decays", "param_groups", "adamw_update_", "AdamW", "lr_at", "LRScheduler",
-    "build_optimizer", "build_grad_sync", "build_scheduler", "apply_gradients",
+    "build_optimizer", "build_grad_sync", "build_scheduler", "reduce_gradients", "apply_gradients",
 ]
 
 # parallel kind -> the group over which ZeRO shards the local tensor: the one whose sum
@@ -379,16 +381,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: Config) -> LRSched
     return LRScheduler(optimizer, config.optimizer, config.train.steps)
 
 
-def apply_gradients(params: Iterable[nn.Parameter], optimizer: AdamW, groups: ProcessGroups,
-                    clip_grad: float, skip_nonfinite: bool = True,
-                    grad_sync: Optional[GradSync] = None) -> torch.Tensor:
+def reduce_gradients(params: Iterable[nn.Parameter], optimizer: AdamW, groups: ProcessGroups,
+                     clip_grad: float, grad_sync: Optional[GradSync] = None) -> torch.Tensor:
     """Sync the accumulated grads (``grad_sync``, :func:`build_grad_sync`; default: the
-    optimizer's buckets, or ``params`` in buckets), clip them by the global norm
-    (``clip_grad > 0``; 0 turns clipping off), and step. Returns the global grad norm before
-    clipping. A non-finite norm skips the update when ``skip_nonfinite`` (the same decision
-    on every rank, as the norm is global); the grads are left as they are for the caller to
-    zero. With the distributed optimizer only the owned ranges of the grads are reduced,
-    clipped and read."""
+    optimizer's buckets, or ``params`` in buckets) and clip them by the global norm
+    (``clip_grad > 0``; 0 turns clipping off). Returns the global grad norm before clipping,
+    on the device: nothing here reads it, so the caller decides when the host waits for it
+    (the training step reads it with the step's other scalars, in one copy). With the
+    distributed optimizer only the owned ranges of the grads are reduced and clipped."""
     require(grad_clip, clip_grad)
     params = [p for p in params if p.requires_grad]
     if grad_sync is None:
@@ -403,10 +403,19 @@ def apply_gradients(params: Iterable[nn.Parameter], optimizer: AdamW, groups: Pr
         sum_expert_copies(copies, groups)
     grad_sync.finish()
     if optimizer.distributed:
-        norm = (clip_sharded_grads_(optimizer.buckets, clip_grad, groups) if clip_grad > 0
+        return (clip_sharded_grads_(optimizer.buckets, clip_grad, groups) if clip_grad > 0
                 else sharded_grad_norm(optimizer.buckets, groups))
-    else:
-        norm = clip_grad_norm_(params, clip_grad, groups) if clip_grad > 0 else grad_norm(params, groups)
+    return clip_grad_norm_(params, clip_grad, groups) if clip_grad > 0 else grad_norm(params, groups)
+
+
+def apply_gradients(params: Iterable[nn.Parameter], optimizer: AdamW, groups: ProcessGroups,
+                    clip_grad: float, skip_nonfinite: bool = True,
+                    grad_sync: Optional[GradSync] = None) -> torch.Tensor:
+    """:func:`reduce_gradients`, then the optimizer step. Returns the global grad norm before
+    clipping. A non-finite norm skips the update when ``skip_nonfinite`` (the same decision
+    on every rank, as the norm is global; a read of the norm on the host); the grads are
+    left as they are for the caller to zero."""
+    norm = reduce_gradients(params, optimizer, groups, clip_grad, grad_sync)
     if torch.isfinite(norm) or not skip_nonfinite:
         optimizer.step()
     return norm

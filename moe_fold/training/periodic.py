@@ -60,7 +60,7 @@ class StepRecord:
     skipped: bool  # a non-finite loss or gradient norm: no optimizer step was taken
     nonfinite_module: Optional[str]  # on a skipped step: the first module whose output went non-finite
     losses: dict  # the step's loss fields: aux_loss, z_loss, mtp_loss (StepLossValues.fields)
-    routing: dict  # the routing collector's fields (RoutingCollector.finish_step) and the re-placement's
+    routing: dict  # the routing collector's fields (RoutingCollector.read) and the re-placement's
     began: float  # time.perf_counter() when the step began
     # Written by the actions:
     loss_spike: bool = False  # WatchLossSpikes

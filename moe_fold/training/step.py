@@ -1,5 +1,5 @@
 """One global batch's forward and backward on any layout: what the training loop calls
-once per optimizer step, before :func:`moe_fold.training.optim.apply_gradients`.
+once per optimizer step, before :func:`moe_fold.training.optim.reduce_gradients`.
 
 Every rank passes its micro-batches of the step (``DataLoader.global_batch``: its dp
 shard, its cp zigzag slice; the ranks of one pipeline pass the same ones, since every

@@ -112,12 +112,15 @@ class StepLosses:
         if self._recording:
             self._mtp_sums += output.detach().double()
 
-    def finish_step(self, groups: ProcessGroups, global_aux: dict[Router, torch.Tensor]) -> StepLossValues:
-        """Reduce this step's values over the ranks; ``global_aux``: each router's exact
-        value of the step (what :meth:`Router.finish_step` returned; empty when that loss
-        is off). A collective: every rank calls it once per step."""
-        moe, L = self.config.moe, len(self.moe_layers)
-        per_layer: dict[str, torch.Tensor] = {}
+    def reduce(self, groups: ProcessGroups, global_aux: dict[Router, torch.Tensor]) -> torch.Tensor:
+        """This step's values reduced over the ranks, packed on the device and not read:
+        ``[L * len(KINDS) + L + D]`` float64, the same on every rank (:meth:`values` reads
+        them once they are on the host; the step copies them there with its other scalars,
+        in one read). ``global_aux``: each router's exact value of the step (what
+        :meth:`Router.finish_step` returned; empty when that loss is off). A collective:
+        every rank calls it once per step."""
+        L = len(self.moe_layers)
+        parts = []
         if L:
             # Values that are the same on every rank of tp x dp x cp enter divided by its
             # size, so that one sum over it (and over pp, which holds other layers) gives
@@ -131,19 +134,26 @@ class StepLosses:
             means = self._sums / self._calls.clamp(min=1).unsqueeze(1) * same
             packed = torch.cat([means.flatten(), exact])
             all_reduce_(packed, groups.tp_dp_cp)
-            all_reduce_(packed, groups.pp)
-            means, exact = packed.cpu().split([L * len(KINDS), L])
-            means = means.view(L, len(KINDS))
-            per_layer = {kind: means[:, KINDS.index(kind)] for kind in self.kinds}
-            if moe.global_aux_loss_coeff > 0:
-                per_layer["global_aux"] = exact
-        weighted = sum(float(getattr(moe, COEFF[k])) * float(v.sum()) for k, v in per_layer.items())
-        mtp = None
+            parts.append(all_reduce_(packed, groups.pp))
         if self.depths:
             sums = self._mtp_sums.clone()
             all_reduce_(sums, groups.dp_cp)
             all_reduce_(sums, groups.pp)  # only the last stage holds the depths
-            mtp = (sums / groups.size("dp_cp")).tolist()
+            parts.append(sums / groups.size("dp_cp"))
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=self.device)
+
+    def values(self, packed: torch.Tensor) -> StepLossValues:
+        """The step's loss values from :meth:`reduce`'s tensor, copied to the host."""
+        moe, L = self.config.moe, len(self.moe_layers)
+        means, exact, depths = packed.split([L * len(KINDS), L, self.depths])
+        means = means.view(L, len(KINDS))
+        per_layer: dict[str, torch.Tensor] = {kind: means[:, KINDS.index(kind)] for kind in self.kinds} if L else {}
+        if L and moe.global_aux_loss_coeff > 0:
+            per_layer["global_aux"] = exact
+        weighted = sum(float(getattr(moe, COEFF[k])) * float(v.sum()) for k, v in per_layer.items())
+        mtp = None
+        if self.depths:
+            mtp = depths.tolist()
             weighted += self.mtp_weight * sum(mtp) / self.depths
         return StepLossValues(per_layer, mtp, weighted)
 

@@ -6,13 +6,16 @@ same ones) and runs their forward and backward with :func:`moe_fold.training.ste
 (one after another letting the grads add up, or the pipeline schedule under pp; the loss
 scaling that makes the summed grads the exact gradient of the global-batch mean loss,
 and the routers' ``loss_scale = 1/num_microbatches``, are documented there). Then
-:func:`moe_fold.training.optim.apply_gradients` completes the gradient reduction (posted during
-the backward with ``parallel.overlap_grad_reduce``, :mod:`moe_fold.training.buckets`), clips
-the global norm and steps AdamW (whose parameter all-gathers, with
-``parallel.overlap_param_gather``, complete during the next forward); the LR schedule
-steps, and the routers close their step (:func:`close_routers`: expert-bias update,
-``global_aux`` reset). The step's loss is the LM loss plus the auxiliary and MTP losses
-it weighs in (:mod:`moe_fold.training.step_losses`); the routing metrics only read.
+:func:`moe_fold.training.optim.reduce_gradients` completes the gradient reduction (posted during
+the backward with ``parallel.overlap_grad_reduce``, :mod:`moe_fold.training.buckets`) and clips
+the global norm, and the routers close their step (:func:`close_routers`: expert-bias update,
+``global_aux`` reset). Then the step reads its scalars on the host, once, packed in one
+tensor (the LM loss, the gradient norm, the router and MTP losses, the routing
+statistics: docs/performance.md, Host synchronisations), and on a finite loss and norm
+steps AdamW (whose parameter all-gathers, with ``parallel.overlap_param_gather``, complete
+during the next forward); the LR schedule steps. The step's loss is the LM loss plus the
+auxiliary and MTP losses it weighs in (:mod:`moe_fold.training.step_losses`); the routing
+metrics only read.
 
 Determinism: with ``train.deterministic`` torch uses deterministic algorithms, and the
 random state is re-seeded from ``(train.seed, step, rank)`` at the start of every step,
@@ -85,7 +88,7 @@ from moe_fold.training.checkpoint import CheckpointSaver
 from moe_fold.training.faults import FaultPlan
 from moe_fold.training.heartbeat import Heartbeat
 from moe_fold.training.numerics import first_nonfinite_module
-from moe_fold.training.optim import apply_gradients
+from moe_fold.training.optim import reduce_gradients
 from moe_fold.training.periodic import (
     Action, CheckStop, Evaluate, LogStep, ReplaceExperts, RollBack, SaveCheckpoint, StepRecord, WatchLossSpikes,
     at_step, stopping,
@@ -322,14 +325,14 @@ def _prepare_process(config: Config) -> tuple[Config, torch.device, ProcessGroup
 
 def run_step(run: Run, step: int) -> StepRecord:
     """One optimizer step of ``run`` on the next global batch: the micro-batches' forward
-    and backward, the global-batch loss (all-reduced over dp x cp), then the optimizer step
-    (gradient reduction, clipping, AdamW) or, on a non-finite loss or gradient norm, the
-    non-finite path (no optimizer step; :func:`_diagnose_nonfinite`); the LR schedule steps
-    and the routers close their step (:func:`close_routers`). Every change to the training
-    state happens here or in a periodic action, none in a collector. Returns the step's
-    record, whose ``loss`` the step computes (:mod:`moe_fold.training.step_losses`). A
-    collective: every rank runs it for every step (the caller seeds the step first,
-    :func:`_seed_step`)."""
+    and backward, the global-batch loss (all-reduced over dp x cp), the gradient reduction
+    and clipping, the routers' step closed (:func:`close_routers`), one host read of the
+    step's scalars, then AdamW or, on a non-finite loss or gradient norm, the non-finite
+    path (no optimizer step; :func:`_diagnose_nonfinite`); the LR schedule steps. Every
+    change to the training state happens here or in a periodic action, none in a
+    collector. Returns the step's record, whose ``loss`` the step computes
+    (:mod:`moe_fold.training.step_losses`). A collective: every rank runs it for every
+    step (the caller seeds the step first, :func:`_seed_step`)."""
     config, groups, optimizer = run.config, run.groups, run.optimizer
     began = time.perf_counter()
     micro_batches = [b.to(run.device) for b in run.loader.global_batch()]
@@ -342,28 +345,35 @@ def run_step(run: Run, step: int) -> StepRecord:
     run.routes.finish_step(step)
     lm_loss = losses.sum()
     all_reduce_(lm_loss, groups.dp_cp)
-    lm_loss = run.faults.apply(lm_loss, step, run.loader.last_batch)
-    lm = (lm_loss / groups.size("dp_cp")).item()
+    lm_loss = run.faults.apply(lm_loss, step, run.loader.last_batch) / groups.size("dp_cp")
     lr = run.scheduler.get_last_lr()
-    if math.isfinite(lm):
-        grad_norm = apply_gradients(run.train_params, optimizer, groups, config.optimizer.clip_grad,
-                                    grad_sync=run.grad_sync)
-    else:
-        # No step; the loss is global, so every rank does the same: it completes the
-        # reductions posted during the backward (the collectives must match) and
-        # leaves the grads to be zeroed.
-        run.grad_sync.finish()
-        grad_norm = torch.tensor(float("nan"))
-    # One read of the norm serves the check and the record.
-    norm = grad_norm.item()
+    # The grads are reduced and clipped whatever the loss (the same collectives on every
+    # rank), and the routers close their step, before anything is read: whether to step
+    # is decided on the host from the one read below.
+    grad_norm = reduce_gradients(run.train_params, optimizer, groups, config.optimizer.clip_grad,
+                                 grad_sync=run.grad_sync)
+    closed = close_routers(run.routers)
+    losses_packed = run.losses.reduce(groups, closed)
+    routing_packed = run.collector.reduce(groups) if run.collector is not None else losses_packed[:0]
+    # The step's one host read: its scalars (the LM loss and the gradient norm, which the
+    # finite check reads, the router and MTP losses, the routing statistics) packed on the
+    # device and copied once.
+    read = torch.cat([lm_loss.double().reshape(1), grad_norm.double().reshape(1), losses_packed,
+                      routing_packed]).cpu()
+    lm, norm = read[:2].tolist()
+    losses_read, routing_read = read[2:].split([losses_packed.numel(), routing_packed.numel()])
+    if not math.isfinite(lm):
+        norm = float("nan")  # no step: a loss that is not finite leaves its norm unreported
     finite = math.isfinite(lm) and math.isfinite(norm)
-    if finite and run.master is not None and not optimizer.distributed:
-        run.master.master_to_model()
+    if finite:
+        optimizer.step()
+        if run.master is not None and not optimizer.distributed:
+            run.master.master_to_model()
     where = None if finite else _diagnose_nonfinite(run, step, micro_batches, lm, norm)
     optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
-    step_losses = run.losses.finish_step(groups, close_routers(run.routers))
-    routing = run.collector.finish_step(groups, step_losses) if run.collector is not None else {}
+    step_losses = run.losses.values(losses_read)
+    routing = run.collector.read(routing_read, step_losses) if run.collector is not None else {}
     return StepRecord(step, loss=lm + step_losses.weighted, lm_loss=lm, grad_norm=norm, lr=lr, skipped=not finite,
                       nonfinite_module=where, losses=step_losses.fields(), routing=routing, began=began)
 
@@ -371,7 +381,7 @@ def run_step(run: Run, step: int) -> StepRecord:
 def close_routers(routers: list[Router]) -> dict[Router, torch.Tensor]:
     """Close the step of every router (:meth:`Router.finish_step`): the expert-bias update
     from the step's counts and the step's exact ``global_aux``, which it returns per router
-    (routers without that loss left out). Runs after the optimizer step, on every rank."""
+    (routers without that loss left out). Runs before the step's read, on every rank."""
     closed = {}
     for router in routers:
         out = router.finish_step()

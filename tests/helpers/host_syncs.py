@@ -20,19 +20,40 @@ What counts (one per call):
   ``unique``, ``unique_consecutive``, ``masked_select``, ``bincount``, indexing or assigning
   with a boolean mask, ``repeat_interleave`` of tensor repeats without ``output_size``;
 - copies from the host to the device: ``torch.tensor`` / ``as_tensor`` / ``asarray`` /
-  ``Tensor.new_tensor`` of Python data onto a device (any ``device=`` other than the string
-  ``"cpu"``), and ``.to(...)`` of a *host tensor* (one such a factory made without a device,
-  or ``.cpu()`` made, or an op made from host tensors only);
+  ``Tensor.new_tensor`` of Python data onto a device (any ``device=`` other than the host),
+  and a blocking ``.to(device)`` of a host tensor (a ``non_blocking=True`` one is queued);
 - ``torch.cuda.synchronize``, ``torch.distributed.barrier`` and the object collectives
   (``all_gather_object``, ``broadcast_object_list`` ...), which pickle through the device.
 
-Reads of host tensors are free and not counted. A collective whose split sizes are a
-Python list costs nothing more by itself: the read that produced the list is counted.
+Host tensors and device tensors. On a CPU every tensor is in host memory, so the counter
+tracks where each tensor made inside the block *would* live on a GPU, and counts a read
+only of a tensor the device computed:
 
-Limits: it sees Python-level torch calls (TorchFunctionMode), forward and backward (the
-autograd engine is run with the mode active, see ``_engine_run_backward`` below), not what
-C++ kernels do inside; ``.to(torch.device("cpu"))`` is not told apart from ``.to(x.device)``
-(write ``.cpu()`` or ``.to("cpu")`` for a deliberate copy to the host).
+- host: what a factory makes without a device (torch's default device, the host:
+  ``torch.arange(n)``, and from Python or numpy data ``torch.tensor(list)``,
+  ``torch.from_numpy``, ``torch.frombuffer``: the loader's ``cu_seqlens``, tokens and
+  masks), or with a host device (``"cpu"``, or the ``.device`` of
+  a host tensor: ``torch.arange(n, device=cu_seqlens.device)``); ``.cpu()`` and
+  ``.to(host)`` results; and whatever an op makes from host tensors only. Their reads,
+  and the data-sized ops on them (``nonzero``, ``repeat_interleave``, a bool mask), are
+  free and not counted;
+- device: everything else, among them every tensor made before the block (parameters,
+  inputs, buffers): the counter cannot trace their origin, so it takes them for device
+  tensors and counts their reads. Make host data inside the block to have it seen as such;
+- a ``.to(device)`` of a host tensor makes a device tensor (on a CPU the copy is elided
+  and torch returns the tensor itself; the counter hands back an alias, which it tracks
+  as a device tensor).
+
+A collective whose split sizes are a Python list costs nothing more by itself: the read
+that produced the list is counted.
+
+Limits: it sees Python-level torch calls (TorchFunctionMode; ``from_numpy`` and
+``frombuffer``, which take no tensor, are patched), forward and backward (the autograd
+engine is run with the mode active, see ``_engine_run_backward`` below), not what C++
+kernels do inside, nor calls on other threads; a host tensor used as an operand of a
+device op (an implicit copy) is not counted; a ``torch.device("cpu")`` made from scratch
+is not told apart from the compute device's (write ``"cpu"``, ``.cpu()`` or a host
+tensor's ``.device`` for the host).
 """
 
 from __future__ import annotations
@@ -63,6 +84,9 @@ _DATA_SIZED = {
     torch.bincount, _T.bincount,
 }
 _FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray, _T.new_tensor}
+# Made from host memory without a torch call the mode sees (no tensor argument): patched.
+_FROM_HOST_MEMORY = ("from_numpy", "frombuffer")
+_DEVICE_OF = _T.device.__get__
 _OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
                        "send_object_list", "recv_object_list", "barrier")
 _THIS = os.path.abspath(__file__)
@@ -124,60 +148,99 @@ class _Counter(TorchFunctionMode):
         self.syncs = syncs
         # Tensors that live on the host on a GPU too (see the module doc).
         self.host: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.host_devices: dict[int, torch.device] = {}  # id -> device read from a host tensor
+
+    def mark_host(self, t: torch.Tensor) -> torch.Tensor:
+        self.host[t] = True
+        return t
 
     def _is_host(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and t in self.host
+
+    def _all_host(self, args: Any, kwargs: dict) -> bool:
+        inputs = _tensors(args, kwargs)
+        return bool(inputs) and all(self._is_host(t) for t in inputs)
+
+    def _is_host_device(self, device: Any) -> bool:
+        """``device`` names the host: the string ``"cpu"``, or a device object read from a
+        host tensor (``cu.device``), which on a GPU is the CPU whatever the compute device."""
+        return _is_str_cpu(device) or (isinstance(device, torch.device) and id(device) in self.host_devices)
 
     def _op(self, func, args, kwargs) -> str | None:
         """The name to count for this call, or None when it does not block the host."""
         if func in _READS:
             return None if self._is_host(args[0]) else _name(func)
+        # Below, a call on host tensors only runs on the host: nothing to wait for.
         if func in _DATA_SIZED:
-            return _name(func)
+            return None if self._all_host(args, kwargs) else _name(func)
         if func is torch.where and len(args) + len(kwargs) == 1:
-            return "torch.where(condition)"
+            return None if self._all_host(args, kwargs) else "torch.where(condition)"
         if func in (_T.__getitem__, _T.__setitem__, _T.index_put, _T.index_put_, torch.index_put):
             index = args[1] if len(args) > 1 else kwargs.get("indices")
-            return _name(func) + "[bool mask]" if _has_bool_mask(index) else None
+            if not _has_bool_mask(index) or self._all_host(args, kwargs):
+                return None
+            return _name(func) + "[bool mask]"
         if func in (torch.repeat_interleave, _T.repeat_interleave):
             repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if len(args) == 1 else None)
-            if isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None:
+            if isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None \
+                    and not self._all_host(args, kwargs):
                 return "repeat_interleave without output_size"
             return None
         if func in _FROM_DATA:
             data = args[1] if func is _T.new_tensor else (args[0] if args else kwargs.get("data"))
             device = kwargs.get("device", args[0].device if func is _T.new_tensor else None)
-            if isinstance(data, torch.Tensor) or device is None or _is_str_cpu(device):
+            if func is _T.new_tensor and "device" not in kwargs and self._is_host(args[0]):
+                return None
+            if isinstance(data, torch.Tensor) or device is None or self._is_host_device(device):
                 return None
             return _name(func) + "(python data, device=...)"
         if func is _T.to:
             target = _to_device(args, kwargs)
             if target is None:
                 return None
-            if _is_str_cpu(target):
-                return None if self._is_host(args[0]) else "Tensor.to('cpu')"
-            return "Tensor.to(device) of a host tensor" if self._is_host(args[0]) else None
+            if self._is_host_device(target):
+                return None if self._is_host(args[0]) else "Tensor.to(host)"
+            if not self._is_host(args[0]) or kwargs.get("non_blocking", False):
+                # A non-blocking copy to the device is queued: from pinned memory it is
+                # asynchronous, and from pageable memory CUDA stages it without waiting for
+                # the device's queue.
+                return None
+            return "Tensor.to(device) of a host tensor"
         return None
 
     def _lands_on_host(self, func, args, kwargs) -> bool:
         """Whether the call's outputs live on the host on a GPU too."""
+        device = kwargs.get("device")
+        if device is not None and not isinstance(device, torch.Tensor):
+            return self._is_host_device(device)  # a factory, or a copy, told where to go
         if func in _FROM_DATA and func is not _T.new_tensor:
-            device, data = kwargs.get("device"), args[0] if args else kwargs.get("data")
-            return not isinstance(data, torch.Tensor) and (device is None or _is_str_cpu(device))
+            data = args[0] if args else kwargs.get("data")
+            return not isinstance(data, torch.Tensor)
         if func is _T.cpu:
             return True
         if func is _T.to:
             target = _to_device(args, kwargs)
-            return _is_str_cpu(target) or (target is None and self._is_host(args[0]))
-        inputs = _tensors(args, kwargs)
-        return bool(inputs) and all(self._is_host(t) for t in inputs)
+            return self._is_host_device(target) or (target is None and self._is_host(args[0]))
+        if not _tensors(args, kwargs):
+            return device is None  # a factory without a device: torch's default, the host
+        return self._all_host(args, kwargs)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func == _DEVICE_OF:
+            device = func(*args, **kwargs)
+            if self._is_host(args[0]):
+                # Held, so that its id stays its own while the block runs.
+                self.host_devices[id(device)] = device
+            return device
         op = self._op(func, args, kwargs)
         if op is not None:
             self.syncs.record(op)
         out = func(*args, **kwargs)
+        if func is _T.to and out is args[0] and self._is_host(out) and not self._lands_on_host(func, args, kwargs):
+            # On a CPU the copy of a host tensor to the compute device is elided and returns
+            # the tensor itself; on a GPU it is a new device tensor. An alias stands for it.
+            return out.view_as(out)
         outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
         if outs and self._lands_on_host(func, args, kwargs):
             for t in outs:
@@ -212,6 +275,8 @@ def count_host_syncs() -> Iterator[HostSyncs]:
         patched.append((torch.cuda, "synchronize", _recording(torch.cuda.synchronize, syncs, "torch.cuda.synchronize")))
     for name in _OBJECT_COLLECTIVES:
         patched.append((dist, name, _recording(getattr(dist, name), syncs, f"torch.distributed.{name}")))
+    for name in _FROM_HOST_MEMORY:
+        patched.append((torch, name, _marking(getattr(torch, name), counter)))
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
     try:
         for owner, name, value in patched:
@@ -227,4 +292,10 @@ def _recording(fn, syncs: HostSyncs, op: str):
     def wrapped(*args, **kwargs):
         syncs.record(op)
         return fn(*args, **kwargs)
+    return wrapped
+
+
+def _marking(fn, counter: _Counter):
+    def wrapped(*args, **kwargs):
+        return counter.mark_host(fn(*args, **kwargs))
     return wrapped

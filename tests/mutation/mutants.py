@@ -478,10 +478,10 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ precision
     Mutant(
         "bf16-model-not-updated", TRAIN,
-        "    if finite and run.master is not None and not optimizer.distributed:\n"
-        "        run.master.master_to_model()\n",
-        "    if finite and run.master is not None and not optimizer.distributed:\n"
-        "        pass\n",
+        "        if run.master is not None and not optimizer.distributed:\n"
+        "            run.master.master_to_model()\n",
+        "        if run.master is not None and not optimizer.distributed:\n"
+        "            pass\n",
         "bf16: the optimizer steps the float32 masters but the bf16 model that computes is never refreshed",
         ("tests/training/test_train.py::test_bf16_keeps_float32_masters_and_tracks_fp32",)),
     Mutant(
@@ -553,11 +553,17 @@ MUTANTS: list[Mutant] = [
         ("tests/training/test_replace.py::test_replacing_under_bf16_keeps_the_losses_bit_for_bit",)),
     Mutant(
         "routers-closed-through-collector", TRAIN,
-        "    step_losses = run.losses.finish_step(groups, close_routers(run.routers))\n",
-        "    step_losses = run.losses.finish_step(groups, close_routers(\n"
-        "        [router for _, router in run.collector.routers] if run.collector is not None else []))\n",
+        "    closed = close_routers(run.routers)\n",
+        "    closed = close_routers([router for _, router in run.collector.routers] if run.collector is not None\n"
+        "                           else [])\n",
         "the step closes the routers the metrics collector found: without metrics the expert bias never moves",
         ("tests/training/test_train.py::test_metrics_off_take_the_same_steps",)),
+    Mutant(
+        "step-reads-the-norm-again", TRAIN,
+        "    if finite:\n        optimizer.step()\n",
+        "    if finite and torch.isfinite(grad_norm):\n        optimizer.step()\n",
+        "the step checks the gradient norm on the device again: a second host sync per step",
+        ("tests/core/test_host_syncs.py::test_a_static_shape_step_reads_the_host_once",)),
     Mutant(
         "expert-act-not-recomputed", "models/experts.py",
         "        if self.recompute == \"activation\":\n",
