@@ -664,7 +664,7 @@ def order_mismatches(traces: list[RankTrace]) -> list[str]:
             a = out[i] if i < len(out) else None
             b = into[i] if i < len(into) else None
             if a is None or b is None or a.shape != b.shape:
-                problems.append(f"group pp, send #{i} from rank {src} to rank {dst}: rank {src} sends "
+                problems.append(f"group {(a or b).group}, send #{i} from rank {src} to rank {dst}: rank {src} sends "
                                 f"{a.shape if a else 'nothing'}, rank {dst} receives {b.shape if b else 'nothing'}")
                 break
     return problems
