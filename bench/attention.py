@@ -1,7 +1,7 @@
 """Packed-document attention benchmark: the device's kernel against the per-document loop
 that ran before issue 26.
 
-    python bench/attention.py [--batch 1 --seq 4096 --docs 2048,2048 --heads 8 --kv-heads 4
+    python -m bench.attention [--batch 1 --seq 4096 --docs 2048,2048 --heads 8 --kv-heads 4
                                --head-dim 64 --dtype float32 --repeats 7]
 
 Causal attention confined to documents (``--docs``: the document lengths of a row,
@@ -28,14 +28,13 @@ import argparse
 import json
 import math
 import os
-import statistics
-import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve each other on a shared CPU
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.timing import interleaved_medians_ms  # noqa: E402
 from moe_fold.parallel.document_attention import document_kernel  # noqa: E402
 from moe_fold.parallel.varlen import segment_bounds, varlen_attention  # noqa: E402
 
@@ -75,11 +74,6 @@ def doc_ids_for(batch: int, seq: int, lengths: list[int], device) -> torch.Tenso
             n, i = n + 1, i + 1
         ids.append(row)
     return torch.tensor(ids, device=device)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv=None) -> None:
@@ -142,15 +136,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"{name}: output/grads differ from loop by {diffs[name]:.3g} > --tol {tol}")
     for fn in candidates.values():
         fn()
-    times = {key: [] for key in candidates}
-    for _ in range(args.repeats):
-        for key, fn in candidates.items():
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            times[key].append(time.perf_counter() - start)
-    ms = {key: statistics.median(t) * 1e3 for key, t in times.items()}
+    ms = interleaved_medians_ms(candidates, args.repeats, device)
     for (name, step), t in ms.items():
         loop_ms = ms[("loop", step)]
         print(json.dumps({

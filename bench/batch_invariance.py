@@ -1,7 +1,7 @@
 """Batch dependence on the CPU: how much a sequence's routes and logits, and a row's
 result in each kernel, change with the other rows computed beside it.
 
-    python bench/batch_invariance.py [--preset mixtral-tiny] [--threads N] [--rows 1024] [--rounds 5]
+    python -m bench.batch_invariance [--preset mixtral-tiny] [--threads N] [--rows 1024] [--rounds 5]
 
 Output:
 
@@ -33,6 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from moe_fold.config import load_config  # noqa: E402
 from moe_fold.layout import ProcessGroups  # noqa: E402
+from tests.helpers.router_outputs import first_sequence_outputs  # noqa: E402
 
 
 def rows_dependence(name: str, fn, x: torch.Tensor, sizes) -> dict:
@@ -110,21 +111,11 @@ def model_rows(preset: str) -> list[dict]:
         for invariant in (False, True):
             config, model = _model(preset, backend, invariant)
             model.eval()
-            S = config.model.seq_length
-            ids = torch.randint(0, config.model.vocab_size, (8, S), generator=torch.Generator().manual_seed(1))
-            seen: list = []
-            for block in model.layers:
-                block.mlp.router.register_forward_hook(lambda m, a, o: seen.append(o.routing_map))
-
-            def run(b: int):
-                seen.clear()
-                with torch.no_grad():
-                    logits = model.logits(ids[:b])[0]
-                return logits, [r.view(S, b, -1)[:, 0] for r in seen]
-
-            alone, alone_routes = run(1)
+            ids = torch.randint(0, config.model.vocab_size, (8, config.model.seq_length),
+                                generator=torch.Generator().manual_seed(1))
+            alone, alone_routes = first_sequence_outputs(model, ids, 1)
             for b in (2, 4, 8):
-                logits, found = run(b)
+                logits, found = first_sequence_outputs(model, ids, b)
                 out.append({"bench": "batch_invariance", "model": preset, "gemm_backend": backend,
                             "batch_invariant": invariant, "batch": b,
                             "max_abs_logit_diff_vs_alone": (logits - alone).abs().max().item(),

@@ -1,7 +1,7 @@
 """Context parallel attention benchmark: ring and a2a causal attention, forward + backward,
 on cp local ranks against single-process attention over the same total sequence.
 
-    python bench/cp_attention.py [--seq 2048 --batch 1 --heads 8 --kv-heads 4 --head-dim 64
+    python -m bench.cp_attention [--seq 2048 --batch 1 --heads 8 --kv-heads 4 --head-dim 64
                                   --cps 2,4 --kinds ring,a2a --repeats 5 --threads 1]
 
 For each cp size one run of ``cp`` gloo ranks (``moe_fold.launch.run_ranks``, ``--threads``
@@ -19,24 +19,15 @@ process's threads). ``bytes_sent`` is per rank over one forward + backward.
 import argparse
 import json
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from bench.timing import barrier_timed_ms
 from moe_fold.comm import count_bytes
 from moe_fold.parallel.context_parallel import context_parallel_attention, zigzag_split
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, create_process_groups
-
-
-def _timed(step) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    step()
-    dist.barrier()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def _bench_rank(rank, cp, args):
@@ -71,7 +62,7 @@ def _bench_rank(rank, cp, args):
     times = {name: [] for name in steps}
     for _ in range(args.repeats):
         for name, step in steps.items():
-            times[name].append(_timed(step))
+            times[name].append(barrier_timed_ms(step))
     return {name: statistics.median(ts) for name, ts in times.items()}, sent
 
 

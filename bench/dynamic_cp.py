@@ -1,7 +1,7 @@
 """Static vs dynamic context parallelism on packed micro-batches: per-rank attention work
 and measured step time, side by side in one run.
 
-    python bench/dynamic_cp.py [--cp 4 --seq 1024 --batch 2 --micro-batches 4 --hidden 64
+    python -m bench.dynamic_cp [--cp 4 --seq 1024 --batch 2 --micro-batches 4 --hidden 64
                                 --layers 2 --dists longtail,corpus --repeats 3 --threads 1]
 
 Document-length distributions:
@@ -40,12 +40,11 @@ import json
 import os
 import statistics
 import tempfile
-import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from bench.timing import barrier_timed_ms
 from moe_fold.comm import count_bytes
 from moe_fold.config import Config, ModelConfig
 from moe_fold.data.corpus import prepare_data_paths
@@ -135,14 +134,6 @@ def _pairs_dynamic(batches, cp, capacity, cost):
     return out, sizes, padding
 
 
-def _timed(step) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    step()
-    dist.barrier()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def _rank(rank, world, args, workloads):
     config = _config(args)
     groups = create_process_groups(ParallelLayout(world, cp=world, ep=world))
@@ -166,8 +157,8 @@ def _rank(rank, world, args, workloads):
             dynamic()
         times = {"static": [], "dynamic": []}
         for _ in range(args.repeats):
-            times["static"].append(_timed(static))
-            times["dynamic"].append(_timed(dynamic))
+            times["static"].append(barrier_timed_ms(static))
+            times["dynamic"].append(barrier_timed_ms(dynamic))
         out[name] = {"static_ms": statistics.median(times["static"]),
                      "dynamic_ms": statistics.median(times["dynamic"]),
                      "static_cp_bytes": static_bytes.get("cp", 0), "dynamic_cp_bytes": dynamic_bytes.get("cp", 0)}

@@ -136,7 +136,7 @@ def test_rows() -> tuple[list[tuple[str, str]], bool, str]:
 
 
 def _bench_lines(script: str, args: list[str]) -> list[dict]:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", f"bench.{script.removesuffix('.py')}", *args], cwd=ROOT,
                           env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -144,26 +144,27 @@ def _bench_lines(script: str, args: list[str]) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+def _grouped_rows(name: str, args: list[str], field: str, cell: Callable[[dict], str]) -> list[tuple[str, str]]:
+    """bench/<name>.py's records on the GPU in bfloat16, one row per value of ``field`` (in
+    the order the bench prints them), its records' ``cell`` joined; one FAIL row if it fails."""
+    try:
+        records = _bench_lines(f"{name}.py", ["--device", "cuda", "--dtype", "bfloat16", *args])
+        if not records:
+            raise RuntimeError(f"bench/{name}.py printed no records")
+        values = list(dict.fromkeys(r[field] for r in records))
+        return [(f"bench {name} bf16 {v}", "; ".join(cell(r) for r in records if r[field] == v)) for v in values]
+    except (RuntimeError, KeyError, subprocess.TimeoutExpired) as e:
+        return [(f"bench {name}", f"FAIL: {e}")]
+
+
 def kernel_bench_rows() -> list[tuple[str, str]]:
-    rows = []
-    try:
-        gemm = _bench_lines("gemm.py", ["--device", "cuda", "--dtype", "bfloat16", "--tokens", "8192",
-                                        "--hidden", "2048", "--ffn", "1024", "--experts", "8", "--topk", "2"])
-        for routing in ("balanced", "skewed"):
-            cells = [f"{r['backend']}->{r['resolved']} {r['ms']:.3f} ms ratio_to_dense {r['ratio_to_dense']:.2f}"
-                     for r in gemm if r["routing"] == routing]
-            rows.append((f"bench gemm bf16 {routing}", "; ".join(cells)))
-    except (RuntimeError, KeyError, subprocess.TimeoutExpired) as e:
-        rows.append(("bench gemm", f"FAIL: {e}"))
-    try:
-        permute = _bench_lines("permute.py", ["--device", "cuda", "--dtype", "bfloat16", "--backends", "torch,triton"])
-        for step in ("forward", "forward_backward"):
-            cells = [f"{r['backend']} {r['ms']:.3f} ms ({r['ratio_to_copy']:.2f}x copy)"
-                     for r in permute if r["pass"] == step]
-            rows.append((f"bench permute bf16 {step}", "; ".join(cells)))
-    except (RuntimeError, KeyError, subprocess.TimeoutExpired) as e:
-        rows.append(("bench permute", f"FAIL: {e}"))
-    return rows
+    gemm = _grouped_rows("gemm", ["--tokens", "8192", "--hidden", "2048", "--ffn", "1024", "--experts", "8",
+                                  "--topk", "2"], "routing",
+                         lambda r: f"{r['backend']}->{r['resolved']} {r['ms']:.3f} ms ratio_to_dense "
+                                   f"{r['ratio_to_dense']:.2f}")
+    permute = _grouped_rows("permute", ["--backends", "torch,triton"], "pass",
+                            lambda r: f"{r['backend']} {r['ms']:.3f} ms ({r['ratio_to_copy']:.2f}x copy)")
+    return gemm + permute
 
 
 def count_host_syncs(fn: Callable[[], object]) -> int:

@@ -81,7 +81,12 @@ def sizes_of(model) -> str:
     m, moe = model.config.model, model.config.moe
     heads = (f"{m.num_heads} MLA" if m.attention == "mla"
              else f"{m.num_heads}/{m.num_kv_heads} x {head_dim(model.config)}")
-    return (f"V{m.vocab_size} H{m.hidden_size} L{m.num_layers} heads {heads}, "
+    deltanet = ""
+    if m.layer_types is not None and "gated_deltanet" in m.layer_types:
+        kinds = "".join("D" if kind == "gated_deltanet" else "A" for kind in m.layer_types)
+        deltanet = (f" ({kinds}: Gated DeltaNet {m.linear_num_key_heads}/{m.linear_num_value_heads} x "
+                    f"{m.linear_key_head_dim}/{m.linear_value_head_dim})")
+    return (f"V{m.vocab_size} H{m.hidden_size} L{m.num_layers}{deltanet} heads {heads}, "
             f"E{moe.num_experts} x {moe.ffn_hidden_size} top-{moe.topk}")
 
 

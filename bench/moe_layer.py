@@ -136,7 +136,7 @@ class MegatronStyleMoE(nn.Module):
 
     def __init__(self, ours: MoELayer, ep_group=None):
         super().__init__()
-        self.topk, self.num_experts = ours.router.config.topk, ours.experts.num_experts
+        self.topk, self.num_experts = ours.router.topk, ours.experts.num_experts
         self.ep_group = ep_group
         self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
         self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)

@@ -1,6 +1,6 @@
 """Permute + unpermute benchmark: how close the token shuffle gets to a plain copy.
 
-    python bench/permute.py [--tokens 4096 --hidden 1024 --experts 16 --topk 4
+    python -m bench.permute [--tokens 4096 --hidden 1024 --experts 16 --topk 4
                              --backends torch --dtype float32 --repeats 9]
 
 One MoE layer moves each routed row twice: ``permute`` (tokens -> expert-major rows,
@@ -19,8 +19,6 @@ ratio_to_copy`` plus the shape and the allocator setting.
 import argparse
 import json
 import os
-import statistics
-import time
 
 # Both settings must be in place before torch starts (an existing value wins):
 # - spinning OpenMP threads starve each other on a shared CPU (see bench/gemm.py);
@@ -35,6 +33,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 
+from bench.timing import interleaved_medians_ms, sync  # noqa: E402
 from moe_fold.kernels.permute import permute, unpermute  # noqa: E402
 
 
@@ -47,11 +46,6 @@ def random_routing(tokens: int, experts: int, topk: int, seed: int
     routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, top, True)
     probs = scores * routing_map
     return routing_map, probs / probs.sum(1, keepdim=True)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def make_steps(backend, tokens, routing_map, probs, upstream):
@@ -116,16 +110,8 @@ def main(argv=None) -> None:
             candidates[(b, name)] = fn
     for fn in candidates.values():  # warm-up (and Triton compilation)
         fn()
-    _sync(device)
-    times = {key: [] for key in candidates}
-    for _ in range(args.repeats):
-        for key, fn in candidates.items():
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            times[key].append(time.perf_counter() - start)
-    ms = {key: statistics.median(v) * 1e3 for key, v in times.items()}
+    sync(device)
+    ms = interleaved_medians_ms(candidates, args.repeats, device)
 
     copy_ms = ms[("copy", "forward")]
     for (b, name), t in ms.items():

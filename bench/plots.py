@@ -87,31 +87,33 @@ def write_plots(records: list[dict], prefix: Path) -> tuple[list[Path], dict[str
     else:
         missing["dispatch_ep"] = "no dropless balanced dispatch records at two or more EP sizes"
 
-    gemm = gemm_series(records)
-    if gemm:
+    def line_plot(name, series, missing_reason, annotate=False, **axes):
+        """One ``o-`` line per series of (x, y[, label]) points, or the reason it is missing."""
+        if not series:
+            missing[name] = missing_reason
+            return None
         fig, ax = plt.subplots(figsize=(6, 4))
-        for name, points in gemm.items():
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=name)
+        for label, points in series.items():
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
+            if annotate:
+                for x, y, text in points:
+                    ax.annotate(text, (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
+        ax.set(**axes)
+        ax.legend(fontsize=8)
+        return fig, ax
+
+    gemm = line_plot("gemm_efficiency", gemm_series(records), "no gemm records",
+                     xlabel="tokens per expert (mean)", ylabel="dense time / grouped time",
+                     title="grouped GEMM efficiency (ratio_to_dense)")
+    if gemm:
+        fig, ax = gemm
         ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
-        ax.set(xlabel="tokens per expert (mean)", ylabel="dense time / grouped time",
-               title="grouped GEMM efficiency (ratio_to_dense)")
-        ax.legend(fontsize=8)
         save(fig, "gemm_efficiency")
-    else:
-        missing["gemm_efficiency"] = "no gemm records"
-
-    skew = {k: v for k, v in skew_series(records).items() if len(v) > 1}
+    skew = line_plot("dispatch_skew", {k: v for k, v in skew_series(records).items() if len(v) > 1},
+                     "no dropless dispatch records at two or more routings", annotate=True,
+                     xlabel="busiest rank's rows / mean rank's rows", ylabel="dispatch + combine, ms",
+                     title="expert load skew vs dispatch time (dropless)")
     if skew:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name, points in skew.items():
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=name)
-            for x, y, label in points:
-                ax.annotate(label, (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
-        ax.set(xlabel="busiest rank's rows / mean rank's rows", ylabel="dispatch + combine, ms",
-               title="expert load skew vs dispatch time (dropless)")
-        ax.legend(fontsize=8)
-        save(fig, "dispatch_skew")
-    else:
-        missing["dispatch_skew"] = "no dropless dispatch records at two or more routings"
+        save(skew[0], "dispatch_skew")
     return written, missing

@@ -1,6 +1,6 @@
 """The benchmark suite: every script in bench/ at a small size, one after the other.
 
-Each case runs ``python bench/<bench>.py <flags>`` in its own process, as a user would run
+Each case runs ``python -m bench.<bench> <flags>`` in its own process, as a user would run
 it alone: thread settings and the environment the scripts set before torch starts
 (``OMP_WAIT_POLICY``, ``THP_MEM_ALLOC_ENABLE``) stay per benchmark, and a benchmark that
 crashes or hangs costs its own case only (an ``error`` record), not the suite. A benchmark
@@ -41,7 +41,7 @@ BENCHES = ("dispatch", "gemm", "permute", "moe_layer", "pipeline_bubble", "atten
 
 @dataclass(frozen=True)
 class Case:
-    """One invocation of ``bench/<bench>.py`` with ``flags``; ``name`` is unique within the bench."""
+    """One invocation of ``python -m bench.<bench>`` with ``flags``; ``name`` is unique within the bench."""
 
     bench: str
     name: str
@@ -216,7 +216,7 @@ def run_case(case: Case, bench_dir: Path, env: dict, timeout: float) -> list[dic
     if not script.is_file():
         raise BenchError(f"{script} does not exist")
     # Its own session, so that stopping it also stops the rank processes it spawned.
-    with subprocess.Popen([sys.executable, str(script), *case.flags], cwd=bench_dir.parent, env=env,
+    with subprocess.Popen([sys.executable, "-m", f"bench.{case.bench}", *case.flags], cwd=bench_dir.parent, env=env,
                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as proc:
         try:
@@ -290,7 +290,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
         return 2
     if args.list:
         for case in selected:
-            command = f"python bench/{case.bench}.py {' '.join(case.flags)}"
+            command = f"python -m bench.{case.bench} {' '.join(case.flags)}"
             console.print(f"{case.bench:16} {case.name:16} {command}", soft_wrap=True)
         return 0
 

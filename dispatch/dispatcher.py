@@ -37,8 +37,11 @@ def build_dispatcher(moe: "MoEConfig", groups: "ProcessGroups") -> TokenDispatch
     require(choice, "moe.dispatcher", moe.dispatcher)
     require(dispatch_modes, moe.dispatcher, moe.capacity_factor, moe.pad_to_capacity, moe.dedup)
     mode = dispatch_mode(moe)
+    # A token sends at most this many rows: its slots on zero experts stay where it is.
+    rows_per_token = min(moe.topk, moe.num_experts)
     if moe.dispatcher == "alltoall":
-        return AllToAllDispatcher(moe.num_experts, moe.topk, groups, mode=mode,
+        return AllToAllDispatcher(moe.num_experts, rows_per_token, groups, mode=mode,
                                   capacity_factor=moe.capacity_factor, dedup=moe.dedup,
                                   permute_backend=moe.permute_backend)
-    return AllGatherDispatcher(moe.num_experts, moe.topk, groups, mode=mode, permute_backend=moe.permute_backend)
+    return AllGatherDispatcher(moe.num_experts, rows_per_token, groups, mode=mode,
+                               permute_backend=moe.permute_backend)

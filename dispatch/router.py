@@ -30,7 +30,7 @@ from torch import nn
 from moe_fold.comm import all_reduce_
 from moe_fold.config import (
     MoEConfig, capacity_factor_positive, choice, choices, experts_over_ep, group_ranked_scores, require,
-    router_settings, routing_groups,
+    router_settings, routing_groups, zero_expert_settings,
 )
 from moe_fold.dispatch.aux_losses import attach_loss, aux_loss_scores, load_balancing_loss, z_loss
 from moe_fold.dispatch.routing_stats import RoutingStats, load_stats, routing_stats
@@ -281,32 +281,40 @@ def kept_within(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int, *
     return probs * kept, kept
 
 
-def updated_expert_bias(expert_bias: torch.Tensor, tokens_per_expert: torch.Tensor, rate: float) -> torch.Tensor:
+def updated_expert_bias(expert_bias: torch.Tensor, tokens_per_expert: torch.Tensor, rate: float,
+                        zero_experts: int = 0) -> torch.Tensor:
     """One aux-loss-free balancing step: ``b + rate * sign(mean(count) - count)``.
 
     ``tokens_per_expert`` must already be summed over every rank that shares the router
-    (tp x dp x cp) and over the step's micro-batches.
+    (tp x dp x cp) and over the step's micro-batches. The last ``zero_experts`` columns
+    are zero-computation experts (LongCat-Flash): their bias stays, and every held expert
+    aims at the mean over all columns, so at balance a share ``E / (E + Z)`` of the
+    assignments reaches held experts (LongCat's budget of ``topk * E / (E + Z)`` computed
+    experts per token on average).
     """
     counts = tokens_per_expert.to(torch.float64)
-    offset = counts.mean() - counts
-    return expert_bias + (rate * torch.sign(offset)).to(expert_bias.dtype)
+    step = rate * torch.sign(counts.mean() - counts)
+    if zero_experts:
+        step[counts.shape[0] - zero_experts:] = 0.0
+    return expert_bias + step.to(expert_bias.dtype)
 
 
 # --------------------------------------------------------------------------- the module
 
 @dataclass
 class RouterOutput:
-    # [T, E] routing weights, zero off the kept experts; the load-balancing losses ride on
-    # it (see attach_loss), so it must feed the expert outputs.
+    # [T, E] routing weights of the held experts, zero off the kept ones; the load-balancing
+    # losses ride on it (see attach_loss), so it must feed the expert outputs.
     probs: torch.Tensor
-    # [T, E] bool, after capacity dropping (with pad_to_capacity: exactly capacity per expert).
+    # [T, E] bool, after capacity dropping (with pad_to_capacity: exactly capacity per
+    # expert): what the dispatcher moves, never a zero expert.
     routing_map: torch.Tensor
-    # [T, E] in the router dtype, z-loss attached.
+    # [T, E + Z] in the router dtype, z-loss attached (Z = moe.zero_experts).
     logits: torch.Tensor
-    # [E] int64: this rank's assignments per expert, what the dispatcher moves.
+    # [E] int64: this rank's assignments per held expert, what the dispatcher moves.
     tokens_per_expert: torch.Tensor
-    # [T, E] the router's choice before capacity dropping (the same tensors as probs and
-    # routing_map without capacity): what route traces record.
+    # [T, E + Z] the router's choice before capacity dropping (without capacity and zero
+    # experts, the same tensors as probs and routing_map): what route traces record.
     routed_probs: torch.Tensor
     routed_map: torch.Tensor
     # Detached micro-batch values without coefficients, for logging: "aux", "seq_aux",
@@ -314,6 +322,9 @@ class RouterOutput:
     # step's running counts, i.e. the value the gradient follows); only the enabled ones.
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
     stats: Optional[RoutingStats] = None
+    # [T] with moe.zero_experts: each token's summed gate weight on zero experts, the factor
+    # on its own input that the MoE layer adds where the token is; None without.
+    zero_probs: Optional[torch.Tensor] = None
 
 
 _ROUTER_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -348,10 +359,20 @@ class Router(nn.Module):
             require(choice, dotted, getattr(config, dotted.partition(".")[2]))
         require(router_settings, config)
         require(routing_groups, config.num_experts, config.topk, config.num_groups, config.group_topk,
-                config.group_score)
+                config.group_score, config.zero_experts)
+        require(zero_expert_settings, config)
         require(experts_over_ep, config.num_experts, groups.size("ep"))
-        self.config = config
         self.groups = groups
+        # The options a forward uses, as plain attributes: a forward reads no config object.
+        self.num_experts, self.topk = config.num_experts, config.topk
+        self.score_function, self.pre_softmax = config.score_function, config.pre_softmax
+        self.num_groups, self.group_topk = config.num_groups, config.group_topk
+        self.scaling_factor, self.topk_norm_min = config.scaling_factor, config.topk_norm_min
+        self.capacity_factor, self.drop_policy = config.capacity_factor, config.drop_policy
+        self.pad_to_capacity, self.input_jitter = config.pad_to_capacity, config.input_jitter
+        self.z_loss_coeff, self.aux_loss_coeff = config.z_loss_coeff, config.aux_loss_coeff
+        self.seq_aux_loss_coeff, self.global_aux_loss_coeff = config.seq_aux_loss_coeff, config.global_aux_loss_coeff
+        self.bias_update_rate = config.bias_update_rate
         # Resolved here so that a forward only does tensor work (nothing of the config's rules).
         self._ranked = (group_ranked_scores(config.group_score, config.topk, config.group_topk)
                         if config.group_topk is not None else 0)
@@ -359,12 +380,15 @@ class Router(nn.Module):
         self.topk_backend = build_topk_backend(config.topk_backend, fusable=fusable)
         self.hidden_size = hidden_size
         self.dtype = _ROUTER_DTYPES[config.router_dtype]
-        self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
+        # Zero experts are router columns after the held experts (LongCat-Flash): scored,
+        # biased and balanced like them, never dispatched.
+        self.zero_experts = config.zero_experts
+        E = self.num_columns = config.num_experts + config.zero_experts
+        self.weight = nn.Parameter(torch.empty(E, hidden_size))
         nn.init.normal_(self.weight, std=init_std)
         # gpt-oss: the router is a linear with bias (moe.router_bias).
-        self.bias = nn.Parameter(torch.zeros(config.num_experts)) if config.router_bias else None
+        self.bias = nn.Parameter(torch.zeros(E)) if config.router_bias else None
         self.collect_stats = True
-        E = config.num_experts
         if config.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E))
             self.register_buffer("_bias_counts", torch.zeros(E, dtype=torch.float64), persistent=False)
@@ -412,15 +436,14 @@ class Router(nn.Module):
             loss_scale: the factor on the gradients of the router losses: the micro-batch's
                 share of the step (1/num_microbatches, from the training step).
         """
-        cfg = self.config
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
             raise ValueError(f"hidden must be [tokens, {self.hidden_size}], got {tuple(hidden.shape)}")
         num_tokens = hidden.shape[0]
         if loss_mask is not None and (loss_mask.dtype != torch.bool or tuple(loss_mask.shape) != (num_tokens,)):
             raise ValueError(f"loss_mask must be a bool [{num_tokens}] tensor, got {loss_mask.dtype} "
                              f"{tuple(loss_mask.shape)}")
-        if self.training and cfg.input_jitter > 0:
-            eps = cfg.input_jitter
+        if self.training and self.input_jitter > 0:
+            eps = self.input_jitter
             hidden = hidden * torch.empty_like(hidden).uniform_(1.0 - eps, 1.0 + eps)
         # [T, H] x [E, H]^T -> [T, E]
         logits = hidden.to(self.dtype) @ self.weight.to(self.dtype).t()
@@ -430,25 +453,25 @@ class Router(nn.Module):
         with_losses = self.training and torch.is_grad_enabled()
         losses: dict[str, torch.Tensor] = {}
         routed_logits = logits
-        if with_losses and cfg.z_loss_coeff > 0:
+        if with_losses and self.z_loss_coeff > 0:
             routed_logits = self._attach_z_loss(logits, loss_mask, losses, loss_scale)
 
         probs, routing_map = routed(
-            routed_logits, cfg.topk, score=cfg.score_function, pre_softmax=cfg.pre_softmax,
-            num_groups=cfg.num_groups, group_topk=cfg.group_topk, ranked=self._ranked,
-            scaling_factor=cfg.scaling_factor, expert_bias=self.expert_bias, norm_min=cfg.topk_norm_min,
+            routed_logits, self.topk, score=self.score_function, pre_softmax=self.pre_softmax,
+            num_groups=self.num_groups, group_topk=self.group_topk, ranked=self._ranked,
+            scaling_factor=self.scaling_factor, expert_bias=self.expert_bias, norm_min=self.topk_norm_min,
             backend=self.topk_backend, forced=forced)
         kept_probs, kept_map = probs, routing_map
-        if cfg.capacity_factor is not None:
-            capacity = min(capacity_of(num_tokens, cfg.num_experts, cfg.topk, cfg.capacity_factor), num_tokens)
-            kept_probs, kept_map = kept_within(probs, routing_map, capacity, policy=cfg.drop_policy,
-                                               pad_to_capacity=cfg.pad_to_capacity)
-        if with_losses and (cfg.aux_loss_coeff > 0 or cfg.seq_aux_loss_coeff > 0 or cfg.global_aux_loss_coeff > 0):
+        if self.capacity_factor is not None:
+            capacity = min(capacity_of(num_tokens, self.num_experts, self.topk, self.capacity_factor), num_tokens)
+            kept_probs, kept_map = kept_within(probs, routing_map, capacity, policy=self.drop_policy,
+                                               pad_to_capacity=self.pad_to_capacity)
+        if with_losses and (self.aux_loss_coeff > 0 or self.seq_aux_loss_coeff > 0 or self.global_aux_loss_coeff > 0):
             kept_probs = self._attach_balancing_losses(kept_probs, logits, routing_map, loss_mask,
                                                        seq_ids, num_seqs, losses, loss_scale)
 
-        routed_counts = routing_map.sum(dim=0)
-        if cfg.capacity_factor is None:
+        routed_counts = routing_map.sum(dim=0)  # [E + Z]
+        if self.capacity_factor is None:
             routed_and_kept, kept_counts, tokens_per_expert = routing_map, routed_counts, routed_counts
         else:
             routed_and_kept = kept_map & routing_map
@@ -465,11 +488,20 @@ class Router(nn.Module):
                 # Statistics describe real tokens; padding is routed but not counted.
                 real = loss_mask.unsqueeze(1)
                 routed_counts, kept_counts = (routing_map & real).sum(dim=0), (routed_and_kept & real).sum(dim=0)
-            stats = load_stats(routed_counts, kept_counts, self.groups.size("ep"))
-        return RouterOutput(kept_probs, kept_map, routed_logits, tokens_per_expert, probs, routing_map, losses, stats)
+            held = self.num_experts
+            stats = load_stats(routed_counts[:held], kept_counts[:held], self.groups.size("ep"),
+                               routed_counts[held:].sum())
+        zero_probs = None
+        if self.zero_experts:
+            # A zero expert returns its input: the layer adds input x gate weight where the
+            # token is. [T, E + Z] -> [T, E] held experts (dispatched) and [T] zero weights.
+            held = self.num_experts
+            zero_probs = kept_probs[:, held:].sum(dim=1)
+            kept_probs, kept_map, tokens_per_expert = kept_probs[:, :held], kept_map[:, :held], tokens_per_expert[:held]
+        return RouterOutput(kept_probs, kept_map, routed_logits, tokens_per_expert, probs, routing_map, losses, stats,
+                            zero_probs)
 
     def _attach_z_loss(self, logits, loss_mask, losses, loss_scale):
-        cfg = self.config
         local_sum = z_loss(logits, loss_mask, 1)
         with torch.no_grad():
             # torch.full, not torch.tensor: a Python number copied to a GPU blocks the host.
@@ -479,14 +511,14 @@ class Router(nn.Module):
             all_reduce_(packed, self.groups.tp_cp)
         share = local_sum / packed[0].clamp(min=1).to(local_sum.dtype)
         losses["z"] = (packed[1] / packed[0].clamp(min=1)).to(logits.dtype)
-        scale = cfg.z_loss_coeff * loss_scale * self.groups.size("cp")
+        scale = self.z_loss_coeff * loss_scale * self.groups.size("cp")
         return attach_loss(logits, share, scale)
 
     def _attach_balancing_losses(self, probs, logits, routing_map, loss_mask, seq_ids, num_seqs, losses, loss_scale):
-        cfg = self.config
-        E, k = cfg.num_experts, cfg.topk
-        scores = aux_loss_scores(logits, cfg.score_function)
-        if cfg.group_topk is not None or self.expert_bias is not None:
+        # Every router column, zero experts included: balance pushes them to an equal share.
+        E, k = self.num_columns, self.topk
+        scores = aux_loss_scores(logits, self.score_function)
+        if self.group_topk is not None or self.expert_bias is not None:
             # Megatron counts f_i from the plain top-k of these scores, without groups or bias.
             counted = torch.zeros_like(routing_map).scatter_(1, _stable_topk(scores.detach(), k)[1], True)
         else:
@@ -502,11 +534,11 @@ class Router(nn.Module):
 
         total = torch.zeros((), dtype=scores.dtype, device=scores.device)
         cp = self.groups.size("cp")
-        if cfg.aux_loss_coeff > 0 or cfg.seq_aux_loss_coeff > 0:
+        if self.aux_loss_coeff > 0 or self.seq_aux_loss_coeff > 0:
             parts = []
-            if cfg.aux_loss_coeff > 0:
+            if self.aux_loss_coeff > 0:
                 parts += [counts, valid.view(1), prob_sums]
-            if cfg.seq_aux_loss_coeff > 0:
+            if self.seq_aux_loss_coeff > 0:
                 if seq_ids is None or num_seqs is None:
                     raise ValueError("moe.seq_aux_loss_coeff > 0 needs seq_ids and num_seqs in Router.forward")
                 if tuple(seq_ids.shape) != (logits.shape[0],):
@@ -519,19 +551,19 @@ class Router(nn.Module):
                 parts += [seq_counts.flatten(), seq_counts.sum(dim=1) / k, seq_prob_sums.flatten()]
             packed = torch.cat(parts)
             all_reduce_(packed, self.groups.tp_cp)
-            if cfg.aux_loss_coeff > 0:
+            if self.aux_loss_coeff > 0:
                 c, n, p = packed[:E], packed[E], packed[E + 1:2 * E + 1]
                 packed = packed[2 * E + 1:]
-                total = total + cfg.aux_loss_coeff * cp * load_balancing_loss(scores, c, n, k)
+                total = total + self.aux_loss_coeff * cp * load_balancing_loss(scores, c, n, k)
                 # The whole micro-batch's value: the summed scores as one row.
                 losses["aux"] = load_balancing_loss(p.view(1, E), c, n, k).to(scores.dtype)
-            if cfg.seq_aux_loss_coeff > 0:
+            if self.seq_aux_loss_coeff > 0:
                 S = num_seqs
                 c, n, p = packed[:S * E].view(S, E), packed[S * E:S * E + S], packed[S * E + S:].view(S, E)
-                total = total + cfg.seq_aux_loss_coeff * cp * load_balancing_loss(scores, c, n, k, seq_ids=seq_ids)
+                total = total + self.seq_aux_loss_coeff * cp * load_balancing_loss(scores, c, n, k, seq_ids=seq_ids)
                 own = torch.arange(S, device=scores.device)
                 losses["seq_aux"] = load_balancing_loss(p, c, n, k, seq_ids=own).to(scores.dtype)
-        if cfg.global_aux_loss_coeff > 0:
+        if self.global_aux_loss_coeff > 0:
             packed = torch.cat([counts, valid.view(1), prob_sums])
             all_reduce_(packed, self.groups.tp_dp_cp)
             c, n, p = packed[:E], packed[E], packed[E + 1:]
@@ -544,7 +576,7 @@ class Router(nn.Module):
             # running estimate: a backward cannot wait for the step's later micro-batches).
             running = self._ga_counts / self._ga_microbatches
             dp = self.groups.size("dp")
-            total = total + cfg.global_aux_loss_coeff * cp * dp * load_balancing_loss(scores, running, n, k)
+            total = total + self.global_aux_loss_coeff * cp * dp * load_balancing_loss(scores, running, n, k)
             losses["global_aux"] = load_balancing_loss(p.view(1, E), running, n, k).to(scores.dtype)
         return attach_loss(probs, total, loss_scale)
 
@@ -554,7 +586,7 @@ class Router(nn.Module):
         rank, so it does not depend on how the global batch was split), reset the counts."""
         out = {}
         if self._ga_microbatches:
-            E, k = self.config.num_experts, self.config.topk
+            E, k = self.num_columns, self.topk
             out["global_aux"] = load_balancing_loss(self._ga_prob_sums.view(1, E), self._ga_counts,
                                                     self._ga_tokens, k)
         self._ga_counts.zero_()
@@ -574,5 +606,6 @@ class Router(nn.Module):
             raise ValueError("update_expert_bias needs moe.expert_bias=True")
         counts = self._bias_counts.clone()
         all_reduce_(counts, self.groups.tp_dp_cp)
-        self.expert_bias.copy_(updated_expert_bias(self.expert_bias, counts, self.config.bias_update_rate))
+        self.expert_bias.copy_(updated_expert_bias(self.expert_bias, counts, self.bias_update_rate,
+                                                   self.zero_experts))
         self._bias_counts.zero_()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Optional
+
 import torch
 
 from moe_fold.config import experts_over_ep, require
@@ -26,6 +28,9 @@ class RoutingStats:
     expert_load_ratio: torch.Tensor
     # The same over EP ranks, each holding E/ep consecutive experts.
     ep_load_ratio: torch.Tensor
+    # Assignments to zero-computation experts (moe.zero_experts), kept apart: no rank holds
+    # them, so they are in none of the loads above (0 without zero experts).
+    zero_expert_tokens: torch.Tensor
 
 
 def _max_over_mean(x: torch.Tensor) -> torch.Tensor:
@@ -33,8 +38,10 @@ def _max_over_mean(x: torch.Tensor) -> torch.Tensor:
     return torch.where(mean > 0, x.max() / mean.clamp(min=1e-30), torch.ones_like(mean))
 
 
-def routing_stats(routed_per_expert: torch.Tensor, kept_per_expert: torch.Tensor, ep: int = 1) -> RoutingStats:
-    """Statistics from per-expert counts before (``routed``) and after (``kept``) capacity."""
+def routing_stats(routed_per_expert: torch.Tensor, kept_per_expert: torch.Tensor, ep: int = 1,
+                  zero_expert_tokens: Optional[torch.Tensor] = None) -> RoutingStats:
+    """Statistics from per-expert counts before (``routed``) and after (``kept``) capacity,
+    of the held experts; ``zero_expert_tokens``: the assignments to zero experts."""
     if routed_per_expert.dim() != 1 or routed_per_expert.shape != kept_per_expert.shape:
         raise ValueError(f"routed {tuple(routed_per_expert.shape)} and kept {tuple(kept_per_expert.shape)} "
                          "counts must both be [experts]")
@@ -42,10 +49,11 @@ def routing_stats(routed_per_expert: torch.Tensor, kept_per_expert: torch.Tensor
     if ep < 1:
         raise ValueError(f"ep={ep} must be >= 1")
     require(experts_over_ep, num_experts, ep)
-    return load_stats(routed_per_expert, kept_per_expert, ep)
+    return load_stats(routed_per_expert, kept_per_expert, ep, zero_expert_tokens)
 
 
-def load_stats(routed_per_expert: torch.Tensor, kept_per_expert: torch.Tensor, ep: int) -> RoutingStats:
+def load_stats(routed_per_expert: torch.Tensor, kept_per_expert: torch.Tensor, ep: int,
+               zero_expert_tokens: Optional[torch.Tensor] = None) -> RoutingStats:
     """:func:`routing_stats` of counts already known to fit (E over ep checked when the
     router was built): tensor work only, what a forward calls."""
     num_experts = routed_per_expert.shape[0]
@@ -55,4 +63,6 @@ def load_stats(routed_per_expert: torch.Tensor, kept_per_expert: torch.Tensor, e
     dropped = torch.where(total > 0, 1 - kept.sum() / total.clamp(min=1), torch.zeros_like(total))
     # [E] -> [ep, E/ep] -> [ep]
     per_rank = kept.view(ep, num_experts // ep).sum(dim=1)
-    return RoutingStats(kept, dropped, _max_over_mean(kept), _max_over_mean(per_rank))
+    zero = (torch.zeros((), dtype=torch.float64, device=kept.device) if zero_expert_tokens is None
+            else zero_expert_tokens.double())
+    return RoutingStats(kept, dropped, _max_over_mean(kept), _max_over_mean(per_rank), zero)

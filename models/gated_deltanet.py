@@ -77,21 +77,27 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Optional[Documents] = None,
                 kv_cache: Optional[LayerCache] = None) -> torch.Tensor:
         """``x [S_local, B, H] -> [S_local, B, H]``, as attention is called (rotary ``cos``/``sin``
-        unused: the recurrence orders tokens itself). ``kv_cache`` must be None: these layers
-        keep no key/value cache."""
-        if kv_cache is not None:
-            raise ValueError("a Gated DeltaNet layer keeps a recurrent state, not a key/value cache: "
-                             "cached sampling is not supported for model.layer_types with gated_deltanet")
-        group = self.cp_group if docs is None else docs.cp_group
-        doc_ids = None if docs is None else docs.doc_ids  # [B, S_seq], natural order
+        unused: the recurrence orders tokens itself). ``kv_cache`` (sampling, no cp): the
+        conv window and recurrent state the tokens before these left (:meth:`_decode`)."""
         key, value = self.nk * self.dk, self.nv * self.dv
         q, k, v, z, b, a = self.in_proj(x).split([key, key, value, value, self.nv, self.nv], dim=-1)
-        S, B = q.shape[:2]
-        segments = local_segments(S, group)
+        if kv_cache is not None:
+            return self._output(self._decode(torch.cat([q, k, v], dim=-1), b, a, kv_cache), z, x.dtype)
+        group = self.cp_group if docs is None else docs.cp_group
+        doc_ids = None if docs is None else docs.doc_ids  # [B, S_seq], natural order
+        segments = local_segments(q.shape[0], group)
         qkv = F.silu(self._conv(torch.cat([q, k, v], dim=-1), segments, doc_ids, group))  # [S, B, 2key+value]
-        q, k, v = qkv.split([key, key, value], dim=-1)
+        o = self._recurrence(*self._heads(qkv, b, a, x.dtype), segments, doc_ids, group)  # [B, nv, S, dv]
+        return self._output(o, z, x.dtype)
+
+    def _heads(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """The conv's output ``qkv [S, B, 2key+value]`` and ``b``, ``a`` ``[S, B, nv]`` ->
+        ``q, k [B, nv, S, dk]`` (L2-normalised, q scaled), ``v [B, nv, S, dv]``, ``g, beta [B, nv, S]``."""
+        key = self.nk * self.dk
+        q, k, v = qkv.split([key, key, self.nv * self.dv], dim=-1)
+        S, B = q.shape[:2]
         # The recurrence runs in float32 (float64 for a float64 model), as fla's kernels do.
-        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        work = torch.float64 if dtype == torch.float64 else torch.float32
         q = _l2_normalize(q.reshape(S, B, self.nk, self.dk).to(work)) * self.dk ** -0.5
         k = _l2_normalize(k.reshape(S, B, self.nk, self.dk).to(work))
         # A key head serves value_heads / key_heads consecutive value heads.
@@ -100,13 +106,31 @@ class GatedDeltaNet(nn.Module):
         beta = b.to(work).sigmoid()  # [S, B, nv]
         g = -self.A_log.to(work).exp() * F.softplus(a.to(work) + self.dt_bias)  # [S, B, nv]
         q, k, v = (t.permute(1, 2, 0, 3).to(work) for t in (q, k, v))  # [B, nv, S, d]
-        beta, g = beta.permute(1, 2, 0), g.permute(1, 2, 0)  # [B, nv, S]
-        o = self._recurrence(q, k, v, g, beta, segments, doc_ids, group)  # [B, nv, S, dv]
+        return q, k, v, g.permute(1, 2, 0), beta.permute(1, 2, 0)
+
+    def _output(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The recurrence's ``o [B, nv, S, dv]`` RMS-normalised per head, times the weight and
+        ``silu(z)``, projected back -> ``[S, B, H]``."""
         o = o.permute(2, 0, 1, 3)  # [S, B, nv, dv]
+        S, B = o.shape[:2]
         z = z.reshape(S, B, self.nv, self.dv)
         normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (self.norm_weight * normed.to(x.dtype)).to(work) * F.silu(z.to(work))
-        return self.out_proj(out.to(x.dtype).reshape(S, B, value))
+        out = (self.norm_weight * normed.to(dtype)).to(o.dtype) * F.silu(z.to(o.dtype))
+        return self.out_proj(out.to(dtype).reshape(S, B, self.nv * self.dv))
+
+    def _decode(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """Sampling: the new tokens ``qkv [S, B, 2key+value]`` (their first ``cache.new_tokens``
+        real, the rest a decode step's padding) continue from the cache's conv window
+        ``[K-1, B, C]`` and state ``[B, nv, dk, dv]`` (zeros before the first step), which
+        they replace with those after the real tokens. The padding's outputs are zeros."""
+        n, K = cache.new_tokens, self.conv_weight.shape[1]
+        real = qkv[:n]
+        conv = F.silu(causal_conv1d(real, self.conv_weight, cache.conv))
+        cache.conv = _tail(real if cache.conv is None else torch.cat([cache.conv, real]), K - 1)
+        q, k, v, g, beta = self._heads(conv, b[:n], a[:n], qkv.dtype)
+        o, cache.state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=cache.state,
+                                                chunk_size=self.chunk_size)
+        return F.pad(o, (0, 0, 0, qkv.shape[0] - n))  # [B, nv, S, dv]
 
     def _conv(self, x: torch.Tensor, segments: list, doc_ids: Optional[torch.Tensor], group: Group) -> torch.Tensor:
         """The causal conv of each local segment, its window reaching into the segment

@@ -1,5 +1,7 @@
-"""The key/value cache of sampling: each attention layer keeps the keys and values of
-the tokens seen so far, so a decode step projects and attends only the new tokens.
+"""The cache of sampling: each attention layer keeps the keys and values of the tokens
+seen so far, so a decode step projects and attends only the new tokens; each Gated
+DeltaNet layer keeps, instead, its conv window (the last ``linear_conv_kernel - 1`` conv
+inputs) and its recurrent state after them.
 
 A rank caches the kv heads it owns (``num_kv_heads/tp`` under tp) for the layers of its
 pipeline stages. Keys are stored after rotary, so a cached key never changes.
@@ -16,11 +18,17 @@ __all__ = ["LayerCache", "KVCache", "cached_attention"]
 
 
 class LayerCache:
-    """One layer's keys and values ``[B, kv_heads, length, head_dim]`` (None before the first step)."""
+    """One layer's keys and values ``[B, kv_heads, length, head_dim]`` (attention), or conv
+    window ``[K-1, B, C]`` and recurrent state ``[B, heads, dk, dv]`` (Gated DeltaNet); None
+    before the first step. ``new_tokens``: how many of a step's tokens are real (the rest
+    are its padding, which a recurrent state must not take in)."""
 
     def __init__(self):
         self.keys: Optional[torch.Tensor] = None
         self.values: Optional[torch.Tensor] = None
+        self.conv: Optional[torch.Tensor] = None
+        self.state: Optional[torch.Tensor] = None
+        self.new_tokens = 0
 
     @property
     def length(self) -> int:
@@ -51,6 +59,11 @@ class KVCache:
 
     def __getitem__(self, layer: int) -> LayerCache:
         return self.layers[layer]
+
+    def begin(self, new_tokens: int) -> None:
+        """A step of ``new_tokens`` real tokens starts (padding may follow them)."""
+        for cache in self.layers.values():
+            cache.new_tokens = new_tokens
 
     def truncate(self, length: int) -> None:
         for cache in self.layers.values():

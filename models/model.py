@@ -85,6 +85,11 @@ class Block(nn.Module):
             self.attn = Attention(m, head_dim(config), groups.tp, sp, **where, layer=layer)
         self.mlp_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind, m.norm_zero_centred)
         self.mlp = mlp
+        # Decided here, not in a forward: whether the attention takes the rotary positions
+        # (temperature tuning reads them; MLA and Gated DeltaNet have none), and whether the
+        # MLP is an MoE layer (it takes the router's per-token arguments).
+        self.attn_takes_positions = isinstance(self.attn, Attention)
+        self.mlp_routes = isinstance(mlp, MoELayer)
         # What the backward runs again (train.recompute, models/recompute.py): "none",
         # "all" (the whole block) or "attention" (the attention after its norm).
         self.recompute = "none"
@@ -102,13 +107,13 @@ class Block(nn.Module):
                    kv_cache: Optional[LayerCache], positions: Optional[torch.Tensor],
                    loss_scale: float) -> torch.Tensor:
         # positions (those of cos/sin): only temperature tuning reads them, which MLA has not.
-        extra = {"positions": positions} if isinstance(self.attn, Attention) else {}
+        extra = {"positions": positions} if self.attn_takes_positions else {}
         if self.recompute == "attention":
             x = x + recomputed(self.attn, self.attn_norm(x), cos, sin, docs, kv_cache, **extra)  # [S_local, B, H]
         else:
             x = x + self.attn(self.attn_norm(x), cos, sin, docs, kv_cache, **extra)  # [S_local, B, H]
         h = self.mlp_norm(x).flatten(0, 1)  # [S_local*B, H]
-        if isinstance(self.mlp, MoELayer):
+        if self.mlp_routes:
             s_local, batch = x.shape[0], x.shape[1]
             # Sequence-first flattening: row t is sample t % B. SP (tp) and cp shards hold
             # slices of the same B samples, so the router's tp x cp sums meet per sample. A
@@ -205,6 +210,10 @@ class Transformer(nn.Module):
         # The rotary setup, checked once here: a forward does tensor work only.
         self.rotary_dim, self.yarn = rotary_dim(config), yarn_of(m)
         require(rotary_pairs, self.rotary_dim)
+        # What the forwards read, as plain attributes: a forward reads no config object.
+        self.rope_theta, self.sequence_parallel = m.rope_theta, sp
+        self.mtp_num_layers = m.mtp_num_layers
+        self.mtp_loss_factor = m.mtp_loss_weight / m.mtp_num_layers if m.mtp_num_layers > 0 else 0.0
         pp = groups.size("pp")
         vpp = vpp_size(config) if pp > 1 else 1
         layers_of = stage_layers(m.num_layers, pp, vpp, config.parallel.pp_layers if pp > 1 else None)
@@ -241,8 +250,7 @@ class Transformer(nn.Module):
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = next(self.parameters()).dtype
-        m = self.config.model
-        return cos_sin(positions, self.rotary_dim, m.rope_theta, dtype, self.yarn)
+        return cos_sin(positions, self.rotary_dim, self.rope_theta, dtype, self.yarn)
 
     def _default_positions(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[S_local]``: this rank's zigzag shard of ``0..S-1`` (``arange`` without cp)."""
@@ -262,7 +270,7 @@ class Transformer(nn.Module):
             doc_ids = doc_ids.to(next(self.parameters()).device, non_blocking=True)
         # An all-true mask is not turned into None here: that would read it back from the
         # device every micro-batch; the loader gives None when no token is padding.
-        mask = router_token_mask(token_mask, self.groups.rank_in("tp"), tp, self.config.parallel.sequence_parallel)
+        mask = router_token_mask(token_mask, self.groups.rank_in("tp"), tp, self.sequence_parallel)
         if doc_ids is None and mask is None:
             return None
         return Documents(doc_ids, self.groups.cp, mask)
@@ -294,7 +302,7 @@ class Transformer(nn.Module):
         """The MTP depths' shifted inputs, labels and masks of this rank's micro-batch
         (:func:`moe_fold.models.mtp.mtp_targets`); a collective over cp."""
         doc_ids = docs.doc_ids if docs is not None else None
-        return mtp_targets(input_ids, labels, loss_mask, doc_ids, self.config.model.mtp_num_layers, self.groups.cp)
+        return mtp_targets(input_ids, labels, loss_mask, doc_ids, self.mtp_num_layers, self.groups.cp)
 
     def _loss(self, x: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
               num_loss_tokens: Optional[Union[float, torch.Tensor]], input_ids: torch.Tensor,
@@ -309,8 +317,7 @@ class Transformer(nn.Module):
         if mtp is None:
             mtp = self.mtp_targets(input_ids, labels, loss_mask, docs)
         depth_losses = self.mtp(x, self.embed, mtp, *rotary, docs, self._token_loss, loss_scale)  # [D]
-        m = self.config.model
-        return attach_loss(loss, depth_losses.sum(), m.mtp_loss_weight / m.mtp_num_layers)
+        return attach_loss(loss, depth_losses.sum(), self.mtp_loss_factor)
 
     def _token_loss(self, normed: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
                     num_loss_tokens: Optional[Union[float, torch.Tensor]]) -> torch.Tensor:
@@ -408,7 +415,7 @@ _RECOMPUTE = {
 }
 
 
-def compile_blocks(model: nn.Module) -> None:
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> None:
     """``train.compile=blocks``: compile every :class:`Block` of ``model`` (MTP depths
     included) in place, each on its own with ``fullgraph=True`` (a graph break is an error,
     not a silent fallback), as torchtitan compiles its TransformerBlocks. Parameter names
@@ -416,10 +423,12 @@ def compile_blocks(model: nn.Module) -> None:
     pipeline see the same model. The dropless MoE layer's per-expert counts become unbacked
     symbolic sizes: the caller runs the model under
     ``torch._dynamo.config.patch(capture_scalar_outputs=True)``
-    (:func:`moe_fold.training.train.train` does)."""
+    (:func:`moe_fold.training.train.train` does). ``backend``: torch.compile's (tests use
+    ``aot_eager``: the same graphs, fake kernels and autograd formulas without Inductor's
+    code generation)."""
     for module in model.modules():
         if isinstance(module, Block):
-            module.compile(fullgraph=True)
+            module.compile(fullgraph=True, backend=backend)
 
 
 def set_recompute(model: nn.Module, mode: str) -> None:

@@ -7,6 +7,10 @@ the ep ranks that own their experts and back (docs/architecture.md, "One MoE lay
 load-balancing and z losses ride on the router's probs through autograd, so nothing is
 returned besides the hidden states.
 
+Zero-computation experts (LongCat-Flash, ``moe.zero_experts``): the router picks among
+held and zero experts, and hands the dispatcher the held ones only; a slot on a zero expert
+adds the token times its gate weight here, without leaving the rank.
+
 The shared expert (Qwen2-MoE, DeepSeek) is a dense SwiGLU :class:`~moe_fold.models.mlp.MLP`
 of width ``moe.shared_expert_ffn_hidden_size`` that every token goes through; it is
 tensor-parallel like the dense MLP (column/row-parallel, the sequence gathered over tp
@@ -121,13 +125,18 @@ class MoELayer(nn.Module):
         and ``num_seqs = B``."""
         routing = self.router(hidden, loss_mask=loss_mask, seq_ids=seq_ids, num_seqs=num_seqs, loss_scale=loss_scale)
         if self.shared_expert_overlap or self.overlap_chunks > 1:
-            return self._overlapped(hidden, routing.probs, routing.routing_map)
-        sent = self.dispatcher.dispatch(hidden, routing.probs, routing.routing_map)  # [N, H] by local expert
-        rows = self.experts(sent.tokens, sent.tokens_per_local_expert, sent.probs,
-                            sent.host_tokens_per_local_expert)  # [N, H], prob-weighted
-        out = self.dispatcher.combine(rows, sent.handle)  # [T_local, H]
-        if self.shared_expert is not None:
-            out = out + self._gated(hidden, self.shared_expert(hidden))
+            out = self._overlapped(hidden, routing.probs, routing.routing_map)
+        else:
+            sent = self.dispatcher.dispatch(hidden, routing.probs, routing.routing_map)  # [N, H] by local expert
+            rows = self.experts(sent.tokens, sent.tokens_per_local_expert, sent.probs,
+                                sent.host_tokens_per_local_expert)  # [N, H], prob-weighted
+            out = self.dispatcher.combine(rows, sent.handle)  # [T_local, H]
+            if self.shared_expert is not None:
+                out = out + self._gated(hidden, self.shared_expert(hidden))
+        if routing.zero_probs is not None:
+            # Zero-computation experts return their input (LongCat-Flash): input x gate weight,
+            # here where the token is, never dispatched. [T_local, 1] * [T_local, H]
+            out = out + (hidden * routing.zero_probs.unsqueeze(1)).to(out.dtype)
         return out
 
     def _overlapped(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Sampling from a model: greedy or temperature / top-k / top-p, with a KV cache.
+"""Sampling from a model: greedy or temperature / top-k / top-p, with a KV cache (and the
+recurrent state of Gated DeltaNet layers).
 
 :func:`generate` runs the prompt once (prefill), then one token per step: attention reads
 the cached keys and values of the tokens before (:mod:`.kv_cache`), and each MoE layer
@@ -8,7 +9,7 @@ builds except context parallel:
 - tp (with sequence parallel): every tp rank must hold a slice of the new tokens, so a
   step pads them to a multiple of tp. The padding comes after the real tokens, which
   causal attention never lets them see, and its cached keys and values are dropped after
-  the step.
+  the step; a Gated DeltaNet layer keeps the conv window and state after the real tokens.
 - ep, etp, dp replicas: every rank runs the same sequences; the dispatcher moves the
   tokens to the ranks that own their experts as in training.
 - pp (and vpp): the stages run one after another, each sending its hidden states to the
@@ -79,6 +80,7 @@ def forward_cached(model, ids: torch.Tensor, cache: KVCache) -> Optional[torch.T
     padded = -(-n // tp) * tp
     ids = torch.nn.functional.pad(ids, (0, padded - n), value=0)  # [B, n_pad]
     start = cache.length
+    cache.begin(n)
     dtype = next(model.parameters()).dtype
     positions = torch.arange(start, start + padded, device=ids.device)
     cos, sin = rotary_cos_sin(positions, rotary_dim(config), config.model.rope_theta, dtype,

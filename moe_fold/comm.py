@@ -62,6 +62,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 __all__ = [
     "group_kind", "group_size", "group_rank",
@@ -130,11 +131,12 @@ def all_gather_bytes(x: torch.Tensor, group: Group) -> int:
 def reduce_scatter_bytes(x: torch.Tensor, group: Group, sizes: Optional[Sequence[int]] = None,
                          dim: int = 0) -> int:
     """The bytes this rank sends in :func:`reduce_scatter` of ``x`` (every slice not its own)."""
-    if not _active(group) or x.shape[dim] == 0:
+    if not _active(group):
         return 0
     n, me = dist.get_world_size(group), dist.get_rank(group)
     own = x.shape[dim] // n if sizes is None else int(sizes[me])
-    return (x.shape[dim] - own) * (_nbytes(x) // x.shape[dim])
+    # No division by the scattered size: under compile it may be an unbacked symbolic int.
+    return (x.shape[dim] - own) * x.element_size() * math.prod(x.shape[:dim] + x.shape[dim + 1:])
 
 
 def bytes_sent() -> dict[str, int]:
@@ -323,6 +325,54 @@ def _norm_dim(dim: int, x: torch.Tensor) -> int:
     return dim % x.dim()
 
 
+# --------------------------------------------------------------------------- traced
+# Under torch.compile (train.compile=blocks) the collectives with a backward run as
+# torch's functional collectives, which the compiler sees as ops with fake kernels and
+# autograd formulas (the backward of each is the collective the eager Function runs),
+# and whose split sizes may be unbacked symbolic ints from the count exchange. Eager
+# calls keep the Functions below (their byte counts, checks and asynchronous overlap).
+# A compiled block's collectives are not counted: the counter is a Python side effect
+# and a compiled backward has no place to run one.
+
+def _traced_all_to_all(x: torch.Tensor, output_split_sizes: Optional[Sequence[int]],
+                       input_split_sizes: Optional[Sequence[int]], group: dist.ProcessGroup) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    if output_split_sizes is None and input_split_sizes is None:
+        return funcol.all_to_all_single(x.contiguous(), None, None, group)
+    equal = [x.shape[0] // n] * n
+    outs = list(output_split_sizes) if output_split_sizes is not None else equal
+    ins = list(input_split_sizes) if input_split_sizes is not None else equal
+    return funcol.all_to_all_single(x.contiguous(), outs, ins, group)
+
+
+def _traced_all_gather(x: torch.Tensor, sizes: Optional[Sequence[int]], dim: int,
+                       group: dist.ProcessGroup) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    x0 = x.movedim(dim, 0).contiguous()  # [s, ...rest]
+    if sizes is None:
+        return funcol.all_gather_tensor(x0, 0, group).movedim(0, dim)  # [n*s, ...rest]
+    # Uneven shards: an all-to-all that sends this rank's shard to every rank and receives
+    # sizes[r] rows from rank r, so no size is sliced by an unbacked symbolic int (a sum of
+    # the count exchange's sizes, which AOT autograd cannot rebind). Its backward sums the
+    # rows every rank sends back: the reduce-scatter.
+    received = funcol.all_to_all_single(x0.repeat((n,) + (1,) * (x0.dim() - 1)), list(sizes),
+                                        [x0.shape[0]] * n, group)  # [sum(sizes), ...rest]
+    return received.movedim(0, dim)
+
+
+def _traced_reduce_scatter(x: torch.Tensor, sizes: Optional[Sequence[int]], dim: int,
+                           group: dist.ProcessGroup) -> torch.Tensor:
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    x0 = x.movedim(dim, 0).contiguous()  # [total, ...rest]
+    if sizes is None:
+        return funcol.reduce_scatter_tensor(x0, "sum", 0, group).movedim(0, dim)  # [total/n, ...rest]
+    # Uneven slices: an all-to-all that sends slice r to rank r, then the sum of what every
+    # rank sent (as _traced_all_gather, no slicing by unbacked sizes).
+    own, rest = sizes[me], tuple(x0.shape[1:])
+    received = funcol.all_to_all_single(x0, [own] * n, list(sizes), group)  # [n*own, ...rest]
+    return received.view((n, own) + rest).sum(dim=0).movedim(0, dim)  # [own, ...rest]
+
+
 # --------------------------------------------------------------------------- autograd ops
 
 class _AllToAll(torch.autograd.Function):
@@ -355,6 +405,8 @@ def all_to_all(x: torch.Tensor, output_split_sizes: Optional[list[int]],
                 raise ValueError(f"all_to_all: {name}={list(sizes)} on a group of one rank must be "
                                  f"[{x.shape[0]}], the input's rows")
         return x
+    if torch.compiler.is_compiling():
+        return _traced_all_to_all(x, output_split_sizes, input_split_sizes, group)
     return _AllToAll.apply(x, output_split_sizes, input_split_sizes, group)
 
 
@@ -377,6 +429,8 @@ def all_gather(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = None,
     """
     if not _active(group):
         return x
+    if torch.compiler.is_compiling():
+        return _traced_all_gather(x, sizes, _norm_dim(dim, x), group)
     return _AllGather.apply(x, group, sizes, _norm_dim(dim, x))
 
 
@@ -399,6 +453,8 @@ def reduce_scatter(x: torch.Tensor, group: Group, sizes: Optional[list[int]] = N
     """
     if not _active(group):
         return x
+    if torch.compiler.is_compiling():
+        return _traced_reduce_scatter(x, sizes, _norm_dim(dim, x), group)
     return _ReduceScatter.apply(x, group, sizes, _norm_dim(dim, x))
 
 
@@ -418,6 +474,9 @@ def all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     ``"max"``/``"min"`` are for tensors without grad."""
     if not _active(group):
         return x
+    if torch.compiler.is_compiling():
+        _reduce_op(op)
+        return funcol.all_reduce(x, op, group)
     if op == "sum":
         return _AllReduceSum.apply(x, group)
     if x.requires_grad:
@@ -433,7 +492,10 @@ def all_reduce_(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Te
         raise ValueError(f"all_reduce_: tensor of shape {tuple(tensor.shape)} must be contiguous")
     if _active(group):
         with torch.no_grad():
-            _raw_all_reduce_(tensor, group, op)
+            if torch.compiler.is_compiling():
+                tensor.copy_(funcol.all_reduce(tensor, op, group))
+            else:
+                _raw_all_reduce_(tensor, group, op)
     return tensor
 
 
@@ -482,18 +544,62 @@ class _GatherFromTP(torch.autograd.Function):
         return _own_slice(grad, ctx.dim, ctx.group), None, None
 
 
+class _TracedCopyToTP(torch.autograd.Function):
+    # _CopyToTP under compile: the backward's all-reduce is a functional collective.
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.all_reduce(grad.contiguous(), "sum", ctx.group), None
+
+
+class _TracedReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return funcol.all_reduce(x.contiguous(), "sum", group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _TracedScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _own_slice(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _traced_all_gather(grad, None, ctx.dim, ctx.group), None, None
+
+
+class _TracedGatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _traced_all_gather(x, None, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_slice(grad, ctx.dim, ctx.group), None, None
+
+
 def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a TP region with a replicated input: forward identity, backward all-reduce."""
     if not _active(group):
         return x
-    return _CopyToTP.apply(x, group)
+    return (_TracedCopyToTP if torch.compiler.is_compiling() else _CopyToTP).apply(x, group)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Leave a TP region by summing partial outputs: forward all-reduce, backward identity."""
     if not _active(group):
         return x
-    return _ReduceFromTP.apply(x, group)
+    return (_TracedReduceFromTP if torch.compiler.is_compiling() else _ReduceFromTP).apply(x, group)
 
 
 def gather_from_sequence_region(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
@@ -510,7 +616,7 @@ def scatter_to_sequence_region(x: torch.Tensor, group: Group, dim: int = 0) -> t
     """Replicated -> SP: forward keep this rank's equal slice along ``dim``, backward all-gather."""
     if not _active(group):
         return x
-    return _ScatterToSP.apply(x, group, _norm_dim(dim, x))
+    return (_TracedScatterToSP if torch.compiler.is_compiling() else _ScatterToSP).apply(x, group, _norm_dim(dim, x))
 
 
 def gather_from_tp_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
@@ -518,7 +624,7 @@ def gather_from_tp_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch
     default), backward keep this rank's slice (the grad is replicated over TP)."""
     if not _active(group):
         return x
-    return _GatherFromTP.apply(x, group, _norm_dim(dim, x))
+    return (_TracedGatherFromTP if torch.compiler.is_compiling() else _GatherFromTP).apply(x, group, _norm_dim(dim, x))
 
 
 # --------------------------------------------------------------------------- point-to-point
@@ -707,6 +813,10 @@ def all_to_all_start(x: torch.Tensor, output_split_sizes: Optional[list[int]],
     is posted; the :class:`Pending` returns the rows."""
     if not _active(group):
         return all_to_all_async(x, output_split_sizes, input_split_sizes, group)
+    if torch.compiler.is_compiling():
+        # A functional collective is already asynchronous: the compiler waits at first use.
+        received = _traced_all_to_all(x, output_split_sizes, input_split_sizes, group)
+        return Pending(None, lambda: received)
     outs, ins = _copy(output_split_sizes), _copy(input_split_sizes)
     return _in_autograd(x, _Flight(lambda t: all_to_all_async(t, outs, ins, group),
                                    lambda g: all_to_all_async(g, ins, outs, group)))
@@ -716,6 +826,9 @@ def all_gather_start(x: torch.Tensor, group: Group, sizes: Optional[list[int]] =
     """:func:`all_gather` along dim 0, asynchronous in forward and backward (reduce-scatter)."""
     if not _active(group):
         return Pending(None, lambda: x)
+    if torch.compiler.is_compiling():
+        gathered = _traced_all_gather(x, sizes, 0, group)
+        return Pending(None, lambda: gathered)
     sizes = _copy(sizes)
     return _in_autograd(x, _Flight(lambda t: all_gather_async(t, group, sizes),
                                    lambda g: reduce_scatter_async(g, group, sizes)))
@@ -725,6 +838,9 @@ def reduce_scatter_start(x: torch.Tensor, group: Group, sizes: Optional[list[int
     """:func:`reduce_scatter` along dim 0, asynchronous in forward and backward (all-gather)."""
     if not _active(group):
         return reduce_scatter_async(x, group, sizes)
+    if torch.compiler.is_compiling():
+        reduced = _traced_reduce_scatter(x, sizes, 0, group)
+        return Pending(None, lambda: reduced)
     sizes = _copy(sizes)
     return _in_autograd(x, _Flight(lambda t: reduce_scatter_async(t, group, sizes),
                                    lambda g: all_gather_async(g, group, sizes)))

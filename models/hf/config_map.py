@@ -27,20 +27,23 @@ __all__ = ["FAMILIES", "METADATA_KEYS", "FEATURE_USE", "HFConfigError", "hf_fami
 
 
 def hf_family(hf: dict) -> str:
-    """The family (its ``model_type``: ``mixtral``, ``qwen2_moe``...) of a parsed ``config.json``."""
+    """The family (its ``model_type``: ``mixtral``, ``qwen2_moe``...) of a parsed ``config.json``
+    (whose ``model_type`` may be one the family reads besides its own: its ``aliases``)."""
     model_type = hf.get("model_type")
-    family = lookup(model_type)
+    family = lookup(model_type, aliases=True)
     archs = hf.get("architectures")
-    if archs is not None and list(archs) != [family.architecture]:
-        raise HFConfigError([f"architectures={archs!r}: only [{family.architecture!r}] is supported for "
-                             f"model_type={model_type!r}"], "unsupported Hugging Face model")
-    return model_type
+    accepted = (family.architecture,) + family.import_architectures
+    if archs is not None and (len(archs) != 1 or archs[0] not in accepted):
+        raise HFConfigError([f"architectures={archs!r}: only {' or '.join(f'[{a!r}]' for a in accepted)} is "
+                             f"supported for model_type={model_type!r}"], "unsupported Hugging Face model")
+    return family.model_type
 
 
 def _reset_family_fields(config: Config) -> None:
     """Nothing of a base config's family-specific fields stays: the importing family sets
     what it has (MLA, YaRN, the attention features, expert-input scaling, gpt-oss's biases
-    and activation, ERNIE-4.5's renormalisation floor, MTP, partial rotary)."""
+    and activation, ERNIE-4.5's renormalisation floor, MTP, partial rotary, Qwen3-Next's
+    layer types, output gate and zero-centred norms, zero experts)."""
     m, moe = config.model, config.moe
     m.qk_norm_scope, m.partial_rotary_factor, m.mtp_num_layers = "head", 1.0, 0
     moe.topk_norm_min = None
@@ -48,6 +51,7 @@ def _reset_family_fields(config: Config) -> None:
     m.local_attention_layers, m.rope_layers = None, None
     m.attn_temperature_tuning, m.attn_temperature_scale, m.attn_temperature_floor = False, 0.1, 8192
     moe.score_on_input = False
+    moe.zero_experts = 0
     m.attention_out_bias = False
     moe.router_bias, moe.expert_linear_bias, moe.activation = False, False, "swiglu"
     m.attention, m.rope_interleave, m.rope_scaling = "mha", False, None
@@ -55,6 +59,7 @@ def _reset_family_fields(config: Config) -> None:
                  *YARN_KEYS.values()):
         setattr(m, name, None)
     m.yarn_beta_fast, m.yarn_beta_slow, m.yarn_truncate = 32.0, 1.0, True
+    m.layer_types, m.attn_output_gate, m.norm_zero_centred = None, False, False
 
 
 def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
@@ -117,11 +122,13 @@ FEATURE_USE: dict[str, tuple[Callable[[Config], bool], Callable[[Config, str], s
                                        f"setting"))
        for name, off in (("attention_sinks", False), ("sliding_window", 0), ("attention_chunk", 0),
                          ("rope_layers", None), ("attn_temperature_tuning", False))},
+    "zero_experts": (lambda c: c.moe.zero_experts > 0,
+                     lambda c, f: f"moe.zero_experts={c.moe.zero_experts}: {f} has no zero-computation experts"),
     "score_on_input": (lambda c: c.moe.score_on_input,
                        lambda c, f: f"moe.score_on_input=true: {f} scales each expert's output by its prob"),
     "layer_types": (lambda c: c.model.layer_types is not None and set(c.model.layer_types) != {"attention"},
                     lambda c, f: f"model.layer_types={c.model.layer_types}: {f} has attention on every layer "
-                                 f"(no family here exports Gated DeltaNet layers yet)"),
+                                 f"(Qwen3-Next and Qwen3.5 have Gated DeltaNet layers)"),
     "attn_output_gate": (lambda c: c.model.attn_output_gate,
                          lambda c, f: f"model.attn_output_gate=true: {f}'s attention has no output gate"),
     "norm_zero_centred": (lambda c: c.model.norm_zero_centred,

@@ -3,7 +3,8 @@
 Each global parameter of ours is described as a :class:`Source` tree over Hugging Face
 tensors: :class:`Take` (one tensor, its dims possibly permuted), :class:`Cat` (parts
 concatenated along a dim: q|k|v, gate|up), :class:`Stack` (one tensor per expert),
-:class:`Copies` (one tensor stored several times), :class:`FirstRow` and :class:`Halves`.
+:class:`Copies` (one tensor stored several times), :class:`FirstRow`, :class:`Halves`,
+:class:`Squeezed` and :class:`Grouped`.
 Import reads any box of our global tensor from that tree, so a rank reads only the
 slices of the safetensors files its shard needs (``get_slice``); export splits a
 gathered global tensor back into the Hugging Face tensors with the same tree. Which
@@ -22,7 +23,8 @@ from typing import Optional, Union
 import torch
 from safetensors import SafetensorError, safe_open
 
-__all__ = ["HFWeightError", "SafetensorsFolder", "Source", "Take", "Cat", "Stack", "Copies", "FirstRow", "Halves"]
+__all__ = ["HFWeightError", "SafetensorsFolder", "Source", "Take", "Cat", "Stack", "Copies", "FirstRow", "Halves",
+           "Squeezed", "Grouped"]
 
 
 class HFWeightError(ValueError):
@@ -255,4 +257,72 @@ class Halves:
         return self.part.split(value.index_select(self.dim, torch.argsort(self._order(n))))
 
 
-Source = Union[Take, Cat, Stack, Copies, FirstRow, Halves]
+@dataclass(frozen=True)
+class Squeezed:
+    """Our tensor is the Hugging Face tensor ``name`` without its dim ``dim`` of size 1
+    (a depthwise ``Conv1d`` weight ``[C, 1, K]``; ours ``[C, K]``)."""
+
+    name: str
+    dim: int
+
+    def names(self) -> list[str]:
+        return [self.name]
+
+    def shape(self, hf: SafetensorsFolder) -> tuple[int, ...]:
+        shape = hf.shape(self.name)
+        if len(shape) <= self.dim or shape[self.dim] != 1:
+            raise HFWeightError(f"{self.name} has shape {list(shape)}; expected a dim {self.dim} of 1")
+        return shape[:self.dim] + shape[self.dim + 1:]
+
+    def read(self, hf: SafetensorsFolder, offsets, sizes) -> torch.Tensor:
+        off, size = list(offsets), list(sizes)
+        off.insert(self.dim, 0)
+        size.insert(self.dim, 1)
+        return hf.read(self.name, tuple(off), tuple(size)).squeeze(self.dim)
+
+    def split(self, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [(self.name, value.unsqueeze(self.dim))]
+
+
+@dataclass(frozen=True)
+class Grouped:
+    """Our tensor is ``part`` with its entries along ``dim`` regrouped: theirs hold ``groups``
+    blocks, each the parts of sizes ``sizes`` of one group (a head); ours hold each part
+    for every group in turn. Qwen3-Next stores its fused Gated DeltaNet projections by key
+    head (``q_h k_h v_h z_h`` for each h; ours ``q k v z``) and its gated query by head
+    (``q_h gate_h``; ours ``q gate``). A read takes the whole of ``dim`` and the box of the rest."""
+
+    part: object
+    dim: int
+    groups: int
+    sizes: tuple[int, ...]
+
+    def names(self) -> list[str]:
+        return self.part.names()
+
+    def shape(self, hf: SafetensorsFolder) -> tuple[int, ...]:
+        shape = self.part.shape(hf)
+        if shape[self.dim] != self.groups * sum(self.sizes):
+            raise HFWeightError(f"{', '.join(self.names())} has {shape[self.dim]} entries along dim {self.dim}; "
+                                f"expected {self.groups} groups of {' + '.join(map(str, self.sizes))}")
+        return shape
+
+    def _order(self) -> torch.Tensor:
+        """ours[i] = theirs[order[i]]."""
+        width = sum(self.sizes)
+        starts = [sum(self.sizes[:p]) for p in range(len(self.sizes))]
+        return torch.cat([torch.arange(g * width + start, g * width + start + size)
+                          for start, size in zip(starts, self.sizes) for g in range(self.groups)])
+
+    def read(self, hf: SafetensorsFolder, offsets, sizes) -> torch.Tensor:
+        n = self.shape(hf)[self.dim]
+        off, size = list(offsets), list(sizes)
+        off[self.dim], size[self.dim] = 0, n
+        whole = self.part.read(hf, tuple(off), tuple(size)).index_select(self.dim, self._order())
+        return whole.narrow(self.dim, offsets[self.dim], sizes[self.dim])
+
+    def split(self, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return self.part.split(value.index_select(self.dim, torch.argsort(self._order())))
+
+
+Source = Union[Take, Cat, Stack, Copies, FirstRow, Halves, Squeezed, Grouped]

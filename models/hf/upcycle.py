@@ -156,6 +156,9 @@ def _function_preserving_problems(config: Config, granularity: int) -> list[str]
     if moe.shared_expert_ffn_hidden_size:
         out.append(f"moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size}: the dense MLP becomes "
                    f"the routed experts; an upcycled model has no shared expert")
+    if moe.zero_experts:
+        out.append(f"moe.zero_experts={moe.zero_experts}: a slot on a zero expert returns the token, not the "
+                   f"dense MLP; upcycle without zero experts")
     return out
 
 

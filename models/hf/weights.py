@@ -23,7 +23,7 @@ from .families import Family, lookup
 from .sources import Cat, Copies, FirstRow, Halves, HFWeightError, SafetensorsFolder, Source, Stack, Take
 
 __all__ = ["HFWeightError", "SafetensorsFolder", "Source", "Take", "Cat", "Stack", "Copies", "FirstRow", "Halves",
-           "weight_sources", "ignorable_hf_names"]
+           "weight_sources", "attention_sources", "ignorable_hf_names"]
 
 # Our MLA parameter (under ``attn.``) -> its tensor (under ``self_attn.``); q.weight
 # without q_lora_rank, the three q_* low-rank ones with it.
@@ -45,42 +45,52 @@ def weight_sources(config: Config, family: str, hf_names: frozenset = frozenset(
     target = lookup(family, field="family", where="no Hugging Face weight names")
     m = config.model
     mtp = range(m.num_layers, m.num_layers + m.mtp_num_layers)
+    model = target.model_prefix(hf_names)  # "model." (a multimodal wrapper's text model: elsewhere)
 
     def copies(name: str) -> tuple:
         # Export writes every copy; import reads the model's own and places the copies it finds.
-        names = [f"model.layers.{i}.{name}" for i in mtp]
+        names = [f"{model}layers.{i}.{name}" for i in mtp]
         return tuple(Take(n) for n in names if not hf_names or n in hf_names)
 
     embed_copies, head_copies = copies("embed_tokens.weight"), copies("shared_head.head.weight")
-    head = Take("model.embed_tokens.weight" if m.tie_embeddings else "lm_head.weight")
-    out: dict[str, Source] = {"embed.weight": Copies((Take("model.embed_tokens.weight"),) + embed_copies
+    head = Take(f"{model}embed_tokens.weight" if m.tie_embeddings else "lm_head.weight")
+    out: dict[str, Source] = {"embed.weight": Copies((Take(f"{model}embed_tokens.weight"),) + embed_copies
                                                      + (head_copies if m.tie_embeddings else ())),
-                              "norm.weight": Take("model.norm.weight")}
+                              "norm.weight": Take(f"{model}norm.weight")}
     if not m.tie_embeddings:
         out["lm_head.weight"] = Copies((head,) + head_copies)
     flags = moe_layer_flags(config)
     for i, is_moe in enumerate(flags):
-        out.update(_layer_sources(config, target, f"model.layers.{i}.", f"layers.{i}.", is_moe, hf_names))
+        out.update(_layer_sources(config, target, i, f"{model}layers.{i}.", f"layers.{i}.", is_moe, hf_names))
     for k, i in enumerate(mtp):
-        hf, ours = f"model.layers.{i}.", f"mtp.{k}."
+        hf, ours = f"{model}layers.{i}.", f"mtp.{k}."
         out[f"{ours}enorm.weight"] = Take(f"{hf}enorm.weight")
         out[f"{ours}hnorm.weight"] = Take(f"{hf}hnorm.weight")
         out[f"{ours}eh_proj.weight"] = Take(f"{hf}eh_proj.weight")
         out[f"{ours}norm.weight"] = Take(f"{hf}shared_head.norm.weight")
-        out.update(_layer_sources(config, target, hf, f"{ours}block.", flags[-1], hf_names))
+        out.update(_layer_sources(config, target, i, hf, f"{ours}block.", flags[-1], hf_names))
     return out
 
 
-def _layer_sources(config: Config, family: Family, hf: str, ours: str, is_moe: bool,
+def _layer_sources(config: Config, family: Family, layer: int, hf: str, ours: str, is_moe: bool,
                    hf_names: frozenset) -> dict[str, Source]:
     """The sources of one block's parameters: ours under ``ours``, theirs under ``hf``."""
+    out: dict[str, Source] = {}
+    out[f"{ours}attn_norm.weight"] = Take(f"{hf}input_layernorm.weight")
+    out[f"{ours}mlp_norm.weight"] = Take(f"{hf}post_attention_layernorm.weight")
+    out.update((family.mixer_sources or attention_sources)(config, layer, hf, ours))
+    out.update(family.mlp_sources(config, hf, ours, is_moe, hf_names))
+    return out
+
+
+def attention_sources(config: Config, layer: int, hf: str, ours: str) -> dict[str, Source]:
+    """The sources of a standard or MLA attention layer's parameters (ours under
+    ``ours + "attn."``, theirs under ``hf + "self_attn."``)."""
     m = config.model
     hd = head_dim(config)
     q, kv = m.num_heads * hd, m.num_kv_heads * hd
     out: dict[str, Source] = {}
     attn = f"{hf}self_attn."
-    out[f"{ours}attn_norm.weight"] = Take(f"{hf}input_layernorm.weight")
-    out[f"{ours}mlp_norm.weight"] = Take(f"{hf}post_attention_layernorm.weight")
     if m.attention == "mla":
         query = ("q.weight",) if m.q_lora_rank is None else ("q_down.weight", "q_norm.weight", "q_up.weight")
         for name in query + ("kv_down.weight", "kv_norm.weight", "kv_up.weight", "proj.weight"):
@@ -97,7 +107,6 @@ def _layer_sources(config: Config, family: Family, hf: str, ours: str, is_moe: b
     if m.qk_norm and m.qk_norm_scope != "l2":  # Llama-4's L2 norm has no weight
         out[f"{ours}attn.q_norm.weight"] = Take(f"{attn}q_norm.weight")
         out[f"{ours}attn.k_norm.weight"] = Take(f"{attn}k_norm.weight")
-    out.update(family.mlp_sources(config, hf, ours, is_moe, hf_names))
     return out
 
 

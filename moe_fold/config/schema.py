@@ -198,6 +198,11 @@ class MoEConfig:
     bias_update_rate: float = 1e-3
     # A learned bias on the router's logits, a linear with bias (gpt-oss).
     router_bias: bool = False
+    # LongCat-Flash's zero-computation experts: this many identity experts after the routed
+    # ones. The router scores and picks among all num_experts + zero_experts (topk counts
+    # both); a token's slot on a zero expert adds its input times its gate weight where the
+    # token is, so it is never dispatched and costs no expert FLOPs. 0: none.
+    zero_experts: int = 0
 
     # gpt-oss's experts (models/experts.py): biases on every routed expert's fc1 (gate|up) and fc2.
     expert_linear_bias: bool = False

@@ -17,7 +17,12 @@ Per micro-batch and layer (``X`` the bytes of one ``[s/cp, b, H]`` activation):
   (attention; dense MLP; shared expert), 2 for the embedding and 2 for the head; plus the
   vocab-parallel cross entropy's three float32 ``[s/cp, b]`` all-reduces. Without SP: one
   all-reduce of ``X`` per linear (backward for column, forward for row). Recompute reruns
-  the forward collectives of what it recomputes. moe-fold keeps the gathered input for
+  the forward collectives of what it recomputes, up to the last op whose saved tensors the
+  backward needs (torch's non-reentrant checkpoints stop there): a checkpoint ending in a
+  row-parallel linear does not redo its reduce-scatter (all-reduce without SP), so a
+  recomputed attention (MLA: its latents' gathers) or shared expert reruns only its
+  gather, and a dense block under ``full`` also the attention's reduce-scatter before its
+  MLP (Megatron's reentrant checkpoints rerun all of it). moe-fold keeps the gathered input for
   the weight gradient, so unlike Megatron the backward does not all-gather it again.
 - ep (all-to-all dispatcher): dispatch sends ``sent`` rows and combine sends back the
   ``received`` ones, both again in the backward: ``2 (sent + received) H a`` bytes, plus
@@ -59,7 +64,7 @@ from typing import Optional, Sequence
 
 from moe_fold.config import Config, dp_size, edp_size, etp_size, vpp_size
 from moe_fold.planner.memory import grad_buckets, shard_sizes
-from moe_fold.planner.model import act_bytes, dims, param_manifest, router_bytes, stage_blocks
+from moe_fold.planner.model import act_bytes, dims, held_rows_per_token, param_manifest, router_bytes, stage_blocks
 
 __all__ = ["GRAD_BYTES", "Routing", "uniform_routing", "moe_layer_bytes", "microbatch_bytes",
            "step_bytes"]
@@ -111,10 +116,13 @@ def uniform_routing(config: Config) -> Routing:
         cap = math.ceil((tokens * d.topk / d.experts) * moe.capacity_factor)
         rows, meta = cap * d.experts, rb
     elif moe.dedup:
-        rows = tokens * ep * (1 - math.comb(d.experts - local, d.topk) / math.comb(d.experts, d.topk))
+        # Expert sets drawn over every router column, zero experts included (held by no rank).
+        columns = d.experts + d.zero_experts
+        rows = tokens * ep * (1 - math.comb(columns - local, d.topk) / math.comb(columns, d.topk))
         meta = 2 * local * rb
     else:
-        rows, meta = tokens * d.topk, rb
+        # Slots on zero experts stay where the token is: no row leaves.
+        rows, meta = tokens * held_rows_per_token(config), rb
     off = rows * (ep - 1) / ep
     return Routing(sent=off, received=off, held=rows, held_etp=rows * etp, meta=meta)
 
@@ -140,10 +148,13 @@ def moe_layer_bytes(config: Config, routing: Routing) -> dict[str, float]:
 
 
 def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: str,
-                     routing: Optional[Sequence[Routing]] = None) -> dict[str, float]:
+                     routing: Optional[Sequence[Routing]] = None,
+                     implementation: str = "moe-fold") -> dict[str, float]:
     """Bytes one rank of stage ``pp_rank`` sends for one micro-batch, forward and backward,
-    per group kind. ``routing``: one :class:`Routing` per MoE layer of the stage, in layer
-    order (default :func:`uniform_routing` for each)."""
+    per group kind. ``implementation``: ``moe-fold`` (non-reentrant checkpoints, which
+    stop their recompute at the last saved tensor) or ``megatron`` (its reentrant
+    checkpoints rerun the whole region). ``routing``: one :class:`Routing` per MoE layer of
+    the stage, in layer order (default :func:`uniform_routing` for each)."""
     d, p, moe = dims(config), config.parallel, config.moe
     tp, cp = p.tp, p.cp
     sp = p.sequence_parallel and tp > 1
@@ -152,22 +163,28 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
     x = b * s * d.hidden * a  # one [s/cp, b, H] activation
     out: dict[str, float] = defaultdict(float)
 
-    def pair(forward_only: bool = False) -> float:
+    def pair() -> float:
         """A column-parallel linear followed by a row-parallel one."""
-        if sp:
-            return (2 if forward_only else 4) * _share(x, tp)
-        return _all_reduce(x, tp) * (1 if forward_only else 2)
+        return 4 * _share(x, tp) if sp else 2 * _all_reduce(x, tp)
 
-    def attention(forward_only: bool = False) -> float:
-        """The attention's tp traffic. MLA enters the tp region with its latents (q's, or
-        the hidden states without q_lora_rank, the kv latent and the rotary key), not the
-        hidden states, and leaves it like any row-parallel linear."""
-        if not d.mla:
-            return pair(forward_only)
-        latents = b * s * ((d.q_lora or d.hidden) + d.kv_lora + d.rope_dim) * a
+    # MLA enters the tp region with its latents (q's, or the hidden states without
+    # q_lora_rank, the kv latent and the rotary key), not the hidden states, and leaves it
+    # like any row-parallel linear.
+    entered = b * s * ((d.q_lora or d.hidden) + d.kv_lora + d.rope_dim) * a if d.mla else x
+
+    def attention() -> float:
+        """The attention's tp traffic, forward and backward."""
         if sp:
-            return (1 if forward_only else 2) * (_share(latents, tp) + _share(x, tp))
-        return _all_reduce(x, tp) + (0 if forward_only else _all_reduce(latents, tp))
+            return 2 * (_share(entered, tp) + _share(x, tp))
+        return _all_reduce(x, tp) + _all_reduce(entered, tp)
+
+    def recomputed(enters: float, leaves: bool) -> float:
+        """A recomputed column/row region's forward collectives: the gather of its
+        ``enters`` bytes (none without SP: the copy into the region is the identity
+        forward), and its reduce-scatter (all-reduce) only when ``leaves``: a saved tensor
+        after it is recomputed too."""
+        gather = _share(enters, tp) if sp else 0
+        return gather + ((_share(x, tp) if sp else _all_reduce(x, tp)) if leaves else 0)
 
     norm_projection = d.qk_norm and config.model.qk_norm_scope == "projection"
     layers = stage_blocks(config, pp_rank)  # the MTP depths' blocks too, on the last stage
@@ -186,10 +203,13 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
                 out["tp"] += (4 + 2 * (recompute == "full")) * _all_reduce(b * s * 4, tp)
             if not is_moe or d.shared_ffn > 0:
                 out["tp"] += pair()  # dense MLP or shared expert
+            whole = implementation == "megatron"
             if recompute == "full":
-                out["tp"] += attention(forward_only=True)
+                # A dense block is one checkpoint: its MLP's input follows the attention's
+                # reduce-scatter. An MoE block's attention is a checkpoint of its own.
+                out["tp"] += recomputed(entered, leaves=whole or not is_moe)
             if (recompute == "full" or (recompute == "moe" and is_moe)) and (not is_moe or d.shared_ffn > 0):
-                out["tp"] += pair(forward_only=True)
+                out["tp"] += recomputed(x, leaves=whole)
         embeddings = (pp_rank == 0) + (d.mtp if last else 0)
         heads = (1 + d.mtp) if last else 0
         out["tp"] += embeddings * (2 * _share(x, tp) if sp else _all_reduce(x, tp))
@@ -208,7 +228,7 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
             layer_bytes[r] = moe_layer_bytes(config, r)
         for kind, nbytes in layer_bytes[r].items():
             out[kind] += nbytes
-        stats = 8 * (2 * d.experts + 1)  # counts, tokens, prob sums (float64)
+        stats = 8 * (2 * (d.experts + d.zero_experts) + 1)  # counts, tokens, prob sums (float64), every column
         if moe.aux_loss_coeff > 0:
             out["tp_cp"] += _all_reduce(stats, tp * cp)
         if moe.z_loss_coeff > 0:
@@ -253,8 +273,9 @@ def _cp_attention_bytes(config: Config) -> tuple[float, float]:
 def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Optional[str] = None,
                distributed: Optional[bool] = None,
                routing: Optional[Sequence[Sequence[Routing]]] = None,
-               shard_ranks: Optional[dict[str, int]] = None) -> dict[str, float]:
-    """Bytes one rank of stage ``pp_rank`` sends in one training step, per group kind.
+               shard_ranks: Optional[dict[str, int]] = None, implementation: str = "moe-fold") -> dict[str, float]:
+    """Bytes one rank of stage ``pp_rank`` sends in one training step, per group kind
+    (``implementation``: see :func:`microbatch_bytes`).
 
     ``recompute`` and ``distributed`` default to ``train.recompute`` and
     ``optimizer.distributed``. ``routing``: per micro-batch, one :class:`Routing` per MoE
@@ -272,7 +293,7 @@ def step_bytes(config: Config, world_size: int, pp_rank: int = 0, recompute: Opt
     out: dict[str, float] = defaultdict(float)
     for i in range(micro):
         for kind, nbytes in microbatch_bytes(config, world_size, pp_rank, recompute,
-                                             None if routing is None else routing[i]).items():
+                                             None if routing is None else routing[i], implementation).items():
             out[kind] += nbytes
 
     sizes = {"dp_cp": dp * p.cp, "tp_dp_cp": p.tp * dp * p.cp, "edp": edp}

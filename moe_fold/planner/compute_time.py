@@ -53,7 +53,7 @@ from typing import Optional, Sequence
 
 from moe_fold.config import Config, etp_size
 from moe_fold.planner.hardware import GPU
-from moe_fold.planner.model import act_bytes, dims, stage_blocks
+from moe_fold.planner.model import act_bytes, dims, held_rows_per_token, stage_blocks
 
 __all__ = ["TILE", "ATTENTION_KERNELS", "GEMM_DTYPES", "gemm_seconds", "microbatch_compute"]
 
@@ -162,12 +162,12 @@ def microbatch_compute(config: Config, pp_rank: int, recompute: str, gpu: GPU, e
         # Element-wise passes over the block's activations.
         elementwise = elementwise_passes * a * d.hidden * held_tokens
         if is_moe:
-            rows = local * d.topk * etp * scale[i]
+            rows = local * held_rows_per_token(config) * etp * scale[i]
             slots = d.experts // p.ep + d.replicas
             per_expert = rows / slots
             rerun = recompute in ("full", "moe")
             fe = d.expert_ffn / etp
-            out["gemm"] += _training_gemm(local, d.hidden, d.experts, 1, False, linear)  # router
+            out["gemm"] += _training_gemm(local, d.hidden, d.experts + d.zero_experts, 1, False, linear)  # router
             out["experts"] += _training_gemm(per_expert, d.hidden, 2 * fe, slots, rerun, linear)
             out["experts"] += _training_gemm(per_expert, fe, d.hidden, slots,
                                              rerun or recompute == "expert_act", linear)
@@ -175,7 +175,7 @@ def microbatch_compute(config: Config, pp_rank: int, recompute: str, gpu: GPU, e
             # Dispatch and combine copy every routed row: permute and unpermute forward,
             # their scatters backward; the sort of received chunks twice more when it runs.
             sorts = sum(n > 1 for n in (etp, p.ep, d.experts // p.ep)) >= 2
-            routed = local * d.topk
+            routed = local * held_rows_per_token(config)
             out["elementwise"] += (_DISPATCH_PASSES * routed + (4 * rows if sorts else 0)) * 2 * a * d.hidden \
                 / gpu.hbm_bw
             if d.shared_ffn:

@@ -65,22 +65,26 @@ import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from moe_fold.config import Config, ConfigError, ParallelConfig, dp_size, edp_size, etp_size, validate, vpp_size
+from moe_fold.config import (Config, ConfigError, ParallelConfig, dp_size, edp_size, etp_size, pipeline_schedule,
+                             pp_layer_counts, validate, vpp_size)
 from moe_fold.layout import ParallelLayout
+from moe_fold.parallel.pipeline_schedules import rank_order
 from moe_fold.planner.comm import GRAD_BYTES, Routing, microbatch_bytes, step_bytes, uniform_routing
 from moe_fold.planner.compute_time import ATTENTION_KERNELS, GEMM_DTYPES, microbatch_compute
 from moe_fold.planner.hardware import GPU
 from moe_fold.planner.moe_overlap import exposed_ep_seconds
 from moe_fold.planner import memory as planner_memory
 from moe_fold.planner.model import (
-    act_bytes, dims, head_activation_bytes, layer_activation_bytes, microbatches_in_flight,
+    act_bytes, dims, head_activation_bytes, held_rows_per_token, layer_activation_bytes, microbatches_in_flight,
     ParamEntry, layer_forward_flops, model_flops_per_step, mtp_activation_bytes, param_manifest,
     rank_flops_per_microbatch, stage_blocks,
 )
 
 __all__ = ["OVERLAPS", "COMPUTE_MODELS", "CALIBRATED", "CALIBRATED_EFFICIENCY", "FITTED_EFFICIENCY", "calibrated",
            "Assumptions", "Plan", "RoutingSkew", "overlaps", "estimate",
-           "search", "model_params", "with_layout", "activation_bytes", "busiest_owned_numel", "stage_memory"]
+           "search", "model_params", "with_layout", "activation_bytes", "chunk_activation_bytes", "backward_peak_bytes", "activation_peak_bytes",
+           "busiest_owned_numel",
+           "stage_memory"]
 
 # Kinds whose traffic happens per micro-batch, on the critical path.
 _CRITICAL = ("tp", "cp", "ep", "etp", "etp_ep", "tp_cp", "tp_dp_cp", "pp")
@@ -235,7 +239,8 @@ def model_params(config: Config) -> dict[str, float]:
     total = sum(e.numel for e in manifest)
     experts = sum(e.numel for e in manifest if e.kind == "expert")
     moe = config.moe
-    activated = total - experts + (experts * moe.topk / moe.num_experts if moe.num_experts else 0)
+    # Slots on zero experts activate nothing: held_rows_per_token experts' worth.
+    activated = total - experts + (experts * held_rows_per_token(config) / moe.num_experts if moe.num_experts else 0)
     return {"total": total, "experts": experts, "activated": activated}
 
 
@@ -350,6 +355,87 @@ def activation_bytes(config: Config, pp_rank: int, implementation: str = "moe-fo
     return tokens * per_token + planner_memory.microbatch_constant_bytes(config, layers, vpp_size(config))
 
 
+def chunk_activation_bytes(config: Config, pp_rank: int) -> list[float]:
+    """Bytes each model chunk of a rank of stage ``pp_rank`` keeps for one micro-batch's
+    backward (their sum is :func:`activation_bytes`): its layers, the embedding on the
+    first chunk of stage 0, the rotary tables and router-weight copies of the chunk, and
+    on the last chunk of the last stage the MTP depths, heads and losses."""
+    d, p = dims(config), config.parallel
+    g = p.tp if p.sequence_parallel else 1
+    tokens = config.train.micro_batch_size * d.seq / (p.cp * g)
+    recompute = config.train.recompute
+    counts = pp_layer_counts(config)
+    starts = [sum(counts[:c]) for c in range(len(counts))]
+    out = []
+    virtual = list(range(pp_rank, len(counts), p.pp))
+    for n, v in enumerate(virtual):
+        layers = list(range(starts[v], starts[v] + counts[v]))
+        if pp_rank == p.pp - 1 and n == len(virtual) - 1:
+            layers += list(range(config.model.num_layers, config.model.num_layers + d.mtp))
+        per_token = sum(planner_memory.layer_activation_bytes(config, i, recompute) for i in layers)
+        if pp_rank == 0 and n == 0:
+            per_token += planner_memory.embedding_activation_bytes(config)
+        if pp_rank == p.pp - 1 and n == len(virtual) - 1:
+            per_token += planner_memory.head_activation_bytes(config) + planner_memory.mtp_activation_bytes(config)
+        out.append(tokens * per_token + planner_memory.microbatch_constant_bytes(config, layers, 1))
+    return out
+
+
+def backward_peak_bytes(config: Config, pp_rank: int, chunk: int, manifest: list[ParamEntry], micro: int) -> float:
+    """What a rank of stage ``pp_rank`` holds above its kept activations at the busiest
+    moment of model chunk ``chunk``'s backward: the larger of
+
+    - on the last chunk of the last stage, a loss's backward
+      (:func:`moe_fold.planner.memory.loss_backward_bytes`);
+    - in a chunk with MoE layers, an expert block's backward: the grads of the SwiGLU's
+      input ``2aF/etp`` and of the held rows ``aH`` per held row, while the grouped GEMM
+      writes an expert weight's gradient in the model's dtype before it is added to the
+      gradient already there (every micro-batch after the first): the largest local
+      expert weight."""
+    d, p = dims(config), config.parallel
+    g = p.tp if p.sequence_parallel else 1
+    tokens = config.train.micro_batch_size * d.seq / (p.cp * g)
+    a = act_bytes(config)
+    counts = pp_layer_counts(config)
+    v = pp_rank + chunk * p.pp
+    layers = list(range(sum(counts[:v]), sum(counts[:v + 1])))
+    last = pp_rank == p.pp - 1 and chunk == vpp_size(config) - 1
+    if last:
+        layers += list(range(config.model.num_layers, config.model.num_layers + d.mtp))
+    peaks = [0.0]
+    if last:
+        peaks.append(tokens * planner_memory.loss_backward_bytes(config))
+    if any(d.moe_flags[i] for i in layers):
+        held = uniform_routing(config).held_etp  # rows this rank computes
+        expert = max((e.numel for e in manifest if e.kind == "expert"), default=0)
+        peaks.append(held * (2 * a * d.expert_ffn / etp_size(config) + a * d.hidden)
+                     + (a * expert if micro > 1 else 0))
+    return max(peaks)
+
+
+def activation_peak_bytes(config: Config, pp_rank: int, micro: int, manifest: list[ParamEntry]) -> float:
+    """The most activation bytes a rank of stage ``pp_rank`` holds at once over a step of
+    ``micro`` micro-batches: its pipeline schedule run step by step
+    (:func:`moe_fold.parallel.pipeline_schedules.rank_order`), each forward adding what
+    its chunk keeps (:func:`chunk_activation_bytes`), each backward holding its working
+    memory (:func:`backward_peak_bytes`) on top before it frees them. The chunks of one
+    stage keep different amounts (the embedding, dense layers, the head), so which chunks
+    are in flight at the peak matters, not only how many."""
+    kept = chunk_activation_bytes(config, pp_rank)
+    working = [backward_peak_bytes(config, pp_rank, c, manifest, micro) for c in range(len(kept))]
+    p = config.parallel
+    live = peak = 0.0
+    for step in rank_order(pipeline_schedule(config), p.pp, vpp_size(config), micro, pp_rank):
+        c = step.stage // p.pp
+        if step.kind == "F":
+            live += kept[c]
+            peak = max(peak, live)
+        else:
+            peak = max(peak, live + working[c])
+            live -= kept[c]
+    return peak
+
+
 def _memory_moe_fold(config: Config, world: int, pp_rank: int, micro: int, assumptions: Assumptions,
                      manifest: list[ParamEntry]) -> dict[str, float]:
     """:func:`_memory` for moe-fold's own footprint (:mod:`moe_fold.planner.memory`)."""
@@ -357,7 +443,7 @@ def _memory_moe_fold(config: Config, world: int, pp_rank: int, micro: int, assum
     full = planner_memory.state_bytes(config, manifest, local)
     sharded = planner_memory.state_bytes(config, manifest, busiest_owned_numel(config, world, pp_rank, manifest))
     state = sharded if config.optimizer.distributed else full
-    activations = activation_bytes(config, pp_rank) * microbatches_in_flight(config, pp_rank, micro)
+    activations = activation_peak_bytes(config, pp_rank, micro, manifest)
     weights = state["weights"] + state["master_weights"]
     # The gradient reduction frees each bf16 grad as it writes the float32 main grad
     # (GradSync.wait, bucket by bucket): the two never all live at once, and the most
@@ -448,7 +534,8 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
         factors = skew.stage(config, r, "time") if skewed else None
         compute_s, flops = _stage_compute(config, r, gpu, assumptions, rate, factors)
         sent = microbatch_bytes(config, world, r, t.recompute,
-                                _skewed_routing(config, factors) if factors is not None else None)
+                                _skewed_routing(config, factors) if factors is not None else None,
+                                assumptions.implementation)
         comm = {k: _seconds(k, sent[k], links, gpu) for k in sent if k in _CRITICAL}
         if assumptions.overlap == "megatron" and v > 1:
             # Megatron's interleaved schedule posts its sends and receives behind the
@@ -463,7 +550,7 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
     per_micro, flops_micro, comm_micro, r_slow, a2a_micro, compute_micro = slowest
 
     routing = [_skewed_routing(config, skew.stage(config, r_slow, "time"))] * micro if skewed else None
-    step = step_bytes(config, world, r_slow, routing=routing)
+    step = step_bytes(config, world, r_slow, routing=routing, implementation=assumptions.implementation)
     grad_overlap, gather_overlap = overlaps(config, assumptions)
     # What one micro-batch's backward (about 2/3 of its FLOPs) and forward (1/3) on the
     # slowest stage leave to hide the gradient reduction and the parameter gather behind.
@@ -473,7 +560,8 @@ def estimate(config: Config, world: int, gpu: GPU, assumptions: Assumptions = As
         if kind not in step:
             continue
         nbytes = step[kind] - (micro * microbatch_bytes(config, world, r_slow, t.recompute,
-                                                        routing[0] if routing else None).get(kind, 0))
+                                                        routing[0] if routing else None,
+                                                        assumptions.implementation).get(kind, 0))
         n = 2 if kind == "embedding" else len(layout.groups(_GROUP_OF[kind])[0])
         seconds = _seconds(kind, nbytes, links, gpu)
         # Of the bytes: the all-reduce's, or the reduce-scatter's and the all-gather's halves.

@@ -34,16 +34,20 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   ``2aFg/tp`` (silu and the product keep views of it), silu output ``aFg/tp``, fc2 input
   ``aFg/tp``.
 - MoE layer, router (:class:`moe_fold.dispatch.router.Router`): its input in the router
-  dtype ``rb H`` (the norm output itself when ``a == rb``); the stable sort's indices
-  ``8E`` (int64); the top-k softmax output ``rb k`` (post-softmax) or the softmax over all
-  experts ``rb E`` (pre-softmax), or the sigmoid ``rb E`` and, with top-k > 1, the sort
-  values and the sum it normalises by ``rb (E + 1)``; the aux losses' softmax
-  ``rb E`` (any of aux / seq_aux / global_aux on), ``seq_ids`` ``8`` (seq_aux); the z-loss's
-  logits ``rb E`` and log-sum-exp ``rb``. Per micro-batch, under bf16, the float32 copy of
-  the router weight ``4 E H``.
+  dtype ``rb H`` (the norm output itself when ``a == rb``). Plain top-k (no groups, no
+  expert bias, no renormalisation floor) is one op (:func:`moe_fold.kernels.topk.topk_scores`)
+  that keeps its logits ``rb E``, its dense probs ``rb E`` and its bool routing map ``E``.
+  Otherwise the torch ops keep the stable sort's indices ``8E`` (int64); the top-k softmax
+  output ``rb k`` (post-softmax) or the softmax over all experts ``rb E`` (pre-softmax), or
+  the sigmoid ``rb E`` and, with top-k > 1, the sort values and the sum it normalises by
+  ``rb (E + 1)``. The aux losses' softmax ``rb E`` (any of aux / seq_aux / global_aux on),
+  ``seq_ids`` ``8`` (seq_aux); the z-loss's log-sum-exp ``rb`` and its logits ``rb E``
+  (the top-k op's own, counted once, when it keeps them). Per micro-batch, under bf16,
+  the float32 copy of the router weight ``4 E H``.
 - Dispatcher (:class:`moe_fold.dispatch.alltoall.AllToAllDispatcher`, dropless): per routed
-  row on the source rank ``24`` (the int64 ``nonzero`` pairs whose token column is the row
-  order, and the index of each row's prob); per held row, when chunks are sorted (two or
+  row on the source rank ``16`` (:func:`moe_fold.kernels.permute.routing_indices`: the rows'
+  source tokens, which the gather and the unpermute keep, and the index of each row's prob,
+  which the probs' gather keeps, int64 each); per held row, when chunks are sorted (two or
   more of etp, ep and the local experts above 1), ``24`` (the int64 gather index of the
   rows and of the probs, and of the rows on the way back).
 - Experts (:class:`moe_fold.models.experts.Experts`), per held row (``k etp`` per local
@@ -84,7 +88,8 @@ from moe_fold.config import Config, choice, dp_size, edp_size, etp_size, pp_laye
 from moe_fold.planner.model import ParamEntry, dims, expert_rows_per_token, mla_attention_bytes, router_bytes
 
 __all__ = ["IMPLEMENTATIONS", "state_bytes", "grad_buckets", "shard_sizes", "owned_by_rank", "owned_numel", "zero_sizes",
-           "layer_activation_bytes", "held_row_bytes", "head_activation_bytes", "mtp_activation_bytes",
+           "layer_activation_bytes", "held_row_bytes", "head_activation_bytes", "loss_backward_bytes",
+           "mtp_activation_bytes",
            "embedding_activation_bytes", "microbatch_constant_bytes"]
 
 IMPLEMENTATIONS = ("moe-fold", "megatron")
@@ -205,18 +210,21 @@ def _mlp(config: Config, ffn: int, g: int) -> float:
 
 def _router(config: Config) -> float:
     d, moe, rb = dims(config), config.moe, router_bytes(config)
-    e, k = d.experts, d.topk
-    out = rb * d.hidden + 8 * e
-    if moe.score_function == "softmax":
-        out += rb * (e if moe.pre_softmax else k)
+    e, k = d.experts + d.zero_experts, d.topk
+    out = rb * d.hidden
+    fused = moe.group_topk is None and not moe.expert_bias and moe.topk_norm_min is None
+    if fused:
+        out += rb * e + rb * e + e
+    elif moe.score_function == "softmax":
+        out += 8 * e + rb * (e if moe.pre_softmax else k)
     else:
-        out += rb * e + (rb * (e + 1) if k > 1 else 0)
+        out += 8 * e + rb * e + (rb * (e + 1) if k > 1 else 0)
     if moe.aux_loss_coeff > 0 or moe.seq_aux_loss_coeff > 0 or moe.global_aux_loss_coeff > 0:
         out += rb * e
     if moe.seq_aux_loss_coeff > 0:
         out += 8
     if moe.z_loss_coeff > 0:
-        out += rb * e + rb
+        out += rb + (0 if fused else rb * e)
     return out
 
 
@@ -234,7 +242,7 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     attention = norm + (a * h if recompute == "full" else _attention(config, g))
     k = expert_rows_per_token(config)
     held = k * etp
-    dispatch = 24 * k
+    dispatch = 16 * k
     experts = held * held_row_bytes(config, recompute)
     shared = 0.0
     norm_out_kept = a == rb
@@ -276,6 +284,17 @@ def head_activation_bytes(config: Config) -> float:
     d, p, a = dims(config), config.parallel, _act(config)
     g = p.tp if p.sequence_parallel else 1
     return a * d.hidden + 4 + a * d.hidden * g + (8 * d.vocab / p.tp + 8 + 1 + 4 + 4) * g
+
+
+def loss_backward_bytes(config: Config) -> float:
+    """Bytes per local token the vocab-parallel cross entropy's backward holds above what
+    its forward kept, at its peak: the float32 gradient of the logits is built from the
+    kept ``exp`` (divided by the sum, a float32 ``[.., V/tp]``) and a zeroed float32
+    ``[.., V/tp]`` the target's ``-1`` is scatter-added into, while the ``exp`` is freed:
+    ``8 V g/tp``. One head's backward runs at a time (MTP's, then the model's)."""
+    d, p = dims(config), config.parallel
+    g = p.tp if p.sequence_parallel else 1
+    return 8 * d.vocab / p.tp * g
 
 
 def mtp_activation_bytes(config: Config) -> float:

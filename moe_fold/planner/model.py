@@ -50,7 +50,7 @@ from moe_fold.config import (
 
 __all__ = ["Dims", "dims", "ParamEntry", "param_manifest", "stage_layers", "stage_blocks", "layer_forward_flops",
            "head_forward_flops", "mtp_forward_flops", "mtp_activation_bytes", "model_flops_per_step",
-           "rank_flops_per_microbatch", "act_bytes", "router_bytes", "expert_rows_per_token", "layer_activation_bytes",
+           "rank_flops_per_microbatch", "act_bytes", "router_bytes", "expert_rows_per_token", "held_rows_per_token", "layer_activation_bytes",
            "mla_attention_bytes", "head_activation_bytes",
            "microbatches_in_flight", "RECOMPUTE_MODES"]
 
@@ -88,6 +88,8 @@ class Dims:
     expert_linear_bias: bool = False
     # Spare expert slots per ep rank (moe.replicas): copies held besides the E/ep experts.
     replicas: int = 0
+    # Zero-computation experts (moe.zero_experts): router columns that compute nothing.
+    zero_experts: int = 0
     # Multi-head latent attention: its linears' global [out, in] shapes (None: standard
     # attention), q_lora_rank (0: none), kv_lora_rank, the q/k and v head widths.
     mla: tuple[tuple[str, int, int], ...] | None = None
@@ -138,7 +140,7 @@ def dims(config: Config) -> Dims:
                 qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, tied=m.tie_embeddings,
                 moe_flags=flags + flags[-1:] * m.mtp_num_layers, mtp=m.mtp_num_layers,
                 qk_norm_scope=m.qk_norm_scope, sinks=m.attention_sinks, replicas=moe.replicas,
-                out_bias=m.attention_out_bias, router_bias=moe.router_bias,
+                out_bias=m.attention_out_bias, router_bias=moe.router_bias, zero_experts=moe.zero_experts,
                 expert_linear_bias=moe.expert_linear_bias, **_mla_dims(m))
 
 
@@ -231,9 +233,9 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
             # A module's own parameters come before its submodules' (the gate first).
             if d.shared_ffn > 0 and d.shared_gate:
                 add(f"{pre}.mlp.shared_expert_gate", d.hidden, replicated)
-            add(f"{pre}.mlp.router.weight", d.experts * d.hidden, replicated)
+            add(f"{pre}.mlp.router.weight", (d.experts + d.zero_experts) * d.hidden, replicated)
             if d.router_bias:
-                add(f"{pre}.mlp.router.bias", d.experts, replicated)
+                add(f"{pre}.mlp.router.bias", d.experts + d.zero_experts, replicated)
             add(f"{pre}.mlp.experts.fc1", local * d.hidden * 2 * d.expert_ffn // etp, "expert")
             add(f"{pre}.mlp.experts.fc2", local * d.expert_ffn * d.hidden // etp, "expert")
             if d.expert_linear_bias:  # fc1's bias split like its columns, fc2's over H
@@ -269,14 +271,22 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
 
 # --------------------------------------------------------------------------- FLOPs
 
+def held_rows_per_token(config: Config) -> float:
+    """Rows a token sends to held experts under balanced routing: ``topk``, less the
+    expected share on zero experts, ``topk * E / (E + Z)`` (routing balanced over every
+    router column, the expert bias's aim; LongCat-Flash's budget: 12 * 512/768 = 8)."""
+    moe = config.moe
+    return moe.topk * moe.num_experts / (moe.num_experts + moe.zero_experts)
+
+
 def expert_rows_per_token(config: Config) -> float:
-    """Rows the experts compute per routed token: ``topk`` (dropless; the planner assumes
-    balanced routing, so a capacity drops nothing), ``topk * capacity_factor`` when every
-    expert is padded to its capacity."""
+    """Rows the experts compute per routed token: :func:`held_rows_per_token` (dropless; the
+    planner assumes balanced routing, so a capacity drops nothing), ``topk *
+    capacity_factor`` when every expert is padded to its capacity."""
     moe = config.moe
     if moe.pad_to_capacity and moe.capacity_factor is not None:
         return moe.topk * moe.capacity_factor
-    return float(moe.topk)
+    return held_rows_per_token(config)
 
 
 def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None = None) -> dict[str, float]:
@@ -294,7 +304,7 @@ def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None
            "mlp": 0.0, "router": 0.0, "experts": 0.0, "shared": 0.0}
     if d.moe_flags[layer]:
         rows = expert_rows_per_token(config) if rows_per_token is None else rows_per_token
-        out["router"] = 2 * h * d.experts
+        out["router"] = 2 * h * (d.experts + d.zero_experts)
         out["experts"] = rows * 6 * h * d.expert_ffn
         out["shared"] = 6 * h * d.shared_ffn + (2 * h if d.shared_ffn and d.shared_gate else 0)
     else:
@@ -318,10 +328,11 @@ def mtp_forward_flops(config: Config) -> float:
 def model_flops_per_step(config: Config) -> float:
     """Model FLOPs of one optimizer step (the MFU numerator): 3 x forward (the backward is
     twice the forward) for ``global_batch_size * seq_length`` tokens, activated experts
-    only (``topk`` per token), no recompute; the MTP depths included (DeepSeek-V3 counts
-    them in its training FLOPs too)."""
+    only (``topk`` per token, less those on zero experts), no recompute; the MTP depths
+    included (DeepSeek-V3 counts them in its training FLOPs too)."""
     d = dims(config)
-    per_token = sum(sum(layer_forward_flops(config, i, float(d.topk)).values()) for i in range(d.layers + d.mtp))
+    rows = held_rows_per_token(config)
+    per_token = sum(sum(layer_forward_flops(config, i, rows).values()) for i in range(d.layers + d.mtp))
     per_token += head_forward_flops(config) + mtp_forward_flops(config)
     return 3.0 * config.train.global_batch_size * d.seq * per_token
 

@@ -7,8 +7,10 @@ without it (``train(..., metrics=False)``) takes the same steps, bit for bit
 (tests/training/test_train.py::test_metrics_off_take_the_same_steps).
 
 - ``expert_load``: per MoE layer (in layer order), the assignments each expert kept in the global batch
-  (all tokens of all micro-batches on all ranks), ``[layers][experts]``;
+  (all tokens of all micro-batches on all ranks), ``[layers][experts]``, held experts only;
 - ``dropped_fraction``: assignments dropped by capacity / assignments routed, all layers.
+  With ``moe.zero_experts`` the assignments to zero experts are neither loads nor drops:
+  wandb's per-layer ``zero_expert_fraction`` reports their share.
 
 The step itself (:mod:`moe_fold.training.step_losses`) adds its loss fields:
 
@@ -51,7 +53,7 @@ from torch import nn
 from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, config_to_dict, dp_size, edp_size, etp_size, moe_layer_indices
 from moe_fold.layout import ProcessGroups
-from moe_fold.training.step_losses import StepLossValues
+from moe_fold.training.step_losses import StepLossValues, router_rows
 from moe_fold.training.plots import write_heatmap
 
 __all__ = ["RoutingCollector", "MetricsLogger", "config_changes", "read_wandb_history"]
@@ -74,14 +76,9 @@ class RoutingCollector:
     """
 
     def __init__(self, model: nn.Module, config: Config):
-        from moe_fold.dispatch.router import Router
-        from moe_fold.models.model import layer_index
-
         self.config = config
         self.moe_layers = moe_layer_indices(config)
-        slot = {layer: k for k, layer in enumerate(self.moe_layers)}
-        L = config.model.num_layers
-        self.routers = [(slot[layer_index(n, L)], m) for n, m in model.named_modules() if isinstance(m, Router)]
+        self.routers = router_rows(model, config)
         self.device = next(model.parameters()).device
         self._recording = False
         # Each hook's row is a one-element index tensor, not a Python int: under
@@ -110,6 +107,8 @@ class RoutingCollector:
         zeros = dict(dtype=torch.float64, device=self.device)
         self._kept = torch.zeros(L, E, **zeros)  # [L, E]
         self._routed = torch.zeros(L, **zeros)
+        # Assignments to zero experts (moe.zero_experts): routed, neither dropped nor held.
+        self._zero = torch.zeros(L, **zeros)
 
     def _hook(self, row: torch.Tensor):
         def hook(module, args, kwargs, output):
@@ -120,14 +119,15 @@ class RoutingCollector:
             num_tokens = args[0].shape[0] if mask is None else mask.sum()
             if output.stats is not None:
                 self._kept[row] += output.stats.tokens_per_expert.detach().double()
+                self._zero[row] += output.stats.zero_expert_tokens.detach()
             else:
                 self._kept[row] += output.routing_map.sum(dim=0).double()
-            self._routed[row] += num_tokens * module.config.topk
+            self._routed[row] += num_tokens * module.topk
         return hook
 
     def reduce(self, groups: ProcessGroups) -> torch.Tensor:
         """This step's counts reduced over the ranks and the expert biases' norms (as the
-        step left them), packed on the device and not read: ``[L * E + 2 * L]`` float64
+        step left them), packed on the device and not read: ``[L * E + 3 * L]`` float64
         (:meth:`read` takes them once on the host; the step copies them there with its
         own scalars, in one read). Every rank must call it."""
         L, E = self._kept.shape
@@ -139,7 +139,7 @@ class RoutingCollector:
             if router.expert_bias is not None:
                 bias_norm[row] = router.expert_bias.double().norm() * same
         # Counts add up over the ranks that route distinct tokens (tp x dp x cp).
-        packed = torch.cat([self._kept.flatten(), self._routed, bias_norm])
+        packed = torch.cat([self._kept.flatten(), self._routed, self._zero, bias_norm])
         if L:
             all_reduce_(packed, groups.tp_dp_cp)
             all_reduce_(packed, groups.pp)
@@ -152,9 +152,9 @@ class RoutingCollector:
         if L == 0:
             self.layer_metrics, self.expert_load = {}, []
             return {"dropped_fraction": 0.0, "expert_load": []}
-        kept, routed, bias_norm = packed.split([L * E, L, L])
+        kept, routed, zero, bias_norm = packed.split([L * E, L, L, L])
         kept = kept.view(L, E)
-        dropped = 1.0 - float(kept.sum()) / max(float(routed.sum()), 1.0)
+        dropped = 1.0 - float(kept.sum() + zero.sum()) / max(float(routed.sum()), 1.0)
         self.expert_load = [[int(round(x)) for x in row] for row in kept.tolist()]
 
         metrics: dict[str, float] = {}
@@ -164,7 +164,10 @@ class RoutingCollector:
             metrics[f"{prefix}/max_load"] = float(row.max())
             metrics[f"{prefix}/mean_load"] = float(row.mean())
             metrics[f"{prefix}/max_over_mean_load"] = float(row.max() / row.mean()) if row.mean() > 0 else 1.0
-            metrics[f"{prefix}/dropped_fraction"] = 1.0 - float(row.sum()) / max(float(routed[i]), 1.0)
+            metrics[f"{prefix}/dropped_fraction"] = 1.0 - float(row.sum() + zero[i]) / max(float(routed[i]), 1.0)
+            if self.config.moe.zero_experts:
+                # The share of the layer's assignments that cost no expert compute.
+                metrics[f"{prefix}/zero_expert_fraction"] = float(zero[i]) / max(float(routed[i]), 1.0)
             for kind, v in losses.per_layer.items():
                 metrics[f"{prefix}/{kind}_loss"] = float(v[i])
             if self.config.moe.expert_bias:

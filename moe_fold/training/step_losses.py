@@ -31,7 +31,7 @@ from moe_fold.dispatch.router import Router
 from moe_fold.layout import ProcessGroups
 from moe_fold.models.model import layer_index
 
-__all__ = ["StepLosses", "StepLossValues", "COEFF"]
+__all__ = ["StepLosses", "StepLossValues", "COEFF", "router_rows"]
 
 BALANCING = ("aux", "seq_aux", "global_aux")
 KINDS = ("aux", "seq_aux", "z")  # per micro-batch values; global_aux comes from Router.finish_step
@@ -56,6 +56,14 @@ class StepLossValues:
                 "mtp_loss": self.mtp}
 
 
+def router_rows(model: nn.Module, config: Config) -> list[tuple[int, Router]]:
+    """Each router of ``model`` with its row: the place of its layer among all the MoE
+    layers of ``config`` (those on other pipeline stages included)."""
+    slot = {layer: k for k, layer in enumerate(moe_layer_indices(config))}
+    L = config.model.num_layers
+    return [(slot[layer_index(n, L)], m) for n, m in model.named_modules() if isinstance(m, Router)]
+
+
 class StepLosses:
     """The routers' and MTP's loss values of one step (see the module docstring).
 
@@ -65,9 +73,7 @@ class StepLosses:
     def __init__(self, model: nn.Module, config: Config):
         self.config = config
         self.moe_layers = moe_layer_indices(config)
-        slot = {layer: k for k, layer in enumerate(self.moe_layers)}
-        L = config.model.num_layers
-        self.routers = [(slot[layer_index(n, L)], m) for n, m in model.named_modules() if isinstance(m, Router)]
+        self.routers = router_rows(model, config)
         self.device = next(model.parameters()).device
         moe = config.moe
         # Which losses the routers compute: each kind is on when its coefficient is > 0.

@@ -59,7 +59,9 @@ def test_select_and_bad_names():
 
 
 def _fake_case(tmp_path, body: str) -> suite.Case:
-    (tmp_path / "fake.py").write_text(body)
+    """A benchmark ``bench.fake`` in ``tmp_path / "bench"`` (what run_case takes as bench/)."""
+    (tmp_path / "bench").mkdir(exist_ok=True)
+    (tmp_path / "bench" / "fake.py").write_text(body)
     return suite.Case("fake", "one", ("--n", "2"))
 
 
@@ -70,7 +72,7 @@ def test_run_case_parses_json_lines_and_passes_flags(tmp_path):
                                 "for i in range(n):\n"
                                 "    print(json.dumps({'bench': 'fake', 'i': i, 'ms': 1.5}))\n"
                                 "print()\n")
-    records = suite.run_case(case, tmp_path, {}, timeout=60)
+    records = suite.run_case(case, tmp_path / "bench", {}, timeout=60)
     assert records == [{"bench": "fake", "i": 0, "ms": 1.5}, {"bench": "fake", "i": 1, "ms": 1.5}]
 
 
@@ -84,7 +86,7 @@ def test_run_case_parses_json_lines_and_passes_flags(tmp_path):
 def test_run_case_failures_say_why(tmp_path, body, message):
     case = _fake_case(tmp_path, body)
     with pytest.raises(suite.BenchError, match=message.replace("[", r"\[").replace("(", r"\(")):
-        suite.run_case(case, tmp_path, {}, timeout=0.5 if "sleep" in body else 60)
+        suite.run_case(case, tmp_path / "bench", {}, timeout=0.5 if "sleep" in body else 60)
 
 
 def test_timeout_stops_the_processes_the_benchmark_spawned(tmp_path):
@@ -94,7 +96,7 @@ def test_timeout_stops_the_processes_the_benchmark_spawned(tmp_path):
                                 f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
                                 "time.sleep(60)\n")
     with pytest.raises(suite.BenchError, match="still running after --timeout 5 s"):
-        suite.run_case(case, tmp_path, {}, timeout=5)
+        suite.run_case(case, tmp_path / "bench", {}, timeout=5)
     stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
     for _ in range(100):  # killed at once; its new parent may take a moment to reap it
         if not stat.exists() or stat.read_text().split(") ")[1].startswith("Z"):
@@ -134,7 +136,7 @@ def test_failing_case_becomes_an_error_record_and_exit_code(tmp_path, capsys):
 def test_list_and_bad_only_print_and_exit(capsys):
     assert suite.run(_args(list=True, only="cp_attention"), REPO) == 0
     printed = capsys.readouterr().out
-    assert "python bench/cp_attention.py --seq 64" in printed and "gemm" not in printed
+    assert "python -m bench.cp_attention --seq 64" in printed and "gemm" not in printed
     assert suite.run(_args(only="nope"), REPO) == 2
     assert "nope is not a benchmark" in capsys.readouterr().out
 
@@ -278,7 +280,7 @@ def test_python_m_bench_is_the_entry_point_and_the_installed_command_has_none(ca
     for flags, size in (([], "full"), (["--quick"], "quick"), (["--size", "smoke"], "smoke")):
         assert bench_main.main(["--list", "--only", "gemm", *flags]) == 0
         listed = [line.split(None, 2)[2] for line in capsys.readouterr().out.splitlines()]
-        assert listed == [f"python bench/{c.bench}.py {' '.join(c.flags)}" for c in suite.cases(size) if c.bench == "gemm"]
+        assert listed == [f"python -m bench.{c.bench} {' '.join(c.flags)}" for c in suite.cases(size) if c.bench == "gemm"]
     proc = subprocess.run([sys.executable, "-m", "bench", "--list", "--only", "permute"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

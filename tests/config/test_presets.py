@@ -14,13 +14,14 @@ WORLDS = {"mixtral-8x7b": 64, "mixtral-8x22b": 128, "qwen2-57b-a14b": 64, "qwen3
           "deepseek-v3": 1024, "mixtral-tiny": 4, "qwen2-moe-tiny": 1, "qwen3-moe-tiny": 1,
           "deepseek-tiny": 1, "deepseek-v3-tiny": 1, "deepseek-v2-lite": 8, "deepseek-v2-lite-tiny": 1,
           "ernie-4.5-21b-a3b": 8, "ernie-4.5-tiny": 1, "minimax-m2": 128, "minimax-m2-tiny": 1,
-          "llama4-scout": 64, "llama4-tiny": 1, "gpt-oss-20b": 8, "gpt-oss-tiny": 1}
+          "llama4-scout": 64, "llama4-tiny": 1, "gpt-oss-20b": 8, "gpt-oss-tiny": 1,
+          "qwen3-next-80b-a3b": 32, "qwen3-next-tiny": 1}
 
 # Published sizes in billions (total, active per token): model cards / reports.
 PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141.0, 39.0), "qwen2-57b-a14b": (57.4, 14.2),
              "qwen3-30b-a3b": (30.5, 3.3), "deepseek-v3": (671.0, 37.0), "deepseek-v2-lite": (15.7, 2.4),
              "ernie-4.5-21b-a3b": (21, 3), "minimax-m2": (230.0, 10.0), "llama4-scout": (109.0, 17.0),
-             "gpt-oss-20b": (20.91, 3.61)}
+             "gpt-oss-20b": (20.91, 3.61), "qwen3-next-80b-a3b": (80.0, 3)}
 
 # Whose published active count leaves out the input embedding (a lookup, no FLOPs): the
 # DeepSeek-V2 report's 2.4B of V2-Lite (2.66B with it, 2.45B without; the embedding is 8%)
@@ -28,9 +29,12 @@ PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141.0, 39.0), "qwen
 ACTIVE_WITHOUT_INPUT_EMBEDDING = {"deepseek-v2-lite", "gpt-oss-20b"}
 # MiniMax counts M2's 10B active parameters without the embedding and the head: 9.8B
 # without them, 11.0B with them (they are 1.2B of it).
-ACTIVE_WITHOUT_EMBEDDING_AND_HEAD = {"minimax-m2"}
+# Qwen3-Next-80B-A3B's 3B active likewise: 3.25B without them, 3.87B with them.
+ACTIVE_WITHOUT_EMBEDDING_AND_HEAD = {"minimax-m2", "qwen3-next-80b-a3b"}
 # The model card gives whole billions, rounded down: ERNIE-4.5-21B-A3B is 21.8B with 3.35B active.
 ROUNDED_DOWN = {"ernie-4.5-21b-a3b"}
+# Only the active count in whole billions, rounded down (Qwen3-Next-80B-A3B: 79.7B total, 3.25B active).
+ACTIVE_ROUNDED_DOWN = {"qwen3-next-80b-a3b"}
 
 
 def test_every_preset_is_listed_and_validates():
@@ -40,7 +44,8 @@ def test_every_preset_is_listed_and_validates():
 
 
 def _counts(name: str) -> tuple[float, float, float]:
-    """(total, active, total without attention) parameters in billions, by formula."""
+    """(total, active, total without attention) parameters in billions, by formula (a
+    Gated DeltaNet layer's mixer counted as such)."""
     c = load_config(name)
     m, moe = c.model, c.moe
     H, hd = m.hidden_size, head_dim(c)
@@ -50,10 +55,18 @@ def _counts(name: str) -> tuple[float, float, float]:
     # gpt-oss: q|k|v and o biases, one sink per head.
     attn += (m.num_heads + 2 * m.num_kv_heads) * hd * m.qkv_bias + H * m.attention_out_bias
     attn += m.num_heads * m.attention_sinks
+    attn += H * m.num_heads * hd * m.attn_output_gate  # Qwen3-Next's output gate, projected with q
     if m.attention == "mla":  # the linears, the latents' norms, two block norms
         attn = sum(a * b for a, b in mla_weight_shapes(m).values()) + (m.q_lora_rank or 0) + m.kv_lora_rank + 2 * H
+    key, value = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim
+    # Gated DeltaNet: q|k|v|z|b|a in, the conv on q|k|v, A_log and dt_bias per value head,
+    # the gated norm, out, two block norms.
+    deltanet = (H * (2 * key + 2 * value + 2 * m.linear_num_value_heads) + (2 * key + value) * m.linear_conv_kernel
+                + 2 * m.linear_num_value_heads + m.linear_value_head_dim + value * H + 2 * H)
     embed = m.vocab_size * H * (1 if m.tie_embeddings else 2) + H
-    total = active = embed + m.num_layers * attn
+    kinds = m.layer_types or ["attention"] * m.num_layers
+    mixers = sum(deltanet if kind == "gated_deltanet" else attn for kind in kinds)
+    total = active = embed + mixers
     no_attn = embed
     for is_moe in moe_layer_flags(c):
         if is_moe:
@@ -90,6 +103,9 @@ def test_parameter_counts_match_published(name):
     if name in ROUNDED_DOWN:
         assert (int(total), int(active)) == (want_total, want_active)
         return
+    if name in ACTIVE_ROUNDED_DOWN:
+        assert total == pytest.approx(want_total, rel=0.015) and int(active) == want_active
+        return
     assert total == pytest.approx(want_total, rel=0.015)
     assert active == pytest.approx(want_active, rel=0.03)
 
@@ -116,7 +132,7 @@ def test_deepseek_v3_mtp_module_is_the_published_14b():
 
 @pytest.mark.parametrize("name", ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-tiny",
                                   "deepseek-v3-tiny", "deepseek-v2-lite-tiny", "ernie-4.5-tiny",
-                                  "minimax-m2-tiny", "llama4-tiny", "gpt-oss-tiny"])
+                                  "minimax-m2-tiny", "llama4-tiny", "gpt-oss-tiny", "qwen3-next-tiny"])
 def test_tiny_presets_train(tmp_path, name):
     config = load_config(name, [f"train.run_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
                                 "parallel.ep=1", "model.seq_length=32", "train.steps=4", "optimizer.warmup_steps=1",

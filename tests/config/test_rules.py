@@ -119,6 +119,17 @@ RULE_CASES = [
     ("routing_groups", ["moe.num_groups=8", "moe.group_topk=2", "moe.group_score=top2_sum"], 1,
      "moe.group_score=top2_sum needs >= 2 experts per group, got moe.num_experts/moe.num_groups=1"),
     ("routing_groups", ["moe.topk=9"], 1, "moe.topk=9 must be in [1, moe.num_experts=8]"),
+    ("routing_groups", ["moe.zero_experts=4", "moe.topk=13"], 1,
+     "moe.topk=13 must be in [1, moe.num_experts + moe.zero_experts=12]"),
+    ("zero_expert_settings", ["moe.zero_experts=-1"], 1, "moe.zero_experts=-1 must be >= 0"),
+    ("zero_expert_settings", ["moe.zero_experts=4", "moe.capacity_factor=1.0"], 1,
+     "moe.zero_experts=4 cannot run with moe.capacity_factor=1.0: a capacity is per held expert, and a zero "
+     "expert is held by no rank (set moe.capacity_factor=null, dropless)"),
+    ("zero_expert_settings", ["moe.zero_experts=4", "moe.num_groups=4", "moe.group_topk=2"], 1,
+     "moe.zero_experts=4 cannot run with moe.num_groups=4: routing groups split the held experts, and zero "
+     "experts belong to no group"),
+    ("zero_expert_settings", ["moe.zero_experts=4", "moe.router_replay=runs/a"], 1,
+     "moe.zero_experts=4 cannot run with moe.router_replay=runs/a: route files record held experts only"),
     ("dynamic_cp_layout", ["parallel.dynamic_cp=true", "parallel.cp=3", "model.seq_length=126"], 3,
      "parallel.dynamic_cp=true needs parallel.cp a power of two up to 16, got cp=3"),
     ("dynamic_cp_layout", ["parallel.dynamic_cp=true", "parallel.cp=2", "parallel.pp=2"], 4,

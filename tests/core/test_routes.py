@@ -21,6 +21,7 @@ from moe_fold.models.hf.routes import routes_from_transformers
 from moe_fold.routes import RouteSignature, load_replay, write_inference
 from moe_fold.training.routes import RouteReplayer
 from moe_fold.training.train import read_metrics, train
+from tests.helpers.router_outputs import first_sequence_outputs
 from tests.models.hf.test_importer import hf_model, token_ids
 from tests.training.test_train import small_config
 
@@ -301,22 +302,13 @@ def test_batch_invariant_sequence_alone_equals_among_others(backend):
                                           "train.batch_invariant=true"])
     torch.manual_seed(0)
     model = build_model(config, ProcessGroups.single_process()).eval()
-    S = config.model.seq_length
-    ids = torch.randint(0, config.model.vocab_size, (8, S), generator=torch.Generator().manual_seed(1))
-    seen = []
-    for block in model.layers:
-        block.mlp.router.register_forward_hook(lambda m, a, out: seen.append(out.routing_map))
-
-    def sequence_zero(batch: int):
-        seen.clear()
-        with torch.no_grad():
-            logits = model.logits(ids[:batch])[0]
-        return logits, [r.view(S, batch, -1)[:, 0] for r in seen]
-
-    alone, alone_routes = sequence_zero(1)
+    ids = torch.randint(0, config.model.vocab_size, (8, config.model.seq_length),
+                        generator=torch.Generator().manual_seed(1))
+    alone, alone_routes = first_sequence_outputs(model, ids, 1)
     for batch in (2, 4, 8):
-        logits, found = sequence_zero(batch)
+        logits, found = first_sequence_outputs(model, ids, batch)
         assert torch.equal(logits, alone), (batch, (logits - alone).abs().max().item())
+        assert len(found) == len(alone_routes) > 0
         assert all(torch.equal(a, b) for a, b in zip(found, alone_routes))
 
 

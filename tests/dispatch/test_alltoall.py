@@ -12,6 +12,7 @@ import torch
 from moe_fold.dispatch.alltoall import AllToAllDispatcher
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, create_process_groups
+from tests.helpers.routing import random_routing
 
 H, E, TOPK, EP = 4, 4, 2, 2
 SIZES = (5, 3)  # tokens on each rank
@@ -20,12 +21,7 @@ PAD_CF = 2.0  # capacity ceil(4 * 2 / 4 * 2) = 4 rows: no routed token is droppe
 
 
 def _global_routing(sizes):
-    gen = torch.Generator().manual_seed(7)
-    total = sum(sizes)
-    tokens = torch.randn(total, H, generator=gen)
-    scores = torch.randn(total, E, generator=gen)
-    routing_map = torch.zeros(total, E, dtype=torch.bool).scatter_(1, scores.topk(TOPK, dim=1).indices, True)
-    return tokens, torch.softmax(scores, dim=1), routing_map
+    return random_routing(sum(sizes), H, E, TOPK, seed=7)
 
 
 def _mine(rank, sizes, *tensors):

@@ -20,8 +20,7 @@ import torch.distributed as dist
 
 import tests.parallel.test_layout_invariance as li
 import tests.parallel.test_parallel_matrix as pm
-from tests.helpers.router_outputs import max_dropped_fraction, router_outputs
-from moe_fold.comm import all_reduce, all_reduce_
+from moe_fold.comm import all_reduce_
 from moe_fold.dispatch.placement import Placement, balanced_placement, expert_order, rank_loads, slot_routing
 from moe_fold.launch import run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
@@ -29,7 +28,7 @@ from moe_fold.models import to_hf
 from moe_fold.models.model import build_model
 from moe_fold.parallel.sharding import full_tensor, shard_info
 from moe_fold.parallel.tensor_parallel import unshard_tp
-from moe_fold.training.grads import clip_grad_norm_, grad_norm, sync_grads
+from moe_fold.training.grads import clip_grad_norm_, sync_grads
 from moe_fold.training.optim import AdamW, param_groups
 from moe_fold.training.replace import moe_layers, move_experts
 from moe_fold.training.step import forward_backward
@@ -194,25 +193,7 @@ LI_CASES = {
 
 def _li_train(model, groups, micro_batches):
     """tests/parallel/test_layout_invariance.py's ``_train`` with placement-aware grad gathering."""
-    opt = torch.optim.AdamW(model.parameters(), lr=li.LR, weight_decay=0.1)
-    num_tokens = sum(ids.numel() for ids, _ in micro_batches) * groups.size("dp_cp")
-    losses, out, dropped = [], {}, 0.0
-    for step in range(li.STEPS):
-        opt.zero_grad()
-        loss = 0.0
-        for ids, labels in micro_batches:
-            with router_outputs(model) as seen:
-                mb_loss = model(ids, labels, num_loss_tokens=num_tokens, loss_scale=1.0 / len(micro_batches))
-            mb_loss.backward()
-            loss += mb_loss.detach()
-            dropped = max(dropped, max_dropped_fraction(seen))
-        sync_grads(model.parameters(), groups)
-        if step == 0:
-            out["grads"] = _global_grads(model, groups)
-            out["norm"] = grad_norm(model.parameters(), groups).item()
-        losses.append((all_reduce(loss, groups.dp_cp) / groups.size("dp_cp")).item())
-        opt.step()
-    out["losses"], out["dropped"] = losses, dropped
+    out = li._train(model, groups, micro_batches, global_grads=_global_grads)
     out["copies_equal"] = _copies_equal(model, groups)
     return out
 

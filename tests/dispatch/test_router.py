@@ -8,7 +8,7 @@ import torch
 
 from moe_fold.config import MoEConfig
 from moe_fold.dispatch.router import (
-    Router, apply_capacity, attach_loss, aux_loss_scores, expert_capacity, load_balancing_loss, routing_stats,
+    Router, apply_capacity, attach_loss, aux_loss_scores, expert_capacity, load_balancing_loss,
     topk_routing, updated_expert_bias, z_loss,
 )
 from moe_fold.layout import ProcessGroups
@@ -316,6 +316,17 @@ def test_updated_expert_bias_by_hand():
     assert torch.equal(updated_expert_bias(bias, torch.full((4,), 3), 0.1), bias)
 
 
+def test_updated_expert_bias_leaves_zero_experts_and_aims_held_ones_at_the_all_column_mean():
+    """LongCat-Flash: the last zero_experts columns keep their bias; a held expert steps by
+    the sign of (mean over every column - its count), so held experts above their share
+    E / (E + Z) of the assignments fall even when they are below the held-only mean."""
+    bias = torch.tensor([0.5, 0.0, -0.5, 0.0, 0.25, -0.25])
+    counts = torch.tensor([10, 2, 6, 5, 1, 0])  # mean over all 6 columns 4; over the 4 held 5.75
+    got = updated_expert_bias(bias, counts, 0.1, zero_experts=2)
+    want = [0.5 - 0.1, 0.0 + 0.1, -0.5 - 0.1, 0.0 - 0.1, 0.25, -0.25]
+    torch.testing.assert_close(got, torch.tensor(want))
+
+
 # --------------------------------------------------------------------------- losses
 
 def ref_scores(logits, score):
@@ -404,17 +415,6 @@ def test_loss_functions_bad_arguments():
         attach_loss(torch.ones(2), torch.ones(2), 1.0)
 
 
-def test_routing_stats_by_hand():
-    routed = torch.tensor([6, 2, 0, 4])
-    kept = torch.tensor([4, 2, 0, 4])
-    s = routing_stats(routed, kept, ep=2)
-    assert float(s.dropped_fraction) == pytest.approx(2 / 12)
-    assert float(s.expert_load_ratio) == pytest.approx(4 / 2.5)
-    assert float(s.ep_load_ratio) == pytest.approx(6 / 5)
-    with pytest.raises(ValueError, match="ep=3"):
-        routing_stats(routed, kept, ep=3)
-
-
 # --------------------------------------------------------------------------- Router module
 
 SINGLE = ProcessGroups.single_process()
@@ -475,7 +475,7 @@ def test_router_losses_and_gradient_match_reference(score, extra):
 
     W = router.weight.detach().clone().requires_grad_(True)
     hr = h.clone().requires_grad_(True)
-    logits, ref = reference_losses(W, hr, router.config, mask, seq_ids.tolist(), 3)
+    logits, ref = reference_losses(W, hr, router, mask, seq_ids.tolist(), 3)
     probs, rmap = topk_routing(logits, 2, score=score, expert_bias=bias, **routing)
     total = (probs * g).sum() + 0.1 * ref["aux"] + 0.2 * ref["seq_aux"] + 0.05 * ref["z"]
     total.backward()

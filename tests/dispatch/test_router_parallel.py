@@ -25,11 +25,15 @@ H, E, B, S = 16, 8, 2, 16
 LOCAL = dict(aux_loss_coeff=0.3, seq_aux_loss_coeff=0.2, z_loss_coeff=0.1)
 GLOBAL = dict(aux_loss_coeff=0.0, global_aux_loss_coeff=0.4)
 BIAS = dict(aux_loss_coeff=0.0, score_function="sigmoid", expert_bias=True, bias_update_rate=0.05)
+# LongCat-Flash: 4 zero experts after the E held ones, the softmax expert bias, the
+# load-balancing and z losses over every column (the main loss sees the held probs).
+ZERO = dict(aux_loss_coeff=0.3, z_loss_coeff=0.1, zero_experts=4, topk=3, pre_softmax=True, expert_bias=True,
+            bias_update_rate=0.05)
 
 
 def make_router(groups, **moe):
     torch.manual_seed(0)
-    return Router(MoEConfig(num_experts=E, topk=2, **moe), H, groups)
+    return Router(MoEConfig(num_experts=E, **{"topk": 2, **moe}), H, groups)
 
 
 def global_batch(num_microbatches):
@@ -102,6 +106,12 @@ def one_layout(rank, world_size, tp, cp, M):
     run_microbatches(router, hidden, target, mask, list(mine), pos, 1.0 / M, cp)
     router.finish_step()
     out["bias"] = router.expert_bias.clone()
+
+    router = make_router(groups, **ZERO)
+    values, _ = run_microbatches(router, hidden, target, mask, list(mine), pos, 1.0 / M, cp)
+    out["zero"] = dict(values=values, wgrad=reduced_grad(router))
+    router.finish_step()
+    out["zero"]["bias"] = router.expert_bias.clone()
     return out
 
 
@@ -159,6 +169,10 @@ def check_layout(world, tp, cp, M, results):
     assert float(ref_global_step) == pytest.approx(float(whole["step"]["global_aux"]), rel=1e-6)
     ref_bias = reference(all_mbs, BIAS, 1.0 / (dp * M))["router"].expert_bias
     assert ref_bias.abs().sum() > 0
+    ref_zero = reference(all_mbs, ZERO, 1.0 / (dp * M))
+    zero_bias = ref_zero["router"].expert_bias
+    # The held experts' biases moved; the zero experts' stayed at 0 (LongCat-Flash).
+    assert zero_bias[:E].abs().min() > 0 and zero_bias[E:].abs().max() == 0, zero_bias
     # With dp = 1 the ranks run the reference's micro-batches: running counts agree.
     ref_gm = reference(all_mbs, GLOBAL, 1.0 / M) if dp == 1 else None
 
@@ -186,6 +200,12 @@ def check_layout(world, tp, cp, M, results):
 
         # Expert bias: counts of every rank and micro-batch, one update.
         torch.testing.assert_close(r["bias"], ref_bias)
+
+        # Zero experts: the losses over all columns, their gradients and the bias update.
+        for j, m in enumerate(r["mbs"]):
+            check_values(r["zero"]["values"][j], ref_zero["values"][m])
+        torch.testing.assert_close(r["zero"]["wgrad"], ref_zero["wgrad"], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(r["zero"]["bias"], zero_bias)
 
 
 def _torch(obj):

@@ -34,7 +34,10 @@ class Spec:
     ``transformers``), the settings every case shares, and case -> its own settings.
     ``eager_experts``: switch the experts to the eager loop (transformers' grouped-mm
     experts want 16-byte rows, which odd widths do not have); ``eager_attention``: build
-    and reload with eager attention (attention sinks)."""
+    and reload with eager attention (attention sinks); ``matrix_std``: the matrices'
+    std and ``zero_centred``: the RMSNorm weights are offsets from 1 (:func:`randomize`);
+    ``exported_by_default``: the exporter picks this family for
+    the imported models (else it is asked by name)."""
 
     config_cls: str
     model_cls: str
@@ -42,22 +45,32 @@ class Spec:
     cases: dict
     eager_experts: bool = True
     eager_attention: bool = False
+    matrix_std: float = 0.2
+    zero_centred: bool = False
+    exported_by_default: bool = True
 
     def load_kwargs(self) -> dict:
         return {"attn_implementation": "eager"} if self.eager_attention else {}
 
 
-def randomize(model, seed: "int | torch.Generator"):
-    """``model`` with matrices N(0, 0.2), vectors U(0.5, 1.5) and any score correction
+def randomize(model, seed: "int | torch.Generator", matrix_std: float = 0.2, zero_centred: bool = False):
+    """``model`` with matrices N(0, matrix_std), vectors U(0.5, 1.5) and any score correction
     bias (a buffer, or ERNIE-4.5's parameter) N(0, 0.1), drawn from ``seed`` (or from a
-    generator the caller goes on using): large enough that routing and every layer matter."""
+    generator the caller goes on using): large enough that routing and every layer matter.
+    ``zero_centred``: the RMSNorms (``*layernorm``, ``norm``, ``q_norm``, ``k_norm``; not a
+    Gated DeltaNet's gated ``linear_attn.norm``) multiply by 1 + weight: their weights are
+    drawn U(-0.5, 0.5), gains U(0.5, 1.5) as elsewhere."""
     gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+                p.copy_(torch.randn(p.shape, generator=gen) * matrix_std)
             else:
                 p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+        if zero_centred:
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+                    p.sub_(1.0)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
@@ -76,7 +89,7 @@ def hf_model(spec: Spec, case: str, seed: int = 0, **overrides):
     model = getattr(transformers, spec.model_cls)(config).eval()
     if spec.eager_experts:
         model.set_experts_implementation("eager")
-    return randomize(model, seed)
+    return randomize(model, seed, spec.matrix_std, spec.zero_centred)
 
 
 def refused(model, tmp_path, edit, errors=(HFConfigError,)) -> str:
@@ -146,20 +159,22 @@ def gathered_logits(model, groups, ids):
     return logits
 
 
-def check_import_and_round_trip(ref_model, family: str, tmp_path, label: str, **load):
+def check_import_and_round_trip(ref_model, family: str, tmp_path, label: str, exported_by_default: bool = True,
+                                **load):
     """``ref_model`` (a transformers model of ``family``) saved, imported on one process:
-    logits within TOL of transformers', exported back to identical tensors, and the export
-    loads in transformers (``from_pretrained(..., **load)``) with the same logits. Returns
-    the imported model."""
+    logits within TOL of transformers', exported back (to ``family``, which the exporter
+    picks itself when ``exported_by_default``) to identical tensors, and the export loads
+    in transformers (``from_pretrained(..., **load)``) with the same logits. Returns the
+    imported model."""
     ids = token_ids()
     ref_model.save_pretrained(tmp_path / "hf")
     ref = hf_logits(ref_model, ids)
     model = from_hf(tmp_path / "hf")
-    assert export_family(model.config) == family
+    assert (export_family(model.config) == family) == exported_by_default
     diff = max_diff(model.eval().logits(ids), ref)
     print(f"{family} {label}: max abs logit diff vs transformers {diff:.3g}")
     assert diff <= TOL
-    to_hf(model, tmp_path / "out")
+    to_hf(model, tmp_path / "out", family=family)
     a, b = tensors(tmp_path / "hf"), tensors(tmp_path / "out")
     assert set(a) == set(b)
     for key in a:
@@ -171,7 +186,7 @@ def check_import_and_round_trip(ref_model, family: str, tmp_path, label: str, **
     return model
 
 
-def _import_export(rank, world_size, sizes, paths, out_dir, count):
+def _import_export(rank, world_size, sizes, paths, out_dir, count, family):
     groups = create_process_groups(ParallelLayout(world_size, **sizes))
     if count:
         from tests.models.hf.test_parallel import count_reads
@@ -186,7 +201,7 @@ def _import_export(rank, world_size, sizes, paths, out_dir, count):
         if count:
             # parameters and the expert bias
             results[case].update(read=counted[0], local=sum(t.numel() for t in model.state_dict().values()))
-        to_hf(model, f"{out_dir}/{case}")
+        to_hf(model, f"{out_dir}/{case}", family=family)
     return results
 
 
@@ -198,7 +213,7 @@ def check_layouts(ref_models: dict, family: str, sizes: dict, tmp_path, count_re
     written from the shards equal to the saved tensors. ``count_reads``: also every local
     element read exactly once (a rank reads only its slices of the safetensors files)."""
     refs, paths = saved_with_logits(tmp_path, ref_models, token_ids())
-    results = run_ranks(_import_export, 4, sizes, paths, str(tmp_path / "out"), count_reads, timeout=240)
+    results = run_ranks(_import_export, 4, sizes, paths, str(tmp_path / "out"), count_reads, family, timeout=240)
     for case, ref in refs.items():
         for rank, result in enumerate(results):
             diff = max_diff(result[case]["logits"], ref)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import torch
 from torch import nn
 
 from moe_fold.dispatch.router import Router, RouterOutput
@@ -29,3 +30,12 @@ def router_outputs(model: nn.Module) -> Iterator[list[tuple[Router, RouterOutput
 def max_dropped_fraction(seen: list[tuple[Router, RouterOutput]]) -> float:
     """The largest capacity-dropped fraction among ``seen`` outputs (0 when none)."""
     return max([0.0] + [out.stats.dropped_fraction.item() for _, out in seen])
+
+
+def first_sequence_outputs(model: nn.Module, ids: torch.Tensor, batch: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Sequence 0's logits, and every router's routing map of its tokens (in call order),
+    from one forward of ``ids[:batch]`` without grad: what batch invariance compares."""
+    seq = ids.shape[1]
+    with router_outputs(model) as seen, torch.no_grad():
+        logits = model.logits(ids[:batch])[0]
+    return logits, [out.routing_map.view(seq, batch, -1)[:, 0] for _, out in seen]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.paths import REPO
 
 # Where each import name's files live (pyproject.toml's package-dir).
@@ -148,22 +150,15 @@ def private_imports(edges: dict[str, list[tuple[str, str, int]]]) -> list[str]:
     return found
 
 
-def test_imports_only_go_downward():
+@pytest.mark.parametrize("check, what", [
+    (upward_imports, "imports that do not go downward"),
+    (import_cycles, "import cycles between modules"),
+    (private_imports, "private names imported across packages"),
+], ids=["imports_only_go_downward", "no_import_cycle_between_modules", "no_package_imports_a_private_name"])
+def test_import_graph_rule(check, what):
     _, edges = graph()
-    upward = upward_imports(edges)
-    assert not upward, "imports that do not go downward:\n" + "\n".join(upward)
-
-
-def test_no_import_cycle_between_modules():
-    _, edges = graph()
-    cycles = import_cycles(edges)
-    assert not cycles, "import cycles:\n" + "\n".join(cycles)
-
-
-def test_no_package_imports_a_private_name_of_another():
-    _, edges = graph()
-    private = private_imports(edges)
-    assert not private, "private names imported across packages:\n" + "\n".join(private)
+    found = check(edges)
+    assert not found, f"{what}:\n" + "\n".join(found)
 
 
 def test_the_checks_catch_what_they_forbid():

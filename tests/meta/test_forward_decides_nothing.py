@@ -4,10 +4,13 @@ made when a module is built, so a forward and its backward never call into
 meet the rules' Python, and a GPU would wait on it every step).
 
 The check traces every Python call made during forward + backward (``sys.setprofile``)
-and names the ones whose code belongs to ``moe_fold.config`` (a module or a package)."""
+and names the ones whose code belongs to ``moe_fold.config`` (a module or a package), and
+every attribute read on a config object (an instance of one of ``moe_fold.config.schema``'s
+dataclasses), which a forward that kept its config would make."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 
@@ -27,9 +30,23 @@ def _is_config(frame) -> bool:
     return name == "moe_fold.config" or name.startswith("moe_fold.config.")
 
 
+def _config_classes() -> list[type]:
+    from moe_fold.config import schema
+
+    return [c for c in vars(schema).values()
+            if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == schema.__name__]
+
+
 def config_calls(fn) -> list[str]:
-    """Run ``fn()``; return ``"function (file:line)"`` of every call into moe_fold.config."""
+    """Run ``fn()``; return ``"function (file:line)"`` of every call into moe_fold.config,
+    and ``"Class.field (file:line)"`` of every attribute read on a config object."""
     calls: list[str] = []
+
+    def reading(self, name):
+        if not name.startswith("__"):
+            caller = sys._getframe(1)
+            calls.append(f"{type(self).__name__}.{name} (read at {caller.f_code.co_filename}:{caller.f_lineno})")
+        return object.__getattribute__(self, name)
 
     def profile(frame, event, arg):
         if event == "call" and _is_config(frame):
@@ -37,6 +54,10 @@ def config_calls(fn) -> list[str]:
             where = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else "?"
             calls.append(f"{frame.f_code.co_name} (called from {where})")
 
+    classes = _config_classes()
+    assert all("__getattribute__" not in vars(c) for c in classes)
+    for c in classes:
+        c.__getattribute__ = reading
     sys.setprofile(profile)
     threading.setprofile(profile)
     try:
@@ -44,6 +65,8 @@ def config_calls(fn) -> list[str]:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+        for c in classes:
+            del c.__getattribute__
     return calls
 
 
@@ -106,3 +129,18 @@ def test_the_check_sees_a_config_call_in_a_forward(monkeypatch):
     monkeypatch.setattr(layer, "forward", checking_forward)
     calls = config_calls(lambda: layer(_inputs()).sum().backward())
     assert any(call.startswith("require") for call in calls), calls
+
+
+def test_the_check_sees_a_config_read_in_a_forward(monkeypatch):
+    """The tracer itself: a forward that reads a field of a config object it kept is named."""
+    config = _config()
+    layer = MoELayer(config, _groups(), 0)
+    forward = layer.forward
+
+    def reading_forward(hidden, **kwargs):
+        return forward(hidden, **kwargs) * config.moe.topk
+
+    monkeypatch.setattr(layer, "forward", reading_forward)
+    calls = config_calls(lambda: layer(_inputs()).sum().backward())
+    assert any(call.startswith("Config.moe ") for call in calls) and any(call.startswith("MoEConfig.topk ")
+                                                                      for call in calls), calls

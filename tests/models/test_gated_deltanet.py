@@ -221,18 +221,20 @@ def test_gated_attention_and_zero_centred_norm_equal_transformers_qwen3_next():
 
 
 @pytest.mark.parametrize("field, value, why", [
-    ("layer_types", ["gated_deltanet", "attention", "attention", "attention"], "no family here exports Gated DeltaNet"),
+    ("layer_types", ["gated_deltanet", "attention", "attention", "attention"],
+     r"mixtral has attention on every layer \(Qwen3-Next and Qwen3.5 have Gated DeltaNet layers\)"),
     ("attn_output_gate", True, "attention has no output gate"),
     ("norm_zero_centred", True, "RMSNorm weights are not zero-centred"),
 ])
 def test_export_refuses_qwen3_next_layers(field, value, why):
-    """No registered family holds these layers yet: export refuses, naming the field."""
+    """A family without these layers refuses them, naming the field; they export as Qwen3-Next."""
     from moe_fold.config import Config
-    from moe_fold.models.hf.config_map import HFConfigError, config_to_hf
+    from moe_fold.models.hf.config_map import HFConfigError, config_to_hf, export_family
     config = Config()
     setattr(config.model, field, value)
     with pytest.raises(HFConfigError, match=f"model.{field}=.*{why}"):
-        config_to_hf(config)
+        config_to_hf(config, "mixtral")
+    assert export_family(config) == "qwen3_next"
 
 
 @pytest.mark.parametrize("overrides, problem", [

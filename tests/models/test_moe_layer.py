@@ -469,3 +469,137 @@ def test_overlap_under_expert_replicas_on_two_ranks():
                 for name in names:
                     torch.testing.assert_close(torch.from_numpy(got[name]), torch.from_numpy(off[name]), **tol,
                                                msg=lambda m: f"rank {rank} {key} replicas={replicas} {name}: {m}")
+
+
+# --------------------------------------------------------------------------- zero experts
+
+# LongCat-Flash's router on the layer of _config: E held experts, ZERO identity experts,
+# top-ZK over all of them by the softmax plus the expert bias, weights the unbiased scores
+# times the scaling factor.
+ZERO, ZK, ZSCALE = 5, 3, 1.5
+LONGCAT_MOE = dict(zero_experts=ZERO, topk=ZK, pre_softmax=True, expert_bias=True, scaling_factor=ZSCALE)
+
+
+def _zero_layer(groups, **moe):
+    """A LongCat-style layer whose expert bias rises along the columns: it favours the zero
+    experts, and changes which experts tokens pick (a bias ignored would show)."""
+    layer = MoELayer(_config(**{**LONGCAT_MOE, **moe}), groups, 0)
+    with torch.no_grad():
+        layer.router.expert_bias.copy_(torch.linspace(-0.02, 0.02, E + ZERO))
+    return layer
+
+
+def _zero_expert_ref(layer, x):
+    """transformers' LongcatFlashMoE written out per token: ``scores = softmax(x W^T)`` over
+    held and zero experts, the top-k of ``scores + bias``, each chosen expert's output
+    times ``scores[e] * scale``, where zero expert ``e >= E`` outputs the token itself.
+    Returns the output and the number of zero-expert slots."""
+    router = layer.router
+    scores = torch.softmax(x @ router.weight.t(), dim=-1)  # [T, E + Z]
+    out, zero_slots = torch.zeros_like(x), 0
+    for t in range(x.shape[0]):
+        keyed = scores[t] + router.expert_bias.to(scores.dtype)
+        chosen = sorted(range(E + ZERO), key=lambda e: -keyed[e].item())[:ZK]
+        for e in chosen:
+            row = _expert_ref(layer, x[t:t + 1], e)[0] if e < E else x[t]
+            out[t] = out[t] + scores[t, e] * ZSCALE * row
+            zero_slots += e >= E
+    return out, zero_slots
+
+
+def test_zero_experts_match_longcat_written_out_forward_and_backward():
+    """moe.zero_experts on one process: the layer's output and every gradient (input,
+    router, experts) equal the per-token reference of LongCat-Flash's MoE in float64."""
+    layer = _zero_layer(ProcessGroups.single_process())
+    x = _inputs(3).requires_grad_()
+    out = layer(x)
+    params = [x] + list(layer.parameters())
+    grads = torch.autograd.grad((out * torch.linspace(-1, 1, H)).sum(), params)
+    ref_layer = copy.deepcopy(layer).double()
+    x64 = x.detach().double().requires_grad_()
+    ref, zero_slots = _zero_expert_ref(ref_layer, x64)
+    ref_grads = torch.autograd.grad((ref * torch.linspace(-1, 1, H, dtype=torch.float64)).sum(),
+                                    [x64] + list(ref_layer.parameters()))
+    # Some slots go to zero experts and most to held ones: both paths are exercised.
+    assert 0.1 * T * ZK < zero_slots < 0.9 * T * ZK, zero_slots
+    assert_close_to_float64(out, ref)
+    for (name, _), got, want in zip([("x", x)] + list(layer.named_parameters()), grads, ref_grads):
+        assert_close_to_float64(got, want, rtol=1e-4, msg=f"grad {name}")
+    assert grads[1].abs().mean() > 1e-5  # the router learns from the zero experts' weights too
+
+
+def test_zero_experts_give_transformers_longcat_flash_moe():
+    """The same weights in transformers' ``LongcatFlashMoE`` (its router's classifier and
+    score-correction bias, its experts' gate_up and down projections, the zero experts'
+    rows of gate_up unused) give the layer's output."""
+    import transformers
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMoE
+
+    hf_config = transformers.LongcatFlashConfig(hidden_size=H, expert_ffn_hidden_size=FFN, n_routed_experts=E,
+                                                zero_expert_num=ZERO, num_experts_per_tok=ZK,
+                                                routed_scaling_factor=ZSCALE, num_layers=1, num_attention_heads=2)
+    layer = _zero_layer(ProcessGroups.single_process())
+    hf = LongcatFlashMoE(hf_config).float()
+    with torch.no_grad():
+        hf.router.classifier.weight.copy_(layer.router.weight)
+        hf.router.e_score_correction_bias.copy_(layer.router.expert_bias)
+        hf.experts.gate_up_proj.normal_()
+        hf.experts.gate_up_proj[:E].copy_(layer.experts.fc1.transpose(1, 2))  # [E, H, 2F] -> [E, 2F, H]
+        hf.experts.down_proj.copy_(layer.experts.fc2.transpose(1, 2))  # [E, F, H] -> [E, H, F]
+    x = _inputs(5)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), hf(x.unsqueeze(0))[0], rtol=1e-5, atol=1e-6)
+
+
+def _zero_experts_rank(rank, world_size, moe):
+    """ep2 over two ranks: each rank's tokens through the layer, with what its dispatcher
+    sent (rows to each ep rank, bytes of token rows) and its router's choice."""
+    groups = create_process_groups(ParallelLayout(world_size, ep=2))
+    layer = _zero_layer(groups, **moe)
+    sent = []
+    dispatch = layer.dispatcher.dispatch_start if moe else layer.dispatcher.dispatch
+
+    def recorded(*args, **kwargs):
+        result = dispatch(*args, **kwargs)
+        sent.append(result)
+        return result
+    if moe:
+        layer.dispatcher.dispatch_start = recorded
+    else:
+        layer.dispatcher.dispatch = recorded
+    x = _inputs(10 + rank).requires_grad_()
+    with router_outputs(layer) as seen:
+        y = layer(x)
+    (y * torch.linspace(-1, 1, H)).sum().backward()
+    handles = [(s.wait() if moe else s).handle for s in sent]
+    ((_, routing),) = seen
+    return {"x": x.detach(), "y": y.detach(), "x_grad": x.grad, "routed_map": routing.routed_map,
+            "input_splits": [h.input_splits for h in handles], "dispatch_bytes": sum(h.wire.dispatch for h in handles),
+            "zero_expert_tokens": float(routing.stats.zero_expert_tokens),
+            "held_load": routing.stats.tokens_per_expert.tolist()}
+
+
+@pytest.mark.parametrize("moe", [{}, dict(shared_expert_ffn_hidden_size=SHARED, shared_expert_overlap=True,
+                                          overlap_chunks=2)], ids=["blocking", "overlap-chunks2"])
+def test_zero_experts_are_never_dispatched_on_two_ranks(moe):
+    """ep2: a token's slots on zero experts send no row. Each rank's all-to-all sends
+    exactly its (token, held expert) pairs (its input splits, and its dispatch bytes:
+    the pairs whose expert the other rank holds, times a row of H float32), the load
+    statistics count held experts only with the zero-expert assignments apart, and the
+    output and input grad are the one-process layer's on the same tokens."""
+    results = run_ranks(_zero_experts_rank, 2, moe, timeout=120)
+    reference = _zero_layer(ProcessGroups.single_process(), **moe)
+    for rank, res in enumerate(results):
+        routed = res["routed_map"]  # [T, E + Z]
+        held, zero = routed[:, :E], routed[:, E:]
+        per_rank = [int(held[:, :E // 2].sum()), int(held[:, E // 2:].sum())]
+        assert int(zero.sum()) > 0 and int(held.sum()) > 0
+        assert [sum(col) for col in zip(*res["input_splits"])] == per_rank, (rank, res["input_splits"], per_rank)
+        assert res["dispatch_bytes"] == per_rank[1 - rank] * H * 4, (rank, res["dispatch_bytes"], per_rank)
+        assert res["held_load"] == held.sum(0).tolist()
+        assert res["zero_expert_tokens"] == int(zero.sum())
+        x = res["x"].clone().requires_grad_()
+        y = reference(x)
+        (y * torch.linspace(-1, 1, H)).sum().backward()
+        torch.testing.assert_close(res["y"], y.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(res["x_grad"], x.grad, rtol=1e-5, atol=1e-6)

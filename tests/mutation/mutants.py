@@ -98,8 +98,8 @@ MUTANTS: list[Mutant] = [
         (f"{T_ROUTER}::test_topk_routing_matches_loop",)),
     Mutant(
         "router-bias-update-sign", ROUTER,
-        "offset = counts.mean() - counts",
-        "offset = counts - counts.mean()",
+        "step = rate * torch.sign(counts.mean() - counts)",
+        "step = rate * torch.sign(counts - counts.mean())",
         "expert-bias step with the sign flipped: busy experts get more tokens, not fewer",
         (f"{T_ROUTER}::test_updated_expert_bias_by_hand",)),
     Mutant(
@@ -111,14 +111,14 @@ MUTANTS: list[Mutant] = [
         (T_ROUTER_PARALLEL,)),
     Mutant(
         "router-aux-cp-scale", ROUTER,
-        "total = total + cfg.aux_loss_coeff * cp * load_balancing_loss(scores, c, n, k)",
-        "total = total + cfg.aux_loss_coeff * load_balancing_loss(scores, c, n, k)",
+        "total = total + self.aux_loss_coeff * cp * load_balancing_loss(scores, c, n, k)",
+        "total = total + self.aux_loss_coeff * load_balancing_loss(scores, c, n, k)",
         "the aux-loss gradient share not scaled by cp (grads are averaged over dp x cp afterwards)",
         (T_ROUTER_PARALLEL,)),
     Mutant(
         "router-global-aux-dp-scale", ROUTER,
-        "total = total + cfg.global_aux_loss_coeff * cp * dp * load_balancing_loss(scores, running, n, k)",
-        "total = total + cfg.global_aux_loss_coeff * cp * load_balancing_loss(scores, running, n, k)",
+        "total = total + self.global_aux_loss_coeff * cp * dp * load_balancing_loss(scores, running, n, k)",
+        "total = total + self.global_aux_loss_coeff * cp * load_balancing_loss(scores, running, n, k)",
         "the global aux loss share not scaled by dp, although its loss spans the dp ranks",
         (T_ROUTER_PARALLEL,)),
     Mutant(
@@ -465,8 +465,8 @@ MUTANTS: list[Mutant] = [
         ("tests/models/test_mtp.py::test_shift_stays_in_the_row_and_the_document",)),
     Mutant(
         "mtp-depth-mean", "models/model.py",
-        "return attach_loss(loss, depth_losses.sum(), m.mtp_loss_weight / m.mtp_num_layers)",
-        "return attach_loss(loss, depth_losses.sum(), m.mtp_loss_weight)",
+        "self.mtp_loss_factor = m.mtp_loss_weight / m.mtp_num_layers if m.mtp_num_layers > 0 else 0.0",
+        "self.mtp_loss_factor = m.mtp_loss_weight if m.mtp_num_layers > 0 else 0.0",
         "the MTP loss sums the depths without dividing by their number (a missing scale)",
         ("tests/models/test_mtp.py::test_objective_is_deepseek_v3_formula",)),
     Mutant(
@@ -655,4 +655,45 @@ MUTANTS: list[Mutant] = [
         "train.batch_invariant without the row padding: an expert's GEMM reduces a row in an order that "
         "depends on how many rows the other sequences sent it",
         ("tests/core/test_routes.py::test_batch_invariant_sequence_alone_equals_among_others",)),
+    Mutant(
+        "zero-expert-rows-sent", "dispatch/router.py",
+        "            kept_probs, kept_map, tokens_per_expert = kept_probs[:, :held], kept_map[:, :held], "
+        "tokens_per_expert[:held]\n",
+        "            kept_probs, kept_map, tokens_per_expert = kept_probs[:, :held], kept_map[:, :held].clone(), "
+        "tokens_per_expert[:held]\n"
+        "            kept_map[:, 0] |= routing_map[:, held:].any(dim=1)\n",
+        "a token on a zero expert also sent to held expert 0 with weight 0: the output is right, the rows "
+        "and bytes are not",
+        ("tests/models/test_moe_layer.py::test_zero_experts_are_never_dispatched_on_two_ranks",)),
+    Mutant(
+        "zero-expert-gate-detached", "models/moe_layer.py",
+        "            out = out + (hidden * routing.zero_probs.unsqueeze(1)).to(out.dtype)\n",
+        "            out = out + (hidden * routing.zero_probs.detach().unsqueeze(1)).to(out.dtype)\n",
+        "the zero experts' gate weight without its gradient: the router never learns from them",
+        ("tests/models/test_moe_layer.py::test_zero_experts_match_longcat_written_out_forward_and_backward",)),
+    Mutant(
+        "zero-expert-bias-moves", "dispatch/router.py",
+        "        step[counts.shape[0] - zero_experts:] = 0.0\n",
+        "        step[counts.shape[0] - zero_experts:] = step[counts.shape[0] - zero_experts:]\n",
+        "the zero experts' bias updated like a held expert's",
+        ("tests/dispatch/test_router.py::"
+         "test_updated_expert_bias_leaves_zero_experts_and_aims_held_ones_at_the_all_column_mean",)),
+    Mutant(
+        "planner-zero-experts-computed", "moe_fold/planner/model.py",
+        "    return moe.topk * moe.num_experts / (moe.num_experts + moe.zero_experts)\n",
+        "    return float(moe.topk)\n",
+        "the planner counts a token's slots on zero experts as expert rows",
+        ("tests/planner/test_estimate.py::test_zero_experts_by_hand",)),
+    Mutant(
+        "zero-expert-outputs-nothing", "models/moe_layer.py",
+        "            out = out + (hidden * routing.zero_probs.unsqueeze(1)).to(out.dtype)\n",
+        "            out = out + 0 * (hidden * routing.zero_probs.unsqueeze(1)).to(out.dtype)\n",
+        "a zero-computation expert read as one that outputs zeros instead of its input",
+        ("tests/models/test_moe_layer.py::test_zero_experts_give_transformers_longcat_flash_moe",)),
+    Mutant(
+        "zero-experts-counted-dropped", "moe_fold/training/metrics.py",
+        "        dropped = 1.0 - float(kept.sum() + zero.sum()) / max(float(routed.sum()), 1.0)\n",
+        "        dropped = 1.0 - float(kept.sum()) / max(float(routed.sum()), 1.0)\n",
+        "the slots on zero experts reported as dropped by capacity",
+        ("tests/training/test_metrics.py::test_zero_expert_assignments_are_neither_loads_nor_drops",)),
 ]

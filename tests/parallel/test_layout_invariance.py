@@ -113,9 +113,11 @@ def _global_grads(model, groups):
     return out
 
 
-def _train(model, groups, micro_batches):
+def _train(model, groups, micro_batches, global_grads=None):
     """STEPS AdamW steps over ``micro_batches`` (one per dp rank here, D in the reference):
-    losses, the first step's global grads and grad norm, whether capacity dropped tokens."""
+    losses, the first step's global grads and grad norm, whether capacity dropped tokens.
+    ``global_grads(model, groups)`` gathers the grads (default: by the contiguous expert split)."""
+    global_grads = global_grads or _global_grads
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     num_tokens = sum(ids.numel() for ids, _ in micro_batches) * groups.size("dp_cp")
     losses, out, dropped = [], {}, 0.0
@@ -130,7 +132,7 @@ def _train(model, groups, micro_batches):
             dropped = max(dropped, max_dropped_fraction(seen))
         sync_grads(model.parameters(), groups)
         if step == 0:
-            out["grads"] = _global_grads(model, groups)
+            out["grads"] = global_grads(model, groups)
             out["norm"] = grad_norm(model.parameters(), groups).item()
         losses.append((all_reduce(loss, groups.dp_cp) / groups.size("dp_cp")).item())
         opt.step()

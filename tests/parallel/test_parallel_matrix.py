@@ -19,6 +19,8 @@ tokens. The loss mask leaves out a different number of tokens in every row, so c
 ranks hold unequal counts and the normalisation is tested for exactness.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -30,7 +32,7 @@ from moe_fold.data.loader import Batch
 from moe_fold.training.grads import clip_grad_norm_, sync_grads
 from moe_fold.launch import run_ranks
 from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups, create_process_groups
-from moe_fold.models.model import build_model
+from moe_fold.models.model import build_model, compile_blocks
 from moe_fold.parallel.sharding import full_tensor, shard_info
 from moe_fold.training.optim import AdamW, apply_gradients, build_grad_sync, build_optimizer, param_groups
 from moe_fold.training.step import forward_backward
@@ -49,6 +51,11 @@ QWEN3_NEXT_LAYERS = dict(layer_types=["gated_deltanet", "gated_deltanet", "gated
                          attn_output_gate=True, norm_zero_centred=True, qk_norm=True, linear_num_key_heads=2,
                          linear_num_value_heads=4, linear_key_head_dim=6, linear_value_head_dim=5,
                          linear_conv_kernel=4, linear_chunk_size=3)
+
+# LongCat-Flash's router: 4 zero-computation experts after the 8 held ones, top-3 of the
+# softmax over all 12 plus the expert bias, scaled weights (the bias's update across ranks:
+# tests/dispatch/test_router_parallel.py).
+LONGCAT_ZERO = dict(moe=dict(zero_experts=4, topk=3, pre_softmax=True, expert_bias=True, scaling_factor=1.5))
 
 # name -> (world, layout sizes, micro-batches per rank, parallel config, model overrides).
 # tp > 1 implies SP; etp defaults to tp.
@@ -104,6 +111,10 @@ CASES = {
     "gdn-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), QWEN3_NEXT_LAYERS),
     "gdn-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), QWEN3_NEXT_LAYERS),
     "gdn-tp2-cp2-a2a-ep2-packed": (4, dict(tp=2, cp=2, ep=2, etp=1), 2, dict(cp_kind="a2a"), QWEN3_NEXT_LAYERS),
+    # Zero-computation experts (LongCat-Flash): never dispatched, added where the token is.
+    "zero-ep2": (2, dict(ep=2), 2, dict(), LONGCAT_ZERO),
+    "zero-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_ZERO),
+    "zero-tp2-ep2-etp1-dp2-packed": (4, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_ZERO),
 }
 
 # Documents (lengths) of each row of the packed global batch; a row's documents fill it.
@@ -216,12 +227,14 @@ def _tied_copies_differ(model, groups):
     return (parts[0] - parts[-1]).abs().max().item()
 
 
-def _train_layout(model, groups, config, micro_batches):
+def _train_layout(model, groups, config, micro_batches, watch_routers=True):
+    """``watch_routers``: hook the routers for the fraction dropped (not on compiled blocks,
+    which would inline the hook and recompile as its list grows)."""
     opt = AdamW(param_groups(model, 0.1), lr=LR, groups=groups, distributed=True)
     out = {"losses": [], "norms": []}
     for step in range(STEPS):
         opt.zero_grad()
-        with router_outputs(model) as seen:
+        with router_outputs(model) if watch_routers else contextlib.nullcontext([]) as seen:
             losses = forward_backward(model, micro_batches, groups, config)
         sync_grads(model.parameters(), groups)
         if step == 0:
@@ -232,7 +245,8 @@ def _train_layout(model, groups, config, micro_batches):
         opt.step()
     out["tied_diff"] = _tied_copies_differ(model, groups)
     out["stages"] = model.stages
-    out["dropped"] = max_dropped_fraction(seen)  # the last step's forwards
+    if watch_routers:
+        out["dropped"] = max_dropped_fraction(seen)  # the last step's forwards
     return out
 
 
@@ -271,10 +285,12 @@ def _train_loop_path(config, groups, micro_batches, distributed, overlap_grad, o
     return out
 
 
-def _rank(rank, world_size, names, moe_overlap="off"):
+def _rank(rank, world_size, names, moe_overlap="off", compiled=False):
     """Train every case of ``names`` in turn: starting ranks costs more than a case. Each
     also through the training loop's path in every OVERLAP_VARIANTS (not the MoE overlap
-    cases, whose variants are MOE_OVERLAPS)."""
+    cases, whose variants are MOE_OVERLAPS). ``compiled``: every block compiled as
+    ``train.compile=blocks`` compiles it (fullgraph, the ``aot_eager`` backend), the loop's
+    variants left out."""
     groups_of, results = {}, []
     for name in names:
         sizes = _case(name)[1]
@@ -287,6 +303,11 @@ def _rank(rank, world_size, names, moe_overlap="off"):
         m, cp = _case(name)[2], groups.size("cp")
         micro = [b.cp_slice(groups.rank_in("cp"), cp)
                  for b in _micro_batches(groups.rank_in("dp"), groups.size("dp"), m, name.endswith("packed"))]
+        if compiled:
+            compile_blocks(model, backend="aot_eager")
+            with torch._dynamo.config.patch(capture_scalar_outputs=True):
+                results.append(_train_layout(model, groups, config, micro, watch_routers=False))
+            continue
         result = _train_layout(model, groups, config, micro)
         if name not in MOE_OVERLAP_CASES:
             result["loop"] = {variant: _train_loop_path(config, groups, micro, *switches)
@@ -399,10 +420,13 @@ ISSUE_29 = {name for name in CASES if name.startswith("attn-")}
 LAYER_TYPES = {name for name in CASES if name.startswith("gdn-")}
 
 
-def _names(world, issue_20=False, issue_29=False, layer_types=False):
+ZERO_EXPERTS = {name for name in CASES if name.startswith("zero-")}
+
+
+def _names(world, issue_20=False, issue_29=False, layer_types=False, zero_experts=False):
     return [name for name, case in CASES.items()
             if case[0] == world and (name in ISSUE_20) == issue_20 and (name in ISSUE_29) == issue_29
-            and (name in LAYER_TYPES) == layer_types]
+            and (name in LAYER_TYPES) == layer_types and (name in ZERO_EXPERTS) == zero_experts]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -436,6 +460,14 @@ def test_gated_deltanet_layers_match_single_process(world):
     _check(names, run_ranks(_rank, world, names, timeout=400))
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_experts_match_single_process(world):
+    """LongCat-Flash's zero-computation experts (with its softmax expert bias and scaling)
+    under ep, tp + SP with ep over the tp ranks, and dp on packed documents."""
+    names = _names(world, zero_experts=True)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
 @pytest.mark.slow
 def test_eight_rank_cp_and_pp_layouts_match_single_process():
     names = _names(8)
@@ -464,6 +496,21 @@ def test_moe_overlap_matches_no_overlap_and_single_process(world):
                 torch.testing.assert_close(got["norms"], off["norms"], **tol, msg=lambda m: f"{where} {overlap}: {m}")
                 torch.testing.assert_close(got["losses"], off["losses"], **tol,
                                            msg=lambda m: f"{where} {overlap}: {m}")
+
+
+# Compiled blocks (train.compile=blocks, docs/gpu.md "Compiled blocks"): every block one
+# graph, its collectives torch's functional collectives (cp's a2a and ep's all-to-all with
+# the count exchange's unbacked splits, tp's SP mappings, the router's all-reduces), pp's
+# sends between the compiled blocks. Ring cp is not among them (docs/gpu.md says why).
+COMPILED_CASES = ["cp2-a2a-ep2", "pp2-tied", "tp2-qknorm-projection-partial-rotary"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", COMPILED_CASES)
+def test_compiled_blocks_match_single_process(name):
+    """ep 2 with a2a cp 2, pp 2 with tied embeddings, tp 2 + SP: with every block compiled,
+    one process's losses, grads and grad norms at the matrix's tolerances."""
+    _check([name], run_ranks(_rank, 2, [name], compiled=True, timeout=600))
 
 
 # --------------------------------------------------------------------------- one process

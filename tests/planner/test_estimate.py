@@ -271,6 +271,45 @@ def test_flops_by_hand():
     assert model_flops_per_step(config) == 3 * (2704 + 2 * (1360 + 256 + 256)) * 8
 
 
+def test_zero_experts_by_hand():
+    """Zero experts (4 beside the 4 held, top-2): the router scores 8 columns, and a token
+    sends 2 * 4/8 = 1 row on average, so expert FLOPs, activated parameters, expert
+    activation rows and the rows on the wire all halve."""
+    from moe_fold.planner.estimate import model_params
+    from moe_fold.planner.memory import held_row_bytes, layer_activation_bytes
+    from moe_fold.planner.model import held_rows_per_token, layer_forward_flops
+
+    config, plain = _hand_config(), _hand_config()
+    config.moe.zero_experts = 4
+    assert held_rows_per_token(config) == 1.0 and held_rows_per_token(plain) == 2.0
+    # router 2*8*8 = 128, 1 expert row 6*8*6 = 288, shared as before
+    assert layer_forward_flops(config, 1) == {"attention": 384, "core": 128, "mlp": 0.0, "router": 128,
+                                              "experts": 288, "shared": 208}
+    # the router grows by 4*8 = 32 -> 1712; activated 1712 - 576 + 1/4 of the experts (144)
+    assert model_params(config) == {"total": 1712, "experts": 576, "activated": 1280}
+    # Activations: one expert row fewer (its kept bytes, 56 here, and the dispatcher's 16),
+    # the router's 4 more columns (the top-k op's float32 logits and probs and bool map,
+    # 9*4, the aux loss's float32 scores 4*4).
+    assert held_row_bytes(plain, "none") == 56
+    assert layer_activation_bytes(config, 1, "none") == layer_activation_bytes(plain, 1, "none") - (56 + 16) + 52
+    # ep 2: a token's one held row leaves for the other rank half the time: 1 row sent and
+    # 1 received per rank (2 tokens), each way, of H*a = 16 bytes, probs 4 bytes each way.
+    config = _hand_config(tp=2, ep=2, etp=1, sequence_parallel=True)
+    config.moe.zero_experts = 4
+    assert step_bytes(config, 4)["ep"] == 2 * 2 * 16 + 2 * 2 * 4 // 2
+    # aux-loss statistics over every column: 2*8 + 1 float64 over tp x cp = 2 ranks
+    assert step_bytes(config, 4)["tp_cp"] == 8 * (2 * 8 + 1)
+
+
+def test_zero_expert_params_equal_the_real_model():
+    from moe_fold.models.model import build_model
+
+    config = load_config("mixtral-tiny", ["parallel.ep=1", "moe.zero_experts=3"])
+    model = build_model(config, ProcessGroups.single_process())
+    real = [(n, q.numel(), q.parallel) for n, q in model.named_parameters()]
+    assert [(e.name, e.numel, e.kind) for e in param_manifest(config)] == real
+
+
 def test_memory_by_hand():
     from moe_fold.planner.estimate import Assumptions, _memory
     from moe_fold.planner.model import head_activation_bytes, layer_activation_bytes

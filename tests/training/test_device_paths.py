@@ -134,8 +134,9 @@ def _train_rank(rank, world_size, config):
 
     # Everything a step runs, from the forward to the re-placement; not the model's
     # construction or the checkpoint (they build their own tensors on the host on purpose).
-    train_module.apply_gradients = _guarded(train_module.apply_gradients)
-    for cls, name in ((StepLosses, "finish_step"), (RoutingCollector, "finish_step"), (ExpertReplacer, "after_step"),
+    train_module.reduce_gradients = _guarded(train_module.reduce_gradients)
+    train_module.close_routers = _guarded(train_module.close_routers)
+    for cls, name in ((StepLosses, "reduce"), (RoutingCollector, "reduce"), (ExpertReplacer, "after_step"),
                       (StopRule, "check")):
         setattr(cls, name, _guarded(getattr(cls, name)))
     seen = []

@@ -190,15 +190,39 @@ def test_planner_agrees_with_the_dry_run(name):
             sent[c.group] = sent.get(c.group, 0) + c.bytes
         planned = step_bytes(config, world, trace.pp_stage)
         for kind in set(planned) | set(sent):
-            if kind in UNMODELLED.get(name, ()):
-                continue
             assert sent.get(kind, 0) == pytest.approx(planned.get(kind, 0), rel=0.01, abs=1e5), (rank, kind)
 
 
-# Group kinds whose bytes the planner does not model yet, per case (docs/dryrun.md says by
-# how much): multi-head latent attention's tp traffic (the planner counts the hidden
-# states' gathers, MLA gathers its latents).
-UNMODELLED = {"deepseek-v3": ("tp",)}
+# (preset, world, overrides, ranks): ranks whose peak of activations the planner is held to
+# within 5% of the dry run's (docs/dryrun.md has the ranks it is not, and by how much).
+ACTIVATION_CASES = {
+    # The interleaved schedule holds 4.5 micro-batches in flight on the last stage, but its
+    # last chunk runs each backward straight after the forward: the heads, MTP and the
+    # loss's backward for one micro-batch (the loss's float32 logit grads are the peak).
+    "deepseek-v3-vpp2-last": ("deepseek-v3", 1024, ["model.num_layers=16", "moe.first_k_dense=1", "parallel.vpp=2",
+                                                    "parallel.pp_layers=null", "train.global_batch_size=512"], [1023]),
+    "mixtral-8x22b": ("mixtral-8x22b", 128, [], [0, 127]),
+    # Stage 2 is the planner's busiest; the first stage is not here: 6.6% under (docs/dryrun.md).
+    "deepseek-v3": ("deepseek-v3", 1024, [], [256, 1023]),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if not ACTIVATION_CASES[n][2] else n
+                                  for n in ACTIVATION_CASES])
+def test_planned_activations_agree_with_the_dry_run(name):
+    """The planner's activations (the most a rank holds at once over its pipeline
+    schedule, a backward's working memory included) within 5% of what the dry run's step
+    held. The full-size presets at their own layouts are the slow rows."""
+    from moe_fold.config import load_config
+    from moe_fold.planner.estimate import Assumptions, stage_memory
+
+    preset, world, overrides, ranks = ACTIVATION_CASES[name]
+    config = load_config(preset, overrides)
+    shapes = {}
+    for rank in ranks:
+        trace = trace_rank(config, world, rank, parse_routing("balanced"), shapes)
+        planned = stage_memory(config, world, trace.pp_stage, Assumptions(memory_overhead=0))["activations"]
+        assert trace.memory["activations"] == pytest.approx(planned, rel=0.05), (rank, trace.memory, planned)
 
 
 def test_command_prints_json_and_the_table(capsys):

@@ -8,25 +8,32 @@ its line in ``_MODULES`` (docs/families/README.md, "Adding a family")."""
 from __future__ import annotations
 
 from . import (deepseek_v2, deepseek_v3, ernie4_5_moe, glm4_moe, gpt_oss, llama4_text, minimax_m2, mixtral, olmoe,
-               qwen2_moe, qwen3_moe)
+               qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next)
 from .base import FEATURES, METADATA_KEYS, Family, HFConfigError
 
-__all__ = ["REGISTRY", "FAMILIES", "FEATURES", "METADATA_KEYS", "Family", "HFConfigError", "lookup"]
+__all__ = ["REGISTRY", "ALIASES", "FAMILIES", "FEATURES", "METADATA_KEYS", "Family", "HFConfigError", "lookup"]
 
 # In the order error messages list them.
 _MODULES = (mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3, glm4_moe, olmoe, ernie4_5_moe, minimax_m2,
-            llama4_text, gpt_oss)
+            llama4_text, gpt_oss, qwen3_next, qwen3_5_moe)
 
 # model_type -> Family
 REGISTRY: dict[str, Family] = {module.FAMILY.model_type: module.FAMILY for module in _MODULES}
+
+# A model_type a family reads besides its own -> that family (import only).
+ALIASES: dict[str, Family] = {alias: family for family in REGISTRY.values() for alias in family.aliases}
 
 # model_type -> the causal-LM class that reads it
 FAMILIES: dict[str, str] = {name: family.architecture for name, family in REGISTRY.items()}
 
 
-def lookup(model_type, field: str = "model_type", where: str = "unsupported Hugging Face model") -> Family:
-    """The family of ``model_type``; an :class:`HFConfigError` naming ``field``, the value
-    and the supported ones when there is none."""
+def lookup(model_type, field: str = "model_type", where: str = "unsupported Hugging Face model",
+           aliases: bool = False) -> Family:
+    """The family of ``model_type`` (or, with ``aliases``, of a model_type it reads: import);
+    an :class:`HFConfigError` naming ``field``, the value and the supported ones when there is none."""
+    if aliases and model_type in ALIASES:
+        return ALIASES[model_type]
     if model_type not in REGISTRY:
-        raise HFConfigError([f"{field}={model_type!r} is not one of {', '.join(REGISTRY)}"], where)
+        known = list(REGISTRY) + (list(ALIASES) if aliases else [])
+        raise HFConfigError([f"{field}={model_type!r} is not one of {', '.join(known)}"], where)
     return REGISTRY[model_type]

@@ -41,6 +41,7 @@ FEATURES = frozenset({
     "attention_sinks", "sliding_window", "attention_chunk", "rope_layers", "attn_temperature_tuning",
     "score_on_input",  # the routing prob scales the expert's input
     "layer_types", "attn_output_gate", "norm_zero_centred",  # Qwen3-Next's layers (Gated DeltaNet)
+    "zero_experts",  # LongCat-Flash's zero-computation experts
 })
 
 _REQUIRED = object()
@@ -115,7 +116,16 @@ class Family:
     - ``exports(config)``: whether the model's features call for this family, asked in
       ``export_priority`` order (lowest first; the first yes is the export family);
     - ``mlp_sources(config, hf, ours, is_moe, hf_names)``: the Sources of one layer's MLP
-      or MoE block (default: :func:`mlp_sources` of ``moe_names``)."""
+      or MoE block (default: :func:`mlp_sources` of ``moe_names``);
+    - ``mixer_sources(config, layer, hf, ours)``: the Sources of layer ``layer``'s mixer
+      (attention or a linear-attention type) under ``ours + "attn."`` (default: the
+      weights module's standard and MLA attention);
+    - ``aliases``: other ``model_type`` values whose ``config.json`` ``from_hf`` reads
+      (a text model's own type beside its multimodal wrapper's), with
+      ``import_architectures``: the causal-LM classes accepted on import besides
+      ``architecture``;
+    - ``model_prefix(hf_names)``: where the language model's tensors live in a checkpoint
+      with tensors ``hf_names`` (export passes none); default ``model.``."""
 
     model_type: str
     architecture: str
@@ -127,6 +137,10 @@ class Family:
     export_priority: int
     moe_names: MoeNames = field(default_factory=MoeNames)
     mlp_sources: Optional[Callable[..., dict]] = None
+    mixer_sources: Optional[Callable[..., dict]] = None
+    aliases: tuple[str, ...] = ()
+    import_architectures: tuple[str, ...] = ()
+    model_prefix: Callable[[frozenset], str] = lambda hf_names: "model."
 
     def __post_init__(self):
         unknown = sorted(set(self.features) - FEATURES)

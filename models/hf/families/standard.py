@@ -18,7 +18,7 @@ from moe_fold.config import Config, head_dim
 
 from .base import Keys, Refuse, attention_heads, check_window, common_sizes, num_experts, rope_theta
 
-__all__ = ["sizes_from_hf", "qwen_layers_from_hf", "no_attention_bias", "refusals", "to_hf", "qwen_to_hf"]
+__all__ = ["sizes_from_hf", "softmax_routing_from_hf", "qwen_layers_from_hf", "qwen_moe_layers_from_hf", "no_attention_bias", "refusals", "to_hf", "qwen_to_hf"]
 
 
 def sizes_from_hf(keys: Keys, config: Config, family: str, *, norm_eps: float, theta: float,
@@ -34,12 +34,18 @@ def sizes_from_hf(keys: Keys, config: Config, family: str, *, norm_eps: float, t
     keys.must_be("mlp_bias", (False,), "the MLPs have no biases here")
     keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
 
+    softmax_routing_from_hf(keys, config)
+    m.qk_norm, m.qkv_bias = qk_norm, False
+
+
+def softmax_routing_from_hf(keys: Keys, config: Config) -> None:
+    """Softmax top-k routing with no groups, bias or scaling, and no shared expert yet."""
+    moe = config.moe
     moe.score_function, moe.num_groups, moe.group_topk, moe.group_score = "softmax", None, None, "topk_sum"
     moe.scaling_factor, moe.expert_bias, moe.first_k_dense = None, False, 0
     moe.topk = keys.get("num_experts_per_tok")
     moe.aux_loss_coeff = float(keys.get("router_aux_loss_coef", 0.001))
     moe.input_jitter = 0.0
-    m.qk_norm, m.qkv_bias = qk_norm, False
     moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate = 0, False
 
 
@@ -47,6 +53,22 @@ def qwen_layers_from_hf(keys: Keys, config: Config, *, experts_are_dense_wide: b
     """Qwen's experts, renormalisation and layer pattern, and its sliding window (checked:
     one shorter than the sequence is refused). ``experts_are_dense_wide``: the experts are
     ``intermediate_size`` wide (OLMoE, every layer MoE), not ``moe_intermediate_size``."""
+    m = config.model
+    qwen_moe_layers_from_hf(keys, config, experts_are_dense_wide=experts_are_dense_wide)
+    sliding = bool(keys.get("use_sliding_window", False))
+    keys.get("max_window_layers", None)  # which layers slide: moot, any window is checked below
+    layer_types = keys.get("layer_types", None)
+    if layer_types is not None:
+        odd = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if odd:
+            keys.problems.append(f"layer_types has {odd}: only full_attention and sliding_attention are known")
+        sliding = sliding and "sliding_attention" in layer_types
+    check_window(keys, m.seq_length, sliding_layers=sliding)
+
+
+def qwen_moe_layers_from_hf(keys: Keys, config: Config, *, experts_are_dense_wide: bool = False) -> None:
+    """Qwen's experts, renormalisation (``norm_topk_prob``) and MoE layer pattern
+    (``decoder_sparse_step``, ``mlp_only_layers``)."""
     m, moe = config.model, config.moe
     moe.num_experts = num_experts(keys, "num_experts", "num_local_experts")
     moe.ffn_hidden_size = m.ffn_hidden_size if experts_are_dense_wide else keys.get("moe_intermediate_size")
@@ -59,15 +81,6 @@ def qwen_layers_from_hf(keys: Keys, config: Config, *, experts_are_dense_wide: b
         moe.moe_layer_freq = 1 if all(flags) else flags
     else:
         keys.problems.append(f"decoder_sparse_step={step!r} must be an integer >= 1")
-    sliding = bool(keys.get("use_sliding_window", False))
-    keys.get("max_window_layers", None)  # which layers slide: moot, any window is checked below
-    layer_types = keys.get("layer_types", None)
-    if layer_types is not None:
-        odd = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-        if odd:
-            keys.problems.append(f"layer_types has {odd}: only full_attention and sliding_attention are known")
-        sliding = sliding and "sliding_attention" in layer_types
-    check_window(keys, m.seq_length, sliding_layers=sliding)
 
 
 def no_attention_bias(keys: Keys) -> None:

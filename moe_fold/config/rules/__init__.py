@@ -17,7 +17,7 @@ from .model import (_check_model, dense_width_over_tp, heads_over_tp, linear_hea
 from .moe import (_check_layer_pattern, _check_moe, activation_backend, capacity_factor_positive, dispatch_modes,
                   expert_bias_over_etp, expert_width_over_etp, experts_over_ep, gate_needs_shared_expert,
                   moe_needs_sequence_parallel, overlap_problems, replacement_has_room, replicas_fit, router_settings,
-                  routing_groups)
+                  routing_groups, zero_expert_settings)
 from .routes import BATCH_INVARIANT_ROWS, _check_routes
 from .parallel import (MAX_DYNAMIC_CP, _check_parallel, _check_pipeline, bucket_size, dynamic_cp_layout,
                        interleaved_micro_batches, order_is_permutation, param_gather_needs_distributed,
@@ -33,7 +33,7 @@ __all__ = [
     "linear_heads_over_tp", "moe_needs_sequence_parallel", "order_is_permutation", "overlap_problems", "param_gather_needs_distributed",
     "pipeline_split", "replacement_has_room", "replicas_fit", "require", "rotary_pairs", "router_settings",
     "routing_groups", "rule", "schedule_chunks", "sequence_over_cp", "sequence_over_tp", "spike_detection",
-    "upcycle_slices", "validate", "vocab_over_tp", "world_fits_layouts",
+    "upcycle_slices", "validate", "vocab_over_tp", "world_fits_layouts", "zero_expert_settings",
 ]
 
 

@@ -43,6 +43,7 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
     out.extend(activation_backend(moe.activation, moe.swiglu_backend))
     _at_least(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size, 0)
     out.extend(overlap_problems(moe))
+    out.extend(zero_expert_settings(moe))
     _check_placement(config, out)
     if not any_moe:
         return
@@ -59,7 +60,8 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
                    f"(moe.moe_layer_freq={_fmt(moe.moe_layer_freq)}, moe.first_k_dense={moe.first_k_dense})")
         return
     out.extend(experts_over_ep(moe.num_experts, p.ep))
-    out.extend(routing_groups(moe.num_experts, moe.topk, moe.num_groups, moe.group_topk, moe.group_score))
+    out.extend(routing_groups(moe.num_experts, moe.topk, moe.num_groups, moe.group_topk, moe.group_score,
+                              moe.zero_experts))
 
 
 @rule
@@ -176,11 +178,14 @@ def experts_over_ep(num_experts: int, ep: int) -> list[str]:
 
 @rule
 def routing_groups(num_experts: int, topk: int, num_groups: Optional[int], group_topk: Optional[int],
-                   group_score: str) -> list[str]:
-    """A token's topk experts exist; group-limited routing picks group_topk of num_groups
-    groups, then topk experts inside them (ranking a group by moe.group_score)."""
+                   group_score: str, zero_experts: int = 0) -> list[str]:
+    """A token's topk experts exist (zero experts count: the router picks among both);
+    group-limited routing picks group_topk of num_groups groups, then topk experts inside
+    them (ranking a group by moe.group_score)."""
     out = []
-    if not 1 <= topk <= num_experts:
+    if zero_experts > 0 and not 1 <= topk <= num_experts + zero_experts:
+        out.append(f"moe.topk={topk} must be in [1, moe.num_experts + moe.zero_experts={num_experts + zero_experts}]")
+    elif zero_experts <= 0 and not 1 <= topk <= num_experts:
         out.append(f"moe.topk={topk} must be in [1, moe.num_experts={num_experts}]")
     groups = num_groups
     if (groups is None) != (group_topk is None):
@@ -228,6 +233,26 @@ def overlap_problems(moe: MoEConfig) -> list[str]:
                         f"may hold all of an expert's tokens, so every chunk would be padded to the layer's "
                         f"whole capacity, multiplying the bytes sent by the number of chunks")
     return problems
+
+
+@rule
+def zero_expert_settings(moe: MoEConfig) -> list[str]:
+    """Zero-computation experts (LongCat-Flash) are router columns after the routed experts
+    that no rank holds: what needs every column to be a held expert refuses them."""
+    out = []
+    if not _at_least(out, "moe.zero_experts", moe.zero_experts, 0) or moe.zero_experts == 0:
+        return out
+    if moe.capacity_factor is not None:
+        out.append(f"moe.zero_experts={moe.zero_experts} cannot run with moe.capacity_factor="
+                   f"{_fmt(moe.capacity_factor)}: a capacity is per held expert, and a zero expert is held by "
+                   f"no rank (set moe.capacity_factor=null, dropless)")
+    if moe.num_groups is not None:
+        out.append(f"moe.zero_experts={moe.zero_experts} cannot run with moe.num_groups={_fmt(moe.num_groups)}: "
+                   f"routing groups split the held experts, and zero experts belong to no group")
+    if moe.router_replay is not None:
+        out.append(f"moe.zero_experts={moe.zero_experts} cannot run with moe.router_replay="
+                   f"{_fmt(moe.router_replay)}: route files record held experts only")
+    return out
 
 
 def _check_placement(config: Config, out: list[str]) -> None:

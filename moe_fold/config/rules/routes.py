@@ -15,6 +15,9 @@ def _check_routes(config: Config, out: list[str]) -> None:
             out.append(f"{dotted}={_fmt(value)} cannot run with parallel.dynamic_cp=true: dynamic cp moves "
                        f"tokens between ranks by document, so a token's place in the data is not known where "
                        f"it is routed")
+    if t.route_trace_every > 0 and moe.zero_experts > 0:
+        out.append(f"train.route_trace_every={t.route_trace_every} cannot run with moe.zero_experts="
+                   f"{moe.zero_experts}: route traces record held experts only, and a zero expert is held by no rank")
     if moe.router_replay is not None and not moe.router_replay.strip():
         out.append(f"moe.router_replay={_fmt(moe.router_replay)} must name a route trace or a routes file")
     if t.batch_invariant:

@@ -36,6 +36,7 @@ checked on one process and under both layouts) and its rows in ``REFUSED``.
 """
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,6 +69,11 @@ GLM = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=50, moe_intermedi
            num_experts_per_tok=4, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
            attention_bias=True, use_qk_norm=True, max_position_embeddings=64, num_mtp_layers=0,
            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
+
+_HYBRID = dict(vocab_size=VOCAB, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+               num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=22,
+               shared_expert_intermediate_size=30, linear_num_key_heads=2, linear_num_value_heads=6,
+               linear_key_head_dim=6, linear_value_head_dim=5, linear_conv_kernel_dim=4, max_position_embeddings=64)
 
 SPECS = {
     "mixtral": Spec("MixtralConfig", "MixtralForCausalLM", dict(_ODD, num_local_experts=4),
@@ -158,6 +164,25 @@ SPECS = {
                                               original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
                                               truncate=False)),
                     {"gpt_oss": {}}, eager_attention=True),
+    # Qwen3-Next: 2 key heads of 6 over 6 value heads of 5 (3 per key head), conv of 4 taps; gated
+    # attention of 6 heads of 8 over 2 kv heads, rotary on the first 2 dims (0.25); 4 experts of 22
+    # and a gated shared expert of 30. Zero-centred norms; matrices N(0, 0.1): at 0.2 float32
+    # itself strays 1.4e-4 (transformers) and 2.3e-4 (ours) from a float64 forward of this model.
+    "qwen3_next": Spec("Qwen3NextConfig", "Qwen3NextForCausalLM", _HYBRID, {
+        # Three Gated DeltaNet layers, then gated attention; layer 1 dense; renormalised top-k.
+        "qwen3_next": dict(intermediate_size=50, mlp_only_layers=[1], norm_topk_prob=True),
+        # Attention first and third, every layer MoE, top-k of the full softmax, tied, rotary on half.
+        "qwen3_next_mixed": dict(layer_types=["full_attention", "linear_attention", "full_attention",
+                                              "linear_attention"], norm_topk_prob=False, tie_word_embeddings=True,
+                                 rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                                      partial_rotary_factor=0.5))},
+        matrix_std=0.1, zero_centred=True),
+    # Qwen3.5's text model: Qwen3-Next's layers, every layer MoE, renormalised top-k; separate
+    # q|k|v, z, b and a projections; exported when asked by name. 4 value heads (2 per key
+    # head): with 6, transformers' float32 logits stray 5.9e-5 from a float64 forward (ours 1.7e-5).
+    "qwen3_5_moe": Spec("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _HYBRID,
+                        {"qwen3_5_moe": dict(linear_num_value_heads=4)},
+                        matrix_std=0.1, zero_centred=True, exported_by_default=False),
 }
 
 
@@ -191,7 +216,8 @@ IMPORTED = {"deepseek_v3": _mla_read, "ernie4_5_moe": _expert_bias_read(1), "min
 @pytest.mark.parametrize("family, case", CASES, ids=[f"{f}-{c}" for f, c in CASES])
 def test_import_matches_transformers_and_export_round_trips(family, case, tmp_path):
     spec = SPECS[family]
-    model = check_import_and_round_trip(hf_model(spec, case), family, tmp_path, case, **spec.load_kwargs())
+    model = check_import_and_round_trip(hf_model(spec, case), family, tmp_path, case, spec.exported_by_default,
+                                        **spec.load_kwargs())
     if family in IMPORTED:
         assert IMPORTED[family](model, case)
 
@@ -266,6 +292,19 @@ REFUSED = [
      "layer_types has ['chunked_attention']", BOTH),
     ("gpt_oss", "gpt_oss", lambda hf: hf.update(attention_dropout=0.1), "attention_dropout=0.1", BOTH),
     ("gpt_oss", "gpt_oss", lambda hf: hf.update(swiglu_limit=-1.0), "moe.swiglu_limit=-1.0 must be > 0", BOTH),
+    ("qwen3_next", "qwen3_next", lambda hf: hf["layer_types"].__setitem__(0, "sliding_attention"),
+     "layer_types has ['sliding_attention']: only linear_attention (Gated DeltaNet) and full_attention", HFConfigError),
+    ("qwen3_next", "qwen3_next", lambda hf: hf.update(layer_types=hf["layer_types"][:3]),
+     "layer_types has 3 entries; num_hidden_layers=4", HFConfigError),
+    ("qwen3_next", "qwen3_next", lambda hf: hf.update(attention_bias=True), "attention_bias=True", HFConfigError),
+    ("qwen3_next", "qwen3_next", lambda hf: hf.update(hidden_act="gelu"), "hidden_act='gelu'", HFConfigError),
+    ("qwen3_next", "qwen3_next", lambda hf: hf.update(use_sliding_window=True), "use_sliding_window=True",
+     HFConfigError),
+    ("qwen3_next", "qwen3_next", lambda hf: hf.update(linear_num_value_heads=5),
+     "model.linear_num_value_heads=5 must be a multiple of model.linear_num_key_heads=2", BOTH),
+    ("qwen3_5_moe", "qwen3_5_moe", lambda hf: hf["rope_parameters"].update(mrope_section=[2, 1, 1]),
+     "rope_parameters.mrope_section=[2, 1, 1] covers 8 rotary dims; head_dim=8 x partial_rotary_factor=0.25 has 2",
+     HFConfigError),
 ]
 
 
@@ -296,32 +335,6 @@ def test_deepseek_v2_config_mapping():
     lite = config_from_hf(model_of("deepseek_v2", "lite").config.to_dict())
     assert (lite.model.q_lora_rank, lite.model.rope_scaling, lite.model.rope_theta) == (None, None, 5e4)
     assert (lite.moe.num_groups, lite.moe.scaling_factor, lite.moe.shared_expert_ffn_hidden_size) == (None, None, 44)
-
-
-# The config.json of DeepSeek-V2-Lite as the Hub holds it (4.x keys, remote code).
-DEEPSEEK_V2_LITE = {
-    "architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV2Config"}, "aux_loss_alpha": 0.001,
-    "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1, "hidden_act": "silu",
-    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 10944, "kv_lora_rank": 512,
-    "max_position_embeddings": 163840, "model_type": "deepseek_v2", "moe_intermediate_size": 1408,
-    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False,
-    "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
-    "pretraining_tp": 1, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True,
-    "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
-    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 102400}
-
-
-def test_deepseek_v2_released_lite_config_imports_to_our_preset():
-    from moe_fold.models.hf.importer import _architecture_mismatch
-
-    ours = load_config("deepseek-v2-lite")
-    imported = config_from_hf(DEEPSEEK_V2_LITE, ours)
-    assert _architecture_mismatch(ours, imported) == []
-    assert imported.moe.seq_aux_loss_coeff == 0.001 and imported.moe.aux_loss_coeff == 0.0
 
 
 def _routed_as_its_config(model, ids):
@@ -384,34 +397,6 @@ def test_deepseek_v3_config_mapping():
     plain = config_from_hf(model_of("deepseek_v3", "no_q_lora").config.to_dict())
     assert plain.model.q_lora_rank is None and plain.model.rope_scaling is None and not plain.model.rope_interleave
     assert (plain.moe.num_groups, plain.moe.shared_expert_ffn_hidden_size, plain.model.rope_theta) == (None, 44, 5e4)
-
-
-# The config.json of DeepSeek-V3 as the Hub holds it (4.x keys, remote code), less its
-# fp8 quantization_config (a bf16 conversion of the checkpoint has none).
-DEEPSEEK_V3_RELEASED = {
-    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}, "aux_loss_alpha": 0.001,
-    "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
-    "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
-    "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
-    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
-    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
-    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
-                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-                                            "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
-    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
-    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280}
-
-
-def test_deepseek_v3_released_config_imports_to_our_preset():
-    from moe_fold.models.hf.importer import _architecture_mismatch
-
-    ours = load_config("deepseek-v3")
-    imported = config_from_hf(DEEPSEEK_V3_RELEASED, ours)
-    assert _architecture_mismatch(ours, imported) == []
-    assert imported.moe.first_k_dense == 3 and imported.moe.seq_aux_loss_coeff == 0.001
 
 
 def test_deepseek_v3_checkpoint_loads_into_a_model_that_ranks_groups_alike():
@@ -527,18 +512,6 @@ def test_ernie4_5_moe_config_mapping():
         0.6, 0, 10)
 
 
-def test_ernie4_5_moe_transformers_default_config_is_our_preset():
-    """transformers' Ernie4_5_MoeConfig defaults are ERNIE-4.5-21B-A3B's (its documented
-    checkpoint): they import to the ernie-4.5-21b-a3b preset's architecture."""
-    import transformers
-
-    from moe_fold.models.hf.importer import _architecture_mismatch
-
-    ours = load_config("ernie-4.5-21b-a3b")
-    imported = config_from_hf(transformers.Ernie4_5_MoeConfig().to_dict(), ours)
-    assert _architecture_mismatch(ours, imported) == []
-
-
 def test_ernie4_5_moe_export_refuses_what_it_cannot_hold(tmp_path):
     model_of("ernie4_5_moe", "a3b").save_pretrained(tmp_path / "hf")
     model = from_hf(tmp_path / "hf").eval()
@@ -570,19 +543,6 @@ def test_minimax_m2_config_mapping():
         None, None, 0, 1)
     full = config_from_hf(model_of("minimax_m2", "full_rotary").config.to_dict())
     assert (full.model.partial_rotary_factor, full.model.tie_embeddings, full.moe.input_jitter) == (1.0, True, 0.05)
-
-
-def test_minimax_m2_transformers_default_config_is_our_preset():
-    """transformers' MiniMaxM2Config defaults are MiniMax-M2's (its documented checkpoint)
-    but for the rotary width, which the released config.json sets (rotary_dim 64): with it
-    they import to the minimax-m2 preset's architecture."""
-    import transformers
-
-    from moe_fold.models.hf.importer import _architecture_mismatch
-
-    ours = load_config("minimax-m2")
-    imported = config_from_hf(transformers.MiniMaxM2Config(rotary_dim=64).to_dict(), ours)
-    assert _architecture_mismatch(ours, imported) == []
 
 
 def test_minimax_m2_export_refuses_what_it_cannot_hold(tmp_path):
@@ -627,7 +587,6 @@ def test_llama4_text_trained_preset_exports_and_generates_what_sample_gives(tmp_
     both act inside the 32 tokens sampled), converted by the CLI: transformers'
     AutoTokenizer + AutoModelForCausalLM.generate give ``moe-fold sample``'s greedy tokens."""
     import warnings
-    from pathlib import Path
 
     import transformers
 
@@ -701,4 +660,83 @@ def test_gpt_oss_export_refuses_what_the_family_cannot_hold(tmp_path):
                   "model.attention_out_bias=true", "model.attention_sinks=True",
                   "model.local_attention_layers=[1, 0, 1, 0]", "model.rope_scaling=yarn"):
         assert field in str(err.value), field
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- Qwen3-Next and Qwen3.5
+
+def test_qwen3_next_config_mapping():
+    m, moe = (lambda c: (c.model, c.moe))(config_from_hf(model_of("qwen3_next", "qwen3_next").config.to_dict()))
+    assert m.layer_types == ["gated_deltanet"] * 3 + ["attention"]
+    assert (m.attn_output_gate, m.norm_zero_centred, m.qk_norm, m.partial_rotary_factor) == (True, True, True, 0.25)
+    assert (m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim,
+            m.linear_conv_kernel) == (2, 6, 6, 5, 4)
+    assert (moe.num_experts, moe.topk, moe.ffn_hidden_size, moe.pre_softmax, moe.moe_layer_freq) == (
+        4, 2, 22, False, [1, 0, 1, 1])
+    assert (moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate, m.ffn_hidden_size) == (30, True, 50)
+    mixed = config_from_hf(model_of("qwen3_next", "qwen3_next_mixed").config.to_dict())
+    assert mixed.model.layer_types == ["attention", "gated_deltanet"] * 2 and mixed.moe.pre_softmax
+
+
+def test_qwen3_5_moe_reads_the_multimodal_wrapper_and_refuses_a_vision_tower():
+    """The wrapper's config.json (``model_type: qwen3_5_moe``, the text model under
+    ``text_config``) maps as the text model's own does; with a vision tower it is refused,
+    naming ``vision_config``; its tensors are read under ``model.language_model.``."""
+    text = model_of("qwen3_5_moe").config.to_dict()
+    base = load_config("mixtral-tiny")  # the wrapper's max_position_embeddings is the text model's: no seq_length
+    flat = config_from_hf(text, base)
+    wrapper = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+               "text_config": {k: v for k, v in text.items() if k not in ("architectures", "transformers_version")},
+               "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
+               "vision_end_token_id": 248054, "tie_word_embeddings": False}
+    wrapped = config_from_hf(wrapper, base)
+    assert wrapped.model == flat.model and wrapped.moe == flat.moe
+    assert wrapped.model.layer_types == ["gated_deltanet"] * 3 + ["attention"]
+    with pytest.raises(HFConfigError, match=r"vision_config is set \(a vision tower of depth 27\): moe-fold imports "
+                                            r"the text model of qwen3_5_moe only"):
+        config_from_hf({**wrapper, "vision_config": {"model_type": "qwen3_5_moe_vision", "depth": 27}})
+    with pytest.raises(HFConfigError, match=r"text_config.no_such_key: not understood"):
+        config_from_hf({**wrapper, "text_config": {**wrapper["text_config"], "no_such_key": 1}})
+    from moe_fold.models.hf.weights import weight_sources
+
+    inner = weight_sources(flat, "qwen3_5_moe", frozenset({"model.language_model.embed_tokens.weight"}))
+    assert inner["layers.0.attn.A_log"].name == "model.language_model.layers.0.linear_attn.A_log"
+
+
+# Qwen3-Next-80B-A3B's config.json (Qwen/Qwen3-Next-80B-A3B-Instruct, transformers 4.57 keys).
+QWEN3_NEXT_80B = {
+    "architectures": ["Qwen3NextForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "full_attention_interval": 4,
+    "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [], "model_type": "qwen3_next",
+    "moe_intermediate_size": 512, "norm_topk_prob": True, "num_attention_heads": 16, "num_experts": 512,
+    "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2, "output_router_logits": False,
+    "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000000,
+    "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.57.0.dev0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936}
+
+
+def test_qwen3_next_released_config_imports_to_our_preset():
+    from moe_fold.models.hf.importer import _architecture_mismatch
+
+    ours = load_config("qwen3-next-80b-a3b")
+    assert _architecture_mismatch(ours, config_from_hf(QWEN3_NEXT_80B, ours)) == []
+
+
+def test_qwen3_next_and_qwen3_5_exports_refuse_what_they_cannot_hold(tmp_path):
+    model_of("qwen3_next", "qwen3_next").save_pretrained(tmp_path / "hf")
+    model = from_hf(tmp_path / "hf")
+    with pytest.raises(HFConfigError) as err:
+        to_hf(model, tmp_path / "out", family="qwen3_5_moe")  # layer 1 is dense
+    assert "MoE layers [1, 0, 1, 1]: every Qwen3.5 MoE layer is MoE" in str(err.value)
+    with pytest.raises(HFConfigError) as err:
+        to_hf(model, tmp_path / "out", family="qwen3_moe")
+    for field in ("model.layer_types=['gated_deltanet', 'gated_deltanet', 'gated_deltanet', 'attention']",
+                  "model.attn_output_gate=true", "model.norm_zero_centred=true"):
+        assert field in str(err.value), field
+    model.config.model.attn_output_gate = False
+    with pytest.raises(HFConfigError, match="model.attn_output_gate=false: qwen3_next's attention always has"):
+        to_hf(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()

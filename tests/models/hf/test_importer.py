@@ -4,6 +4,7 @@ logit with transformers' forward; export and from_pretrained round trips; refusa
 what we cannot represent."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,52 +262,43 @@ def test_export_refuses_what_the_family_cannot_hold(tmp_path):
 
 # --------------------------------------------------------------------------- real configs
 
-# config.json of released models as the Hub holds them (transformers 4.x keys:
-# rope_theta at top level, torch_dtype, null sliding windows).
-MIXTRAL_8X7B = {
-    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
-    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
-    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
-    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
-    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0",
-    "use_cache": True, "vocab_size": 32000}
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
-    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
-    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
-    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
-    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
-    "use_sliding_window": False, "vocab_size": 151936}
-QWEN15_MOE_A27B = {
-    "architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
-    "intermediate_size": 5632, "max_position_embeddings": 8192, "max_window_layers": 21, "model_type": "qwen2_moe",
-    "num_attention_heads": 16, "num_hidden_layers": 24, "num_key_value_heads": 16, "rms_norm_eps": 1e-06,
-    "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "transformers_version": "4.36.0.dev0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
-    "decoder_sparse_step": 1, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
-    "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False, "output_router_logits": False,
-    "router_aux_loss_coef": 0.001}
+# preset -> the config its checkpoint was released with, and the auxiliary-loss
+# coefficients (aux_loss_coeff, seq_aux_loss_coeff) that config sets. The config.json
+# files stand in released/ as the Hub holds them (transformers 4.x keys, remote code for
+# DeepSeek; DeepSeek-V3's less its fp8 quantization_config, which a bf16 conversion of the
+# checkpoint has none of). transformers' defaults for ERNIE-4.5 and MiniMax-M2 are those
+# checkpoints' (their documented ones), but for MiniMax-M2's rotary width, which its
+# config.json sets (rotary_dim 64).
+RELEASED = {
+    "mixtral-8x7b": (lambda: released("mixtral-8x7b"), (0.02, 0.0)),
+    "qwen3-30b-a3b": (lambda: released("qwen3-30b-a3b"), (0.001, 0.0)),
+    "deepseek-v2-lite": (lambda: released("deepseek-v2-lite"), (0.0, 0.001)),
+    "deepseek-v3": (lambda: released("deepseek-v3"), (0.0, 0.001)),
+    "ernie-4.5-21b-a3b": (lambda: transformers.Ernie4_5_MoeConfig().to_dict(), (0.001, 0.0)),
+    "minimax-m2": (lambda: transformers.MiniMaxM2Config(rotary_dim=64).to_dict(), (0.001, 0.0)),
+}
 
 
-@pytest.mark.parametrize("hf,preset", [(MIXTRAL_8X7B, "mixtral-8x7b"), (QWEN3_30B_A3B, "qwen3-30b-a3b")])
-def test_released_configs_import_to_our_presets(hf, preset):
+def released(name: str) -> dict:
+    """The config.json of a released checkpoint, from released/."""
+    return json.loads((Path(__file__).parent / "released" / f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize("preset", list(RELEASED))
+def test_released_configs_import_to_our_presets(preset):
     from moe_fold.config import load_config, moe_layer_flags
     from moe_fold.models.hf.importer import _architecture_mismatch
 
+    hf, aux = RELEASED[preset]
     ours = load_config(preset)
-    imported = config_from_hf(hf, ours)
+    imported = config_from_hf(hf(), ours)
     assert _architecture_mismatch(ours, imported) == []
     assert moe_layer_flags(imported) == moe_layer_flags(ours)
-    assert imported.moe.aux_loss_coeff == ours.moe.aux_loss_coeff
+    assert (imported.moe.aux_loss_coeff, imported.moe.seq_aux_loss_coeff) == aux
 
 
 def test_released_qwen2_moe_config():
-    config = config_from_hf(QWEN15_MOE_A27B)
+    config = config_from_hf(released("qwen1.5-moe-a2.7b"))
     m, moe = config.model, config.moe
     assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.rope_theta) == (24, 2048, 16, 16,
                                                                                                   128, 1e6)

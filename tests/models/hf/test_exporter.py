@@ -1,0 +1,20 @@
+"""The exporter refuses, by name, a model feature that no registered family holds."""
+
+import pytest
+
+from moe_fold.config import load_config
+from moe_fold.layout import ProcessGroups
+from moe_fold.models import to_hf
+from moe_fold.models.hf import HFConfigError
+from moe_fold.models.hf.families import REGISTRY
+from moe_fold.models.model import build_model
+
+
+@pytest.mark.parametrize("family", sorted(REGISTRY))
+def test_zero_experts_are_refused_by_every_family_without_them(tmp_path, family):
+    config = load_config("mixtral-tiny", ["parallel.ep=1", "moe.zero_experts=2"])
+    model = build_model(config, ProcessGroups.single_process())
+    with pytest.raises(HFConfigError) as err:
+        to_hf(model, tmp_path / "out", family=family)
+    assert f"moe.zero_experts=2: {family} has no zero-computation experts" in str(err.value)
+    assert not (tmp_path / "out").exists()
