@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from moe_fold.cli.plan import add_layout_arguments
@@ -43,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", default="balanced",
                         help="balanced | one-expert | starve-rank:R | zipf:S (default balanced)")
     parser.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory the table checks against (default 80)")
+    parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                        help="worker processes tracing the ranks (default: the CPUs this process may use)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -68,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
                              distributed=args.distributed_optimizer)
         routing = parse_routing(args.routing)
         ranks = _ranks(args.ranks)
-        result = dry_run(config, args.world, ranks, routing)
+        result = dry_run(config, args.world, ranks, routing, jobs=args.jobs)
     except (ConfigError, ValueError) as e:
         print(f"moe-fold dryrun: error: {e}", file=sys.stderr)
         return 2

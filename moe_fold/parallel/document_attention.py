@@ -10,7 +10,7 @@ same document (and only j <= i on a causal block)". Two kernels do it:
   share no document are skipped, so the work is about ``sum(len^2)``, with no per-document
   Python loop and no host sync (no ``tolist``/``nonzero`` of the ids). Its log-sum-exp
   comes back with the output; ring blocks merge with it.
-- ``"cpu_flash"`` (CPU): aten's fused CPU flash kernel once per document
+- ``"cpu_flash"`` (CPU, and meta tensors): aten's fused CPU flash kernel once per document
   (:func:`moe_fold.parallel.varlen.varlen_attention`, the ring's document pieces). Why not
   one masked call on CPU: that kernel takes a mask but computes every block of it (no
   block skipping), so one call costs ``S^2`` whatever the documents. Measured with
@@ -50,8 +50,9 @@ DOCUMENT_KERNELS = ("flex", "cpu_flash")
 
 def document_kernel(device: torch.device) -> str:
     """The kernel that runs document-masked attention and ring blocks on ``device`` (one
-    of :data:`DOCUMENT_KERNELS`; see the module doc for why)."""
-    return "cpu_flash" if torch.device(device).type == "cpu" else "flex"
+    of :data:`DOCUMENT_KERNELS`; see the module doc for why). Meta tensors (a dry run)
+    take the CPU kernel: flex refuses them, aten's CPU flash kernel has meta functions."""
+    return "cpu_flash" if torch.device(device).type in ("cpu", "meta") else "flex"
 
 
 @functools.cache

@@ -130,7 +130,7 @@ def _doc_pieces(doc_q: torch.Tensor, doc_k: torch.Tensor) -> list[tuple[int, tor
     meet. Empty when the block has nothing to compute."""
     pieces = []
     for b in range(doc_q.shape[0]):
-        for d in torch.unique(doc_q[b]).tolist():
+        for d in torch.unique(doc_q[b]).cpu().tolist():  # .cpu(): a dry run's meta ids answer it
             keys = torch.nonzero(doc_k[b] == d).flatten()
             if len(keys):
                 pieces.append((b, torch.nonzero(doc_q[b] == d).flatten(), keys))

@@ -101,7 +101,8 @@ def segment_bounds(doc_ids: torch.Tensor) -> list[int]:
     change = torch.ones(B * S, dtype=torch.bool, device=doc_ids.device)
     change[1:] = flat[1:] != flat[:-1]
     change[::S] = True
-    return torch.nonzero(change).flatten().tolist() + [B * S]
+    # .cpu() (a no-op on the CPU, where this runs): a dry run answers it for meta ids
+    return torch.nonzero(change).flatten().cpu().tolist() + [B * S]
 
 
 def pad_head(x: torch.Tensor, width: int) -> torch.Tensor:

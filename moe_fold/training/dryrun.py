@@ -38,8 +38,9 @@ import dataclasses
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
@@ -94,6 +95,14 @@ class RankTrace:
 # --------------------------------------------------------------------------- the tracer
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+_CPU = torch.device("cpu")
+
+
+class _Unknown(Exception):
+    """A meta tensor whose values the dry run does not have."""
 
 
 _PLAIN_ARGS = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
@@ -160,40 +169,112 @@ class _Tracer(TorchDispatchMode):
     def __init__(self, shapes: Optional[dict] = None):
         super().__init__()
         self.events: list[tuple[int, int]] = []  # (storage serial, +bytes at birth / -bytes at death)
-        self.sizes: dict[int, int] = {}
+        self._serials: dict[weakref.ref, tuple[int, int, int]] = {}  # storage -> (address, serial, bytes)
+        self._next_serial = 0
         self._live: dict[int, int] = {}  # storage address -> serial
-        self._refs: list[weakref.ref] = []
+        # storage address -> the host copy of its values: integer tensors made from host
+        # values (document ids, counts), followed through the ops that only they feed
+        self._values: dict[int, torch.Tensor] = {}
         self.collectives: list[Collective] = []
         # op and input shapes -> output shapes; shared by the ranks of one dry run
         self._shapes: dict[tuple, tuple] = {} if shapes is None else shapes
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Nothing here is compiled: without this, torch wraps __torch_dispatch__ in a
+        # dynamo-disabling frame, a cost paid on every op.
+        return False
 
     def track(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
         key = st._cdata
         if key in self._live:
             return
-        serial = len(self.sizes)
+        serial = self._next_serial
+        self._next_serial += 1
         nbytes = st.nbytes()
         self._live[key] = serial
-        self.sizes[serial] = nbytes
         self.events.append((serial, nbytes))
-        self._refs.append(weakref.ref(st, lambda _, key=key, serial=serial, nbytes=nbytes: self._died(key, serial,
-                                                                                                        nbytes)))
+        self._serials[weakref.ref(st, self._died)] = (key, serial, nbytes)
 
-    def _died(self, key: int, serial: int, nbytes: int) -> None:
+    def _died(self, ref: weakref.ref) -> None:
+        key, serial, nbytes = self._serials.pop(ref)
         if self._live.get(key) == serial:
             del self._live[key]
+            self._values.pop(key, None)
         self.events.append((serial, -nbytes))
 
     def serial(self, t: torch.Tensor) -> Optional[int]:
         return self._live.get(t.untyped_storage()._cdata)
 
+    # ------------------------------------------------------------ host values
+
+    def _value(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """The host copy of meta tensor ``t``'s values, a view of its storage's copy
+        (so views and writes through them stay consistent); None when unknown."""
+        base = self._values.get(t.untyped_storage()._cdata)
+        if base is None or base.dtype != t.dtype:
+            return None
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def _host_args(self, args, kwargs) -> Optional[tuple]:
+        """``args`` and ``kwargs`` with every meta tensor replaced by its host values and a
+        meta device by the CPU, when every meta tensor's values are known and either one
+        is, or the op makes a tensor on the meta device from host values (a factory, a
+        copy to the device); else None."""
+        for x in args:  # the common case, answered at once: an activation, a weight
+            if isinstance(x, torch.Tensor):
+                if x.is_meta and x.untyped_storage()._cdata not in self._values:
+                    return None
+                break
+        seen = [False, False]  # a meta tensor with values, a meta device
+
+        def host(x):
+            if isinstance(x, torch.Tensor) and x.is_meta:
+                v = self._value(x)
+                if v is None:
+                    raise _Unknown
+                seen[0] = True
+                return v
+            if isinstance(x, torch.device) and x.type == "meta":
+                seen[1] = True
+                return _CPU
+            return x
+
+        try:
+            out = torch.utils._pytree.tree_map(host, (args, kwargs))
+        except _Unknown:
+            return None
+        return out if seen[0] or seen[1] else None
+
+    def _remember(self, out, host_out) -> None:
+        """Keep ``host_out``'s values as those of the meta tensors ``out`` (integer and
+        bool ones: they are what host code reads back)."""
+        for t, v in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(host_out)):
+            if isinstance(t, torch.Tensor) and t.is_meta and isinstance(v, torch.Tensor) \
+                    and not t.is_floating_point() and not t.is_complex():
+                key = t.untyped_storage()._cdata
+                if key in self._values and self._value(t) is not None:
+                    continue  # a view of (or in place on) a tensor with values: the host op wrote them
+                base = torch.empty(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype, device=_CPU)
+                base.as_strided(t.shape, t.stride(), t.storage_offset()).copy_(v)
+                self._values[key] = base
+
+    def _forget_written(self, func, args) -> None:
+        """Values written by an op the host did not run are no longer known."""
+        for a, x in zip(func._schema.arguments, args):
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(x, torch.Tensor) and x.is_meta:
+                self._values.pop(x.untyped_storage()._cdata, None)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _SCALAR and args[0].is_meta:
+            t = args[0]
+            value = self._value(t)
+            if value is not None:
+                return value.item()
             # A host read of a value the dry run does not have: the loss, the gradient norm,
             # a finiteness check. Routing, the one value that sizes tensors, never comes here.
-            t = args[0]
             if t.dtype == torch.bool:
                 return True
             if t.is_floating_point():
@@ -203,31 +284,61 @@ class _Tracer(TorchDispatchMode):
         if func.namespace == "c10d":
             self._record(func, args)
             return func(*args, **kwargs)
+        host = self._host_args(args, kwargs)
+        if host is not None and func is _TO_COPY and kwargs.get("device") == _CPU:
+            return func(*host[0], **host[1])  # a host read of values the dry run has
+        fresh = True
+        try:
+            out, fresh = self._meta(func, args, kwargs)
+        except Exception:
+            if host is None:
+                raise
+            # An op whose output's size depends on values (nonzero, unique) on values the
+            # host has: sized by the host's answer.
+            host_out = func(*host[0], **host[1])
+            out = torch.utils._pytree.tree_map(
+                lambda v: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+                if isinstance(v, torch.Tensor) else v, host_out)
+        else:
+            if host is not None and any(isinstance(t, torch.Tensor) and not t.is_floating_point()
+                                        for t in torch.utils._pytree.tree_leaves(out)):
+                host_out = func(*host[0], **host[1])
+            else:
+                host_out = None
+                if self._values:
+                    self._forget_written(func, args)
+        if fresh:
+            for t in (out,) if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                    self.track(t)
+        if host_out is not None:
+            self._remember(out, host_out)
+        return out
+
+    def _meta(self, func, args, kwargs) -> tuple:
+        """The op's outputs on the meta device, and False for an in-place op answered from
+        the remembered shapes (nothing new to follow)."""
         key = _cache_key(func, args, kwargs)
         shapes = self._shapes.get(key) if key is not None else None
         if shapes is not None and key[1] == 2:
-            return args[0]  # in place, on shapes it has checked before
+            return args[0], False  # in place, on shapes it has checked before
         if shapes is not None:
             # Every micro-batch repeats the ops of the first: their outputs' shapes are
             # remembered, not computed again by torch's (Python) meta functions.
             out = tuple(None if s is None else torch.empty_strided(s[0], s[1], dtype=s[2], device="meta")
                         for s in shapes[1])
-            out = out[0] if shapes[0] else out
-        else:
-            out = func(*args, **kwargs)
-            if key is not None and key[1] == 2:
-                self._shapes[key] = ()
-            elif key is not None:
-                single = isinstance(out, torch.Tensor)
-                outs = (out,) if single else out
-                if isinstance(outs, (tuple, list)) and all(o is None or (isinstance(o, torch.Tensor) and o.is_meta)
-                                                           for o in outs):
-                    self._shapes[key] = (single, tuple(None if o is None else (o.shape, o.stride(), o.dtype)
-                                                       for o in outs))
-        for t in (out,) if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == "meta":
-                self.track(t)
-        return out
+            return (out[0] if shapes[0] else out), True
+        out = func(*args, **kwargs)
+        if key is not None and key[1] == 2:
+            self._shapes[key] = ()
+        elif key is not None:
+            single = isinstance(out, torch.Tensor)
+            outs = (out,) if single else out
+            if isinstance(outs, (tuple, list)) and all(o is None or (isinstance(o, torch.Tensor) and o.is_meta)
+                                                       for o in outs):
+                self._shapes[key] = (single, tuple(None if o is None else (o.shape, o.stride(), o.dtype)
+                                                   for o in outs))
+        return out, True
 
     def _record(self, func, args) -> None:
         name = func._schema.name.split("::")[1].rstrip("_")
@@ -352,12 +463,26 @@ def default_ranks(layout: ParallelLayout) -> list[int]:
     return list(dict.fromkeys(wanted))
 
 
-def _batch(config: Config, layout: ParallelLayout) -> Batch:
-    """One micro-batch of this rank in shapes only: its cp share of plain rows."""
+def _batch(config: Config, layout: ParallelLayout, row_docs: Optional[Sequence[Sequence[int]]] = None,
+           first_row: int = 0) -> Batch:
+    """One micro-batch of this rank in shapes only: its cp share of its rows (the whole rows
+    under dynamic cp, which places them itself). ``row_docs``: the document lengths of
+    each row, the micro-batch's rows taking them in turn from ``first_row``; None: one
+    document per row. The document boundaries are on the host, as the loader gives them."""
     b, s = config.train.micro_batch_size, config.model.seq_length
     local = s // layout.cp if not (config.parallel.dynamic_cp and layout.cp > 1) else s
     tokens = torch.zeros(b, local, dtype=torch.long, device="meta")
-    cu_seqlens = torch.arange(b + 1, dtype=torch.int32) * s  # host, as the loader gives it
+    if row_docs is None:
+        cu_seqlens = torch.arange(b + 1, dtype=torch.int32) * s
+    else:
+        starts = []
+        for r in range(b):
+            docs = list(row_docs[(first_row + r) % len(row_docs)])
+            if sum(docs) != s or min(docs) < 1:
+                raise ValueError(f"row_docs {docs} must be positive document lengths adding up to "
+                                 f"seq_length={s}")
+            starts += [r * s + int(a) for a in np.cumsum([0] + docs[:-1])]
+        cu_seqlens = torch.tensor(starts + [b * s], dtype=torch.int32)
     return Batch(tokens, torch.zeros_like(tokens), torch.ones(b, local, device="meta"),
                  torch.arange(local, device="meta").expand(b, local), cu_seqlens)
 
@@ -376,10 +501,11 @@ def _fake_world(world: int, rank: int) -> Iterator[None]:
 
 
 def trace_rank(config: Config, world: int, rank: int, routing: PlannedRouting,
-               shapes: Optional[dict] = None) -> RankTrace:
+               shapes: Optional[dict] = None, row_docs: Optional[Sequence[Sequence[int]]] = None) -> RankTrace:
     """Build rank ``rank`` of a world of ``world`` ranks and run one step (module docstring).
     ``shapes``: the output shapes ops gave before (pass one dict to the ranks of one run:
-    they repeat each other's ops)."""
+    they repeat each other's ops). ``row_docs``: packed documents, the lengths of each
+    row's (rows take them in turn); None: one document per row."""
     from moe_fold.models.moe_layer import MoELayer
     from moe_fold.training.optim import apply_gradients
     from moe_fold.training.run_setup import build_trainable
@@ -415,7 +541,7 @@ def trace_rank(config: Config, world: int, rank: int, routing: PlannedRouting,
         hooks = [q.register_post_accumulate_grad_hook(lambda q: mark([q.grad], "grads")) for q in params
                  if q.requires_grad]
         m = t.global_batch_size // (t.micro_batch_size * layout.dp)
-        micro_batches = [_batch(config, layout) for _ in range(m)]
+        micro_batches = [_batch(config, layout, row_docs, i * t.micro_batch_size) for i in range(m)]
         dynamic_cp = None
         if p.dynamic_cp and layout.cp > 1:
             from moe_fold.training.dynamic_cp import DynamicCP, cost_model
@@ -442,18 +568,39 @@ def trace_rank(config: Config, world: int, rank: int, routing: PlannedRouting,
     return RankTrace(rank, coords["pp"], coords, local_params, memory, tracer.collectives)
 
 
-def dry_run(config: Config, world: int, ranks: Optional[list[int]], routing: PlannedRouting) -> dict:
+def _trace_ranks(config: Config, world: int, ranks: list[int], routing: PlannedRouting) -> list[RankTrace]:
+    shapes: dict = {}
+    return [trace_rank(config, world, r, routing, shapes) for r in ranks]
+
+
+def dry_run(config: Config, world: int, ranks: Optional[list[int]], routing: PlannedRouting,
+            jobs: int = 1) -> dict:
     """Trace ``ranks`` (default :func:`default_ranks`) of ``config`` on ``world`` ranks; the
-    JSON-ready result ``{"world", "layout", "routing", "ranks": [...]}``."""
+    JSON-ready result ``{"world", "layout", "routing", "ranks": [...]}``. ``jobs``: worker
+    processes that trace the ranks between them (each rank is traced alone in its own fake
+    world, so the result does not depend on it)."""
     validate(config, world)
+    if jobs < 1:
+        raise ValueError(f"--jobs={jobs} must be at least 1")
     p = config.parallel
     layout = ParallelLayout(world, tp=p.tp, cp=p.cp, pp=p.pp, ep=p.ep, etp=p.etp, order=p.order)
     chosen = default_ranks(layout) if ranks is None else ranks
     for r in chosen:
         if not 0 <= r < world:
             raise ValueError(f"--ranks names rank {r}, outside the world of {world} ranks")
-    shapes: dict = {}
-    traces = [trace_rank(config, world, r, routing, shapes) for r in chosen]
+    jobs = min(jobs, len(chosen))
+    if jobs == 1:
+        traces = _trace_ranks(config, world, chosen, routing)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # Rank i goes to worker i % jobs: neighbouring ranks (the stages' first and last
+        # ep ranks) repeat each other's ops, and a worker remembers their shapes.
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = list(pool.map(_trace_ranks, [config] * jobs, [world] * jobs,
+                                  [chosen[i::jobs] for i in range(jobs)], [routing] * jobs))
+        traces = [parts[i % jobs][i // jobs] for i in range(len(chosen))]
     return {"world": world, "layout": dict(layout.sizes, vpp=p.vpp or 1, order=p.order), "routing": routing.describe(),
             "ranks": [tr.public() for tr in traces]}
 
@@ -517,7 +664,7 @@ def order_mismatches(traces: list[RankTrace]) -> list[str]:
             a = out[i] if i < len(out) else None
             b = into[i] if i < len(into) else None
             if a is None or b is None or a.shape != b.shape:
-                problems.append(f"group pp, send #{i} from rank {src} to rank {dst}: rank {src} sends "
+                problems.append(f"group {(a or b).group}, send #{i} from rank {src} to rank {dst}: rank {src} sends "
                                 f"{a.shape if a else 'nothing'}, rank {dst} receives {b.shape if b else 'nothing'}")
                 break
     return problems

@@ -345,10 +345,12 @@ class DynamicCP:
             parts["positions"].append(torch.arange(pad, dtype=flat["positions"].dtype, device=device))
         seq = {name: torch.cat(p).unsqueeze(0) for name, p in parts.items()}  # [1, L]
         # output_size: the length is known here; without it the device would be read back.
-        doc_ids = torch.repeat_interleave(torch.arange(len(runs), device=device), torch.tensor(runs, device=device),
+        # Made on the host and copied over (as torch.tensor(..., device=) does) so that a dry
+        # run, which follows host values through the copy, knows the document ids.
+        doc_ids = torch.repeat_interleave(torch.arange(len(runs), device=device), torch.tensor(runs).to(device),
                                           output_size=total + pad).unsqueeze(0)  # [1, L]
         real = torch.arange(total + pad, device=device) < total
-        cu = torch.tensor(np.concatenate([[0], np.cumsum(runs)]), dtype=torch.int32, device=device)
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(runs)]), dtype=torch.int32).to(device)
         i = self.cp_rank - group.start
         local = {name: zigzag_split(x, i, group.size, dim=1) for name, x in seq.items()}  # [1, L/c]
         token_mask = zigzag_split(real.unsqueeze(0), i, group.size, dim=1)

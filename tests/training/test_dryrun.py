@@ -19,13 +19,14 @@ import pytest
 from moe_fold.config import ConfigError
 from moe_fold.dispatch.planned_routing import PlannedRouting, parse_routing
 from moe_fold.layout import ParallelLayout
-from moe_fold.training.dryrun import default_ranks, dry_run, order_mismatches, trace_rank
-from tests.parallel.test_parallel_matrix import _config
+from moe_fold.training.dryrun import _Tracer, default_ranks, dry_run, order_mismatches, trace_rank
+from tests.parallel.test_parallel_matrix import QWEN3_NEXT_LAYERS, ROW_DOCS, _config
 
 WORLD = 32
 
-# name -> (parallel settings, moe settings, routing): each a layout of the parallel matrix
-# grown to 32 ranks, under a routing that leaves a rank or an expert without tokens.
+# name -> (parallel settings, moe settings, routing[, packed documents[, model settings]]):
+# each a layout of the parallel matrix grown to 32 ranks, under a routing that leaves a rank
+# or an expert without tokens.
 ORDER_CASES = {
     "fold-tp2-ep4-etp1-pp2-starve": (dict(tp=2, ep=4, etp=1, pp=2, sequence_parallel=True), {}, "starve-rank:1"),
     "dedup-tp2-ep8-etp1-one-expert": (dict(tp=2, ep=8, etp=1, sequence_parallel=True), dict(dedup=True),
@@ -35,13 +36,20 @@ ORDER_CASES = {
     "pp2-vpp2-ep4-interleaved-zipf": (dict(pp=2, vpp=2, ep=4, pp_schedule="interleaved"), {}, "zipf:2"),
     "cp2-a2a-tp2-ep4-etp2-one-expert": (dict(cp=2, tp=2, ep=4, cp_kind="a2a", sequence_parallel=True), {},
                                         "one-expert"),
+    "cp2-ring-tp2-pp2-ep2-etp1-one-expert": (dict(cp=2, tp=2, pp=2, ep=2, etp=1, cp_kind="ring",
+                                                  sequence_parallel=True), {}, "one-expert"),
+    "cp2-ring-ep4-packed-starve": (dict(cp=2, ep=4, cp_kind="ring"), {}, "starve-rank:2", ROW_DOCS),
+    "dynamic-cp4-ring-ep4-packed-zipf": (dict(cp=4, ep=4, cp_kind="ring", dynamic_cp=True), {}, "zipf:2",
+                                         ROW_DOCS),
+    "dynamic-cp2-a2a-ep8-packed-starve": (dict(cp=2, ep=8, cp_kind="a2a", dynamic_cp=True), {}, "starve-rank:5",
+                                          ROW_DOCS),
+    "gdn-cp2-ring-ep4-packed-one-expert": (dict(cp=2, ep=4, cp_kind="ring"), {}, "one-expert", ROW_DOCS,
+                                           QWEN3_NEXT_LAYERS),
 }
-# Not here: ring cp and dynamic cp. Their attention kernels (flex off the CPU, aten's CPU
-# flash per document on it) do not run on meta tensors (docs/dryrun.md).
 
 
-def _tiny(parallel: dict, moe: dict):
-    config = _config()
+def _tiny(parallel: dict, moe: dict, model: dict = None):
+    config = _config(model)
     config.train.micro_batch_size, config.train.global_batch_size = 1, 2 * WORLD
     for key, value in parallel.items():
         setattr(config.parallel, key, value)
@@ -50,28 +58,32 @@ def _tiny(parallel: dict, moe: dict):
     return config
 
 
-def _trace_all(config, routing):
+def _trace_all(config, routing, row_docs=None):
     shapes = {}
-    return [trace_rank(config, WORLD, r, parse_routing(routing), shapes) for r in range(WORLD)]
+    return [trace_rank(config, WORLD, r, parse_routing(routing), shapes, row_docs) for r in range(WORLD)]
+
+
+def _case(name):
+    parallel, moe, routing, row_docs, model = (ORDER_CASES[name] + (None, None))[:5]
+    return _tiny(parallel, moe, model), routing, row_docs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(ORDER_CASES))
 def test_every_group_issues_one_order_of_collectives(name):
-    parallel, moe, routing = ORDER_CASES[name]
-    traces = _trace_all(_tiny(parallel, moe), routing)
+    config, routing, row_docs = _case(name)
+    traces = _trace_all(config, routing, row_docs)
     assert order_mismatches(traces) == []
     # The step really communicated over the expert groups and (pp > 1) between stages.
     ops = {(c.op, c.group) for t in traces for c in t.collectives}
     assert ("all_to_all", "ep") in ops and ("all_gather", "etp_ep") in ops
-    if parallel.get("pp", 1) > 1:
+    if config.parallel.pp > 1:
         assert ("send", "pp") in ops and ("recv", "pp") in ops
 
 
 def test_collective_order_holds_with_a_starved_rank():
     """The fast row of the matrix above (folded tp2 x ep4 x pp2, ep rank 1 starved)."""
-    parallel, moe, routing = ORDER_CASES["fold-tp2-ep4-etp1-pp2-starve"]
-    traces = _trace_all(_tiny(parallel, moe), routing)
+    traces = _trace_all(*_case("fold-tp2-ep4-etp1-pp2-starve"))
     assert order_mismatches(traces) == []
     starved = [t for t in traces if t.coords["ep"] == 1]
     received = [c.shape[1] for t in starved for c in t.collectives if c.op == "all_to_all"]
@@ -88,6 +100,24 @@ def test_order_check_names_the_group_the_position_and_the_ranks():
     ep_group = ParallelLayout(WORLD, ep=4).group_of("ep", 5)
     assert problems and f"group ep {ep_group}" in problems[0]
     assert "rank 5" in problems[0] and f"rank {ep_group[0]}" in problems[0]
+
+
+def test_the_tracer_follows_host_values_through_the_ops_they_feed():
+    """Document ids copied from the host keep their values on meta tensors: host reads and
+    value-sized ops (nonzero) are answered from them; a write from unknown values forgets them."""
+    import torch
+
+    tracer = _Tracer()
+    with tracer:
+        ids = torch.repeat_interleave(torch.arange(3, device="meta"), torch.tensor([2, 1, 3]).to("meta"),
+                                      output_size=6)
+        change = torch.ones(6, dtype=torch.bool, device="meta")
+        change[1:] = ids[1:] != ids[:-1]
+        assert torch.nonzero(change).flatten().cpu().tolist() == [0, 2, 3]
+        assert int(ids.sum()) == 7 and ids.is_meta
+        ids.add_(torch.empty(6, device="meta").long())
+        with pytest.raises(RuntimeError, match="cannot read an integer from a meta tensor"):
+            int(ids.sum())
 
 
 def test_routing_rules():
@@ -200,9 +230,13 @@ def test_command_prints_json_and_the_table(capsys):
 
     from moe_fold.cli import main
 
-    args = ["dryrun", "--config", "mixtral-tiny", "--world", "8", "--ep", "2", "--tp", "2", "--ranks", "0,7"]
+    args = ["dryrun", "--config", "mixtral-tiny", "--world", "8", "--ep", "2", "--tp", "2", "--ranks", "0,7",
+            "--jobs", "1"]
     assert main(args + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
+    # Two worker processes trace the ranks between them: the same result.
+    assert main(args + ["--json", "--jobs", "2"]) == 0
+    assert json.loads(capsys.readouterr().out) == out
     assert out["world"] == 8 and [r["rank"] for r in out["ranks"]] == [0, 7]
     assert out["layout"]["ep"] == 2 and out["layout"]["dp"] == 4
     for r in out["ranks"]:
@@ -214,3 +248,5 @@ def test_command_prints_json_and_the_table(capsys):
     assert "fits" in table and "0.001" in table and " no " in table
     assert main(args + ["--routing", "uniform"]) == 2
     assert "routing='uniform' must be one of balanced" in capsys.readouterr().err
+    assert main(args + ["--jobs", "0"]) == 2
+    assert "--jobs=0 must be at least 1" in capsys.readouterr().err
