@@ -153,6 +153,9 @@ def test_dry_run_refuses_bad_input():
     with pytest.raises(ConfigError, match="parallel.ep"):
         dry_run(dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, ep=5)), WORLD, [0],
                 parse_routing("balanced"))
+    with pytest.raises(ValueError, match="moe.zero_experts=2: the dry run's planned routings send every slot"):
+        dry_run(dataclasses.replace(config, moe=dataclasses.replace(config.moe, zero_experts=2)), WORLD, [0],
+                parse_routing("balanced"))
 
 
 # A full-size preset at the world its comment names, cut to a few layers so the test is
