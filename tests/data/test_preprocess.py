@@ -1,5 +1,5 @@
-"""Tokenizers, the indexed dataset format and its errors, preprocessing, `moe-fold data`,
-and the demo corpus."""
+"""Tokenizers, the indexed dataset format and its errors, preprocessing, and the demo corpus
+(the command `moe-fold data`: tests/cli/test_data.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_fold.cli import main as cli_main
 from moe_fold.data.corpus import demo_corpus_files, ensure_demo_dataset, prepare_data_paths
 from moe_fold.data.documents import find_input_files
 from moe_fold.data.indexed_dataset import (DatasetFormatError, IndexedDataset, IndexedDatasetWriter,
@@ -230,38 +229,6 @@ def test_writer_is_atomic(tmp_path):
     assert Path(f"{prefix}.bin").read_bytes() == before  # the old dataset is untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.bin", "ds.idx"]
     assert [d.tolist() for d in (IndexedDataset(prefix)[i] for i in range(5))] == docs
-
-
-def test_cli_end_to_end(tmp_path, capsys):
-    src = tmp_path / "src"
-    texts = _write_corpus(src)
-    (src / "notes.jsonl").write_text(json.dumps({"text": "from jsonl"}) + "\n")
-    out = tmp_path / "data" / "ds"
-    assert cli_main(["data", str(src), "--output", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert f"wrote {out}.bin/.idx: 21 files, 21 documents" in printed
-    byte = ByteTokenizer()
-    assert [byte.decode(d) for d in _docs_of(out)] == texts + ["from jsonl"]
-
-    bpe_out = tmp_path / "data" / "bpe"
-    assert cli_main(["data", str(src), "--train-bpe", "300", "--output", str(bpe_out), "--ext", ".py"]) == 0
-    tok = load_tokenizer(f"{bpe_out}.tokenizer.json")
-    docs = _docs_of(bpe_out)
-    assert [tok.decode(d) for d in docs] == texts
-    assert all(d[-1] == tok.eod_id for d in docs)
-    assert IndexedDataset(bpe_out).vocab_size == tok.vocab_size
-
-    assert cli_main(["data", str(tmp_path / "missing"), "--output", str(out)]) == 2
-    assert "moe-fold data: error: input" in capsys.readouterr().err
-    assert cli_main(["data", "--output", str(out)]) == 2
-    assert "no inputs" in capsys.readouterr().err
-    assert cli_main(["data", str(src), "--output", str(tmp_path)]) == 2
-    assert f"--output {tmp_path} is a folder; give a prefix" in capsys.readouterr().err
-    assert cli_main(["data", str(src), "--train-bpe", "300", "--tokenizer", "t.json", "--output", str(out)]) == 2
-    assert "--train-bpe and --tokenizer are exclusive" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli_main(["data", "--help"])
-    assert "examples:" in capsys.readouterr().out
 
 
 def test_demo_corpus_builds_from_stdlib(tmp_path):

@@ -1,8 +1,8 @@
 """Tokenized data made elsewhere, read in place: Megatron-LM's MMIDIDX (every dtype
 code, document and sequence indices), flat token files (.npy, raw .bin), Hugging Face
 ``save_to_disk`` folders and Parquet; blending across formats, exact resume, dp
-sharding; ``moe-fold data --format megatron`` / ``--workers`` / ``inspect``; and every
-bad-input error, each before any rank starts.
+sharding; ``moe-fold data inspect`` (``--format megatron`` / ``--workers``:
+tests/cli/test_data.py); and every bad-input error, each before any rank starts.
 
 The Megatron layout is written here from its published description (no Megatron code):
 magic, version, dtype code, counts, int32 lengths, int64 byte pointers, int64 document
@@ -104,25 +104,6 @@ def test_megatron_writer_is_byte_for_byte_the_published_layout(tmp_path):
             w.add_document(d)
     for ext in ("idx", "bin"):
         assert Path(f"{tmp_path}/ours32.{ext}").read_bytes() == Path(f"{tmp_path}/spec32.{ext}").read_bytes(), ext
-
-
-def test_cli_format_megatron_round_trips(tmp_path, capsys):
-    texts = corpus_texts(12)
-    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    assert cli_main(["data", str(tmp_path / "c.jsonl"), "--format", "megatron", "--output",
-                     str(tmp_path / "m" / "c_text_document")]) == 0
-    assert "format megatron" in capsys.readouterr().out
-    assert cli_main(["data", str(tmp_path / "c.jsonl"), "--format", "megatron", "--workers", "2", "--output",
-                     str(tmp_path / "m" / "w2")]) == 0
-    megatron_from_spec(tmp_path / "spec", corpus_docs(texts), 8)
-    for ext in ("idx", "bin"):
-        for prefix in ("c_text_document", "w2"):
-            assert Path(f"{tmp_path}/m/{prefix}.{ext}").read_bytes() == Path(f"{tmp_path}/spec.{ext}").read_bytes()
-    capsys.readouterr()
-    assert cli_main(["data", str(tmp_path / "c.jsonl"), "--workers", "0", "--output", str(tmp_path / "x")]) == 2
-    assert "--workers=0 must be >= 1" in capsys.readouterr().err
-    ds = MegatronDataset(tmp_path / "m" / "c_text_document", EOD)
-    assert [ByteTokenizer().decode(ds[i]) for i in range(len(ds))] == texts
 
 
 @pytest.mark.parametrize("code", sorted(CODES))

@@ -511,40 +511,6 @@ def test_search_ranks_valid_fitting_layouts():
     assert again.mfu == best.mfu
 
 
-def test_plan_command(capsys):
-    import json
-
-    from moe_fold.cli import main
-
-    assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--tp", "2", "--ep", "2", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["layout"]["tp"] == 2 and out["layout"]["dp"] == 2 and out["layout"]["edp"] == 1
-    assert 0 < out["mfu"] < 1 and out["time"]["total"] > 0 and out["comm_bytes"]["ep"] > 0
-    assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--tp", "2", "--ep", "2"]) == 0
-    text = capsys.readouterr().out
-    assert "MFU" in text and "activations" in text and "ep" in text
-    # the config's overlaps (none by default), the switches, or Megatron's
-    assert "overlaps assumed (moe-fold): none" in text
-    base = ["plan", "--config", "mixtral-tiny", "--world", "4", "--ep", "2", "--distributed-optimizer"]
-    assert main(base + ["--set", "parallel.overlap_grad_reduce=true", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["overlaps"] == ["grad_reduce"] and out["overlap_model"] == "moe-fold"
-    assert main(base + ["--overlap", "megatron"]) == 0
-    assert "overlaps assumed (megatron): grad_reduce, param_gather" in capsys.readouterr().out
-    assert "shared expert under the all-to-all off, 1 chunk(s)" in text
-    assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--ep", "4", "--set", "moe.overlap_chunks=2"]) == 0
-    assert "shared expert under the all-to-all off, 2 chunk(s)" in capsys.readouterr().out
-    # mixtral has no shared expert to overlap
-    assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--ep", "4",
-                 "--set", "moe.shared_expert_overlap=true"]) == 2
-    assert "moe.shared_expert_overlap=true needs a shared expert" in capsys.readouterr().err
-    # 8 experts do not split over ep 3
-    assert main(["plan", "--config", "mixtral-tiny", "--world", "6", "--ep", "3"]) == 2
-    assert "moe.num_experts=8 is not divisible by parallel.ep=3" in capsys.readouterr().err
-    assert main(["plan", "--config", "mixtral-tiny", "--world", "4", "--gpu", "tpu"]) == 2
-    assert "gpu='tpu' is unknown" in capsys.readouterr().err
-
-
 def test_cp_bytes_by_hand():
     from moe_fold.planner.comm import microbatch_bytes
 
