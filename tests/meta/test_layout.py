@@ -53,8 +53,6 @@ NOT_MIRRORED: dict[str, tuple[str, str]] = {
     "moe_fold/data/tokenizer.py": ("tests/data/test_preprocess.py", "tokenizers, trained and used by preprocessing"),
     "moe_fold/data/hf_tokenizer.py": ("tests/models/test_sampling.py", "the exported tokenizer, checked by sampling "
                                       "with transformers"),
-    "moe_fold/parallel/pipeline_schedules.py": ("tests/parallel/test_pipeline.py", "schedules, checked with the "
-                                                "pipeline that runs them"),
     "moe_fold/parallel/recurrent_cp.py": ("tests/parallel/test_gated_deltanet_cp.py", "context parallel Gated "
                                           "DeltaNet against one process"),
     "moe_fold/parallel/ring_attention.py": ("tests/parallel/test_context_parallel.py", "ring attention against "
