@@ -53,10 +53,6 @@ NOT_MIRRORED: dict[str, tuple[str, str]] = {
     "moe_fold/data/tokenizer.py": ("tests/data/test_preprocess.py", "tokenizers, trained and used by preprocessing"),
     "moe_fold/data/hf_tokenizer.py": ("tests/models/test_sampling.py", "the exported tokenizer, checked by sampling "
                                       "with transformers"),
-    "moe_fold/parallel/recurrent_cp.py": ("tests/parallel/test_gated_deltanet_cp.py", "context parallel Gated "
-                                          "DeltaNet against one process"),
-    "moe_fold/parallel/ring_attention.py": ("tests/parallel/test_context_parallel.py", "ring attention against "
-                                            "one process, with the other cp kinds"),
     "moe_fold/parallel/sharding.py": ("tests/training/test_checkpoint.py", "shard infos, checked by the "
                                       "checkpoints that store and reshard them"),
     "moe_fold/training/routes.py": ("tests/core/test_routes.py", "recording and replay, tested with the route "
