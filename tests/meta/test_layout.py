@@ -53,8 +53,6 @@ NOT_MIRRORED: dict[str, tuple[str, str]] = {
     "moe_fold/data/tokenizer.py": ("tests/data/test_preprocess.py", "tokenizers, trained and used by preprocessing"),
     "moe_fold/data/hf_tokenizer.py": ("tests/models/test_sampling.py", "the exported tokenizer, checked by sampling "
                                       "with transformers"),
-    "moe_fold/parallel/sharding.py": ("tests/training/test_checkpoint.py", "shard infos, checked by the "
-                                      "checkpoints that store and reshard them"),
     "moe_fold/training/routes.py": ("tests/core/test_routes.py", "recording and replay, tested with the route "
                                     "files of moe_fold/routes.py"),
     "kernels/gated_delta.py": ("tests/models/test_gated_deltanet.py", "the chunked rule and the conv, against the "
