@@ -13,7 +13,7 @@ from moe_fold.data.megatron_dataset import MegatronDataset
 from moe_fold.data.tokenizer import ByteTokenizer, load_tokenizer
 
 from tests.data.test_preprocess import _docs_of, _write_corpus
-from tests.data.test_sources import EOD, corpus_docs, corpus_texts, megatron_from_spec
+from tests.helpers.data_formats import EOD, corpus_docs, corpus_texts, megatron_from_spec
 
 
 def test_cli_end_to_end(tmp_path, capsys):
