@@ -12,25 +12,25 @@ from moe_fold.data.indexed_dataset import IndexedDataset
 from moe_fold.data.megatron_dataset import MegatronDataset
 from moe_fold.data.tokenizer import ByteTokenizer, load_tokenizer
 
-from tests.data.test_preprocess import _docs_of, _write_corpus
+from tests.helpers.data_formats import docs_of, write_corpus
 from tests.helpers.data_formats import EOD, corpus_docs, corpus_texts, megatron_from_spec
 
 
 def test_cli_end_to_end(tmp_path, capsys):
     src = tmp_path / "src"
-    texts = _write_corpus(src)
+    texts = write_corpus(src)
     (src / "notes.jsonl").write_text(json.dumps({"text": "from jsonl"}) + "\n")
     out = tmp_path / "data" / "ds"
     assert cli_main(["data", str(src), "--output", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"wrote {out}.bin/.idx: 21 files, 21 documents" in printed
     byte = ByteTokenizer()
-    assert [byte.decode(d) for d in _docs_of(out)] == texts + ["from jsonl"]
+    assert [byte.decode(d) for d in docs_of(out)] == texts + ["from jsonl"]
 
     bpe_out = tmp_path / "data" / "bpe"
     assert cli_main(["data", str(src), "--train-bpe", "300", "--output", str(bpe_out), "--ext", ".py"]) == 0
     tok = load_tokenizer(f"{bpe_out}.tokenizer.json")
-    docs = _docs_of(bpe_out)
+    docs = docs_of(bpe_out)
     assert [tok.decode(d) for d in docs] == texts
     assert all(d[-1] == tok.eod_id for d in docs)
     assert IndexedDataset(bpe_out).vocab_size == tok.vocab_size

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_fold.data.indexed_dataset import write_indexed_dataset
+from moe_fold.data.indexed_dataset import IndexedDataset, write_indexed_dataset
 
 EOD = 256
 CODES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32", 8: "uint16"}
@@ -59,3 +59,17 @@ def write_all_formats(folder: Path, docs: list[list[int]]) -> dict[str, str]:
     rows.to_parquet(str(folder / "rows.parquet"), batch_size=16)  # row groups of 16
     paths["hf-parquet"] = str(folder / "rows.parquet")
     return paths
+
+
+def write_corpus(folder: Path) -> list[str]:
+    """Twenty small Python files of non-ASCII text in ``folder``; returns their texts in order."""
+    texts = [f"def function_{i}(x):\n    return x * {i} + 'héllo wörld'\n" * 3 for i in range(20)]
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, t in enumerate(texts):
+        (folder / f"f{i:02d}.py").write_text(t, encoding="utf-8")
+    return texts
+
+
+def docs_of(prefix) -> list[list[int]]:
+    ds = IndexedDataset(prefix, verify="full")
+    return [ds[i].tolist() for i in range(len(ds))]

@@ -42,12 +42,8 @@ NOT_MIRRORED: dict[str, tuple[str, str]] = {
     "moe_fold/config/rules/parallel.py": _RULES,
     "moe_fold/config/rules/routes.py": _RULES,
     "moe_fold/config/rules/train.py": _RULES,
-    "moe_fold/data/corpus.py": ("tests/data/test_preprocess.py", "the demo corpus is built there with preprocessing"),
-    "moe_fold/data/documents.py": ("tests/data/test_preprocess.py", "input files and JSONL lines, read by preprocessing"),
     "moe_fold/data/flat_tokens.py": ("tests/data/test_sources.py", "one of the formats read in place, tested alike"),
     "moe_fold/data/hf_datasets.py": ("tests/data/test_sources.py", "one of the formats read in place, tested alike"),
-    "moe_fold/data/indexed_dataset.py": ("tests/data/test_preprocess.py", "our format, written by preprocessing"),
-    "moe_fold/data/tokenizer.py": ("tests/data/test_preprocess.py", "tokenizers, trained and used by preprocessing"),
     "moe_fold/data/hf_tokenizer.py": ("tests/models/test_sampling.py", "the exported tokenizer, checked by sampling "
                                       "with transformers"),
     "moe_fold/training/routes.py": ("tests/core/test_routes.py", "recording and replay, tested with the route "
