@@ -50,15 +50,10 @@ NOT_MIRRORED: dict[str, tuple[str, str]] = {
                                     "files of moe_fold/routes.py"),
     "kernels/gated_delta.py": ("tests/models/test_gated_deltanet.py", "the chunked rule and the conv, against the "
                                "recurrent reference of the layer"),
-    "kernels/gmm_grouped_gemm.py": ("tests/training/test_device_paths.py", "the optional CUDA backend, one of "
-                                    "the gmm backends run alike"),
     "kernels/gmm_loop.py": ("tests/kernels/test_backends.py", "one of the gmm backends, run alike"),
-    "kernels/gmm_torch.py": ("tests/kernels/test_gmm.py", "one of the gmm backends, run alike"),
-    "kernels/gmm_triton.py": _GPU,
     "kernels/permute_triton.py": _GPU,
     "kernels/swiglu_triton.py": _GPU,
     "kernels/topk_triton.py": _GPU,
-    "kernels/swiglu_cpu.py": ("tests/kernels/test_swiglu.py", "one of the swiglu backends, run alike"),
     "kernels/token_rows.py": ("tests/kernels/test_permute.py", "the row order both permute backends use"),
     "models/attention.py": ("tests/models/test_model.py", "the attention block, through the model and its "
                             "parallel layouts"),
