@@ -55,12 +55,9 @@ NOT_MIRRORED: dict[str, tuple[str, str]] = {
     "kernels/swiglu_triton.py": _GPU,
     "kernels/topk_triton.py": _GPU,
     "kernels/token_rows.py": ("tests/kernels/test_permute.py", "the row order both permute backends use"),
-    "models/attention.py": ("tests/models/test_model.py", "the attention block, through the model and its "
-                            "parallel layouts"),
     "models/kv_cache.py": ("tests/models/test_sampling.py", "cached decode equals the full forward"),
     "models/mlp.py": ("tests/models/test_moe_layer.py", "the dense and shared-expert MLP, with the MoE layer"),
     "models/recompute.py": ("tests/planner/test_memory.py", "recompute's saved bytes against the planner"),
-    "models/rotary.py": ("tests/models/hf/test_families.py", "rotary and YaRN against transformers' logits"),
     "models/hf/config_map.py": ("tests/models/hf/test_families.py", "the family dispatch, both ways"),
     "models/hf/routes.py": ("tests/core/test_routes.py", "routes read from transformers, replayed"),
     "models/hf/sources.py": ("tests/models/hf/test_importer.py", "the safetensors folder the importer reads"),
