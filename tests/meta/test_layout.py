@@ -32,7 +32,6 @@ _GPU = ("tests/kernels/test_gpu_kernels.py", "a Triton kernel, checked against i
 NOT_MIRRORED: dict[str, tuple[str, str]] = {
     "moe_fold/cli/sample.py": ("tests/models/test_sampling.py", "the command shares the trained runs (module "
                                "fixtures) of the sampling tests; a file of its own would train them again"),
-    "moe_fold/config/derived.py": ("tests/config/test_load.py", "derived sizes are read through the loaded config"),
     "moe_fold/config/schema.py": ("tests/config/test_reference.py", "the dataclasses: their fields and comments "
                                   "are the generated reference, their types checked on load"),
     "moe_fold/config/rules/common.py": _RULES,
