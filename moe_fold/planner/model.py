@@ -322,6 +322,8 @@ def held_rows_per_token(config: Config) -> float:
     expected share on zero experts, ``topk * E / (E + Z)`` (routing balanced over every
     router column, the expert bias's aim; LongCat-Flash's budget: 12 * 512/768 = 8)."""
     moe = config.moe
+    if not moe.zero_experts:  # also a dense model's rows (no experts at all)
+        return moe.topk
     return moe.topk * moe.num_experts / (moe.num_experts + moe.zero_experts)
 
 
