@@ -16,7 +16,7 @@ where they are, and only what crosses a segment edge travels, in sequence order:
 
 The gathers' backward is a reduce-scatter, so the gradients reaching A and B are the sums
 over the ranks that used them: the result and its gradients are the one-process ones
-(``tests/parallel/test_gated_deltanet_cp.py``).
+(``tests/parallel/test_recurrent_cp.py``).
 """
 
 from __future__ import annotations

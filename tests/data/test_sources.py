@@ -1,12 +1,12 @@
-"""Tokenized data made elsewhere, read in place: Megatron-LM's MMIDIDX (every dtype
-code, document and sequence indices), flat token files (.npy, raw .bin), Hugging Face
-``save_to_disk`` folders and Parquet; blending across formats, exact resume, dp
-sharding; ``moe-fold data --format megatron`` / ``--workers`` / ``inspect``; and every
-bad-input error, each before any rank starts.
-
-The Megatron layout is written here from its published description (no Megatron code):
+"""Tokenized data made elsewhere, read in place through one stream: Megatron-LM's MMIDIDX,
+flat token files (.npy, raw .bin), Hugging Face ``save_to_disk`` folders and Parquet give the
+same documents, samples and losses; blending across formats, exact resume, dp sharding;
+parallel builds (``--workers``); and every bad-input error, each before any rank starts.
+Megatron's format on its own: tests/data/test_megatron_dataset.py; ``moe-fold data inspect``:
+tests/data/test_inspect.py; the command: tests/cli/test_data.py. The formats are written by
+tests/helpers/data_formats.py (Megatron's from its published description, no Megatron code:
 magic, version, dtype code, counts, int32 lengths, int64 byte pointers, int64 document
-indices, all little-endian."""
+indices, all little-endian)."""
 
 from __future__ import annotations
 
@@ -24,124 +24,16 @@ from moe_fold.cli import main as cli_main
 from moe_fold.config import load_config
 from moe_fold.data.indexed_dataset import DatasetFormatError, IndexedDataset, write_indexed_dataset
 from moe_fold.data.loader import DataLoader, GPTDataset, open_training_dataset
-from moe_fold.data.megatron_dataset import MegatronDataset, MegatronDatasetWriter
 from moe_fold.data.preprocess import build_dataset
 from moe_fold.data.sources import check_data, detect_format, open_tokens
 from moe_fold.data.tokenizer import ByteTokenizer, train_bpe
 
-EOD = 256
-CODES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32", 8: "uint16"}
-
-
-def corpus_texts(n: int = 40) -> list[str]:
-    rng = np.random.default_rng(0)
-    words = ["moe", "fold", "expert", "router", "token", "naïve", "日本", "grad", "all-to-all", "😀"]
-    return [" ".join(rng.choice(words, size=int(rng.integers(3, 40)))) + f" #{i}" for i in range(n)]
-
-
-def corpus_docs(texts=None) -> list[list[int]]:
-    """Byte-tokenized documents, each ending with eod (as every format here stores them)."""
-    return [list(t.encode()) + [EOD] for t in (texts or corpus_texts())]
-
-
-def megatron_from_spec(prefix: Path, sequences: list[list[int]], code: int,
-                       doc_starts: list[int] | None = None) -> Path:
-    """Megatron's .bin/.idx written straight from the published layout."""
-    dtype = np.dtype(CODES[code]).newbyteorder("<")
-    n = len(sequences)
-    doc_idx = list(range(n + 1)) if doc_starts is None else doc_starts
-    pointers, at = [], 0
-    for s in sequences:
-        pointers.append(at)
-        at += len(s) * dtype.itemsize
-    idx = (b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", code) + struct.pack("<Q", n)
-           + struct.pack("<Q", len(doc_idx)) + struct.pack(f"<{n}i", *map(len, sequences))
-           + struct.pack(f"<{n}q", *pointers) + struct.pack(f"<{len(doc_idx)}q", *doc_idx))
-    Path(f"{prefix}.idx").write_bytes(idx)
-    Path(f"{prefix}.bin").write_bytes(b"".join(np.asarray(s, dtype=dtype).tobytes() for s in sequences))
-    return prefix
-
-
-def write_all_formats(folder: Path, docs: list[list[int]]) -> dict[str, str]:
-    """The same documents in every format; returns format -> data.path entry."""
-    import datasets
-
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = {"moefidx": str(write_indexed_dataset(folder / "moefidx", docs, 258, EOD)),
-             "megatron": str(megatron_from_spec(folder / "megatron", docs, 8))}
-    np.save(folder / "tokens.npy", np.concatenate(docs).astype(np.uint16))
-    paths["npy"] = str(folder / "tokens.npy")
-    np.concatenate(docs).astype(np.uint16).tofile(folder / "train.bin")  # nanoGPT's raw file
-    paths["raw"] = str(folder / "train.bin")
-    rows = datasets.Dataset.from_dict({"input_ids": [d[:-1] for d in docs]})  # eod appended on reading
-    rows.save_to_disk(str(folder / "hf"), num_shards=3)  # three Arrow files: rows cross chunk boundaries
-    paths["hf-arrow"] = str(folder / "hf")
-    rows.to_parquet(str(folder / "rows.parquet"), batch_size=16)  # row groups of 16
-    paths["hf-parquet"] = str(folder / "rows.parquet")
-    return paths
+from tests.helpers.data_formats import EOD, corpus_docs, corpus_texts, megatron_from_spec, write_all_formats
 
 
 @pytest.fixture(scope="module")
 def formats(tmp_path_factory) -> dict[str, str]:
     return write_all_formats(tmp_path_factory.mktemp("formats"), corpus_docs())
-
-
-# --------------------------------------------------------------------------- Megatron
-
-def test_megatron_writer_is_byte_for_byte_the_published_layout(tmp_path):
-    docs = corpus_docs()
-    megatron_from_spec(tmp_path / "spec", docs, 8)  # vocab 258 < 65500: uint16, as preprocess_data.py picks
-    with MegatronDatasetWriter(tmp_path / "ours", 258, EOD) as w:
-        for d in docs:
-            w.add_document(d)
-    for ext in ("idx", "bin"):
-        assert Path(f"{tmp_path}/ours.{ext}").read_bytes() == Path(f"{tmp_path}/spec.{ext}").read_bytes(), ext
-    # A vocabulary of 65,500 or more takes int32 (code 4).
-    big = [[0, 70_000, 5], [9, 5]]
-    megatron_from_spec(tmp_path / "spec32", big, 4)
-    with MegatronDatasetWriter(tmp_path / "ours32", 70_001, 5) as w:
-        for d in big:
-            w.add_document(d)
-    for ext in ("idx", "bin"):
-        assert Path(f"{tmp_path}/ours32.{ext}").read_bytes() == Path(f"{tmp_path}/spec32.{ext}").read_bytes(), ext
-
-
-def test_cli_format_megatron_round_trips(tmp_path, capsys):
-    texts = corpus_texts(12)
-    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    assert cli_main(["data", str(tmp_path / "c.jsonl"), "--format", "megatron", "--output",
-                     str(tmp_path / "m" / "c_text_document")]) == 0
-    assert "format megatron" in capsys.readouterr().out
-    assert cli_main(["data", str(tmp_path / "c.jsonl"), "--format", "megatron", "--workers", "2", "--output",
-                     str(tmp_path / "m" / "w2")]) == 0
-    megatron_from_spec(tmp_path / "spec", corpus_docs(texts), 8)
-    for ext in ("idx", "bin"):
-        for prefix in ("c_text_document", "w2"):
-            assert Path(f"{tmp_path}/m/{prefix}.{ext}").read_bytes() == Path(f"{tmp_path}/spec.{ext}").read_bytes()
-    capsys.readouterr()
-    assert cli_main(["data", str(tmp_path / "c.jsonl"), "--workers", "0", "--output", str(tmp_path / "x")]) == 2
-    assert "--workers=0 must be >= 1" in capsys.readouterr().err
-    ds = MegatronDataset(tmp_path / "m" / "c_text_document", EOD)
-    assert [ByteTokenizer().decode(ds[i]) for i in range(len(ds))] == texts
-
-
-@pytest.mark.parametrize("code", sorted(CODES))
-def test_megatron_every_dtype_code_reads(tmp_path, code):
-    seqs = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
-    ds = MegatronDataset(megatron_from_spec(tmp_path / "m", seqs, code), eod_id=9)
-    assert ds.dtype == np.dtype(CODES[code]) and ds.num_tokens == 9
-    assert [ds[i].astype(np.int64).tolist() for i in range(3)] == seqs
-    sample = GPTDataset(ds, 4, seed=0, vocab_limit=10).raw_sample(1)
-    assert sample.tokens.dtype == np.int64 and sample.tokens.tolist() == [5, 6, 7, 8, 9]
-
-
-def test_megatron_sentences_group_into_documents(tmp_path):
-    """With sentence splitting a document is several sequences (document indices 0, 2, 3)."""
-    seqs = [[1, 2], [3, EOD], [4, 5, EOD]]
-    ds = MegatronDataset(megatron_from_spec(tmp_path / "m", seqs, 8, doc_starts=[0, 2, 3]), EOD)
-    assert ds.offsets.tolist() == [0, 4, 7] and ds[0].tolist() == [1, 2, 3, EOD]
-    packed = GPTDataset(ds, 3, seed=0, packing=True)
-    assert packed.raw_sample(0).tokens.tolist() == [1, 2, 3, EOD]
 
 
 # --------------------------------------------------------------------------- every format, one stream
@@ -286,21 +178,6 @@ def test_failed_parallel_build_leaves_nothing(tmp_path):
     with pytest.raises(ValueError, match=f"{src / 'b.jsonl'}:2: not valid JSON"):
         build_dataset([src], ByteTokenizer(), tmp_path / "out" / "ds", workers=2)
     assert list((tmp_path / "out").iterdir()) == []  # no final names, no temporaries
-
-
-# --------------------------------------------------------------------------- inspect
-
-def test_inspect_reports_every_format(formats, capsys):
-    for fmt, path in formats.items():
-        args = ["data", "inspect", path, "--docs", "2"] + (["--dtype", "uint16"] if fmt == "raw" else [])
-        assert cli_main(args) == 0, fmt
-        out = capsys.readouterr().out
-        assert f"format      {fmt}" in out
-        assert "documents   40:" in out and "document lengths (tokens):" in out
-        assert f"document 0 ({len(corpus_docs()[0])} tokens): {corpus_texts()[0]!r}" in out
-        assert "all in [0, 258)" in out
-    assert cli_main(["data", "inspect", formats["raw"]]) == 2
-    assert "data.dtype must name its dtype" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- bad input

@@ -26,7 +26,6 @@ from moe_fold.config import MoEConfig
 from moe_fold.dispatch.allgather import AllGatherDispatcher
 from moe_fold.dispatch.alltoall import AllToAllDispatcher
 from moe_fold.dispatch.dispatcher import build_dispatcher
-from moe_fold.dispatch.interface import expert_major_order
 from moe_fold.dispatch.router import apply_capacity
 from moe_fold.launch import RankError, run_ranks
 from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
@@ -451,20 +450,6 @@ def test_four_ranks():
 @pytest.mark.slow
 def test_eight_ranks():
     run_matrix(8, [(dict(ep=8), 16), (dict(ep=4, tp=2, etp=2), 8)], timeout=400)
-
-
-def test_expert_major_order_is_a_permutation_and_its_inverse():
-    for etp, ep, el in [(1, 1, 1), (2, 4, 3), (1, 8, 2), (2, 1, 1)]:
-        fwd = expert_major_order(etp, ep, el)
-        inv = expert_major_order(etp, ep, el, inverse=True)
-        n = etp * ep * el
-        assert sorted(fwd) == list(range(n))
-        # Chunk fwd[i] lands at i; the inverse order puts it back at fwd[i].
-        assert [fwd[i] for i in inv] == list(range(n))
-        # Received chunk (t, j, le) goes to expert position (le, j, t).
-        for i, c in enumerate(fwd):
-            t, j, le = c // (ep * el), c // el % ep, c % el
-            assert i == (le * ep + j) * etp + t
 
 
 def test_build_dispatcher_from_config():

@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
@@ -10,7 +9,6 @@ import pytest
 import torch
 
 from moe_fold.kernels.gmm import available_backends, gmm, resolve_backend
-from moe_fold.kernels.gmm_torch import torch_path
 
 from tests.helpers.paths import REPO
 
@@ -125,57 +123,6 @@ def test_bias_with_tensor_counts_and_bad_bias_raises():
         gmm(x, w, counts, backend="loop", bias=bias.double())
 
 
-def test_torch_backend_path_choice():
-    # bmm only where the counts are known on the host, all equal, and the tensors on CPU;
-    # the tests above check both paths against the float64 loop.
-    x = torch.randn(4, 8)
-    assert torch_path(x, [2, 2]) == "bmm"
-    assert torch_path(x, [0, 0, 0]) == "bmm"
-    assert torch_path(x, [4]) == "bmm"
-    assert torch_path(x, [3, 1]) == "grouped_mm"
-    assert torch_path(x, [0, 4]) == "grouped_mm"
-    assert torch_path(x, None) == "grouped_mm"
-    assert torch_path(x.to("meta"), [2, 2]) == "grouped_mm"
-
-
-@pytest.mark.parametrize("trans_b", [False, True])
-def test_torch_paths_agree_with_each_other(trans_b):
-    # The same equal-count problem through bmm (counts on the host) and through grouped_mm
-    # (the grouped_mm Function called directly): one answer within float32 rounding.
-    from moe_fold.kernels.gmm_torch import _GroupedMM
-
-    torch.manual_seed(2)
-    x = torch.randn(30, 12, requires_grad=True)
-    w = torch.randn(3, 20, 12) if trans_b else torch.randn(3, 12, 20)
-    w.requires_grad_()
-    g = torch.randn(30, 20)
-    y_bmm = gmm(x, w, [10, 10, 10], trans_b=trans_b, backend="torch")
-    grads_bmm = torch.autograd.grad(y_bmm, [x, w], g)
-    y_gmm = _GroupedMM.apply(x, w, torch.tensor([10, 20, 30], dtype=torch.int32), trans_b)
-    grads_gmm = torch.autograd.grad(y_gmm, [x, w], g)
-    torch.testing.assert_close(y_bmm, y_gmm, atol=1e-5, rtol=1e-5)
-    for a, b in zip(grads_bmm, grads_gmm):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-
-
-def test_torch_bmm_path_grads_to_one_operand_only():
-    torch.manual_seed(3)
-    x, w = torch.randn(8, 6), torch.randn(2, 6, 5)
-    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-    (dx,) = torch.autograd.grad(gmm(xg, w, [4, 4], backend="torch").sum(), [xg])
-    (dw,) = torch.autograd.grad(gmm(x, wg, [4, 4], backend="torch").sum(), [wg])
-    torch.testing.assert_close(dx, torch.cat([w[0].sum(1).expand(4, 6), w[1].sum(1).expand(4, 6)]))
-    torch.testing.assert_close(dw, torch.stack([x[:4].sum(0)[:, None].expand(6, 5), x[4:].sum(0)[:, None].expand(6, 5)]))
-
-
-@pytest.mark.skipif(not HAS_GROUPED_GEMM, reason="grouped_gemm package not installed or no CUDA (pip install 'moe-fold[gpu]')")
-@pytest.mark.parametrize("trans_b", [False, True])
-@pytest.mark.parametrize("counts,k,m", CASES)
-def test_grouped_gemm(counts, k, m, trans_b):
-    _check("grouped_gemm", counts, k, m, trans_b, torch.bfloat16)
-    _check("grouped_gemm", counts, k, m, trans_b, torch.bfloat16, with_bias=True)
-
-
 @pytest.mark.parametrize("counts", [[4, 0, 7], [5, 5, 5]])
 def test_counts_as_list_and_non_contiguous_operands(counts):
     torch.manual_seed(1)
@@ -225,33 +172,6 @@ def test_available_backends():
     assert names[0] == "auto" and "torch" in names and "loop" in names
     assert ("grouped_gemm" in names) == HAS_GROUPED_GEMM
     assert "triton" in names  # conftest sets TRITON_INTERPRET=1
-
-
-def test_grouped_gemm_missing_says_how_to_install(monkeypatch):
-    from moe_fold.kernels import backends
-
-    monkeypatch.setitem(sys.modules, "grouped_gemm", None)  # makes the import fail, installed or not
-    backends._probe.cache_clear()
-    try:
-        with pytest.raises(backends.BackendUnavailable,
-                           match=r"import grouped_gemm failed.*pip install 'moe-fold\[gpu\]'"):
-            gmm(torch.randn(4, 16), torch.randn(2, 16, 8), [1, 3], backend="grouped_gemm")
-    finally:
-        backends._probe.cache_clear()
-
-
-@pytest.mark.skipif(not HAS_GROUPED_GEMM, reason="grouped_gemm package not installed or no CUDA (pip install 'moe-fold[gpu]')")
-def test_grouped_gemm_rejects_cpu_tensors():
-    with pytest.raises(RuntimeError, match="runs on CUDA only"):
-        gmm(torch.randn(4, 16), torch.randn(2, 16, 8), [1, 3], backend="grouped_gemm")
-
-
-def test_triton_without_interpreter_on_cpu_raises(monkeypatch):
-    from moe_fold.kernels import gmm_triton
-
-    monkeypatch.setattr(gmm_triton, "_INTERPRET", False)  # as if TRITON_INTERPRET were unset at import
-    with pytest.raises(RuntimeError, match="'triton' needs CUDA tensors .* or TRITON_INTERPRET=1"):
-        gmm(torch.randn(4, 16), torch.randn(2, 16, 8), [1, 3], backend="triton")
 
 
 def test_bench_gemm_prints_its_fields():

@@ -41,6 +41,7 @@ T_ROUTER = "tests/dispatch/test_router.py"
 T_ROUTER_PARALLEL = "tests/dispatch/test_router_parallel.py::test_router_layout_invariance"
 T_DISPATCH = "tests/dispatch/test_dispatcher.py"
 T_PIPELINE = "tests/parallel/test_pipeline.py"
+T_SCHEDULES = "tests/parallel/test_pipeline_schedules.py"
 T_GRADS = "tests/training/test_grads.py::test_sync_and_norm_match_one_process"
 T_ZERO = "tests/training/test_optim.py::test_distributed_optimizer_and_overlap_equal_plain_adamw"
 T_ROUND_TRIP = "tests/training/test_checkpoint.py::test_round_trip_is_bit_exact_and_training_continues_identically"
@@ -268,25 +269,25 @@ MUTANTS: list[Mutant] = [
         "warmup = min(pp - rank - 1, m)",
         "warmup = min(pp - rank, m)",
         "1F1B warm-up one forward too many (a rank holds pp - r + 1 micro-batches' activations)",
-        (f"{T_PIPELINE}::test_1f1b_order_pp4_rank1",)),
+        (f"{T_SCHEDULES}::test_1f1b_order_pp4_rank1",)),
     Mutant(
         "interleaved-backward-chunks", SCHEDULES,
         "chunks = range(vpp) if kind == \"F\" else range(vpp - 1, -1, -1)",
         "chunks = range(vpp)",
         "interleaved backwards visit the model chunks first to last instead of last to first",
-        (f"{T_PIPELINE}::test_interleaved_order_pp2_vpp2_rank1",)),
+        (f"{T_SCHEDULES}::test_interleaved_order_pp2_vpp2_rank1",)),
     Mutant(
         "interleaved-warmup", SCHEDULES,
         "warmup = min(2 * (pp - rank - 1) + (vpp - 1) * pp, m * vpp)",
         "warmup = min((pp - rank - 1) + (vpp - 1) * pp, m * vpp)",
         "interleaved warm-up without the factor 2 on the rank's distance to the last stage",
-        (f"{T_PIPELINE}::test_plan_is_complete_consistent_and_has_the_textbook_bubble",)),
+        (f"{T_SCHEDULES}::test_plan_is_complete_consistent_and_has_the_textbook_bubble",)),
     Mutant(
         "pp-stage-placement", SCHEDULES,
         "return [c * pp + rank for c in range(vpp)]",
         "return [rank * vpp + c for c in range(vpp)]",
         "virtual stages placed contiguously per rank instead of Megatron's round-robin c*pp + r",
-        (f"{T_PIPELINE}::test_rank_stages_megatron_placement",)),
+        (f"{T_SCHEDULES}::test_rank_stages_megatron_placement",)),
     # ------------------------------------------------------------------ grad norm
     Mutant(
         "norm-tp-sum-counted-per-tp", GRADS,

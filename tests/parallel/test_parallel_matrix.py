@@ -372,7 +372,7 @@ def _check(names, results):
         # head's small output to unit RMS (init grad norm ~200), so float32 sums in another
         # order (SP's reduce-scatter, cp's composed segment states) move its grads by ~1e-5 of
         # their largest, though its layers under tp and cp equal one process to 1e-14 in
-        # float64 (tests/parallel/test_gated_deltanet_cp.py). And Adam's first step moves every weight
+        # float64 (tests/parallel/test_recurrent_cp.py). And Adam's first step moves every weight
         # by lr times its grad's sign, flipping on grads below 1e-7, so later steps differ by
         # ~1e-2 between any two float32 orders: only its first step is compared, with a
         # tolerance scaled to each tensor's largest grad (a state not passed along cp is off

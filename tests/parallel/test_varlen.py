@@ -22,7 +22,7 @@ from moe_fold.models.moe_layer import MoELayer
 from moe_fold.training.step import forward_backward
 from moe_fold.parallel.varlen import doc_ids_from_cu_seqlens, segment_bounds, varlen_attention
 
-from tests.data.test_preprocess import write_indexed_dataset
+from moe_fold.data.indexed_dataset import write_indexed_dataset
 from tests.helpers.router_outputs import router_outputs
 from tests.models.test_mla import MLA_MODEL
 

@@ -11,7 +11,7 @@
 - Two runs of one config give bit-identical metrics and checkpoint bytes.
 
 docs/reliability.md lists every fault with the test that proves it (some live in
-tests/training/test_checkpoint.py, tests/data/test_preprocess.py, tests/config/test_load.py, tests/models/hf/test_importer.py, tests/core/test_launch.py,
+tests/training/test_checkpoint.py, tests/data/test_indexed_dataset.py, tests/config/test_load.py, tests/models/hf/test_importer.py, tests/core/test_launch.py,
 tests/dispatch/test_dispatcher.py and test_reliability_*.py).
 """
 

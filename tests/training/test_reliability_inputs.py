@@ -2,7 +2,7 @@
 or config gives one error naming the file or field, and nothing is written: every file
 of the folders involved keeps its bytes and modification time (the damaged one too).
 
-The exact messages of each damage are pinned in tests/training/test_checkpoint.py, tests/data/test_preprocess.py and
+The exact messages of each damage are pinned in tests/training/test_checkpoint.py, tests/data/test_indexed_dataset.py and
 tests/config/test_load.py; here each is provoked where a user meets it (resume, open, import,
 ``moe-fold train``) and the folders are compared before and after."""
 
@@ -23,7 +23,7 @@ from moe_fold.data.indexed_dataset import DatasetFormatError, IndexedDataset
 from moe_fold.models import from_hf
 from moe_fold.models.hf import HFWeightError
 from moe_fold.training.train import train
-from tests.data.test_preprocess import _make
+from tests.data.test_indexed_dataset import _make
 from tests.models.hf.test_importer import save_hf
 
 SMALL = [
