@@ -15,13 +15,13 @@ WORLDS = {"mixtral-8x7b": 64, "mixtral-8x22b": 128, "qwen2-57b-a14b": 64, "qwen3
           "deepseek-tiny": 1, "deepseek-v3-tiny": 1, "deepseek-v2-lite": 8, "deepseek-v2-lite-tiny": 1,
           "ernie-4.5-21b-a3b": 8, "ernie-4.5-tiny": 1, "minimax-m2": 128, "minimax-m2-tiny": 1,
           "llama4-scout": 64, "llama4-tiny": 1, "gpt-oss-20b": 8, "gpt-oss-tiny": 1,
-          "qwen3-next-80b-a3b": 32, "qwen3-next-tiny": 1}
+          "qwen3-next-80b-a3b": 32, "qwen3-next-tiny": 1, "qwen3.5-35b-a3b": 16}
 
 # Published sizes in billions (total, active per token): model cards / reports.
 PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141.0, 39.0), "qwen2-57b-a14b": (57.4, 14.2),
              "qwen3-30b-a3b": (30.5, 3.3), "deepseek-v3": (671.0, 37.0), "deepseek-v2-lite": (15.7, 2.4),
              "ernie-4.5-21b-a3b": (21, 3), "minimax-m2": (230.0, 10.0), "llama4-scout": (109.0, 17.0),
-             "gpt-oss-20b": (20.91, 3.61), "qwen3-next-80b-a3b": (80.0, 3)}
+             "gpt-oss-20b": (20.91, 3.61), "qwen3-next-80b-a3b": (80.0, 3), "qwen3.5-35b-a3b": (35.0, 3)}
 
 # Whose published active count leaves out the input embedding (a lookup, no FLOPs): the
 # DeepSeek-V2 report's 2.4B of V2-Lite (2.66B with it, 2.45B without; the embedding is 8%)
@@ -33,8 +33,9 @@ ACTIVE_WITHOUT_INPUT_EMBEDDING = {"deepseek-v2-lite", "gpt-oss-20b"}
 ACTIVE_WITHOUT_EMBEDDING_AND_HEAD = {"minimax-m2", "qwen3-next-80b-a3b"}
 # The model card gives whole billions, rounded down: ERNIE-4.5-21B-A3B is 21.8B with 3.35B active.
 ROUNDED_DOWN = {"ernie-4.5-21b-a3b"}
-# Only the active count in whole billions, rounded down (Qwen3-Next-80B-A3B: 79.7B total, 3.25B active).
-ACTIVE_ROUNDED_DOWN = {"qwen3-next-80b-a3b"}
+# Only the active count in whole billions, rounded down (Qwen3-Next-80B-A3B: 79.7B total, 3.25B active;
+# Qwen3.5-35B-A3B: 34.7B total, 3.45B active with the embedding and head).
+ACTIVE_ROUNDED_DOWN = {"qwen3-next-80b-a3b", "qwen3.5-35b-a3b"}
 
 
 def test_every_preset_is_listed_and_validates():

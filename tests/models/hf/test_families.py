@@ -725,6 +725,21 @@ def test_qwen3_next_released_config_imports_to_our_preset():
     assert _architecture_mismatch(ours, config_from_hf(QWEN3_NEXT_80B, ours)) == []
 
 
+def test_qwen3_5_35b_a3b_config_imports_to_our_preset():
+    """transformers' Qwen3_5MoeTextConfig defaults are Qwen3.5-35B-A3B's text model (its
+    docstring's checkpoint); the release's rope_parameters (theta 1e7, the multimodal
+    sections, interleaved) replace the generic rotary default."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    from moe_fold.models.hf.importer import _architecture_mismatch
+
+    rope = {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    released = Qwen3_5MoeTextConfig(rope_parameters=rope).to_dict()
+    ours = load_config("qwen3.5-35b-a3b")
+    assert _architecture_mismatch(ours, config_from_hf(released, ours)) == []
+
+
 def test_qwen3_next_and_qwen3_5_exports_refuse_what_they_cannot_hold(tmp_path):
     model_of("qwen3_next", "qwen3_next").save_pretrained(tmp_path / "hf")
     model = from_hf(tmp_path / "hf")
