@@ -40,9 +40,7 @@ from torch import nn
 from moe_fold.comm import Group, copy_to_tp_region, gather_from_sequence_region, group_size
 from moe_fold.config import ModelConfig, choice, heads_over_tp, mla_weight_shapes, require
 from moe_fold.parallel.context_parallel import context_parallel_attention
-from moe_fold.parallel.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, global_normal, init_seed, mark,
-)
+from moe_fold.parallel.tensor_parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, init_seed
 from moe_fold.parallel.varlen import Documents
 
 from .kv_cache import LayerCache, cached_attention
@@ -50,17 +48,6 @@ from .norm import RMSNorm
 from .rotary import apply_rotary, deinterleave, yarn_of
 
 __all__ = ["MLAttention"]
-
-
-class _ReplicatedLinear(nn.Module):
-    """``y = x W^T`` with W the same on every tp rank (marked for gradient sync)."""
-
-    def __init__(self, weight: nn.Parameter):
-        super().__init__()
-        self.weight = weight  # [out, in]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight)
 
 
 class MLAttention(nn.Module):
@@ -91,9 +78,9 @@ class MLAttention(nn.Module):
         # Replicated over tp: under SP each rank projects its own tokens, so grads add over tp.
         kind = "tp_sum" if sequence_parallel else "replicated"
 
-        def replicated(part: str) -> _ReplicatedLinear:
-            weight = global_normal(shapes[part], std, init_seed(seed, f"{name}.{part}"))
-            return _ReplicatedLinear(mark(nn.Parameter(weight), kind))
+        def replicated(part: str) -> ReplicatedLinear:
+            out, inp = shapes[part]
+            return ReplicatedLinear(inp, out, sequence_parallel, std=std, seed=init_seed(seed, f"{name}.{part}"))
 
         def column(part: str) -> ColumnParallelLinear:
             out, inp = shapes[part]
