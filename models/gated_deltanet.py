@@ -28,7 +28,8 @@ from torch import nn
 
 from moe_fold.comm import Group, group_rank, group_size
 from moe_fold.config import ModelConfig, linear_heads_over_tp, require
-from moe_fold.kernels.gated_delta import causal_conv1d, chunk_gated_delta_rule
+from moe_fold.kernels.delta_rule import delta_rule
+from moe_fold.kernels.gated_delta import causal_conv1d
 from moe_fold.parallel.recurrent_cp import conv_histories, local_segments, start_states
 from moe_fold.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, global_normal, init_seed, mark, shard_tp,
@@ -57,6 +58,7 @@ class GatedDeltaNet(nn.Module):
         self.cp_group = cp_group
         self.eps = config.norm_eps
         self.chunk_size = config.linear_chunk_size
+        self.rule = delta_rule(config.linear_backend, "gated_delta_rule")
         std = config.init_std
         key, value = nk * self.dk, nv * self.dv
         self.in_proj = ColumnParallelLinear(config.hidden_size, [key, key, value, value, nv, nv], tp_group,
@@ -73,7 +75,7 @@ class GatedDeltaNet(nn.Module):
         key, value = self.nk * self.dk, self.nv * self.dv
         q, k, v, z, b, a = self.in_proj(x).split([key, key, value, value, self.nv, self.nv], dim=-1)
         o = conv_delta_rule(torch.cat([q, k, v], dim=-1), self.conv_weight,
-                            lambda conv: self._heads(conv, b, a, x.dtype), self.chunk_size,
+                            lambda conv: self._heads(conv, b, a, x.dtype), self.rule, self.chunk_size,
                             docs, self.cp_group, kv_cache)  # [B, nv, S, dv]
         return self._output(o, z, x.dtype)
 
@@ -127,24 +129,25 @@ def recurrent_parameters(config: ModelConfig, conv_parts: list[int], heads: int,
     return conv_weight, A_log, norm_weight, out_proj
 
 
-def conv_delta_rule(qkv: torch.Tensor, conv_weight: torch.Tensor, heads: Callable, chunk_size: int,
+def conv_delta_rule(qkv: torch.Tensor, conv_weight: torch.Tensor, heads: Callable, rule: Callable, chunk_size: int,
                     docs: Optional[Documents], cp_group: Group, cache: Optional[LayerCache]) -> torch.Tensor:
     """The recurrent core of Gated DeltaNet and KDA: the depthwise causal conv of
-    ``qkv [S_local, B, C]`` (``conv_weight [C, K]``), SiLU, then the delta rule on
-    ``heads(conv) -> (q, k, v, g, beta)`` (:func:`~moe_fold.kernels.gated_delta.chunk_gated_delta_rule`'s
-    arguments) -> ``o [B, heads, S_local, dv]``. Over this rank's cp segments with packed
-    documents reset, or, when sampling (``cache``), continuing from the cache."""
+    ``qkv [S_local, B, C]`` (``conv_weight [C, K]``), SiLU, then the delta rule ``rule``
+    (:func:`moe_fold.kernels.delta_rule.delta_rule`'s choice) on ``heads(conv) -> (q, k, v,
+    g, beta)`` (:func:`~moe_fold.kernels.gated_delta.chunk_gated_delta_rule`'s arguments) ->
+    ``o [B, heads, S_local, dv]``. Over this rank's cp segments with packed documents reset,
+    or, when sampling (``cache``), continuing from the cache."""
     if cache is not None:
-        return _decode_recurrence(qkv, conv_weight, cache, heads, chunk_size)
+        return _decode_recurrence(qkv, conv_weight, cache, heads, rule, chunk_size)
     group = cp_group if docs is None else docs.cp_group
     doc_ids = None if docs is None else docs.doc_ids  # [B, S_seq], natural order
     segments = local_segments(qkv.shape[0], group)
     conv = F.silu(_segment_conv(qkv, conv_weight, segments, doc_ids, group))
-    return _segment_delta_rule(*heads(conv), segments, doc_ids, group, chunk_size)
+    return _segment_delta_rule(*heads(conv), segments, doc_ids, group, rule, chunk_size)
 
 
 def _decode_recurrence(qkv: torch.Tensor, conv_weight: torch.Tensor, cache: LayerCache, heads: Callable,
-                      chunk_size: int) -> torch.Tensor:
+                       rule: Callable, chunk_size: int) -> torch.Tensor:
     """Sampling: the new tokens ``qkv [S, B, C]`` (their first ``cache.new_tokens`` real, the
     rest a decode step's padding) continue from the cache's conv window ``[K-1, B, C]`` and
     state ``[B, heads, dk, dv]`` (zeros before the first step), which they replace with
@@ -154,7 +157,7 @@ def _decode_recurrence(qkv: torch.Tensor, conv_weight: torch.Tensor, cache: Laye
     real = qkv[:n]
     conv = F.silu(causal_conv1d(real, conv_weight, cache.conv))
     cache.conv = _tail(real if cache.conv is None else torch.cat([cache.conv, real]), K - 1)
-    o, cache.state = chunk_gated_delta_rule(*heads(conv), initial_state=cache.state, chunk_size=chunk_size)
+    o, cache.state = rule(*heads(conv), initial_state=cache.state, chunk_size=chunk_size)
     return F.pad(o, (0, 0, 0, qkv.shape[0] - n))
 
 
@@ -174,7 +177,7 @@ def _segment_conv(x: torch.Tensor, weight: torch.Tensor, segments: list, doc_ids
 
 
 def _segment_delta_rule(q, k, v, g, beta, segments: list, doc_ids: Optional[torch.Tensor], group: Group,
-                       chunk_size: int) -> torch.Tensor:
+                        rule: Callable, chunk_size: int) -> torch.Tensor:
     """The gated delta rule (``g`` per head or per key channel) over this rank's segments,
     each from the state the segments before it leave (a prefix scan over cp) ->
     ``o [B, heads, S_local, dv]``."""
@@ -182,17 +185,17 @@ def _segment_delta_rule(q, k, v, g, beta, segments: list, doc_ids: Optional[torc
     resets = [None if doc_ids is None else _resets(doc_ids, index * (hi - lo), hi - lo)
               for lo, hi, index in segments]
     if group_size(group) == 1:
-        return chunk_gated_delta_rule(*parts[0], resets=resets[0], chunk_size=chunk_size)[0]
+        return rule(*parts[0], resets=resets[0], chunk_size=chunk_size)[0]
     dk = q.shape[-1]
     eye = torch.eye(dk, dtype=q.dtype, device=q.device).expand(q.shape[0], q.shape[1], -1, -1)
     writes, transitions = [], []
     for (qs, ks, vs, gs, bs), r in zip(parts, resets):
-        writes.append(chunk_gated_delta_rule(qs, ks, vs, gs, bs, r, chunk_size=chunk_size)[1])
+        writes.append(rule(qs, ks, vs, gs, bs, r, chunk_size=chunk_size)[1])
         # The map's linear part: the end state from the identity, nothing written.
         zero_v = vs.new_zeros(*vs.shape[:-1], dk)
-        transitions.append(chunk_gated_delta_rule(qs, ks, zero_v, gs, bs, r, eye, chunk_size)[1])
+        transitions.append(rule(qs, ks, zero_v, gs, bs, r, eye, chunk_size)[1])
     starts = start_states(torch.stack(transitions), torch.stack(writes), group)
-    return torch.cat([chunk_gated_delta_rule(*p, resets=r, initial_state=s, chunk_size=chunk_size)[0]
+    return torch.cat([rule(*p, resets=r, initial_state=s, chunk_size=chunk_size)[0]
                       for p, r, s in zip(parts, resets, starts)], dim=2)
 
 

@@ -23,15 +23,17 @@ start state, which is what the cp prefix scan needs.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_fold.comm import Group, group_size
+from moe_fold.comm import Group, group_rank, group_size
 from moe_fold.config import ModelConfig, linear_heads_over_tp, require
-from moe_fold.parallel.tensor_parallel import ColumnParallelLinear, ReplicatedLinear, init_seed, mark
+from moe_fold.kernels.delta_rule import delta_rule
+from moe_fold.parallel.tensor_parallel import ColumnParallelLinear, ReplicatedLinear, init_seed, mark, shard_tp
 from moe_fold.parallel.varlen import Documents
 
 from .gated_deltanet import conv_delta_rule, l2_normalize, recurrent_parameters
@@ -61,6 +63,7 @@ class KimiDeltaAttention(nn.Module):
         self.cp_group = cp_group
         self.eps = config.norm_eps
         self.chunk_size = config.linear_chunk_size
+        self.rule = delta_rule(config.linear_backend, "kda")
         std, width = config.init_std, nh * self.d
         self.in_proj = ColumnParallelLinear(config.hidden_size, [width, width, width, nh], tp_group,
                                             sequence_parallel, std=std, seed=init_seed(seed, f"{name}.in_proj"))
@@ -72,7 +75,13 @@ class KimiDeltaAttention(nn.Module):
                                             seed=init_seed(seed, f"{name}.gate_up"))
         self.conv_weight, self.A_log, self.norm_weight, self.out_proj = recurrent_parameters(
             config, [width] * 3, nh, tp_group, sequence_parallel, seed=seed, name=name)
-        self.dt_bias = mark(nn.Parameter(torch.ones(width // tp)), "tp", 0, [width])  # per channel
+        # Per channel: softplus(dt_bias) spread over [1e-3, 0.1] (log-uniform), as fla and
+        # Kimi-Linear draw it, so that the state starts out remembering many tokens.
+        gen = torch.Generator().manual_seed(init_seed(seed, f"{name}.dt_bias"))
+        dt = torch.exp(torch.rand(width, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+        dt = dt.clamp_min(1e-4)
+        dt_bias = dt + torch.log(-torch.expm1(-dt))  # the inverse of softplus
+        self.dt_bias = mark(nn.Parameter(shard_tp(dt_bias, 0, [width], group_rank(tp_group), tp)), "tp", 0, [width])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Optional[Documents] = None,
                 kv_cache: Optional[LayerCache] = None) -> torch.Tensor:
@@ -83,7 +92,7 @@ class KimiDeltaAttention(nn.Module):
         f, gate = self.gates_down(x).split([self.d, self.d], dim=-1)  # [S_local, B, d] each
         f, gate = self.decay_up(f), self.gate_up(gate)  # [S, B, nh*d] each
         o = conv_delta_rule(torch.cat([q, k, v], dim=-1), self.conv_weight,
-                            lambda conv: self._heads(conv, b, f, x.dtype), self.chunk_size,
+                            lambda conv: self._heads(conv, b, f, x.dtype), self.rule, self.chunk_size,
                             docs, self.cp_group, kv_cache)  # [B, nh, S, d]
         return self._output(o, gate, x.dtype)
 

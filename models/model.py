@@ -82,7 +82,7 @@ class Block(nn.Module):
             self.attn = KimiDeltaAttention(m, groups.tp, sp, **where)
         elif m.attention == "mla":
             where["cp_kind"] = config.parallel.cp_kind
-            self.attn = MLAttention(m, groups.tp, sp, **where)
+            self.attn = MLAttention(m, groups.tp, sp, **where, layer=layer)
         else:
             where["cp_kind"] = config.parallel.cp_kind
             self.attn = Attention(m, head_dim(config), groups.tp, sp, **where, layer=layer)

@@ -110,7 +110,8 @@ class ModelConfig:
     attention_chunk: int = 0
     # The local layers: null every layer, or one 0/1 per layer (1: sliding_window/attention_chunk applies).
     local_attention_layers: Optional[list[int]] = None
-    # The layers with rotary embeddings: null every layer, or one 0/1 per layer (0: no rotary, NoPE).
+    # The layers with rotary embeddings: null every layer, or one 0/1 per layer (0: no rotary, NoPE;
+    # MLA layers too: Kimi-Linear's).
     rope_layers: Optional[list[int]] = None
     # Temperature tuning on layers without rotary (Llama-4): a query at position p is multiplied by
     # 1 + attn_temperature_scale * log1p(floor((p + 1) / attn_temperature_floor)).
@@ -141,6 +142,13 @@ class ModelConfig:
     linear_conv_kernel: int = 4
     # Gated DeltaNet and KDA: tokens per chunk of the chunked delta rule (a speed knob; results do not depend on it).
     linear_chunk_size: int = 64
+    # Gated DeltaNet and KDA: the kernel of the delta rule. auto: the device rule of
+    # moe_fold.kernels.backends (fla on CUDA sm80+ where flash-linear-attention runs, else
+    # torch) | torch (the chunked rule of moe_fold.kernels.gated_delta) | fla (pip install 'moe-fold[fla]').
+    linear_backend: Literal["auto", "torch", "fla"] = "auto"
+    # MLA: epsilon of the latent RMSNorms (of the compressed query and key/value); null:
+    # model.norm_eps. Kimi-Linear's are 1e-6 under a norm_eps of 1e-5.
+    mla_norm_eps: Optional[float] = None
 
 
 @dataclass

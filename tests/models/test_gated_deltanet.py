@@ -231,7 +231,7 @@ def test_gated_attention_and_zero_centred_norm_equal_transformers_qwen3_next():
 
 @pytest.mark.parametrize("field, value, why", [
     ("layer_types", ["gated_deltanet", "attention", "attention", "attention"],
-     r"mixtral has attention on every layer \(Qwen3-Next and Qwen3.5 have Gated DeltaNet layers\)"),
+     r"mixtral has attention on every layer \(Qwen3-Next and Qwen3.5 have Gated DeltaNet layers, Kimi-Linear KDA"),
     ("attn_output_gate", True, "attention has no output gate"),
     ("norm_zero_centred", True, "RMSNorm weights are not zero-centred"),
 ])

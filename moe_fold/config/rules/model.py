@@ -203,7 +203,7 @@ def _check_attention_features(config: Config, out: list[str]) -> None:
         out.append("model.qk_norm_scope=l2 normalises rotary layers only, but model.rope_layers has none")
     if m.attention == "mla":
         for name, off in (("attention_sinks", False), ("sliding_window", 0), ("attention_chunk", 0),
-                          ("rope_layers", None), ("attn_temperature_tuning", False)):
+                          ("attn_temperature_tuning", False)):
             if getattr(m, name) != off:
                 out.append(f"model.{name}={_fmt(getattr(m, name))} requires model.attention=mha "
                            f"(MLA's attention does not take it)")
