@@ -68,7 +68,7 @@ def _layer_types(keys: Keys, num_layers: int, linear: dict) -> list:
 
 
 def from_hf(keys: Keys, config: Config) -> None:
-    m, moe = config.model, config.moe
+    m = config.model
     common_sizes(keys, m, "kimi_linear", norm_eps=1e-5)
     m.ffn_hidden_size = keys.get("intermediate_size")
     # MLA: every head its own key and value; no rotary (transformers' Kimi-Linear attention is
