@@ -143,7 +143,8 @@ def test_deepseek_v3_mtp_module_is_the_published_14b():
 
 @pytest.mark.parametrize("name", ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-tiny",
                                   "deepseek-v3-tiny", "deepseek-v2-lite-tiny", "ernie-4.5-tiny",
-                                  "minimax-m2-tiny", "llama4-tiny", "gpt-oss-tiny", "qwen3-next-tiny"])
+                                  "minimax-m2-tiny", "llama4-tiny", "gpt-oss-tiny", "qwen3-next-tiny",
+                                  "kimi-linear-tiny"])
 def test_tiny_presets_train(tmp_path, name):
     config = load_config(name, [f"train.run_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
                                 "parallel.ep=1", "model.seq_length=32", "train.steps=4", "optimizer.warmup_steps=1",
