@@ -47,7 +47,7 @@ class KimiDeltaAttention(nn.Module):
 
     Parameters (global shapes): ``in_proj.weight [3*nh*d + nh, H]`` (rows q|k|v|b),
     ``gates_down.weight [2*d, H]`` (rows: the decay's latent | the output gate's),
-    ``decay_up.weight [nh*d, d]``, ``gate_up.weight [nh*d, d]``, ``conv.weight [3*nh*d, K]``
+    ``decay_up.weight [nh*d, d]``, ``gate_up.weight [nh*d, d]``, ``conv_weight [3*nh*d, K]``
     (channels q|k|v), ``A_log [nh]``, ``dt_bias [nh*d]``, ``norm_weight [d]``,
     ``out_proj.weight [H, nh*d]``.
     """
@@ -79,7 +79,6 @@ class KimiDeltaAttention(nn.Module):
         # Kimi-Linear draw it, so that the state starts out remembering many tokens.
         gen = torch.Generator().manual_seed(init_seed(seed, f"{name}.dt_bias"))
         dt = torch.exp(torch.rand(width, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-        dt = dt.clamp_min(1e-4)
         dt_bias = dt + torch.log(-torch.expm1(-dt))  # the inverse of softplus
         self.dt_bias = mark(nn.Parameter(shard_tp(dt_bias, 0, [width], group_rank(tp_group), tp)), "tp", 0, [width])
 
