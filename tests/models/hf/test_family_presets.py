@@ -1,4 +1,4 @@
-"""The CPU-sized twins of the DeepSeek-V2-Lite, ERNIE-4.5-MoE, MiniMax-M2, Qwen3-Next and Qwen3.5 presets:
+"""The CPU-sized twins of the DeepSeek-V2-Lite, ERNIE-4.5-MoE, MiniMax-M2, Qwen3-Next, Qwen3.5 and Kimi-Linear presets:
 each trains from the command line, converts to a Hugging Face folder of its family that
 transformers' ``AutoTokenizer`` and ``AutoModelForCausalLM`` load, and ``generate`` gives
 the greedy tokens ``moe-fold sample`` gives (and the same logits at every step)."""
@@ -23,9 +23,10 @@ from tests.models.test_sampling import GREEDY, PROMPT, _ours
 # Face class its export loads as. Qwen3.5's twin is Qwen3-Next's, written as Qwen3.5.
 FAMILIES = {"deepseek-v2-lite-tiny": "DeepseekV2ForCausalLM", "ernie-4.5-tiny": "Ernie4_5_MoeForCausalLM",
             "minimax-m2-tiny": "MiniMaxM2ForCausalLM", "qwen3-next-tiny": "Qwen3NextForCausalLM",
-            "qwen3-next-tiny@qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
-# A preset's own settings beside SMALL's: its layer types for SMALL's 3 layers.
-OWN = {"qwen3-next-tiny": ["model.layer_types=[gated_deltanet, attention, gated_deltanet]"]}
+            "qwen3-next-tiny@qwen3_5_moe": "Qwen3_5MoeForCausalLM", "kimi-linear-tiny": "KimiLinearForCausalLM"}
+# A preset's own settings beside SMALL's: its layer types (and NoPE flags) for SMALL's 3 layers.
+OWN = {"qwen3-next-tiny": ["model.layer_types=[gated_deltanet, attention, gated_deltanet]"],
+       "kimi-linear-tiny": ["model.layer_types=[kda, attention, kda]", "model.rope_layers=[0, 0, 0]"]}
 
 SMALL = ["model.num_layers=3", "model.seq_length=32", "train.steps=6", "train.save_every=6", "parallel.ep=1",
          "optimizer.warmup_steps=1", "wandb.mode=disabled", "train.micro_batch_size=2", "train.global_batch_size=4"]
