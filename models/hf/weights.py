@@ -20,16 +20,11 @@ from __future__ import annotations
 from moe_fold.config import Config, head_dim, moe_layer_flags
 
 from .families import Family, lookup
+from .families.base import mla_sources
 from .sources import Cat, Copies, FirstRow, Halves, HFWeightError, SafetensorsFolder, Source, Stack, Take
 
 __all__ = ["HFWeightError", "SafetensorsFolder", "Source", "Take", "Cat", "Stack", "Copies", "FirstRow", "Halves",
            "weight_sources", "attention_sources", "ignorable_hf_names"]
-
-# Our MLA parameter (under ``attn.``) -> its tensor (under ``self_attn.``); q.weight
-# without q_lora_rank, the three q_* low-rank ones with it.
-_MLA = {"q.weight": "q_proj.weight", "q_down.weight": "q_a_proj.weight", "q_norm.weight": "q_a_layernorm.weight",
-        "q_up.weight": "q_b_proj.weight", "kv_down.weight": "kv_a_proj_with_mqa.weight",
-        "kv_norm.weight": "kv_a_layernorm.weight", "kv_up.weight": "kv_b_proj.weight", "proj.weight": "o_proj.weight"}
 
 
 def weight_sources(config: Config, family: str, hf_names: frozenset = frozenset()) -> dict[str, Source]:
@@ -75,6 +70,8 @@ def weight_sources(config: Config, family: str, hf_names: frozenset = frozenset(
 def _layer_sources(config: Config, family: Family, layer: int, hf: str, ours: str, is_moe: bool,
                    hf_names: frozenset) -> dict[str, Source]:
     """The sources of one block's parameters: ours under ``ours``, theirs under ``hf``."""
+    if family.layer_sources is not None:
+        return family.layer_sources(config, layer, hf, ours, hf_names)
     out: dict[str, Source] = {}
     out[f"{ours}attn_norm.weight"] = Take(f"{hf}input_layernorm.weight")
     out[f"{ours}mlp_norm.weight"] = Take(f"{hf}post_attention_layernorm.weight")
@@ -92,9 +89,7 @@ def attention_sources(config: Config, layer: int, hf: str, ours: str) -> dict[st
     out: dict[str, Source] = {}
     attn = f"{hf}self_attn."
     if m.attention == "mla":
-        query = ("q.weight",) if m.q_lora_rank is None else ("q_down.weight", "q_norm.weight", "q_up.weight")
-        for name in query + ("kv_down.weight", "kv_norm.weight", "kv_up.weight", "proj.weight"):
-            out[f"{ours}attn.{name}"] = Take(f"{attn}{_MLA[name]}")
+        out.update(mla_sources(config, attn, f"{ours}attn."))
     else:
         out[f"{ours}attn.qkv.weight"] = Cat(0, tuple(Take(f"{attn}{p}_proj.weight") for p in "qkv"), (q, kv, kv))
         out[f"{ours}attn.proj.weight"] = Take(f"{attn}o_proj.weight")

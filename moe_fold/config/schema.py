@@ -141,6 +141,18 @@ class ModelConfig:
     # Gated DeltaNet: tokens per chunk of the chunked delta rule (a speed knob; results do not depend on it).
     linear_chunk_size: int = 64
 
+    # Block structure and MLA scaling (models/model.py, models/mla.py; LongCat-Flash).
+    # The blocks: standard (attention, then the MLP or MoE; pre-norm residuals) | shortcut_moe
+    # (LongCat-Flash's shortcut-connected MoE: two attention sublayers, each followed by a dense
+    # MLP of width ffn_hidden_size, and an MoE that reads the first sublayer's normed output and
+    # is added at the block's end; every block has it).
+    block: Literal["standard", "shortcut_moe"] = "standard"
+    # MLA: the query times sqrt(hidden_size / q_lora_rank) and the normed key/value latent times
+    # sqrt(hidden_size / kv_lora_rank) (LongCat-Flash's LoRA scaling; needs q_lora_rank).
+    mla_lora_scale: bool = False
+    # MLA: epsilon of the latents' RMSNorms; null: norm_eps (LongCat-Flash: 1e-6 beside norm_eps 1e-5).
+    mla_norm_eps: Optional[float] = None
+
 
 @dataclass
 class MoEConfig:

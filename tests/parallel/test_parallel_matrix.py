@@ -57,6 +57,10 @@ QWEN3_NEXT_LAYERS = dict(layer_types=["gated_deltanet", "gated_deltanet", "gated
 # tests/dispatch/test_router_parallel.py).
 LONGCAT_ZERO = dict(moe=dict(zero_experts=4, topk=3, pre_softmax=True, expert_bias=True, scaling_factor=1.5))
 
+# LongCat-Flash's blocks (model.block=shortcut_moe): two MLA sublayers, each with a dense MLP,
+# and the shortcut MoE with its zero experts; MLA's LoRA scaling and latent epsilon.
+LONGCAT_BLOCK = dict(MLA_MODEL, block="shortcut_moe", mla_lora_scale=True, mla_norm_eps=1e-6, **LONGCAT_ZERO)
+
 # name -> (world, layout sizes, micro-batches per rank, parallel config, model overrides).
 # tp > 1 implies SP; etp defaults to tp.
 CASES = {
@@ -115,6 +119,10 @@ CASES = {
     "zero-ep2": (2, dict(ep=2), 2, dict(), LONGCAT_ZERO),
     "zero-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_ZERO),
     "zero-tp2-ep2-etp1-dp2-packed": (4, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_ZERO),
+    # LongCat-Flash's shortcut-connected MoE blocks.
+    "longcat-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_BLOCK),
+    "longcat-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), LONGCAT_BLOCK),
+    "longcat-tp2-cp2-a2a-ep2-packed": (4, dict(tp=2, cp=2, ep=2, etp=1), 2, dict(cp_kind="a2a"), LONGCAT_BLOCK),
 }
 
 # Documents (lengths) of each row of the packed global batch; a row's documents fill it.
@@ -423,10 +431,14 @@ LAYER_TYPES = {name for name in CASES if name.startswith("gdn-")}
 ZERO_EXPERTS = {name for name in CASES if name.startswith("zero-")}
 
 
-def _names(world, issue_20=False, issue_29=False, layer_types=False, zero_experts=False):
+LONGCAT = {name for name in CASES if name.startswith("longcat-")}
+
+
+def _names(world, issue_20=False, issue_29=False, layer_types=False, zero_experts=False, longcat=False):
     return [name for name, case in CASES.items()
             if case[0] == world and (name in ISSUE_20) == issue_20 and (name in ISSUE_29) == issue_29
-            and (name in LAYER_TYPES) == layer_types and (name in ZERO_EXPERTS) == zero_experts]
+            and (name in LAYER_TYPES) == layer_types and (name in ZERO_EXPERTS) == zero_experts
+            and (name in LONGCAT) == longcat]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -465,6 +477,15 @@ def test_zero_experts_match_single_process(world):
     """LongCat-Flash's zero-computation experts (with its softmax expert bias and scaling)
     under ep, tp + SP with ep over the tp ranks, and dp on packed documents."""
     names = _names(world, zero_experts=True)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shortcut_moe_blocks_match_single_process(world):
+    """LongCat-Flash's blocks (two MLA sublayers with their dense MLPs, the shortcut MoE with
+    zero experts) under tp + SP with ep over the tp ranks, pp x ring cp and tp x a2a cp on
+    packed documents."""
+    names = _names(world, longcat=True)
     _check(names, run_ranks(_rank, world, names, timeout=400))
 
 

@@ -75,6 +75,14 @@ _HYBRID = dict(vocab_size=VOCAB, hidden_size=48, num_attention_heads=6, num_key_
                shared_expert_intermediate_size=30, linear_num_key_heads=2, linear_num_value_heads=6,
                linear_key_head_dim=6, linear_value_head_dim=5, linear_conv_kernel_dim=4, max_position_embeddings=64)
 
+# LongCat-Flash: 2 blocks (4 attention sublayers), 6 MLA heads, hidden 42, q/kv ranks 14/10, qk
+# 6+4, v 5, dense width 50; 6 experts of 22 and 3 zero experts, top-4 of the 9. Matrices
+# N(0, 0.15): at 0.2 transformers' float32 logits stray 1.4e-5 from its own float64 forward.
+_LONGCAT = dict(vocab_size=VOCAB, hidden_size=42, num_layers=2, num_attention_heads=6, ffn_hidden_size=50,
+                q_lora_rank=14, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, head_dim=4, v_head_dim=5,
+                n_routed_experts=6, zero_expert_num=3, moe_topk=4, expert_ffn_hidden_size=22,
+                max_position_embeddings=64)
+
 SPECS = {
     "mixtral": Spec("MixtralConfig", "MixtralForCausalLM", dict(_ODD, num_local_experts=4),
                     {"mixtral_gqa": dict(rope_theta=5e5)}),
@@ -183,6 +191,12 @@ SPECS = {
     "qwen3_5_moe": Spec("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _HYBRID,
                         {"qwen3_5_moe": dict(linear_num_value_heads=4)},
                         matrix_std=0.1, zero_centred=True, exported_by_default=False),
+    "longcat_flash": Spec("LongcatFlashConfig", "LongcatFlashForCausalLM", _LONGCAT, {
+        # LongCat-Flash's shape: routed_scaling_factor 6, rms_norm_eps 1e-5 (the latents' 1e-6), rope theta 1e7.
+        "longcat_flash": dict(routed_scaling_factor=6.0),
+        # YaRN with a softmax mscale, tied embeddings, unscaled probs, top-2, rms_norm_eps 1e-6.
+        "longcat_yarn_tied": dict(moe_topk=2, routed_scaling_factor=1.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                                  rope_parameters=YARN)}, matrix_std=0.15),
 }
 
 
@@ -210,7 +224,14 @@ def _mla_read(model, case):
     return (m.attention, m.q_lora_rank, m.kv_lora_rank, m.v_head_dim) == want and _expert_bias_read(1)(model, case)
 
 
-IMPORTED = {"deepseek_v3": _mla_read, "ernie4_5_moe": _expert_bias_read(1), "minimax_m2": _expert_bias_read(0)}
+def _longcat_read(model, case):
+    m, moe = model.config.model, model.config.moe
+    return ((m.block, m.mla_lora_scale, m.mla_norm_eps, moe.zero_experts, moe.num_experts) == (
+        "shortcut_moe", True, 1e-6, 3, 6) and _expert_bias_read(1)(model, case))
+
+
+IMPORTED = {"deepseek_v3": _mla_read, "ernie4_5_moe": _expert_bias_read(1), "minimax_m2": _expert_bias_read(0),
+            "longcat_flash": _longcat_read}
 
 
 @pytest.mark.parametrize("family, case", CASES, ids=[f"{f}-{c}" for f, c in CASES])
@@ -302,6 +323,15 @@ REFUSED = [
      HFConfigError),
     ("qwen3_next", "qwen3_next", lambda hf: hf.update(linear_num_value_heads=5),
      "model.linear_num_value_heads=5 must be a multiple of model.linear_num_key_heads=2", BOTH),
+    ("longcat_flash", "longcat_flash", lambda hf: hf.update(head_dim=8),
+     "head_dim=8 disagrees with qk_nope_head_dim=6 and qk_rope_head_dim=4 (expected 4)", HFConfigError),
+    ("longcat_flash", "longcat_flash", lambda hf: hf.update(router_bias=True), "router_bias=True", HFConfigError),
+    ("longcat_flash", "longcat_flash", lambda hf: hf.update(num_key_value_heads=2),
+     "num_key_value_heads=2 must equal num_attention_heads=6", HFConfigError),
+    ("longcat_flash", "longcat_flash", lambda hf: hf.update(attention_bias=True), "attention_bias=True",
+     HFConfigError),
+    ("longcat_flash", "longcat_flash", lambda hf: hf.update(moe_topk=10),
+     "moe.topk=10 must be in [1, moe.num_experts + moe.zero_experts=9]", BOTH),
     ("qwen3_5_moe", "qwen3_5_moe", lambda hf: hf["rope_parameters"].update(mrope_section=[2, 1, 1]),
      "rope_parameters.mrope_section=[2, 1, 1] covers 8 rotary dims; head_dim=8 x partial_rotary_factor=0.25 has 2",
      HFConfigError),
