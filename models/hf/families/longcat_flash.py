@@ -63,6 +63,7 @@ def from_hf(keys: Keys, config: Config) -> None:
     keys.must_be("hidden_act", ("silu",), "the MLPs and experts are SwiGLU (silu)")
     keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
     keys.must_be("attention_bias", (False,), "the MLA projections have no biases here")
+    keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
     keys.must_be("router_bias", (False,), "the router's classifier has no bias here")
     keys.must_be("zero_expert_type", ("identity",), "a zero-computation expert returns its input")
     keys.must_be("mla_scale_q_lora", (True,), "transformers always scales the query latent")

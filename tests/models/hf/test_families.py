@@ -770,3 +770,46 @@ def test_qwen3_next_and_qwen3_5_exports_refuse_what_they_cannot_hold(tmp_path):
     with pytest.raises(HFConfigError, match="model.attn_output_gate=false: qwen3_next's attention always has"):
         to_hf(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- LongCat-Flash
+
+def test_longcat_flash_config_mapping():
+    config = config_from_hf(model_of("longcat_flash", "longcat_flash").config.to_dict())
+    m, moe = config.model, config.moe
+    assert (m.block, m.num_layers, m.attention, m.q_lora_rank, m.kv_lora_rank, m.v_head_dim) == (
+        "shortcut_moe", 2, "mla", 14, 10, 5)
+    assert (m.mla_lora_scale, m.mla_norm_eps, m.norm_eps, m.rope_interleave, m.rope_theta) == (
+        True, 1e-6, 1e-5, True, 1e7)
+    assert (moe.num_experts, moe.zero_experts, moe.topk, moe.ffn_hidden_size, m.ffn_hidden_size) == (6, 3, 4, 22, 50)
+    assert (moe.score_function, moe.pre_softmax, moe.expert_bias, moe.scaling_factor) == ("softmax", True, True, 6.0)
+    assert (moe.moe_layer_freq, moe.first_k_dense, moe.shared_expert_ffn_hidden_size) == (1, 0, 0)
+    tied = config_from_hf(model_of("longcat_flash", "longcat_yarn_tied").config.to_dict())
+    assert (tied.model.rope_scaling, tied.model.tie_embeddings, tied.moe.scaling_factor) == ("yarn", True, None)
+
+
+def test_longcat_flash_released_config_imports_to_our_preset():
+    """transformers' LongcatFlashConfig defaults follow meituan-longcat/LongCat-Flash-Chat."""
+    import transformers
+
+    from moe_fold.models.hf.importer import _architecture_mismatch
+
+    ours = load_config("longcat-flash")
+    assert _architecture_mismatch(ours, config_from_hf(transformers.LongcatFlashConfig().to_dict(), ours)) == []
+
+
+def test_longcat_flash_export_refuses_what_it_cannot_hold(tmp_path):
+    model_of("longcat_flash", "longcat_flash").save_pretrained(tmp_path / "hf")
+    model = from_hf(tmp_path / "hf")
+    with pytest.raises(HFConfigError) as err:
+        to_hf(model, tmp_path / "out", family="deepseek_v3")
+    for field in ("model.block=shortcut_moe", "model.mla_lora_scale=true", "model.mla_norm_eps=1e-06",
+                  "moe.zero_experts=3: deepseek_v3 has no zero-computation experts"):
+        assert field in str(err.value), field
+    model.config.model.mla_norm_eps = None  # the latents' norms would take norm_eps 1e-5
+    with pytest.raises(HFConfigError, match="model.mla_norm_eps=1e-05: transformers' LongCat-Flash latent norms"):
+        to_hf(model, tmp_path / "out")
+    model.config.model.mla_norm_eps, model.config.moe.expert_bias = 1e-6, False
+    with pytest.raises(HFConfigError, match="moe.expert_bias=false: the router always has its score correction bias"):
+        to_hf(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
