@@ -538,14 +538,15 @@ def test_moe_overlap_matches_no_overlap_and_single_process(world):
 # graph, its collectives torch's functional collectives (cp's a2a and ep's all-to-all with
 # the count exchange's unbacked splits, tp's SP mappings, the router's all-reduces), pp's
 # sends between the compiled blocks. Ring cp is not among them (docs/gpu.md says why).
-COMPILED_CASES = ["cp2-a2a-ep2", "pp2-tied", "tp2-qknorm-projection-partial-rotary"]
+COMPILED_CASES = ["cp2-a2a-ep2", "pp2-tied", "tp2-qknorm-projection-partial-rotary", "longcat-tp2-ep2-etp1"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", COMPILED_CASES)
 def test_compiled_blocks_match_single_process(name):
-    """ep 2 with a2a cp 2, pp 2 with tied embeddings, tp 2 + SP: with every block compiled,
-    one process's losses, grads and grad norms at the matrix's tolerances."""
+    """ep 2 with a2a cp 2, pp 2 with tied embeddings, tp 2 + SP, LongCat-Flash's blocks under
+    tp 2 + SP x ep 2: with every block compiled, one process's losses, grads and grad norms at
+    the matrix's tolerances."""
     _check([name], run_ranks(_rank, 2, [name], compiled=True, timeout=600))
 
 
