@@ -81,6 +81,14 @@ KIMI = dict(vocab_size=VOCAB, hidden_size=42, intermediate_size=50, moe_intermed
             linear_num_heads=4, linear_head_dim=5, linear_conv_kernel_dim=4, max_position_embeddings=64,
             pad_token_id=None, bos_token_id=1, eos_token_id=2)
 
+# LongCat-Flash: 2 blocks (4 attention sublayers), 6 MLA heads, hidden 42, q/kv ranks 14/10, qk
+# 6+4, v 5, dense width 50; 6 experts of 22 and 3 zero experts, top-4 of the 9. Matrices
+# N(0, 0.15): at 0.2 transformers' float32 logits stray 1.4e-5 from its own float64 forward.
+_LONGCAT = dict(vocab_size=VOCAB, hidden_size=42, num_layers=2, num_attention_heads=6, ffn_hidden_size=50,
+                q_lora_rank=14, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, head_dim=4, v_head_dim=5,
+                n_routed_experts=6, zero_expert_num=3, moe_topk=4, expert_ffn_hidden_size=22,
+                max_position_embeddings=64)
+
 SPECS = {
     "mixtral": Spec("MixtralConfig", "MixtralForCausalLM", dict(_ODD, num_local_experts=4),
                     {"mixtral_gqa": dict(rope_theta=5e5)}),
@@ -200,6 +208,12 @@ SPECS = {
                                                 "full_attention"], q_lora_rank=14, first_k_dense_replace=0,
                                    num_expert_group=4, topk_group=2, num_experts_per_tok=4)},
         matrix_std=0.1),
+    "longcat_flash": Spec("LongcatFlashConfig", "LongcatFlashForCausalLM", _LONGCAT, {
+        # LongCat-Flash's shape: routed_scaling_factor 6, rms_norm_eps 1e-5 (the latents' 1e-6), rope theta 1e7.
+        "longcat_flash": dict(routed_scaling_factor=6.0),
+        # YaRN with a softmax mscale, tied embeddings, unscaled probs, top-2, rms_norm_eps 1e-6.
+        "longcat_yarn_tied": dict(moe_topk=2, routed_scaling_factor=1.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                                  rope_parameters=YARN)}, matrix_std=0.15),
 }
 
 
@@ -227,7 +241,14 @@ def _mla_read(model, case):
     return (m.attention, m.q_lora_rank, m.kv_lora_rank, m.v_head_dim) == want and _expert_bias_read(1)(model, case)
 
 
-IMPORTED = {"deepseek_v3": _mla_read, "ernie4_5_moe": _expert_bias_read(1), "minimax_m2": _expert_bias_read(0)}
+def _longcat_read(model, case):
+    m, moe = model.config.model, model.config.moe
+    return ((m.block, m.mla_lora_scale, m.mla_norm_eps, moe.zero_experts, moe.num_experts) == (
+        "shortcut_moe", True, 1e-6, 3, 6) and _expert_bias_read(1)(model, case))
+
+
+IMPORTED = {"deepseek_v3": _mla_read, "ernie4_5_moe": _expert_bias_read(1), "minimax_m2": _expert_bias_read(0),
+            "longcat_flash": _longcat_read}
 
 
 @pytest.mark.parametrize("family, case", CASES, ids=[f"{f}-{c}" for f, c in CASES])
@@ -335,6 +356,15 @@ REFUSED = [
     ("kimi_linear", "kimi_linear",
      lambda hf: (hf.pop("layer_types"), hf.update(linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [5]})),
      "linear_attn_config names layer 5: layers are 1 to 4", HFConfigError),
+    ("longcat_flash", "longcat_flash", lambda hf: hf.update(head_dim=8),
+     "head_dim=8 disagrees with qk_nope_head_dim=6 and qk_rope_head_dim=4 (expected 4)", HFConfigError),
+    ("longcat_flash", "longcat_flash", lambda hf: hf.update(router_bias=True), "router_bias=True", HFConfigError),
+    ("longcat_flash", "longcat_flash", lambda hf: hf.update(num_key_value_heads=2),
+     "num_key_value_heads=2 must equal num_attention_heads=6", HFConfigError),
+    ("longcat_flash", "longcat_flash", lambda hf: hf.update(attention_bias=True), "attention_bias=True",
+     HFConfigError),
+    ("longcat_flash", "longcat_flash", lambda hf: hf.update(moe_topk=10),
+     "moe.topk=10 must be in [1, moe.num_experts + moe.zero_experts=9]", BOTH),
     ("qwen3_5_moe", "qwen3_5_moe", lambda hf: hf["rope_parameters"].update(mrope_section=[2, 1, 1]),
      "rope_parameters.mrope_section=[2, 1, 1] covers 8 rotary dims; head_dim=8 x partial_rotary_factor=0.25 has 2",
      HFConfigError),
@@ -870,5 +900,44 @@ def test_kimi_linear_export_refuses_what_it_cannot_hold(tmp_path):
         to_hf(model, tmp_path / "out")
     m.rope_layers, m.mla_norm_eps = [0] * 4, None
     with pytest.raises(HFConfigError, match="model.mla_norm_eps=None \\(model.norm_eps=1e-05\\): kimi_linear's MLA"):
+# --------------------------------------------------------------------------- LongCat-Flash
+
+def test_longcat_flash_config_mapping():
+    config = config_from_hf(model_of("longcat_flash", "longcat_flash").config.to_dict())
+    m, moe = config.model, config.moe
+    assert (m.block, m.num_layers, m.attention, m.q_lora_rank, m.kv_lora_rank, m.v_head_dim) == (
+        "shortcut_moe", 2, "mla", 14, 10, 5)
+    assert (m.mla_lora_scale, m.mla_norm_eps, m.norm_eps, m.rope_interleave, m.rope_theta) == (
+        True, 1e-6, 1e-5, True, 1e7)
+    assert (moe.num_experts, moe.zero_experts, moe.topk, moe.ffn_hidden_size, m.ffn_hidden_size) == (6, 3, 4, 22, 50)
+    assert (moe.score_function, moe.pre_softmax, moe.expert_bias, moe.scaling_factor) == ("softmax", True, True, 6.0)
+    assert (moe.moe_layer_freq, moe.first_k_dense, moe.shared_expert_ffn_hidden_size) == (1, 0, 0)
+    tied = config_from_hf(model_of("longcat_flash", "longcat_yarn_tied").config.to_dict())
+    assert (tied.model.rope_scaling, tied.model.tie_embeddings, tied.moe.scaling_factor) == ("yarn", True, None)
+
+
+def test_longcat_flash_released_config_imports_to_our_preset():
+    """transformers' LongcatFlashConfig defaults follow meituan-longcat/LongCat-Flash-Chat."""
+    import transformers
+
+    from moe_fold.models.hf.importer import _architecture_mismatch
+
+    ours = load_config("longcat-flash")
+    assert _architecture_mismatch(ours, config_from_hf(transformers.LongcatFlashConfig().to_dict(), ours)) == []
+
+
+def test_longcat_flash_export_refuses_what_it_cannot_hold(tmp_path):
+    model_of("longcat_flash", "longcat_flash").save_pretrained(tmp_path / "hf")
+    model = from_hf(tmp_path / "hf")
+    with pytest.raises(HFConfigError) as err:
+        to_hf(model, tmp_path / "out", family="deepseek_v3")
+    for field in ("model.block=shortcut_moe", "model.mla_lora_scale=true", "model.mla_norm_eps=1e-06",
+                  "moe.zero_experts=3: deepseek_v3 has no zero-computation experts"):
+        assert field in str(err.value), field
+    model.config.model.mla_norm_eps = None  # the latents' norms would take norm_eps 1e-5
+    with pytest.raises(HFConfigError, match="model.mla_norm_eps=1e-05: transformers' LongCat-Flash latent norms"):
+        to_hf(model, tmp_path / "out")
+    model.config.model.mla_norm_eps, model.config.moe.expert_bias = 1e-6, False
+    with pytest.raises(HFConfigError, match="moe.expert_bias=false: the router always has its score correction bias"):
         to_hf(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -1,4 +1,5 @@
-"""The CPU-sized twins of the DeepSeek-V2-Lite, ERNIE-4.5-MoE, MiniMax-M2, Qwen3-Next, Qwen3.5 and Kimi-Linear presets:
+"""The CPU-sized twins of the DeepSeek-V2-Lite, ERNIE-4.5-MoE, MiniMax-M2, Qwen3-Next, Qwen3.5, Kimi-Linear
+and LongCat-Flash presets:
 each trains from the command line, converts to a Hugging Face folder of its family that
 transformers' ``AutoTokenizer`` and ``AutoModelForCausalLM`` load, and ``generate`` gives
 the greedy tokens ``moe-fold sample`` gives (and the same logits at every step)."""
@@ -23,7 +24,8 @@ from tests.models.test_sampling import GREEDY, PROMPT, _ours
 # Face class its export loads as. Qwen3.5's twin is Qwen3-Next's, written as Qwen3.5.
 FAMILIES = {"deepseek-v2-lite-tiny": "DeepseekV2ForCausalLM", "ernie-4.5-tiny": "Ernie4_5_MoeForCausalLM",
             "minimax-m2-tiny": "MiniMaxM2ForCausalLM", "qwen3-next-tiny": "Qwen3NextForCausalLM",
-            "qwen3-next-tiny@qwen3_5_moe": "Qwen3_5MoeForCausalLM", "kimi-linear-tiny": "KimiLinearForCausalLM"}
+            "qwen3-next-tiny@qwen3_5_moe": "Qwen3_5MoeForCausalLM", "kimi-linear-tiny": "KimiLinearForCausalLM",
+            "longcat-flash-tiny": "LongcatFlashForCausalLM"}
 # A preset's own settings beside SMALL's: its layer types (and NoPE flags) for SMALL's 3 layers.
 OWN = {"qwen3-next-tiny": ["model.layer_types=[gated_deltanet, attention, gated_deltanet]"],
        "kimi-linear-tiny": ["model.layer_types=[kda, attention, kda]", "model.rope_layers=[0, 0, 0]"]}
