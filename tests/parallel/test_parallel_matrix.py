@@ -462,6 +462,8 @@ KDA_LAYERS = {name for name in CASES if name.startswith("kda-")}
 
 
 ZERO_EXPERTS = {name for name in CASES if name.startswith("zero-")}
+
+
 LONGCAT = {name for name in CASES if name.startswith("longcat-")}
 
 
