@@ -900,6 +900,10 @@ def test_kimi_linear_export_refuses_what_it_cannot_hold(tmp_path):
         to_hf(model, tmp_path / "out")
     m.rope_layers, m.mla_norm_eps = [0] * 4, None
     with pytest.raises(HFConfigError, match="model.mla_norm_eps=None \\(model.norm_eps=1e-05\\): kimi_linear's MLA"):
+        to_hf(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------- LongCat-Flash
 
 def test_longcat_flash_config_mapping():
