@@ -57,6 +57,11 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   (the norm output), the sigmoid ``a`` and the shared output ``aH``. The local norm
   output is kept once, by whichever of the router (``a == rb``), the gate or the
   ungathered shared MLP (``g == 1``) reads it.
+- Zero-computation experts: no row is sent for a slot on one (the dispatcher's and the
+  experts' terms count ``topk E/(E+Z)`` rows per token,
+  :func:`moe_fold.planner.model.held_rows_per_token`); their output, the layer's input
+  times the token's summed gate weight on them, keeps that input (the norm output, kept
+  once as above) and the weight ``rb``.
 - Embedding (first stage): the local ids and the out-of-shard mask, ``9g``.
 - Head and loss (last stage): final norm ``aH + 4``, gathered head input ``aHg``, the
   float32 shifted logits and their ``exp`` ``8 V g/tp``, the target index, mask, sum of
@@ -89,7 +94,7 @@ from moe_fold.planner.model import ParamEntry, dims, expert_rows_per_token, mla_
 
 __all__ = ["IMPLEMENTATIONS", "state_bytes", "grad_buckets", "shard_sizes", "owned_by_rank", "owned_numel", "zero_sizes",
            "layer_activation_bytes", "held_row_bytes", "head_activation_bytes", "loss_backward_bytes",
-           "mtp_activation_bytes",
+           "mtp_activation_bytes", "step_buffer_bytes",
            "embedding_activation_bytes", "microbatch_constant_bytes"]
 
 IMPLEMENTATIONS = ("moe-fold", "megatron")
@@ -258,7 +263,13 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
         if d.shared_gate:
             norm_out_kept = True
             shared += a + a * h
-    return attention + norm + _router(config) + (a * h if norm_out_kept and a != rb else 0) + dispatch \
+    zero = 0.0
+    if d.zero_experts:
+        # A zero expert's output, the layer's input times the token's gate weight on zero
+        # experts, keeps both.
+        norm_out_kept = True
+        zero = rb
+    return zero + attention + norm + _router(config) + (a * h if norm_out_kept and a != rb else 0) + dispatch \
         + experts + shared
 
 
@@ -324,6 +335,34 @@ def microbatch_constant_bytes(config: Config, layers: list[int], chunks: int) ->
     if config.train.precision == "bf16":
         out += sum(4 * d.experts * d.hidden for i in layers if d.moe_flags[i])
     return out
+
+
+def step_buffer_bytes(config: Config, world: int, pp_rank: int, manifest: list[ParamEntry]) -> float:
+    """The most bytes the gradient reduction and the distributed optimizer's parameter
+    gather hold at once after the pipeline schedule, when no activation is left
+    (``moe_fold.training.buckets.GradSync.finish`` and ``moe_fold.training.optim.AdamW.step``,
+    one bucket at a time): for the largest bucket of ``B`` elements (:func:`grad_buckets`)
+    reduced over a group of ``n`` ranks,
+
+    - sharded (the distributed optimizer, ``n > 1``): the float32 bucket and its padded
+      copy for the reduce-scatter; later the all-gather's padded output and the bucket
+      assembled from it, with this rank's slice: ``8 B + 4 ceil(B/n)``;
+    - all-reduced in place: the float32 bucket, and under bf16 the float32 copies of the
+      grads it is cut from: ``4 B`` or ``8 B``.
+
+    One parameter larger than ``parallel.grad_bucket_numel`` (an embedding, a head) is a
+    bucket of its own. Overlapped reductions (``parallel.overlap_grad_reduce``) post
+    buckets during the last backward and are not modelled."""
+    sizes = zero_sizes(config, world)
+    bf16 = config.train.precision == "bf16"
+    peak = 0.0
+    for group, numels in grad_buckets(config, pp_rank, manifest):
+        total, n = sum(numels), sizes[group]
+        if config.optimizer.distributed and n > 1:
+            peak = max(peak, 8 * total + 4 * max(shard_sizes(numels, n)))
+        else:
+            peak = max(peak, (8 if bf16 else 4) * total)
+    return peak
 
 
 def zero_sizes(config: Config, world: int) -> dict[str, int]:
