@@ -82,7 +82,8 @@ from moe_fold.planner.model import (
 
 __all__ = ["OVERLAPS", "COMPUTE_MODELS", "CALIBRATED", "CALIBRATED_EFFICIENCY", "FITTED_EFFICIENCY", "calibrated",
            "Assumptions", "Plan", "RoutingSkew", "overlaps", "estimate",
-           "search", "model_params", "with_layout", "activation_bytes", "chunk_activation_bytes", "backward_peak_bytes", "activation_peak_bytes",
+           "search", "model_params", "with_layout", "activation_bytes", "chunk_activation_bytes", "backward_peak_bytes", "forward_peak_bytes",
+           "activation_peak_bytes",
            "busiest_owned_numel",
            "stage_memory"]
 
@@ -432,6 +433,32 @@ def backward_peak_bytes(config: Config, pp_rank: int, chunk: int, manifest: list
     return max(peaks)
 
 
+def forward_peak_bytes(config: Config, pp_rank: int, chunk: int) -> float:
+    """What a rank of stage ``pp_rank`` holds above what model chunk ``chunk`` keeps while
+    a layer of it runs its forward under ``full`` recompute: the checkpointed part's
+    tensors, alive until it returns though none is kept (the whole block of a dense layer;
+    the attention or Gated DeltaNet mixer of an MoE layer as its forward ends,
+    :func:`moe_fold.planner.memory.mixer_forward_bytes`); the largest layer's."""
+    if config.train.recompute != "full":
+        return 0.0
+    d, p = dims(config), config.parallel
+    g = p.tp if p.sequence_parallel else 1
+    tokens = config.train.micro_batch_size * d.seq / (p.cp * g)
+    counts = pp_layer_counts(config)
+    v = pp_rank + chunk * p.pp
+    layers = list(range(sum(counts[:v]), sum(counts[:v + 1])))
+    if pp_rank == p.pp - 1 and chunk == vpp_size(config) - 1:
+        layers += list(range(config.model.num_layers, config.model.num_layers + d.mtp))
+    out = 0.0
+    for i in layers:
+        if d.moe_flags[i]:
+            out = max(out, planner_memory.mixer_forward_bytes(config, i))
+        else:
+            out = max(out, planner_memory.layer_activation_bytes(config, i, "none")
+                      - planner_memory.layer_activation_bytes(config, i, "full"))
+    return tokens * out
+
+
 def activation_peak_bytes(config: Config, pp_rank: int, micro: int, manifest: list[ParamEntry]) -> float:
     """The most activation bytes a rank of stage ``pp_rank`` holds at once over a step of
     ``micro`` micro-batches: its pipeline schedule run step by step, each forward adding
@@ -448,6 +475,7 @@ def activation_peak_bytes(config: Config, pp_rank: int, micro: int, manifest: li
     its backward ends, and the grad of a chunk's input from its backward until the
     exchange that sends it."""
     kept = chunk_activation_bytes(config, pp_rank)
+    rebuilt = [forward_peak_bytes(config, pp_rank, c) for c in range(len(kept))]
     # A chunk's first backward writes its weights' gradients; the later ones add to them.
     working = {(c, later): backward_peak_bytes(config, pp_rank, c, manifest, later)
                for c in range(len(kept)) for later in (False, True)}
@@ -458,7 +486,7 @@ def activation_peak_bytes(config: Config, pp_rank: int, micro: int, manifest: li
         for step in rank_order(pipeline_schedule(config), p.pp, vpp_size(config), micro, pp_rank):
             if step.kind == "F":
                 live += kept[0]
-                peak = max(peak, live)
+                peak = max(peak, live + rebuilt[0])
             else:
                 peak = max(peak, live + working[0, 0 in done])
                 done.add(0)
@@ -482,7 +510,7 @@ def activation_peak_bytes(config: Config, pp_rank: int, micro: int, manifest: li
         received = hidden if item.stage > 0 else 0.0
         if item.kind == "F":
             live += kept[c] - received + output
-            peak = max(peak, live)
+            peak = max(peak, live + rebuilt[c])
         else:
             peak = max(peak, live + working[c, c in done])
             done.add(c)

@@ -224,6 +224,11 @@ ACTIVATION_CASES = {
     "mixtral-8x22b-reduced": ("mixtral-8x22b", 128, ["model.num_layers=8", "parallel.vpp=null",
                                                      "parallel.pp_schedule=1f1b", "train.global_batch_size=32"],
                               [0, 127]),
+    # Gated DeltaNet under full recompute: the first stage's peak is a layer's forward,
+    # whose recurrence's tensors live until it returns though the checkpoint keeps none.
+    "qwen3-next-reduced": ("qwen3-next-80b-a3b", 32, [
+        "model.num_layers=8", "train.global_batch_size=32", "model.layer_types=[gated_deltanet,gated_deltanet,"
+        "gated_deltanet,attention,gated_deltanet,gated_deltanet,gated_deltanet,attention]"], [0]),
     "mixtral-8x22b": ("mixtral-8x22b", 128, [], [0, 127]),
     # The MoE Parallel Folding paper's Table 3 layouts (bench/published/moe_parallel_folding.csv).
     "mixtral-8x22b-folding": ("mixtral-8x22b", 128, ["parallel.tp=2", "parallel.ep=8", "parallel.etp=1",
@@ -231,8 +236,10 @@ ACTIVATION_CASES = {
     "mixtral-8x22b-mcore": ("mixtral-8x22b", 128, ["parallel.tp=2", "parallel.ep=4", "parallel.etp=2",
                                                    "moe.capacity_factor=1.0"], [0, 127]),
     "deepseek-v3": ("deepseek-v3", 1024, [], [0, 256, 1023]),
+    # At its comment's layout (PP2 EP16 on 32 GPUs), two micro-batches a rank.
+    "qwen3-next-80b-a3b": ("qwen3-next-80b-a3b", 32, ["train.global_batch_size=32"], [0, 31]),
 }
-FULL_SIZE = ("mixtral-8x22b", "mixtral-8x22b-folding", "mixtral-8x22b-mcore", "deepseek-v3")
+FULL_SIZE = ("mixtral-8x22b", "mixtral-8x22b-folding", "mixtral-8x22b-mcore", "deepseek-v3", "qwen3-next-80b-a3b")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in FULL_SIZE else n
