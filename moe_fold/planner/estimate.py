@@ -462,18 +462,19 @@ def forward_peak_bytes(config: Config, pp_rank: int, chunk: int) -> float:
 def activation_peak_bytes(config: Config, pp_rank: int, micro: int, manifest: list[ParamEntry]) -> float:
     """The most activation bytes a rank of stage ``pp_rank`` holds at once over a step of
     ``micro`` micro-batches: its pipeline schedule run step by step, each forward adding
-    what its chunk keeps (:func:`chunk_activation_bytes`), each backward holding its working
-    memory (:func:`backward_peak_bytes`) on top before it frees them. The chunks of one
-    stage keep different amounts (the embedding, dense layers, the head), so which chunks
-    are in flight at the peak matters, not only how many.
+    what its chunk keeps (:func:`chunk_activation_bytes`) with its working memory on top
+    while it runs (:func:`forward_peak_bytes`), each backward holding its working memory
+    (:func:`backward_peak_bytes`) on top before it frees them. The chunks of one stage
+    keep different amounts (the embedding, dense layers, the head), so which chunks are in
+    flight at the peak matters, not only how many.
 
     Under pp the schedule (:func:`moe_fold.parallel.pipeline.run_schedule`, the program
     :func:`moe_fold.parallel.pipeline_schedules.make_plan` gives) also holds hidden states
-    ``[s/(cp g), b, H]`` (``g``: tp under sequence parallelism) between the stages: each chunk's output until its backward (the one
-    sent on; no layer of the chunk keeps it), a received activation from its exchange
-    until its forward (which then keeps it as the chunk's input), a received grad until
-    its backward ends, and the grad of a chunk's input from its backward until the
-    exchange that sends it."""
+    ``[s/(cp g), b, H]`` (``g``: tp under sequence parallelism) between the stages: each
+    chunk's output until its backward (the one sent on; no layer of the chunk keeps it),
+    a received activation from its exchange until its forward (which then keeps it as the
+    chunk's input), a received grad until its backward ends, and the grad of a chunk's
+    input from its backward until the exchange that sends it."""
     kept = chunk_activation_bytes(config, pp_rank)
     rebuilt = [forward_peak_bytes(config, pp_rank, c) for c in range(len(kept))]
     # A chunk's first backward writes its weights' gradients; the later ones add to them.
