@@ -19,6 +19,14 @@ Rules (``parse_routing``), for each source rank's ``T`` tokens and ``topk`` expe
 
 With a capacity (``moe.capacity_factor``) each slot keeps its first ``capacity`` rows, as
 the router drops the rest.
+
+Zero-computation experts (``moe.zero_experts = Z``, :meth:`PlannedRouting.with_zero_experts`):
+the router picks among the held slots and ``Z`` zero columns after them, and the
+dispatcher counts only the held ones. The rules choose among all of them (balanced: a
+token's ``topk`` columns cycle over held and zero ones alike; ``starve-rank`` keeps every
+zero column; Zipf draws over all, the zero columns last), and the count a rule gives
+drops the zero columns' rows: they are never sent. ``one-expert`` sends every slot to the
+held slots ``0 .. topk-1``, the worst case whatever ``Z``.
 """
 
 from __future__ import annotations
@@ -63,29 +71,35 @@ def parse_routing(text: str) -> "PlannedRouting":
 class PlannedRouting:
     """A count reader that answers with the counts of a routing rule (module docstring)."""
 
-    def __init__(self, mode: str, *, starved: int = 0, skew: float = 1.0):
-        self.mode, self.starved, self.skew = mode, starved, skew
+    def __init__(self, mode: str, *, starved: int = 0, skew: float = 1.0, zero_experts: int = 0):
+        self.mode, self.starved, self.skew, self.zero_experts = mode, starved, skew, zero_experts
         self._cache: dict[tuple, list[list[int]]] = {}
+
+    def with_zero_experts(self, zero_experts: int) -> "PlannedRouting":
+        """The same rule over the held slots and ``zero_experts`` zero columns after them."""
+        return PlannedRouting(self.mode, starved=self.starved, skew=self.skew, zero_experts=zero_experts)
 
     def describe(self) -> str:
         return {"starve-rank": f"starve-rank:{self.starved}", "zipf": f"zipf:{self.skew:g}"}.get(self.mode, self.mode)
 
     def assignment(self, num_tokens: int, num_slots: int, topk: int, ep: int, source: int) -> np.ndarray:
-        """``[T, topk]`` slots of each token of source rank ``source`` (distinct within a token)."""
+        """``[T, topk]`` columns of each token of source rank ``source`` (distinct within a
+        token): held slots ``0 .. num_slots-1``, then the zero experts' columns."""
         tokens = np.arange(num_tokens)[:, None]
+        columns = num_slots + self.zero_experts
         if self.mode == "one-expert":
             return np.broadcast_to(np.arange(topk), (num_tokens, topk)).copy()
         if self.mode == "zipf":
             rng = np.random.default_rng(source)
-            weights = np.log(1.0 / np.arange(1, num_slots + 1) ** self.skew)
-            keys = weights[None, :] + rng.gumbel(size=(num_tokens, num_slots))  # Gumbel top-k: draws without repeats
+            weights = np.log(1.0 / np.arange(1, columns + 1) ** self.skew)
+            keys = weights[None, :] + rng.gumbel(size=(num_tokens, columns))  # Gumbel top-k: draws without repeats
             return np.argsort(-keys, axis=1, kind="stable")[:, :topk]
-        allowed = np.arange(num_slots)
+        allowed = np.arange(columns)
         if self.mode == "starve-rank":
             if self.starved >= ep:
                 raise ValueError(f"routing=starve-rank:{self.starved} names ep rank {self.starved}, but ep={ep}")
             per_rank = num_slots // ep
-            allowed = np.array([s for s in range(num_slots) if s // per_rank != self.starved])
+            allowed = np.array([s for s in range(columns) if s >= num_slots or s // per_rank != self.starved])
             if len(allowed) < topk:
                 raise ValueError(f"routing=starve-rank:{self.starved} leaves {len(allowed)} slots, fewer than "
                                  f"topk={topk}")
@@ -104,8 +118,9 @@ class PlannedRouting:
     def _row(self, columns: str, num_tokens: int, num_slots: int, topk: int, ep: int,
              capacity: Optional[int], source: int) -> list[int]:
         slots = self.assignment(num_tokens, num_slots, topk, ep, source)  # [T, k]
-        routed = np.zeros((num_tokens, num_slots), dtype=bool)
+        routed = np.zeros((num_tokens, num_slots + self.zero_experts), dtype=bool)
         routed[np.arange(num_tokens)[:, None], slots] = True
+        routed = routed[:, :num_slots]  # a zero expert's rows stay where they are
         if capacity is not None:  # each slot keeps its first `capacity` tokens
             routed &= np.cumsum(routed, axis=0) <= capacity
         per_slot = routed.sum(axis=0).tolist()

@@ -519,9 +519,10 @@ def trace_rank(config: Config, world: int, rank: int, routing: PlannedRouting,
         groups = create_process_groups(layout)
         with torch.device("meta"), tracer:
             model, master, state_model, optimizer, grad_sync = build_trainable(config, torch.device("meta"), groups)
+        reader = routing.with_zero_experts(config.moe.zero_experts)
         for module in model.modules():
             if isinstance(module, MoELayer):
-                module.dispatcher.read_counts = routing
+                module.dispatcher.read_counts = reader
         kinds: dict[int, str] = {}
 
         def mark(tensors, kind: str) -> None:
@@ -582,11 +583,6 @@ def dry_run(config: Config, world: int, ranks: Optional[list[int]], routing: Pla
     validate(config, world)
     if jobs < 1:
         raise ValueError(f"--jobs={jobs} must be at least 1")
-    if config.moe.zero_experts:
-        # The planned routings choose among the held experts only; a zero expert's share of
-        # the slots (which the real router gives them and the planner counts) would be sent.
-        raise ValueError(f"moe.zero_experts={config.moe.zero_experts}: the dry run's planned routings "
-                         f"send every slot to a held expert, so it cannot trace zero-computation experts yet")
     p = config.parallel
     layout = ParallelLayout(world, tp=p.tp, cp=p.cp, pp=p.pp, ep=p.ep, etp=p.etp, order=p.order)
     chosen = default_ranks(layout) if ranks is None else ranks

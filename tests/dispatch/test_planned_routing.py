@@ -1,5 +1,5 @@
 """The planned routings of the dry run (dispatch/planned_routing.py): balanced, a starved ep
-rank, one expert, Zipf, and the names they refuse."""
+rank, one expert, Zipf, zero-computation experts, and the names they refuse."""
 
 import numpy as np
 import pytest
@@ -24,3 +24,23 @@ def test_routing_rules():
             parse_routing(bad)
     with pytest.raises(ValueError, match="names ep rank 4, but ep=4"):
         parse_routing("starve-rank:4").assignment(4, 8, 2, 4, 0)
+
+
+def test_zero_expert_slots_are_routed_but_not_counted():
+    """With Z zero experts a rule picks among the held slots and the zero columns; the
+    counts the dispatcher reads hold the held slots' rows only."""
+    import torch
+
+    rule = parse_routing("balanced").with_zero_experts(4)
+    picks = rule.assignment(12, 8, 2, 4, 0)
+    assert picks.max() == 11 and all(len(set(row)) == 2 for row in picks)
+    assert np.bincount(picks.ravel(), minlength=12).tolist() == [2] * 12
+    counts = rule(torch.zeros(4, 8, dtype=torch.long), "slots", 12, 2, 4, None)
+    # 24 slots over 12 columns: 2 rows for each held slot, the 8 rows on zero experts not sent.
+    assert counts == [[2] * 8] * 4
+    by_rank = rule(torch.zeros(4, 12, dtype=torch.long), "slots+ranks", 12, 2, 4, None)[0]
+    assert sum(by_rank[:8]) == 16 and len(by_rank) == 12
+    starved = parse_routing("starve-rank:1").with_zero_experts(4).assignment(12, 8, 2, 4, 0)
+    assert not np.isin(starved, [2, 3]).any() and np.isin(starved, [8, 9, 10, 11]).any()
+    zipf = parse_routing("zipf:1.0").with_zero_experts(4).assignment(4000, 8, 2, 4, 1)
+    assert np.isin(zipf, [8, 9, 10, 11]).any()
