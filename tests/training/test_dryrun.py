@@ -212,6 +212,11 @@ ACTIVATION_CASES = {
     # the CPU's math path (the float32 scores).
     "gpt-oss-20b-2-layers": ("gpt-oss-20b", 8, ["model.num_layers=2", "model.local_attention_layers=[1,0]",
                                                 "train.global_batch_size=16"], [0]),
+    # Llama-4's float32 L2 QK-norm and its scores scaling the expert rows (vocabulary cut
+    # so the layers, not the loss, make the peak).
+    "llama4-scout-8-layers": ("llama4-scout", 64, ["model.num_layers=8", "model.local_attention_layers=[1,1,1,0,1,1,1,0]",
+                                                   "model.rope_layers=[1,1,1,0,1,1,1,0]", "model.vocab_size=2048",
+                                                   "train.recompute=none", "train.global_batch_size=16"], [0]),
     # Stage 2 is the planner's busiest; the first stage is not here: 6.6% under (docs/dryrun.md).
     "deepseek-v3": ("deepseek-v3", 1024, [], [256, 1023]),
 }
