@@ -31,7 +31,7 @@ held slots ``0 .. topk-1``, the worst case whatever ``Z``.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -42,6 +42,9 @@ ROUTING_MODES = ("balanced", "one-expert", "starve-rank:R", "zipf:S")
 
 # What the columns of a count exchange hold, per dispatcher.
 COLUMNS = ("slots", "slots+ranks", "tokens+slots")
+
+# Tokens whose routing is drawn at once: the work arrays are this many rows by the slots.
+CHUNK_TOKENS = 1024
 
 
 def read_gathered(gathered: torch.Tensor, columns: str, num_tokens: int, topk: int, ep: int,
@@ -85,25 +88,36 @@ class PlannedRouting:
     def assignment(self, num_tokens: int, num_slots: int, topk: int, ep: int, source: int) -> np.ndarray:
         """``[T, topk]`` columns of each token of source rank ``source`` (distinct within a
         token): held slots ``0 .. num_slots-1``, then the zero experts' columns."""
-        tokens = np.arange(num_tokens)[:, None]
+        parts = list(self._chunks(num_tokens, num_slots, topk, ep, source))
+        return np.concatenate(parts) if parts else np.zeros((0, topk), dtype=np.int64)
+
+    def _chunks(self, num_tokens: int, num_slots: int, topk: int, ep: int, source: int) -> Iterator[np.ndarray]:
+        """:meth:`assignment` in consecutive ``[<= CHUNK_TOKENS, topk]`` pieces: a rank's
+        tokens times the slots (128K x 256 at full size) never exist at once. Zipf draws
+        each piece's rows after the previous piece's from one generator, so the pieces
+        are the rows of one draw."""
         columns = num_slots + self.zero_experts
-        if self.mode == "one-expert":
-            return np.broadcast_to(np.arange(topk), (num_tokens, topk)).copy()
-        if self.mode == "zipf":
-            rng = np.random.default_rng(source)
-            weights = np.log(1.0 / np.arange(1, columns + 1) ** self.skew)
-            keys = weights[None, :] + rng.gumbel(size=(num_tokens, columns))  # Gumbel top-k: draws without repeats
-            return np.argsort(-keys, axis=1, kind="stable")[:, :topk]
         allowed = np.arange(columns)
         if self.mode == "starve-rank":
             if self.starved >= ep:
                 raise ValueError(f"routing=starve-rank:{self.starved} names ep rank {self.starved}, but ep={ep}")
             per_rank = num_slots // ep
-            allowed = np.array([s for s in range(columns) if s >= num_slots or s // per_rank != self.starved])
+            allowed = allowed[(allowed >= num_slots) | (allowed // per_rank != self.starved)]
             if len(allowed) < topk:
                 raise ValueError(f"routing=starve-rank:{self.starved} leaves {len(allowed)} slots, fewer than "
                                  f"topk={topk}")
-        return allowed[(tokens * topk + np.arange(topk)[None, :]) % len(allowed)]
+        rng = np.random.default_rng(source) if self.mode == "zipf" else None
+        weights = np.log(1.0 / np.arange(1, columns + 1) ** self.skew)
+        for first in range(0, num_tokens, CHUNK_TOKENS):
+            count = min(CHUNK_TOKENS, num_tokens - first)
+            if self.mode == "one-expert":
+                yield np.broadcast_to(np.arange(topk), (count, topk)).copy()
+            elif self.mode == "zipf":
+                keys = weights[None, :] + rng.gumbel(size=(count, columns))  # Gumbel top-k: draws without repeats
+                yield np.argsort(-keys, axis=1, kind="stable")[:, :topk]
+            else:
+                tokens = np.arange(first, first + count)[:, None]
+                yield allowed[(tokens * topk + np.arange(topk)[None, :]) % len(allowed)]
 
     def __call__(self, gathered: torch.Tensor, columns: str, num_tokens: int, topk: int, ep: int,
                  capacity: Optional[int]) -> list[list[int]]:
@@ -117,16 +131,19 @@ class PlannedRouting:
 
     def _row(self, columns: str, num_tokens: int, num_slots: int, topk: int, ep: int,
              capacity: Optional[int], source: int) -> list[int]:
-        slots = self.assignment(num_tokens, num_slots, topk, ep, source)  # [T, k]
-        routed = np.zeros((num_tokens, num_slots + self.zero_experts), dtype=bool)
-        routed[np.arange(num_tokens)[:, None], slots] = True
-        routed = routed[:, :num_slots]  # a zero expert's rows stay where they are
-        if capacity is not None:  # each slot keeps its first `capacity` tokens
-            routed &= np.cumsum(routed, axis=0) <= capacity
-        per_slot = routed.sum(axis=0).tolist()
+        per_slot = np.zeros(num_slots, dtype=np.int64)  # rows each slot keeps
+        per_rank = np.zeros(ep, dtype=np.int64)  # tokens with a kept row on each ep rank
+        for slots in self._chunks(num_tokens, num_slots, topk, ep, source):  # [c, k]
+            routed = np.zeros((len(slots), num_slots + self.zero_experts), dtype=bool)
+            routed[np.arange(len(slots))[:, None], slots] = True
+            routed = routed[:, :num_slots]  # a zero expert's rows stay where they are
+            if capacity is not None:  # each slot keeps its first `capacity` tokens
+                routed &= per_slot[None, :] + np.cumsum(routed, axis=0) <= capacity
+            per_slot += routed.sum(axis=0)
+            if columns == "slots+ranks":
+                per_rank += routed.reshape(len(slots), ep, num_slots // ep).any(axis=2).sum(axis=0)
         if columns == "slots":
-            return per_slot
+            return per_slot.tolist()
         if columns == "tokens+slots":
-            return [num_tokens] + per_slot
-        per_rank = routed.reshape(num_tokens, ep, num_slots // ep).any(axis=2).sum(axis=0).tolist()
-        return per_slot + per_rank
+            return [num_tokens] + per_slot.tolist()
+        return per_slot.tolist() + per_rank.tolist()

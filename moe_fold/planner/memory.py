@@ -29,10 +29,11 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   it); rotated ``q`` and ``k`` ``a(q+kv)g/tp`` (rotary multiplies by constant cos/sin and
   keeps nothing else); SDPA's output ``a q g/tp`` (the projection's input is a view of it)
   and its float32 log-sum-exp ``4 heads g/tp``; QK-norm adds its per-head ``rsqrt``
-  ``4 (heads + kv_heads) g/tp`` (its inputs are views of the qkv output). Gated attention
-  (``model.attn_output_gate``: the gate's columns come out of the qkv projection and q, k,
-  v are concatenated again without them) adds the gate's sigmoid, SDPA's output reshaped
-  and the gated product ``3 a q g/tp``.
+  ``4 (heads + kv_heads) g/tp`` (its inputs are views of the qkv output); Llama-4's L2
+  norm (``qk_norm_scope: l2``, rotary layers) runs in float32 and keeps the float32 q and
+  k, ``4 (q + kv) g/tp``. Gated attention (``model.attn_output_gate``: the gate's columns
+  come out of the qkv projection and q, k, v are concatenated again without them) adds
+  the gate's sigmoid, SDPA's output reshaped and the gated product ``3 a q g/tp``.
 - Gated DeltaNet layers (``model.layer_types``): see :func:`_gated_deltanet` (the torch
   recurrence's float32 chunk terms dominate).
 - Dense MLP (:class:`moe_fold.models.mlp.MLP`): gathered input ``aHg``, fc1 output
@@ -57,7 +58,9 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   rows and of the probs, and of the rows on the way back).
 - Experts (:class:`moe_fold.models.experts.Experts`), per held row (``k etp`` per local
   token with balanced routing: the etp group's rows reach every etp rank): fc1 input
-  ``aH``, fc1 output ``2aF/etp``, the row's prob ``rb``, fc2 input ``aF/etp``.
+  ``aH``, fc1 output ``2aF/etp``, the row's prob ``rb``, fc2 input ``aF/etp``. With
+  ``moe.score_on_input`` (Llama-4) the row before its prob scales it, ``aH`` more (the
+  product keeps it for the prob's gradient; the scaled row is fc1's input).
 - Shared expert: a dense MLP of width ``F_s``; with its gate, the gate's input ``aH``
   (the norm output), the sigmoid ``a`` and the shared output ``aH``. The local norm
   output is kept once, by whichever of the router (``a == rb``), the gate or the
@@ -94,7 +97,8 @@ from __future__ import annotations
 
 import bisect
 
-from moe_fold.config import Config, choice, dp_size, edp_size, etp_size, pp_layer_counts, require, rotary_dim
+from moe_fold.config import (Config, choice, dp_size, edp_size, etp_size, layer_attention, pp_layer_counts, require,
+                             rotary_dim)
 from moe_fold.planner.model import ParamEntry, dims, expert_rows_per_token, mla_attention_bytes, router_bytes
 
 __all__ = ["IMPLEMENTATIONS", "state_bytes", "grad_buckets", "shard_sizes", "owned_by_rank", "owned_numel", "zero_sizes",
@@ -203,13 +207,15 @@ def _act(config: Config) -> int:
     return 4 if config.train.precision == "fp32" else 2
 
 
-def _attention(config: Config, g: int) -> float:
+def _attention(config: Config, g: int, layer: int) -> float:
     d, tp, a = dims(config), config.parallel.tp, _act(config)
     if d.mla:
         return mla_attention_bytes(d, a, g, tp)
     inside = a * (d.q_size + 2 * d.kv_size) + a * (d.q_size + d.kv_size) + a * d.q_size + 4 * d.heads
     if d.qk_norm:
         inside += 4 * (d.heads + d.kv_heads)
+        if d.qk_norm_scope == "l2" and layer_attention(config.model, layer)[2]:
+            inside += 4 * (d.q_size + d.kv_size)  # the L2 norm's float32 q and k
     if d.output_gate:
         # out * sigmoid(gate): the gate's sigmoid, the attention output reshaped out of
         # SDPA's layout, and the product (the projection's input).
@@ -255,7 +261,7 @@ def _gated_deltanet(config: Config, g: int) -> float:
 
 
 def _mixer(config: Config, layer: int, g: int) -> float:
-    return _gated_deltanet(config, g) if layer in dims(config).deltanet else _attention(config, g)
+    return _gated_deltanet(config, g) if layer in dims(config).deltanet else _attention(config, g, layer)
 
 
 def mixer_forward_bytes(config: Config, layer: int) -> float:
@@ -354,6 +360,8 @@ def held_row_bytes(config: Config, recompute: str) -> float:
         experts = a * h + 2 * a * d.expert_ffn / etp + rb
     else:
         experts = a * h + 3 * a * d.expert_ffn / etp + rb
+    if config.moe.score_on_input:
+        experts += a * h  # the rows before their prob scales them, kept for the prob's grad
     return experts + (24 if sorts else 0)
 
 

@@ -160,14 +160,37 @@ def test_zero_experts_are_routed_counted_and_not_sent():
     assert sent[4, 3] == pytest.approx(sent[0, 3] * 2 / 3, rel=0.01)
 
 
-# A full-size preset at the world its comment names, cut to a few layers so the test is
-# quick: (preset, world, overrides).
+# A full-size preset at the world its comment names, or at a published layout of its model
+# (bench/published/, the row's id in the name), cut to a few layers and micro-batches so
+# the test is quick: (preset, world, overrides).
+_FOLDING_57B = ["model.num_layers=8", "parallel.tp=2", "parallel.pp=4", "parallel.vpp=2", "parallel.ep=4",
+                "parallel.pp_schedule=interleaved", "parallel.sequence_parallel=true", "moe.capacity_factor=1.0",
+                "moe.shared_expert_overlap=true", "optimizer.distributed=true", "train.global_batch_size=32"]
 AGREEMENT_CASES = {
     "mixtral-8x22b": ("mixtral-8x22b", 128, ["model.num_layers=8", "parallel.vpp=null", "parallel.pp_schedule=1f1b",
                                              "train.global_batch_size=32"]),
     "deepseek-v3": ("deepseek-v3", 1024, ["model.num_layers=16", "moe.first_k_dense=1", "parallel.vpp=null",
                                           "parallel.pp_layers=null", "parallel.pp_schedule=1f1b",
                                           "train.global_batch_size=512"]),
+    "mixtral-8x7b": ("mixtral-8x7b", 64, ["model.num_layers=8", "train.global_batch_size=8"]),
+    "mcore08-mixtral-8x7b": ("mixtral-8x7b", 64, ["model.num_layers=8", "parallel.tp=1", "parallel.pp=4",
+                                                  "parallel.vpp=2", "parallel.pp_schedule=interleaved",
+                                                  "parallel.sequence_parallel=false", "optimizer.distributed=true",
+                                                  "train.global_batch_size=64"]),
+    "qwen2-57b-a14b": ("qwen2-57b-a14b", 64, ["model.num_layers=4", "train.global_batch_size=16"]),
+    "liu25-qwen2-57b-a14b-folding": ("qwen2-57b-a14b", 64, _FOLDING_57B + ["parallel.etp=1"]),
+    "liu25-qwen2-57b-a14b-mcore": ("qwen2-57b-a14b", 64, _FOLDING_57B + ["parallel.etp=2"]),
+    "qwen3-30b-a3b": ("qwen3-30b-a3b", 8, ["model.num_layers=2", "train.global_batch_size=16"]),
+    "bridge2604-qwen3-30b-a3b": ("qwen3-30b-a3b", 16, ["model.num_layers=2", "parallel.ep=16",
+                                                       "optimizer.distributed=true", "train.recompute=none",
+                                                       "train.global_batch_size=32"]),
+    "deepseek-v2-lite": ("deepseek-v2-lite", 8, ["model.num_layers=3", "train.global_batch_size=16"]),
+    "ernie-4.5-21b-a3b": ("ernie-4.5-21b-a3b", 8, ["model.num_layers=3", "train.global_batch_size=8"]),
+    "gpt-oss-20b": ("gpt-oss-20b", 8, ["model.num_layers=2", "model.local_attention_layers=[1,0]",
+                                       "train.global_batch_size=16"]),
+    "llama4-scout": ("llama4-scout", 64, ["model.num_layers=4", "model.local_attention_layers=[1,1,1,0]",
+                                          "model.rope_layers=[1,1,1,0]", "train.global_batch_size=32"]),
+    "minimax-m2": ("minimax-m2", 128, ["model.num_layers=4", "parallel.pp_layers=null", "train.global_batch_size=64"]),
 }
 
 
@@ -238,6 +261,15 @@ ACTIVATION_CASES = {
     "deepseek-v3": ("deepseek-v3", 1024, [], [0, 256, 1023]),
     # At its comment's layout (PP2 EP16 on 32 GPUs), two micro-batches a rank.
     "qwen3-next-80b-a3b": ("qwen3-next-80b-a3b", 32, ["train.global_batch_size=32"], [0, 31]),
+    # A sliding window and sinks: the dry run holds them as flex does (out and lse), not as
+    # the CPU's math path (the float32 scores).
+    "gpt-oss-20b-2-layers": ("gpt-oss-20b", 8, ["model.num_layers=2", "model.local_attention_layers=[1,0]",
+                                                "train.global_batch_size=16"], [0]),
+    # Llama-4's float32 L2 QK-norm and its scores scaling the expert rows (vocabulary cut
+    # so the layers, not the loss, make the peak).
+    "llama4-scout-8-layers": ("llama4-scout", 64, ["model.num_layers=8", "model.local_attention_layers=[1,1,1,0,1,1,1,0]",
+                                                   "model.rope_layers=[1,1,1,0,1,1,1,0]", "model.vocab_size=2048",
+                                                   "train.recompute=none", "train.global_batch_size=16"], [0]),
 }
 FULL_SIZE = ("mixtral-8x22b", "mixtral-8x22b-folding", "mixtral-8x22b-mcore", "deepseek-v3", "qwen3-next-80b-a3b")
 
