@@ -44,6 +44,7 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
                                 else "model.hidden_size/num_heads"))
     _check_attention(m, out)
     _check_layer_types(m, out)
+    _check_dsa(config, out)
     if p.tp < 1 or p.cp < 1:
         return
     if m.layer_types is not None and "gated_deltanet" in m.layer_types:
@@ -199,6 +200,46 @@ def _check_attention_features(config: Config, out: list[str]) -> None:
             if getattr(m, name) != off:
                 out.append(f"model.{name}={_fmt(getattr(m, name))} requires model.attention=mha "
                            f"(MLA's attention does not take it)")
+
+
+def _check_dsa(config: Config, out: list[str]) -> None:
+    """DeepSeek Sparse Attention: an indexer on MLA with a query latent, its sizes and layers."""
+    m, p = config.model, config.parallel
+    if not m.dsa:
+        if m.indexer_types is not None:
+            out.append(f"model.indexer_types={m.indexer_types} is set but model.dsa=false")
+        return
+    if m.attention != "mla" or m.q_lora_rank is None:
+        out.append(f"model.dsa=true needs model.attention=mla with model.q_lora_rank set (the indexer's queries "
+                   f"read MLA's query latent); got model.attention={m.attention}, model.q_lora_rank={m.q_lora_rank}")
+    for name in ("index_n_heads", "index_head_dim", "index_topk"):
+        _at_least(out, f"model.{name}", getattr(m, name), 1)
+    if m.qk_rope_head_dim is not None and m.index_head_dim < m.qk_rope_head_dim:
+        out.append(f"model.index_head_dim={m.index_head_dim} must be >= model.qk_rope_head_dim="
+                   f"{m.qk_rope_head_dim} (the indexer's first qk_rope_head_dim dims take rotary)")
+    if m.dsa_indexer_loss_weight < 0:
+        out.append(f"model.dsa_indexer_loss_weight={_fmt(m.dsa_indexer_loss_weight)} must be >= 0")
+    if m.layer_types is not None and any(t != "attention" for t in m.layer_types):
+        out.append(f"model.dsa=true needs attention on every layer; model.layer_types={m.layer_types}")
+    types = m.indexer_types
+    if types is None:
+        return
+    if len(types) != m.num_layers:
+        out.append(f"model.indexer_types has {len(types)} entries; it must have one per layer "
+                   f"(model.num_layers={m.num_layers})")
+        return
+    for i, kind in enumerate(types):
+        if kind not in ("full", "shared"):
+            out.append(f"model.indexer_types[{i}]={kind!r} must be full or shared")
+    if types and types[0] != "full":
+        out.append(f"model.indexer_types[0]={types[0]!r} must be full (a shared layer reuses the selection of a "
+                   f"full layer before it)")
+    if "shared" in types and m.dsa_stage != "sparse":
+        out.append(f"model.dsa_stage={m.dsa_stage} with shared layers in model.indexer_types: the dense warm-up "
+                   f"makes no selection for a shared layer to reuse; use dsa_stage=sparse")
+    if p.pp > 1 and "shared" in types:
+        out.append(f"model.indexer_types has shared layers and parallel.pp={p.pp}: the selection does not travel "
+                   f"between pipeline stages; use indexer_types with full layers only under pp")
 
 
 def _check_attention(m: ModelConfig, out: list[str]) -> None:
