@@ -86,7 +86,8 @@ class MLAttention(nn.Module):
         self.rope_interleave = config.rope_interleave
         yarn = yarn_of(config)
         self.scale = (self.nope + self.rope) ** -0.5 * (yarn.softmax_mscale() if yarn is not None else 1.0)
-        std, eps = config.init_std, config.norm_eps
+        std = config.init_std
+        eps = config.norm_eps if config.mla_norm_eps is None else config.mla_norm_eps
         shapes = mla_weight_shapes(config)
         # Replicated over tp: under SP each rank projects its own tokens, so grads add over tp.
         kind = "tp_sum" if sequence_parallel else "replicated"

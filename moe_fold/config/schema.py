@@ -141,8 +141,12 @@ class ModelConfig:
     # Gated DeltaNet: tokens per chunk of the chunked delta rule (a speed knob; results do not depend on it).
     linear_chunk_size: int = 64
 
-    # DeepSeek Sparse Attention (models/dsa.py, docs/attention.md; DeepSeek-V3.2, GLM-5): MLA whose
-    # queries each attend only to the index_topk keys a lightning indexer scores highest.
+    # MLA's latent norms and DeepSeek Sparse Attention (models/dsa.py, docs/attention.md;
+    # DeepSeek-V3.2, GLM-5): MLA whose queries each attend only to the index_topk keys a lightning
+    # indexer scores highest.
+    # MLA: epsilon of the query and key/value latents' RMSNorms; null: model.norm_eps (transformers'
+    # DeepSeek and GLM MLA use 1e-6 whatever rms_norm_eps is).
+    mla_norm_eps: Optional[float] = None
     # DSA on the attention layers (needs model.attention=mla with model.q_lora_rank).
     dsa: bool = False
     # DSA: the lightning indexer's query heads.

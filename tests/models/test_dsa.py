@@ -52,18 +52,21 @@ def test_dsa_config_validates():
      "model.dsa_stage=dense_warmup with shared layers in model.indexer_types"),
     (dict(dsa=False, indexer_types=["full"] * 4), "model.indexer_types=['full', 'full', 'full', 'full'] is set but "
                                                   "model.dsa=false"),
+    (dict(mla_norm_eps=0.0), "model.mla_norm_eps=0.0 must be > 0"),
     (dict(dsa_stage="warm"), "model.dsa_stage=warm must be one of dense_warmup, sparse"),
 ])
 def test_dsa_config_rules(change, message):
     assert any(message in p for p in _problems(**change)), _problems(**change)
 
 
-def test_dsa_config_refuses_shared_layers_under_pp():
+def test_dsa_config_refuses_a_stage_beginning_with_a_shared_layer():
     config = Config()
     for key, value in {**DSA_MODEL, "indexer_types": ["full", "shared", "full", "full"]}.items():
         setattr(config.model, key, value)
     config.parallel.pp = 2
-    with pytest.raises(ConfigError, match="model.indexer_types has shared layers and parallel.pp=2"):
+    validate(config, 2)  # stages [0, 1] and [2, 3] each begin with a full layer
+    config.model.indexer_types = ["full", "full", "shared", "full"]
+    with pytest.raises(ConfigError, match=r"model.indexer_types\[2\]='shared' begins a pipeline stage"):
         validate(config, 2)
 
 

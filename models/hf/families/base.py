@@ -42,6 +42,7 @@ FEATURES = frozenset({
     "score_on_input",  # the routing prob scales the expert's input
     "layer_types", "attn_output_gate", "norm_zero_centred",  # Qwen3-Next's layers (Gated DeltaNet)
     "zero_experts",  # LongCat-Flash's zero-computation experts
+    "dsa",  # DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5)
 })
 
 _REQUIRED = object()

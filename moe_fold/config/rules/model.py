@@ -3,7 +3,7 @@ MLA and the rotary scaling."""
 
 from __future__ import annotations
 
-from ..derived import MLA_SIZES, head_dim
+from ..derived import MLA_SIZES, head_dim, vpp_size
 from ..schema import Config, ModelConfig, _fmt
 from .common import _at_least, _divisible, _positive, rule
 
@@ -205,6 +205,8 @@ def _check_attention_features(config: Config, out: list[str]) -> None:
 def _check_dsa(config: Config, out: list[str]) -> None:
     """DeepSeek Sparse Attention: an indexer on MLA with a query latent, its sizes and layers."""
     m, p = config.model, config.parallel
+    if m.mla_norm_eps is not None:
+        _positive(out, "model.mla_norm_eps", m.mla_norm_eps)
     if not m.dsa:
         if m.indexer_types is not None:
             out.append(f"model.indexer_types={m.indexer_types} is set but model.dsa=false")
@@ -237,9 +239,16 @@ def _check_dsa(config: Config, out: list[str]) -> None:
     if "shared" in types and m.dsa_stage != "sparse":
         out.append(f"model.dsa_stage={m.dsa_stage} with shared layers in model.indexer_types: the dense warm-up "
                    f"makes no selection for a shared layer to reuse; use dsa_stage=sparse")
-    if p.pp > 1 and "shared" in types:
-        out.append(f"model.indexer_types has shared layers and parallel.pp={p.pp}: the selection does not travel "
-                   f"between pipeline stages; use indexer_types with full layers only under pp")
+    vpp = vpp_size(config)
+    if p.pp > 1 and "shared" in types and vpp >= 1:
+        stages = p.pp * vpp
+        counts = list(p.pp_layers) if p.pp_layers is not None else [m.num_layers // stages] * stages
+        starts = [sum(counts[:s]) for s in range(len(counts))]
+        for i in starts:
+            if i < len(types) and types[i] == "shared":
+                out.append(f"model.indexer_types[{i}]='shared' begins a pipeline stage (parallel.pp={p.pp}, "
+                           f"vpp={vpp}): the selection it reuses does not travel between stages; the first layer "
+                           f"of every stage must be full")
 
 
 def _check_attention(m: ModelConfig, out: list[str]) -> None:

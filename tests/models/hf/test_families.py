@@ -64,6 +64,9 @@ DEEPSEEK_V3 = dict(_MLA, n_group=4, topk_group=2, num_experts_per_tok=4, num_nex
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, beta_fast=32,
             beta_slow=1, mscale=1.0, mscale_all_dim=0.8)
 
+# DSA (DeepSeek-V3.2, GLM-5): DeepSeek-V3's shape with a query latent, an indexer of 3 heads of 8, top 5 of 12.
+DSA = dict(DEEPSEEK_V3, q_lora_rank=14, index_n_heads=3, index_head_dim=8, index_topk=5)
+
 GLM = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=50, moe_intermediate_size=22, num_hidden_layers=4,
            num_attention_heads=6, num_key_value_heads=2, n_routed_experts=8, n_group=4, topk_group=2,
            num_experts_per_tok=4, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
@@ -183,6 +186,18 @@ SPECS = {
     "qwen3_5_moe": Spec("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _HYBRID,
                         {"qwen3_5_moe": dict(linear_num_value_heads=4)},
                         matrix_std=0.1, zero_centred=True, exported_by_default=False),
+    # DeepSeek-V3.2: DeepSeek-V3's MLA (q latent 14, interleaved pairs) and MoE layers, an indexer of
+    # 3 heads of 8 on every layer keeping 5 of the 12 tokens' keys (rotary on two halves of its first 4 dims).
+    "deepseek_v32": Spec("DeepseekV32Config", "DeepseekV32ForCausalLM", DSA, {
+        "deepseek_v32": dict(rope_parameters=dict(rope_type="default", rope_theta=1e4)),
+        # YaRN, no groups, two shared experts, the indexer keeping 7 keys.
+        "deepseek_v32_yarn": dict(rope_parameters=YARN, n_group=1, topk_group=1, n_shared_experts=2, index_topk=7)}),
+    # GLM-5: the same with the indexer's rotary on interleaved pairs; layers 1 and 3 reuse the
+    # selection of layers 0 and 2 (indexer_types).
+    "glm_moe_dsa": Spec("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", DSA, {
+        "glm_moe_dsa_shared": dict(indexer_types=["full", "shared", "full", "shared"],
+                                   rope_parameters=dict(rope_type="default", rope_theta=1e4)),
+        "glm_moe_dsa_full": dict(rope_parameters=dict(rope_type="default", rope_theta=1e4), index_topk=3)}),
 }
 
 
