@@ -317,6 +317,21 @@ REFUSED = [
      HFConfigError),
     ("qwen3_next", "qwen3_next", lambda hf: hf.update(linear_num_value_heads=5),
      "model.linear_num_value_heads=5 must be a multiple of model.linear_num_key_heads=2", BOTH),
+    ("deepseek_v32", "deepseek_v32", lambda hf: hf.update(q_lora_rank=None),
+     "q_lora_rank is missing (required for deepseek_v32: the indexer reads the query latent)", HFConfigError),
+    ("deepseek_v32", "deepseek_v32", lambda hf: hf.update(mlp_layer_types=["dense", "sparse", "dense", "sparse"]),
+     "mlp_layer_types=['dense', 'sparse', 'dense', 'sparse'] is not supported", HFConfigError),
+    ("deepseek_v32", "deepseek_v32", lambda hf: hf.update(layer_types=["full_attention"] * 4),
+     "layer_types=['full_attention', 'full_attention', 'full_attention', 'full_attention']: every layer", HFConfigError),
+    ("deepseek_v32", "deepseek_v32", lambda hf: hf.update(index_topk=0), "model.index_topk=0 must be >= 1", BOTH),
+    ("deepseek_v32", "deepseek_v32", lambda hf: hf.update(index_head_dim=2),
+     "model.index_head_dim=2 must be >= model.qk_rope_head_dim=4", BOTH),
+    ("glm_moe_dsa", "glm_moe_dsa_shared", lambda hf: hf.update(indexer_types=["full", "half", "full", "full"]),
+     "indexer_types has ['half']: only full and shared are known", HFConfigError),
+    ("glm_moe_dsa", "glm_moe_dsa_shared", lambda hf: hf.update(indexer_types=["full", "shared"]),
+     "indexer_types has 2 entries; num_hidden_layers=4", HFConfigError),
+    ("glm_moe_dsa", "glm_moe_dsa_shared", lambda hf: hf.update(indexer_types=["shared", "full", "full", "full"]),
+     "model.indexer_types[0]='shared' must be full", BOTH),
     ("qwen3_5_moe", "qwen3_5_moe", lambda hf: hf["rope_parameters"].update(mrope_section=[2, 1, 1]),
      "rope_parameters.mrope_section=[2, 1, 1] covers 8 rotary dims; head_dim=8 x partial_rotary_factor=0.25 has 2",
      HFConfigError),
@@ -753,5 +768,36 @@ def test_qwen3_next_and_qwen3_5_exports_refuse_what_they_cannot_hold(tmp_path):
         assert field in str(err.value), field
     model.config.model.attn_output_gate = False
     with pytest.raises(HFConfigError, match="model.attn_output_gate=false: qwen3_next's attention always has"):
+        to_hf(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_dsa_config_mapping():
+    """DeepSeek-V3.2 and GLM-5 read as DeepSeek-V3's model with DSA: the indexer's sizes, its
+    rotary (halves, GLM-5's pairs), GLM-5's shared layers, the MLA latent norms' epsilon."""
+    v32 = config_from_hf(model_of("deepseek_v32").config.to_dict())
+    m = v32.model
+    assert (m.attention, m.q_lora_rank, m.rope_interleave, m.mla_norm_eps) == ("mla", 14, True, 1e-6)
+    assert (m.dsa, m.index_n_heads, m.index_head_dim, m.index_topk, m.index_rope_interleave, m.indexer_types) == (
+        True, 3, 8, 5, False, None)
+    assert (v32.moe.score_function, v32.moe.expert_bias, v32.moe.first_k_dense, v32.model.mtp_num_layers) == (
+        "sigmoid", True, 1, 0)
+    glm = config_from_hf(model_of("glm_moe_dsa").config.to_dict()).model
+    assert (glm.index_rope_interleave, glm.indexer_types, glm.norm_eps) == (True, ["full", "shared", "full", "shared"],
+                                                                           1e-5)
+    assert config_from_hf(model_of("glm_moe_dsa", "glm_moe_dsa_full").config.to_dict()).model.indexer_types is None
+
+
+def test_dsa_exports_refuse_what_they_cannot_hold(tmp_path):
+    model_of("glm_moe_dsa").save_pretrained(tmp_path / "hf")
+    model = from_hf(tmp_path / "hf")
+    with pytest.raises(HFConfigError) as err:
+        to_hf(model, tmp_path / "out", family="deepseek_v32")
+    assert "model.index_rope_interleave=true: deepseek_v32's indexer rotates two halves" in str(err.value)
+    assert "model.indexer_types=['full', 'shared', 'full', 'shared']: every deepseek_v32 layer" in str(err.value)
+    with pytest.raises(HFConfigError, match="model.dsa=true: deepseek_v3 has dense attention"):
+        to_hf(model, tmp_path / "out", family="deepseek_v3")
+    model.config.model.mla_norm_eps = None  # norm_eps 1e-5 then
+    with pytest.raises(HFConfigError, match="model.mla_norm_eps=None .model.norm_eps=1e-05.: glm_moe_dsa's latent"):
         to_hf(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
