@@ -265,3 +265,27 @@ def test_indexer_kl_trains_the_indexer_only(stage, glm):
                               allow_unused=True)
     for ours_p, ref_g in zip(_indexer(ours), ref):
         torch.testing.assert_close(ours_p.grad.double(), 0.5 * ref_g.double(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", ["dense_warmup", "sparse"])
+def test_packed_documents_attend_and_select_inside_each_document(stage):
+    """A row packing two documents gives each document's own output and KL: a query selects
+    (and attends to) keys of its own document only, positions restarting at each."""
+    from moe_fold.parallel.varlen import Documents
+
+    _, _, ours = _pair(False, 5, dsa_stage=stage)
+    kl = []
+    ours.kl.register_forward_hook(lambda module, args, out: kl.append(float(out.detach())))
+    lengths = [6, 7]
+    x = torch.randn(1, S, DSA_MODEL["hidden_size"])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    cos, sin = rotary_cos_sin(positions, ours.rope, 10000.0, x.dtype)
+    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).unsqueeze(0)
+    packed = ours(x.transpose(0, 1), cos.unsqueeze(0), sin.unsqueeze(0), Documents(doc_ids, None, None))
+    alone = []
+    for doc in x.split(lengths, dim=1):
+        cos, sin = rotary_cos_sin(torch.arange(doc.shape[1]), ours.rope, 10000.0, x.dtype)
+        alone.append(ours(doc.transpose(0, 1), cos, sin))
+    torch.testing.assert_close(packed, torch.cat(alone), rtol=0, atol=1e-6)
+    # The KL is a mean over queries: the packed row's is the documents' weighted by their lengths.
+    assert kl[0] == pytest.approx((kl[1] * lengths[0] + kl[2] * lengths[1]) / S, rel=1e-5)
