@@ -110,10 +110,11 @@ class LightningIndexer(nn.Module):
 
     def scores(self, q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """``q [B, S_q, n, d]``, ``weights [B, S_q, n]``, ``k [B, S_k, d]`` -> ``I [B, S_q, S_k]``
-        (float32)."""
-        per_head = torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1)) * self.head_dim ** -0.5
+        (float32 at least)."""
+        work = torch.promote_types(q.dtype, torch.float32)
+        per_head = torch.matmul(q.to(work), k.to(work).transpose(-1, -2).unsqueeze(1)) * self.head_dim ** -0.5
         per_head = F.relu(per_head)  # [B, S_q, n, S_k]
-        return torch.matmul(weights.float().unsqueeze(-2), per_head).squeeze(-2)
+        return torch.matmul(weights.to(work).unsqueeze(-2), per_head).squeeze(-2)
 
 
 def visible_keys(pos_q: torch.Tensor, pos_k: torch.Tensor, doc_q: Optional[torch.Tensor],
@@ -129,9 +130,12 @@ def visible_keys(pos_q: torch.Tensor, pos_k: torch.Tensor, doc_q: Optional[torch
 
 def select_topk(scores: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch.Tensor:
     """bool ``[B, S_q, S_k]``: the ``topk`` visible keys of highest score per query (every
-    visible key when a query sees fewer)."""
+    visible key when a query sees fewer). Equal scores (relu makes exact zeros common) go to
+    the earlier key: a stable sort, so a query selects the same keys whatever else is in its
+    batch (a cached decode step, another cp split) where ``topk``'s order among ties is open."""
     masked = scores.detach().masked_fill(~allowed, float("-inf"))
-    top = masked.topk(min(topk, masked.shape[-1]), dim=-1).indices  # [B, S_q, k]
+    order = masked.sort(dim=-1, descending=True, stable=True).indices
+    top = order[..., :min(topk, masked.shape[-1])]  # [B, S_q, k]
     chosen = torch.zeros(masked.shape, dtype=torch.bool, device=masked.device).scatter_(-1, top, True)
     return chosen & allowed
 
@@ -229,7 +233,8 @@ class DSAttention(MLAttention):
         else:
             selected = selections[self.source]
         mask = selected if self.sparse else allowed.expand(q.shape[0], -1, -1)
-        logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale  # [B, heads, S, L]
+        work = torch.promote_types(q.dtype, torch.float32)  # the softmax in float32 at least
+        logits = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)) * self.scale  # [B, heads, S, L]
         probs = torch.softmax(logits.masked_fill(~mask.unsqueeze(1), float("-inf")), dim=-1)
         out = torch.matmul(probs.to(v.dtype), v)  # [B, heads, S, v]
         if scores is not None and self.loss_weight > 0:

@@ -16,10 +16,12 @@ from moe_fold.config import Config, ConfigError, ModelConfig, validate
 from moe_fold.models.dsa import DSAttention, IndexerKL, select_topk, visible_keys
 from moe_fold.models.rotary import rotary_cos_sin
 
-# DSA at odd test sizes: 3 heads, q/kv ranks 10/7, qk 6 + 4, v 5; indexer 3 heads of 8, top 5 of 13.
+# DSA at odd test sizes: 3 heads, q/kv ranks 10/7, qk 6 + 4, v 5; indexer 8 heads of 8, top 5 of 13
+# (8 heads: a key scores exactly 0, all heads negative, once in 256, so no two keys tie at a
+# query's k-th score here, where transformers' topk orders ties arbitrarily).
 DSA_MODEL = dict(attention="mla", num_heads=3, num_kv_heads=3, hidden_size=24, q_lora_rank=10, kv_lora_rank=7,
                  qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, rope_interleave=True, dsa=True,
-                 index_n_heads=3, index_head_dim=8, index_topk=5)
+                 index_n_heads=8, index_head_dim=8, index_topk=5)
 S, B = 13, 2
 
 
@@ -57,6 +59,15 @@ def test_dsa_config_validates():
 ])
 def test_dsa_config_rules(change, message):
     assert any(message in p for p in _problems(**change)), _problems(**change)
+
+
+def test_dsa_config_refuses_dynamic_cp():
+    config = Config()
+    for key, value in DSA_MODEL.items():
+        setattr(config.model, key, value)
+    config.parallel.cp, config.parallel.dynamic_cp = 2, True
+    with pytest.raises(ConfigError, match="parallel.dynamic_cp=true is not supported with model.dsa=true"):
+        validate(config, 2)
 
 
 def test_dsa_config_refuses_a_stage_beginning_with_a_shared_layer():
@@ -130,11 +141,25 @@ def _our_forward(ours, x):
     return ours(x.transpose(0, 1), cos, sin).transpose(0, 1)
 
 
+def _boundary_ties(ours, x, topk) -> int:
+    """Queries whose k-th and (k+1)-th visible keys score the same (x ``[B, S, H]``)."""
+    cos, sin = rotary_cos_sin(torch.arange(S), ours.rope, 10000.0, x.dtype)
+    xs = x.transpose(0, 1)
+    index_q, weights = ours.indexer.queries(xs, ours.q_norm(ours.q_down(xs)), cos, sin)
+    scores = ours.indexer.scores(index_q, weights, ours.indexer.keys(xs, cos, sin))
+    allowed = visible_keys(torch.arange(S), torch.arange(S), None, None)
+    ranked = scores.masked_fill(~allowed, -math.inf).sort(dim=-1, descending=True).values
+    kth, after = ranked[..., topk - 1], ranked[..., topk]
+    return int(((kth == after) & torch.isfinite(after)).sum())
+
+
 @pytest.mark.parametrize("glm", [False, True], ids=["deepseek_v32", "glm_moe_dsa"])
 @pytest.mark.parametrize("topk", [5, 12])
 def test_dsa_layer_matches_transformers(glm, topk):
     hf_config, hf, ours = _pair(glm, topk)
     x = torch.randn(B, S, DSA_MODEL["hidden_size"])
+    with torch.no_grad():
+        assert _boundary_ties(ours, x, topk) == 0  # where transformers' choice among ties is arbitrary
     expected, _ = _hf_forward(hf_config, hf, x)
     got = _our_forward(ours, x)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
@@ -202,7 +227,8 @@ def _reference(hf, x, topk, sparse, glm):
     heads = torch.relu(torch.einsum("btjd,bsd->btjs", iq, ik) / math.sqrt(d))
     scores = torch.einsum("btj,btjs->bts", (x @ w["indexer.weights_proj.weight"].T) / math.sqrt(n), heads)
     causal = pos[None, :] <= pos[:, None]
-    top = scores.masked_fill(~causal, -math.inf).topk(min(topk, S), dim=-1).indices
+    # Equal scores (relu's exact zeros) go to the earlier key.
+    top = scores.masked_fill(~causal, -math.inf).sort(dim=-1, descending=True, stable=True).indices[..., :topk]
     selected = torch.zeros(B, S, S, dtype=torch.bool).scatter(-1, top, True) & causal
     mask = selected if sparse else causal.expand(B, S, S)
     logits = (q @ k.transpose(-1, -2)) / math.sqrt(nope + rope)

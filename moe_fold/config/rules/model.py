@@ -223,6 +223,9 @@ def _check_dsa(config: Config, out: list[str]) -> None:
         out.append(f"model.dsa_indexer_loss_weight={_fmt(m.dsa_indexer_loss_weight)} must be >= 0")
     if m.layer_types is not None and any(t != "attention" for t in m.layer_types):
         out.append(f"model.dsa=true needs attention on every layer; model.layer_types={m.layer_types}")
+    if p.dynamic_cp:
+        out.append("parallel.dynamic_cp=true is not supported with model.dsa=true: a DSA layer gathers its keys "
+                   "over the whole parallel.cp group")
     types = m.indexer_types
     if types is None:
         return

@@ -64,8 +64,10 @@ DEEPSEEK_V3 = dict(_MLA, n_group=4, topk_group=2, num_experts_per_tok=4, num_nex
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, beta_fast=32,
             beta_slow=1, mscale=1.0, mscale_all_dim=0.8)
 
-# DSA (DeepSeek-V3.2, GLM-5): DeepSeek-V3's shape with a query latent, an indexer of 3 heads of 8, top 5 of 12.
-DSA = dict(DEEPSEEK_V3, q_lora_rank=14, index_n_heads=3, index_head_dim=8, index_topk=5)
+# DSA (DeepSeek-V3.2, GLM-5): DeepSeek-V3's shape with a query latent, an indexer of 8 heads of 8, top 5 of 12.
+# 8 heads: a key scores exactly 0 (every head negative) once in 256, so keys rarely tie at a
+# query's k-th score, where transformers' topk orders ties arbitrarily (ours: the earlier key).
+DSA = dict(DEEPSEEK_V3, q_lora_rank=14, index_n_heads=8, index_head_dim=8, index_topk=5)
 
 GLM = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=50, moe_intermediate_size=22, num_hidden_layers=4,
            num_attention_heads=6, num_key_value_heads=2, n_routed_experts=8, n_group=4, topk_group=2,
@@ -187,7 +189,7 @@ SPECS = {
                         {"qwen3_5_moe": dict(linear_num_value_heads=4)},
                         matrix_std=0.1, zero_centred=True, exported_by_default=False),
     # DeepSeek-V3.2: DeepSeek-V3's MLA (q latent 14, interleaved pairs) and MoE layers, an indexer of
-    # 3 heads of 8 on every layer keeping 5 of the 12 tokens' keys (rotary on two halves of its first 4 dims).
+    # 8 heads of 8 on every layer keeping 5 of the 12 tokens' keys (rotary on two halves of its first 4 dims).
     "deepseek_v32": Spec("DeepseekV32Config", "DeepseekV32ForCausalLM", DSA, {
         "deepseek_v32": dict(rope_parameters=dict(rope_type="default", rope_theta=1e4)),
         # YaRN, no groups, two shared experts, the indexer keeping 7 keys.
@@ -779,7 +781,7 @@ def test_dsa_config_mapping():
     m = v32.model
     assert (m.attention, m.q_lora_rank, m.rope_interleave, m.mla_norm_eps) == ("mla", 14, True, 1e-6)
     assert (m.dsa, m.index_n_heads, m.index_head_dim, m.index_topk, m.index_rope_interleave, m.indexer_types) == (
-        True, 3, 8, 5, False, None)
+        True, 8, 8, 5, False, None)
     assert (v32.moe.score_function, v32.moe.expert_bias, v32.moe.first_k_dense, v32.model.mtp_num_layers) == (
         "sigmoid", True, 1, 0)
     glm = config_from_hf(model_of("glm_moe_dsa").config.to_dict()).model

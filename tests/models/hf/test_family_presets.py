@@ -1,4 +1,5 @@
-"""The CPU-sized twins of the DeepSeek-V2-Lite, ERNIE-4.5-MoE, MiniMax-M2 and Qwen3-Next presets:
+"""The CPU-sized twins of the DeepSeek-V2-Lite, ERNIE-4.5-MoE, MiniMax-M2, Qwen3-Next, DeepSeek-V3.2
+and GLM-5 presets:
 each trains from the command line, converts to a Hugging Face folder of its family that
 transformers' ``AutoTokenizer`` and ``AutoModelForCausalLM`` load, and ``generate`` gives
 the greedy tokens ``moe-fold sample`` gives (and the same logits at every step)."""
@@ -21,9 +22,11 @@ from tests.models.test_sampling import GREEDY, PROMPT, _ours
 
 # preset -> the Hugging Face class its export loads as
 FAMILIES = {"deepseek-v2-lite-tiny": "DeepseekV2ForCausalLM", "ernie-4.5-tiny": "Ernie4_5_MoeForCausalLM",
-            "minimax-m2-tiny": "MiniMaxM2ForCausalLM", "qwen3-next-tiny": "Qwen3NextForCausalLM"}
+            "minimax-m2-tiny": "MiniMaxM2ForCausalLM", "qwen3-next-tiny": "Qwen3NextForCausalLM",
+            "deepseek-v32-tiny": "DeepseekV32ForCausalLM", "glm-5-tiny": "GlmMoeDsaForCausalLM"}
 # A preset's own settings beside SMALL's: its layer types for SMALL's 3 layers.
-OWN = {"qwen3-next-tiny": ["model.layer_types=[gated_deltanet, attention, gated_deltanet]"]}
+OWN = {"qwen3-next-tiny": ["model.layer_types=[gated_deltanet, attention, gated_deltanet]"],
+       "glm-5-tiny": ["model.indexer_types=[full, shared, full]"]}
 
 SMALL = ["model.num_layers=3", "model.seq_length=32", "train.steps=6", "train.save_every=6", "parallel.ep=1",
          "optimizer.warmup_steps=1", "wandb.mode=disabled", "train.micro_batch_size=2", "train.global_batch_size=4"]
