@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from moe_fold.config import Config
+from moe_fold.config import Config, head_dim
 
 from ..sources import Cat, Source, Stack, Take
 
 __all__ = ["FEATURES", "METADATA_KEYS", "HFConfigError", "Keys", "Family", "MoeNames", "mlp_sources", "swiglu",
            "rope_theta", "check_window", "num_experts", "common_sizes", "attention_heads", "yarn_rope",
-           "rope_to_hf", "YARN_KEYS"]
+           "rope_to_hf", "YARN_KEYS", "attention_sources"]
 
 # Keys that do not change what the network computes from token ids.
 METADATA_KEYS = frozenset({
@@ -331,3 +331,37 @@ def mlp_sources(names: MoeNames) -> Callable[..., dict]:
         return out
 
     return sources
+
+
+# Our MLA parameter (under ``attn.``) -> its tensor (under ``self_attn.``); q.weight
+# without q_lora_rank, the three q_* low-rank ones with it.
+_MLA = {"q.weight": "q_proj.weight", "q_down.weight": "q_a_proj.weight", "q_norm.weight": "q_a_layernorm.weight",
+        "q_up.weight": "q_b_proj.weight", "kv_down.weight": "kv_a_proj_with_mqa.weight",
+        "kv_norm.weight": "kv_a_layernorm.weight", "kv_up.weight": "kv_b_proj.weight", "proj.weight": "o_proj.weight"}
+
+
+def attention_sources(config: Config, layer: int, hf: str, ours: str) -> dict[str, Source]:
+    """The sources of a standard or MLA attention layer's parameters (ours under
+    ``ours + "attn."``, theirs under ``hf + "self_attn."``)."""
+    m = config.model
+    hd = head_dim(config)
+    q, kv = m.num_heads * hd, m.num_kv_heads * hd
+    out: dict[str, Source] = {}
+    attn = f"{hf}self_attn."
+    if m.attention == "mla":
+        query = ("q.weight",) if m.q_lora_rank is None else ("q_down.weight", "q_norm.weight", "q_up.weight")
+        for name in query + ("kv_down.weight", "kv_norm.weight", "kv_up.weight", "proj.weight"):
+            out[f"{ours}attn.{name}"] = Take(f"{attn}{_MLA[name]}")
+    else:
+        out[f"{ours}attn.qkv.weight"] = Cat(0, tuple(Take(f"{attn}{p}_proj.weight") for p in "qkv"), (q, kv, kv))
+        out[f"{ours}attn.proj.weight"] = Take(f"{attn}o_proj.weight")
+    if m.attention_out_bias:
+        out[f"{ours}attn.proj.bias"] = Take(f"{attn}o_proj.bias")
+    if m.attention_sinks:
+        out[f"{ours}attn.sinks"] = Take(f"{attn}sinks")  # gpt-oss: one logit per query head
+    if m.qkv_bias:
+        out[f"{ours}attn.qkv.bias"] = Cat(0, tuple(Take(f"{attn}{p}_proj.bias") for p in "qkv"), (q, kv, kv))
+    if m.qk_norm and m.qk_norm_scope != "l2":  # Llama-4's L2 norm has no weight
+        out[f"{ours}attn.q_norm.weight"] = Take(f"{attn}q_norm.weight")
+        out[f"{ours}attn.k_norm.weight"] = Take(f"{attn}k_norm.weight")
+    return out

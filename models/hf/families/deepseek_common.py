@@ -8,7 +8,7 @@ from __future__ import annotations
 from moe_fold.config import Config, group_ranked_scores
 
 from ..sources import Source, Take
-from .base import Keys, MoeNames, Refuse, common_sizes, rope_to_hf, yarn_rope
+from .base import Keys, MoeNames, Refuse, attention_sources, common_sizes, rope_to_hf, yarn_rope
 
 __all__ = ["mla_from_hf", "mla_to_hf", "mla_tail_to_hf", "check_group_reach", "deepseek_moe_from_hf",
            "deepseek_moe_refusals", "deepseek_moe_to_hf", "shared_experts_refusal", "dense_first_refusal", "MOE_NAMES",
@@ -232,8 +232,6 @@ def dsa_to_hf(config: Config) -> dict:
 
 def dsa_mixer_sources(config: Config, layer: int, hf: str, ours: str) -> dict[str, Source]:
     """MLA's tensors and, on a layer with an indexer, the indexer's."""
-    from ..weights import attention_sources  # the weights module imports the registry
-
     out = attention_sources(config, layer, hf, ours)
     types = config.model.indexer_types
     if types is None or layer >= len(types) or types[layer] == "full":
