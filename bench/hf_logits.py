@@ -86,9 +86,10 @@ def sizes_of(model) -> str:
         heads += (f" + DSA {m.index_n_heads} x {m.index_head_dim} top-{m.index_topk}"
                   + (f" ({shared} shared)" if shared else ""))
     deltanet = ""
-    if m.layer_types is not None and "gated_deltanet" in m.layer_types:
-        kinds = "".join("D" if kind == "gated_deltanet" else "A" for kind in m.layer_types)
-        deltanet = (f" ({kinds}: Gated DeltaNet {m.linear_num_key_heads}/{m.linear_num_value_heads} x "
+    if m.layer_types is not None and {"gated_deltanet", "kda"} & set(m.layer_types):
+        kinds = "".join({"gated_deltanet": "D", "kda": "K"}.get(kind, "A") for kind in m.layer_types)
+        kind = "KDA" if "kda" in m.layer_types else "Gated DeltaNet"
+        deltanet = (f" ({kinds}: {kind} {m.linear_num_key_heads}/{m.linear_num_value_heads} x "
                     f"{m.linear_key_head_dim}/{m.linear_value_head_dim})")
     return (f"V{m.vocab_size} H{m.hidden_size} L{m.num_layers}{deltanet} heads {heads}, "
             f"E{moe.num_experts} x {moe.ffn_hidden_size} top-{moe.topk}")

@@ -166,7 +166,7 @@ class DSAttention(MLAttention):
     def __init__(self, config: ModelConfig, tp_group: Group, sequence_parallel: bool, *, seed: int, name: str,
                  layer: int, cp_group: Group = None, cp_kind: str = "ring"):
         super().__init__(config, tp_group, sequence_parallel, seed=seed, name=name, cp_group=cp_group,
-                         cp_kind=cp_kind)
+                         cp_kind=cp_kind, layer=layer)
         types = config.indexer_types
         shared = types is not None and layer < len(types) and types[layer] == "shared"
         self.layer = layer

@@ -51,6 +51,7 @@ from moe_fold.parallel.varlen import Documents, doc_ids_from_cu_seqlens, router_
 from .attention import Attention
 from .experts import Experts
 from .gated_deltanet import GatedDeltaNet
+from .kda import KimiDeltaAttention
 from .kv_cache import LayerCache
 from .dsa import DSAttention
 from .mla import MLAttention
@@ -78,19 +79,21 @@ class Block(nn.Module):
         where = dict(seed=config.train.seed, name=f"layers.{layer}.attn", cp_group=groups.cp)
         if layer_mixer(m, layer) == "gated_deltanet":
             self.attn = GatedDeltaNet(m, groups.tp, sp, **where)
+        elif layer_mixer(m, layer) == "kda":
+            self.attn = KimiDeltaAttention(m, groups.tp, sp, **where)
         elif m.attention == "mla" and m.dsa:
             where["cp_kind"] = config.parallel.cp_kind
             self.attn = DSAttention(m, groups.tp, sp, **where, layer=layer)
         elif m.attention == "mla":
             where["cp_kind"] = config.parallel.cp_kind
-            self.attn = MLAttention(m, groups.tp, sp, **where)
+            self.attn = MLAttention(m, groups.tp, sp, **where, layer=layer)
         else:
             where["cp_kind"] = config.parallel.cp_kind
             self.attn = Attention(m, head_dim(config), groups.tp, sp, **where, layer=layer)
         self.mlp_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind, m.norm_zero_centred)
         self.mlp = mlp
         # Decided here, not in a forward: whether the attention takes the rotary positions
-        # (temperature tuning reads them; MLA and Gated DeltaNet have none) or the DSA
+        # (temperature tuning reads them; MLA, Gated DeltaNet and KDA have none) or the DSA
         # selections and loss scale, and whether the MLP is an MoE layer (it takes the
         # router's per-token arguments).
         self.attn_takes_positions = isinstance(self.attn, Attention)

@@ -92,6 +92,9 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
 FEATURE_USE: dict[str, tuple[Callable[[Config], bool], Callable[[Config, str], str]]] = {
     "mla": (lambda c: c.model.attention == "mla",
             lambda c, f: f"model.attention=mla: {f} has standard attention (DeepSeek-V2 and -V3 have MLA)"),
+    "mla_norm_eps": (lambda c: c.model.mla_norm_eps not in (None, c.model.norm_eps),
+                     lambda c, f: f"model.mla_norm_eps={c.model.mla_norm_eps}: {f}'s latent norms use "
+                                  f"model.norm_eps={c.model.norm_eps} (Kimi-Linear's use their own)"),
     "qk_norm_scope": (lambda c: c.model.qk_norm and c.model.qk_norm_scope != "head",
                       lambda c, f: f"model.qk_norm_scope={c.model.qk_norm_scope}: {f} normalises each head (OLMoE "
                                    f"normalises the whole projections)"),
@@ -129,7 +132,7 @@ FEATURE_USE: dict[str, tuple[Callable[[Config], bool], Callable[[Config, str], s
                        lambda c, f: f"moe.score_on_input=true: {f} scales each expert's output by its prob"),
     "layer_types": (lambda c: c.model.layer_types is not None and set(c.model.layer_types) != {"attention"},
                     lambda c, f: f"model.layer_types={c.model.layer_types}: {f} has attention on every layer "
-                                 f"(Qwen3-Next and Qwen3.5 have Gated DeltaNet layers)"),
+                                 f"(Qwen3-Next and Qwen3.5 have Gated DeltaNet layers, Kimi-Linear KDA layers)"),
     "attn_output_gate": (lambda c: c.model.attn_output_gate,
                          lambda c, f: f"model.attn_output_gate=true: {f}'s attention has no output gate"),
     "dsa": (lambda c: c.model.dsa,

@@ -259,29 +259,36 @@ class Halves:
 
 @dataclass(frozen=True)
 class Squeezed:
-    """Our tensor is the Hugging Face tensor ``name`` without its dim ``dim`` of size 1
-    (a depthwise ``Conv1d`` weight ``[C, 1, K]``; ours ``[C, K]``)."""
+    """Our tensor is the Hugging Face tensor ``name`` without its dims ``dim`` (one, or a
+    tuple) of size 1 (a depthwise ``Conv1d`` weight ``[C, 1, K]``, ours ``[C, K]``; Kimi-Linear's
+    ``A_log [1, 1, heads, 1]``, ours ``[heads]``)."""
 
     name: str
-    dim: int
+    dim: Union[int, tuple[int, ...]]
+
+    def _dims(self) -> tuple[int, ...]:
+        return (self.dim,) if isinstance(self.dim, int) else tuple(sorted(self.dim))
 
     def names(self) -> list[str]:
         return [self.name]
 
     def shape(self, hf: SafetensorsFolder) -> tuple[int, ...]:
         shape = hf.shape(self.name)
-        if len(shape) <= self.dim or shape[self.dim] != 1:
-            raise HFWeightError(f"{self.name} has shape {list(shape)}; expected a dim {self.dim} of 1")
-        return shape[:self.dim] + shape[self.dim + 1:]
+        if any(len(shape) <= d or shape[d] != 1 for d in self._dims()):
+            raise HFWeightError(f"{self.name} has shape {list(shape)}; expected dims {list(self._dims())} of 1")
+        return tuple(n for d, n in enumerate(shape) if d not in self._dims())
 
     def read(self, hf: SafetensorsFolder, offsets, sizes) -> torch.Tensor:
         off, size = list(offsets), list(sizes)
-        off.insert(self.dim, 0)
-        size.insert(self.dim, 1)
-        return hf.read(self.name, tuple(off), tuple(size)).squeeze(self.dim)
+        for d in self._dims():
+            off.insert(d, 0)
+            size.insert(d, 1)
+        return hf.read(self.name, tuple(off), tuple(size)).squeeze(self._dims())
 
     def split(self, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        return [(self.name, value.unsqueeze(self.dim))]
+        for d in self._dims():
+            value = value.unsqueeze(d)
+        return [(self.name, value)]
 
 
 @dataclass(frozen=True)

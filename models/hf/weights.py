@@ -26,8 +26,6 @@ from .sources import Cat, Copies, FirstRow, Halves, HFWeightError, SafetensorsFo
 __all__ = ["HFWeightError", "SafetensorsFolder", "Source", "Take", "Cat", "Stack", "Copies", "FirstRow", "Halves",
            "weight_sources", "attention_sources", "ignorable_hf_names"]
 
-
-
 def weight_sources(config: Config, family: str, hf_names: frozenset = frozenset()) -> dict[str, Source]:
     """Our parameter (or persistent buffer: the expert bias) name -> its :class:`Source`,
     for a model of ``config`` in the Hugging Face ``family``. ``hf_names`` (the checkpoint's tensor names) tells which
@@ -77,7 +75,6 @@ def _layer_sources(config: Config, family: Family, layer: int, hf: str, ours: st
     out.update((family.mixer_sources or attention_sources)(config, layer, hf, ours))
     out.update(family.mlp_sources(config, hf, ours, is_moe, hf_names))
     return out
-
 
 
 def ignorable_hf_names(config: Config, hf_names: frozenset) -> set[str]:

@@ -110,7 +110,8 @@ class ModelConfig:
     attention_chunk: int = 0
     # The local layers: null every layer, or one 0/1 per layer (1: sliding_window/attention_chunk applies).
     local_attention_layers: Optional[list[int]] = None
-    # The layers with rotary embeddings: null every layer, or one 0/1 per layer (0: no rotary, NoPE).
+    # The layers with rotary embeddings: null every layer, or one 0/1 per layer (0: no rotary, NoPE;
+    # MLA layers too: Kimi-Linear's).
     rope_layers: Optional[list[int]] = None
     # Temperature tuning on layers without rotary (Llama-4): a query at position p is multiplied by
     # 1 + attn_temperature_scale * log1p(floor((p + 1) / attn_temperature_floor)).
@@ -120,33 +121,37 @@ class ModelConfig:
     # Temperature tuning: positions per step of the floor (Llama-4's floor_scale).
     attn_temperature_floor: int = 8192
 
-    # Layer types (models/gated_deltanet.py; Qwen3-Next).
+    # Layer types (models/gated_deltanet.py, Qwen3-Next; models/kda.py, Kimi-Linear).
     # Each layer's mixer: null attention on every layer, or one name per layer: attention |
-    # gated_deltanet (Gated DeltaNet linear attention).
+    # gated_deltanet (Gated DeltaNet linear attention) | kda (Kimi Delta Attention).
     layer_types: Optional[list[str]] = None
     # A sigmoid gate on every attention head's output, projected with the query (Qwen3-Next; mha only).
     attn_output_gate: bool = False
     # RMSNorm weights are zero-centred: a norm multiplies by 1 + weight, which starts at 0 (Qwen3-Next).
     norm_zero_centred: bool = False
-    # Gated DeltaNet: query and key heads.
+    # Gated DeltaNet and KDA: query and key heads.
     linear_num_key_heads: int = 2
-    # Gated DeltaNet: value heads (a multiple of linear_num_key_heads; each has its own state).
+    # Gated DeltaNet and KDA: value heads (a multiple of linear_num_key_heads; each has its own state;
+    # KDA: equal to linear_num_key_heads).
     linear_num_value_heads: int = 4
-    # Gated DeltaNet: per-head query and key width.
+    # Gated DeltaNet and KDA: per-head query and key width (KDA: also its low-rank gates' rank).
     linear_key_head_dim: int = 32
-    # Gated DeltaNet: per-head value width.
+    # Gated DeltaNet and KDA: per-head value width (KDA: equal to linear_key_head_dim).
     linear_value_head_dim: int = 32
-    # Gated DeltaNet: taps of the depthwise causal conv1d on q, k and v.
+    # Gated DeltaNet and KDA: taps of the depthwise causal conv1d on q, k and v.
     linear_conv_kernel: int = 4
-    # Gated DeltaNet: tokens per chunk of the chunked delta rule (a speed knob; results do not depend on it).
+    # Gated DeltaNet and KDA: tokens per chunk of the chunked delta rule (a speed knob; results do not depend on it).
     linear_chunk_size: int = 64
-
-    # MLA's latent norms and DeepSeek Sparse Attention (models/dsa.py, docs/attention.md;
-    # DeepSeek-V3.2, GLM-5): MLA whose queries each attend only to the index_topk keys a lightning
-    # indexer scores highest.
-    # MLA: epsilon of the query and key/value latents' RMSNorms; null: model.norm_eps (transformers'
-    # DeepSeek and GLM MLA use 1e-6 whatever rms_norm_eps is).
+    # Gated DeltaNet and KDA: the kernel of the delta rule. auto: the device rule of
+    # moe_fold.kernels.backends (fla on CUDA sm80+ where flash-linear-attention runs, else
+    # torch) | torch (the chunked rule of moe_fold.kernels.gated_delta) | fla (pip install 'moe-fold[fla]').
+    linear_backend: Literal["auto", "torch", "fla"] = "auto"
+    # MLA: epsilon of the latent RMSNorms (of the compressed query and key/value); null:
+    # model.norm_eps. Kimi-Linear's and GLM-5's are 1e-6 under a norm_eps of 1e-5.
     mla_norm_eps: Optional[float] = None
+
+    # DeepSeek Sparse Attention (models/dsa.py, docs/attention.md; DeepSeek-V3.2, GLM-5): MLA whose
+    # queries each attend only to the index_topk keys a lightning indexer scores highest.
     # DSA on the attention layers (needs model.attention=mla with model.q_lora_rank).
     dsa: bool = False
     # DSA: the lightning indexer's query heads.

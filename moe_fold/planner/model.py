@@ -100,9 +100,11 @@ class Dims:
     rope_dim: int = 0
     # Gated attention (model.attn_output_gate): q_proj also gives a sigmoid gate of q's width.
     output_gate: bool = False
-    # The Gated DeltaNet blocks (model.layer_types; block indices as moe_flags) and their
-    # sizes: key and value heads, their widths, and the short conv's kernel.
+    # The Gated DeltaNet blocks and the KDA blocks (model.layer_types; block indices as
+    # moe_flags) and their sizes: key and value heads, their widths, and the short conv's kernel
+    # (KDA: as many value heads as key heads, of the same width).
     deltanet: frozenset[int] = frozenset()
+    kda: frozenset[int] = frozenset()
     lin_key_heads: int = 0
     lin_value_heads: int = 0
     lin_key_dim: int = 0
@@ -186,9 +188,10 @@ def _dsa_dims(m: ModelConfig) -> dict:
 
 def _deltanet_dims(m: ModelConfig) -> dict:
     layers = frozenset(i for i in range(m.num_layers) if layer_mixer(m, i) == "gated_deltanet")
-    if not layers:
+    kda = frozenset(i for i in range(m.num_layers) if layer_mixer(m, i) == "kda")
+    if not layers and not kda:
         return {}
-    return dict(deltanet=layers, lin_key_heads=m.linear_num_key_heads, lin_value_heads=m.linear_num_value_heads,
+    return dict(deltanet=layers, kda=kda, lin_key_heads=m.linear_num_key_heads, lin_value_heads=m.linear_num_value_heads,
                 lin_key_dim=m.linear_key_head_dim, lin_value_dim=m.linear_value_head_dim,
                 lin_conv=m.linear_conv_kernel, lin_chunk=m.linear_chunk_size)
 
@@ -207,8 +210,8 @@ def _deltanet_params(d: Dims, pre: str, tp: int) -> list[tuple[str, int, str]]:
     value = d.lin_value_heads * d.lin_value_dim
     return [(f"{pre}.attn.conv_weight", d.lin_conv_size * d.lin_conv // tp, "tp"),
             (f"{pre}.attn.A_log", d.lin_value_heads // tp, "tp"),
-            (f"{pre}.attn.dt_bias", d.lin_value_heads // tp, "tp"),
             (f"{pre}.attn.norm_weight", d.lin_value_dim, "tp_sum"),
+            (f"{pre}.attn.dt_bias", d.lin_value_heads // tp, "tp"),
             (f"{pre}.attn.in_proj.weight", d.lin_in_size * d.hidden // tp, "tp"),
             (f"{pre}.attn.out_proj.weight", d.hidden * value // tp, "tp")]
 
@@ -221,6 +224,22 @@ def _indexer_params(d: Dims, pre: str) -> list[tuple[str, int, str]]:
             (f"{ix}.wk.weight", d.index_dim * d.hidden, "replicated"),
             (f"{ix}.k_norm.weight", d.index_dim, "replicated"), (f"{ix}.k_norm.bias", d.index_dim, "replicated"),
             (f"{ix}.weights_proj.weight", d.index_heads * d.hidden, "replicated")]
+
+
+def _kda_params(d: Dims, pre: str, tp: int, replicated: str) -> list[tuple[str, int, str]]:
+    """One KDA layer's parameters on one tp rank: q|k|v|beta projected like Gated DeltaNet's,
+    a decay per channel (``dt_bias``), the low-rank decay and output-gate projections (their
+    shared down-projection replicated over tp, as MLA's latents)."""
+    nh, width = d.lin_key_heads, d.lin_key_heads * d.lin_key_dim
+    return [(f"{pre}.attn.conv_weight", 3 * width * d.lin_conv // tp, "tp"),
+            (f"{pre}.attn.A_log", nh // tp, "tp"),
+            (f"{pre}.attn.norm_weight", d.lin_key_dim, "tp_sum"),
+            (f"{pre}.attn.dt_bias", width // tp, "tp"),
+            (f"{pre}.attn.in_proj.weight", (3 * width + nh) * d.hidden // tp, "tp"),
+            (f"{pre}.attn.gates_down.weight", 2 * d.lin_key_dim * d.hidden, replicated),
+            (f"{pre}.attn.decay_up.weight", width * d.lin_key_dim // tp, "tp"),
+            (f"{pre}.attn.gate_up.weight", width * d.lin_key_dim // tp, "tp"),
+            (f"{pre}.attn.out_proj.weight", d.hidden * width // tp, "tp")]
 
 
 def _attention_params(d: Dims, pre: str, tp: int, replicated: str) -> list[tuple[str, int, str]]:
@@ -297,7 +316,12 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
 
     def block(pre: str, i: int) -> None:
         add(f"{pre}.attn_norm.weight", d.hidden, replicated)
-        mixer = _deltanet_params(d, pre, tp) if i in d.deltanet else _attention_params(d, pre, tp, replicated)
+        if i in d.deltanet:
+            mixer = _deltanet_params(d, pre, tp)
+        elif i in d.kda:
+            mixer = _kda_params(d, pre, tp, replicated)
+        else:
+            mixer = _attention_params(d, pre, tp, replicated)
         if i in d.indexer:
             mixer += _indexer_params(d, pre)
         for entry in mixer:
@@ -382,6 +406,14 @@ def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None
         # update). The short conv and the gates are element-wise.
         core = d.lin_value_heads * (2 * d.lin_chunk * (d.lin_key_dim + d.lin_value_dim)
                                     + 6 * d.lin_key_dim * d.lin_value_dim)
+    elif layer in d.kda:
+        nh, dk = d.lin_key_heads, d.lin_key_dim
+        # q|k|v|beta, the low-rank decay and gate (down to dk, up to every channel), the output.
+        projections = 2 * h * (3 * nh * dk + nh) + 2 * h * 2 * dk + 2 * 2 * dk * nh * dk + 2 * nh * dk * h
+        # The same chunked rule with a decay per key channel: in-chunk scores weigh each
+        # channel's product by its own decay (counted as the matmul it replaces) and the
+        # state products are Gated DeltaNet's.
+        core = nh * (2 * d.lin_chunk * 2 * dk + 6 * dk * dk)
     else:
         if d.mla:
             projections = sum(2 * rows * cols for _, rows, cols in d.mla)

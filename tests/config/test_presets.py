@@ -15,15 +15,16 @@ WORLDS = {"mixtral-8x7b": 64, "mixtral-8x22b": 128, "qwen2-57b-a14b": 64, "qwen3
           "deepseek-tiny": 1, "deepseek-v3-tiny": 1, "deepseek-v2-lite": 8, "deepseek-v2-lite-tiny": 1,
           "ernie-4.5-21b-a3b": 8, "ernie-4.5-tiny": 1, "minimax-m2": 128, "minimax-m2-tiny": 1,
           "llama4-scout": 64, "llama4-tiny": 1, "gpt-oss-20b": 8, "gpt-oss-tiny": 1,
-          "qwen3-next-80b-a3b": 32, "qwen3-next-tiny": 1, "deepseek-v32": 1024, "deepseek-v32-tiny": 1,
+          "qwen3-next-80b-a3b": 32, "qwen3-next-tiny": 1, "qwen3.5-35b-a3b": 16,
+          "kimi-linear-48b-a3b": 32, "kimi-linear-tiny": 1, "deepseek-v32": 1024, "deepseek-v32-tiny": 1,
           "glm-5": 768, "glm-5-tiny": 1}
 
 # Published sizes in billions (total, active per token): model cards / reports.
 PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141.0, 39.0), "qwen2-57b-a14b": (57.4, 14.2),
              "qwen3-30b-a3b": (30.5, 3.3), "deepseek-v3": (671.0, 37.0), "deepseek-v2-lite": (15.7, 2.4),
              "ernie-4.5-21b-a3b": (21, 3), "minimax-m2": (230.0, 10.0), "llama4-scout": (109.0, 17.0),
-             "gpt-oss-20b": (20.91, 3.61), "qwen3-next-80b-a3b": (80.0, 3), "deepseek-v32": (671.0, 37.0),
-             "glm-5": (744.0, 40.0)}
+             "gpt-oss-20b": (20.91, 3.61), "qwen3-next-80b-a3b": (80.0, 3), "qwen3.5-35b-a3b": (35.0, 3),
+             "kimi-linear-48b-a3b": (48, 3), "deepseek-v32": (671.0, 37.0), "glm-5": (744.0, 40.0)}
 
 # Whose published active count leaves out the input embedding (a lookup, no FLOPs): the
 # DeepSeek-V2 report's 2.4B of V2-Lite (2.66B with it, 2.45B without; the embedding is 8%)
@@ -37,10 +38,14 @@ ACTIVE_WITHOUT_EMBEDDING_AND_HEAD = {"minimax-m2", "qwen3-next-80b-a3b", "glm-5"
 # DeepSeek-V3.2-Exp's card repeats DeepSeek-V3's 671B / 37B: its 61 indexers (0.85B, all
 # active) come on top.
 INDEXERS_NOT_COUNTED = {"deepseek-v32"}
-# The model card gives whole billions, rounded down: ERNIE-4.5-21B-A3B is 21.8B with 3.35B active.
-ROUNDED_DOWN = {"ernie-4.5-21b-a3b"}
-# Only the active count in whole billions, rounded down (Qwen3-Next-80B-A3B: 79.7B total, 3.25B active).
-ACTIVE_ROUNDED_DOWN = {"qwen3-next-80b-a3b"}
+# The model card gives whole billions, rounded down: ERNIE-4.5-21B-A3B is 21.8B with 3.35B active;
+# Kimi-Linear-48B-A3B is 49.12B (transformers' model counts the same) with 3.48B active, its 48B
+# total without the embedding and the head (48.37B).
+ROUNDED_DOWN = {"ernie-4.5-21b-a3b", "kimi-linear-48b-a3b"}
+TOTAL_WITHOUT_EMBEDDING_AND_HEAD = {"kimi-linear-48b-a3b"}
+# Only the active count in whole billions, rounded down (Qwen3-Next-80B-A3B: 79.7B total, 3.25B active;
+# Qwen3.5-35B-A3B: 34.7B total, 3.45B active with the embedding and head).
+ACTIVE_ROUNDED_DOWN = {"qwen3-next-80b-a3b", "qwen3.5-35b-a3b"}
 
 
 def test_every_preset_is_listed_and_validates():
@@ -72,9 +77,14 @@ def _counts(name: str) -> tuple[float, float, float]:
     # the gated norm, out, two block norms.
     deltanet = (H * (2 * key + 2 * value + 2 * m.linear_num_value_heads) + (2 * key + value) * m.linear_conv_kernel
                 + 2 * m.linear_num_value_heads + m.linear_value_head_dim + value * H + 2 * H)
+    # KDA: q|k|v|b in, the low-rank decay and output gate (down to d, up to every channel),
+    # the conv on q|k|v, A_log per head, dt_bias per channel, the gated norm, out, two block norms.
+    d = m.linear_key_head_dim
+    kda = (H * (3 * key + m.linear_num_key_heads) + 2 * d * H + 2 * key * d + 3 * key * m.linear_conv_kernel
+           + m.linear_num_key_heads + key + d + key * H + 2 * H)
     embed = m.vocab_size * H * (1 if m.tie_embeddings else 2) + H
     kinds = m.layer_types or ["attention"] * m.num_layers
-    mixers = sum(deltanet if kind == "gated_deltanet" else attn for kind in kinds)
+    mixers = sum({"gated_deltanet": deltanet, "kda": kda}.get(kind, attn) for kind in kinds)
     total = active = embed + mixers
     no_attn = embed
     for is_moe in moe_layer_flags(c):
@@ -114,6 +124,9 @@ def test_parameter_counts_match_published(name):
         indexer = (m.q_lora_rank * m.index_n_heads * m.index_head_dim + m.hidden_size * m.index_head_dim
                    + 2 * m.index_head_dim + m.hidden_size * m.index_n_heads) * m.num_layers / 1e9
         total, active = total - indexer, active - indexer
+    if name in TOTAL_WITHOUT_EMBEDDING_AND_HEAD:
+        c = load_config(name)
+        total -= 2 * c.model.vocab_size * c.model.hidden_size / 1e9
     if name in ROUNDED_DOWN:
         assert (int(total), int(active)) == (want_total, want_active)
         return
@@ -147,7 +160,7 @@ def test_deepseek_v3_mtp_module_is_the_published_14b():
 @pytest.mark.parametrize("name", ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-tiny",
                                   "deepseek-v3-tiny", "deepseek-v2-lite-tiny", "ernie-4.5-tiny",
                                   "minimax-m2-tiny", "llama4-tiny", "gpt-oss-tiny", "qwen3-next-tiny",
-                                  "deepseek-v32-tiny", "glm-5-tiny"])
+                                  "kimi-linear-tiny", "deepseek-v32-tiny", "glm-5-tiny"])
 def test_tiny_presets_train(tmp_path, name):
     config = load_config(name, [f"train.run_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
                                 "parallel.ep=1", "model.seq_length=32", "train.steps=4", "optimizer.warmup_steps=1",

@@ -54,6 +54,14 @@ QWEN3_NEXT_LAYERS = dict(layer_types=["gated_deltanet", "gated_deltanet", "gated
                          linear_num_value_heads=4, linear_key_head_dim=6, linear_value_head_dim=5,
                          linear_conv_kernel=4, linear_chunk_size=3)
 
+# Kimi-Linear's layers: KDA in three of four layers, MLA without rotary (latent norms eps 1e-6)
+# in the fourth; sigmoid routing with the expert bias, scaled.
+KIMI_LINEAR_LAYERS = dict(layer_types=["kda", "kda", "kda", "attention"], attention="mla", num_kv_heads=4,
+                          kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, rope_layers=[0] * 4,
+                          mla_norm_eps=1e-6, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=6,
+                          linear_value_head_dim=6, linear_conv_kernel=4, linear_chunk_size=3,
+                          moe=dict(score_function="sigmoid", expert_bias=True, scaling_factor=2.5))
+
 # LongCat-Flash's router: 4 zero-computation experts after the 8 held ones, top-3 of the
 # softmax over all 12 plus the expert bias, scaled weights (the bias's update across ranks:
 # tests/dispatch/test_router_parallel.py).
@@ -119,6 +127,12 @@ CASES = {
     "gdn-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), QWEN3_NEXT_LAYERS),
     "gdn-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), QWEN3_NEXT_LAYERS),
     "gdn-tp2-cp2-a2a-ep2-packed": (4, dict(tp=2, cp=2, ep=2, etp=1), 2, dict(cp_kind="a2a"), QWEN3_NEXT_LAYERS),
+    # Kimi-Linear's layers: KDA (per-channel decays; state and conv window passed along cp in
+    # sequence order, reset at documents) and NoPE MLA, under ring and a2a cp, tp + SP, pp, ep.
+    "kda-cp2-ring-packed": (2, dict(cp=2), 2, dict(cp_kind="ring"), KIMI_LINEAR_LAYERS),
+    "kda-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), KIMI_LINEAR_LAYERS),
+    "kda-pp2-cp2-a2a-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="a2a"), KIMI_LINEAR_LAYERS),
+    "kda-tp2-cp2-ring-ep2-packed": (4, dict(tp=2, cp=2, ep=2, etp=1), 2, dict(cp_kind="ring"), KIMI_LINEAR_LAYERS),
     # Zero-computation experts (LongCat-Flash): never dispatched, added where the token is.
     "zero-ep2": (2, dict(ep=2), 2, dict(), LONGCAT_ZERO),
     "zero-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_ZERO),
@@ -397,7 +411,7 @@ def _check(names, results):
         ref = _reference(name)
         assert ref["norms"][0] > MAX_NORM, f"{name}: clipping is not exercised"
         assert ref["losses"][-1] < ref["losses"][0], name
-        # The Gated DeltaNet model is sensitive to rounding: its gated norm rescales each
+        # The Gated DeltaNet and KDA models are sensitive to rounding: the gated norm rescales each
         # head's small output to unit RMS (init grad norm ~200), so float32 sums in another
         # order (SP's reduce-scatter, cp's composed segment states) move its grads by ~1e-5 of
         # their largest, though its layers under tp and cp equal one process to 1e-14 in
@@ -405,8 +419,9 @@ def _check(names, results):
         # by lr times its grad's sign, flipping on grads below 1e-7, so later steps differ by
         # ~1e-2 between any two float32 orders: only its first step is compared, with a
         # tolerance scaled to each tensor's largest grad (with _build's slow decays, a state
-        # not passed along cp, or one segment's state alone passed on, is off by 6,000 times it).
-        gdn = name in LAYER_TYPES
+        # not passed along cp, or one segment's state alone passed on, is off by 6,000 times it;
+        # KDA's own initial decays are slow: softplus(dt_bias) in [1e-3, 0.1] per channel).
+        gdn = name in LAYER_TYPES or name in KDA_LAYERS
         steps, rtol = (1, 1e-4) if gdn else (STEPS, 1e-5)
         for rank, per_rank in enumerate(results):
             got, where = per_rank[i], f"{name} rank {rank}"
@@ -449,17 +464,20 @@ ISSUE_29 = {name for name in CASES if name.startswith("attn-")}
 LAYER_TYPES = {name for name in CASES if name.startswith("gdn-")}
 
 
+KDA_LAYERS = {name for name in CASES if name.startswith("kda-")}
+
+
 ZERO_EXPERTS = {name for name in CASES if name.startswith("zero-")}
 
 
 DSA = {name for name in CASES if name.startswith("dsa-")}
 
 
-def _names(world, issue_20=False, issue_29=False, layer_types=False, zero_experts=False, dsa=False):
+def _names(world, issue_20=False, issue_29=False, layer_types=False, zero_experts=False, kda=False, dsa=False):
     return [name for name, case in CASES.items()
             if case[0] == world and (name in ISSUE_20) == issue_20 and (name in ISSUE_29) == issue_29
             and (name in LAYER_TYPES) == layer_types and (name in ZERO_EXPERTS) == zero_experts
-            and (name in DSA) == dsa]
+            and (name in KDA_LAYERS) == kda and (name in DSA) == dsa]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -490,6 +508,14 @@ def test_gated_deltanet_layers_match_single_process(world):
     """Qwen3-Next's layer types (Gated DeltaNet, gated attention, zero-centred norms) under
     cp (ring and a2a, packed documents), tp + SP, pp and ep."""
     names = _names(world, layer_types=True)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_kda_layers_match_single_process(world):
+    """Kimi-Linear's layer types (KDA, MLA without rotary) under cp (ring and a2a, packed
+    documents), tp + SP, pp and ep."""
+    names = _names(world, kda=True)
     _check(names, run_ranks(_rank, world, names, timeout=400))
 
 

@@ -1,7 +1,8 @@
-"""Gated DeltaNet under context parallelism: each rank keeps its zigzag segments, the conv
-windows and the recurrent states pass along the segments in sequence order
+"""Gated DeltaNet and KDA under context parallelism: each rank keeps its zigzag segments,
+the conv windows and the recurrent states pass along the segments in sequence order
 (moe_fold/parallel/recurrent_cp.py); the outputs, the input gradients and the summed
-parameter gradients equal one process's, with and without packed documents."""
+parameter gradients equal one process's, with and without packed documents. KDA's state
+decays per key channel, and its segment map is still affine in the start state."""
 
 from __future__ import annotations
 
@@ -14,27 +15,35 @@ import torch.distributed as dist
 from moe_fold.config import ModelConfig
 from moe_fold.launch import run_ranks
 from moe_fold.models.gated_deltanet import GatedDeltaNet
+from moe_fold.models.kda import KimiDeltaAttention
 from moe_fold.parallel.context_parallel import zigzag_gather, zigzag_split
 from moe_fold.parallel.varlen import Documents
 
 S, B, H = 24, 2, 20
 
 
-def _config() -> ModelConfig:
-    # Odd sizes; chunks of 4 cut the cp4 segments (3 tokens) and the documents unevenly.
-    return ModelConfig(hidden_size=H, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=6,
-                       linear_value_head_dim=5, linear_conv_kernel=4, linear_chunk_size=4, init_std=0.2)
+# Odd sizes; chunks of 4 cut the cp4 segments (3 tokens) and the documents unevenly.
+# Gated DeltaNet: 2 key heads over 4 value heads of 6/5; KDA: 2 heads of 6.
+LAYERS = {"gated_deltanet": (GatedDeltaNet, dict(linear_num_value_heads=4, linear_value_head_dim=5)),
+          "kda": (KimiDeltaAttention, dict(linear_num_value_heads=2, linear_value_head_dim=6))}
 
 
-def _layer(tp_group, sequence_parallel, **where) -> GatedDeltaNet:
-    """The layer with slow decays (exp(A_log) = 0.05, dt_bias = -2: about 0.01 per token):
-    with the initial decay rates (1 to 16) a segment of 3 to 6 tokens forgets its start
-    state (the transition reaches 1e-17), and a state not passed along cp, or not reset at
-    a document start, would not show."""
-    layer = GatedDeltaNet(_config(), tp_group, sequence_parallel, **where)
+def _config(kind: str) -> ModelConfig:
+    return ModelConfig(hidden_size=H, linear_num_key_heads=2, linear_key_head_dim=6, linear_conv_kernel=4,
+                       linear_chunk_size=4, init_std=0.2, **LAYERS[kind][1])
+
+
+def _layer(kind: str, tp_group, sequence_parallel, **where):
+    """The layer with slow decays (exp(A_log) = 0.05, dt_bias = -2: about 0.01 per token;
+    KDA: per channel, a few channels faster): with the initial decay rates (1 to 16) a
+    segment of 3 to 6 tokens forgets its start state (the transition reaches 1e-17), and a
+    state not passed along cp, or not reset at a document start, would not show."""
+    layer = LAYERS[kind][0](_config(kind), tp_group, sequence_parallel, **where)
     with torch.no_grad():
         layer.A_log.fill_(math.log(0.05))
-        layer.dt_bias.fill_(-2.0)
+        # KDA: the same spread in every head, so a tp rank's heads hold one process's values.
+        layer.dt_bias.copy_(torch.linspace(-3.0, 0.5, 6).repeat(layer.dt_bias.numel() // 6) if kind == "kda" else
+                            torch.full_like(layer.dt_bias, -2.0))
     return layer
 
 
@@ -53,7 +62,7 @@ def _data():
     return torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
 
 
-def _run(layer: GatedDeltaNet, x: torch.Tensor, probe: torch.Tensor, docs):
+def _run(layer, x: torch.Tensor, probe: torch.Tensor, docs):
     x = x.clone().requires_grad_()
     out = layer(x, None, None, docs)
     (out * probe).sum().backward()
@@ -61,21 +70,22 @@ def _run(layer: GatedDeltaNet, x: torch.Tensor, probe: torch.Tensor, docs):
     return out.detach(), x.grad, grads
 
 
-def _rank(rank, world_size, packed):
+def _rank(rank, world_size, kind, packed):
     group = dist.new_group(list(range(world_size)), group_desc="cp")
-    layer = _layer(None, False, seed=3, name="layers.0.attn", cp_group=group)
+    layer = _layer(kind, None, False, seed=3, name="layers.0.attn", cp_group=group)
     x, probe = (zigzag_split(t, rank, world_size, dim=0) for t in _data())
     docs = Documents(_doc_ids(), group) if packed else None
     return _run(layer, x, probe, docs)
 
 
+@pytest.mark.parametrize("kind", list(LAYERS))
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("packed", [False, True])
-def test_cp_equals_one_process(cp, packed):
-    layer = _layer(None, False, seed=3, name="layers.0.attn")
+def test_cp_equals_one_process(kind, cp, packed):
+    layer = _layer(kind, None, False, seed=3, name="layers.0.attn")
     x, probe = _data()
     want_out, want_dx, want_grads = _run(layer, x, probe, Documents(_doc_ids(), None) if packed else None)
-    per_rank = run_ranks(_rank, cp, packed, timeout=120)
+    per_rank = run_ranks(_rank, cp, kind, packed, timeout=120)
     out = zigzag_gather([r[0] for r in per_rank], dim=0)
     dx = zigzag_gather([r[1] for r in per_rank], dim=0)
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
@@ -85,13 +95,14 @@ def test_cp_equals_one_process(cp, packed):
     for name, want in want_grads.items():
         got = sum(r[2][name] for r in per_rank)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"grad of {name}: {m}")
-    print(f"cp{cp} packed={packed}: max |out diff| {float((out - want_out).abs().max()):.2e}, "
+    print(f"{kind} cp{cp} packed={packed}: max |out diff| {float((out - want_out).abs().max()):.2e}, "
           f"max |dx diff| {float((dx - want_dx).abs().max()):.2e}")
 
 
-def test_packed_layer_equals_each_document_alone():
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_packed_layer_equals_each_document_alone(kind):
     """One process: a packed row's outputs are those of each document run alone."""
-    layer = _layer(None, False, seed=3, name="layers.0.attn")
+    layer = _layer(kind, None, False, seed=3, name="layers.0.attn")
     x, _ = _data()
     ids = _doc_ids()
     with torch.no_grad():
@@ -102,24 +113,25 @@ def test_packed_layer_equals_each_document_alone():
             torch.testing.assert_close(packed[cols, :1], alone, rtol=1e-5, atol=1e-6)
 
 
-def _rank64(rank, world_size, split):
+def _rank64(rank, world_size, kind, split):
     group = dist.new_group(list(range(world_size)), group_desc=split)
     tp, cp = (group, None) if split == "tp" else (None, group)
-    layer = _layer(tp, False, seed=3, name="layers.0.attn", cp_group=cp).double()
+    layer = _layer(kind, tp, False, seed=3, name="layers.0.attn", cp_group=cp).double()
     x, probe = (t.double() for t in _data())
     if split == "cp":
         x, probe = (zigzag_split(t, rank, world_size, dim=0) for t in (x, probe))
     return _run(layer, x, probe, Documents(_doc_ids(), cp))
 
 
+@pytest.mark.parametrize("kind", list(LAYERS))
 @pytest.mark.parametrize("split", ["tp", "cp"])
-def test_tp_and_cp_equal_one_process_in_float64(split):
+def test_tp_and_cp_equal_one_process_in_float64(kind, split):
     """In float64 the tp (heads split) and cp (segments in order) layers are one process's
     to rounding: the float32 layout matrix's differences are float32's."""
-    layer = _layer(None, False, seed=3, name="layers.0.attn").double()
+    layer = _layer(kind, None, False, seed=3, name="layers.0.attn").double()
     x, probe = (t.double() for t in _data())
     want_out, want_dx, _ = _run(layer, x, probe, Documents(_doc_ids(), None))
-    per_rank = run_ranks(_rank64, 2, split, timeout=120)
+    per_rank = run_ranks(_rank64, 2, kind, split, timeout=120)
     if split == "cp":
         out = zigzag_gather([r[0] for r in per_rank], dim=0)
         dx = zigzag_gather([r[1] for r in per_rank], dim=0)

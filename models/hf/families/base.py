@@ -31,6 +31,7 @@ METADATA_KEYS = frozenset({
 # one its target family lacks (``config_map``'s feature table says how a config uses each).
 FEATURES = frozenset({
     "mla",  # multi-head latent attention
+    "mla_norm_eps",  # MLA's latent norms with an epsilon of their own
     "qk_norm_scope",  # a QK-norm other than per head (over the projections, or L2)
     "partial_rotary",  # rotary embeddings on part of each head
     "mtp",  # multi-token prediction depths
@@ -323,7 +324,7 @@ def mlp_sources(names: MoeNames) -> Callable[..., dict]:
             out[f"{ours}mlp.router.expert_bias"] = names.expert_bias(block)
         # Ungated shared experts are named whatever their width; a gated one only when it exists.
         if not names.shared_gate or moe.shared_expert_ffn_hidden_size > 0:
-            fc1, fc2 = swiglu(f"{hf}mlp.{names.shared}", "gate_proj", "up_proj", "down_proj",
+            fc1, fc2 = swiglu(f"{block}{names.shared}", "gate_proj", "up_proj", "down_proj",
                               moe.shared_expert_ffn_hidden_size)
             out[f"{ours}mlp.shared_expert.fc1.weight"], out[f"{ours}mlp.shared_expert.fc2.weight"] = fc1, fc2
             if names.shared_gate:

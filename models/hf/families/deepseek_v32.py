@@ -32,7 +32,7 @@ def to_hf(config: Config, flags: list) -> dict:
 
 FAMILY = Family(
     model_type="deepseek_v32", architecture="DeepseekV32ForCausalLM",
-    features=frozenset({"mla", "rope_interleave", "yarn", "dsa"}),
+    features=frozenset({"mla", "mla_norm_eps", "rope_interleave", "yarn", "dsa"}),
     from_hf=from_hf, refusals=refusals, to_hf=to_hf,
     exports=lambda config: config.model.dsa and not config.model.index_rope_interleave, export_priority=15,
     moe_names=MOE_NAMES_BIASED, mixer_sources=dsa_mixer_sources)

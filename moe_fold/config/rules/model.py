@@ -47,13 +47,13 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
     _check_dsa(config, out)
     if p.tp < 1 or p.cp < 1:
         return
-    if m.layer_types is not None and "gated_deltanet" in m.layer_types:
+    if m.layer_types is not None and set(m.layer_types) & set(RECURRENT_TYPES):
         out.extend(linear_heads_over_tp(m.linear_num_key_heads, m.linear_num_value_heads, p.tp))
         # Under cp a segment's conv window reads the tail of the one segment before it.
         if p.cp > 1 and m.seq_length // (2 * p.cp) < m.linear_conv_kernel - 1:
             out.append(f"model.seq_length={m.seq_length} over 2*parallel.cp={2 * p.cp} segments gives "
-                       f"{m.seq_length // (2 * p.cp)} tokens each; Gated DeltaNet's conv window needs at least "
-                       f"model.linear_conv_kernel-1={m.linear_conv_kernel - 1}")
+                       f"{m.seq_length // (2 * p.cp)} tokens each; the short conv window of Gated DeltaNet and "
+                       f"KDA needs at least model.linear_conv_kernel-1={m.linear_conv_kernel - 1}")
     out.extend(heads_over_tp(m.num_heads, m.num_kv_heads, p.tp))
     out.extend(vocab_over_tp(m.vocab_size, p.tp))
     if any_dense:
@@ -77,11 +77,13 @@ def heads_over_tp(num_heads: int, num_kv_heads: int, tp: int) -> list[str]:
     return out
 
 
-LAYER_TYPES = ("attention", "gated_deltanet")
+LAYER_TYPES = ("attention", "gated_deltanet", "kda")
+# The layer types with a short conv and a recurrent state (the linear_* sizes).
+RECURRENT_TYPES = ("gated_deltanet", "kda")
 
 
 def _check_layer_types(m: ModelConfig, out: list[str]) -> None:
-    """Each layer's mixer, Gated DeltaNet's sizes, the output gate and the zero-centred norm."""
+    """Each layer's mixer, Gated DeltaNet's and KDA's sizes, the output gate and the zero-centred norm."""
     if m.layer_types is not None:
         if len(m.layer_types) != m.num_layers:
             out.append(f"model.layer_types has {len(m.layer_types)} entries; it must have one per layer "
@@ -89,13 +91,19 @@ def _check_layer_types(m: ModelConfig, out: list[str]) -> None:
         for i, kind in enumerate(m.layer_types):
             if kind not in LAYER_TYPES:
                 out.append(f"model.layer_types[{i}]={kind!r} must be one of {', '.join(LAYER_TYPES)}")
-        if "gated_deltanet" in m.layer_types:
+        if set(m.layer_types) & set(RECURRENT_TYPES):
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                          "linear_value_head_dim", "linear_conv_kernel", "linear_chunk_size"):
                 _at_least(out, f"model.{name}", getattr(m, name), 1)
             if m.linear_num_key_heads >= 1 and m.linear_num_value_heads % m.linear_num_key_heads:
                 out.append(f"model.linear_num_value_heads={m.linear_num_value_heads} must be a multiple of "
                            f"model.linear_num_key_heads={m.linear_num_key_heads} (a key head serves whole value heads)")
+        if "kda" in m.layer_types:
+            for field, of_key in (("linear_num_value_heads", "linear_num_key_heads"),
+                                  ("linear_value_head_dim", "linear_key_head_dim")):
+                if getattr(m, field) != getattr(m, of_key):
+                    out.append(f"model.{field}={getattr(m, field)} must equal model.{of_key}={getattr(m, of_key)} "
+                               f"with kda layers (KDA's q, k and v heads have one count and one width)")
     if m.attn_output_gate and m.attention == "mla":
         out.append("model.attn_output_gate=true needs model.attention=mha (the gate is projected with the query)")
     if m.norm_zero_centred and m.attention == "mla":
@@ -196,7 +204,7 @@ def _check_attention_features(config: Config, out: list[str]) -> None:
         out.append("model.qk_norm_scope=l2 normalises rotary layers only, but model.rope_layers has none")
     if m.attention == "mla":
         for name, off in (("attention_sinks", False), ("sliding_window", 0), ("attention_chunk", 0),
-                          ("rope_layers", None), ("attn_temperature_tuning", False)):
+                          ("attn_temperature_tuning", False)):
             if getattr(m, name) != off:
                 out.append(f"model.{name}={_fmt(getattr(m, name))} requires model.attention=mha "
                            f"(MLA's attention does not take it)")
