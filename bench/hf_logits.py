@@ -91,8 +91,11 @@ def sizes_of(model) -> str:
         kind = "KDA" if "kda" in m.layer_types else "Gated DeltaNet"
         deltanet = (f" ({kinds}: {kind} {m.linear_num_key_heads}/{m.linear_num_value_heads} x "
                     f"{m.linear_key_head_dim}/{m.linear_value_head_dim})")
+    if m.block == "shortcut_moe":
+        deltanet = " (2 sublayers each)"
+    zero = f" + Z{moe.zero_experts}" if moe.zero_experts else ""
     return (f"V{m.vocab_size} H{m.hidden_size} L{m.num_layers}{deltanet} heads {heads}, "
-            f"E{moe.num_experts} x {moe.ffn_hidden_size} top-{moe.topk}")
+            f"E{moe.num_experts} x {moe.ffn_hidden_size}{zero} top-{moe.topk}")
 
 
 def _import(path, groups):

@@ -16,6 +16,11 @@ Per token ``x [H]``:
   DeepseekV3Attention computes it;
 - output ``W_o [heads * v_head_dim -> H]``.
 
+LongCat-Flash (``model.mla_lora_scale``) multiplies the query by ``sqrt(H / q_lora_rank)``
+and the normed latent ``RMSNorm(c)`` by ``sqrt(H / kv_lora_rank)`` before ``W_ukv``, as
+transformers' LongcatFlashMLA does; ``model.mla_norm_eps`` is the latents' norms' epsilon
+(transformers builds them with 1e-6 whatever ``rms_norm_eps`` is).
+
 Under ``model.rope_interleave`` the rotary dims of a query head and of ``k_rope`` come in
 pairs ``(x0, x1), (x2, x3)...`` (DeepSeek's checkpoints); they are de-interleaved to two
 halves before the rotation, which is then the usual ``rotate_half`` one.
@@ -77,6 +82,10 @@ class MLAttention(nn.Module):
         self.scale = (self.nope + self.rope) ** -0.5 * (yarn.softmax_mscale() if yarn is not None else 1.0)
         std = config.init_std
         eps = config.norm_eps if config.mla_norm_eps is None else config.mla_norm_eps
+        # LongCat-Flash's LoRA scaling; None: none (a multiply by 1 would only cost time).
+        scaled = config.mla_lora_scale
+        self.q_scale = (config.hidden_size / config.q_lora_rank) ** 0.5 if scaled else None
+        self.kv_scale = (config.hidden_size / config.kv_lora_rank) ** 0.5 if scaled else None
         shapes = mla_weight_shapes(config)
         # Replicated over tp: under SP each rank projects its own tokens, so grads add over tp.
         kind = "tp_sum" if sequence_parallel else "replicated"
@@ -123,9 +132,14 @@ class MLAttention(nn.Module):
             q = self.q_up(q_latent)  # [S, B, heads * (nope + rope)]
         else:
             q = self.q(x)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         kv = self.kv_down(x)  # [S_local, B, kv_lora + rope]
         c, k_rope = kv.split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_up(self.kv_norm(c))  # [S, B, heads * (nope + v)]
+        c = self.kv_norm(c)
+        if self.kv_scale is not None:
+            c = c * self.kv_scale
+        kv = self.kv_up(c)  # [S, B, heads * (nope + v)]
         k_rope = self._enter_tp(k_rope)  # [S, B, rope]
         S, B = q.shape[:2]
         q_nope, q_rope = q.view(S, B, self.num_heads, -1).split([self.nope, self.rope], dim=-1)

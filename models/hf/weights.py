@@ -69,6 +69,8 @@ def weight_sources(config: Config, family: str, hf_names: frozenset = frozenset(
 def _layer_sources(config: Config, family: Family, layer: int, hf: str, ours: str, is_moe: bool,
                    hf_names: frozenset) -> dict[str, Source]:
     """The sources of one block's parameters: ours under ``ours``, theirs under ``hf``."""
+    if family.layer_sources is not None:
+        return family.layer_sources(config, layer, hf, ours, hf_names)
     out: dict[str, Source] = {}
     out[f"{ours}attn_norm.weight"] = Take(f"{hf}input_layernorm.weight")
     out[f"{ours}mlp_norm.weight"] = Take(f"{hf}post_attention_layernorm.weight")

@@ -146,8 +146,18 @@ class ModelConfig:
     # moe_fold.kernels.backends (fla on CUDA sm80+ where flash-linear-attention runs, else
     # torch) | torch (the chunked rule of moe_fold.kernels.gated_delta) | fla (pip install 'moe-fold[fla]').
     linear_backend: Literal["auto", "torch", "fla"] = "auto"
+
+    # Block structure and MLA scaling (models/model.py, models/mla.py; LongCat-Flash).
+    # The blocks: standard (attention, then the MLP or MoE; pre-norm residuals) | shortcut_moe
+    # (LongCat-Flash's shortcut-connected MoE: two attention sublayers, each followed by a dense
+    # MLP of width ffn_hidden_size, and an MoE that reads the first sublayer's normed output and
+    # is added at the block's end; every block has it).
+    block: Literal["standard", "shortcut_moe"] = "standard"
+    # MLA: the query times sqrt(hidden_size / q_lora_rank) and the normed key/value latent times
+    # sqrt(hidden_size / kv_lora_rank) (LongCat-Flash's LoRA scaling; needs q_lora_rank).
+    mla_lora_scale: bool = False
     # MLA: epsilon of the latent RMSNorms (of the compressed query and key/value); null:
-    # model.norm_eps. Kimi-Linear's and GLM-5's are 1e-6 under a norm_eps of 1e-5.
+    # model.norm_eps (Kimi-Linear's, LongCat-Flash's and GLM-5's are 1e-6 beside a norm_eps of 1e-5).
     mla_norm_eps: Optional[float] = None
 
     # DeepSeek Sparse Attention (models/dsa.py, docs/attention.md; DeepSeek-V3.2, GLM-5): MLA whose

@@ -118,6 +118,14 @@ class Dims:
     index_dim: int = 0
     index_topk: int = 0
     index_sparse: bool = False  # model.dsa_stage=sparse: the attention core covers the kept keys only
+    # LongCat-Flash's blocks (model.block=shortcut_moe): two attention sublayers, each with a
+    # dense MLP of width ffn, and the MoE.
+    shortcut: bool = False
+
+    @property
+    def sublayers(self) -> int:
+        """Attention sublayers of a model block: 2 in a shortcut_moe block, else 1."""
+        return 2 if self.shortcut else 1
 
     @property
     def lin_in_size(self) -> int:
@@ -173,7 +181,7 @@ def dims(config: Config) -> Dims:
                 qk_norm_scope=m.qk_norm_scope, sinks=m.attention_sinks, replicas=moe.replicas,
                 out_bias=m.attention_out_bias, router_bias=moe.router_bias, zero_experts=moe.zero_experts,
                 expert_linear_bias=moe.expert_linear_bias, output_gate=m.attn_output_gate,
-                **_mla_dims(m), **_deltanet_dims(m), **_dsa_dims(m))
+                shortcut=m.block == "shortcut_moe", **_mla_dims(m), **_deltanet_dims(m), **_dsa_dims(m))
 
 
 def _dsa_dims(m: ModelConfig) -> dict:
@@ -314,7 +322,11 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
     def add(name: str, numel: int, kind: str) -> None:
         out.append(ParamEntry(name, numel, kind))
 
-    def block(pre: str, i: int) -> None:
+    def dense(pre: str) -> None:
+        add(f"{pre}.mlp.fc1.weight", 2 * d.ffn * d.hidden // tp, "tp")
+        add(f"{pre}.mlp.fc2.weight", d.hidden * d.ffn // tp, "tp")
+
+    def mixer_and_norms(pre: str, i: int) -> None:
         add(f"{pre}.attn_norm.weight", d.hidden, replicated)
         if i in d.deltanet:
             mixer = _deltanet_params(d, pre, tp)
@@ -327,6 +339,14 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
         for entry in mixer:
             add(*entry)
         add(f"{pre}.mlp_norm.weight", d.hidden, replicated)
+
+    def block(pre: str, i: int) -> None:
+        if d.shortcut and i < d.layers:  # the sublayers (norms, attention, dense MLP), then the MoE
+            for j in range(d.sublayers):
+                mixer_and_norms(f"{pre}.sublayers.{j}", i)
+                dense(f"{pre}.sublayers.{j}")
+        else:
+            mixer_and_norms(pre, i)
         if d.moe_flags[i]:
             local = d.experts // ep + d.replicas  # expert slots: the copies take memory too
             # A module's own parameters come before its submodules' (the gate first).
@@ -344,8 +364,7 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
                 add(f"{pre}.mlp.shared_expert.fc1.weight", 2 * d.shared_ffn * d.hidden // tp, "tp")
                 add(f"{pre}.mlp.shared_expert.fc2.weight", d.hidden * d.shared_ffn // tp, "tp")
         else:
-            add(f"{pre}.mlp.fc1.weight", 2 * d.ffn * d.hidden // tp, "tp")
-            add(f"{pre}.mlp.fc2.weight", d.hidden * d.ffn // tp, "tp")
+            dense(pre)
 
     last = pp_rank == pp - 1
     # A tied head and the MTP depths read the embedding on the last stage: with pp > 1 it
@@ -392,7 +411,8 @@ def expert_rows_per_token(config: Config) -> float:
 
 def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None = None) -> dict[str, float]:
     """Forward matmul FLOPs per token of ``layer``, by part: ``attention`` (projections),
-    ``core`` (scores and context over the full sequence), ``mlp`` (dense), ``router``,
+    ``core`` (scores and context over the full sequence), ``mlp`` (dense; a shortcut_moe
+    block's two attention sublayers and two dense MLPs count twice), ``router``,
     ``experts`` (``rows_per_token`` rows, default :func:`expert_rows_per_token`),
     ``shared`` (shared expert and its gate)."""
     d = dims(config)
@@ -428,8 +448,10 @@ def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None
             # scores: every query against every key, per head, then the weighted head sum.
             projections += 2 * (d.q_lora * d.index_heads * d.index_dim + h * d.index_dim + h * d.index_heads)
             core += 2 * d.seq * d.index_heads * (d.index_dim + 1)
-    out = {"attention": projections, "core": core,
-           "mlp": 0.0, "router": 0.0, "experts": 0.0, "shared": 0.0}
+    # A shortcut_moe block: two attention sublayers, each with a dense MLP, beside its MoE.
+    sublayers = d.sublayers if layer < d.layers else 1
+    out = {"attention": sublayers * projections, "core": sublayers * core,
+           "mlp": 6 * h * d.ffn * (sublayers if d.shortcut else 0), "router": 0.0, "experts": 0.0, "shared": 0.0}
     if d.moe_flags[layer]:
         rows = expert_rows_per_token(config) if rows_per_token is None else rows_per_token
         out["router"] = 2 * h * (d.experts + d.zero_experts)
@@ -526,6 +548,8 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     (``topk`` per token, the etp group's rows on every etp rank): the gathered rows ``aH``
     each, fc1 output ``2aF_e/etp``, SwiGLU output ``aF_e/etp``; the shared expert like a
     dense MLP, and its output ``aH`` when gated.
+    A shortcut_moe block keeps two attention sublayers' and two dense MLPs' tensors besides
+    its MoE's (the dense MLPs are not recomputed).
     Recompute keeps only the inputs of what reruns: ``full`` a dense block's input ``aH``,
     an MoE block's attention input and the experts' and shared expert's inputs;
     ``moe`` the experts' and shared expert's inputs; ``expert_act`` drops the SwiGLU output.
@@ -539,11 +563,14 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     else:
         attention = (a * h + a * h * g + a * (2 * d.q_size + 2 * d.kv_size) * g / tp
                      + 4 * d.heads * g / tp + a * d.q_size * g / tp)
+    mlp = a * h + a * h * g + 3 * a * d.ffn * g / tp
     if not d.moe_flags[layer]:
-        mlp = a * h + a * h * g + 3 * a * d.ffn * g / tp
         return a * h if recompute == "full" else attention + mlp
     if recompute == "full":
         attention = a * h
+    # A shortcut_moe block: a second attention sublayer, and a dense MLP after each (not recomputed).
+    sublayers = d.sublayers if layer < d.layers else 1
+    attention = sublayers * attention + (sublayers * mlp if d.shortcut and layer < d.layers else 0.0)
     rb = router_bytes(config)
     routed = rb * h + 3 * rb * d.experts
     rows = expert_rows_per_token(config) * etp

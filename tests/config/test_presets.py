@@ -16,7 +16,8 @@ WORLDS = {"mixtral-8x7b": 64, "mixtral-8x22b": 128, "qwen2-57b-a14b": 64, "qwen3
           "ernie-4.5-21b-a3b": 8, "ernie-4.5-tiny": 1, "minimax-m2": 128, "minimax-m2-tiny": 1,
           "llama4-scout": 64, "llama4-tiny": 1, "gpt-oss-20b": 8, "gpt-oss-tiny": 1,
           "qwen3-next-80b-a3b": 32, "qwen3-next-tiny": 1, "qwen3.5-35b-a3b": 16,
-          "kimi-linear-48b-a3b": 32, "kimi-linear-tiny": 1, "deepseek-v32": 1024, "deepseek-v32-tiny": 1,
+          "kimi-linear-48b-a3b": 32, "kimi-linear-tiny": 1,
+          "longcat-flash": 1024, "longcat-flash-tiny": 1, "deepseek-v32": 1024, "deepseek-v32-tiny": 1,
           "glm-5": 768, "glm-5-tiny": 1}
 
 # Published sizes in billions (total, active per token): model cards / reports.
@@ -24,12 +25,15 @@ PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141.0, 39.0), "qwen
              "qwen3-30b-a3b": (30.5, 3.3), "deepseek-v3": (671.0, 37.0), "deepseek-v2-lite": (15.7, 2.4),
              "ernie-4.5-21b-a3b": (21, 3), "minimax-m2": (230.0, 10.0), "llama4-scout": (109.0, 17.0),
              "gpt-oss-20b": (20.91, 3.61), "qwen3-next-80b-a3b": (80.0, 3), "qwen3.5-35b-a3b": (35.0, 3),
-             "kimi-linear-48b-a3b": (48, 3), "deepseek-v32": (671.0, 37.0), "glm-5": (744.0, 40.0)}
+             "kimi-linear-48b-a3b": (48, 3),
+             "longcat-flash": (560.0, 27.0), "deepseek-v32": (671.0, 37.0), "glm-5": (744.0, 40.0)}
 
 # Whose published active count leaves out the input embedding (a lookup, no FLOPs): the
 # DeepSeek-V2 report's 2.4B of V2-Lite (2.66B with it, 2.45B without; the embedding is 8%)
-# and the gpt-oss model card's 3.61B active of gpt-oss-20b.
-ACTIVE_WITHOUT_INPUT_EMBEDDING = {"deepseek-v2-lite", "gpt-oss-20b"}
+# and the gpt-oss model card's 3.61B active of gpt-oss-20b. LongCat-Flash's 27B on average
+# (at balance 8 of its 12 slots on held experts; 12 x 512/768) likewise: its report's range
+# 18.6B-31.3B (no slot or every slot on a held expert) is ours, 19.5B-32.2B, less the 0.8B embedding.
+ACTIVE_WITHOUT_INPUT_EMBEDDING = {"deepseek-v2-lite", "gpt-oss-20b", "longcat-flash"}
 # MiniMax counts M2's 10B active parameters without the embedding and the head: 9.8B
 # without them, 11.0B with them (they are 1.2B of it).
 # Qwen3-Next-80B-A3B's 3B active likewise: 3.25B without them, 3.87B with them.
@@ -84,16 +88,21 @@ def _counts(name: str) -> tuple[float, float, float]:
            + m.linear_num_key_heads + key + d + key * H + 2 * H)
     embed = m.vocab_size * H * (1 if m.tie_embeddings else 2) + H
     kinds = m.layer_types or ["attention"] * m.num_layers
-    mixers = sum({"gated_deltanet": deltanet, "kda": kda}.get(kind, attn) for kind in kinds)
+    # LongCat-Flash's shortcut_moe blocks: two attention sublayers, each with a dense MLP.
+    sublayers = 2 if m.block == "shortcut_moe" else 1
+    mixers = sublayers * sum({"gated_deltanet": deltanet, "kda": kda}.get(kind, attn) for kind in kinds)
+    if m.block == "shortcut_moe":
+        mixers += 2 * m.num_layers * 3 * H * m.ffn_hidden_size
     total = active = embed + mixers
     no_attn = embed
     for is_moe in moe_layer_flags(c):
         if is_moe:
             shared = 3 * H * moe.shared_expert_ffn_hidden_size + (H if moe.shared_expert_gate else 0)
-            router = moe.num_experts * (H + moe.router_bias)
+            router = (moe.num_experts + moe.zero_experts) * (H + moe.router_bias)
             expert = 3 * H * moe.ffn_hidden_size + (2 * moe.ffn_hidden_size + H) * moe.expert_linear_bias
+            held = moe.topk * moe.num_experts / (moe.num_experts + moe.zero_experts)  # zero experts hold nothing
             total += moe.num_experts * expert + shared + router
-            active += moe.topk * expert + shared + router
+            active += held * expert + shared + router
             no_attn += moe.num_experts * expert + shared + router
         else:
             dense = 3 * H * m.ffn_hidden_size
@@ -160,7 +169,8 @@ def test_deepseek_v3_mtp_module_is_the_published_14b():
 @pytest.mark.parametrize("name", ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-tiny",
                                   "deepseek-v3-tiny", "deepseek-v2-lite-tiny", "ernie-4.5-tiny",
                                   "minimax-m2-tiny", "llama4-tiny", "gpt-oss-tiny", "qwen3-next-tiny",
-                                  "kimi-linear-tiny", "deepseek-v32-tiny", "glm-5-tiny"])
+                                  "kimi-linear-tiny",
+                                  "longcat-flash-tiny", "deepseek-v32-tiny", "glm-5-tiny"])
 def test_tiny_presets_train(tmp_path, name):
     config = load_config(name, [f"train.run_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
                                 "parallel.ep=1", "model.seq_length=32", "train.steps=4", "optimizer.warmup_steps=1",

@@ -72,6 +72,9 @@ LONGCAT_ZERO = dict(moe=dict(zero_experts=4, topk=3, pre_softmax=True, expert_bi
 # layer 2's selections with the layers after them.
 DSA_LAYERS = dict(MLA_MODEL, dsa=True, index_n_heads=3, index_head_dim=6, index_topk=5, dsa_indexer_loss_weight=0.5)
 GLM5_LAYERS = dict(DSA_LAYERS, index_rope_interleave=True, indexer_types=["full", "shared", "full", "shared"])
+# LongCat-Flash's blocks (model.block=shortcut_moe): two MLA sublayers, each with a dense MLP,
+# and the shortcut MoE with its zero experts; MLA's LoRA scaling and latent epsilon.
+LONGCAT_BLOCK = dict(MLA_MODEL, block="shortcut_moe", mla_lora_scale=True, mla_norm_eps=1e-6, **LONGCAT_ZERO)
 
 # name -> (world, layout sizes, micro-batches per rank, parallel config, model overrides).
 # tp > 1 implies SP; etp defaults to tp.
@@ -145,6 +148,10 @@ CASES = {
     "dsa-glm5-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), GLM5_LAYERS),
     "dsa-warmup-tp2-cp2-a2a": (4, dict(tp=2, cp=2), 2, dict(cp_kind="a2a"), dict(DSA_LAYERS,
                                                                                     dsa_stage="dense_warmup")),
+    # LongCat-Flash's shortcut-connected MoE blocks.
+    "longcat-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_BLOCK),
+    "longcat-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), LONGCAT_BLOCK),
+    "longcat-tp2-cp2-a2a-ep2-packed": (4, dict(tp=2, cp=2, ep=2, etp=1), 2, dict(cp_kind="a2a"), LONGCAT_BLOCK),
 }
 
 # Documents (lengths) of each row of the packed global batch; a row's documents fill it.
@@ -473,11 +480,15 @@ ZERO_EXPERTS = {name for name in CASES if name.startswith("zero-")}
 DSA = {name for name in CASES if name.startswith("dsa-")}
 
 
-def _names(world, issue_20=False, issue_29=False, layer_types=False, zero_experts=False, kda=False, dsa=False):
+LONGCAT = {name for name in CASES if name.startswith("longcat-")}
+
+
+def _names(world, issue_20=False, issue_29=False, layer_types=False, zero_experts=False, kda=False, longcat=False,
+           dsa=False):
     return [name for name, case in CASES.items()
             if case[0] == world and (name in ISSUE_20) == issue_20 and (name in ISSUE_29) == issue_29
             and (name in LAYER_TYPES) == layer_types and (name in ZERO_EXPERTS) == zero_experts
-            and (name in KDA_LAYERS) == kda and (name in DSA) == dsa]
+            and (name in KDA_LAYERS) == kda and (name in LONGCAT) == longcat and (name in DSA) == dsa]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -536,6 +547,15 @@ def test_dsa_matches_single_process(world):
     _check(names, run_ranks(_rank, world, names, timeout=400))
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_shortcut_moe_blocks_match_single_process(world):
+    """LongCat-Flash's blocks (two MLA sublayers with their dense MLPs, the shortcut MoE with
+    zero experts) under tp + SP with ep over the tp ranks, pp x ring cp and tp x a2a cp on
+    packed documents."""
+    names = _names(world, longcat=True)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
 @pytest.mark.slow
 def test_eight_rank_cp_and_pp_layouts_match_single_process():
     names = _names(8)
@@ -570,14 +590,15 @@ def test_moe_overlap_matches_no_overlap_and_single_process(world):
 # graph, its collectives torch's functional collectives (cp's a2a and ep's all-to-all with
 # the count exchange's unbacked splits, tp's SP mappings, the router's all-reduces), pp's
 # sends between the compiled blocks. Ring cp is not among them (docs/gpu.md says why).
-COMPILED_CASES = ["cp2-a2a-ep2", "pp2-tied", "tp2-qknorm-projection-partial-rotary"]
+COMPILED_CASES = ["cp2-a2a-ep2", "pp2-tied", "tp2-qknorm-projection-partial-rotary", "longcat-tp2-ep2-etp1"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", COMPILED_CASES)
 def test_compiled_blocks_match_single_process(name):
-    """ep 2 with a2a cp 2, pp 2 with tied embeddings, tp 2 + SP: with every block compiled,
-    one process's losses, grads and grad norms at the matrix's tolerances."""
+    """ep 2 with a2a cp 2, pp 2 with tied embeddings, tp 2 + SP, LongCat-Flash's blocks under
+    tp 2 + SP x ep 2: with every block compiled, one process's losses, grads and grad norms at
+    the matrix's tolerances."""
     _check([name], run_ranks(_rank, 2, [name], compiled=True, timeout=600))
 
 

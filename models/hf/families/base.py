@@ -17,7 +17,7 @@ from ..sources import Cat, Source, Stack, Take
 
 __all__ = ["FEATURES", "METADATA_KEYS", "HFConfigError", "Keys", "Family", "MoeNames", "mlp_sources", "swiglu",
            "rope_theta", "check_window", "num_experts", "common_sizes", "attention_heads", "yarn_rope",
-           "rope_to_hf", "YARN_KEYS", "attention_sources"]
+           "rope_to_hf", "YARN_KEYS", "MLA_NAMES", "mla_sources", "experts_sources", "attention_sources"]
 
 # Keys that do not change what the network computes from token ids.
 METADATA_KEYS = frozenset({
@@ -43,6 +43,7 @@ FEATURES = frozenset({
     "score_on_input",  # the routing prob scales the expert's input
     "layer_types", "attn_output_gate", "norm_zero_centred",  # Qwen3-Next's layers (Gated DeltaNet)
     "zero_experts",  # LongCat-Flash's zero-computation experts
+    "shortcut_moe", "mla_lora_scale", "mla_norm_eps",  # LongCat-Flash's blocks and MLA scaling
     "dsa",  # DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5)
 })
 
@@ -127,7 +128,10 @@ class Family:
       ``import_architectures``: the causal-LM classes accepted on import besides
       ``architecture``;
     - ``model_prefix(hf_names)``: where the language model's tensors live in a checkpoint
-      with tensors ``hf_names`` (export passes none); default ``model.``."""
+      with tensors ``hf_names`` (export passes none); default ``model.``;
+    - ``layer_sources(config, layer, hf, ours, hf_names)``: the Sources of one whole layer,
+      for a family whose layers are not a norm, a mixer, a norm and an MLP (LongCat-Flash's
+      two sublayers and shortcut MoE); None: the weights module's from the two hooks above."""
 
     model_type: str
     architecture: str
@@ -143,6 +147,7 @@ class Family:
     aliases: tuple[str, ...] = ()
     import_architectures: tuple[str, ...] = ()
     model_prefix: Callable[[frozenset], str] = lambda hf_names: "model."
+    layer_sources: Optional[Callable[..., dict]] = None
 
     def __post_init__(self):
         unknown = sorted(set(self.features) - FEATURES)
@@ -282,6 +287,21 @@ def rope_to_hf(m) -> dict:
 
 _T = (1, 0)  # Hugging Face [out, in] <-> our expert layout [in, out]
 
+# Our MLA parameter (under ``attn.``) -> its tensor (under ``self_attn.``); q.weight
+# without q_lora_rank, the three q_* low-rank ones with it.
+MLA_NAMES = {"q.weight": "q_proj.weight", "q_down.weight": "q_a_proj.weight", "q_norm.weight": "q_a_layernorm.weight",
+             "q_up.weight": "q_b_proj.weight", "kv_down.weight": "kv_a_proj_with_mqa.weight",
+             "kv_norm.weight": "kv_a_layernorm.weight", "kv_up.weight": "kv_b_proj.weight",
+             "proj.weight": "o_proj.weight"}
+
+
+def mla_sources(config: Config, attn: str, ours: str) -> dict[str, Source]:
+    """An MLA layer's Sources: ours under ``ours`` (ending ``attn.``), theirs under ``attn``
+    (ending ``self_attn.``)."""
+    query = ("q.weight",) if config.model.q_lora_rank is None else ("q_down.weight", "q_norm.weight", "q_up.weight")
+    return {f"{ours}{name}": Take(f"{attn}{MLA_NAMES[name]}")
+            for name in query + ("kv_down.weight", "kv_norm.weight", "kv_up.weight", "proj.weight")}
+
 
 def swiglu(prefix: str, gate: str, up: str, down: str, ffn: int) -> tuple[Source, Source]:
     """fc1 [gate|up, H] and fc2 of a dense SwiGLU MLP stored as three linears."""
@@ -289,7 +309,7 @@ def swiglu(prefix: str, gate: str, up: str, down: str, ffn: int) -> tuple[Source
     return fc1, Take(f"{prefix}{down}.weight")
 
 
-def _experts(prefix: str, names: tuple[str, str, str], num_experts: int, ffn: int,
+def experts_sources(prefix: str, names: tuple[str, str, str], num_experts: int, ffn: int,
              fused: bool) -> tuple[Source, Source]:
     """fc1 ``[E, H, gate|up]`` and fc2 ``[E, F, H]`` of the routed experts."""
     if fused:
@@ -318,7 +338,7 @@ def mlp_sources(names: MoeNames) -> Callable[..., dict]:
         fused = f"{hf}mlp.experts.gate_up_proj" in hf_names
         block = f"{hf}mlp." if fused else f"{hf}{names.block}"
         out[f"{ours}mlp.router.weight"] = Take(f"{block}gate.weight")
-        out[f"{ours}mlp.experts.fc1"], out[f"{ours}mlp.experts.fc2"] = _experts(
+        out[f"{ours}mlp.experts.fc1"], out[f"{ours}mlp.experts.fc2"] = experts_sources(
             block, names.experts, moe.num_experts, moe.ffn_hidden_size, fused)
         if names.expert_bias is not None:
             out[f"{ours}mlp.router.expert_bias"] = names.expert_bias(block)
@@ -334,13 +354,6 @@ def mlp_sources(names: MoeNames) -> Callable[..., dict]:
     return sources
 
 
-# Our MLA parameter (under ``attn.``) -> its tensor (under ``self_attn.``); q.weight
-# without q_lora_rank, the three q_* low-rank ones with it.
-_MLA = {"q.weight": "q_proj.weight", "q_down.weight": "q_a_proj.weight", "q_norm.weight": "q_a_layernorm.weight",
-        "q_up.weight": "q_b_proj.weight", "kv_down.weight": "kv_a_proj_with_mqa.weight",
-        "kv_norm.weight": "kv_a_layernorm.weight", "kv_up.weight": "kv_b_proj.weight", "proj.weight": "o_proj.weight"}
-
-
 def attention_sources(config: Config, layer: int, hf: str, ours: str) -> dict[str, Source]:
     """The sources of a standard or MLA attention layer's parameters (ours under
     ``ours + "attn."``, theirs under ``hf + "self_attn."``)."""
@@ -350,9 +363,7 @@ def attention_sources(config: Config, layer: int, hf: str, ours: str) -> dict[st
     out: dict[str, Source] = {}
     attn = f"{hf}self_attn."
     if m.attention == "mla":
-        query = ("q.weight",) if m.q_lora_rank is None else ("q_down.weight", "q_norm.weight", "q_up.weight")
-        for name in query + ("kv_down.weight", "kv_norm.weight", "kv_up.weight", "proj.weight"):
-            out[f"{ours}attn.{name}"] = Take(f"{attn}{_MLA[name]}")
+        out.update(mla_sources(config, attn, f"{ours}attn."))
     else:
         out[f"{ours}attn.qkv.weight"] = Cat(0, tuple(Take(f"{attn}{p}_proj.weight") for p in "qkv"), (q, kv, kv))
         out[f"{ours}attn.proj.weight"] = Take(f"{attn}o_proj.weight")

@@ -3,6 +3,8 @@ MLA and the rotary scaling."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ..derived import MLA_SIZES, head_dim, vpp_size
 from ..schema import Config, ModelConfig, _fmt
 from .common import _at_least, _divisible, _positive, rule
@@ -108,6 +110,44 @@ def _check_layer_types(m: ModelConfig, out: list[str]) -> None:
         out.append("model.attn_output_gate=true needs model.attention=mha (the gate is projected with the query)")
     if m.norm_zero_centred and m.attention == "mla":
         out.append("model.norm_zero_centred=true needs model.attention=mha (MLA's latent norms are not zero-centred)")
+
+
+BLOCKS = ("standard", "shortcut_moe")
+
+
+@rule
+def shortcut_moe_block(block: str, moe_flags: list, layer_types: Optional[list], mtp_num_layers: int) -> list[str]:
+    """model.block=shortcut_moe (LongCat-Flash): every block holds its MoE, both sublayers'
+    mixers are attention, and no MTP depth (a standard block) follows."""
+    if block != "shortcut_moe":
+        return []
+    out: list[str] = []
+    if not all(moe_flags):
+        out.append(f"model.block=shortcut_moe needs an MoE in every block, but the MoE layers are "
+                   f"{[int(f) for f in moe_flags]} (set moe.moe_layer_freq=1 and moe.first_k_dense=0)")
+    if layer_types is not None and set(layer_types) != {"attention"}:
+        out.append(f"model.layer_types={_fmt(layer_types)} cannot run with model.block=shortcut_moe: its two "
+                   f"sublayers are attention")
+    if mtp_num_layers > 0:
+        out.append(f"model.mtp_num_layers={mtp_num_layers} cannot run with model.block=shortcut_moe: an MTP depth "
+                   f"is a standard block")
+    return out
+
+
+def _check_block(config: Config, moe_flags: Optional[list], out: list[str]) -> None:
+    """The block kind and MLA's LoRA scaling and latent epsilon."""
+    m = config.model
+    if moe_flags is not None:
+        out.extend(shortcut_moe_block(m.block, moe_flags, m.layer_types, m.mtp_num_layers))
+    if m.mla_lora_scale and (m.attention != "mla" or m.q_lora_rank is None):
+        out.append(f"model.mla_lora_scale=true needs model.attention=mla with a model.q_lora_rank (it scales the "
+                   f"query's and the key/value's low-rank latents), not attention={m.attention}, "
+                   f"q_lora_rank={_fmt(m.q_lora_rank)}")
+    if m.mla_norm_eps is not None:
+        if m.attention != "mla":
+            out.append(f"model.mla_norm_eps={_fmt(m.mla_norm_eps)} is set but model.attention={m.attention} "
+                       f"(it is the epsilon of MLA's latent norms)")
+        _positive(out, "model.mla_norm_eps", m.mla_norm_eps)
 
 
 @rule
@@ -231,6 +271,8 @@ def _check_dsa(config: Config, out: list[str]) -> None:
         out.append(f"model.dsa_indexer_loss_weight={_fmt(m.dsa_indexer_loss_weight)} must be >= 0")
     if m.layer_types is not None and any(t != "attention" for t in m.layer_types):
         out.append(f"model.dsa=true needs attention on every layer; model.layer_types={m.layer_types}")
+    if m.block != "standard":
+        out.append(f"model.block={m.block} is not supported with model.dsa=true (DSA runs in standard blocks)")
     if p.dynamic_cp:
         out.append("parallel.dynamic_cp=true is not supported with model.dsa=true: a DSA layer gathers its keys "
                    "over the whole parallel.cp group")
