@@ -55,6 +55,7 @@ def test_dsa_config_validates():
     (dict(dsa=False, indexer_types=["full"] * 4), "model.indexer_types=['full', 'full', 'full', 'full'] is set but "
                                                   "model.dsa=false"),
     (dict(mla_norm_eps=0.0), "model.mla_norm_eps=0.0 must be > 0"),
+    (dict(block="shortcut_moe"), "model.block=shortcut_moe is not supported with model.dsa=true"),
     (dict(dsa_stage="warm"), "model.dsa_stage=warm must be one of dense_warmup, sparse"),
 ])
 def test_dsa_config_rules(change, message):
