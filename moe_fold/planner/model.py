@@ -111,6 +111,13 @@ class Dims:
     lin_value_dim: int = 0
     lin_conv: int = 0
     lin_chunk: int = 0
+    # DSA (model.dsa): the blocks with a lightning indexer (block indices as moe_flags; a GLM-5
+    # shared layer has none), its heads and width, and the keys each query keeps.
+    indexer: frozenset[int] = frozenset()
+    index_heads: int = 0
+    index_dim: int = 0
+    index_topk: int = 0
+    index_sparse: bool = False  # model.dsa_stage=sparse: the attention core covers the kept keys only
     # LongCat-Flash's blocks (model.block=shortcut_moe): two attention sublayers, each with a
     # dense MLP of width ffn, and the MoE.
     shortcut: bool = False
@@ -174,7 +181,17 @@ def dims(config: Config) -> Dims:
                 qk_norm_scope=m.qk_norm_scope, sinks=m.attention_sinks, replicas=moe.replicas,
                 out_bias=m.attention_out_bias, router_bias=moe.router_bias, zero_experts=moe.zero_experts,
                 expert_linear_bias=moe.expert_linear_bias, output_gate=m.attn_output_gate,
-                shortcut=m.block == "shortcut_moe", **_mla_dims(m), **_deltanet_dims(m))
+                shortcut=m.block == "shortcut_moe", **_mla_dims(m), **_deltanet_dims(m), **_dsa_dims(m))
+
+
+def _dsa_dims(m: ModelConfig) -> dict:
+    if not m.dsa:
+        return {}
+    types = m.indexer_types
+    blocks = frozenset(i for i in range(m.num_layers + m.mtp_num_layers)
+                       if types is None or i >= m.num_layers or types[i] == "full")
+    return dict(indexer=blocks, index_heads=m.index_n_heads, index_dim=m.index_head_dim, index_topk=m.index_topk,
+                index_sparse=m.dsa_stage == "sparse")
 
 
 def _deltanet_dims(m: ModelConfig) -> dict:
@@ -205,6 +222,16 @@ def _deltanet_params(d: Dims, pre: str, tp: int) -> list[tuple[str, int, str]]:
             (f"{pre}.attn.dt_bias", d.lin_value_heads // tp, "tp"),
             (f"{pre}.attn.in_proj.weight", d.lin_in_size * d.hidden // tp, "tp"),
             (f"{pre}.attn.out_proj.weight", d.hidden * value // tp, "tp")]
+
+
+def _indexer_params(d: Dims, pre: str) -> list[tuple[str, int, str]]:
+    """A DSA layer's lightning indexer: replicated over tp, where every rank scores every
+    query of its (gathered) sequence, so its grads are equal there, not partial."""
+    ix = f"{pre}.attn.indexer"
+    return [(f"{ix}.wq.weight", d.index_heads * d.index_dim * d.q_lora, "replicated"),
+            (f"{ix}.wk.weight", d.index_dim * d.hidden, "replicated"),
+            (f"{ix}.k_norm.weight", d.index_dim, "replicated"), (f"{ix}.k_norm.bias", d.index_dim, "replicated"),
+            (f"{ix}.weights_proj.weight", d.index_heads * d.hidden, "replicated")]
 
 
 def _kda_params(d: Dims, pre: str, tp: int, replicated: str) -> list[tuple[str, int, str]]:
@@ -307,6 +334,8 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
             mixer = _kda_params(d, pre, tp, replicated)
         else:
             mixer = _attention_params(d, pre, tp, replicated)
+        if i in d.indexer:
+            mixer += _indexer_params(d, pre)
         for entry in mixer:
             add(*entry)
         add(f"{pre}.mlp_norm.weight", d.hidden, replicated)
@@ -412,7 +441,13 @@ def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None
             projections = 2 * h * (d.q_size + 2 * d.kv_size) + 2 * d.q_size * h
         if d.output_gate:  # the sigmoid gate's columns of the q projection
             projections += 2 * h * d.q_size
-        core = 2 * d.seq * (d.q_size + d.out_size)
+        keys = min(d.index_topk, d.seq) if d.index_sparse else d.seq  # DSA: the kept keys (a shared layer's too)
+        core = 2 * keys * (d.q_size + d.out_size)
+        if layer in d.indexer:
+            # The indexer's projections (query from the q latent, key, head weights), and its
+            # scores: every query against every key, per head, then the weighted head sum.
+            projections += 2 * (d.q_lora * d.index_heads * d.index_dim + h * d.index_dim + h * d.index_heads)
+            core += 2 * d.seq * d.index_heads * (d.index_dim + 1)
     # A shortcut_moe block: two attention sublayers, each with a dense MLP, beside its MoE.
     sublayers = d.sublayers if layer < d.layers else 1
     out = {"attention": sublayers * projections, "core": sublayers * core,
