@@ -247,8 +247,10 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
         for kind, nbytes in layer_bytes[r].items():
             out[kind] += nbytes
         stats = 8 * (2 * (d.experts + d.zero_experts) + 1)  # counts, tokens, prob sums (float64), every column
-        if moe.aux_loss_coeff > 0:
-            out["tp_cp"] += _all_reduce(stats, tp * cp)
+        # The per-sequence aux loss packs the same per sequence beside the micro-batch's.
+        packed = (moe.aux_loss_coeff > 0) + (moe.seq_aux_loss_coeff > 0) * config.train.micro_batch_size
+        if packed:
+            out["tp_cp"] += _all_reduce(packed * stats, tp * cp)
         if moe.z_loss_coeff > 0:
             out["tp_cp"] += _all_reduce(16, tp * cp)
         if moe.global_aux_loss_coeff > 0:

@@ -199,7 +199,7 @@ AGREEMENT_CASES = {
     "deepseek-v32": ("deepseek-v32", 1024, ["model.num_layers=16", "moe.first_k_dense=1", "parallel.vpp=null",
                                             "parallel.pp_layers=null", "parallel.pp_schedule=1f1b",
                                             "train.global_batch_size=512"]),
-    "glm-5": ("glm-5", 768, ["model.num_layers=6", "moe.first_k_dense=1", "train.global_batch_size=128"]),
+    "glm-5": ("glm-5", 768, ["model.num_layers=12", "moe.first_k_dense=1", "train.global_batch_size=1024"]),
 }
 
 
