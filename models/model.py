@@ -52,6 +52,7 @@ from .attention import Attention
 from .experts import Experts
 from .gated_deltanet import GatedDeltaNet
 from .kv_cache import LayerCache
+from .mamba2 import Mamba2
 from .mla import MLAttention
 from .mlp import MLP
 from .moe_layer import MoELayer
@@ -77,6 +78,8 @@ class Block(nn.Module):
         where = dict(seed=config.train.seed, name=f"layers.{layer}.attn", cp_group=groups.cp)
         if layer_mixer(m, layer) == "gated_deltanet":
             self.attn = GatedDeltaNet(m, groups.tp, sp, **where)
+        elif layer_mixer(m, layer) == "mamba2":
+            self.attn = Mamba2(m, groups.tp, sp, **where)
         elif m.attention == "mla":
             where["cp_kind"] = config.parallel.cp_kind
             self.attn = MLAttention(m, groups.tp, sp, **where)

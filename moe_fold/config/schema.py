@@ -122,7 +122,7 @@ class ModelConfig:
 
     # Layer types (models/gated_deltanet.py; Qwen3-Next).
     # Each layer's mixer: null attention on every layer, or one name per layer: attention |
-    # gated_deltanet (Gated DeltaNet linear attention).
+    # gated_deltanet (Gated DeltaNet linear attention) | mamba2 (Mamba2's SSD).
     layer_types: Optional[list[str]] = None
     # A sigmoid gate on every attention head's output, projected with the query (Qwen3-Next; mha only).
     attn_output_gate: bool = False
@@ -140,6 +140,24 @@ class ModelConfig:
     linear_conv_kernel: int = 4
     # Gated DeltaNet: tokens per chunk of the chunked delta rule (a speed knob; results do not depend on it).
     linear_chunk_size: int = 64
+
+    # Mamba2 (models/mamba2.py; Nemotron-H): heads, each with its own state.
+    mamba_num_heads: int = 4
+    # Mamba2: per-head width of x (the heads' widths together are the layer's inner width).
+    mamba_head_dim: int = 16
+    # Mamba2: width N of the state per head dim (B and C are N wide per group).
+    mamba_state_size: int = 16
+    # Mamba2: groups of heads sharing B and C (and one group of the gated norm each).
+    mamba_num_groups: int = 1
+    # Mamba2: taps of the depthwise causal conv1d (with a bias) on x, B and C.
+    mamba_conv_kernel: int = 4
+    # Mamba2: tokens per chunk of the chunked SSD (a speed knob; results do not depend on it).
+    mamba_chunk_size: int = 64
+    # Mamba2: the step dt = softplus(in_proj + dt_bias) is clamped below at this value; dt_bias
+    # starts at softplus^-1 of steps drawn log-uniformly from [mamba_dt_min, mamba_dt_max].
+    mamba_dt_min: float = 0.001
+    # Mamba2: the largest step the initial dt_bias gives (see mamba_dt_min).
+    mamba_dt_max: float = 0.1
 
 
 @dataclass

@@ -53,6 +53,12 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
             out.append(f"model.seq_length={m.seq_length} over 2*parallel.cp={2 * p.cp} segments gives "
                        f"{m.seq_length // (2 * p.cp)} tokens each; Gated DeltaNet's conv window needs at least "
                        f"model.linear_conv_kernel-1={m.linear_conv_kernel - 1}")
+    if m.layer_types is not None and "mamba2" in m.layer_types:
+        out.extend(mamba_groups_over_tp(m.mamba_num_groups, p.tp))
+        if p.cp > 1 and m.seq_length // (2 * p.cp) < m.mamba_conv_kernel - 1:
+            out.append(f"model.seq_length={m.seq_length} over 2*parallel.cp={2 * p.cp} segments gives "
+                       f"{m.seq_length // (2 * p.cp)} tokens each; Mamba2's conv window needs at least "
+                       f"model.mamba_conv_kernel-1={m.mamba_conv_kernel - 1}")
     out.extend(heads_over_tp(m.num_heads, m.num_kv_heads, p.tp))
     out.extend(vocab_over_tp(m.vocab_size, p.tp))
     if any_dense:
@@ -76,7 +82,7 @@ def heads_over_tp(num_heads: int, num_kv_heads: int, tp: int) -> list[str]:
     return out
 
 
-LAYER_TYPES = ("attention", "gated_deltanet")
+LAYER_TYPES = ("attention", "gated_deltanet", "mamba2")
 
 
 def _check_layer_types(m: ModelConfig, out: list[str]) -> None:
@@ -95,6 +101,16 @@ def _check_layer_types(m: ModelConfig, out: list[str]) -> None:
             if m.linear_num_key_heads >= 1 and m.linear_num_value_heads % m.linear_num_key_heads:
                 out.append(f"model.linear_num_value_heads={m.linear_num_value_heads} must be a multiple of "
                            f"model.linear_num_key_heads={m.linear_num_key_heads} (a key head serves whole value heads)")
+        if "mamba2" in m.layer_types:
+            for name in ("mamba_num_heads", "mamba_head_dim", "mamba_state_size", "mamba_num_groups",
+                         "mamba_conv_kernel", "mamba_chunk_size"):
+                _at_least(out, f"model.{name}", getattr(m, name), 1)
+            if m.mamba_num_groups >= 1 and m.mamba_num_heads % m.mamba_num_groups:
+                out.append(f"model.mamba_num_heads={m.mamba_num_heads} must be a multiple of "
+                           f"model.mamba_num_groups={m.mamba_num_groups} (a group's B and C serve whole heads)")
+            if not 0 < m.mamba_dt_min <= m.mamba_dt_max:
+                out.append(f"model.mamba_dt_min={_fmt(m.mamba_dt_min)} and model.mamba_dt_max={_fmt(m.mamba_dt_max)} "
+                           f"must satisfy 0 < mamba_dt_min <= mamba_dt_max (the steps dt_bias starts from)")
     if m.attn_output_gate and m.attention == "mla":
         out.append("model.attn_output_gate=true needs model.attention=mha (the gate is projected with the query)")
     if m.norm_zero_centred and m.attention == "mla":
@@ -107,6 +123,14 @@ def linear_heads_over_tp(num_key_heads: int, num_value_heads: int, tp: int) -> l
     out: list[str] = []
     _divisible(out, "model.linear_num_key_heads", num_key_heads, "parallel.tp", tp)
     _divisible(out, "model.linear_num_value_heads", num_value_heads, "parallel.tp", tp)
+    return out
+
+
+@rule
+def mamba_groups_over_tp(num_groups: int, tp: int) -> list[str]:
+    """Each tp rank holds mamba_num_groups/tp Mamba2 groups with their heads."""
+    out: list[str] = []
+    _divisible(out, "model.mamba_num_groups", num_groups, "parallel.tp", tp)
     return out
 
 
