@@ -102,7 +102,7 @@ class Mamba2(nn.Module):
             return self._output(self._decode(xbc, dt, kv_cache), z, x.dtype)
         group = self.cp_group if docs is None else docs.cp_group
         doc_ids = None if docs is None else docs.doc_ids  # [B, S_seq], natural order
-        segments = local_segments(x.shape[0], group)
+        segments = local_segments(xbc.shape[0], group)  # [S_local] gathered over tp under SP
         xbc = F.silu(self._conv(xbc, segments, doc_ids, group))  # [S, B, I + 2GN]
         y = self._recurrence(*self._heads(xbc, dt, x.dtype), segments, doc_ids, group)  # [B, h, S, P]
         return self._output(y, z, x.dtype)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from moe_fold.comm import all_reduce_, gather_from_tp_region
-from moe_fold.config import Config, head_dim, layer_mixer, moe_layer_flags, require, rotary_dim, rotary_pairs, vpp_size
+from moe_fold.config import CHANNEL_MIXERS, Config, head_dim, layer_mixer, moe_layer_flags, require, rotary_dim, rotary_pairs, vpp_size
 from moe_fold.dispatch.aux_losses import attach_loss
 from moe_fold.parallel.context_parallel import zigzag_positions
 from moe_fold.layout import ProcessGroups
@@ -66,27 +66,35 @@ class Block(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
 
     ``mlp`` is the dense :class:`MLP` or an MoE layer: any module taking this rank's
-    tokens ``[T_local, H]`` and returning ``[T_local, H]``.
+    tokens ``[T_local, H]`` and returning ``[T_local, H]``. With
+    ``model.single_mixer_layers`` (Nemotron-H) a block has one of the two: a token mixer
+    without ``mlp`` (None), or an ``mlp`` without ``attn`` (its layer type ``mlp`` or ``moe``).
     """
 
-    def __init__(self, config: Config, groups: ProcessGroups, layer: int, mlp: nn.Module):
+    def __init__(self, config: Config, groups: ProcessGroups, layer: int, mlp: Optional[nn.Module]):
         super().__init__()
         m, sp = config.model, config.parallel.sequence_parallel
         # Under SP each tp rank normalises a different slice of the sequence.
         norm_kind = "tp_sum" if sp else "replicated"
-        self.attn_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind, m.norm_zero_centred)
+        kind = layer_mixer(m, layer)
+        self.attn_norm: Optional[RMSNorm] = None
+        self.attn: Optional[nn.Module] = None
+        if kind not in CHANNEL_MIXERS:
+            self.attn_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind, m.norm_zero_centred)
         where = dict(seed=config.train.seed, name=f"layers.{layer}.attn", cp_group=groups.cp)
-        if layer_mixer(m, layer) == "gated_deltanet":
+        if kind == "gated_deltanet":
             self.attn = GatedDeltaNet(m, groups.tp, sp, **where)
-        elif layer_mixer(m, layer) == "mamba2":
+        elif kind == "mamba2":
             self.attn = Mamba2(m, groups.tp, sp, **where)
+        elif kind in CHANNEL_MIXERS:
+            pass
         elif m.attention == "mla":
             where["cp_kind"] = config.parallel.cp_kind
             self.attn = MLAttention(m, groups.tp, sp, **where)
         else:
             where["cp_kind"] = config.parallel.cp_kind
             self.attn = Attention(m, head_dim(config), groups.tp, sp, **where, layer=layer)
-        self.mlp_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind, m.norm_zero_centred)
+        self.mlp_norm = None if mlp is None else RMSNorm(m.hidden_size, m.norm_eps, norm_kind, m.norm_zero_centred)
         self.mlp = mlp
         # Decided here, not in a forward: whether the attention takes the rotary positions
         # (temperature tuning reads them; MLA and Gated DeltaNet have none), and whether the
@@ -111,10 +119,14 @@ class Block(nn.Module):
                    loss_scale: float) -> torch.Tensor:
         # positions (those of cos/sin): only temperature tuning reads them, which MLA has not.
         extra = {"positions": positions} if self.attn_takes_positions else {}
-        if self.recompute == "attention":
+        if self.attn is None:
+            pass
+        elif self.recompute == "attention":
             x = x + recomputed(self.attn, self.attn_norm(x), cos, sin, docs, kv_cache, **extra)  # [S_local, B, H]
         else:
             x = x + self.attn(self.attn_norm(x), cos, sin, docs, kv_cache, **extra)  # [S_local, B, H]
+        if self.mlp is None:
+            return x
         h = self.mlp_norm(x).flatten(0, 1)  # [S_local*B, H]
         if self.mlp_routes:
             s_local, batch = x.shape[0], x.shape[1]
@@ -130,8 +142,9 @@ class Block(nn.Module):
         return x + h.reshape(x.shape)
 
 
-def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
-    """The MLP of ``layer``: an MoE layer where ``moe_layer_flags`` says so, else dense.
+def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> Optional[nn.Module]:
+    """The MLP of ``layer``: an MoE layer where ``moe_layer_flags`` says so, else dense;
+    None for a token-mixer layer under ``model.single_mixer_layers``.
 
     The MoE layer is built as ``MoELayer(config, groups, layer)`` and called as
     ``mlp(hidden [T_local, H], loss_mask=, seq_ids=, num_seqs=) -> [T_local, H]`` (real
@@ -142,11 +155,13 @@ def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
     are the MTP depths' blocks, of the kind of the last layer.
     """
     flags = moe_layer_flags(config)
+    m = config.model
+    if m.single_mixer_layers and layer_mixer(m, layer) not in CHANNEL_MIXERS:
+        return None
     if flags[min(layer, len(flags) - 1)]:
         return MoELayer(config, groups, layer)
-    m = config.model
     return MLP(m.hidden_size, m.ffn_hidden_size, groups.tp, config.parallel.sequence_parallel,
-               std=m.init_std, seed=config.train.seed, name=f"layers.{layer}.mlp")
+               std=m.init_std, seed=config.train.seed, name=f"layers.{layer}.mlp", activation=m.mlp_activation)
 
 
 def layer_index(name: str, num_layers: int) -> int:

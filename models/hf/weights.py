@@ -53,10 +53,11 @@ def weight_sources(config: Config, family: str, hf_names: frozenset = frozenset(
         return tuple(Take(n) for n in names if not hf_names or n in hf_names)
 
     embed_copies, head_copies = copies("embed_tokens.weight"), copies("shared_head.head.weight")
-    head = Take(f"{model}embed_tokens.weight" if m.tie_embeddings else "lm_head.weight")
-    out: dict[str, Source] = {"embed.weight": Copies((Take(f"{model}embed_tokens.weight"),) + embed_copies
+    embed = f"{model}{target.embed_name}"
+    head = Take(embed if m.tie_embeddings else "lm_head.weight")
+    out: dict[str, Source] = {"embed.weight": Copies((Take(embed),) + embed_copies
                                                      + (head_copies if m.tie_embeddings else ())),
-                              "norm.weight": Take(f"{model}norm.weight")}
+                              "norm.weight": Take(f"{model}{target.final_norm_name}")}
     if not m.tie_embeddings:
         out["lm_head.weight"] = Copies((head,) + head_copies)
     flags = moe_layer_flags(config)
@@ -75,6 +76,8 @@ def weight_sources(config: Config, family: str, hf_names: frozenset = frozenset(
 def _layer_sources(config: Config, family: Family, layer: int, hf: str, ours: str, is_moe: bool,
                    hf_names: frozenset) -> dict[str, Source]:
     """The sources of one block's parameters: ours under ``ours``, theirs under ``hf``."""
+    if family.layer_sources is not None:
+        return family.layer_sources(config, layer, hf, ours, is_moe, hf_names)
     out: dict[str, Source] = {}
     out[f"{ours}attn_norm.weight"] = Take(f"{hf}input_layernorm.weight")
     out[f"{ours}mlp_norm.weight"] = Take(f"{hf}post_attention_layernorm.weight")

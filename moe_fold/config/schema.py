@@ -141,6 +141,14 @@ class ModelConfig:
     # Gated DeltaNet: tokens per chunk of the chunked delta rule (a speed knob; results do not depend on it).
     linear_chunk_size: int = 64
 
+    # Nemotron-H: each layer has one mixer, its model.layer_types entry, under one pre-norm
+    # and residual: attention | gated_deltanet | mamba2 (no MLP after it) | mlp (a dense MLP
+    # alone) | moe (an MoE layer alone; such layers are the MoE layers). False: every layer
+    # is its token mixer, then a dense or MoE MLP (moe.moe_layer_freq).
+    single_mixer_layers: bool = False
+    # The dense MLPs' and shared experts' activation: swiglu (fc1 is gate|up) | relu2
+    # (Nemotron-H: relu(up)^2, not gated; fc1 is the up projection alone).
+    mlp_activation: Literal["swiglu", "relu2"] = "swiglu"
     # Mamba2 (models/mamba2.py; Nemotron-H): heads, each with its own state.
     mamba_num_heads: int = 4
     # Mamba2: per-head width of x (the heads' widths together are the layer's inner width).
@@ -225,8 +233,9 @@ class MoEConfig:
     # gpt-oss's experts (models/experts.py): biases on every routed expert's fc1 (gate|up) and fc2.
     expert_linear_bias: bool = False
     # The routed experts' activation: swiglu | clamped_swiglu (gpt-oss: (clamp(up) + 1) *
-    # g * sigmoid(swiglu_alpha * g), g = min(gate, swiglu_limit); kernels/swiglu.py).
-    activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    # g * sigmoid(swiglu_alpha * g), g = min(gate, swiglu_limit); kernels/swiglu.py) | relu2
+    # (Nemotron-H: relu(up)^2, not gated; fc1 is the up projection alone).
+    activation: Literal["swiglu", "clamped_swiglu", "relu2"] = "swiglu"
     # clamped_swiglu: the gate's sigmoid slope (gpt-oss's alpha).
     swiglu_alpha: float = 1.702
     # clamped_swiglu: the gate is clamped above, and up to +-, this limit.

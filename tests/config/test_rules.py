@@ -109,7 +109,7 @@ RULE_CASES = [
     # Passed validate() and failed in every rank's Router before the rules had one source.
     ("router_settings", ["moe.z_loss_coeff=.inf"], 1, "moe.z_loss_coeff=inf must be finite"),
     ("activation_backend", ["moe.activation=clamped_swiglu", "moe.swiglu_backend=cpu"], 1,
-     "moe.swiglu_backend=cpu with moe.activation=clamped_swiglu: the clamped SwiGLU runs on torch ops only; set "
+     "moe.swiglu_backend=cpu with moe.activation=clamped_swiglu: this activation runs on torch ops only; set "
      "moe.swiglu_backend=torch (or auto)"),
     ("expert_bias_over_etp", ["moe.expert_linear_bias=true", "model.hidden_size=66", "parallel.etp=4",
                               "parallel.ep=4"], 4,

@@ -40,6 +40,7 @@ FEATURES = frozenset({
     "yarn",  # YaRN rotary scaling
     "attention_sinks", "sliding_window", "attention_chunk", "rope_layers", "attn_temperature_tuning",
     "score_on_input",  # the routing prob scales the expert's input
+    "single_mixer_layers", "mlp_activation", "mamba2",  # Nemotron-H's layers
     "layer_types", "attn_output_gate", "norm_zero_centred",  # Qwen3-Next's layers (Gated DeltaNet)
     "zero_experts",  # LongCat-Flash's zero-computation experts
 })
@@ -125,7 +126,12 @@ class Family:
       ``import_architectures``: the causal-LM classes accepted on import besides
       ``architecture``;
     - ``model_prefix(hf_names)``: where the language model's tensors live in a checkpoint
-      with tensors ``hf_names`` (export passes none); default ``model.``."""
+      with tensors ``hf_names`` (export passes none); default ``model.``;
+    - ``layer_sources(config, layer, hf, ours, is_moe, hf_names)``: the Sources of a whole
+      layer, norms included, for a family whose layers are not attention + MLP (default:
+      the norms, ``mixer_sources`` and ``mlp_sources``);
+    - ``embed_name``, ``final_norm_name``: the embedding's and the final norm's tensors
+      under the model prefix."""
 
     model_type: str
     architecture: str
@@ -141,6 +147,9 @@ class Family:
     aliases: tuple[str, ...] = ()
     import_architectures: tuple[str, ...] = ()
     model_prefix: Callable[[frozenset], str] = lambda hf_names: "model."
+    layer_sources: Optional[Callable[..., dict]] = None
+    embed_name: str = "embed_tokens.weight"
+    final_norm_name: str = "norm.weight"
 
     def __post_init__(self):
         unknown = sorted(set(self.features) - FEATURES)

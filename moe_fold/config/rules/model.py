@@ -3,7 +3,7 @@ MLA and the rotary scaling."""
 
 from __future__ import annotations
 
-from ..derived import MLA_SIZES, head_dim
+from ..derived import CHANNEL_MIXERS, MLA_SIZES, head_dim
 from ..schema import Config, ModelConfig, _fmt
 from .common import _at_least, _divisible, _positive, rule
 
@@ -82,7 +82,7 @@ def heads_over_tp(num_heads: int, num_kv_heads: int, tp: int) -> list[str]:
     return out
 
 
-LAYER_TYPES = ("attention", "gated_deltanet", "mamba2")
+LAYER_TYPES = ("attention", "gated_deltanet", "mamba2") + CHANNEL_MIXERS
 
 
 def _check_layer_types(m: ModelConfig, out: list[str]) -> None:
@@ -94,6 +94,10 @@ def _check_layer_types(m: ModelConfig, out: list[str]) -> None:
         for i, kind in enumerate(m.layer_types):
             if kind not in LAYER_TYPES:
                 out.append(f"model.layer_types[{i}]={kind!r} must be one of {', '.join(LAYER_TYPES)}")
+        for i, kind in enumerate(m.layer_types):
+            if kind in CHANNEL_MIXERS and not m.single_mixer_layers:
+                out.append(f"model.layer_types[{i}]={kind!r} is a layer with a channel mixer alone: it needs "
+                           f"model.single_mixer_layers=true")
         if "gated_deltanet" in m.layer_types:
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                          "linear_value_head_dim", "linear_conv_kernel", "linear_chunk_size"):
@@ -111,6 +115,12 @@ def _check_layer_types(m: ModelConfig, out: list[str]) -> None:
             if not 0 < m.mamba_dt_min <= m.mamba_dt_max:
                 out.append(f"model.mamba_dt_min={_fmt(m.mamba_dt_min)} and model.mamba_dt_max={_fmt(m.mamba_dt_max)} "
                            f"must satisfy 0 < mamba_dt_min <= mamba_dt_max (the steps dt_bias starts from)")
+    if m.single_mixer_layers:
+        if m.layer_types is None:
+            out.append("model.single_mixer_layers=true needs model.layer_types (each layer's one mixer)")
+        if m.mtp_num_layers:
+            out.append(f"model.mtp_num_layers={m.mtp_num_layers} with model.single_mixer_layers=true: the MTP "
+                       f"depths' blocks are attention + MLP blocks; set model.mtp_num_layers=0")
     if m.attn_output_gate and m.attention == "mla":
         out.append("model.attn_output_gate=true needs model.attention=mha (the gate is projected with the query)")
     if m.norm_zero_centred and m.attention == "mla":

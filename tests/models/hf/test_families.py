@@ -75,6 +75,11 @@ _HYBRID = dict(vocab_size=VOCAB, hidden_size=48, num_attention_heads=6, num_key_
                shared_expert_intermediate_size=30, linear_num_key_heads=2, linear_num_value_heads=6,
                linear_key_head_dim=6, linear_value_head_dim=5, linear_conv_kernel_dim=4, max_position_embeddings=64)
 
+_NEMOTRON_H = dict(vocab_size=VOCAB, hidden_size=42, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                   intermediate_size=50, mamba_num_heads=6, mamba_head_dim=5, ssm_state_size=7, n_groups=2,
+                   conv_kernel=4, chunk_size=8, n_routed_experts=6, moe_intermediate_size=22,
+                   moe_shared_expert_intermediate_size=30, max_position_embeddings=64)
+
 SPECS = {
     "mixtral": Spec("MixtralConfig", "MixtralForCausalLM", dict(_ODD, num_local_experts=4),
                     {"mixtral_gqa": dict(rope_theta=5e5)}),
@@ -183,6 +188,16 @@ SPECS = {
     "qwen3_5_moe": Spec("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _HYBRID,
                         {"qwen3_5_moe": dict(linear_num_value_heads=4)},
                         matrix_std=0.1, zero_centred=True, exported_by_default=False),
+    # Nemotron-H: 6 Mamba2 heads of 5 in 2 groups (state 7, conv of 4, chunks of 8), attention of 6
+    # heads of 8 over 2 kv heads without rotary, relu2 MLPs of 50, 6 relu2 experts of 22 and a
+    # relu2 shared expert of 30, sigmoid routing with the score correction bias.
+    "nemotron_h": Spec("NemotronHConfig", "NemotronHForCausalLM", _NEMOTRON_H, {
+        # Every mixer: Mamba2, MoE, attention, MLP; top-3 without groups.
+        "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention",
+                                              "moe"], num_experts_per_tok=3),
+        # Attention first, 3 groups of which 2 are picked, scaled probabilities.
+        "nemotron_h_groups": dict(layers_block_type=["full_attention", "moe", "linear_attention", "moe"],
+                                  n_group=3, topk_group=2, num_experts_per_tok=2, routed_scaling_factor=2.5)}),
 }
 
 
@@ -210,7 +225,8 @@ def _mla_read(model, case):
     return (m.attention, m.q_lora_rank, m.kv_lora_rank, m.v_head_dim) == want and _expert_bias_read(1)(model, case)
 
 
-IMPORTED = {"deepseek_v3": _mla_read, "ernie4_5_moe": _expert_bias_read(1), "minimax_m2": _expert_bias_read(0)}
+IMPORTED = {"deepseek_v3": _mla_read, "ernie4_5_moe": _expert_bias_read(1), "minimax_m2": _expert_bias_read(0),
+            "nemotron_h": _expert_bias_read(1)}
 
 
 @pytest.mark.parametrize("family, case", CASES, ids=[f"{f}-{c}" for f, c in CASES])
@@ -302,6 +318,17 @@ REFUSED = [
      HFConfigError),
     ("qwen3_next", "qwen3_next", lambda hf: hf.update(linear_num_value_heads=5),
      "model.linear_num_value_heads=5 must be a multiple of model.linear_num_key_heads=2", BOTH),
+    ("nemotron_h", "nemotron_h", lambda hf: hf.update(moe_latent_size=16),
+     "moe_latent_size=16 is not supported: the latent MoE", HFConfigError),
+    ("nemotron_h", "nemotron_h", lambda hf: hf.update(mlp_hidden_act="silu"), "mlp_hidden_act='silu'", HFConfigError),
+    ("nemotron_h", "nemotron_h", lambda hf: hf.update(tie_word_embeddings=True), "tie_word_embeddings=True",
+     HFConfigError),
+    ("nemotron_h", "nemotron_h", lambda hf: hf.update(use_conv_bias=False), "use_conv_bias=False", HFConfigError),
+    ("nemotron_h", "nemotron_h", lambda hf: hf.update(mamba_proj_bias=True), "mamba_proj_bias=True", HFConfigError),
+    ("nemotron_h", "nemotron_h", lambda hf: hf["layers_block_type"].__setitem__(0, "sliding_attention"),
+     "layers_block_type has ['sliding_attention']", HFConfigError),
+    ("nemotron_h", "nemotron_h", lambda hf: hf.update(n_groups=4), "model.mamba_num_heads=6 must be a multiple of "
+     "model.mamba_num_groups=4", BOTH),
     ("qwen3_5_moe", "qwen3_5_moe", lambda hf: hf["rope_parameters"].update(mrope_section=[2, 1, 1]),
      "rope_parameters.mrope_section=[2, 1, 1] covers 8 rotary dims; head_dim=8 x partial_rotary_factor=0.25 has 2",
      HFConfigError),
