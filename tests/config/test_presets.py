@@ -15,7 +15,7 @@ WORLDS = {"mixtral-8x7b": 64, "mixtral-8x22b": 128, "qwen2-57b-a14b": 64, "qwen3
           "deepseek-tiny": 1, "deepseek-v3-tiny": 1, "deepseek-v2-lite": 8, "deepseek-v2-lite-tiny": 1,
           "ernie-4.5-21b-a3b": 8, "ernie-4.5-tiny": 1, "minimax-m2": 128, "minimax-m2-tiny": 1,
           "llama4-scout": 64, "llama4-tiny": 1, "gpt-oss-20b": 8, "gpt-oss-tiny": 1,
-          "qwen3-next-80b-a3b": 32, "qwen3-next-tiny": 1}
+          "qwen3-next-80b-a3b": 32, "qwen3-next-tiny": 1, "nemotron-h-tiny": 1}
 
 # Published sizes in billions (total, active per token): model cards / reports.
 PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141.0, 39.0), "qwen2-57b-a14b": (57.4, 14.2),
@@ -132,7 +132,8 @@ def test_deepseek_v3_mtp_module_is_the_published_14b():
 
 @pytest.mark.parametrize("name", ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-tiny",
                                   "deepseek-v3-tiny", "deepseek-v2-lite-tiny", "ernie-4.5-tiny",
-                                  "minimax-m2-tiny", "llama4-tiny", "gpt-oss-tiny", "qwen3-next-tiny"])
+                                  "minimax-m2-tiny", "llama4-tiny", "gpt-oss-tiny", "qwen3-next-tiny",
+                                  "nemotron-h-tiny"])
 def test_tiny_presets_train(tmp_path, name):
     config = load_config(name, [f"train.run_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
                                 "parallel.ep=1", "model.seq_length=32", "train.steps=4", "optimizer.warmup_steps=1",

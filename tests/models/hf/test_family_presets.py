@@ -1,4 +1,4 @@
-"""The CPU-sized twins of the DeepSeek-V2-Lite, ERNIE-4.5-MoE, MiniMax-M2 and Qwen3-Next presets:
+"""The CPU-sized twins of the DeepSeek-V2-Lite, ERNIE-4.5-MoE, MiniMax-M2, Qwen3-Next and Nemotron-H presets:
 each trains from the command line, converts to a Hugging Face folder of its family that
 transformers' ``AutoTokenizer`` and ``AutoModelForCausalLM`` load, and ``generate`` gives
 the greedy tokens ``moe-fold sample`` gives (and the same logits at every step)."""
@@ -21,9 +21,12 @@ from tests.models.test_sampling import GREEDY, PROMPT, _ours
 
 # preset -> the Hugging Face class its export loads as
 FAMILIES = {"deepseek-v2-lite-tiny": "DeepseekV2ForCausalLM", "ernie-4.5-tiny": "Ernie4_5_MoeForCausalLM",
-            "minimax-m2-tiny": "MiniMaxM2ForCausalLM", "qwen3-next-tiny": "Qwen3NextForCausalLM"}
+            "minimax-m2-tiny": "MiniMaxM2ForCausalLM", "qwen3-next-tiny": "Qwen3NextForCausalLM",
+            "nemotron-h-tiny": "NemotronHForCausalLM"}
 # A preset's own settings beside SMALL's: its layer types for SMALL's 3 layers.
-OWN = {"qwen3-next-tiny": ["model.layer_types=[gated_deltanet, attention, gated_deltanet]"]}
+OWN = {"qwen3-next-tiny": ["model.layer_types=[gated_deltanet, attention, gated_deltanet]"],
+       "nemotron-h-tiny": ["model.num_layers=4", "model.layer_types=[mamba2, moe, attention, mlp]",
+                           "model.rope_layers=[0, 0, 0, 0]"]}
 
 SMALL = ["model.num_layers=3", "model.seq_length=32", "train.steps=6", "train.save_every=6", "parallel.ep=1",
          "optimizer.warmup_steps=1", "wandb.mode=disabled", "train.micro_batch_size=2", "train.global_batch_size=4"]
