@@ -32,7 +32,11 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   ``4 (heads + kv_heads) g/tp`` (its inputs are views of the qkv output).
 - Dense MLP (:class:`moe_fold.models.mlp.MLP`): gathered input ``aHg``, fc1 output
   ``2aFg/tp`` (silu and the product keep views of it), silu output ``aFg/tp``, fc2 input
-  ``aFg/tp``.
+  ``aFg/tp``. relu2 (Nemotron-H): the input, relu's output ``aFg/tp`` (square reads the
+  same) and fc2's input ``aFg/tp``.
+- Nemotron-H's single-mixer layers: a layer keeps its one mixer's activations and one
+  norm's. A Mamba2 mixer is counted as an attention layer's (its own saved tensors are
+  not modelled yet).
 - MoE layer, router (:class:`moe_fold.dispatch.router.Router`): its input in the router
   dtype ``rb H`` (the norm output itself when ``a == rb``). Plain top-k (no groups, no
   expert bias, no renormalisation floor) is one op (:func:`moe_fold.kernels.topk.topk_scores`)
@@ -52,7 +56,8 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   rows and of the probs, and of the rows on the way back).
 - Experts (:class:`moe_fold.models.experts.Experts`), per held row (``k etp`` per local
   token with balanced routing: the etp group's rows reach every etp rank): fc1 input
-  ``aH``, fc1 output ``2aF/etp``, the row's prob ``rb``, fc2 input ``aF/etp``.
+  ``aH``, fc1 output ``2aF/etp``, the row's prob ``rb``, fc2 input ``aF/etp``; relu2
+  experts keep relu's float32 output and its square ``8F/etp`` instead of fc1's output.
 - Shared expert: a dense MLP of width ``F_s``; with its gate, the gate's input ``aH``
   (the norm output), the sigmoid ``a`` and the shared output ``aH``. The local norm
   output is kept once, by whichever of the router (``a == rb``), the gate or the
@@ -204,8 +209,10 @@ def _attention(config: Config, g: int) -> float:
 
 
 def _mlp(config: Config, ffn: int, g: int) -> float:
-    a, h, tp = _act(config), dims(config).hidden, config.parallel.tp
-    return a * h * g + 4 * a * ffn * g / tp
+    d, a, tp = dims(config), _act(config), config.parallel.tp
+    if not d.gated_mlp:  # relu2: relu keeps its output, square its input (the same), fc2 its input
+        return a * d.hidden * g + 2 * a * ffn * g / tp
+    return a * d.hidden * g + 4 * a * ffn * g / tp
 
 
 def _router(config: Config) -> float:
@@ -235,11 +242,16 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     a, h, rb, etp = _act(config), d.hidden, router_bytes(config), etp_size(config)
     g = p.tp if p.sequence_parallel else 1
     norm = a * h + 4
+    if layer in d.no_mlp:  # a token mixer alone (model.single_mixer_layers)
+        return a * h if recompute == "full" else norm + _attention(config, g)
     if not d.moe_flags[layer]:
         if recompute == "full":
             return a * h
-        return norm + _attention(config, g) + norm + _mlp(config, d.ffn, g)
+        mixer = 0 if layer in d.no_mixer else norm + _attention(config, g)
+        return mixer + norm + _mlp(config, d.ffn, g)
     attention = norm + (a * h if recompute == "full" else _attention(config, g))
+    if layer in d.no_mixer:
+        attention = a * h if recompute == "full" else 0
     k = expert_rows_per_token(config)
     held = k * etp
     dispatch = 16 * k
@@ -273,7 +285,11 @@ def held_row_bytes(config: Config, recompute: str) -> float:
     if recompute in ("full", "moe"):
         experts = a * h + rb
     elif recompute == "expert_act":
-        experts = a * h + 2 * a * d.expert_ffn / etp + rb
+        experts = a * h + (0 if not d.gated_experts else 2 * a * d.expert_ffn / etp) + rb
+    elif not d.gated_experts:
+        # relu2 in float32: relu's output and its square (the prob's product keeps it), and
+        # fc2's input (the product cast back).
+        experts = a * h + (8 + a) * d.expert_ffn / etp + rb
     else:
         experts = a * h + 3 * a * d.expert_ffn / etp + rb
     return experts + (24 if sorts else 0)
