@@ -86,6 +86,11 @@ def sizes_of(model) -> str:
         kinds = "".join("D" if kind == "gated_deltanet" else "A" for kind in m.layer_types)
         deltanet = (f" ({kinds}: Gated DeltaNet {m.linear_num_key_heads}/{m.linear_num_value_heads} x "
                     f"{m.linear_key_head_dim}/{m.linear_value_head_dim})")
+    if m.single_mixer_layers:
+        # Nemotron-H's pattern letters: M Mamba2, * attention, - MLP, E MoE.
+        kinds = "".join({"mamba2": "M", "attention": "*", "mlp": "-", "moe": "E"}[k] for k in m.layer_types)
+        deltanet = (f" ({kinds}: Mamba2 {m.mamba_num_heads} x {m.mamba_head_dim} in {m.mamba_num_groups} groups, "
+                    f"state {m.mamba_state_size})")
     return (f"V{m.vocab_size} H{m.hidden_size} L{m.num_layers}{deltanet} heads {heads}, "
             f"E{moe.num_experts} x {moe.ffn_hidden_size} top-{moe.topk}")
 
