@@ -501,105 +501,76 @@ def all_reduce_(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Te
 
 # --------------------------------------------------------------------------- TP / SP mappings
 
+def _tp_sum(x: torch.Tensor, group: dist.ProcessGroup, traced: bool) -> torch.Tensor:
+    """All-reduce sum into a new tensor: a functional collective under compile."""
+    if traced:
+        return funcol.all_reduce(x.contiguous(), "sum", group)
+    return _raw_all_reduce_(x.clone(memory_format=torch.contiguous_format), group)
+
+
+def _tp_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, traced: bool) -> torch.Tensor:
+    """Equal all-gather along ``dim``: a functional collective under compile."""
+    return (_traced_all_gather if traced else _raw_all_gather)(x, None, dim, group)
+
+
+# Each mapping takes ``traced`` (torch.compiler.is_compiling() at the call) so that one
+# Function serves both eager and compiled blocks: only the collective differs.
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, traced):
+        ctx.group, ctx.traced = group, traced
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _raw_all_reduce_(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+        return _tp_sum(grad, ctx.group, ctx.traced), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return _raw_all_reduce_(x.clone(memory_format=torch.contiguous_format), group)
+    def forward(ctx, x, group, traced):
+        return _tp_sum(x, group, traced)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
+    def forward(ctx, x, group, dim, traced):
+        ctx.group, ctx.dim, ctx.traced = group, dim, traced
         return _own_slice(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _raw_all_gather(grad, None, ctx.dim, ctx.group), None, None
+        return _tp_gather(grad, ctx.dim, ctx.group, ctx.traced), None, None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim):
+    def forward(ctx, x, group, dim, traced):
         ctx.group, ctx.dim = group, dim
-        return _raw_all_gather(x, None, dim, group)
+        return _tp_gather(x, dim, group, traced)
 
     @staticmethod
     def backward(ctx, grad):
-        return _own_slice(grad, ctx.dim, ctx.group), None, None
-
-
-class _TracedCopyToTP(torch.autograd.Function):
-    # _CopyToTP under compile: the backward's all-reduce is a functional collective.
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return funcol.all_reduce(grad.contiguous(), "sum", ctx.group), None
-
-
-class _TracedReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return funcol.all_reduce(x.contiguous(), "sum", group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _TracedScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _own_slice(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _traced_all_gather(grad, None, ctx.dim, ctx.group), None, None
-
-
-class _TracedGatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _traced_all_gather(x, None, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_slice(grad, ctx.dim, ctx.group), None, None
+        return _own_slice(grad, ctx.dim, ctx.group), None, None, None
 
 
 def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a TP region with a replicated input: forward identity, backward all-reduce."""
     if not _active(group):
         return x
-    return (_TracedCopyToTP if torch.compiler.is_compiling() else _CopyToTP).apply(x, group)
+    return _CopyToTP.apply(x, group, torch.compiler.is_compiling())
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Leave a TP region by summing partial outputs: forward all-reduce, backward identity."""
     if not _active(group):
         return x
-    return (_TracedReduceFromTP if torch.compiler.is_compiling() else _ReduceFromTP).apply(x, group)
+    return _ReduceFromTP.apply(x, group, torch.compiler.is_compiling())
 
 
 def gather_from_sequence_region(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
@@ -616,7 +587,7 @@ def scatter_to_sequence_region(x: torch.Tensor, group: Group, dim: int = 0) -> t
     """Replicated -> SP: forward keep this rank's equal slice along ``dim``, backward all-gather."""
     if not _active(group):
         return x
-    return (_TracedScatterToSP if torch.compiler.is_compiling() else _ScatterToSP).apply(x, group, _norm_dim(dim, x))
+    return _ScatterToSP.apply(x, group, _norm_dim(dim, x), torch.compiler.is_compiling())
 
 
 def gather_from_tp_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
@@ -624,7 +595,7 @@ def gather_from_tp_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch
     default), backward keep this rank's slice (the grad is replicated over TP)."""
     if not _active(group):
         return x
-    return (_TracedGatherFromTP if torch.compiler.is_compiling() else _GatherFromTP).apply(x, group, _norm_dim(dim, x))
+    return _GatherFromTP.apply(x, group, _norm_dim(dim, x), torch.compiler.is_compiling())
 
 
 # --------------------------------------------------------------------------- point-to-point

@@ -1,9 +1,8 @@
 """Convert between Hugging Face model folders and moe-fold checkpoints.
 
 The direction follows INPUT:
-  - a Hugging Face folder (config.json + safetensors; Mixtral, Qwen2-MoE, Qwen3-MoE,
-    DeepSeek-V2, DeepSeek-V3, GLM-4.5-MoE, OLMoE, ERNIE-4.5-MoE, MiniMax-M2)
-    becomes a moe-fold checkpoint at OUTPUT/checkpoints/step_000000 (OUTPUT is a run
+  - a Hugging Face folder (config.json + safetensors of a family that
+    docs/families/README.md lists) becomes a moe-fold checkpoint at OUTPUT/checkpoints/step_000000 (OUTPUT is a run
     folder; the checkpoint has config.yaml and no optimizer state);
   - a moe-fold checkpoint (a step_* folder with index.json, or a run folder: its newest
     checkpoint) becomes a Hugging Face folder at OUTPUT that transformers'
@@ -45,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="override one config key, e.g. --set parallel.ep=4 (repeatable)")
     parser.add_argument("--nproc", type=int, default=1, metavar="N", help="local CPU ranks (gloo) to use (default 1)")
-    parser.add_argument("--family", choices=("mixtral", "qwen2_moe", "qwen3_moe"), default=None,
-                        help="moe-fold -> Hugging Face: the model class to write (default: inferred)")
+    parser.add_argument("--family", default=None, metavar="MODEL_TYPE",
+                        help="moe-fold -> Hugging Face: the family to write, a model_type of "
+                             "docs/families/README.md, e.g. qwen3_moe (default: inferred)")
     parser.add_argument("--max-shard-gb", type=float, default=5.0,
                         help="moe-fold -> Hugging Face: largest safetensors file in GiB (default 5)")
     parser.add_argument("--tokenizer", default=None, metavar="SPEC",
@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_fold.training.checkpoint import CheckpointError
     from moe_fold.config import ConfigError, load_config
     from moe_fold.models.hf import HFConfigError, HFWeightError, hf_config
+    from moe_fold.models.hf.families import REGISTRY
 
     def fail(message: str) -> int:
         print(f"moe-fold convert: error: {message}", file=sys.stderr)
@@ -198,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
         direction = _direction(source)
         if direction == "from_hf":
             base = load_config(args.config, args.overrides)
+            if args.family is not None:
+                return fail("--family applies to moe-fold -> Hugging Face only; the Hugging Face folder's "
+                            "config.json names its family")
             if args.tokenizer is not None:
                 return fail("--tokenizer applies to moe-fold -> Hugging Face only; the Hugging Face folder's "
                             "tokenizer.json comes with it")
@@ -207,6 +211,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             if args.config is not None:
                 return fail("--config applies to Hugging Face -> moe-fold only; the checkpoint has its config.yaml")
+            if args.family is not None and args.family not in REGISTRY:
+                return fail(f"--family={args.family} is not a family moe-fold writes; it writes "
+                            f"{', '.join(REGISTRY)}")
             checkpoint = find_checkpoint(source)
             config = load_config(checkpoint / "config.yaml", args.overrides)
             _check_layout(config, args.nproc)

@@ -38,7 +38,8 @@ def test_hf_to_checkpoint_to_hf_keeps_the_logits(tmp_path, capsys, nproc):
     assert "step_000000" in capsys.readouterr().out
     model = _load(tmp_path / "run")
     assert max_diff(our_logits(model, ids), ref) <= TOL
-    assert cli.main(["convert", str(tmp_path / "run"), str(tmp_path / "out"), "--no-progress"]) == 0
+    assert cli.main(["convert", str(tmp_path / "run"), str(tmp_path / "out"), "--no-progress",
+                     "--family", "qwen2_moe"]) == 0
     back = type(ref_model).from_pretrained(tmp_path / "out").eval()
     assert max_diff(hf_logits(back, ids), ref) <= TOL
 
@@ -82,6 +83,25 @@ def test_refusals(tmp_path, capsys):
     assert cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
     assert "hidden_act='gelu'" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_family_is_any_registered_family_and_checked_before_work(tmp_path, capsys):
+    """``--family`` takes every family of the registry (deepseek_v3 among them), refuses one
+    it does not know by listing them, refuses one that cannot hold the model with the
+    family's reason, and means nothing when importing."""
+    from moe_fold.models.hf.families import REGISTRY
+
+    save_hf("mixtral_gqa", tmp_path / "hf")
+    assert cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "run"), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "run2"), "--family", "mixtral"]) == 2
+    assert "--family applies to moe-fold -> Hugging Face only" in capsys.readouterr().err
+    assert cli.main(["convert", str(tmp_path / "run"), str(tmp_path / "out"), "--family", "mixtrall"]) == 2
+    err = capsys.readouterr().err
+    assert "--family=mixtrall" in err and all(name in err for name in REGISTRY)
+    assert cli.main(["convert", str(tmp_path / "run"), str(tmp_path / "out"), "--family", "deepseek_v3"]) == 2
+    assert "deepseek_v3" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "run2").exists()
 
 
 def test_help_has_examples(capsys):

@@ -188,6 +188,41 @@ def _check_tp_mlp(tp, group, seed):
     torch.testing.assert_close(b.grad, rB[cols])
 
 
+def _tp_mappings(x, a, b, w, g, group):
+    """Every TP/SP mapping once, around a column- and row-parallel product; a scalar loss."""
+    pre = comm.copy_to_tp_region(x, group) @ a
+    y = comm.reduce_from_tp_region(torch.relu(pre) @ b, group)
+    xs = comm.scatter_to_sequence_region(x * y, group)
+    pre_sp = comm.gather_from_sequence_region(xs, group) @ a
+    ys = comm.reduce_scatter_to_sequence_region(torch.relu(pre_sp) @ b, group)
+    return (ys * w).sum() + (comm.gather_from_tp_region(pre_sp, group) * g).sum()
+
+
+def _check_compiled_tp_mappings(tp, group, seed):
+    """Under torch.compile (fullgraph, ``aot_eager``) the mappings run as functional
+    collectives: the loss and every grad equal eager's."""
+    import torch._dynamo as dynamo
+
+    me = dist.get_rank(group)
+    gen = torch.Generator().manual_seed(seed)
+    seq, hidden, ffn = 4 * tp, 6, 4 * tp
+    X, A, B = _rand(gen, (seq, hidden)), _rand(gen, (hidden, ffn)), _rand(gen, (ffn, hidden))
+    W, G = _rand(gen, (seq // tp, hidden)), _rand(gen, (seq, ffn))
+    cols = slice(me * ffn // tp, (me + 1) * ffn // tp)
+
+    def run(fn):
+        x, a, b = X.clone().requires_grad_(), A[:, cols].clone().requires_grad_(), B[cols].clone().requires_grad_()
+        loss = fn(x, a, b, W, G, group)
+        loss.backward()
+        return loss.detach(), x.grad, a.grad, b.grad
+
+    want = run(_tp_mappings)
+    dynamo.reset()
+    got = run(torch.compile(_tp_mappings, fullgraph=True, backend="aot_eager"))
+    for name, w, g in zip(("loss", "x.grad", "a.grad", "b.grad"), want, got):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6, msg=lambda m: f"compiled {name}: {m}")
+
+
 def _check_tp_bytes(tp, group, kind):
     x = torch.ones(4 * tp, 3, requires_grad=True)
     nb, n = x.nbytes, tp
@@ -372,6 +407,14 @@ def test_collectives_four_ranks():
     cases = [[[1, 0, 2, 0], [2, 3, 0, 0], [0, 0, 0, 0], [1, 4, 2, 0]], None]
     totals = run_ranks(_program, 4, cases, timeout=90)
     assert len(totals) == 4
+
+
+def _compiled_tp_program(rank, world_size):
+    _check_compiled_tp_mappings(world_size, dist.new_group(list(range(world_size)), group_desc="tp"), seed=90)
+
+
+def test_compiled_tp_mappings_equal_eager():
+    run_ranks(_compiled_tp_program, 2, timeout=300)
 
 
 def test_no_group_is_identity_without_a_process_group():
