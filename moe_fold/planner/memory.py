@@ -35,8 +35,18 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   ``aFg/tp``. relu2 (Nemotron-H): the input, relu's output ``aFg/tp`` (square reads the
   same) and fc2's input ``aFg/tp``.
 - Nemotron-H's single-mixer layers: a layer keeps its one mixer's activations and one
-  norm's. A Mamba2 mixer is counted as an attention layer's (its own saved tensors are
-  not modelled yet).
+  norm's.
+- Mamba2 (:class:`moe_fold.models.mamba2.Mamba2`, the chunked torch SSD; ``I`` heads x
+  head width, ``Cc`` its conv channels, ``h`` heads, ``N`` state, ``P`` head width, ``C``
+  chunk, ``w = 4`` the float32 recurrence; per local token, all but the input over
+  ``g/tp``): the gathered input ``aHg``; under fp32 in_proj's output ``a(2I + 2GN + h)``
+  (z's silu keeps a view of it) and the conv's padded input, its output and SiLU's ``3aCc``;
+  under bf16 ``2aCc`` and x's float32 copy ``wI``; the SSD's B and C per head with their
+  transposed, decayed and sliced copies ``7whN``, x times dt ``wI``, the chunk's decays,
+  scores and their product ``3whC``, the states at chunk edges ``whNP/C``, per-head gates
+  ``6wh`` and masks ``2C``; the gated norm's ``y``, ``silu(z)`` (and z's float32 copy under
+  bf16), their product ``3wI`` (``4wI``), its rsqrt per group, the normed values ``wI``
+  (their bf16 cast ``aI``) and out_proj's input ``aI``.
 - MoE layer, router (:class:`moe_fold.dispatch.router.Router`): its input in the router
   dtype ``rb H`` (the norm output itself when ``a == rb``). Plain top-k (no groups, no
   expert bias, no renormalisation floor) is one op (:func:`moe_fold.kernels.topk.topk_scores`)
@@ -208,6 +218,26 @@ def _attention(config: Config, g: int) -> float:
     return a * d.hidden * g + inside * g / tp
 
 
+def _mamba2(config: Config, g: int) -> float:
+    """A Mamba2 mixer's saved bytes per local token (see the module doc), ``w`` the
+    recurrence's work dtype (float32)."""
+    d, tp, a, w = dims(config), config.parallel.tp, _act(config), 4
+    heads, inner, bc = d.m2_heads, d.m2_inner, d.m2_groups * d.m2_state
+    same = a == w  # the float32 copies are the tensors themselves
+    n, C = d.m2_state, d.m2_chunk
+    local = a * (2 * inner + 2 * bc + heads) if same else 0  # in_proj's output (z's silu keeps a view)
+    local += a * d.m2_conv_size * (3 if same else 2) + (0 if same else w * inner)  # conv, silu; x in float32
+    # The chunked SSD: B and C per head, their transposed / decayed / sliced copies (7 in
+    # all), x times dt, the C x C decays, scores and their product, the chunk-edge states,
+    # the per-head gates and the masks.
+    local += 7 * w * heads * n + w * inner + 3 * w * heads * C + w * heads * n * d.m2_head_dim / C + 6 * w * heads
+    local += 2 * C
+    # The gated norm: y, silu(z) (and z's float32 copy), their product, the per-group rsqrt,
+    # the normed values (float32, or their cast), out_proj's input.
+    local += w * inner * (3 if same else 4) + w * d.m2_groups + (w if same else a) * inner + a * inner
+    return a * d.hidden * g + local * g / tp
+
+
 def _mlp(config: Config, ffn: int, g: int) -> float:
     d, a, tp = dims(config), _act(config), config.parallel.tp
     if not d.gated_mlp:  # relu2: relu keeps its output, square its input (the same), fc2 its input
@@ -242,14 +272,14 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     a, h, rb, etp = _act(config), d.hidden, router_bytes(config), etp_size(config)
     g = p.tp if p.sequence_parallel else 1
     norm = a * h + 4
+    mixer = _mamba2(config, g) if layer in d.mamba else _attention(config, g)
     if layer in d.no_mlp:  # a token mixer alone (model.single_mixer_layers)
-        return a * h if recompute == "full" else norm + _attention(config, g)
+        return a * h if recompute == "full" else norm + mixer
     if not d.moe_flags[layer]:
         if recompute == "full":
             return a * h
-        mixer = 0 if layer in d.no_mixer else norm + _attention(config, g)
-        return mixer + norm + _mlp(config, d.ffn, g)
-    attention = norm + (a * h if recompute == "full" else _attention(config, g))
+        return (0 if layer in d.no_mixer else norm + mixer) + norm + _mlp(config, d.ffn, g)
+    attention = norm + (a * h if recompute == "full" else mixer)
     if layer in d.no_mixer:
         attention = a * h if recompute == "full" else 0
     k = expert_rows_per_token(config)
