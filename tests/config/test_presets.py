@@ -15,18 +15,21 @@ WORLDS = {"mixtral-8x7b": 64, "mixtral-8x22b": 128, "qwen2-57b-a14b": 64, "qwen3
           "deepseek-tiny": 1, "deepseek-v3-tiny": 1, "deepseek-v2-lite": 8, "deepseek-v2-lite-tiny": 1,
           "ernie-4.5-21b-a3b": 8, "ernie-4.5-tiny": 1, "minimax-m2": 128, "minimax-m2-tiny": 1,
           "llama4-scout": 64, "llama4-tiny": 1, "gpt-oss-20b": 8, "gpt-oss-tiny": 1,
-          "qwen3-next-80b-a3b": 32, "qwen3-next-tiny": 1, "nemotron-h-tiny": 1}
+          "qwen3-next-80b-a3b": 32, "qwen3-next-tiny": 1, "nemotron-h-tiny": 1,
+          "nemotron-3-nano-30b-a3b": 16}
 
 # Published sizes in billions (total, active per token): model cards / reports.
 PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141.0, 39.0), "qwen2-57b-a14b": (57.4, 14.2),
              "qwen3-30b-a3b": (30.5, 3.3), "deepseek-v3": (671.0, 37.0), "deepseek-v2-lite": (15.7, 2.4),
              "ernie-4.5-21b-a3b": (21, 3), "minimax-m2": (230.0, 10.0), "llama4-scout": (109.0, 17.0),
-             "gpt-oss-20b": (20.91, 3.61), "qwen3-next-80b-a3b": (80.0, 3)}
+             "gpt-oss-20b": (20.91, 3.61), "qwen3-next-80b-a3b": (80.0, 3),
+             "nemotron-3-nano-30b-a3b": (31.6, 3.2)}
 
 # Whose published active count leaves out the input embedding (a lookup, no FLOPs): the
 # DeepSeek-V2 report's 2.4B of V2-Lite (2.66B with it, 2.45B without; the embedding is 8%)
-# and the gpt-oss model card's 3.61B active of gpt-oss-20b.
-ACTIVE_WITHOUT_INPUT_EMBEDDING = {"deepseek-v2-lite", "gpt-oss-20b"}
+# and the gpt-oss model card's 3.61B active of gpt-oss-20b; Nemotron 3 Nano's 3.2B (3.6B
+# with the embedding).
+ACTIVE_WITHOUT_INPUT_EMBEDDING = {"deepseek-v2-lite", "gpt-oss-20b", "nemotron-3-nano-30b-a3b"}
 # MiniMax counts M2's 10B active parameters without the embedding and the head: 9.8B
 # without them, 11.0B with them (they are 1.2B of it).
 # Qwen3-Next-80B-A3B's 3B active likewise: 3.25B without them, 3.87B with them.
@@ -63,21 +66,33 @@ def _counts(name: str) -> tuple[float, float, float]:
     # the gated norm, out, two block norms.
     deltanet = (H * (2 * key + 2 * value + 2 * m.linear_num_value_heads) + (2 * key + value) * m.linear_conv_kernel
                 + 2 * m.linear_num_value_heads + m.linear_value_head_dim + value * H + 2 * H)
+    # Mamba2: z|x|B|C|dt in, the conv (with its bias) on x|B|C, A_log, D and dt_bias per head,
+    # the gated norm, out, one block norm (a single-mixer layer has one).
+    inner, bc = m.mamba_num_heads * m.mamba_head_dim, m.mamba_num_groups * m.mamba_state_size
+    conv = inner + 2 * bc
+    mamba = (H * (2 * inner + 2 * bc + m.mamba_num_heads) + conv * (m.mamba_conv_kernel + 1)
+             + 3 * m.mamba_num_heads + inner + inner * H + H)
+    if m.single_mixer_layers:
+        attn -= H  # one norm per layer
     embed = m.vocab_size * H * (1 if m.tie_embeddings else 2) + H
     kinds = m.layer_types or ["attention"] * m.num_layers
-    mixers = sum(deltanet if kind == "gated_deltanet" else attn for kind in kinds)
+    per_kind = {"gated_deltanet": deltanet, "mamba2": mamba, "attention": attn, "mlp": H, "moe": H}
+    mixers = sum(per_kind[kind] for kind in kinds)
     total = active = embed + mixers
     no_attn = embed
-    for is_moe in moe_layer_flags(c):
+    mats, expert_mats = (2 if m.mlp_activation == "relu2" else 3), (2 if moe.activation == "relu2" else 3)
+    for i, is_moe in enumerate(moe_layer_flags(c)):
+        if m.single_mixer_layers and kinds[i] not in ("mlp", "moe"):
+            continue
         if is_moe:
-            shared = 3 * H * moe.shared_expert_ffn_hidden_size + (H if moe.shared_expert_gate else 0)
+            shared = mats * H * moe.shared_expert_ffn_hidden_size + (H if moe.shared_expert_gate else 0)
             router = moe.num_experts * (H + moe.router_bias)
-            expert = 3 * H * moe.ffn_hidden_size + (2 * moe.ffn_hidden_size + H) * moe.expert_linear_bias
+            expert = expert_mats * H * moe.ffn_hidden_size + (2 * moe.ffn_hidden_size + H) * moe.expert_linear_bias
             total += moe.num_experts * expert + shared + router
             active += moe.topk * expert + shared + router
             no_attn += moe.num_experts * expert + shared + router
         else:
-            dense = 3 * H * m.ffn_hidden_size
+            dense = mats * H * m.ffn_hidden_size
             total, active, no_attn = total + dense, active + dense, no_attn + dense
     return total / 1e9, active / 1e9, no_attn / 1e9
 

@@ -92,6 +92,7 @@ def from_hf(keys: Keys, config: Config) -> None:
     keys.must_be("attention_dropout", (0.0, 0), "attention has no dropout here")
     keys.must_be("hidden_dropout", (0.0, 0), "the residual stream has no dropout here")
     keys.must_be("sliding_window", (None,), "Nemotron-H's attention is full causal attention here")
+    keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
     latent = keys.get("moe_latent_size", None)
     if latent is not None:
         keys.problems.append(f"moe_latent_size={latent} is not supported: the latent MoE (experts between two "

@@ -767,3 +767,42 @@ def test_qwen3_next_and_qwen3_5_exports_refuse_what_they_cannot_hold(tmp_path):
     with pytest.raises(HFConfigError, match="model.attn_output_gate=false: qwen3_next's attention always has"):
         to_hf(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- Nemotron-H
+
+def test_nemotron_3_nano_dimensions_import_to_our_preset():
+    """Nemotron 3 Nano 30B-A3B's published dimensions (its hybrid_override_pattern and
+    sizes, the rest transformers' defaults), as transformers' NemotronHConfig writes them,
+    import to the nemotron-3-nano-30b-a3b preset."""
+    import transformers
+
+    from moe_fold.models.hf.importer import _architecture_mismatch
+
+    nano = transformers.NemotronHConfig(
+        vocab_size=131072, hidden_size=2688, hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        num_attention_heads=32, num_key_value_heads=2, head_dim=128, intermediate_size=21504, mamba_num_heads=64,
+        mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128, n_routed_experts=128,
+        num_experts_per_tok=6, moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712,
+        routed_scaling_factor=2.5, layer_norm_epsilon=1e-5, max_position_embeddings=262144)
+    ours = load_config("nemotron-3-nano-30b-a3b")
+    assert _architecture_mismatch(ours, config_from_hf(nano.to_dict(), ours)) == []
+
+
+def test_nemotron_h_exports_refuse_what_they_cannot_hold(tmp_path):
+    """Nemotron-H's model refuses other families by field; its own export refuses
+    rotary attention and SwiGLU experts."""
+    model_of("nemotron_h", "nemotron_h").save_pretrained(tmp_path / "hf")
+    model = from_hf(tmp_path / "hf")
+    with pytest.raises(HFConfigError) as err:
+        to_hf(model, tmp_path / "out", family="qwen3_next")
+    for field in ("model.single_mixer_layers=true", "model.mlp_activation=relu2", "no Mamba2 layers"):
+        assert field in str(err.value), field
+    model.config.model.rope_layers = [1] * 6
+    model.config.moe.activation = "swiglu"
+    with pytest.raises(HFConfigError) as err:
+        to_hf(model, tmp_path / "out")
+    for field in ("model.rope_layers=[1, 1, 1, 1, 1, 1]: Nemotron-H's attention has no rotary",
+                  "moe.activation=swiglu: Nemotron-H's experts are relu2"):
+        assert field in str(err.value), field
+    assert not (tmp_path / "out").exists()
