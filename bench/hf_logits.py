@@ -82,17 +82,21 @@ def sizes_of(model) -> str:
     heads = (f"{m.num_heads} MLA" if m.attention == "mla"
              else f"{m.num_heads}/{m.num_kv_heads} x {head_dim(model.config)}")
     deltanet = ""
-    if m.layer_types is not None and "gated_deltanet" in m.layer_types:
-        kinds = "".join("D" if kind == "gated_deltanet" else "A" for kind in m.layer_types)
-        deltanet = (f" ({kinds}: Gated DeltaNet {m.linear_num_key_heads}/{m.linear_num_value_heads} x "
+    if m.layer_types is not None and {"gated_deltanet", "kda"} & set(m.layer_types):
+        kinds = "".join({"gated_deltanet": "D", "kda": "K"}.get(kind, "A") for kind in m.layer_types)
+        kind = "KDA" if "kda" in m.layer_types else "Gated DeltaNet"
+        deltanet = (f" ({kinds}: {kind} {m.linear_num_key_heads}/{m.linear_num_value_heads} x "
                     f"{m.linear_key_head_dim}/{m.linear_value_head_dim})")
+    if m.block == "shortcut_moe":
+        deltanet = " (2 sublayers each)"
+    zero = f" + Z{moe.zero_experts}" if moe.zero_experts else ""
     if m.single_mixer_layers:
         # Nemotron-H's pattern letters: M Mamba2, * attention, - MLP, E MoE.
         kinds = "".join({"mamba2": "M", "attention": "*", "mlp": "-", "moe": "E"}[k] for k in m.layer_types)
         deltanet = (f" ({kinds}: Mamba2 {m.mamba_num_heads} x {m.mamba_head_dim} in {m.mamba_num_groups} groups, "
                     f"state {m.mamba_state_size})")
     return (f"V{m.vocab_size} H{m.hidden_size} L{m.num_layers}{deltanet} heads {heads}, "
-            f"E{moe.num_experts} x {moe.ffn_hidden_size} top-{moe.topk}")
+            f"E{moe.num_experts} x {moe.ffn_hidden_size}{zero} top-{moe.topk}")
 
 
 def _import(path, groups):

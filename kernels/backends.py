@@ -6,7 +6,8 @@ that delegates here):
 - ``gemm`` (:mod:`moe_fold.kernels.gmm`): grouped_gemm | torch | triton | loop;
 - ``permute`` (:mod:`moe_fold.kernels.permute`): torch | triton;
 - ``swiglu`` (:mod:`moe_fold.kernels.swiglu`): torch | triton | cpu (the C loops);
-- ``topk`` (the router, :mod:`moe_fold.dispatch.router`): torch | triton.
+- ``topk`` (the router, :mod:`moe_fold.dispatch.router`): torch | triton;
+- ``delta_rule`` (Gated DeltaNet and KDA, :mod:`moe_fold.kernels.delta_rule`): torch | fla.
 
 :func:`choose` is the rule: device type, CUDA capability, dtype and the optional extras
 that run here in, one backend out, nothing else read. The table it gives (pinned by
@@ -21,6 +22,9 @@ tests/kernels/test_backends.py)::
     cuda sm80+        f32/f16/f64  loop                         triton   triton  triton
     cuda below sm80   any          loop                         torch    torch   torch
     any other device  any          loop                         torch    torch   torch
+
+    delta_rule: fla on cuda sm80+ in float32/bf16/f16 when flash-linear-attention runs there
+    (``pip install 'moe-fold[fla]'``), torch everywhere else (float64 included).
 
 topk is ``torch`` wherever the router groups experts or biases the selection (the kernel
 fuses neither). Why these:
@@ -64,10 +68,15 @@ import torch
 
 from moe_fold.config import choices
 
-# The backends of each op: the choices of moe.<op>_backend other than auto.
-OPS: dict[str, tuple[str, ...]] = {op: choices(f"moe.{op}_backend")[1:] for op in ("gemm", "permute", "swiglu", "topk")}
+from .delta_rule_fla import FLA_INSTALL, fla_function
+
+# The config field of each op's backend.
+CONFIG_FIELDS = {"gemm": "moe.gemm_backend", "permute": "moe.permute_backend", "swiglu": "moe.swiglu_backend",
+                 "topk": "moe.topk_backend", "delta_rule": "model.linear_backend"}
+# The backends of each op: the choices of its field other than auto.
+OPS: dict[str, tuple[str, ...]] = {op: choices(field)[1:] for op, field in CONFIG_FIELDS.items()}
 # Optional packages the rule looks at: chosen when they run, skipped otherwise.
-EXTRAS = ("grouped_gemm",)
+EXTRAS = ("grouped_gemm", "fla")
 GPU_INSTALL = "pip install 'moe-fold[gpu]' (the grouped_gemm package, built against this torch; needs CUDA)"
 # grouped_mm's fast path: bf16bf16_grouped_gemm_impl_sm90_sm100 in torch's GroupMM.cu.
 _GROUPED_MM_MAJORS = (9, 10)
@@ -86,6 +95,9 @@ def choose(op: str, device_type: str, capability: Optional[tuple[int, int]], dty
     groups experts or biases the selection, which the Triton top-k does not fuse."""
     if op not in OPS:
         raise ValueError(f"op={op!r} is not one of {tuple(OPS)}")
+    if op == "delta_rule":
+        on_gpu = device_type == "cuda" and capability is not None and capability[0] >= 8
+        return "fla" if on_gpu and dtype != torch.float64 and "fla" in extras else "torch"
     if device_type == "cpu":
         if op == "gemm":
             return "torch" if dtype in (torch.float32, torch.bfloat16, torch.float16) else "loop"
@@ -140,6 +152,10 @@ def problem(backend: str, device: torch.device) -> Optional[str]:
         return _probe("triton", _probe_device(device), interpret)
     if backend == "grouped_gemm":
         return _probe("grouped_gemm", _probe_device(device), False)
+    if backend == "fla":
+        if device.type != "cuda":
+            return f"flash-linear-attention's Triton kernels run on CUDA tensors, got {device}"
+        return _probe("fla", _probe_device(device), False)
     if backend == "cpu":
         if device.type != "cpu":
             return f"the C kernels run on CPU tensors, got {device}"
@@ -199,7 +215,16 @@ def _tiny_c_swiglu(device: torch.device) -> None:
         raise RuntimeError(f"the C SwiGLU returned {out.tolist()} for silu(0) * 3, not 0")
 
 
-_TINY_CALLS = {"triton": _tiny_triton, "grouped_gemm": _tiny_grouped_gemm, "cpu": _tiny_c_swiglu}
+def _tiny_fla(device: torch.device) -> None:
+    chunk = fla_function("kda")
+    q = torch.ones(1, 4, 1, 16, device=device)
+    o, _ = chunk(q, q, q, torch.zeros(1, 4, 1, 16, device=device), torch.ones(1, 4, 1, device=device), scale=1.0)
+    torch.cuda.synchronize(device)
+    if not bool(torch.isfinite(o).all()):
+        raise RuntimeError("flash-linear-attention's chunk_kda returned non-finite values on a tiny call")
+
+
+_TINY_CALLS = {"triton": _tiny_triton, "grouped_gemm": _tiny_grouped_gemm, "cpu": _tiny_c_swiglu, "fla": _tiny_fla}
 
 
 def resolve(op: str, backend: str, x: torch.Tensor, *, topk_fusable: bool = True) -> str:
@@ -219,19 +244,19 @@ def resolve(op: str, backend: str, x: torch.Tensor, *, topk_fusable: bool = True
 
 # The dtype the expert kernels see under each train.precision (autocast runs them in bf16).
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16-autocast": torch.bfloat16, "bf16": torch.bfloat16}
-CONFIG_FIELDS = {"gemm": "gemm_backend", "permute": "permute_backend", "swiglu": "swiglu_backend",
-                 "topk": "topk_backend"}
 _FIXES = {
     "cpu": "install a C compiler (cc on PATH, or CC=/path/to/compiler), or set moe.swiglu_backend=torch "
            "(the torch SwiGLU rounds differently: the C kernel's exp is a polynomial)",
-    "triton": "install the triton release that matches this torch, or set moe.{field}=torch",
+    "triton": "install the triton release that matches this torch, or set {field}=torch",
     "grouped_gemm": GPU_INSTALL + ", or set moe.gemm_backend=loop",
+    "fla": FLA_INSTALL + ", or set model.linear_backend=torch",
 }
 
 
 def resolve_config(config, device: torch.device):
-    """``config`` with every ``moe.*_backend`` that is ``auto`` replaced by the backend the
-    rule chooses for ``device`` and ``train.precision``, so that the run's saved and printed
+    """``config`` with every ``moe.*_backend`` and ``model.linear_backend`` that is ``auto``
+    replaced by the backend the rule chooses for ``device`` and ``train.precision`` (the
+    delta rule runs in float32 whatever the precision), so that the run's saved and printed
     config names what ran. Raises ConfigError, one line per backend that cannot run on
     ``device`` (the field, the value, why, the fix)."""
     import dataclasses
@@ -242,11 +267,14 @@ def resolve_config(config, device: torch.device):
     device = _probe_device(torch.device(device))
     dtypes = {op: PRECISION_DTYPES[config.train.precision] for op in OPS}
     dtypes["topk"] = torch.float64 if moe.router_dtype == "float64" else torch.float32
+    dtypes["delta_rule"] = torch.float32
     fusable = moe.num_groups is None and not moe.expert_bias
-    resolved, problems = {}, []
+    resolved: dict[str, dict[str, str]] = {"moe": {}, "model": {}}
+    problems = []
     for op, field in CONFIG_FIELDS.items():
-        value = getattr(moe, field)
-        setting = f"moe.{field}={value}"
+        section, name_in_section = field.split(".")
+        value = getattr(getattr(config, section), name_in_section)
+        setting = f"{field}={value}"
         if value == "auto" and op == "swiglu" and moe.activation in ("clamped_swiglu", "relu2"):
             # gpt-oss's clamped SwiGLU and Nemotron-H's relu2 are torch ops only (kernels/swiglu.py).
             name = "torch"
@@ -259,7 +287,8 @@ def resolve_config(config, device: torch.device):
         why = problem(name, device)
         if why is not None:
             problems.append(f"{setting} cannot run here: {why}; fix: {_FIXES[name].format(field=field)}")
-        resolved[field] = name
+        resolved[section][name_in_section] = name
     if problems:
         raise ConfigError(problems)
-    return dataclasses.replace(config, moe=dataclasses.replace(moe, **resolved))
+    return dataclasses.replace(config, moe=dataclasses.replace(moe, **resolved["moe"]),
+                               model=dataclasses.replace(config.model, **resolved["model"]))

@@ -20,7 +20,7 @@ state at every document start.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,8 @@ from torch import nn
 
 from moe_fold.comm import Group, group_rank, group_size
 from moe_fold.config import ModelConfig, linear_heads_over_tp, require
-from moe_fold.kernels.gated_delta import causal_conv1d, chunk_gated_delta_rule
+from moe_fold.kernels.delta_rule import delta_rule
+from moe_fold.kernels.gated_delta import causal_conv1d
 from moe_fold.parallel.recurrent_cp import conv_histories, local_segments, start_states
 from moe_fold.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, global_normal, init_seed, mark, shard_tp,
@@ -49,7 +50,7 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, config: ModelConfig, tp_group: Group, sequence_parallel: bool, *, seed: int, name: str,
                  cp_group: Group = None):
         super().__init__()
-        tp, rank = group_size(tp_group), group_rank(tp_group)
+        tp = group_size(tp_group)
         require(linear_heads_over_tp, config.linear_num_key_heads, config.linear_num_value_heads, tp)
         nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
@@ -57,49 +58,39 @@ class GatedDeltaNet(nn.Module):
         self.cp_group = cp_group
         self.eps = config.norm_eps
         self.chunk_size = config.linear_chunk_size
+        self.rule = delta_rule(config.linear_backend, "gated_delta_rule")
         std = config.init_std
         key, value = nk * self.dk, nv * self.dv
         self.in_proj = ColumnParallelLinear(config.hidden_size, [key, key, value, value, nv, nv], tp_group,
                                             sequence_parallel, std=std, seed=init_seed(seed, f"{name}.in_proj"))
-        conv_parts = [key, key, value]
-        conv = global_normal([sum(conv_parts), config.linear_conv_kernel], config.linear_conv_kernel ** -0.5,
-                             init_seed(seed, f"{name}.conv"))
-        self.conv_weight = mark(nn.Parameter(shard_tp(conv, 0, conv_parts, rank, tp)), "tp", 0, conv_parts)
-        # Decay rates exp(A_log) spread over [1, 16], as Mamba2 and Qwen3-Next draw them.
-        a = torch.rand(nv, generator=torch.Generator().manual_seed(init_seed(seed, f"{name}.A_log"))) * 15 + 1
-        self.A_log = mark(nn.Parameter(shard_tp(a.log(), 0, [nv], rank, tp)), "tp", 0, [nv])
+        self.conv_weight, self.A_log, self.norm_weight, self.out_proj = recurrent_parameters(
+            config, [key, key, value], nv, tp_group, sequence_parallel, seed=seed, name=name)
         self.dt_bias = mark(nn.Parameter(torch.ones(nv // tp)), "tp", 0, [nv])
-        # One norm weight over a head's dims, shared by every head: partial over tp.
-        self.norm_weight = mark(nn.Parameter(torch.ones(self.dv)), "tp_sum")
-        self.out_proj = RowParallelLinear(value, config.hidden_size, tp_group, sequence_parallel,
-                                          std=std, seed=init_seed(seed, f"{name}.out_proj"))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Optional[Documents] = None,
                 kv_cache: Optional[LayerCache] = None) -> torch.Tensor:
         """``x [S_local, B, H] -> [S_local, B, H]``, as attention is called (rotary ``cos``/``sin``
         unused: the recurrence orders tokens itself). ``kv_cache`` (sampling, no cp): the
-        conv window and recurrent state the tokens before these left (:meth:`_decode`)."""
+        conv window and recurrent state the tokens before these left (:func:`conv_delta_rule`)."""
         key, value = self.nk * self.dk, self.nv * self.dv
         q, k, v, z, b, a = self.in_proj(x).split([key, key, value, value, self.nv, self.nv], dim=-1)
-        if kv_cache is not None:
-            return self._output(self._decode(torch.cat([q, k, v], dim=-1), b, a, kv_cache), z, x.dtype)
-        group = self.cp_group if docs is None else docs.cp_group
-        doc_ids = None if docs is None else docs.doc_ids  # [B, S_seq], natural order
-        segments = local_segments(q.shape[0], group)
-        qkv = F.silu(self._conv(torch.cat([q, k, v], dim=-1), segments, doc_ids, group))  # [S, B, 2key+value]
-        o = self._recurrence(*self._heads(qkv, b, a, x.dtype), segments, doc_ids, group)  # [B, nv, S, dv]
+        o = conv_delta_rule(torch.cat([q, k, v], dim=-1), self.conv_weight,
+                            lambda conv: self._heads(conv, b, a, x.dtype), self.rule, self.chunk_size,
+                            docs, self.cp_group, kv_cache)  # [B, nv, S, dv]
         return self._output(o, z, x.dtype)
 
     def _heads(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, dtype: torch.dtype) -> tuple:
-        """The conv's output ``qkv [S, B, 2key+value]`` and ``b``, ``a`` ``[S, B, nv]`` ->
-        ``q, k [B, nv, S, dk]`` (L2-normalised, q scaled), ``v [B, nv, S, dv]``, ``g, beta [B, nv, S]``."""
+        """The conv's output ``qkv [S, B, 2key+value]`` and ``b``, ``a`` ``[S', B, nv]`` (S' >= S:
+        a decode step's padding follows its S real tokens) -> ``q, k [B, nv, S, dk]``
+        (L2-normalised, q scaled), ``v [B, nv, S, dv]``, ``g, beta [B, nv, S]``."""
         key = self.nk * self.dk
         q, k, v = qkv.split([key, key, self.nv * self.dv], dim=-1)
         S, B = q.shape[:2]
+        b, a = b[:S], a[:S]
         # The recurrence runs in float32 (float64 for a float64 model), as fla's kernels do.
         work = torch.float64 if dtype == torch.float64 else torch.float32
-        q = _l2_normalize(q.reshape(S, B, self.nk, self.dk).to(work)) * self.dk ** -0.5
-        k = _l2_normalize(k.reshape(S, B, self.nk, self.dk).to(work))
+        q = l2_normalize(q.reshape(S, B, self.nk, self.dk).to(work)) * self.dk ** -0.5
+        k = l2_normalize(k.reshape(S, B, self.nk, self.dk).to(work))
         # A key head serves value_heads / key_heads consecutive value heads.
         q, k = (t.repeat_interleave(self.nv // self.nk, dim=2) for t in (q, k))  # [S, B, nv, dk]
         v = v.reshape(S, B, self.nv, self.dv)
@@ -118,54 +109,97 @@ class GatedDeltaNet(nn.Module):
         out = (self.norm_weight * normed.to(dtype)).to(o.dtype) * F.silu(z.to(o.dtype))
         return self.out_proj(out.to(dtype).reshape(S, B, self.nv * self.dv))
 
-    def _decode(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, cache: LayerCache) -> torch.Tensor:
-        """Sampling: the new tokens ``qkv [S, B, 2key+value]`` (their first ``cache.new_tokens``
-        real, the rest a decode step's padding) continue from the cache's conv window
-        ``[K-1, B, C]`` and state ``[B, nv, dk, dv]`` (zeros before the first step), which
-        they replace with those after the real tokens. The padding's outputs are zeros."""
-        n, K = cache.new_tokens, self.conv_weight.shape[1]
-        real = qkv[:n]
-        conv = F.silu(causal_conv1d(real, self.conv_weight, cache.conv))
-        cache.conv = _tail(real if cache.conv is None else torch.cat([cache.conv, real]), K - 1)
-        q, k, v, g, beta = self._heads(conv, b[:n], a[:n], qkv.dtype)
-        o, cache.state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=cache.state,
-                                                chunk_size=self.chunk_size)
-        return F.pad(o, (0, 0, 0, qkv.shape[0] - n))  # [B, nv, S, dv]
 
-    def _conv(self, x: torch.Tensor, segments: list, doc_ids: Optional[torch.Tensor], group: Group) -> torch.Tensor:
-        """The causal conv of each local segment, its window reaching into the segment
-        before (another rank's under cp), never across a document start."""
-        K = self.conv_weight.shape[1]
-        tails = torch.stack([_tail(x[lo:hi], K - 1) for lo, hi, _ in segments])  # [n, K-1, B, C]
-        histories = conv_histories(tails, group)
-        outs = []
-        for (lo, hi, index), history in zip(segments, histories):
-            ids = None if doc_ids is None else _window_ids(doc_ids, index * (hi - lo), hi - lo, K - 1)
-            outs.append(causal_conv1d(x[lo:hi], self.conv_weight, history, ids))
-        return torch.cat(outs, dim=0)
-
-    def _recurrence(self, q, k, v, g, beta, segments: list, doc_ids: Optional[torch.Tensor],
-                    group: Group) -> torch.Tensor:
-        """The gated delta rule over this rank's segments, each from the state the
-        segments before it leave (a prefix scan over cp)."""
-        parts = [tuple(t[:, :, lo:hi] for t in (q, k, v, g, beta)) for lo, hi, _ in segments]
-        resets = [None if doc_ids is None else _resets(doc_ids, index * (hi - lo), hi - lo)
-                  for lo, hi, index in segments]
-        if group_size(group) == 1:
-            return chunk_gated_delta_rule(*parts[0], resets=resets[0], chunk_size=self.chunk_size)[0]
-        eye = torch.eye(self.dk, dtype=q.dtype, device=q.device).expand(q.shape[0], self.nv, -1, -1)
-        writes, transitions = [], []
-        for (qs, ks, vs, gs, bs), r in zip(parts, resets):
-            writes.append(chunk_gated_delta_rule(qs, ks, vs, gs, bs, r, chunk_size=self.chunk_size)[1])
-            # The map's linear part: the end state from the identity, nothing written.
-            zero_v = vs.new_zeros(*vs.shape[:-1], self.dk)
-            transitions.append(chunk_gated_delta_rule(qs, ks, zero_v, gs, bs, r, eye, self.chunk_size)[1])
-        starts = start_states(torch.stack(transitions), torch.stack(writes), group)
-        return torch.cat([chunk_gated_delta_rule(*p, resets=r, initial_state=s, chunk_size=self.chunk_size)[0]
-                          for p, r, s in zip(parts, resets, starts)], dim=2)
+def recurrent_parameters(config: ModelConfig, conv_parts: list[int], heads: int, tp_group: Group,
+                         sequence_parallel: bool, *, seed: int, name: str) -> tuple:
+    """What Gated DeltaNet and KDA hold alike: the conv weight ``[sum(conv_parts), K]``
+    (channels split by ``conv_parts`` over tp), ``A_log [heads]`` (split over tp), the
+    output norm's weight ``[dv]`` (shared by every head: its grad is partial over tp) and
+    the output projection ``[H, heads*dv]``."""
+    tp, rank = group_size(tp_group), group_rank(tp_group)
+    K = config.linear_conv_kernel
+    conv = global_normal([sum(conv_parts), K], K ** -0.5, init_seed(seed, f"{name}.conv"))
+    conv_weight = mark(nn.Parameter(shard_tp(conv, 0, conv_parts, rank, tp)), "tp", 0, conv_parts)
+    # Decay rates exp(A_log) spread over [1, 16], as Mamba2, Qwen3-Next and Kimi-Linear draw them.
+    a = torch.rand(heads, generator=torch.Generator().manual_seed(init_seed(seed, f"{name}.A_log"))) * 15 + 1
+    A_log = mark(nn.Parameter(shard_tp(a.log(), 0, [heads], rank, tp)), "tp", 0, [heads])
+    norm_weight = mark(nn.Parameter(torch.ones(config.linear_value_head_dim)), "tp_sum")
+    out_proj = RowParallelLinear(heads * config.linear_value_head_dim, config.hidden_size, tp_group,
+                                 sequence_parallel, std=config.init_std, seed=init_seed(seed, f"{name}.out_proj"))
+    return conv_weight, A_log, norm_weight, out_proj
 
 
-def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
+def conv_delta_rule(qkv: torch.Tensor, conv_weight: torch.Tensor, heads: Callable, rule: Callable, chunk_size: int,
+                    docs: Optional[Documents], cp_group: Group, cache: Optional[LayerCache]) -> torch.Tensor:
+    """The recurrent core of Gated DeltaNet and KDA: the depthwise causal conv of
+    ``qkv [S_local, B, C]`` (``conv_weight [C, K]``), SiLU, then the delta rule ``rule``
+    (:func:`moe_fold.kernels.delta_rule.delta_rule`'s choice) on ``heads(conv) -> (q, k, v,
+    g, beta)`` (:func:`~moe_fold.kernels.gated_delta.chunk_gated_delta_rule`'s arguments) ->
+    ``o [B, heads, S_local, dv]``. Over this rank's cp segments with packed documents reset,
+    or, when sampling (``cache``), continuing from the cache."""
+    if cache is not None:
+        return _decode_recurrence(qkv, conv_weight, cache, heads, rule, chunk_size)
+    group = cp_group if docs is None else docs.cp_group
+    doc_ids = None if docs is None else docs.doc_ids  # [B, S_seq], natural order
+    segments = local_segments(qkv.shape[0], group)
+    conv = F.silu(_segment_conv(qkv, conv_weight, segments, doc_ids, group))
+    return _segment_delta_rule(*heads(conv), segments, doc_ids, group, rule, chunk_size)
+
+
+def _decode_recurrence(qkv: torch.Tensor, conv_weight: torch.Tensor, cache: LayerCache, heads: Callable,
+                       rule: Callable, chunk_size: int) -> torch.Tensor:
+    """Sampling: the new tokens ``qkv [S, B, C]`` (their first ``cache.new_tokens`` real, the
+    rest a decode step's padding) continue from the cache's conv window ``[K-1, B, C]`` and
+    state ``[B, heads, dk, dv]`` (zeros before the first step), which they replace with
+    those after the real tokens. ``heads(conv)``: the real tokens' ``q, k, v, g, beta`` from
+    their conv output. Returns ``o [B, heads, S, dv]``, zeros for the padding."""
+    n, K = cache.new_tokens, conv_weight.shape[1]
+    real = qkv[:n]
+    conv = F.silu(causal_conv1d(real, conv_weight, cache.conv))
+    cache.conv = _tail(real if cache.conv is None else torch.cat([cache.conv, real]), K - 1)
+    o, cache.state = rule(*heads(conv), initial_state=cache.state, chunk_size=chunk_size)
+    return F.pad(o, (0, 0, 0, qkv.shape[0] - n))
+
+
+def _segment_conv(x: torch.Tensor, weight: torch.Tensor, segments: list, doc_ids: Optional[torch.Tensor],
+                 group: Group) -> torch.Tensor:
+    """The causal conv (``weight [C, K]``) of each local segment of ``x [S, B, C]``, its
+    window reaching into the segment before (another rank's under cp), never across a
+    document start."""
+    K = weight.shape[1]
+    tails = torch.stack([_tail(x[lo:hi], K - 1) for lo, hi, _ in segments])  # [n, K-1, B, C]
+    histories = conv_histories(tails, group)
+    outs = []
+    for (lo, hi, index), history in zip(segments, histories):
+        ids = None if doc_ids is None else _window_ids(doc_ids, index * (hi - lo), hi - lo, K - 1)
+        outs.append(causal_conv1d(x[lo:hi], weight, history, ids))
+    return torch.cat(outs, dim=0)
+
+
+def _segment_delta_rule(q, k, v, g, beta, segments: list, doc_ids: Optional[torch.Tensor], group: Group,
+                        rule: Callable, chunk_size: int) -> torch.Tensor:
+    """The gated delta rule (``g`` per head or per key channel) over this rank's segments,
+    each from the state the segments before it leave (a prefix scan over cp) ->
+    ``o [B, heads, S_local, dv]``."""
+    parts = [tuple(t[:, :, lo:hi] for t in (q, k, v, g, beta)) for lo, hi, _ in segments]
+    resets = [None if doc_ids is None else _resets(doc_ids, index * (hi - lo), hi - lo)
+              for lo, hi, index in segments]
+    if group_size(group) == 1:
+        return rule(*parts[0], resets=resets[0], chunk_size=chunk_size)[0]
+    dk = q.shape[-1]
+    eye = torch.eye(dk, dtype=q.dtype, device=q.device).expand(q.shape[0], q.shape[1], -1, -1)
+    writes, transitions = [], []
+    for (qs, ks, vs, gs, bs), r in zip(parts, resets):
+        writes.append(rule(qs, ks, vs, gs, bs, r, chunk_size=chunk_size)[1])
+        # The map's linear part: the end state from the identity, nothing written.
+        zero_v = vs.new_zeros(*vs.shape[:-1], dk)
+        transitions.append(rule(qs, ks, zero_v, gs, bs, r, eye, chunk_size)[1])
+    starts = start_states(torch.stack(transitions), torch.stack(writes), group)
+    return torch.cat([rule(*p, resets=r, initial_state=s, chunk_size=chunk_size)[0]
+                      for p, r, s in zip(parts, resets, starts)], dim=2)
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + 1e-6)`` over the head dim, as fla and Qwen3-Next do."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
 

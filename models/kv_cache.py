@@ -4,7 +4,9 @@ DeltaNet layer keeps, instead, its conv window (the last ``linear_conv_kernel - 
 inputs) and its recurrent state after them.
 
 A rank caches the kv heads it owns (``num_kv_heads/tp`` under tp) for the layers of its
-pipeline stages. Keys are stored after rotary, so a cached key never changes.
+pipeline stages. Keys are stored after rotary, so a cached key never changes. A block
+with two attention sublayers (``model.block: shortcut_moe``) keeps the second one's in
+:meth:`LayerCache.sublayer`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,21 @@ class LayerCache:
         self.conv: Optional[torch.Tensor] = None
         self.state: Optional[torch.Tensor] = None
         self.new_tokens = 0
+        self._sublayers: dict[int, LayerCache] = {}
+
+    def sublayer(self, index: int) -> "LayerCache":
+        """The cache of attention sublayer ``index >= 1`` of this layer's block (LongCat-Flash's
+        blocks hold two; this cache is sublayer 0's), made on first use."""
+        if index not in self._sublayers:
+            self._sublayers[index] = LayerCache()
+            self._sublayers[index].new_tokens = self.new_tokens
+        return self._sublayers[index]
+
+    def begin(self, new_tokens: int) -> None:
+        """A step of ``new_tokens`` real tokens starts (see :meth:`KVCache.begin`)."""
+        self.new_tokens = new_tokens
+        for cache in self._sublayers.values():
+            cache.begin(new_tokens)
 
     @property
     def length(self) -> int:
@@ -48,6 +65,8 @@ class LayerCache:
         """Keep the first ``length`` tokens (drops the padding a decode step added)."""
         if self.keys is not None:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+        for cache in self._sublayers.values():
+            cache.truncate(length)
 
 
 class KVCache:
@@ -63,7 +82,7 @@ class KVCache:
     def begin(self, new_tokens: int) -> None:
         """A step of ``new_tokens`` real tokens starts (padding may follow them)."""
         for cache in self.layers.values():
-            cache.new_tokens = new_tokens
+            cache.begin(new_tokens)
 
     def truncate(self, length: int) -> None:
         for cache in self.layers.values():

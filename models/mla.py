@@ -8,12 +8,18 @@ Per token ``x [H]``:
   (``[kv_lora_rank + qk_rope_head_dim]``): ``W_ukv RMSNorm(c)`` gives per head
   ``[k_nope | v]`` (``qk_nope_head_dim``, ``v_head_dim``); ``k_rope`` is one rotary key
   shared by every head;
-- rotary embeddings on ``q_rope`` and ``k_rope`` only; head ``h`` attends with
+- rotary embeddings on ``q_rope`` and ``k_rope`` only (none on a layer whose
+  ``model.rope_layers`` flag is 0: Kimi-Linear's MLA is NoPE, its ``k_rope`` dims shared and unrotated); head ``h`` attends with
   ``q = [q_nope_h | q_rope_h]``, ``k = [k_nope_h | k_rope]``, ``v_h``, softmax scale
   ``1/sqrt(qk_nope + qk_rope)`` times YaRN's ``mscale^2`` when ``model.rope_scaling`` is
   yarn (:meth:`moe_fold.models.rotary.YaRN.softmax_mscale`), as transformers'
   DeepseekV3Attention computes it;
 - output ``W_o [heads * v_head_dim -> H]``.
+
+LongCat-Flash (``model.mla_lora_scale``) multiplies the query by ``sqrt(H / q_lora_rank)``
+and the normed latent ``RMSNorm(c)`` by ``sqrt(H / kv_lora_rank)`` before ``W_ukv``, as
+transformers' LongcatFlashMLA does; ``model.mla_norm_eps`` is the latents' norms' epsilon
+(transformers builds them with 1e-6 whatever ``rms_norm_eps`` is).
 
 Under ``model.rope_interleave`` the rotary dims of a query head and of ``k_rope`` come in
 pairs ``(x0, x1), (x2, x3)...`` (DeepSeek's checkpoints); they are de-interleaved to two
@@ -38,11 +44,9 @@ import torch
 from torch import nn
 
 from moe_fold.comm import Group, copy_to_tp_region, gather_from_sequence_region, group_size
-from moe_fold.config import ModelConfig, choice, heads_over_tp, mla_weight_shapes, require
+from moe_fold.config import ModelConfig, choice, heads_over_tp, layer_attention, mla_weight_shapes, require
 from moe_fold.parallel.context_parallel import context_parallel_attention
-from moe_fold.parallel.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, global_normal, init_seed, mark,
-)
+from moe_fold.parallel.tensor_parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, init_seed
 from moe_fold.parallel.varlen import Documents
 
 from .kv_cache import LayerCache, cached_attention
@@ -50,17 +54,6 @@ from .norm import RMSNorm
 from .rotary import apply_rotary, deinterleave, yarn_of
 
 __all__ = ["MLAttention"]
-
-
-class _ReplicatedLinear(nn.Module):
-    """``y = x W^T`` with W the same on every tp rank (marked for gradient sync)."""
-
-    def __init__(self, weight: nn.Parameter):
-        super().__init__()
-        self.weight = weight  # [out, in]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight)
 
 
 class MLAttention(nn.Module):
@@ -73,7 +66,7 @@ class MLAttention(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, tp_group: Group, sequence_parallel: bool, *, seed: int, name: str,
-                 cp_group: Group = None, cp_kind: str = "ring"):
+                 cp_group: Group = None, cp_kind: str = "ring", layer: int = 0):
         super().__init__()
         tp = group_size(tp_group)
         require(heads_over_tp, config.num_heads, config.num_kv_heads, tp)
@@ -84,16 +77,22 @@ class MLAttention(nn.Module):
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.rope_interleave = config.rope_interleave
+        self.rotary = layer_attention(config, layer)[2]
         yarn = yarn_of(config)
         self.scale = (self.nope + self.rope) ** -0.5 * (yarn.softmax_mscale() if yarn is not None else 1.0)
-        std, eps = config.init_std, config.norm_eps
+        std = config.init_std
+        eps = config.norm_eps if config.mla_norm_eps is None else config.mla_norm_eps
+        # LongCat-Flash's LoRA scaling; None: none (a multiply by 1 would only cost time).
+        scaled = config.mla_lora_scale
+        self.q_scale = (config.hidden_size / config.q_lora_rank) ** 0.5 if scaled else None
+        self.kv_scale = (config.hidden_size / config.kv_lora_rank) ** 0.5 if scaled else None
         shapes = mla_weight_shapes(config)
         # Replicated over tp: under SP each rank projects its own tokens, so grads add over tp.
         kind = "tp_sum" if sequence_parallel else "replicated"
 
-        def replicated(part: str) -> _ReplicatedLinear:
-            weight = global_normal(shapes[part], std, init_seed(seed, f"{name}.{part}"))
-            return _ReplicatedLinear(mark(nn.Parameter(weight), kind))
+        def replicated(part: str) -> ReplicatedLinear:
+            out, inp = shapes[part]
+            return ReplicatedLinear(inp, out, sequence_parallel, std=std, seed=init_seed(seed, f"{name}.{part}"))
 
         def column(part: str) -> ColumnParallelLinear:
             out, inp = shapes[part]
@@ -132,9 +131,14 @@ class MLAttention(nn.Module):
             q = self.q_up(q_latent)  # [S, B, heads * (nope + rope)]
         else:
             q = self.q(x)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         kv = self.kv_down(x)  # [S_local, B, kv_lora + rope]
         c, k_rope = kv.split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_up(self.kv_norm(c))  # [S, B, heads * (nope + v)]
+        c = self.kv_norm(c)
+        if self.kv_scale is not None:
+            c = c * self.kv_scale
+        kv = self.kv_up(c)  # [S, B, heads * (nope + v)]
         k_rope = self._enter_tp(k_rope)  # [S, B, rope]
         S, B = q.shape[:2]
         q_nope, q_rope = q.view(S, B, self.num_heads, -1).split([self.nope, self.rope], dim=-1)
@@ -143,7 +147,8 @@ class MLAttention(nn.Module):
         if self.rope_interleave:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         q_nope, q_rope, k_nope, k_rope, v = (t.permute(1, 2, 0, 3) for t in (q_nope, q_rope, k_nope, k_rope, v))
-        q_rope, k_rope = apply_rotary(q_rope, cos, sin), apply_rotary(k_rope, cos, sin)  # [B, heads|1, S, rope]
+        if self.rotary:
+            q_rope, k_rope = apply_rotary(q_rope, cos, sin), apply_rotary(k_rope, cos, sin)  # [B, heads|1, S, rope]
         q = torch.cat([q_nope, q_rope], dim=-1)  # [B, heads, S, nope + rope]
         k = torch.cat([k_nope, k_rope.expand(-1, self.num_heads, -1, -1)], dim=-1)
         if kv_cache is not None:

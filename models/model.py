@@ -37,7 +37,10 @@ import torch
 from torch import nn
 
 from moe_fold.comm import all_reduce_, gather_from_tp_region
-from moe_fold.config import CHANNEL_MIXERS, Config, head_dim, layer_mixer, moe_layer_flags, require, rotary_dim, rotary_pairs, vpp_size
+from moe_fold.config import (
+    CHANNEL_MIXERS, Config, head_dim, layer_mixer, moe_layer_flags, require, rotary_dim, rotary_pairs,
+    shortcut_moe_block, vpp_size,
+)
 from moe_fold.dispatch.aux_losses import attach_loss
 from moe_fold.parallel.context_parallel import zigzag_positions
 from moe_fold.layout import ProcessGroups
@@ -51,6 +54,7 @@ from moe_fold.parallel.varlen import Documents, doc_ids_from_cu_seqlens, router_
 from .attention import Attention
 from .experts import Experts
 from .gated_deltanet import GatedDeltaNet
+from .kda import KimiDeltaAttention
 from .kv_cache import LayerCache
 from .mamba2 import Mamba2
 from .mla import MLAttention
@@ -60,6 +64,45 @@ from .mtp import MTP, MTPTargets, mtp_targets
 from .norm import RMSNorm
 from .recompute import recomputed
 from .rotary import cos_sin, yarn_of
+
+
+def make_norm(config: Config) -> RMSNorm:
+    """A block's RMSNorm over the hidden size."""
+    m = config.model
+    # Under SP each tp rank normalises a different slice of the sequence.
+    kind = "tp_sum" if config.parallel.sequence_parallel else "replicated"
+    return RMSNorm(m.hidden_size, m.norm_eps, kind, m.norm_zero_centred)
+
+
+def make_mixer(config: Config, groups: ProcessGroups, layer: int, name: str) -> nn.Module:
+    """Layer ``layer``'s token mixer, its weights drawn under ``name``: Gated DeltaNet, KDA or
+    Mamba2 where ``model.layer_types`` says so, else MLA or standard attention."""
+    m, sp = config.model, config.parallel.sequence_parallel
+    where = dict(seed=config.train.seed, name=name, cp_group=groups.cp)
+    if layer_mixer(m, layer) == "gated_deltanet":
+        return GatedDeltaNet(m, groups.tp, sp, **where)
+    if layer_mixer(m, layer) == "kda":
+        return KimiDeltaAttention(m, groups.tp, sp, **where)
+    if layer_mixer(m, layer) == "mamba2":
+        return Mamba2(m, groups.tp, sp, **where)
+    where["cp_kind"] = config.parallel.cp_kind
+    if m.attention == "mla":
+        return MLAttention(m, groups.tp, sp, **where, layer=layer)
+    return Attention(m, head_dim(config), groups.tp, sp, **where, layer=layer)
+
+
+def routed_mlp(mlp: MoELayer, h: torch.Tensor, x_shape: torch.Size, docs: Optional[Documents],
+               loss_scale: float) -> torch.Tensor:
+    """The MoE layer ``mlp`` on this rank's tokens ``h [S_local*B, H]`` of a block whose
+    hidden states are ``x_shape = [S_local, B, H]``."""
+    s_local, batch = x_shape[0], x_shape[1]
+    # Sequence-first flattening: row t is sample t % B. SP (tp) and cp shards hold
+    # slices of the same B samples, so the router's tp x cp sums meet per sample. A
+    # sample is the loader's row even when it packs several documents (Megatron's
+    # seq_aux_loss counts per sample too).
+    seq_ids = torch.arange(batch, device=h.device).repeat(s_local)  # [S_local*B]
+    loss_mask = docs.token_mask if docs is not None else None
+    return mlp(h, loss_mask=loss_mask, seq_ids=seq_ids, num_seqs=batch, loss_scale=loss_scale)
 
 
 class Block(nn.Module):
@@ -73,31 +116,13 @@ class Block(nn.Module):
 
     def __init__(self, config: Config, groups: ProcessGroups, layer: int, mlp: Optional[nn.Module]):
         super().__init__()
-        m, sp = config.model, config.parallel.sequence_parallel
-        # Under SP each tp rank normalises a different slice of the sequence.
-        norm_kind = "tp_sum" if sp else "replicated"
-        kind = layer_mixer(m, layer)
-        self.attn_norm: Optional[RMSNorm] = None
-        self.attn: Optional[nn.Module] = None
-        if kind not in CHANNEL_MIXERS:
-            self.attn_norm = RMSNorm(m.hidden_size, m.norm_eps, norm_kind, m.norm_zero_centred)
-        where = dict(seed=config.train.seed, name=f"layers.{layer}.attn", cp_group=groups.cp)
-        if kind == "gated_deltanet":
-            self.attn = GatedDeltaNet(m, groups.tp, sp, **where)
-        elif kind == "mamba2":
-            self.attn = Mamba2(m, groups.tp, sp, **where)
-        elif kind in CHANNEL_MIXERS:
-            pass
-        elif m.attention == "mla":
-            where["cp_kind"] = config.parallel.cp_kind
-            self.attn = MLAttention(m, groups.tp, sp, **where)
-        else:
-            where["cp_kind"] = config.parallel.cp_kind
-            self.attn = Attention(m, head_dim(config), groups.tp, sp, **where, layer=layer)
-        self.mlp_norm = None if mlp is None else RMSNorm(m.hidden_size, m.norm_eps, norm_kind, m.norm_zero_centred)
+        channel_only = layer_mixer(config.model, layer) in CHANNEL_MIXERS
+        self.attn_norm = None if channel_only else make_norm(config)
+        self.attn = None if channel_only else make_mixer(config, groups, layer, f"layers.{layer}.attn")
+        self.mlp_norm = None if mlp is None else make_norm(config)
         self.mlp = mlp
         # Decided here, not in a forward: whether the attention takes the rotary positions
-        # (temperature tuning reads them; MLA and Gated DeltaNet have none), and whether the
+        # (temperature tuning reads them; MLA, Gated DeltaNet and KDA have none), and whether the
         # MLP is an MoE layer (it takes the router's per-token arguments).
         self.attn_takes_positions = isinstance(self.attn, Attention)
         self.mlp_routes = isinstance(mlp, MoELayer)
@@ -128,18 +153,83 @@ class Block(nn.Module):
         if self.mlp is None:
             return x
         h = self.mlp_norm(x).flatten(0, 1)  # [S_local*B, H]
-        if self.mlp_routes:
-            s_local, batch = x.shape[0], x.shape[1]
-            # Sequence-first flattening: row t is sample t % B. SP (tp) and cp shards hold
-            # slices of the same B samples, so the router's tp x cp sums meet per sample. A
-            # sample is the loader's row even when it packs several documents (Megatron's
-            # seq_aux_loss counts per sample too).
-            seq_ids = torch.arange(batch, device=h.device).repeat(s_local)  # [S_local*B]
-            loss_mask = docs.token_mask if docs is not None else None
-            h = self.mlp(h, loss_mask=loss_mask, seq_ids=seq_ids, num_seqs=batch, loss_scale=loss_scale)
-        else:
-            h = self.mlp(h)
+        h = routed_mlp(self.mlp, h, x.shape, docs, loss_scale) if self.mlp_routes else self.mlp(h)
         return x + h.reshape(x.shape)
+
+
+class Sublayer(nn.Module):
+    """One of a :class:`ShortcutMoEBlock`'s two sublayers: ``x + attn(norm(x))``, then a
+    dense MLP ``mlp`` on its own norm ``mlp_norm`` (the block adds its output)."""
+
+    def __init__(self, config: Config, groups: ProcessGroups, layer: int, index: int):
+        super().__init__()
+        m, name = config.model, f"layers.{layer}.sublayers.{index}"
+        self.attn_norm = make_norm(config)
+        self.attn = make_mixer(config, groups, layer, f"{name}.attn")
+        self.mlp_norm = make_norm(config)
+        self.mlp = MLP(m.hidden_size, m.ffn_hidden_size, groups.tp, config.parallel.sequence_parallel,
+                       std=m.init_std, seed=config.train.seed, name=f"{name}.mlp")
+
+    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Optional[Documents],
+               kv_cache: Optional[LayerCache], recompute: bool) -> torch.Tensor:
+        """``x + attn(attn_norm(x))`` ``[S_local, B, H]``; ``recompute``: the attention (after
+        its norm) runs again in the backward."""
+        if recompute:
+            return x + recomputed(self.attn, self.attn_norm(x), cos, sin, docs, kv_cache)
+        return x + self.attn(self.attn_norm(x), cos, sin, docs, kv_cache)
+
+    def dense(self, h: torch.Tensor) -> torch.Tensor:
+        """The dense MLP of the normed ``h [S_local, B, H]``, same shape."""
+        return self.mlp(h.flatten(0, 1)).reshape(h.shape)
+
+
+class ShortcutMoEBlock(nn.Module):
+    """LongCat-Flash's block (``model.block: shortcut_moe``; transformers'
+    LongcatFlashDecoderLayer): two :class:`Sublayer` s of attention and a dense MLP, and
+    a shortcut-connected MoE ``mlp`` that reads the first sublayer's normed output and
+    whose output joins the residual stream at the block's end::
+
+        x = x + attn_0(norm(x));  h = norm(x)
+        m = moe(h);  x = x + mlp_0(h)
+        x = x + attn_1(norm(x))
+        out = x + mlp_1(norm(x)) + m
+
+    The MoE's dispatch can thus overlap the second sublayer's work. Its mixers are
+    attention (MLA in LongCat-Flash), the second one's KV cache is
+    :meth:`LayerCache.sublayer` ``(1)``. ``recompute``: ``"none"`` or ``"attention"``
+    (each attention after its norm runs again in the backward).
+    """
+
+    def __init__(self, config: Config, groups: ProcessGroups, layer: int):
+        super().__init__()
+        require(shortcut_moe_block, config.model.block, moe_layer_flags(config), config.model.layer_types,
+                config.model.mtp_num_layers)
+        self.sublayers = nn.ModuleList([Sublayer(config, groups, layer, j) for j in (0, 1)])
+        self.mlp = MoELayer(config, groups, layer)
+        self.recompute = "none"
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: Optional[Documents] = None, kv_cache: Optional[LayerCache] = None,
+                positions: Optional[torch.Tensor] = None, loss_scale: float = 1.0) -> torch.Tensor:
+        """As :meth:`Block.forward` (``positions``: unused, MLA has no temperature tuning)."""
+        first, second = self.sublayers
+        again = self.recompute == "attention"
+        x = first.attend(x, cos, sin, docs, kv_cache, again)  # [S_local, B, H]
+        h = first.mlp_norm(x)
+        # The shortcut: the MoE reads the first sublayer's normed output, added at the end.
+        shortcut = routed_mlp(self.mlp, h.flatten(0, 1), x.shape, docs, loss_scale).reshape(x.shape)
+        x = x + first.dense(h)
+        x = second.attend(x, cos, sin, docs, kv_cache.sublayer(1) if kv_cache is not None else None, again)
+        return x + second.dense(second.mlp_norm(x)) + shortcut
+
+
+def make_block(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
+    """Layer ``layer``'s block of the kind ``model.block`` names: a :class:`Block` with
+    :func:`make_mlp`'s MLP, or LongCat-Flash's :class:`ShortcutMoEBlock`. MTP depths
+    (``layer >= num_layers``) are standard blocks."""
+    if config.model.block == "shortcut_moe" and layer < config.model.num_layers:
+        return ShortcutMoEBlock(config, groups, layer)
+    return Block(config, groups, layer, make_mlp(config, groups, layer))
 
 
 def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> Optional[nn.Module]:
@@ -178,12 +268,12 @@ class Layers(nn.Module):
     is layer ``i`` whichever pipeline stage holds it; iterating yields the blocks in
     layer order."""
 
-    def __init__(self, blocks: dict[int, Block]):
+    def __init__(self, blocks: dict[int, nn.Module]):
         super().__init__()
         for i, block in blocks.items():
             self.add_module(str(i), block)
 
-    def __getitem__(self, layer: int) -> Block:
+    def __getitem__(self, layer: int) -> nn.Module:
         return self._modules[str(layer)]
 
     def __iter__(self):
@@ -249,8 +339,7 @@ class Transformer(nn.Module):
                                                 std=m.init_std, seed=init_seed(seed, "embed"))
             if not first:
                 self.embed.weight.tied_copy = True
-        self.layers = Layers({i: Block(config, groups, i, make_mlp(config, groups, i))
-                              for ids in self.stage_layer_ids for i in ids})
+        self.layers = Layers({i: make_block(config, groups, i) for ids in self.stage_layer_ids for i in ids})
         self.norm: Optional[RMSNorm] = None
         self.lm_head: Optional[ColumnParallelLinear] = None
         if last:
@@ -445,7 +534,7 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> None:
     ``aot_eager``: the same graphs, fake kernels and autograd formulas without Inductor's
     code generation)."""
     for module in model.modules():
-        if isinstance(module, Block):
+        if isinstance(module, (Block, ShortcutMoEBlock)):
             module.compile(fullgraph=True, backend=backend)
 
 
@@ -470,6 +559,8 @@ def set_recompute(model: nn.Module, mode: str) -> None:
     for module in model.modules():
         if isinstance(module, Block):
             module.recompute = moe_block if isinstance(module.mlp, MoELayer) else dense_block
+        if isinstance(module, ShortcutMoEBlock):
+            module.recompute = moe_block  # "none" or "attention": its dense MLPs keep their activations
         if isinstance(module, Experts):
             module.recompute = experts
         if isinstance(module, MoELayer) and module.shared_expert is not None:

@@ -43,8 +43,8 @@ def _reset_family_fields(config: Config) -> None:
     """Nothing of a base config's family-specific fields stays: the importing family sets
     what it has (MLA, YaRN, the attention features, expert-input scaling, gpt-oss's biases
     and activation, ERNIE-4.5's renormalisation floor, MTP, partial rotary, Qwen3-Next's
-    layer types, output gate and zero-centred norms, zero experts, Nemotron-H's single-mixer
-    layers and relu2 MLPs)."""
+    layer types, output gate and zero-centred norms, zero experts, LongCat-Flash's blocks and
+    MLA scaling, Nemotron-H's single-mixer layers and relu2 MLPs)."""
     m, moe = config.model, config.moe
     m.qk_norm_scope, m.partial_rotary_factor, m.mtp_num_layers = "head", 1.0, 0
     moe.topk_norm_min = None
@@ -61,6 +61,7 @@ def _reset_family_fields(config: Config) -> None:
         setattr(m, name, None)
     m.yarn_beta_fast, m.yarn_beta_slow, m.yarn_truncate = 32.0, 1.0, True
     m.layer_types, m.attn_output_gate, m.norm_zero_centred = None, False, False
+    m.block, m.mla_lora_scale, m.mla_norm_eps = "standard", False, None
     m.single_mixer_layers, m.mlp_activation = False, "swiglu"
 
 
@@ -93,6 +94,9 @@ def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
 FEATURE_USE: dict[str, tuple[Callable[[Config], bool], Callable[[Config, str], str]]] = {
     "mla": (lambda c: c.model.attention == "mla",
             lambda c, f: f"model.attention=mla: {f} has standard attention (DeepSeek-V2 and -V3 have MLA)"),
+    "mla_norm_eps": (lambda c: c.model.mla_norm_eps not in (None, c.model.norm_eps),
+                     lambda c, f: f"model.mla_norm_eps={c.model.mla_norm_eps}: {f}'s latent norms use "
+                                  f"model.norm_eps={c.model.norm_eps} (Kimi-Linear's use their own)"),
     "qk_norm_scope": (lambda c: c.model.qk_norm and c.model.qk_norm_scope != "head",
                       lambda c, f: f"model.qk_norm_scope={c.model.qk_norm_scope}: {f} normalises each head (OLMoE "
                                    f"normalises the whole projections)"),
@@ -126,6 +130,14 @@ FEATURE_USE: dict[str, tuple[Callable[[Config], bool], Callable[[Config, str], s
                          ("rope_layers", None), ("attn_temperature_tuning", False))},
     "zero_experts": (lambda c: c.moe.zero_experts > 0,
                      lambda c, f: f"moe.zero_experts={c.moe.zero_experts}: {f} has no zero-computation experts"),
+    "shortcut_moe": (lambda c: c.model.block == "shortcut_moe",
+                     lambda c, f: f"model.block=shortcut_moe: {f}'s blocks are attention then one MLP (LongCat-Flash "
+                                  f"has two attention sublayers and a shortcut-connected MoE)"),
+    "mla_lora_scale": (lambda c: c.model.mla_lora_scale,
+                       lambda c, f: f"model.mla_lora_scale=true: {f} does not scale the MLA latents"),
+    "mla_norm_eps": (lambda c: c.model.mla_norm_eps is not None and c.model.mla_norm_eps != c.model.norm_eps,
+                     lambda c, f: f"model.mla_norm_eps={c.model.mla_norm_eps}: {f}'s MLA latent norms have "
+                                  f"model.norm_eps={c.model.norm_eps}"),
     "score_on_input": (lambda c: c.moe.score_on_input,
                        lambda c, f: f"moe.score_on_input=true: {f} scales each expert's output by its prob"),
     "single_mixer_layers": (lambda c: c.model.single_mixer_layers,
@@ -137,7 +149,7 @@ FEATURE_USE: dict[str, tuple[Callable[[Config], bool], Callable[[Config, str], s
                lambda c, f: f"model.layer_types={c.model.layer_types}: {f} has no Mamba2 layers (Nemotron-H has)"),
     "layer_types": (lambda c: c.model.layer_types is not None and set(c.model.layer_types) != {"attention"},
                     lambda c, f: f"model.layer_types={c.model.layer_types}: {f} has attention on every layer "
-                                 f"(Qwen3-Next and Qwen3.5 have Gated DeltaNet layers)"),
+                                 f"(Qwen3-Next and Qwen3.5 have Gated DeltaNet layers, Kimi-Linear KDA layers)"),
     "attn_output_gate": (lambda c: c.model.attn_output_gate,
                          lambda c, f: f"model.attn_output_gate=true: {f}'s attention has no output gate"),
     "norm_zero_centred": (lambda c: c.model.norm_zero_centred,

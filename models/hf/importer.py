@@ -81,12 +81,13 @@ _ARCHITECTURE = {
               "rope_layers", "attn_temperature_tuning", "attn_temperature_scale", "attn_temperature_floor",
               "attention_out_bias", "yarn_truncate", "layer_types", "attn_output_gate", "norm_zero_centred",
               "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-              "linear_conv_kernel", "single_mixer_layers", "mlp_activation", "mamba_num_heads", "mamba_head_dim",
-              "mamba_state_size", "mamba_num_groups", "mamba_conv_kernel", "mamba_dt_min"),
+              "linear_conv_kernel", "block", "mla_lora_scale", "mla_norm_eps", "single_mixer_layers", "mlp_activation",
+              "mamba_num_heads", "mamba_head_dim", "mamba_state_size", "mamba_num_groups", "mamba_conv_kernel",
+              "mamba_dt_min"),
     "moe": ("num_experts", "topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate",
             "score_function", "pre_softmax", "num_groups", "group_topk", "group_score", "scaling_factor", "expert_bias",
             "topk_norm_min", "score_on_input", "router_bias", "expert_linear_bias", "activation", "swiglu_alpha",
-            "swiglu_limit"),
+            "swiglu_limit", "zero_experts"),
 }
 
 
@@ -187,7 +188,8 @@ def from_hf(path: PathLike, groups: Optional[ProcessGroups] = None, config: Opti
     (``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``,
     ``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``, ``Glm4MoeForCausalLM``,
     ``OlmoeForCausalLM``, ``Ernie4_5_MoeForCausalLM``, ``MiniMaxM2ForCausalLM``,
-    ``GptOssForCausalLM``, ``Llama4ForCausalLM``).
+    ``GptOssForCausalLM``, ``Llama4ForCausalLM``, ``Qwen3NextForCausalLM``, ``Qwen3_5MoeForCausalLM``,
+    ``LongcatFlashForCausalLM``).
 
     Returns the model; its ``.config`` is our :class:`~moe_fold.config.Config` for it.
     ``groups`` (default: one process) is the layout to shard into. ``config`` gives the

@@ -4,7 +4,7 @@ Each global parameter of ours is described as a :class:`Source` tree over Huggin
 tensors: :class:`Take` (one tensor, its dims possibly permuted), :class:`Cat` (parts
 concatenated along a dim: q|k|v, gate|up), :class:`Stack` (one tensor per expert),
 :class:`Copies` (one tensor stored several times), :class:`FirstRow`, :class:`Halves`,
-:class:`Squeezed` and :class:`Grouped`.
+:class:`Squeezed`, :class:`Grouped` and :class:`Unread`.
 Import reads any box of our global tensor from that tree, so a rank reads only the
 slices of the safetensors files its shard needs (``get_slice``); export splits a
 gathered global tensor back into the Hugging Face tensors with the same tree. Which
@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 __all__ = ["HFWeightError", "SafetensorsFolder", "Source", "Take", "Cat", "Stack", "Copies", "FirstRow", "Halves",
-           "Squeezed", "Grouped"]
+           "Squeezed", "Grouped", "Unread"]
 
 
 class HFWeightError(ValueError):
@@ -259,29 +259,36 @@ class Halves:
 
 @dataclass(frozen=True)
 class Squeezed:
-    """Our tensor is the Hugging Face tensor ``name`` without its dim ``dim`` of size 1
-    (a depthwise ``Conv1d`` weight ``[C, 1, K]``; ours ``[C, K]``)."""
+    """Our tensor is the Hugging Face tensor ``name`` without its dims ``dim`` (one, or a
+    tuple) of size 1 (a depthwise ``Conv1d`` weight ``[C, 1, K]``, ours ``[C, K]``; Kimi-Linear's
+    ``A_log [1, 1, heads, 1]``, ours ``[heads]``)."""
 
     name: str
-    dim: int
+    dim: Union[int, tuple[int, ...]]
+
+    def _dims(self) -> tuple[int, ...]:
+        return (self.dim,) if isinstance(self.dim, int) else tuple(sorted(self.dim))
 
     def names(self) -> list[str]:
         return [self.name]
 
     def shape(self, hf: SafetensorsFolder) -> tuple[int, ...]:
         shape = hf.shape(self.name)
-        if len(shape) <= self.dim or shape[self.dim] != 1:
-            raise HFWeightError(f"{self.name} has shape {list(shape)}; expected a dim {self.dim} of 1")
-        return shape[:self.dim] + shape[self.dim + 1:]
+        if any(len(shape) <= d or shape[d] != 1 for d in self._dims()):
+            raise HFWeightError(f"{self.name} has shape {list(shape)}; expected dims {list(self._dims())} of 1")
+        return tuple(n for d, n in enumerate(shape) if d not in self._dims())
 
     def read(self, hf: SafetensorsFolder, offsets, sizes) -> torch.Tensor:
         off, size = list(offsets), list(sizes)
-        off.insert(self.dim, 0)
-        size.insert(self.dim, 1)
-        return hf.read(self.name, tuple(off), tuple(size)).squeeze(self.dim)
+        for d in self._dims():
+            off.insert(d, 0)
+            size.insert(d, 1)
+        return hf.read(self.name, tuple(off), tuple(size)).squeeze(self._dims())
 
     def split(self, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        return [(self.name, value.unsqueeze(self.dim))]
+        for d in self._dims():
+            value = value.unsqueeze(d)
+        return [(self.name, value)]
 
 
 @dataclass(frozen=True)
@@ -325,4 +332,31 @@ class Grouped:
         return self.part.split(value.index_select(self.dim, torch.argsort(self._order())))
 
 
-Source = Union[Take, Cat, Stack, Copies, FirstRow, Halves, Squeezed, Grouped]
+@dataclass(frozen=True)
+class Unread:
+    """Our tensor is ``part``; the checkpoint also holds the tensors ``extra`` (name, shape),
+    which transformers allocates and never reads (LongCat-Flash's gate and up projections
+    of its zero-computation experts, rows of its fused ``gate_up_proj`` that no token
+    multiplies). Import reads ``part`` only (``extra`` must be there, as transformers saves
+    them); export writes ``extra`` as zeros of ``part``'s dtype."""
+
+    part: object
+    extra: tuple[tuple[str, tuple[int, ...]], ...]
+
+    def names(self) -> list[str]:
+        return self.part.names() + [name for name, _ in self.extra]
+
+    def shape(self, hf: SafetensorsFolder) -> tuple[int, ...]:
+        for name, shape in self.extra:
+            if hf.shape(name) != shape:
+                raise HFWeightError(f"{name} has shape {list(hf.shape(name))}; expected {list(shape)}")
+        return self.part.shape(hf)
+
+    def read(self, hf: SafetensorsFolder, offsets, sizes) -> torch.Tensor:
+        return self.part.read(hf, offsets, sizes)
+
+    def split(self, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return self.part.split(value) + [(name, value.new_zeros(shape)) for name, shape in self.extra]
+
+
+Source = Union[Take, Cat, Stack, Copies, FirstRow, Halves, Squeezed, Grouped, Unread]

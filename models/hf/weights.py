@@ -17,20 +17,14 @@ checkpoints in that form are read too. Export writes the per-expert form.
 
 from __future__ import annotations
 
-from moe_fold.config import Config, head_dim, moe_layer_flags
+from moe_fold.config import Config, moe_layer_flags
 
 from .families import Family, lookup
+from .families.base import attention_sources
 from .sources import Cat, Copies, FirstRow, Halves, HFWeightError, SafetensorsFolder, Source, Stack, Take
 
 __all__ = ["HFWeightError", "SafetensorsFolder", "Source", "Take", "Cat", "Stack", "Copies", "FirstRow", "Halves",
            "weight_sources", "attention_sources", "ignorable_hf_names"]
-
-# Our MLA parameter (under ``attn.``) -> its tensor (under ``self_attn.``); q.weight
-# without q_lora_rank, the three q_* low-rank ones with it.
-_MLA = {"q.weight": "q_proj.weight", "q_down.weight": "q_a_proj.weight", "q_norm.weight": "q_a_layernorm.weight",
-        "q_up.weight": "q_b_proj.weight", "kv_down.weight": "kv_a_proj_with_mqa.weight",
-        "kv_norm.weight": "kv_a_layernorm.weight", "kv_up.weight": "kv_b_proj.weight", "proj.weight": "o_proj.weight"}
-
 
 def weight_sources(config: Config, family: str, hf_names: frozenset = frozenset()) -> dict[str, Source]:
     """Our parameter (or persistent buffer: the expert bias) name -> its :class:`Source`,
@@ -77,39 +71,12 @@ def _layer_sources(config: Config, family: Family, layer: int, hf: str, ours: st
                    hf_names: frozenset) -> dict[str, Source]:
     """The sources of one block's parameters: ours under ``ours``, theirs under ``hf``."""
     if family.layer_sources is not None:
-        return family.layer_sources(config, layer, hf, ours, is_moe, hf_names)
+        return family.layer_sources(config, layer, hf, ours, hf_names)
     out: dict[str, Source] = {}
     out[f"{ours}attn_norm.weight"] = Take(f"{hf}input_layernorm.weight")
     out[f"{ours}mlp_norm.weight"] = Take(f"{hf}post_attention_layernorm.weight")
     out.update((family.mixer_sources or attention_sources)(config, layer, hf, ours))
     out.update(family.mlp_sources(config, hf, ours, is_moe, hf_names))
-    return out
-
-
-def attention_sources(config: Config, layer: int, hf: str, ours: str) -> dict[str, Source]:
-    """The sources of a standard or MLA attention layer's parameters (ours under
-    ``ours + "attn."``, theirs under ``hf + "self_attn."``)."""
-    m = config.model
-    hd = head_dim(config)
-    q, kv = m.num_heads * hd, m.num_kv_heads * hd
-    out: dict[str, Source] = {}
-    attn = f"{hf}self_attn."
-    if m.attention == "mla":
-        query = ("q.weight",) if m.q_lora_rank is None else ("q_down.weight", "q_norm.weight", "q_up.weight")
-        for name in query + ("kv_down.weight", "kv_norm.weight", "kv_up.weight", "proj.weight"):
-            out[f"{ours}attn.{name}"] = Take(f"{attn}{_MLA[name]}")
-    else:
-        out[f"{ours}attn.qkv.weight"] = Cat(0, tuple(Take(f"{attn}{p}_proj.weight") for p in "qkv"), (q, kv, kv))
-        out[f"{ours}attn.proj.weight"] = Take(f"{attn}o_proj.weight")
-    if m.attention_out_bias:
-        out[f"{ours}attn.proj.bias"] = Take(f"{attn}o_proj.bias")
-    if m.attention_sinks:
-        out[f"{ours}attn.sinks"] = Take(f"{attn}sinks")  # gpt-oss: one logit per query head
-    if m.qkv_bias:
-        out[f"{ours}attn.qkv.bias"] = Cat(0, tuple(Take(f"{attn}{p}_proj.bias") for p in "qkv"), (q, kv, kv))
-    if m.qk_norm and m.qk_norm_scope != "l2":  # Llama-4's L2 norm has no weight
-        out[f"{ours}attn.q_norm.weight"] = Take(f"{attn}q_norm.weight")
-        out[f"{ours}attn.k_norm.weight"] = Take(f"{attn}k_norm.weight")
     return out
 
 

@@ -36,7 +36,7 @@ from .rules import (BATCH_INVARIANT_ROWS, MAX_DYNAMIC_CP, RULES, activation_back
                     moe_needs_sequence_parallel, order_is_permutation, overlap_problems,
                     param_gather_needs_distributed, pipeline_split, replacement_has_room, replicas_fit, require,
                     rotary_pairs, router_settings, routing_groups, rule, schedule_chunks, sequence_over_cp,
-                    sequence_over_tp, spike_detection, upcycle_slices, validate, vocab_over_tp, world_fits_layouts,
+                    sequence_over_tp, shortcut_moe_block, spike_detection, upcycle_slices, validate, vocab_over_tp, world_fits_layouts,
                     zero_expert_settings)
 from .schema import (EXIT_SIGNALS, SECTIONS, Config, ConfigError, DataConfig, InitConfig, MoEConfig, ModelConfig,
                      OptimizerConfig, ParallelConfig, TrainConfig, WandbConfig)
@@ -59,6 +59,6 @@ __all__ = [
     "overlap_problems", "param_gather_needs_distributed", "parse_elastic_layout", "pipeline_schedule",
     "pipeline_split", "pp_layer_counts", "presets_dir", "reference_markdown", "replacement_has_room",
     "replicas_fit", "require", "resolve_source", "rotary_dim", "rotary_pairs", "router_settings", "routing_groups",
-    "rule", "schedule_chunks", "sequence_over_cp", "sequence_over_tp", "spike_detection", "upcycle_slices",
+    "rule", "schedule_chunks", "sequence_over_cp", "sequence_over_tp", "shortcut_moe_block", "spike_detection", "upcycle_slices",
     "validate", "vocab_over_tp", "vpp_size", "world_fits_layouts", "zero_expert_settings",
 ]

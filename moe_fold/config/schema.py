@@ -110,7 +110,8 @@ class ModelConfig:
     attention_chunk: int = 0
     # The local layers: null every layer, or one 0/1 per layer (1: sliding_window/attention_chunk applies).
     local_attention_layers: Optional[list[int]] = None
-    # The layers with rotary embeddings: null every layer, or one 0/1 per layer (0: no rotary, NoPE).
+    # The layers with rotary embeddings: null every layer, or one 0/1 per layer (0: no rotary, NoPE;
+    # MLA layers too: Kimi-Linear's).
     rope_layers: Optional[list[int]] = None
     # Temperature tuning on layers without rotary (Llama-4): a query at position p is multiplied by
     # 1 + attn_temperature_scale * log1p(floor((p + 1) / attn_temperature_floor)).
@@ -120,26 +121,44 @@ class ModelConfig:
     # Temperature tuning: positions per step of the floor (Llama-4's floor_scale).
     attn_temperature_floor: int = 8192
 
-    # Layer types (models/gated_deltanet.py; Qwen3-Next).
+    # Layer types (models/gated_deltanet.py, Qwen3-Next; models/kda.py, Kimi-Linear).
     # Each layer's mixer: null attention on every layer, or one name per layer: attention |
-    # gated_deltanet (Gated DeltaNet linear attention) | mamba2 (Mamba2's SSD).
+    # gated_deltanet (Gated DeltaNet linear attention) | kda (Kimi Delta Attention) | mamba2 (Mamba2's SSD).
     layer_types: Optional[list[str]] = None
     # A sigmoid gate on every attention head's output, projected with the query (Qwen3-Next; mha only).
     attn_output_gate: bool = False
     # RMSNorm weights are zero-centred: a norm multiplies by 1 + weight, which starts at 0 (Qwen3-Next).
     norm_zero_centred: bool = False
-    # Gated DeltaNet: query and key heads.
+    # Gated DeltaNet and KDA: query and key heads.
     linear_num_key_heads: int = 2
-    # Gated DeltaNet: value heads (a multiple of linear_num_key_heads; each has its own state).
+    # Gated DeltaNet and KDA: value heads (a multiple of linear_num_key_heads; each has its own state;
+    # KDA: equal to linear_num_key_heads).
     linear_num_value_heads: int = 4
-    # Gated DeltaNet: per-head query and key width.
+    # Gated DeltaNet and KDA: per-head query and key width (KDA: also its low-rank gates' rank).
     linear_key_head_dim: int = 32
-    # Gated DeltaNet: per-head value width.
+    # Gated DeltaNet and KDA: per-head value width (KDA: equal to linear_key_head_dim).
     linear_value_head_dim: int = 32
-    # Gated DeltaNet: taps of the depthwise causal conv1d on q, k and v.
+    # Gated DeltaNet and KDA: taps of the depthwise causal conv1d on q, k and v.
     linear_conv_kernel: int = 4
-    # Gated DeltaNet: tokens per chunk of the chunked delta rule (a speed knob; results do not depend on it).
+    # Gated DeltaNet and KDA: tokens per chunk of the chunked delta rule (a speed knob; results do not depend on it).
     linear_chunk_size: int = 64
+    # Gated DeltaNet and KDA: the kernel of the delta rule. auto: the device rule of
+    # moe_fold.kernels.backends (fla on CUDA sm80+ where flash-linear-attention runs, else
+    # torch) | torch (the chunked rule of moe_fold.kernels.gated_delta) | fla (pip install 'moe-fold[fla]').
+    linear_backend: Literal["auto", "torch", "fla"] = "auto"
+
+    # Block structure and MLA scaling (models/model.py, models/mla.py; LongCat-Flash).
+    # The blocks: standard (attention, then the MLP or MoE; pre-norm residuals) | shortcut_moe
+    # (LongCat-Flash's shortcut-connected MoE: two attention sublayers, each followed by a dense
+    # MLP of width ffn_hidden_size, and an MoE that reads the first sublayer's normed output and
+    # is added at the block's end; every block has it).
+    block: Literal["standard", "shortcut_moe"] = "standard"
+    # MLA: the query times sqrt(hidden_size / q_lora_rank) and the normed key/value latent times
+    # sqrt(hidden_size / kv_lora_rank) (LongCat-Flash's LoRA scaling; needs q_lora_rank).
+    mla_lora_scale: bool = False
+    # MLA: epsilon of the latent RMSNorms (of the compressed query and key/value); null:
+    # model.norm_eps (Kimi-Linear's and LongCat-Flash's are 1e-6 beside a norm_eps of 1e-5).
+    mla_norm_eps: Optional[float] = None
 
     # Nemotron-H: each layer has one mixer, its model.layer_types entry, under one pre-norm
     # and residual: attention | gated_deltanet | mamba2 (no MLP after it) | mlp (a dense MLP

@@ -9,6 +9,7 @@ of flattened tokens gives the flattened full sequence.
 
 - :class:`ColumnParallelLinear`: output features split over tp. Enters the TP region:
   all-gather of the sequence under SP, ``copy_to_tp_region`` otherwise.
+- :class:`ReplicatedLinear`: the whole weight on every rank, on this rank's tokens.
 - :class:`RowParallelLinear`: input features split over tp. Leaves the TP region:
   reduce-scatter to the sequence shard under SP, ``reduce_from_tp_region`` otherwise.
 - :class:`VocabParallelEmbedding`: vocabulary rows split over tp; leaves the region the
@@ -149,6 +150,22 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_tp_region(x, self.tp_group)
         return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(nn.Module):
+    """``y = x W^T`` with the whole W on every tp rank, run on this rank's tokens (its
+    sequence shard under SP): a narrow down-projection (MLA's latents, KDA's low-rank
+    gates) whose output a column-parallel linear then gathers, instead of the hidden
+    states. Its grad is partial over tp under SP (``tp_sum``: the ranks saw different
+    tokens) and whole without SP (``replicated``), the rule of the block norms."""
+
+    def __init__(self, in_features: int, out_features: int, sequence_parallel: bool, *, std: float, seed: int):
+        super().__init__()
+        weight = global_normal((out_features, in_features), std, seed)  # [out, in]
+        self.weight = mark(nn.Parameter(weight), "tp_sum" if sequence_parallel else "replicated")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):

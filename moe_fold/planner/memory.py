@@ -300,6 +300,9 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
         if d.shared_gate:
             norm_out_kept = True
             shared += a + a * h
+    if d.shortcut and layer < d.layers:
+        # The second attention sublayer and the two dense MLPs (kept under every recompute mode).
+        attention = 2 * attention + 2 * (norm + _mlp(config, d.ffn, g))
     return attention + norm + _router(config) + (a * h if norm_out_kept and a != rb else 0) + dispatch \
         + experts + shared
 

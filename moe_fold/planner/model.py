@@ -100,9 +100,11 @@ class Dims:
     rope_dim: int = 0
     # Gated attention (model.attn_output_gate): q_proj also gives a sigmoid gate of q's width.
     output_gate: bool = False
-    # The Gated DeltaNet blocks (model.layer_types; block indices as moe_flags) and their
-    # sizes: key and value heads, their widths, and the short conv's kernel.
+    # The Gated DeltaNet blocks and the KDA blocks (model.layer_types; block indices as
+    # moe_flags) and their sizes: key and value heads, their widths, and the short conv's kernel
+    # (KDA: as many value heads as key heads, of the same width).
     deltanet: frozenset[int] = frozenset()
+    kda: frozenset[int] = frozenset()
     lin_key_heads: int = 0
     lin_value_heads: int = 0
     lin_key_dim: int = 0
@@ -133,6 +135,14 @@ class Dims:
     def m2_conv_size(self) -> int:
         """Mamba2's conv channels: x, B and C."""
         return self.m2_inner + 2 * self.m2_groups * self.m2_state
+    # LongCat-Flash's blocks (model.block=shortcut_moe): two attention sublayers, each with a
+    # dense MLP of width ffn, and the MoE.
+    shortcut: bool = False
+
+    @property
+    def sublayers(self) -> int:
+        """Attention sublayers of a model block: 2 in a shortcut_moe block, else 1."""
+        return 2 if self.shortcut else 1
 
     @property
     def lin_in_size(self) -> int:
@@ -192,7 +202,8 @@ def dims(config: Config) -> Dims:
                 out_bias=m.attention_out_bias, router_bias=moe.router_bias, zero_experts=moe.zero_experts,
                 expert_linear_bias=moe.expert_linear_bias, output_gate=m.attn_output_gate,
                 gated_mlp=m.mlp_activation != "relu2", gated_experts=moe.activation != "relu2",
-                **_mla_dims(m), **_deltanet_dims(m), **_single_mixer_dims(m), **_mamba_dims(m))
+                shortcut=m.block == "shortcut_moe", **_mla_dims(m), **_deltanet_dims(m), **_single_mixer_dims(m),
+                **_mamba_dims(m))
 
 
 def _single_mixer_dims(m: ModelConfig) -> dict:
@@ -227,9 +238,10 @@ def _mamba_params(d: Dims, pre: str, tp: int) -> list[tuple[str, int, str]]:
 
 def _deltanet_dims(m: ModelConfig) -> dict:
     layers = frozenset(i for i in range(m.num_layers) if layer_mixer(m, i) == "gated_deltanet")
-    if not layers:
+    kda = frozenset(i for i in range(m.num_layers) if layer_mixer(m, i) == "kda")
+    if not layers and not kda:
         return {}
-    return dict(deltanet=layers, lin_key_heads=m.linear_num_key_heads, lin_value_heads=m.linear_num_value_heads,
+    return dict(deltanet=layers, kda=kda, lin_key_heads=m.linear_num_key_heads, lin_value_heads=m.linear_num_value_heads,
                 lin_key_dim=m.linear_key_head_dim, lin_value_dim=m.linear_value_head_dim,
                 lin_conv=m.linear_conv_kernel, lin_chunk=m.linear_chunk_size)
 
@@ -248,10 +260,26 @@ def _deltanet_params(d: Dims, pre: str, tp: int) -> list[tuple[str, int, str]]:
     value = d.lin_value_heads * d.lin_value_dim
     return [(f"{pre}.attn.conv_weight", d.lin_conv_size * d.lin_conv // tp, "tp"),
             (f"{pre}.attn.A_log", d.lin_value_heads // tp, "tp"),
-            (f"{pre}.attn.dt_bias", d.lin_value_heads // tp, "tp"),
             (f"{pre}.attn.norm_weight", d.lin_value_dim, "tp_sum"),
+            (f"{pre}.attn.dt_bias", d.lin_value_heads // tp, "tp"),
             (f"{pre}.attn.in_proj.weight", d.lin_in_size * d.hidden // tp, "tp"),
             (f"{pre}.attn.out_proj.weight", d.hidden * value // tp, "tp")]
+
+
+def _kda_params(d: Dims, pre: str, tp: int, replicated: str) -> list[tuple[str, int, str]]:
+    """One KDA layer's parameters on one tp rank: q|k|v|beta projected like Gated DeltaNet's,
+    a decay per channel (``dt_bias``), the low-rank decay and output-gate projections (their
+    shared down-projection replicated over tp, as MLA's latents)."""
+    nh, width = d.lin_key_heads, d.lin_key_heads * d.lin_key_dim
+    return [(f"{pre}.attn.conv_weight", 3 * width * d.lin_conv // tp, "tp"),
+            (f"{pre}.attn.A_log", nh // tp, "tp"),
+            (f"{pre}.attn.norm_weight", d.lin_key_dim, "tp_sum"),
+            (f"{pre}.attn.dt_bias", width // tp, "tp"),
+            (f"{pre}.attn.in_proj.weight", (3 * width + nh) * d.hidden // tp, "tp"),
+            (f"{pre}.attn.gates_down.weight", 2 * d.lin_key_dim * d.hidden, replicated),
+            (f"{pre}.attn.decay_up.weight", width * d.lin_key_dim // tp, "tp"),
+            (f"{pre}.attn.gate_up.weight", width * d.lin_key_dim // tp, "tp"),
+            (f"{pre}.attn.out_proj.weight", d.hidden * width // tp, "tp")]
 
 
 def _attention_params(d: Dims, pre: str, tp: int, replicated: str) -> list[tuple[str, int, str]]:
@@ -329,20 +357,35 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
     up = 2 if d.gated_mlp else 1  # fc1 is gate|up, or up alone (relu2)
     expert_up = 2 if d.gated_experts else 1
 
-    def block(pre: str, i: int) -> None:
-        if i not in d.no_mixer:
+    def dense(pre: str) -> None:
+        add(f"{pre}.mlp.fc1.weight", up * d.ffn * d.hidden // tp, "tp")
+        add(f"{pre}.mlp.fc2.weight", d.hidden * d.ffn // tp, "tp")
+
+    def mixer_and_norms(pre: str, i: int) -> None:
+        if i not in d.no_mixer:  # Nemotron-H's mlp and moe layers have no token mixer
             add(f"{pre}.attn_norm.weight", d.hidden, replicated)
             if i in d.deltanet:
                 mixer = _deltanet_params(d, pre, tp)
+            elif i in d.kda:
+                mixer = _kda_params(d, pre, tp, replicated)
             elif i in d.mamba:
                 mixer = _mamba_params(d, pre, tp)
             else:
                 mixer = _attention_params(d, pre, tp, replicated)
             for entry in mixer:
                 add(*entry)
+        if i not in d.no_mlp:  # nor its token-mixer layers an MLP
+            add(f"{pre}.mlp_norm.weight", d.hidden, replicated)
+
+    def block(pre: str, i: int) -> None:
+        if d.shortcut and i < d.layers:  # the sublayers (norms, attention, dense MLP), then the MoE
+            for j in range(d.sublayers):
+                mixer_and_norms(f"{pre}.sublayers.{j}", i)
+                dense(f"{pre}.sublayers.{j}")
+        else:
+            mixer_and_norms(pre, i)
         if i in d.no_mlp:
             return
-        add(f"{pre}.mlp_norm.weight", d.hidden, replicated)
         if d.moe_flags[i]:
             local = d.experts // ep + d.replicas  # expert slots: the copies take memory too
             # A module's own parameters come before its submodules' (the gate first).
@@ -360,8 +403,7 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
                 add(f"{pre}.mlp.shared_expert.fc1.weight", up * d.shared_ffn * d.hidden // tp, "tp")
                 add(f"{pre}.mlp.shared_expert.fc2.weight", d.hidden * d.shared_ffn // tp, "tp")
         else:
-            add(f"{pre}.mlp.fc1.weight", up * d.ffn * d.hidden // tp, "tp")
-            add(f"{pre}.mlp.fc2.weight", d.hidden * d.ffn // tp, "tp")
+            dense(pre)
 
     last = pp_rank == pp - 1
     # A tied head and the MTP depths read the embedding on the last stage: with pp > 1 it
@@ -408,7 +450,8 @@ def expert_rows_per_token(config: Config) -> float:
 
 def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None = None) -> dict[str, float]:
     """Forward matmul FLOPs per token of ``layer``, by part: ``attention`` (projections),
-    ``core`` (scores and context over the full sequence), ``mlp`` (dense), ``router``,
+    ``core`` (scores and context over the full sequence), ``mlp`` (dense; a shortcut_moe
+    block's two attention sublayers and two dense MLPs count twice), ``router``,
     ``experts`` (``rows_per_token`` rows, default :func:`expert_rows_per_token`),
     ``shared`` (shared expert and its gate)."""
     d = dims(config)
@@ -432,6 +475,14 @@ def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None
         # update). The short conv and the gates are element-wise.
         core = d.lin_value_heads * (2 * d.lin_chunk * (d.lin_key_dim + d.lin_value_dim)
                                     + 6 * d.lin_key_dim * d.lin_value_dim)
+    elif layer in d.kda:
+        nh, dk = d.lin_key_heads, d.lin_key_dim
+        # q|k|v|beta, the low-rank decay and gate (down to dk, up to every channel), the output.
+        projections = 2 * h * (3 * nh * dk + nh) + 2 * h * 2 * dk + 2 * 2 * dk * nh * dk + 2 * nh * dk * h
+        # The same chunked rule with a decay per key channel: in-chunk scores weigh each
+        # channel's product by its own decay (counted as the matmul it replaces) and the
+        # state products are Gated DeltaNet's.
+        core = nh * (2 * d.lin_chunk * 2 * dk + 6 * dk * dk)
     else:
         if d.mla:
             projections = sum(2 * rows * cols for _, rows, cols in d.mla)
@@ -440,10 +491,12 @@ def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None
         if d.output_gate:  # the sigmoid gate's columns of the q projection
             projections += 2 * h * d.q_size
         core = 2 * d.seq * (d.q_size + d.out_size)
-    out = {"attention": projections, "core": core,
-           "mlp": 0.0, "router": 0.0, "experts": 0.0, "shared": 0.0}
+    # A shortcut_moe block: two attention sublayers, each with a dense MLP, beside its MoE.
+    sublayers = d.sublayers if layer < d.layers else 1
     # A gated MLP's fc1 is gate|up (three matrices in all), relu2's up alone (two).
     per_width = 6 * h if d.gated_mlp else 4 * h
+    out = {"attention": sublayers * projections, "core": sublayers * core,
+           "mlp": per_width * d.ffn * (sublayers if d.shortcut else 0), "router": 0.0, "experts": 0.0, "shared": 0.0}
     if layer in d.no_mlp:
         pass
     elif d.moe_flags[layer]:
@@ -542,6 +595,8 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     (``topk`` per token, the etp group's rows on every etp rank): the gathered rows ``aH``
     each, fc1 output ``2aF_e/etp``, SwiGLU output ``aF_e/etp``; the shared expert like a
     dense MLP, and its output ``aH`` when gated.
+    A shortcut_moe block keeps two attention sublayers' and two dense MLPs' tensors besides
+    its MoE's (the dense MLPs are not recomputed).
     Recompute keeps only the inputs of what reruns: ``full`` a dense block's input ``aH``,
     an MoE block's attention input and the experts' and shared expert's inputs;
     ``moe`` the experts' and shared expert's inputs; ``expert_act`` drops the SwiGLU output.
@@ -555,11 +610,14 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     else:
         attention = (a * h + a * h * g + a * (2 * d.q_size + 2 * d.kv_size) * g / tp
                      + 4 * d.heads * g / tp + a * d.q_size * g / tp)
+    mlp = a * h + a * h * g + 3 * a * d.ffn * g / tp
     if not d.moe_flags[layer]:
-        mlp = a * h + a * h * g + 3 * a * d.ffn * g / tp
         return a * h if recompute == "full" else attention + mlp
     if recompute == "full":
         attention = a * h
+    # A shortcut_moe block: a second attention sublayer, and a dense MLP after each (not recomputed).
+    sublayers = d.sublayers if layer < d.layers else 1
+    attention = sublayers * attention + (sublayers * mlp if d.shortcut and layer < d.layers else 0.0)
     rb = router_bytes(config)
     routed = rb * h + 3 * rb * d.experts
     rows = expert_rows_per_token(config) * etp

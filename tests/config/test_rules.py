@@ -133,6 +133,15 @@ RULE_CASES = [
      "experts belong to no group"),
     ("zero_expert_settings", ["moe.zero_experts=4", "moe.router_replay=runs/a"], 1,
      "moe.zero_experts=4 cannot run with moe.router_replay=runs/a: route files record held experts only"),
+    ("shortcut_moe_block", ["model.block=shortcut_moe", "moe.moe_layer_freq=2"], 1,
+     "model.block=shortcut_moe needs an MoE in every block, but the MoE layers are [1, 0, 1, 0] (set "
+     "moe.moe_layer_freq=1 and moe.first_k_dense=0)"),
+    ("shortcut_moe_block", ["model.block=shortcut_moe", "model.mtp_num_layers=1"], 1,
+     "model.mtp_num_layers=1 cannot run with model.block=shortcut_moe: an MTP depth is a standard block"),
+    ("shortcut_moe_block", ["model.block=shortcut_moe", "model.num_layers=2",
+                            "model.layer_types=[gated_deltanet, attention]"], 1,
+     "model.layer_types=[gated_deltanet, attention] cannot run with model.block=shortcut_moe: its two sublayers "
+     "are attention"),
     ("dynamic_cp_layout", ["parallel.dynamic_cp=true", "parallel.cp=3", "model.seq_length=126"], 3,
      "parallel.dynamic_cp=true needs parallel.cp a power of two up to 16, got cp=3"),
     ("dynamic_cp_layout", ["parallel.dynamic_cp=true", "parallel.cp=2", "parallel.pp=2"], 4,

@@ -55,7 +55,8 @@ class Spec:
 
 def randomize(model, seed: "int | torch.Generator", matrix_std: float = 0.2, zero_centred: bool = False):
     """``model`` with matrices N(0, matrix_std), vectors U(0.5, 1.5) and any score correction
-    bias (a buffer, or ERNIE-4.5's parameter) N(0, 0.1), drawn from ``seed`` (or from a
+    bias (a buffer, or ERNIE-4.5's parameter) N(0, 0.1), LongCat-Flash's unread zero-expert
+    rows 0, drawn from ``seed`` (or from a
     generator the caller goes on using): large enough that routing and every layer matter.
     ``zero_centred``: the RMSNorms (``*layernorm``, ``norm``, ``q_norm``, ``k_norm``; not a
     Gated DeltaNet's gated ``linear_attn.norm``) multiply by 1 + weight: their weights are
@@ -77,6 +78,11 @@ def randomize(model, seed: "int | torch.Generator", matrix_std: float = 0.2, zer
         for name, p in model.named_parameters():
             if name.endswith("e_score_correction_bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        for module in model.modules():
+            # LongCat-Flash's fused gate|up has rows for its zero experts, which no token
+            # multiplies: an export writes them as zeros, so the round trip starts there.
+            if type(module).__name__ == "LongcatFlashExperts":
+                module.gate_up_proj[module.num_routed_experts:].zero_()
     return model
 
 

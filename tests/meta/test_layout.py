@@ -49,6 +49,8 @@ NOT_MIRRORED: dict[str, tuple[str, str]] = {
                                     "files of moe_fold/routes.py"),
     "kernels/gated_delta.py": ("tests/models/test_gated_deltanet.py", "the chunked rule and the conv, against the "
                                "recurrent reference of the layer"),
+    "kernels/delta_rule_fla.py": ("tests/kernels/test_delta_rule.py", "fla's layout, through a stand-in with fla's "
+                                  "contract, with the delta rule's interface"),
     "kernels/gmm_loop.py": ("tests/kernels/test_backends.py", "one of the gmm backends, run alike"),
     "kernels/permute_triton.py": _GPU,
     "kernels/swiglu_triton.py": _GPU,
@@ -63,8 +65,8 @@ NOT_MIRRORED: dict[str, tuple[str, str]] = {
     "models/hf/weights.py": ("tests/models/hf/test_families.py", "tensor names of every family"),
     **{f"models/hf/families/{name}.py": _FAMILIES for name in (
         "base", "standard", "deepseek_common", "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "glm4_moe",
-        "gpt_oss", "llama4_text", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe",
-        "qwen3_next", "nemotron_h")},
+        "gpt_oss", "llama4_text", "longcat_flash", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe",
+        "qwen3_moe", "qwen3_next", "kimi_linear", "nemotron_h")},
 }
 
 

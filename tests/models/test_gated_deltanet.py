@@ -11,14 +11,16 @@ from tests.helpers.float64_reference import assert_close_to_float64
 
 
 def recurrent_reference(q, k, v, g, beta, resets=None, initial_state=None):
-    """The recurrence one token at a time (the definition the chunked form must equal)."""
+    """The recurrence one token at a time (the definition the chunked form must equal);
+    ``g [B, H, S]`` decays a head's whole state, ``g [B, H, S, dk]`` each key row of it."""
     B, H, S, dk = k.shape
     state = q.new_zeros(B, H, dk, v.shape[-1]) if initial_state is None else initial_state.clone()
     outs = []
     for t in range(S):
         if resets is not None:
             state = state * (~resets[:, t]).to(state.dtype)[:, None, None, None]
-        state = state * g[:, :, t].exp()[..., None, None]
+        decay = g[:, :, t].exp()
+        state = state * (decay[..., None, None] if decay.dim() == 2 else decay[..., None])
         kt, vt, bt = k[:, :, t], v[:, :, t], beta[:, :, t]
         delta = (vt - torch.einsum("bhkv,bhk->bhv", state, kt)) * bt[..., None]
         state = state + kt[..., None] * delta[..., None, :]
@@ -41,12 +43,17 @@ def conv_reference(x, weight, doc_ids=None):
     return out
 
 
-def _inputs(B=2, H=3, S=37, dk=5, dv=7, seed=0):
+def _inputs(B=2, H=3, S=37, dk=5, dv=7, seed=0, decay="head"):
+    """``decay``: head (a log-decay per head and token, Gated DeltaNet) or channel (one per
+    key channel, KDA), spread so that channels decay at very different rates."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(B, H, S, dk, generator=gen, dtype=torch.float64), dim=-1)
     k = torch.nn.functional.normalize(torch.randn(B, H, S, dk, generator=gen, dtype=torch.float64), dim=-1)
     v = torch.randn(B, H, S, dv, generator=gen, dtype=torch.float64)
-    g = -torch.rand(B, H, S, generator=gen, dtype=torch.float64) * 0.7
+    shape = (B, H, S) if decay == "head" else (B, H, S, dk)
+    g = -torch.rand(*shape, generator=gen, dtype=torch.float64) * 0.7
+    if decay == "channel":
+        g = g * torch.logspace(-2, 0.5, dk, dtype=torch.float64)
     beta = torch.rand(B, H, S, generator=gen, dtype=torch.float64)
     return [t.requires_grad_() for t in (q, k, v, g, beta)]
 
@@ -64,10 +71,11 @@ def _check(got, want, grads_got, grads_want):
         assert_close_to_float64(a, b, rtol=1e-4, atol=1e-5, msg=f"grad of {name}")
 
 
+@pytest.mark.parametrize("decay", ["head", "channel"])
 @pytest.mark.parametrize("chunk", [1, 8, 16, 64])
 @pytest.mark.parametrize("packed", [False, True])
-def test_chunked_equals_recurrent_forward_and_grads(chunk, packed):
-    inputs = _inputs()
+def test_chunked_equals_recurrent_forward_and_grads(chunk, packed, decay):
+    inputs = _inputs(decay=decay)
     B, S = inputs[0].shape[0], inputs[0].shape[2]
     # Starts inside a chunk, on a chunk edge (16) and at the last token.
     resets = _resets(B, S, [[0, 5, 16, 36], [0, 9, 10, 30]]) if packed else None
@@ -83,10 +91,11 @@ def test_chunked_equals_recurrent_forward_and_grads(chunk, packed):
     assert_close_to_float64(got_state, want_state.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_packed_equals_each_document_alone():
+@pytest.mark.parametrize("decay", ["head", "channel"])
+def test_packed_equals_each_document_alone(decay):
     """A packed row gives each document what the recurrence gives it run alone from a
     zero state."""
-    q, k, v, g, beta = (t.detach().float() for t in _inputs(B=1, S=30))
+    q, k, v, g, beta = (t.detach().float() for t in _inputs(B=1, S=30, decay=decay))
     bounds = [0, 7, 19, 30]
     resets = _resets(1, 30, [bounds[:-1]])
     packed, _ = chunk_gated_delta_rule(q, k, v, g, beta, resets=resets, chunk_size=8)
@@ -222,7 +231,7 @@ def test_gated_attention_and_zero_centred_norm_equal_transformers_qwen3_next():
 
 @pytest.mark.parametrize("field, value, why", [
     ("layer_types", ["gated_deltanet", "attention", "attention", "attention"],
-     r"mixtral has attention on every layer \(Qwen3-Next and Qwen3.5 have Gated DeltaNet layers\)"),
+     r"mixtral has attention on every layer \(Qwen3-Next and Qwen3.5 have Gated DeltaNet layers, Kimi-Linear KDA"),
     ("attn_output_gate", True, "attention has no output gate"),
     ("norm_zero_centred", True, "RMSNorm weights are not zero-centred"),
 ])
@@ -257,5 +266,5 @@ def test_cp_segments_must_hold_the_conv_window():
     from moe_fold.config import Config, ConfigError, validate
     config = Config()
     config.model.layer_types, config.model.seq_length, config.parallel.cp = ["gated_deltanet"] * 4, 8, 4
-    with pytest.raises(ConfigError, match="gives 1 tokens each; Gated DeltaNet's conv window needs at least"):
+    with pytest.raises(ConfigError, match="gives 1 tokens each; the short conv window of Gated DeltaNet and KDA needs at least"):
         validate(config, 4)

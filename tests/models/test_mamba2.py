@@ -99,6 +99,8 @@ def test_chunk_size_does_not_change_the_result():
     (dict(single_mixer_layers=True), "model.single_mixer_layers=true needs model.layer_types"),
     (dict(single_mixer_layers=True, layer_types=["mamba2", "moe", "attention", "mlp"], mtp_num_layers=1),
      "model.mtp_num_layers=1 with model.single_mixer_layers=true"),
+    (dict(single_mixer_layers=True, layer_types=["mamba2", "moe", "attention", "mlp"], block="shortcut_moe"),
+     "model.block=shortcut_moe with model.single_mixer_layers=true"),
     (dict(single_mixer_layers=True, layer_types=["mamba2", "moe", "attention", "mlp"], **{"moe.first_k_dense": 1}),
      "moe.first_k_dense=1 with model.single_mixer_layers=true: the MoE layers are the model.layer_types entries"),
 ])

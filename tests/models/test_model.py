@@ -236,3 +236,80 @@ def test_context_parallel_default_positions_are_the_rank_zigzag_shard():
     for rank, got in enumerate(run_ranks(_cp_logits_rank, 2, timeout=150)):
         torch.testing.assert_close(torch.from_numpy(got), zigzag_split(ref, rank, 2), rtol=1e-5, atol=1e-5,
                                    msg=lambda m: f"cp rank {rank}: {m}")
+
+
+def _shortcut_config():
+    """A LongCat-Flash-shaped model: shortcut_moe blocks of two MLA sublayers, 6 experts and
+    3 zero experts, top-3, LoRA-scaled latents."""
+    config = Config()
+    config.model = ModelConfig(vocab_size=VOCAB, hidden_size=42, num_layers=2, num_heads=6, num_kv_heads=6,
+                               ffn_hidden_size=50, seq_length=SEQ, init_std=0.1, attention="mla", q_lora_rank=14,
+                               kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+                               rope_interleave=True, block="shortcut_moe", mla_lora_scale=True, mla_norm_eps=1e-6,
+                               norm_eps=1e-5)
+    moe = config.moe
+    moe.num_experts, moe.zero_experts, moe.topk, moe.ffn_hidden_size = 6, 3, 3, 22
+    moe.pre_softmax, moe.expert_bias, moe.scaling_factor = True, True, 6.0
+    return config
+
+
+def _longcat_layer_written_out(block, x, cos, sin):
+    """transformers' LongcatFlashDecoderLayer, written with the block's own parts: the MoE
+    reads the first sublayer's post-attention norm, its output joins at the end."""
+    first, second = block.sublayers
+    h = x + first.attn(first.attn_norm(x), cos, sin)
+    normed = first.mlp_norm(h)
+    shortcut = block.mlp(normed.flatten(0, 1)).reshape(h.shape)
+    h = h + first.mlp(normed.flatten(0, 1)).reshape(h.shape)
+    h = h + second.attn(second.attn_norm(h), cos, sin)
+    return h + second.mlp(second.mlp_norm(h).flatten(0, 1)).reshape(h.shape) + shortcut
+
+
+def test_shortcut_moe_block_is_longcat_flash_layer_written_out_forward_and_backward():
+    """The block's forward and grads equal LongCat's layer written out; with the attention
+    recomputed (train.recompute=full) too; the MLA latents are scaled as configured."""
+    from moe_fold.models.model import ShortcutMoEBlock, set_recompute
+    from moe_fold.models.rotary import cos_sin
+
+    model = build_model(_shortcut_config(), ProcessGroups.single_process())
+    block = model.layers[0]
+    assert isinstance(block, ShortcutMoEBlock) and len(block.sublayers) == 2
+    assert block.sublayers[1].attn.q_scale == (42 / 14) ** 0.5 and block.sublayers[1].attn.kv_scale == (42 / 10) ** 0.5
+    assert block.sublayers[0].attn.kv_norm.eps == 1e-6 and block.sublayers[0].attn_norm.eps == 1e-5
+    x = torch.randn(SEQ, 2, 42, generator=torch.Generator().manual_seed(0))
+    cos, sin = cos_sin(torch.arange(SEQ), 4, 1e4, torch.float32, None)
+    grads = {}
+    for mode in ("none", "full", "written"):
+        block.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        if mode == "written":
+            out = _longcat_layer_written_out(block, xi, cos, sin)
+        else:
+            set_recompute(model, mode)
+            assert block.recompute == ("attention" if mode == "full" else "none")
+            out = block(xi, cos, sin)
+        (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+        grads[mode] = (out.detach(), xi.grad, {n: p.grad.clone() for n, p in block.named_parameters()})
+    for mode in ("none", "full"):
+        torch.testing.assert_close(grads[mode][0], grads["written"][0], rtol=0, atol=0)
+        torch.testing.assert_close(grads[mode][1], grads["written"][1], rtol=1e-6, atol=1e-7)
+        for name, g in grads["written"][2].items():
+            assert g.abs().max() > 0, name
+            torch.testing.assert_close(grads[mode][2][name], g, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_shortcut_moe_cached_decode_equals_the_full_forward():
+    """Sampling's cache holds each attention sublayer's keys apart (the second in
+    LayerCache.sublayer(1)): the prompt then one token at a time give the full forward's logits."""
+    from moe_fold.models.kv_cache import KVCache
+    from moe_fold.models.sampling import forward_cached
+
+    model = build_model(_shortcut_config(), ProcessGroups.single_process()).eval()
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model.logits(ids)
+        cache = KVCache([0, 1])
+        steps = [forward_cached(model, ids[:, :6], cache)] + [forward_cached(model, ids[:, t:t + 1], cache)
+                                                              for t in range(6, 10)]
+    assert cache[0].sublayer(1).length == 10 and cache[0].length == 10
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)

@@ -697,4 +697,39 @@ MUTANTS: list[Mutant] = [
         "        dropped = 1.0 - float(kept.sum()) / max(float(routed.sum()), 1.0)\n",
         "the slots on zero experts reported as dropped by capacity",
         ("tests/training/test_metrics.py::test_zero_expert_assignments_are_neither_loads_nor_drops",)),
+    # ------------------------------------------------------------------ LongCat-Flash's blocks
+    Mutant(
+        "shortcut-moe-reads-unnormed-stream", "models/model.py",
+        "        shortcut = routed_mlp(self.mlp, h.flatten(0, 1), x.shape, docs, loss_scale).reshape(x.shape)\n",
+        "        shortcut = routed_mlp(self.mlp, x.flatten(0, 1), x.shape, docs, loss_scale).reshape(x.shape)\n",
+        "the shortcut MoE reads the first sublayer's residual stream instead of its normed output",
+        ("tests/models/test_model.py::test_shortcut_moe_block_is_longcat_flash_layer_written_out_forward_and_backward",
+         "tests/models/hf/test_families.py::test_import_matches_transformers_and_export_round_trips"
+         "[longcat_flash-longcat_flash]")),
+    Mutant(
+        "shortcut-second-sublayer-shares-cache", "models/model.py",
+        "        x = second.attend(x, cos, sin, docs, kv_cache.sublayer(1) if kv_cache is not None else None, again)\n",
+        "        x = second.attend(x, cos, sin, docs, kv_cache, again)\n",
+        "sampling: the second attention sublayer appends its keys to the first one's cache",
+        ("tests/models/test_model.py::test_shortcut_moe_cached_decode_equals_the_full_forward",)),
+    Mutant(
+        "mla-kv-lora-unscaled", "models/mla.py",
+        "        self.kv_scale = (config.hidden_size / config.kv_lora_rank) ** 0.5 if scaled else None\n",
+        "        self.kv_scale = None\n",
+        "LongCat-Flash's MLA without the key/value latent's LoRA scaling",
+        ("tests/models/hf/test_families.py::test_import_matches_transformers_and_export_round_trips"
+         "[longcat_flash-longcat_flash]",)),
+    Mutant(
+        "longcat-zero-expert-rows-not-written", "models/hf/sources.py",
+        "        return self.part.split(value) + [(name, value.new_zeros(shape)) for name, shape in self.extra]\n",
+        "        return self.part.split(value)\n",
+        "the export leaves out the zero experts' gate and up rows that transformers needs to load",
+        ("tests/models/hf/test_families.py::test_import_matches_transformers_and_export_round_trips"
+         "[longcat_flash-longcat_flash]",)),
+    Mutant(
+        "planner-shortcut-dense-missing", "moe_fold/planner/model.py",
+        "                dense(f\"{pre}.sublayers.{j}\")\n",
+        "",
+        "the planner forgets a shortcut_moe block's dense MLPs",
+        ("tests/planner/test_model.py::test_params_equal_single_process_model[longcat-flash-tiny]",)),
 ]

@@ -54,6 +54,13 @@ QWEN3_NEXT_LAYERS = dict(layer_types=["gated_deltanet", "gated_deltanet", "gated
                          linear_num_value_heads=4, linear_key_head_dim=6, linear_value_head_dim=5,
                          linear_conv_kernel=4, linear_chunk_size=3)
 
+# Kimi-Linear's layers: KDA in three of four layers, MLA without rotary (latent norms eps 1e-6)
+# in the fourth; sigmoid routing with the expert bias, scaled.
+KIMI_LINEAR_LAYERS = dict(layer_types=["kda", "kda", "kda", "attention"], attention="mla", num_kv_heads=4,
+                          kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, rope_layers=[0] * 4,
+                          mla_norm_eps=1e-6, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=6,
+                          linear_value_head_dim=6, linear_conv_kernel=4, linear_chunk_size=3,
+                          moe=dict(score_function="sigmoid", expert_bias=True, scaling_factor=2.5))
 # Nemotron-H's layers: one mixer each (Mamba2, relu2 MoE with the sigmoid expert bias and
 # an ungated relu2 shared expert, attention without rotary, a relu2 MLP); Mamba2 4 heads of 6
 # in 2 groups, state 5, chunks of 3. The initial steps (dt 0.001 to 0.1) keep the decays
@@ -68,6 +75,10 @@ NEMOTRON_H_LAYERS = dict(layer_types=["mamba2", "moe", "attention", "mlp"], sing
 # softmax over all 12 plus the expert bias, scaled weights (the bias's update across ranks:
 # tests/dispatch/test_router_parallel.py).
 LONGCAT_ZERO = dict(moe=dict(zero_experts=4, topk=3, pre_softmax=True, expert_bias=True, scaling_factor=1.5))
+
+# LongCat-Flash's blocks (model.block=shortcut_moe): two MLA sublayers, each with a dense MLP,
+# and the shortcut MoE with its zero experts; MLA's LoRA scaling and latent epsilon.
+LONGCAT_BLOCK = dict(MLA_MODEL, block="shortcut_moe", mla_lora_scale=True, mla_norm_eps=1e-6, **LONGCAT_ZERO)
 
 # name -> (world, layout sizes, micro-batches per rank, parallel config, model overrides).
 # tp > 1 implies SP; etp defaults to tp.
@@ -123,6 +134,12 @@ CASES = {
     "gdn-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), QWEN3_NEXT_LAYERS),
     "gdn-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), QWEN3_NEXT_LAYERS),
     "gdn-tp2-cp2-a2a-ep2-packed": (4, dict(tp=2, cp=2, ep=2, etp=1), 2, dict(cp_kind="a2a"), QWEN3_NEXT_LAYERS),
+    # Kimi-Linear's layers: KDA (per-channel decays; state and conv window passed along cp in
+    # sequence order, reset at documents) and NoPE MLA, under ring and a2a cp, tp + SP, pp, ep.
+    "kda-cp2-ring-packed": (2, dict(cp=2), 2, dict(cp_kind="ring"), KIMI_LINEAR_LAYERS),
+    "kda-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), KIMI_LINEAR_LAYERS),
+    "kda-pp2-cp2-a2a-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="a2a"), KIMI_LINEAR_LAYERS),
+    "kda-tp2-cp2-ring-ep2-packed": (4, dict(tp=2, cp=2, ep=2, etp=1), 2, dict(cp_kind="ring"), KIMI_LINEAR_LAYERS),
     # Nemotron-H's single-mixer layers with Mamba2 (its state and conv window passed along
     # cp in sequence order, reset at documents).
     "m2-cp2-ring-packed": (2, dict(cp=2), 2, dict(cp_kind="ring"), NEMOTRON_H_LAYERS),
@@ -134,6 +151,10 @@ CASES = {
     "zero-ep2": (2, dict(ep=2), 2, dict(), LONGCAT_ZERO),
     "zero-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_ZERO),
     "zero-tp2-ep2-etp1-dp2-packed": (4, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_ZERO),
+    # LongCat-Flash's shortcut-connected MoE blocks.
+    "longcat-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_BLOCK),
+    "longcat-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), LONGCAT_BLOCK),
+    "longcat-tp2-cp2-a2a-ep2-packed": (4, dict(tp=2, cp=2, ep=2, etp=1), 2, dict(cp_kind="a2a"), LONGCAT_BLOCK),
 }
 
 # Documents (lengths) of each row of the packed global batch; a row's documents fill it.
@@ -402,7 +423,7 @@ def _check(names, results):
         ref = _reference(name)
         assert ref["norms"][0] > MAX_NORM, f"{name}: clipping is not exercised"
         assert ref["losses"][-1] < ref["losses"][0], name
-        # The Gated DeltaNet model is sensitive to rounding: its gated norm rescales each
+        # The Gated DeltaNet and KDA models are sensitive to rounding: the gated norm rescales each
         # head's small output to unit RMS (init grad norm ~200), so float32 sums in another
         # order (SP's reduce-scatter, cp's composed segment states) move its grads by ~1e-5 of
         # their largest, though its layers under tp and cp equal one process to 1e-14 in
@@ -410,8 +431,9 @@ def _check(names, results):
         # by lr times its grad's sign, flipping on grads below 1e-7, so later steps differ by
         # ~1e-2 between any two float32 orders: only its first step is compared, with a
         # tolerance scaled to each tensor's largest grad (with _build's slow decays, a state
-        # not passed along cp, or one segment's state alone passed on, is off by 6,000 times it).
-        gdn = name in LAYER_TYPES or name in MAMBA2
+        # not passed along cp, or one segment's state alone passed on, is off by 6,000 times it;
+        # KDA's own initial decays are slow: softplus(dt_bias) in [1e-3, 0.1] per channel).
+        gdn = name in LAYER_TYPES or name in KDA_LAYERS or name in MAMBA2
         steps, rtol = (1, 1e-4) if gdn else (STEPS, 1e-5)
         for rank, per_rank in enumerate(results):
             got, where = per_rank[i], f"{name} rank {rank}"
@@ -454,15 +476,22 @@ ISSUE_29 = {name for name in CASES if name.startswith("attn-")}
 LAYER_TYPES = {name for name in CASES if name.startswith("gdn-")}
 
 
+KDA_LAYERS = {name for name in CASES if name.startswith("kda-")}
+
+
 ZERO_EXPERTS = {name for name in CASES if name.startswith("zero-")}
 MAMBA2 = {name for name in CASES if name.startswith("m2-")}
 
 
-def _names(world, issue_20=False, issue_29=False, layer_types=False, zero_experts=False, mamba2=False):
+LONGCAT = {name for name in CASES if name.startswith("longcat-")}
+
+
+def _names(world, issue_20=False, issue_29=False, layer_types=False, zero_experts=False, kda=False, longcat=False,
+           mamba2=False):
     return [name for name, case in CASES.items()
             if case[0] == world and (name in ISSUE_20) == issue_20 and (name in ISSUE_29) == issue_29
             and (name in LAYER_TYPES) == layer_types and (name in ZERO_EXPERTS) == zero_experts
-            and (name in MAMBA2) == mamba2]
+            and (name in KDA_LAYERS) == kda and (name in LONGCAT) == longcat and (name in MAMBA2) == mamba2]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -497,6 +526,14 @@ def test_gated_deltanet_layers_match_single_process(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_kda_layers_match_single_process(world):
+    """Kimi-Linear's layer types (KDA, MLA without rotary) under cp (ring and a2a, packed
+    documents), tp + SP, pp and ep."""
+    names = _names(world, kda=True)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_mamba2_layers_match_single_process(world):
     """Nemotron-H's single-mixer layers (Mamba2, relu2 MoE and MLP, attention without rotary)
     under cp2 (ring and a2a, packed documents; cp4 would leave segments of 2 tokens, shorter
@@ -511,6 +548,15 @@ def test_zero_experts_match_single_process(world):
     """LongCat-Flash's zero-computation experts (with its softmax expert bias and scaling)
     under ep, tp + SP with ep over the tp ranks, and dp on packed documents."""
     names = _names(world, zero_experts=True)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shortcut_moe_blocks_match_single_process(world):
+    """LongCat-Flash's blocks (two MLA sublayers with their dense MLPs, the shortcut MoE with
+    zero experts) under tp + SP with ep over the tp ranks, pp x ring cp and tp x a2a cp on
+    packed documents."""
+    names = _names(world, longcat=True)
     _check(names, run_ranks(_rank, world, names, timeout=400))
 
 
@@ -548,14 +594,15 @@ def test_moe_overlap_matches_no_overlap_and_single_process(world):
 # graph, its collectives torch's functional collectives (cp's a2a and ep's all-to-all with
 # the count exchange's unbacked splits, tp's SP mappings, the router's all-reduces), pp's
 # sends between the compiled blocks. Ring cp is not among them (docs/gpu.md says why).
-COMPILED_CASES = ["cp2-a2a-ep2", "pp2-tied", "tp2-qknorm-projection-partial-rotary"]
+COMPILED_CASES = ["cp2-a2a-ep2", "pp2-tied", "tp2-qknorm-projection-partial-rotary", "longcat-tp2-ep2-etp1"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", COMPILED_CASES)
 def test_compiled_blocks_match_single_process(name):
-    """ep 2 with a2a cp 2, pp 2 with tied embeddings, tp 2 + SP: with every block compiled,
-    one process's losses, grads and grad norms at the matrix's tolerances."""
+    """ep 2 with a2a cp 2, pp 2 with tied embeddings, tp 2 + SP, LongCat-Flash's blocks under
+    tp 2 + SP x ep 2: with every block compiled, one process's losses, grads and grad norms at
+    the matrix's tolerances."""
     _check([name], run_ranks(_rank, 2, [name], compiled=True, timeout=600))
 
 

@@ -1,7 +1,9 @@
-"""Gated DeltaNet and Mamba2 under context parallelism: each rank keeps its zigzag segments, the conv
-windows and the recurrent states pass along the segments in sequence order
+"""Gated DeltaNet, KDA and Mamba2 under context parallelism: each rank keeps its zigzag segments,
+the conv windows and the recurrent states pass along the segments in sequence order
 (moe_fold/parallel/recurrent_cp.py); the outputs, the input gradients and the summed
-parameter gradients equal one process's, with and without packed documents."""
+parameter gradients equal one process's, with and without packed documents. KDA's state
+decays per key channel, and its segment map is still affine in the start state; Mamba2's
+decays by one scalar per head."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from moe_fold.comm import group_rank, group_size
 from moe_fold.config import ModelConfig
 from moe_fold.launch import run_ranks
 from moe_fold.models.gated_deltanet import GatedDeltaNet
+from moe_fold.models.kda import KimiDeltaAttention
 from moe_fold.models.mamba2 import Mamba2
 from moe_fold.parallel.context_parallel import zigzag_gather, zigzag_split
 from moe_fold.parallel.tensor_parallel import shard_tp
@@ -23,37 +26,41 @@ from moe_fold.parallel.varlen import Documents
 S, B, H = 24, 2, 20
 
 
-def _config() -> ModelConfig:
-    # Odd sizes; chunks of 4 cut the cp4 segments (3 tokens) and the documents unevenly.
-    return ModelConfig(hidden_size=H, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=6,
-                       linear_value_head_dim=5, linear_conv_kernel=4, linear_chunk_size=4, init_std=0.2,
-                       mamba_num_heads=6, mamba_head_dim=5, mamba_state_size=7, mamba_num_groups=2,
-                       mamba_conv_kernel=4, mamba_chunk_size=4)
+# Odd sizes; chunks of 4 cut the cp4 segments (3 tokens) and the documents unevenly.
+# Gated DeltaNet: 2 key heads over 4 value heads of 6/5; KDA: 2 heads of 6.
+LAYERS = {"gated_deltanet": (GatedDeltaNet, dict(linear_num_value_heads=4, linear_value_head_dim=5)),
+          "kda": (KimiDeltaAttention, dict(linear_num_value_heads=2, linear_value_head_dim=6)),
+          # Mamba2: 6 heads of 5 in 2 groups, state 7, chunks of 4.
+          "mamba2": (Mamba2, dict(mamba_num_heads=6, mamba_head_dim=5, mamba_state_size=7, mamba_num_groups=2,
+                                  mamba_conv_kernel=4, mamba_chunk_size=4))}
 
 
-KINDS = ["gated_deltanet", "mamba2"]
+def _config(kind: str) -> ModelConfig:
+    return ModelConfig(hidden_size=H, linear_num_key_heads=2, linear_key_head_dim=6, linear_conv_kernel=4,
+                       linear_chunk_size=4, init_std=0.2, **LAYERS[kind][1])
 
 
-def _layer(kind, tp_group, sequence_parallel, **where):
-    """The layer with slow decays (Gated DeltaNet: exp(A_log) = 0.05, dt_bias = -2; Mamba2:
-    exp(A_log) = 0.05 and a step near 0.13: about 0.01 per token either way): with the
-    initial decay rates (1 to 16) a segment of 3 to 6 tokens forgets its start state (the
-    transition reaches 1e-17), and a state not passed along cp, or not reset at a
-    document start, would not show. Mamba2's conv bias is drawn too, so a conv window
-    carried across a document start would show."""
+def _layer(kind: str, tp_group, sequence_parallel, **where):
+    """The layer with slow decays (exp(A_log) = 0.05, dt_bias = -2: about 0.01 per token;
+    KDA: per channel, a few channels faster): with the initial decay rates (1 to 16) a
+    segment of 3 to 6 tokens forgets its start state (the transition reaches 1e-17), and a
+    state not passed along cp, or not reset at a document start, would not show."""
+    layer = LAYERS[kind][0](_config(kind), tp_group, sequence_parallel, **where)
     if kind == "mamba2":
-        layer = Mamba2(_config(), tp_group, sequence_parallel, **where)
         with torch.no_grad():
+            # Mamba2: exp(A_log) = 0.05 and a step near 0.13; its conv bias drawn too, so a
+            # conv window carried across a document start would show.
             layer.A_log.fill_(math.log(0.05))
             layer.dt_bias.fill_(-2.0)
             parts = [6 * 5, 2 * 7, 2 * 7]  # x|B|C channels: the global bias, this tp rank's shard
             bias = torch.randn(sum(parts), generator=torch.Generator().manual_seed(5))
             layer.conv_bias.copy_(shard_tp(bias, 0, parts, group_rank(tp_group), group_size(tp_group)))
         return layer
-    layer = GatedDeltaNet(_config(), tp_group, sequence_parallel, **where)
     with torch.no_grad():
         layer.A_log.fill_(math.log(0.05))
-        layer.dt_bias.fill_(-2.0)
+        # KDA: the same spread in every head, so a tp rank's heads hold one process's values.
+        layer.dt_bias.copy_(torch.linspace(-3.0, 0.5, 6).repeat(layer.dt_bias.numel() // 6) if kind == "kda" else
+                            torch.full_like(layer.dt_bias, -2.0))
     return layer
 
 
@@ -88,7 +95,7 @@ def _rank(rank, world_size, kind, packed):
     return _run(layer, x, probe, docs)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", list(LAYERS))
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("packed", [False, True])
 def test_cp_equals_one_process(kind, cp, packed):
@@ -112,7 +119,7 @@ def test_cp_equals_one_process(kind, cp, packed):
           f"max |dx diff| {float((dx - want_dx).abs().max()):.2e}")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", list(LAYERS))
 def test_packed_layer_equals_each_document_alone(kind):
     """One process: a packed row's outputs are those of each document run alone."""
     layer = _layer(kind, None, False, seed=3, name="layers.0.attn")
@@ -136,7 +143,7 @@ def _rank64(rank, world_size, kind, split):
     return _run(layer, x, probe, Documents(_doc_ids(), cp))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", list(LAYERS))
 @pytest.mark.parametrize("split", ["tp", "cp"])
 def test_tp_and_cp_equal_one_process_in_float64(kind, split):
     """In float64 the tp (heads split) and cp (segments in order) layers are one process's

@@ -106,25 +106,29 @@ def test_flops_by_hand():
     assert model_flops_per_step(config) == 3 * (2704 + 2 * (1360 + 256 + 256)) * 8
 
 
-def test_hybrid_layers_projection_flops_are_their_weights():
+@pytest.mark.parametrize("preset", ["qwen3-next-tiny", "kimi-linear-tiny"])
+def test_hybrid_layers_projection_flops_are_their_weights(preset):
     """Qwen3-Next's layers: a Gated DeltaNet layer's projections (q, k, v, z, beta, a in;
-    out) and a gated attention layer's (q with its gate, k, v; out) are 2 FLOPs per weight
-    per token, read off the built model's matrices; the chunked rule's core is counted
-    from its chunk and state sizes."""
+    out) and a gated attention layer's (q with its gate, k, v; out); Kimi-Linear's: a KDA
+    layer's (q|k|v|beta, the low-rank decay and output gate, out) and an MLA layer's. Each is
+    2 FLOPs per weight per token, read off the built model's matrices; the chunked rule's
+    core is counted from its chunk and state sizes."""
     from moe_fold.models.model import build_model
     from moe_fold.planner.model import layer_forward_flops
 
-    config = load_config("qwen3-next-tiny", ["parallel.ep=1"])
+    config = load_config(preset, ["parallel.ep=1"])
     model = build_model(config, ProcessGroups.single_process())
     m = config.model
-    assert set(m.layer_types) == {"gated_deltanet", "attention"}
+    assert len(set(m.layer_types)) == 2 and "attention" in m.layer_types
+    dk, dv, chunk = m.linear_key_head_dim, m.linear_value_head_dim, m.linear_chunk_size
+    core = {"gated_deltanet": m.linear_num_value_heads * (2 * chunk * (dk + dv) + 6 * dk * dv),
+            "kda": m.linear_num_key_heads * (2 * chunk * 2 * dk + 6 * dk * dk)}
     for i, layer in enumerate(model.layers):
         matrices = sum(q.numel() for n, q in layer.attn.named_parameters() if q.dim() == 2 and n != "conv_weight")
         flops = layer_forward_flops(config, i)
         assert flops["attention"] == 2 * matrices, (i, m.layer_types[i])
-        if m.layer_types[i] == "gated_deltanet":
-            dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
-            assert flops["core"] == m.linear_num_value_heads * (2 * m.linear_chunk_size * (dk + dv) + 6 * dk * dv)
+        if m.layer_types[i] in core:
+            assert flops["core"] == core[m.layer_types[i]], (i, m.layer_types[i])
 
 
 @pytest.mark.parametrize("sets", [["parallel.ep=1"], ["parallel.tp=2", "parallel.sequence_parallel=true",

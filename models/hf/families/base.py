@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from moe_fold.config import Config
+from moe_fold.config import Config, head_dim
 
 from ..sources import Cat, Source, Stack, Take
 
 __all__ = ["FEATURES", "METADATA_KEYS", "HFConfigError", "Keys", "Family", "MoeNames", "mlp_sources", "swiglu",
            "rope_theta", "check_window", "num_experts", "common_sizes", "attention_heads", "yarn_rope",
-           "rope_to_hf", "YARN_KEYS"]
+           "rope_to_hf", "YARN_KEYS", "MLA_NAMES", "mla_sources", "experts_sources", "attention_sources"]
 
 # Keys that do not change what the network computes from token ids.
 METADATA_KEYS = frozenset({
@@ -31,6 +31,7 @@ METADATA_KEYS = frozenset({
 # one its target family lacks (``config_map``'s feature table says how a config uses each).
 FEATURES = frozenset({
     "mla",  # multi-head latent attention
+    "mla_norm_eps",  # MLA's latent norms with an epsilon of their own
     "qk_norm_scope",  # a QK-norm other than per head (over the projections, or L2)
     "partial_rotary",  # rotary embeddings on part of each head
     "mtp",  # multi-token prediction depths
@@ -43,6 +44,7 @@ FEATURES = frozenset({
     "single_mixer_layers", "mlp_activation", "mamba2",  # Nemotron-H's layers
     "layer_types", "attn_output_gate", "norm_zero_centred",  # Qwen3-Next's layers (Gated DeltaNet)
     "zero_experts",  # LongCat-Flash's zero-computation experts
+    "shortcut_moe", "mla_lora_scale", "mla_norm_eps",  # LongCat-Flash's blocks and MLA scaling
 })
 
 _REQUIRED = object()
@@ -127,9 +129,10 @@ class Family:
       ``architecture``;
     - ``model_prefix(hf_names)``: where the language model's tensors live in a checkpoint
       with tensors ``hf_names`` (export passes none); default ``model.``;
-    - ``layer_sources(config, layer, hf, ours, is_moe, hf_names)``: the Sources of a whole
-      layer, norms included, for a family whose layers are not attention + MLP (default:
-      the norms, ``mixer_sources`` and ``mlp_sources``);
+    - ``layer_sources(config, layer, hf, ours, hf_names)``: the Sources of one whole layer,
+      for a family whose layers are not a norm, a mixer, a norm and an MLP (LongCat-Flash's
+      two sublayers and shortcut MoE, Nemotron-H's one mixer per layer); None: the weights module's from the two
+      hooks above;
     - ``embed_name``, ``final_norm_name``: the embedding's and the final norm's tensors
       under the model prefix."""
 
@@ -289,6 +292,21 @@ def rope_to_hf(m) -> dict:
 
 _T = (1, 0)  # Hugging Face [out, in] <-> our expert layout [in, out]
 
+# Our MLA parameter (under ``attn.``) -> its tensor (under ``self_attn.``); q.weight
+# without q_lora_rank, the three q_* low-rank ones with it.
+MLA_NAMES = {"q.weight": "q_proj.weight", "q_down.weight": "q_a_proj.weight", "q_norm.weight": "q_a_layernorm.weight",
+             "q_up.weight": "q_b_proj.weight", "kv_down.weight": "kv_a_proj_with_mqa.weight",
+             "kv_norm.weight": "kv_a_layernorm.weight", "kv_up.weight": "kv_b_proj.weight",
+             "proj.weight": "o_proj.weight"}
+
+
+def mla_sources(config: Config, attn: str, ours: str) -> dict[str, Source]:
+    """An MLA layer's Sources: ours under ``ours`` (ending ``attn.``), theirs under ``attn``
+    (ending ``self_attn.``)."""
+    query = ("q.weight",) if config.model.q_lora_rank is None else ("q_down.weight", "q_norm.weight", "q_up.weight")
+    return {f"{ours}{name}": Take(f"{attn}{MLA_NAMES[name]}")
+            for name in query + ("kv_down.weight", "kv_norm.weight", "kv_up.weight", "proj.weight")}
+
 
 def swiglu(prefix: str, gate: str, up: str, down: str, ffn: int) -> tuple[Source, Source]:
     """fc1 [gate|up, H] and fc2 of a dense SwiGLU MLP stored as three linears."""
@@ -296,7 +314,7 @@ def swiglu(prefix: str, gate: str, up: str, down: str, ffn: int) -> tuple[Source
     return fc1, Take(f"{prefix}{down}.weight")
 
 
-def _experts(prefix: str, names: tuple[str, str, str], num_experts: int, ffn: int,
+def experts_sources(prefix: str, names: tuple[str, str, str], num_experts: int, ffn: int,
              fused: bool) -> tuple[Source, Source]:
     """fc1 ``[E, H, gate|up]`` and fc2 ``[E, F, H]`` of the routed experts."""
     if fused:
@@ -325,13 +343,13 @@ def mlp_sources(names: MoeNames) -> Callable[..., dict]:
         fused = f"{hf}mlp.experts.gate_up_proj" in hf_names
         block = f"{hf}mlp." if fused else f"{hf}{names.block}"
         out[f"{ours}mlp.router.weight"] = Take(f"{block}gate.weight")
-        out[f"{ours}mlp.experts.fc1"], out[f"{ours}mlp.experts.fc2"] = _experts(
+        out[f"{ours}mlp.experts.fc1"], out[f"{ours}mlp.experts.fc2"] = experts_sources(
             block, names.experts, moe.num_experts, moe.ffn_hidden_size, fused)
         if names.expert_bias is not None:
             out[f"{ours}mlp.router.expert_bias"] = names.expert_bias(block)
         # Ungated shared experts are named whatever their width; a gated one only when it exists.
         if not names.shared_gate or moe.shared_expert_ffn_hidden_size > 0:
-            fc1, fc2 = swiglu(f"{hf}mlp.{names.shared}", "gate_proj", "up_proj", "down_proj",
+            fc1, fc2 = swiglu(f"{block}{names.shared}", "gate_proj", "up_proj", "down_proj",
                               moe.shared_expert_ffn_hidden_size)
             out[f"{ours}mlp.shared_expert.fc1.weight"], out[f"{ours}mlp.shared_expert.fc2.weight"] = fc1, fc2
             if names.shared_gate:
@@ -339,3 +357,28 @@ def mlp_sources(names: MoeNames) -> Callable[..., dict]:
         return out
 
     return sources
+
+
+def attention_sources(config: Config, layer: int, hf: str, ours: str) -> dict[str, Source]:
+    """The sources of a standard or MLA attention layer's parameters (ours under
+    ``ours + "attn."``, theirs under ``hf + "self_attn."``)."""
+    m = config.model
+    hd = head_dim(config)
+    q, kv = m.num_heads * hd, m.num_kv_heads * hd
+    out: dict[str, Source] = {}
+    attn = f"{hf}self_attn."
+    if m.attention == "mla":
+        out.update(mla_sources(config, attn, f"{ours}attn."))
+    else:
+        out[f"{ours}attn.qkv.weight"] = Cat(0, tuple(Take(f"{attn}{p}_proj.weight") for p in "qkv"), (q, kv, kv))
+        out[f"{ours}attn.proj.weight"] = Take(f"{attn}o_proj.weight")
+    if m.attention_out_bias:
+        out[f"{ours}attn.proj.bias"] = Take(f"{attn}o_proj.bias")
+    if m.attention_sinks:
+        out[f"{ours}attn.sinks"] = Take(f"{attn}sinks")  # gpt-oss: one logit per query head
+    if m.qkv_bias:
+        out[f"{ours}attn.qkv.bias"] = Cat(0, tuple(Take(f"{attn}{p}_proj.bias") for p in "qkv"), (q, kv, kv))
+    if m.qk_norm and m.qk_norm_scope != "l2":  # Llama-4's L2 norm has no weight
+        out[f"{ours}attn.q_norm.weight"] = Take(f"{attn}q_norm.weight")
+        out[f"{ours}attn.k_norm.weight"] = Take(f"{attn}k_norm.weight")
+    return out

@@ -150,8 +150,7 @@ def to_hf(config: Config, flags: list) -> dict[str, Any]:
     }
 
 
-def layer_sources(config: Config, layer: int, hf: str, ours: str, is_moe: bool,
-                  hf_names: frozenset) -> dict[str, Source]:
+def layer_sources(config: Config, layer: int, hf: str, ours: str, hf_names: frozenset) -> dict[str, Source]:
     """Layer ``layer``: its ``norm`` and its one ``mixer``."""
     m, moe = config.model, config.moe
     kind = layer_mixer(m, layer)
@@ -170,7 +169,7 @@ def layer_sources(config: Config, layer: int, hf: str, ours: str, is_moe: bool,
         return {f"{ours}attn_norm.weight": norm,
                 f"{ours}attn.qkv.weight": Cat(0, tuple(Take(f"{mixer}{p}_proj.weight") for p in "qkv"), (q, kv, kv)),
                 f"{ours}attn.proj.weight": Take(f"{mixer}o_proj.weight")}
-    if not is_moe:
+    if kind == "mlp":
         return {f"{ours}mlp_norm.weight": norm, f"{ours}mlp.fc1.weight": Take(f"{mixer}up_proj.weight"),
                 f"{ours}mlp.fc2.weight": Take(f"{mixer}down_proj.weight")}
     if f"{mixer}experts.up_proj" in hf_names:

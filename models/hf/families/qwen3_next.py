@@ -85,6 +85,8 @@ def from_hf(keys: Keys, config: Config) -> None:
 def hybrid_refusals(config: Config, refuse: Refuse, family: str) -> None:
     """What Qwen3-Next and Qwen3.5 cannot hold."""
     m, moe = config.model, config.moe
+    refuse(m.layer_types is not None and "kda" in m.layer_types,
+           f"model.layer_types={m.layer_types}: {family}'s linear layers are Gated DeltaNet, not KDA")
     refuse(moe.score_function != "softmax", f"moe.score_function={moe.score_function}: {family} routes with softmax")
     refuse(moe.num_groups is not None, f"moe.num_groups={moe.num_groups}: {family} has no group-limited routing")
     refuse(moe.scaling_factor is not None, f"moe.scaling_factor={moe.scaling_factor}: {family} does not scale probs")

@@ -3,6 +3,8 @@ MLA and the rotary scaling."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ..derived import CHANNEL_MIXERS, MLA_SIZES, head_dim
 from ..schema import Config, ModelConfig, _fmt
 from .common import _at_least, _divisible, _positive, rule
@@ -46,13 +48,13 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
     _check_layer_types(m, out)
     if p.tp < 1 or p.cp < 1:
         return
-    if m.layer_types is not None and "gated_deltanet" in m.layer_types:
+    if m.layer_types is not None and set(m.layer_types) & set(RECURRENT_TYPES):
         out.extend(linear_heads_over_tp(m.linear_num_key_heads, m.linear_num_value_heads, p.tp))
         # Under cp a segment's conv window reads the tail of the one segment before it.
         if p.cp > 1 and m.seq_length // (2 * p.cp) < m.linear_conv_kernel - 1:
             out.append(f"model.seq_length={m.seq_length} over 2*parallel.cp={2 * p.cp} segments gives "
-                       f"{m.seq_length // (2 * p.cp)} tokens each; Gated DeltaNet's conv window needs at least "
-                       f"model.linear_conv_kernel-1={m.linear_conv_kernel - 1}")
+                       f"{m.seq_length // (2 * p.cp)} tokens each; the short conv window of Gated DeltaNet and "
+                       f"KDA needs at least model.linear_conv_kernel-1={m.linear_conv_kernel - 1}")
     if m.layer_types is not None and "mamba2" in m.layer_types:
         out.extend(mamba_groups_over_tp(m.mamba_num_groups, p.tp))
         if p.cp > 1 and m.seq_length // (2 * p.cp) < m.mamba_conv_kernel - 1:
@@ -82,11 +84,13 @@ def heads_over_tp(num_heads: int, num_kv_heads: int, tp: int) -> list[str]:
     return out
 
 
-LAYER_TYPES = ("attention", "gated_deltanet", "mamba2") + CHANNEL_MIXERS
+LAYER_TYPES = ("attention", "gated_deltanet", "kda", "mamba2") + CHANNEL_MIXERS
+# The layer types with a short conv and a recurrent state (the linear_* sizes).
+RECURRENT_TYPES = ("gated_deltanet", "kda")
 
 
 def _check_layer_types(m: ModelConfig, out: list[str]) -> None:
-    """Each layer's mixer, Gated DeltaNet's sizes, the output gate and the zero-centred norm."""
+    """Each layer's mixer, Gated DeltaNet's and KDA's sizes, the output gate and the zero-centred norm."""
     if m.layer_types is not None:
         if len(m.layer_types) != m.num_layers:
             out.append(f"model.layer_types has {len(m.layer_types)} entries; it must have one per layer "
@@ -98,13 +102,19 @@ def _check_layer_types(m: ModelConfig, out: list[str]) -> None:
             if kind in CHANNEL_MIXERS and not m.single_mixer_layers:
                 out.append(f"model.layer_types[{i}]={kind!r} is a layer with a channel mixer alone: it needs "
                            f"model.single_mixer_layers=true")
-        if "gated_deltanet" in m.layer_types:
+        if set(m.layer_types) & set(RECURRENT_TYPES):
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                          "linear_value_head_dim", "linear_conv_kernel", "linear_chunk_size"):
                 _at_least(out, f"model.{name}", getattr(m, name), 1)
             if m.linear_num_key_heads >= 1 and m.linear_num_value_heads % m.linear_num_key_heads:
                 out.append(f"model.linear_num_value_heads={m.linear_num_value_heads} must be a multiple of "
                            f"model.linear_num_key_heads={m.linear_num_key_heads} (a key head serves whole value heads)")
+        if "kda" in m.layer_types:
+            for field, of_key in (("linear_num_value_heads", "linear_num_key_heads"),
+                                  ("linear_value_head_dim", "linear_key_head_dim")):
+                if getattr(m, field) != getattr(m, of_key):
+                    out.append(f"model.{field}={getattr(m, field)} must equal model.{of_key}={getattr(m, of_key)} "
+                               f"with kda layers (KDA's q, k and v heads have one count and one width)")
         if "mamba2" in m.layer_types:
             for name in ("mamba_num_heads", "mamba_head_dim", "mamba_state_size", "mamba_num_groups",
                          "mamba_conv_kernel", "mamba_chunk_size"):
@@ -121,10 +131,51 @@ def _check_layer_types(m: ModelConfig, out: list[str]) -> None:
         if m.mtp_num_layers:
             out.append(f"model.mtp_num_layers={m.mtp_num_layers} with model.single_mixer_layers=true: the MTP "
                        f"depths' blocks are attention + MLP blocks; set model.mtp_num_layers=0")
+        if m.block != "standard":
+            out.append(f"model.block={m.block} with model.single_mixer_layers=true: a single-mixer layer is a "
+                       f"standard block with one of its two parts")
     if m.attn_output_gate and m.attention == "mla":
         out.append("model.attn_output_gate=true needs model.attention=mha (the gate is projected with the query)")
     if m.norm_zero_centred and m.attention == "mla":
         out.append("model.norm_zero_centred=true needs model.attention=mha (MLA's latent norms are not zero-centred)")
+
+
+BLOCKS = ("standard", "shortcut_moe")
+
+
+@rule
+def shortcut_moe_block(block: str, moe_flags: list, layer_types: Optional[list], mtp_num_layers: int) -> list[str]:
+    """model.block=shortcut_moe (LongCat-Flash): every block holds its MoE, both sublayers'
+    mixers are attention, and no MTP depth (a standard block) follows."""
+    if block != "shortcut_moe":
+        return []
+    out: list[str] = []
+    if not all(moe_flags):
+        out.append(f"model.block=shortcut_moe needs an MoE in every block, but the MoE layers are "
+                   f"{[int(f) for f in moe_flags]} (set moe.moe_layer_freq=1 and moe.first_k_dense=0)")
+    if layer_types is not None and set(layer_types) != {"attention"}:
+        out.append(f"model.layer_types={_fmt(layer_types)} cannot run with model.block=shortcut_moe: its two "
+                   f"sublayers are attention")
+    if mtp_num_layers > 0:
+        out.append(f"model.mtp_num_layers={mtp_num_layers} cannot run with model.block=shortcut_moe: an MTP depth "
+                   f"is a standard block")
+    return out
+
+
+def _check_block(config: Config, moe_flags: Optional[list], out: list[str]) -> None:
+    """The block kind and MLA's LoRA scaling and latent epsilon."""
+    m = config.model
+    if moe_flags is not None:
+        out.extend(shortcut_moe_block(m.block, moe_flags, m.layer_types, m.mtp_num_layers))
+    if m.mla_lora_scale and (m.attention != "mla" or m.q_lora_rank is None):
+        out.append(f"model.mla_lora_scale=true needs model.attention=mla with a model.q_lora_rank (it scales the "
+                   f"query's and the key/value's low-rank latents), not attention={m.attention}, "
+                   f"q_lora_rank={_fmt(m.q_lora_rank)}")
+    if m.mla_norm_eps is not None:
+        if m.attention != "mla":
+            out.append(f"model.mla_norm_eps={_fmt(m.mla_norm_eps)} is set but model.attention={m.attention} "
+                       f"(it is the epsilon of MLA's latent norms)")
+        _positive(out, "model.mla_norm_eps", m.mla_norm_eps)
 
 
 @rule
@@ -229,7 +280,7 @@ def _check_attention_features(config: Config, out: list[str]) -> None:
         out.append("model.qk_norm_scope=l2 normalises rotary layers only, but model.rope_layers has none")
     if m.attention == "mla":
         for name, off in (("attention_sinks", False), ("sliding_window", 0), ("attention_chunk", 0),
-                          ("rope_layers", None), ("attn_temperature_tuning", False)):
+                          ("attn_temperature_tuning", False)):
             if getattr(m, name) != off:
                 out.append(f"model.{name}={_fmt(getattr(m, name))} requires model.attention=mha "
                            f"(MLA's attention does not take it)")

@@ -75,6 +75,20 @@ _HYBRID = dict(vocab_size=VOCAB, hidden_size=48, num_attention_heads=6, num_key_
                shared_expert_intermediate_size=30, linear_num_key_heads=2, linear_num_value_heads=6,
                linear_key_head_dim=6, linear_value_head_dim=5, linear_conv_kernel_dim=4, max_position_embeddings=64)
 
+KIMI = dict(vocab_size=VOCAB, hidden_size=42, intermediate_size=50, moe_intermediate_size=22, num_hidden_layers=4,
+            num_attention_heads=6, num_key_value_heads=6, num_experts=8, num_experts_per_tok=3, num_shared_experts=1,
+            routed_scaling_factor=2.5, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+            linear_num_heads=4, linear_head_dim=5, linear_conv_kernel_dim=4, max_position_embeddings=64,
+            pad_token_id=None, bos_token_id=1, eos_token_id=2)
+
+# LongCat-Flash: 2 blocks (4 attention sublayers), 6 MLA heads, hidden 42, q/kv ranks 14/10, qk
+# 6+4, v 5, dense width 50; 6 experts of 22 and 3 zero experts, top-4 of the 9. Matrices
+# N(0, 0.15): at 0.2 transformers' float32 logits stray 1.4e-5 from its own float64 forward.
+_LONGCAT = dict(vocab_size=VOCAB, hidden_size=42, num_layers=2, num_attention_heads=6, ffn_hidden_size=50,
+                q_lora_rank=14, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, head_dim=4, v_head_dim=5,
+                n_routed_experts=6, zero_expert_num=3, moe_topk=4, expert_ffn_hidden_size=22,
+                max_position_embeddings=64)
+
 _NEMOTRON_H = dict(vocab_size=VOCAB, hidden_size=42, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
                    intermediate_size=50, mamba_num_heads=6, mamba_head_dim=5, ssm_state_size=7, n_groups=2,
                    conv_kernel=4, chunk_size=8, n_routed_experts=6, moe_intermediate_size=22,
@@ -188,6 +202,23 @@ SPECS = {
     "qwen3_5_moe": Spec("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _HYBRID,
                         {"qwen3_5_moe": dict(linear_num_value_heads=4)},
                         matrix_std=0.1, zero_centred=True, exported_by_default=False),
+    # Kimi-Linear: KDA of 4 heads of 5 (conv of 4 taps); MLA without rotary of 6 heads, kv rank 10, qk 6+4,
+    # v 5 (hidden 42); 8 experts of 22 with the score correction bias, scaled, one shared expert. Matrices
+    # N(0, 0.1): at 0.2 float32 itself strays 2.1e-5 (transformers and ours) from a float64 forward.
+    "kimi_linear": Spec("KimiLinearConfig", "KimiLinearForCausalLM", KIMI, {
+        # Three KDA layers, then MLA; full-rank query; the first layer dense; no groups.
+        "kimi_linear": dict(layer_types=["linear_attention"] * 3 + ["full_attention"], first_k_dense_replace=1),
+        # MLA first and last, low-rank query, every layer MoE, 2 of 4 groups, top-4.
+        "kimi_linear_groups": dict(layer_types=["full_attention", "linear_attention", "linear_attention",
+                                                "full_attention"], q_lora_rank=14, first_k_dense_replace=0,
+                                   num_expert_group=4, topk_group=2, num_experts_per_tok=4)},
+        matrix_std=0.1),
+    "longcat_flash": Spec("LongcatFlashConfig", "LongcatFlashForCausalLM", _LONGCAT, {
+        # LongCat-Flash's shape: routed_scaling_factor 6, rms_norm_eps 1e-5 (the latents' 1e-6), rope theta 1e7.
+        "longcat_flash": dict(routed_scaling_factor=6.0),
+        # YaRN with a softmax mscale, tied embeddings, unscaled probs, top-2, rms_norm_eps 1e-6.
+        "longcat_yarn_tied": dict(moe_topk=2, routed_scaling_factor=1.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                                  rope_parameters=YARN)}, matrix_std=0.15),
     # Nemotron-H: 6 Mamba2 heads of 5 in 2 groups (state 7, conv of 4, chunks of 8), attention of 6
     # heads of 8 over 2 kv heads without rotary, relu2 MLPs of 50, 6 relu2 experts of 22 and a
     # relu2 shared expert of 30, sigmoid routing with the score correction bias.
@@ -225,8 +256,14 @@ def _mla_read(model, case):
     return (m.attention, m.q_lora_rank, m.kv_lora_rank, m.v_head_dim) == want and _expert_bias_read(1)(model, case)
 
 
+def _longcat_read(model, case):
+    m, moe = model.config.model, model.config.moe
+    return ((m.block, m.mla_lora_scale, m.mla_norm_eps, moe.zero_experts, moe.num_experts) == (
+        "shortcut_moe", True, 1e-6, 3, 6) and _expert_bias_read(1)(model, case))
+
+
 IMPORTED = {"deepseek_v3": _mla_read, "ernie4_5_moe": _expert_bias_read(1), "minimax_m2": _expert_bias_read(0),
-            "nemotron_h": _expert_bias_read(1)}
+            "longcat_flash": _longcat_read, "nemotron_h": _expert_bias_read(1)}
 
 
 @pytest.mark.parametrize("family, case", CASES, ids=[f"{f}-{c}" for f, c in CASES])
@@ -318,6 +355,31 @@ REFUSED = [
      HFConfigError),
     ("qwen3_next", "qwen3_next", lambda hf: hf.update(linear_num_value_heads=5),
      "model.linear_num_value_heads=5 must be a multiple of model.linear_num_key_heads=2", BOTH),
+    ("kimi_linear", "kimi_linear", lambda hf: hf.update(mla_use_nope=False), "mla_use_nope=False", HFConfigError),
+    ("kimi_linear", "kimi_linear", lambda hf: hf.update(tie_word_embeddings=True), "tie_word_embeddings=True",
+     HFConfigError),
+    ("kimi_linear", "kimi_linear", lambda hf: hf.update(moe_renormalize=False), "norm_topk_prob=False",
+     HFConfigError),
+    ("kimi_linear", "kimi_linear", lambda hf: hf.update(mlp_layer_types=["sparse", "dense", "sparse", "sparse"]),
+     "mlp_layer_types=['sparse', 'dense', 'sparse', 'sparse'] is not supported", HFConfigError),
+    ("kimi_linear", "kimi_linear", lambda hf: hf.update(layer_types=hf["layer_types"][:3]),
+     "layer_types has 3 entries; num_hidden_layers=4", HFConfigError),
+    ("kimi_linear", "kimi_linear", lambda hf: hf.update(linear_attn_config={"gate_lower_bound": -5.0}),
+     "linear_attn_config sets gate_lower_bound", HFConfigError),
+    ("kimi_linear", "kimi_linear", lambda hf: hf.update(num_nextn_predict_layers=1), "num_nextn_predict_layers=1",
+     HFConfigError),
+    ("kimi_linear", "kimi_linear",
+     lambda hf: (hf.pop("layer_types"), hf.update(linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [5]})),
+     "linear_attn_config names layer 5: layers are 1 to 4", HFConfigError),
+    ("longcat_flash", "longcat_flash", lambda hf: hf.update(head_dim=8),
+     "head_dim=8 disagrees with qk_nope_head_dim=6 and qk_rope_head_dim=4 (expected 4)", HFConfigError),
+    ("longcat_flash", "longcat_flash", lambda hf: hf.update(router_bias=True), "router_bias=True", HFConfigError),
+    ("longcat_flash", "longcat_flash", lambda hf: hf.update(num_key_value_heads=2),
+     "num_key_value_heads=2 must equal num_attention_heads=6", HFConfigError),
+    ("longcat_flash", "longcat_flash", lambda hf: hf.update(attention_bias=True), "attention_bias=True",
+     HFConfigError),
+    ("longcat_flash", "longcat_flash", lambda hf: hf.update(moe_topk=10),
+     "moe.topk=10 must be in [1, moe.num_experts + moe.zero_experts=9]", BOTH),
     ("nemotron_h", "nemotron_h", lambda hf: hf.update(moe_latent_size=16),
      "moe_latent_size=16 is not supported: the latent MoE", HFConfigError),
     ("nemotron_h", "nemotron_h", lambda hf: hf.update(mlp_hidden_act="silu"), "mlp_hidden_act='silu'", HFConfigError),
@@ -752,6 +814,21 @@ def test_qwen3_next_released_config_imports_to_our_preset():
     assert _architecture_mismatch(ours, config_from_hf(QWEN3_NEXT_80B, ours)) == []
 
 
+def test_qwen3_5_35b_a3b_config_imports_to_our_preset():
+    """transformers' Qwen3_5MoeTextConfig defaults are Qwen3.5-35B-A3B's text model (its
+    docstring's checkpoint); the release's rope_parameters (theta 1e7, the multimodal
+    sections, interleaved) replace the generic rotary default."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    from moe_fold.models.hf.importer import _architecture_mismatch
+
+    rope = {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    released = Qwen3_5MoeTextConfig(rope_parameters=rope).to_dict()
+    ours = load_config("qwen3.5-35b-a3b")
+    assert _architecture_mismatch(ours, config_from_hf(released, ours)) == []
+
+
 def test_qwen3_next_and_qwen3_5_exports_refuse_what_they_cannot_hold(tmp_path):
     model_of("qwen3_next", "qwen3_next").save_pretrained(tmp_path / "hf")
     model = from_hf(tmp_path / "hf")
@@ -769,6 +846,108 @@ def test_qwen3_next_and_qwen3_5_exports_refuse_what_they_cannot_hold(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+# --------------------------------------------------------------------------- Kimi-Linear
+
+def test_kimi_linear_config_mapping():
+    """The tiny models' config.json (transformers' key names) and the original checkpoint's
+    (``linear_attn_config`` with 1-based layer lists, Kimi's MoE names) map alike."""
+    hf = model_of("kimi_linear", "kimi_linear").config.to_dict()
+    config = config_from_hf(hf)
+    m, moe = config.model, config.moe
+    assert m.layer_types == ["kda"] * 3 + ["attention"]
+    assert (m.attention, m.rope_layers, m.mla_norm_eps, m.q_lora_rank, m.kv_lora_rank) == ("mla", [0] * 4, 1e-6,
+                                                                                           None, 10)
+    assert (m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim,
+            m.linear_conv_kernel) == (4, 4, 5, 5, 4)
+    assert (moe.num_experts, moe.topk, moe.ffn_hidden_size, moe.shared_expert_ffn_hidden_size, moe.first_k_dense,
+            moe.scaling_factor, moe.score_function, moe.expert_bias) == (8, 3, 22, 22, 1, 2.5, "sigmoid", True)
+    original = {k: v for k, v in hf.items() if k not in ("layer_types", "mlp_layer_types", "linear_num_heads",
+                                                          "linear_head_dim", "linear_conv_kernel_dim")}
+    original.update(linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 4,
+                                        "head_dim": 5, "short_conv_kernel_size": 4},
+                    moe_router_activation_func="sigmoid", moe_layer_freq=1, num_nextn_predict_layers=0)
+    assert config_from_hf(original) == config
+    groups = config_from_hf(model_of("kimi_linear", "kimi_linear_groups").config.to_dict())
+    assert (groups.model.layer_types, groups.moe.num_groups, groups.moe.group_topk, groups.moe.first_k_dense,
+            groups.model.q_lora_rank) == (["attention", "kda", "kda", "attention"], 4, 2, 0, 14)
+
+
+def test_kimi_linear_reads_the_original_checkpoints_dense_mlp(tmp_path):
+    """The original checkpoint holds a dense layer's MLP under ``mlp.`` (transformers saves it
+    under ``block_sparse_moe.``): both import to the same model."""
+    model = model_of("kimi_linear", "kimi_linear")
+    model.save_pretrained(tmp_path / "hf")
+    saved = tensors(tmp_path / "hf")
+    renamed = {k.replace("layers.0.block_sparse_moe.", "layers.0.mlp."): v for k, v in saved.items()}
+    assert renamed != saved
+    save_file(renamed, str(tmp_path / "hf" / "model.safetensors"))
+    ids = token_ids()
+    assert max_diff(from_hf(tmp_path / "hf").eval().logits(ids), hf_logits(model, ids)) <= 1e-5
+
+
+# Kimi-Linear-48B-A3B's config.json (moonshotai/Kimi-Linear-48B-A3B-Instruct): its architecture keys.
+KIMI_LINEAR_48B = {
+    "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 163840,
+    "hidden_size": 2304, "intermediate_size": 9216, "moe_intermediate_size": 1024, "num_hidden_layers": 27,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 72, "hidden_act": "silu",
+    "initializer_range": 0.02, "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "model_max_length": 1048576,
+    "rope_theta": 10000.0, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "mla_use_nope": True, "num_experts": 256, "num_experts_per_token": 8,
+    "num_shared_experts": 1, "moe_router_activation_func": "sigmoid", "moe_renormalize": True,
+    "routed_scaling_factor": 2.446, "first_k_dense_replace": 1, "moe_layer_freq": 1, "num_expert_group": 1,
+    "topk_group": 1, "num_nextn_predict_layers": 0, "use_cache": True, "bos_token_id": 163584,
+    "eos_token_id": 163586, "pad_token_id": 163839,
+    "linear_attn_config": {"kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+                           "full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "num_heads": 32, "head_dim": 128,
+                           "short_conv_kernel_size": 4}}
+
+
+def test_kimi_linear_released_config_imports_to_our_preset():
+    from moe_fold.models.hf.importer import _architecture_mismatch
+
+    ours = load_config("kimi-linear-48b-a3b")
+    assert _architecture_mismatch(ours, config_from_hf(KIMI_LINEAR_48B, ours)) == []
+
+
+def test_kimi_linear_export_refuses_what_it_cannot_hold(tmp_path):
+    model_of("kimi_linear", "kimi_linear").save_pretrained(tmp_path / "hf")
+    model = from_hf(tmp_path / "hf")
+    m = model.config.model
+    with pytest.raises(HFConfigError) as err:
+        to_hf(model, tmp_path / "out", family="qwen3_next")
+    assert "qwen3_next's linear layers are Gated DeltaNet, not KDA" in str(err.value)
+    with pytest.raises(HFConfigError) as err:
+        to_hf(model, tmp_path / "out", family="deepseek_v3")
+    for field in ("model.mla_norm_eps=1e-06", "model.layer_types=['kda', 'kda', 'kda', 'attention']",
+                  "model.rope_layers=[0, 0, 0, 0]"):
+        assert field in str(err.value), field
+    m.rope_layers = [0, 0, 0, 1]
+    with pytest.raises(HFConfigError, match=r"model.rope_layers=\[0, 0, 0, 1\]: kimi_linear's MLA has no rotary"):
+        to_hf(model, tmp_path / "out")
+    m.rope_layers, m.mla_norm_eps = [0] * 4, None
+    with pytest.raises(HFConfigError, match="model.mla_norm_eps=None \\(model.norm_eps=1e-05\\): kimi_linear's MLA"):
+        to_hf(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- LongCat-Flash
+
+def test_longcat_flash_config_mapping():
+    config = config_from_hf(model_of("longcat_flash", "longcat_flash").config.to_dict())
+    m, moe = config.model, config.moe
+    assert (m.block, m.num_layers, m.attention, m.q_lora_rank, m.kv_lora_rank, m.v_head_dim) == (
+        "shortcut_moe", 2, "mla", 14, 10, 5)
+    assert (m.mla_lora_scale, m.mla_norm_eps, m.norm_eps, m.rope_interleave, m.rope_theta) == (
+        True, 1e-6, 1e-5, True, 1e7)
+    assert (moe.num_experts, moe.zero_experts, moe.topk, moe.ffn_hidden_size, m.ffn_hidden_size) == (6, 3, 4, 22, 50)
+    assert (moe.score_function, moe.pre_softmax, moe.expert_bias, moe.scaling_factor) == ("softmax", True, True, 6.0)
+    assert (moe.moe_layer_freq, moe.first_k_dense, moe.shared_expert_ffn_hidden_size) == (1, 0, 0)
+    tied = config_from_hf(model_of("longcat_flash", "longcat_yarn_tied").config.to_dict())
+    assert (tied.model.rope_scaling, tied.model.tie_embeddings, tied.moe.scaling_factor) == ("yarn", True, None)
+
+
+def test_longcat_flash_released_config_imports_to_our_preset():
+    """transformers' LongcatFlashConfig defaults follow meituan-longcat/LongCat-Flash-Chat."""
 # --------------------------------------------------------------------------- Nemotron-H
 
 def test_nemotron_3_nano_dimensions_import_to_our_preset():
@@ -779,6 +958,24 @@ def test_nemotron_3_nano_dimensions_import_to_our_preset():
 
     from moe_fold.models.hf.importer import _architecture_mismatch
 
+    ours = load_config("longcat-flash")
+    assert _architecture_mismatch(ours, config_from_hf(transformers.LongcatFlashConfig().to_dict(), ours)) == []
+
+
+def test_longcat_flash_export_refuses_what_it_cannot_hold(tmp_path):
+    model_of("longcat_flash", "longcat_flash").save_pretrained(tmp_path / "hf")
+    model = from_hf(tmp_path / "hf")
+    with pytest.raises(HFConfigError) as err:
+        to_hf(model, tmp_path / "out", family="deepseek_v3")
+    for field in ("model.block=shortcut_moe", "model.mla_lora_scale=true", "model.mla_norm_eps=1e-06",
+                  "moe.zero_experts=3: deepseek_v3 has no zero-computation experts"):
+        assert field in str(err.value), field
+    model.config.model.mla_norm_eps = None  # the latents' norms would take norm_eps 1e-5
+    with pytest.raises(HFConfigError, match="model.mla_norm_eps=1e-05: transformers' LongCat-Flash latent norms"):
+        to_hf(model, tmp_path / "out")
+    model.config.model.mla_norm_eps, model.config.moe.expert_bias = 1e-6, False
+    with pytest.raises(HFConfigError, match="moe.expert_bias=false: the router always has its score correction bias"):
+        to_hf(model, tmp_path / "out")
     nano = transformers.NemotronHConfig(
         vocab_size=131072, hidden_size=2688, hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
         num_attention_heads=32, num_key_value_heads=2, head_dim=128, intermediate_size=21504, mamba_num_heads=64,
