@@ -948,12 +948,6 @@ def test_longcat_flash_config_mapping():
 
 def test_longcat_flash_released_config_imports_to_our_preset():
     """transformers' LongcatFlashConfig defaults follow meituan-longcat/LongCat-Flash-Chat."""
-# --------------------------------------------------------------------------- Nemotron-H
-
-def test_nemotron_3_nano_dimensions_import_to_our_preset():
-    """Nemotron 3 Nano 30B-A3B's published dimensions (its hybrid_override_pattern and
-    sizes, the rest transformers' defaults), as transformers' NemotronHConfig writes them,
-    import to the nemotron-3-nano-30b-a3b preset."""
     import transformers
 
     from moe_fold.models.hf.importer import _architecture_mismatch
@@ -976,6 +970,19 @@ def test_longcat_flash_export_refuses_what_it_cannot_hold(tmp_path):
     model.config.model.mla_norm_eps, model.config.moe.expert_bias = 1e-6, False
     with pytest.raises(HFConfigError, match="moe.expert_bias=false: the router always has its score correction bias"):
         to_hf(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- Nemotron-H
+
+def test_nemotron_3_nano_dimensions_import_to_our_preset():
+    """Nemotron 3 Nano 30B-A3B's published dimensions (its hybrid_override_pattern and
+    sizes, the rest transformers' defaults), as transformers' NemotronHConfig writes them,
+    import to the nemotron-3-nano-30b-a3b preset."""
+    import transformers
+
+    from moe_fold.models.hf.importer import _architecture_mismatch
+
     nano = transformers.NemotronHConfig(
         vocab_size=131072, hidden_size=2688, hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
         num_attention_heads=32, num_key_value_heads=2, head_dim=128, intermediate_size=21504, mamba_num_heads=64,
