@@ -81,6 +81,10 @@ def sizes_of(model) -> str:
     m, moe = model.config.model, model.config.moe
     heads = (f"{m.num_heads} MLA" if m.attention == "mla"
              else f"{m.num_heads}/{m.num_kv_heads} x {head_dim(model.config)}")
+    if m.dsa:  # DSA: the indexer's heads x width, the keys kept, the layers sharing a selection
+        shared = sum(t == "shared" for t in m.indexer_types or [])
+        heads += (f" + DSA {m.index_n_heads} x {m.index_head_dim} top-{m.index_topk}"
+                  + (f" ({shared} shared)" if shared else ""))
     deltanet = ""
     if m.layer_types is not None and {"gated_deltanet", "kda"} & set(m.layer_types):
         kinds = "".join({"gated_deltanet": "D", "kda": "K"}.get(kind, "A") for kind in m.layer_types)

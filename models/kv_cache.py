@@ -30,6 +30,7 @@ class LayerCache:
         self.values: Optional[torch.Tensor] = None
         self.conv: Optional[torch.Tensor] = None
         self.state: Optional[torch.Tensor] = None
+        self.index_keys: Optional[torch.Tensor] = None  # DSA's indexer keys [B, length, d]
         self.new_tokens = 0
         self._sublayers: dict[int, LayerCache] = {}
 
@@ -61,12 +62,19 @@ class LayerCache:
             self.values = torch.cat([self.values, v], dim=2)
         return self.keys, self.values
 
+    def append_index_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """Add the new tokens' DSA indexer keys ``[B, n, d]``; returns every cached token's."""
+        self.index_keys = k if self.index_keys is None else torch.cat([self.index_keys, k], dim=1)
+        return self.index_keys
+
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` tokens (drops the padding a decode step added)."""
         if self.keys is not None:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
         for cache in self._sublayers.values():
             cache.truncate(length)
+        if self.index_keys is not None:
+            self.index_keys = self.index_keys[:, :length]
 
 
 class KVCache:

@@ -121,11 +121,12 @@ class MLAttention(nn.Module):
             return gather_from_sequence_region(x, self.tp_group, dim=0)  # [S/tp, ...] -> [S, ...]
         return copy_to_tp_region(x, self.tp_group)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                docs: Optional[Documents] = None, kv_cache: Optional[LayerCache] = None) -> torch.Tensor:
-        """``x [S_local, B, H]`` -> ``[S_local, B, H]``; cos/sin ``[S, rope]`` or ``[B, S, rope]``
-        (see :meth:`Attention.forward <moe_fold.models.attention.Attention.forward>`).
-        ``kv_cache`` (sampling): holds every head's full key and value (not the latent)."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """``x [S_local, B, H]`` -> ``q [B, heads, S, nope + rope]``, ``k`` (the same),
+        ``v [B, heads, S, v]`` after rotary, and the query latent ``[S_local, B, q_lora]``
+        (None without ``q_lora_rank``), which DSA's indexer reads."""
+        q_latent = None
         if self.q_lora:
             q_latent = self.q_norm(self.q_down(x))  # [S_local, B, q_lora]
             q = self.q_up(q_latent)  # [S, B, heads * (nope + rope)]
@@ -151,11 +152,23 @@ class MLAttention(nn.Module):
             q_rope, k_rope = apply_rotary(q_rope, cos, sin), apply_rotary(k_rope, cos, sin)  # [B, heads|1, S, rope]
         q = torch.cat([q_nope, q_rope], dim=-1)  # [B, heads, S, nope + rope]
         k = torch.cat([k_nope, k_rope.expand(-1, self.num_heads, -1, -1)], dim=-1)
+        return q, k, v, q_latent
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: Optional[Documents] = None, kv_cache: Optional[LayerCache] = None) -> torch.Tensor:
+        """``x [S_local, B, H]`` -> ``[S_local, B, H]``; cos/sin ``[S, rope]`` or ``[B, S, rope]``
+        (see :meth:`Attention.forward <moe_fold.models.attention.Attention.forward>`).
+        ``kv_cache`` (sampling): holds every head's full key and value (not the latent)."""
+        q, k, v, _ = self.project(x, cos, sin)
         if kv_cache is not None:
             out = cached_attention(q, *kv_cache.append(k, v), scale=self.scale)  # [B, heads, S, v]
         else:
             group, doc_ids = (self.cp_group, None) if docs is None else (docs.cp_group, docs.doc_ids)
             out = context_parallel_attention(q, k, v, group, kind=self.cp_kind, scale=self.scale,
                                              doc_ids=doc_ids)  # [B, heads, S, v]
-        out = out.permute(2, 0, 1, 3).reshape(S, B, self.num_heads * self.v_dim)  # [S, B, heads*v]
-        return self.proj(out)
+        return self.proj(self.merge_heads(out))
+
+    def merge_heads(self, out: torch.Tensor) -> torch.Tensor:
+        """``[B, heads, S, v]`` -> ``[S, B, heads*v]``, the output projection's input."""
+        B, _, S, _ = out.shape
+        return out.permute(2, 0, 1, 3).reshape(S, B, self.num_heads * self.v_dim)

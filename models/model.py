@@ -56,6 +56,7 @@ from .experts import Experts
 from .gated_deltanet import GatedDeltaNet
 from .kda import KimiDeltaAttention
 from .kv_cache import LayerCache
+from .dsa import DSAttention
 from .mamba2 import Mamba2
 from .mla import MLAttention
 from .mlp import MLP
@@ -76,7 +77,7 @@ def make_norm(config: Config) -> RMSNorm:
 
 def make_mixer(config: Config, groups: ProcessGroups, layer: int, name: str) -> nn.Module:
     """Layer ``layer``'s token mixer, its weights drawn under ``name``: Gated DeltaNet, KDA or
-    Mamba2 where ``model.layer_types`` says so, else MLA or standard attention."""
+    Mamba2 where ``model.layer_types`` says so, else MLA (with DSA under ``model.dsa``) or standard attention."""
     m, sp = config.model, config.parallel.sequence_parallel
     where = dict(seed=config.train.seed, name=name, cp_group=groups.cp)
     if layer_mixer(m, layer) == "gated_deltanet":
@@ -86,6 +87,8 @@ def make_mixer(config: Config, groups: ProcessGroups, layer: int, name: str) -> 
     if layer_mixer(m, layer) == "mamba2":
         return Mamba2(m, groups.tp, sp, **where)
     where["cp_kind"] = config.parallel.cp_kind
+    if m.attention == "mla" and m.dsa:
+        return DSAttention(m, groups.tp, sp, **where, layer=layer)
     if m.attention == "mla":
         return MLAttention(m, groups.tp, sp, **where, layer=layer)
     return Attention(m, head_dim(config), groups.tp, sp, **where, layer=layer)
@@ -122,9 +125,11 @@ class Block(nn.Module):
         self.mlp_norm = None if mlp is None else make_norm(config)
         self.mlp = mlp
         # Decided here, not in a forward: whether the attention takes the rotary positions
-        # (temperature tuning reads them; MLA, Gated DeltaNet and KDA have none), and whether the
-        # MLP is an MoE layer (it takes the router's per-token arguments).
+        # (temperature tuning reads them; MLA, Gated DeltaNet and KDA have none) or the DSA
+        # selections and loss scale, and whether the MLP is an MoE layer (it takes the
+        # router's per-token arguments).
         self.attn_takes_positions = isinstance(self.attn, Attention)
+        self.attn_selects = isinstance(self.attn, DSAttention)
         self.mlp_routes = isinstance(mlp, MoELayer)
         # What the backward runs again (train.recompute, models/recompute.py): "none",
         # "all" (the whole block) or "attention" (the attention after its norm).
@@ -132,18 +137,23 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: Optional[Documents] = None, kv_cache: Optional[LayerCache] = None,
-                positions: Optional[torch.Tensor] = None, loss_scale: float = 1.0) -> torch.Tensor:
+                positions: Optional[torch.Tensor] = None, loss_scale: float = 1.0,
+                selections: Optional[dict] = None) -> torch.Tensor:
         """``loss_scale``: the factor on the router losses' gradients, this micro-batch's
-        share of the training step (:meth:`moe_fold.dispatch.router.Router.forward`)."""
+        share of the training step (:meth:`moe_fold.dispatch.router.Router.forward`), and on
+        the DSA indexer's loss. ``selections``: the DSA selections of this forward's layers
+        so far (:class:`~moe_fold.models.dsa.DSAttention`)."""
         if self.recompute == "all":
-            return recomputed(self._residuals, x, cos, sin, docs, kv_cache, positions, loss_scale)
-        return self._residuals(x, cos, sin, docs, kv_cache, positions, loss_scale)
+            return recomputed(self._residuals, x, cos, sin, docs, kv_cache, positions, loss_scale, selections)
+        return self._residuals(x, cos, sin, docs, kv_cache, positions, loss_scale, selections)
 
     def _residuals(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Optional[Documents],
                    kv_cache: Optional[LayerCache], positions: Optional[torch.Tensor],
-                   loss_scale: float) -> torch.Tensor:
+                   loss_scale: float, selections: Optional[dict] = None) -> torch.Tensor:
         # positions (those of cos/sin): only temperature tuning reads them, which MLA has not.
         extra = {"positions": positions} if self.attn_takes_positions else {}
+        if self.attn_selects:
+            extra = {"selections": selections, "loss_scale": loss_scale}
         if self.attn is None:
             pass
         elif self.recompute == "attention":
@@ -210,8 +220,10 @@ class ShortcutMoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: Optional[Documents] = None, kv_cache: Optional[LayerCache] = None,
-                positions: Optional[torch.Tensor] = None, loss_scale: float = 1.0) -> torch.Tensor:
-        """As :meth:`Block.forward` (``positions``: unused, MLA has no temperature tuning)."""
+                positions: Optional[torch.Tensor] = None, loss_scale: float = 1.0,
+                selections: Optional[dict] = None) -> torch.Tensor:
+        """As :meth:`Block.forward` (``positions``: unused, MLA has no temperature tuning;
+        ``selections``: unused, DSA is refused with this block)."""
         first, second = self.sublayers
         again = self.recompute == "attention"
         x = first.attend(x, cos, sin, docs, kv_cache, again)  # [S_local, B, H]
@@ -393,8 +405,9 @@ class Transformer(nn.Module):
         cos, sin = rotary if rotary is not None else self._rotary(positions)
         if self.stages[chunk] == 0:
             x = self.embed(input_ids.t())  # [S_local, B, H]
+        selections: dict = {}  # DSA: each full layer's selection, for the shared layers after it
         for i in self.stage_layer_ids[chunk]:
-            x = self.layers[i](x, cos, sin, docs, positions=positions, loss_scale=loss_scale)
+            x = self.layers[i](x, cos, sin, docs, positions=positions, loss_scale=loss_scale, selections=selections)
         return x
 
     def _whole_model_positions(self, what: str, input_ids: torch.Tensor,

@@ -96,8 +96,9 @@ def forward_cached(model, ids: torch.Tensor, cache: KVCache) -> Optional[torch.T
         else:
             x = recv((padded // tp, batch, config.model.hidden_size), dtype, _pp_peer(model, stage - 1),
                      device=ids.device)
+        selections: dict = {}  # DSA: each full layer's selection, for the shared layers after it
         for i in model.stage_layer_ids[chunk]:
-            x = model.layers[i](x, cos, sin, kv_cache=cache[i], positions=positions)
+            x = model.layers[i](x, cos, sin, kv_cache=cache[i], positions=positions, selections=selections)
         if stage < last:
             send(x, _pp_peer(model, stage + 1))
     cache.truncate(start + n)

@@ -44,7 +44,7 @@ def _reset_family_fields(config: Config) -> None:
     what it has (MLA, YaRN, the attention features, expert-input scaling, gpt-oss's biases
     and activation, ERNIE-4.5's renormalisation floor, MTP, partial rotary, Qwen3-Next's
     layer types, output gate and zero-centred norms, zero experts, LongCat-Flash's blocks and
-    MLA scaling, Nemotron-H's single-mixer layers and relu2 MLPs)."""
+    MLA scaling, DSA, Nemotron-H's single-mixer layers and relu2 MLPs)."""
     m, moe = config.model, config.moe
     m.qk_norm_scope, m.partial_rotary_factor, m.mtp_num_layers = "head", 1.0, 0
     moe.topk_norm_min = None
@@ -62,6 +62,7 @@ def _reset_family_fields(config: Config) -> None:
     m.yarn_beta_fast, m.yarn_beta_slow, m.yarn_truncate = 32.0, 1.0, True
     m.layer_types, m.attn_output_gate, m.norm_zero_centred = None, False, False
     m.block, m.mla_lora_scale, m.mla_norm_eps = "standard", False, None
+    m.dsa, m.indexer_types, m.index_rope_interleave = False, None, False
     m.single_mixer_layers, m.mlp_activation = False, "swiglu"
 
 
@@ -152,6 +153,8 @@ FEATURE_USE: dict[str, tuple[Callable[[Config], bool], Callable[[Config, str], s
                                  f"(Qwen3-Next and Qwen3.5 have Gated DeltaNet layers, Kimi-Linear KDA layers)"),
     "attn_output_gate": (lambda c: c.model.attn_output_gate,
                          lambda c, f: f"model.attn_output_gate=true: {f}'s attention has no output gate"),
+    "dsa": (lambda c: c.model.dsa,
+            lambda c, f: f"model.dsa=true: {f} has dense attention (DeepSeek-V3.2 and GLM-5 have DSA)"),
     "norm_zero_centred": (lambda c: c.model.norm_zero_centred,
                           lambda c, f: f"model.norm_zero_centred=true: {f}'s RMSNorm weights are not zero-centred"),
 }

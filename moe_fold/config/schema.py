@@ -157,8 +157,30 @@ class ModelConfig:
     # sqrt(hidden_size / kv_lora_rank) (LongCat-Flash's LoRA scaling; needs q_lora_rank).
     mla_lora_scale: bool = False
     # MLA: epsilon of the latent RMSNorms (of the compressed query and key/value); null:
-    # model.norm_eps (Kimi-Linear's and LongCat-Flash's are 1e-6 beside a norm_eps of 1e-5).
+    # model.norm_eps (Kimi-Linear's, LongCat-Flash's and GLM-5's are 1e-6 beside a norm_eps of 1e-5).
     mla_norm_eps: Optional[float] = None
+
+    # DeepSeek Sparse Attention (models/dsa.py, docs/attention.md; DeepSeek-V3.2, GLM-5): MLA whose
+    # queries each attend only to the index_topk keys a lightning indexer scores highest.
+    # DSA on the attention layers (needs model.attention=mla with model.q_lora_rank).
+    dsa: bool = False
+    # DSA: the lightning indexer's query heads.
+    index_n_heads: int = 4
+    # DSA: the indexer's query/key width (its first qk_rope_head_dim dims take rotary).
+    index_head_dim: int = 32
+    # DSA: keys each query attends to (all its causal keys while it has fewer).
+    index_topk: int = 64
+    # DSA: the indexer's rotary dims come in interleaved pairs (GLM-5) instead of two halves (DeepSeek-V3.2).
+    index_rope_interleave: bool = False
+    # DSA: null (every layer runs its indexer) or one name per layer: full | shared (the layer reuses
+    # the selection of the nearest full layer before it; GLM-5).
+    indexer_types: Optional[list[str]] = None
+    # DSA training stage: dense_warmup (dense MLA; the indexer learns the attention's distribution by
+    # KL) | sparse (MLA over the selected keys; the indexer learns by KL on them). The indexer takes no
+    # gradient from the LM loss and its KL loss none to the rest of the model, in either stage.
+    dsa_stage: Literal["dense_warmup", "sparse"] = "sparse"
+    # DSA: the weight of the indexer's KL loss (0: the indexer is not trained).
+    dsa_indexer_loss_weight: float = 1.0
 
     # Nemotron-H: each layer has one mixer, its model.layer_types entry, under one pre-norm
     # and residual: attention | gated_deltanet | mamba2 (no MLP after it) | mlp (a dense MLP

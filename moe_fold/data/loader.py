@@ -21,7 +21,14 @@ Under cp each rank takes its zigzag slice of every per-token field; ``cu_seqlens
 describing the whole sequence (the model derives every rank's document ids from it).
 
 Samples are indexed by a global sample number ``i >= 0``: epoch ``i // len(ds)`` uses
-its own permutation of the epoch's samples, drawn from ``(seed, epoch)``.
+its own permutation of the epoch's samples, drawn from ``(seed, epoch)``, by one of two
+shuffles (:data:`SHUFFLES`). ``feistel``, what a run starts with, finds the sample at a
+place from the place alone: a keyed bijection of ``[0, len(ds))`` (a Feistel network on
+the bits of the place, walked until it falls inside), so no rank holds an array the size
+of an epoch (8 bytes a sample: 29 GB for 15 trillion tokens of 4096). ``permutation``
+is numpy's permutation of the whole epoch, the order of runs whose checkpoints predate
+``feistel``: the loader's position records its shuffle, and a checkpoint without one
+resumes in that order.
 
 Validation: ``data.valid_fraction`` holds out the last documents of each dataset
 (:func:`split_documents`; a :class:`GPTDataset` can take a range of documents), or
@@ -43,6 +50,39 @@ from moe_fold.parallel.context_parallel import zigzag_positions, zigzag_split
 from moe_fold.data.indexed_dataset import IndexedDataset
 from moe_fold.data.sources import check_block, open_tokens
 
+SHUFFLES = ("permutation", "feistel")
+SHUFFLE = "feistel"  # what a new run uses
+_ROUNDS = 4
+
+
+def _mix(x: np.ndarray, key: int) -> np.ndarray:
+    """A keyed 64-bit mix of ``x`` (uint64; splitmix64's finaliser on ``x + key``)."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(key)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def feistel_order(places: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
+    """The samples at ``places`` (ints in ``[0, n)``) of epoch ``epoch``'s ``feistel``
+    shuffle: a bijection of ``[0, n)`` keyed by ``(seed, epoch)``. A balanced Feistel
+    network permutes the ``2h``-bit numbers (``4^h >= n``, so fewer than 4n); a place
+    whose image falls at or past ``n`` is mapped again until it lands inside (cycle
+    walking keeps it a bijection of ``[0, n)``)."""
+    half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
+    low = np.uint64((1 << half) - 1)
+    keys = [int(k) for k in np.random.SeedSequence([seed, epoch]).generate_state(_ROUNDS, np.uint64)]
+    x = np.asarray(places, dtype=np.uint64).copy()
+    todo = np.ones(x.shape, dtype=bool)
+    while todo.any():
+        left, right = x[todo] >> np.uint64(half), x[todo] & low
+        for key in keys:
+            left, right = right, left ^ (_mix(right, key) & low)
+        x[todo] = (left << np.uint64(half)) | right
+        todo &= x >= np.uint64(n)
+    return x.astype(np.int64)
+
 
 @dataclass
 class Sample:
@@ -58,13 +98,16 @@ class GPTDataset:
 
     def __init__(self, source, seq_length: int, seed: int,
                  packing: bool = False, pad_id: int | None = None, reset_at_documents: bool = False,
-                 documents: Optional[tuple[int, int]] = None, vocab_limit: Optional[int] = None):
+                 documents: Optional[tuple[int, int]] = None, vocab_limit: Optional[int] = None,
+                 shuffle: str = SHUFFLE):
         """``source``: a moe-fold dataset prefix, or any reader of :mod:`moe_fold.data.sources`.
         ``documents=(first, stop)``: only those documents (a train/validation split,
         :func:`split_documents`); None: all. ``vocab_limit``: every sample read is checked
-        to hold ids in ``[0, vocab_limit)`` (the model's vocabulary)."""
+        to hold ids in ``[0, vocab_limit)`` (the model's vocabulary). ``shuffle``: one of
+        :data:`SHUFFLES` (the module docstring)."""
         if seq_length < 1:
             raise ValueError(f"seq_length={seq_length} must be >= 1")
+        self.set_shuffle(shuffle)
         self.indexed = IndexedDataset(source) if isinstance(source, (str, os.PathLike)) else source
         self.seq_length, self.seed, self.packing = seq_length, seed, packing
         self.reset_at_documents = reset_at_documents
@@ -94,7 +137,6 @@ class GPTDataset:
             raise ValueError(f"dataset {self.indexed.prefix} has {n_tokens} tokens"
                              f"{'' if documents is None else f' in documents {list(self.documents)}'}, too few "
                              f"for one sample of seq_length+1={seq_length + 1} tokens")
-        self._perms: dict[int, np.ndarray] = {}
 
     @property
     def documents(self) -> tuple[int, int]:
@@ -127,6 +169,13 @@ class GPTDataset:
         """Samples in one epoch."""
         return self.num_samples
 
+    def set_shuffle(self, shuffle: str) -> None:
+        """Order the epochs by ``shuffle``, one of :data:`SHUFFLES`."""
+        if shuffle not in SHUFFLES:
+            raise ValueError(f"shuffle={shuffle!r} must be one of {', '.join(SHUFFLES)}")
+        self.shuffle = shuffle
+        self._perms: dict[int, np.ndarray] = {}
+
     def _perm(self, epoch: int) -> np.ndarray:
         if epoch not in self._perms:
             if len(self._perms) >= 2:
@@ -134,14 +183,20 @@ class GPTDataset:
             self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
         return self._perms[epoch]
 
+    def _order(self, epoch: int, places: np.ndarray) -> np.ndarray:
+        """The unshuffled samples at ``places`` of ``epoch``."""
+        if self.shuffle == "permutation":
+            return self._perm(epoch)[places]
+        return feistel_order(places, self.num_samples, self.seed, epoch)
+
     def sample_order(self, epoch: int) -> np.ndarray:
         """Which unshuffled sample comes at each place of ``epoch``."""
-        return self._perm(epoch).copy()
+        return self._order(epoch, np.arange(self.num_samples)).copy()
 
     def __getitem__(self, i: int) -> Sample:
         if i < 0:
             raise IndexError(f"sample index {i} must be >= 0")
-        j = int(self._perm(i // self.num_samples)[i % self.num_samples])
+        j = int(self._order(i // self.num_samples, np.asarray([i % self.num_samples]))[0])
         return self.raw_sample(j)
 
     def _read(self, first: int, stop: int) -> np.ndarray:
@@ -223,6 +278,15 @@ class BlendedDataset:
 
     def __len__(self) -> int:
         return self.size
+
+    @property
+    def shuffle(self) -> str:
+        return self.datasets[0].shuffle
+
+    def set_shuffle(self, shuffle: str) -> None:
+        """Order every dataset's epochs by ``shuffle`` (:meth:`GPTDataset.set_shuffle`)."""
+        for ds in self.datasets:
+            ds.set_shuffle(shuffle)
 
     def __getitem__(self, i: int) -> Sample:
         if i < 0:
@@ -319,8 +383,10 @@ def batches(dataset: GPTDataset | BlendedDataset, global_batch_size: int, micro_
 
 class DataLoader:
     """``batches`` with a position that checkpoints: ``state_dict()`` is
-    ``{"consumed_samples": n}``, the samples all dp ranks have taken so far (the same
-    number on every rank); ``load_state_dict`` resumes at exactly that sample. With
+    ``{"consumed_samples": n, "shuffle": name}``, the samples all dp ranks have taken so
+    far (the same number on every rank) and the dataset's shuffle; ``load_state_dict``
+    resumes at exactly that sample, in that shuffle's order (``permutation`` for a state
+    without one: it was saved before ``feistel`` existed). With
     ``cp_size > 1`` each batch is this cp rank's zigzag share (``Batch.cp_slice``).
 
     Global batch ``g`` (0-based) is samples ``[g * global_batch_size, (g + 1) *
@@ -362,11 +428,12 @@ class DataLoader:
         return [next(it) for _ in range(self.num_micro_batches)]
 
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples}
+        return {"consumed_samples": self.consumed_samples, "shuffle": self.dataset.shuffle}
 
     def load_state_dict(self, state: dict) -> None:
         n = int(state["consumed_samples"])
         _check_sharding(self.global_batch_size, self.micro_batch_size, self.dp_rank, self.dp_size, n)
+        self.dataset.set_shuffle(state.get("shuffle", "permutation"))
         self.consumed_samples = n
 
 

@@ -68,7 +68,7 @@ from typing import Callable, Optional
 from moe_fold.config import (Config, ConfigError, ParallelConfig, dp_size, edp_size, etp_size, pipeline_schedule,
                              pp_layer_counts, validate, vpp_size)
 from moe_fold.layout import ParallelLayout
-from moe_fold.parallel.pipeline_schedules import rank_order
+from moe_fold.parallel.pipeline_schedules import Exchange, make_plan, rank_order
 from moe_fold.planner.comm import GRAD_BYTES, Routing, microbatch_bytes, step_bytes, uniform_routing
 from moe_fold.planner.compute_time import ATTENTION_KERNELS, GEMM_DTYPES, microbatch_compute
 from moe_fold.planner.hardware import GPU
@@ -82,7 +82,8 @@ from moe_fold.planner.model import (
 
 __all__ = ["OVERLAPS", "COMPUTE_MODELS", "CALIBRATED", "CALIBRATED_EFFICIENCY", "FITTED_EFFICIENCY", "calibrated",
            "Assumptions", "Plan", "RoutingSkew", "overlaps", "estimate",
-           "search", "model_params", "with_layout", "activation_bytes", "chunk_activation_bytes", "backward_peak_bytes", "activation_peak_bytes",
+           "search", "model_params", "with_layout", "activation_bytes", "chunk_activation_bytes", "backward_peak_bytes", "forward_peak_bytes",
+           "activation_peak_bytes",
            "busiest_owned_numel",
            "stage_memory"]
 
@@ -381,7 +382,8 @@ def chunk_activation_bytes(config: Config, pp_rank: int) -> list[float]:
     return out
 
 
-def backward_peak_bytes(config: Config, pp_rank: int, chunk: int, manifest: list[ParamEntry], micro: int) -> float:
+def backward_peak_bytes(config: Config, pp_rank: int, chunk: int, manifest: list[ParamEntry],
+                        accumulating: bool) -> float:
     """What a rank of stage ``pp_rank`` holds above its kept activations at the busiest
     moment of model chunk ``chunk``'s backward: the larger of
 
@@ -390,8 +392,16 @@ def backward_peak_bytes(config: Config, pp_rank: int, chunk: int, manifest: list
     - in a chunk with MoE layers, an expert block's backward: the grads of the SwiGLU's
       input ``2aF/etp`` and of the held rows ``aH`` per held row, while the grouped GEMM
       writes an expert weight's gradient in the model's dtype before it is added to the
-      gradient already there (every micro-batch after the first): the largest local
-      expert weight."""
+      gradient already there (``accumulating``: every backward of the chunk after its
+      first, which writes the gradient itself): the largest local expert weight; under
+      ``moe`` or ``full`` recompute also the experts' forward rerun before it: per held
+      row the rows gathered again ``aH``, fc1's output ``2aF/etp``, the SwiGLU's ``aF/etp``
+      and fc2's output ``aH``;
+    - in a chunk with dense layers, a dense block's backward: under recompute, what the
+      recompute rebuilds (the block's activations without recompute, less what it kept),
+      and, at the MLP's second linear, the grad of its output gathered over tp ``aHg``,
+      the grad of its input ``aFg/tp`` and (``accumulating``) its weight's gradient in
+      the model's dtype ``aHF/tp``."""
     d, p = dims(config), config.parallel
     g = p.tp if p.sequence_parallel else 1
     tokens = config.train.micro_batch_size * d.seq / (p.cp * g)
@@ -405,35 +415,112 @@ def backward_peak_bytes(config: Config, pp_rank: int, chunk: int, manifest: list
     peaks = [0.0]
     if last:
         peaks.append(tokens * planner_memory.loss_backward_bytes(config))
+    recompute = config.train.recompute
+    for i in layers:
+        if not d.moe_flags[i]:
+            rebuilt = (planner_memory.layer_activation_bytes(config, i, "none")
+                       - planner_memory.layer_activation_bytes(config, i, recompute))
+            peaks.append(tokens * (rebuilt + a * d.hidden * g + a * d.ffn * g / p.tp)
+                         + (a * d.hidden * d.ffn / p.tp if accumulating else 0))
     if any(d.moe_flags[i] for i in layers):
         held = uniform_routing(config).held_etp  # rows this rank computes
         expert = max((e.numel for e in manifest if e.kind == "expert"), default=0)
-        peaks.append(held * (2 * a * d.expert_ffn / etp_size(config) + a * d.hidden)
-                     + (a * expert if micro > 1 else 0))
+        fc1 = 2 * a * d.expert_ffn / etp_size(config)  # a row's fc1 output
+        rerun = recompute in ("full", "moe")
+        peaks.append(held * (fc1 + a * d.hidden) + (a * expert if accumulating else 0))
+        if rerun:
+            peaks.append(held * (2 * a * d.hidden + 1.5 * fc1))
     return max(peaks)
+
+
+def forward_peak_bytes(config: Config, pp_rank: int, chunk: int) -> float:
+    """What a rank of stage ``pp_rank`` holds above what model chunk ``chunk`` keeps while
+    a layer of it runs its forward under ``full`` recompute: the checkpointed part's
+    tensors, alive until it returns though none is kept (the whole block of a dense layer;
+    the attention or Gated DeltaNet mixer of an MoE layer as its forward ends,
+    :func:`moe_fold.planner.memory.mixer_forward_bytes`); the largest layer's."""
+    if config.train.recompute != "full":
+        return 0.0
+    d, p = dims(config), config.parallel
+    g = p.tp if p.sequence_parallel else 1
+    tokens = config.train.micro_batch_size * d.seq / (p.cp * g)
+    counts = pp_layer_counts(config)
+    v = pp_rank + chunk * p.pp
+    layers = list(range(sum(counts[:v]), sum(counts[:v + 1])))
+    if pp_rank == p.pp - 1 and chunk == vpp_size(config) - 1:
+        layers += list(range(config.model.num_layers, config.model.num_layers + d.mtp))
+    out = 0.0
+    for i in layers:
+        if d.moe_flags[i]:
+            out = max(out, planner_memory.mixer_forward_bytes(config, i))
+        else:
+            out = max(out, planner_memory.layer_activation_bytes(config, i, "none")
+                      - planner_memory.layer_activation_bytes(config, i, "full"))
+    return tokens * out
 
 
 def activation_peak_bytes(config: Config, pp_rank: int, micro: int, manifest: list[ParamEntry]) -> float:
     """The most activation bytes a rank of stage ``pp_rank`` holds at once over a step of
-    ``micro`` micro-batches: its pipeline schedule run step by step
-    (:func:`moe_fold.parallel.pipeline_schedules.rank_order`), each forward adding what
-    its chunk keeps (:func:`chunk_activation_bytes`), each backward holding its working
-    memory (:func:`backward_peak_bytes`) on top before it frees them. The chunks of one
-    stage keep different amounts (the embedding, dense layers, the head), so which chunks
-    are in flight at the peak matters, not only how many."""
+    ``micro`` micro-batches: its pipeline schedule run step by step, each forward adding
+    what its chunk keeps (:func:`chunk_activation_bytes`) with its working memory on top
+    while it runs (:func:`forward_peak_bytes`), each backward holding its working memory
+    (:func:`backward_peak_bytes`) on top before it frees them. The chunks of one stage
+    keep different amounts (the embedding, dense layers, the head), so which chunks are in
+    flight at the peak matters, not only how many.
+
+    Under pp the schedule (:func:`moe_fold.parallel.pipeline.run_schedule`, the program
+    :func:`moe_fold.parallel.pipeline_schedules.make_plan` gives) also holds hidden states
+    ``[s/(cp g), b, H]`` (``g``: tp under sequence parallelism) between the stages: each
+    chunk's output until its backward (the one sent on; no layer of the chunk keeps it),
+    a received activation from its exchange until its forward (which then keeps it as the
+    chunk's input), a received grad until its backward ends, and the grad of a chunk's
+    input from its backward until the exchange that sends it."""
     kept = chunk_activation_bytes(config, pp_rank)
-    working = [backward_peak_bytes(config, pp_rank, c, manifest, micro) for c in range(len(kept))]
+    rebuilt = [forward_peak_bytes(config, pp_rank, c) for c in range(len(kept))]
+    # A chunk's first backward writes its weights' gradients; the later ones add to them.
+    working = {(c, later): backward_peak_bytes(config, pp_rank, c, manifest, later)
+               for c in range(len(kept)) for later in (False, True)}
+    done: set[int] = set()
     p = config.parallel
     live = peak = 0.0
-    for step in rank_order(pipeline_schedule(config), p.pp, vpp_size(config), micro, pp_rank):
-        c = step.stage // p.pp
-        if step.kind == "F":
-            live += kept[c]
+    if p.pp == 1:
+        for step in rank_order(pipeline_schedule(config), p.pp, vpp_size(config), micro, pp_rank):
+            if step.kind == "F":
+                live += kept[0]
+                peak = max(peak, live + rebuilt[0])
+            else:
+                peak = max(peak, live + working[0, 0 in done])
+                done.add(0)
+                live -= kept[0]
+        return peak
+    d = dims(config)
+    g = p.tp if p.sequence_parallel else 1
+    hidden = act_bytes(config) * config.train.micro_batch_size * d.seq / (p.cp * g) * d.hidden
+    last = p.pp * vpp_size(config) - 1
+    for item in _pipeline_plan(pipeline_schedule(config), p.pp, vpp_size(config), micro).programs[pp_rank]:
+        if isinstance(item, Exchange):
+            for msg in item.messages:
+                if msg.dst == pp_rank:
+                    live += hidden  # received: kept until its step
+                elif msg.kind == "grad":
+                    live -= hidden  # the grad of a chunk's input, sent
             peak = max(peak, live)
+            continue
+        c = item.stage // p.pp
+        output = hidden if item.stage < last else 0.0
+        received = hidden if item.stage > 0 else 0.0
+        if item.kind == "F":
+            live += kept[c] - received + output
+            peak = max(peak, live + rebuilt[c])
         else:
-            peak = max(peak, live + working[c])
-            live -= kept[c]
+            peak = max(peak, live + working[c, c in done])
+            done.add(c)
+            # Its kept tensors, its output and the grad it received go; its input's grad waits to be sent.
+            live -= kept[c] + 2 * output - received
     return peak
+
+
+_pipeline_plan = functools.lru_cache(maxsize=64)(make_plan)
 
 
 def _memory_moe_fold(config: Config, world: int, pp_rank: int, micro: int, assumptions: Assumptions,
@@ -443,7 +530,9 @@ def _memory_moe_fold(config: Config, world: int, pp_rank: int, micro: int, assum
     full = planner_memory.state_bytes(config, manifest, local)
     sharded = planner_memory.state_bytes(config, manifest, busiest_owned_numel(config, world, pp_rank, manifest))
     state = sharded if config.optimizer.distributed else full
-    activations = activation_peak_bytes(config, pp_rank, micro, manifest)
+    # The gradient reduction's buffers come after the schedule has freed every activation.
+    activations = max(activation_peak_bytes(config, pp_rank, micro, manifest),
+                      planner_memory.step_buffer_bytes(config, world, pp_rank, manifest))
     weights = state["weights"] + state["master_weights"]
     # The gradient reduction frees each bf16 grad as it writes the float32 main grad
     # (GradSync.wait, bucket by bucket): the two never all live at once, and the most

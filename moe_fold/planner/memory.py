@@ -29,7 +29,13 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   it); rotated ``q`` and ``k`` ``a(q+kv)g/tp`` (rotary multiplies by constant cos/sin and
   keeps nothing else); SDPA's output ``a q g/tp`` (the projection's input is a view of it)
   and its float32 log-sum-exp ``4 heads g/tp``; QK-norm adds its per-head ``rsqrt``
-  ``4 (heads + kv_heads) g/tp`` (its inputs are views of the qkv output).
+  ``4 (heads + kv_heads) g/tp`` (its inputs are views of the qkv output); Llama-4's L2
+  norm (``qk_norm_scope: l2``, rotary layers) runs in float32 and keeps the float32 q and
+  k, ``4 (q + kv) g/tp``. Gated attention (``model.attn_output_gate``: the gate's columns
+  come out of the qkv projection and q, k, v are concatenated again without them) adds
+  the gate's sigmoid, SDPA's output reshaped and the gated product ``3 a q g/tp``.
+- Gated DeltaNet layers (``model.layer_types``): see :func:`_gated_deltanet` (the torch
+  recurrence's float32 chunk terms dominate).
 - Dense MLP (:class:`moe_fold.models.mlp.MLP`): gathered input ``aHg``, fc1 output
   ``2aFg/tp`` (silu and the product keep views of it), silu output ``aFg/tp``, fc2 input
   ``aFg/tp``. relu2 (Nemotron-H): the input, relu's output ``aFg/tp`` (square reads the
@@ -66,12 +72,19 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   rows and of the probs, and of the rows on the way back).
 - Experts (:class:`moe_fold.models.experts.Experts`), per held row (``k etp`` per local
   token with balanced routing: the etp group's rows reach every etp rank): fc1 input
-  ``aH``, fc1 output ``2aF/etp``, the row's prob ``rb``, fc2 input ``aF/etp``; relu2
+  ``aH``, fc1 output ``2aF/etp``, the row's prob ``rb``, fc2 input ``aF/etp``. With
+  ``moe.score_on_input`` (Llama-4) the row before its prob scales it, ``aH`` more (the
+  product keeps it for the prob's gradient; the scaled row is fc1's input).; relu2
   experts keep relu's float32 output and its square ``8F/etp`` instead of fc1's output.
 - Shared expert: a dense MLP of width ``F_s``; with its gate, the gate's input ``aH``
   (the norm output), the sigmoid ``a`` and the shared output ``aH``. The local norm
   output is kept once, by whichever of the router (``a == rb``), the gate or the
   ungathered shared MLP (``g == 1``) reads it.
+- Zero-computation experts: no row is sent for a slot on one (the dispatcher's and the
+  experts' terms count ``topk E/(E+Z)`` rows per token,
+  :func:`moe_fold.planner.model.held_rows_per_token`); their output, the layer's input
+  times the token's summed gate weight on them, keeps that input (the norm output, kept
+  once as above) and the weight ``rb``.
 - Embedding (first stage): the local ids and the out-of-shard mask, ``9g``.
 - Head and loss (last stage): final norm ``aH + 4``, gathered head input ``aHg``, the
   float32 shifted logits and their ``exp`` ``8 V g/tp``, the target index, mask, sum of
@@ -99,12 +112,13 @@ from __future__ import annotations
 
 import bisect
 
-from moe_fold.config import Config, choice, dp_size, edp_size, etp_size, pp_layer_counts, require, rotary_dim
+from moe_fold.config import (Config, choice, dp_size, edp_size, etp_size, layer_attention, pp_layer_counts, require,
+                             rotary_dim)
 from moe_fold.planner.model import ParamEntry, dims, expert_rows_per_token, mla_attention_bytes, router_bytes
 
 __all__ = ["IMPLEMENTATIONS", "state_bytes", "grad_buckets", "shard_sizes", "owned_by_rank", "owned_numel", "zero_sizes",
            "layer_activation_bytes", "held_row_bytes", "head_activation_bytes", "loss_backward_bytes",
-           "mtp_activation_bytes",
+           "mtp_activation_bytes", "step_buffer_bytes", "mixer_forward_bytes",
            "embedding_activation_bytes", "microbatch_constant_bytes"]
 
 IMPLEMENTATIONS = ("moe-fold", "megatron")
@@ -208,13 +222,19 @@ def _act(config: Config) -> int:
     return 4 if config.train.precision == "fp32" else 2
 
 
-def _attention(config: Config, g: int) -> float:
+def _attention(config: Config, g: int, layer: int) -> float:
     d, tp, a = dims(config), config.parallel.tp, _act(config)
     if d.mla:
         return mla_attention_bytes(d, a, g, tp)
     inside = a * (d.q_size + 2 * d.kv_size) + a * (d.q_size + d.kv_size) + a * d.q_size + 4 * d.heads
     if d.qk_norm:
         inside += 4 * (d.heads + d.kv_heads)
+        if d.qk_norm_scope == "l2" and layer_attention(config.model, layer)[2]:
+            inside += 4 * (d.q_size + d.kv_size)  # the L2 norm's float32 q and k
+    if d.output_gate:
+        # out * sigmoid(gate): the gate's sigmoid, the attention output reshaped out of
+        # SDPA's layout, and the product (the projection's input).
+        inside += 3 * a * d.q_size
     return a * d.hidden * g + inside * g / tp
 
 
@@ -236,6 +256,64 @@ def _mamba2(config: Config, g: int) -> float:
     # the normed values (float32, or their cast), out_proj's input.
     local += w * inner * (3 if same else 4) + w * d.m2_groups + (w if same else a) * inner + a * inner
     return a * d.hidden * g + local * g / tp
+
+
+def _gated_deltanet(config: Config, g: int) -> float:
+    """Bytes a Gated DeltaNet layer (:class:`moe_fold.models.gated_deltanet.GatedDeltaNet`,
+    the chunked torch recurrence of :func:`moe_fold.kernels.gated_delta.chunk_gated_delta_rule`)
+    keeps per local token, one cp rank, ``seq/cp`` a multiple of the chunk ``C``. Per
+    gathered token, with ``Hk, Hv`` the local key and value heads, ``K = Hk dk``,
+    ``V = Hv dv``, ``f = 4`` (the recurrence runs in float32):
+
+    - the input projection's gathered input ``aH``; ``z`` for ``silu(z)``: the projection's
+      whole output ``a(2K + 2V + 2Hv)`` when ``a = f`` (z is a view of it), else its float32
+      copy ``fV``;
+    - the causal conv's input with the ``k-1`` tokens before it, ``a(2K + V)(1 + (k-1)/(s/cp))``,
+      and its output (SiLU's input) ``a(2K + V)``; the L2 norms' inputs: SiLU's output
+      ``a(2K + V)`` when ``a = f``, else the float32 copies of q and k ``2fK`` (and of v,
+      ``fV``, which the recurrence keeps); their rsqrt ``2fHk``; beta's sigmoid ``fHv``;
+      the decay's softplus input and output ``2fHv``;
+    - the recurrence: the repeated q and k ``2fHv dk`` and the contiguous copies its batched
+      products make of them ``4fHv dk``; the decay matrix, ``k kT``, ``beta k kT``, the
+      triangular system, ``q kT`` and its decayed copy ``6fHv C``; the solve's output
+      ``fHv(dk + dv)``; the decayed q and k ``2fHv dk``; each chunk's ``u`` ``fHv dv`` and
+      its start state ``fHv dk dv / C``; four float32 and ``C + 2`` bool per-head terms;
+    - the output: the recurrence output ``fV`` and its rsqrt ``fHv``; the normalised output
+      in the model's dtype ``aV``, the weighted product and ``silu(z)`` ``2fV``; the output
+      projection's input ``aV``."""
+    d, p, a, f = dims(config), config.parallel, _act(config), 4
+    hk, hv = d.lin_key_heads / p.tp, d.lin_value_heads / p.tp
+    dk, dv, c = d.lin_key_dim, d.lin_value_dim, d.lin_chunk
+    key, value = hk * dk, hv * dv
+    conv = a * (2 * key + value)
+    out = a * (2 * key + 2 * value + 2 * hv) if a == f else f * value
+    out += conv * (1 + (d.lin_conv - 1) / (d.seq / p.cp)) + conv
+    out += (conv if a == f else 2 * f * key + f * value) + 2 * f * hk + 3 * f * hv
+    out += (2 + 4 + 6 * c / dk + 2) * f * hv * dk + f * hv * (dk + dv) + f * hv * dv + f * hv * dk * dv / c \
+        + 4 * f * hv + c + 2
+    out += f * value + f * hv + a * value + 2 * f * value + a * value
+    return a * d.hidden * g + out * g
+
+
+def _mixer(config: Config, layer: int, g: int) -> float:
+    d = dims(config)
+    if layer in d.mamba:
+        return _mamba2(config, g)
+    return _gated_deltanet(config, g) if layer in d.deltanet else _attention(config, g, layer)
+
+
+def mixer_forward_bytes(config: Config, layer: int) -> float:
+    """Bytes per local token ``layer``'s attention or Gated DeltaNet holds at the end of its
+    forward (its gathered input included): what it keeps without recompute, less, for
+    Gated DeltaNet, the recurrence's ``[C, C]`` matrices (``6fHv C`` and the ``C`` bool
+    mask, :func:`_gated_deltanet`), freed when the recurrence returns, before the output
+    part runs."""
+    d, p = dims(config), config.parallel
+    g = p.tp if p.sequence_parallel else 1
+    out = _mixer(config, layer, g)
+    if layer in d.deltanet:
+        out -= (6 * 4 * d.lin_value_heads / p.tp * d.lin_chunk + d.lin_chunk) * g
+    return out
 
 
 def _mlp(config: Config, ffn: int, g: int) -> float:
@@ -272,14 +350,14 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     a, h, rb, etp = _act(config), d.hidden, router_bytes(config), etp_size(config)
     g = p.tp if p.sequence_parallel else 1
     norm = a * h + 4
-    mixer = _mamba2(config, g) if layer in d.mamba else _attention(config, g)
+    mixer = _mixer(config, layer, g)
     if layer in d.no_mlp:  # a token mixer alone (model.single_mixer_layers)
         return a * h if recompute == "full" else norm + mixer
     if not d.moe_flags[layer]:
         if recompute == "full":
             return a * h
-        return (0 if layer in d.no_mixer else norm + mixer) + norm + _mlp(config, d.ffn, g)
-    attention = norm + (a * h if recompute == "full" else mixer)
+        return (0 if layer in d.no_mixer else norm + _mixer(config, layer, g)) + norm + _mlp(config, d.ffn, g)
+    attention = norm + (a * h if recompute == "full" else _mixer(config, layer, g))
     if layer in d.no_mixer:
         attention = a * h if recompute == "full" else 0
     k = expert_rows_per_token(config)
@@ -303,7 +381,13 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     if d.shortcut and layer < d.layers:
         # The second attention sublayer and the two dense MLPs (kept under every recompute mode).
         attention = 2 * attention + 2 * (norm + _mlp(config, d.ffn, g))
-    return attention + norm + _router(config) + (a * h if norm_out_kept and a != rb else 0) + dispatch \
+    zero = 0.0
+    if d.zero_experts:
+        # A zero expert's output, the layer's input times the token's gate weight on zero
+        # experts, keeps both.
+        norm_out_kept = True
+        zero = rb
+    return zero + attention + norm + _router(config) + (a * h if norm_out_kept and a != rb else 0) + dispatch \
         + experts + shared
 
 
@@ -325,6 +409,8 @@ def held_row_bytes(config: Config, recompute: str) -> float:
         experts = a * h + (8 + a) * d.expert_ffn / etp + rb
     else:
         experts = a * h + 3 * a * d.expert_ffn / etp + rb
+    if config.moe.score_on_input:
+        experts += a * h  # the rows before their prob scales them, kept for the prob's grad
     return experts + (24 if sorts else 0)
 
 
@@ -373,6 +459,34 @@ def microbatch_constant_bytes(config: Config, layers: list[int], chunks: int) ->
     if config.train.precision == "bf16":
         out += sum(4 * d.experts * d.hidden for i in layers if d.moe_flags[i])
     return out
+
+
+def step_buffer_bytes(config: Config, world: int, pp_rank: int, manifest: list[ParamEntry]) -> float:
+    """The most bytes the gradient reduction and the distributed optimizer's parameter
+    gather hold at once after the pipeline schedule, when no activation is left
+    (``moe_fold.training.buckets.GradSync.finish`` and ``moe_fold.training.optim.AdamW.step``,
+    one bucket at a time): for the largest bucket of ``B`` elements (:func:`grad_buckets`)
+    reduced over a group of ``n`` ranks,
+
+    - sharded (the distributed optimizer, ``n > 1``): the float32 bucket and its padded
+      copy for the reduce-scatter; later the all-gather's padded output and the bucket
+      assembled from it, with this rank's slice: ``8 B + 4 ceil(B/n)``;
+    - all-reduced in place: the float32 bucket, and under bf16 the float32 copies of the
+      grads it is cut from: ``4 B`` or ``8 B``.
+
+    One parameter larger than ``parallel.grad_bucket_numel`` (an embedding, a head) is a
+    bucket of its own. Overlapped reductions (``parallel.overlap_grad_reduce``) post
+    buckets during the last backward and are not modelled."""
+    sizes = zero_sizes(config, world)
+    bf16 = config.train.precision == "bf16"
+    peak = 0.0
+    for group, numels in grad_buckets(config, pp_rank, manifest):
+        total, n = sum(numels), sizes[group]
+        if config.optimizer.distributed and n > 1:
+            peak = max(peak, 8 * total + 4 * max(shard_sizes(numels, n)))
+        else:
+            peak = max(peak, (8 if bf16 else 4) * total)
+    return peak
 
 
 def zero_sizes(config: Config, world: int) -> dict[str, int]:

@@ -135,6 +135,13 @@ class Dims:
     def m2_conv_size(self) -> int:
         """Mamba2's conv channels: x, B and C."""
         return self.m2_inner + 2 * self.m2_groups * self.m2_state
+    # DSA (model.dsa): the blocks with a lightning indexer (block indices as moe_flags; a GLM-5
+    # shared layer has none), its heads and width, and the keys each query keeps.
+    indexer: frozenset[int] = frozenset()
+    index_heads: int = 0
+    index_dim: int = 0
+    index_topk: int = 0
+    index_sparse: bool = False  # model.dsa_stage=sparse: the attention core covers the kept keys only
     # LongCat-Flash's blocks (model.block=shortcut_moe): two attention sublayers, each with a
     # dense MLP of width ffn, and the MoE.
     shortcut: bool = False
@@ -202,8 +209,8 @@ def dims(config: Config) -> Dims:
                 out_bias=m.attention_out_bias, router_bias=moe.router_bias, zero_experts=moe.zero_experts,
                 expert_linear_bias=moe.expert_linear_bias, output_gate=m.attn_output_gate,
                 gated_mlp=m.mlp_activation != "relu2", gated_experts=moe.activation != "relu2",
-                shortcut=m.block == "shortcut_moe", **_mla_dims(m), **_deltanet_dims(m), **_single_mixer_dims(m),
-                **_mamba_dims(m))
+                shortcut=m.block == "shortcut_moe", **_mla_dims(m), **_deltanet_dims(m), **_dsa_dims(m),
+                **_single_mixer_dims(m), **_mamba_dims(m))
 
 
 def _single_mixer_dims(m: ModelConfig) -> dict:
@@ -236,6 +243,16 @@ def _mamba_params(d: Dims, pre: str, tp: int) -> list[tuple[str, int, str]]:
             (f"{pre}.attn.out_proj.weight", d.hidden * d.m2_inner // tp, "tp")]
 
 
+def _dsa_dims(m: ModelConfig) -> dict:
+    if not m.dsa:
+        return {}
+    types = m.indexer_types
+    blocks = frozenset(i for i in range(m.num_layers + m.mtp_num_layers)
+                       if types is None or i >= m.num_layers or types[i] == "full")
+    return dict(indexer=blocks, index_heads=m.index_n_heads, index_dim=m.index_head_dim, index_topk=m.index_topk,
+                index_sparse=m.dsa_stage == "sparse")
+
+
 def _deltanet_dims(m: ModelConfig) -> dict:
     layers = frozenset(i for i in range(m.num_layers) if layer_mixer(m, i) == "gated_deltanet")
     kda = frozenset(i for i in range(m.num_layers) if layer_mixer(m, i) == "kda")
@@ -264,6 +281,16 @@ def _deltanet_params(d: Dims, pre: str, tp: int) -> list[tuple[str, int, str]]:
             (f"{pre}.attn.dt_bias", d.lin_value_heads // tp, "tp"),
             (f"{pre}.attn.in_proj.weight", d.lin_in_size * d.hidden // tp, "tp"),
             (f"{pre}.attn.out_proj.weight", d.hidden * value // tp, "tp")]
+
+
+def _indexer_params(d: Dims, pre: str) -> list[tuple[str, int, str]]:
+    """A DSA layer's lightning indexer: replicated over tp, where every rank scores every
+    query of its (gathered) sequence, so its grads are equal there, not partial."""
+    ix = f"{pre}.attn.indexer"
+    return [(f"{ix}.wq.weight", d.index_heads * d.index_dim * d.q_lora, "replicated"),
+            (f"{ix}.wk.weight", d.index_dim * d.hidden, "replicated"),
+            (f"{ix}.k_norm.weight", d.index_dim, "replicated"), (f"{ix}.k_norm.bias", d.index_dim, "replicated"),
+            (f"{ix}.weights_proj.weight", d.index_heads * d.hidden, "replicated")]
 
 
 def _kda_params(d: Dims, pre: str, tp: int, replicated: str) -> list[tuple[str, int, str]]:
@@ -372,6 +399,8 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
                 mixer = _mamba_params(d, pre, tp)
             else:
                 mixer = _attention_params(d, pre, tp, replicated)
+            if i in d.indexer:
+                mixer += _indexer_params(d, pre)
             for entry in mixer:
                 add(*entry)
         if i not in d.no_mlp:  # nor its token-mixer layers an MLP
@@ -490,7 +519,13 @@ def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None
             projections = 2 * h * (d.q_size + 2 * d.kv_size) + 2 * d.q_size * h
         if d.output_gate:  # the sigmoid gate's columns of the q projection
             projections += 2 * h * d.q_size
-        core = 2 * d.seq * (d.q_size + d.out_size)
+        keys = min(d.index_topk, d.seq) if d.index_sparse else d.seq  # DSA: the kept keys (a shared layer's too)
+        core = 2 * keys * (d.q_size + d.out_size)
+        if layer in d.indexer:
+            # The indexer's projections (query from the q latent, key, head weights), and its
+            # scores: every query against every key, per head, then the weighted head sum.
+            projections += 2 * (d.q_lora * d.index_heads * d.index_dim + h * d.index_dim + h * d.index_heads)
+            core += 2 * d.seq * d.index_heads * (d.index_dim + 1)
     # A shortcut_moe block: two attention sublayers, each with a dense MLP, beside its MoE.
     sublayers = d.sublayers if layer < d.layers else 1
     # A gated MLP's fc1 is gate|up (three matrices in all), relu2's up alone (two).

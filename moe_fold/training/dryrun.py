@@ -25,7 +25,8 @@ Values do not exist, so the one data-dependent quantity, routing, is set by a ru
 (:mod:`moe_fold.dispatch.planned_routing`: balanced, Zipf, one expert, a starved ep
 rank), handed to every dispatcher as its count reader. Other host reads of a value
 (the loss, the gradient norm, a finiteness check) read 1.0, or True. Unmasked attention
-runs as the fused (flash) kernel a GPU runs (:func:`_fused_attention`). Kernel backends
+runs as the fused (flash) kernel a GPU runs, and a masked block (sliding window, sinks)
+as flex attention (:func:`_fused_attention`). Kernel backends
 are the torch ones (the GPU kernels do not run on meta tensors): their memory is what
 the torch implementations allocate. The routing statistics of metrics.jsonl are not
 collected (their all-reduce is not traced).
@@ -415,14 +416,48 @@ class _Tracer(TorchDispatchMode):
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
+class _FlexShaped(torch.autograd.Function):
+    """A masked attention block (a sliding window, sinks) as flex attention, what a GPU
+    runs, holds it: the forward makes ``out [B, Hq, Sq, Dv]`` and the float32 ``lse [B, Hq,
+    Sq]`` and saves q, k, v, out and lse; the backward makes dq, dk and dv. Shapes only:
+    the dry run's tensors have no values."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _flex_shaped(q, k, v, doc_q, doc_k, causal, scale=None, **window):
+    return _FlexShaped.apply(q, k, v)
+
+
 @contextlib.contextmanager
 def _fused_attention() -> Iterator[None]:
-    """Unmasked SDPA on meta tensors as the fused (flash) kernel a GPU runs: what it saves
-    for the backward is q, k, v, the output and the log-sum-exp. On meta, torch would take
-    its math path, which keeps the whole ``[B, heads, S, S]`` score matrix. The function
-    itself is swapped for the step (not a torch-function mode): activation checkpoints
-    recompute in the backward, where no mode of the forward is active."""
+    """Attention on meta tensors as the fused kernels a GPU runs.
+
+    - Unmasked SDPA as the flash kernel: what it saves for the backward is q, k, v, the
+      output and the log-sum-exp. On meta, torch would take its math path, which keeps
+      the whole ``[B, heads, S, S]`` score matrix.
+    - A masked block (sliding window, sinks; :func:`masked_block_attention
+      <moe_fold.parallel.document_attention.masked_block_attention>`) as flex attention
+      (:class:`_FlexShaped`). On meta it would take the CPU's math path, which keeps the
+      float32 scores and probabilities (gpt-oss-20b: 4.3 GB each a layer).
+
+    The functions themselves are swapped for the step (not a torch-function mode):
+    activation checkpoints recompute in the backward, where no mode of the forward is
+    active."""
+    from moe_fold.parallel import context_parallel, document_attention
+
     sdpa = F.scaled_dot_product_attention
+    masked = {m: m.masked_block_attention for m in (context_parallel, document_attention)}
 
     def fused(*args, **kwargs):
         a = dict(zip(_SDPA_ARGS, args), **kwargs)
@@ -431,11 +466,18 @@ def _fused_attention() -> Iterator[None]:
                 a["query"], a["key"], a["value"], 0.0, bool(a.get("is_causal")), False, scale=a.get("scale"))[0]
         return sdpa(*args, **kwargs)
 
+    def masked_block(q, *args, **kwargs):
+        return (_flex_shaped if q.is_meta else masked[document_attention])(q, *args, **kwargs)
+
     F.scaled_dot_product_attention = fused
+    for module in masked:
+        module.masked_block_attention = masked_block
     try:
         yield
     finally:
         F.scaled_dot_product_attention = sdpa
+        for module, fn in masked.items():
+            module.masked_block_attention = fn
 
 
 # --------------------------------------------------------------------------- set-up
@@ -519,9 +561,10 @@ def trace_rank(config: Config, world: int, rank: int, routing: PlannedRouting,
         groups = create_process_groups(layout)
         with torch.device("meta"), tracer:
             model, master, state_model, optimizer, grad_sync = build_trainable(config, torch.device("meta"), groups)
+        reader = routing.with_zero_experts(config.moe.zero_experts)
         for module in model.modules():
             if isinstance(module, MoELayer):
-                module.dispatcher.read_counts = routing
+                module.dispatcher.read_counts = reader
         kinds: dict[int, str] = {}
 
         def mark(tensors, kind: str) -> None:
@@ -582,11 +625,6 @@ def dry_run(config: Config, world: int, ranks: Optional[list[int]], routing: Pla
     validate(config, world)
     if jobs < 1:
         raise ValueError(f"--jobs={jobs} must be at least 1")
-    if config.moe.zero_experts:
-        # The planned routings choose among the held experts only; a zero expert's share of
-        # the slots (which the real router gives them and the planner counts) would be sent.
-        raise ValueError(f"moe.zero_experts={config.moe.zero_experts}: the dry run's planned routings "
-                         f"send every slot to a held expert, so it cannot trace zero-computation experts yet")
     p = config.parallel
     layout = ParallelLayout(world, tp=p.tp, cp=p.cp, pp=p.pp, ep=p.ep, etp=p.etp, order=p.order)
     chosen = default_ranks(layout) if ranks is None else ranks

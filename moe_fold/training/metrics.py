@@ -23,6 +23,8 @@ The step itself (:mod:`moe_fold.training.step_losses`) adds its loss fields:
   depth, each depth's mean cross-entropy over the global batch; null without MTP. The MTP
   depths' MoE blocks report their routing as layers ``num_layers + k`` (the index
   DeepSeek-V3 checkpoints give them).
+- ``indexer_loss``: with DSA (``model.dsa``), the lightning indexers' KL loss, mean over
+  their layers, micro-batches and ranks; null without.
 - the step's ``loss`` is ``lm_loss`` plus these losses times their coefficients, summed
   over layers, plus ``model.mtp_loss_weight`` times the mean of ``mtp_loss``: the
   objective the gradient follows.

@@ -13,7 +13,9 @@ them over the ranks once per step. The training step owns it
 - per MoE layer (in layer order), each enabled kind (``aux``, ``seq_aux``, ``z``, without
   coefficients): the mean over micro-batches and dp ranks; ``global_aux``: the step's exact
   value, which :meth:`Router.finish_step` returns when the step closes the routers;
-- per MTP depth: its mean cross-entropy over the global batch.
+- per MTP depth: its mean cross-entropy over the global batch;
+- per DSA layer with an indexer (:class:`~moe_fold.models.dsa.IndexerKL`, a forward hook):
+  the indexer's KL loss, mean over micro-batches and dp x cp ranks.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from moe_fold.comm import all_reduce_
 from moe_fold.config import Config, moe_layer_indices
 from moe_fold.dispatch.router import Router
 from moe_fold.layout import ProcessGroups
+from moe_fold.models.dsa import IndexerKL
 from moe_fold.models.model import layer_index
 
-__all__ = ["StepLosses", "StepLossValues", "COEFF", "router_rows"]
+__all__ = ["StepLosses", "StepLossValues", "COEFF", "router_rows", "indexer_loss_layers"]
 
 BALANCING = ("aux", "seq_aux", "global_aux")
 KINDS = ("aux", "seq_aux", "z")  # per micro-batch values; global_aux comes from Router.finish_step
@@ -45,6 +48,7 @@ class StepLossValues:
     per_layer: dict[str, torch.Tensor]  # enabled kind -> [MoE layers] float64, without coefficients
     mtp: Optional[list[float]]  # each MTP depth's mean loss (None without MTP)
     weighted: float  # what they add to the step's loss: coefficients x values, summed over layers and depths
+    indexer: Optional[float] = None  # the DSA indexers' KL loss, mean over their layers (None without)
 
     def fields(self) -> dict:
         """The step's row fields: ``aux_loss`` (the enabled balancing losses summed per
@@ -53,7 +57,7 @@ class StepLossValues:
         balancing = [v for k, v in self.per_layer.items() if k in BALANCING]
         return {"aux_loss": float(sum(balancing).mean()) if balancing else None,
                 "z_loss": float(self.per_layer["z"].mean()) if "z" in self.per_layer else None,
-                "mtp_loss": self.mtp}
+                "mtp_loss": self.mtp, "indexer_loss": self.indexer}
 
 
 def router_rows(model: nn.Module, config: Config) -> list[tuple[int, Router]]:
@@ -62,6 +66,17 @@ def router_rows(model: nn.Module, config: Config) -> list[tuple[int, Router]]:
     slot = {layer: k for k, layer in enumerate(moe_layer_indices(config))}
     L = config.model.num_layers
     return [(slot[layer_index(n, L)], m) for n, m in model.named_modules() if isinstance(m, Router)]
+
+
+def indexer_loss_layers(config: Config) -> list[int]:
+    """The layers (MTP depths at ``num_layers + k``) whose DSA indexer is trained by its KL
+    loss: every full layer when ``model.dsa`` is on and its loss weight is above 0."""
+    m = config.model
+    if not m.dsa or m.dsa_indexer_loss_weight <= 0:
+        return []
+    types = m.indexer_types
+    return [i for i in range(m.num_layers + m.mtp_num_layers)
+            if types is None or i >= m.num_layers or types[i] == "full"]
 
 
 class StepLosses:
@@ -84,6 +99,13 @@ class StepLosses:
         mtp = getattr(model, "mtp", None)
         if mtp is not None:
             self._hooks.append(mtp.register_forward_hook(self._mtp_hook))
+        # DSA: a row per layer whose indexer is trained (those on other stages included).
+        self.kl_layers = indexer_loss_layers(config)
+        self.kl_weight = config.model.dsa_indexer_loss_weight
+        kl_row = {layer: k for k, layer in enumerate(self.kl_layers)}
+        L = config.model.num_layers
+        self._hooks += [m.register_forward_hook(self._kl_hook(kl_row[layer_index(n, L)]))
+                        for n, m in model.named_modules() if isinstance(m, IndexerKL) and layer_index(n, L) in kl_row]
         self.start_step()
 
     @contextlib.contextmanager
@@ -101,6 +123,8 @@ class StepLosses:
         self._sums = torch.zeros(len(self.moe_layers), len(KINDS), **zeros)
         self._calls = torch.zeros(len(self.moe_layers), **zeros)
         self._mtp_sums = torch.zeros(self.depths, **zeros)
+        self._kl_sums = torch.zeros(len(self.kl_layers), **zeros)
+        self._kl_calls = torch.zeros(len(self.kl_layers), **zeros)
 
     def _router_hook(self, row: int):
         def hook(module, args, output):
@@ -110,6 +134,13 @@ class StepLosses:
             for k, kind in enumerate(KINDS):
                 if kind in output.losses:
                     self._sums[row, k] += output.losses[kind].detach().double()
+        return hook
+
+    def _kl_hook(self, row: int):
+        def hook(module, args, output):
+            if self._recording:
+                self._kl_calls[row] += 1
+                self._kl_sums[row] += output.detach().double()
         return hook
 
     def _mtp_hook(self, module, args, output) -> None:
@@ -146,12 +177,18 @@ class StepLosses:
             all_reduce_(sums, groups.dp_cp)
             all_reduce_(sums, groups.pp)  # only the last stage holds the depths
             parts.append(sums / groups.size("dp_cp"))
+        if self.kl_layers:
+            # A layer's KL is the same on its tp ranks and a mean over its queries on each
+            # dp x cp rank (equal counts): the mean over tp x dp x cp is the global one.
+            means = self._kl_sums / self._kl_calls.clamp(min=1) / groups.size("tp_dp_cp")
+            all_reduce_(means, groups.tp_dp_cp)
+            parts.append(all_reduce_(means, groups.pp))
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=self.device)
 
     def values(self, packed: torch.Tensor) -> StepLossValues:
         """The step's loss values from :meth:`reduce`'s tensor, copied to the host."""
         moe, L = self.config.moe, len(self.moe_layers)
-        means, exact, depths = packed.split([L * len(KINDS), L, self.depths])
+        means, exact, depths, kl = packed.split([L * len(KINDS), L, self.depths, len(self.kl_layers)])
         means = means.view(L, len(KINDS))
         per_layer: dict[str, torch.Tensor] = {kind: means[:, KINDS.index(kind)] for kind in self.kinds} if L else {}
         if L and moe.global_aux_loss_coeff > 0:
@@ -161,7 +198,11 @@ class StepLosses:
         if self.depths:
             mtp = depths.tolist()
             weighted += self.mtp_weight * sum(mtp) / self.depths
-        return StepLossValues(per_layer, mtp, weighted)
+        indexer = None
+        if self.kl_layers:
+            indexer = float(kl.mean())
+            weighted += self.kl_weight * float(kl.sum())
+        return StepLossValues(per_layer, mtp, weighted, indexer)
 
     def close(self) -> None:
         for h in self._hooks:

@@ -17,8 +17,8 @@ WORLDS = {"mixtral-8x7b": 64, "mixtral-8x22b": 128, "qwen2-57b-a14b": 64, "qwen3
           "llama4-scout": 64, "llama4-tiny": 1, "gpt-oss-20b": 8, "gpt-oss-tiny": 1,
           "qwen3-next-80b-a3b": 32, "qwen3-next-tiny": 1, "qwen3.5-35b-a3b": 16,
           "kimi-linear-48b-a3b": 32, "kimi-linear-tiny": 1,
-          "longcat-flash": 1024, "longcat-flash-tiny": 1,
-          "nemotron-h-tiny": 1, "nemotron-3-nano-30b-a3b": 16}
+          "longcat-flash": 1024, "longcat-flash-tiny": 1, "deepseek-v32": 1024, "deepseek-v32-tiny": 1,
+          "glm-5": 768, "glm-5-tiny": 1, "nemotron-h-tiny": 1, "nemotron-3-nano-30b-a3b": 16}
 
 # Published sizes in billions (total, active per token): model cards / reports.
 PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141.0, 39.0), "qwen2-57b-a14b": (57.4, 14.2),
@@ -26,7 +26,8 @@ PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141.0, 39.0), "qwen
              "ernie-4.5-21b-a3b": (21, 3), "minimax-m2": (230.0, 10.0), "llama4-scout": (109.0, 17.0),
              "gpt-oss-20b": (20.91, 3.61), "qwen3-next-80b-a3b": (80.0, 3), "qwen3.5-35b-a3b": (35.0, 3),
              "kimi-linear-48b-a3b": (48, 3),
-             "longcat-flash": (560.0, 27.0), "nemotron-3-nano-30b-a3b": (31.6, 3.2)}
+             "longcat-flash": (560.0, 27.0), "deepseek-v32": (671.0, 37.0), "glm-5": (744.0, 40.0),
+             "nemotron-3-nano-30b-a3b": (31.6, 3.2)}
 
 # Whose published active count leaves out the input embedding (a lookup, no FLOPs): the
 # DeepSeek-V2 report's 2.4B of V2-Lite (2.66B with it, 2.45B without; the embedding is 8%)
@@ -38,7 +39,11 @@ ACTIVE_WITHOUT_INPUT_EMBEDDING = {"deepseek-v2-lite", "gpt-oss-20b", "longcat-fl
 # MiniMax counts M2's 10B active parameters without the embedding and the head: 9.8B
 # without them, 11.0B with them (they are 1.2B of it).
 # Qwen3-Next-80B-A3B's 3B active likewise: 3.25B without them, 3.87B with them.
-ACTIVE_WITHOUT_EMBEDDING_AND_HEAD = {"minimax-m2", "qwen3-next-80b-a3b"}
+# GLM-5's 40B active likewise: 39.9B without them, 41.8B with them.
+ACTIVE_WITHOUT_EMBEDDING_AND_HEAD = {"minimax-m2", "qwen3-next-80b-a3b", "glm-5"}
+# DeepSeek-V3.2-Exp's card repeats DeepSeek-V3's 671B / 37B: its 61 indexers (0.85B, all
+# active) come on top.
+INDEXERS_NOT_COUNTED = {"deepseek-v32"}
 # The model card gives whole billions, rounded down: ERNIE-4.5-21B-A3B is 21.8B with 3.35B active;
 # Kimi-Linear-48B-A3B is 49.12B (transformers' model counts the same) with 3.48B active, its 48B
 # total without the embedding and the head (48.37B).
@@ -70,6 +75,9 @@ def _counts(name: str) -> tuple[float, float, float]:
     attn += H * m.num_heads * hd * m.attn_output_gate  # Qwen3-Next's output gate, projected with q
     if m.attention == "mla":  # the linears, the latents' norms, two block norms
         attn = sum(a * b for a, b in mla_weight_shapes(m).values()) + (m.q_lora_rank or 0) + m.kv_lora_rank + 2 * H
+    if m.dsa:  # the lightning indexer: query, key (and its LayerNorm), head weights
+        attn += m.q_lora_rank * m.index_n_heads * m.index_head_dim + H * m.index_head_dim + 2 * m.index_head_dim
+        attn += H * m.index_n_heads
     key, value = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim
     # Gated DeltaNet: q|k|v|z|b|a in, the conv on q|k|v, A_log and dt_bias per value head,
     # the gated norm, out, two block norms.
@@ -134,6 +142,11 @@ def test_parameter_counts_match_published(name):
     if name in ACTIVE_WITHOUT_EMBEDDING_AND_HEAD:
         c = load_config(name)
         active -= 2 * c.model.vocab_size * c.model.hidden_size / 1e9
+    if name in INDEXERS_NOT_COUNTED:
+        m = load_config(name).model
+        indexer = (m.q_lora_rank * m.index_n_heads * m.index_head_dim + m.hidden_size * m.index_head_dim
+                   + 2 * m.index_head_dim + m.hidden_size * m.index_n_heads) * m.num_layers / 1e9
+        total, active = total - indexer, active - indexer
     if name in TOTAL_WITHOUT_EMBEDDING_AND_HEAD:
         c = load_config(name)
         total -= 2 * c.model.vocab_size * c.model.hidden_size / 1e9
@@ -171,7 +184,7 @@ def test_deepseek_v3_mtp_module_is_the_published_14b():
                                   "deepseek-v3-tiny", "deepseek-v2-lite-tiny", "ernie-4.5-tiny",
                                   "minimax-m2-tiny", "llama4-tiny", "gpt-oss-tiny", "qwen3-next-tiny",
                                   "kimi-linear-tiny",
-                                  "longcat-flash-tiny", "nemotron-h-tiny"])
+                                  "longcat-flash-tiny", "deepseek-v32-tiny", "glm-5-tiny", "nemotron-h-tiny"])
 def test_tiny_presets_train(tmp_path, name):
     config = load_config(name, [f"train.run_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
                                 "parallel.ep=1", "model.seq_length=32", "train.steps=4", "optimizer.warmup_steps=1",

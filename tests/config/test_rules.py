@@ -206,8 +206,6 @@ RULE_CASES = [
 # of a config (what they check is not in the config): (file, the message's start) -> why.
 NOT_CONFIG_RULES = {
     ("models/sampling.py", "parallel.cp={}: sampling runs"): "sampling's own command line (tests/models/test_sampling.py)",
-    ("moe_fold/training/dryrun.py", "moe.zero_experts={}: the dry run's"): "what the dry run's planned routings "
-                                                                           "can trace (tests/training/test_dryrun.py)",
     ("dispatch/router.py", "update_expert_bias needs"): "a call on a router built without moe.expert_bias",
     ("models/experts.py", "placement of {} experts"): "a placement argument built for other experts",
     ("moe_fold/planner/model.py", "pp_rank={} must be"): "a pp_rank argument outside [0, parallel.pp)",

@@ -12,7 +12,7 @@ import torch
 from moe_fold.data.indexed_dataset import write_indexed_dataset
 from moe_fold.parallel.context_parallel import zigzag_positions
 from moe_fold.data.loader import (BlendedDataset, DataLoader, GPTDataset, Sample, batches, cp_zigzag_slice,
-                                  dataset_from_config, open_training_dataset)
+                                  dataset_from_config, feistel_order, open_training_dataset)
 
 EOD = 256
 
@@ -56,6 +56,69 @@ def test_shuffle_depends_only_on_seed(stream_dataset):
     assert not np.array_equal(a.sample_order(0), a.sample_order(1))  # each epoch reshuffles
     assert sorted(a.sample_order(1).tolist()) == list(range(len(a)))
     assert [a[i].tokens.tolist() for i in range(40)] == [b[i].tokens.tolist() for i in range(40)]
+
+
+def test_feistel_shuffle_is_a_permutation_found_place_by_place():
+    """The ``feistel`` shuffle is a bijection of [0, n) for every n (cycle walking), keyed
+    by seed and epoch, and finds a place's sample without the epoch's array: at 2^32
+    samples (an epoch of 17 trillion tokens of 4096) three places are three numbers."""
+    import tracemalloc
+
+    for n in (1, 2, 3, 5, 64, 1000, 4097):
+        order = feistel_order(np.arange(n), n, seed=7, epoch=0)
+        assert sorted(order.tolist()) == list(range(n))
+    assert not np.array_equal(feistel_order(np.arange(1000), 1000, 7, 0), feistel_order(np.arange(1000), 1000, 8, 0))
+    assert not np.array_equal(feistel_order(np.arange(1000), 1000, 7, 0), feistel_order(np.arange(1000), 1000, 7, 1))
+    n = 1 << 32
+    places = np.asarray([0, 12345, n - 1])
+    tracemalloc.start()
+    try:
+        got = feistel_order(places, n, seed=7, epoch=3)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert ((0 <= got) & (got < n)).all() and len(set(got.tolist())) == 3 and peak < 1 << 20
+
+
+def test_a_dataset_reads_a_sample_without_an_array_the_size_of_its_epoch(stream_dataset):
+    """Every rank used to build its epoch's permutation to read one sample: 8 bytes a
+    sample (29 GB at full scale). A new dataset's read holds a few numbers."""
+    import tracemalloc
+
+    prefix, _ = stream_dataset
+    ds = GPTDataset(prefix, 8, seed=5)
+    assert ds.shuffle == "feistel"
+    ds.num_samples = 1 << 24  # an epoch of 16M samples: its permutation is 128 MB
+    tracemalloc.start()
+    try:
+        places = ds._order(2, np.asarray([3, (1 << 24) - 1]))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert ((0 <= places) & (places < 1 << 24)).all() and peak < 1 << 20, peak
+
+
+def test_a_checkpoint_without_a_shuffle_resumes_in_the_order_it_was_saved_in(stream_dataset):
+    """A loader position saved before the ``feistel`` shuffle (``{"consumed_samples": n}``)
+    resumes in numpy's permutation of each epoch, the order that run read; the position
+    then records ``permutation``, so it keeps it at every later resume."""
+    prefix, _ = stream_dataset
+    gbs, mbs = 8, 2
+    old = GPTDataset(prefix, 8, seed=5, shuffle="permutation")
+    for epoch in (0, 1):  # the order of the loader before the feistel shuffle, as it built it
+        assert np.array_equal(old.sample_order(epoch), np.random.default_rng([5, epoch]).permutation(len(old)))
+    it = iter(DataLoader(old, gbs, mbs))
+    straight = [next(it) for _ in range(30)]
+    resumed = DataLoader(GPTDataset(prefix, 8, seed=5), gbs, mbs)
+    resumed.load_state_dict({"consumed_samples": 12 * mbs})
+    assert resumed.state_dict() == {"consumed_samples": 12 * mbs, "shuffle": "permutation"}
+    rest = iter(resumed)
+    for k in range(12, 30):
+        assert torch.equal(next(rest).tokens, straight[k].tokens)
+    new = DataLoader(GPTDataset(prefix, 8, seed=5), gbs, mbs)
+    assert not all(torch.equal(next(iter(new)).tokens, b.tokens) for b in straight[:1])
+    with pytest.raises(ValueError, match="shuffle='random' must be one of permutation, feistel"):
+        new.load_state_dict({"consumed_samples": 0, "shuffle": "random"})
 
 
 def _packed_reference(docs, S, pad):
@@ -118,6 +181,7 @@ class _Numbered:
     """Sample i is the token i: which samples a rank got is read off the batch."""
 
     seq_length = 1
+    shuffle = "feistel"
 
     def __getitem__(self, i):
         return Sample(np.asarray([i, i], np.int64), np.ones(1, np.float32), np.zeros(1, np.int64),
@@ -132,7 +196,7 @@ def test_dp_shards_cover_each_global_batch_once(dp, mbs, gbs):
         loader = DataLoader(_Numbered(), gbs, mbs, dp_rank=rank, dp_size=dp)
         got = [[b.tokens[:, 0].tolist() for b in loader.global_batch()] for _ in range(steps)]
         per_rank.append(got)
-        assert loader.state_dict() == {"consumed_samples": steps * gbs}
+        assert loader.state_dict() == {"consumed_samples": steps * gbs, "shuffle": "feistel"}
     for step in range(steps):
         seen = sorted(i for rank in range(dp) for mb in per_rank[rank][step] for i in mb)
         assert seen == list(range(step * gbs, (step + 1) * gbs))  # no overlap, no gap
@@ -151,7 +215,7 @@ def test_resume_equals_straight_iteration(stream_dataset):
         for _ in range(13):
             next(it)
         state = first.state_dict()
-        assert state == {"consumed_samples": 13 * mbs * dp}
+        assert state == {"consumed_samples": 13 * mbs * dp, "shuffle": "feistel"}
         resumed = DataLoader(GPTDataset(prefix, 8, seed=5), gbs, mbs, rank, dp)
         resumed.load_state_dict(state)
         rest = iter(resumed)
@@ -170,8 +234,10 @@ def test_resume_equals_straight_iteration(stream_dataset):
 def test_batch_fields_and_cu_seqlens(stream_dataset):
     prefix, _ = stream_dataset
     ds = GPTDataset(prefix, 12, seed=1, packing=True)
-    batch = next(batches(ds, 3, 3, 0, 1))
-    samples = [ds[i] for i in range(3)]
+    # A batch of 3 samples with padding in one (its token_mask is not all true).
+    first = next(i for i in range(0, len(ds), 3) if not all(ds[j].token_mask.all() for j in range(i, i + 3)))
+    batch = next(batches(ds, 3, 3, 0, 1, start_sample=first))
+    samples = [ds[i] for i in range(first, first + 3)]
     full = torch.tensor(np.stack([s.tokens for s in samples]))
     assert torch.equal(batch.tokens, full[:, :-1]) and torch.equal(batch.labels, full[:, 1:])
     expected_cu = [int(c) + b * 12 for b, s in enumerate(samples) for c in s.cu_seqlens[:-1]] + [36]
@@ -333,4 +399,4 @@ def test_dp_ranks_match_single_process(tmp_path):
     for k in range(4):
         whole = next(iter(single)).tokens
         assert results[0][0][k] + results[1][0][k] == whole.tolist()
-    assert results[0][1] == results[1][1] == {"consumed_samples": 16}
+    assert results[0][1] == results[1][1] == {"consumed_samples": 16, "shuffle": "feistel"}

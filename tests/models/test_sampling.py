@@ -88,12 +88,21 @@ def _ours(checkpoint: Path, spec: str, options: dict, nproc: int = 1, layout: tu
 
 # --------------------------------------------------------------------------- the KV cache
 
-@pytest.mark.parametrize("preset", ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny"])
+# DSA keeps 5 keys per query (of up to 16); GLM-5's second layer reuses the first's selection.
+DSA_SETTINGS = {"deepseek-v32-tiny": ["model.index_topk=5"],
+                "glm-5-tiny": ["model.index_topk=5", "model.indexer_types=[full, shared]"]}
+
+
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny",
+                                    "deepseek-v32-tiny", "glm-5-tiny"])
 def test_cached_decode_equals_full_forward(preset):
-    """Prefill 7 tokens, then one at a time: the logits equal one forward over the whole sequence."""
+    """Prefill 7 tokens, then one at a time: the logits equal one forward over the whole
+    sequence (DSA: the cache holds the indexer keys too, and a decode step selects the keys
+    the full forward's row selects, ties included)."""
     torch.manual_seed(0)
     # float64 throughout (the router too), so that only a real difference shows.
-    config = load_config(preset, ["parallel.ep=1", "model.num_layers=2", "moe.router_dtype=float64"])
+    config = load_config(preset, ["parallel.ep=1", "model.num_layers=2", "moe.router_dtype=float64",
+                                  *DSA_SETTINGS.get(preset, [])])
     model = build_model(config, ProcessGroups.single_process()).double().eval()
     ids = torch.randint(0, 256, (2, 16))
     with torch.no_grad():

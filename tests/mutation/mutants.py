@@ -434,8 +434,8 @@ MUTANTS: list[Mutant] = [
         (f"{T_LOADER}::test_resume_equals_straight_iteration", "tests/training/test_train.py::test_resume_is_exact[fp32]")),
     Mutant(
         "data-epoch-reshuffle", LOADER,
-        "j = int(self._perm(i // self.num_samples)[i % self.num_samples])",
-        "j = int(self._perm(0)[i % self.num_samples])",
+        "j = int(self._order(i // self.num_samples, np.asarray([i % self.num_samples]))[0])",
+        "j = int(self._order(0, np.asarray([i % self.num_samples]))[0])",
         "every epoch repeats the first epoch's order instead of its own shuffle",
         (f"{T_LOADER}::test_fixed_samples_tile_the_stream",)),
     # ------------------------------------------------------------------ expert re-placement

@@ -76,6 +76,11 @@ NEMOTRON_H_LAYERS = dict(layer_types=["mamba2", "moe", "attention", "mlp"], sing
 # tests/dispatch/test_router_parallel.py).
 LONGCAT_ZERO = dict(moe=dict(zero_experts=4, topk=3, pre_softmax=True, expert_bias=True, scaling_factor=1.5))
 
+# DeepSeek Sparse Attention on MLA: an indexer of 3 heads of 6 keeping 5 keys per query, its KL
+# weighted 0.5; GLM-5's form rotates the indexer's interleaved pairs and shares layer 0's and
+# layer 2's selections with the layers after them.
+DSA_LAYERS = dict(MLA_MODEL, dsa=True, index_n_heads=3, index_head_dim=6, index_topk=5, dsa_indexer_loss_weight=0.5)
+GLM5_LAYERS = dict(DSA_LAYERS, index_rope_interleave=True, indexer_types=["full", "shared", "full", "shared"])
 # LongCat-Flash's blocks (model.block=shortcut_moe): two MLA sublayers, each with a dense MLP,
 # and the shortcut MoE with its zero experts; MLA's LoRA scaling and latent epsilon.
 LONGCAT_BLOCK = dict(MLA_MODEL, block="shortcut_moe", mla_lora_scale=True, mla_norm_eps=1e-6, **LONGCAT_ZERO)
@@ -151,6 +156,14 @@ CASES = {
     "zero-ep2": (2, dict(ep=2), 2, dict(), LONGCAT_ZERO),
     "zero-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_ZERO),
     "zero-tp2-ep2-etp1-dp2-packed": (4, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_ZERO),
+    # DSA: under cp a rank's queries select among every visible key of the whole sequence
+    # (indexer keys, keys and values gathered over cp); the indexer is replicated over tp.
+    "dsa-cp2-ring-packed": (2, dict(cp=2), 2, dict(cp_kind="ring"), DSA_LAYERS),
+    "dsa-glm5-cp2-a2a-ep2-packed": (2, dict(cp=2, ep=2), 2, dict(cp_kind="a2a"), GLM5_LAYERS),
+    "dsa-glm5-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), GLM5_LAYERS),
+    "dsa-glm5-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), GLM5_LAYERS),
+    "dsa-warmup-tp2-cp2-a2a": (4, dict(tp=2, cp=2), 2, dict(cp_kind="a2a"), dict(DSA_LAYERS,
+                                                                                    dsa_stage="dense_warmup")),
     # LongCat-Flash's shortcut-connected MoE blocks.
     "longcat-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_BLOCK),
     "longcat-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), LONGCAT_BLOCK),
@@ -483,15 +496,19 @@ ZERO_EXPERTS = {name for name in CASES if name.startswith("zero-")}
 MAMBA2 = {name for name in CASES if name.startswith("m2-")}
 
 
+DSA = {name for name in CASES if name.startswith("dsa-")}
+
+
 LONGCAT = {name for name in CASES if name.startswith("longcat-")}
 
 
 def _names(world, issue_20=False, issue_29=False, layer_types=False, zero_experts=False, kda=False, longcat=False,
-           mamba2=False):
+           dsa=False, mamba2=False):
     return [name for name, case in CASES.items()
             if case[0] == world and (name in ISSUE_20) == issue_20 and (name in ISSUE_29) == issue_29
             and (name in LAYER_TYPES) == layer_types and (name in ZERO_EXPERTS) == zero_experts
-            and (name in KDA_LAYERS) == kda and (name in LONGCAT) == longcat and (name in MAMBA2) == mamba2]
+            and (name in KDA_LAYERS) == kda and (name in LONGCAT) == longcat and (name in DSA) == dsa
+            and (name in MAMBA2) == mamba2]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -548,6 +565,15 @@ def test_zero_experts_match_single_process(world):
     """LongCat-Flash's zero-computation experts (with its softmax expert bias and scaling)
     under ep, tp + SP with ep over the tp ranks, and dp on packed documents."""
     names = _names(world, zero_experts=True)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dsa_matches_single_process(world):
+    """DeepSeek Sparse Attention (the sparse stage, GLM-5's shared selections and interleaved
+    indexer rotary, the dense warm-up) under ring and a2a cp on packed documents, tp + SP,
+    pp and ep: the loss, and every gradient, the indexer's KL-trained ones included."""
+    names = _names(world, dsa=True)
     _check(names, run_ranks(_rank, world, names, timeout=400))
 
 

@@ -34,9 +34,10 @@ def test_zero_experts_by_hand():
     assert model_params(config) == {"total": 1712, "experts": 576, "activated": 1280}
     # Activations: one expert row fewer (its kept bytes, 56 here, and the dispatcher's 16),
     # the router's 4 more columns (the top-k op's float32 logits and probs and bool map,
-    # 9*4, the aux loss's float32 scores 4*4).
+    # 9*4, the aux loss's float32 scores 4*4), and the zero experts' output's float32 gate
+    # weight, 4 (the input it keeps, the norm output, the shared expert's gate keeps already).
     assert held_row_bytes(plain, "none") == 56
-    assert layer_activation_bytes(config, 1, "none") == layer_activation_bytes(plain, 1, "none") - (56 + 16) + 52
+    assert layer_activation_bytes(config, 1, "none") == layer_activation_bytes(plain, 1, "none") - (56 + 16) + 52 + 4
     # ep 2: a token's one held row leaves for the other rank half the time: 1 row sent and
     # 1 received per rank (2 tokens), each way, of H*a = 16 bytes, probs 4 bytes each way.
     config = hand_config(tp=2, ep=2, etp=1, sequence_parallel=True)

@@ -19,8 +19,9 @@ from moe_fold.planner.estimate import activation_bytes
 from moe_fold.planner.memory import grad_buckets, owned_numel, state_bytes, zero_sizes
 from moe_fold.planner.model import param_manifest
 
-# name -> (world, overrides). Every layout runs mixtral-tiny and qwen2-moe-tiny (a gated
-# shared expert, pre-softmax top-4 of 16 experts) in fp32 and bf16.
+# name -> (world, overrides). Every layout runs mixtral-tiny, qwen2-moe-tiny (a gated
+# shared expert, pre-softmax top-4 of 16 experts) and qwen3-next-tiny (three Gated DeltaNet
+# layers and one gated attention layer) in fp32 and bf16.
 LAYOUTS = {
     "one": (1, ["parallel.ep=1"]),
     "dp2": (2, ["parallel.ep=1", "optimizer.distributed=true"]),
@@ -35,7 +36,7 @@ LAYOUTS = {
     "one_mtp": (1, ["parallel.ep=1", "model.mtp_num_layers=2"]),
     "pp2_mtp": (2, ["parallel.ep=1", "parallel.pp=2", "model.mtp_num_layers=1"]),
 }
-PRESETS = ("mixtral-tiny", "qwen2-moe-tiny")
+PRESETS = ("mixtral-tiny", "qwen2-moe-tiny", "qwen3-next-tiny")
 PRECISIONS = ("fp32", "bf16")
 
 

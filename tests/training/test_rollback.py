@@ -62,6 +62,7 @@ def _model_weights(checkpoint) -> dict[str, torch.Tensor]:
 
 class _Numbered:
     seq_length = 2
+    shuffle = "feistel"
 
     def __len__(self):
         return 10 ** 6
@@ -81,7 +82,7 @@ def test_loader_passes_over_skipped_global_batches():
         (batch,) = loader.global_batch()
         got.append((loader.last_batch, batch.tokens[:, 0].tolist()))
     assert got == [(0, [2, 3]), (3, [14, 15]), (4, [18, 19])]
-    assert loader.state_dict() == {"consumed_samples": 20}
+    assert loader.state_dict() == {"consumed_samples": 20, "shuffle": "feistel"}
 
 
 def test_config_rules_name_the_field():

@@ -45,6 +45,7 @@ FEATURES = frozenset({
     "layer_types", "attn_output_gate", "norm_zero_centred",  # Qwen3-Next's layers (Gated DeltaNet)
     "zero_experts",  # LongCat-Flash's zero-computation experts
     "shortcut_moe", "mla_lora_scale", "mla_norm_eps",  # LongCat-Flash's blocks and MLA scaling
+    "dsa",  # DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5)
 })
 
 _REQUIRED = object()

@@ -1,17 +1,18 @@
 """What DeepSeek-V2, DeepSeek-V3 and GLM-4.5 share, read and written once: multi-head latent
 attention's sizes and rotary (V2 and V3), group-limited routing's reach, DeepSeek-V3's MoE
-layers and MTP (which GLM-4.5 shares), and their MoE block's tensor names."""
+layers and MTP (which GLM-4.5 shares), and their MoE block's tensor names; and what
+DeepSeek-V3.2 and GLM-5 share: DeepSeek-V3's model with DSA's lightning indexer."""
 
 from __future__ import annotations
 
 from moe_fold.config import Config, group_ranked_scores
 
-from ..sources import Take
-from .base import Keys, MoeNames, Refuse, common_sizes, yarn_rope
+from ..sources import Source, Take
+from .base import Keys, MoeNames, Refuse, attention_sources, common_sizes, rope_to_hf, yarn_rope
 
 __all__ = ["mla_from_hf", "mla_to_hf", "mla_tail_to_hf", "check_group_reach", "deepseek_moe_from_hf",
            "deepseek_moe_refusals", "deepseek_moe_to_hf", "shared_experts_refusal", "dense_first_refusal", "MOE_NAMES",
-           "MOE_NAMES_BIASED"]
+           "MOE_NAMES_BIASED", "dsa_from_hf", "dsa_refusals", "dsa_to_hf", "dsa_mixer_sources"]
 
 # The MoE block: ungated shared experts ``mlp.shared_experts.``; V3 and GLM-4.5 add the
 # router's score correction bias (our expert bias, a buffer).
@@ -32,6 +33,7 @@ def mla_from_hf(keys: Keys, config: Config, family: str) -> None:
     m.ffn_hidden_size = keys.get("intermediate_size")
     m.qk_norm, m.qkv_bias = False, False
     m.attention = "mla"
+    m.mla_norm_eps = 1e-6  # transformers' latent norms keep their default epsilon
     m.q_lora_rank = keys.get("q_lora_rank", None)
     m.kv_lora_rank = keys.get("kv_lora_rank")
     m.qk_nope_head_dim = keys.get("qk_nope_head_dim")
@@ -167,3 +169,72 @@ def deepseek_moe_to_hf(config: Config) -> dict:
         "routed_scaling_factor": moe.scaling_factor if moe.scaling_factor is not None else 1.0,
         "num_nextn_predict_layers": m.mtp_num_layers,
     }
+
+
+# --------------------------------------------------------------------------- DSA (DeepSeek-V3.2, GLM-5)
+
+# Our indexer parameter (under ``attn.indexer.``) -> its tensor (under ``self_attn.indexer.``).
+_INDEXER = {"wq.weight": "wq_b.weight", "wk.weight": "wk.weight", "k_norm.weight": "k_norm.weight",
+            "k_norm.bias": "k_norm.bias", "weights_proj.weight": "weights_proj.weight"}
+
+
+def dsa_from_hf(keys: Keys, config: Config, family: str) -> None:
+    """DeepSeek-V3.2's model, which GLM-5's extends: DeepSeek-V3's MLA (always a query latent
+    and interleaved rotary pairs) and MoE layers, and a lightning indexer on every layer
+    (``index_n_heads``, ``index_head_dim``, ``index_topk``)."""
+    m = config.model
+    mla_from_hf(keys, config, family)
+    if m.q_lora_rank is None:
+        keys.problems.append(f"q_lora_rank is missing (required for {family}: the indexer reads the query latent)")
+    m.rope_interleave = True  # transformers' DSA attention rotates MLA's interleaved pairs
+    deepseek_moe_from_hf(keys, config)
+    keys.must_be("mlp_bias", (False,), "the MLPs have no biases here")
+    k = config.moe.first_k_dense
+    mlp_types = keys.get("mlp_layer_types", None)
+    pattern = ["dense" if i < k else "sparse" for i in range(m.num_layers)]
+    if mlp_types is not None and list(mlp_types) != pattern:
+        keys.problems.append(f"mlp_layer_types={mlp_types} is not supported: the first first_k_dense_replace={k} "
+                             f"layers are dense and every later layer sparse here")
+    types = keys.get("layer_types", None)
+    if types is not None and set(types) != {"indexed_attention"}:
+        keys.problems.append(f"layer_types={types}: every layer of {family} is indexed_attention here")
+    m.dsa, m.indexer_types = True, None
+    m.index_n_heads = int(keys.get("index_n_heads"))
+    m.index_head_dim = int(keys.get("index_head_dim"))
+    m.index_topk = int(keys.get("index_topk"))
+
+
+def dsa_refusals(config: Config, flags: list, refuse: Refuse, family: str, interleave: bool) -> None:
+    """What DeepSeek-V3.2 and GLM-5 cannot hold (``interleave``: the family's indexer rotary)."""
+    m = config.model
+    refuse(not m.dsa, f"model.dsa=false: {family}'s attention is DSA")
+    refuse(m.q_lora_rank is None, f"model.q_lora_rank=null: {family}'s query is low-rank")
+    eps = m.norm_eps if m.mla_norm_eps is None else m.mla_norm_eps
+    refuse(eps != 1e-6, f"model.mla_norm_eps={m.mla_norm_eps} (model.norm_eps={m.norm_eps}): {family}'s latent "
+                        f"norms have epsilon 1e-6")
+    refuse(not m.rope_interleave, f"model.rope_interleave=false: {family}'s MLA rotates interleaved pairs")
+    refuse(m.index_rope_interleave != interleave,
+           f"model.index_rope_interleave={str(m.index_rope_interleave).lower()}: {family}'s indexer rotates "
+           f"{'interleaved pairs' if interleave else 'two halves'}")
+    deepseek_moe_refusals(config, flags, refuse)
+
+
+def dsa_to_hf(config: Config) -> dict:
+    """The ``config.json`` keys DeepSeek-V3.2 and GLM-5 write alike."""
+    m = config.model
+    hf = {**mla_to_hf(config), **mla_tail_to_hf(config), "rope_parameters": rope_to_hf(m),
+          **deepseek_moe_to_hf(config), "index_n_heads": m.index_n_heads, "index_head_dim": m.index_head_dim,
+          "index_topk": m.index_topk,
+          "mlp_layer_types": ["dense" if i < config.moe.first_k_dense else "sparse" for i in range(m.num_layers)]}
+    hf.pop("num_nextn_predict_layers")  # transformers' DSA models hold no MTP depths
+    return hf
+
+
+def dsa_mixer_sources(config: Config, layer: int, hf: str, ours: str) -> dict[str, Source]:
+    """MLA's tensors and, on a layer with an indexer, the indexer's."""
+    out = attention_sources(config, layer, hf, ours)
+    types = config.model.indexer_types
+    if types is None or layer >= len(types) or types[layer] == "full":
+        out.update({f"{ours}attn.indexer.{name}": Take(f"{hf}self_attn.indexer.{theirs}")
+                    for name, theirs in _INDEXER.items()})
+    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..derived import CHANNEL_MIXERS, MLA_SIZES, head_dim
+from ..derived import CHANNEL_MIXERS, MLA_SIZES, head_dim, vpp_size
 from ..schema import Config, ModelConfig, _fmt
 from .common import _at_least, _divisible, _positive, rule
 
@@ -46,6 +46,7 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
                                 else "model.hidden_size/num_heads"))
     _check_attention(m, out)
     _check_layer_types(m, out)
+    _check_dsa(config, out)
     if p.tp < 1 or p.cp < 1:
         return
     if m.layer_types is not None and set(m.layer_types) & set(RECURRENT_TYPES):
@@ -284,6 +285,60 @@ def _check_attention_features(config: Config, out: list[str]) -> None:
             if getattr(m, name) != off:
                 out.append(f"model.{name}={_fmt(getattr(m, name))} requires model.attention=mha "
                            f"(MLA's attention does not take it)")
+
+
+def _check_dsa(config: Config, out: list[str]) -> None:
+    """DeepSeek Sparse Attention: an indexer on MLA with a query latent, its sizes and layers."""
+    m, p = config.model, config.parallel
+    if m.mla_norm_eps is not None:
+        _positive(out, "model.mla_norm_eps", m.mla_norm_eps)
+    if not m.dsa:
+        if m.indexer_types is not None:
+            out.append(f"model.indexer_types={m.indexer_types} is set but model.dsa=false")
+        return
+    if m.attention != "mla" or m.q_lora_rank is None:
+        out.append(f"model.dsa=true needs model.attention=mla with model.q_lora_rank set (the indexer's queries "
+                   f"read MLA's query latent); got model.attention={m.attention}, model.q_lora_rank={m.q_lora_rank}")
+    for name in ("index_n_heads", "index_head_dim", "index_topk"):
+        _at_least(out, f"model.{name}", getattr(m, name), 1)
+    if m.qk_rope_head_dim is not None and m.index_head_dim < m.qk_rope_head_dim:
+        out.append(f"model.index_head_dim={m.index_head_dim} must be >= model.qk_rope_head_dim="
+                   f"{m.qk_rope_head_dim} (the indexer's first qk_rope_head_dim dims take rotary)")
+    if m.dsa_indexer_loss_weight < 0:
+        out.append(f"model.dsa_indexer_loss_weight={_fmt(m.dsa_indexer_loss_weight)} must be >= 0")
+    if m.layer_types is not None and any(t != "attention" for t in m.layer_types):
+        out.append(f"model.dsa=true needs attention on every layer; model.layer_types={m.layer_types}")
+    if m.block != "standard":
+        out.append(f"model.block={m.block} is not supported with model.dsa=true (DSA runs in standard blocks)")
+    if p.dynamic_cp:
+        out.append("parallel.dynamic_cp=true is not supported with model.dsa=true: a DSA layer gathers its keys "
+                   "over the whole parallel.cp group")
+    types = m.indexer_types
+    if types is None:
+        return
+    if len(types) != m.num_layers:
+        out.append(f"model.indexer_types has {len(types)} entries; it must have one per layer "
+                   f"(model.num_layers={m.num_layers})")
+        return
+    for i, kind in enumerate(types):
+        if kind not in ("full", "shared"):
+            out.append(f"model.indexer_types[{i}]={kind!r} must be full or shared")
+    if types and types[0] != "full":
+        out.append(f"model.indexer_types[0]={types[0]!r} must be full (a shared layer reuses the selection of a "
+                   f"full layer before it)")
+    if "shared" in types and m.dsa_stage != "sparse":
+        out.append(f"model.dsa_stage={m.dsa_stage} with shared layers in model.indexer_types: the dense warm-up "
+                   f"makes no selection for a shared layer to reuse; use dsa_stage=sparse")
+    vpp = vpp_size(config)
+    if p.pp > 1 and "shared" in types and vpp >= 1:
+        stages = p.pp * vpp
+        counts = list(p.pp_layers) if p.pp_layers is not None else [m.num_layers // stages] * stages
+        starts = [sum(counts[:s]) for s in range(len(counts))]
+        for i in starts:
+            if i < len(types) and types[i] == "shared":
+                out.append(f"model.indexer_types[{i}]='shared' begins a pipeline stage (parallel.pp={p.pp}, "
+                           f"vpp={vpp}): the selection it reuses does not travel between stages; the first layer "
+                           f"of every stage must be full")
 
 
 def _check_attention(m: ModelConfig, out: list[str]) -> None:

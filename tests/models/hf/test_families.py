@@ -64,6 +64,11 @@ DEEPSEEK_V3 = dict(_MLA, n_group=4, topk_group=2, num_experts_per_tok=4, num_nex
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, beta_fast=32,
             beta_slow=1, mscale=1.0, mscale_all_dim=0.8)
 
+# DSA (DeepSeek-V3.2, GLM-5): DeepSeek-V3's shape with a query latent, an indexer of 8 heads of 8, top 5 of 12.
+# 8 heads: a key scores exactly 0 (every head negative) once in 256, so keys rarely tie at a
+# query's k-th score, where transformers' topk orders ties arbitrarily (ours: the earlier key).
+DSA = dict(DEEPSEEK_V3, q_lora_rank=14, index_n_heads=8, index_head_dim=8, index_topk=5)
+
 GLM = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=50, moe_intermediate_size=22, num_hidden_layers=4,
            num_attention_heads=6, num_key_value_heads=2, n_routed_experts=8, n_group=4, topk_group=2,
            num_experts_per_tok=4, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
@@ -219,6 +224,18 @@ SPECS = {
         # YaRN with a softmax mscale, tied embeddings, unscaled probs, top-2, rms_norm_eps 1e-6.
         "longcat_yarn_tied": dict(moe_topk=2, routed_scaling_factor=1.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
                                   rope_parameters=YARN)}, matrix_std=0.15),
+    # DeepSeek-V3.2: DeepSeek-V3's MLA (q latent 14, interleaved pairs) and MoE layers, an indexer of
+    # 8 heads of 8 on every layer keeping 5 of the 12 tokens' keys (rotary on two halves of its first 4 dims).
+    "deepseek_v32": Spec("DeepseekV32Config", "DeepseekV32ForCausalLM", DSA, {
+        "deepseek_v32": dict(rope_parameters=dict(rope_type="default", rope_theta=1e4)),
+        # YaRN, no groups, two shared experts, the indexer keeping 7 keys.
+        "deepseek_v32_yarn": dict(rope_parameters=YARN, n_group=1, topk_group=1, n_shared_experts=2, index_topk=7)}),
+    # GLM-5: the same with the indexer's rotary on interleaved pairs; layers 1 and 3 reuse the
+    # selection of layers 0 and 2 (indexer_types).
+    "glm_moe_dsa": Spec("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", DSA, {
+        "glm_moe_dsa_shared": dict(indexer_types=["full", "shared", "full", "shared"],
+                                   rope_parameters=dict(rope_type="default", rope_theta=1e4)),
+        "glm_moe_dsa_full": dict(rope_parameters=dict(rope_type="default", rope_theta=1e4), index_topk=3)}),
     # Nemotron-H: 6 Mamba2 heads of 5 in 2 groups (state 7, conv of 4, chunks of 8), attention of 6
     # heads of 8 over 2 kv heads without rotary, relu2 MLPs of 50, 6 relu2 experts of 22 and a
     # relu2 shared expert of 30, sigmoid routing with the score correction bias.
@@ -380,6 +397,21 @@ REFUSED = [
      HFConfigError),
     ("longcat_flash", "longcat_flash", lambda hf: hf.update(moe_topk=10),
      "moe.topk=10 must be in [1, moe.num_experts + moe.zero_experts=9]", BOTH),
+    ("deepseek_v32", "deepseek_v32", lambda hf: hf.update(q_lora_rank=None),
+     "q_lora_rank is missing (required for deepseek_v32: the indexer reads the query latent)", HFConfigError),
+    ("deepseek_v32", "deepseek_v32", lambda hf: hf.update(mlp_layer_types=["dense", "sparse", "dense", "sparse"]),
+     "mlp_layer_types=['dense', 'sparse', 'dense', 'sparse'] is not supported", HFConfigError),
+    ("deepseek_v32", "deepseek_v32", lambda hf: hf.update(layer_types=["full_attention"] * 4),
+     "layer_types=['full_attention', 'full_attention', 'full_attention', 'full_attention']: every layer", HFConfigError),
+    ("deepseek_v32", "deepseek_v32", lambda hf: hf.update(index_topk=0), "model.index_topk=0 must be >= 1", BOTH),
+    ("deepseek_v32", "deepseek_v32", lambda hf: hf.update(index_head_dim=2),
+     "model.index_head_dim=2 must be >= model.qk_rope_head_dim=4", BOTH),
+    ("glm_moe_dsa", "glm_moe_dsa_shared", lambda hf: hf.update(indexer_types=["full", "half", "full", "full"]),
+     "indexer_types has ['half']: only full and shared are known", HFConfigError),
+    ("glm_moe_dsa", "glm_moe_dsa_shared", lambda hf: hf.update(indexer_types=["full", "shared"]),
+     "indexer_types has 2 entries; num_hidden_layers=4", HFConfigError),
+    ("glm_moe_dsa", "glm_moe_dsa_shared", lambda hf: hf.update(indexer_types=["shared", "full", "full", "full"]),
+     "model.indexer_types[0]='shared' must be full", BOTH),
     ("nemotron_h", "nemotron_h", lambda hf: hf.update(moe_latent_size=16),
      "moe_latent_size=16 is not supported: the latent MoE", HFConfigError),
     ("nemotron_h", "nemotron_h", lambda hf: hf.update(mlp_hidden_act="silu"), "mlp_hidden_act='silu'", HFConfigError),
@@ -971,6 +1003,36 @@ def test_longcat_flash_export_refuses_what_it_cannot_hold(tmp_path):
     with pytest.raises(HFConfigError, match="moe.expert_bias=false: the router always has its score correction bias"):
         to_hf(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_dsa_config_mapping():
+    """DeepSeek-V3.2 and GLM-5 read as DeepSeek-V3's model with DSA: the indexer's sizes, its
+    rotary (halves, GLM-5's pairs), GLM-5's shared layers, the MLA latent norms' epsilon."""
+    v32 = config_from_hf(model_of("deepseek_v32").config.to_dict())
+    m = v32.model
+    assert (m.attention, m.q_lora_rank, m.rope_interleave, m.mla_norm_eps) == ("mla", 14, True, 1e-6)
+    assert (m.dsa, m.index_n_heads, m.index_head_dim, m.index_topk, m.index_rope_interleave, m.indexer_types) == (
+        True, 8, 8, 5, False, None)
+    assert (v32.moe.score_function, v32.moe.expert_bias, v32.moe.first_k_dense, v32.model.mtp_num_layers) == (
+        "sigmoid", True, 1, 0)
+    glm = config_from_hf(model_of("glm_moe_dsa").config.to_dict()).model
+    assert (glm.index_rope_interleave, glm.indexer_types, glm.norm_eps) == (True, ["full", "shared", "full", "shared"],
+                                                                           1e-5)
+    assert config_from_hf(model_of("glm_moe_dsa", "glm_moe_dsa_full").config.to_dict()).model.indexer_types is None
+
+
+def test_dsa_exports_refuse_what_they_cannot_hold(tmp_path):
+    model_of("glm_moe_dsa").save_pretrained(tmp_path / "hf")
+    model = from_hf(tmp_path / "hf")
+    with pytest.raises(HFConfigError) as err:
+        to_hf(model, tmp_path / "out", family="deepseek_v32")
+    assert "model.index_rope_interleave=true: deepseek_v32's indexer rotates two halves" in str(err.value)
+    assert "model.indexer_types=['full', 'shared', 'full', 'shared']: every deepseek_v32 layer" in str(err.value)
+    with pytest.raises(HFConfigError, match="model.dsa=true: deepseek_v3 has dense attention"):
+        to_hf(model, tmp_path / "out", family="deepseek_v3")
+    model.config.model.mla_norm_eps = None  # norm_eps 1e-5 then
+    with pytest.raises(HFConfigError, match="model.mla_norm_eps=None .model.norm_eps=1e-05.: glm_moe_dsa's latent"):
+        to_hf(model, tmp_path / "out")
 
 
 # --------------------------------------------------------------------------- Nemotron-H
