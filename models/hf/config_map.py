@@ -97,7 +97,7 @@ FEATURE_USE: dict[str, tuple[Callable[[Config], bool], Callable[[Config, str], s
             lambda c, f: f"model.attention=mla: {f} has standard attention (DeepSeek-V2 and -V3 have MLA)"),
     "mla_norm_eps": (lambda c: c.model.mla_norm_eps not in (None, c.model.norm_eps),
                      lambda c, f: f"model.mla_norm_eps={c.model.mla_norm_eps}: {f}'s latent norms use "
-                                  f"model.norm_eps={c.model.norm_eps} (Kimi-Linear's use their own)"),
+                                  f"model.norm_eps={c.model.norm_eps} (DeepSeek's, Kimi-Linear's and LongCat-Flash's use 1e-6)"),
     "qk_norm_scope": (lambda c: c.model.qk_norm and c.model.qk_norm_scope != "head",
                       lambda c, f: f"model.qk_norm_scope={c.model.qk_norm_scope}: {f} normalises each head (OLMoE "
                                    f"normalises the whole projections)"),
@@ -136,9 +136,6 @@ FEATURE_USE: dict[str, tuple[Callable[[Config], bool], Callable[[Config, str], s
                                   f"has two attention sublayers and a shortcut-connected MoE)"),
     "mla_lora_scale": (lambda c: c.model.mla_lora_scale,
                        lambda c, f: f"model.mla_lora_scale=true: {f} does not scale the MLA latents"),
-    "mla_norm_eps": (lambda c: c.model.mla_norm_eps is not None and c.model.mla_norm_eps != c.model.norm_eps,
-                     lambda c, f: f"model.mla_norm_eps={c.model.mla_norm_eps}: {f}'s MLA latent norms have "
-                                  f"model.norm_eps={c.model.norm_eps}"),
     "score_on_input": (lambda c: c.moe.score_on_input,
                        lambda c, f: f"moe.score_on_input=true: {f} scales each expert's output by its prob"),
     "single_mixer_layers": (lambda c: c.model.single_mixer_layers,

@@ -44,7 +44,7 @@ FEATURES = frozenset({
     "single_mixer_layers", "mlp_activation", "mamba2",  # Nemotron-H's layers
     "layer_types", "attn_output_gate", "norm_zero_centred",  # Qwen3-Next's layers (Gated DeltaNet)
     "zero_experts",  # LongCat-Flash's zero-computation experts
-    "shortcut_moe", "mla_lora_scale", "mla_norm_eps",  # LongCat-Flash's blocks and MLA scaling
+    "shortcut_moe", "mla_lora_scale",  # LongCat-Flash's blocks and MLA scaling
     "dsa",  # DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5)
 })
 

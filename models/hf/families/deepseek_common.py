@@ -12,7 +12,7 @@ from .base import Keys, MoeNames, Refuse, attention_sources, common_sizes, rope_
 
 __all__ = ["mla_from_hf", "mla_to_hf", "mla_tail_to_hf", "check_group_reach", "deepseek_moe_from_hf",
            "deepseek_moe_refusals", "deepseek_moe_to_hf", "shared_experts_refusal", "dense_first_refusal", "MOE_NAMES",
-           "MOE_NAMES_BIASED", "dsa_from_hf", "dsa_refusals", "dsa_to_hf", "dsa_mixer_sources"]
+           "MOE_NAMES_BIASED", "latent_eps_refusal", "dsa_from_hf", "dsa_refusals", "dsa_to_hf", "dsa_mixer_sources"]
 
 # The MoE block: ungated shared experts ``mlp.shared_experts.``; V3 and GLM-4.5 add the
 # router's score correction bias (our expert bias, a buffer).
@@ -204,14 +204,21 @@ def dsa_from_hf(keys: Keys, config: Config, family: str) -> None:
     m.index_topk = int(keys.get("index_topk"))
 
 
+def latent_eps_refusal(config: Config, refuse: Refuse, family: str) -> None:
+    """transformers' DeepSeek-style MLA builds its latent norms with their default epsilon,
+    1e-6, whatever ``rms_norm_eps`` is."""
+    m = config.model
+    eps = m.norm_eps if m.mla_norm_eps is None else m.mla_norm_eps
+    refuse(eps != 1e-6, f"model.mla_norm_eps={m.mla_norm_eps} (model.norm_eps={m.norm_eps}): {family}'s latent "
+                        f"norms have epsilon 1e-6")
+
+
 def dsa_refusals(config: Config, flags: list, refuse: Refuse, family: str, interleave: bool) -> None:
     """What DeepSeek-V3.2 and GLM-5 cannot hold (``interleave``: the family's indexer rotary)."""
     m = config.model
     refuse(not m.dsa, f"model.dsa=false: {family}'s attention is DSA")
     refuse(m.q_lora_rank is None, f"model.q_lora_rank=null: {family}'s query is low-rank")
-    eps = m.norm_eps if m.mla_norm_eps is None else m.mla_norm_eps
-    refuse(eps != 1e-6, f"model.mla_norm_eps={m.mla_norm_eps} (model.norm_eps={m.norm_eps}): {family}'s latent "
-                        f"norms have epsilon 1e-6")
+    latent_eps_refusal(config, refuse, family)
     refuse(not m.rope_interleave, f"model.rope_interleave=false: {family}'s MLA rotates interleaved pairs")
     refuse(m.index_rope_interleave != interleave,
            f"model.index_rope_interleave={str(m.index_rope_interleave).lower()}: {family}'s indexer rotates "

@@ -11,8 +11,8 @@ from __future__ import annotations
 from moe_fold.config import Config, group_ranked_scores
 
 from .base import Family, Keys, Refuse, rope_to_hf
-from .deepseek_common import (MOE_NAMES, check_group_reach, dense_first_refusal, mla_from_hf, mla_tail_to_hf,
-                              mla_to_hf, shared_experts_refusal)
+from .deepseek_common import (MOE_NAMES, check_group_reach, dense_first_refusal, latent_eps_refusal, mla_from_hf,
+                              mla_tail_to_hf, mla_to_hf, shared_experts_refusal)
 
 
 def from_hf(keys: Keys, config: Config) -> None:
@@ -54,6 +54,7 @@ def from_hf(keys: Keys, config: Config) -> None:
 def refusals(config: Config, flags: list, refuse: Refuse) -> None:
     m, moe = config.model, config.moe
     refuse(m.attention != "mla", "model.attention=mha: DeepSeek-V2 has multi-head latent attention")
+    latent_eps_refusal(config, refuse, "deepseek_v2")
     refuse(not m.rope_interleave, "model.rope_interleave=false: DeepSeek-V2 rotates interleaved pairs")
     refuse(moe.score_function != "softmax", f"moe.score_function={moe.score_function}: DeepSeek-V2 routes with a "
                                             f"softmax over all experts")
@@ -85,7 +86,7 @@ def to_hf(config: Config, flags: list) -> dict:
 
 FAMILY = Family(
     model_type="deepseek_v2", architecture="DeepseekV2ForCausalLM",
-    features=frozenset({"mla", "rope_interleave", "yarn"}),
+    features=frozenset({"mla", "mla_norm_eps", "rope_interleave", "yarn"}),
     from_hf=from_hf, refusals=refusals, to_hf=to_hf,
     exports=lambda config: config.model.attention == "mla" and config.moe.score_function == "softmax",
     export_priority=10, moe_names=MOE_NAMES)

@@ -17,7 +17,7 @@ from moe_fold.config import Config
 
 from .base import Family, Keys, Refuse, rope_to_hf
 from .deepseek_common import (MOE_NAMES_BIASED, deepseek_moe_from_hf, deepseek_moe_refusals, deepseek_moe_to_hf,
-                              mla_from_hf, mla_tail_to_hf, mla_to_hf)
+                              latent_eps_refusal, mla_from_hf, mla_tail_to_hf, mla_to_hf)
 
 
 def from_hf(keys: Keys, config: Config) -> None:
@@ -31,6 +31,7 @@ def from_hf(keys: Keys, config: Config) -> None:
 
 def refusals(config: Config, flags: list, refuse: Refuse) -> None:
     refuse(config.model.attention != "mla", "model.attention=mha: DeepSeek-V3 has multi-head latent attention")
+    latent_eps_refusal(config, refuse, "deepseek_v3")
     deepseek_moe_refusals(config, flags, refuse)
 
 
@@ -42,7 +43,7 @@ def to_hf(config: Config, flags: list) -> dict:
 
 FAMILY = Family(
     model_type="deepseek_v3", architecture="DeepseekV3ForCausalLM",
-    features=frozenset({"mla", "mtp", "rope_interleave", "yarn"}),
+    features=frozenset({"mla", "mla_norm_eps", "mtp", "rope_interleave", "yarn"}),
     from_hf=from_hf, refusals=refusals, to_hf=to_hf,
     exports=lambda config: config.model.attention == "mla", export_priority=20,
     moe_names=MOE_NAMES_BIASED)

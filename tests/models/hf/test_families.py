@@ -112,8 +112,9 @@ SPECS = {
         "qwen3_no_norm_tied": dict(norm_topk_prob=False, tie_word_embeddings=True, mlp_only_layers=[0],
                                    rms_norm_eps=1e-5)}),
     "deepseek_v2": Spec("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(_MLA, num_experts_per_tok=3), {
-        # DeepSeek-V2-Lite's shape: full-rank query, greedy top-k over all experts, two shared experts.
-        "lite": dict(q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1, n_shared_experts=2,
+        # DeepSeek-V2-Lite's shape: full-rank query, greedy top-k over all experts, two shared
+        # experts; rms_norm_eps 1e-5, while transformers' latent norms keep 1e-6.
+        "lite": dict(q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1, n_shared_experts=2, rms_norm_eps=1e-5,
                      routed_scaling_factor=1.0, rope_parameters=dict(rope_type="default", rope_theta=5e4)),
         # DeepSeek-V2's: low-rank query, the 2 of 4 groups with the highest single score, scaled
         # probabilities, YaRN with V2's mscale 0.707.
@@ -125,9 +126,10 @@ SPECS = {
     "deepseek_v3": Spec("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK_V3, {
         # Low-rank query, interleaved rotary pairs, YaRN with a softmax mscale.
         "q_lora_yarn": dict(q_lora_rank=14, rope_interleave=True, rope_parameters=YARN),
-        # Full-rank query, plain rotary halves, no rotary scaling, two shared experts, no groups.
+        # Full-rank query, plain rotary halves, no rotary scaling, two shared experts, no groups;
+        # rms_norm_eps 1e-5, while transformers' latent norms keep 1e-6.
         "no_q_lora": dict(q_lora_rank=None, rope_interleave=False, n_shared_experts=2, n_group=1, topk_group=1,
-                          num_experts_per_tok=3, routed_scaling_factor=1.7,
+                          num_experts_per_tok=3, routed_scaling_factor=1.7, rms_norm_eps=1e-5,
                           rope_parameters=dict(rope_type="default", rope_theta=5e4)),
         # num_experts_per_tok 3 != 2 x topk_group: a group still ranks by its best 2 scores.
         "groups_k3": dict(q_lora_rank=14, rope_interleave=False, num_experts_per_tok=3,
@@ -950,8 +952,9 @@ def test_kimi_linear_export_refuses_what_it_cannot_hold(tmp_path):
     assert "qwen3_next's linear layers are Gated DeltaNet, not KDA" in str(err.value)
     with pytest.raises(HFConfigError) as err:
         to_hf(model, tmp_path / "out", family="deepseek_v3")
-    for field in ("model.mla_norm_eps=1e-06", "model.layer_types=['kda', 'kda', 'kda', 'attention']",
-                  "model.rope_layers=[0, 0, 0, 0]"):
+    # DeepSeek-V3's latent norms have Kimi's epsilon, 1e-6: not a problem.
+    assert "mla_norm_eps" not in str(err.value)
+    for field in ("model.layer_types=['kda', 'kda', 'kda', 'attention']", "model.rope_layers=[0, 0, 0, 0]"):
         assert field in str(err.value), field
     m.rope_layers = [0, 0, 0, 1]
     with pytest.raises(HFConfigError, match=r"model.rope_layers=\[0, 0, 0, 1\]: kimi_linear's MLA has no rotary"):
@@ -993,7 +996,8 @@ def test_longcat_flash_export_refuses_what_it_cannot_hold(tmp_path):
     model = from_hf(tmp_path / "hf")
     with pytest.raises(HFConfigError) as err:
         to_hf(model, tmp_path / "out", family="deepseek_v3")
-    for field in ("model.block=shortcut_moe", "model.mla_lora_scale=true", "model.mla_norm_eps=1e-06",
+    assert "mla_norm_eps" not in str(err.value)  # DeepSeek-V3's latent norms have LongCat's epsilon, 1e-6
+    for field in ("model.block=shortcut_moe", "model.mla_lora_scale=true",
                   "moe.zero_experts=3: deepseek_v3 has no zero-computation experts"):
         assert field in str(err.value), field
     model.config.model.mla_norm_eps = None  # the latents' norms would take norm_eps 1e-5
