@@ -100,13 +100,20 @@ def _same_group_ranking(a: Config, b: Config) -> bool:
             == group_ranked_scores(b.moe.group_score, b.moe.topk, b.moe.group_topk))
 
 
+def _latent_eps(config: Config) -> float:
+    """The epsilon MLA's latent norms use (``model.mla_norm_eps``, null: ``model.norm_eps``)."""
+    m = config.model
+    return m.norm_eps if m.mla_norm_eps is None else m.mla_norm_eps
+
+
 def _architecture_mismatch(ours: Config, theirs: Config) -> list[str]:
     out = []
     for section, names in _ARCHITECTURE.items():
         for name in names:
             a, b = getattr(getattr(ours, section), name), getattr(getattr(theirs, section), name)
             if a != b and not (name == "head_dim" and a is None) and not (
-                    name == "group_score" and _same_group_ranking(ours, theirs)):
+                    name == "group_score" and _same_group_ranking(ours, theirs)) and not (
+                    name == "mla_norm_eps" and _latent_eps(ours) == _latent_eps(theirs)):
                 out.append(f"{section}.{name}: the model has {a!r}, the checkpoint {b!r}")
     if head_dim(ours) != head_dim(theirs):
         out.append(f"head_dim: the model has {head_dim(ours)}, the checkpoint {head_dim(theirs)}")
