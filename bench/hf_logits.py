@@ -94,6 +94,11 @@ def sizes_of(model) -> str:
     if m.block == "shortcut_moe":
         deltanet = " (2 sublayers each)"
     zero = f" + Z{moe.zero_experts}" if moe.zero_experts else ""
+    if m.single_mixer_layers:
+        # Nemotron-H's pattern letters: M Mamba2, * attention, - MLP, E MoE.
+        kinds = "".join({"mamba2": "M", "attention": "*", "mlp": "-", "moe": "E"}[k] for k in m.layer_types)
+        deltanet = (f" ({kinds}: Mamba2 {m.mamba_num_heads} x {m.mamba_head_dim} in {m.mamba_num_groups} groups, "
+                    f"state {m.mamba_state_size})")
     return (f"V{m.vocab_size} H{m.hidden_size} L{m.num_layers}{deltanet} heads {heads}, "
             f"E{moe.num_experts} x {moe.ffn_hidden_size}{zero} top-{moe.topk}")
 

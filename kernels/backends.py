@@ -275,10 +275,10 @@ def resolve_config(config, device: torch.device):
         section, name_in_section = field.split(".")
         value = getattr(getattr(config, section), name_in_section)
         setting = f"{field}={value}"
-        if value == "auto" and op == "swiglu" and moe.activation == "clamped_swiglu":
-            # gpt-oss's clamped SwiGLU is torch ops only (kernels/swiglu.py).
+        if value == "auto" and op == "swiglu" and moe.activation in ("clamped_swiglu", "relu2"):
+            # gpt-oss's clamped SwiGLU and Nemotron-H's relu2 are torch ops only (kernels/swiglu.py).
             name = "torch"
-            setting += " (clamped_swiglu runs on torch)"
+            setting += f" ({moe.activation} runs on torch)"
         elif value == "auto":
             name = choose_for(op, device, dtypes[op], topk_fusable=fusable)
             setting += f" (chose {name} for {device} {str(dtypes[op]).replace('torch.', '')})"

@@ -166,6 +166,16 @@ def clamped_swiglu(x: torch.Tensor, probs: Optional[torch.Tensor] = None, *, alp
     return out.to(x.dtype)
 
 
+def relu2(x: torch.Tensor, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x[..., F]``, ``probs[...]`` or None -> ``relu(x)^2 * probs`` (Nemotron-H's squared
+    ReLU, not gated). bf16/fp16 are computed in float32, rounded once."""
+    cd = _compute_dtype(x.dtype)
+    out = torch.relu(x.to(cd)).square()
+    if probs is not None:
+        out = out * probs.to(cd).unsqueeze(-1)
+    return out.to(x.dtype)
+
+
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
     """The concrete backend for ``x``: ``backend``, or for ``auto`` the device rule
     (:func:`moe_fold.kernels.backends.choose`). Raises if that backend cannot run here."""

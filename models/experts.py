@@ -1,4 +1,6 @@
-"""The routed experts: E_local SwiGLU MLPs run as two grouped GEMMs.
+"""The routed experts: E_local SwiGLU MLPs run as two grouped GEMMs (or, with
+``moe.activation: relu2``, Nemotron-H's non-gated ``fc2(relu(x fc1)^2)``, fc1 then ``[E_local,
+H, F/etp]``).
 
 ``fc2(silu(x fc1_gate) * (x fc1_up) * prob)`` for every row, each row with its own
 expert's weights. Rows arrive from the dispatcher grouped by local expert; the routing
@@ -48,7 +50,7 @@ from moe_fold.config import activation_backend, choice, expert_bias_over_etp, ex
 from moe_fold.dispatch.placement import Placement
 from moe_fold.kernels.gmm import build_backend as build_gemm_backend
 from moe_fold.kernels.gmm import grouped_mm
-from moe_fold.kernels.swiglu import clamped_swiglu, swiglu_op
+from moe_fold.kernels.swiglu import clamped_swiglu, relu2, swiglu_op
 from moe_fold.layout import ProcessGroups
 from moe_fold.parallel.tensor_parallel import global_normal, init_seed, mark, shard_tp
 
@@ -102,24 +104,26 @@ class Experts(nn.Module):
         etp_rank = groups.rank_in("etp")
         self.hidden_size, self.etp_rank = hidden_size, etp_rank
         F = ffn_hidden_size
+        # relu2 (Nemotron-H) is not gated: fc1 is the up projection alone.
+        fc1_parts = [F] if activation == "relu2" else [F, F]
         fc1, fc2 = [], []
         for g in placement.rank_slots(self.ep_rank):
-            full1 = global_normal((hidden_size, 2 * F), std, init_seed(seed, f"{name}.{g}.fc1"))  # [H, gate|up]
+            full1 = global_normal((hidden_size, sum(fc1_parts)), std, init_seed(seed, f"{name}.{g}.fc1"))  # [H, gate|up]
             full2 = global_normal((F, hidden_size), std, init_seed(seed, f"{name}.{g}.fc2"))  # [F, H]
-            fc1.append(shard_tp(full1, 1, [F, F], etp_rank, etp))  # [H, 2F/etp]
+            fc1.append(shard_tp(full1, 1, fc1_parts, etp_rank, etp))  # [H, 2F/etp]
             fc2.append(shard_tp(full2, 0, [F], etp_rank, etp))  # [F/etp, H]
-        self.fc1 = self._expert_param(torch.stack(fc1), 2, [F, F])  # [E_local, H, 2F/etp]
+        self.fc1 = self._expert_param(torch.stack(fc1), 2, fc1_parts)  # [E_local, H, 2F/etp]
         self.fc2 = self._expert_param(torch.stack(fc2), 1, [F])  # [E_local, F/etp, H]
         self.fc1_bias: Optional[nn.Parameter] = None
         self.fc2_bias: Optional[nn.Parameter] = None
         if linear_bias:
             b1, b2 = [], []
             for g in placement.rank_slots(self.ep_rank):
-                full_b1 = global_normal((2 * F,), std, init_seed(seed, f"{name}.{g}.fc1_bias"))  # [gate|up]
+                full_b1 = global_normal((sum(fc1_parts),), std, init_seed(seed, f"{name}.{g}.fc1_bias"))  # [gate|up]
                 full_b2 = global_normal((hidden_size,), std, init_seed(seed, f"{name}.{g}.fc2_bias"))  # [H]
-                b1.append(shard_tp(full_b1, 0, [F, F], etp_rank, etp))  # [2F/etp]
+                b1.append(shard_tp(full_b1, 0, fc1_parts, etp_rank, etp))  # [2F/etp]
                 b2.append(shard_tp(full_b2, 0, [hidden_size], etp_rank, etp))  # [H/etp]
-            self.fc1_bias = self._expert_param(torch.stack(b1), 1, [F, F])  # [E_local, 2F/etp]
+            self.fc1_bias = self._expert_param(torch.stack(b1), 1, fc1_parts)  # [E_local, 2F/etp]
             self.fc2_bias = self._expert_param(torch.stack(b2), 1, [hidden_size])  # [E_local, H/etp]
         self.set_placement(placement)
 
@@ -216,6 +220,8 @@ class Experts(nn.Module):
         inner = probs if self.fc2_bias is None else None
         if self.activation == "clamped_swiglu":
             act = clamped_swiglu(h, inner, alpha=self.swiglu_alpha, limit=self.swiglu_limit)  # [N, F/etp]
+        elif self.activation == "relu2":
+            act = relu2(h, inner)  # [N, F/etp]
         else:
             act = swiglu_op(h, inner, self.swiglu_backend)  # [N, F/etp]
         if self.fc2_bias is None:

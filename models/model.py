@@ -38,7 +38,8 @@ from torch import nn
 
 from moe_fold.comm import all_reduce_, gather_from_tp_region
 from moe_fold.config import (
-    Config, head_dim, layer_mixer, moe_layer_flags, require, rotary_dim, rotary_pairs, shortcut_moe_block, vpp_size,
+    CHANNEL_MIXERS, Config, head_dim, layer_mixer, moe_layer_flags, require, rotary_dim, rotary_pairs,
+    shortcut_moe_block, vpp_size,
 )
 from moe_fold.dispatch.aux_losses import attach_loss
 from moe_fold.parallel.context_parallel import zigzag_positions
@@ -56,6 +57,7 @@ from .gated_deltanet import GatedDeltaNet
 from .kda import KimiDeltaAttention
 from .kv_cache import LayerCache
 from .dsa import DSAttention
+from .mamba2 import Mamba2
 from .mla import MLAttention
 from .mlp import MLP
 from .moe_layer import MoELayer
@@ -74,14 +76,16 @@ def make_norm(config: Config) -> RMSNorm:
 
 
 def make_mixer(config: Config, groups: ProcessGroups, layer: int, name: str) -> nn.Module:
-    """Layer ``layer``'s token mixer, its weights drawn under ``name``: Gated DeltaNet or KDA
-    where ``model.layer_types`` says so, else MLA (with DSA under ``model.dsa``) or standard attention."""
+    """Layer ``layer``'s token mixer, its weights drawn under ``name``: Gated DeltaNet, KDA or
+    Mamba2 where ``model.layer_types`` says so, else MLA (with DSA under ``model.dsa``) or standard attention."""
     m, sp = config.model, config.parallel.sequence_parallel
     where = dict(seed=config.train.seed, name=name, cp_group=groups.cp)
     if layer_mixer(m, layer) == "gated_deltanet":
         return GatedDeltaNet(m, groups.tp, sp, **where)
     if layer_mixer(m, layer) == "kda":
         return KimiDeltaAttention(m, groups.tp, sp, **where)
+    if layer_mixer(m, layer) == "mamba2":
+        return Mamba2(m, groups.tp, sp, **where)
     where["cp_kind"] = config.parallel.cp_kind
     if m.attention == "mla" and m.dsa:
         return DSAttention(m, groups.tp, sp, **where, layer=layer)
@@ -108,14 +112,17 @@ class Block(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
 
     ``mlp`` is the dense :class:`MLP` or an MoE layer: any module taking this rank's
-    tokens ``[T_local, H]`` and returning ``[T_local, H]``.
+    tokens ``[T_local, H]`` and returning ``[T_local, H]``. With
+    ``model.single_mixer_layers`` (Nemotron-H) a block has one of the two: a token mixer
+    without ``mlp`` (None), or an ``mlp`` without ``attn`` (its layer type ``mlp`` or ``moe``).
     """
 
-    def __init__(self, config: Config, groups: ProcessGroups, layer: int, mlp: nn.Module):
+    def __init__(self, config: Config, groups: ProcessGroups, layer: int, mlp: Optional[nn.Module]):
         super().__init__()
-        self.attn_norm = make_norm(config)
-        self.attn = make_mixer(config, groups, layer, f"layers.{layer}.attn")
-        self.mlp_norm = make_norm(config)
+        channel_only = layer_mixer(config.model, layer) in CHANNEL_MIXERS
+        self.attn_norm = None if channel_only else make_norm(config)
+        self.attn = None if channel_only else make_mixer(config, groups, layer, f"layers.{layer}.attn")
+        self.mlp_norm = None if mlp is None else make_norm(config)
         self.mlp = mlp
         # Decided here, not in a forward: whether the attention takes the rotary positions
         # (temperature tuning reads them; MLA, Gated DeltaNet and KDA have none) or the DSA
@@ -147,10 +154,14 @@ class Block(nn.Module):
         extra = {"positions": positions} if self.attn_takes_positions else {}
         if self.attn_selects:
             extra = {"selections": selections, "loss_scale": loss_scale}
-        if self.recompute == "attention":
+        if self.attn is None:
+            pass
+        elif self.recompute == "attention":
             x = x + recomputed(self.attn, self.attn_norm(x), cos, sin, docs, kv_cache, **extra)  # [S_local, B, H]
         else:
             x = x + self.attn(self.attn_norm(x), cos, sin, docs, kv_cache, **extra)  # [S_local, B, H]
+        if self.mlp is None:
+            return x
         h = self.mlp_norm(x).flatten(0, 1)  # [S_local*B, H]
         h = routed_mlp(self.mlp, h, x.shape, docs, loss_scale) if self.mlp_routes else self.mlp(h)
         return x + h.reshape(x.shape)
@@ -233,8 +244,9 @@ def make_block(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
     return Block(config, groups, layer, make_mlp(config, groups, layer))
 
 
-def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
-    """The MLP of ``layer``: an MoE layer where ``moe_layer_flags`` says so, else dense.
+def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> Optional[nn.Module]:
+    """The MLP of ``layer``: an MoE layer where ``moe_layer_flags`` says so, else dense;
+    None for a token-mixer layer under ``model.single_mixer_layers``.
 
     The MoE layer is built as ``MoELayer(config, groups, layer)`` and called as
     ``mlp(hidden [T_local, H], loss_mask=, seq_ids=, num_seqs=) -> [T_local, H]`` (real
@@ -245,11 +257,13 @@ def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
     are the MTP depths' blocks, of the kind of the last layer.
     """
     flags = moe_layer_flags(config)
+    m = config.model
+    if m.single_mixer_layers and layer_mixer(m, layer) not in CHANNEL_MIXERS:
+        return None
     if flags[min(layer, len(flags) - 1)]:
         return MoELayer(config, groups, layer)
-    m = config.model
     return MLP(m.hidden_size, m.ffn_hidden_size, groups.tp, config.parallel.sequence_parallel,
-               std=m.init_std, seed=config.train.seed, name=f"layers.{layer}.mlp")
+               std=m.init_std, seed=config.train.seed, name=f"layers.{layer}.mlp", activation=m.mlp_activation)
 
 
 def layer_index(name: str, num_layers: int) -> int:

@@ -95,7 +95,7 @@ class MoELayer(nn.Module):
         self.shared_expert_gate: Optional[nn.Parameter] = None
         if moe.shared_expert_ffn_hidden_size > 0:
             self.shared_expert = MLP(m.hidden_size, moe.shared_expert_ffn_hidden_size, groups.tp, sp,
-                                     std=std, seed=seed, name=f"{name}.shared_expert")
+                                     std=std, seed=seed, name=f"{name}.shared_expert", activation=m.mlp_activation)
             if moe.shared_expert_gate:
                 gate = global_normal((1, m.hidden_size), std, init_seed(seed, f"{name}.shared_expert_gate"))
                 self.shared_expert_gate = mark(nn.Parameter(gate), replicated)  # [1, H]

@@ -44,7 +44,7 @@ def _reset_family_fields(config: Config) -> None:
     what it has (MLA, YaRN, the attention features, expert-input scaling, gpt-oss's biases
     and activation, ERNIE-4.5's renormalisation floor, MTP, partial rotary, Qwen3-Next's
     layer types, output gate and zero-centred norms, zero experts, LongCat-Flash's blocks and
-    MLA scaling, DSA)."""
+    MLA scaling, DSA, Nemotron-H's single-mixer layers and relu2 MLPs)."""
     m, moe = config.model, config.moe
     m.qk_norm_scope, m.partial_rotary_factor, m.mtp_num_layers = "head", 1.0, 0
     moe.topk_norm_min = None
@@ -63,6 +63,7 @@ def _reset_family_fields(config: Config) -> None:
     m.layer_types, m.attn_output_gate, m.norm_zero_centred = None, False, False
     m.block, m.mla_lora_scale, m.mla_norm_eps = "standard", False, None
     m.dsa, m.indexer_types, m.index_rope_interleave = False, None, False
+    m.single_mixer_layers, m.mlp_activation = False, "swiglu"
 
 
 def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
@@ -137,6 +138,13 @@ FEATURE_USE: dict[str, tuple[Callable[[Config], bool], Callable[[Config, str], s
                        lambda c, f: f"model.mla_lora_scale=true: {f} does not scale the MLA latents"),
     "score_on_input": (lambda c: c.moe.score_on_input,
                        lambda c, f: f"moe.score_on_input=true: {f} scales each expert's output by its prob"),
+    "single_mixer_layers": (lambda c: c.model.single_mixer_layers,
+                            lambda c, f: f"model.single_mixer_layers=true: {f}'s layers are attention + MLP "
+                                         f"(Nemotron-H has one mixer per layer)"),
+    "mlp_activation": (lambda c: c.model.mlp_activation != "swiglu",
+                       lambda c, f: f"model.mlp_activation={c.model.mlp_activation}: {f}'s MLPs are SwiGLU"),
+    "mamba2": (lambda c: c.model.layer_types is not None and "mamba2" in c.model.layer_types,
+               lambda c, f: f"model.layer_types={c.model.layer_types}: {f} has no Mamba2 layers (Nemotron-H has)"),
     "layer_types": (lambda c: c.model.layer_types is not None and set(c.model.layer_types) != {"attention"},
                     lambda c, f: f"model.layer_types={c.model.layer_types}: {f} has attention on every layer "
                                  f"(Qwen3-Next and Qwen3.5 have Gated DeltaNet layers, Kimi-Linear KDA layers)"),

@@ -81,7 +81,9 @@ _ARCHITECTURE = {
               "rope_layers", "attn_temperature_tuning", "attn_temperature_scale", "attn_temperature_floor",
               "attention_out_bias", "yarn_truncate", "layer_types", "attn_output_gate", "norm_zero_centred",
               "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-              "linear_conv_kernel", "block", "mla_lora_scale", "mla_norm_eps"),
+              "linear_conv_kernel", "block", "mla_lora_scale", "mla_norm_eps", "single_mixer_layers", "mlp_activation",
+              "mamba_num_heads", "mamba_head_dim", "mamba_state_size", "mamba_num_groups", "mamba_conv_kernel",
+              "mamba_dt_min"),
     "moe": ("num_experts", "topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate",
             "score_function", "pre_softmax", "num_groups", "group_topk", "group_score", "scaling_factor", "expert_bias",
             "topk_norm_min", "score_on_input", "router_bias", "expert_linear_bias", "activation", "swiglu_alpha",
@@ -98,13 +100,20 @@ def _same_group_ranking(a: Config, b: Config) -> bool:
             == group_ranked_scores(b.moe.group_score, b.moe.topk, b.moe.group_topk))
 
 
+def _latent_eps(config: Config) -> float:
+    """The epsilon MLA's latent norms use (``model.mla_norm_eps``, null: ``model.norm_eps``)."""
+    m = config.model
+    return m.norm_eps if m.mla_norm_eps is None else m.mla_norm_eps
+
+
 def _architecture_mismatch(ours: Config, theirs: Config) -> list[str]:
     out = []
     for section, names in _ARCHITECTURE.items():
         for name in names:
             a, b = getattr(getattr(ours, section), name), getattr(getattr(theirs, section), name)
             if a != b and not (name == "head_dim" and a is None) and not (
-                    name == "group_score" and _same_group_ranking(ours, theirs)):
+                    name == "group_score" and _same_group_ranking(ours, theirs)) and not (
+                    name == "mla_norm_eps" and _latent_eps(ours) == _latent_eps(theirs)):
                 out.append(f"{section}.{name}: the model has {a!r}, the checkpoint {b!r}")
     if head_dim(ours) != head_dim(theirs):
         out.append(f"head_dim: the model has {head_dim(ours)}, the checkpoint {head_dim(theirs)}")

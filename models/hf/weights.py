@@ -47,10 +47,11 @@ def weight_sources(config: Config, family: str, hf_names: frozenset = frozenset(
         return tuple(Take(n) for n in names if not hf_names or n in hf_names)
 
     embed_copies, head_copies = copies("embed_tokens.weight"), copies("shared_head.head.weight")
-    head = Take(f"{model}embed_tokens.weight" if m.tie_embeddings else "lm_head.weight")
-    out: dict[str, Source] = {"embed.weight": Copies((Take(f"{model}embed_tokens.weight"),) + embed_copies
+    embed = f"{model}{target.embed_name}"
+    head = Take(embed if m.tie_embeddings else "lm_head.weight")
+    out: dict[str, Source] = {"embed.weight": Copies((Take(embed),) + embed_copies
                                                      + (head_copies if m.tie_embeddings else ())),
-                              "norm.weight": Take(f"{model}norm.weight")}
+                              "norm.weight": Take(f"{model}{target.final_norm_name}")}
     if not m.tie_embeddings:
         out["lm_head.weight"] = Copies((head,) + head_copies)
     flags = moe_layer_flags(config)

@@ -24,7 +24,7 @@ reference.py (the generator of docs/configuration.md). Every name is imported fr
 
 from __future__ import annotations
 
-from .derived import (ELASTIC_SIZES, MLA_SIZES, data_paths, dp_size, edp_size, etp_size, group_ranked_scores,
+from .derived import (CHANNEL_MIXERS, ELASTIC_SIZES, MLA_SIZES, data_paths, dp_size, edp_size, etp_size, group_ranked_scores,
                       head_dim, layer_attention, layer_mixer, mla_weight_shapes, moe_layer_flags, moe_layer_indices,
                       parse_elastic_layout, pipeline_schedule, pp_layer_counts, rotary_dim, vpp_size)
 from .load import config_from_dict, config_to_dict, dump_config, list_presets, load_config, presets_dir, resolve_source
@@ -32,7 +32,7 @@ from .reference import field_comments, reference_markdown
 from .rules import (BATCH_INVARIANT_ROWS, MAX_DYNAMIC_CP, RULES, activation_backend, adamw_settings, batch_over_dp, bucket_size,
                     capacity_factor_positive, checkpoints_kept, choice, choices, dense_width_over_tp, dispatch_modes,
                     dynamic_cp_layout, expert_bias_over_etp, expert_width_over_etp, experts_over_ep,
-                    gate_needs_shared_expert, grad_clip, heads_over_tp, interleaved_micro_batches, linear_heads_over_tp,
+                    gate_needs_shared_expert, grad_clip, heads_over_tp, interleaved_micro_batches, linear_heads_over_tp, mamba_groups_over_tp,
                     moe_needs_sequence_parallel, order_is_permutation, overlap_problems,
                     param_gather_needs_distributed, pipeline_split, replacement_has_room, replicas_fit, require,
                     rotary_pairs, router_settings, routing_groups, rule, schedule_chunks, sequence_over_cp,
@@ -47,14 +47,14 @@ from .rules.common import _literal_choices  # noqa: F401,E402
 from .schema import _field_types  # noqa: F401,E402
 
 __all__ = [
-    "BATCH_INVARIANT_ROWS", "Config", "ConfigError", "DataConfig", "ELASTIC_SIZES", "EXIT_SIGNALS", "InitConfig", "MAX_DYNAMIC_CP",
+    "BATCH_INVARIANT_ROWS", "CHANNEL_MIXERS", "Config", "ConfigError", "DataConfig", "ELASTIC_SIZES", "EXIT_SIGNALS", "InitConfig", "MAX_DYNAMIC_CP",
     "MLA_SIZES", "MoEConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RULES", "SECTIONS",
     "TrainConfig", "WandbConfig", "activation_backend", "adamw_settings", "batch_over_dp", "bucket_size",
     "capacity_factor_positive", "checkpoints_kept", "choice", "choices", "config_from_dict", "config_to_dict",
     "data_paths", "dense_width_over_tp", "dispatch_modes", "dp_size", "dump_config", "dynamic_cp_layout",
     "edp_size", "etp_size", "expert_bias_over_etp", "expert_width_over_etp", "experts_over_ep", "field_comments",
     "gate_needs_shared_expert", "grad_clip", "group_ranked_scores", "head_dim", "heads_over_tp",
-    "interleaved_micro_batches", "layer_attention", "layer_mixer", "linear_heads_over_tp", "list_presets", "load_config", "mla_weight_shapes",
+    "interleaved_micro_batches", "layer_attention", "layer_mixer", "linear_heads_over_tp", "mamba_groups_over_tp", "list_presets", "load_config", "mla_weight_shapes",
     "moe_layer_flags", "moe_layer_indices", "moe_needs_sequence_parallel", "order_is_permutation",
     "overlap_problems", "param_gather_needs_distributed", "parse_elastic_layout", "pipeline_schedule",
     "pipeline_split", "pp_layer_counts", "presets_dir", "reference_markdown", "replacement_has_room",

@@ -123,7 +123,7 @@ class ModelConfig:
 
     # Layer types (models/gated_deltanet.py, Qwen3-Next; models/kda.py, Kimi-Linear).
     # Each layer's mixer: null attention on every layer, or one name per layer: attention |
-    # gated_deltanet (Gated DeltaNet linear attention) | kda (Kimi Delta Attention).
+    # gated_deltanet (Gated DeltaNet linear attention) | kda (Kimi Delta Attention) | mamba2 (Mamba2's SSD).
     layer_types: Optional[list[str]] = None
     # A sigmoid gate on every attention head's output, projected with the query (Qwen3-Next; mha only).
     attn_output_gate: bool = False
@@ -181,6 +181,32 @@ class ModelConfig:
     dsa_stage: Literal["dense_warmup", "sparse"] = "sparse"
     # DSA: the weight of the indexer's KL loss (0: the indexer is not trained).
     dsa_indexer_loss_weight: float = 1.0
+
+    # Nemotron-H: each layer has one mixer, its model.layer_types entry, under one pre-norm
+    # and residual: attention | gated_deltanet | mamba2 (no MLP after it) | mlp (a dense MLP
+    # alone) | moe (an MoE layer alone; such layers are the MoE layers). False: every layer
+    # is its token mixer, then a dense or MoE MLP (moe.moe_layer_freq).
+    single_mixer_layers: bool = False
+    # The dense MLPs' and shared experts' activation: swiglu (fc1 is gate|up) | relu2
+    # (Nemotron-H: relu(up)^2, not gated; fc1 is the up projection alone).
+    mlp_activation: Literal["swiglu", "relu2"] = "swiglu"
+    # Mamba2 (models/mamba2.py; Nemotron-H): heads, each with its own state.
+    mamba_num_heads: int = 4
+    # Mamba2: per-head width of x (the heads' widths together are the layer's inner width).
+    mamba_head_dim: int = 16
+    # Mamba2: width N of the state per head dim (B and C are N wide per group).
+    mamba_state_size: int = 16
+    # Mamba2: groups of heads sharing B and C (and one group of the gated norm each).
+    mamba_num_groups: int = 1
+    # Mamba2: taps of the depthwise causal conv1d (with a bias) on x, B and C.
+    mamba_conv_kernel: int = 4
+    # Mamba2: tokens per chunk of the chunked SSD (a speed knob; results do not depend on it).
+    mamba_chunk_size: int = 64
+    # Mamba2: the step dt = softplus(in_proj + dt_bias) is clamped below at this value; dt_bias
+    # starts at softplus^-1 of steps drawn log-uniformly from [mamba_dt_min, mamba_dt_max].
+    mamba_dt_min: float = 0.001
+    # Mamba2: the largest step the initial dt_bias gives (see mamba_dt_min).
+    mamba_dt_max: float = 0.1
 
 
 @dataclass
@@ -248,8 +274,9 @@ class MoEConfig:
     # gpt-oss's experts (models/experts.py): biases on every routed expert's fc1 (gate|up) and fc2.
     expert_linear_bias: bool = False
     # The routed experts' activation: swiglu | clamped_swiglu (gpt-oss: (clamp(up) + 1) *
-    # g * sigmoid(swiglu_alpha * g), g = min(gate, swiglu_limit); kernels/swiglu.py).
-    activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    # g * sigmoid(swiglu_alpha * g), g = min(gate, swiglu_limit); kernels/swiglu.py) | relu2
+    # (Nemotron-H: relu(up)^2, not gated; fc1 is the up projection alone).
+    activation: Literal["swiglu", "clamped_swiglu", "relu2"] = "swiglu"
     # clamped_swiglu: the gate's sigmoid slope (gpt-oss's alpha).
     swiglu_alpha: float = 1.702
     # clamped_swiglu: the gate is clamped above, and up to +-, this limit.

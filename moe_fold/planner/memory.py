@@ -38,7 +38,21 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   recurrence's float32 chunk terms dominate).
 - Dense MLP (:class:`moe_fold.models.mlp.MLP`): gathered input ``aHg``, fc1 output
   ``2aFg/tp`` (silu and the product keep views of it), silu output ``aFg/tp``, fc2 input
-  ``aFg/tp``.
+  ``aFg/tp``. relu2 (Nemotron-H): the input, relu's output ``aFg/tp`` (square reads the
+  same) and fc2's input ``aFg/tp``.
+- Nemotron-H's single-mixer layers: a layer keeps its one mixer's activations and one
+  norm's.
+- Mamba2 (:class:`moe_fold.models.mamba2.Mamba2`, the chunked torch SSD; ``I`` heads x
+  head width, ``Cc`` its conv channels, ``h`` heads, ``N`` state, ``P`` head width, ``C``
+  chunk, ``w = 4`` the float32 recurrence; per local token, all but the input over
+  ``g/tp``): the gathered input ``aHg``; under fp32 in_proj's output ``a(2I + 2GN + h)``
+  (z's silu keeps a view of it) and the conv's padded input, its output and SiLU's ``3aCc``;
+  under bf16 ``2aCc`` and x's float32 copy ``wI``; the SSD's B and C per head with their
+  transposed, decayed and sliced copies ``7whN``, x times dt ``wI``, the chunk's decays,
+  scores and their product ``3whC``, the states at chunk edges ``whNP/C``, per-head gates
+  ``6wh`` and masks ``2C``; the gated norm's ``y``, ``silu(z)`` (and z's float32 copy under
+  bf16), their product ``3wI`` (``4wI``), its rsqrt per group, the normed values ``wI``
+  (their bf16 cast ``aI``) and out_proj's input ``aI``.
 - MoE layer, router (:class:`moe_fold.dispatch.router.Router`): its input in the router
   dtype ``rb H`` (the norm output itself when ``a == rb``). Plain top-k (no groups, no
   expert bias, no renormalisation floor) is one op (:func:`moe_fold.kernels.topk.topk_scores`)
@@ -60,7 +74,8 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   token with balanced routing: the etp group's rows reach every etp rank): fc1 input
   ``aH``, fc1 output ``2aF/etp``, the row's prob ``rb``, fc2 input ``aF/etp``. With
   ``moe.score_on_input`` (Llama-4) the row before its prob scales it, ``aH`` more (the
-  product keeps it for the prob's gradient; the scaled row is fc1's input).
+  product keeps it for the prob's gradient; the scaled row is fc1's input).; relu2
+  experts keep relu's float32 output and its square ``8F/etp`` instead of fc1's output.
 - Shared expert: a dense MLP of width ``F_s``; with its gate, the gate's input ``aH``
   (the norm output), the sigmoid ``a`` and the shared output ``aH``. The local norm
   output is kept once, by whichever of the router (``a == rb``), the gate or the
@@ -223,6 +238,26 @@ def _attention(config: Config, g: int, layer: int) -> float:
     return a * d.hidden * g + inside * g / tp
 
 
+def _mamba2(config: Config, g: int) -> float:
+    """A Mamba2 mixer's saved bytes per local token (see the module doc), ``w`` the
+    recurrence's work dtype (float32)."""
+    d, tp, a, w = dims(config), config.parallel.tp, _act(config), 4
+    heads, inner, bc = d.m2_heads, d.m2_inner, d.m2_groups * d.m2_state
+    same = a == w  # the float32 copies are the tensors themselves
+    n, C = d.m2_state, d.m2_chunk
+    local = a * (2 * inner + 2 * bc + heads) if same else 0  # in_proj's output (z's silu keeps a view)
+    local += a * d.m2_conv_size * (3 if same else 2) + (0 if same else w * inner)  # conv, silu; x in float32
+    # The chunked SSD: B and C per head, their transposed / decayed / sliced copies (7 in
+    # all), x times dt, the C x C decays, scores and their product, the chunk-edge states,
+    # the per-head gates and the masks.
+    local += 7 * w * heads * n + w * inner + 3 * w * heads * C + w * heads * n * d.m2_head_dim / C + 6 * w * heads
+    local += 2 * C
+    # The gated norm: y, silu(z) (and z's float32 copy), their product, the per-group rsqrt,
+    # the normed values (float32, or their cast), out_proj's input.
+    local += w * inner * (3 if same else 4) + w * d.m2_groups + (w if same else a) * inner + a * inner
+    return a * d.hidden * g + local * g / tp
+
+
 def _gated_deltanet(config: Config, g: int) -> float:
     """Bytes a Gated DeltaNet layer (:class:`moe_fold.models.gated_deltanet.GatedDeltaNet`,
     the chunked torch recurrence of :func:`moe_fold.kernels.gated_delta.chunk_gated_delta_rule`)
@@ -261,7 +296,10 @@ def _gated_deltanet(config: Config, g: int) -> float:
 
 
 def _mixer(config: Config, layer: int, g: int) -> float:
-    return _gated_deltanet(config, g) if layer in dims(config).deltanet else _attention(config, g, layer)
+    d = dims(config)
+    if layer in d.mamba:
+        return _mamba2(config, g)
+    return _gated_deltanet(config, g) if layer in d.deltanet else _attention(config, g, layer)
 
 
 def mixer_forward_bytes(config: Config, layer: int) -> float:
@@ -279,8 +317,10 @@ def mixer_forward_bytes(config: Config, layer: int) -> float:
 
 
 def _mlp(config: Config, ffn: int, g: int) -> float:
-    a, h, tp = _act(config), dims(config).hidden, config.parallel.tp
-    return a * h * g + 4 * a * ffn * g / tp
+    d, a, tp = dims(config), _act(config), config.parallel.tp
+    if not d.gated_mlp:  # relu2: relu keeps its output, square its input (the same), fc2 its input
+        return a * d.hidden * g + 2 * a * ffn * g / tp
+    return a * d.hidden * g + 4 * a * ffn * g / tp
 
 
 def _router(config: Config) -> float:
@@ -310,11 +350,16 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     a, h, rb, etp = _act(config), d.hidden, router_bytes(config), etp_size(config)
     g = p.tp if p.sequence_parallel else 1
     norm = a * h + 4
+    mixer = _mixer(config, layer, g)
+    if layer in d.no_mlp:  # a token mixer alone (model.single_mixer_layers)
+        return a * h if recompute == "full" else norm + mixer
     if not d.moe_flags[layer]:
         if recompute == "full":
             return a * h
-        return norm + _mixer(config, layer, g) + norm + _mlp(config, d.ffn, g)
+        return (0 if layer in d.no_mixer else norm + _mixer(config, layer, g)) + norm + _mlp(config, d.ffn, g)
     attention = norm + (a * h if recompute == "full" else _mixer(config, layer, g))
+    if layer in d.no_mixer:
+        attention = a * h if recompute == "full" else 0
     k = expert_rows_per_token(config)
     held = k * etp
     dispatch = 16 * k
@@ -357,7 +402,11 @@ def held_row_bytes(config: Config, recompute: str) -> float:
     if recompute in ("full", "moe"):
         experts = a * h + rb
     elif recompute == "expert_act":
-        experts = a * h + 2 * a * d.expert_ffn / etp + rb
+        experts = a * h + (0 if not d.gated_experts else 2 * a * d.expert_ffn / etp) + rb
+    elif not d.gated_experts:
+        # relu2 in float32: relu's output and its square (the prob's product keeps it), and
+        # fc2's input (the product cast back).
+        experts = a * h + (8 + a) * d.expert_ffn / etp + rb
     else:
         experts = a * h + 3 * a * d.expert_ffn / etp + rb
     if config.moe.score_on_input:

@@ -44,7 +44,7 @@ import functools
 from dataclasses import dataclass
 
 from moe_fold.config import (
-    Config, ModelConfig, MoEConfig, choice, choices, etp_size, head_dim, layer_mixer, mla_weight_shapes, moe_layer_flags,
+    CHANNEL_MIXERS, Config, ModelConfig, MoEConfig, choice, choices, etp_size, head_dim, layer_mixer, mla_weight_shapes, moe_layer_flags,
     pp_layer_counts, require, vpp_size,
 )
 
@@ -111,6 +111,30 @@ class Dims:
     lin_value_dim: int = 0
     lin_conv: int = 0
     lin_chunk: int = 0
+    # Nemotron-H (model.single_mixer_layers): the blocks without a token mixer (mlp, moe) and
+    # those without an MLP (attention, mamba2); whether the dense MLPs and shared experts
+    # (mlp_activation) and the routed experts (moe.activation) are gated (fc1 gate|up) or relu2.
+    no_mixer: frozenset[int] = frozenset()
+    no_mlp: frozenset[int] = frozenset()
+    gated_mlp: bool = True
+    gated_experts: bool = True
+    # The Mamba2 blocks and their sizes: heads, head width, state, groups, conv kernel, chunk.
+    mamba: frozenset[int] = frozenset()
+    m2_heads: int = 0
+    m2_head_dim: int = 0
+    m2_state: int = 0
+    m2_groups: int = 0
+    m2_conv: int = 0
+    m2_chunk: int = 0
+
+    @property
+    def m2_inner(self) -> int:
+        return self.m2_heads * self.m2_head_dim
+
+    @property
+    def m2_conv_size(self) -> int:
+        """Mamba2's conv channels: x, B and C."""
+        return self.m2_inner + 2 * self.m2_groups * self.m2_state
     # DSA (model.dsa): the blocks with a lightning indexer (block indices as moe_flags; a GLM-5
     # shared layer has none), its heads and width, and the keys each query keeps.
     indexer: frozenset[int] = frozenset()
@@ -171,7 +195,10 @@ def _moe_flags(num_layers: int, freq: int | tuple[int, ...], first_k_dense: int)
 def dims(config: Config) -> Dims:
     m, moe = config.model, config.moe
     freq = tuple(moe.moe_layer_freq) if isinstance(moe.moe_layer_freq, list) else moe.moe_layer_freq
-    flags = _moe_flags(m.num_layers, freq, moe.first_k_dense)
+    if m.single_mixer_layers:
+        flags = tuple(moe_layer_flags(config))
+    else:
+        flags = _moe_flags(m.num_layers, freq, moe.first_k_dense)
     return Dims(hidden=m.hidden_size, heads=m.num_heads, kv_heads=m.num_kv_heads, head_dim=head_dim(config),
                 vocab=m.vocab_size, ffn=m.ffn_hidden_size, layers=m.num_layers, seq=m.seq_length,
                 experts=moe.num_experts, topk=moe.topk, expert_ffn=moe.ffn_hidden_size,
@@ -181,7 +208,39 @@ def dims(config: Config) -> Dims:
                 qk_norm_scope=m.qk_norm_scope, sinks=m.attention_sinks, replicas=moe.replicas,
                 out_bias=m.attention_out_bias, router_bias=moe.router_bias, zero_experts=moe.zero_experts,
                 expert_linear_bias=moe.expert_linear_bias, output_gate=m.attn_output_gate,
-                shortcut=m.block == "shortcut_moe", **_mla_dims(m), **_deltanet_dims(m), **_dsa_dims(m))
+                gated_mlp=m.mlp_activation != "relu2", gated_experts=moe.activation != "relu2",
+                shortcut=m.block == "shortcut_moe", **_mla_dims(m), **_deltanet_dims(m), **_dsa_dims(m),
+                **_single_mixer_dims(m), **_mamba_dims(m))
+
+
+def _single_mixer_dims(m: ModelConfig) -> dict:
+    if not m.single_mixer_layers:
+        return {}
+    kinds = [layer_mixer(m, i) for i in range(m.num_layers)]
+    return dict(no_mixer=frozenset(i for i, k in enumerate(kinds) if k in CHANNEL_MIXERS),
+                no_mlp=frozenset(i for i, k in enumerate(kinds) if k not in CHANNEL_MIXERS))
+
+
+def _mamba_dims(m: ModelConfig) -> dict:
+    layers = frozenset(i for i in range(m.num_layers) if layer_mixer(m, i) == "mamba2")
+    if not layers:
+        return {}
+    return dict(mamba=layers, m2_heads=m.mamba_num_heads, m2_head_dim=m.mamba_head_dim, m2_state=m.mamba_state_size,
+                m2_groups=m.mamba_num_groups, m2_conv=m.mamba_conv_kernel, m2_chunk=m.mamba_chunk_size)
+
+
+def _mamba_params(d: Dims, pre: str, tp: int) -> list[tuple[str, int, str]]:
+    """One Mamba2 layer's parameters on one tp rank (groups with their heads split over tp),
+    in ``model.parameters()`` order: the layer's own, then in_proj's and out_proj's."""
+    in_rows = 2 * d.m2_inner + 2 * d.m2_groups * d.m2_state + d.m2_heads
+    return [(f"{pre}.attn.conv_weight", d.m2_conv_size * d.m2_conv // tp, "tp"),
+            (f"{pre}.attn.conv_bias", d.m2_conv_size // tp, "tp"),
+            (f"{pre}.attn.A_log", d.m2_heads // tp, "tp"),
+            (f"{pre}.attn.D", d.m2_heads // tp, "tp"),
+            (f"{pre}.attn.dt_bias", d.m2_heads // tp, "tp"),
+            (f"{pre}.attn.norm_weight", d.m2_inner // tp, "tp"),
+            (f"{pre}.attn.in_proj.weight", in_rows * d.hidden // tp, "tp"),
+            (f"{pre}.attn.out_proj.weight", d.hidden * d.m2_inner // tp, "tp")]
 
 
 def _dsa_dims(m: ModelConfig) -> dict:
@@ -322,23 +381,30 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
     def add(name: str, numel: int, kind: str) -> None:
         out.append(ParamEntry(name, numel, kind))
 
+    up = 2 if d.gated_mlp else 1  # fc1 is gate|up, or up alone (relu2)
+    expert_up = 2 if d.gated_experts else 1
+
     def dense(pre: str) -> None:
-        add(f"{pre}.mlp.fc1.weight", 2 * d.ffn * d.hidden // tp, "tp")
+        add(f"{pre}.mlp.fc1.weight", up * d.ffn * d.hidden // tp, "tp")
         add(f"{pre}.mlp.fc2.weight", d.hidden * d.ffn // tp, "tp")
 
     def mixer_and_norms(pre: str, i: int) -> None:
-        add(f"{pre}.attn_norm.weight", d.hidden, replicated)
-        if i in d.deltanet:
-            mixer = _deltanet_params(d, pre, tp)
-        elif i in d.kda:
-            mixer = _kda_params(d, pre, tp, replicated)
-        else:
-            mixer = _attention_params(d, pre, tp, replicated)
-        if i in d.indexer:
-            mixer += _indexer_params(d, pre)
-        for entry in mixer:
-            add(*entry)
-        add(f"{pre}.mlp_norm.weight", d.hidden, replicated)
+        if i not in d.no_mixer:  # Nemotron-H's mlp and moe layers have no token mixer
+            add(f"{pre}.attn_norm.weight", d.hidden, replicated)
+            if i in d.deltanet:
+                mixer = _deltanet_params(d, pre, tp)
+            elif i in d.kda:
+                mixer = _kda_params(d, pre, tp, replicated)
+            elif i in d.mamba:
+                mixer = _mamba_params(d, pre, tp)
+            else:
+                mixer = _attention_params(d, pre, tp, replicated)
+            if i in d.indexer:
+                mixer += _indexer_params(d, pre)
+            for entry in mixer:
+                add(*entry)
+        if i not in d.no_mlp:  # nor its token-mixer layers an MLP
+            add(f"{pre}.mlp_norm.weight", d.hidden, replicated)
 
     def block(pre: str, i: int) -> None:
         if d.shortcut and i < d.layers:  # the sublayers (norms, attention, dense MLP), then the MoE
@@ -347,6 +413,8 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
                 dense(f"{pre}.sublayers.{j}")
         else:
             mixer_and_norms(pre, i)
+        if i in d.no_mlp:
+            return
         if d.moe_flags[i]:
             local = d.experts // ep + d.replicas  # expert slots: the copies take memory too
             # A module's own parameters come before its submodules' (the gate first).
@@ -355,13 +423,13 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
             add(f"{pre}.mlp.router.weight", (d.experts + d.zero_experts) * d.hidden, replicated)
             if d.router_bias:
                 add(f"{pre}.mlp.router.bias", d.experts + d.zero_experts, replicated)
-            add(f"{pre}.mlp.experts.fc1", local * d.hidden * 2 * d.expert_ffn // etp, "expert")
+            add(f"{pre}.mlp.experts.fc1", local * d.hidden * expert_up * d.expert_ffn // etp, "expert")
             add(f"{pre}.mlp.experts.fc2", local * d.expert_ffn * d.hidden // etp, "expert")
             if d.expert_linear_bias:  # fc1's bias split like its columns, fc2's over H
-                add(f"{pre}.mlp.experts.fc1_bias", local * 2 * d.expert_ffn // etp, "expert")
+                add(f"{pre}.mlp.experts.fc1_bias", local * expert_up * d.expert_ffn // etp, "expert")
                 add(f"{pre}.mlp.experts.fc2_bias", local * d.hidden // etp, "expert")
             if d.shared_ffn > 0:
-                add(f"{pre}.mlp.shared_expert.fc1.weight", 2 * d.shared_ffn * d.hidden // tp, "tp")
+                add(f"{pre}.mlp.shared_expert.fc1.weight", up * d.shared_ffn * d.hidden // tp, "tp")
                 add(f"{pre}.mlp.shared_expert.fc2.weight", d.hidden * d.shared_ffn // tp, "tp")
         else:
             dense(pre)
@@ -417,7 +485,17 @@ def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None
     ``shared`` (shared expert and its gate)."""
     d = dims(config)
     h = d.hidden
-    if layer in d.deltanet:
+    if layer in d.no_mixer:
+        projections = core = 0
+    elif layer in d.mamba:
+        in_rows = 2 * d.m2_inner + 2 * d.m2_groups * d.m2_state + d.m2_heads
+        projections = 2 * h * in_rows + 2 * d.m2_inner * h
+        # The chunked SSD, per head and token: C.B scores within its chunk of C tokens and
+        # their product with x (counted in full, as attention's core is), and two products
+        # with the N x P state (its read by C, its write by B x). The conv, gates and the
+        # gated norm are element-wise.
+        core = d.m2_heads * (2 * d.m2_chunk * (d.m2_state + d.m2_head_dim) + 4 * d.m2_state * d.m2_head_dim)
+    elif layer in d.deltanet:
         value = d.lin_value_heads * d.lin_value_dim
         projections = 2 * h * d.lin_in_size + 2 * value * h
         # The chunked gated delta rule, per value head and token: scores and context within
@@ -450,15 +528,19 @@ def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None
             core += 2 * d.seq * d.index_heads * (d.index_dim + 1)
     # A shortcut_moe block: two attention sublayers, each with a dense MLP, beside its MoE.
     sublayers = d.sublayers if layer < d.layers else 1
+    # A gated MLP's fc1 is gate|up (three matrices in all), relu2's up alone (two).
+    per_width = 6 * h if d.gated_mlp else 4 * h
     out = {"attention": sublayers * projections, "core": sublayers * core,
-           "mlp": 6 * h * d.ffn * (sublayers if d.shortcut else 0), "router": 0.0, "experts": 0.0, "shared": 0.0}
-    if d.moe_flags[layer]:
+           "mlp": per_width * d.ffn * (sublayers if d.shortcut else 0), "router": 0.0, "experts": 0.0, "shared": 0.0}
+    if layer in d.no_mlp:
+        pass
+    elif d.moe_flags[layer]:
         rows = expert_rows_per_token(config) if rows_per_token is None else rows_per_token
         out["router"] = 2 * h * (d.experts + d.zero_experts)
-        out["experts"] = rows * 6 * h * d.expert_ffn
-        out["shared"] = 6 * h * d.shared_ffn + (2 * h if d.shared_ffn and d.shared_gate else 0)
+        out["experts"] = rows * (6 * h if d.gated_experts else 4 * h) * d.expert_ffn
+        out["shared"] = per_width * d.shared_ffn + (2 * h if d.shared_ffn and d.shared_gate else 0)
     else:
-        out["mlp"] = 6 * h * d.ffn
+        out["mlp"] = per_width * d.ffn
     return out
 
 

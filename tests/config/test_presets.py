@@ -18,7 +18,7 @@ WORLDS = {"mixtral-8x7b": 64, "mixtral-8x22b": 128, "qwen2-57b-a14b": 64, "qwen3
           "qwen3-next-80b-a3b": 32, "qwen3-next-tiny": 1, "qwen3.5-35b-a3b": 16,
           "kimi-linear-48b-a3b": 32, "kimi-linear-tiny": 1,
           "longcat-flash": 1024, "longcat-flash-tiny": 1, "deepseek-v32": 1024, "deepseek-v32-tiny": 1,
-          "glm-5": 768, "glm-5-tiny": 1}
+          "glm-5": 768, "glm-5-tiny": 1, "nemotron-h-tiny": 1, "nemotron-3-nano-30b-a3b": 16}
 
 # Published sizes in billions (total, active per token): model cards / reports.
 PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141.0, 39.0), "qwen2-57b-a14b": (57.4, 14.2),
@@ -26,14 +26,16 @@ PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "mixtral-8x22b": (141.0, 39.0), "qwen
              "ernie-4.5-21b-a3b": (21, 3), "minimax-m2": (230.0, 10.0), "llama4-scout": (109.0, 17.0),
              "gpt-oss-20b": (20.91, 3.61), "qwen3-next-80b-a3b": (80.0, 3), "qwen3.5-35b-a3b": (35.0, 3),
              "kimi-linear-48b-a3b": (48, 3),
-             "longcat-flash": (560.0, 27.0), "deepseek-v32": (671.0, 37.0), "glm-5": (744.0, 40.0)}
+             "longcat-flash": (560.0, 27.0), "deepseek-v32": (671.0, 37.0), "glm-5": (744.0, 40.0),
+             "nemotron-3-nano-30b-a3b": (31.6, 3.2)}
 
 # Whose published active count leaves out the input embedding (a lookup, no FLOPs): the
 # DeepSeek-V2 report's 2.4B of V2-Lite (2.66B with it, 2.45B without; the embedding is 8%)
 # and the gpt-oss model card's 3.61B active of gpt-oss-20b. LongCat-Flash's 27B on average
 # (at balance 8 of its 12 slots on held experts; 12 x 512/768) likewise: its report's range
 # 18.6B-31.3B (no slot or every slot on a held expert) is ours, 19.5B-32.2B, less the 0.8B embedding.
-ACTIVE_WITHOUT_INPUT_EMBEDDING = {"deepseek-v2-lite", "gpt-oss-20b", "longcat-flash"}
+# Nemotron 3 Nano's 3.2B (3.6B with the embedding) likewise.
+ACTIVE_WITHOUT_INPUT_EMBEDDING = {"deepseek-v2-lite", "gpt-oss-20b", "longcat-flash", "nemotron-3-nano-30b-a3b"}
 # MiniMax counts M2's 10B active parameters without the embedding and the head: 9.8B
 # without them, 11.0B with them (they are 1.2B of it).
 # Qwen3-Next-80B-A3B's 3B active likewise: 3.25B without them, 3.87B with them.
@@ -86,26 +88,38 @@ def _counts(name: str) -> tuple[float, float, float]:
     d = m.linear_key_head_dim
     kda = (H * (3 * key + m.linear_num_key_heads) + 2 * d * H + 2 * key * d + 3 * key * m.linear_conv_kernel
            + m.linear_num_key_heads + key + d + key * H + 2 * H)
+    # Mamba2: z|x|B|C|dt in, the conv (with its bias) on x|B|C, A_log, D and dt_bias per head,
+    # the gated norm, out, one block norm (a single-mixer layer has one).
+    inner, bc = m.mamba_num_heads * m.mamba_head_dim, m.mamba_num_groups * m.mamba_state_size
+    conv = inner + 2 * bc
+    mamba = (H * (2 * inner + 2 * bc + m.mamba_num_heads) + conv * (m.mamba_conv_kernel + 1)
+             + 3 * m.mamba_num_heads + inner + inner * H + H)
+    if m.single_mixer_layers:
+        attn -= H  # one norm per layer
     embed = m.vocab_size * H * (1 if m.tie_embeddings else 2) + H
     kinds = m.layer_types or ["attention"] * m.num_layers
     # LongCat-Flash's shortcut_moe blocks: two attention sublayers, each with a dense MLP.
     sublayers = 2 if m.block == "shortcut_moe" else 1
-    mixers = sublayers * sum({"gated_deltanet": deltanet, "kda": kda}.get(kind, attn) for kind in kinds)
+    per_kind = {"gated_deltanet": deltanet, "kda": kda, "mamba2": mamba, "mlp": H, "moe": H}
+    mixers = sublayers * sum(per_kind.get(kind, attn) for kind in kinds)
     if m.block == "shortcut_moe":
         mixers += 2 * m.num_layers * 3 * H * m.ffn_hidden_size
     total = active = embed + mixers
     no_attn = embed
-    for is_moe in moe_layer_flags(c):
+    mats, expert_mats = (2 if m.mlp_activation == "relu2" else 3), (2 if moe.activation == "relu2" else 3)
+    for i, is_moe in enumerate(moe_layer_flags(c)):
+        if m.single_mixer_layers and kinds[i] not in ("mlp", "moe"):
+            continue
         if is_moe:
-            shared = 3 * H * moe.shared_expert_ffn_hidden_size + (H if moe.shared_expert_gate else 0)
+            shared = mats * H * moe.shared_expert_ffn_hidden_size + (H if moe.shared_expert_gate else 0)
             router = (moe.num_experts + moe.zero_experts) * (H + moe.router_bias)
-            expert = 3 * H * moe.ffn_hidden_size + (2 * moe.ffn_hidden_size + H) * moe.expert_linear_bias
+            expert = expert_mats * H * moe.ffn_hidden_size + (2 * moe.ffn_hidden_size + H) * moe.expert_linear_bias
             held = moe.topk * moe.num_experts / (moe.num_experts + moe.zero_experts)  # zero experts hold nothing
             total += moe.num_experts * expert + shared + router
             active += held * expert + shared + router
             no_attn += moe.num_experts * expert + shared + router
         else:
-            dense = 3 * H * m.ffn_hidden_size
+            dense = mats * H * m.ffn_hidden_size
             total, active, no_attn = total + dense, active + dense, no_attn + dense
     return total / 1e9, active / 1e9, no_attn / 1e9
 
@@ -170,7 +184,7 @@ def test_deepseek_v3_mtp_module_is_the_published_14b():
                                   "deepseek-v3-tiny", "deepseek-v2-lite-tiny", "ernie-4.5-tiny",
                                   "minimax-m2-tiny", "llama4-tiny", "gpt-oss-tiny", "qwen3-next-tiny",
                                   "kimi-linear-tiny",
-                                  "longcat-flash-tiny", "deepseek-v32-tiny", "glm-5-tiny"])
+                                  "longcat-flash-tiny", "deepseek-v32-tiny", "glm-5-tiny", "nemotron-h-tiny"])
 def test_tiny_presets_train(tmp_path, name):
     config = load_config(name, [f"train.run_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
                                 "parallel.ep=1", "model.seq_length=32", "train.steps=4", "optimizer.warmup_steps=1",

@@ -49,6 +49,9 @@ RULE_CASES = [
     ("linear_heads_over_tp", SP2 + ["model.num_layers=2", "model.layer_types=[gated_deltanet, attention]",
                                     "model.linear_num_key_heads=3", "model.linear_num_value_heads=6"], 2,
      "model.linear_num_key_heads=3 is not divisible by parallel.tp=2"),
+    ("mamba_groups_over_tp", SP2 + ["model.num_layers=2", "model.layer_types=[mamba2, attention]",
+                                    "model.mamba_num_groups=3", "model.mamba_num_heads=6"], 2,
+     "model.mamba_num_groups=3 is not divisible by parallel.tp=2"),
     ("choice", ["parallel.cp_kind=ulysses"], 1, "parallel.cp_kind=ulysses must be one of ring, a2a"),
     ("choice", ["moe.gemm_backend=cutlass"], 1,
      "moe.gemm_backend=cutlass must be one of auto, grouped_gemm, torch, triton, loop"),
@@ -106,7 +109,7 @@ RULE_CASES = [
     # Passed validate() and failed in every rank's Router before the rules had one source.
     ("router_settings", ["moe.z_loss_coeff=.inf"], 1, "moe.z_loss_coeff=inf must be finite"),
     ("activation_backend", ["moe.activation=clamped_swiglu", "moe.swiglu_backend=cpu"], 1,
-     "moe.swiglu_backend=cpu with moe.activation=clamped_swiglu: the clamped SwiGLU runs on torch ops only; set "
+     "moe.swiglu_backend=cpu with moe.activation=clamped_swiglu: this activation runs on torch ops only; set "
      "moe.swiglu_backend=torch (or auto)"),
     ("expert_bias_over_etp", ["moe.expert_linear_bias=true", "model.hidden_size=66", "parallel.etp=4",
                               "parallel.ep=4"], 4,

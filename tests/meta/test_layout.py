@@ -66,7 +66,8 @@ NOT_MIRRORED: dict[str, tuple[str, str]] = {
     **{f"models/hf/families/{name}.py": _FAMILIES for name in (
         "base", "standard", "deepseek_common", "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "glm4_moe",
         "gpt_oss", "llama4_text", "longcat_flash", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe",
-        "qwen3_moe", "qwen3_next", "kimi_linear", "deepseek_v32", "glm_moe_dsa")},
+        "qwen3_moe", "qwen3_next", "kimi_linear", "deepseek_v32", "glm_moe_dsa",
+        "nemotron_h")},
 }
 
 

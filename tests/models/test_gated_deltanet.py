@@ -248,7 +248,8 @@ def test_export_refuses_qwen3_next_layers(field, value, why):
 
 @pytest.mark.parametrize("overrides, problem", [
     (dict(layer_types=["gated_deltanet"]), "model.layer_types has 1 entries; it must have one per layer"),
-    (dict(layer_types=["mamba"] * 4), "model.layer_types[0]='mamba' must be one of attention, gated_deltanet"),
+    (dict(layer_types=["mamba"] * 4),
+     "model.layer_types[0]='mamba' must be one of attention, gated_deltanet, kda, mamba2, mlp, moe"),
     (dict(layer_types=["gated_deltanet"] * 4, linear_num_value_heads=3),
      "model.linear_num_value_heads=3 must be a multiple of model.linear_num_key_heads=2"),
 ])

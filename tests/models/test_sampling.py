@@ -127,6 +127,20 @@ def test_cached_decode_equals_full_forward_with_gated_deltanet(tp):
         run_ranks(_gated_deltanet_decode, 2, args, tp, timeout=240)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cached_decode_equals_full_forward_with_mamba2(tp):
+    """Nemotron-H's layers (Mamba2, MoE, attention without rotary, one mixer each): the conv
+    window and SSM state carried in the cache give the logits of one forward (float64),
+    also under tp2 with sequence parallel, where a padded step must not reach the state."""
+    args = ("nemotron-h-tiny", ["model.num_layers=4", "model.layer_types=[mamba2, moe, mamba2, attention]",
+                                "model.rope_layers=[0, 0, 0, 0]", "moe.router_dtype=float64",
+                                "model.mamba_chunk_size=4"])
+    if tp == 1:
+        _gated_deltanet_decode(0, 1, args, tp)
+    else:
+        run_ranks(_gated_deltanet_decode, 2, args, tp, timeout=240)
+
+
 def _gated_deltanet_decode(rank, world_size, args, tp):
     from moe_fold.layout import ParallelLayout, create_process_groups
 

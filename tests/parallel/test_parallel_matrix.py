@@ -61,6 +61,15 @@ KIMI_LINEAR_LAYERS = dict(layer_types=["kda", "kda", "kda", "attention"], attent
                           mla_norm_eps=1e-6, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=6,
                           linear_value_head_dim=6, linear_conv_kernel=4, linear_chunk_size=3,
                           moe=dict(score_function="sigmoid", expert_bias=True, scaling_factor=2.5))
+# Nemotron-H's layers: one mixer each (Mamba2, relu2 MoE with the sigmoid expert bias and
+# an ungated relu2 shared expert, attention without rotary, a relu2 MLP); Mamba2 4 heads of 6
+# in 2 groups, state 5, chunks of 3. The initial steps (dt 0.001 to 0.1) keep the decays
+# slow, so a state not passed along cp or not reset at a document start shows.
+NEMOTRON_H_LAYERS = dict(layer_types=["mamba2", "moe", "attention", "mlp"], single_mixer_layers=True,
+                         rope_layers=[0, 0, 0, 0], mlp_activation="relu2", mamba_num_heads=4, mamba_head_dim=6,
+                         mamba_state_size=5, mamba_num_groups=2, mamba_conv_kernel=4, mamba_chunk_size=3,
+                         moe=dict(activation="relu2", score_function="sigmoid", expert_bias=True,
+                                  shared_expert_ffn_hidden_size=40))
 
 # LongCat-Flash's router: 4 zero-computation experts after the 8 held ones, top-3 of the
 # softmax over all 12 plus the expert bias, scaled weights (the bias's update across ranks:
@@ -136,6 +145,13 @@ CASES = {
     "kda-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), KIMI_LINEAR_LAYERS),
     "kda-pp2-cp2-a2a-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="a2a"), KIMI_LINEAR_LAYERS),
     "kda-tp2-cp2-ring-ep2-packed": (4, dict(tp=2, cp=2, ep=2, etp=1), 2, dict(cp_kind="ring"), KIMI_LINEAR_LAYERS),
+    # Nemotron-H's single-mixer layers with Mamba2 (its state and conv window passed along
+    # cp in sequence order, reset at documents).
+    "m2-cp2-ring-packed": (2, dict(cp=2), 2, dict(cp_kind="ring"), NEMOTRON_H_LAYERS),
+    "m2-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), NEMOTRON_H_LAYERS),
+    "m2-cp2-a2a-ep2-dp2-packed": (4, dict(cp=2, ep=2), 2, dict(cp_kind="a2a"), NEMOTRON_H_LAYERS),
+    "m2-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), NEMOTRON_H_LAYERS),
+    "m2-tp2-cp2-a2a-ep2-packed": (4, dict(tp=2, cp=2, ep=2, etp=1), 2, dict(cp_kind="a2a"), NEMOTRON_H_LAYERS),
     # Zero-computation experts (LongCat-Flash): never dispatched, added where the token is.
     "zero-ep2": (2, dict(ep=2), 2, dict(), LONGCAT_ZERO),
     "zero-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_ZERO),
@@ -302,7 +318,9 @@ OVERLAP_BUCKET = 3000
 def _build(config, groups):
     """The rank's model. Gated DeltaNet layers get slow decays (exp(A_log) = 0.05, dt_bias =
     -2: about 0.01 per token): at their initial rates (1 to 16 per token) a cp segment
-    forgets its start state, and a state not composed along cp would not show."""
+    forgets its start state, and a state not composed along cp would not show. Mamba2
+    layers keep their initial steps (dt 0.001 to 0.1, about 0.04 per token): a state not
+    passed along cp shows there as it is."""
     model = build_model(config, groups)
     with torch.no_grad():
         for layer in model.modules():
@@ -428,7 +446,7 @@ def _check(names, results):
         # tolerance scaled to each tensor's largest grad (with _build's slow decays, a state
         # not passed along cp, or one segment's state alone passed on, is off by 6,000 times it;
         # KDA's own initial decays are slow: softplus(dt_bias) in [1e-3, 0.1] per channel).
-        gdn = name in LAYER_TYPES or name in KDA_LAYERS
+        gdn = name in LAYER_TYPES or name in KDA_LAYERS or name in MAMBA2
         steps, rtol = (1, 1e-4) if gdn else (STEPS, 1e-5)
         for rank, per_rank in enumerate(results):
             got, where = per_rank[i], f"{name} rank {rank}"
@@ -475,6 +493,7 @@ KDA_LAYERS = {name for name in CASES if name.startswith("kda-")}
 
 
 ZERO_EXPERTS = {name for name in CASES if name.startswith("zero-")}
+MAMBA2 = {name for name in CASES if name.startswith("m2-")}
 
 
 DSA = {name for name in CASES if name.startswith("dsa-")}
@@ -484,11 +503,12 @@ LONGCAT = {name for name in CASES if name.startswith("longcat-")}
 
 
 def _names(world, issue_20=False, issue_29=False, layer_types=False, zero_experts=False, kda=False, longcat=False,
-           dsa=False):
+           dsa=False, mamba2=False):
     return [name for name, case in CASES.items()
             if case[0] == world and (name in ISSUE_20) == issue_20 and (name in ISSUE_29) == issue_29
             and (name in LAYER_TYPES) == layer_types and (name in ZERO_EXPERTS) == zero_experts
-            and (name in KDA_LAYERS) == kda and (name in LONGCAT) == longcat and (name in DSA) == dsa]
+            and (name in KDA_LAYERS) == kda and (name in LONGCAT) == longcat and (name in DSA) == dsa
+            and (name in MAMBA2) == mamba2]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -527,6 +547,16 @@ def test_kda_layers_match_single_process(world):
     """Kimi-Linear's layer types (KDA, MLA without rotary) under cp (ring and a2a, packed
     documents), tp + SP, pp and ep."""
     names = _names(world, kda=True)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mamba2_layers_match_single_process(world):
+    """Nemotron-H's single-mixer layers (Mamba2, relu2 MoE and MLP, attention without rotary)
+    under cp2 (ring and a2a, packed documents; cp4 would leave segments of 2 tokens, shorter
+    than the conv window: tests/parallel/test_recurrent_cp.py runs the layer on cp4), tp + SP,
+    pp and ep."""
+    names = _names(world, mamba2=True)
     _check(names, run_ranks(_rank, world, names, timeout=400))
 
 

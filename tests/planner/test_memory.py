@@ -240,3 +240,28 @@ def test_mla_activation_and_state_bytes(layout):
         got = r[case]
         assert abs(got["activations"] / planned - 1) < 0.01, (got["activations"], planned)
         assert got["weights"] == state_bytes(config, param_manifest(config), 0)["weights"]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_nemotron_h_layer_activation_bytes(precision):
+    """nemotron-h-tiny's single-mixer layers one at a time: the Mamba2 mixer (the chunked
+    torch SSD), the relu2 MLP and the relu2 MoE layer keep what the planner says, within
+    1% (measured 0.04% and 0.1% for Mamba2 in fp32 and bf16)."""
+    from moe_fold.models.model import build_model
+    from moe_fold.planner.memory import layer_activation_bytes
+
+    config = load_config("nemotron-h-tiny", ["parallel.ep=1", f"train.precision={precision}"])
+    model = build_model(config, ProcessGroups.single_process())
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    S, B = config.model.seq_length, 2
+    x = torch.randn(S, B, config.model.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = x.to(next(model.parameters()).dtype).requires_grad_()
+    rotary = torch.zeros(S, 1, dtype=x.dtype)
+    for i, kind in enumerate(config.model.layer_types):
+        if kind == "attention":
+            continue  # standard attention's figures: the tests above
+        block = model.layers[i]
+        saved, _ = saved_activation_bytes(block, lambda: block(x, rotary, rotary))
+        planned = layer_activation_bytes(config, i, "none")
+        assert saved / (S * B) == pytest.approx(planned, rel=0.01), (i, kind)

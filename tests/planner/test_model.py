@@ -131,6 +131,66 @@ def test_hybrid_layers_projection_flops_are_their_weights(preset):
             assert flops["core"] == core[m.layer_types[i]], (i, m.layer_types[i])
 
 
+@pytest.mark.parametrize("sets", [["parallel.ep=1"], ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                                    "parallel.ep=1"]], ids=["one", "tp2"])
+def test_nemotron_h_params_equal_the_real_model(sets):
+    """nemotron-h-tiny's single-mixer layers (Mamba2, relu2 MoE, attention, relu2 MLP): the
+    planner's parameter manifest is the built model's, names, sizes and sync kinds."""
+    from moe_fold.launch import run_ranks
+    from moe_fold.models.model import build_model
+
+    config = load_config("nemotron-h-tiny", sets)
+    if config.parallel.tp == 1:
+        model = build_model(config, ProcessGroups.single_process())
+        real = [(n, q.numel(), q.parallel) for n, q in model.named_parameters()]
+        assert [(e.name, e.numel, e.kind) for e in param_manifest(config)] == real
+        return
+    for real in run_ranks(_real_params, 2, sets, timeout=120):
+        assert [(e.name, e.numel, e.kind) for e in param_manifest(config)] == real
+
+
+def _real_params(rank, world_size, sets):
+    from moe_fold.layout import ParallelLayout, create_process_groups
+    from moe_fold.models.model import build_model
+
+    config = load_config("nemotron-h-tiny", sets)
+    model = build_model(config, create_process_groups(ParallelLayout(world_size, tp=2)))
+    return [(n, q.numel(), q.parallel) for n, q in model.named_parameters()]
+
+
+def test_nemotron_h_projection_flops_are_their_weights():
+    """Each Nemotron-H layer's matmul FLOPs are 2 per weight per token, read off the built
+    model (the mixer's matrices for Mamba2 and attention, the MLP's for mlp, the experts' at
+    topk rows for moe); the chunked SSD's core from its chunk and state sizes."""
+    from moe_fold.models.model import build_model
+    from moe_fold.planner.model import layer_forward_flops
+
+    config = load_config("nemotron-h-tiny", ["parallel.ep=1"])
+    model = build_model(config, ProcessGroups.single_process())
+    m, moe = config.model, config.moe
+
+    def matrices(module):
+        return sum(q.numel() for n, q in module.named_parameters() if q.dim() == 2 and n != "conv_weight")
+
+    for i, layer in enumerate(model.layers):
+        flops = layer_forward_flops(config, i)
+        kind = m.layer_types[i]
+        if kind in ("mamba2", "attention"):
+            assert flops["attention"] == 2 * matrices(layer.attn), (i, kind)
+            assert flops["mlp"] == flops["experts"] == flops["shared"] == 0
+        if kind == "mamba2":
+            N, P = m.mamba_state_size, m.mamba_head_dim
+            assert flops["core"] == m.mamba_num_heads * (2 * m.mamba_chunk_size * (N + P) + 4 * N * P)
+        if kind == "mlp":
+            assert flops["mlp"] == 2 * matrices(layer.mlp) and flops["attention"] == flops["core"] == 0
+        if kind == "moe":
+            per_expert = (layer.mlp.experts.fc1.numel() + layer.mlp.experts.fc2.numel()) / moe.num_experts
+            assert flops["experts"] == 2 * moe.topk * per_expert
+            assert flops["shared"] == 2 * matrices(layer.mlp.shared_expert)
+            assert flops["router"] == 2 * layer.mlp.router.weight.numel()
+            assert flops["attention"] == flops["core"] == 0
+
+
 def test_zero_expert_params_equal_the_real_model():
     from moe_fold.models.model import build_model
 

@@ -8,14 +8,16 @@ its line in ``_MODULES`` (docs/families/README.md, "Adding a family")."""
 from __future__ import annotations
 
 from . import (deepseek_v2, deepseek_v3, deepseek_v32, ernie4_5_moe, glm4_moe, glm_moe_dsa, gpt_oss, kimi_linear,
-               llama4_text, longcat_flash, minimax_m2, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next)
+               llama4_text, longcat_flash, minimax_m2, mixtral, nemotron_h, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe,
+               qwen3_next)
 from .base import FEATURES, METADATA_KEYS, Family, HFConfigError
 
 __all__ = ["REGISTRY", "ALIASES", "FAMILIES", "FEATURES", "METADATA_KEYS", "Family", "HFConfigError", "lookup"]
 
 # In the order error messages list them.
 _MODULES = (mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3, glm4_moe, olmoe, ernie4_5_moe, minimax_m2,
-            llama4_text, gpt_oss, qwen3_next, qwen3_5_moe, kimi_linear, longcat_flash, deepseek_v32, glm_moe_dsa)
+            llama4_text, gpt_oss, qwen3_next, qwen3_5_moe, kimi_linear, longcat_flash, deepseek_v32, glm_moe_dsa,
+            nemotron_h)
 
 # model_type -> Family
 REGISTRY: dict[str, Family] = {module.FAMILY.model_type: module.FAMILY for module in _MODULES}

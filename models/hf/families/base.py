@@ -41,6 +41,7 @@ FEATURES = frozenset({
     "yarn",  # YaRN rotary scaling
     "attention_sinks", "sliding_window", "attention_chunk", "rope_layers", "attn_temperature_tuning",
     "score_on_input",  # the routing prob scales the expert's input
+    "single_mixer_layers", "mlp_activation", "mamba2",  # Nemotron-H's layers
     "layer_types", "attn_output_gate", "norm_zero_centred",  # Qwen3-Next's layers (Gated DeltaNet)
     "zero_experts",  # LongCat-Flash's zero-computation experts
     "shortcut_moe", "mla_lora_scale",  # LongCat-Flash's blocks and MLA scaling
@@ -131,7 +132,10 @@ class Family:
       with tensors ``hf_names`` (export passes none); default ``model.``;
     - ``layer_sources(config, layer, hf, ours, hf_names)``: the Sources of one whole layer,
       for a family whose layers are not a norm, a mixer, a norm and an MLP (LongCat-Flash's
-      two sublayers and shortcut MoE); None: the weights module's from the two hooks above."""
+      two sublayers and shortcut MoE, Nemotron-H's one mixer per layer); None: the weights module's from the two
+      hooks above;
+    - ``embed_name``, ``final_norm_name``: the embedding's and the final norm's tensors
+      under the model prefix."""
 
     model_type: str
     architecture: str
@@ -148,6 +152,8 @@ class Family:
     import_architectures: tuple[str, ...] = ()
     model_prefix: Callable[[frozenset], str] = lambda hf_names: "model."
     layer_sources: Optional[Callable[..., dict]] = None
+    embed_name: str = "embed_tokens.weight"
+    final_norm_name: str = "norm.weight"
 
     def __post_init__(self):
         unknown = sorted(set(self.features) - FEATURES)

@@ -12,8 +12,9 @@ from __future__ import annotations
 from ..schema import Config, ConfigError
 from .common import RULES, _choice_problems, _type_problems, choice, choices, require, rule
 from .data import _check_data, _check_validation_data
-from .model import (_check_block, _check_model, dense_width_over_tp, heads_over_tp, linear_heads_over_tp, rotary_pairs, sequence_over_cp,
-                    sequence_over_tp, shortcut_moe_block, vocab_over_tp)
+from .model import (_check_block, _check_model, dense_width_over_tp, heads_over_tp, linear_heads_over_tp,
+                    mamba_groups_over_tp, rotary_pairs, sequence_over_cp, sequence_over_tp, shortcut_moe_block,
+                    vocab_over_tp)
 from .moe import (_check_layer_pattern, _check_moe, activation_backend, capacity_factor_positive, dispatch_modes,
                   expert_bias_over_etp, expert_width_over_etp, experts_over_ep, gate_needs_shared_expert,
                   moe_needs_sequence_parallel, overlap_problems, replacement_has_room, replicas_fit, router_settings,
@@ -30,7 +31,7 @@ __all__ = [
     "capacity_factor_positive", "checkpoints_kept", "choice", "choices", "dense_width_over_tp", "dispatch_modes",
     "dynamic_cp_layout", "expert_bias_over_etp", "expert_width_over_etp", "experts_over_ep",
     "gate_needs_shared_expert", "grad_clip", "heads_over_tp", "interleaved_micro_batches",
-    "linear_heads_over_tp", "moe_needs_sequence_parallel", "order_is_permutation", "overlap_problems", "param_gather_needs_distributed",
+    "linear_heads_over_tp", "mamba_groups_over_tp", "moe_needs_sequence_parallel", "order_is_permutation", "overlap_problems", "param_gather_needs_distributed",
     "pipeline_split", "replacement_has_room", "replicas_fit", "require", "rotary_pairs", "router_settings",
     "routing_groups", "rule", "schedule_chunks", "sequence_over_cp", "sequence_over_tp", "shortcut_moe_block", "spike_detection",
     "upcycle_slices", "validate", "vocab_over_tp", "world_fits_layouts", "zero_expert_settings",

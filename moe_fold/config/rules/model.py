@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..derived import MLA_SIZES, head_dim, vpp_size
+from ..derived import CHANNEL_MIXERS, MLA_SIZES, head_dim, vpp_size
 from ..schema import Config, ModelConfig, _fmt
 from .common import _at_least, _divisible, _positive, rule
 
@@ -56,6 +56,12 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
             out.append(f"model.seq_length={m.seq_length} over 2*parallel.cp={2 * p.cp} segments gives "
                        f"{m.seq_length // (2 * p.cp)} tokens each; the short conv window of Gated DeltaNet and "
                        f"KDA needs at least model.linear_conv_kernel-1={m.linear_conv_kernel - 1}")
+    if m.layer_types is not None and "mamba2" in m.layer_types:
+        out.extend(mamba_groups_over_tp(m.mamba_num_groups, p.tp))
+        if p.cp > 1 and m.seq_length // (2 * p.cp) < m.mamba_conv_kernel - 1:
+            out.append(f"model.seq_length={m.seq_length} over 2*parallel.cp={2 * p.cp} segments gives "
+                       f"{m.seq_length // (2 * p.cp)} tokens each; Mamba2's conv window needs at least "
+                       f"model.mamba_conv_kernel-1={m.mamba_conv_kernel - 1}")
     out.extend(heads_over_tp(m.num_heads, m.num_kv_heads, p.tp))
     out.extend(vocab_over_tp(m.vocab_size, p.tp))
     if any_dense:
@@ -79,7 +85,7 @@ def heads_over_tp(num_heads: int, num_kv_heads: int, tp: int) -> list[str]:
     return out
 
 
-LAYER_TYPES = ("attention", "gated_deltanet", "kda")
+LAYER_TYPES = ("attention", "gated_deltanet", "kda", "mamba2") + CHANNEL_MIXERS
 # The layer types with a short conv and a recurrent state (the linear_* sizes).
 RECURRENT_TYPES = ("gated_deltanet", "kda")
 
@@ -93,6 +99,10 @@ def _check_layer_types(m: ModelConfig, out: list[str]) -> None:
         for i, kind in enumerate(m.layer_types):
             if kind not in LAYER_TYPES:
                 out.append(f"model.layer_types[{i}]={kind!r} must be one of {', '.join(LAYER_TYPES)}")
+        for i, kind in enumerate(m.layer_types):
+            if kind in CHANNEL_MIXERS and not m.single_mixer_layers:
+                out.append(f"model.layer_types[{i}]={kind!r} is a layer with a channel mixer alone: it needs "
+                           f"model.single_mixer_layers=true")
         if set(m.layer_types) & set(RECURRENT_TYPES):
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                          "linear_value_head_dim", "linear_conv_kernel", "linear_chunk_size"):
@@ -106,6 +116,25 @@ def _check_layer_types(m: ModelConfig, out: list[str]) -> None:
                 if getattr(m, field) != getattr(m, of_key):
                     out.append(f"model.{field}={getattr(m, field)} must equal model.{of_key}={getattr(m, of_key)} "
                                f"with kda layers (KDA's q, k and v heads have one count and one width)")
+        if "mamba2" in m.layer_types:
+            for name in ("mamba_num_heads", "mamba_head_dim", "mamba_state_size", "mamba_num_groups",
+                         "mamba_conv_kernel", "mamba_chunk_size"):
+                _at_least(out, f"model.{name}", getattr(m, name), 1)
+            if m.mamba_num_groups >= 1 and m.mamba_num_heads % m.mamba_num_groups:
+                out.append(f"model.mamba_num_heads={m.mamba_num_heads} must be a multiple of "
+                           f"model.mamba_num_groups={m.mamba_num_groups} (a group's B and C serve whole heads)")
+            if not 0 < m.mamba_dt_min <= m.mamba_dt_max:
+                out.append(f"model.mamba_dt_min={_fmt(m.mamba_dt_min)} and model.mamba_dt_max={_fmt(m.mamba_dt_max)} "
+                           f"must satisfy 0 < mamba_dt_min <= mamba_dt_max (the steps dt_bias starts from)")
+    if m.single_mixer_layers:
+        if m.layer_types is None:
+            out.append("model.single_mixer_layers=true needs model.layer_types (each layer's one mixer)")
+        if m.mtp_num_layers:
+            out.append(f"model.mtp_num_layers={m.mtp_num_layers} with model.single_mixer_layers=true: the MTP "
+                       f"depths' blocks are attention + MLP blocks; set model.mtp_num_layers=0")
+        if m.block != "standard":
+            out.append(f"model.block={m.block} with model.single_mixer_layers=true: a single-mixer layer is a "
+                       f"standard block with one of its two parts")
     if m.attn_output_gate and m.attention == "mla":
         out.append("model.attn_output_gate=true needs model.attention=mha (the gate is projected with the query)")
     if m.norm_zero_centred and m.attention == "mla":
@@ -156,6 +185,14 @@ def linear_heads_over_tp(num_key_heads: int, num_value_heads: int, tp: int) -> l
     out: list[str] = []
     _divisible(out, "model.linear_num_key_heads", num_key_heads, "parallel.tp", tp)
     _divisible(out, "model.linear_num_value_heads", num_value_heads, "parallel.tp", tp)
+    return out
+
+
+@rule
+def mamba_groups_over_tp(num_groups: int, tp: int) -> list[str]:
+    """Each tp rank holds mamba_num_groups/tp Mamba2 groups with their heads."""
+    out: list[str] = []
+    _divisible(out, "model.mamba_num_groups", num_groups, "parallel.tp", tp)
     return out
 
 

@@ -34,6 +34,10 @@ def _check_layer_pattern(config: Config, out: list[str]) -> list[bool] | None:
 
 def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
     moe, p = config.moe, config.parallel
+    if config.model.single_mixer_layers and (moe.moe_layer_freq != 1 or moe.first_k_dense):
+        out.append(f"moe.moe_layer_freq={_fmt(moe.moe_layer_freq)} and moe.first_k_dense={moe.first_k_dense} "
+                   f"with model.single_mixer_layers=true: the MoE layers are the model.layer_types entries "
+                   f"'moe'; leave moe.moe_layer_freq=1 and moe.first_k_dense=0")
     out.extend(router_settings(moe))
     out.extend(dispatch_modes(moe.dispatcher, moe.capacity_factor, moe.pad_to_capacity, moe.dedup))
     out.extend(gate_needs_shared_expert(moe.shared_expert_gate, moe.shared_expert_ffn_hidden_size))
@@ -152,9 +156,9 @@ def expert_width_over_etp(ffn_hidden_size: int, etp: int, etp_is_tp: bool = Fals
 
 @rule
 def activation_backend(activation: str, swiglu_backend: str) -> list[str]:
-    """gpt-oss's clamped SwiGLU runs on torch ops only (kernels/swiglu.py)."""
-    if activation == "clamped_swiglu" and swiglu_backend not in ("auto", "torch"):
-        return [f"moe.swiglu_backend={_fmt(swiglu_backend)} with moe.activation=clamped_swiglu: the clamped SwiGLU "
+    """gpt-oss's clamped SwiGLU and Nemotron-H's relu2 run on torch ops only (kernels/swiglu.py)."""
+    if activation in ("clamped_swiglu", "relu2") and swiglu_backend not in ("auto", "torch"):
+        return [f"moe.swiglu_backend={_fmt(swiglu_backend)} with moe.activation={activation}: this activation "
                 f"runs on torch ops only; set moe.swiglu_backend=torch (or auto)"]
     return []
 

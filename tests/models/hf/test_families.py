@@ -94,6 +94,11 @@ _LONGCAT = dict(vocab_size=VOCAB, hidden_size=42, num_layers=2, num_attention_he
                 n_routed_experts=6, zero_expert_num=3, moe_topk=4, expert_ffn_hidden_size=22,
                 max_position_embeddings=64)
 
+_NEMOTRON_H = dict(vocab_size=VOCAB, hidden_size=42, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                   intermediate_size=50, mamba_num_heads=6, mamba_head_dim=5, ssm_state_size=7, n_groups=2,
+                   conv_kernel=4, chunk_size=8, n_routed_experts=6, moe_intermediate_size=22,
+                   moe_shared_expert_intermediate_size=30, max_position_embeddings=64)
+
 SPECS = {
     "mixtral": Spec("MixtralConfig", "MixtralForCausalLM", dict(_ODD, num_local_experts=4),
                     {"mixtral_gqa": dict(rope_theta=5e5)}),
@@ -233,6 +238,16 @@ SPECS = {
         "glm_moe_dsa_shared": dict(indexer_types=["full", "shared", "full", "shared"],
                                    rope_parameters=dict(rope_type="default", rope_theta=1e4)),
         "glm_moe_dsa_full": dict(rope_parameters=dict(rope_type="default", rope_theta=1e4), index_topk=3)}),
+    # Nemotron-H: 6 Mamba2 heads of 5 in 2 groups (state 7, conv of 4, chunks of 8), attention of 6
+    # heads of 8 over 2 kv heads without rotary, relu2 MLPs of 50, 6 relu2 experts of 22 and a
+    # relu2 shared expert of 30, sigmoid routing with the score correction bias.
+    "nemotron_h": Spec("NemotronHConfig", "NemotronHForCausalLM", _NEMOTRON_H, {
+        # Every mixer: Mamba2, MoE, attention, MLP; top-3 without groups.
+        "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention",
+                                              "moe"], num_experts_per_tok=3),
+        # Attention first, 3 groups of which 2 are picked, scaled probabilities.
+        "nemotron_h_groups": dict(layers_block_type=["full_attention", "moe", "linear_attention", "moe"],
+                                  n_group=3, topk_group=2, num_experts_per_tok=2, routed_scaling_factor=2.5)}),
 }
 
 
@@ -267,7 +282,7 @@ def _longcat_read(model, case):
 
 
 IMPORTED = {"deepseek_v3": _mla_read, "ernie4_5_moe": _expert_bias_read(1), "minimax_m2": _expert_bias_read(0),
-            "longcat_flash": _longcat_read}
+            "longcat_flash": _longcat_read, "nemotron_h": _expert_bias_read(1)}
 
 
 @pytest.mark.parametrize("family, case", CASES, ids=[f"{f}-{c}" for f, c in CASES])
@@ -399,6 +414,17 @@ REFUSED = [
      "indexer_types has 2 entries; num_hidden_layers=4", HFConfigError),
     ("glm_moe_dsa", "glm_moe_dsa_shared", lambda hf: hf.update(indexer_types=["shared", "full", "full", "full"]),
      "model.indexer_types[0]='shared' must be full", BOTH),
+    ("nemotron_h", "nemotron_h", lambda hf: hf.update(moe_latent_size=16),
+     "moe_latent_size=16 is not supported: the latent MoE", HFConfigError),
+    ("nemotron_h", "nemotron_h", lambda hf: hf.update(mlp_hidden_act="silu"), "mlp_hidden_act='silu'", HFConfigError),
+    ("nemotron_h", "nemotron_h", lambda hf: hf.update(tie_word_embeddings=True), "tie_word_embeddings=True",
+     HFConfigError),
+    ("nemotron_h", "nemotron_h", lambda hf: hf.update(use_conv_bias=False), "use_conv_bias=False", HFConfigError),
+    ("nemotron_h", "nemotron_h", lambda hf: hf.update(mamba_proj_bias=True), "mamba_proj_bias=True", HFConfigError),
+    ("nemotron_h", "nemotron_h", lambda hf: hf["layers_block_type"].__setitem__(0, "sliding_attention"),
+     "layers_block_type has ['sliding_attention']", HFConfigError),
+    ("nemotron_h", "nemotron_h", lambda hf: hf.update(n_groups=4), "model.mamba_num_heads=6 must be a multiple of "
+     "model.mamba_num_groups=4", BOTH),
     ("qwen3_5_moe", "qwen3_5_moe", lambda hf: hf["rope_parameters"].update(mrope_section=[2, 1, 1]),
      "rope_parameters.mrope_section=[2, 1, 1] covers 8 rotary dims; head_dim=8 x partial_rotary_factor=0.25 has 2",
      HFConfigError),
@@ -1011,4 +1037,42 @@ def test_dsa_exports_refuse_what_they_cannot_hold(tmp_path):
     model.config.model.mla_norm_eps = None  # norm_eps 1e-5 then
     with pytest.raises(HFConfigError, match="model.mla_norm_eps=None .model.norm_eps=1e-05.: glm_moe_dsa's latent"):
         to_hf(model, tmp_path / "out")
+
+
+# --------------------------------------------------------------------------- Nemotron-H
+
+def test_nemotron_3_nano_dimensions_import_to_our_preset():
+    """Nemotron 3 Nano 30B-A3B's published dimensions (its hybrid_override_pattern and
+    sizes, the rest transformers' defaults), as transformers' NemotronHConfig writes them,
+    import to the nemotron-3-nano-30b-a3b preset."""
+    import transformers
+
+    from moe_fold.models.hf.importer import _architecture_mismatch
+
+    nano = transformers.NemotronHConfig(
+        vocab_size=131072, hidden_size=2688, hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        num_attention_heads=32, num_key_value_heads=2, head_dim=128, intermediate_size=21504, mamba_num_heads=64,
+        mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128, n_routed_experts=128,
+        num_experts_per_tok=6, moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712,
+        routed_scaling_factor=2.5, layer_norm_epsilon=1e-5, max_position_embeddings=262144)
+    ours = load_config("nemotron-3-nano-30b-a3b")
+    assert _architecture_mismatch(ours, config_from_hf(nano.to_dict(), ours)) == []
+
+
+def test_nemotron_h_exports_refuse_what_they_cannot_hold(tmp_path):
+    """Nemotron-H's model refuses other families by field; its own export refuses
+    rotary attention and SwiGLU experts."""
+    model_of("nemotron_h", "nemotron_h").save_pretrained(tmp_path / "hf")
+    model = from_hf(tmp_path / "hf")
+    with pytest.raises(HFConfigError) as err:
+        to_hf(model, tmp_path / "out", family="qwen3_next")
+    for field in ("model.single_mixer_layers=true", "model.mlp_activation=relu2", "no Mamba2 layers"):
+        assert field in str(err.value), field
+    model.config.model.rope_layers = [1] * 6
+    model.config.moe.activation = "swiglu"
+    with pytest.raises(HFConfigError) as err:
+        to_hf(model, tmp_path / "out")
+    for field in ("model.rope_layers=[1, 1, 1, 1, 1, 1]: Nemotron-H's attention has no rotary",
+                  "moe.activation=swiglu: Nemotron-H's experts are relu2"):
+        assert field in str(err.value), field
     assert not (tmp_path / "out").exists()

@@ -1,5 +1,5 @@
 """The CPU-sized twins of the DeepSeek-V2-Lite, ERNIE-4.5-MoE, MiniMax-M2, Qwen3-Next, Qwen3.5, Kimi-Linear,
-LongCat-Flash, DeepSeek-V3.2 and GLM-5 presets:
+LongCat-Flash, DeepSeek-V3.2, GLM-5 and Nemotron-H presets:
 each trains from the command line, converts to a Hugging Face folder of its family that
 transformers' ``AutoTokenizer`` and ``AutoModelForCausalLM`` load, and ``generate`` gives
 the greedy tokens ``moe-fold sample`` gives (and the same logits at every step)."""
@@ -26,11 +26,13 @@ FAMILIES = {"deepseek-v2-lite-tiny": "DeepseekV2ForCausalLM", "ernie-4.5-tiny": 
             "minimax-m2-tiny": "MiniMaxM2ForCausalLM", "qwen3-next-tiny": "Qwen3NextForCausalLM",
             "qwen3-next-tiny@qwen3_5_moe": "Qwen3_5MoeForCausalLM", "kimi-linear-tiny": "KimiLinearForCausalLM",
             "longcat-flash-tiny": "LongcatFlashForCausalLM", "deepseek-v32-tiny": "DeepseekV32ForCausalLM",
-            "glm-5-tiny": "GlmMoeDsaForCausalLM"}
+            "glm-5-tiny": "GlmMoeDsaForCausalLM", "nemotron-h-tiny": "NemotronHForCausalLM"}
 # A preset's own settings beside SMALL's: its layer types (and NoPE flags) for SMALL's 3 layers.
 OWN = {"qwen3-next-tiny": ["model.layer_types=[gated_deltanet, attention, gated_deltanet]"],
        "kimi-linear-tiny": ["model.layer_types=[kda, attention, kda]", "model.rope_layers=[0, 0, 0]"],
-       "glm-5-tiny": ["model.indexer_types=[full, shared, full]"]}
+       "glm-5-tiny": ["model.indexer_types=[full, shared, full]"],
+       "nemotron-h-tiny": ["model.num_layers=4", "model.layer_types=[mamba2, moe, attention, mlp]",
+                           "model.rope_layers=[0, 0, 0, 0]"]}
 
 SMALL = ["model.num_layers=3", "model.seq_length=32", "train.steps=6", "train.save_every=6", "parallel.ep=1",
          "optimizer.warmup_steps=1", "wandb.mode=disabled", "train.micro_batch_size=2", "train.global_batch_size=4"]

@@ -332,3 +332,17 @@ def test_bfloat16_checkpoints_both_ways(tmp_path):
         assert set(a.keys()) == set(b.keys())
         for key in a.keys():
             assert b.get_tensor(key).dtype == torch.bfloat16 and torch.equal(a.get_tensor(key), b.get_tensor(key))
+
+
+def test_latent_norm_epsilon_compares_as_the_norms_use_it():
+    """``model.mla_norm_eps`` null means ``model.norm_eps``: a preset at norm_eps 1e-6 and a
+    checkpoint that names 1e-6 for the latents agree; 1e-5 latents against 1e-6 do not."""
+    from moe_fold.config import load_config
+    from moe_fold.models.hf.importer import _architecture_mismatch
+
+    ours = load_config("deepseek-v3-tiny")
+    theirs = load_config("deepseek-v3-tiny", ["model.mla_norm_eps=1e-6"])
+    assert ours.model.mla_norm_eps is None and ours.model.norm_eps == 1e-6
+    assert _architecture_mismatch(ours, theirs) == []
+    other = load_config("deepseek-v3-tiny", ["model.mla_norm_eps=1e-5"])
+    assert _architecture_mismatch(ours, other) == ["model.mla_norm_eps: the model has None, the checkpoint 1e-05"]
