@@ -191,6 +191,10 @@ AGREEMENT_CASES = {
     "llama4-scout": ("llama4-scout", 64, ["model.num_layers=4", "model.local_attention_layers=[1,1,1,0]",
                                           "model.rope_layers=[1,1,1,0]", "train.global_batch_size=32"]),
     "minimax-m2": ("minimax-m2", 128, ["model.num_layers=4", "parallel.pp_layers=null", "train.global_batch_size=64"]),
+    # Nemotron-H's single-mixer layers: Mamba2, relu2 MoE and NoPE attention, one per layer.
+    "nemotron-3-nano-30b-a3b": ("nemotron-3-nano-30b-a3b", 16, [
+        "model.num_layers=6", "model.layer_types=[mamba2,moe,attention,mamba2,moe,attention]",
+        "model.rope_layers=[0,0,0,0,0,0]", "train.global_batch_size=16"]),
     "qwen3.5-35b-a3b": ("qwen3.5-35b-a3b", 16, ["model.num_layers=4", "train.global_batch_size=16",
                                                 "model.layer_types=[gated_deltanet,attention,gated_deltanet,attention]"]),
     "kimi-linear-48b-a3b": ("kimi-linear-48b-a3b", 32, ["model.num_layers=3", "model.layer_types=[kda,kda,attention]",
