@@ -43,9 +43,12 @@ def mamba_ssd(scan: Callable, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor
     """:func:`~moe_fold.kernels.ssd_scan.torch_ssd` through ``scan`` (mamba-ssm's
     ``mamba_chunk_scan_combined`` or a function of the same contract), in the layout the
     module docstring describes."""
+    def tokens_first(t: torch.Tensor) -> torch.Tensor:  # [B, H or G, S, ...] -> [B, S, H or G, ...]
+        return t.transpose(1, 2).contiguous()
+
     seq_idx = None if resets is None else resets.to(torch.int32).cumsum(-1, dtype=torch.int32)
-    init = None if initial_state is None else initial_state.transpose(-1, -2)
-    y, final = scan(x.transpose(1, 2), dt.transpose(1, 2), A, b.transpose(1, 2), c.transpose(1, 2), chunk_size,
+    init = None if initial_state is None else initial_state.transpose(-1, -2).contiguous()
+    y, final = scan(tokens_first(x), tokens_first(dt), A.contiguous(), tokens_first(b), tokens_first(c), chunk_size,
                     D=None, z=None, dt_bias=None, initial_states=init, seq_idx=seq_idx, dt_softplus=False,
                     return_final_states=True)
     return y.transpose(1, 2), final.transpose(-1, -2)
