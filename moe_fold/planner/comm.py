@@ -24,6 +24,11 @@ Per micro-batch and layer (``X`` the bytes of one ``[s/cp, b, H]`` activation):
   gather, and a dense block under ``full`` also the attention's reduce-scatter before its
   MLP (Megatron's reentrant checkpoints rerun all of it). moe-fold keeps the gathered input for
   the weight gradient, so unlike Megatron the backward does not all-gather it again.
+  A shortcut_moe block (LongCat-Flash) counts two attentions and two dense MLPs, its
+  attentions recomputed under ``full``, its dense MLPs never. A DSA layer with its own
+  indexer adds, per forward and per recompute of its attention, the gather of its detached
+  inputs (hidden states and q latent, under SP) and the all-reduce of its KL target
+  (float32 ``[b, s/cp, seq]``).
 - ep (all-to-all dispatcher): dispatch sends ``sent`` rows and combine sends back the
   ``received`` ones, both again in the backward: ``2 (sent + received) H a`` bytes, plus
   the routing probs (router dtype) forward (``sent``) and their grads backward
@@ -195,19 +200,32 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
     elif len(routing) != len(moe_layers):
         raise ValueError(f"routing has {len(routing)} entries, expected one per MoE layer of stage "
                          f"{pp_rank} ({len(moe_layers)})")
+    # DSA's indexer reads the hidden states and the q latent detached (no backward), gathered
+    # over tp under SP, and its KL target, the float32 [b, s, seq] sum of the attention's
+    # probabilities over heads, is all-reduced over tp; both run again when the attention is
+    # recomputed.
+    indexer_inputs = _share(b * s * (d.hidden + d.q_lora) * a, tp) if sp else 0
+    indexer_target = _all_reduce(b * s * d.seq * 4, tp) if config.model.dsa_indexer_loss_weight > 0 else 0
     if tp > 1:
         for i in layers:
             is_moe = d.moe_flags[i]
-            out["tp"] += attention()
+            # A shortcut_moe block: two attention sublayers, each with a dense MLP (never
+            # recomputed), beside its MoE.
+            shortcut = d.shortcut and i < d.layers
+            sublayers = 2 if shortcut else 1
+            runs = 1 + (recompute == "full")
+            out["tp"] += sublayers * attention()
+            if i in d.indexer:
+                out["tp"] += runs * (indexer_inputs + indexer_target)
             if norm_projection:  # OLMoE's q and k norms: their sums of squares, forward and backward
                 out["tp"] += (4 + 2 * (recompute == "full")) * _all_reduce(b * s * 4, tp)
-            if not is_moe or d.shared_ffn > 0:
-                out["tp"] += pair()  # dense MLP or shared expert
+            dense_mlps = 2 if shortcut else int(not is_moe)
+            out["tp"] += (dense_mlps + (is_moe and d.shared_ffn > 0)) * pair()  # dense MLPs, shared expert
             whole = implementation == "megatron"
             if recompute == "full":
                 # A dense block is one checkpoint: its MLP's input follows the attention's
                 # reduce-scatter. An MoE block's attention is a checkpoint of its own.
-                out["tp"] += recomputed(entered, leaves=whole or not is_moe)
+                out["tp"] += sublayers * recomputed(entered, leaves=whole or not is_moe)
             if (recompute == "full" or (recompute == "moe" and is_moe)) and (not is_moe or d.shared_ffn > 0):
                 out["tp"] += recomputed(x, leaves=whole)
         embeddings = (pp_rank == 0) + (d.mtp if last else 0)
@@ -229,8 +247,10 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
         for kind, nbytes in layer_bytes[r].items():
             out[kind] += nbytes
         stats = 8 * (2 * (d.experts + d.zero_experts) + 1)  # counts, tokens, prob sums (float64), every column
-        if moe.aux_loss_coeff > 0:
-            out["tp_cp"] += _all_reduce(stats, tp * cp)
+        # The per-sequence aux loss packs the same per sequence beside the micro-batch's.
+        packed = (moe.aux_loss_coeff > 0) + (moe.seq_aux_loss_coeff > 0) * config.train.micro_batch_size
+        if packed:
+            out["tp_cp"] += _all_reduce(packed * stats, tp * cp)
         if moe.z_loss_coeff > 0:
             out["tp_cp"] += _all_reduce(16, tp * cp)
         if moe.global_aux_loss_coeff > 0:

@@ -191,6 +191,15 @@ AGREEMENT_CASES = {
     "llama4-scout": ("llama4-scout", 64, ["model.num_layers=4", "model.local_attention_layers=[1,1,1,0]",
                                           "model.rope_layers=[1,1,1,0]", "train.global_batch_size=32"]),
     "minimax-m2": ("minimax-m2", 128, ["model.num_layers=4", "parallel.pp_layers=null", "train.global_batch_size=64"]),
+    "qwen3.5-35b-a3b": ("qwen3.5-35b-a3b", 16, ["model.num_layers=4", "train.global_batch_size=16",
+                                                "model.layer_types=[gated_deltanet,attention,gated_deltanet,attention]"]),
+    "kimi-linear-48b-a3b": ("kimi-linear-48b-a3b", 32, ["model.num_layers=3", "model.layer_types=[kda,kda,attention]",
+                                                        "model.rope_layers=[0,0,0]", "train.global_batch_size=32"]),
+    "longcat-flash": ("longcat-flash", 1024, ["model.num_layers=4", "train.global_batch_size=128"]),
+    "deepseek-v32": ("deepseek-v32", 1024, ["model.num_layers=16", "moe.first_k_dense=1", "parallel.vpp=null",
+                                            "parallel.pp_layers=null", "parallel.pp_schedule=1f1b",
+                                            "train.global_batch_size=512"]),
+    "glm-5": ("glm-5", 768, ["model.num_layers=12", "moe.first_k_dense=1", "train.global_batch_size=1024"]),
 }
 
 
