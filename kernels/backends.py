@@ -7,7 +7,8 @@ that delegates here):
 - ``permute`` (:mod:`moe_fold.kernels.permute`): torch | triton;
 - ``swiglu`` (:mod:`moe_fold.kernels.swiglu`): torch | triton | cpu (the C loops);
 - ``topk`` (the router, :mod:`moe_fold.dispatch.router`): torch | triton;
-- ``delta_rule`` (Gated DeltaNet and KDA, :mod:`moe_fold.kernels.delta_rule`): torch | fla.
+- ``delta_rule`` (Gated DeltaNet and KDA, :mod:`moe_fold.kernels.delta_rule`): torch | fla;
+- ``ssd`` (Mamba2's scan, :mod:`moe_fold.kernels.ssd_scan`): torch | mamba_ssm.
 
 :func:`choose` is the rule: device type, CUDA capability, dtype and the optional extras
 that run here in, one backend out, nothing else read. The table it gives (pinned by
@@ -25,6 +26,8 @@ tests/kernels/test_backends.py)::
 
     delta_rule: fla on cuda sm80+ in float32/bf16/f16 when flash-linear-attention runs there
     (``pip install 'moe-fold[fla]'``), torch everywhere else (float64 included).
+    ssd: mamba_ssm on cuda sm80+ in float32/bf16/f16 when mamba-ssm runs there
+    (``pip install 'moe-fold[mamba]'``), torch everywhere else (float64 included).
 
 topk is ``torch`` wherever the router groups experts or biases the selection (the kernel
 fuses neither). Why these:
@@ -69,14 +72,16 @@ import torch
 from moe_fold.config import choices
 
 from .delta_rule_fla import FLA_INSTALL, fla_function
+from .ssd_mamba import MAMBA_INSTALL, mamba_function
 
 # The config field of each op's backend.
 CONFIG_FIELDS = {"gemm": "moe.gemm_backend", "permute": "moe.permute_backend", "swiglu": "moe.swiglu_backend",
-                 "topk": "moe.topk_backend", "delta_rule": "model.linear_backend"}
+                 "topk": "moe.topk_backend", "delta_rule": "model.linear_backend",
+                 "ssd": "model.mamba_backend"}
 # The backends of each op: the choices of its field other than auto.
 OPS: dict[str, tuple[str, ...]] = {op: choices(field)[1:] for op, field in CONFIG_FIELDS.items()}
 # Optional packages the rule looks at: chosen when they run, skipped otherwise.
-EXTRAS = ("grouped_gemm", "fla")
+EXTRAS = ("grouped_gemm", "fla", "mamba_ssm")
 GPU_INSTALL = "pip install 'moe-fold[gpu]' (the grouped_gemm package, built against this torch; needs CUDA)"
 # grouped_mm's fast path: bf16bf16_grouped_gemm_impl_sm90_sm100 in torch's GroupMM.cu.
 _GROUPED_MM_MAJORS = (9, 10)
@@ -95,9 +100,11 @@ def choose(op: str, device_type: str, capability: Optional[tuple[int, int]], dty
     groups experts or biases the selection, which the Triton top-k does not fuse."""
     if op not in OPS:
         raise ValueError(f"op={op!r} is not one of {tuple(OPS)}")
-    if op == "delta_rule":
+    if op in ("delta_rule", "ssd"):
+        # The recurrent scans' extras: Triton kernels for sm80+, none in float64.
+        extra = "fla" if op == "delta_rule" else "mamba_ssm"
         on_gpu = device_type == "cuda" and capability is not None and capability[0] >= 8
-        return "fla" if on_gpu and dtype != torch.float64 and "fla" in extras else "torch"
+        return extra if on_gpu and dtype != torch.float64 and extra in extras else "torch"
     if device_type == "cpu":
         if op == "gemm":
             return "torch" if dtype in (torch.float32, torch.bfloat16, torch.float16) else "loop"
@@ -156,6 +163,10 @@ def problem(backend: str, device: torch.device) -> Optional[str]:
         if device.type != "cuda":
             return f"flash-linear-attention's Triton kernels run on CUDA tensors, got {device}"
         return _probe("fla", _probe_device(device), False)
+    if backend == "mamba_ssm":
+        if device.type != "cuda":
+            return f"mamba-ssm's Triton kernels run on CUDA tensors, got {device}"
+        return _probe("mamba_ssm", _probe_device(device), False)
     if backend == "cpu":
         if device.type != "cpu":
             return f"the C kernels run on CPU tensors, got {device}"
@@ -224,7 +235,18 @@ def _tiny_fla(device: torch.device) -> None:
         raise RuntimeError("flash-linear-attention's chunk_kda returned non-finite values on a tiny call")
 
 
-_TINY_CALLS = {"triton": _tiny_triton, "grouped_gemm": _tiny_grouped_gemm, "cpu": _tiny_c_swiglu, "fla": _tiny_fla}
+def _tiny_mamba(device: torch.device) -> None:
+    scan = mamba_function()
+    x = torch.ones(1, 4, 1, 16, device=device)
+    B = torch.ones(1, 4, 1, 16, device=device)
+    y = scan(x, torch.ones(1, 4, 1, device=device), -torch.ones(1, device=device), B, B, 64)
+    torch.cuda.synchronize(device)
+    if not bool(torch.isfinite(y).all()):
+        raise RuntimeError("mamba-ssm's mamba_chunk_scan_combined returned non-finite values on a tiny call")
+
+
+_TINY_CALLS = {"triton": _tiny_triton, "grouped_gemm": _tiny_grouped_gemm, "cpu": _tiny_c_swiglu, "fla": _tiny_fla,
+               "mamba_ssm": _tiny_mamba}
 
 
 def resolve(op: str, backend: str, x: torch.Tensor, *, topk_fusable: bool = True) -> str:
@@ -250,13 +272,15 @@ _FIXES = {
     "triton": "install the triton release that matches this torch, or set {field}=torch",
     "grouped_gemm": GPU_INSTALL + ", or set moe.gemm_backend=loop",
     "fla": FLA_INSTALL + ", or set model.linear_backend=torch",
+    "mamba_ssm": MAMBA_INSTALL + ", or set model.mamba_backend=torch",
 }
 
 
 def resolve_config(config, device: torch.device):
-    """``config`` with every ``moe.*_backend`` and ``model.linear_backend`` that is ``auto``
-    replaced by the backend the rule chooses for ``device`` and ``train.precision`` (the
-    delta rule runs in float32 whatever the precision), so that the run's saved and printed
+    """``config`` with every ``moe.*_backend``, ``model.linear_backend`` and
+    ``model.mamba_backend`` that is ``auto`` replaced by the backend the rule chooses for
+    ``device`` and ``train.precision`` (the delta rule and the SSD scan run in float32
+    whatever the precision), so that the run's saved and printed
     config names what ran. Raises ConfigError, one line per backend that cannot run on
     ``device`` (the field, the value, why, the fix)."""
     import dataclasses
@@ -267,7 +291,7 @@ def resolve_config(config, device: torch.device):
     device = _probe_device(torch.device(device))
     dtypes = {op: PRECISION_DTYPES[config.train.precision] for op in OPS}
     dtypes["topk"] = torch.float64 if moe.router_dtype == "float64" else torch.float32
-    dtypes["delta_rule"] = torch.float32
+    dtypes["delta_rule"] = dtypes["ssd"] = torch.float32
     fusable = moe.num_groups is None and not moe.expert_bias
     resolved: dict[str, dict[str, str]] = {"moe": {}, "model": {}}
     problems = []

@@ -32,6 +32,7 @@ from moe_fold.comm import Group, group_rank, group_size
 from moe_fold.config import ModelConfig, mamba_groups_over_tp, require
 from moe_fold.kernels.gated_delta import causal_conv1d
 from moe_fold.kernels.ssd import chunk_ssd, ssd_decay
+from moe_fold.kernels.ssd_scan import ssd_scan
 from moe_fold.parallel.recurrent_cp import conv_histories, local_segments, start_states
 from moe_fold.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, global_normal, init_seed, mark, shard_tp,
@@ -63,6 +64,7 @@ class Mamba2(nn.Module):
         self.eps = config.norm_eps
         self.chunk_size = config.mamba_chunk_size
         self.dt_min = config.mamba_dt_min
+        self.scan = ssd_scan(config.mamba_backend)
         inner, bc = heads * self.P, groups * self.N
         self.in_proj = ColumnParallelLinear(config.hidden_size, [inner, inner, bc, bc, heads], tp_group,
                                             sequence_parallel, std=config.init_std,
@@ -108,22 +110,19 @@ class Mamba2(nn.Module):
         return self._output(y, z, x.dtype)
 
     def _heads(self, xbc: torch.Tensor, dt: torch.Tensor, dtype: torch.dtype) -> tuple:
-        """The conv's output ``xbc [S, B, I + 2GN]`` and ``dt [S, B, h]`` -> the SSD's ``x``
-        ``[B, h, S, P]`` (times dt), ``g [B, h, S]``, ``b, c [B, h, S, N]``, and the skip
-        ``D x [B, h, S, P]``."""
+        """The conv's output ``xbc [S, B, I + 2GN]`` and ``dt [S, B, h]`` -> the scan's ``x``
+        ``[B, h, S, P]``, step ``[B, h, S]``, ``A [h]``, ``b, c [B, g, S, N]`` (per group), and
+        the skip ``D x [B, h, S, P]``."""
         inner, bc = self.heads * self.P, self.groups * self.N
         xs, b, c = xbc.split([inner, bc, bc], dim=-1)
         S, B = xs.shape[:2]
         # The recurrence runs in float32 (float64 for a float64 model), as mamba-ssm's kernels do.
         work = torch.float64 if dtype == torch.float64 else torch.float32
         xs = xs.reshape(S, B, self.heads, self.P).permute(1, 2, 0, 3).to(work)  # [B, h, S, P]
-        # A group's B and C serve heads / groups consecutive heads.
-        b, c = (t.reshape(S, B, self.groups, self.N).repeat_interleave(self.heads // self.groups, dim=2)
-                .permute(1, 2, 0, 3).to(work) for t in (b, c))  # [B, h, S, N]
+        b, c = (t.reshape(S, B, self.groups, self.N).permute(1, 2, 0, 3).to(work) for t in (b, c))  # [B, g, S, N]
         step = F.softplus(dt.to(work) + self.dt_bias).clamp(min=self.dt_min).permute(1, 2, 0)  # [B, h, S]
-        g = -self.A_log.to(work).exp()[:, None] * step
         skip = self.D.to(work)[:, None, None] * xs
-        return xs * step.unsqueeze(-1), g, b, c, skip
+        return xs, step, -self.A_log.to(work).exp(), b, c, skip
 
     def _output(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The recurrence's ``y [B, h, S, P]`` times ``silu(z)``, RMS-normalised per group,
@@ -144,8 +143,8 @@ class Mamba2(nn.Module):
         real = xbc[:n]
         conv = F.silu(causal_conv1d(real, self.conv_weight, cache.conv) + self.conv_bias)
         cache.conv = _tail(real if cache.conv is None else torch.cat([cache.conv, real]), K - 1)
-        xs, g, b, c, skip = self._heads(conv, dt[:n], xbc.dtype)
-        y, cache.state = chunk_ssd(xs, g, b, c, initial_state=cache.state, chunk_size=self.chunk_size)
+        xs, step, A, b, c, skip = self._heads(conv, dt[:n], xbc.dtype)
+        y, cache.state = self.scan(xs, step, A, b, c, initial_state=cache.state, chunk_size=self.chunk_size)
         return F.pad(y + skip, (0, 0, 0, xbc.shape[0] - n))  # [B, h, S, P]
 
     def _conv(self, x: torch.Tensor, segments: list, doc_ids: Optional[torch.Tensor], group: Group) -> torch.Tensor:
@@ -160,15 +159,19 @@ class Mamba2(nn.Module):
             outs.append(causal_conv1d(x[lo:hi], self.conv_weight, history, ids))
         return torch.cat(outs, dim=0) + self.conv_bias
 
-    def _recurrence(self, xs, g, b, c, skip, segments: list, doc_ids: Optional[torch.Tensor],
+    def _recurrence(self, xs, step, A, b, c, skip, segments: list, doc_ids: Optional[torch.Tensor],
                     group: Group) -> torch.Tensor:
         """The SSD over this rank's segments, each from the state the segments before it
-        leave (a prefix scan over cp), plus the skip."""
+        leave (a prefix scan over cp, in torch), plus the skip."""
+        if group_size(group) == 1:
+            resets = None if doc_ids is None else _resets(doc_ids, 0, xs.shape[2])
+            return self.scan(xs, step, A, b, c, resets=resets, chunk_size=self.chunk_size)[0] + skip
+        # A group's B and C serve heads / groups consecutive heads.
+        b, c = (t.repeat_interleave(self.heads // self.groups, dim=1) for t in (b, c))  # [B, h, S, N]
+        xs, g = xs * step.unsqueeze(-1), A[:, None] * step
         parts = [tuple(t[:, :, lo:hi] for t in (xs, g, b, c)) for lo, hi, _ in segments]
         resets = [None if doc_ids is None else _resets(doc_ids, index * (hi - lo), hi - lo)
                   for lo, hi, index in segments]
-        if group_size(group) == 1:
-            return chunk_ssd(*parts[0], resets=resets[0], chunk_size=self.chunk_size)[0] + skip
         eye = torch.eye(self.N, dtype=xs.dtype, device=xs.device)
         writes, transitions = [], []
         for p, r in zip(parts, resets):

@@ -207,6 +207,10 @@ class ModelConfig:
     mamba_dt_min: float = 0.001
     # Mamba2: the largest step the initial dt_bias gives (see mamba_dt_min).
     mamba_dt_max: float = 0.1
+    # Mamba2: the kernel of the SSD scan. auto: the device rule of moe_fold.kernels.backends
+    # (mamba_ssm on CUDA sm80+ where mamba-ssm runs, else torch) | torch (the chunked scan of
+    # moe_fold.kernels.ssd) | mamba_ssm (pip install 'moe-fold[mamba]').
+    mamba_backend: Literal["auto", "torch", "mamba_ssm"] = "auto"
 
 
 @dataclass
