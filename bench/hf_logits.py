@@ -94,7 +94,7 @@ def sizes_of(model) -> str:
     if m.block == "shortcut_moe":
         deltanet = " (2 sublayers each)"
     zero = f" + Z{moe.zero_experts}" if moe.zero_experts else ""
-    if m.single_mixer_layers:
+    if m.block == "single_mixer":
         # Nemotron-H's pattern letters: M Mamba2, * attention, - MLP, E MoE.
         kinds = "".join({"mamba2": "M", "attention": "*", "mlp": "-", "moe": "E"}[k] for k in m.layer_types)
         deltanet = (f" ({kinds}: Mamba2 {m.mamba_num_heads} x {m.mamba_head_dim} in {m.mamba_num_groups} groups, "

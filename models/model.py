@@ -113,7 +113,7 @@ class Block(nn.Module):
 
     ``mlp`` is the dense :class:`MLP` or an MoE layer: any module taking this rank's
     tokens ``[T_local, H]`` and returning ``[T_local, H]``. With
-    ``model.single_mixer_layers`` (Nemotron-H) a block has one of the two: a token mixer
+    ``model.block: single_mixer`` (Nemotron-H) a block has one of the two: a token mixer
     without ``mlp`` (None), or an ``mlp`` without ``attn`` (its layer type ``mlp`` or ``moe``).
     """
 
@@ -246,7 +246,7 @@ def make_block(config: Config, groups: ProcessGroups, layer: int) -> nn.Module:
 
 def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> Optional[nn.Module]:
     """The MLP of ``layer``: an MoE layer where ``moe_layer_flags`` says so, else dense;
-    None for a token-mixer layer under ``model.single_mixer_layers``.
+    None for a token-mixer layer under ``model.block: single_mixer``.
 
     The MoE layer is built as ``MoELayer(config, groups, layer)`` and called as
     ``mlp(hidden [T_local, H], loss_mask=, seq_ids=, num_seqs=) -> [T_local, H]`` (real
@@ -258,7 +258,7 @@ def make_mlp(config: Config, groups: ProcessGroups, layer: int) -> Optional[nn.M
     """
     flags = moe_layer_flags(config)
     m = config.model
-    if m.single_mixer_layers and layer_mixer(m, layer) not in CHANNEL_MIXERS:
+    if m.block == "single_mixer" and layer_mixer(m, layer) not in CHANNEL_MIXERS:
         return None
     if flags[min(layer, len(flags) - 1)]:
         return MoELayer(config, groups, layer)

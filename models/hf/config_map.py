@@ -63,7 +63,7 @@ def _reset_family_fields(config: Config) -> None:
     m.layer_types, m.attn_output_gate, m.norm_zero_centred = None, False, False
     m.block, m.mla_lora_scale, m.mla_norm_eps = "standard", False, None
     m.dsa, m.indexer_types, m.index_rope_interleave = False, None, False
-    m.single_mixer_layers, m.mlp_activation = False, "swiglu"
+    m.mlp_activation = "swiglu"
 
 
 def config_from_hf(hf: dict, base: Optional[Config] = None) -> Config:
@@ -138,8 +138,8 @@ FEATURE_USE: dict[str, tuple[Callable[[Config], bool], Callable[[Config, str], s
                        lambda c, f: f"model.mla_lora_scale=true: {f} does not scale the MLA latents"),
     "score_on_input": (lambda c: c.moe.score_on_input,
                        lambda c, f: f"moe.score_on_input=true: {f} scales each expert's output by its prob"),
-    "single_mixer_layers": (lambda c: c.model.single_mixer_layers,
-                            lambda c, f: f"model.single_mixer_layers=true: {f}'s layers are attention + MLP "
+    "single_mixer": (lambda c: c.model.block == "single_mixer",
+                     lambda c, f: f"model.block=single_mixer: {f}'s layers are attention + MLP "
                                          f"(Nemotron-H has one mixer per layer)"),
     "mlp_activation": (lambda c: c.model.mlp_activation != "swiglu",
                        lambda c, f: f"model.mlp_activation={c.model.mlp_activation}: {f}'s MLPs are SwiGLU"),

@@ -81,7 +81,7 @@ _ARCHITECTURE = {
               "rope_layers", "attn_temperature_tuning", "attn_temperature_scale", "attn_temperature_floor",
               "attention_out_bias", "yarn_truncate", "layer_types", "attn_output_gate", "norm_zero_centred",
               "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-              "linear_conv_kernel", "block", "mla_lora_scale", "mla_norm_eps", "single_mixer_layers", "mlp_activation",
+              "linear_conv_kernel", "block", "mla_lora_scale", "mla_norm_eps", "mlp_activation",
               "mamba_num_heads", "mamba_head_dim", "mamba_state_size", "mamba_num_groups", "mamba_conv_kernel",
               "mamba_dt_min"),
     "moe": ("num_experts", "topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate",

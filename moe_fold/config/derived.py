@@ -79,10 +79,10 @@ MLA_SIZES = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim
 def moe_layer_flags(config: Config) -> list[bool]:
     """One flag per layer, True where the layer's MLP is an MoE layer: every
     ``moe_layer_freq``-th layer from layer 0 (or the given 0/1 list), then the first
-    ``first_k_dense`` layers forced dense; with ``model.single_mixer_layers``, the layers
+    ``first_k_dense`` layers forced dense; with ``model.block: single_mixer``, the layers
     whose ``model.layer_types`` entry is ``moe``."""
     m, moe = config.model, config.moe
-    if m.single_mixer_layers and m.layer_types is not None:
+    if m.block == "single_mixer" and m.layer_types is not None:
         return [kind == "moe" for kind in m.layer_types]
     freq = moe.moe_layer_freq
     if isinstance(freq, list):
@@ -117,7 +117,7 @@ def layer_attention(m: ModelConfig, layer: int) -> tuple[int, int, bool]:
             _layer_list(m, "rope_layers")[layer])
 
 
-# The layer types of model.single_mixer_layers that are a channel mixer alone (no token mixer).
+# The layer types of model.block=single_mixer that are a channel mixer alone (no token mixer).
 CHANNEL_MIXERS = ("mlp", "moe")
 
 

@@ -151,8 +151,11 @@ class ModelConfig:
     # The blocks: standard (attention, then the MLP or MoE; pre-norm residuals) | shortcut_moe
     # (LongCat-Flash's shortcut-connected MoE: two attention sublayers, each followed by a dense
     # MLP of width ffn_hidden_size, and an MoE that reads the first sublayer's normed output and
-    # is added at the block's end; every block has it).
-    block: Literal["standard", "shortcut_moe"] = "standard"
+    # is added at the block's end; every block has it) | single_mixer (Nemotron-H: each layer has
+    # one mixer, its model.layer_types entry, under one pre-norm and residual: attention |
+    # gated_deltanet | mamba2 (no MLP after it) | mlp (a dense MLP alone) | moe (an MoE layer
+    # alone; such layers are the MoE layers)).
+    block: Literal["standard", "shortcut_moe", "single_mixer"] = "standard"
     # MLA: the query times sqrt(hidden_size / q_lora_rank) and the normed key/value latent times
     # sqrt(hidden_size / kv_lora_rank) (LongCat-Flash's LoRA scaling; needs q_lora_rank).
     mla_lora_scale: bool = False
@@ -182,11 +185,6 @@ class ModelConfig:
     # DSA: the weight of the indexer's KL loss (0: the indexer is not trained).
     dsa_indexer_loss_weight: float = 1.0
 
-    # Nemotron-H: each layer has one mixer, its model.layer_types entry, under one pre-norm
-    # and residual: attention | gated_deltanet | mamba2 (no MLP after it) | mlp (a dense MLP
-    # alone) | moe (an MoE layer alone; such layers are the MoE layers). False: every layer
-    # is its token mixer, then a dense or MoE MLP (moe.moe_layer_freq).
-    single_mixer_layers: bool = False
     # The dense MLPs' and shared experts' activation: swiglu (fc1 is gate|up) | relu2
     # (Nemotron-H: relu(up)^2, not gated; fc1 is the up projection alone).
     mlp_activation: Literal["swiglu", "relu2"] = "swiglu"

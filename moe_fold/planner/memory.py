@@ -355,7 +355,7 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     g = p.tp if p.sequence_parallel else 1
     norm = a * h + 4
     mixer = _mixer(config, layer, g)
-    if layer in d.no_mlp:  # a token mixer alone (model.single_mixer_layers)
+    if layer in d.no_mlp:  # a token mixer alone (model.block=single_mixer)
         return a * h if recompute == "full" else norm + mixer
     if not d.moe_flags[layer]:
         if recompute == "full":

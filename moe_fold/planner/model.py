@@ -111,7 +111,7 @@ class Dims:
     lin_value_dim: int = 0
     lin_conv: int = 0
     lin_chunk: int = 0
-    # Nemotron-H (model.single_mixer_layers): the blocks without a token mixer (mlp, moe) and
+    # Nemotron-H (model.block=single_mixer): the blocks without a token mixer (mlp, moe) and
     # those without an MLP (attention, mamba2); whether the dense MLPs and shared experts
     # (mlp_activation) and the routed experts (moe.activation) are gated (fc1 gate|up) or relu2.
     no_mixer: frozenset[int] = frozenset()
@@ -195,7 +195,7 @@ def _moe_flags(num_layers: int, freq: int | tuple[int, ...], first_k_dense: int)
 def dims(config: Config) -> Dims:
     m, moe = config.model, config.moe
     freq = tuple(moe.moe_layer_freq) if isinstance(moe.moe_layer_freq, list) else moe.moe_layer_freq
-    if m.single_mixer_layers:
+    if m.block == "single_mixer":
         flags = tuple(moe_layer_flags(config))
     else:
         flags = _moe_flags(m.num_layers, freq, moe.first_k_dense)
@@ -214,7 +214,7 @@ def dims(config: Config) -> Dims:
 
 
 def _single_mixer_dims(m: ModelConfig) -> dict:
-    if not m.single_mixer_layers:
+    if not m.block == "single_mixer":
         return {}
     kinds = [layer_mixer(m, i) for i in range(m.num_layers)]
     return dict(no_mixer=frozenset(i for i, k in enumerate(kinds) if k in CHANNEL_MIXERS),

@@ -94,7 +94,7 @@ def _counts(name: str) -> tuple[float, float, float]:
     conv = inner + 2 * bc
     mamba = (H * (2 * inner + 2 * bc + m.mamba_num_heads) + conv * (m.mamba_conv_kernel + 1)
              + 3 * m.mamba_num_heads + inner + inner * H + H)
-    if m.single_mixer_layers:
+    if m.block == "single_mixer":
         attn -= H  # one norm per layer
     embed = m.vocab_size * H * (1 if m.tie_embeddings else 2) + H
     kinds = m.layer_types or ["attention"] * m.num_layers
@@ -108,7 +108,7 @@ def _counts(name: str) -> tuple[float, float, float]:
     no_attn = embed
     mats, expert_mats = (2 if m.mlp_activation == "relu2" else 3), (2 if moe.activation == "relu2" else 3)
     for i, is_moe in enumerate(moe_layer_flags(c)):
-        if m.single_mixer_layers and kinds[i] not in ("mlp", "moe"):
+        if m.block == "single_mixer" and kinds[i] not in ("mlp", "moe"):
             continue
         if is_moe:
             shared = mats * H * moe.shared_expert_ffn_hidden_size + (H if moe.shared_expert_gate else 0)

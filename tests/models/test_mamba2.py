@@ -95,14 +95,12 @@ def test_chunk_size_does_not_change_the_result():
     (dict(layer_types=["mamba2"] * 4, mamba_state_size=0), "model.mamba_state_size=0"),
     (dict(layer_types=["mamba2"] * 4, mamba_dt_min=0.2), "must satisfy 0 < mamba_dt_min <= mamba_dt_max"),
     (dict(layer_types=["mamba2", "mlp", "attention", "moe"]),
-     "model.layer_types[1]='mlp' is a layer with a channel mixer alone: it needs model.single_mixer_layers=true"),
-    (dict(single_mixer_layers=True), "model.single_mixer_layers=true needs model.layer_types"),
-    (dict(single_mixer_layers=True, layer_types=["mamba2", "moe", "attention", "mlp"], mtp_num_layers=1),
-     "model.mtp_num_layers=1 with model.single_mixer_layers=true"),
-    (dict(single_mixer_layers=True, layer_types=["mamba2", "moe", "attention", "mlp"], block="shortcut_moe"),
-     "model.block=shortcut_moe with model.single_mixer_layers=true"),
-    (dict(single_mixer_layers=True, layer_types=["mamba2", "moe", "attention", "mlp"], **{"moe.first_k_dense": 1}),
-     "moe.first_k_dense=1 with model.single_mixer_layers=true: the MoE layers are the model.layer_types entries"),
+     "model.layer_types[1]='mlp' is a layer with a channel mixer alone: it needs model.block=single_mixer"),
+    (dict(block="single_mixer"), "model.block=single_mixer needs model.layer_types"),
+    (dict(block="single_mixer", layer_types=["mamba2", "moe", "attention", "mlp"], mtp_num_layers=1),
+     "model.mtp_num_layers=1 with model.block=single_mixer"),
+    (dict(block="single_mixer", layer_types=["mamba2", "moe", "attention", "mlp"], **{"moe.first_k_dense": 1}),
+     "moe.first_k_dense=1 with model.block=single_mixer: the MoE layers are the model.layer_types entries"),
 ])
 def test_mamba2_rules(overrides, problem):
     config = Config()

@@ -65,7 +65,7 @@ KIMI_LINEAR_LAYERS = dict(layer_types=["kda", "kda", "kda", "attention"], attent
 # an ungated relu2 shared expert, attention without rotary, a relu2 MLP); Mamba2 4 heads of 6
 # in 2 groups, state 5, chunks of 3. The initial steps (dt 0.001 to 0.1) keep the decays
 # slow, so a state not passed along cp or not reset at a document start shows.
-NEMOTRON_H_LAYERS = dict(layer_types=["mamba2", "moe", "attention", "mlp"], single_mixer_layers=True,
+NEMOTRON_H_LAYERS = dict(layer_types=["mamba2", "moe", "attention", "mlp"], block="single_mixer",
                          rope_layers=[0, 0, 0, 0], mlp_activation="relu2", mamba_num_heads=4, mamba_head_dim=6,
                          mamba_state_size=5, mamba_num_groups=2, mamba_conv_kernel=4, mamba_chunk_size=3,
                          moe=dict(activation="relu2", score_function="sigmoid", expert_bias=True,

@@ -41,7 +41,7 @@ FEATURES = frozenset({
     "yarn",  # YaRN rotary scaling
     "attention_sinks", "sliding_window", "attention_chunk", "rope_layers", "attn_temperature_tuning",
     "score_on_input",  # the routing prob scales the expert's input
-    "single_mixer_layers", "mlp_activation", "mamba2",  # Nemotron-H's layers
+    "single_mixer", "mlp_activation", "mamba2",  # Nemotron-H's layers
     "layer_types", "attn_output_gate", "norm_zero_centred",  # Qwen3-Next's layers (Gated DeltaNet)
     "zero_experts",  # LongCat-Flash's zero-computation experts
     "shortcut_moe", "mla_lora_scale",  # LongCat-Flash's blocks and MLA scaling

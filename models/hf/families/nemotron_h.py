@@ -1,5 +1,5 @@
 """Nemotron-H / Nemotron 3 (``NemotronHForCausalLM``, docs/families/nemotron-h.md): every layer
-is one mixer under one pre-norm and residual (``model.single_mixer_layers``), as
+is one mixer under one pre-norm and residual (``model.block: single_mixer``), as
 ``layers_block_type`` (or the older ``hybrid_override_pattern``: M, *, -, E) names it:
 Mamba2 (``linear_attention`` -> ``mamba2``), attention without rotary embeddings
 (``full_attention`` -> ``attention`` with ``model.rope_layers`` all 0), a dense relu2 MLP
@@ -71,7 +71,7 @@ def from_hf(keys: Keys, config: Config) -> None:
     declared = keys.get("num_hidden_layers", None)
     if declared is not None and declared != m.num_layers:
         keys.problems.append(f"num_hidden_layers={declared} disagrees with the {m.num_layers} layer types")
-    m.single_mixer_layers, m.mlp_activation, moe.activation = True, "relu2", "relu2"
+    m.block, m.mlp_activation, moe.activation = "single_mixer", "relu2", "relu2"
     m.rope_layers = [0] * m.num_layers  # Nemotron-H's attention has no position embedding
     m.qk_norm, m.qkv_bias = False, False
     for ours, (theirs, default) in _MAMBA.items():
@@ -103,8 +103,8 @@ def from_hf(keys: Keys, config: Config) -> None:
 
 def refusals(config: Config, flags: list, refuse: Refuse) -> None:
     m, moe = config.model, config.moe
-    refuse(not m.single_mixer_layers or m.layer_types is None,
-           "model.single_mixer_layers=false: every Nemotron-H layer is one mixer")
+    refuse(m.block != "single_mixer" or m.layer_types is None,
+           f"model.block={m.block}: every Nemotron-H layer is one mixer (model.block=single_mixer)")
     others = sorted({t for t in (m.layer_types or []) if t not in _TO_HF})
     refuse(bool(others), f"model.layer_types has {others}: Nemotron-H has mamba2, attention, mlp and moe layers")
     refuse(m.mlp_activation != "relu2", f"model.mlp_activation={m.mlp_activation}: Nemotron-H's MLPs are relu2")
@@ -192,12 +192,12 @@ def _prefix(hf_names: frozenset) -> str:
 
 def _exports(config: Config) -> bool:
     m = config.model
-    return m.single_mixer_layers or (m.layer_types is not None and "mamba2" in m.layer_types)
+    return m.block == "single_mixer" or (m.layer_types is not None and "mamba2" in m.layer_types)
 
 
 FAMILY = Family(
     model_type="nemotron_h", architecture="NemotronHForCausalLM",
-    features=frozenset({"layer_types", "rope_layers", "expert_activation", "single_mixer_layers", "mlp_activation",
+    features=frozenset({"layer_types", "rope_layers", "expert_activation", "single_mixer", "mlp_activation",
                         "mamba2"}),
     from_hf=from_hf, refusals=refusals, to_hf=to_hf, exports=_exports, export_priority=4,
     layer_sources=layer_sources, model_prefix=_prefix, embed_name="embeddings.weight", final_norm_name="norm_f.weight")

@@ -100,9 +100,9 @@ def _check_layer_types(m: ModelConfig, out: list[str]) -> None:
             if kind not in LAYER_TYPES:
                 out.append(f"model.layer_types[{i}]={kind!r} must be one of {', '.join(LAYER_TYPES)}")
         for i, kind in enumerate(m.layer_types):
-            if kind in CHANNEL_MIXERS and not m.single_mixer_layers:
+            if kind in CHANNEL_MIXERS and m.block != "single_mixer":
                 out.append(f"model.layer_types[{i}]={kind!r} is a layer with a channel mixer alone: it needs "
-                           f"model.single_mixer_layers=true")
+                           f"model.block=single_mixer")
         if set(m.layer_types) & set(RECURRENT_TYPES):
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                          "linear_value_head_dim", "linear_conv_kernel", "linear_chunk_size"):
@@ -126,22 +126,19 @@ def _check_layer_types(m: ModelConfig, out: list[str]) -> None:
             if not 0 < m.mamba_dt_min <= m.mamba_dt_max:
                 out.append(f"model.mamba_dt_min={_fmt(m.mamba_dt_min)} and model.mamba_dt_max={_fmt(m.mamba_dt_max)} "
                            f"must satisfy 0 < mamba_dt_min <= mamba_dt_max (the steps dt_bias starts from)")
-    if m.single_mixer_layers:
+    if m.block == "single_mixer":
         if m.layer_types is None:
-            out.append("model.single_mixer_layers=true needs model.layer_types (each layer's one mixer)")
+            out.append("model.block=single_mixer needs model.layer_types (each layer's one mixer)")
         if m.mtp_num_layers:
-            out.append(f"model.mtp_num_layers={m.mtp_num_layers} with model.single_mixer_layers=true: the MTP "
+            out.append(f"model.mtp_num_layers={m.mtp_num_layers} with model.block=single_mixer: the MTP "
                        f"depths' blocks are attention + MLP blocks; set model.mtp_num_layers=0")
-        if m.block != "standard":
-            out.append(f"model.block={m.block} with model.single_mixer_layers=true: a single-mixer layer is a "
-                       f"standard block with one of its two parts")
     if m.attn_output_gate and m.attention == "mla":
         out.append("model.attn_output_gate=true needs model.attention=mha (the gate is projected with the query)")
     if m.norm_zero_centred and m.attention == "mla":
         out.append("model.norm_zero_centred=true needs model.attention=mha (MLA's latent norms are not zero-centred)")
 
 
-BLOCKS = ("standard", "shortcut_moe")
+BLOCKS = ("standard", "shortcut_moe", "single_mixer")
 
 
 @rule

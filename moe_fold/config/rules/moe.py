@@ -34,9 +34,9 @@ def _check_layer_pattern(config: Config, out: list[str]) -> list[bool] | None:
 
 def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
     moe, p = config.moe, config.parallel
-    if config.model.single_mixer_layers and (moe.moe_layer_freq != 1 or moe.first_k_dense):
+    if config.model.block == "single_mixer" and (moe.moe_layer_freq != 1 or moe.first_k_dense):
         out.append(f"moe.moe_layer_freq={_fmt(moe.moe_layer_freq)} and moe.first_k_dense={moe.first_k_dense} "
-                   f"with model.single_mixer_layers=true: the MoE layers are the model.layer_types entries "
+                   f"with model.block=single_mixer: the MoE layers are the model.layer_types entries "
                    f"'moe'; leave moe.moe_layer_freq=1 and moe.first_k_dense=0")
     out.extend(router_settings(moe))
     out.extend(dispatch_modes(moe.dispatcher, moe.capacity_factor, moe.pad_to_capacity, moe.dedup))

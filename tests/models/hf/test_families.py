@@ -1066,7 +1066,7 @@ def test_nemotron_h_exports_refuse_what_they_cannot_hold(tmp_path):
     model = from_hf(tmp_path / "hf")
     with pytest.raises(HFConfigError) as err:
         to_hf(model, tmp_path / "out", family="qwen3_next")
-    for field in ("model.single_mixer_layers=true", "model.mlp_activation=relu2", "no Mamba2 layers"):
+    for field in ("model.block=single_mixer", "model.mlp_activation=relu2", "no Mamba2 layers"):
         assert field in str(err.value), field
     model.config.model.rope_layers = [1] * 6
     model.config.moe.activation = "swiglu"
