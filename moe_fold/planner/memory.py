@@ -35,7 +35,9 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   come out of the qkv projection and q, k, v are concatenated again without them) adds
   the gate's sigmoid, SDPA's output reshaped and the gated product ``3 a q g/tp``.
 - Gated DeltaNet layers (``model.layer_types``): see :func:`_gated_deltanet` (the torch
-  recurrence's float32 chunk terms dominate).
+  recurrence's float32 chunk terms dominate). KDA layers: see :func:`_kda` (its
+  per-channel decays make ``[C, C, d]`` float32 tensors) and, for their backward,
+  :func:`kda_backward_bytes`.
 - Dense MLP (:class:`moe_fold.models.mlp.MLP`): gathered input ``aHg``, fc1 output
   ``2aFg/tp`` (silu and the product keep views of it), silu output ``aFg/tp``, fc2 input
   ``aFg/tp``. relu2 (Nemotron-H): the input, relu's output ``aFg/tp`` (square reads the
