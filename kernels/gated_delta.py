@@ -62,14 +62,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     q, k, v, g = (t.reshape(B, H, n, C, -1) for t in (q, k, v, g))  # [B, H, n, C, d]
     beta = beta.reshape(B, H, n, C)
     G = g.cumsum(-2)  # [B, H, n, C, dk or 1]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # j <= t
-    if resets is None:
-        same = causal.expand(B, 1, n, C, C)
-        carry = torch.ones(B, 1, n, C, dtype=torch.bool, device=q.device)  # S0 reaches token t
-    else:
-        starts = resets.reshape(B, 1, n, C).to(torch.int64).cumsum(-1)  # starts in [chunk start, t]
-        same = (starts.unsqueeze(-1) == starts.unsqueeze(-2)) & causal  # no start in (j, t]
-        carry = starts == 0
+    same, carry = chunk_reach(resets, B, n, C, q.device)
     # exp(G_t - G_j) where it is reachable, 0 elsewhere (masked before exp: no inf * 0).
     diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~same.unsqueeze(-1), float("-inf"))
     D = diff.exp()  # [B, H, n, C, C, dk or 1]
@@ -95,6 +88,20 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         state = state_decay[:, :, c] * state + k_out[:, :, c].transpose(-1, -2) @ u
     o = torch.stack(outs, dim=2).reshape(B, H, n * C, dv)[:, :, :S]
     return o, state
+
+
+def chunk_reach(resets: Optional[torch.Tensor], batch: int, chunks: int, size: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Within each of ``chunks`` chunks of ``size`` tokens: ``same [B, 1, n, C, C]``, token
+    j's write reaches token t (j <= t, no document start in (j, t]), and ``carry [B, 1, n, C]``,
+    the chunk's start state reaches token t (no start in [chunk start, t]). ``resets`` bool
+    ``[B, n*C]`` marks document starts (None: one document)."""
+    causal = torch.ones(size, size, dtype=torch.bool, device=device).tril()  # j <= t
+    if resets is None:
+        return (causal.expand(batch, 1, chunks, size, size),
+                torch.ones(batch, 1, chunks, size, dtype=torch.bool, device=device))
+    starts = resets.reshape(batch, 1, chunks, size).to(torch.int64).cumsum(-1)  # starts in [chunk start, t]
+    return (starts.unsqueeze(-1) == starts.unsqueeze(-2)) & causal, starts == 0
 
 
 def _decayed_products(a: torch.Tensor, b: torch.Tensor, D: torch.Tensor) -> torch.Tensor:

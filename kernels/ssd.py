@@ -28,6 +28,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .gated_delta import chunk_reach
+
 
 def chunk_ssd(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
               resets: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None,
@@ -49,14 +51,7 @@ def chunk_ssd(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, c: torch.Tensor
             resets = F.pad(resets, (0, pad))
     x, b, c = (t.reshape(Bsz, H, n, C, -1) for t in (x, b, c))  # [B, H, n, C, d]
     G = g.reshape(Bsz, H, n, C).cumsum(-1)  # [B, H, n, C]
-    causal = torch.ones(C, C, dtype=torch.bool, device=x.device).tril()  # j <= t
-    if resets is None:
-        same = causal.expand(Bsz, 1, n, C, C)
-        carry = torch.ones(Bsz, 1, n, C, dtype=torch.bool, device=x.device)  # S0 reaches token t
-    else:
-        starts = resets.reshape(Bsz, 1, n, C).to(torch.int64).cumsum(-1)  # starts in [chunk start, t]
-        same = (starts.unsqueeze(-1) == starts.unsqueeze(-2)) & causal  # no start in (j, t]
-        carry = starts == 0
+    same, carry = chunk_reach(resets, Bsz, n, C, x.device)
     # exp(G_t - G_j) where it is reachable, 0 elsewhere (masked before exp: no inf * 0).
     D = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~same, float("-inf")).exp()  # [B, H, n, C, C]
     decay_in = G.exp() * carry  # [B, H, n, C]: exp(G_t), or 0 past a start

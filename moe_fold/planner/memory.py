@@ -50,7 +50,7 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   ``g/tp``): the gathered input ``aHg``; under fp32 in_proj's output ``a(2I + 2GN + h)``
   (z's silu keeps a view of it) and the conv's padded input, its output and SiLU's ``3aCc``;
   under bf16 ``2aCc`` and x's float32 copy ``wI``; the SSD's B and C per head with their
-  transposed, decayed and sliced copies ``7whN``, x times dt ``wI``, the chunk's decays,
+  transposed, decayed and sliced copies ``5whN`` (one cp rank), x times dt ``wI``, the chunk's decays,
   scores and their product ``3whC``, the states at chunk edges ``whNP/C``, per-head gates
   ``6wh`` and masks ``2C``; the gated norm's ``y``, ``silu(z)`` (and z's float32 copy under
   bf16), their product ``3wI`` (``4wI``), its rsqrt per group, the normed values ``wI``
@@ -229,10 +229,14 @@ def _attention(config: Config, g: int, layer: int) -> float:
     d, tp, a = dims(config), config.parallel.tp, _act(config)
     if d.mla:
         return mla_attention_bytes(d, a, g, tp)
-    inside = a * (d.q_size + 2 * d.kv_size) + a * (d.q_size + d.kv_size) + a * d.q_size + 4 * d.heads
+    rope = layer_attention(config.model, layer)[2]
+    # Rotary makes new q and k; without it SDPA keeps views of the qkv output, and only
+    # temperature tuning (Llama-4's NoPE layers) makes a new q.
+    rotated = d.q_size + d.kv_size if rope else d.q_size * config.model.attn_temperature_tuning
+    inside = a * (d.q_size + 2 * d.kv_size) + a * rotated + a * d.q_size + 4 * d.heads
     if d.qk_norm:
         inside += 4 * (d.heads + d.kv_heads)
-        if d.qk_norm_scope == "l2" and layer_attention(config.model, layer)[2]:
+        if d.qk_norm_scope == "l2" and rope:
             inside += 4 * (d.q_size + d.kv_size)  # the L2 norm's float32 q and k
     if d.output_gate:
         # out * sigmoid(gate): the gate's sigmoid, the attention output reshaped out of
@@ -250,10 +254,10 @@ def _mamba2(config: Config, g: int) -> float:
     n, C = d.m2_state, d.m2_chunk
     local = a * (2 * inner + 2 * bc + heads) if same else 0  # in_proj's output (z's silu keeps a view)
     local += a * d.m2_conv_size * (3 if same else 2) + (0 if same else w * inner)  # conv, silu; x in float32
-    # The chunked SSD: B and C per head, their transposed / decayed / sliced copies (7 in
-    # all), x times dt, the C x C decays, scores and their product, the chunk-edge states,
-    # the per-head gates and the masks.
-    local += 7 * w * heads * n + w * inner + 3 * w * heads * C + w * heads * n * d.m2_head_dim / C + 6 * w * heads
+    # The chunked SSD (one cp rank): B and C repeated per head in the scan, their transposed /
+    # decayed / sliced copies (5 in all), x times dt, the C x C decays, scores and their
+    # product, the chunk-edge states, the per-head gates and the masks.
+    local += 5 * w * heads * n + w * inner + 3 * w * heads * C + w * heads * n * d.m2_head_dim / C + 6 * w * heads
     local += 2 * C
     # The gated norm: y, silu(z) (and z's float32 copy), their product, the per-group rsqrt,
     # the normed values (float32, or their cast), out_proj's input.
