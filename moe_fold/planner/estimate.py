@@ -401,7 +401,10 @@ def backward_peak_bytes(config: Config, pp_rank: int, chunk: int, manifest: list
       recompute rebuilds (the block's activations without recompute, less what it kept),
       and, at the MLP's second linear, the grad of its output gathered over tp ``aHg``,
       the grad of its input ``aFg/tp`` and (``accumulating``) its weight's gradient in
-      the model's dtype ``aHF/tp``."""
+      the model's dtype ``aHF/tp``;
+    - in a chunk with KDA layers, the backward of its per-channel products
+      (:func:`moe_fold.planner.memory.kda_backward_bytes`), less what the layers after
+      it and the heads kept, freed by then."""
     d, p = dims(config), config.parallel
     g = p.tp if p.sequence_parallel else 1
     tokens = config.train.micro_batch_size * d.seq / (p.cp * g)
@@ -416,7 +419,13 @@ def backward_peak_bytes(config: Config, pp_rank: int, chunk: int, manifest: list
     if last:
         peaks.append(tokens * planner_memory.loss_backward_bytes(config))
     recompute = config.train.recompute
-    for i in layers:
+    for n, i in enumerate(layers):
+        if i in d.kda:
+            # The layers after it, the heads and the losses have freed what they kept.
+            freed = sum(planner_memory.layer_activation_bytes(config, j, recompute) for j in layers[n + 1:])
+            if last:
+                freed += planner_memory.head_activation_bytes(config) + planner_memory.mtp_activation_bytes(config)
+            peaks.append(tokens * (planner_memory.kda_backward_bytes(config, recompute) - freed))
         if not d.moe_flags[i]:
             rebuilt = (planner_memory.layer_activation_bytes(config, i, "none")
                        - planner_memory.layer_activation_bytes(config, i, recompute))

@@ -35,7 +35,9 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   come out of the qkv projection and q, k, v are concatenated again without them) adds
   the gate's sigmoid, SDPA's output reshaped and the gated product ``3 a q g/tp``.
 - Gated DeltaNet layers (``model.layer_types``): see :func:`_gated_deltanet` (the torch
-  recurrence's float32 chunk terms dominate).
+  recurrence's float32 chunk terms dominate). KDA layers: see :func:`_kda` (its
+  per-channel decays make ``[C, C, d]`` float32 tensors) and, for their backward,
+  :func:`kda_backward_bytes`.
 - Dense MLP (:class:`moe_fold.models.mlp.MLP`): gathered input ``aHg``, fc1 output
   ``2aFg/tp`` (silu and the product keep views of it), silu output ``aFg/tp``, fc2 input
   ``aFg/tp``. relu2 (Nemotron-H): the input, relu's output ``aFg/tp`` (square reads the
@@ -60,7 +62,8 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   Otherwise the torch ops keep the stable sort's indices ``8E`` (int64); the top-k softmax
   output ``rb k`` (post-softmax) or the softmax over all experts ``rb E`` (pre-softmax), or
   the sigmoid ``rb E`` and, with top-k > 1, the sort values and the sum it normalises by
-  ``rb (E + 1)``. The aux losses' softmax ``rb E`` (any of aux / seq_aux / global_aux on),
+  ``rb (E + 1)`` (with the expert bias the top-k scores gathered unbiased and their sum,
+  ``rb (k + 1)``). The aux losses' softmax ``rb E`` (any of aux / seq_aux / global_aux on),
   ``seq_ids`` ``8`` (seq_aux); the z-loss's log-sum-exp ``rb`` and its logits ``rb E``
   (the top-k op's own, counted once, when it keeps them). Per micro-batch, under bf16,
   the float32 copy of the router weight ``4 E H``.
@@ -118,7 +121,7 @@ from moe_fold.planner.model import ParamEntry, dims, expert_rows_per_token, mla_
 
 __all__ = ["IMPLEMENTATIONS", "state_bytes", "grad_buckets", "shard_sizes", "owned_by_rank", "owned_numel", "zero_sizes",
            "layer_activation_bytes", "held_row_bytes", "head_activation_bytes", "loss_backward_bytes",
-           "mtp_activation_bytes", "step_buffer_bytes", "mixer_forward_bytes",
+           "mtp_activation_bytes", "step_buffer_bytes", "mixer_forward_bytes", "kda_backward_bytes",
            "embedding_activation_bytes", "microbatch_constant_bytes"]
 
 IMPLEMENTATIONS = ("moe-fold", "megatron")
@@ -299,10 +302,54 @@ def _gated_deltanet(config: Config, g: int) -> float:
     return a * d.hidden * g + out * g
 
 
+def _kda(config: Config, g: int) -> float:
+    """Bytes a KDA layer (:class:`moe_fold.models.kda.KimiDeltaAttention`, the chunked torch
+    recurrence of :func:`moe_fold.kernels.gated_delta.chunk_gated_delta_rule` with a decay
+    per key channel) keeps per local token, one cp rank, ``seq/cp`` a multiple of the chunk
+    ``C``. Per gathered token, with ``h`` the local heads of width ``d`` (keys and values
+    alike), ``W = h d``, ``f = 4`` (the recurrence runs in float32):
+
+    - the input projection's gathered input ``aH`` (under SP the down-projection's local
+      input ``aH`` more, per local token); the down-projection's output, both latents,
+      which the up-projections keep (gathered under SP) ``2ad``;
+    - the causal conv's input with the ``k-1`` tokens before it ``3aW(1 + (k-1)/(s/cp))``
+      and its output (SiLU's input) ``3aW``; SiLU's output (``a = f``) or the float32 q, k
+      and v made from it ``3fW``; the L2 norms' rsqrt ``2fh``; beta's sigmoid ``fh``;
+      the decay's softplus input and output ``2fW``;
+    - the recurrence: the normalised q and k ``2fW``; the per-channel decays ``exp(G_t -
+      G_j)`` and the products ``q_t k_j`` and ``k_t k_j`` they weigh ``3fWC`` (the [C, C,
+      d] tensors that dominate); ``exp(G)``, the in- and out-decays and beta times the
+      in-decay ``4fW``; ``k kT`` summed, the triangular system and ``q kT`` ``3fhC``; the
+      solve's output ``2fW``; the decayed q and k ``2fW``; each chunk's ``u`` ``fW`` and
+      its start state ``fWd/C``; ``C + 2`` bool masks;
+    - the output: the recurrence output ``fW`` and its rsqrt ``fh``, the normalised
+      output, its product with the weight and the gate's sigmoid ``3fW``; the output
+      projection's input ``aW``."""
+    d, p, a, f = dims(config), config.parallel, _act(config), 4
+    h, w, c = d.lin_key_heads / p.tp, d.lin_key_heads * d.lin_key_dim / p.tp, d.lin_chunk
+    out = 2 * a * d.lin_key_dim + 3 * a * w * (1 + (d.lin_conv - 1) / (d.seq / p.cp)) + 3 * a * w + a * w
+    out += (3 + 2 + 2 + 4 + 2 + 2 + 1 + 1 + 3) * f * w + 3 * f * w * c + 3 * f * h * c + f * w * d.lin_key_dim / c
+    out += 2 * f * h + f * h + f * h + c + 2
+    return a * d.hidden * g + (a * d.hidden if g > 1 else 0) + out * g
+
+
+def kda_backward_bytes(config: Config, recompute: str) -> float:
+    """Bytes per local token a KDA layer's backward holds above what its chunk keeps, at its
+    peak, the backward of the per-channel products: under ``full`` recompute the mixer's
+    tensors rebuilt (:func:`_kda`); four float32 ``[C, C, d]`` gradients at once (the
+    weighed product's and the decays' of ``q kT``, kept for ``k kT``'s, and of ``k kT``'s
+    two factors) while ``q_t k_j``, consumed, is freed: three ``fWC`` more."""
+    d, p = dims(config), config.parallel
+    g = p.tp if p.sequence_parallel else 1
+    rebuilt = _kda(config, g) if recompute == "full" else 0.0
+    return rebuilt + 3 * 4 * d.lin_key_heads * d.lin_key_dim / p.tp * d.lin_chunk * g
+
 def _mixer(config: Config, layer: int, g: int) -> float:
     d = dims(config)
     if layer in d.mamba:
         return _mamba2(config, g)
+    if layer in d.kda:
+        return _kda(config, g)
     return _gated_deltanet(config, g) if layer in d.deltanet else _attention(config, g, layer)
 
 
@@ -317,6 +364,8 @@ def mixer_forward_bytes(config: Config, layer: int) -> float:
     out = _mixer(config, layer, g)
     if layer in d.deltanet:
         out -= (6 * 4 * d.lin_value_heads / p.tp * d.lin_chunk + d.lin_chunk) * g
+    if layer in d.kda:  # its [C, C, d] and [C, C] tensors and the mask
+        out -= (3 * 4 * d.lin_key_heads / p.tp * d.lin_chunk * (d.lin_key_dim + 1) + d.lin_chunk) * g
     return out
 
 
@@ -337,7 +386,9 @@ def _router(config: Config) -> float:
     elif moe.score_function == "softmax":
         out += 8 * e + rb * (e if moe.pre_softmax else k)
     else:
-        out += 8 * e + rb * e + (rb * (e + 1) if k > 1 else 0)
+        # The sort's values when it ranks the scores themselves; with the expert bias it
+        # ranks the biased ones and the top-k scores are gathered: those and their sum.
+        out += 8 * e + rb * e + (rb * ((k if moe.expert_bias else e) + 1) if k > 1 else 0)
     if moe.aux_loss_coeff > 0 or moe.seq_aux_loss_coeff > 0 or moe.global_aux_loss_coeff > 0:
         out += rb * e
     if moe.seq_aux_loss_coeff > 0:

@@ -674,15 +674,17 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
 def mla_attention_bytes(d: Dims, a: int, g: int, tp: int) -> float:
     """Bytes an MLA layer keeps per local token (``a`` per element, ``g`` the SP gather
     factor), norm before it aside: the down-projections' input ``aH``; the q latent and
-    its gathered copy ``a q_lora (1 + g)`` (or, full-rank, the gathered input ``aHg``);
-    the compressed kv ``a (kv_lora + rope)``, the gathered latent and rotary key
-    ``a (kv_lora + rope) g``; per local head (``g/tp``): q and k ``2 a heads qk``, v and
+    its gathered copy ``a q_lora (1 + g)`` (or, full-rank, under SP the gathered input
+    ``aHg``: without SP the q projection keeps the down-projections' input); the
+    compressed kv ``a (kv_lora + rope)``, the normed latent as the up-projection keeps it
+    (gathered under SP) ``a kv_lora g`` (the rotary key is kept by no op: rotary multiplies
+    by constants, the concatenation keeps nothing); per local head (``g/tp``): q and k ``2 a heads qk``, v and
     the output padded to the q/k width for the fused kernel
     (:func:`moe_fold.parallel.varlen.sdpa`) ``2 a heads qk``, the projection's input
     ``a heads v`` and the float32 log-sum-exp ``4 heads``. The latents' norms keep an fp32
     ``rsqrt`` each (4). The fused kernel keeps no ``s x s`` scores."""
-    query = a * d.q_lora * (1 + g) + 4 if d.q_lora else a * d.hidden * g
-    latent = a * (d.kv_lora + d.rope_dim) * (1 + g) + 4
+    query = a * d.q_lora * (1 + g) + 4 if d.q_lora else (a * d.hidden * g if g > 1 else 0)
+    latent = a * (d.kv_lora + d.rope_dim) + a * d.kv_lora * g + 4
     heads = a * (4 * d.q_size + d.out_size) + 4 * d.heads
     return a * d.hidden + query + latent + heads * g / tp
 

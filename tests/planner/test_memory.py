@@ -20,8 +20,9 @@ from moe_fold.planner.memory import grad_buckets, owned_numel, state_bytes, zero
 from moe_fold.planner.model import param_manifest
 
 # name -> (world, overrides). Every layout runs mixtral-tiny, qwen2-moe-tiny (a gated
-# shared expert, pre-softmax top-4 of 16 experts) and qwen3-next-tiny (three Gated DeltaNet
-# layers and one gated attention layer) in fp32 and bf16.
+# shared expert, pre-softmax top-4 of 16 experts), qwen3-next-tiny (three Gated DeltaNet
+# layers and one gated attention layer) and kimi-linear-tiny (three KDA layers, one MLA
+# layer) in fp32 and bf16.
 LAYOUTS = {
     "one": (1, ["parallel.ep=1"]),
     "dp2": (2, ["parallel.ep=1", "optimizer.distributed=true"]),
@@ -36,7 +37,7 @@ LAYOUTS = {
     "one_mtp": (1, ["parallel.ep=1", "model.mtp_num_layers=2"]),
     "pp2_mtp": (2, ["parallel.ep=1", "parallel.pp=2", "model.mtp_num_layers=1"]),
 }
-PRESETS = ("mixtral-tiny", "qwen2-moe-tiny", "qwen3-next-tiny")
+PRESETS = ("mixtral-tiny", "qwen2-moe-tiny", "qwen3-next-tiny", "kimi-linear-tiny")
 PRECISIONS = ("fp32", "bf16")
 
 

@@ -265,6 +265,12 @@ ACTIVATION_CASES = {
     "qwen3-next-reduced": ("qwen3-next-80b-a3b", 32, [
         "model.num_layers=8", "train.global_batch_size=32", "model.layer_types=[gated_deltanet,gated_deltanet,"
         "gated_deltanet,attention,gated_deltanet,gated_deltanet,gated_deltanet,attention]"], [0]),
+    # KDA under full recompute: the peak is a KDA layer's backward, its mixer rebuilt and
+    # the per-channel products' [C, C, d] float32 gradients, after the head's backward freed
+    # its logits.
+    "kimi-linear-reduced": ("kimi-linear-48b-a3b", 32, ["model.num_layers=4", "model.layer_types=[kda,kda,kda,attention]",
+                                                        "model.rope_layers=[0,0,0,0]", "train.global_batch_size=32"],
+                            [0]),
     "mixtral-8x22b": ("mixtral-8x22b", 128, [], [0, 127]),
     # The MoE Parallel Folding paper's Table 3 layouts (bench/published/moe_parallel_folding.csv).
     "mixtral-8x22b-folding": ("mixtral-8x22b", 128, ["parallel.tp=2", "parallel.ep=8", "parallel.etp=1",
