@@ -277,8 +277,9 @@ _FIXES = {
 
 
 def resolve_config(config, device: torch.device):
-    """``config`` with every ``moe.*_backend``, ``model.linear_backend`` and
-    ``model.mamba_backend`` that is ``auto`` replaced by the backend the rule chooses for
+    """``config`` with every ``moe.*_backend``, ``model.linear_backend`` (with Gated DeltaNet
+    or KDA layers) and ``model.mamba_backend`` (with Mamba2 layers) that is ``auto``
+    replaced by the backend the rule chooses for
     ``device`` and ``train.precision`` (the delta rule and the SSD scan run in float32
     whatever the precision), so that the run's saved and printed
     config names what ran. Raises ConfigError, one line per backend that cannot run on
@@ -295,7 +296,12 @@ def resolve_config(config, device: torch.device):
     fusable = moe.num_groups is None and not moe.expert_bias
     resolved: dict[str, dict[str, str]] = {"moe": {}, "model": {}}
     problems = []
+    # A model without such layers never calls the op: its field stays as set.
+    kinds = set(config.model.layer_types or ())
+    absent = {"delta_rule": not kinds & {"gated_deltanet", "kda"}, "ssd": "mamba2" not in kinds}
     for op, field in CONFIG_FIELDS.items():
+        if absent.get(op, False):
+            continue
         section, name_in_section = field.split(".")
         value = getattr(getattr(config, section), name_in_section)
         setting = f"{field}={value}"

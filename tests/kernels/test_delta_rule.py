@@ -39,6 +39,9 @@ def test_the_rule_picks_fla_only_on_cuda_sm80_where_it_runs(device, capability, 
 def test_a_named_fla_off_cuda_is_refused_with_the_reason_and_the_fix():
     config = Config()
     config.model.linear_backend = "fla"
+    # A model without Gated DeltaNet or KDA layers never calls the rule: nothing to resolve.
+    assert backends.resolve_config(config, torch.device("cpu")).model.linear_backend == "fla"
+    config.model.layer_types = ["kda", "attention"]
     with pytest.raises(ConfigError, match=r"model.linear_backend=fla cannot run here: flash-linear-attention's "
                                           r"Triton kernels run on CUDA tensors, got cpu; fix: pip install "
                                           r"'moe-fold\[fla\]'.*or set model.linear_backend=torch"):

@@ -42,6 +42,9 @@ def test_the_rule_picks_mamba_ssm_only_on_cuda_sm80_where_it_runs(device, capabi
 def test_a_named_mamba_ssm_off_cuda_is_refused_with_the_reason_and_the_fix():
     config = Config()
     config.model.mamba_backend = "mamba_ssm"
+    # A model without Mamba2 layers never calls the scan: nothing to resolve.
+    assert backends.resolve_config(config, torch.device("cpu")).model.mamba_backend == "mamba_ssm"
+    config.model.layer_types = ["mamba2", "attention"]
     with pytest.raises(ConfigError, match=r"model.mamba_backend=mamba_ssm cannot run here: mamba-ssm's Triton "
                                           r"kernels run on CUDA tensors, got cpu; fix: pip install "
                                           r"'moe-fold\[mamba\]'.*or set model.mamba_backend=torch"):
