@@ -15,6 +15,7 @@ from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaAttent
 from moe_fold.config import Config, ConfigError, ModelConfig, validate
 from moe_fold.models.dsa import DSAttention, IndexerKL, select_topk, visible_keys
 from moe_fold.models.rotary import rotary_cos_sin
+from tests.models.test_mla import _problems as mla_problems
 
 # DSA at odd test sizes: 3 heads, q/kv ranks 10/7, qk 6 + 4, v 5; indexer 8 heads of 8, top 5 of 13
 # (8 heads: a key scores exactly 0, all heads negative, once in 256, so no two keys tie at a
@@ -26,14 +27,8 @@ S, B = 13, 2
 
 
 def _problems(**model) -> list[str]:
-    config = Config()
-    for key, value in {**DSA_MODEL, **model}.items():
-        setattr(config.model, key, value)
-    try:
-        validate(config, 1)
-    except ConfigError as err:
-        return err.problems
-    return []
+    """The config rules' problems with DSA_MODEL's fields and ``model`` set."""
+    return mla_problems(**{**DSA_MODEL, **model})
 
 
 def test_dsa_config_validates():
