@@ -420,12 +420,14 @@ def backward_peak_bytes(config: Config, pp_rank: int, chunk: int, manifest: list
         peaks.append(tokens * planner_memory.loss_backward_bytes(config))
     recompute = config.train.recompute
     for n, i in enumerate(layers):
-        if i in d.kda:
+        if i in d.kda or (d.dsa and i not in d.mamba | d.deltanet):
             # The layers after it, the heads and the losses have freed what they kept.
             freed = sum(planner_memory.layer_activation_bytes(config, j, recompute) for j in layers[n + 1:])
             if last:
                 freed += planner_memory.head_activation_bytes(config) + planner_memory.mtp_activation_bytes(config)
-            peaks.append(tokens * (planner_memory.kda_backward_bytes(config, recompute) - freed))
+            working = planner_memory.kda_backward_bytes(config, recompute) if i in d.kda else \
+                planner_memory.dsa_backward_bytes(config, i, recompute)
+            peaks.append(tokens * (working - freed))
         if not d.moe_flags[i]:
             rebuilt = (planner_memory.layer_activation_bytes(config, i, "none")
                        - planner_memory.layer_activation_bytes(config, i, recompute))
