@@ -285,6 +285,9 @@ ACTIVATION_CASES = {
     "deepseek-v32-reduced": ("deepseek-v32", 128, _DSA4, [0]),
     "deepseek-v32-reduced-dense": ("deepseek-v32", 128, _DSA4 + ["model.dsa_stage=dense_warmup"], [0]),
     "deepseek-v32-reduced-cp2": ("deepseek-v32", 128, _DSA4 + ["parallel.cp=2", "train.global_batch_size=16"], [0]),
+    # Without the KL loss the indexer keeps nothing, but its graph lives through the forward
+    # that rebuilds the attention, up to the softmax.
+    "deepseek-v32-reduced-no-kl": ("deepseek-v32", 128, _DSA4 + ["model.dsa_indexer_loss_weight=0"], [0]),
     "glm-5-reduced": ("glm-5", 128, ["model.num_layers=4", "moe.first_k_dense=1", "parallel.pp=2",
                                      "train.global_batch_size=32", "model.indexer_types=[full,shared,full,shared]"],
                       [0, 127]),
