@@ -280,9 +280,10 @@ ACTIVATION_CASES = {
     # DSA under full recompute: the peak is the softmax of a DSA attention rebuilt in its
     # backward (its dense float32 scores, their masked copy and the probabilities, with the
     # indexer's per-head scores), in both training stages and under cp (every key gathered);
+    # on the last stage the MTP depth's, while the model's head still holds its logits;
     # GLM-5's, with shared layers, the indexer's backward (the gradient of its keys
     # broadcast over the queries).
-    "deepseek-v32-reduced": ("deepseek-v32", 128, _DSA4, [0]),
+    "deepseek-v32-reduced": ("deepseek-v32", 128, _DSA4, [0, 127]),
     "deepseek-v32-reduced-dense": ("deepseek-v32", 128, _DSA4 + ["model.dsa_stage=dense_warmup"], [0]),
     "deepseek-v32-reduced-cp2": ("deepseek-v32", 128, _DSA4 + ["parallel.cp=2", "train.global_batch_size=16"], [0]),
     # Without the KL loss the indexer keeps nothing, but its graph lives through the forward
