@@ -95,6 +95,12 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
 - Multi-head latent attention (:class:`moe_fold.models.mla.MLAttention`): see
   :func:`moe_fold.planner.model.mla_attention_bytes` (the latents, not the hidden
   states, are gathered over tp).
+- DSA (``model.dsa``, :class:`moe_fold.models.dsa.DSAttention`, its torch path, cp
+  included): see :func:`dsa_attention_bytes` (the dense float32 probabilities over every
+  key of the sequence, the indexer's per-head scores, the KL loss's tensors); a
+  recomputed chunk holds each full layer's selection (:func:`dsa_selection_bytes`); its
+  peaks, the softmax and the indexer's backward, :func:`dsa_forward_bytes` and
+  :func:`dsa_backward_bytes`.
 - Per micro-batch and model chunk: rotary cos and sin, ``2 (s/cp) d_rot a`` (``d_rot``
   the head width, ``qk_rope_head_dim`` under MLA).
 
@@ -106,7 +112,7 @@ inputs (held rows ``aH`` and their probs ``rb``) and the shared expert's input, 
 insides. ``expert_act`` drops the silu-and-fc2 part of the experts: their fc1 output and
 prob stay (the checkpoint's inputs), the fc2 input goes.
 
-Not modelled: cp > 1 (ring / a2a attention keep other tensors; the SDPA terms are used),
+Not modelled: cp > 1 outside DSA (ring / a2a attention keep other tensors; the SDPA terms are used),
 capacity dropping and padding (balanced dropless rows are used), ``dedup``, the
 all-gather dispatcher, ``bf16-autocast``'s cast copies (counted as bf16).
 """
@@ -492,7 +498,7 @@ def mixer_forward_bytes(config: Config, layer: int) -> float:
     forward (its gathered input included): what it keeps without recompute, less, for
     Gated DeltaNet, the recurrence's ``[C, C]`` matrices (``6fHv C`` and the ``C`` bool
     mask, :func:`_gated_deltanet`), freed when the recurrence returns, before the output
-    part runs."""
+    part runs. DSA: what it holds at its softmax (:func:`dsa_forward_bytes`)."""
     d, p = dims(config), config.parallel
     g = p.tp if p.sequence_parallel else 1
     if d.dsa and layer not in d.mamba | d.kda | d.deltanet:
