@@ -876,6 +876,29 @@ MUTANTS: list[Mutant] = [
         "        return torch.cat([chunk_ssd(*p, resets=r, initial_state=None, chunk_size=self.chunk_size)[0]\n",
         "Mamba2 under cp: the scanned start states computed and then not used",
         (f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-mamba2]",)),
+    Mutant(
+        "delta-cp-conv-history-dropped-when-packed", "models/gated_deltanet.py",
+        "        ids = None if doc_ids is None else _window_ids(doc_ids, index * (hi - lo), hi - lo, K - 1)\n",
+        "        ids = None if doc_ids is None else _window_ids(doc_ids[:, index * (hi - lo):], 0, hi - lo, K - 1)\n",
+        "Gated DeltaNet / KDA under cp with packed documents: the conv window's positions counted from the "
+        "segment's start, so a document running across a segment edge loses the tokens before it",
+        (f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-gated_deltanet]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-kda]")),
+    Mutant(
+        "mamba2-cp-conv-history-dropped-when-packed", MAMBA2,
+        "            ids = None if doc_ids is None else _window_ids(doc_ids, index * (hi - lo), hi - lo, K - 1)\n",
+        "            ids = None if doc_ids is None else _window_ids(doc_ids[:, index * (hi - lo):], 0, hi - lo, K - 1)\n",
+        "Mamba2 under cp with packed documents: the conv window's positions counted from the segment's start",
+        (f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-mamba2]",)),
+    Mutant(
+        "cp-reset-at-every-segment", "models/gated_deltanet.py",
+        "    prev = doc_ids[:, start - 1:start + length - 1] if start else torch.cat(\n",
+        "    prev = doc_ids[:, start - 1:start + length - 1] if False else torch.cat(\n",
+        "under cp with packed documents every segment's first token starts a document: the state (and Mamba2's) "
+        "is not passed along cp",
+        (f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-gated_deltanet]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-kda]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-mamba2]")),
     # ------------------------------------------------------------------ DSA
     Mutant(
         "dsa-topk-one-short", DSA,
@@ -915,6 +938,18 @@ MUTANTS: list[Mutant] = [
         "        self.source = min(i for i in range(layer) if types[i] == \"full\") if shared else layer\n",
         "GLM-5: a shared layer reuses the first full layer's selection, not the nearest one before it",
         (f"{T_FAMILIES}::test_import_matches_transformers_and_export_round_trips[glm_moe_dsa-glm_moe_dsa_shared]",)),
+    Mutant(
+        "dsa-shared-layer-dense", DSA,
+        "            selected = selections[self.source]\n",
+        "            selected = allowed.expand(q.shape[0], -1, -1)\n",
+        "GLM-5: a shared layer attends to every visible key instead of the full layer's selection",
+        (f"{T_FAMILIES}::test_import_matches_transformers_and_export_round_trips[glm_moe_dsa-glm_moe_dsa_shared]",)),
+    Mutant(
+        "dsa-kl-added-to-output", DSA,
+        "            out = attach_loss(out, self.kl(target, scores, mask), self.loss_weight * loss_scale)\n",
+        "            out = out + self.loss_weight * loss_scale * self.kl(target, scores, mask)\n",
+        "the indexer's KL added to the attention output: the LM loss's gradient reaches the indexer",
+        (f"{T_DSA}::test_indexer_kl_trains_the_indexer_only[deepseek_v32-sparse]",)),
     Mutant(
         "dsa-cp-selects-local-keys", DSA,
         "            selected = select_topk(scores, allowed, self.topk)\n",
