@@ -899,6 +899,15 @@ MUTANTS: list[Mutant] = [
         (f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-gated_deltanet]",
          f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-kda]",
          f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-mamba2]")),
+    Mutant(
+        "cp-start-states-detached", RECURRENT_CP,
+        "    both = all_gather(torch.cat([transitions, writes], dim=-1), group, dim=0)  # [2cp, B, H, dk, dk+dv]\n",
+        "    both = all_gather(torch.cat([transitions, writes], dim=-1).detach(), group, dim=0)  # [2cp, B, H, dk, dk+dv]\n",
+        "the states passed along cp carry no gradient back: the outputs are right, the grads of earlier "
+        "segments' tokens are not",
+        (f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-gated_deltanet]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-kda]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-mamba2]")),
     # ------------------------------------------------------------------ DSA
     Mutant(
         "dsa-topk-one-short", DSA,
@@ -912,6 +921,13 @@ MUTANTS: list[Mutant] = [
         "    top = order[..., :min(topk, masked.shape[-1])]  # [B, S_q, k]\n",
         "    top = order[..., :min(topk + 1, masked.shape[-1])]  # [B, S_q, k]\n",
         "the indexer keeps index_topk + 1 keys per query",
+        (f"{T_DSA}::test_selection_keeps_topk_visible_keys",
+         f"{T_DSA}::test_dsa_layer_matches_transformers")),
+    Mutant(
+        "dsa-selects-invisible-keys", DSA,
+        "    return chosen & allowed\n",
+        "    return chosen\n",
+        "a query that sees fewer than index_topk keys also selects future (or other documents') keys",
         (f"{T_DSA}::test_selection_keeps_topk_visible_keys",
          f"{T_DSA}::test_dsa_layer_matches_transformers")),
     Mutant(
