@@ -887,7 +887,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "mamba2-cp-conv-history-dropped-when-packed", MAMBA2,
         "            ids = None if doc_ids is None else _window_ids(doc_ids, index * (hi - lo), hi - lo, K - 1)\n",
-        "            ids = None if doc_ids is None else _window_ids(doc_ids[:, index * (hi - lo):], 0, hi - lo, K - 1)\n",
+        "            ids = None if doc_ids is None else "
+        "_window_ids(doc_ids[:, index * (hi - lo):], 0, hi - lo, K - 1)\n",
         "Mamba2 under cp with packed documents: the conv window's positions counted from the segment's start",
         (f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-mamba2]",)),
     Mutant(
@@ -902,7 +903,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "cp-start-states-detached", RECURRENT_CP,
         "    both = all_gather(torch.cat([transitions, writes], dim=-1), group, dim=0)  # [2cp, B, H, dk, dk+dv]\n",
-        "    both = all_gather(torch.cat([transitions, writes], dim=-1).detach(), group, dim=0)  # [2cp, B, H, dk, dk+dv]\n",
+        "    both = all_gather(torch.cat([transitions, writes], dim=-1).detach(), group, dim=0)"
+        "  # [2cp, B, H, dk, dk+dv]\n",
         "the states passed along cp carry no gradient back: the outputs are right, the grads of earlier "
         "segments' tokens are not",
         (f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-gated_deltanet]",
@@ -969,7 +971,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "dsa-cp-selects-local-keys", DSA,
         "            selected = select_topk(scores, allowed, self.topk)\n",
-        "            selected = select_topk(scores, allowed & torch.isin(torch.arange(length, device=q.device), pos_q),\n"
+        "            selected = select_topk(scores, allowed & torch.isin(torch.arange(length, device=q.device), "
+        "pos_q),\n"
         "                                   self.topk)\n",
         "under cp a rank's queries select only among the keys of its own zigzag segments",
         ("tests/parallel/test_parallel_matrix.py::test_dsa_matches_single_process[2]",)),
