@@ -945,6 +945,20 @@ MUTANTS: list[Mutant] = [
         "the KL's target (the main attention) not detached: the indexer's loss trains the main attention",
         (f"{T_DSA}::test_indexer_kl_trains_the_indexer_only[deepseek_v32-sparse]",)),
     Mutant(
+        "dsa-sparse-kl-over-visible-keys", DSA,
+        "            out = attach_loss(out, self.kl(target, scores, mask), self.loss_weight * loss_scale)\n",
+        "            out = attach_loss(out, self.kl(target, scores, allowed.expand_as(mask)), "
+        "self.loss_weight * loss_scale)\n",
+        "the sparse stage's KL normalises the indexer over every visible key instead of the selected ones",
+        (f"{T_DSA}::test_indexer_kl_matches_float64[deepseek_v32-sparse]",)),
+    Mutant(
+        "dsa-cp-contiguous-positions", DSA,
+        "            pos_q = zigzag_positions(length, rank, cp, device=q.device)\n",
+        "            pos_q = torch.arange(rank * S, (rank + 1) * S, device=q.device)\n",
+        "under cp a rank's queries take contiguous positions, not their zigzag ones: they see and select "
+        "the wrong keys",
+        ("tests/parallel/test_parallel_matrix.py::test_dsa_matches_single_process[2]",)),
+    Mutant(
         "dsa-shared-layer-recomputes", DSA,
         "        self.indexer = None if shared else LightningIndexer(config, seed=seed, name=f\"{name}.indexer\")\n",
         "        self.indexer = LightningIndexer(config, seed=seed, name=f\"{name}.indexer\")\n",
