@@ -174,9 +174,11 @@ def gathered_logits(model, groups, ids):
 def check_import_and_round_trip(ref_model, family: str, tmp_path, label: str, exported_by_default: bool = True,
                                 **load):
     """``ref_model`` (a transformers model of ``family``) saved, imported on one process:
-    logits within TOL of transformers' and, both in float64, within TOL64 (float32 rounding
-    alone, 2e-6 to 1.1e-5 per side on these models and varying with the CPU path, brings
-    the float32 difference near TOL; the float64 one shows the function is the same), exported back (to ``family``, which the exporter
+    logits within TOL x max(1, max |logit|) of transformers' (as the layouts: float32
+    rounding alone strays 2e-6 to 1.1e-5 per side from float64 on these models, varying
+    with the CPU path, so two float32 implementations may differ by 1.05e-5 on logits of a
+    few units: measured on AVX2) and, both in float64, within TOL64 (the check that the
+    function is the same, at 1e-14 to 1e-7), exported back (to ``family``, which the exporter
     picks itself when ``exported_by_default``) to identical tensors, and the export loads
     in transformers (``from_pretrained(..., **load)``) with the same logits. Returns the
     imported model."""
@@ -188,7 +190,7 @@ def check_import_and_round_trip(ref_model, family: str, tmp_path, label: str, ex
     diff = max_diff(model.eval().logits(ids), ref)
     gap64 = max_diff(*float64_logits(ref_model, tmp_path / "hf", ids))
     print(f"{family} {label}: max abs logit diff vs transformers {diff:.3g} (float64: {gap64:.3g})")
-    assert diff <= TOL
+    assert diff <= TOL * max(1.0, float(ref.abs().max())), (diff, float(ref.abs().max()))
     assert gap64 <= TOL64
     to_hf(model, tmp_path / "out", family=family)
     a, b = tensors(tmp_path / "hf"), tensors(tmp_path / "out")
