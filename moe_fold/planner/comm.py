@@ -137,7 +137,7 @@ def moe_layer_bytes(config: Config, routing: Routing) -> dict[str, float]:
     micro-batch on one rank: ``ep``, ``etp`` and ``etp_ep`` (count exchange)."""
     d, p, moe = dims(config), config.parallel, config.moe
     ep, etp = p.ep, etp_size(config)
-    row = d.hidden * act_bytes(config)
+    row = d.expert_width * act_bytes(config)  # a latent MoE sends latent rows
     out: dict[str, float] = {}
     if ep > 1:
         moved = routing.sent + routing.received
@@ -214,12 +214,13 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
             shortcut = d.shortcut and i < d.layers
             sublayers = 2 if shortcut else 1
             runs = 1 + (recompute == "full")
-            out["tp"] += sublayers * attention()
+            if i not in d.no_mixer:  # a single-mixer MLP or MoE layer has no token mixer
+                out["tp"] += sublayers * attention()
             if i in d.indexer:
                 out["tp"] += runs * (indexer_inputs + indexer_target)
             if norm_projection:  # OLMoE's q and k norms: their sums of squares, forward and backward
                 out["tp"] += (4 + 2 * (recompute == "full")) * _all_reduce(b * s * 4, tp)
-            dense_mlps = 2 if shortcut else int(not is_moe)
+            dense_mlps = 2 if shortcut else int(not is_moe and i not in d.no_mlp)  # a lone mixer has no MLP
             out["tp"] += (dense_mlps + (is_moe and d.shared_ffn > 0)) * pair()  # dense MLPs, shared expert
             whole = implementation == "megatron"
             if recompute == "full":

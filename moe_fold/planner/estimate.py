@@ -447,9 +447,10 @@ def backward_peak_bytes(config: Config, pp_rank: int, chunk: int, manifest: list
         expert = max((e.numel for e in manifest if e.kind == "expert"), default=0)
         fc1 = 2 * a * d.expert_ffn / etp_size(config)  # a row's fc1 output
         rerun = recompute in ("full", "moe")
-        peaks.append(held * (fc1 + a * d.hidden) + (a * expert if accumulating else 0))
+        row = a * d.expert_width  # an expert row (latent-wide in a latent MoE)
+        peaks.append(held * (fc1 + row) + (a * expert if accumulating else 0))
         if rerun:
-            peaks.append(held * (2 * a * d.hidden + 1.5 * fc1))
+            peaks.append(held * (2 * row + 1.5 * fc1))
     return max(peaks)
 
 

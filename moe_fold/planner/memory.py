@@ -83,6 +83,10 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   (the norm output), the sigmoid ``a`` and the shared output ``aH``. The local norm
   output is kept once, by whichever of the router (``a == rb``), the gate or the
   ungathered shared MLP (``g == 1``) reads it.
+- Latent MoE (``moe.latent_size = L``): the expert rows are ``L`` wide (``aL`` where the
+  terms above say ``aH``); the projection into the latent width keeps its input (the norm
+  output, kept once as above), the projection back its input, the combined rows ``aL``;
+  neither is recomputed.
 - Zero-computation experts: no row is sent for a slot on one (the dispatcher's and the
   experts' terms count ``topk E/(E+Z)`` rows per token,
   :func:`moe_fold.planner.model.held_rows_per_token`); their output, the layer's input
@@ -579,6 +583,10 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     if d.shortcut and layer < d.layers:
         # The second attention sublayer and the two dense MLPs (kept under every recompute mode).
         attention = 2 * attention + 2 * (norm + _mlp(config, d.ffn, g))
+    latent = 0.0
+    if d.latent:
+        norm_out_kept = True  # the projection into the latent width reads it
+        latent = a * d.latent  # the combined rows, the projection back's input
     zero = 0.0
     if d.zero_experts:
         # A zero expert's output, the layer's input times the token's gate weight on zero
@@ -586,14 +594,14 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
         norm_out_kept = True
         zero = rb
     return zero + attention + norm + _router(config) + (a * h if norm_out_kept and a != rb else 0) + dispatch \
-        + experts + shared
+        + experts + shared + latent
 
 
 def held_row_bytes(config: Config, recompute: str) -> float:
     """Bytes a rank keeps per expert row it holds (the dispatcher's sort indices and the
     experts' saved tensors, see the module doc): what grows with the busiest rank's load."""
     d, p = dims(config), config.parallel
-    a, h, rb, etp = _act(config), d.hidden, router_bytes(config), etp_size(config)
+    a, h, rb, etp = _act(config), d.expert_width, router_bytes(config), etp_size(config)
     # The dispatcher sorts received chunks unless at most one of etp, ep and the local
     # experts is above 1 (then they already are in expert order).
     sorts = sum(n > 1 for n in (etp, p.ep, d.experts // p.ep)) >= 2

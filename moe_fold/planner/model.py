@@ -90,6 +90,8 @@ class Dims:
     replicas: int = 0
     # Zero-computation experts (moe.zero_experts): router columns that compute nothing.
     zero_experts: int = 0
+    # The latent MoE (moe.latent_size): the experts' width, 0 without one (the hidden width).
+    latent: int = 0
     # Multi-head latent attention: its linears' global [out, in] shapes (None: standard
     # attention), q_lora_rank (0: none), kv_lora_rank, the q/k and v head widths.
     mla: tuple[tuple[str, int, int], ...] | None = None
@@ -180,6 +182,11 @@ class Dims:
         return self.heads * (self.v_head if self.mla else self.head_dim)
 
     @property
+    def expert_width(self) -> int:
+        """The width of a routed expert's rows: ``moe.latent_size`` in a latent MoE, else the hidden size."""
+        return self.latent or self.hidden
+
+    @property
     def kv_pass_size(self) -> int:
         """Per token: the K and V widths attention reads (what ring cp moves)."""
         return self.heads * (self.qk_head + self.v_head) if self.mla else 2 * self.kv_size
@@ -209,6 +216,7 @@ def dims(config: Config) -> Dims:
                 moe_flags=flags + flags[-1:] * m.mtp_num_layers, mtp=m.mtp_num_layers,
                 qk_norm_scope=m.qk_norm_scope, sinks=m.attention_sinks, replicas=moe.replicas,
                 out_bias=m.attention_out_bias, router_bias=moe.router_bias, zero_experts=moe.zero_experts,
+                latent=moe.latent_size or 0,
                 expert_linear_bias=moe.expert_linear_bias, output_gate=m.attn_output_gate,
                 gated_mlp=m.mlp_activation != "relu2", gated_experts=moe.activation != "relu2",
                 shortcut=m.block == "shortcut_moe", **_mla_dims(m), **_deltanet_dims(m), **_dsa_dims(m),
@@ -425,11 +433,15 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
             add(f"{pre}.mlp.router.weight", (d.experts + d.zero_experts) * d.hidden, replicated)
             if d.router_bias:
                 add(f"{pre}.mlp.router.bias", d.experts + d.zero_experts, replicated)
-            add(f"{pre}.mlp.experts.fc1", local * d.hidden * expert_up * d.expert_ffn // etp, "expert")
-            add(f"{pre}.mlp.experts.fc2", local * d.expert_ffn * d.hidden // etp, "expert")
-            if d.expert_linear_bias:  # fc1's bias split like its columns, fc2's over H
+            if d.latent:  # replicated like the router
+                add(f"{pre}.mlp.latent_in.weight", d.hidden * d.latent, replicated)
+                add(f"{pre}.mlp.latent_out.weight", d.latent * d.hidden, replicated)
+            w = d.expert_width
+            add(f"{pre}.mlp.experts.fc1", local * w * expert_up * d.expert_ffn // etp, "expert")
+            add(f"{pre}.mlp.experts.fc2", local * d.expert_ffn * w // etp, "expert")
+            if d.expert_linear_bias:  # fc1's bias split like its columns, fc2's over its output width
                 add(f"{pre}.mlp.experts.fc1_bias", local * expert_up * d.expert_ffn // etp, "expert")
-                add(f"{pre}.mlp.experts.fc2_bias", local * d.hidden // etp, "expert")
+                add(f"{pre}.mlp.experts.fc2_bias", local * w // etp, "expert")
             if d.shared_ffn > 0:
                 add(f"{pre}.mlp.shared_expert.fc1.weight", up * d.shared_ffn * d.hidden // tp, "tp")
                 add(f"{pre}.mlp.shared_expert.fc2.weight", d.hidden * d.shared_ffn // tp, "tp")
@@ -483,7 +495,9 @@ def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None
     """Forward matmul FLOPs per token of ``layer``, by part: ``attention`` (projections),
     ``core`` (scores and context over the full sequence), ``mlp`` (dense; a shortcut_moe
     block's two attention sublayers and two dense MLPs count twice), ``router``,
-    ``experts`` (``rows_per_token`` rows, default :func:`expert_rows_per_token`),
+    ``experts`` (``rows_per_token`` rows, default :func:`expert_rows_per_token`, in the
+    experts' width: ``moe.latent_size`` in a latent MoE), ``latent`` (a latent MoE's two
+    projections, ``H -> L`` and ``L -> H`` once per token; never recomputed),
     ``shared`` (shared expert and its gate)."""
     d = dims(config)
     h = d.hidden
@@ -533,13 +547,15 @@ def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None
     # A gated MLP's fc1 is gate|up (three matrices in all), relu2's up alone (two).
     per_width = 6 * h if d.gated_mlp else 4 * h
     out = {"attention": sublayers * projections, "core": sublayers * core,
-           "mlp": per_width * d.ffn * (sublayers if d.shortcut else 0), "router": 0.0, "experts": 0.0, "shared": 0.0}
+           "mlp": per_width * d.ffn * (sublayers if d.shortcut else 0), "router": 0.0, "experts": 0.0, "latent": 0.0,
+           "shared": 0.0}
     if layer in d.no_mlp:
         pass
     elif d.moe_flags[layer]:
         rows = expert_rows_per_token(config) if rows_per_token is None else rows_per_token
         out["router"] = 2 * h * (d.experts + d.zero_experts)
-        out["experts"] = rows * (6 * h if d.gated_experts else 4 * h) * d.expert_ffn
+        out["experts"] = rows * (6 if d.gated_experts else 4) * d.expert_width * d.expert_ffn
+        out["latent"] = 4 * h * d.latent
         out["shared"] = per_width * d.shared_ffn + (2 * h if d.shared_ffn and d.shared_gate else 0)
     else:
         out["mlp"] = per_width * d.ffn

@@ -999,4 +999,48 @@ MUTANTS: list[Mutant] = [
         "                               routed_counts[:-held].sum())\n",
         "the load statistics (what re-placement reads) take the zero experts as the first router columns",
         ("tests/training/test_metrics.py::test_zero_expert_assignments_are_neither_loads_nor_drops",)),
+    # ------------------------------------------------------------------ the latent MoE
+    Mutant(
+        "latent-projected-after-dispatch", "models/moe_layer.py",
+        "            sent = self.dispatcher.dispatch(x, routing.probs, routing.routing_map)  # [N, L] by local expert\n"
+        "            rows = self.experts(sent.tokens,",
+        "            sent = self.dispatcher.dispatch(hidden, routing.probs, routing.routing_map)  # [N, L] by local expert\n"
+        "            rows = self.experts(sent.tokens if self.latent_in is None else self.latent_in(sent.tokens),",
+        "the latent projection applied on the expert's rank after the dispatch: the same output, "
+        "hidden-wide rows on the wire",
+        ("tests/models/test_moe_layer.py::test_latent_moe_sends_latent_rows_on_two_ranks[blocking]",)),
+    Mutant(
+        "latent-back-projection-wrong", "models/moe_layer.py",
+        "        return combined if self.latent_out is None else self.latent_out(combined)\n",
+        "        return combined if self.latent_out is None else combined @ self.latent_in.weight\n",
+        "the combined rows projected back with the first projection's transpose instead of fc2_latent_proj",
+        ("tests/models/test_moe_layer.py::test_latent_moe_gives_transformers_nemotron_h_moe_forward_and_backward",)),
+    Mutant(
+        "latent-projection-not-summed-over-tp", "models/moe_layer.py",
+        "            self.latent_in = self._replicated_linear(m.hidden_size, width, std, seed, f\"{name}.latent_in\", "
+        "replicated)\n",
+        "            self.latent_in = self._replicated_linear(m.hidden_size, width, std, seed, f\"{name}.latent_in\", "
+        "\"replicated\")\n",
+        "the projection into the latent width averaged over dp only under SP: its tp ranks saw different tokens",
+        ("tests/parallel/test_parallel_matrix.py::test_latent_moe_matches_single_process[2]",)),
+    Mutant(
+        "latent-size-not-exported", "models/hf/families/nemotron_h.py",
+        "\"moe_latent_size\": moe.latent_size,",
+        "\"moe_latent_size\": None,",
+        "the export writes no moe_latent_size: transformers builds hidden-wide experts and refuses the tensors",
+        ("tests/models/hf/test_families.py::test_import_matches_transformers_and_export_round_trips"
+         "[nemotron_h-nemotron_h_latent]",)),
+    Mutant(
+        "planner-latent-rows-hidden-wide", "moe_fold/planner/comm.py",
+        "    row = d.expert_width * act_bytes(config)  # a latent MoE sends latent rows\n",
+        "    row = d.hidden * act_bytes(config)\n",
+        "the planner sends hidden-wide rows in a latent MoE",
+        ("tests/planner/test_estimate.py::test_latent_moe_by_hand",
+         "tests/training/test_dryrun.py::test_latent_moe_planner_agrees_with_the_dry_run[ep4]")),
+    Mutant(
+        "planner-latent-combined-rows-not-kept", "moe_fold/planner/memory.py",
+        "        latent = a * d.latent  # the combined rows, the projection back's input\n",
+        "        latent = 0.0\n",
+        "the planner forgets the combined latent rows the projection back keeps",
+        ("tests/planner/test_memory.py::test_nemotron_h_layer_activation_bytes[fp32-latent]",)),
 ]

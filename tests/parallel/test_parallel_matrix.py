@@ -71,6 +71,10 @@ NEMOTRON_H_LAYERS = dict(layer_types=["mamba2", "moe", "attention", "mlp"], bloc
                          moe=dict(activation="relu2", score_function="sigmoid", expert_bias=True,
                                   shared_expert_ffn_hidden_size=40))
 
+# Nemotron 3 Super's latent MoE on Nemotron-H's layers: the experts in a latent width of 20
+# (hidden 32), the tokens projected before the dispatch and back after the combine.
+NEMOTRON_LATENT = dict(NEMOTRON_H_LAYERS, moe=dict(NEMOTRON_H_LAYERS["moe"], latent_size=20))
+
 # LongCat-Flash's router: 4 zero-computation experts after the 8 held ones, top-3 of the
 # softmax over all 12 plus the expert bias, scaled weights (the bias's update across ranks:
 # tests/dispatch/test_router_parallel.py).
@@ -152,6 +156,12 @@ CASES = {
     "m2-cp2-a2a-ep2-dp2-packed": (4, dict(cp=2, ep=2), 2, dict(cp_kind="a2a"), NEMOTRON_H_LAYERS),
     "m2-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), NEMOTRON_H_LAYERS),
     "m2-tp2-cp2-a2a-ep2-packed": (4, dict(tp=2, cp=2, ep=2, etp=1), 2, dict(cp_kind="a2a"), NEMOTRON_H_LAYERS),
+    # The latent MoE (Nemotron 3 Super): latent rows dispatched over ep and gathered over etp,
+    # the projections replicated (summed over tp under SP), pp splitting the layers.
+    "latent-ep2": (2, dict(ep=2), 2, dict(), NEMOTRON_LATENT),
+    "latent-tp2-etp2": (2, dict(tp=2), 2, dict(), NEMOTRON_LATENT),
+    "latent-pp2-ep2-dp2": (4, dict(pp=2, ep=2), 2, dict(), NEMOTRON_LATENT),
+    "latent-tp2-ep2-etp2-packed": (4, dict(tp=2, ep=2), 2, dict(), NEMOTRON_LATENT),
     # Zero-computation experts (LongCat-Flash): never dispatched, added where the token is.
     "zero-ep2": (2, dict(ep=2), 2, dict(), LONGCAT_ZERO),
     "zero-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_ZERO),
@@ -494,6 +504,7 @@ KDA_LAYERS = {name for name in CASES if name.startswith("kda-")}
 
 ZERO_EXPERTS = {name for name in CASES if name.startswith("zero-")}
 MAMBA2 = {name for name in CASES if name.startswith("m2-")}
+LATENT = {name for name in CASES if name.startswith("latent-")}
 
 
 DSA = {name for name in CASES if name.startswith("dsa-")}
@@ -503,12 +514,12 @@ LONGCAT = {name for name in CASES if name.startswith("longcat-")}
 
 
 def _names(world, issue_20=False, issue_29=False, layer_types=False, zero_experts=False, kda=False, longcat=False,
-           dsa=False, mamba2=False):
+           dsa=False, mamba2=False, latent=False):
     return [name for name, case in CASES.items()
             if case[0] == world and (name in ISSUE_20) == issue_20 and (name in ISSUE_29) == issue_29
             and (name in LAYER_TYPES) == layer_types and (name in ZERO_EXPERTS) == zero_experts
             and (name in KDA_LAYERS) == kda and (name in LONGCAT) == longcat and (name in DSA) == dsa
-            and (name in MAMBA2) == mamba2]
+            and (name in MAMBA2) == mamba2 and (name in LATENT) == latent]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -557,6 +568,14 @@ def test_mamba2_layers_match_single_process(world):
     than the conv window: tests/parallel/test_recurrent_cp.py runs the layer on cp4), tp + SP,
     pp and ep."""
     names = _names(world, mamba2=True)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_latent_moe_matches_single_process(world):
+    """Nemotron 3 Super's latent MoE (moe.latent_size) on Nemotron-H's layers under ep, tp + SP
+    with the experts over etp, pp with ep and dp, and tp x ep with etp on packed documents."""
+    names = _names(world, latent=True)
     _check(names, run_ranks(_rank, world, names, timeout=400))
 
 

@@ -243,16 +243,17 @@ def test_mla_activation_and_state_bytes(layout):
         assert got["weights"] == state_bytes(config, param_manifest(config), 0)["weights"]
 
 
+@pytest.mark.parametrize("latent", [[], ["moe.latent_size=40"]], ids=["hidden", "latent"])
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_nemotron_h_layer_activation_bytes(precision):
+def test_nemotron_h_layer_activation_bytes(precision, latent):
     """nemotron-h-tiny's single-mixer layers one at a time: the Mamba2 mixer (the chunked
-    torch SSD), the relu2 MLP, the relu2 MoE layer and the attention without rotary (no
-    rotated copies of q and k) keep what the planner says, within 1% (measured 0.04% and
-    0.1% for Mamba2 in fp32 and bf16)."""
+    torch SSD), the relu2 MLP, the relu2 MoE layer (also a latent MoE: latent rows, the
+    projections' inputs) and the attention without rotary (no rotated copies of q and k)
+    keep what the planner says, within 1% (measured 0.04% and 0.1% for Mamba2 in fp32 and bf16)."""
     from moe_fold.models.model import build_model
     from moe_fold.planner.memory import layer_activation_bytes
 
-    config = load_config("nemotron-h-tiny", ["parallel.ep=1", f"train.precision={precision}"])
+    config = load_config("nemotron-h-tiny", ["parallel.ep=1", f"train.precision={precision}"] + latent)
     model = build_model(config, ProcessGroups.single_process())
     if precision == "bf16":
         model = model.to(torch.bfloat16)
