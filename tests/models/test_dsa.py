@@ -311,3 +311,59 @@ def test_packed_documents_attend_and_select_inside_each_document(stage):
     torch.testing.assert_close(packed, torch.cat(alone), rtol=0, atol=1e-6)
     # The KL is a mean over queries: the packed row's is the documents' weighted by their lengths.
     assert kl[0] == pytest.approx((kl[1] * lengths[0] + kl[2] * lengths[1]) / S, rel=1e-5)
+
+
+# --------------------------------------------------------------------------- activation recompute
+
+# A 4-layer model of DSA layers on the packed tests' batch (tests/parallel/test_varlen.py):
+# layer 0 a dense block (train.recompute=full recomputes it whole), layers 1-3 MoE blocks
+# (their attention recomputed); GLM-5's shared layers 1 and 3 in the sparse stage.
+RECOMPUTE_DSA = dict(attention="mla", num_kv_heads=4, q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6,
+                     qk_rope_head_dim=4, v_head_dim=5, rope_interleave=True, dsa=True, index_n_heads=3,
+                     index_head_dim=6, index_topk=4, dsa_indexer_loss_weight=0.5, num_layers=4)
+RECOMPUTE_STAGES = {"dense_warmup": dict(dsa_stage="dense_warmup"),
+                    "sparse-glm5": dict(dsa_stage="sparse", index_rope_interleave=True,
+                                        indexer_types=["full", "shared", "full", "shared"])}
+
+
+def _recompute_run(stage, recompute):
+    """Loss, every gradient and the step's indexer loss value (what the metrics report) of
+    one forward and backward of the packed batch under ``train.recompute=recompute``."""
+    from moe_fold.layout import ProcessGroups
+    from moe_fold.models.model import build_model
+    from moe_fold.training.step import forward_backward
+    from moe_fold.training.step_losses import StepLosses
+    from tests.parallel.test_varlen import _config, _packed_batch
+
+    config = _config({**RECOMPUTE_DSA, **RECOMPUTE_STAGES[stage]})
+    config.moe.first_k_dense = 1
+    config.train.recompute = recompute
+    validate(config, 1)
+    groups = ProcessGroups.single_process()
+    model = build_model(config, groups)
+    losses = StepLosses(model, config)
+    batches = [_packed_batch(), _packed_batch(row_docs=[[16], [2, 14]])]
+    loss = forward_backward(model, batches, groups, config, forward_context=losses.recording).sum()
+    values = losses.values(losses.reduce(groups, {}))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    recomputes = [block.recompute for block in model.layers]
+    assert recomputes == (["all"] + ["attention"] * 3 if recompute == "full" else ["none"] * 4)
+    return loss, grads, values.indexer, values.weighted
+
+
+@pytest.mark.parametrize("stage", list(RECOMPUTE_STAGES))
+def test_recompute_gives_the_same_loss_grads_and_indexer_loss(stage):
+    """train.recompute=full recomputes DSA layers (a whole dense block, an MoE block's
+    attention): the backward runs the indexer, its selection (a shared layer's read from the
+    forward's selections) and its KL again. The loss, every gradient (the KL-trained
+    indexers' included) and the indexer loss the step reports equal those without recompute
+    bit for bit: the KL is neither counted twice nor lost, and keeps its micro-batch share."""
+    want_loss, want_grads, want_kl, want_weighted = _recompute_run(stage, "none")
+    loss, grads, kl, weighted = _recompute_run(stage, "full")
+    assert want_kl > 0
+    assert torch.equal(loss, want_loss)
+    assert (kl, weighted) == (want_kl, want_weighted)
+    assert grads.keys() == want_grads.keys()
+    assert any(".indexer." in n for n in grads)
+    for name, g in want_grads.items():
+        assert torch.equal(grads[name], g), name
