@@ -36,7 +36,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from moe_fold.comm import all_reduce_, gather_from_tp_region
+from moe_fold.comm import all_reduce_, gather_from_sequence_region, gather_from_tp_region
 from moe_fold.config import (
     CHANNEL_MIXERS, Config, head_dim, layer_mixer, moe_layer_flags, require, rotary_dim, rotary_pairs,
     shortcut_moe_block, vpp_size,
@@ -342,6 +342,16 @@ class Transformer(nn.Module):
         self.num_stages = pp * vpp
         self.stage_layer_ids = [layers_of[s] for s in self.stages]
         first, last = 0 in self.stages, self.num_stages - 1 in self.stages
+        # DSA under pp with GLM-5's shared layers: a stage boundary carries the selection of
+        # the last full layer before it, for the shared layers after it. Per chunk: the full
+        # layer whose selection comes with its input, and the one its output carries (None: none).
+        types = m.indexer_types if m.dsa else None
+        carries = pp > 1 and types is not None and "shared" in types
+        self.selection_in = [_last_full(types, ids[0]) if carries and s > 0 else None
+                             for s, ids in zip(self.stages, self.stage_layer_ids)]
+        self.selection_out = [_last_full(types, ids[-1] + 1) if carries and s < self.num_stages - 1 else None
+                              for s, ids in zip(self.stages, self.stage_layer_ids)]
+        self.hidden_size, self.tp_rank = m.hidden_size, groups.rank_in("tp")
 
         # The last stage reads the embedding for a tied head or for the MTP depths' inputs.
         shares_embedding = m.tie_embeddings or m.mtp_num_layers > 0
@@ -366,6 +376,30 @@ class Transformer(nn.Module):
                                     for k in range(m.mtp_num_layers)])
         # Collective over the world (every rank builds its model): the {first, last} stage pair.
         self.embedding_group = create_embedding_group(groups) if pp > 1 and shares_embedding else None
+
+    def boundary_width(self, seq_local: int) -> int:
+        """The last dim of the hidden states between pipeline stages, whose micro-batches
+        hold ``seq_local`` tokens of each sequence: the hidden size, plus the keys a carried
+        DSA selection spans (the whole sequence, ``seq_local * cp``)."""
+        carries = any(c is not None for c in self.selection_in + self.selection_out)
+        return self.hidden_size + (seq_local * self.groups.size("cp") if carries else 0)
+
+    def _pack_selection(self, x: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """``x [S_local(/tp), B, H]`` and a selection, bool ``[B, S_local, L]`` (the same on
+        every tp rank) -> ``[S_local(/tp), B, H + L]``: the selection as 0/1 in ``x``'s dtype
+        (exact in any), this tp rank's sequence slice under SP."""
+        sel = selected.transpose(0, 1)  # [S_local, B, L]
+        if self.sequence_parallel:
+            sel = sel.chunk(self.groups.size("tp"), dim=0)[self.tp_rank]  # [S_local/tp, B, L]
+        return torch.cat([x, sel.to(x.dtype)], dim=-1)
+
+    def _unpack_selection(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_pack_selection`'s inverse: the hidden states and the bool selection."""
+        h, sel = x.split([self.hidden_size, x.shape[-1] - self.hidden_size], dim=-1)
+        sel = sel.detach()
+        if self.sequence_parallel:
+            sel = gather_from_sequence_region(sel, self.groups.tp, dim=0)  # [S_local, B, L]
+        return h, sel.transpose(0, 1) > 0.5
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = next(self.parameters()).dtype
@@ -406,8 +440,12 @@ class Transformer(nn.Module):
         if self.stages[chunk] == 0:
             x = self.embed(input_ids.t())  # [S_local, B, H]
         selections: dict = {}  # DSA: each full layer's selection, for the shared layers after it
+        if self.selection_in[chunk] is not None:
+            x, selections[self.selection_in[chunk]] = self._unpack_selection(x)
         for i in self.stage_layer_ids[chunk]:
             x = self.layers[i](x, cos, sin, docs, positions=positions, loss_scale=loss_scale, selections=selections)
+        if self.selection_out[chunk] is not None:
+            x = self._pack_selection(x, selections[self.selection_out[chunk]])
         return x
 
     def _whole_model_positions(self, what: str, input_ids: torch.Tensor,
@@ -513,6 +551,11 @@ class Transformer(nn.Module):
         if self.stages[chunk] == self.num_stages - 1:
             return self._loss(x, labels, loss_mask, num_loss_tokens, input_ids, rotary, docs, mtp, loss_scale)
         return x
+
+
+def _last_full(types: list[str], layer: int) -> int:
+    """The last layer before ``layer`` that runs its DSA indexer (``types[0]`` is full)."""
+    return max(i for i in range(layer) if types[i] == "full")
 
 
 def build_model(config: Config, groups: ProcessGroups) -> Transformer:

@@ -57,24 +57,25 @@ def test_dsa_config_rules(change, message):
     assert any(message in p for p in _problems(**change)), _problems(**change)
 
 
-def test_dsa_config_refuses_dynamic_cp():
+def test_dsa_config_takes_dynamic_cp():
+    """Dynamic cp runs DSA over each sub-group (its equality with one process:
+    tests/training/test_dynamic_cp.py::test_dynamic_cp_equals_one_process)."""
     config = Config()
     for key, value in DSA_MODEL.items():
         setattr(config.model, key, value)
     config.parallel.cp, config.parallel.dynamic_cp = 2, True
-    with pytest.raises(ConfigError, match="parallel.dynamic_cp=true is not supported with model.dsa=true"):
-        validate(config, 2)
+    validate(config, 2)
 
 
-def test_dsa_config_refuses_a_stage_beginning_with_a_shared_layer():
+def test_dsa_config_takes_a_stage_beginning_with_a_shared_layer():
+    """The stage boundary carries the selection (its equality with one process:
+    tests/parallel/test_parallel_matrix.py::test_dsa_matches_single_process, the
+    ``dsa-glm5-boundary-*`` rows)."""
     config = Config()
-    for key, value in {**DSA_MODEL, "indexer_types": ["full", "shared", "full", "full"]}.items():
+    for key, value in {**DSA_MODEL, "indexer_types": ["full", "full", "shared", "full"]}.items():
         setattr(config.model, key, value)
     config.parallel.pp = 2
-    validate(config, 2)  # stages [0, 1] and [2, 3] each begin with a full layer
-    config.model.indexer_types = ["full", "full", "shared", "full"]
-    with pytest.raises(ConfigError, match=r"model.indexer_types\[2\]='shared' begins a pipeline stage"):
-        validate(config, 2)
+    validate(config, 2)
 
 
 # --------------------------------------------------------------------------- against transformers
@@ -367,3 +368,26 @@ def test_recompute_gives_the_same_loss_grads_and_indexer_loss(stage):
     assert any(".indexer." in n for n in grads)
     for name, g in want_grads.items():
         assert torch.equal(grads[name], g), name
+
+
+def test_padding_queries_train_no_indexer():
+    """The KL is a mean over real queries: a row of two documents and 3 padding tokens (its
+    own segment, ``Documents.token_mask`` False) gives the documents' KLs weighted by their
+    lengths, the padding's left out (dynamic cp drops the loader's padding and pads its own,
+    so its KL equals one process's only so: tests/training/test_dynamic_cp.py)."""
+    from moe_fold.parallel.varlen import Documents
+
+    _, _, ours = _pair(False, 5, dsa_stage="sparse")
+    kl = []
+    ours.kl.register_forward_hook(lambda module, args, out: kl.append(float(out.detach())))
+    lengths = [6, 4, 3]
+    x = torch.randn(1, S, DSA_MODEL["hidden_size"])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    cos, sin = rotary_cos_sin(positions, ours.rope, 10000.0, x.dtype)
+    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).unsqueeze(0)
+    real = torch.arange(S) < S - lengths[-1]  # [S_local * B], B = 1
+    ours(x.transpose(0, 1), cos.unsqueeze(0), sin.unsqueeze(0), Documents(doc_ids, None, real))
+    for doc in x.split(lengths, dim=1)[:2]:
+        cos, sin = rotary_cos_sin(torch.arange(doc.shape[1]), ours.rope, 10000.0, x.dtype)
+        ours(doc.transpose(0, 1), cos, sin)
+    assert kl[0] == pytest.approx((kl[1] * lengths[0] + kl[2] * lengths[1]) / (S - lengths[-1]), rel=1e-5)
