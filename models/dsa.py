@@ -197,7 +197,8 @@ class DSAttention(MLAttention):
             q_latent = gather_from_sequence_region(q_latent, self.tp_group, dim=0)
         return x, q_latent
 
-    def _real_queries(self, docs: Optional[Documents], batch: int) -> tuple[Optional[torch.Tensor], Union[float, torch.Tensor, None]]:
+    def _real_queries(self, docs: Optional[Documents],
+                      batch: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """The KL's real queries ``[B, S]`` (None: all) and its divisor: the real queries of
         the micro-batch over the whole ``parallel.cp`` group divided by its size, so that the
         KL averaged over cp (as the gradients are) is the micro-batch's mean over its real

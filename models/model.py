@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moe_fold.comm import all_reduce_, gather_from_sequence_region, gather_from_tp_region
@@ -379,27 +380,32 @@ class Transformer(nn.Module):
 
     def boundary_width(self, seq_local: int) -> int:
         """The last dim of the hidden states between pipeline stages, whose micro-batches
-        hold ``seq_local`` tokens of each sequence: the hidden size, plus the keys a carried
-        DSA selection spans (the whole sequence, ``seq_local * cp``)."""
+        hold ``seq_local`` tokens of each sequence: the hidden size, plus a carried DSA
+        selection (a bit per key of the whole sequence, ``seq_local * cp``, eight an element)."""
         carries = any(c is not None for c in self.selection_in + self.selection_out)
-        return self.hidden_size + (seq_local * self.groups.size("cp") if carries else 0)
+        return self.hidden_size + (-(-seq_local * self.groups.size("cp") // 8) if carries else 0)
 
     def _pack_selection(self, x: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
         """``x [S_local(/tp), B, H]`` and a selection, bool ``[B, S_local, L]`` (the same on
-        every tp rank) -> ``[S_local(/tp), B, H + L]``: the selection as 0/1 in ``x``'s dtype
-        (exact in any), this tp rank's sequence slice under SP."""
+        every tp rank) -> ``[S_local(/tp), B, H + ceil(L/8)]``: the selection's bits, eight
+        keys a value in ``x``'s dtype (integers up to 255, exact in any float dtype), this tp
+        rank's sequence slice under SP."""
         sel = selected.transpose(0, 1)  # [S_local, B, L]
         if self.sequence_parallel:
             sel = sel.chunk(self.groups.size("tp"), dim=0)[self.tp_rank]  # [S_local/tp, B, L]
-        return torch.cat([x, sel.to(x.dtype)], dim=-1)
+        sel = F.pad(sel.to(torch.uint8), (0, -sel.shape[-1] % 8))
+        bits = sel.unflatten(-1, (-1, 8)).long() << torch.arange(8, device=sel.device)  # [S, B, L/8, 8]
+        return torch.cat([x, bits.sum(-1).to(x.dtype)], dim=-1)
 
     def _unpack_selection(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_pack_selection`'s inverse: the hidden states and the bool selection."""
-        h, sel = x.split([self.hidden_size, x.shape[-1] - self.hidden_size], dim=-1)
-        sel = sel.detach()
+        h, packed = x.split([self.hidden_size, x.shape[-1] - self.hidden_size], dim=-1)
+        packed = packed.detach()
         if self.sequence_parallel:
-            sel = gather_from_sequence_region(sel, self.groups.tp, dim=0)  # [S_local, B, L]
-        return h, sel.transpose(0, 1) > 0.5
+            packed = gather_from_sequence_region(packed, self.groups.tp, dim=0)  # [S_local, B, L/8]
+        keys = packed.shape[0] * self.groups.size("cp")  # L: the whole sequence
+        bits = (packed.long().unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1  # [S_local, B, L/8, 8]
+        return h, bits.flatten(-2)[..., :keys].transpose(0, 1) > 0
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = next(self.parameters()).dtype

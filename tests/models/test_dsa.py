@@ -391,3 +391,26 @@ def test_padding_queries_train_no_indexer():
         cos, sin = rotary_cos_sin(torch.arange(doc.shape[1]), ours.rope, 10000.0, x.dtype)
         ours(doc.transpose(0, 1), cos, sin)
     assert kl[0] == pytest.approx((kl[1] * lengths[0] + kl[2] * lengths[1]) / (S - lengths[-1]), rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_stage_boundary_carries_the_selection_exactly(dtype):
+    """Under pp a stage's output packs the selection a shared layer after it reuses, eight
+    keys a value of the hidden states' dtype, in ``boundary_width``; the next stage unpacks
+    the very same selection (13 keys: not a multiple of 8)."""
+    from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups
+    from moe_fold.models.model import build_model
+    from tests.parallel.test_varlen import _config
+
+    config = _config({**RECOMPUTE_DSA, **RECOMPUTE_STAGES["sparse-glm5"],
+                      "indexer_types": ["full", "full", "shared", "shared"]}, pp=2)
+    validate(config, 2)
+    first, second = (build_model(config, ProcessGroups(ParallelLayout(2, pp=2), r, {k: None for k in GROUP_NAMES}))
+                     for r in (0, 1))
+    assert (first.selection_out, second.selection_in) == ([1], [1])
+    selected = torch.rand(B, S, S) < 0.3  # [B, S_local, L]
+    x = torch.randn(S, B, config.model.hidden_size, dtype=dtype)
+    packed = first._pack_selection(x, selected)
+    assert packed.shape == (S, B, first.boundary_width(S)) == (S, B, config.model.hidden_size + 2)
+    h, got = second._unpack_selection(packed)
+    assert torch.equal(h, x) and torch.equal(got, selected)

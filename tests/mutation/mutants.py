@@ -755,8 +755,8 @@ MUTANTS: list[Mutant] = [
         ("tests/models/test_dsa.py::test_padding_queries_train_no_indexer",)),
     Mutant(
         "dsa-boundary-selection-lost", "models/model.py",
-        "        return h, sel.transpose(0, 1) > 0.5\n",
-        "        return h, sel.transpose(0, 1) >= 0.0\n",
+        "        return h, bits.flatten(-2)[..., :keys].transpose(0, 1) > 0\n",
+        "        return h, bits.flatten(-2)[..., :keys].transpose(0, 1) >= 0\n",
         "a shared layer beginning a pp stage attends to every key: the carried selection is lost",
         ("tests/parallel/test_parallel_matrix.py::test_dsa_matches_single_process",)),
     Mutant(
