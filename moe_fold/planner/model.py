@@ -51,7 +51,7 @@ from moe_fold.config import (
 __all__ = ["Dims", "dims", "ParamEntry", "param_manifest", "stage_layers", "stage_blocks", "layer_forward_flops",
            "head_forward_flops", "mtp_forward_flops", "mtp_activation_bytes", "model_flops_per_step",
            "rank_flops_per_microbatch", "act_bytes", "router_bytes", "expert_rows_per_token", "held_rows_per_token", "layer_activation_bytes",
-           "mla_attention_bytes", "head_activation_bytes",
+           "mla_attention_bytes", "mla_latent_bytes", "head_activation_bytes",
            "microbatches_in_flight", "RECOMPUTE_MODES"]
 
 RECOMPUTE_MODES = choices("train.recompute")
@@ -142,6 +142,8 @@ class Dims:
     index_dim: int = 0
     index_topk: int = 0
     index_sparse: bool = False  # model.dsa_stage=sparse: the attention core covers the kept keys only
+    dsa: bool = False  # model.dsa: every attention block is DSA (its own indexer or a shared layer's selection)
+    index_loss: bool = False  # model.dsa_indexer_loss_weight > 0: the indexer's KL loss trains it
     # LongCat-Flash's blocks (model.block=shortcut_moe): two attention sublayers, each with a
     # dense MLP of width ffn, and the MoE.
     shortcut: bool = False
@@ -250,7 +252,7 @@ def _dsa_dims(m: ModelConfig) -> dict:
     blocks = frozenset(i for i in range(m.num_layers + m.mtp_num_layers)
                        if types is None or i >= m.num_layers or types[i] == "full")
     return dict(indexer=blocks, index_heads=m.index_n_heads, index_dim=m.index_head_dim, index_topk=m.index_topk,
-                index_sparse=m.dsa_stage == "sparse")
+                index_sparse=m.dsa_stage == "sparse", dsa=True, index_loss=m.dsa_indexer_loss_weight > 0)
 
 
 def _deltanet_dims(m: ModelConfig) -> dict:
@@ -683,10 +685,18 @@ def mla_attention_bytes(d: Dims, a: int, g: int, tp: int) -> float:
     (:func:`moe_fold.parallel.varlen.sdpa`) ``2 a heads qk``, the projection's input
     ``a heads v`` and the float32 log-sum-exp ``4 heads``. The latents' norms keep an fp32
     ``rsqrt`` each (4). The fused kernel keeps no ``s x s`` scores."""
+    heads = a * (4 * d.q_size + d.out_size) + 4 * d.heads
+    return mla_latent_bytes(d, a, g) + heads * g / tp
+
+
+def mla_latent_bytes(d: Dims, a: int, g: int) -> float:
+    """The part of :func:`mla_attention_bytes` before the heads: the down-projections'
+    input, the q latent (or the gathered input) and the kv latent, with their norms'
+    ``rsqrt``; DSA's attention (:func:`moe_fold.planner.memory.dsa_attention_bytes`)
+    keeps the same."""
     query = a * d.q_lora * (1 + g) + 4 if d.q_lora else (a * d.hidden * g if g > 1 else 0)
     latent = a * (d.kv_lora + d.rope_dim) + a * d.kv_lora * g + 4
-    heads = a * (4 * d.q_size + d.out_size) + 4 * d.heads
-    return a * d.hidden + query + latent + heads * g / tp
+    return a * d.hidden + query + latent
 
 
 def head_activation_bytes(config: Config) -> float:

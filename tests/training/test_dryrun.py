@@ -204,6 +204,10 @@ AGREEMENT_CASES = {
                                             "parallel.pp_layers=null", "parallel.pp_schedule=1f1b",
                                             "train.global_batch_size=512"]),
     "glm-5": ("glm-5", 768, ["model.num_layers=12", "moe.first_k_dense=1", "train.global_batch_size=1024"]),
+    # DSA under cp: keys, values and the indexer's keys all-gathered (not a ring).
+    "deepseek-v32-cp2": ("deepseek-v32", 128, ["model.num_layers=4", "moe.first_k_dense=1", "parallel.pp=2",
+                                               "parallel.vpp=null", "parallel.pp_layers=null", "parallel.pp_schedule=1f1b",
+                                               "parallel.cp=2", "train.global_batch_size=16"]),
 }
 
 
@@ -238,6 +242,8 @@ def test_planner_agrees_with_the_dry_run(name):
 # within 5% of the dry run's (docs/dryrun.md has the table). The fast rows are reduced
 # models whose peak one effect sets.
 _DS16 = ["model.num_layers=16", "parallel.vpp=2", "parallel.pp_layers=null", "train.global_batch_size=512"]
+_DSA4 = ["model.num_layers=4", "moe.first_k_dense=1", "parallel.pp=2", "parallel.vpp=null", "parallel.pp_layers=null",
+         "parallel.pp_schedule=1f1b", "train.global_batch_size=32"]
 ACTIVATION_CASES = {
     # The interleaved schedule holds 4.5 micro-batches in flight on the last stage, but its
     # last chunk runs each backward straight after the forward: the heads, MTP and the
@@ -271,6 +277,21 @@ ACTIVATION_CASES = {
     "kimi-linear-reduced": ("kimi-linear-48b-a3b", 32, ["model.num_layers=4", "model.layer_types=[kda,kda,kda,attention]",
                                                         "model.rope_layers=[0,0,0,0]", "train.global_batch_size=32"],
                             [0]),
+    # DSA under full recompute: the peak is the softmax of a DSA attention rebuilt in its
+    # backward (its dense float32 scores, their masked copy and the probabilities, with the
+    # indexer's per-head scores), in both training stages and under cp (every key gathered);
+    # on the last stage the MTP depth's, while the model's head still holds its logits;
+    # GLM-5's, with shared layers, the indexer's backward (the gradient of its keys
+    # broadcast over the queries).
+    "deepseek-v32-reduced": ("deepseek-v32", 128, _DSA4, [0, 127]),
+    "deepseek-v32-reduced-dense": ("deepseek-v32", 128, _DSA4 + ["model.dsa_stage=dense_warmup"], [0]),
+    "deepseek-v32-reduced-cp2": ("deepseek-v32", 128, _DSA4 + ["parallel.cp=2", "train.global_batch_size=16"], [0]),
+    # Without the KL loss the indexer keeps nothing, but its graph lives through the forward
+    # that rebuilds the attention, up to the softmax.
+    "deepseek-v32-reduced-no-kl": ("deepseek-v32", 128, _DSA4 + ["model.dsa_indexer_loss_weight=0"], [0]),
+    "glm-5-reduced": ("glm-5", 128, ["model.num_layers=4", "moe.first_k_dense=1", "parallel.pp=2",
+                                     "train.global_batch_size=32", "model.indexer_types=[full,shared,full,shared]"],
+                      [0, 127]),
     "mixtral-8x22b": ("mixtral-8x22b", 128, [], [0, 127]),
     # The MoE Parallel Folding paper's Table 3 layouts (bench/published/moe_parallel_folding.csv).
     "mixtral-8x22b-folding": ("mixtral-8x22b", 128, ["parallel.tp=2", "parallel.ep=8", "parallel.etp=1",
