@@ -343,11 +343,12 @@ class Transformer(nn.Module):
         self.num_stages = pp * vpp
         self.stage_layer_ids = [layers_of[s] for s in self.stages]
         first, last = 0 in self.stages, self.num_stages - 1 in self.stages
-        # DSA under pp with GLM-5's shared layers: a stage boundary carries the selection of
-        # the last full layer before it, for the shared layers after it. Per chunk: the full
-        # layer whose selection comes with its input, and the one its output carries (None: none).
+        # DSA under pp with GLM-5's shared layers: where a stage begins with a shared layer,
+        # every stage boundary (the pipeline's one activation shape) carries the selection of
+        # the last full layer before it. Per chunk: the full layer whose selection comes with
+        # its input, and the one its output carries (None: none).
         types = m.indexer_types if m.dsa else None
-        carries = pp > 1 and types is not None and "shared" in types
+        carries = types is not None and any(types[layers_of[s][0]] == "shared" for s in range(1, pp * vpp))
         self.selection_in = [_last_full(types, ids[0]) if carries and s > 0 else None
                              for s, ids in zip(self.stages, self.stage_layer_ids)]
         self.selection_out = [_last_full(types, ids[-1] + 1) if carries and s < self.num_stages - 1 else None

@@ -414,3 +414,16 @@ def test_a_stage_boundary_carries_the_selection_exactly(dtype):
     assert packed.shape == (S, B, first.boundary_width(S)) == (S, B, config.model.hidden_size + 2)
     h, got = second._unpack_selection(packed)
     assert torch.equal(h, x) and torch.equal(got, selected)
+
+
+def test_stage_boundaries_carry_a_selection_only_where_a_stage_begins_shared():
+    """GLM-5's shared layers 1 and 3 on stages [0, 1] [2, 3]: every stage begins with a full
+    layer, so the boundary holds the hidden states alone (the dry run's and the planner's)."""
+    from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups
+    from moe_fold.models.model import build_model
+    from tests.parallel.test_varlen import _config
+
+    config = _config({**RECOMPUTE_DSA, **RECOMPUTE_STAGES["sparse-glm5"]}, pp=2)
+    model = build_model(config, ProcessGroups(ParallelLayout(2, pp=2), 0, {k: None for k in GROUP_NAMES}))
+    assert (model.selection_in, model.selection_out) == ([None], [None])
+    assert model.boundary_width(S) == config.model.hidden_size
