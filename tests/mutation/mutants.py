@@ -1043,4 +1043,37 @@ MUTANTS: list[Mutant] = [
         "        latent = 0.0\n",
         "the planner forgets the combined latent rows the projection back keeps",
         ("tests/planner/test_memory.py::test_nemotron_h_layer_activation_bytes[fp32-latent]",)),
+    # ------------------------------------------------------------------ DSA training
+    Mutant(
+        "dsa-recompute-drops-kl-share", "models/model.py",
+        "            x = x + recomputed(self.attn, self.attn_norm(x), cos, sin, docs, kv_cache, **extra)",
+        "            x = x + recomputed(self.attn, self.attn_norm(x), cos, sin, docs, kv_cache, "
+        "selections=extra.get(\"selections\"))",
+        "a recomputed DSA attention weighs its indexer's KL as a whole step's, not its micro-batch's share",
+        ("tests/models/test_dsa.py::test_recompute_gives_the_same_loss_grads_and_indexer_loss",)),
+    Mutant(
+        "dsa-kl-count-not-reduced", "models/dsa.py",
+        "        all_reduce_(count, self.cp_group)\n",
+        "",
+        "each dynamic cp rank averages the indexer's KL over its own real queries, not its share of the "
+        "micro-batch's",
+        ("tests/training/test_dynamic_cp.py::test_dynamic_cp_equals_one_process[dsa-glm5-cp2]",)),
+    Mutant(
+        "dsa-padding-queries-train", "models/dsa.py",
+        "        terms = terms.masked_fill(~real, 0.0)\n",
+        "        terms = terms + 0.0 * real\n",
+        "padding queries train the indexer",
+        ("tests/models/test_dsa.py::test_padding_queries_train_no_indexer",)),
+    Mutant(
+        "dsa-boundary-selection-lost", "models/model.py",
+        "        return h, bits.flatten(-2)[..., :keys].transpose(0, 1) > 0\n",
+        "        return h, bits.flatten(-2)[..., :keys].transpose(0, 1) >= 0\n",
+        "a shared layer beginning a pp stage attends to every key: the carried selection is lost",
+        ("tests/parallel/test_parallel_matrix.py::test_dsa_matches_single_process",)),
+    Mutant(
+        "dsa-boundary-selection-wrong-tp-slice", "models/model.py",
+        "            sel = sel.chunk(self.groups.size(\"tp\"), dim=0)[self.tp_rank]",
+        "            sel = sel.chunk(self.groups.size(\"tp\"), dim=0)[0]",
+        "under SP every tp rank sends the first tp rank's queries' selection across the stage boundary",
+        ("tests/parallel/test_parallel_matrix.py::test_dsa_matches_single_process",)),
 ]

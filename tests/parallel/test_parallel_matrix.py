@@ -85,6 +85,10 @@ LONGCAT_ZERO = dict(moe=dict(zero_experts=4, topk=3, pre_softmax=True, expert_bi
 # layer 2's selections with the layers after them.
 DSA_LAYERS = dict(MLA_MODEL, dsa=True, index_n_heads=3, index_head_dim=6, index_topk=5, dsa_indexer_loss_weight=0.5)
 GLM5_LAYERS = dict(DSA_LAYERS, index_rope_interleave=True, indexer_types=["full", "shared", "full", "shared"])
+# Stages [0, 1] [2, 3] under pp 2: the second begins with a shared layer (layer 1's selection);
+# one layer a stage under pp 2 x vpp 2: layers 1 and 2 share layer 0's, passed on by stage 1.
+GLM5_BOUNDARY = dict(GLM5_LAYERS, indexer_types=["full", "full", "shared", "shared"])
+GLM5_PASS_THROUGH = dict(GLM5_LAYERS, indexer_types=["full", "shared", "shared", "full"])
 # LongCat-Flash's blocks (model.block=shortcut_moe): two MLA sublayers, each with a dense MLP,
 # and the shortcut MoE with its zero experts; MLA's LoRA scaling and latent epsilon.
 LONGCAT_BLOCK = dict(MLA_MODEL, block="shortcut_moe", mla_lora_scale=True, mla_norm_eps=1e-6, **LONGCAT_ZERO)
@@ -174,6 +178,14 @@ CASES = {
     "dsa-glm5-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), GLM5_LAYERS),
     "dsa-warmup-tp2-cp2-a2a": (4, dict(tp=2, cp=2), 2, dict(cp_kind="a2a"), dict(DSA_LAYERS,
                                                                                     dsa_stage="dense_warmup")),
+    # GLM-5's shared layers beginning pipeline stages: the boundary carries the selection of the
+    # last full layer before it (through a stage of shared layers only, under vpp), sliced over
+    # tp under SP and gathered back.
+    "dsa-glm5-boundary-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"),
+                                                  GLM5_BOUNDARY),
+    "dsa-glm5-boundary-pp2-vpp2-ep2-dp2": (4, dict(pp=2, ep=2), 2, dict(vpp=2, pp_schedule="interleaved"),
+                                           GLM5_PASS_THROUGH),
+    "dsa-glm5-boundary-pp2-tp2-ep2-etp1": (4, dict(pp=2, tp=2, ep=2, etp=1), 2, dict(), GLM5_BOUNDARY),
     # LongCat-Flash's shortcut-connected MoE blocks.
     "longcat-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_BLOCK),
     "longcat-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), LONGCAT_BLOCK),
@@ -639,15 +651,17 @@ def test_moe_overlap_matches_no_overlap_and_single_process(world):
 # graph, its collectives torch's functional collectives (cp's a2a and ep's all-to-all with
 # the count exchange's unbacked splits, tp's SP mappings, the router's all-reduces), pp's
 # sends between the compiled blocks. Ring cp is not among them (docs/gpu.md says why).
-COMPILED_CASES = ["cp2-a2a-ep2", "pp2-tied", "tp2-qknorm-projection-partial-rotary", "longcat-tp2-ep2-etp1"]
+COMPILED_CASES = ["cp2-a2a-ep2", "pp2-tied", "tp2-qknorm-projection-partial-rotary", "longcat-tp2-ep2-etp1",
+                  "dsa-glm5-cp2-a2a-ep2-packed", "dsa-glm5-tp2-ep2-etp1"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", COMPILED_CASES)
 def test_compiled_blocks_match_single_process(name):
     """ep 2 with a2a cp 2, pp 2 with tied embeddings, tp 2 + SP, LongCat-Flash's blocks under
-    tp 2 + SP x ep 2: with every block compiled, one process's losses, grads and grad norms at
-    the matrix's tolerances."""
+    tp 2 + SP x ep 2, GLM-5's DSA layers (shared selections, the indexer's KL) under cp 2 on
+    packed documents (keys gathered over cp) and tp 2 + SP x ep 2: with every block compiled,
+    one process's losses, grads and grad norms at the matrix's tolerances."""
     _check([name], run_ranks(_rank, 2, [name], compiled=True, timeout=600))
 
 
