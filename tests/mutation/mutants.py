@@ -755,8 +755,8 @@ MUTANTS: list[Mutant] = [
          f"{T_KDA}::test_packed_kda_equals_each_document_alone")),
     Mutant(
         "delta-rule-end-state-keeps-old-document", DELTA,
-        "    decay_out = (G[..., -1:, :] - G).masked_fill(~same[..., -1, :].unsqueeze(-1), float(\"-inf\")).exp()\n",
-        "    decay_out = (G[..., -1:, :] - G).exp()\n",
+        "    decay_out = D[..., -1, :, :]  # exp(G_C - G_t), 0 past a start\n",
+        "    decay_out = segment_sums(g)[..., -1, :, :].exp()\n",
         "Gated DeltaNet / KDA: a chunk's end state keeps what a document that ended inside the chunk wrote",
         (f"{T_DELTA}::test_packed_equals_each_document_alone[head]",
          f"{T_DELTA}::test_packed_equals_each_document_alone[channel]")),
@@ -946,8 +946,8 @@ MUTANTS: list[Mutant] = [
         (f"{T_DSA}::test_indexer_kl_trains_the_indexer_only[deepseek_v32-sparse]",)),
     Mutant(
         "dsa-sparse-kl-over-visible-keys", DSA,
-        "            out = attach_loss(out, self.kl(target, scores, mask), self.loss_weight * loss_scale)\n",
-        "            out = attach_loss(out, self.kl(target, scores, allowed.expand_as(mask)), "
+        "            out = attach_loss(out, self.kl(target, scores, mask, real, count), self.loss_weight * loss_scale)\n",
+        "            out = attach_loss(out, self.kl(target, scores, allowed.expand_as(mask), real, count), "
         "self.loss_weight * loss_scale)\n",
         "the sparse stage's KL normalises the indexer over every visible key instead of the selected ones",
         (f"{T_DSA}::test_indexer_kl_matches_float64[deepseek_v32-sparse]",)),
@@ -978,8 +978,8 @@ MUTANTS: list[Mutant] = [
         (f"{T_FAMILIES}::test_import_matches_transformers_and_export_round_trips[glm_moe_dsa-glm_moe_dsa_shared]",)),
     Mutant(
         "dsa-kl-added-to-output", DSA,
-        "            out = attach_loss(out, self.kl(target, scores, mask), self.loss_weight * loss_scale)\n",
-        "            out = out + self.loss_weight * loss_scale * self.kl(target, scores, mask)\n",
+        "            out = attach_loss(out, self.kl(target, scores, mask, real, count), self.loss_weight * loss_scale)\n",
+        "            out = out + self.loss_weight * loss_scale * self.kl(target, scores, mask, real, count)\n",
         "the indexer's KL added to the attention output: the LM loss's gradient reaches the indexer",
         (f"{T_DSA}::test_indexer_kl_trains_the_indexer_only[deepseek_v32-sparse]",)),
     Mutant(
