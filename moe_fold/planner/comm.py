@@ -41,8 +41,9 @@ Per micro-batch and layer (``X`` the bytes of one ``[s/cp, b, H]`` activation):
 - tp_cp / tp_dp_cp: the router's loss statistics (float64), per MoE layer.
 - cp: the K/V ring of ring attention (or the all-to-alls of a2a attention; DSA's
   all-gathers of its keys and values), forward and backward (:func:`_cp_attention_bytes`).
-- pp: one activation ``[s/(cp g), b, H]`` per virtual-stage boundary forward, its grad
-  backward.
+- pp: one activation ``[s/(cp g), b, W]`` per virtual-stage boundary forward, its grad
+  backward (W: the hidden size, with a carried DSA selection's bits where a stage
+  begins with a GLM-5 shared layer: :func:`~moe_fold.planner.model.boundary_width`).
 
 Per step, the float32 gradient buckets (:func:`moe_fold.planner.memory.grad_buckets`,
 ``parallel.grad_bucket_numel`` elements) of dp_cp (tp-split and replicated parameters),
@@ -69,7 +70,8 @@ from typing import Optional, Sequence
 
 from moe_fold.config import Config, dp_size, edp_size, etp_size, vpp_size
 from moe_fold.planner.memory import grad_buckets, shard_sizes
-from moe_fold.planner.model import act_bytes, dims, held_rows_per_token, param_manifest, router_bytes, stage_blocks
+from moe_fold.planner.model import (act_bytes, boundary_width, dims, held_rows_per_token, param_manifest, router_bytes,
+                                    stage_blocks)
 
 __all__ = ["GRAD_BYTES", "Routing", "uniform_routing", "moe_layer_bytes", "microbatch_bytes",
            "step_bytes"]
@@ -259,7 +261,7 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
     if p.pp > 1:
         v = vpp_size(config)
         g = tp if sp else 1
-        message = b * s // g * d.hidden * a
+        message = b * s // g * boundary_width(config) * a  # a carried DSA selection widens it
         sends = (v - (pp_rank == p.pp - 1)) + (v - (pp_rank == 0))
         out["pp"] += sends * message
     return {k: v for k, v in out.items() if v}

@@ -77,7 +77,7 @@ from moe_fold.planner import memory as planner_memory
 from moe_fold.planner.model import (
     act_bytes, dims, head_activation_bytes, held_rows_per_token, layer_activation_bytes, microbatches_in_flight,
     ParamEntry, layer_forward_flops, model_flops_per_step, mtp_activation_bytes, param_manifest,
-    rank_flops_per_microbatch, stage_blocks,
+    rank_flops_per_microbatch, stage_blocks, boundary_width,
 )
 
 __all__ = ["OVERLAPS", "COMPUTE_MODELS", "CALIBRATED", "CALIBRATED_EFFICIENCY", "FITTED_EFFICIENCY", "calibrated",
@@ -516,7 +516,7 @@ def activation_peak_bytes(config: Config, pp_rank: int, micro: int, manifest: li
         return peak
     d = dims(config)
     g = p.tp if p.sequence_parallel else 1
-    hidden = act_bytes(config) * config.train.micro_batch_size * d.seq / (p.cp * g) * d.hidden
+    hidden = act_bytes(config) * config.train.micro_batch_size * d.seq / (p.cp * g) * boundary_width(config)
     last = p.pp * vpp_size(config) - 1
     for item in _pipeline_plan(pipeline_schedule(config), p.pp, vpp_size(config), micro).programs[pp_rank]:
         if isinstance(item, Exchange):

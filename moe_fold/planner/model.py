@@ -48,7 +48,7 @@ from moe_fold.config import (
     pp_layer_counts, require, vpp_size,
 )
 
-__all__ = ["Dims", "dims", "ParamEntry", "param_manifest", "stage_layers", "stage_blocks", "layer_forward_flops",
+__all__ = ["Dims", "dims", "ParamEntry", "param_manifest", "stage_layers", "stage_blocks", "boundary_width", "layer_forward_flops",
            "head_forward_flops", "mtp_forward_flops", "mtp_activation_bytes", "model_flops_per_step",
            "rank_flops_per_microbatch", "act_bytes", "router_bytes", "expert_rows_per_token", "held_rows_per_token", "layer_activation_bytes",
            "mla_attention_bytes", "mla_latent_bytes", "head_activation_bytes",
@@ -370,6 +370,18 @@ def stage_layers(config: Config, pp_rank: int) -> list[int]:
     counts = pp_layer_counts(config)
     starts = [sum(counts[:c]) for c in range(len(counts))]
     return [starts[c] + i for c in range(pp_rank, len(counts), pp) for i in range(counts[c])]
+
+
+def boundary_width(config: Config) -> int:
+    """The last dim of the hidden states between pipeline stages: the hidden size, plus,
+    where a stage begins with a DSA layer that reuses the selection before it (GLM-5's
+    shared layers), that selection as a bit per key, eight an element (on every boundary:
+    the pipeline has one activation shape)."""
+    d, m = dims(config), config.model
+    counts = pp_layer_counts(config) if config.parallel.pp > 1 else [m.num_layers]
+    starts = [sum(counts[:c]) for c in range(1, len(counts))]
+    carries = m.dsa and any(i < m.num_layers and i not in d.indexer for i in starts)
+    return d.hidden + (-(-d.seq // 8) if carries else 0)
 
 
 def stage_blocks(config: Config, pp_rank: int) -> list[int]:

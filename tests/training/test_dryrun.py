@@ -238,6 +238,10 @@ AGREEMENT_CASES = {
                                             "parallel.pp_layers=null", "parallel.pp_schedule=1f1b",
                                             "train.global_batch_size=512"]),
     "glm-5": ("glm-5", 768, ["model.num_layers=12", "moe.first_k_dense=1", "train.global_batch_size=1024"]),
+    # GLM-5's shared layer beginning the second stage: every boundary carries the selection.
+    "glm-5-shared-boundary": ("glm-5", 128, ["model.num_layers=4", "model.indexer_types=[full,shared,shared,full]",
+                                             "moe.first_k_dense=1", "parallel.pp=2", "parallel.pp_layers=null",
+                                             "train.global_batch_size=64"]),
     # DSA under cp: keys, values and the indexer's keys all-gathered (not a ring).
     "deepseek-v32-cp2": ("deepseek-v32", 128, ["model.num_layers=4", "moe.first_k_dense=1", "parallel.pp=2",
                                                "parallel.vpp=null", "parallel.pp_layers=null", "parallel.pp_schedule=1f1b",
