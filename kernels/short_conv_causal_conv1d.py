@@ -3,7 +3,7 @@
 the conversion of :func:`~moe_fold.kernels.short_conv.torch_conv`'s arguments to its layout
 and back:
 
-- ``x [S, B, C]`` -> ``(batch, dim, seqlen)`` with the channels innermost
+- ``x [S, B, C]`` (contiguous) -> ``(batch, dim, seqlen)`` with the channels innermost
   (``x.permute(1, 2, 0)``: no copy), the only layout in which it takes ``seq_idx``;
 - packed documents: ``seq_idx [B, K-1+S]`` int32, the document ids, a tap reading a token only
   where its index equals the output token's;
@@ -44,7 +44,9 @@ def library_conv(fn: Callable, x: torch.Tensor, weight: torch.Tensor, bias: Opti
     ``causal_conv1d_fn`` or a function of the same contract), in the layout the module
     docstring describes."""
     back = weight.shape[1] - 1
-    full = x if history is None else torch.cat([history, x], dim=0)  # [K-1+S, B, C] (or [S, B, C])
+    # Contiguous: its channel-last kernels want the batch and token strides in multiples of 8,
+    # which a slice of a wider projection (Mamba2's x|B|C) does not have.
+    full = x.contiguous() if history is None else torch.cat([history, x], dim=0)  # [K-1+S, B, C] (or [S, B, C])
     seq_idx = None
     if doc_ids is not None:
         # doc_ids cover the history's positions; without a history those are not in `full`.

@@ -104,7 +104,7 @@ def fake_causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=Non
     """``causal_conv1d_fn``'s contract on the CPU: ``x (batch, dim, seqlen)``, ``weight (dim,
     width)`` with widths 2 to 4, ``bias (dim,)``; ``seq_idx (batch, seqlen)`` int32 and
     contiguous, taken only with the channels innermost (``x.stride(1) == 1``, dim a multiple
-    of 8) and without ``initial_states``: a tap reads a token only where its index equals the
+    of 8, as its batch and token strides) and without ``initial_states``: a tap reads a token only where its index equals the
     output token's; ``activation`` None or silu. The output is laid out as ``x``."""
     batch, dim, seqlen = x.shape
     width = weight.shape[1]
@@ -113,6 +113,8 @@ def fake_causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=Non
     channel_last = x.stride(1) == 1 and x.stride(2) > 1
     if channel_last:
         assert dim % 8 == 0, "causal_conv1d only supports channel dimension divisible by 8 for now"
+        assert x.stride(2) % 8 == 0 and x.stride(0) % 8 == 0, \
+            "causal_conv1d with channel last layout requires strides (x.stride(0) and x.stride(2)) to be multiples of 8"
     if seq_idx is not None:
         assert channel_last, "seq_idx is only supported for channel last layout"
         assert seq_idx.dtype == torch.int32 and seq_idx.is_contiguous() and seq_idx.shape == (batch, seqlen)
