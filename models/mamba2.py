@@ -33,7 +33,7 @@ from moe_fold.config import ModelConfig, mamba_groups_over_tp, require
 from moe_fold.kernels.short_conv import short_conv
 from moe_fold.kernels.ssd import chunk_ssd, ssd_decay
 from moe_fold.kernels.ssd_scan import ssd_scan
-from moe_fold.parallel.recurrent_cp import conv_histories, local_segments, start_states
+from moe_fold.parallel.recurrent_cp import local_segments, start_states
 from moe_fold.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, global_normal, init_seed, mark, shard_tp,
 )
