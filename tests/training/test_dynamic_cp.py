@@ -190,8 +190,11 @@ def _train_config(tmp_path, name, *extra):
 
     docs = tmp_path / "docs.jsonl"
     if not docs.exists():
+        # Documents of 3-19 tokens against 16 tokens per rank: packed micro-batches hold a
+        # mix that some plans split (a long one cannot be split; with 3-60 tokens, the
+        # loader's Feistel order put no short enough mix in the first 4 micro-batches).
         gen = torch.Generator().manual_seed(3)
-        lengths = torch.randint(3, 60, (60,), generator=gen).tolist()
+        lengths = torch.randint(3, 20, (60,), generator=gen).tolist()
         docs.write_text("".join(_json.dumps({"text": "".join(chr(97 + (i * 7 + j) % 26) for j in range(n))}) + "\n"
                                 for i, n in enumerate(lengths)))
     return load_config("mixtral-tiny", [

@@ -462,8 +462,14 @@ def test_elastic_torchrun_loses_a_node_for_good_then_grows_back(tmp_path, cache_
     One agent and its workers are killed (SIGKILL) for good: the other restarts alone, on
     2 ranks with ep=2 (the largest ep that fits), resumes from the newest checkpoint and
     trains on; the killed agent is started again: both restart together on 4 ranks with
-    ep=4 and finish. Each start's layout is in elastic.jsonl; every step's loss equals the
-    uninterrupted 4-rank run's within the resharding tolerance."""
+    ep=4 and finish. Each start's layout is in elastic.jsonl. The 5 steps after each resume
+    take the uninterrupted 4-rank run's losses within the resharding tolerance (a wrong
+    checkpoint, data position or reshard is off by 1e-3 or more there); every step is within
+    1% of it.
+
+    Not every step within 1e-5: 2 ranks sum in another order than 4 (2e-8 relative), and
+    80 steps of a tiny MoE amplify that until a token's top-k flips (seen: 3.6e-7 up to
+    step 61, 1.9e-4 at step 62, 4e-3 at step 79)."""
     straight_dir = tmp_path / "straight"
     done = subprocess.run(_cli("--nproc", "4", *_set(overrides(straight_dir, cache_dir, *ELASTIC))),
                           capture_output=True, text=True, env=_env(1), cwd=ROOT, timeout=300)
@@ -511,10 +517,12 @@ def test_elastic_torchrun_loses_a_node_for_good_then_grows_back(tmp_path, cache_
     assert len(resumed) == 2 and killed_at - 1 <= resumed[0] <= killed_at + 1 and resumed[1] >= grown_at, resumed
     # The grown world trained too: it resumed from a checkpoint of the survivors, 10 steps or more before the end.
     assert resumed[1] <= ELASTIC_STEPS - 10, resumed
-    worst = max(abs(r["loss"] - straight[r["step"]]) / abs(straight[r["step"]]) for r in metrics)
+    relative = {r["step"]: abs(r["loss"] - straight[r["step"]]) / abs(straight[r["step"]]) for r in metrics}
+    after_resumes = [s for r in resumed for s in range(r + 1, r + 6)]
+    near, worst = max(relative[s] for s in after_resumes), max(relative.values())
     print(f"elastic: lost a node after step {killed_at} (resumed after {resumed[0]}), started it again after "
           f"step {grown_at} (all resumed after {resumed[1]}); "
           f"{ELASTIC_STEPS} steps in {seconds:.0f} s; the 2-rank start {rows[1]['time'] - killed:.1f} s after the "
           f"kill, the 4-rank start {rows[2]['time'] - returned:.1f} s after the agent's return; "
-          f"max relative loss difference {worst:.2e}")
-    assert worst <= 1e-5
+          f"max relative loss difference {near:.2e} after the resumes, {worst:.2e} over the run")
+    assert near <= 1e-5 and worst <= 1e-2
