@@ -94,6 +94,7 @@ def sizes_of(model) -> str:
     if m.block == "shortcut_moe":
         deltanet = " (2 sublayers each)"
     zero = f" + Z{moe.zero_experts}" if moe.zero_experts else ""
+    zero += f" in latent {moe.latent_size}" if moe.latent_size is not None else ""
     if m.block == "single_mixer":
         # Nemotron-H's pattern letters: M Mamba2, * attention, - MLP, E MoE.
         kinds = "".join({"mamba2": "M", "attention": "*", "mlp": "-", "moe": "E"}[k] for k in m.layer_types)

@@ -26,7 +26,8 @@ gradient, and its KL loss gives the rest of the model none:
   and L1-normalised, by ``KL(target || softmax(I))``;
 - ``sparse``: MLA attends over the selected keys; the KL is over the selected keys only.
 
-The KL (mean over queries) rides on the attention output through autograd
+The KL (mean over the micro-batch's real queries: padding tokens, ``Documents.token_mask``,
+train nothing) rides on the attention output through autograd
 (:func:`~moe_fold.dispatch.aux_losses.attach_loss`) with weight
 ``dsa_indexer_loss_weight``; :class:`IndexerKL` returns its value for the step metrics.
 
@@ -36,12 +37,15 @@ detached inputs are gathered over tp, so every tp rank scores every query of its
 tp ranks (an all-reduce). Under cp a rank's queries select among every causally visible
 key of the whole sequence: the indexer keys and MLA's keys and values are all-gathered over
 cp (whatever ``parallel.cp_kind``) and put back in sequence order, and each rank attends its
-zigzag queries to them.
+zigzag queries to them. Under dynamic cp (``parallel.dynamic_cp``) the same runs over the
+sub-group that holds the rank's documents (``Documents.cp_group``), and the KL of each rank is
+its real queries' sum over the micro-batch's real queries on the whole cp group (its count is
+an all-reduce), so the KL averaged over cp is one process's whatever the shards hold.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -140,21 +144,27 @@ def select_topk(scores: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch
     return chosen & allowed
 
 
-def indexer_kl(target: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over queries of ``KL(target_t || softmax(scores_t over mask_t))``; ``target``
-    ``[B, S_q, S_k]`` sums to 1 over each query's masked keys and is 0 elsewhere."""
+def indexer_kl(target: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor,
+               real: Optional[torch.Tensor] = None, count: Union[float, torch.Tensor, None] = None) -> torch.Tensor:
+    """``KL(target_t || softmax(scores_t over mask_t))`` summed over the real queries ``t``
+    (``real [B, S_q]`` bool; None: all) and divided by ``count`` (None: the number of
+    queries, the mean); ``target`` ``[B, S_q, S_k]`` sums to 1 over each query's masked keys
+    and is 0 elsewhere."""
     log_q = torch.log_softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     terms = torch.where(mask, torch.xlogy(target, target) - target * log_q.masked_fill(~mask, 0.0),
-                        torch.zeros_like(target))
-    return terms.sum(-1).mean()
+                        torch.zeros_like(target)).sum(-1)  # [B, S_q]
+    if real is not None:
+        terms = terms.masked_fill(~real, 0.0)
+    return terms.sum() / (terms.numel() if count is None else count)
 
 
 class IndexerKL(nn.Module):
     """The indexer's KL loss of one layer (:func:`indexer_kl`); a module so that the step
     metrics read its value by a forward hook."""
 
-    def forward(self, target: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return indexer_kl(target, scores, mask)
+    def forward(self, target: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor,
+                real: Optional[torch.Tensor] = None, count: Union[float, torch.Tensor, None] = None) -> torch.Tensor:
+        return indexer_kl(target, scores, mask, real, count)
 
 
 class DSAttention(MLAttention):
@@ -187,13 +197,29 @@ class DSAttention(MLAttention):
             q_latent = gather_from_sequence_region(q_latent, self.tp_group, dim=0)
         return x, q_latent
 
-    def _gather_cp(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's zigzag shard along ``dim`` -> the whole sequence in order (autograd:
-        the backward returns each rank the grads of its own tokens)."""
-        cp = group_size(self.cp_group)
+    def _real_queries(self, docs: Optional[Documents],
+                      batch: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The KL's real queries ``[B, S]`` (None: all) and its divisor: the real queries of
+        the micro-batch over the whole ``parallel.cp`` group divided by its size, so that the
+        KL averaged over cp (as the gradients are) is the micro-batch's mean over its real
+        queries, whatever each rank holds (padding; dynamic cp's unequal shards)."""
+        if docs is None or docs.token_mask is None:
+            return None, None
+        real = docs.token_mask.view(-1, batch).float()  # [S_local(/tp), B]
+        if self.sequence_parallel:
+            real = gather_from_sequence_region(real, self.tp_group, dim=0)  # [S, B]
+        count = real.sum()
+        all_reduce_(count, self.cp_group)
+        return real.t() > 0, count.clamp(min=1) / group_size(self.cp_group)
+
+    @staticmethod
+    def _gather_cp(t: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+        """This rank's zigzag shard along ``dim`` -> the whole sequence of ``group`` in order
+        (autograd: the backward returns each rank the grads of its own tokens)."""
+        cp = group_size(group)
         if cp == 1:
             return t
-        return zigzag_gather(all_gather(t, self.cp_group, dim=dim).chunk(cp, dim=dim), dim=dim)
+        return zigzag_gather(all_gather(t, group, dim=dim).chunk(cp, dim=dim), dim=dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: Optional[Documents] = None, kv_cache: Optional[LayerCache] = None,
@@ -214,10 +240,12 @@ class DSAttention(MLAttention):
             length = k.shape[2]
             pos_q = torch.arange(length - S, length, device=q.device)
         else:
-            cp, rank = group_size(self.cp_group), group_rank(self.cp_group)
-            k, v = self._gather_cp(k, 2), self._gather_cp(v, 2)  # [B, heads, S*cp, *]
+            # The group attention runs over: the cp group, or dynamic cp's sub-group.
+            group = self.cp_group if docs is None else docs.cp_group
+            cp, rank = group_size(group), group_rank(group)
+            k, v = self._gather_cp(k, 2, group), self._gather_cp(v, 2, group)  # [B, heads, S*cp, *]
             if index_k is not None:
-                index_k = self._gather_cp(index_k, 1)  # [B, S*cp, d]
+                index_k = self._gather_cp(index_k, 1, group)  # [B, S*cp, d]
             length = S * cp
             pos_q = zigzag_positions(length, rank, cp, device=q.device)
             if docs is not None and docs.doc_ids is not None:
@@ -241,5 +269,6 @@ class DSAttention(MLAttention):
             target = probs.detach().sum(1)  # [B, S, L], this rank's heads
             all_reduce_(target, self.tp_group)
             target = target / target.sum(-1, keepdim=True)
-            out = attach_loss(out, self.kl(target, scores, mask), self.loss_weight * loss_scale)
+            real, count = self._real_queries(docs, q.shape[0]) if kv_cache is None else (None, None)
+            out = attach_loss(out, self.kl(target, scores, mask, real, count), self.loss_weight * loss_scale)
         return self.proj(self.merge_heads(out))

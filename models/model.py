@@ -34,9 +34,10 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from moe_fold.comm import all_reduce_, gather_from_tp_region
+from moe_fold.comm import all_reduce_, gather_from_sequence_region, gather_from_tp_region
 from moe_fold.config import (
     CHANNEL_MIXERS, Config, head_dim, layer_mixer, moe_layer_flags, require, rotary_dim, rotary_pairs,
     shortcut_moe_block, vpp_size,
@@ -342,6 +343,17 @@ class Transformer(nn.Module):
         self.num_stages = pp * vpp
         self.stage_layer_ids = [layers_of[s] for s in self.stages]
         first, last = 0 in self.stages, self.num_stages - 1 in self.stages
+        # DSA under pp with GLM-5's shared layers: where a stage begins with a shared layer,
+        # every stage boundary (the pipeline's one activation shape) carries the selection of
+        # the last full layer before it. Per chunk: the full layer whose selection comes with
+        # its input, and the one its output carries (None: none).
+        types = m.indexer_types if m.dsa else None
+        carries = types is not None and any(types[layers_of[s][0]] == "shared" for s in range(1, pp * vpp))
+        self.selection_in = [_last_full(types, ids[0]) if carries and s > 0 else None
+                             for s, ids in zip(self.stages, self.stage_layer_ids)]
+        self.selection_out = [_last_full(types, ids[-1] + 1) if carries and s < self.num_stages - 1 else None
+                              for s, ids in zip(self.stages, self.stage_layer_ids)]
+        self.hidden_size, self.tp_rank = m.hidden_size, groups.rank_in("tp")
 
         # The last stage reads the embedding for a tied head or for the MTP depths' inputs.
         shares_embedding = m.tie_embeddings or m.mtp_num_layers > 0
@@ -366,6 +378,35 @@ class Transformer(nn.Module):
                                     for k in range(m.mtp_num_layers)])
         # Collective over the world (every rank builds its model): the {first, last} stage pair.
         self.embedding_group = create_embedding_group(groups) if pp > 1 and shares_embedding else None
+
+    def boundary_width(self, seq_local: int) -> int:
+        """The last dim of the hidden states between pipeline stages, whose micro-batches
+        hold ``seq_local`` tokens of each sequence: the hidden size, plus a carried DSA
+        selection (a bit per key of the whole sequence, ``seq_local * cp``, eight an element)."""
+        carries = any(c is not None for c in self.selection_in + self.selection_out)
+        return self.hidden_size + (-(-seq_local * self.groups.size("cp") // 8) if carries else 0)
+
+    def _pack_selection(self, x: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """``x [S_local(/tp), B, H]`` and a selection, bool ``[B, S_local, L]`` (the same on
+        every tp rank) -> ``[S_local(/tp), B, H + ceil(L/8)]``: the selection's bits, eight
+        keys a value in ``x``'s dtype (integers up to 255, exact in any float dtype), this tp
+        rank's sequence slice under SP."""
+        sel = selected.transpose(0, 1)  # [S_local, B, L]
+        if self.sequence_parallel:
+            sel = sel.chunk(self.groups.size("tp"), dim=0)[self.tp_rank]  # [S_local/tp, B, L]
+        sel = F.pad(sel.to(torch.uint8), (0, -sel.shape[-1] % 8))
+        bits = sel.unflatten(-1, (-1, 8)).long() << torch.arange(8, device=sel.device)  # [S, B, L/8, 8]
+        return torch.cat([x, bits.sum(-1).to(x.dtype)], dim=-1)
+
+    def _unpack_selection(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_pack_selection`'s inverse: the hidden states and the bool selection."""
+        h, packed = x.split([self.hidden_size, x.shape[-1] - self.hidden_size], dim=-1)
+        packed = packed.detach()
+        if self.sequence_parallel:
+            packed = gather_from_sequence_region(packed, self.groups.tp, dim=0)  # [S_local, B, L/8]
+        keys = packed.shape[0] * self.groups.size("cp")  # L: the whole sequence
+        bits = (packed.long().unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1  # [S_local, B, L/8, 8]
+        return h, bits.flatten(-2)[..., :keys].transpose(0, 1) > 0
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = next(self.parameters()).dtype
@@ -410,8 +451,12 @@ class Transformer(nn.Module):
         if self.stages[chunk] == 0:
             x = self.embed(input_ids.t())  # [S_local, B, H]
         selections: dict = {}  # DSA: each full layer's selection, for the shared layers after it
+        if self.selection_in[chunk] is not None:
+            x, selections[self.selection_in[chunk]] = self._unpack_selection(x)
         for i in self.stage_layer_ids[chunk]:
             x = self.layers[i](x, cos, sin, docs, positions=positions, loss_scale=loss_scale, selections=selections)
+        if self.selection_out[chunk] is not None:
+            x = self._pack_selection(x, selections[self.selection_out[chunk]])
         return x
 
     def _whole_model_positions(self, what: str, input_ids: torch.Tensor,
@@ -517,6 +562,11 @@ class Transformer(nn.Module):
         if self.stages[chunk] == self.num_stages - 1:
             return self._loss(x, labels, loss_mask, num_loss_tokens, input_ids, rotary, docs, mtp, loss_scale)
         return x
+
+
+def _last_full(types: list[str], layer: int) -> int:
+    """The last layer before ``layer`` that runs its DSA indexer (``types[0]`` is full)."""
+    return max(i for i in range(layer) if types[i] == "full")
 
 
 def build_model(config: Config, groups: ProcessGroups) -> Transformer:

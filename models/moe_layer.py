@@ -16,6 +16,14 @@ of width ``moe.shared_expert_ffn_hidden_size`` that every token goes through; it
 tensor-parallel like the dense MLP (column/row-parallel, the sequence gathered over tp
 under SP). ``moe.shared_expert_gate`` scales its output by ``sigmoid(x . w)`` per token.
 
+Latent MoE (Nemotron 3 Super, ``moe.latent_size = L``): the routed experts work in ``L``
+columns. The router reads the hidden state; the tokens are projected ``H -> L``
+(``latent_in``) before the dispatch, so the all-to-all and the etp all-gather carry
+``L``-wide rows, and the combined rows ``L -> H`` (``latent_out``) after the combine. Both
+projections are linear and bias-free, so projecting the combined sum equals summing the
+projected rows (transformers' ``NemotronHMoE`` projects after its expert sum too). The
+shared expert and zero experts read the un-projected hidden state.
+
 Overlap (docs/architecture.md, "One MoE layer"; off by default, and off runs the blocking
 calls in the order above). ``moe.shared_expert_overlap``: the shared expert's fc1 and SwiGLU run while the
 dispatch's all-to-all is in flight, its fc2 (and gate) while the combine's is.
@@ -30,8 +38,9 @@ way (:mod:`moe_fold.comm`'s asynchronous ops). Each chunk has its own count exch
 blocking all-gather of ``E`` int64 per rank).
 
 Gradient sync kinds (:mod:`moe_fold.training.grads`): experts ``"expert"``; the router weight and
-the shared-expert gate are replicated over tp but see only this rank's tokens under SP,
-so ``"tp_sum"``; the shared expert's linears are ``"tp"`` shards.
+the shared-expert gate and the latent projections are replicated over tp but see only
+this rank's tokens under SP, so ``"tp_sum"`` (they are small, ``2 H L``, and a tp split
+would need the sequence gathered, where the dispatch needs each rank's own tokens); the shared expert's linears are ``"tp"`` shards.
 """
 
 from __future__ import annotations
@@ -85,7 +94,16 @@ class MoELayer(nn.Module):
         # moe.replicas spare slots per ep rank hold copies of other ranks' experts from the start.
         placement = Placement.contiguous(moe.num_experts, groups.size("ep"), moe.replicas)
         self.dispatcher.set_placement(placement)
-        self.experts = Experts(moe.num_experts, m.hidden_size, moe.ffn_hidden_size, groups, std=std, seed=seed,
+        # Latent MoE: dense H -> L and L -> H around the dispatch, like the router replicated over tp.
+        self.latent_in: Optional[nn.Linear] = None
+        self.latent_out: Optional[nn.Linear] = None
+        width = m.hidden_size
+        if moe.latent_size is not None:
+            width = moe.latent_size
+            self.latent_in = self._replicated_linear(m.hidden_size, width, std, seed, f"{name}.latent_in", replicated)
+            self.latent_out = self._replicated_linear(width, m.hidden_size, std, seed, f"{name}.latent_out",
+                                                      replicated)
+        self.experts = Experts(moe.num_experts, width, moe.ffn_hidden_size, groups, std=std, seed=seed,
                                name=f"{name}.experts", gemm_backend=moe.gemm_backend, swiglu_backend=moe.swiglu_backend,
                                placement=placement, linear_bias=moe.expert_linear_bias, activation=moe.activation,
                                swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit,
@@ -101,6 +119,15 @@ class MoELayer(nn.Module):
                 self.shared_expert_gate = mark(nn.Parameter(gate), replicated)  # [1, H]
         self.shared_expert_overlap = moe.shared_expert_overlap
         self.overlap_chunks = moe.overlap_chunks
+
+    @staticmethod
+    def _replicated_linear(fan_in: int, fan_out: int, std: float, seed: int, name: str, kind: str) -> nn.Linear:
+        """A bias-free ``fan_in -> fan_out`` linear whose whole weight every rank holds."""
+        linear = nn.Linear(fan_in, fan_out, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(global_normal((fan_out, fan_in), std, init_seed(seed, name)))  # [out, in]
+        mark(linear.weight, kind)
+        return linear
 
     @property
     def placement(self) -> Placement:
@@ -124,13 +151,15 @@ class MoELayer(nn.Module):
         passes ``seq_ids[t] = t % B``, the sample of token ``t`` in the ``[S_local, B]`` order,
         and ``num_seqs = B``."""
         routing = self.router(hidden, loss_mask=loss_mask, seq_ids=seq_ids, num_seqs=num_seqs, loss_scale=loss_scale)
+        # Latent MoE: [T_local, H] -> [T_local, L], so the dispatch carries L-wide rows (else x is hidden).
+        x = hidden if self.latent_in is None else self.latent_in(hidden)
         if self.shared_expert_overlap or self.overlap_chunks > 1:
-            out = self._overlapped(hidden, routing.probs, routing.routing_map)
+            out = self._overlapped(hidden, x, routing.probs, routing.routing_map)
         else:
-            sent = self.dispatcher.dispatch(hidden, routing.probs, routing.routing_map)  # [N, H] by local expert
+            sent = self.dispatcher.dispatch(x, routing.probs, routing.routing_map)  # [N, L] by local expert
             rows = self.experts(sent.tokens, sent.tokens_per_local_expert, sent.probs,
-                                sent.host_tokens_per_local_expert)  # [N, H], prob-weighted
-            out = self.dispatcher.combine(rows, sent.handle)  # [T_local, H]
+                                sent.host_tokens_per_local_expert)  # [N, L], prob-weighted
+            out = self._from_latent(self.dispatcher.combine(rows, sent.handle))  # [T_local, L] -> [T_local, H]
             if self.shared_expert is not None:
                 out = out + self._gated(hidden, self.shared_expert(hidden))
         if routing.zero_probs is not None:
@@ -139,12 +168,14 @@ class MoELayer(nn.Module):
             out = out + (hidden * routing.zero_probs.unsqueeze(1)).to(out.dtype)
         return out
 
-    def _overlapped(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` after routing, with the dispatcher's collectives in flight while
-        the shared expert and the other chunks' experts run (module docstring)."""
+    def _overlapped(self, hidden: torch.Tensor, x: torch.Tensor, probs: torch.Tensor,
+                    routing_map: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` after routing (``x`` the rows to dispatch: ``hidden``, or its latent
+        projection), with the dispatcher's collectives in flight while the shared expert and
+        the other chunks' experts run (module docstring)."""
         n = self.overlap_chunks
         # [T_local, ...] -> n consecutive chunks; every rank makes n, empty ones included.
-        chunks = zip(hidden.tensor_split(n), probs.tensor_split(n), routing_map.tensor_split(n))
+        chunks = zip(x.tensor_split(n), probs.tensor_split(n), routing_map.tensor_split(n))
         dispatches = [self.dispatcher.dispatch_start(x, p, m) for x, p, m in chunks]
         overlap_shared = self.shared_expert is not None and self.shared_expert_overlap
         # Under the first chunk's dispatch: the shared expert's first half.
@@ -152,16 +183,22 @@ class MoELayer(nn.Module):
         combines = []
         for pending in dispatches:
             # Under the next chunk's dispatch and the previous chunk's combine.
-            sent = pending.wait()  # [N_chunk, H] by local expert
+            sent = pending.wait()  # [N_chunk, L] by local expert
             rows = self.experts(sent.tokens, sent.tokens_per_local_expert, sent.probs,
-                                sent.host_tokens_per_local_expert)  # [N_chunk, H]
+                                sent.host_tokens_per_local_expert)  # [N_chunk, L]
             combines.append(self.dispatcher.combine_start(rows, sent.handle))
         # Under the last chunk's combine: the shared expert's second half.
         shared = self._gated(hidden, self.shared_expert.project(act)) if overlap_shared else None  # [T_local, H]
-        out = torch.cat([pending.wait() for pending in combines])  # n x [T_chunk, H] -> [T_local, H]
+        out = torch.cat([pending.wait() for pending in combines])  # n x [T_chunk, L] -> [T_local, L]
+        out = self._from_latent(out)  # [T_local, L] -> [T_local, H]
         if self.shared_expert is not None:
             out = out + (shared if overlap_shared else self._gated(hidden, self.shared_expert(hidden)))
         return out
+
+    def _from_latent(self, combined: torch.Tensor) -> torch.Tensor:
+        """The combined rows back to the hidden width: ``[T_local, L] -> [T_local, H]``
+        (unchanged without a latent MoE, where ``L = H``)."""
+        return combined if self.latent_out is None else self.latent_out(combined)
 
     def _gated(self, hidden: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """The shared expert's output ``shared [T_local, H]``, scaled by its gate if any."""

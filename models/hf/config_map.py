@@ -44,7 +44,7 @@ def _reset_family_fields(config: Config) -> None:
     what it has (MLA, YaRN, the attention features, expert-input scaling, gpt-oss's biases
     and activation, ERNIE-4.5's renormalisation floor, MTP, partial rotary, Qwen3-Next's
     layer types, output gate and zero-centred norms, zero experts, LongCat-Flash's blocks and
-    MLA scaling, DSA, Nemotron-H's single-mixer layers and relu2 MLPs)."""
+    MLA scaling, DSA, Nemotron-H's single-mixer layers, relu2 MLPs and latent MoE)."""
     m, moe = config.model, config.moe
     m.qk_norm_scope, m.partial_rotary_factor, m.mtp_num_layers = "head", 1.0, 0
     moe.topk_norm_min = None
@@ -53,6 +53,7 @@ def _reset_family_fields(config: Config) -> None:
     m.attn_temperature_tuning, m.attn_temperature_scale, m.attn_temperature_floor = False, 0.1, 8192
     moe.score_on_input = False
     moe.zero_experts = 0
+    moe.latent_size = None
     m.attention_out_bias = False
     moe.router_bias, moe.expert_linear_bias, moe.activation = False, False, "swiglu"
     m.attention, m.rope_interleave, m.rope_scaling = "mha", False, None
@@ -131,6 +132,9 @@ FEATURE_USE: dict[str, tuple[Callable[[Config], bool], Callable[[Config, str], s
                          ("rope_layers", None), ("attn_temperature_tuning", False))},
     "zero_experts": (lambda c: c.moe.zero_experts > 0,
                      lambda c, f: f"moe.zero_experts={c.moe.zero_experts}: {f} has no zero-computation experts"),
+    "moe_latent": (lambda c: c.moe.latent_size is not None,
+                   lambda c, f: f"moe.latent_size={c.moe.latent_size}: {f}'s experts work in the hidden width "
+                                f"(Nemotron 3 Super has a latent MoE)"),
     "shortcut_moe": (lambda c: c.model.block == "shortcut_moe",
                      lambda c, f: f"model.block=shortcut_moe: {f}'s blocks are attention then one MLP (LongCat-Flash "
                                   f"has two attention sublayers and a shortcut-connected MoE)"),

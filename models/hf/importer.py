@@ -87,7 +87,7 @@ _ARCHITECTURE = {
     "moe": ("num_experts", "topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate",
             "score_function", "pre_softmax", "num_groups", "group_topk", "group_score", "scaling_factor", "expert_bias",
             "topk_norm_min", "score_on_input", "router_bias", "expert_linear_bias", "activation", "swiglu_alpha",
-            "swiglu_limit", "zero_experts"),
+            "swiglu_limit", "zero_experts", "latent_size"),
 }
 
 

@@ -159,6 +159,9 @@ def _function_preserving_problems(config: Config, granularity: int) -> list[str]
     if moe.zero_experts:
         out.append(f"moe.zero_experts={moe.zero_experts}: a slot on a zero expert returns the token, not the "
                    f"dense MLP; upcycle without zero experts")
+    if moe.latent_size is not None:
+        out.append(f"moe.latent_size={moe.latent_size}: latent experts cannot hold the dense MLP's hidden-width "
+                   f"slices; upcycle without a latent MoE")
     return out
 
 

@@ -277,6 +277,11 @@ class MoEConfig:
     # both); a token's slot on a zero expert adds its input times its gate weight where the
     # token is, so it is never dispatched and costs no expert FLOPs. 0: none.
     zero_experts: int = 0
+    # Latent MoE (Nemotron 3 Super; transformers' moe_latent_size): the routed experts work in
+    # this width. A token is projected hidden -> latent_size before the dispatch (the all-to-all
+    # carries latent_size-wide rows) and the combined rows latent_size -> hidden after it; the
+    # router and the shared expert read the hidden state. null: off (experts in the hidden width).
+    latent_size: Optional[int] = None
 
     # gpt-oss's experts (models/experts.py): biases on every routed expert's fc1 (gate|up) and fc2.
     expert_linear_bias: bool = False

@@ -39,8 +39,8 @@ Per micro-batch and layer (``X`` the bytes of one ``[s/cp, b, H]`` activation):
   the outputs before it, and their backward counterparts.
 - etp_ep: the per-expert int64 count exchange (forward only; none when padded).
 - tp_cp / tp_dp_cp: the router's loss statistics (float64), per MoE layer.
-- cp: the K/V ring of ring attention (or the all-to-alls of a2a attention), forward and
-  backward (:func:`_cp_attention_bytes`).
+- cp: the K/V ring of ring attention (or the all-to-alls of a2a attention; DSA's
+  all-gathers of its keys and values), forward and backward (:func:`_cp_attention_bytes`).
 - pp: one activation ``[s/(cp g), b, H]`` per virtual-stage boundary forward, its grad
   backward.
 
@@ -137,7 +137,7 @@ def moe_layer_bytes(config: Config, routing: Routing) -> dict[str, float]:
     micro-batch on one rank: ``ep``, ``etp`` and ``etp_ep`` (count exchange)."""
     d, p, moe = dims(config), config.parallel, config.moe
     ep, etp = p.ep, etp_size(config)
-    row = d.hidden * act_bytes(config)
+    row = d.expert_width * act_bytes(config)  # a latent MoE sends latent rows
     out: dict[str, float] = {}
     if ep > 1:
         moved = routing.sent + routing.received
@@ -214,12 +214,13 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
             shortcut = d.shortcut and i < d.layers
             sublayers = 2 if shortcut else 1
             runs = 1 + (recompute == "full")
-            out["tp"] += sublayers * attention()
+            if i not in d.no_mixer:  # a single-mixer MLP or MoE layer has no token mixer
+                out["tp"] += sublayers * attention()
             if i in d.indexer:
                 out["tp"] += runs * (indexer_inputs + indexer_target)
             if norm_projection:  # OLMoE's q and k norms: their sums of squares, forward and backward
                 out["tp"] += (4 + 2 * (recompute == "full")) * _all_reduce(b * s * 4, tp)
-            dense_mlps = 2 if shortcut else int(not is_moe)
+            dense_mlps = 2 if shortcut else int(not is_moe and i not in d.no_mlp)  # a lone mixer has no MLP
             out["tp"] += (dense_mlps + (is_moe and d.shared_ffn > 0)) * pair()  # dense MLPs, shared expert
             whole = implementation == "megatron"
             if recompute == "full":
@@ -237,7 +238,7 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
         out["cp"] += _share(3 * 8 * b * d.seq, cp)  # the MTP targets' all-gather
     if cp > 1:
         for i in layers:
-            forward, backward = _cp_attention_bytes(config)
+            forward, backward = _cp_attention_bytes(config, i)
             out["cp"] += forward + backward + (forward if recompute == "full" else 0)
     dp = dp_size(config, world_size)
     layer_bytes: dict[Routing, dict[str, float]] = {}  # every layer of balanced routing is the same
@@ -264,18 +265,25 @@ def microbatch_bytes(config: Config, world_size: int, pp_rank: int, recompute: s
     return {k: v for k, v in out.items() if v}
 
 
-def _cp_attention_bytes(config: Config) -> tuple[float, float]:
-    """Forward and backward bytes of one layer's context-parallel attention for one
+def _cp_attention_bytes(config: Config, layer: int) -> tuple[float, float]:
+    """Forward and backward bytes of layer ``layer``'s context-parallel attention for one
     micro-batch. Ring (:mod:`moe_fold.parallel.ring_attention`): the local K/V pass ``cp-1`` hops
     forward; backward they go round again with float32 dK/dV accumulators, which take one
     more hop home. A2a (:mod:`moe_fold.parallel.context_parallel`): q, k, v (kv heads repeated to
     ``lcm(kv_heads, cp)``) and the output each all-to-all'd, ``(cp-1)/cp`` of them leaving;
     the backward the same. MLA: k is ``qk_nope + qk_rope`` wide per head, v and the
-    output ``v_head_dim``."""
+    output ``v_head_dim``. DSA (:class:`moe_fold.models.dsa.DSAttention`, whatever
+    ``parallel.cp_kind``): k, v and, with the layer's own indexer, the indexer's keys
+    ``[s/cp, index_head_dim]`` are all-gathered over cp, and their grads reduce-scattered
+    back (the indexer's keys only when its KL loss trains them)."""
     d, p = dims(config), config.parallel
     cp, a = p.cp, act_bytes(config)
     tokens = config.train.micro_batch_size * d.seq // cp
     heads, kv_heads = d.heads // p.tp, d.kv_heads // p.tp
+    if d.dsa:
+        kv = (cp - 1) * tokens * d.kv_pass_size // p.tp * a
+        index_keys = (cp - 1) * tokens * d.index_dim * a if layer in d.indexer else 0
+        return kv + index_keys, kv + (index_keys if d.index_loss else 0)
     if d.mla:  # every head has its own k (qk wide) and v (v wide): no repeats under a2a
         kv = tokens * d.kv_pass_size // p.tp
         if p.cp_kind == "ring":

@@ -168,15 +168,18 @@ def microbatch_compute(config: Config, pp_rank: int, recompute: str, gpu: GPU, e
             rerun = recompute in ("full", "moe")
             fe = d.expert_ffn / etp
             out["gemm"] += _training_gemm(local, d.hidden, d.experts + d.zero_experts, 1, False, linear)  # router
-            out["experts"] += _training_gemm(per_expert, d.hidden, 2 * fe, slots, rerun, linear)
-            out["experts"] += _training_gemm(per_expert, fe, d.hidden, slots,
-                                             rerun or recompute == "expert_act", linear)
+            if d.latent:  # the latent MoE's projections, H -> L and L -> H, never recomputed
+                out["gemm"] += _training_gemm(local, d.hidden, d.latent, 1, False, linear)
+                out["gemm"] += _training_gemm(local, d.latent, d.hidden, 1, False, linear)
+            w = d.expert_width
+            out["experts"] += _training_gemm(per_expert, w, 2 * fe, slots, rerun, linear)
+            out["experts"] += _training_gemm(per_expert, fe, w, slots, rerun or recompute == "expert_act", linear)
             elementwise += 3 * a * fe * rows
             # Dispatch and combine copy every routed row: permute and unpermute forward,
             # their scatters backward; the sort of received chunks twice more when it runs.
             sorts = sum(n > 1 for n in (etp, p.ep, d.experts // p.ep)) >= 2
             routed = local * held_rows_per_token(config)
-            out["elementwise"] += (_DISPATCH_PASSES * routed + (4 * rows if sorts else 0)) * 2 * a * d.hidden \
+            out["elementwise"] += (_DISPATCH_PASSES * routed + (4 * rows if sorts else 0)) * 2 * a * w \
                 / gpu.hbm_bw
             if d.shared_ffn:
                 out["gemm"] += _training_gemm(tokens, d.hidden, 2 * d.shared_ffn / tp, 1, rerun, linear)

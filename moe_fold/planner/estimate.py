@@ -403,8 +403,11 @@ def backward_peak_bytes(config: Config, pp_rank: int, chunk: int, manifest: list
       the grad of its input ``aFg/tp`` and (``accumulating``) its weight's gradient in
       the model's dtype ``aHF/tp``;
     - in a chunk with KDA layers, the backward of its per-channel products
-      (:func:`moe_fold.planner.memory.kda_backward_bytes`), less what the layers after
-      it and the heads kept, freed by then."""
+      (:func:`moe_fold.planner.memory.kda_backward_bytes`), and in one with DSA layers the
+      softmax or the indexer's backward (:func:`moe_fold.planner.memory.dsa_backward_bytes`),
+      less what the layers after it and the heads kept, freed by then (for an MTP depth's
+      block, the later depths and its own head: the model's head runs its backward
+      after it)."""
     d, p = dims(config), config.parallel
     g = p.tp if p.sequence_parallel else 1
     tokens = config.train.micro_batch_size * d.seq / (p.cp * g)
@@ -420,12 +423,20 @@ def backward_peak_bytes(config: Config, pp_rank: int, chunk: int, manifest: list
         peaks.append(tokens * planner_memory.loss_backward_bytes(config))
     recompute = config.train.recompute
     for n, i in enumerate(layers):
-        if i in d.kda:
+        if i in d.kda or (d.dsa and i not in d.mamba | d.deltanet):
             # The layers after it, the heads and the losses have freed what they kept.
             freed = sum(planner_memory.layer_activation_bytes(config, j, recompute) for j in layers[n + 1:])
-            if last:
+            if last and i >= config.model.num_layers:
+                # An MTP depth's block: the depths after it and its own head and loss have
+                # run their backward; the model's head has not.
+                later = d.mtp - (i - config.model.num_layers) - 1
+                freed += later * planner_memory.mtp_activation_bytes(config) / d.mtp \
+                    + planner_memory.head_activation_bytes(config)
+            elif last:
                 freed += planner_memory.head_activation_bytes(config) + planner_memory.mtp_activation_bytes(config)
-            peaks.append(tokens * (planner_memory.kda_backward_bytes(config, recompute) - freed))
+            working = planner_memory.kda_backward_bytes(config, recompute) if i in d.kda else \
+                planner_memory.dsa_backward_bytes(config, i, recompute)
+            peaks.append(tokens * (working - freed))
         if not d.moe_flags[i]:
             rebuilt = (planner_memory.layer_activation_bytes(config, i, "none")
                        - planner_memory.layer_activation_bytes(config, i, recompute))
@@ -436,9 +447,10 @@ def backward_peak_bytes(config: Config, pp_rank: int, chunk: int, manifest: list
         expert = max((e.numel for e in manifest if e.kind == "expert"), default=0)
         fc1 = 2 * a * d.expert_ffn / etp_size(config)  # a row's fc1 output
         rerun = recompute in ("full", "moe")
-        peaks.append(held * (fc1 + a * d.hidden) + (a * expert if accumulating else 0))
+        row = a * d.expert_width  # an expert row (latent-wide in a latent MoE)
+        peaks.append(held * (fc1 + row) + (a * expert if accumulating else 0))
         if rerun:
-            peaks.append(held * (2 * a * d.hidden + 1.5 * fc1))
+            peaks.append(held * (2 * row + 1.5 * fc1))
     return max(peaks)
 
 

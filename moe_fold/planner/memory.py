@@ -83,6 +83,10 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
   (the norm output), the sigmoid ``a`` and the shared output ``aH``. The local norm
   output is kept once, by whichever of the router (``a == rb``), the gate or the
   ungathered shared MLP (``g == 1``) reads it.
+- Latent MoE (``moe.latent_size = L``): the expert rows are ``L`` wide (``aL`` where the
+  terms above say ``aH``); the projection into the latent width keeps its input (the norm
+  output, kept once as above), the projection back its input, the combined rows ``aL``;
+  neither is recomputed.
 - Zero-computation experts: no row is sent for a slot on one (the dispatcher's and the
   experts' terms count ``topk E/(E+Z)`` rows per token,
   :func:`moe_fold.planner.model.held_rows_per_token`); their output, the layer's input
@@ -95,6 +99,12 @@ float64), ``g`` the sequence-parallel gather factor (tp under SP, else 1):
 - Multi-head latent attention (:class:`moe_fold.models.mla.MLAttention`): see
   :func:`moe_fold.planner.model.mla_attention_bytes` (the latents, not the hidden
   states, are gathered over tp).
+- DSA (``model.dsa``, :class:`moe_fold.models.dsa.DSAttention`, its torch path, cp
+  included): see :func:`dsa_attention_bytes` (the dense float32 probabilities over every
+  key of the sequence, the indexer's per-head scores, the KL loss's tensors); a
+  recomputed chunk holds each full layer's selection (:func:`dsa_selection_bytes`); its
+  peaks, the softmax and the indexer's backward, :func:`dsa_forward_bytes` and
+  :func:`dsa_backward_bytes`.
 - Per micro-batch and model chunk: rotary cos and sin, ``2 (s/cp) d_rot a`` (``d_rot``
   the head width, ``qk_rope_head_dim`` under MLA).
 
@@ -106,7 +116,7 @@ inputs (held rows ``aH`` and their probs ``rb``) and the shared expert's input, 
 insides. ``expert_act`` drops the silu-and-fc2 part of the experts: their fc1 output and
 prob stay (the checkpoint's inputs), the fc2 input goes.
 
-Not modelled: cp > 1 (ring / a2a attention keep other tensors; the SDPA terms are used),
+Not modelled: cp > 1 outside DSA (ring / a2a attention keep other tensors; the SDPA terms are used),
 capacity dropping and padding (balanced dropless rows are used), ``dedup``, the
 all-gather dispatcher, ``bf16-autocast``'s cast copies (counted as bf16).
 """
@@ -117,11 +127,13 @@ import bisect
 
 from moe_fold.config import (Config, choice, dp_size, edp_size, etp_size, layer_attention, pp_layer_counts, require,
                              rotary_dim)
-from moe_fold.planner.model import ParamEntry, dims, expert_rows_per_token, mla_attention_bytes, router_bytes
+from moe_fold.planner.model import (ParamEntry, dims, expert_rows_per_token, mla_attention_bytes, mla_latent_bytes,
+                                    router_bytes)
 
 __all__ = ["IMPLEMENTATIONS", "state_bytes", "grad_buckets", "shard_sizes", "owned_by_rank", "owned_numel", "zero_sizes",
            "layer_activation_bytes", "held_row_bytes", "head_activation_bytes", "loss_backward_bytes",
            "mtp_activation_bytes", "step_buffer_bytes", "mixer_forward_bytes", "kda_backward_bytes",
+           "dsa_attention_bytes", "dsa_selection_bytes", "dsa_forward_bytes", "dsa_backward_bytes",
            "embedding_activation_bytes", "microbatch_constant_bytes"]
 
 IMPLEMENTATIONS = ("moe-fold", "megatron")
@@ -227,6 +239,8 @@ def _act(config: Config) -> int:
 
 def _attention(config: Config, g: int, layer: int) -> float:
     d, tp, a = dims(config), config.parallel.tp, _act(config)
+    if d.dsa:
+        return dsa_attention_bytes(config, g, layer)
     if d.mla:
         return mla_attention_bytes(d, a, g, tp)
     rope = layer_attention(config.model, layer)[2]
@@ -302,6 +316,136 @@ def _gated_deltanet(config: Config, g: int) -> float:
     return a * d.hidden * g + out * g
 
 
+def _dsa_core(config: Config) -> float:
+    """Bytes DSA's attention over the heads keeps per query token of this rank (see
+    :func:`dsa_attention_bytes`)."""
+    d, p, a, f = dims(config), config.parallel, _act(config), 4
+    h, keys, cp = d.heads / p.tp, d.seq, p.cp
+    value = a * h * (d.qk_head - d.rope_dim + d.v_head) if cp == 1 else a * h * d.v_head * cp
+    return f * h * d.qk_head * (1 + cp) + value + f * h * keys + (a * h * keys if a != f else 0) + keys + a * h * d.v_head
+
+
+def _dsa_indexer(config: Config, g: int, layer: int) -> float:
+    """Bytes ``layer``'s lightning indexer's graph holds per query token of this rank while
+    its scores live (none on a GLM-5 shared layer: see :func:`dsa_attention_bytes`); kept
+    for the backward only with the KL loss, which also keeps :func:`_dsa_kl`."""
+    d, p, a, f = dims(config), config.parallel, _act(config), 4
+    if layer not in d.indexer:
+        return 0.0
+    n, width, keys, b = d.index_heads, d.index_dim, d.seq, config.train.micro_batch_size
+    inputs = a * (d.hidden + d.q_lora) if g > 1 else 0
+    index_keys = f * width * keys if b > 1 else f * width * p.cp
+    scores = f * n * width + index_keys + f * n * keys + f * n + a * width + 8
+    return inputs + scores
+
+
+def _dsa_kl(config: Config, layer: int) -> float:
+    """What the indexer's KL loss keeps per query token: its float32 target and
+    log-softmax, two masks and the selection (the dense stage's causal mask, one for the
+    micro-batch)."""
+    d = dims(config)
+    if layer not in d.indexer or not d.index_loss:
+        return 0.0
+    return 2 * 4 * d.seq + 2 * d.seq + (d.seq if d.index_sparse else d.seq / config.train.micro_batch_size)
+
+
+def _dsa_after_softmax(config: Config, layer: int) -> float:
+    """What DSA's attention keeps per query token that it makes after its softmax: the
+    probabilities cast to the model's dtype, the projection's input and the KL loss's
+    tensors."""
+    d, p, a = dims(config), config.parallel, _act(config)
+    h = d.heads / p.tp
+    return (a * h * d.seq if a != 4 else 0) + a * h * d.v_head + _dsa_kl(config, layer)
+
+
+def dsa_attention_bytes(config: Config, g: int, layer: int) -> float:
+    """Bytes a DSA layer (:class:`moe_fold.models.dsa.DSAttention`, its torch path) keeps per
+    local token, norm before it aside: MLA's latents (:func:`moe_fold.planner.model.mla_latent_bytes`)
+    and, per query token of this rank (``g`` per local token), with ``h`` the local heads,
+    ``L = seq`` the keys a query may select from (every key of the sequence under cp),
+    ``f = 4`` (the scores run in float32 at least):
+
+    - the attention over the heads: the float32 q and the float32 keys (gathered over cp)
+      its score product keeps ``f h qk (1 + cp)``; the values its output product keeps,
+      a view of the kv up-projection's output ``a h (nope + v)`` (under cp the gathered
+      values ``a h v cp``); the dense float32 probabilities of its masked softmax ``f h L``
+      and (``a != f``) their cast ``a h L``; the masked-out keys ``L`` (bool); the output
+      projection's input ``a h v``;
+    - with its own indexer and the KL loss on (without the loss nothing reaches the
+      indexer's graph, which dies with the forward): under SP its gathered detached inputs
+      ``a (H + q_lora)`` (else they are MLA's own); the float32 queries ``f n d``, the
+      float32 keys ``f d cp`` (with a micro-batch above 1, their broadcast over the
+      queries ``f d L``), the per-head scores after the relu ``f n L`` and the float32
+      head weights ``f n``; the key norm's input ``a d`` with its float32 mean and rstd;
+      the KL's float32 target and log-softmax ``2 f L``, two masks ``2 L`` and the
+      selection it reads (bool, ``L``; the dense stage's causal mask is one ``[s, L]``
+      for the micro-batch, ``L/b`` per token)."""
+    d, a = dims(config), _act(config)
+    indexer = _dsa_indexer(config, g, layer) + _dsa_kl(config, layer) if d.index_loss else 0.0
+    return mla_latent_bytes(d, a, g) + (_dsa_core(config) + indexer) * g
+
+
+def dsa_selection_bytes(config: Config, layer: int, recompute: str) -> float:
+    """Bytes per local token ``layer``'s selection (bool ``[b, s/cp, L]``) stays alive
+    after its forward outside autograd: the chunk's forward hands every full layer's
+    selection to the shared layers after it in one dict, which a recomputed attention's
+    checkpoint holds (its inputs) until its backward: ``L g`` under ``full`` recompute on a
+    layer with its own indexer (an MTP depth hands none on)."""
+    d, p = dims(config), config.parallel
+    if recompute != "full" or layer not in d.indexer or layer >= d.layers:
+        return 0.0
+    return d.seq * (p.tp if p.sequence_parallel else 1)
+
+
+def dsa_forward_bytes(config: Config, layer: int) -> float:
+    """Bytes per local token a DSA layer's attention holds at its softmax in a forward
+    whose tensors a checkpoint does not keep (``full`` recompute): MLA's latents, and per
+    query token q and the keys (gathered over cp) in the model's dtype ``a h qk (1 + cp)``,
+    the values' storage (:func:`dsa_attention_bytes`), the float32 scores, their masked
+    copy and the probabilities ``3 f h L``; the indexer's queries, head weights and keys
+    ``a (n d + n + d cp)`` (under SP its gathered inputs ``a (H + q_lora)``), its
+    float32 scores ``f L``, the selection and the causal mask ``L + L/b``."""
+    d, p, a, f = dims(config), config.parallel, _act(config), 4
+    g = p.tp if p.sequence_parallel else 1
+    h, keys, cp, b = d.heads / p.tp, d.seq, p.cp, config.train.micro_batch_size
+    value = a * h * (d.qk_head - d.rope_dim + d.v_head) if cp == 1 else a * h * d.v_head * cp
+    out = a * h * d.qk_head * (1 + cp) + value + 3 * f * h * keys + f * keys + keys + keys / b
+    if layer in d.indexer:
+        out += a * (d.index_heads * d.index_dim + d.index_heads + d.index_dim * cp)
+        out += a * (d.hidden + d.q_lora) if g > 1 else 0
+    return mla_latent_bytes(d, a, g) + out * g
+
+
+def dsa_backward_bytes(config: Config, layer: int, recompute: str) -> float:
+    """Bytes per local token a DSA layer's attention holds in its backward above what its
+    chunk keeps, at its peak: under ``full`` recompute its forward rebuilt
+    (:func:`dsa_attention_bytes`); then the larger of two moments, per query token:
+
+    - the softmax (the rebuilding forward's, or its backward): two float32 ``[h, L]``
+      tensors beside the kept probabilities (the scores and their masked copy, or the
+      gradients of the probabilities and of the scores), while what the attention makes
+      after its softmax (:func:`_dsa_after_softmax`) is not made yet or already freed:
+      ``2 f h L`` less that;
+    - the indexer's backward (its KL loss on), after the attention's, while the
+      attention's tensors over the heads and the KL's are freed: at the relu the gradients
+      of the per-head scores before and after it ``2 f n L``; at the product of queries
+      and keys, the relu's output freed, the gradient of the keys as broadcast over the
+      queries ``f d L`` and of the queries ``f n d``."""
+    d, p, f = dims(config), config.parallel, 4
+    g = p.tp if p.sequence_parallel else 1
+    rebuilt = dsa_attention_bytes(config, g, layer) if recompute == "full" else 0.0
+    h, keys = d.heads / p.tp, d.seq
+    late = _dsa_after_softmax(config, layer)
+    # Without the loss the indexer's graph is not kept, but it lives through a forward
+    # that keeps its tensors (the rebuilding one) until its scores go at the forward's end.
+    moments = [2 * f * h * keys - late + (0.0 if d.index_loss else _dsa_indexer(config, g, layer))]
+    if layer in d.indexer and d.index_loss:
+        n, width = d.index_heads, d.index_dim
+        backward = max(2 * f * n * keys, f * width * keys + f * n * width)
+        moments.append(backward - _dsa_core(config) - _dsa_kl(config, layer))
+    return rebuilt + max(moments) * g
+
+
 def _kda(config: Config, g: int) -> float:
     """Bytes a KDA layer (:class:`moe_fold.models.kda.KimiDeltaAttention`, the chunked torch
     recurrence of :func:`moe_fold.kernels.gated_delta.chunk_gated_delta_rule` with a decay
@@ -358,9 +502,11 @@ def mixer_forward_bytes(config: Config, layer: int) -> float:
     forward (its gathered input included): what it keeps without recompute, less, for
     Gated DeltaNet, the recurrence's ``[C, C]`` matrices (``6fHv C`` and the ``C`` bool
     mask, :func:`_gated_deltanet`), freed when the recurrence returns, before the output
-    part runs."""
+    part runs. DSA: what it holds at its softmax (:func:`dsa_forward_bytes`)."""
     d, p = dims(config), config.parallel
     g = p.tp if p.sequence_parallel else 1
+    if d.dsa and layer not in d.mamba | d.kda | d.deltanet:
+        return dsa_forward_bytes(config, layer)
     out = _mixer(config, layer, g)
     if layer in d.deltanet:
         out -= (6 * 4 * d.lin_value_heads / p.tp * d.lin_chunk + d.lin_chunk) * g
@@ -406,13 +552,14 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     g = p.tp if p.sequence_parallel else 1
     norm = a * h + 4
     mixer = _mixer(config, layer, g)
+    selection = dsa_selection_bytes(config, layer, recompute)
     if layer in d.no_mlp:  # a token mixer alone (model.block=single_mixer)
         return a * h if recompute == "full" else norm + mixer
     if not d.moe_flags[layer]:
         if recompute == "full":
-            return a * h
+            return a * h + selection
         return (0 if layer in d.no_mixer else norm + _mixer(config, layer, g)) + norm + _mlp(config, d.ffn, g)
-    attention = norm + (a * h if recompute == "full" else _mixer(config, layer, g))
+    attention = norm + (a * h + selection if recompute == "full" else _mixer(config, layer, g))
     if layer in d.no_mixer:
         attention = a * h if recompute == "full" else 0
     k = expert_rows_per_token(config)
@@ -436,6 +583,10 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
     if d.shortcut and layer < d.layers:
         # The second attention sublayer and the two dense MLPs (kept under every recompute mode).
         attention = 2 * attention + 2 * (norm + _mlp(config, d.ffn, g))
+    latent = 0.0
+    if d.latent:
+        norm_out_kept = True  # the projection into the latent width reads it
+        latent = a * d.latent  # the combined rows, the projection back's input
     zero = 0.0
     if d.zero_experts:
         # A zero expert's output, the layer's input times the token's gate weight on zero
@@ -443,14 +594,14 @@ def layer_activation_bytes(config: Config, layer: int, recompute: str) -> float:
         norm_out_kept = True
         zero = rb
     return zero + attention + norm + _router(config) + (a * h if norm_out_kept and a != rb else 0) + dispatch \
-        + experts + shared
+        + experts + shared + latent
 
 
 def held_row_bytes(config: Config, recompute: str) -> float:
     """Bytes a rank keeps per expert row it holds (the dispatcher's sort indices and the
     experts' saved tensors, see the module doc): what grows with the busiest rank's load."""
     d, p = dims(config), config.parallel
-    a, h, rb, etp = _act(config), d.hidden, router_bytes(config), etp_size(config)
+    a, h, rb, etp = _act(config), d.expert_width, router_bytes(config), etp_size(config)
     # The dispatcher sorts received chunks unless at most one of etp, ep and the local
     # experts is above 1 (then they already are in expert order).
     sorts = sum(n > 1 for n in (etp, p.ep, d.experts // p.ep)) >= 2

@@ -51,7 +51,7 @@ from moe_fold.config import (
 __all__ = ["Dims", "dims", "ParamEntry", "param_manifest", "stage_layers", "stage_blocks", "layer_forward_flops",
            "head_forward_flops", "mtp_forward_flops", "mtp_activation_bytes", "model_flops_per_step",
            "rank_flops_per_microbatch", "act_bytes", "router_bytes", "expert_rows_per_token", "held_rows_per_token", "layer_activation_bytes",
-           "mla_attention_bytes", "head_activation_bytes",
+           "mla_attention_bytes", "mla_latent_bytes", "head_activation_bytes",
            "microbatches_in_flight", "RECOMPUTE_MODES"]
 
 RECOMPUTE_MODES = choices("train.recompute")
@@ -90,6 +90,8 @@ class Dims:
     replicas: int = 0
     # Zero-computation experts (moe.zero_experts): router columns that compute nothing.
     zero_experts: int = 0
+    # The latent MoE (moe.latent_size): the experts' width, 0 without one (the hidden width).
+    latent: int = 0
     # Multi-head latent attention: its linears' global [out, in] shapes (None: standard
     # attention), q_lora_rank (0: none), kv_lora_rank, the q/k and v head widths.
     mla: tuple[tuple[str, int, int], ...] | None = None
@@ -142,6 +144,8 @@ class Dims:
     index_dim: int = 0
     index_topk: int = 0
     index_sparse: bool = False  # model.dsa_stage=sparse: the attention core covers the kept keys only
+    dsa: bool = False  # model.dsa: every attention block is DSA (its own indexer or a shared layer's selection)
+    index_loss: bool = False  # model.dsa_indexer_loss_weight > 0: the indexer's KL loss trains it
     # LongCat-Flash's blocks (model.block=shortcut_moe): two attention sublayers, each with a
     # dense MLP of width ffn, and the MoE.
     shortcut: bool = False
@@ -178,6 +182,11 @@ class Dims:
         return self.heads * (self.v_head if self.mla else self.head_dim)
 
     @property
+    def expert_width(self) -> int:
+        """The width of a routed expert's rows: ``moe.latent_size`` in a latent MoE, else the hidden size."""
+        return self.latent or self.hidden
+
+    @property
     def kv_pass_size(self) -> int:
         """Per token: the K and V widths attention reads (what ring cp moves)."""
         return self.heads * (self.qk_head + self.v_head) if self.mla else 2 * self.kv_size
@@ -207,6 +216,7 @@ def dims(config: Config) -> Dims:
                 moe_flags=flags + flags[-1:] * m.mtp_num_layers, mtp=m.mtp_num_layers,
                 qk_norm_scope=m.qk_norm_scope, sinks=m.attention_sinks, replicas=moe.replicas,
                 out_bias=m.attention_out_bias, router_bias=moe.router_bias, zero_experts=moe.zero_experts,
+                latent=moe.latent_size or 0,
                 expert_linear_bias=moe.expert_linear_bias, output_gate=m.attn_output_gate,
                 gated_mlp=m.mlp_activation != "relu2", gated_experts=moe.activation != "relu2",
                 shortcut=m.block == "shortcut_moe", **_mla_dims(m), **_deltanet_dims(m), **_dsa_dims(m),
@@ -250,7 +260,7 @@ def _dsa_dims(m: ModelConfig) -> dict:
     blocks = frozenset(i for i in range(m.num_layers + m.mtp_num_layers)
                        if types is None or i >= m.num_layers or types[i] == "full")
     return dict(indexer=blocks, index_heads=m.index_n_heads, index_dim=m.index_head_dim, index_topk=m.index_topk,
-                index_sparse=m.dsa_stage == "sparse")
+                index_sparse=m.dsa_stage == "sparse", dsa=True, index_loss=m.dsa_indexer_loss_weight > 0)
 
 
 def _deltanet_dims(m: ModelConfig) -> dict:
@@ -423,11 +433,15 @@ def param_manifest(config: Config, pp_rank: int = 0) -> list[ParamEntry]:
             add(f"{pre}.mlp.router.weight", (d.experts + d.zero_experts) * d.hidden, replicated)
             if d.router_bias:
                 add(f"{pre}.mlp.router.bias", d.experts + d.zero_experts, replicated)
-            add(f"{pre}.mlp.experts.fc1", local * d.hidden * expert_up * d.expert_ffn // etp, "expert")
-            add(f"{pre}.mlp.experts.fc2", local * d.expert_ffn * d.hidden // etp, "expert")
-            if d.expert_linear_bias:  # fc1's bias split like its columns, fc2's over H
+            if d.latent:  # replicated like the router
+                add(f"{pre}.mlp.latent_in.weight", d.hidden * d.latent, replicated)
+                add(f"{pre}.mlp.latent_out.weight", d.latent * d.hidden, replicated)
+            w = d.expert_width
+            add(f"{pre}.mlp.experts.fc1", local * w * expert_up * d.expert_ffn // etp, "expert")
+            add(f"{pre}.mlp.experts.fc2", local * d.expert_ffn * w // etp, "expert")
+            if d.expert_linear_bias:  # fc1's bias split like its columns, fc2's over its output width
                 add(f"{pre}.mlp.experts.fc1_bias", local * expert_up * d.expert_ffn // etp, "expert")
-                add(f"{pre}.mlp.experts.fc2_bias", local * d.hidden // etp, "expert")
+                add(f"{pre}.mlp.experts.fc2_bias", local * w // etp, "expert")
             if d.shared_ffn > 0:
                 add(f"{pre}.mlp.shared_expert.fc1.weight", up * d.shared_ffn * d.hidden // tp, "tp")
                 add(f"{pre}.mlp.shared_expert.fc2.weight", d.hidden * d.shared_ffn // tp, "tp")
@@ -481,7 +495,9 @@ def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None
     """Forward matmul FLOPs per token of ``layer``, by part: ``attention`` (projections),
     ``core`` (scores and context over the full sequence), ``mlp`` (dense; a shortcut_moe
     block's two attention sublayers and two dense MLPs count twice), ``router``,
-    ``experts`` (``rows_per_token`` rows, default :func:`expert_rows_per_token`),
+    ``experts`` (``rows_per_token`` rows, default :func:`expert_rows_per_token`, in the
+    experts' width: ``moe.latent_size`` in a latent MoE), ``latent`` (a latent MoE's two
+    projections, ``H -> L`` and ``L -> H`` once per token; never recomputed),
     ``shared`` (shared expert and its gate)."""
     d = dims(config)
     h = d.hidden
@@ -531,13 +547,15 @@ def layer_forward_flops(config: Config, layer: int, rows_per_token: float | None
     # A gated MLP's fc1 is gate|up (three matrices in all), relu2's up alone (two).
     per_width = 6 * h if d.gated_mlp else 4 * h
     out = {"attention": sublayers * projections, "core": sublayers * core,
-           "mlp": per_width * d.ffn * (sublayers if d.shortcut else 0), "router": 0.0, "experts": 0.0, "shared": 0.0}
+           "mlp": per_width * d.ffn * (sublayers if d.shortcut else 0), "router": 0.0, "experts": 0.0, "latent": 0.0,
+           "shared": 0.0}
     if layer in d.no_mlp:
         pass
     elif d.moe_flags[layer]:
         rows = expert_rows_per_token(config) if rows_per_token is None else rows_per_token
         out["router"] = 2 * h * (d.experts + d.zero_experts)
-        out["experts"] = rows * (6 * h if d.gated_experts else 4 * h) * d.expert_ffn
+        out["experts"] = rows * (6 if d.gated_experts else 4) * d.expert_width * d.expert_ffn
+        out["latent"] = 4 * h * d.latent
         out["shared"] = per_width * d.shared_ffn + (2 * h if d.shared_ffn and d.shared_gate else 0)
     else:
         out["mlp"] = per_width * d.ffn
@@ -683,10 +701,18 @@ def mla_attention_bytes(d: Dims, a: int, g: int, tp: int) -> float:
     (:func:`moe_fold.parallel.varlen.sdpa`) ``2 a heads qk``, the projection's input
     ``a heads v`` and the float32 log-sum-exp ``4 heads``. The latents' norms keep an fp32
     ``rsqrt`` each (4). The fused kernel keeps no ``s x s`` scores."""
+    heads = a * (4 * d.q_size + d.out_size) + 4 * d.heads
+    return mla_latent_bytes(d, a, g) + heads * g / tp
+
+
+def mla_latent_bytes(d: Dims, a: int, g: int) -> float:
+    """The part of :func:`mla_attention_bytes` before the heads: the down-projections'
+    input, the q latent (or the gathered input) and the kv latent, with their norms'
+    ``rsqrt``; DSA's attention (:func:`moe_fold.planner.memory.dsa_attention_bytes`)
+    keeps the same."""
     query = a * d.q_lora * (1 + g) + 4 if d.q_lora else (a * d.hidden * g if g > 1 else 0)
     latent = a * (d.kv_lora + d.rope_dim) + a * d.kv_lora * g + 4
-    heads = a * (4 * d.q_size + d.out_size) + 4 * d.heads
-    return a * d.hidden + query + latent + heads * g / tp
+    return a * d.hidden + query + latent
 
 
 def head_activation_bytes(config: Config) -> float:

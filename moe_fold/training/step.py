@@ -150,7 +150,8 @@ def forward_backward(model: Transformer, microbatches: Sequence[Batch], groups: 
     def side_inputs(b: Batch) -> dict:
         return {"batch": b, "mtp": mtp[index[id(b)]] if mtp else None}
 
-    losses = run_schedule(chunks, microbatches, groups, tensor_shape=(seq, batch, config.model.hidden_size),
+    width = model.boundary_width(microbatches[0].tokens.shape[1])
+    losses = run_schedule(chunks, microbatches, groups, tensor_shape=(seq, batch, width),
                           dtype=next(model.parameters()).dtype, schedule=pipeline_schedule(config),
                           side_inputs=side_inputs, forward_only=forward_only,
                           backward_context=backward_of)

@@ -178,8 +178,10 @@ class StepLosses:
             all_reduce_(sums, groups.pp)  # only the last stage holds the depths
             parts.append(sums / groups.size("dp_cp"))
         if self.kl_layers:
-            # A layer's KL is the same on its tp ranks and a mean over its queries on each
-            # dp x cp rank (equal counts): the mean over tp x dp x cp is the global one.
+            # A layer's KL is the same on its tp ranks, and on a cp rank its share of the
+            # micro-batch's mean over real queries (models/dsa.py): its mean over tp x cp is the
+            # micro-batch's whatever each cp rank holds (dynamic cp), and over dp the mean of
+            # the dp ranks' micro-batches, as one process's micro-batches average.
             means = self._kl_sums / self._kl_calls.clamp(min=1) / groups.size("tp_dp_cp")
             all_reduce_(means, groups.tp_dp_cp)
             parts.append(all_reduce_(means, groups.pp))

@@ -18,7 +18,7 @@ auxiliary and MTP losses it weighs in (:mod:`moe_fold.training.step_losses`); th
 metrics only read.
 
 Determinism: with ``train.deterministic`` torch uses deterministic algorithms, and the
-random state is re-seeded from ``(train.seed, step, rank)`` at the start of every step,
+random state (torch's and Python's) is re-seeded from ``(train.seed, step, rank)`` at the start of every step,
 so a resumed run draws the same numbers as an uninterrupted one without saving RNG state.
 
 Expert placement: with ``moe.replace_every`` (or ``moe.replicas``) an
@@ -65,6 +65,7 @@ import datetime
 import json
 import math
 import os
+import random
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -205,7 +206,12 @@ def _set_determinism(config: Config, device: torch.device) -> None:
 
 
 def _seed_step(config: Config, step: int, rank: int) -> None:
-    torch.manual_seed((config.train.seed * 1_000_003 + step) * 4099 + rank)
+    seed = (config.train.seed * 1_000_003 + step) * 4099 + rank
+    torch.manual_seed(seed)
+    # Python's generator too: a forked rank's is seeded from the OS at the fork (random's
+    # at-fork hook), and a checkpoint saves its state (rng_<rank>.json), so without this two
+    # runs of one config on several ranks write different checkpoint bytes.
+    random.seed(seed)
 
 
 def train(config: Config, resume: bool = False, console: Optional[Console] = None, progress: bool = True,

@@ -115,6 +115,12 @@ RULE_CASES = [
                               "parallel.ep=4"], 4,
      "model.hidden_size=66 is not divisible by parallel.etp=4 (moe.expert_linear_bias=true splits fc2's bias over "
      "the expert-tensor ranks)"),
+    ("expert_bias_over_etp", ["moe.expert_linear_bias=true", "moe.latent_size=30", "parallel.etp=4",
+                              "parallel.ep=4"], 4,
+     "moe.latent_size=30 is not divisible by parallel.etp=4 (moe.expert_linear_bias=true splits fc2's bias over "
+     "the expert-tensor ranks)"),
+    ("latent_size_positive", ["moe.latent_size=0"], 1,
+     "moe.latent_size=0 must be >= 1 when set (the routed experts' width), or null for experts in the hidden width"),
     ("capacity_factor_positive", ["moe.capacity_factor=0"], 1,
      "moe.capacity_factor=0.0 must be > 0, or null for dropless"),
     ("routing_groups", ["moe.num_groups=4"], 1,

@@ -20,7 +20,7 @@ from moe_fold.kernels.gmm import gmm_op, gmm_wgrad
 from moe_fold.kernels.permute import gather_op, unpermute_backward_op, unpermute_op
 from moe_fold.kernels.swiglu import swiglu_backward_op, swiglu_op
 from moe_fold.kernels.topk import topk_scores, topk_scores_backward
-from moe_fold.models.model import Block, build_model
+from moe_fold.models.model import Block, build_model, compile_blocks
 from moe_fold.models.moe_layer import MoELayer
 
 from tests.meta.test_forward_decides_nothing import ROUTING, _groups
@@ -303,3 +303,57 @@ def test_ep2_compiled_moe_layer_equals_eager(half):
             assert got[2].keys() == want[2].keys() and len(want[2]) >= 3, (rank, routing)
             for name in want[2]:
                 _assert_equal_within(got[2][name], want[2][name], dtype)
+
+
+# --------------------------------------------------------------------------- DSA
+
+def _dsa_model(stage):
+    """tests/models/test_dsa.py's 4-layer DSA model (a dense block, then MoE blocks; GLM-5's
+    shared layers in the sparse stage), its KL weighted 0.5."""
+    from moe_fold.layout import ProcessGroups
+    from tests.models.test_dsa import RECOMPUTE_DSA, RECOMPUTE_STAGES
+    from tests.parallel.test_varlen import _config
+
+    config = _config({**RECOMPUTE_DSA, **RECOMPUTE_STAGES[stage]})
+    config.moe.first_k_dense = 1
+    return build_model(config, ProcessGroups.single_process())
+
+
+@pytest.mark.parametrize("stage", ["dense_warmup", "sparse-glm5"])
+def test_every_dsa_block_traces_as_one_graph(stage):
+    """A DSA layer's block (indexer, top-k selection, sparse MLA, the KL attached), a full
+    layer writing its selection and a shared layer reading it, as one graph."""
+    model = _dsa_model(stage)
+    cos, sin = model._rotary(torch.arange(16))
+    x, selections = torch.randn(16, 2, model.config.model.hidden_size), {}
+    for i, block in enumerate(model.layers):
+        found = _explain(block, x, cos, sin, selections=selections, loss_scale=0.5)
+        assert (found.graph_count, found.graph_break_count) == (1, 0), (i, [b.reason for b in found.break_reasons])
+        x = block(x, cos, sin, selections=selections, loss_scale=0.5)
+    assert sorted(selections) == ([0, 2] if stage == "sparse-glm5" else [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("stage", ["dense_warmup", "sparse-glm5"])
+def test_compiled_dsa_blocks_equal_eager(stage):
+    """``train.compile=blocks`` on the DSA model (``aot_eager``), packed documents, two
+    micro-batches: eager's loss and every gradient, the KL-trained indexers' included."""
+    from moe_fold.layout import ProcessGroups
+    from moe_fold.training.step import forward_backward
+    from tests.parallel.test_varlen import _packed_batch
+
+    batches = [_packed_batch(), _packed_batch(row_docs=[[16], [2, 14]])]
+    runs = []
+    for compiled in (False, True):
+        model = _dsa_model(stage)
+        dynamo.reset()
+        if compiled:
+            compile_blocks(model, backend="aot_eager")
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            loss = forward_backward(model, batches, ProcessGroups.single_process(), model.config).sum()
+        runs.append((loss, {n.replace("._orig_mod", ""): p.grad for n, p in model.named_parameters()
+                            if p.grad is not None}))
+    (want, want_grads), (got, grads) = runs
+    _assert_equal_within(got, want, torch.float32)
+    assert grads.keys() == want_grads.keys() and any(".indexer." in n for n in grads)
+    for name, g in want_grads.items():
+        _assert_equal_within(grads[name], g, torch.float32)

@@ -57,24 +57,25 @@ def test_dsa_config_rules(change, message):
     assert any(message in p for p in _problems(**change)), _problems(**change)
 
 
-def test_dsa_config_refuses_dynamic_cp():
+def test_dsa_config_takes_dynamic_cp():
+    """Dynamic cp runs DSA over each sub-group (its equality with one process:
+    tests/training/test_dynamic_cp.py::test_dynamic_cp_equals_one_process)."""
     config = Config()
     for key, value in DSA_MODEL.items():
         setattr(config.model, key, value)
     config.parallel.cp, config.parallel.dynamic_cp = 2, True
-    with pytest.raises(ConfigError, match="parallel.dynamic_cp=true is not supported with model.dsa=true"):
-        validate(config, 2)
+    validate(config, 2)
 
 
-def test_dsa_config_refuses_a_stage_beginning_with_a_shared_layer():
+def test_dsa_config_takes_a_stage_beginning_with_a_shared_layer():
+    """The stage boundary carries the selection (its equality with one process:
+    tests/parallel/test_parallel_matrix.py::test_dsa_matches_single_process, the
+    ``dsa-glm5-boundary-*`` rows)."""
     config = Config()
-    for key, value in {**DSA_MODEL, "indexer_types": ["full", "shared", "full", "full"]}.items():
+    for key, value in {**DSA_MODEL, "indexer_types": ["full", "full", "shared", "full"]}.items():
         setattr(config.model, key, value)
     config.parallel.pp = 2
-    validate(config, 2)  # stages [0, 1] and [2, 3] each begin with a full layer
-    config.model.indexer_types = ["full", "full", "shared", "full"]
-    with pytest.raises(ConfigError, match=r"model.indexer_types\[2\]='shared' begins a pipeline stage"):
-        validate(config, 2)
+    validate(config, 2)
 
 
 # --------------------------------------------------------------------------- against transformers
@@ -311,3 +312,118 @@ def test_packed_documents_attend_and_select_inside_each_document(stage):
     torch.testing.assert_close(packed, torch.cat(alone), rtol=0, atol=1e-6)
     # The KL is a mean over queries: the packed row's is the documents' weighted by their lengths.
     assert kl[0] == pytest.approx((kl[1] * lengths[0] + kl[2] * lengths[1]) / S, rel=1e-5)
+
+
+# --------------------------------------------------------------------------- activation recompute
+
+# A 4-layer model of DSA layers on the packed tests' batch (tests/parallel/test_varlen.py):
+# layer 0 a dense block (train.recompute=full recomputes it whole), layers 1-3 MoE blocks
+# (their attention recomputed); GLM-5's shared layers 1 and 3 in the sparse stage.
+RECOMPUTE_DSA = dict(attention="mla", num_kv_heads=4, q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6,
+                     qk_rope_head_dim=4, v_head_dim=5, rope_interleave=True, dsa=True, index_n_heads=3,
+                     index_head_dim=6, index_topk=4, dsa_indexer_loss_weight=0.5, num_layers=4)
+RECOMPUTE_STAGES = {"dense_warmup": dict(dsa_stage="dense_warmup"),
+                    "sparse-glm5": dict(dsa_stage="sparse", index_rope_interleave=True,
+                                        indexer_types=["full", "shared", "full", "shared"])}
+
+
+def _recompute_run(stage, recompute):
+    """Loss, every gradient and the step's indexer loss value (what the metrics report) of
+    one forward and backward of the packed batch under ``train.recompute=recompute``."""
+    from moe_fold.layout import ProcessGroups
+    from moe_fold.models.model import build_model
+    from moe_fold.training.step import forward_backward
+    from moe_fold.training.step_losses import StepLosses
+    from tests.parallel.test_varlen import _config, _packed_batch
+
+    config = _config({**RECOMPUTE_DSA, **RECOMPUTE_STAGES[stage]})
+    config.moe.first_k_dense = 1
+    config.train.recompute = recompute
+    validate(config, 1)
+    groups = ProcessGroups.single_process()
+    model = build_model(config, groups)
+    losses = StepLosses(model, config)
+    batches = [_packed_batch(), _packed_batch(row_docs=[[16], [2, 14]])]
+    loss = forward_backward(model, batches, groups, config, forward_context=losses.recording).sum()
+    values = losses.values(losses.reduce(groups, {}))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    recomputes = [block.recompute for block in model.layers]
+    assert recomputes == (["all"] + ["attention"] * 3 if recompute == "full" else ["none"] * 4)
+    return loss, grads, values.indexer, values.weighted
+
+
+@pytest.mark.parametrize("stage", list(RECOMPUTE_STAGES))
+def test_recompute_gives_the_same_loss_grads_and_indexer_loss(stage):
+    """train.recompute=full recomputes DSA layers (a whole dense block, an MoE block's
+    attention): the backward runs the indexer, its selection (a shared layer's read from the
+    forward's selections) and its KL again. The loss, every gradient (the KL-trained
+    indexers' included) and the indexer loss the step reports equal those without recompute
+    bit for bit: the KL is neither counted twice nor lost, and keeps its micro-batch share."""
+    want_loss, want_grads, want_kl, want_weighted = _recompute_run(stage, "none")
+    loss, grads, kl, weighted = _recompute_run(stage, "full")
+    assert want_kl > 0
+    assert torch.equal(loss, want_loss)
+    assert (kl, weighted) == (want_kl, want_weighted)
+    assert grads.keys() == want_grads.keys()
+    assert any(".indexer." in n for n in grads)
+    for name, g in want_grads.items():
+        assert torch.equal(grads[name], g), name
+
+
+def test_padding_queries_train_no_indexer():
+    """The KL is a mean over real queries: a row of two documents and 3 padding tokens (its
+    own segment, ``Documents.token_mask`` False) gives the documents' KLs weighted by their
+    lengths, the padding's left out (dynamic cp drops the loader's padding and pads its own,
+    so its KL equals one process's only so: tests/training/test_dynamic_cp.py)."""
+    from moe_fold.parallel.varlen import Documents
+
+    _, _, ours = _pair(False, 5, dsa_stage="sparse")
+    kl = []
+    ours.kl.register_forward_hook(lambda module, args, out: kl.append(float(out.detach())))
+    lengths = [6, 4, 3]
+    x = torch.randn(1, S, DSA_MODEL["hidden_size"])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    cos, sin = rotary_cos_sin(positions, ours.rope, 10000.0, x.dtype)
+    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).unsqueeze(0)
+    real = torch.arange(S) < S - lengths[-1]  # [S_local * B], B = 1
+    ours(x.transpose(0, 1), cos.unsqueeze(0), sin.unsqueeze(0), Documents(doc_ids, None, real))
+    for doc in x.split(lengths, dim=1)[:2]:
+        cos, sin = rotary_cos_sin(torch.arange(doc.shape[1]), ours.rope, 10000.0, x.dtype)
+        ours(doc.transpose(0, 1), cos, sin)
+    assert kl[0] == pytest.approx((kl[1] * lengths[0] + kl[2] * lengths[1]) / (S - lengths[-1]), rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_stage_boundary_carries_the_selection_exactly(dtype):
+    """Under pp a stage's output packs the selection a shared layer after it reuses, eight
+    keys a value of the hidden states' dtype, in ``boundary_width``; the next stage unpacks
+    the very same selection (13 keys: not a multiple of 8)."""
+    from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups
+    from moe_fold.models.model import build_model
+    from tests.parallel.test_varlen import _config
+
+    config = _config({**RECOMPUTE_DSA, **RECOMPUTE_STAGES["sparse-glm5"],
+                      "indexer_types": ["full", "full", "shared", "shared"]}, pp=2)
+    validate(config, 2)
+    first, second = (build_model(config, ProcessGroups(ParallelLayout(2, pp=2), r, {k: None for k in GROUP_NAMES}))
+                     for r in (0, 1))
+    assert (first.selection_out, second.selection_in) == ([1], [1])
+    selected = torch.rand(B, S, S) < 0.3  # [B, S_local, L]
+    x = torch.randn(S, B, config.model.hidden_size, dtype=dtype)
+    packed = first._pack_selection(x, selected)
+    assert packed.shape == (S, B, first.boundary_width(S)) == (S, B, config.model.hidden_size + 2)
+    h, got = second._unpack_selection(packed)
+    assert torch.equal(h, x) and torch.equal(got, selected)
+
+
+def test_stage_boundaries_carry_a_selection_only_where_a_stage_begins_shared():
+    """GLM-5's shared layers 1 and 3 on stages [0, 1] [2, 3]: every stage begins with a full
+    layer, so the boundary holds the hidden states alone (the dry run's and the planner's)."""
+    from moe_fold.layout import GROUP_NAMES, ParallelLayout, ProcessGroups
+    from moe_fold.models.model import build_model
+    from tests.parallel.test_varlen import _config
+
+    config = _config({**RECOMPUTE_DSA, **RECOMPUTE_STAGES["sparse-glm5"]}, pp=2)
+    model = build_model(config, ProcessGroups(ParallelLayout(2, pp=2), 0, {k: None for k in GROUP_NAMES}))
+    assert (model.selection_in, model.selection_out) == ([None], [None])
+    assert model.boundary_width(S) == config.model.hidden_size

@@ -603,3 +603,117 @@ def test_zero_experts_are_never_dispatched_on_two_ranks(moe):
         (y * torch.linspace(-1, 1, H)).sum().backward()
         torch.testing.assert_close(res["y"], y.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(res["x_grad"], x.grad, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- latent MoE
+
+LATENT = 6
+NEMOTRON_MOE = dict(latent_size=LATENT, activation="relu2", score_function="sigmoid", expert_bias=True,
+                    scaling_factor=1.5, shared_expert_ffn_hidden_size=SHARED)
+
+
+def _latent_layer(groups, **moe):
+    """A Nemotron-H latent MoE layer (relu2 experts in LATENT columns, relu2 shared expert);
+    its expert bias rises along the columns, so a bias ignored changes the picks."""
+    config = _config(**{**NEMOTRON_MOE, **moe})
+    config.model.mlp_activation = "relu2"
+    layer = MoELayer(config, groups, 0)
+    with torch.no_grad():
+        layer.router.expert_bias.copy_(torch.linspace(-0.05, 0.05, E))
+    return layer
+
+
+def test_latent_moe_gives_transformers_nemotron_h_moe_forward_and_backward():
+    """moe.latent_size: the same weights in transformers' ``NemotronHMoE`` with
+    ``moe_latent_size`` (router on the hidden state, fc1_latent_proj before the experts,
+    experts up/down in the latent width, fc2_latent_proj after their sum, the shared expert
+    on the un-projected input) give the layer's output and the gradients of the input and
+    of both latent projections."""
+    import transformers
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+
+    hf_config = transformers.NemotronHConfig(hidden_size=H, moe_intermediate_size=FFN, n_routed_experts=E,
+                                             num_experts_per_tok=K, moe_latent_size=LATENT, routed_scaling_factor=1.5,
+                                             moe_shared_expert_intermediate_size=SHARED, num_attention_heads=2,
+                                             layers_block_type=["moe"])
+    layer = _latent_layer(ProcessGroups.single_process())
+    assert layer.experts.fc1.shape == (E, LATENT, FFN) and layer.experts.fc2.shape == (E, FFN, LATENT)
+    hf = NemotronHMoE(hf_config).float()
+    with torch.no_grad():
+        hf.gate.weight.copy_(layer.router.weight)
+        hf.gate.e_score_correction_bias.copy_(layer.router.expert_bias)
+        hf.experts.up_proj.copy_(layer.experts.fc1.transpose(1, 2))  # [E, L, F] -> [E, F, L]
+        hf.experts.down_proj.copy_(layer.experts.fc2.transpose(1, 2))  # [E, F, L] -> [E, L, F]
+        hf.fc1_latent_proj.weight.copy_(layer.latent_in.weight)
+        hf.fc2_latent_proj.weight.copy_(layer.latent_out.weight)
+        hf.shared_experts.up_proj.weight.copy_(layer.shared_expert.fc1.weight)
+        hf.shared_experts.down_proj.weight.copy_(layer.shared_expert.fc2.weight)
+    x = _inputs(6).requires_grad_()
+    x_hf = x.detach().clone().requires_grad_()
+    out, out_hf = layer(x), hf(x_hf.unsqueeze(0))[0]
+    torch.testing.assert_close(out, out_hf, rtol=1e-5, atol=1e-6)
+    weights = torch.linspace(-1, 1, H)
+    (out * weights).sum().backward()
+    (out_hf * weights).sum().backward()
+    torch.testing.assert_close(x.grad, x_hf.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.latent_in.weight.grad, hf.fc1_latent_proj.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.latent_out.weight.grad, hf.fc2_latent_proj.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.experts.fc1.grad, hf.experts.up_proj.grad.transpose(1, 2), rtol=1e-5, atol=1e-6)
+
+
+def test_latent_moe_parameters_are_replicated_like_the_router():
+    """The latent projections are whole on every rank and marked like the router: summed over
+    tp under SP (each tp rank saw its own tokens), else replicated."""
+    for sp, kind in ((True, "tp_sum"), (False, "replicated")):
+        config = _config(**NEMOTRON_MOE)
+        config.model.mlp_activation = "relu2"
+        config.parallel.sequence_parallel = sp
+        layer = MoELayer(config, _fake_groups(0, world_size=4, tp=2, ep=2) if sp
+                         else ProcessGroups.single_process(), 0)
+        assert layer.latent_in.weight.shape == (LATENT, H) and layer.latent_out.weight.shape == (H, LATENT)
+        assert layer.latent_in.weight.parallel == layer.latent_out.weight.parallel == layer.router.weight.parallel == kind
+
+
+def _latent_rank(rank, world_size, moe):
+    """ep2 over two ranks: each rank's tokens through the latent layer, with the bytes its
+    dispatcher sent and its router's choice."""
+    groups = create_process_groups(ParallelLayout(world_size, ep=2))
+    layer = _latent_layer(groups, **moe)
+    sent = []
+    name = "dispatch_start" if moe else "dispatch"
+    dispatch = getattr(layer.dispatcher, name)
+
+    def recorded(*args, **kwargs):
+        result = dispatch(*args, **kwargs)
+        sent.append(result)
+        return result
+    setattr(layer.dispatcher, name, recorded)
+    x = _inputs(20 + rank).requires_grad_()
+    with router_outputs(layer) as seen:
+        y = layer(x)
+    (y * torch.linspace(-1, 1, H)).sum().backward()
+    handles = [(s.wait() if moe else s).handle for s in sent]
+    ((_, routing),) = seen
+    return {"x": x.detach(), "y": y.detach(), "x_grad": x.grad, "routed_map": routing.routed_map,
+            "dispatch_bytes": sum(h.wire.dispatch for h in handles),
+            "combine_bytes": sum(h.wire.combine for h in handles)}
+
+
+@pytest.mark.parametrize("moe", [{}, dict(shared_expert_overlap=True, overlap_chunks=2)],
+                         ids=["blocking", "overlap-chunks2"])
+def test_latent_moe_sends_latent_rows_on_two_ranks(moe):
+    """ep2: the all-to-all carries latent rows, each rank's dispatch bytes are its (token,
+    expert) pairs on the other rank times LATENT float32 (not H), and the output and input
+    grad are the one-process layer's on the same tokens; the combine sends the same rows back."""
+    results = run_ranks(_latent_rank, 2, moe, timeout=120)
+    assert sum(r["combine_bytes"] for r in results) == sum(r["dispatch_bytes"] for r in results) > 0
+    reference = _latent_layer(ProcessGroups.single_process(), **moe)
+    for rank, res in enumerate(results):
+        routed = res["routed_map"]  # [T, E]
+        per_rank = [int(routed[:, :E // 2].sum()), int(routed[:, E // 2:].sum())]
+        assert res["dispatch_bytes"] == per_rank[1 - rank] * LATENT * 4, (rank, res["dispatch_bytes"], per_rank)
+        x = res["x"].clone().requires_grad_()
+        y = reference(x)
+        (y * torch.linspace(-1, 1, H)).sum().backward()
+        torch.testing.assert_close(res["y"], y.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(res["x_grad"], x.grad, rtol=1e-5, atol=1e-6)

@@ -36,6 +36,11 @@ REPLACE = "moe_fold/training/replace.py"
 MTP = "models/mtp.py"
 ROLLBACK = "moe_fold/training/rollback.py"
 CADENCE = "moe_fold/training/cadence.py"
+DELTA = "kernels/gated_delta.py"
+SSD = "kernels/ssd.py"
+MAMBA2 = "models/mamba2.py"
+RECURRENT_CP = "moe_fold/parallel/recurrent_cp.py"
+DSA = "models/dsa.py"
 
 T_ROUTER = "tests/dispatch/test_router.py"
 T_ROUTER_PARALLEL = "tests/dispatch/test_router_parallel.py::test_router_layout_invariance"
@@ -49,6 +54,13 @@ T_LOADER = "tests/data/test_loader.py"
 T_PLACEMENT = "tests/dispatch/test_placement.py"
 T_ROLLBACK = "tests/training/test_rollback.py"
 T_CADENCE = "tests/training/test_cadence.py"
+T_DELTA = "tests/models/test_gated_deltanet.py"
+T_KDA = "tests/models/test_kda.py"
+T_SSD = "tests/kernels/test_ssd.py"
+T_MAMBA2 = "tests/models/test_mamba2.py"
+T_RECURRENT_CP = "tests/parallel/test_recurrent_cp.py"
+T_DSA = "tests/models/test_dsa.py"
+T_FAMILIES = "tests/models/hf/test_families.py"
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ routing
@@ -732,4 +744,336 @@ MUTANTS: list[Mutant] = [
         "",
         "the planner forgets a shortcut_moe block's dense MLPs",
         ("tests/planner/test_model.py::test_params_equal_single_process_model[longcat-flash-tiny]",)),
+    # ------------------------------------------------------------------ recurrent layers: document starts
+    Mutant(
+        "delta-rule-carry-past-start", DELTA,
+        "    decay_in = G.exp() * carry.unsqueeze(-1)  # [B, H, n, C, dk or 1]: exp(G_t), or 0 past a start\n",
+        "    decay_in = G.exp()  # [B, H, n, C, dk or 1]: exp(G_t), or 0 past a start\n",
+        "Gated DeltaNet / KDA: a chunk's start state carried past a document start inside the chunk",
+        (f"{T_DELTA}::test_packed_equals_each_document_alone[head]",
+         f"{T_DELTA}::test_packed_equals_each_document_alone[channel]",
+         f"{T_KDA}::test_packed_kda_equals_each_document_alone")),
+    Mutant(
+        "delta-rule-end-state-keeps-old-document", DELTA,
+        "    decay_out = D[..., -1, :, :]  # exp(G_C - G_t), 0 past a start\n",
+        "    decay_out = segment_sums(g)[..., -1, :, :].exp()\n",
+        "Gated DeltaNet / KDA: a chunk's end state keeps what a document that ended inside the chunk wrote",
+        (f"{T_DELTA}::test_packed_equals_each_document_alone[head]",
+         f"{T_DELTA}::test_packed_equals_each_document_alone[channel]")),
+    Mutant(
+        "chunk-reach-ignores-starts", DELTA,
+        "    return (starts.unsqueeze(-1) == starts.unsqueeze(-2)) & causal, starts == 0\n",
+        "    return causal.expand(batch, 1, chunks, size, size), starts == 0\n",
+        "inside a chunk a token reads the writes of an earlier document (the delta rule's and SSD's "
+        "intra-chunk mask without the starts)",
+        (f"{T_DELTA}::test_packed_equals_each_document_alone[head]",
+         f"{T_DELTA}::test_packed_equals_each_document_alone[channel]",
+         f"{T_SSD}::test_packed_equals_each_document_alone")),
+    Mutant(
+        "ssd-carry-past-start", SSD,
+        "    decay_in = G.exp() * carry  # [B, H, n, C]: exp(G_t), or 0 past a start\n",
+        "    decay_in = G.exp()  # [B, H, n, C]: exp(G_t), or 0 past a start\n",
+        "Mamba2: a chunk's start state carried past a document start inside the chunk",
+        (f"{T_SSD}::test_packed_equals_each_document_alone",
+         f"{T_MAMBA2}::test_packed_equals_each_document_alone")),
+    Mutant(
+        "ssd-end-state-keeps-old-document", SSD,
+        "    decay_out = (G[..., -1:] - G).masked_fill(~same[..., -1, :], float(\"-inf\")).exp()  # [B, H, n, C]\n",
+        "    decay_out = (G[..., -1:] - G).exp()  # [B, H, n, C]\n",
+        "Mamba2: a chunk's end state keeps what a document that ended inside the chunk wrote",
+        (f"{T_SSD}::test_packed_equals_each_document_alone",
+         f"{T_MAMBA2}::test_packed_equals_each_document_alone")),
+    Mutant(
+        "gated-deltanet-forgets-documents", "models/gated_deltanet.py",
+        "                            docs, self.cp_group, kv_cache)  # [B, nv, S, dv]\n",
+        "                            None, self.cp_group, kv_cache)  # [B, nv, S, dv]\n",
+        "the Gated DeltaNet layer runs a packed row as one document (neither state nor conv window reset)",
+        (f"{T_RECURRENT_CP}::test_packed_layer_equals_each_document_alone[gated_deltanet]",)),
+    Mutant(
+        "kda-forgets-documents", "models/kda.py",
+        "                            docs, self.cp_group, kv_cache)  # [B, nh, S, d]\n",
+        "                            None, self.cp_group, kv_cache)  # [B, nh, S, d]\n",
+        "the KDA layer runs a packed row as one document (neither state nor conv window reset)",
+        (f"{T_KDA}::test_packed_kda_equals_each_document_alone",
+         f"{T_RECURRENT_CP}::test_packed_layer_equals_each_document_alone[kda]")),
+    Mutant(
+        "mamba2-scan-forgets-documents", MAMBA2,
+        "            resets = None if doc_ids is None else _resets(doc_ids, 0, xs.shape[2])\n",
+        "            resets = None\n",
+        "Mamba2 in one process: the SSD state not reset at a document start (the conv window still is)",
+        (f"{T_MAMBA2}::test_packed_equals_each_document_alone",
+         f"{T_RECURRENT_CP}::test_packed_layer_equals_each_document_alone[mamba2]")),
+    # ------------------------------------------------------------------ recurrent layers: the conv window
+    Mutant(
+        "conv-window-crosses-start", DELTA,
+        "            term = term * same.unsqueeze(-1).to(term.dtype)\n",
+        "            term = term + 0 * same.unsqueeze(-1).to(term.dtype)\n",
+        "the short causal conv reads the last tokens of the document before",
+        (f"{T_DELTA}::test_causal_conv1d[True]",
+         f"{T_RECURRENT_CP}::test_packed_layer_equals_each_document_alone")),
+    Mutant(
+        "delta-conv-forgets-documents", "models/gated_deltanet.py",
+        "        outs.append(causal_conv1d(x[lo:hi], weight, history, ids))\n",
+        "        outs.append(causal_conv1d(x[lo:hi], weight, history, None))\n",
+        "Gated DeltaNet / KDA: the conv window not reset at a document start (the state still is)",
+        (f"{T_RECURRENT_CP}::test_packed_layer_equals_each_document_alone[gated_deltanet]",
+         f"{T_RECURRENT_CP}::test_packed_layer_equals_each_document_alone[kda]",
+         f"{T_KDA}::test_packed_kda_equals_each_document_alone")),
+    Mutant(
+        "mamba2-conv-forgets-documents", MAMBA2,
+        "            outs.append(causal_conv1d(x[lo:hi], self.conv_weight, history, ids))\n",
+        "            outs.append(causal_conv1d(x[lo:hi], self.conv_weight, history, None))\n",
+        "Mamba2: the conv window not reset at a document start (the state still is)",
+        (f"{T_MAMBA2}::test_packed_equals_each_document_alone",
+         f"{T_RECURRENT_CP}::test_packed_layer_equals_each_document_alone[mamba2]")),
+    # ------------------------------------------------------------------ recurrent layers: states along cp
+    Mutant(
+        "cp-scan-drops-transition", RECURRENT_CP,
+        "        states.append(A[i] @ states[-1] + B[i])  # the state after segment i\n",
+        "        states.append(B[i])  # the state after segment i\n",
+        "the cp prefix scan drops A S: a segment's end state is only what it wrote from zero",
+        (f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-gated_deltanet]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-kda]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-mamba2]")),
+    Mutant(
+        "cp-scan-zero-start", RECURRENT_CP,
+        "    return torch.stack([states[i] for _, _, i in local_segments(2, group)])\n",
+        "    return torch.zeros_like(writes)\n",
+        "every cp segment starts from a zero state: no state passed along cp",
+        (f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-gated_deltanet]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-kda]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-mamba2]")),
+    Mutant(
+        "cp-segments-in-rank-order", RECURRENT_CP,
+        "    return gathered[order]\n",
+        "    return gathered\n",
+        "the gathered segments composed in rank order (0, 2cp-1, 1, ...) instead of sequence order",
+        (f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-gated_deltanet]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-kda]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-mamba2]")),
+    Mutant(
+        "delta-cp-transition-from-zero", "models/gated_deltanet.py",
+        "        transitions.append(rule(qs, ks, zero_v, gs, bs, r, eye, chunk_size)[1])\n",
+        "        transitions.append(rule(qs, ks, zero_v, gs, bs, r, None, chunk_size)[1])\n",
+        "Gated DeltaNet / KDA under cp: the segment map's linear part run from a zero state (A = 0)",
+        (f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-gated_deltanet]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-kda]")),
+    Mutant(
+        "ssd-cp-decay-last-token", SSD,
+        "    a = g.sum(-1).exp()\n",
+        "    a = g[..., -1].exp()\n",
+        "Mamba2 under cp: a segment's decay is its last token's, not the product over the segment",
+        (f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-mamba2]",)),
+    Mutant(
+        "ssd-cp-decay-ignores-start", SSD,
+        "    return a * (~resets.any(-1)).to(a.dtype).unsqueeze(-1)\n",
+        "    return a\n",
+        "Mamba2 under cp: the state passed across a segment that holds a document start",
+        (f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-mamba2]",)),
+    Mutant(
+        "mamba2-cp-start-state-unused", MAMBA2,
+        "        return torch.cat([chunk_ssd(*p, resets=r, initial_state=s, chunk_size=self.chunk_size)[0]\n",
+        "        return torch.cat([chunk_ssd(*p, resets=r, initial_state=None, chunk_size=self.chunk_size)[0]\n",
+        "Mamba2 under cp: the scanned start states computed and then not used",
+        (f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-mamba2]",)),
+    Mutant(
+        "delta-cp-conv-history-dropped-when-packed", "models/gated_deltanet.py",
+        "        ids = None if doc_ids is None else _window_ids(doc_ids, index * (hi - lo), hi - lo, K - 1)\n",
+        "        ids = None if doc_ids is None else _window_ids(doc_ids[:, index * (hi - lo):], 0, hi - lo, K - 1)\n",
+        "Gated DeltaNet / KDA under cp with packed documents: the conv window's positions counted from the "
+        "segment's start, so a document running across a segment edge loses the tokens before it",
+        (f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-gated_deltanet]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-kda]")),
+    Mutant(
+        "mamba2-cp-conv-history-dropped-when-packed", MAMBA2,
+        "            ids = None if doc_ids is None else _window_ids(doc_ids, index * (hi - lo), hi - lo, K - 1)\n",
+        "            ids = None if doc_ids is None else "
+        "_window_ids(doc_ids[:, index * (hi - lo):], 0, hi - lo, K - 1)\n",
+        "Mamba2 under cp with packed documents: the conv window's positions counted from the segment's start",
+        (f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-mamba2]",)),
+    Mutant(
+        "cp-reset-at-every-segment", "models/gated_deltanet.py",
+        "    prev = doc_ids[:, start - 1:start + length - 1] if start else torch.cat(\n",
+        "    prev = doc_ids[:, start - 1:start + length - 1] if False else torch.cat(\n",
+        "under cp with packed documents every segment's first token starts a document: the state (and Mamba2's) "
+        "is not passed along cp",
+        (f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-gated_deltanet]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-kda]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-mamba2]")),
+    Mutant(
+        "cp-start-states-detached", RECURRENT_CP,
+        "    both = all_gather(torch.cat([transitions, writes], dim=-1), group, dim=0)  # [2cp, B, H, dk, dk+dv]\n",
+        "    both = all_gather(torch.cat([transitions, writes], dim=-1).detach(), group, dim=0)"
+        "  # [2cp, B, H, dk, dk+dv]\n",
+        "the states passed along cp carry no gradient back: the outputs are right, the grads of earlier "
+        "segments' tokens are not",
+        (f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-gated_deltanet]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-kda]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-mamba2]")),
+    # ------------------------------------------------------------------ DSA
+    Mutant(
+        "dsa-topk-one-short", DSA,
+        "    top = order[..., :min(topk, masked.shape[-1])]  # [B, S_q, k]\n",
+        "    top = order[..., :min(topk - 1, masked.shape[-1])]  # [B, S_q, k]\n",
+        "the indexer keeps index_topk - 1 keys per query",
+        (f"{T_DSA}::test_selection_keeps_topk_visible_keys",
+         f"{T_DSA}::test_dsa_layer_matches_transformers")),
+    Mutant(
+        "dsa-topk-one-extra", DSA,
+        "    top = order[..., :min(topk, masked.shape[-1])]  # [B, S_q, k]\n",
+        "    top = order[..., :min(topk + 1, masked.shape[-1])]  # [B, S_q, k]\n",
+        "the indexer keeps index_topk + 1 keys per query",
+        (f"{T_DSA}::test_selection_keeps_topk_visible_keys",
+         f"{T_DSA}::test_dsa_layer_matches_transformers")),
+    Mutant(
+        "dsa-selects-invisible-keys", DSA,
+        "    return chosen & allowed\n",
+        "    return chosen\n",
+        "a query that sees fewer than index_topk keys also selects future (or other documents') keys",
+        (f"{T_DSA}::test_selection_keeps_topk_visible_keys",
+         f"{T_DSA}::test_dsa_layer_matches_transformers")),
+    Mutant(
+        "dsa-indexer-inputs-not-detached", DSA,
+        "        x, q_latent = x.detach(), q_latent.detach()\n",
+        "        x, q_latent = x, q_latent\n",
+        "the indexer's inputs not detached: its KL loss trains the main attention's weights and the layers below",
+        (f"{T_DSA}::test_indexer_kl_trains_the_indexer_only[deepseek_v32-sparse]",)),
+    Mutant(
+        "dsa-kl-target-not-detached", DSA,
+        "            target = probs.detach().sum(1)  # [B, S, L], this rank's heads\n",
+        "            target = probs.sum(1)  # [B, S, L], this rank's heads\n",
+        "the KL's target (the main attention) not detached: the indexer's loss trains the main attention",
+        (f"{T_DSA}::test_indexer_kl_trains_the_indexer_only[deepseek_v32-sparse]",)),
+    Mutant(
+        "dsa-sparse-kl-over-visible-keys", DSA,
+        "            out = attach_loss(out, self.kl(target, scores, mask, real, count), self.loss_weight * loss_scale)\n",
+        "            out = attach_loss(out, self.kl(target, scores, allowed.expand_as(mask), real, count), "
+        "self.loss_weight * loss_scale)\n",
+        "the sparse stage's KL normalises the indexer over every visible key instead of the selected ones",
+        (f"{T_DSA}::test_indexer_kl_matches_float64[deepseek_v32-sparse]",)),
+    Mutant(
+        "dsa-cp-contiguous-positions", DSA,
+        "            pos_q = zigzag_positions(length, rank, cp, device=q.device)\n",
+        "            pos_q = torch.arange(rank * S, (rank + 1) * S, device=q.device)\n",
+        "under cp a rank's queries take contiguous positions, not their zigzag ones: they see and select "
+        "the wrong keys",
+        ("tests/parallel/test_parallel_matrix.py::test_dsa_matches_single_process[2]",)),
+    Mutant(
+        "dsa-shared-layer-recomputes", DSA,
+        "        self.indexer = None if shared else LightningIndexer(config, seed=seed, name=f\"{name}.indexer\")\n",
+        "        self.indexer = LightningIndexer(config, seed=seed, name=f\"{name}.indexer\")\n",
+        "GLM-5: a shared layer runs an indexer of its own instead of reusing the full layer's selection",
+        (f"{T_FAMILIES}::test_import_matches_transformers_and_export_round_trips[glm_moe_dsa-glm_moe_dsa_shared]",)),
+    Mutant(
+        "dsa-shared-reuses-first-full", DSA,
+        "        self.source = max(i for i in range(layer) if types[i] == \"full\") if shared else layer\n",
+        "        self.source = min(i for i in range(layer) if types[i] == \"full\") if shared else layer\n",
+        "GLM-5: a shared layer reuses the first full layer's selection, not the nearest one before it",
+        (f"{T_FAMILIES}::test_import_matches_transformers_and_export_round_trips[glm_moe_dsa-glm_moe_dsa_shared]",)),
+    Mutant(
+        "dsa-shared-layer-dense", DSA,
+        "            selected = selections[self.source]\n",
+        "            selected = allowed.expand(q.shape[0], -1, -1)\n",
+        "GLM-5: a shared layer attends to every visible key instead of the full layer's selection",
+        (f"{T_FAMILIES}::test_import_matches_transformers_and_export_round_trips[glm_moe_dsa-glm_moe_dsa_shared]",)),
+    Mutant(
+        "dsa-kl-added-to-output", DSA,
+        "            out = attach_loss(out, self.kl(target, scores, mask, real, count), self.loss_weight * loss_scale)\n",
+        "            out = out + self.loss_weight * loss_scale * self.kl(target, scores, mask, real, count)\n",
+        "the indexer's KL added to the attention output: the LM loss's gradient reaches the indexer",
+        (f"{T_DSA}::test_indexer_kl_trains_the_indexer_only[deepseek_v32-sparse]",)),
+    Mutant(
+        "dsa-cp-selects-local-keys", DSA,
+        "            selected = select_topk(scores, allowed, self.topk)\n",
+        "            selected = select_topk(scores, allowed & torch.isin(torch.arange(length, device=q.device), "
+        "pos_q),\n"
+        "                                   self.topk)\n",
+        "under cp a rank's queries select only among the keys of its own zigzag segments",
+        ("tests/parallel/test_parallel_matrix.py::test_dsa_matches_single_process[2]",)),
+    # ------------------------------------------------------------------ zero experts in the loads
+    Mutant(
+        "zero-expert-columns-taken-first", ROUTER,
+        "            stats = load_stats(routed_counts[:held], kept_counts[:held], self.groups.size(\"ep\"),\n"
+        "                               routed_counts[held:].sum())\n",
+        "            stats = load_stats(routed_counts[-held:], kept_counts[-held:], self.groups.size(\"ep\"),\n"
+        "                               routed_counts[:-held].sum())\n",
+        "the load statistics (what re-placement reads) take the zero experts as the first router columns",
+        ("tests/training/test_metrics.py::test_zero_expert_assignments_are_neither_loads_nor_drops",)),
+    # ------------------------------------------------------------------ the latent MoE
+    Mutant(
+        "latent-projected-after-dispatch", "models/moe_layer.py",
+        "            sent = self.dispatcher.dispatch(x, routing.probs, routing.routing_map)  # [N, L] by local expert\n"
+        "            rows = self.experts(sent.tokens,",
+        "            sent = self.dispatcher.dispatch(hidden, routing.probs, routing.routing_map)  # [N, L] by local expert\n"
+        "            rows = self.experts(sent.tokens if self.latent_in is None else self.latent_in(sent.tokens),",
+        "the latent projection applied on the expert's rank after the dispatch: the same output, "
+        "hidden-wide rows on the wire",
+        ("tests/models/test_moe_layer.py::test_latent_moe_sends_latent_rows_on_two_ranks[blocking]",)),
+    Mutant(
+        "latent-back-projection-wrong", "models/moe_layer.py",
+        "        return combined if self.latent_out is None else self.latent_out(combined)\n",
+        "        return combined if self.latent_out is None else combined @ self.latent_in.weight\n",
+        "the combined rows projected back with the first projection's transpose instead of fc2_latent_proj",
+        ("tests/models/test_moe_layer.py::test_latent_moe_gives_transformers_nemotron_h_moe_forward_and_backward",)),
+    Mutant(
+        "latent-projection-not-summed-over-tp", "models/moe_layer.py",
+        "            self.latent_in = self._replicated_linear(m.hidden_size, width, std, seed, f\"{name}.latent_in\", "
+        "replicated)\n",
+        "            self.latent_in = self._replicated_linear(m.hidden_size, width, std, seed, f\"{name}.latent_in\", "
+        "\"replicated\")\n",
+        "the projection into the latent width averaged over dp only under SP: its tp ranks saw different tokens",
+        ("tests/parallel/test_parallel_matrix.py::test_latent_moe_matches_single_process[2]",)),
+    Mutant(
+        "latent-size-not-exported", "models/hf/families/nemotron_h.py",
+        "\"moe_latent_size\": moe.latent_size,",
+        "\"moe_latent_size\": None,",
+        "the export writes no moe_latent_size: transformers builds hidden-wide experts and refuses the tensors",
+        ("tests/models/hf/test_families.py::test_import_matches_transformers_and_export_round_trips"
+         "[nemotron_h-nemotron_h_latent]",)),
+    Mutant(
+        "planner-latent-rows-hidden-wide", "moe_fold/planner/comm.py",
+        "    row = d.expert_width * act_bytes(config)  # a latent MoE sends latent rows\n",
+        "    row = d.hidden * act_bytes(config)\n",
+        "the planner sends hidden-wide rows in a latent MoE",
+        ("tests/planner/test_estimate.py::test_latent_moe_by_hand",
+         "tests/training/test_dryrun.py::test_latent_moe_planner_agrees_with_the_dry_run[ep4]")),
+    Mutant(
+        "planner-latent-combined-rows-not-kept", "moe_fold/planner/memory.py",
+        "        latent = a * d.latent  # the combined rows, the projection back's input\n",
+        "        latent = 0.0\n",
+        "the planner forgets the combined latent rows the projection back keeps",
+        ("tests/planner/test_memory.py::test_nemotron_h_layer_activation_bytes[fp32-latent]",)),
+    # ------------------------------------------------------------------ DSA training
+    Mutant(
+        "dsa-recompute-drops-kl-share", "models/model.py",
+        "            x = x + recomputed(self.attn, self.attn_norm(x), cos, sin, docs, kv_cache, **extra)",
+        "            x = x + recomputed(self.attn, self.attn_norm(x), cos, sin, docs, kv_cache, "
+        "selections=extra.get(\"selections\"))",
+        "a recomputed DSA attention weighs its indexer's KL as a whole step's, not its micro-batch's share",
+        ("tests/models/test_dsa.py::test_recompute_gives_the_same_loss_grads_and_indexer_loss",)),
+    Mutant(
+        "dsa-kl-count-not-reduced", "models/dsa.py",
+        "        all_reduce_(count, self.cp_group)\n",
+        "",
+        "each dynamic cp rank averages the indexer's KL over its own real queries, not its share of the "
+        "micro-batch's",
+        ("tests/training/test_dynamic_cp.py::test_dynamic_cp_equals_one_process[dsa-glm5-cp2]",)),
+    Mutant(
+        "dsa-padding-queries-train", "models/dsa.py",
+        "        terms = terms.masked_fill(~real, 0.0)\n",
+        "        terms = terms + 0.0 * real\n",
+        "padding queries train the indexer",
+        ("tests/models/test_dsa.py::test_padding_queries_train_no_indexer",)),
+    Mutant(
+        "dsa-boundary-selection-lost", "models/model.py",
+        "        return h, bits.flatten(-2)[..., :keys].transpose(0, 1) > 0\n",
+        "        return h, bits.flatten(-2)[..., :keys].transpose(0, 1) >= 0\n",
+        "a shared layer beginning a pp stage attends to every key: the carried selection is lost",
+        ("tests/parallel/test_parallel_matrix.py::test_dsa_matches_single_process",)),
+    Mutant(
+        "dsa-boundary-selection-wrong-tp-slice", "models/model.py",
+        "            sel = sel.chunk(self.groups.size(\"tp\"), dim=0)[self.tp_rank]",
+        "            sel = sel.chunk(self.groups.size(\"tp\"), dim=0)[0]",
+        "under SP every tp rank sends the first tp rank's queries' selection across the stage boundary",
+        ("tests/parallel/test_parallel_matrix.py::test_dsa_matches_single_process",)),
 ]

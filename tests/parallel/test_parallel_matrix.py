@@ -71,6 +71,10 @@ NEMOTRON_H_LAYERS = dict(layer_types=["mamba2", "moe", "attention", "mlp"], bloc
                          moe=dict(activation="relu2", score_function="sigmoid", expert_bias=True,
                                   shared_expert_ffn_hidden_size=40))
 
+# Nemotron 3 Super's latent MoE on Nemotron-H's layers: the experts in a latent width of 20
+# (hidden 32), the tokens projected before the dispatch and back after the combine.
+NEMOTRON_LATENT = dict(NEMOTRON_H_LAYERS, moe=dict(NEMOTRON_H_LAYERS["moe"], latent_size=20))
+
 # LongCat-Flash's router: 4 zero-computation experts after the 8 held ones, top-3 of the
 # softmax over all 12 plus the expert bias, scaled weights (the bias's update across ranks:
 # tests/dispatch/test_router_parallel.py).
@@ -81,6 +85,10 @@ LONGCAT_ZERO = dict(moe=dict(zero_experts=4, topk=3, pre_softmax=True, expert_bi
 # layer 2's selections with the layers after them.
 DSA_LAYERS = dict(MLA_MODEL, dsa=True, index_n_heads=3, index_head_dim=6, index_topk=5, dsa_indexer_loss_weight=0.5)
 GLM5_LAYERS = dict(DSA_LAYERS, index_rope_interleave=True, indexer_types=["full", "shared", "full", "shared"])
+# Stages [0, 1] [2, 3] under pp 2: the second begins with a shared layer (layer 1's selection);
+# one layer a stage under pp 2 x vpp 2: layers 1 and 2 share layer 0's, passed on by stage 1.
+GLM5_BOUNDARY = dict(GLM5_LAYERS, indexer_types=["full", "full", "shared", "shared"])
+GLM5_PASS_THROUGH = dict(GLM5_LAYERS, indexer_types=["full", "shared", "shared", "full"])
 # LongCat-Flash's blocks (model.block=shortcut_moe): two MLA sublayers, each with a dense MLP,
 # and the shortcut MoE with its zero experts; MLA's LoRA scaling and latent epsilon.
 LONGCAT_BLOCK = dict(MLA_MODEL, block="shortcut_moe", mla_lora_scale=True, mla_norm_eps=1e-6, **LONGCAT_ZERO)
@@ -152,6 +160,12 @@ CASES = {
     "m2-cp2-a2a-ep2-dp2-packed": (4, dict(cp=2, ep=2), 2, dict(cp_kind="a2a"), NEMOTRON_H_LAYERS),
     "m2-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), NEMOTRON_H_LAYERS),
     "m2-tp2-cp2-a2a-ep2-packed": (4, dict(tp=2, cp=2, ep=2, etp=1), 2, dict(cp_kind="a2a"), NEMOTRON_H_LAYERS),
+    # The latent MoE (Nemotron 3 Super): latent rows dispatched over ep and gathered over etp,
+    # the projections replicated (summed over tp under SP), pp splitting the layers.
+    "latent-ep2": (2, dict(ep=2), 2, dict(), NEMOTRON_LATENT),
+    "latent-tp2-etp2": (2, dict(tp=2), 2, dict(), NEMOTRON_LATENT),
+    "latent-pp2-ep2-dp2": (4, dict(pp=2, ep=2), 2, dict(), NEMOTRON_LATENT),
+    "latent-tp2-ep2-etp2-packed": (4, dict(tp=2, ep=2), 2, dict(), NEMOTRON_LATENT),
     # Zero-computation experts (LongCat-Flash): never dispatched, added where the token is.
     "zero-ep2": (2, dict(ep=2), 2, dict(), LONGCAT_ZERO),
     "zero-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_ZERO),
@@ -164,6 +178,14 @@ CASES = {
     "dsa-glm5-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), GLM5_LAYERS),
     "dsa-warmup-tp2-cp2-a2a": (4, dict(tp=2, cp=2), 2, dict(cp_kind="a2a"), dict(DSA_LAYERS,
                                                                                     dsa_stage="dense_warmup")),
+    # GLM-5's shared layers beginning pipeline stages: the boundary carries the selection of the
+    # last full layer before it (through a stage of shared layers only, under vpp), sliced over
+    # tp under SP and gathered back.
+    "dsa-glm5-boundary-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"),
+                                                  GLM5_BOUNDARY),
+    "dsa-glm5-boundary-pp2-vpp2-ep2-dp2": (4, dict(pp=2, ep=2), 2, dict(vpp=2, pp_schedule="interleaved"),
+                                           GLM5_PASS_THROUGH),
+    "dsa-glm5-boundary-pp2-tp2-ep2-etp1": (4, dict(pp=2, tp=2, ep=2, etp=1), 2, dict(), GLM5_BOUNDARY),
     # LongCat-Flash's shortcut-connected MoE blocks.
     "longcat-tp2-ep2-etp1": (2, dict(tp=2, ep=2, etp=1), 2, dict(), LONGCAT_BLOCK),
     "longcat-pp2-cp2-ring-ep2-packed": (4, dict(pp=2, cp=2, ep=2), 2, dict(cp_kind="ring"), LONGCAT_BLOCK),
@@ -494,6 +516,7 @@ KDA_LAYERS = {name for name in CASES if name.startswith("kda-")}
 
 ZERO_EXPERTS = {name for name in CASES if name.startswith("zero-")}
 MAMBA2 = {name for name in CASES if name.startswith("m2-")}
+LATENT = {name for name in CASES if name.startswith("latent-")}
 
 
 DSA = {name for name in CASES if name.startswith("dsa-")}
@@ -503,12 +526,12 @@ LONGCAT = {name for name in CASES if name.startswith("longcat-")}
 
 
 def _names(world, issue_20=False, issue_29=False, layer_types=False, zero_experts=False, kda=False, longcat=False,
-           dsa=False, mamba2=False):
+           dsa=False, mamba2=False, latent=False):
     return [name for name, case in CASES.items()
             if case[0] == world and (name in ISSUE_20) == issue_20 and (name in ISSUE_29) == issue_29
             and (name in LAYER_TYPES) == layer_types and (name in ZERO_EXPERTS) == zero_experts
             and (name in KDA_LAYERS) == kda and (name in LONGCAT) == longcat and (name in DSA) == dsa
-            and (name in MAMBA2) == mamba2]
+            and (name in MAMBA2) == mamba2 and (name in LATENT) == latent]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -557,6 +580,14 @@ def test_mamba2_layers_match_single_process(world):
     than the conv window: tests/parallel/test_recurrent_cp.py runs the layer on cp4), tp + SP,
     pp and ep."""
     names = _names(world, mamba2=True)
+    _check(names, run_ranks(_rank, world, names, timeout=400))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_latent_moe_matches_single_process(world):
+    """Nemotron 3 Super's latent MoE (moe.latent_size) on Nemotron-H's layers under ep, tp + SP
+    with the experts over etp, pp with ep and dp, and tp x ep with etp on packed documents."""
+    names = _names(world, latent=True)
     _check(names, run_ranks(_rank, world, names, timeout=400))
 
 
@@ -620,15 +651,17 @@ def test_moe_overlap_matches_no_overlap_and_single_process(world):
 # graph, its collectives torch's functional collectives (cp's a2a and ep's all-to-all with
 # the count exchange's unbacked splits, tp's SP mappings, the router's all-reduces), pp's
 # sends between the compiled blocks. Ring cp is not among them (docs/gpu.md says why).
-COMPILED_CASES = ["cp2-a2a-ep2", "pp2-tied", "tp2-qknorm-projection-partial-rotary", "longcat-tp2-ep2-etp1"]
+COMPILED_CASES = ["cp2-a2a-ep2", "pp2-tied", "tp2-qknorm-projection-partial-rotary", "longcat-tp2-ep2-etp1",
+                  "dsa-glm5-cp2-a2a-ep2-packed", "dsa-glm5-tp2-ep2-etp1"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", COMPILED_CASES)
 def test_compiled_blocks_match_single_process(name):
     """ep 2 with a2a cp 2, pp 2 with tied embeddings, tp 2 + SP, LongCat-Flash's blocks under
-    tp 2 + SP x ep 2: with every block compiled, one process's losses, grads and grad norms at
-    the matrix's tolerances."""
+    tp 2 + SP x ep 2, GLM-5's DSA layers (shared selections, the indexer's KL) under cp 2 on
+    packed documents (keys gathered over cp) and tp 2 + SP x ep 2: with every block compiled,
+    one process's losses, grads and grad norms at the matrix's tolerances."""
     _check([name], run_ranks(_rank, 2, [name], compiled=True, timeout=600))
 
 

@@ -74,3 +74,22 @@ def test_busier_expert_rows_cost_more_expert_time():
     assert two["gemm"] == one["gemm"] and two["attention"] == one["attention"]
     with pytest.raises(ValueError, match="expert_rows has 3 entries"):
         microbatch_compute(config, 0, "none", gpu, 0.5, 30.0, expert_rows=[1.0] * 3)
+
+
+def test_latent_experts_cost_their_width():
+    """A latent MoE (experts in 2048 of Mixtral-8x7B's 4096 columns): the expert GEMMs,
+    compute bound and tile aligned, take half the time; the two projections, H x L and
+    L x H once per token forward and twice backward, add their own GEMM time."""
+    from moe_fold.config import load_config
+    from moe_fold.planner.compute_time import microbatch_compute
+    from moe_fold.planner.hardware import get_gpu
+
+    sets = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=8"]
+    gpu = get_gpu("h100")
+    hidden = microbatch_compute(load_config("mixtral-8x7b", sets), 0, "none", gpu, 0.5, 30.0)
+    config = load_config("mixtral-8x7b", sets + ["moe.latent_size=2048"])
+    latent = microbatch_compute(config, 0, "none", gpu, 0.5, 30.0)
+    assert latent["experts"] == pytest.approx(hidden["experts"] / 2, rel=1e-6)
+    tokens = config.train.micro_batch_size * config.model.seq_length
+    projections = config.model.num_layers * 2 * 3 * 2 * tokens * 4096 * 2048 / (0.5 * gpu.peak_flops)
+    assert latent["gemm"] - hidden["gemm"] == pytest.approx(projections, rel=1e-6)

@@ -29,7 +29,7 @@ def test_zero_experts_by_hand():
     assert held_rows_per_token(config) == 1.0 and held_rows_per_token(plain) == 2.0
     # router 2*8*8 = 128, 1 expert row 6*8*6 = 288, shared as before
     assert layer_forward_flops(config, 1) == {"attention": 384, "core": 128, "mlp": 0.0, "router": 128,
-                                              "experts": 288, "shared": 208}
+                                              "experts": 288, "latent": 0.0, "shared": 208}
     # the router grows by 4*8 = 32 -> 1712; activated 1712 - 576 + 1/4 of the experts (144)
     assert model_params(config) == {"total": 1712, "experts": 576, "activated": 1280}
     # Activations: one expert row fewer (its kept bytes, 56 here, and the dispatcher's 16),
@@ -45,6 +45,37 @@ def test_zero_experts_by_hand():
     assert step_bytes(config, 4)["ep"] == 2 * 2 * 16 + 2 * 2 * 4 // 2
     # aux-loss statistics over every column: 2*8 + 1 float64 over tp x cp = 2 ranks
     assert step_bytes(config, 4)["tp_cp"] == 8 * (2 * 8 + 1)
+
+
+def test_latent_moe_by_hand():
+    """A latent MoE (latent 4 of hidden 8): the experts' rows and weights are 4 wide, so
+    their FLOPs, parameters, kept row bytes and the rows on the wire halve; the two
+    replicated projections add 2*8*4 weights, 4*8*4 FLOPs a token and keep the combined rows."""
+    from moe_fold.planner.estimate import model_params
+    from moe_fold.planner.memory import held_row_bytes, layer_activation_bytes
+    from moe_fold.planner.model import layer_forward_flops
+
+    config, plain = hand_config(), hand_config()
+    config.moe.latent_size = 4
+    # router 2*8*4 = 64, 2 expert rows 2*6*4*6 = 288 (hidden-wide: 576), projections 4*8*4 = 128
+    assert layer_forward_flops(config, 1) == {"attention": 384, "core": 128, "mlp": 0.0, "router": 64,
+                                              "experts": 288, "latent": 128, "shared": 208}
+    # the experts shrink from 576 to 4*(4*12 + 6*4) = 288, the projections add 64; 2 of 4 experts active
+    assert model_params(plain)["total"] == 1680
+    assert model_params(config) == {"total": 1680 - 288 + 64, "experts": 288, "activated": 1456 - 288 + 144}
+    names = [e.name for e in param_manifest(config)]
+    assert "layers.1.mlp.latent_in.weight" in names and "layers.1.mlp.latent_out.weight" in names
+    # A kept row: its input 2*4 (not 2*8), fc1 out + SwiGLU out 3*2*6, its prob 4.
+    assert held_row_bytes(plain, "none") == 56 and held_row_bytes(config, "none") == 48
+    # 2 rows of 8 bytes less, the combined latent rows 2*4 more (the norm output, which the
+    # projection in reads, the shared expert's gate keeps already).
+    assert layer_activation_bytes(config, 1, "none") == layer_activation_bytes(plain, 1, "none") - 2 * 8 + 8
+    # ep 2: 2 tokens a rank, 4 rows, 2 sent and 2 received, each way, of L*a = 8 bytes (not
+    # 16), probs 4 bytes each way.
+    for c in (config, plain):
+        c.parallel.tp, c.parallel.ep, c.parallel.etp, c.parallel.sequence_parallel = 2, 2, 1, True
+    assert step_bytes(plain, 4)["ep"] == 2 * 4 * 16 + 4 * 4
+    assert step_bytes(config, 4)["ep"] == 2 * 4 * 8 + 4 * 4
 
 
 def test_memory_by_hand():

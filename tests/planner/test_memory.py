@@ -243,16 +243,17 @@ def test_mla_activation_and_state_bytes(layout):
         assert got["weights"] == state_bytes(config, param_manifest(config), 0)["weights"]
 
 
+@pytest.mark.parametrize("latent", [[], ["moe.latent_size=40"]], ids=["hidden", "latent"])
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_nemotron_h_layer_activation_bytes(precision):
+def test_nemotron_h_layer_activation_bytes(precision, latent):
     """nemotron-h-tiny's single-mixer layers one at a time: the Mamba2 mixer (the chunked
-    torch SSD), the relu2 MLP, the relu2 MoE layer and the attention without rotary (no
-    rotated copies of q and k) keep what the planner says, within 1% (measured 0.04% and
-    0.1% for Mamba2 in fp32 and bf16)."""
+    torch SSD), the relu2 MLP, the relu2 MoE layer (also a latent MoE: latent rows, the
+    projections' inputs) and the attention without rotary (no rotated copies of q and k)
+    keep what the planner says, within 1% (measured 0.04% and 0.1% for Mamba2 in fp32 and bf16)."""
     from moe_fold.models.model import build_model
     from moe_fold.planner.memory import layer_activation_bytes
 
-    config = load_config("nemotron-h-tiny", ["parallel.ep=1", f"train.precision={precision}"])
+    config = load_config("nemotron-h-tiny", ["parallel.ep=1", f"train.precision={precision}"] + latent)
     model = build_model(config, ProcessGroups.single_process())
     if precision == "bf16":
         model = model.to(torch.bfloat16)
@@ -265,3 +266,35 @@ def test_nemotron_h_layer_activation_bytes(precision):
         saved, _ = saved_activation_bytes(block, lambda: block(x, rotary, rotary))
         planned = layer_activation_bytes(config, i, "none")
         assert saved / (S * B) == pytest.approx(planned, rel=0.01), (i, kind)
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v32-tiny", "glm-5-tiny"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("stage", ["dense_warmup", "sparse"])
+def test_dsa_layer_activation_bytes(preset, precision, stage):
+    """The DSA attention of each layer (glm-5-tiny: layers 1 and 3 reuse the selections
+    of 0 and 2) on a micro-batch of 2 keeps what the planner says
+    (:func:`moe_fold.planner.memory.dsa_attention_bytes`: the dense float32 probabilities,
+    the indexer's per-head scores and the KL loss's tensors), within 0.1% (the CPU keeps
+    the key norm's statistics in bfloat16, a GPU in float32). The rotary tables are the
+    micro-batch's (``microbatch_constant_bytes``), not the layer's."""
+    from moe_fold.models.model import build_model
+    from moe_fold.planner.memory import dsa_attention_bytes
+
+    S, B = 128, 2
+    config = load_config(preset, ["parallel.ep=1", f"train.precision={precision}", f"model.dsa_stage={stage}",
+                                  f"train.micro_batch_size={B}", f"model.seq_length={S}"])
+    model = build_model(config, ProcessGroups.single_process())
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(S, B, config.model.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = x.to(dtype).requires_grad_()
+    cos, sin = (t.to(dtype) for t in model._rotary(torch.arange(S)))
+    tables = cos.untyped_storage().nbytes() + sin.untyped_storage().nbytes()
+    selections: dict = {}
+    for i in range(config.model.num_layers):
+        attn = model.layers[i].attn
+        saved, _ = saved_activation_bytes(attn, lambda: attn(x, cos, sin, selections=selections))
+        planned = dsa_attention_bytes(config, 1, i)
+        assert (saved - tables) / (S * B) == pytest.approx(planned, rel=0.001), i

@@ -93,10 +93,10 @@ def test_flops_by_hand():
     config = hand_config()
     # layer 0: projections 2*8*16 + 2*8*8 = 384, core 4*seq 4*q 8 = 128, MLP 6*8*12 = 576
     assert layer_forward_flops(config, 0) == {"attention": 384, "core": 128, "mlp": 576, "router": 0.0,
-                                              "experts": 0.0, "shared": 0.0}
+                                              "experts": 0.0, "latent": 0.0, "shared": 0.0}
     # layer 1: router 2*8*4 = 64, 2 experts 2*6*8*6 = 576, shared 6*8*4 + gate 2*8 = 208
     assert layer_forward_flops(config, 1) == {"attention": 384, "core": 128, "mlp": 0.0, "router": 64,
-                                              "experts": 576, "shared": 208}
+                                              "experts": 576, "latent": 0.0, "shared": 208}
     assert head_forward_flops(config) == 2 * 8 * 16
     # 3 x (1088 + 1360 + 256) per token x 2 sequences x 4 tokens
     assert model_flops_per_step(config) == 3 * 2704 * 8
@@ -132,10 +132,13 @@ def test_hybrid_layers_projection_flops_are_their_weights(preset):
 
 
 @pytest.mark.parametrize("sets", [["parallel.ep=1"], ["parallel.tp=2", "parallel.sequence_parallel=true",
-                                                    "parallel.ep=1"]], ids=["one", "tp2"])
+                                                    "parallel.ep=1"],
+                                  ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=1",
+                                   "moe.latent_size=40"]], ids=["one", "tp2", "tp2-latent"])
 def test_nemotron_h_params_equal_the_real_model(sets):
-    """nemotron-h-tiny's single-mixer layers (Mamba2, relu2 MoE, attention, relu2 MLP): the
-    planner's parameter manifest is the built model's, names, sizes and sync kinds."""
+    """nemotron-h-tiny's single-mixer layers (Mamba2, relu2 MoE, attention, relu2 MLP; and
+    with a latent MoE): the planner's parameter manifest is the built model's, names, sizes
+    and sync kinds."""
     from moe_fold.launch import run_ranks
     from moe_fold.models.model import build_model
 

@@ -160,6 +160,40 @@ def test_zero_experts_are_routed_counted_and_not_sent():
     assert sent[4, 3] == pytest.approx(sent[0, 3] * 2 / 3, rel=0.01)
 
 
+@pytest.mark.parametrize("sets", [["parallel.ep=4"], ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                                    "parallel.ep=2"]], ids=["ep4", "tp2-ep2-etp2"])
+def test_latent_moe_planner_agrees_with_the_dry_run(sets):
+    """A latent MoE (nemotron-h-tiny's experts in 40 of its 128 hidden columns): the planner's
+    parameters are the built rank's, its weight, gradient and optimizer bytes and its
+    activations within 1% of what the step held, and its bytes per group what the step sent
+    (ep: latent rows, under half the bytes of the same model with hidden-wide experts)."""
+    from moe_fold.config import load_config
+    from moe_fold.planner.comm import step_bytes
+    from moe_fold.planner.estimate import Assumptions, stage_memory
+
+    world, shapes, seen = 4, {}, {}
+    base = sets + ["train.micro_batch_size=2", "train.global_batch_size=8", "train.precision=bf16"]
+    for latent in ("null", "40"):
+        config = load_config("nemotron-h-tiny", base + [f"moe.latent_size={latent}"])
+        for rank in (0, world - 1):
+            trace = trace_rank(config, world, rank, parse_routing("balanced"), shapes)
+            plan = stage_memory(config, world, trace.pp_stage, Assumptions(memory_overhead=0))
+            sent: dict = {}
+            for c in trace.collectives:
+                sent[c.group] = sent.get(c.group, 0) + c.bytes
+            seen[latent, rank] = sent["ep"]
+            if latent == "null":
+                continue
+            assert trace.params == plan["params"], rank
+            for kind in ("weights", "grads", "optimizer", "activations"):
+                assert trace.memory[kind] == pytest.approx(plan[kind], rel=0.01), (rank, kind)
+            planned = step_bytes(config, world, trace.pp_stage)
+            for kind in set(planned) | set(sent):
+                assert sent.get(kind, 0) == pytest.approx(planned.get(kind, 0), rel=0.01), (rank, kind)
+    for rank in (0, world - 1):
+        assert seen["40", rank] < 0.5 * seen["null", rank], rank
+
+
 # A full-size preset at the world its comment names, or at a published layout of its model
 # (bench/published/, the row's id in the name), cut to a few layers and micro-batches so
 # the test is quick: (preset, world, overrides).
@@ -204,6 +238,10 @@ AGREEMENT_CASES = {
                                             "parallel.pp_layers=null", "parallel.pp_schedule=1f1b",
                                             "train.global_batch_size=512"]),
     "glm-5": ("glm-5", 768, ["model.num_layers=12", "moe.first_k_dense=1", "train.global_batch_size=1024"]),
+    # DSA under cp: keys, values and the indexer's keys all-gathered (not a ring).
+    "deepseek-v32-cp2": ("deepseek-v32", 128, ["model.num_layers=4", "moe.first_k_dense=1", "parallel.pp=2",
+                                               "parallel.vpp=null", "parallel.pp_layers=null", "parallel.pp_schedule=1f1b",
+                                               "parallel.cp=2", "train.global_batch_size=16"]),
 }
 
 
@@ -238,6 +276,8 @@ def test_planner_agrees_with_the_dry_run(name):
 # within 5% of the dry run's (docs/dryrun.md has the table). The fast rows are reduced
 # models whose peak one effect sets.
 _DS16 = ["model.num_layers=16", "parallel.vpp=2", "parallel.pp_layers=null", "train.global_batch_size=512"]
+_DSA4 = ["model.num_layers=4", "moe.first_k_dense=1", "parallel.pp=2", "parallel.vpp=null", "parallel.pp_layers=null",
+         "parallel.pp_schedule=1f1b", "train.global_batch_size=32"]
 ACTIVATION_CASES = {
     # The interleaved schedule holds 4.5 micro-batches in flight on the last stage, but its
     # last chunk runs each backward straight after the forward: the heads, MTP and the
@@ -271,6 +311,21 @@ ACTIVATION_CASES = {
     "kimi-linear-reduced": ("kimi-linear-48b-a3b", 32, ["model.num_layers=4", "model.layer_types=[kda,kda,kda,attention]",
                                                         "model.rope_layers=[0,0,0,0]", "train.global_batch_size=32"],
                             [0]),
+    # DSA under full recompute: the peak is the softmax of a DSA attention rebuilt in its
+    # backward (its dense float32 scores, their masked copy and the probabilities, with the
+    # indexer's per-head scores), in both training stages and under cp (every key gathered);
+    # on the last stage the MTP depth's, while the model's head still holds its logits;
+    # GLM-5's, with shared layers, the indexer's backward (the gradient of its keys
+    # broadcast over the queries).
+    "deepseek-v32-reduced": ("deepseek-v32", 128, _DSA4, [0, 127]),
+    "deepseek-v32-reduced-dense": ("deepseek-v32", 128, _DSA4 + ["model.dsa_stage=dense_warmup"], [0]),
+    "deepseek-v32-reduced-cp2": ("deepseek-v32", 128, _DSA4 + ["parallel.cp=2", "train.global_batch_size=16"], [0]),
+    # Without the KL loss the indexer keeps nothing, but its graph lives through the forward
+    # that rebuilds the attention, up to the softmax.
+    "deepseek-v32-reduced-no-kl": ("deepseek-v32", 128, _DSA4 + ["model.dsa_indexer_loss_weight=0"], [0]),
+    "glm-5-reduced": ("glm-5", 128, ["model.num_layers=4", "moe.first_k_dense=1", "parallel.pp=2",
+                                     "train.global_batch_size=32", "model.indexer_types=[full,shared,full,shared]"],
+                      [0, 127]),
     "mixtral-8x22b": ("mixtral-8x22b", 128, [], [0, 127]),
     # The MoE Parallel Folding paper's Table 3 layouts (bench/published/moe_parallel_folding.csv).
     "mixtral-8x22b-folding": ("mixtral-8x22b", 128, ["parallel.tp=2", "parallel.ep=8", "parallel.etp=1",

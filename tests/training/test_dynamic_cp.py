@@ -148,9 +148,20 @@ LLAMA4_2 = dict(attention_chunk=4, local_attention_layers=[1, 0], rope_layers=[1
                 qk_norm_scope="l2", attn_temperature_tuning=True, attn_temperature_floor=2)
 
 
+# DeepSeek Sparse Attention on MLA (top 3 keys, so documents of 4 tokens and more select):
+# GLM-5's form (layer 1 shares layer 0's selection) in the sparse stage, and the dense
+# warm-up; each trains its indexer by the KL, weighted 0.5, over the real queries.
+DSA_2 = dict(MLA_MODEL, dsa=True, index_n_heads=3, index_head_dim=6, index_topk=3, dsa_indexer_loss_weight=0.5,
+             index_rope_interleave=True, indexer_types=["full", "shared"])
+DSA_WARMUP_2 = dict(MLA_MODEL, dsa=True, index_n_heads=3, index_head_dim=6, index_topk=3,
+                    dsa_indexer_loss_weight=0.5, dsa_stage="dense_warmup")
+
+
 @pytest.mark.parametrize("world,ep,model_overrides", [(2, 2, None), (4, 4, None), (2, 2, MLA_MODEL),
-                                                      (2, 2, GPTOSS_2), (2, 2, LLAMA4_2)],
-                         ids=["cp2", "cp4", "mla-cp2", "gptoss-attention-cp2", "llama4-attention-cp2"])
+                                                      (2, 2, GPTOSS_2), (2, 2, LLAMA4_2), (2, 2, DSA_2),
+                                                      (4, 4, DSA_WARMUP_2)],
+                         ids=["cp2", "cp4", "mla-cp2", "gptoss-attention-cp2", "llama4-attention-cp2",
+                              "dsa-glm5-cp2", "dsa-warmup-cp4"])
 def test_dynamic_cp_equals_one_process(world, ep, model_overrides):
     results = run_ranks(_dynamic_rank, world, ep, model_overrides, timeout=240)
     loss, grads = _reference(model_overrides)

@@ -8,7 +8,8 @@
 - A training process killed with SIGKILL inside ``save_checkpoint`` (stopped there by a
   wrapper script, not by a flag of the code): the previous checkpoint stays the latest
   and loads; the partial directory is ignored with a message and removed by the next save.
-- Two runs of one config give bit-identical metrics and checkpoint bytes.
+- Two runs of one config give bit-identical metrics and checkpoint bytes, on 4 ranks too
+  when the second run's collectives, checkpoint writer and heap are perturbed.
 
 docs/reliability.md lists every fault with the test that proves it (some live in
 tests/training/test_checkpoint.py, tests/data/test_indexed_dataset.py, tests/config/test_load.py, tests/models/hf/test_importer.py, tests/core/test_launch.py,
@@ -18,10 +19,12 @@ tests/dispatch/test_dispatcher.py and test_reliability_*.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -32,7 +35,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_fold.training.checkpoint import latest_checkpoint, load_checkpoint
+from moe_fold.launch import run_ranks
+from moe_fold.training.checkpoint import CheckpointSaver, latest_checkpoint, load_checkpoint
 from moe_fold.config import load_config
 from moe_fold.layout import ProcessGroups
 from moe_fold.models.model import build_model
@@ -190,7 +194,7 @@ def _hang_on_rank_1(rank, world_size):
 def test_hung_rank_is_named_after_the_process_group_timeout():
     """Rank 1 sleeps; rank 0 waits in an all-reduce until the process group's timeout
     (5 s here), and the report names rank 1 as the one that stopped responding."""
-    from moe_fold.launch import RankError, run_ranks
+    from moe_fold.launch import RankError
 
     begin = time.monotonic()
     with pytest.raises(RankError) as err:
@@ -322,4 +326,65 @@ def test_two_runs_give_identical_losses_and_weights(tmp_path, cache_dir):
     (records_a, files_a), (records_b, files_b) = runs
     assert len(records_a) == 3 and records_a == records_b
     assert sorted(files_a) == ["config.yaml", "index.json", "rank_00000.safetensors", "rng_00000.json"]
+    assert files_a == files_b
+
+
+def _run_record(run_dir: Path) -> tuple[list[dict], dict[str, str]]:
+    """A finished run's metrics (every field but the timings) and the sha256 of every file
+    of its checkpoints, by path in the checkpoints folder."""
+    records = [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in read_metrics(run_dir)]
+    folder = run_dir / "checkpoints"
+    return records, {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+                     for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# The collectives a training step may post (the comm wrappers call them through the module).
+_COLLECTIVES = ("all_reduce", "all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+                "all_gather", "all_gather_object", "batch_isend_irecv", "barrier")
+
+
+def _train_rank(rank, world_size, config):
+    return train(config)
+
+
+def _train_perturbed_rank(rank, world_size, config, seed):
+    """``train(config)`` with this rank's timing and memory addresses moved: every
+    collective starts after a random delay of up to 10 ms (drawn per rank, so the ranks
+    arrive in other orders), the asynchronous checkpoint writer starts up to 200 ms late
+    (it overlaps other parts of the next step), and tensors of random sizes held for the
+    run shift the addresses of the run's own allocations."""
+    import torch.distributed as dist
+
+    rng = random.Random(seed * 1009 + rank)
+
+    def late(fn, most_s):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            time.sleep(rng.random() * most_s)
+            return fn(*args, **kwargs)
+        return call
+
+    for name in _COLLECTIVES:
+        setattr(dist, name, late(getattr(dist, name), 0.01))
+    CheckpointSaver._background = late(CheckpointSaver._background, 0.5)
+    held = [torch.empty(rng.randint(1, 1 << 16)) for _ in range(rng.randint(1, 64))]
+    result = train(config)
+    del held
+    return result
+
+
+@pytest.mark.slow
+def test_ranks_repeat_their_steps_bit_for_bit_whatever_the_timing(tmp_path, cache_dir):
+    """train.deterministic on 4 ranks (dp 4 x ep 4: all-reduces, the MoE all-to-alls, an
+    asynchronous save every step): a run whose collectives arrive in other orders, whose
+    checkpoint writer runs late and whose tensors sit at other addresses
+    (:func:`_train_perturbed_rank`) gives the plain run's metrics and the bytes of every
+    file of its checkpoints."""
+    opts = ["train.steps=3", "parallel.ep=4", "train.global_batch_size=8", "train.async_save=true"]
+    run_ranks(_train_rank, 4, small_config(tmp_path / "run", cache_dir, *opts), timeout=300)
+    (tmp_path / "run").rename(tmp_path / "plain")
+    run_ranks(_train_perturbed_rank, 4, small_config(tmp_path / "run", cache_dir, *opts), 7, timeout=300)
+    (records_a, files_a), (records_b, files_b) = _run_record(tmp_path / "plain"), _run_record(tmp_path / "run")
+    assert [r["step"] for r in records_a] == [1, 2, 3] and records_a == records_b
+    assert len([name for name in files_a if "/rank_" in name]) == 3 * 4  # steps 1-3 (keep_last=3), 4 ranks
     assert files_a == files_b

@@ -42,6 +42,7 @@ FEATURES = frozenset({
     "attention_sinks", "sliding_window", "attention_chunk", "rope_layers", "attn_temperature_tuning",
     "score_on_input",  # the routing prob scales the expert's input
     "single_mixer", "mlp_activation", "mamba2",  # Nemotron-H's layers
+    "moe_latent",  # Nemotron 3 Super's latent MoE (experts between two latent projections)
     "layer_types", "attn_output_gate", "norm_zero_centred",  # Qwen3-Next's layers (Gated DeltaNet)
     "zero_experts",  # LongCat-Flash's zero-computation experts
     "shortcut_moe", "mla_lora_scale",  # LongCat-Flash's blocks and MLA scaling

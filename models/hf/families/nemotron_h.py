@@ -4,7 +4,9 @@ is one mixer under one pre-norm and residual (``model.block: single_mixer``), as
 Mamba2 (``linear_attention`` -> ``mamba2``), attention without rotary embeddings
 (``full_attention`` -> ``attention`` with ``model.rope_layers`` all 0), a dense relu2 MLP
 (``mlp``) or an MoE layer (``moe``) of relu2 experts (``moe.activation: relu2``) with one
-ungated relu2 shared expert of ``moe_shared_expert_intermediate_size``; DeepSeek-V3's
+ungated relu2 shared expert of ``moe_shared_expert_intermediate_size``, and with
+``moe_latent_size`` (Nemotron 3 Super) the latent MoE (``moe.latent_size``: the experts work in
+the latent width between ``fc1_latent_proj`` and ``fc2_latent_proj``); DeepSeek-V3's
 routing (sigmoid scores, the ``e_score_correction_bias``, groups ranked by their best two
 scores, top-k renormalised and scaled by ``routed_scaling_factor``).
 
@@ -14,9 +16,7 @@ Tensors: checkpoints hold ``backbone.`` (transformers renames it ``model.`` in m
 ``[C, K]``); experts per expert (``mixer.experts.{e}.up_proj``/``down_proj``), or fused
 ``[E, out, in]`` as transformers holds them in memory.
 
-Refused: the latent MoE (``moe_latent_size``: experts in a smaller latent space between two
-projections, which moe-fold's experts do not have), MTP depths, biases on any linear, a
-Mamba2 conv without its bias."""
+Refused: MTP depths, biases on any linear, a Mamba2 conv without its bias."""
 
 from __future__ import annotations
 
@@ -94,9 +94,7 @@ def from_hf(keys: Keys, config: Config) -> None:
     keys.must_be("sliding_window", (None,), "Nemotron-H's attention is full causal attention here")
     keys.must_be("is_encoder_decoder", (False,), "the model is a decoder only")
     latent = keys.get("moe_latent_size", None)
-    if latent is not None:
-        keys.problems.append(f"moe_latent_size={latent} is not supported: the latent MoE (experts between two "
-                             f"latent projections) is not implemented in moe-fold")
+    moe.latent_size = None if latent is None else int(latent)
     deepseek_moe_from_hf(keys, config)
     moe.shared_expert_ffn_hidden_size = int(keys.get("moe_shared_expert_intermediate_size", 7688))
 
@@ -146,7 +144,7 @@ def to_hf(config: Config, flags: list) -> dict[str, Any]:
         "moe_shared_expert_intermediate_size": moe.shared_expert_ffn_hidden_size, "n_shared_experts": 1,
         "norm_topk_prob": True, "n_group": moe.num_groups or 1, "topk_group": moe.group_topk or 1,
         "routed_scaling_factor": moe.scaling_factor if moe.scaling_factor is not None else 1.0,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": 0, "moe_latent_size": moe.latent_size,
     }
 
 
@@ -177,8 +175,11 @@ def layer_sources(config: Config, layer: int, hf: str, ours: str, hf_names: froz
     else:
         fc1 = Stack(tuple(Take(f"{mixer}experts.{e}.up_proj.weight", _T) for e in range(moe.num_experts)))
         fc2 = Stack(tuple(Take(f"{mixer}experts.{e}.down_proj.weight", _T) for e in range(moe.num_experts)))
+    latent = {} if moe.latent_size is None else {
+        f"{ours}mlp.latent_in.weight": Take(f"{mixer}fc1_latent_proj.weight"),
+        f"{ours}mlp.latent_out.weight": Take(f"{mixer}fc2_latent_proj.weight")}
     return {f"{ours}mlp_norm.weight": norm,
-            f"{ours}mlp.router.weight": Take(f"{mixer}gate.weight"),
+            f"{ours}mlp.router.weight": Take(f"{mixer}gate.weight"), **latent,
             f"{ours}mlp.router.expert_bias": Take(f"{mixer}gate.e_score_correction_bias"),
             f"{ours}mlp.experts.fc1": fc1, f"{ours}mlp.experts.fc2": fc2,
             f"{ours}mlp.shared_expert.fc1.weight": Take(f"{mixer}shared_experts.up_proj.weight"),
@@ -198,6 +199,6 @@ def _exports(config: Config) -> bool:
 FAMILY = Family(
     model_type="nemotron_h", architecture="NemotronHForCausalLM",
     features=frozenset({"layer_types", "rope_layers", "expert_activation", "single_mixer", "mlp_activation",
-                        "mamba2"}),
+                        "mamba2", "moe_latent"}),
     from_hf=from_hf, refusals=refusals, to_hf=to_hf, exports=_exports, export_priority=4,
     layer_sources=layer_sources, model_prefix=_prefix, embed_name="embeddings.weight", final_norm_name="norm_f.weight")

@@ -17,7 +17,7 @@ from .model import (_check_block, _check_model, dense_width_over_tp, heads_over_
                     vocab_over_tp)
 from .moe import (_check_layer_pattern, _check_moe, activation_backend, capacity_factor_positive, dispatch_modes,
                   expert_bias_over_etp, expert_width_over_etp, experts_over_ep, gate_needs_shared_expert,
-                  moe_needs_sequence_parallel, overlap_problems, replacement_has_room, replicas_fit, router_settings,
+                  latent_size_positive, moe_needs_sequence_parallel, overlap_problems, replacement_has_room, replicas_fit, router_settings,
                   routing_groups, zero_expert_settings)
 from .routes import BATCH_INVARIANT_ROWS, _check_routes
 from .parallel import (MAX_DYNAMIC_CP, _check_parallel, _check_pipeline, bucket_size, dynamic_cp_layout,
@@ -30,7 +30,7 @@ __all__ = [
     "BATCH_INVARIANT_ROWS", "MAX_DYNAMIC_CP", "RULES", "activation_backend", "adamw_settings", "batch_over_dp", "bucket_size",
     "capacity_factor_positive", "checkpoints_kept", "choice", "choices", "dense_width_over_tp", "dispatch_modes",
     "dynamic_cp_layout", "expert_bias_over_etp", "expert_width_over_etp", "experts_over_ep",
-    "gate_needs_shared_expert", "grad_clip", "heads_over_tp", "interleaved_micro_batches",
+    "gate_needs_shared_expert", "grad_clip", "heads_over_tp", "interleaved_micro_batches", "latent_size_positive",
     "linear_heads_over_tp", "mamba_groups_over_tp", "moe_needs_sequence_parallel", "order_is_permutation", "overlap_problems", "param_gather_needs_distributed",
     "pipeline_split", "replacement_has_room", "replicas_fit", "require", "rotary_pairs", "router_settings",
     "routing_groups", "rule", "schedule_chunks", "sequence_over_cp", "sequence_over_tp", "shortcut_moe_block", "spike_detection",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..derived import CHANNEL_MIXERS, MLA_SIZES, conv_shape_problem, conv_shapes, head_dim, vpp_size
+from ..derived import CHANNEL_MIXERS, MLA_SIZES, conv_shape_problem, conv_shapes, head_dim
 from ..schema import Config, ModelConfig, _fmt
 from .common import _at_least, _divisible, _positive, rule
 
@@ -292,7 +292,7 @@ def _check_attention_features(config: Config, out: list[str]) -> None:
 
 def _check_dsa(config: Config, out: list[str]) -> None:
     """DeepSeek Sparse Attention: an indexer on MLA with a query latent, its sizes and layers."""
-    m, p = config.model, config.parallel
+    m = config.model
     if m.mla_norm_eps is not None:
         _positive(out, "model.mla_norm_eps", m.mla_norm_eps)
     if not m.dsa:
@@ -312,10 +312,10 @@ def _check_dsa(config: Config, out: list[str]) -> None:
     if m.layer_types is not None and any(t != "attention" for t in m.layer_types):
         out.append(f"model.dsa=true needs attention on every layer; model.layer_types={m.layer_types}")
     if m.block != "standard":
-        out.append(f"model.block={m.block} is not supported with model.dsa=true (DSA runs in standard blocks)")
-    if p.dynamic_cp:
-        out.append("parallel.dynamic_cp=true is not supported with model.dsa=true: a DSA layer gathers its keys "
-                   "over the whole parallel.cp group")
+        out.append(f"model.block={m.block} is not supported with model.dsa=true: a shortcut-MoE block holds two "
+                   f"attention sublayers under one layer index, while model.indexer_types and the selections a "
+                   f"shared layer reuses are per layer (no released model has both: LongCat-Flash's MLA has no "
+                   f"indexer)")
     types = m.indexer_types
     if types is None:
         return
@@ -332,16 +332,6 @@ def _check_dsa(config: Config, out: list[str]) -> None:
     if "shared" in types and m.dsa_stage != "sparse":
         out.append(f"model.dsa_stage={m.dsa_stage} with shared layers in model.indexer_types: the dense warm-up "
                    f"makes no selection for a shared layer to reuse; use dsa_stage=sparse")
-    vpp = vpp_size(config)
-    if p.pp > 1 and "shared" in types and vpp >= 1:
-        stages = p.pp * vpp
-        counts = list(p.pp_layers) if p.pp_layers is not None else [m.num_layers // stages] * stages
-        starts = [sum(counts[:s]) for s in range(len(counts))]
-        for i in starts:
-            if i < len(types) and types[i] == "shared":
-                out.append(f"model.indexer_types[{i}]='shared' begins a pipeline stage (parallel.pp={p.pp}, "
-                           f"vpp={vpp}): the selection it reuses does not travel between stages; the first layer "
-                           f"of every stage must be full")
 
 
 def _check_attention(m: ModelConfig, out: list[str]) -> None:

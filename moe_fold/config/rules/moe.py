@@ -48,6 +48,7 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
     _at_least(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size, 0)
     out.extend(overlap_problems(moe))
     out.extend(zero_expert_settings(moe))
+    out.extend(latent_size_positive(moe.latent_size))
     _check_placement(config, out)
     if not any_moe:
         return
@@ -57,8 +58,8 @@ def _check_moe(config: Config, any_moe: bool, out: list[str]) -> None:
     if moe.shared_expert_ffn_hidden_size > 0:
         _divisible(out, "moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size,
                    "parallel.tp", p.tp)
-    out.extend(expert_bias_over_etp(moe.expert_linear_bias, config.model.hidden_size, etp_size(config),
-                                    p.etp is None))
+    out.extend(expert_bias_over_etp(moe.expert_linear_bias, moe.latent_size or config.model.hidden_size,
+                                    etp_size(config), p.etp is None, moe.latent_size is not None))
     if moe.num_experts < 1:
         out.append(f"moe.num_experts={moe.num_experts} must be >= 1 when any layer is MoE "
                    f"(moe.moe_layer_freq={_fmt(moe.moe_layer_freq)}, moe.first_k_dense={moe.first_k_dense})")
@@ -164,12 +165,24 @@ def activation_backend(activation: str, swiglu_backend: str) -> list[str]:
 
 
 @rule
-def expert_bias_over_etp(linear_bias: bool, hidden_size: int, etp: int, etp_is_tp: bool = False) -> list[str]:
-    """Each etp rank adds its 1/etp slice of fc2's bias, so the etp sum adds it once."""
+def expert_bias_over_etp(linear_bias: bool, hidden_size: int, etp: int, etp_is_tp: bool = False,
+                         latent: bool = False) -> list[str]:
+    """Each etp rank adds its 1/etp slice of fc2's bias, so the etp sum adds it once; fc2's
+    output is the experts' width, ``hidden_size`` here (``moe.latent_size`` when ``latent``)."""
     if not linear_bias or etp <= 1 or not hidden_size % etp:
         return []
-    return [f"model.hidden_size={hidden_size} is not divisible by {'parallel.tp' if etp_is_tp else 'parallel.etp'}="
-            f"{etp} (moe.expert_linear_bias=true splits fc2's bias over the expert-tensor ranks)"]
+    return [f"{'moe.latent_size' if latent else 'model.hidden_size'}={hidden_size} is not divisible by "
+            f"{'parallel.tp' if etp_is_tp else 'parallel.etp'}={etp} (moe.expert_linear_bias=true splits fc2's bias "
+            f"over the expert-tensor ranks)"]
+
+
+@rule
+def latent_size_positive(latent_size: Optional[int]) -> list[str]:
+    """A latent MoE's experts work in ``moe.latent_size`` columns (null: off)."""
+    if latent_size is not None and not latent_size >= 1:
+        return [f"moe.latent_size={_fmt(latent_size)} must be >= 1 when set (the routed experts' width), or null "
+                f"for experts in the hidden width"]
+    return []
 
 
 @rule

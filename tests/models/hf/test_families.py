@@ -247,7 +247,10 @@ SPECS = {
                                               "moe"], num_experts_per_tok=3),
         # Attention first, 3 groups of which 2 are picked, scaled probabilities.
         "nemotron_h_groups": dict(layers_block_type=["full_attention", "moe", "linear_attention", "moe"],
-                                  n_group=3, topk_group=2, num_experts_per_tok=2, routed_scaling_factor=2.5)}),
+                                  n_group=3, topk_group=2, num_experts_per_tok=2, routed_scaling_factor=2.5),
+        # Nemotron 3 Super's latent MoE: experts of 22 in a latent width of 17 (hidden 42), top-3.
+        "nemotron_h_latent": dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
+                                  moe_latent_size=17, num_experts_per_tok=3, routed_scaling_factor=1.7)}),
 }
 
 
@@ -281,8 +284,17 @@ def _longcat_read(model, case):
         "shortcut_moe", True, 1e-6, 3, 6) and _expert_bias_read(1)(model, case))
 
 
+def _nemotron_read(model, case):
+    """The expert bias read, and the latent MoE's width (and its projections) where the case has one."""
+    latent = SPECS["nemotron_h"].cases[case].get("moe_latent_size")
+    mlp = model.layers[1].mlp
+    projections = None if mlp.latent_in is None else (mlp.latent_in.weight.shape[0], mlp.experts.fc1.shape[1])
+    return (model.config.moe.latent_size == latent and projections == (None if latent is None else (latent, latent))
+            and _expert_bias_read(1)(model, case))
+
+
 IMPORTED = {"deepseek_v3": _mla_read, "ernie4_5_moe": _expert_bias_read(1), "minimax_m2": _expert_bias_read(0),
-            "longcat_flash": _longcat_read, "nemotron_h": _expert_bias_read(1)}
+            "longcat_flash": _longcat_read, "nemotron_h": _nemotron_read}
 
 
 @pytest.mark.parametrize("family, case", CASES, ids=[f"{f}-{c}" for f, c in CASES])
@@ -414,8 +426,8 @@ REFUSED = [
      "indexer_types has 2 entries; num_hidden_layers=4", HFConfigError),
     ("glm_moe_dsa", "glm_moe_dsa_shared", lambda hf: hf.update(indexer_types=["shared", "full", "full", "full"]),
      "model.indexer_types[0]='shared' must be full", BOTH),
-    ("nemotron_h", "nemotron_h", lambda hf: hf.update(moe_latent_size=16),
-     "moe_latent_size=16 is not supported: the latent MoE", HFConfigError),
+    ("nemotron_h", "nemotron_h_latent", lambda hf: hf.update(moe_latent_size=0),
+     "moe.latent_size=0 must be >= 1 when set", BOTH),
     ("nemotron_h", "nemotron_h", lambda hf: hf.update(mlp_hidden_act="silu"), "mlp_hidden_act='silu'", HFConfigError),
     ("nemotron_h", "nemotron_h", lambda hf: hf.update(tie_word_embeddings=True), "tie_word_embeddings=True",
      HFConfigError),

@@ -101,6 +101,7 @@ def test_upcycled_experts_are_copies_or_scaled_slices(tmp_path):
     (dict(shared_expert_ffn_hidden_size=16), "moe.shared_expert_ffn_hidden_size=16: the dense MLP becomes"),
     (dict(scaling_factor=2.5), "moe.scaling_factor=2.5 scales the routed output"),
     (dict(zero_experts=2), "moe.zero_experts=2: a slot on a zero expert returns the token, not the dense MLP"),
+    (dict(latent_size=8), "moe.latent_size=8: latent experts cannot hold the dense MLP's hidden-width slices"),
 ])
 def test_settings_that_would_change_the_function_are_refused(tmp_path, moe, message):
     save_dense("qwen3", tmp_path)
