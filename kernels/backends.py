@@ -8,7 +8,9 @@ that delegates here):
 - ``swiglu`` (:mod:`moe_fold.kernels.swiglu`): torch | triton | cpu (the C loops);
 - ``topk`` (the router, :mod:`moe_fold.dispatch.router`): torch | triton;
 - ``delta_rule`` (Gated DeltaNet and KDA, :mod:`moe_fold.kernels.delta_rule`): torch | fla;
-- ``ssd`` (Mamba2's scan, :mod:`moe_fold.kernels.ssd_scan`): torch | mamba_ssm.
+- ``ssd`` (Mamba2's scan, :mod:`moe_fold.kernels.ssd_scan`): torch | mamba_ssm;
+- ``conv`` (the short causal conv of Gated DeltaNet, KDA and Mamba2,
+  :mod:`moe_fold.kernels.short_conv`): torch | causal_conv1d.
 
 :func:`choose` is the rule: device type, CUDA capability, dtype and the optional extras
 that run here in, one backend out, nothing else read. The table it gives (pinned by
@@ -28,6 +30,9 @@ tests/kernels/test_backends.py)::
     (``pip install 'moe-fold[fla]'``), torch everywhere else (float64 included).
     ssd: mamba_ssm on cuda sm80+ in float32/bf16/f16 when mamba-ssm runs there
     (``pip install 'moe-fold[mamba]'``), torch everywhere else (float64 included).
+    conv: causal_conv1d on cuda sm80+ in float32/bf16/f16 when causal-conv1d runs there
+    (``pip install 'moe-fold[conv]'``), torch everywhere else; a layer whose conv shape
+    causal-conv1d does not take (``moe_fold.config.conv_shape_problem``) runs torch.
 
 topk is ``torch`` wherever the router groups experts or biases the selection (the kernel
 fuses neither). Why these:
@@ -69,22 +74,27 @@ from typing import Optional
 
 import torch
 
-from moe_fold.config import choices
+from moe_fold.config import choices, conv_shape_problem, conv_shapes
 
 from .delta_rule_fla import FLA_INSTALL, fla_function
+from .short_conv_causal_conv1d import CONV_INSTALL, causal_conv1d_function
 from .ssd_mamba import MAMBA_INSTALL, mamba_function
 
 # The config field of each op's backend.
 CONFIG_FIELDS = {"gemm": "moe.gemm_backend", "permute": "moe.permute_backend", "swiglu": "moe.swiglu_backend",
                  "topk": "moe.topk_backend", "delta_rule": "model.linear_backend",
-                 "ssd": "model.mamba_backend"}
+                 "ssd": "model.mamba_backend", "conv": "model.conv_backend"}
 # The backends of each op: the choices of its field other than auto.
 OPS: dict[str, tuple[str, ...]] = {op: choices(field)[1:] for op, field in CONFIG_FIELDS.items()}
 # Optional packages the rule looks at: chosen when they run, skipped otherwise.
-EXTRAS = ("grouped_gemm", "fla", "mamba_ssm")
+EXTRAS = ("grouped_gemm", "fla", "mamba_ssm", "causal_conv1d")
 GPU_INSTALL = "pip install 'moe-fold[gpu]' (the grouped_gemm package, built against this torch; needs CUDA)"
 # grouped_mm's fast path: bf16bf16_grouped_gemm_impl_sm90_sm100 in torch's GroupMM.cu.
 _GROUPED_MM_MAJORS = (9, 10)
+
+
+# The optional package of each recurrent layer op.
+_RECURRENT_EXTRAS = {"delta_rule": "fla", "ssd": "mamba_ssm", "conv": "causal_conv1d"}
 
 
 class BackendUnavailable(RuntimeError):
@@ -100,9 +110,9 @@ def choose(op: str, device_type: str, capability: Optional[tuple[int, int]], dty
     groups experts or biases the selection, which the Triton top-k does not fuse."""
     if op not in OPS:
         raise ValueError(f"op={op!r} is not one of {tuple(OPS)}")
-    if op in ("delta_rule", "ssd"):
-        # The recurrent scans' extras: Triton kernels for sm80+, none in float64.
-        extra = "fla" if op == "delta_rule" else "mamba_ssm"
+    if op in _RECURRENT_EXTRAS:
+        # The recurrent layers' extras: kernels for sm80+, none in float64.
+        extra = _RECURRENT_EXTRAS[op]
         on_gpu = device_type == "cuda" and capability is not None and capability[0] >= 8
         return extra if on_gpu and dtype != torch.float64 and extra in extras else "torch"
     if device_type == "cpu":
@@ -167,6 +177,10 @@ def problem(backend: str, device: torch.device) -> Optional[str]:
         if device.type != "cuda":
             return f"mamba-ssm's Triton kernels run on CUDA tensors, got {device}"
         return _probe("mamba_ssm", _probe_device(device), False)
+    if backend == "causal_conv1d":
+        if device.type != "cuda":
+            return f"causal-conv1d's kernels run on CUDA tensors, got {device}"
+        return _probe("causal_conv1d", _probe_device(device), False)
     if backend == "cpu":
         if device.type != "cpu":
             return f"the C kernels run on CPU tensors, got {device}"
@@ -245,8 +259,18 @@ def _tiny_mamba(device: torch.device) -> None:
         raise RuntimeError("mamba-ssm's mamba_chunk_scan_combined returned non-finite values on a tiny call")
 
 
+def _tiny_causal_conv1d(device: torch.device) -> None:
+    fn = causal_conv1d_function()
+    x = torch.ones(1, 4, 8, device=device).transpose(1, 2)  # (batch, dim, seqlen), channels innermost
+    seq_idx = torch.tensor([[0, 0, 1, 1]], dtype=torch.int32, device=device)
+    out = fn(x, torch.ones(8, 2, device=device), None, seq_idx=seq_idx, activation=None)
+    torch.cuda.synchronize(device)
+    if out[0, 0].tolist() != [1.0, 2.0, 1.0, 2.0]:
+        raise RuntimeError(f"causal-conv1d's tiny call returned {out[0, 0].tolist()}, not [1, 2, 1, 2]")
+
+
 _TINY_CALLS = {"triton": _tiny_triton, "grouped_gemm": _tiny_grouped_gemm, "cpu": _tiny_c_swiglu, "fla": _tiny_fla,
-               "mamba_ssm": _tiny_mamba}
+               "mamba_ssm": _tiny_mamba, "causal_conv1d": _tiny_causal_conv1d}
 
 
 def resolve(op: str, backend: str, x: torch.Tensor, *, topk_fusable: bool = True) -> str:
@@ -273,13 +297,14 @@ _FIXES = {
     "grouped_gemm": GPU_INSTALL + ", or set moe.gemm_backend=loop",
     "fla": FLA_INSTALL + ", or set model.linear_backend=torch",
     "mamba_ssm": MAMBA_INSTALL + ", or set model.mamba_backend=torch",
+    "causal_conv1d": CONV_INSTALL + ", or set model.conv_backend=torch",
 }
 
 
 def resolve_config(config, device: torch.device):
     """``config`` with every ``moe.*_backend``, ``model.linear_backend`` (with Gated DeltaNet
-    or KDA layers) and ``model.mamba_backend`` (with Mamba2 layers) that is ``auto``
-    replaced by the backend the rule chooses for
+    or KDA layers), ``model.mamba_backend`` (with Mamba2 layers) and ``model.conv_backend``
+    (with any of them) that is ``auto`` replaced by the backend the rule chooses for
     ``device`` and ``train.precision`` (the delta rule and the SSD scan run in float32
     whatever the precision), so that the run's saved and printed
     config names what ran. Raises ConfigError, one line per backend that cannot run on
@@ -298,7 +323,12 @@ def resolve_config(config, device: torch.device):
     problems = []
     # A model without such layers never calls the op: its field stays as set.
     kinds = set(config.model.layer_types or ())
-    absent = {"delta_rule": not kinds & {"gated_deltanet", "kda"}, "ssd": "mamba2" not in kinds}
+    absent = {"delta_rule": not kinds & {"gated_deltanet", "kda"}, "ssd": "mamba2" not in kinds,
+              "conv": not kinds & {"gated_deltanet", "kda", "mamba2"}}
+    # A conv shape causal-conv1d does not take runs torch (a named causal_conv1d is refused by its rule).
+    conv_misfits = [f"{kind} width {width} x {channels} channels"
+                    for kind, (width, channels) in conv_shapes(config.model, config.parallel.tp).items()
+                    if conv_shape_problem(width, channels) is not None]
     for op, field in CONFIG_FIELDS.items():
         if absent.get(op, False):
             continue
@@ -309,6 +339,9 @@ def resolve_config(config, device: torch.device):
             # gpt-oss's clamped SwiGLU and Nemotron-H's relu2 are torch ops only (kernels/swiglu.py).
             name = "torch"
             setting += f" ({moe.activation} runs on torch)"
+        elif value == "auto" and op == "conv" and conv_misfits:
+            name = "torch"
+            setting += f" (causal-conv1d does not take the {', '.join(conv_misfits)} conv: torch)"
         elif value == "auto":
             name = choose_for(op, device, dtypes[op], topk_fusable=fusable)
             setting += f" (chose {name} for {device} {str(dtypes[op]).replace('torch.', '')})"

@@ -29,7 +29,7 @@ from torch import nn
 from moe_fold.comm import Group, group_rank, group_size
 from moe_fold.config import ModelConfig, linear_heads_over_tp, require
 from moe_fold.kernels.delta_rule import delta_rule
-from moe_fold.kernels.gated_delta import causal_conv1d
+from moe_fold.kernels.short_conv import short_conv
 from moe_fold.parallel.recurrent_cp import conv_histories, local_segments, start_states
 from moe_fold.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, global_normal, init_seed, mark, shard_tp,
@@ -61,6 +61,7 @@ class GatedDeltaNet(nn.Module):
         self.rule = delta_rule(config.linear_backend, "gated_delta_rule")
         std = config.init_std
         key, value = nk * self.dk, nv * self.dv
+        self.conv = short_conv(config.conv_backend, config.linear_conv_kernel, (2 * key + value) // tp)
         self.in_proj = ColumnParallelLinear(config.hidden_size, [key, key, value, value, nv, nv], tp_group,
                                             sequence_parallel, std=std, seed=init_seed(seed, f"{name}.in_proj"))
         self.conv_weight, self.A_log, self.norm_weight, self.out_proj = recurrent_parameters(
@@ -74,7 +75,7 @@ class GatedDeltaNet(nn.Module):
         conv window and recurrent state the tokens before these left (:func:`conv_delta_rule`)."""
         key, value = self.nk * self.dk, self.nv * self.dv
         q, k, v, z, b, a = self.in_proj(x).split([key, key, value, value, self.nv, self.nv], dim=-1)
-        o = conv_delta_rule(torch.cat([q, k, v], dim=-1), self.conv_weight,
+        o = conv_delta_rule(torch.cat([q, k, v], dim=-1), self.conv_weight, self.conv,
                             lambda conv: self._heads(conv, b, a, x.dtype), self.rule, self.chunk_size,
                             docs, self.cp_group, kv_cache)  # [B, nv, S, dv]
         return self._output(o, z, x.dtype)
@@ -129,25 +130,28 @@ def recurrent_parameters(config: ModelConfig, conv_parts: list[int], heads: int,
     return conv_weight, A_log, norm_weight, out_proj
 
 
-def conv_delta_rule(qkv: torch.Tensor, conv_weight: torch.Tensor, heads: Callable, rule: Callable, chunk_size: int,
-                    docs: Optional[Documents], cp_group: Group, cache: Optional[LayerCache]) -> torch.Tensor:
-    """The recurrent core of Gated DeltaNet and KDA: the depthwise causal conv of
-    ``qkv [S_local, B, C]`` (``conv_weight [C, K]``), SiLU, then the delta rule ``rule``
+def conv_delta_rule(qkv: torch.Tensor, conv_weight: torch.Tensor, conv: Callable, heads: Callable, rule: Callable,
+                    chunk_size: int, docs: Optional[Documents], cp_group: Group,
+                    cache: Optional[LayerCache]) -> torch.Tensor:
+    """The recurrent core of Gated DeltaNet and KDA: the depthwise causal conv ``conv``
+    (:func:`moe_fold.kernels.short_conv.short_conv`'s choice, SiLU included) of
+    ``qkv [S_local, B, C]`` (``conv_weight [C, K]``), then the delta rule ``rule``
     (:func:`moe_fold.kernels.delta_rule.delta_rule`'s choice) on ``heads(conv) -> (q, k, v,
-    g, beta)`` (:func:`~moe_fold.kernels.gated_delta.chunk_gated_delta_rule`'s arguments) ->
+    g, beta)`` (:func:`~moe_fold.kernels.delta_rule.torch_delta_rule`'s arguments) ->
     ``o [B, heads, S_local, dv]``. Over this rank's cp segments with packed documents reset,
     or, when sampling (``cache``), continuing from the cache."""
     if cache is not None:
-        return _decode_recurrence(qkv, conv_weight, cache, heads, rule, chunk_size)
+        return _decode_recurrence(qkv, conv_weight, conv, cache, heads, rule, chunk_size)
     group = cp_group if docs is None else docs.cp_group
     doc_ids = None if docs is None else docs.doc_ids  # [B, S_seq], natural order
     segments = local_segments(qkv.shape[0], group)
-    conv = F.silu(_segment_conv(qkv, conv_weight, segments, doc_ids, group))
-    return _segment_delta_rule(*heads(conv), segments, doc_ids, group, rule, chunk_size)
+    starts = [None] * len(segments) if doc_ids is None else docs.starts
+    out = segment_conv(qkv, conv_weight, None, conv, segments, doc_ids, group)
+    return _segment_delta_rule(*heads(out), segments, starts, group, rule, chunk_size)
 
 
-def _decode_recurrence(qkv: torch.Tensor, conv_weight: torch.Tensor, cache: LayerCache, heads: Callable,
-                       rule: Callable, chunk_size: int) -> torch.Tensor:
+def _decode_recurrence(qkv: torch.Tensor, conv_weight: torch.Tensor, conv: Callable, cache: LayerCache,
+                       heads: Callable, rule: Callable, chunk_size: int) -> torch.Tensor:
     """Sampling: the new tokens ``qkv [S, B, C]`` (their first ``cache.new_tokens`` real, the
     rest a decode step's padding) continue from the cache's conv window ``[K-1, B, C]`` and
     state ``[B, heads, dk, dv]`` (zeros before the first step), which they replace with
@@ -155,48 +159,47 @@ def _decode_recurrence(qkv: torch.Tensor, conv_weight: torch.Tensor, cache: Laye
     their conv output. Returns ``o [B, heads, S, dv]``, zeros for the padding."""
     n, K = cache.new_tokens, conv_weight.shape[1]
     real = qkv[:n]
-    conv = F.silu(causal_conv1d(real, conv_weight, cache.conv))
+    out = conv(real, conv_weight, None, cache.conv)
     cache.conv = _tail(real if cache.conv is None else torch.cat([cache.conv, real]), K - 1)
-    o, cache.state = rule(*heads(conv), initial_state=cache.state, chunk_size=chunk_size)
+    o, cache.state = rule(*heads(out), initial_state=cache.state, chunk_size=chunk_size)
     return F.pad(o, (0, 0, 0, qkv.shape[0] - n))
 
 
-def _segment_conv(x: torch.Tensor, weight: torch.Tensor, segments: list, doc_ids: Optional[torch.Tensor],
-                 group: Group) -> torch.Tensor:
-    """The causal conv (``weight [C, K]``) of each local segment of ``x [S, B, C]``, its
-    window reaching into the segment before (another rank's under cp), never across a
-    document start."""
+def segment_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], conv: Callable,
+                 segments: list, doc_ids: Optional[torch.Tensor], group: Group) -> torch.Tensor:
+    """``conv`` (the causal conv with ``weight [C, K]`` and ``bias [C]`` or None, then SiLU)
+    of each local segment of ``x [S, B, C]``, its window reaching into the segment before
+    (another rank's under cp), never across a document start."""
     K = weight.shape[1]
     tails = torch.stack([_tail(x[lo:hi], K - 1) for lo, hi, _ in segments])  # [n, K-1, B, C]
     histories = conv_histories(tails, group)
     outs = []
     for (lo, hi, index), history in zip(segments, histories):
         ids = None if doc_ids is None else _window_ids(doc_ids, index * (hi - lo), hi - lo, K - 1)
-        outs.append(causal_conv1d(x[lo:hi], weight, history, ids))
+        outs.append(conv(x[lo:hi], weight, bias, history, ids))
     return torch.cat(outs, dim=0)
 
 
-def _segment_delta_rule(q, k, v, g, beta, segments: list, doc_ids: Optional[torch.Tensor], group: Group,
-                        rule: Callable, chunk_size: int) -> torch.Tensor:
-    """The gated delta rule (``g`` per head or per key channel) over this rank's segments,
-    each from the state the segments before it leave (a prefix scan over cp) ->
+def _segment_delta_rule(q, k, v, g, beta, segments: list, starts: list, group: Group, rule: Callable,
+                        chunk_size: int) -> torch.Tensor:
+    """The gated delta rule (``g`` per head or per key channel) over this rank's segments
+    (``starts``: each one's :class:`~moe_fold.parallel.varlen.SequenceStarts`, or None), each
+    from the state the segments before it leave (a prefix scan over cp) ->
     ``o [B, heads, S_local, dv]``."""
     parts = [tuple(t[:, :, lo:hi] for t in (q, k, v, g, beta)) for lo, hi, _ in segments]
-    resets = [None if doc_ids is None else _resets(doc_ids, index * (hi - lo), hi - lo)
-              for lo, hi, index in segments]
     if group_size(group) == 1:
-        return rule(*parts[0], resets=resets[0], chunk_size=chunk_size)[0]
+        return rule(*parts[0], starts=starts[0], chunk_size=chunk_size)[0]
     dk = q.shape[-1]
     eye = torch.eye(dk, dtype=q.dtype, device=q.device).expand(q.shape[0], q.shape[1], -1, -1)
     writes, transitions = [], []
-    for (qs, ks, vs, gs, bs), r in zip(parts, resets):
-        writes.append(rule(qs, ks, vs, gs, bs, r, chunk_size=chunk_size)[1])
+    for (qs, ks, vs, gs, bs), seqs in zip(parts, starts):
+        writes.append(rule(qs, ks, vs, gs, bs, seqs, chunk_size=chunk_size)[1])
         # The map's linear part: the end state from the identity, nothing written.
         zero_v = vs.new_zeros(*vs.shape[:-1], dk)
-        transitions.append(rule(qs, ks, zero_v, gs, bs, r, eye, chunk_size)[1])
-    starts = start_states(torch.stack(transitions), torch.stack(writes), group)
-    return torch.cat([rule(*p, resets=r, initial_state=s, chunk_size=chunk_size)[0]
-                      for p, r, s in zip(parts, resets, starts)], dim=2)
+        transitions.append(rule(qs, ks, zero_v, gs, bs, seqs, eye, chunk_size)[1])
+    states = start_states(torch.stack(transitions), torch.stack(writes), group)
+    return torch.cat([rule(*p, starts=seqs, initial_state=state, chunk_size=chunk_size)[0]
+                      for p, seqs, state in zip(parts, starts, states)], dim=2)
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -220,12 +223,3 @@ def _window_ids(doc_ids: torch.Tensor, start: int, length: int, back: int) -> to
         own = -torch.arange(before, 0, -1, device=doc_ids.device).expand(doc_ids.shape[0], -1)
         ids = torch.cat([own, ids], dim=1)
     return ids
-
-
-def _resets(doc_ids: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """bool ``[B, length]``: a document starts at this position (its id differs from the
-    position before; position 0 always starts one)."""
-    ids = doc_ids[:, start:start + length]
-    prev = doc_ids[:, start - 1:start + length - 1] if start else torch.cat(
-        [ids[:, :1] - 1, ids[:, :-1]], dim=1)
-    return ids != prev

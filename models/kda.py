@@ -33,6 +33,7 @@ from torch import nn
 from moe_fold.comm import Group, group_rank, group_size
 from moe_fold.config import ModelConfig, linear_heads_over_tp, require
 from moe_fold.kernels.delta_rule import delta_rule
+from moe_fold.kernels.short_conv import short_conv
 from moe_fold.parallel.tensor_parallel import ColumnParallelLinear, ReplicatedLinear, init_seed, mark, shard_tp
 from moe_fold.parallel.varlen import Documents
 
@@ -65,6 +66,7 @@ class KimiDeltaAttention(nn.Module):
         self.chunk_size = config.linear_chunk_size
         self.rule = delta_rule(config.linear_backend, "kda")
         std, width = config.init_std, nh * self.d
+        self.conv = short_conv(config.conv_backend, config.linear_conv_kernel, 3 * width // tp)
         self.in_proj = ColumnParallelLinear(config.hidden_size, [width, width, width, nh], tp_group,
                                             sequence_parallel, std=std, seed=init_seed(seed, f"{name}.in_proj"))
         self.gates_down = ReplicatedLinear(config.hidden_size, 2 * self.d, sequence_parallel, std=std,
@@ -90,7 +92,7 @@ class KimiDeltaAttention(nn.Module):
         q, k, v, b = self.in_proj(x).split([width, width, width, self.nh], dim=-1)  # [S, B, .]
         f, gate = self.gates_down(x).split([self.d, self.d], dim=-1)  # [S_local, B, d] each
         f, gate = self.decay_up(f), self.gate_up(gate)  # [S, B, nh*d] each
-        o = conv_delta_rule(torch.cat([q, k, v], dim=-1), self.conv_weight,
+        o = conv_delta_rule(torch.cat([q, k, v], dim=-1), self.conv_weight, self.conv,
                             lambda conv: self._heads(conv, b, f, x.dtype), self.rule, self.chunk_size,
                             docs, self.cp_group, kv_cache)  # [B, nh, S, d]
         return self._output(o, gate, x.dtype)

@@ -30,16 +30,16 @@ from torch import nn
 
 from moe_fold.comm import Group, group_rank, group_size
 from moe_fold.config import ModelConfig, mamba_groups_over_tp, require
-from moe_fold.kernels.gated_delta import causal_conv1d
+from moe_fold.kernels.short_conv import short_conv
 from moe_fold.kernels.ssd import chunk_ssd, ssd_decay
 from moe_fold.kernels.ssd_scan import ssd_scan
-from moe_fold.parallel.recurrent_cp import conv_histories, local_segments, start_states
+from moe_fold.parallel.recurrent_cp import local_segments, start_states
 from moe_fold.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, global_normal, init_seed, mark, shard_tp,
 )
 from moe_fold.parallel.varlen import Documents
 
-from .gated_deltanet import _resets, _tail, _window_ids
+from .gated_deltanet import _tail, segment_conv
 from .kv_cache import LayerCache
 
 
@@ -74,6 +74,7 @@ class Mamba2(nn.Module):
         conv = global_normal([sum(conv_parts), K], K ** -0.5, init_seed(seed, f"{name}.conv"))
         self.conv_weight = mark(nn.Parameter(shard_tp(conv, 0, conv_parts, rank, tp)), "tp", 0, conv_parts)
         self.conv_bias = mark(nn.Parameter(torch.zeros(sum(conv_parts) // tp)), "tp", 0, conv_parts)
+        self.conv = short_conv(config.conv_backend, K, sum(conv_parts) // tp)
         # Decay rates exp(A_log) spread over [1, 16], as Mamba2 draws them.
         gen = torch.Generator().manual_seed(init_seed(seed, f"{name}.A_log"))
         a = torch.rand(heads, generator=gen) * 15 + 1
@@ -105,8 +106,10 @@ class Mamba2(nn.Module):
         group = self.cp_group if docs is None else docs.cp_group
         doc_ids = None if docs is None else docs.doc_ids  # [B, S_seq], natural order
         segments = local_segments(xbc.shape[0], group)  # [S_local] gathered over tp under SP
-        xbc = F.silu(self._conv(xbc, segments, doc_ids, group))  # [S, B, I + 2GN]
-        y = self._recurrence(*self._heads(xbc, dt, x.dtype), segments, doc_ids, group)  # [B, h, S, P]
+        xbc = segment_conv(xbc, self.conv_weight, self.conv_bias, self.conv, segments, doc_ids,
+                           group)  # [S, B, I + 2GN], through SiLU
+        resets = [None] * len(segments) if doc_ids is None else [seqs.resets for seqs in docs.starts]
+        y = self._recurrence(*self._heads(xbc, dt, x.dtype), segments, resets, group)  # [B, h, S, P]
         return self._output(y, z, x.dtype)
 
     def _heads(self, xbc: torch.Tensor, dt: torch.Tensor, dtype: torch.dtype) -> tuple:
@@ -141,37 +144,22 @@ class Mamba2(nn.Module):
         replace with those after the real tokens. The padding's outputs are zeros."""
         n, K = cache.new_tokens, self.conv_weight.shape[1]
         real = xbc[:n]
-        conv = F.silu(causal_conv1d(real, self.conv_weight, cache.conv) + self.conv_bias)
+        conv = self.conv(real, self.conv_weight, self.conv_bias, cache.conv)
         cache.conv = _tail(real if cache.conv is None else torch.cat([cache.conv, real]), K - 1)
         xs, step, A, b, c, skip = self._heads(conv, dt[:n], xbc.dtype)
         y, cache.state = self.scan(xs, step, A, b, c, initial_state=cache.state, chunk_size=self.chunk_size)
         return F.pad(y + skip, (0, 0, 0, xbc.shape[0] - n))  # [B, h, S, P]
 
-    def _conv(self, x: torch.Tensor, segments: list, doc_ids: Optional[torch.Tensor], group: Group) -> torch.Tensor:
-        """The causal conv (plus its bias) of each local segment, its window reaching into
-        the segment before (another rank's under cp), never across a document start."""
-        K = self.conv_weight.shape[1]
-        tails = torch.stack([_tail(x[lo:hi], K - 1) for lo, hi, _ in segments])  # [n, K-1, B, C]
-        histories = conv_histories(tails, group)
-        outs = []
-        for (lo, hi, index), history in zip(segments, histories):
-            ids = None if doc_ids is None else _window_ids(doc_ids, index * (hi - lo), hi - lo, K - 1)
-            outs.append(causal_conv1d(x[lo:hi], self.conv_weight, history, ids))
-        return torch.cat(outs, dim=0) + self.conv_bias
-
-    def _recurrence(self, xs, step, A, b, c, skip, segments: list, doc_ids: Optional[torch.Tensor],
-                    group: Group) -> torch.Tensor:
-        """The SSD over this rank's segments, each from the state the segments before it
-        leave (a prefix scan over cp, in torch), plus the skip."""
+    def _recurrence(self, xs, step, A, b, c, skip, segments: list, resets: list, group: Group) -> torch.Tensor:
+        """The SSD over this rank's segments (``resets``: each one's document starts, or
+        None), each from the state the segments before it leave (a prefix scan over cp, in
+        torch), plus the skip."""
         if group_size(group) == 1:
-            resets = None if doc_ids is None else _resets(doc_ids, 0, xs.shape[2])
-            return self.scan(xs, step, A, b, c, resets=resets, chunk_size=self.chunk_size)[0] + skip
+            return self.scan(xs, step, A, b, c, resets=resets[0], chunk_size=self.chunk_size)[0] + skip
         # A group's B and C serve heads / groups consecutive heads.
         b, c = (t.repeat_interleave(self.heads // self.groups, dim=1) for t in (b, c))  # [B, h, S, N]
         xs, g = xs * step.unsqueeze(-1), A[:, None] * step
         parts = [tuple(t[:, :, lo:hi] for t in (xs, g, b, c)) for lo, hi, _ in segments]
-        resets = [None if doc_ids is None else _resets(doc_ids, index * (hi - lo), hi - lo)
-                  for lo, hi, index in segments]
         eye = torch.eye(self.N, dtype=xs.dtype, device=xs.device)
         writes, transitions = [], []
         for p, r in zip(parts, resets):

@@ -50,7 +50,7 @@ from moe_fold.parallel.pipeline_schedules import rank_stages
 from moe_fold.parallel.tensor_parallel import (
     ColumnParallelLinear, VocabParallelEmbedding, init_seed, vocab_parallel_cross_entropy,
 )
-from moe_fold.parallel.varlen import Documents, doc_ids_from_cu_seqlens, router_token_mask
+from moe_fold.parallel.varlen import Documents, doc_ids_from_cu_seqlens, router_token_mask, sequence_starts
 
 from .attention import Attention
 from .experts import Experts
@@ -426,14 +426,18 @@ class Transformer(nn.Module):
         B, s_local = local_shape
         cp, tp = self.groups.size("cp"), self.groups.size("tp")
         doc_ids = doc_ids_from_cu_seqlens(cu_seqlens, B, s_local * cp)  # on cu_seqlens' device (the host)
+        starts = None
         if doc_ids is not None:
-            doc_ids = doc_ids.to(next(self.parameters()).device, non_blocking=True)
+            device = next(self.parameters()).device
+            # Made from the host's ids here, once per micro-batch: no layer reads the device back.
+            starts = sequence_starts(doc_ids, self.groups.cp, device)
+            doc_ids = doc_ids.to(device, non_blocking=True)
         # An all-true mask is not turned into None here: that would read it back from the
         # device every micro-batch; the loader gives None when no token is padding.
         mask = router_token_mask(token_mask, self.groups.rank_in("tp"), tp, self.sequence_parallel)
         if doc_ids is None and mask is None:
             return None
-        return Documents(doc_ids, self.groups.cp, mask)
+        return Documents(doc_ids, self.groups.cp, mask, starts)
 
     def _chunk_hidden(self, chunk: int, x: Optional[torch.Tensor], input_ids: torch.Tensor,
                       positions: torch.Tensor, docs: Optional[Documents] = None,

@@ -24,7 +24,7 @@ reference.py (the generator of docs/configuration.md). Every name is imported fr
 
 from __future__ import annotations
 
-from .derived import (CHANNEL_MIXERS, ELASTIC_SIZES, MLA_SIZES, data_paths, dp_size, edp_size, etp_size, group_ranked_scores,
+from .derived import (CHANNEL_MIXERS, ELASTIC_SIZES, MLA_SIZES, conv_shape_problem, conv_shapes, data_paths, dp_size, edp_size, etp_size, group_ranked_scores,
                       head_dim, layer_attention, layer_mixer, mla_weight_shapes, moe_layer_flags, moe_layer_indices,
                       parse_elastic_layout, pipeline_schedule, pp_layer_counts, rotary_dim, vpp_size)
 from .load import config_from_dict, config_to_dict, dump_config, list_presets, load_config, presets_dir, resolve_source
@@ -48,7 +48,7 @@ from .rules.common import _literal_choices  # noqa: F401,E402
 from .schema import _field_types  # noqa: F401,E402
 
 __all__ = [
-    "BATCH_INVARIANT_ROWS", "CHANNEL_MIXERS", "Config", "ConfigError", "DataConfig", "ELASTIC_SIZES", "EXIT_SIGNALS", "InitConfig", "MAX_DYNAMIC_CP",
+    "BATCH_INVARIANT_ROWS", "CHANNEL_MIXERS", "Config", "conv_shape_problem", "conv_shapes", "ConfigError", "DataConfig", "ELASTIC_SIZES", "EXIT_SIGNALS", "InitConfig", "MAX_DYNAMIC_CP",
     "MLA_SIZES", "MoEConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RULES", "SECTIONS",
     "TrainConfig", "WandbConfig", "activation_backend", "adamw_settings", "batch_over_dp", "bucket_size",
     "capacity_factor_positive", "checkpoints_kept", "choice", "choices", "config_from_dict", "config_to_dict",

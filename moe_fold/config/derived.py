@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from .schema import Config, ConfigError, ModelConfig, _fmt
 
 
@@ -127,6 +129,31 @@ def layer_mixer(m: ModelConfig, layer: int) -> str:
     if m.layer_types is None or layer >= m.num_layers:
         return "attention"
     return m.layer_types[layer]
+
+
+def conv_shapes(m: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
+    """The short conv of each recurrent layer type in ``m.layer_types``: ``(width, channels
+    per tp rank)`` (q|k|v of Gated DeltaNet and KDA, x|B|C of Mamba2)."""
+    kinds = set(m.layer_types or ())
+    shapes = {}
+    linear = 2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim
+    for kind in ("gated_deltanet", "kda"):
+        if kind in kinds:
+            shapes[kind] = (m.linear_conv_kernel, linear // tp)
+    if "mamba2" in kinds:
+        mamba = m.mamba_num_heads * m.mamba_head_dim + 2 * m.mamba_num_groups * m.mamba_state_size
+        shapes["mamba2"] = (m.mamba_conv_kernel, mamba // tp)
+    return shapes
+
+
+def conv_shape_problem(width: int, channels: int) -> Optional[str]:
+    """Why causal-conv1d's kernels (``model.conv_backend=causal_conv1d``) cannot take a conv of
+    ``width`` taps over ``channels`` channels (None: they can)."""
+    if not 2 <= width <= 4:
+        return f"causal-conv1d takes kernel widths 2 to 4, got {width}"
+    if channels % 8:
+        return f"causal-conv1d takes channels in multiples of 8 (its channel-last layout), got {channels}"
+    return None
 
 
 def moe_layer_indices(config: Config) -> list[int]:

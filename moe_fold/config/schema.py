@@ -209,6 +209,11 @@ class ModelConfig:
     # (mamba_ssm on CUDA sm80+ where mamba-ssm runs, else torch) | torch (the chunked scan of
     # moe_fold.kernels.ssd) | mamba_ssm (pip install 'moe-fold[mamba]').
     mamba_backend: Literal["auto", "torch", "mamba_ssm"] = "auto"
+    # Gated DeltaNet, KDA and Mamba2: the kernel of the short causal conv. auto: the device rule of
+    # moe_fold.kernels.backends (causal_conv1d on CUDA sm80+ where causal-conv1d runs and every
+    # conv's width is 2 to 4 with channels per tp rank in multiples of 8, else torch) | torch
+    # (moe_fold.kernels.gated_delta.causal_conv1d) | causal_conv1d (pip install 'moe-fold[conv]').
+    conv_backend: Literal["auto", "torch", "causal_conv1d"] = "auto"
 
 
 @dataclass

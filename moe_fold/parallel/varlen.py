@@ -28,11 +28,55 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from moe_fold.comm import Group
+from moe_fold.comm import Group, group_size
 from moe_fold.parallel import document_attention
+from moe_fold.parallel.recurrent_cp import local_segments
 
-__all__ = ["Documents", "doc_ids_from_cu_seqlens", "chunk_doc_ids", "segment_bounds", "pad_head", "sdpa",
+__all__ = ["Documents", "SequenceStarts", "sequence_starts", "starts_from_resets", "doc_ids_from_cu_seqlens", "chunk_doc_ids", "segment_bounds", "pad_head", "sdpa",
            "varlen_attention", "router_token_mask"]
+
+
+@dataclass(frozen=True)
+class SequenceStarts:
+    """Where the recurrent layers' sequences start in one local segment ``[B, L]`` of the
+    sequence (:func:`moe_fold.parallel.recurrent_cp.local_segments`): at every row start and
+    every document start, the state and the conv window reset at the latter.
+
+    ``resets``: bool ``[B, L]``, a document starts at this token (a row's token 0 only where
+    one does). ``cu_seqlens``: int64 ``[N+1]``, the N sequences' starts over the ``B*L``
+    flattened tokens, then ``B*L``. ``cu_seqlens_cpu``: the same on the host, for kernels that
+    size their grid by the sequences (fla), so that no layer reads the device back."""
+
+    resets: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+
+
+def sequence_starts(doc_ids: torch.Tensor, group: Group, device: torch.device) -> list[SequenceStarts]:
+    """The :class:`SequenceStarts` of each of this rank's local segments (in local order),
+    on ``device``, from ``doc_ids [B, S_seq]`` (natural order; best on the host, where the
+    loader makes them: on a device this reads them back once)."""
+    S_seq = doc_ids.shape[1]
+    ids = doc_ids.cpu()
+    out = []
+    for lo, hi, index in local_segments(S_seq // group_size(group), group):
+        start, length = index * (hi - lo), hi - lo
+        seg = ids[:, start:start + length]
+        prev = ids[:, start - 1:start + length - 1] if start else torch.cat([seg[:, :1] - 1, seg[:, :-1]], dim=1)
+        out.append(starts_from_resets(seg != prev, device))
+    return out
+
+
+def starts_from_resets(resets: torch.Tensor, device: torch.device) -> SequenceStarts:
+    """The :class:`SequenceStarts` on ``device`` of one segment whose documents start where
+    ``resets`` (bool ``[B, L]``) says (on the host, or read back from the device here)."""
+    resets = resets.cpu()
+    B, L = resets.shape
+    begins = resets.clone()
+    begins[:, 0] = True  # every row starts a sequence
+    first = begins.flatten().nonzero().flatten()  # [N]
+    cu = torch.cat([first, first.new_tensor([B * L])])
+    return SequenceStarts(resets.to(device, non_blocking=True), cu.to(device, non_blocking=True), cu)
 
 
 @dataclass
@@ -43,12 +87,19 @@ class Documents:
     group attends across (``S_seq = S_local * group size``); None: each row is one causal
     sequence. ``cp_group``: the group attention runs over (None or size 1: local).
     ``token_mask``: bool ``[T_local]`` in the MLP's token order (``[S_local(/tp), B]``
-    flattened), True for real tokens; None: every token is real.
+    flattened), True for real tokens; None: every token is real. ``starts``: with
+    ``doc_ids``, the recurrent layers' sequences in each local segment
+    (:func:`sequence_starts`), made once per micro-batch; made from ``doc_ids`` here when not given.
     """
 
     doc_ids: Optional[torch.Tensor]
     cp_group: Group
     token_mask: Optional[torch.Tensor] = None
+    starts: Optional[list[SequenceStarts]] = None
+
+    def __post_init__(self):
+        if self.doc_ids is not None and self.starts is None:
+            self.starts = sequence_starts(self.doc_ids, self.cp_group, self.doc_ids.device)
 
 
 def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> Optional[torch.Tensor]:

@@ -46,7 +46,7 @@ from moe_fold.config import Config, dynamic_cp_layout, head_dim, mla_weight_shap
 from moe_fold.parallel.context_parallel import zigzag_split
 from moe_fold.data.loader import Batch
 from moe_fold.layout import ParallelLayout, ProcessGroups
-from moe_fold.parallel.varlen import Documents
+from moe_fold.parallel.varlen import Documents, sequence_starts
 
 __all__ = ["CostModel", "cost_model", "SubGroup", "Plan", "partitions", "schedule", "static_plan", "group_pair_counts",
            "zigzag_pair_counts",
@@ -355,5 +355,8 @@ class DynamicCP:
         local = {name: zigzag_split(x, i, group.size, dim=1) for name, x in seq.items()}  # [1, L/c]
         token_mask = zigzag_split(real.unsqueeze(0), i, group.size, dim=1)
         local_batch = Batch(local["tokens"], local["labels"], local["loss_mask"], local["positions"], cu, token_mask)
-        docs = Documents(doc_ids, self._groups[(group.start, group.size)], token_mask.reshape(-1))
+        sub_group = self._groups[(group.start, group.size)]
+        # The recurrent layers' sequences, from the host's runs (no device read).
+        host_ids = torch.repeat_interleave(torch.arange(len(runs)), torch.tensor(runs)).unsqueeze(0)  # [1, L]
+        docs = Documents(doc_ids, sub_group, token_mask.reshape(-1), sequence_starts(host_ids, sub_group, device))
         return local_batch, docs, plan

@@ -70,7 +70,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["HostSyncs", "count_host_syncs"]
+__all__ = ["HostSyncs", "count_host_syncs", "uncounted"]
 
 _T = torch.Tensor
 _READS = {
@@ -299,3 +299,11 @@ def _marking(fn, counter: _Counter):
     def wrapped(*args, **kwargs):
         return counter.mark_host(fn(*args, **kwargs))
     return wrapped
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Inside a counting block: calls that are not counted, nor their tensors tracked (a
+    library's stand-in checking what it was given, which the library itself never reads)."""
+    with torch._C.DisableTorchFunction():
+        yield

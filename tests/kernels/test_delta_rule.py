@@ -18,6 +18,8 @@ from moe_fold.kernels import backends
 from moe_fold.kernels.delta_rule import delta_rule
 from moe_fold.kernels.delta_rule_fla import fla_delta_rule, fla_function
 from moe_fold.kernels.gated_delta import chunk_gated_delta_rule
+from moe_fold.parallel.varlen import starts_from_resets
+from tests.helpers.host_syncs import uncounted
 from tests.models.test_gated_deltanet import _inputs, _resets
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
@@ -64,15 +66,23 @@ def test_fla_absent_is_an_import_error_naming_the_install(monkeypatch):
     torch.testing.assert_close(got, chunk_gated_delta_rule(q, k, v, g, beta)[0])
 
 
-def fake_fla(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+def fake_fla(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+             cu_seqlens_cpu=None):
     """fla's contract (``chunk_gated_delta_rule`` / ``chunk_kda``) on the CPU: ``[1, T, H, d]``
     tokens cut into the sequences of ``cu_seqlens`` (each from its ``initial_state`` row, or
-    zeros), q multiplied by ``scale`` (default ``dk**-0.5``), the final state of every sequence."""
-    assert q.shape[0] == 1 and cu_seqlens is not None and cu_seqlens[0] == 0 and cu_seqlens[-1] == q.shape[1]
+    zeros), q multiplied by ``scale`` (default ``dk**-0.5``), the final state of every sequence.
+    The sequences are read from ``cu_seqlens_cpu``, the host copy that spares fla a device
+    read, which must equal ``cu_seqlens``."""
+    assert q.shape[0] == 1 and cu_seqlens is not None and cu_seqlens.dtype == torch.int64
+    assert cu_seqlens_cpu is not None and cu_seqlens_cpu.device.type == "cpu"
+    with uncounted():
+        assert torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
+        bounds = cu_seqlens_cpu.tolist()
+    assert bounds[0] == 0 and bounds[-1] == q.shape[1]
     assert g.shape[:3] == q.shape[:3] and beta.shape == q.shape[:3]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     outs, finals = [], []
-    for n, (lo, hi) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+    for n, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         def seq(t):  # [1, T, H, ...] -> [1, H, len, ...]
             return t[:, lo:hi].transpose(1, 2)
         init = None if initial_state is None else initial_state[n:n + 1]
@@ -97,7 +107,8 @@ def test_fla_layout_gives_the_torch_rule(decay, packed, with_state):
     probe = torch.randn(B, H, S, 7, generator=torch.Generator().manual_seed(4))
     want, want_state = chunk_gated_delta_rule(*inputs, resets=resets, initial_state=init, chunk_size=8)
     want_grads = torch.autograd.grad((want * probe).sum() + want_state.sum(), inputs)
-    got, got_state = fla_delta_rule(fake_fla, *inputs, resets=resets, initial_state=init)
+    starts = None if resets is None else starts_from_resets(resets, torch.device("cpu"))
+    got, got_state = fla_delta_rule(fake_fla, *inputs, starts=starts, initial_state=init)
     got_grads = torch.autograd.grad((got * probe).sum() + got_state.sum(), inputs)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-6)
@@ -121,8 +132,9 @@ def test_fla_on_the_gpu_equals_the_torch_rule(decay):
     probe = torch.randn(B, H, S, 64, device=device)
     kind = "kda" if decay == "channel" else "gated_delta_rule"
     results = []
-    for rule in (delta_rule("fla", kind), chunk_gated_delta_rule):
-        o, state = rule(*inputs, resets=resets, initial_state=init)
+    starts = starts_from_resets(resets, device)
+    for rule in (delta_rule("fla", kind), delta_rule("torch", kind)):
+        o, state = rule(*inputs, starts=starts, initial_state=init)
         grads = torch.autograd.grad((o * probe).sum() + state.sum(), inputs)
         results.append((o, state, grads))
     (o, state, grads), (want, want_state, want_grads) = results

@@ -51,6 +51,8 @@ NOT_MIRRORED: dict[str, tuple[str, str]] = {
                                "recurrent reference of the layer"),
     "kernels/delta_rule_fla.py": ("tests/kernels/test_delta_rule.py", "fla's layout, through a stand-in with fla's "
                                   "contract, with the delta rule's interface"),
+    "kernels/short_conv_causal_conv1d.py": ("tests/kernels/test_short_conv.py", "causal-conv1d's layout, through a "
+                                            "stand-in with its contract, beside the interface that chooses it"),
     "kernels/ssd_mamba.py": ("tests/kernels/test_ssd_scan.py", "mamba-ssm's layout, through a stand-in with its "
                              "contract, with the SSD scan's interface"),
     "kernels/gmm_loop.py": ("tests/kernels/test_backends.py", "one of the gmm backends, run alike"),

@@ -798,8 +798,8 @@ MUTANTS: list[Mutant] = [
          f"{T_RECURRENT_CP}::test_packed_layer_equals_each_document_alone[kda]")),
     Mutant(
         "mamba2-scan-forgets-documents", MAMBA2,
-        "            resets = None if doc_ids is None else _resets(doc_ids, 0, xs.shape[2])\n",
-        "            resets = None\n",
+        "            return self.scan(xs, step, A, b, c, resets=resets[0], chunk_size=self.chunk_size)[0] + skip\n",
+        "            return self.scan(xs, step, A, b, c, resets=None, chunk_size=self.chunk_size)[0] + skip\n",
         "Mamba2 in one process: the SSD state not reset at a document start (the conv window still is)",
         (f"{T_MAMBA2}::test_packed_equals_each_document_alone",
          f"{T_RECURRENT_CP}::test_packed_layer_equals_each_document_alone[mamba2]")),
@@ -813,16 +813,17 @@ MUTANTS: list[Mutant] = [
          f"{T_RECURRENT_CP}::test_packed_layer_equals_each_document_alone")),
     Mutant(
         "delta-conv-forgets-documents", "models/gated_deltanet.py",
-        "        outs.append(causal_conv1d(x[lo:hi], weight, history, ids))\n",
-        "        outs.append(causal_conv1d(x[lo:hi], weight, history, None))\n",
-        "Gated DeltaNet / KDA: the conv window not reset at a document start (the state still is)",
+        "        outs.append(conv(x[lo:hi], weight, bias, history, ids))\n",
+        "        outs.append(conv(x[lo:hi], weight, bias, history, None))\n",
+        "Gated DeltaNet / KDA (and Mamba2, whose conv is this one): the conv window not reset at a document "
+        "start (the state still is)",
         (f"{T_RECURRENT_CP}::test_packed_layer_equals_each_document_alone[gated_deltanet]",
          f"{T_RECURRENT_CP}::test_packed_layer_equals_each_document_alone[kda]",
          f"{T_KDA}::test_packed_kda_equals_each_document_alone")),
     Mutant(
         "mamba2-conv-forgets-documents", MAMBA2,
-        "            outs.append(causal_conv1d(x[lo:hi], self.conv_weight, history, ids))\n",
-        "            outs.append(causal_conv1d(x[lo:hi], self.conv_weight, history, None))\n",
+        "        xbc = segment_conv(xbc, self.conv_weight, self.conv_bias, self.conv, segments, doc_ids,\n",
+        "        xbc = segment_conv(xbc, self.conv_weight, self.conv_bias, self.conv, segments, None,\n",
         "Mamba2: the conv window not reset at a document start (the state still is)",
         (f"{T_MAMBA2}::test_packed_equals_each_document_alone",
          f"{T_RECURRENT_CP}::test_packed_layer_equals_each_document_alone[mamba2]")),
@@ -853,8 +854,8 @@ MUTANTS: list[Mutant] = [
          f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-mamba2]")),
     Mutant(
         "delta-cp-transition-from-zero", "models/gated_deltanet.py",
-        "        transitions.append(rule(qs, ks, zero_v, gs, bs, r, eye, chunk_size)[1])\n",
-        "        transitions.append(rule(qs, ks, zero_v, gs, bs, r, None, chunk_size)[1])\n",
+        "        transitions.append(rule(qs, ks, zero_v, gs, bs, seqs, eye, chunk_size)[1])\n",
+        "        transitions.append(rule(qs, ks, zero_v, gs, bs, seqs, None, chunk_size)[1])\n",
         "Gated DeltaNet / KDA under cp: the segment map's linear part run from a zero state (A = 0)",
         (f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-gated_deltanet]",
          f"{T_RECURRENT_CP}::test_cp_equals_one_process[False-2-kda]")),
@@ -880,21 +881,17 @@ MUTANTS: list[Mutant] = [
         "delta-cp-conv-history-dropped-when-packed", "models/gated_deltanet.py",
         "        ids = None if doc_ids is None else _window_ids(doc_ids, index * (hi - lo), hi - lo, K - 1)\n",
         "        ids = None if doc_ids is None else _window_ids(doc_ids[:, index * (hi - lo):], 0, hi - lo, K - 1)\n",
-        "Gated DeltaNet / KDA under cp with packed documents: the conv window's positions counted from the "
-        "segment's start, so a document running across a segment edge loses the tokens before it",
+        "Gated DeltaNet / KDA / Mamba2 under cp with packed documents: the conv window's positions counted "
+        "from the segment's start, so a document running across a segment edge loses the tokens before it",
         (f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-gated_deltanet]",
-         f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-kda]")),
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-kda]",
+         f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-mamba2]")),
     Mutant(
-        "mamba2-cp-conv-history-dropped-when-packed", MAMBA2,
-        "            ids = None if doc_ids is None else _window_ids(doc_ids, index * (hi - lo), hi - lo, K - 1)\n",
-        "            ids = None if doc_ids is None else "
-        "_window_ids(doc_ids[:, index * (hi - lo):], 0, hi - lo, K - 1)\n",
-        "Mamba2 under cp with packed documents: the conv window's positions counted from the segment's start",
-        (f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-mamba2]",)),
-    Mutant(
-        "cp-reset-at-every-segment", "models/gated_deltanet.py",
-        "    prev = doc_ids[:, start - 1:start + length - 1] if start else torch.cat(\n",
-        "    prev = doc_ids[:, start - 1:start + length - 1] if False else torch.cat(\n",
+        "cp-reset-at-every-segment", "moe_fold/parallel/varlen.py",
+        "        prev = ids[:, start - 1:start + length - 1] if start else "
+        "torch.cat([seg[:, :1] - 1, seg[:, :-1]], dim=1)\n",
+        "        prev = ids[:, start - 1:start + length - 1] if False else "
+        "torch.cat([seg[:, :1] - 1, seg[:, :-1]], dim=1)\n",
         "under cp with packed documents every segment's first token starts a document: the state (and Mamba2's) "
         "is not passed along cp",
         (f"{T_RECURRENT_CP}::test_cp_equals_one_process[True-2-gated_deltanet]",

@@ -20,7 +20,8 @@ from moe_fold.layout import ParallelLayout, ProcessGroups, create_process_groups
 from moe_fold.models.model import build_model
 from moe_fold.models.moe_layer import MoELayer
 from moe_fold.training.step import forward_backward
-from moe_fold.parallel.varlen import doc_ids_from_cu_seqlens, segment_bounds, varlen_attention
+from moe_fold.parallel.varlen import (Documents, doc_ids_from_cu_seqlens, segment_bounds, sequence_starts,
+                                      starts_from_resets, varlen_attention)
 
 from moe_fold.data.indexed_dataset import write_indexed_dataset
 from tests.helpers.router_outputs import router_outputs
@@ -326,3 +327,19 @@ def test_packed_training_step_equals_one_process(parallel, model):
         if "cp" in parallel:
             for name, p in reference.named_parameters():
                 torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_sequence_starts_cut_each_row_at_its_start_and_its_documents():
+    """The recurrent layers' sequences: one at every row start and every document start
+    (cu_seqlens over the flattened rows, the same on the host), the resets where a document
+    starts; Documents made without them makes them from its ids."""
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [3, 3, 3, 3, 4, 4, 4, 4]])
+    (starts,) = sequence_starts(doc_ids, None, torch.device("cpu"))
+    assert starts.cu_seqlens.tolist() == starts.cu_seqlens_cpu.tolist() == [0, 3, 5, 8, 12, 16]
+    assert starts.cu_seqlens_cpu.device.type == "cpu" and starts.cu_seqlens.dtype == torch.int64
+    assert starts.resets.int().tolist() == [[1, 0, 0, 1, 0, 1, 0, 0], [1, 0, 0, 0, 1, 0, 0, 0]]
+    (made,) = Documents(doc_ids, None).starts
+    assert torch.equal(made.resets, starts.resets) and torch.equal(made.cu_seqlens, starts.cu_seqlens)
+    # A segment that does not begin a row: its row starts carry (no reset) unless a document starts there.
+    later = starts_from_resets(torch.tensor([[False, True, False], [False, False, False]]), torch.device("cpu"))
+    assert later.cu_seqlens_cpu.tolist() == [0, 1, 3, 6]

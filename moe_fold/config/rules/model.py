@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..derived import CHANNEL_MIXERS, MLA_SIZES, head_dim
+from ..derived import CHANNEL_MIXERS, MLA_SIZES, conv_shape_problem, conv_shapes, head_dim
 from ..schema import Config, ModelConfig, _fmt
 from .common import _at_least, _divisible, _positive, rule
 
@@ -62,6 +62,12 @@ def _check_model(config: Config, any_dense: bool, out: list[str]) -> None:
             out.append(f"model.seq_length={m.seq_length} over 2*parallel.cp={2 * p.cp} segments gives "
                        f"{m.seq_length // (2 * p.cp)} tokens each; Mamba2's conv window needs at least "
                        f"model.mamba_conv_kernel-1={m.mamba_conv_kernel - 1}")
+    if m.conv_backend == "causal_conv1d":
+        for kind, (width, channels) in conv_shapes(m, p.tp).items():
+            why = conv_shape_problem(width, channels)
+            if why is not None:
+                out.append(f"model.conv_backend=causal_conv1d cannot take the short conv of the {kind} layers: "
+                           f"{why}; set model.conv_backend=torch (or auto)")
     out.extend(heads_over_tp(m.num_heads, m.num_kv_heads, p.tp))
     out.extend(vocab_over_tp(m.vocab_size, p.tp))
     if any_dense:
