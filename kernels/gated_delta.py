@@ -64,10 +64,10 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     G = g.cumsum(-2)  # [B, H, n, C, dk or 1]
     same, carry = chunk_reach(resets, B, n, C, q.device)
     # exp(G_t - G_j) where it is reachable, 0 elsewhere (masked before exp: no inf * 0).
-    diff = segment_sums(g).masked_fill(~same.unsqueeze(-1), float("-inf"))
+    diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~same.unsqueeze(-1), float("-inf"))
     D = diff.exp()  # [B, H, n, C, C, dk or 1]
     decay_in = G.exp() * carry.unsqueeze(-1)  # [B, H, n, C, dk or 1]: exp(G_t), or 0 past a start
-    decay_out = D[..., -1, :, :]  # exp(G_C - G_t), 0 past a start
+    decay_out = (G[..., -1:, :] - G).masked_fill(~same[..., -1, :].unsqueeze(-1), float("-inf")).exp()
 
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     lower = eye + (beta.unsqueeze(-1) * _decayed_products(k, k, D)).tril(-1)  # [B, H, n, C, C]
@@ -88,15 +88,6 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         state = state_decay[:, :, c] * state + k_out[:, :, c].transpose(-1, -2) @ u
     o = torch.stack(outs, dim=2).reshape(B, H, n * C, dv)[:, :, :S]
     return o, state
-
-
-def segment_sums(g: torch.Tensor) -> torch.Tensor:
-    """``g [.., C, d]`` -> ``[.., C, C, d]``: at ``[t, j]`` (j <= t) the sum of g over the tokens
-    (j, t], ``G_t - G_j`` summed directly (above the diagonal: 0)."""
-    C = g.shape[-2]
-    after = torch.ones(C, C, dtype=torch.bool, device=g.device).triu(1).unsqueeze(-1)  # [j, i, 1]: i > j
-    rows = g.unsqueeze(-3).expand(*g.shape[:-2], C, C, g.shape[-1]).masked_fill(~after, 0)  # [.., j, i, d]
-    return rows.cumsum(-2).transpose(-2, -3)  # [.., t, j, d]
 
 
 def chunk_reach(resets: Optional[torch.Tensor], batch: int, chunks: int, size: int,

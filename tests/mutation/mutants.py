@@ -755,8 +755,8 @@ MUTANTS: list[Mutant] = [
          f"{T_KDA}::test_packed_kda_equals_each_document_alone")),
     Mutant(
         "delta-rule-end-state-keeps-old-document", DELTA,
-        "    decay_out = D[..., -1, :, :]  # exp(G_C - G_t), 0 past a start\n",
-        "    decay_out = segment_sums(g)[..., -1, :, :].exp()\n",
+        "    decay_out = (G[..., -1:, :] - G).masked_fill(~same[..., -1, :].unsqueeze(-1), float(\"-inf\")).exp()\n",
+        "    decay_out = (G[..., -1:, :] - G).exp()\n",
         "Gated DeltaNet / KDA: a chunk's end state keeps what a document that ended inside the chunk wrote",
         (f"{T_DELTA}::test_packed_equals_each_document_alone[head]",
          f"{T_DELTA}::test_packed_equals_each_document_alone[channel]")),
