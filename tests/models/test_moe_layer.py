@@ -555,28 +555,34 @@ def _zero_experts_rank(rank, world_size, moe):
     """ep2 over two ranks: each rank's tokens through the layer, with what its dispatcher
     sent (rows to each ep rank, bytes of token rows) and its router's choice."""
     groups = create_process_groups(ParallelLayout(world_size, ep=2))
-    layer = _zero_layer(groups, **moe)
+    out, routing, handles = _run_recording_dispatches(_zero_layer(groups, **moe), 10 + rank, overlapped=bool(moe))
+    return {**out, "input_splits": [h.input_splits for h in handles],
+            "zero_expert_tokens": float(routing.stats.zero_expert_tokens),
+            "held_load": routing.stats.tokens_per_expert.tolist()}
+
+
+def _run_recording_dispatches(layer, seed: int, overlapped: bool):
+    """``layer`` forward and backward on ``_inputs(seed)``, with every dispatch it started
+    recorded (``dispatch_start`` when ``overlapped``): the output and input grad, the
+    bytes the dispatches and combines sent, its router's routing and the handles."""
     sent = []
-    dispatch = layer.dispatcher.dispatch_start if moe else layer.dispatcher.dispatch
+    name = "dispatch_start" if overlapped else "dispatch"
+    dispatch = getattr(layer.dispatcher, name)
 
     def recorded(*args, **kwargs):
         result = dispatch(*args, **kwargs)
         sent.append(result)
         return result
-    if moe:
-        layer.dispatcher.dispatch_start = recorded
-    else:
-        layer.dispatcher.dispatch = recorded
-    x = _inputs(10 + rank).requires_grad_()
+    setattr(layer.dispatcher, name, recorded)
+    x = _inputs(seed).requires_grad_()
     with router_outputs(layer) as seen:
         y = layer(x)
     (y * torch.linspace(-1, 1, H)).sum().backward()
-    handles = [(s.wait() if moe else s).handle for s in sent]
+    handles = [(s.wait() if overlapped else s).handle for s in sent]
     ((_, routing),) = seen
-    return {"x": x.detach(), "y": y.detach(), "x_grad": x.grad, "routed_map": routing.routed_map,
-            "input_splits": [h.input_splits for h in handles], "dispatch_bytes": sum(h.wire.dispatch for h in handles),
-            "zero_expert_tokens": float(routing.stats.zero_expert_tokens),
-            "held_load": routing.stats.tokens_per_expert.tolist()}
+    return ({"x": x.detach(), "y": y.detach(), "x_grad": x.grad, "routed_map": routing.routed_map,
+             "dispatch_bytes": sum(h.wire.dispatch for h in handles),
+             "combine_bytes": sum(h.wire.combine for h in handles)}, routing, handles)
 
 
 @pytest.mark.parametrize("moe", [{}, dict(shared_expert_ffn_hidden_size=SHARED, shared_expert_overlap=True,
@@ -678,25 +684,7 @@ def _latent_rank(rank, world_size, moe):
     """ep2 over two ranks: each rank's tokens through the latent layer, with the bytes its
     dispatcher sent and its router's choice."""
     groups = create_process_groups(ParallelLayout(world_size, ep=2))
-    layer = _latent_layer(groups, **moe)
-    sent = []
-    name = "dispatch_start" if moe else "dispatch"
-    dispatch = getattr(layer.dispatcher, name)
-
-    def recorded(*args, **kwargs):
-        result = dispatch(*args, **kwargs)
-        sent.append(result)
-        return result
-    setattr(layer.dispatcher, name, recorded)
-    x = _inputs(20 + rank).requires_grad_()
-    with router_outputs(layer) as seen:
-        y = layer(x)
-    (y * torch.linspace(-1, 1, H)).sum().backward()
-    handles = [(s.wait() if moe else s).handle for s in sent]
-    ((_, routing),) = seen
-    return {"x": x.detach(), "y": y.detach(), "x_grad": x.grad, "routed_map": routing.routed_map,
-            "dispatch_bytes": sum(h.wire.dispatch for h in handles),
-            "combine_bytes": sum(h.wire.combine for h in handles)}
+    return _run_recording_dispatches(_latent_layer(groups, **moe), 20 + rank, overlapped=bool(moe))[0]
 
 
 @pytest.mark.parametrize("moe", [{}, dict(shared_expert_overlap=True, overlap_chunks=2)],

@@ -11,29 +11,25 @@ from moe_fold.models.hf.families import REGISTRY
 from moe_fold.models.model import build_model
 
 
-def test_only_longcat_flash_holds_zero_experts():
-    assert [name for name, family in REGISTRY.items() if "zero_experts" in family.features] == ["longcat_flash"]
+# (feature, the one family that holds it, the override that uses it, the refusal of every other family)
+HELD_BY_ONE = [("zero_experts", "longcat_flash", "moe.zero_experts=2",
+                "moe.zero_experts=2: {family} has no zero-computation experts"),
+               ("moe_latent", "nemotron_h", "moe.latent_size=24",
+                "moe.latent_size=24: {family}'s experts work in the hidden width")]
 
 
-@pytest.mark.parametrize("family", sorted(name for name, f in REGISTRY.items() if "zero_experts" not in f.features))
-def test_zero_experts_are_refused_by_every_family_without_them(tmp_path, family):
-    config = load_config("mixtral-tiny", ["parallel.ep=1", "moe.zero_experts=2"])
+@pytest.mark.parametrize("feature,holder", [(f, h) for f, h, _, _ in HELD_BY_ONE])
+def test_only_one_family_holds_the_feature(feature, holder):
+    assert [name for name, family in REGISTRY.items() if feature in family.features] == [holder]
+
+
+@pytest.mark.parametrize("feature,override,refusal,family",
+                         [(f, o, r, name) for f, _, o, r in HELD_BY_ONE
+                          for name, fam in sorted(REGISTRY.items()) if f not in fam.features])
+def test_every_family_without_the_feature_refuses_it(tmp_path, feature, override, refusal, family):
+    config = load_config("mixtral-tiny", ["parallel.ep=1", override])
     model = build_model(config, ProcessGroups.single_process())
     with pytest.raises(HFConfigError) as err:
         to_hf(model, tmp_path / "out", family=family)
-    assert f"moe.zero_experts=2: {family} has no zero-computation experts" in str(err.value)
-    assert not (tmp_path / "out").exists()
-
-
-def test_only_nemotron_h_holds_the_latent_moe():
-    assert [name for name, family in REGISTRY.items() if "moe_latent" in family.features] == ["nemotron_h"]
-
-
-@pytest.mark.parametrize("family", sorted(name for name, f in REGISTRY.items() if "moe_latent" not in f.features))
-def test_latent_moe_is_refused_by_every_family_without_it(tmp_path, family):
-    config = load_config("mixtral-tiny", ["parallel.ep=1", "moe.latent_size=24"])
-    model = build_model(config, ProcessGroups.single_process())
-    with pytest.raises(HFConfigError) as err:
-        to_hf(model, tmp_path / "out", family=family)
-    assert f"moe.latent_size=24: {family}'s experts work in the hidden width" in str(err.value)
+    assert refusal.format(family=family) in str(err.value)
     assert not (tmp_path / "out").exists()
